@@ -1,0 +1,245 @@
+//! Weights in and out: HF safetensors into the fp32 master (every tensor checked by name,
+//! shape and dtype), transformers-style random init, and export of an HF model directory.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use rayon::prelude::*;
+use safetensors::{Dtype, SafeTensors, View};
+
+use crate::config::DType;
+use crate::config::hf::ModelSpec;
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+
+/// Tensors HF checkpoints may carry that are buffers, not parameters.
+const IGNORABLE_SUFFIXES: &[&str] = &["rotary_emb.inv_freq"];
+
+/// The safetensors files of a model dir: `model.safetensors`, or the shards listed by
+/// `model.safetensors.index.json`.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Err(Error::Weights {
+            path: dir.into(),
+            msg: "no model.safetensors or model.safetensors.index.json (use model.init: random to start from scratch)".into(),
+        });
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Weights {
+        path: index.clone(),
+        msg: format!("malformed index: {e}"),
+    })?;
+    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Weights {
+        path: index.clone(),
+        msg: "missing `weight_map` object".into(),
+    })?;
+    let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+/// Loads every parameter of `layout` from the model dir into `master` (fp32, layout order).
+pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Result<()> {
+    let mut want: HashMap<String, (std::ops::Range<usize>, Vec<usize>)> = layout
+        .tensors()
+        .map(|(b, t)| (b.hf_name(t), (Layout::global_range(b, t), t.shape.clone())))
+        .collect();
+    for file in weight_files(dir)? {
+        let map = crate::shm::map_readonly(&file)?;
+        let st = SafeTensors::deserialize(&map).map_err(|e| Error::Weights {
+            path: file.clone(),
+            msg: format!("not a valid safetensors file: {e}"),
+        })?;
+        for (name, view) in st.iter() {
+            let Some((range, shape)) = want.remove(name) else {
+                let ignorable = IGNORABLE_SUFFIXES.iter().any(|s| name.ends_with(s))
+                    || (layout.tied_embeddings && name == "lm_head.weight");
+                if ignorable {
+                    continue;
+                }
+                return Err(Error::Tensor {
+                    path: file.clone(),
+                    tensor: name.into(),
+                    expected: "no such tensor in this architecture".into(),
+                    got: format!("a tensor of shape {:?}", view.shape()),
+                });
+            };
+            if view.shape() != shape.as_slice() {
+                return Err(Error::Tensor {
+                    path: file.clone(),
+                    tensor: name.into(),
+                    expected: format!("shape {shape:?}"),
+                    got: format!("shape {:?}", view.shape()),
+                });
+            }
+            convert_into(&mut master[range], view.dtype(), view.data()).map_err(|got| Error::Tensor {
+                path: file.clone(),
+                tensor: name.into(),
+                expected: "dtype F32, BF16 or F16".into(),
+                got,
+            })?;
+        }
+    }
+    if let Some(name) = want.keys().min() {
+        return Err(Error::Tensor {
+            path: dir.into(),
+            tensor: name.clone(),
+            expected: "present in the checkpoint".into(),
+            got: format!("missing ({} tensors missing in all)", want.len()),
+        });
+    }
+    Ok(())
+}
+
+fn convert_into(dst: &mut [f32], dtype: Dtype, bytes: &[u8]) -> std::result::Result<(), String> {
+    let width = match dtype {
+        Dtype::F32 => 4,
+        Dtype::BF16 | Dtype::F16 => 2,
+        other => return Err(format!("dtype {other:?}")),
+    };
+    if bytes.len() != dst.len() * width {
+        return Err(format!("{} bytes of data", bytes.len()));
+    }
+    let src = bytes.par_chunks_exact(width);
+    match dtype {
+        Dtype::F32 => dst.par_iter_mut().zip(src).for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::BF16 => dst.par_iter_mut().zip(src).for_each(|(d, b)| *d = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        _ => dst.par_iter_mut().zip(src).for_each(|(d, b)| *d = f16::from_le_bytes([b[0], b[1]]).to_f32()),
+    }
+    Ok(())
+}
+
+/// transformers' `_init_weights` for these families: weights ~ normal(0, initializer_range),
+/// norms 1, biases 0. Deterministic in `seed`, independent of the thread count.
+pub fn init_random(layout: &Layout, spec: &ModelSpec, seed: u64, master: &mut [f32]) {
+    const PIECE: usize = 1 << 20;
+    let normal = Normal::new(0.0f32, spec.initializer_range as f32).expect("finite std");
+    for (ti, (b, t)) in layout.tensors().enumerate() {
+        let dst = &mut master[Layout::global_range(b, t)];
+        if t.name.ends_with("norm.weight") {
+            dst.fill(1.0);
+        } else if t.name.ends_with(".bias") {
+            dst.fill(0.0);
+        } else {
+            dst.par_chunks_mut(PIECE).enumerate().for_each(|(pi, piece)| {
+                let stream = ((ti as u64) << 32) | pi as u64;
+                let mut rng = ChaCha8Rng::seed_from_u64(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                piece.iter_mut().for_each(|x| *x = normal.sample(&mut rng));
+            });
+        }
+    }
+}
+
+struct OwnedTensor {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl View for &OwnedTensor {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Writes an HF model directory: `config.json` (copied from `config_src`) and
+/// `model.safetensors` in `dtype`. Each file is written to a temporary name and renamed.
+pub fn save_hf(out: &Path, layout: &Layout, master: &[f32], dtype: DType, config_src: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let tensors: BTreeMap<String, OwnedTensor> = layout
+        .tensors()
+        .map(|(b, t)| {
+            let src = &master[Layout::global_range(b, t)];
+            let (dt, data) = match dtype {
+                DType::Float32 => (Dtype::F32, src.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                DType::Bfloat16 => (Dtype::BF16, src.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect()),
+            };
+            (b.hf_name(t), OwnedTensor { dtype: dt, shape: t.shape.clone(), data })
+        })
+        .collect();
+    let tmp = out.join(".model.safetensors.tmp");
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(tensors.iter(), Some(meta), &tmp).map_err(|e| Error::Weights {
+        path: tmp.clone(),
+        msg: format!("write failed: {e}"),
+    })?;
+    let dst = out.join("model.safetensors");
+    std::fs::rename(&tmp, &dst).map_err(|e| Error::io(&dst, e))?;
+    let cfg_dst = out.join("config.json");
+    let cfg_tmp = out.join(".config.json.tmp");
+    std::fs::copy(config_src, &cfg_tmp).map_err(|e| Error::io(config_src, e))?;
+    std::fs::rename(&cfg_tmp, &cfg_dst).map_err(|e| Error::io(&cfg_dst, e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::hf::HfConfig;
+
+    fn spec(tied: bool) -> ModelSpec {
+        let json = format!(
+            r#"{{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"tie_word_embeddings":{tied}}}"#
+        );
+        let hf: HfConfig = serde_json::from_str(&json).unwrap();
+        ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap()
+    }
+
+    #[test]
+    fn save_then_load_round_trips_and_checks() {
+        let dir = std::env::temp_dir().join(format!("mt-ckpt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = spec(true);
+        std::fs::write(dir.join("src-config.json"), "{}").unwrap();
+        let layout = Layout::new(&s);
+        let mut a = vec![0.0f32; layout.total];
+        init_random(&layout, &s, 3, &mut a);
+        let mut again = vec![0.0f32; layout.total];
+        init_random(&layout, &s, 3, &mut again);
+        assert_eq!(a, again, "init is deterministic");
+        let norm = &layout.blocks[1].tensors[0];
+        assert_eq!(norm.name, "input_layernorm.weight");
+        assert!(a[Layout::global_range(&layout.blocks[1], norm)].iter().all(|&x| x == 1.0));
+
+        let out = dir.join("out");
+        save_hf(&out, &layout, &a, DType::Float32, &dir.join("src-config.json")).unwrap();
+        let mut b = vec![0.0f32; layout.total];
+        load_pretrained(&out, &layout, &mut b).unwrap();
+        assert_eq!(a, b);
+
+        // The same file read by an untied layout misses lm_head.weight.
+        let untied = Layout::new(&spec(false));
+        let mut c = vec![0.0f32; untied.total];
+        let e = load_pretrained(&out, &untied, &mut c).unwrap_err().to_string();
+        assert!(e.contains("lm_head.weight") && e.contains("missing"), "{e}");
+
+        // A different shape is named.
+        let mut bigger = s.clone();
+        bigger.vocab_size = 38;
+        let l2 = Layout::new(&bigger);
+        let mut d = vec![0.0f32; l2.total];
+        let e = load_pretrained(&out, &l2, &mut d).unwrap_err().to_string();
+        assert!(e.contains("model.embed_tokens.weight") && e.contains("[38, 24]"), "{e}");
+    }
+}

@@ -1,0 +1,412 @@
+//! The YAML run config: MegaTrain's sections (model, dataset, training, optimizer, memory,
+//! logging), each a serde struct with `deny_unknown_fields` and a doc per field.
+//!
+//! YAML crate: `serde_yaml` is archived, so we use its maintained fork `serde_yaml_ng`
+//! (same API). `serde_path_to_error` makes every deserialization error name the full key
+//! (`training.batch_size`), not just the innermost field.
+//!
+//! Relative paths in a config are resolved against the directory of the config file, so a
+//! config runs the same from any working directory.
+
+pub mod hf;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_yaml_ng::Value;
+
+use crate::error::{Error, Result};
+
+/// A complete, validated run configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub model: ModelSection,
+    pub dataset: DatasetSection,
+    #[serde(default)]
+    pub training: TrainingSection,
+    #[serde(default)]
+    pub optimizer: OptimizerSection,
+    #[serde(default)]
+    pub memory: MemorySection,
+    #[serde(default)]
+    pub logging: LoggingSection,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// An HF-format model directory: config.json (+ model.safetensors for `init: pretrained`).
+    pub path: PathBuf,
+    /// Where the initial weights come from.
+    #[serde(default)]
+    pub init: Init,
+    /// Compute dtype, and the dtype of the shared weight store and gradient slabs.
+    #[serde(default)]
+    pub dtype: DType,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Init {
+    /// Load the weights from `model.path`'s safetensors.
+    #[default]
+    Pretrained,
+    /// Initialize as transformers does (normal(0, initializer_range), norms 1, biases 0),
+    /// seeded by `training.seed`.
+    Random,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    Float32,
+    #[default]
+    Bfloat16,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::Float32 => 4,
+            DType::Bfloat16 => 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetSection {
+    /// On-disk format of `path`.
+    pub format: DatasetFormat,
+    /// The dataset file.
+    pub path: PathBuf,
+    /// Shuffle rows each epoch (seeded by `training.seed`); false keeps file order and
+    /// step k takes the next `batch_size` rows, wrapping around.
+    #[serde(default = "default_true")]
+    pub shuffle: bool,
+    /// Rows longer than this are truncated (None: no limit).
+    #[serde(default)]
+    pub max_seq_len: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetFormat {
+    /// JSONL, one object per line: `input_ids` and optional `labels` (-100 = ignored).
+    Tokenized,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingSection {
+    /// Global sequences per optimizer step (all workers, all micro-batches).
+    pub batch_size: usize,
+    /// Micro-batches per worker per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Optimizer steps to run.
+    pub num_steps: u64,
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// Learning-rate schedule after warm-up.
+    pub lr_scheduler: LrScheduler,
+    /// Linear warm-up steps from 0 to `learning_rate`.
+    pub warmup_steps: u64,
+    /// AdamW decoupled weight decay (applied to tensors with >= 2 dims only).
+    pub weight_decay: f64,
+    /// Clip the global gradient 2-norm to this value; 0 disables clipping.
+    pub max_grad_norm: f64,
+    /// Seed for random init and data shuffling.
+    pub seed: u64,
+    /// Where the trained model is written as an HF model directory (None: not written).
+    pub output_dir: Option<PathBuf>,
+}
+
+impl Default for TrainingSection {
+    fn default() -> Self {
+        TrainingSection {
+            batch_size: 8,
+            gradient_accumulation_steps: 1,
+            num_steps: 10,
+            learning_rate: 1e-5,
+            lr_scheduler: LrScheduler::Constant,
+            warmup_steps: 0,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            seed: 42,
+            output_dir: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScheduler {
+    #[default]
+    Constant,
+    Linear,
+    Cosine,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerSection {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        OptimizerSection {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemorySection {
+    /// Gradient slab slots per worker: layers whose gradients may wait for the host reduce.
+    pub num_grad_slabs: usize,
+    /// Tokens per chunk of the lm_head + cross-entropy (bounds the logits memory).
+    pub ce_chunk_tokens: usize,
+}
+
+impl Default for MemorySection {
+    fn default() -> Self {
+        MemorySection {
+            num_grad_slabs: 4,
+            ce_chunk_tokens: 4096,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingSection {
+    /// Print a log line every this many optimizer steps.
+    pub log_every: u64,
+}
+
+impl Default for LoggingSection {
+    fn default() -> Self {
+        LoggingSection { log_every: 1 }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl RunConfig {
+    /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Config {
+            path: path.into(),
+            msg: format!("malformed YAML: {e}"),
+        })?;
+        for ov in overrides {
+            apply_override(&mut value, ov)?;
+        }
+        let mut cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let key = e.path().to_string();
+            Error::Config {
+                path: path.into(),
+                msg: format!("key `{key}`: {}", e.inner()),
+            }
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        cfg.resolve_paths(base);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn resolve_paths(&mut self, base: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        fix(&mut self.model.path);
+        fix(&mut self.dataset.path);
+        if let Some(out) = self.training.output_dir.as_mut() {
+            fix(out);
+        }
+    }
+
+    /// Checks every value that deserialization cannot; errors name the key.
+    pub fn validate(&self) -> Result<()> {
+        let t = &self.training;
+        let o = &self.optimizer;
+        let checks: [(bool, &str, String); 11] = [
+            (t.batch_size > 0, "training.batch_size", "must be > 0".into()),
+            (
+                t.gradient_accumulation_steps > 0,
+                "training.gradient_accumulation_steps",
+                "must be > 0".into(),
+            ),
+            (t.num_steps > 0, "training.num_steps", "must be > 0".into()),
+            (
+                t.learning_rate.is_finite() && t.learning_rate >= 0.0,
+                "training.learning_rate",
+                format!("must be a finite number >= 0, got {}", t.learning_rate),
+            ),
+            (
+                t.weight_decay.is_finite() && t.weight_decay >= 0.0,
+                "training.weight_decay",
+                format!("must be >= 0, got {}", t.weight_decay),
+            ),
+            (
+                t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0,
+                "training.max_grad_norm",
+                format!("must be >= 0 (0 disables clipping), got {}", t.max_grad_norm),
+            ),
+            (
+                (0.0..1.0).contains(&o.beta1),
+                "optimizer.beta1",
+                format!("must be in [0, 1), got {}", o.beta1),
+            ),
+            (
+                (0.0..1.0).contains(&o.beta2),
+                "optimizer.beta2",
+                format!("must be in [0, 1), got {}", o.beta2),
+            ),
+            (o.eps > 0.0, "optimizer.eps", format!("must be > 0, got {}", o.eps)),
+            (
+                self.memory.num_grad_slabs > 0,
+                "memory.num_grad_slabs",
+                "must be > 0".into(),
+            ),
+            (
+                self.memory.ce_chunk_tokens > 0,
+                "memory.ce_chunk_tokens",
+                "must be > 0".into(),
+            ),
+        ];
+        for (ok, key, msg) in checks {
+            if !ok {
+                return Err(Error::invalid(key, msg));
+            }
+        }
+        if self.dataset.max_seq_len == Some(0) {
+            return Err(Error::invalid("dataset.max_seq_len", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// Checks that the global batch splits evenly over `workers` x accumulation steps.
+    pub fn validate_world(&self, workers: usize) -> Result<()> {
+        let t = &self.training;
+        let per = workers * t.gradient_accumulation_steps;
+        if workers == 0 || t.batch_size % per != 0 {
+            return Err(Error::invalid(
+                "training.batch_size",
+                format!(
+                    "{} is not divisible by workers ({workers}) x gradient_accumulation_steps ({})",
+                    t.batch_size, t.gradient_accumulation_steps
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Applies one `key.path=value` override; the value is parsed as YAML (so `3`, `1e-4`,
+/// `true`, `[1, 2]` get their natural types) and intermediate maps are created as needed.
+pub fn apply_override(root: &mut Value, spec: &str) -> Result<()> {
+    let (key, raw) = spec.split_once('=').ok_or_else(|| {
+        Error::invalid(spec, "--set expects key.path=value (e.g. training.num_steps=3)")
+    })?;
+    let key = key.trim();
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        return Err(Error::invalid(key, "--set key must be a dotted path"));
+    }
+    let value: Value = serde_yaml_ng::from_str(raw)
+        .map_err(|e| Error::invalid(key, format!("--set value `{raw}` is not valid YAML: {e}")))?;
+    let mut node = root;
+    for part in key.split('.') {
+        if node.is_null() {
+            *node = Value::Mapping(Default::default());
+        }
+        let map = node.as_mapping_mut().ok_or_else(|| {
+            Error::invalid(key, format!("cannot set `{part}`: its parent is not a mapping"))
+        })?;
+        node = map
+            .entry(Value::String(part.to_owned()))
+            .or_insert(Value::Null);
+    }
+    *node = value;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(yaml: &str) -> Result<RunConfig> {
+        let dir = std::env::temp_dir().join(format!("mt-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("{:x}.yaml", yaml.len() * 31 + yaml.as_bytes()[0] as usize));
+        std::fs::write(&p, yaml).unwrap();
+        RunConfig::load(&p, &[])
+    }
+
+    const OK: &str = "model: {path: m}\ndataset: {format: tokenized, path: d.jsonl}\n";
+
+    #[test]
+    fn minimal_config_gets_defaults_and_resolved_paths() {
+        let c = parse(OK).unwrap();
+        assert_eq!(c.training.batch_size, 8);
+        assert!(c.dataset.shuffle);
+        assert_eq!(c.model.dtype, DType::Bfloat16);
+        assert!(c.model.path.is_absolute() || c.model.path.starts_with(std::env::temp_dir()));
+    }
+
+    #[test]
+    fn unknown_key_is_named_with_its_section() {
+        let e = parse(&format!("{OK}training: {{batch_sise: 4}}\n")).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("training.batch_sise"), "{msg}");
+        assert!(msg.contains("unknown field"), "{msg}");
+    }
+
+    #[test]
+    fn wrong_type_is_named() {
+        let e = parse(&format!("{OK}training: {{num_steps: many}}\n")).unwrap_err();
+        assert!(e.to_string().contains("training.num_steps"), "{e}");
+    }
+
+    #[test]
+    fn malformed_yaml_says_so() {
+        let e = parse("model: {path: [\n").unwrap_err();
+        assert!(e.to_string().contains("malformed YAML"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_key() {
+        let e = parse(&format!("{OK}training: {{learning_rate: -1.0}}\n")).unwrap_err();
+        assert!(e.to_string().contains("training.learning_rate"), "{e}");
+    }
+
+    #[test]
+    fn overrides_create_and_type_values() {
+        let mut v: Value = serde_yaml_ng::from_str(OK).unwrap();
+        apply_override(&mut v, "training.num_steps=3").unwrap();
+        apply_override(&mut v, "optimizer.eps=1e-6").unwrap();
+        let c: RunConfig = serde_yaml_ng::from_value(v).unwrap();
+        assert_eq!(c.training.num_steps, 3);
+        assert_eq!(c.optimizer.eps, 1e-6);
+        assert!(apply_override(&mut Value::Null, "nokey").is_err());
+    }
+
+    #[test]
+    fn batch_must_divide() {
+        let c = parse(OK).unwrap();
+        assert!(c.validate_world(3).is_err());
+        assert!(c.validate_world(4).is_ok());
+    }
+}

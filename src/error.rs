@@ -1,0 +1,65 @@
+//! The library's one error type. Messages are lowercase fragments that read well after
+//! "failed to …"; every variant names the file, key, tensor or rank it is about.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: {msg}")]
+    Config { path: PathBuf, msg: String },
+
+    #[error("config key `{key}`: {msg}")]
+    InvalidValue { key: String, msg: String },
+
+    #[error("model config {path}: {msg}")]
+    ModelConfig { path: PathBuf, msg: String },
+
+    #[error("{path}: tensor `{tensor}`: expected {expected}, found {got}")]
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        expected: String,
+        got: String,
+    },
+
+    #[error("{path}: {msg}")]
+    Weights { path: PathBuf, msg: String },
+
+    #[error("dataset {path}, line {line}: {msg}")]
+    Dataset {
+        path: PathBuf,
+        line: usize,
+        msg: String,
+    },
+
+    #[error("shared memory region `{name}`: {msg}")]
+    Shm { name: String, msg: String },
+
+    #[error("{0}")]
+    Other(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    pub fn invalid(key: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::InvalidValue {
+            key: key.into(),
+            msg: msg.into(),
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! megatrain-rs core: everything that needs neither libtorch nor a GPU.
+//!
+//! The launcher (`mt-launch`) and the workers (`mt-worker`) share these types: the run and
+//! model configs, THE parameter layout, shared-memory regions, the message protocol, and the
+//! host-side numerics (slab reduce, clipping, AdamW, schedules), data and checkpoints.
+
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod error;
+pub mod layout;
+pub mod metrics;
+pub mod optim;
+pub mod protocol;
+pub mod reduce;
+pub mod shm;
+
+pub use error::{Error, Result};

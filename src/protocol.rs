@@ -1,0 +1,129 @@
+//! Launcher <-> worker messages, sent as serde enums over ipc-channel.
+//!
+//! Bootstrap: the launcher opens an `IpcOneShotServer<FromWorker>` per worker and passes
+//! its name in `MT_BOOTSTRAP`. The worker connects, sends `Hello` carrying the sender of
+//! its own command channel, and receives `Init`. Then, per optimizer step:
+//!
+//! ```text
+//! launcher                                 worker r
+//!   Step{micro-batches, loss_scale}  ──▶
+//!                                    ◀──   LayerGrads{micro, block, slot}   (per block,
+//!   SlotFree{slot}                   ──▶    once every worker delivered it)
+//!                                    ◀──   StepDone{loss_sum, tokens, timings}
+//!   (reduce done, clip, AdamW, store written)
+//!   Step{…}                          ──▶ …
+//! ```
+//!
+//! Ownership rules that make the shared regions race-free: the launcher writes the store
+//! only between the last `StepDone` of a step and the next `Step`; a worker writes slab
+//! slot s only after taking it from its free list and until it sends `LayerGrads` for it;
+//! the launcher reads slot s only between that `LayerGrads` and its `SlotFree`.
+
+use ipc_channel::ipc::IpcSender;
+use serde::{Deserialize, Serialize};
+
+use crate::config::DType;
+use crate::config::hf::ModelSpec;
+use crate::layout::Layout;
+use crate::shm::RegionHandle;
+
+/// Environment variable carrying the one-shot server name to a worker.
+pub const ENV_BOOTSTRAP: &str = "MT_BOOTSTRAP";
+/// Environment variable carrying the worker's rank (for its log prefix before `Init`).
+pub const ENV_RANK: &str = "MT_RANK";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// Everything a worker needs to run; sent once.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Init {
+    pub rank: usize,
+    pub world: usize,
+    pub device: Device,
+    /// Intra-op threads for CPU compute.
+    pub threads: usize,
+    pub spec: ModelSpec,
+    pub layout: Layout,
+    pub dtype: DType,
+    pub store: RegionHandle,
+    pub slab: RegionHandle,
+    /// Slots in this worker's gradient slab; each holds `layout.max_block_len()` elements.
+    pub num_slots: usize,
+    pub ce_chunk_tokens: usize,
+}
+
+/// A right-padded micro-batch: `rows` x `seq_len`, row-major.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MicroBatch {
+    pub rows: usize,
+    pub seq_len: usize,
+    pub input_ids: Vec<i32>,
+    /// Aligned with `input_ids` (HF convention, shifted inside the worker); -100 = ignored.
+    pub labels: Vec<i32>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ToWorker {
+    Init(Box<Init>),
+    Step {
+        step: u64,
+        micro: Vec<MicroBatch>,
+        /// 1 / (unmasked label tokens of the whole global batch).
+        loss_scale: f64,
+    },
+    SlotFree {
+        slot: usize,
+    },
+    Shutdown,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WorkerTimings {
+    pub forward_s: f64,
+    pub backward_s: f64,
+    /// Time compute waited for weights to arrive (host-to-device).
+    pub h2d_wait_s: f64,
+    /// Time spent copying gradients into the slab (device-to-host).
+    pub d2h_s: f64,
+    /// Time the backward waited for a free slab slot (host reduce behind).
+    pub slot_wait_s: f64,
+    pub peak_device_bytes: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum FromWorker {
+    Hello {
+        rank: usize,
+        pid: u32,
+        commands: IpcSender<ToWorker>,
+    },
+    Ready {
+        device: String,
+    },
+    LayerGrads {
+        micro: usize,
+        block: usize,
+        slot: usize,
+    },
+    StepDone {
+        loss_sum: f64,
+        tokens: u64,
+        timings: WorkerTimings,
+    },
+    Fatal {
+        msg: String,
+    },
+}
