@@ -253,7 +253,10 @@ mod tests {
         let layer = 48 + (48 * 48 + 48) + 2 * (16 * 48 + 16) + (48 * 48 + 48) + 48 + 3 * 88 * 48;
         assert_eq!(l.num_params(), 2 * 67 * 48 + 48 + 3 * layer);
         let b = &l.blocks[l.layer_block(2)];
-        assert_eq!(b.hf_name(b.tensor("mlp.up_proj.weight").unwrap()), "model.layers.2.mlp.up_proj.weight");
+        assert_eq!(
+            b.hf_name(b.tensor("mlp.up_proj.weight").unwrap()),
+            "model.layers.2.mlp.up_proj.weight"
+        );
     }
 
     #[test]

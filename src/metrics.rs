@@ -39,7 +39,10 @@ pub struct MetricsWriter {
 impl MetricsWriter {
     pub fn create(path: &Path) -> Result<MetricsWriter> {
         let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
-        Ok(MetricsWriter { file, path: path.into() })
+        Ok(MetricsWriter {
+            file,
+            path: path.into(),
+        })
     }
 
     pub fn write(&mut self, m: &StepMetrics) -> Result<()> {

@@ -35,7 +35,11 @@ impl GradElem for bf16 {
 /// `dst += Σ srcs` elementwise; every source must be as long as `dst`.
 pub fn accumulate<T: GradElem>(dst: &mut [f32], srcs: &[&[T]]) {
     for s in srcs {
-        assert_eq!(s.len(), dst.len(), "gradient source length differs from destination");
+        assert_eq!(
+            s.len(),
+            dst.len(),
+            "gradient source length differs from destination"
+        );
     }
     dst.par_chunks_mut(CHUNK).enumerate().for_each(|(c, d)| {
         let base = c * CHUNK;
@@ -74,7 +78,11 @@ mod tests {
         let n = 3 * CHUNK + 17;
         for w in 1..=4 {
             let srcs: Vec<Vec<f32>> = (0..w)
-                .map(|r| (0..n).map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.01).collect())
+                .map(|r| {
+                    (0..n)
+                        .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.01)
+                        .collect()
+                })
                 .collect();
             let refs: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
             let mut dst: Vec<f32> = (0..n).map(|i| i as f32).collect();

@@ -39,11 +39,18 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         path: index.clone(),
         msg: format!("malformed index: {e}"),
     })?;
-    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Weights {
-        path: index.clone(),
-        msg: "missing `weight_map` object".into(),
-    })?;
-    let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::Weights {
+            path: index.clone(),
+            msg: "missing `weight_map` object".into(),
+        })?;
+    let mut files: Vec<PathBuf> = map
+        .values()
+        .filter_map(|f| f.as_str())
+        .map(|f| dir.join(f))
+        .collect();
     files.sort();
     files.dedup();
     Ok(files)
@@ -83,11 +90,13 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Resul
                     got: format!("shape {:?}", view.shape()),
                 });
             }
-            convert_into(&mut master[range], view.dtype(), view.data()).map_err(|got| Error::Tensor {
-                path: file.clone(),
-                tensor: name.into(),
-                expected: "dtype F32, BF16 or F16".into(),
-                got,
+            convert_into(&mut master[range], view.dtype(), view.data()).map_err(|got| {
+                Error::Tensor {
+                    path: file.clone(),
+                    tensor: name.into(),
+                    expected: "dtype F32, BF16 or F16".into(),
+                    got,
+                }
             })?;
         }
     }
@@ -113,9 +122,18 @@ fn convert_into(dst: &mut [f32], dtype: Dtype, bytes: &[u8]) -> std::result::Res
     }
     let src = bytes.par_chunks_exact(width);
     match dtype {
-        Dtype::F32 => dst.par_iter_mut().zip(src).for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        Dtype::BF16 => dst.par_iter_mut().zip(src).for_each(|(d, b)| *d = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-        _ => dst.par_iter_mut().zip(src).for_each(|(d, b)| *d = f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Dtype::F32 => dst
+            .par_iter_mut()
+            .zip(src)
+            .for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::BF16 => dst
+            .par_iter_mut()
+            .zip(src)
+            .for_each(|(d, b)| *d = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        _ => dst
+            .par_iter_mut()
+            .zip(src)
+            .for_each(|(d, b)| *d = f16::from_le_bytes([b[0], b[1]]).to_f32()),
     }
     Ok(())
 }
@@ -132,11 +150,15 @@ pub fn init_random(layout: &Layout, spec: &ModelSpec, seed: u64, master: &mut [f
         } else if t.name.ends_with(".bias") {
             dst.fill(0.0);
         } else {
-            dst.par_chunks_mut(PIECE).enumerate().for_each(|(pi, piece)| {
-                let stream = ((ti as u64) << 32) | pi as u64;
-                let mut rng = ChaCha8Rng::seed_from_u64(seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                piece.iter_mut().for_each(|x| *x = normal.sample(&mut rng));
-            });
+            dst.par_chunks_mut(PIECE)
+                .enumerate()
+                .for_each(|(pi, piece)| {
+                    let stream = ((ti as u64) << 32) | pi as u64;
+                    let mut rng = ChaCha8Rng::seed_from_u64(
+                        seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    );
+                    piece.iter_mut().for_each(|x| *x = normal.sample(&mut rng));
+                });
         }
     }
 }
@@ -164,24 +186,47 @@ impl View for &OwnedTensor {
 
 /// Writes an HF model directory: `config.json` (copied from `config_src`) and
 /// `model.safetensors` in `dtype`. Each file is written to a temporary name and renamed.
-pub fn save_hf(out: &Path, layout: &Layout, master: &[f32], dtype: DType, config_src: &Path) -> Result<()> {
+pub fn save_hf(
+    out: &Path,
+    layout: &Layout,
+    master: &[f32],
+    dtype: DType,
+    config_src: &Path,
+) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let tensors: BTreeMap<String, OwnedTensor> = layout
         .tensors()
         .map(|(b, t)| {
             let src = &master[Layout::global_range(b, t)];
             let (dt, data) = match dtype {
-                DType::Float32 => (Dtype::F32, src.iter().flat_map(|x| x.to_le_bytes()).collect()),
-                DType::Bfloat16 => (Dtype::BF16, src.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect()),
+                DType::Float32 => (
+                    Dtype::F32,
+                    src.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                ),
+                DType::Bfloat16 => (
+                    Dtype::BF16,
+                    src.iter()
+                        .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+                        .collect(),
+                ),
             };
-            (b.hf_name(t), OwnedTensor { dtype: dt, shape: t.shape.clone(), data })
+            (
+                b.hf_name(t),
+                OwnedTensor {
+                    dtype: dt,
+                    shape: t.shape.clone(),
+                    data,
+                },
+            )
         })
         .collect();
     let tmp = out.join(".model.safetensors.tmp");
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors.iter(), Some(meta), &tmp).map_err(|e| Error::Weights {
-        path: tmp.clone(),
-        msg: format!("write failed: {e}"),
+    safetensors::serialize_to_file(tensors.iter(), Some(meta), &tmp).map_err(|e| {
+        Error::Weights {
+            path: tmp.clone(),
+            msg: format!("write failed: {e}"),
+        }
     })?;
     let dst = out.join("model.safetensors");
     std::fs::rename(&tmp, &dst).map_err(|e| Error::io(&dst, e))?;
@@ -220,10 +265,21 @@ mod tests {
         assert_eq!(a, again, "init is deterministic");
         let norm = &layout.blocks[1].tensors[0];
         assert_eq!(norm.name, "input_layernorm.weight");
-        assert!(a[Layout::global_range(&layout.blocks[1], norm)].iter().all(|&x| x == 1.0));
+        assert!(
+            a[Layout::global_range(&layout.blocks[1], norm)]
+                .iter()
+                .all(|&x| x == 1.0)
+        );
 
         let out = dir.join("out");
-        save_hf(&out, &layout, &a, DType::Float32, &dir.join("src-config.json")).unwrap();
+        save_hf(
+            &out,
+            &layout,
+            &a,
+            DType::Float32,
+            &dir.join("src-config.json"),
+        )
+        .unwrap();
         let mut b = vec![0.0f32; layout.total];
         load_pretrained(&out, &layout, &mut b).unwrap();
         assert_eq!(a, b);
@@ -231,7 +287,9 @@ mod tests {
         // The same file read by an untied layout misses lm_head.weight.
         let untied = Layout::new(&spec(false));
         let mut c = vec![0.0f32; untied.total];
-        let e = load_pretrained(&out, &untied, &mut c).unwrap_err().to_string();
+        let e = load_pretrained(&out, &untied, &mut c)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("lm_head.weight") && e.contains("missing"), "{e}");
 
         // A different shape is named.
@@ -240,6 +298,9 @@ mod tests {
         let l2 = Layout::new(&bigger);
         let mut d = vec![0.0f32; l2.total];
         let e = load_pretrained(&out, &l2, &mut d).unwrap_err().to_string();
-        assert!(e.contains("model.embed_tokens.weight") && e.contains("[38, 24]"), "{e}");
+        assert!(
+            e.contains("model.embed_tokens.weight") && e.contains("[38, 24]"),
+            "{e}"
+        );
     }
 }

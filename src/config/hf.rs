@@ -179,12 +179,17 @@ mod tests {
     #[test]
     fn unsupported_type_lists_supported() {
         let e = spec(r#"{"model_type":"bert"}"#).unwrap_err().to_string();
-        assert!(e.contains("unsupported model_type `bert`") && e.contains("llama"), "{e}");
+        assert!(
+            e.contains("unsupported model_type `bert`") && e.contains("llama"),
+            "{e}"
+        );
     }
 
     #[test]
     fn missing_field_is_named() {
-        let e = spec(r#"{"model_type":"llama","vocab_size":5}"#).unwrap_err().to_string();
+        let e = spec(r#"{"model_type":"llama","vocab_size":5}"#)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("hidden_size"), "{e}");
     }
 }

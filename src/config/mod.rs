@@ -243,7 +243,11 @@ impl RunConfig {
         let t = &self.training;
         let o = &self.optimizer;
         let checks: [(bool, &str, String); 11] = [
-            (t.batch_size > 0, "training.batch_size", "must be > 0".into()),
+            (
+                t.batch_size > 0,
+                "training.batch_size",
+                "must be > 0".into(),
+            ),
             (
                 t.gradient_accumulation_steps > 0,
                 "training.gradient_accumulation_steps",
@@ -263,7 +267,10 @@ impl RunConfig {
             (
                 t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0,
                 "training.max_grad_norm",
-                format!("must be >= 0 (0 disables clipping), got {}", t.max_grad_norm),
+                format!(
+                    "must be >= 0 (0 disables clipping), got {}",
+                    t.max_grad_norm
+                ),
             ),
             (
                 (0.0..1.0).contains(&o.beta1),
@@ -275,7 +282,11 @@ impl RunConfig {
                 "optimizer.beta2",
                 format!("must be in [0, 1), got {}", o.beta2),
             ),
-            (o.eps > 0.0, "optimizer.eps", format!("must be > 0, got {}", o.eps)),
+            (
+                o.eps > 0.0,
+                "optimizer.eps",
+                format!("must be > 0, got {}", o.eps),
+            ),
             (
                 self.memory.num_grad_slabs > 0,
                 "memory.num_grad_slabs",
@@ -319,7 +330,10 @@ impl RunConfig {
 /// `true`, `[1, 2]` get their natural types) and intermediate maps are created as needed.
 pub fn apply_override(root: &mut Value, spec: &str) -> Result<()> {
     let (key, raw) = spec.split_once('=').ok_or_else(|| {
-        Error::invalid(spec, "--set expects key.path=value (e.g. training.num_steps=3)")
+        Error::invalid(
+            spec,
+            "--set expects key.path=value (e.g. training.num_steps=3)",
+        )
     })?;
     let key = key.trim();
     if key.is_empty() || key.split('.').any(str::is_empty) {
@@ -333,7 +347,10 @@ pub fn apply_override(root: &mut Value, spec: &str) -> Result<()> {
             *node = Value::Mapping(Default::default());
         }
         let map = node.as_mapping_mut().ok_or_else(|| {
-            Error::invalid(key, format!("cannot set `{part}`: its parent is not a mapping"))
+            Error::invalid(
+                key,
+                format!("cannot set `{part}`: its parent is not a mapping"),
+            )
         })?;
         node = map
             .entry(Value::String(part.to_owned()))
@@ -350,7 +367,10 @@ mod tests {
     fn parse(yaml: &str) -> Result<RunConfig> {
         let dir = std::env::temp_dir().join(format!("mt-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("{:x}.yaml", yaml.len() * 31 + yaml.as_bytes()[0] as usize));
+        let p = dir.join(format!(
+            "{:x}.yaml",
+            yaml.len() * 31 + yaml.as_bytes()[0] as usize
+        ));
         std::fs::write(&p, yaml).unwrap();
         RunConfig::load(&p, &[])
     }

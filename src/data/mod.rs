@@ -28,7 +28,11 @@ pub struct Example {
 impl Example {
     /// Loss terms this row contributes (labels after the shift that are not ignored).
     pub fn label_tokens(&self) -> usize {
-        self.labels.iter().skip(1).filter(|&&l| l != IGNORE_INDEX).count()
+        self.labels
+            .iter()
+            .skip(1)
+            .filter(|&&l| l != IGNORE_INDEX)
+            .count()
     }
 }
 
@@ -51,7 +55,11 @@ struct TokenizedRow {
 impl Dataset {
     /// Reads a tokenized JSONL file. Every id must be in `0..vocab_size`, every label too or
     /// -100; rows longer than `max_seq_len` are truncated.
-    pub fn load_tokenized(path: &Path, vocab_size: usize, max_seq_len: Option<usize>) -> Result<Dataset> {
+    pub fn load_tokenized(
+        path: &Path,
+        vocab_size: usize,
+        max_seq_len: Option<usize>,
+    ) -> Result<Dataset> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut rows = Vec::new();
         for (i, line) in text.lines().enumerate() {
@@ -64,12 +72,13 @@ impl Dataset {
                 line: line_no,
                 msg,
             };
-            let row: TokenizedRow =
-                serde_json::from_str(line).map_err(|e| err(format!("not a tokenized record: {e}")))?;
+            let row: TokenizedRow = serde_json::from_str(line)
+                .map_err(|e| err(format!("not a tokenized record: {e}")))?;
             if row.input_ids.is_empty() {
                 return Err(err("`input_ids` is empty".into()));
             }
-            let ids = check_ids(&row.input_ids, vocab_size, false).map_err(|m| err(format!("`input_ids`: {m}")))?;
+            let ids = check_ids(&row.input_ids, vocab_size, false)
+                .map_err(|m| err(format!("`input_ids`: {m}")))?;
             let labels = match row.labels {
                 None => ids.clone(),
                 Some(l) if l.len() != ids.len() => {
@@ -79,9 +88,14 @@ impl Dataset {
                         ids.len()
                     )));
                 }
-                Some(l) => check_ids(&l, vocab_size, true).map_err(|m| err(format!("`labels`: {m}")))?,
+                Some(l) => {
+                    check_ids(&l, vocab_size, true).map_err(|m| err(format!("`labels`: {m}")))?
+                }
             };
-            let mut ex = Example { input_ids: ids, labels };
+            let mut ex = Example {
+                input_ids: ids,
+                labels,
+            };
             if let Some(max) = max_seq_len {
                 ex.input_ids.truncate(max);
                 ex.labels.truncate(max);
@@ -95,7 +109,10 @@ impl Dataset {
                 msg: "no records".into(),
             });
         }
-        Ok(Dataset { path: path.into(), rows })
+        Ok(Dataset {
+            path: path.into(),
+            rows,
+        })
     }
 }
 
@@ -106,7 +123,9 @@ fn check_ids(v: &[i64], vocab: usize, allow_ignore: bool) -> std::result::Result
             if (0..vocab as i64).contains(&x) || (allow_ignore && x == IGNORE_INDEX as i64) {
                 Ok(x as i32)
             } else {
-                Err(format!("entry {j} is {x}, outside the vocabulary 0..{vocab}"))
+                Err(format!(
+                    "entry {j} is {x}, outside the vocabulary 0..{vocab}"
+                ))
             }
         })
         .collect()
@@ -125,13 +144,21 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(n: usize, batch: usize, shuffle: bool, seed: u64) -> Sampler {
         assert!(n > 0 && batch > 0);
-        Sampler { n, batch, shuffle, seed, cached: None }
+        Sampler {
+            n,
+            batch,
+            shuffle,
+            seed,
+            cached: None,
+        }
     }
 
     /// Row indices of the global batch of optimizer step `step` (0-based).
     pub fn global_batch(&mut self, step: u64) -> Vec<usize> {
         let start = step as usize * self.batch;
-        (start..start + self.batch).map(|p| self.row_at(p)).collect()
+        (start..start + self.batch)
+            .map(|p| self.row_at(p))
+            .collect()
     }
 
     fn row_at(&mut self, pos: usize) -> usize {
@@ -141,7 +168,8 @@ impl Sampler {
         }
         if self.cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
             let mut perm: Vec<usize> = (0..self.n).collect();
-            let mut rng = ChaCha8Rng::seed_from_u64(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ epoch);
+            let mut rng =
+                ChaCha8Rng::seed_from_u64(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ epoch);
             perm.shuffle(&mut rng);
             self.cached = Some((epoch, perm));
         }
@@ -158,8 +186,17 @@ pub struct StepPlan {
 }
 
 /// Splits a global batch over ranks and micro-batches.
-pub fn plan_step(ds: &Dataset, rows: &[usize], world: usize, accum: usize, pad_id: i32) -> StepPlan {
-    assert!(rows.len() % (world * accum) == 0, "batch not divisible by world x accum");
+pub fn plan_step(
+    ds: &Dataset,
+    rows: &[usize],
+    world: usize,
+    accum: usize,
+    pad_id: i32,
+) -> StepPlan {
+    assert!(
+        rows.len() % (world * accum) == 0,
+        "batch not divisible by world x accum"
+    );
     let per_rank = rows.len() / world;
     let per_micro = per_rank / accum;
     let tokens = rows.iter().map(|&i| ds.rows[i].label_tokens() as u64).sum();
@@ -187,7 +224,12 @@ pub fn pad_batch(rows: &[&Example], pad_id: i32) -> MicroBatch {
         labels.extend_from_slice(&r.labels);
         labels.extend(std::iter::repeat_n(IGNORE_INDEX, pad));
     }
-    MicroBatch { rows: rows.len(), seq_len, input_ids, labels }
+    MicroBatch {
+        rows: rows.len(),
+        seq_len,
+        input_ids,
+        labels,
+    }
 }
 
 #[cfg(test)]
@@ -196,8 +238,15 @@ mod tests {
 
     fn ex(n: usize, masked_prefix: usize) -> Example {
         let ids: Vec<i32> = (0..n as i32).collect();
-        let labels = ids.iter().enumerate().map(|(i, &x)| if i < masked_prefix { IGNORE_INDEX } else { x }).collect();
-        Example { input_ids: ids, labels }
+        let labels = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| if i < masked_prefix { IGNORE_INDEX } else { x })
+            .collect();
+        Example {
+            input_ids: ids,
+            labels,
+        }
     }
 
     #[test]
@@ -208,7 +257,10 @@ mod tests {
 
     #[test]
     fn split_is_contiguous_and_padded() {
-        let ds = Dataset { path: "x".into(), rows: (1..=8).map(|n| ex(n, 0)).collect() };
+        let ds = Dataset {
+            path: "x".into(),
+            rows: (1..=8).map(|n| ex(n, 0)).collect(),
+        };
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);
         assert_eq!(plan.tokens, (0..8).sum::<u64>());
@@ -225,22 +277,33 @@ mod tests {
         let mut a = Sampler::new(100, 10, true, 7);
         let mut b = Sampler::new(100, 10, true, 7);
         let epoch: Vec<usize> = (0..10).flat_map(|k| a.global_batch(k)).collect();
-        assert_eq!(epoch, (0..10).flat_map(|k| b.global_batch(k)).collect::<Vec<_>>());
+        assert_eq!(
+            epoch,
+            (0..10).flat_map(|k| b.global_batch(k)).collect::<Vec<_>>()
+        );
         let mut sorted = epoch.clone();
         sorted.sort();
         assert_eq!(sorted, (0..100).collect::<Vec<_>>());
         assert_ne!(epoch, (0..100).collect::<Vec<_>>());
-        assert_ne!(a.global_batch(10), epoch[..10].to_vec(), "each epoch reshuffles");
+        assert_ne!(
+            a.global_batch(10),
+            epoch[..10].to_vec(),
+            "each epoch reshuffles"
+        );
     }
 
     #[test]
     fn bad_rows_name_file_and_line() {
         let p = std::env::temp_dir().join(format!("mt-data-{}.jsonl", std::process::id()));
         std::fs::write(&p, "{\"input_ids\": [1, 2]}\n{\"input_ids\": [1, 99]}\n").unwrap();
-        let e = Dataset::load_tokenized(&p, 50, None).unwrap_err().to_string();
+        let e = Dataset::load_tokenized(&p, 50, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 2") && e.contains("entry 1 is 99"), "{e}");
         std::fs::write(&p, "{\"input_ids\": [1, 2], \"labels\": [1]}\n").unwrap();
-        let e = Dataset::load_tokenized(&p, 50, None).unwrap_err().to_string();
+        let e = Dataset::load_tokenized(&p, 50, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("`labels` has 1 entries"), "{e}");
     }
 }

@@ -56,7 +56,11 @@ pub fn adamw_update(
     let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
     let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
     let k = Consts {
-        decay_mul: if decay { (1.0 - hp.lr * hp.weight_decay) as f32 } else { 1.0 },
+        decay_mul: if decay {
+            (1.0 - hp.lr * hp.weight_decay) as f32
+        } else {
+            1.0
+        },
         one_minus_b1: (1.0 - hp.beta1) as f32,
         b2: hp.beta2 as f32,
         one_minus_b2: (1.0 - hp.beta2) as f32,
@@ -125,7 +129,11 @@ mod tests {
     /// The update written out step by step in f64, as torch's docs state the algorithm.
     fn reference(p: f64, g: f64, m: f64, v: f64, hp: &AdamWStep, decay: bool) -> (f64, f64, f64) {
         let g = g * hp.grad_scale as f64;
-        let p = if decay { p * (1.0 - hp.lr * hp.weight_decay) } else { p };
+        let p = if decay {
+            p * (1.0 - hp.lr * hp.weight_decay)
+        } else {
+            p
+        };
         let m = hp.beta1 * m + (1.0 - hp.beta1) * g;
         let v = hp.beta2 * v + (1.0 - hp.beta2) * g * g;
         let mhat = m / (1.0 - hp.beta1.powi(hp.step as i32));
@@ -140,10 +148,15 @@ mod tests {
         let mut m = vec![0.0f32; n];
         let mut v = vec![0.0f32; n];
         let mut s = vec![bf16::ZERO; n];
-        let (mut rp, mut rm, mut rv): (Vec<f64>, Vec<f64>, Vec<f64>) =
-            (p.iter().map(|&x| x as f64).collect(), vec![0.0; n], vec![0.0; n]);
+        let (mut rp, mut rm, mut rv): (Vec<f64>, Vec<f64>, Vec<f64>) = (
+            p.iter().map(|&x| x as f64).collect(),
+            vec![0.0; n],
+            vec![0.0; n],
+        );
         for step in 1..=3 {
-            let g: Vec<f32> = (0..n).map(|i| (((i * 31 + step * 7) % 23) as f32 - 11.0) * 0.01).collect();
+            let g: Vec<f32> = (0..n)
+                .map(|i| (((i * 31 + step * 7) % 23) as f32 - 11.0) * 0.01)
+                .collect();
             let hp = AdamWStep {
                 lr: 1e-2,
                 beta1: 0.9,
@@ -153,24 +166,61 @@ mod tests {
                 step: step as u64,
                 grad_scale: 0.5,
             };
-            adamw_update(&mut p, &g, &mut m, &mut v, StoreOut::Bf16(&mut s), &hp, true);
+            adamw_update(
+                &mut p,
+                &g,
+                &mut m,
+                &mut v,
+                StoreOut::Bf16(&mut s),
+                &hp,
+                true,
+            );
             for i in 0..n {
                 (rp[i], rm[i], rv[i]) = reference(rp[i], g[i] as f64, rm[i], rv[i], &hp, true);
             }
         }
         for i in 0..n {
-            assert!((p[i] as f64 - rp[i]).abs() <= 1e-6 + 1e-5 * rp[i].abs(), "param {i}: {} vs {}", p[i], rp[i]);
+            assert!(
+                (p[i] as f64 - rp[i]).abs() <= 1e-6 + 1e-5 * rp[i].abs(),
+                "param {i}: {} vs {}",
+                p[i],
+                rp[i]
+            );
             assert_eq!(s[i], bf16::from_f32(p[i]));
         }
     }
 
     #[test]
     fn no_decay_for_vectors() {
-        let hp = AdamWStep { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.5, step: 1, grad_scale: 1.0 };
+        let hp = AdamWStep {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.5,
+            step: 1,
+            grad_scale: 1.0,
+        };
         let (mut p, mut m, mut v, mut s) = (vec![1.0f32], vec![0.0], vec![0.0], vec![0.0f32]);
-        adamw_update(&mut p, &[0.0], &mut m, &mut v, StoreOut::F32(&mut s), &hp, false);
+        adamw_update(
+            &mut p,
+            &[0.0],
+            &mut m,
+            &mut v,
+            StoreOut::F32(&mut s),
+            &hp,
+            false,
+        );
         assert_eq!(p[0], 1.0);
-        adamw_update(&mut p, &[0.0], &mut m, &mut v, StoreOut::F32(&mut s), &hp, true);
+        adamw_update(
+            &mut p,
+            &[0.0],
+            &mut m,
+            &mut v,
+            StoreOut::F32(&mut s),
+            &hp,
+            true,
+        );
         assert!((p[0] - 0.95).abs() < 1e-7);
     }
 }

@@ -35,7 +35,10 @@ mod tests {
     #[test]
     fn warmup_then_shapes() {
         let c = cfg(LrScheduler::Constant, 2);
-        assert_eq!([lr_at(&c, 0), lr_at(&c, 1), lr_at(&c, 2), lr_at(&c, 9)], [0.0, 0.5, 1.0, 1.0]);
+        assert_eq!(
+            [lr_at(&c, 0), lr_at(&c, 1), lr_at(&c, 2), lr_at(&c, 9)],
+            [0.0, 0.5, 1.0, 1.0]
+        );
         let l = cfg(LrScheduler::Linear, 0);
         assert_eq!([lr_at(&l, 0), lr_at(&l, 5)], [1.0, 0.5]);
         let k = cfg(LrScheduler::Cosine, 0);

@@ -16,6 +16,8 @@
 //! only between steps; a worker writes a slab slot only while it owns it. The accessors are
 //! therefore `unsafe` and their callers state which rule makes them sound.
 
+pub mod host;
+
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::process::CommandExt;
@@ -171,7 +173,10 @@ impl Region {
         self.check::<T>(&range);
         // SAFETY: bounds checked; aliasing is the caller's obligation.
         unsafe {
-            std::slice::from_raw_parts((self.payload_ptr() as *const T).add(range.start), range.len())
+            std::slice::from_raw_parts(
+                (self.payload_ptr() as *const T).add(range.start),
+                range.len(),
+            )
         }
     }
 
@@ -184,7 +189,10 @@ impl Region {
         self.check::<T>(&range);
         // SAFETY: bounds checked; exclusivity is the caller's obligation.
         unsafe {
-            std::slice::from_raw_parts_mut((self.payload_ptr() as *mut T).add(range.start), range.len())
+            std::slice::from_raw_parts_mut(
+                (self.payload_ptr() as *mut T).add(range.start),
+                range.len(),
+            )
         }
     }
 

@@ -1,1 +1,142 @@
-fn main() { let t = tch::Tensor::from_slice(&[1.0f32, 2.0]); println!("{}", t.sum(tch::Kind::Float).double_value(&[])); }
+//! `mt-worker`: one per GPU (or N on CPU), started and supervised by `mt-launch`.
+//!
+//! Bootstraps over ipc-channel (the server name is in `MT_BOOTSTRAP`), adopts the shared
+//! regions it inherited, then runs steps until told to stop. It dies with the launcher
+//! (`PR_SET_PDEATHSIG`) and exits when the launcher's channel closes.
+
+mod engine;
+mod model;
+mod stream;
+
+use std::panic::AssertUnwindSafe;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use ipc_channel::ipc::{self, IpcSender};
+use mt::protocol::{Device, ENV_BOOTSTRAP, ENV_RANK, FromWorker, ToWorker};
+use mt::shm::Region;
+
+use engine::{Engine, Interrupted, Link};
+
+fn main() -> ExitCode {
+    let rank = std::env::var(ENV_RANK).unwrap_or_else(|_| "?".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<Interrupted>() => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mt-worker[{rank}]: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    // Die with the launcher, and do not start if it is already gone.
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+        .context("prctl(PR_SET_PDEATHSIG)")?;
+    if nix::unistd::getppid().as_raw() == 1 {
+        bail!("launcher exited before this worker started");
+    }
+    let server = std::env::var(ENV_BOOTSTRAP).with_context(|| {
+        format!("{ENV_BOOTSTRAP} is not set: mt-worker is started by mt-launch")
+    })?;
+    let tx: IpcSender<FromWorker> =
+        IpcSender::connect(server).context("connect to the launcher")?;
+    let (cmd_tx, rx) = ipc::channel::<ToWorker>().context("create command channel")?;
+    let rank: usize = std::env::var(ENV_RANK)
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    tx.send(FromWorker::Hello {
+        rank,
+        pid: std::process::id(),
+        commands: cmd_tx,
+    })?;
+    let init = match rx.recv().context("waiting for Init")? {
+        ToWorker::Init(init) => init,
+        other => bail!("expected Init, got {other:?}"),
+    };
+
+    let result = (|| -> Result<()> {
+        if let Device::Cuda(_) = init.device {
+            stream::load_torch_cuda()?;
+        }
+        stream::check_device(init.device)?;
+        tch::set_num_threads(init.threads.max(1) as i32);
+        // SAFETY: the launcher cleared close-on-exec on exactly these fds for this process,
+        // and nothing else here uses them.
+        let store = unsafe { Region::from_inherited_fd(&init.store) }?;
+        // SAFETY: as above.
+        let slab = unsafe { Region::from_inherited_fd(&init.slab) }?;
+        let source = stream::BlockSource::new(
+            store,
+            init.dtype,
+            stream::device_of(init.device),
+            &init.layout,
+        )?;
+        let slab = stream::SlabWriter::new(
+            slab,
+            init.dtype,
+            init.layout.max_block_len(),
+            init.num_slots,
+        )?;
+        let mut engine = Engine::new(&init, source, slab);
+        tx.send(FromWorker::Ready {
+            device: init.device.to_string(),
+        })?;
+        serve(&mut engine, &tx, &rx)
+    })();
+    if let Err(e) = &result
+        && !e.is::<Interrupted>()
+    {
+        let _ = tx.send(FromWorker::Fatal {
+            msg: format!("{e:#}"),
+        });
+    }
+    result
+}
+
+/// Runs steps until `Shutdown` or until the launcher's channel closes.
+fn serve(
+    engine: &mut Engine,
+    tx: &IpcSender<FromWorker>,
+    rx: &ipc::IpcReceiver<ToWorker>,
+) -> Result<()> {
+    loop {
+        let msg = match rx.recv() {
+            Ok(m) => m,
+            Err(_) => return Ok(()), // launcher gone: nothing left to do
+        };
+        match msg {
+            ToWorker::Step {
+                micro, loss_scale, ..
+            } => {
+                let link = Link { tx, rx };
+                let out = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    engine.step(&micro, loss_scale, &link)
+                }))
+                .unwrap_or_else(|p| Err(anyhow::anyhow!("panic in step: {}", panic_text(&p))))?;
+                let (loss_sum, tokens, timings) = out;
+                tx.send(FromWorker::StepDone {
+                    loss_sum,
+                    tokens,
+                    timings,
+                })?;
+            }
+            ToWorker::SlotFree { slot } => engine.free_slot(slot),
+            ToWorker::Shutdown => return Ok(()),
+            ToWorker::Init(_) => bail!("Init received twice"),
+        }
+    }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}

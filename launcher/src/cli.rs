@@ -1,0 +1,82 @@
+//! The command line. These names are a contract other tools drive `mt-launch` through:
+//! extend them, never rename them.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "mt-launch",
+    version,
+    about = "Train LLMs larger than GPU memory from host RAM, one worker process per GPU"
+)]
+pub struct Cli {
+    /// YAML run config (sections: model, dataset, training, optimizer, memory, logging).
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+
+    /// One worker per GPU 0..N-1; 0 runs workers on CPU. Default: every GPU the NVIDIA
+    /// driver lists, or 0 when there is none.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+
+    /// Worker processes when running on CPU (`--gpus 0`). Default 1.
+    #[arg(long, value_name = "N")]
+    pub workers: Option<usize>,
+
+    /// Override a config value, e.g. `--set training.num_steps=3` (repeatable).
+    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
+    pub set: Vec<String>,
+
+    /// Write one JSON object per optimizer step to this file.
+    #[arg(long, value_name = "FILE")]
+    pub metrics_out: Option<PathBuf>,
+
+    /// Log level: error, warn, info, debug, trace.
+    #[arg(long, default_value = "info", value_name = "LEVEL")]
+    pub log_level: String,
+}
+
+/// Where the workers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub gpus: usize,
+    pub workers: usize,
+}
+
+impl Cli {
+    pub fn placement(&self) -> Result<Placement> {
+        let present = visible_gpus();
+        let gpus = self.gpus.unwrap_or(present);
+        if gpus > 0 {
+            if present < gpus {
+                bail!(
+                    "--gpus {gpus} asks for more GPUs than the {present} this machine's NVIDIA driver lists"
+                );
+            }
+            if let Some(w) = self.workers.filter(|&w| w != gpus) {
+                bail!(
+                    "--workers {w} conflicts with --gpus {gpus}: with GPUs there is one worker per GPU"
+                );
+            }
+            return Ok(Placement {
+                gpus,
+                workers: gpus,
+            });
+        }
+        let workers = self.workers.unwrap_or(1);
+        if workers == 0 {
+            bail!("--workers must be at least 1");
+        }
+        Ok(Placement { gpus: 0, workers })
+    }
+}
+
+/// GPUs the NVIDIA driver lists (no CUDA needed in the launcher).
+fn visible_gpus() -> usize {
+    std::fs::read_dir("/proc/driver/nvidia/gpus")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}

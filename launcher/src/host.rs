@@ -1,0 +1,114 @@
+//! Host-resident training state: fp32 master weights, fp32 Adam moments, the fp32 gradient,
+//! the shared compute-dtype store and the workers' gradient slabs, all indexed by the one
+//! `Layout`.
+
+use anyhow::Result;
+use mt::config::{OptimizerSection, RunConfig};
+use mt::layout::Layout;
+use mt::optim::{AdamWStep, adamw_update};
+use mt::shm::host::{GradSlabs, Store};
+use rayon::prelude::*;
+
+pub struct HostState {
+    pub layout: Layout,
+    pub master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    grad: Vec<f32>,
+    pub store: Store,
+    pub slabs: GradSlabs,
+    /// Optimizer updates applied so far.
+    updates: u64,
+}
+
+impl HostState {
+    pub fn new(
+        cfg: &RunConfig,
+        layout: Layout,
+        master: Vec<f32>,
+        workers: usize,
+    ) -> Result<HostState> {
+        let n = layout.total;
+        let tag = format!("mt-{}", std::process::id());
+        let mut store = Store::create(&format!("{tag}-store"), n, cfg.model.dtype)?;
+        store.write_all(&master);
+        let slabs = GradSlabs::create(
+            &format!("{tag}-slab"),
+            workers,
+            cfg.memory.num_grad_slabs,
+            layout.max_block_len(),
+            cfg.model.dtype,
+        )?;
+        Ok(HostState {
+            layout,
+            master,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            grad: vec![0.0; n],
+            store,
+            slabs,
+            updates: 0,
+        })
+    }
+
+    pub fn zero_grad(&mut self) {
+        self.grad.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+    }
+
+    /// Adds block `block` of every worker's slab slot (`slots[r]`) into the fp32 gradient.
+    pub fn reduce_block(&mut self, block: usize, slots: &[usize]) {
+        let range = self.layout.blocks[block].range();
+        self.slabs.reduce_into(&mut self.grad[range], slots);
+    }
+
+    /// Global gradient 2-norm over all parameters (per-tensor norms, then their norm, as
+    /// torch's clip_grad_norm_).
+    pub fn grad_norm(&self) -> f64 {
+        let grad = &self.grad;
+        let ranges: Vec<_> = self
+            .layout
+            .tensors()
+            .map(|(b, t)| Layout::global_range(b, t))
+            .collect();
+        ranges
+            .into_par_iter()
+            .map(|r| {
+                grad[r]
+                    .iter()
+                    .map(|&g| (g as f64) * (g as f64))
+                    .sum::<f64>()
+            })
+            .sum::<f64>()
+            .sqrt()
+    }
+
+    /// One AdamW update of every tensor; writes master, moments and the store.
+    pub fn update(&mut self, opt: &OptimizerSection, lr: f64, weight_decay: f64, grad_scale: f32) {
+        self.updates += 1;
+        let hp = AdamWStep {
+            lr,
+            beta1: opt.beta1,
+            beta2: opt.beta2,
+            eps: opt.eps,
+            weight_decay,
+            step: self.updates,
+            grad_scale,
+        };
+        for bi in 0..self.layout.blocks.len() {
+            for ti in 0..self.layout.blocks[bi].tensors.len() {
+                let (b, t) = (&self.layout.blocks[bi], &self.layout.blocks[bi].tensors[ti]);
+                let r = Layout::global_range(b, t);
+                let decay = t.decays();
+                adamw_update(
+                    &mut self.master[r.clone()],
+                    &self.grad[r.clone()],
+                    &mut self.m[r.clone()],
+                    &mut self.v[r.clone()],
+                    self.store.out_mut(r),
+                    &hp,
+                    decay,
+                );
+            }
+        }
+    }
+}

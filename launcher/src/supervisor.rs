@@ -1,0 +1,241 @@
+//! The worker supervisor: spawns one `mt-worker` per rank in its own process group, passes
+//! it the shared-memory fds, bootstraps its channel, forwards its stderr prefixed by rank,
+//! and turns everything a worker can do (send a message, close its channel, exit, hang)
+//! into one ordered stream of events. Nothing waits forever: every wait has a timeout and
+//! checks that the children are alive.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, unbounded};
+use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
+use mt::protocol::{ENV_BOOTSTRAP, ENV_RANK, FromWorker, Init, ToWorker};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// How long a worker may take to connect and to report ready (loading CUDA can be slow).
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// Grace period between SIGTERM and SIGKILL.
+const GRACE: Duration = Duration::from_secs(3);
+/// How often liveness is checked while waiting.
+const TICK: Duration = Duration::from_millis(100);
+
+pub enum Event {
+    Msg(usize, FromWorker),
+    /// The worker's channel closed (it exited or crashed).
+    Closed(usize),
+}
+
+struct WorkerProc {
+    child: Child,
+    tx: IpcSender<ToWorker>,
+}
+
+pub struct Supervisor {
+    workers: Vec<WorkerProc>,
+    events: Receiver<Event>,
+}
+
+impl Supervisor {
+    /// Starts `inits.len()` workers and waits until each reports `Ready`.
+    pub fn start(worker_bin: &Path, inits: Vec<Init>) -> Result<Supervisor> {
+        let (ev_tx, events) = unbounded();
+        let mut sup = Supervisor {
+            workers: Vec::new(),
+            events,
+        };
+        for init in inits {
+            let w = spawn_one(worker_bin, init, &ev_tx)?;
+            sup.workers.push(w);
+        }
+        drop(ev_tx);
+        let mut ready = vec![false; sup.workers.len()];
+        let deadline = Instant::now() + START_TIMEOUT;
+        while ready.iter().any(|r| !r) {
+            match sup.next_event(deadline)? {
+                Event::Msg(r, FromWorker::Ready { device }) => {
+                    tracing::debug!(rank = r, %device, "worker ready");
+                    ready[r] = true;
+                }
+                Event::Msg(r, other) => bail!("worker rank {r} sent {other:?} before Ready"),
+                Event::Closed(r) => return Err(sup.death(r)),
+            }
+        }
+        Ok(sup)
+    }
+
+    pub fn world(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn send(&self, rank: usize, msg: ToWorker) -> Result<()> {
+        self.workers[rank]
+            .tx
+            .send(msg)
+            .map_err(|e| anyhow!("cannot reach worker rank {rank}: {e:?}"))
+    }
+
+    /// The next event, or an error if a worker died or `deadline` passed.
+    pub fn next_event(&mut self, deadline: Instant) -> Result<Event> {
+        loop {
+            match self.events.recv_timeout(TICK) {
+                Ok(ev) => return Ok(ev),
+                Err(RecvTimeoutError::Disconnected) => bail!("all worker channels closed"),
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+            for r in 0..self.workers.len() {
+                if let Ok(Some(_)) = self.workers[r].child.try_wait() {
+                    return Err(self.death(r));
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!("timed out waiting for the workers (a worker hangs?)");
+            }
+        }
+    }
+
+    /// Describes how worker `rank` died (waiting briefly for its exit status).
+    pub fn death(&mut self, rank: usize) -> anyhow::Error {
+        let w = &mut self.workers[rank];
+        let pid = w.child.id();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let status = loop {
+            match w.child.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                _ if Instant::now() >= deadline => break None,
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let how = match status {
+            Some(s) => match (s.code(), s.signal()) {
+                (_, Some(sig)) => format!(
+                    "was killed by signal {}",
+                    Signal::try_from(sig).map(|s| s.as_str()).unwrap_or("?")
+                ),
+                (Some(c), _) => format!("exited with status {c}"),
+                _ => "exited".into(),
+            },
+            None => "closed its channel".into(),
+        };
+        anyhow!("worker rank {rank} (pid {pid}) {how}")
+    }
+
+    /// Asks every worker to stop, then makes sure they do.
+    pub fn shutdown(mut self) {
+        for w in &self.workers {
+            let _ = w.tx.send(ToWorker::Shutdown);
+        }
+        self.reap(GRACE);
+    }
+
+    /// Waits up to `grace` for every worker, then SIGTERMs, waits again, and SIGKILLs.
+    fn reap(&mut self, grace: Duration) {
+        let wait_all = |ws: &mut Vec<WorkerProc>, d: Duration| {
+            let deadline = Instant::now() + d;
+            while ws
+                .iter_mut()
+                .any(|w| matches!(w.child.try_wait(), Ok(None)))
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        wait_all(&mut self.workers, grace);
+        for sig in [Signal::SIGTERM, Signal::SIGKILL] {
+            let alive: Vec<u32> = self
+                .workers
+                .iter_mut()
+                .filter_map(|w| matches!(w.child.try_wait(), Ok(None)).then(|| w.child.id()))
+                .collect();
+            if alive.is_empty() {
+                return;
+            }
+            for pid in alive {
+                let _ = kill(Pid::from_raw(pid as i32), sig);
+            }
+            wait_all(&mut self.workers, GRACE);
+        }
+        for w in &mut self.workers {
+            let _ = w.child.wait();
+        }
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.reap(Duration::ZERO);
+    }
+}
+
+fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerProc> {
+    let rank = init.rank;
+    let (server, name) =
+        IpcOneShotServer::<FromWorker>::new().context("create bootstrap server")?;
+    let mut cmd = Command::new(bin);
+    cmd.env(ENV_BOOTSTRAP, &name)
+        .env(ENV_RANK, rank.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    mt::shm::keep_fds_across_exec(&mut cmd, vec![init.store.fd, init.slab.fd]);
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("start worker rank {rank} ({})", bin.display()))?;
+    for pipe in [
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+        child.stderr.take().map(|p| Box::new(p) as _),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                eprintln!("[rank {rank}] {line}");
+            }
+        });
+    }
+
+    // accept() blocks; run it on a thread and wait with a timeout while watching the child.
+    let (acc_tx, acc_rx) = crossbeam_channel::bounded(1);
+    std::thread::spawn(move || {
+        let _ = acc_tx.send(server.accept());
+    });
+    let deadline = Instant::now() + START_TIMEOUT;
+    let (rx, hello) = loop {
+        match acc_rx.recv_timeout(TICK) {
+            Ok(r) => break r.map_err(|e| anyhow!("worker rank {rank} bootstrap failed: {e:?}"))?,
+            Err(_) if Instant::now() >= deadline => {
+                bail!("worker rank {rank} did not connect within {START_TIMEOUT:?}")
+            }
+            Err(_) => {
+                if let Some(status) = child.try_wait()? {
+                    bail!("worker rank {rank} exited during start-up ({status})");
+                }
+            }
+        }
+    };
+    let tx = match hello {
+        FromWorker::Hello { commands, .. } => commands,
+        other => bail!("worker rank {rank} sent {other:?} instead of Hello"),
+    };
+    tx.send(ToWorker::Init(Box::new(init)))
+        .map_err(|e| anyhow!("send Init to rank {rank}: {e:?}"))?;
+    let events = events.clone();
+    std::thread::spawn(move || {
+        while let Ok(msg) = rx.recv() {
+            if events.send(Event::Msg(rank, msg)).is_err() {
+                return;
+            }
+        }
+        let _ = events.send(Event::Closed(rank));
+    });
+    Ok(WorkerProc { child, tx })
+}

@@ -1,0 +1,310 @@
+//! The step driver. A step reads like the algorithm: fetch the batch, run the workers'
+//! forward and backward while reducing their gradients as layers arrive, clip, update.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use mt::checkpoint;
+use mt::config::hf::ModelSpec;
+use mt::config::{Init as InitKind, RunConfig};
+use mt::data::{Dataset, Sampler, StepPlan, plan_step};
+use mt::layout::Layout;
+use mt::metrics::{MetricsWriter, StepMetrics};
+use mt::optim::{clip_coefficient, lr_at};
+use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
+
+use crate::cli::Placement;
+use crate::host::HostState;
+use crate::supervisor::{Event, Supervisor};
+
+/// Longest a step may take before the workers are declared hung.
+const STEP_TIMEOUT: Duration = Duration::from_secs(1800);
+
+pub struct Trainer {
+    cfg: RunConfig,
+    spec: ModelSpec,
+    data: Dataset,
+    sampler: Sampler,
+    host: HostState,
+    sup: Supervisor,
+    metrics: Option<MetricsWriter>,
+}
+
+/// What the workers and the reduce reported for one step.
+struct StepOutcome {
+    loss_sum: f64,
+    slowest: WorkerTimings,
+    reduce_s: f64,
+}
+
+impl Trainer {
+    pub fn new(
+        cfg: RunConfig,
+        placement: Placement,
+        metrics_out: Option<PathBuf>,
+    ) -> Result<Trainer> {
+        cfg.validate_world(placement.workers)?;
+        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        let layout = Layout::new(&spec);
+        let data =
+            Dataset::load_tokenized(&cfg.dataset.path, spec.vocab_size, cfg.dataset.max_seq_len)?;
+        let metrics = metrics_out
+            .as_deref()
+            .map(MetricsWriter::create)
+            .transpose()?;
+        let mut master = vec![0.0f32; layout.total];
+        match cfg.model.init {
+            InitKind::Pretrained => {
+                checkpoint::load_pretrained(&cfg.model.path, &layout, &mut master)?
+            }
+            InitKind::Random => {
+                checkpoint::init_random(&layout, &spec, cfg.training.seed, &mut master)
+            }
+        }
+        tracing::info!(
+            params = layout.num_params(),
+            layers = layout.num_layers(),
+            workers = placement.workers,
+            gpus = placement.gpus,
+            dtype = ?cfg.model.dtype,
+            rows = data.rows.len(),
+            "starting"
+        );
+        let host = HostState::new(&cfg, layout, master, placement.workers)?;
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let inits = (0..placement.workers)
+            .map(|rank| Init {
+                rank,
+                world: placement.workers,
+                device: if placement.gpus > 0 {
+                    Device::Cuda(rank)
+                } else {
+                    Device::Cpu
+                },
+                threads: (cores / placement.workers).max(1),
+                spec: spec.clone(),
+                layout: host.layout.clone(),
+                dtype: cfg.model.dtype,
+                store: host.store.handle(),
+                slab: host.slabs.handle(rank),
+                num_slots: cfg.memory.num_grad_slabs,
+                ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+            })
+            .collect();
+        let sup = Supervisor::start(&worker_binary()?, inits)?;
+        let sampler = Sampler::new(
+            data.rows.len(),
+            cfg.training.batch_size,
+            cfg.dataset.shuffle,
+            cfg.training.seed,
+        );
+        Ok(Trainer {
+            cfg,
+            spec,
+            data,
+            sampler,
+            host,
+            sup,
+            metrics,
+        })
+    }
+
+    /// Runs every step, then stops the workers and writes the model if asked.
+    pub fn run(mut self) -> Result<()> {
+        let steps = self.cfg.training.num_steps;
+        for step in 0..steps {
+            let t0 = Instant::now();
+            let plan = self.fetch_batch(step);
+            let out = self.forward_backward(step, &plan)?;
+            let (grad_norm, lr, optimizer_s) = self.clip_and_update(step);
+            self.report(
+                step,
+                &plan,
+                &out,
+                grad_norm,
+                lr,
+                optimizer_s,
+                t0.elapsed().as_secs_f64(),
+            )?;
+        }
+        let Trainer { cfg, host, sup, .. } = self;
+        sup.shutdown();
+        if let Some(out) = &cfg.training.output_dir {
+            checkpoint::save_hf(
+                out,
+                &host.layout,
+                &host.master,
+                cfg.model.dtype,
+                &cfg.model.path.join("config.json"),
+            )?;
+            println!("model written to {}", out.display());
+        }
+        Ok(())
+    }
+
+    fn fetch_batch(&mut self, step: u64) -> StepPlan {
+        let rows = self.sampler.global_batch(step);
+        let t = &self.cfg.training;
+        plan_step(
+            &self.data,
+            &rows,
+            self.sup.world(),
+            t.gradient_accumulation_steps,
+            self.spec.pad_token_id as i32,
+        )
+    }
+
+    /// Sends each worker its micro-batches and reduces gradient blocks as every worker
+    /// delivers them, until all workers report the step done.
+    fn forward_backward(&mut self, step: u64, plan: &StepPlan) -> Result<StepOutcome> {
+        let world = self.sup.world();
+        self.host.zero_grad();
+        let loss_scale = 1.0 / plan.tokens.max(1) as f64;
+        for (rank, micro) in plan.per_rank.iter().enumerate() {
+            self.sup.send(
+                rank,
+                ToWorker::Step {
+                    step,
+                    micro: micro.clone(),
+                    loss_scale,
+                },
+            )?;
+        }
+        let accum = self.cfg.training.gradient_accumulation_steps;
+        let expected_blocks = accum * self.host.layout.blocks.len();
+        let mut pending: HashMap<(usize, usize), Vec<Option<usize>>> = HashMap::new();
+        let (mut reduced, mut done) = (0, 0);
+        let mut out = StepOutcome {
+            loss_sum: 0.0,
+            slowest: WorkerTimings::default(),
+            reduce_s: 0.0,
+        };
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        while done < world || reduced < expected_blocks {
+            match self.sup.next_event(deadline)? {
+                Event::Msg(rank, FromWorker::LayerGrads { micro, block, slot }) => {
+                    let slots = pending
+                        .entry((micro, block))
+                        .or_insert_with(|| vec![None; world]);
+                    if slots[rank].replace(slot).is_some() {
+                        bail!("worker rank {rank} sent block {block} of micro-batch {micro} twice");
+                    }
+                    if slots.iter().all(Option::is_some) {
+                        let slots: Vec<usize> = pending
+                            .remove(&(micro, block))
+                            .into_iter()
+                            .flatten()
+                            .flatten()
+                            .collect();
+                        let t = Instant::now();
+                        self.host.reduce_block(block, &slots);
+                        out.reduce_s += t.elapsed().as_secs_f64();
+                        for (r, &s) in slots.iter().enumerate() {
+                            self.sup.send(r, ToWorker::SlotFree { slot: s })?;
+                        }
+                        reduced += 1;
+                    }
+                }
+                Event::Msg(
+                    _,
+                    FromWorker::StepDone {
+                        loss_sum, timings, ..
+                    },
+                ) => {
+                    out.loss_sum += loss_sum;
+                    let s = &mut out.slowest;
+                    s.forward_s = s.forward_s.max(timings.forward_s);
+                    s.backward_s = s.backward_s.max(timings.backward_s);
+                    s.slot_wait_s = s.slot_wait_s.max(timings.slot_wait_s);
+                    done += 1;
+                }
+                Event::Msg(rank, FromWorker::Fatal { msg }) => {
+                    bail!("worker rank {rank} failed: {msg}")
+                }
+                Event::Msg(rank, other) => bail!("worker rank {rank} sent {other:?} mid-step"),
+                Event::Closed(rank) => return Err(self.sup.death(rank)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Global norm, clip coefficient, AdamW; returns (grad_norm, lr, seconds).
+    fn clip_and_update(&mut self, step: u64) -> (f64, f64, f64) {
+        let t = Instant::now();
+        let tc = &self.cfg.training;
+        let grad_norm = self.host.grad_norm();
+        let coef = clip_coefficient(grad_norm, tc.max_grad_norm);
+        let lr = lr_at(tc, step);
+        self.host
+            .update(&self.cfg.optimizer, lr, tc.weight_decay, coef);
+        (grad_norm, lr, t.elapsed().as_secs_f64())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn report(
+        &mut self,
+        step: u64,
+        plan: &StepPlan,
+        out: &StepOutcome,
+        grad_norm: f64,
+        lr: f64,
+        optimizer_s: f64,
+        step_time_s: f64,
+    ) -> Result<()> {
+        let m = StepMetrics {
+            step: step + 1,
+            loss: out.loss_sum / plan.tokens.max(1) as f64,
+            lr,
+            grad_norm,
+            tokens: plan.tokens,
+            step_time_s,
+            tokens_per_s: plan.tokens as f64 / step_time_s,
+            forward_s: out.slowest.forward_s,
+            backward_s: out.slowest.backward_s,
+            slot_wait_s: out.slowest.slot_wait_s,
+            reduce_s: out.reduce_s,
+            optimizer_s,
+        };
+        if !m.loss.is_finite() {
+            tracing::warn!(step = m.step, "non-finite loss");
+        }
+        if let Some(w) = self.metrics.as_mut() {
+            w.write(&m)?;
+        }
+        let every = self.cfg.logging.log_every.max(1);
+        if m.step % every == 0 || m.step == self.cfg.training.num_steps {
+            println!(
+                "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s",
+                m.step,
+                self.cfg.training.num_steps,
+                m.loss,
+                m.lr,
+                m.grad_norm,
+                m.tokens,
+                m.step_time_s,
+                m.tokens_per_s
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `mt-worker` beside this executable, or `MT_WORKER_BIN`.
+fn worker_binary() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("MT_WORKER_BIN") {
+        return Ok(p.into());
+    }
+    let exe = std::env::current_exe().context("locate mt-launch")?;
+    let bin = exe.with_file_name("mt-worker");
+    if !bin.is_file() {
+        return Err(anyhow!(
+            "worker binary not found at {} (build the workspace, or set MT_WORKER_BIN)",
+            bin.display()
+        ));
+    }
+    Ok(bin)
+}

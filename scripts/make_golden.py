@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Golden fixtures: tiny random HF models trained a few steps by transformers + torch.
+
+For each case this writes, under OUT/<case>/:
+  model/          an HF model dir saved by transformers (config.json + model.safetensors)
+  data.jsonl      a tokenized dataset with uneven lengths (right padding) and masked labels
+  run.yaml        an mt-launch config for the same run (float32, no shuffle)
+  expected.json   per-step loss and pre-clip gradient norm from the PyTorch reference
+
+The reference implements the contract of DESIGN.md "Numerics": loss = summed token
+cross-entropy / unmasked label tokens of the global batch, labels shifted inside,
+torch.optim.AdamW with decay on >= 2-dim tensors only, torch clip_grad_norm_.
+
+Installed by scripts/setup.sh: torch==2.11.0 transformers==5.17.0 safetensors numpy.
+"""
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+STEPS = 3
+BATCH = 4
+ROWS = 12  # 3 steps x 4 rows, file order
+
+CASES = {
+    # name: (config overrides, training overrides)
+    "llama": (dict(tie_word_embeddings=False, attention_bias=False), {}),
+    "llama_tied_bias": (dict(tie_word_embeddings=True, attention_bias=True), dict(weight_decay=0.0)),
+}
+
+BASE = dict(
+    vocab_size=67,
+    hidden_size=48,
+    intermediate_size=88,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+TRAIN = dict(learning_rate=3e-3, weight_decay=0.1, max_grad_norm=1.0, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def make_rows(gen, vocab):
+    rows = []
+    for i in range(ROWS):
+        n = int(torch.randint(6, 21, (1,), generator=gen))
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        if i % 3 == 2:
+            rows.append({"input_ids": ids})  # labels absent = input_ids
+            continue
+        prompt = int(torch.randint(1, n - 2, (1,), generator=gen))
+        labels = [-100] * prompt + ids[prompt:]
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def batch(rows):
+    t = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    labels = torch.full((len(rows), t), -100, dtype=torch.long)
+    mask = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"])
+        labels[i, :n] = torch.tensor(r.get("labels", r["input_ids"]))
+        mask[i, :n] = 1
+    return ids, labels, mask
+
+
+def reference(model, rows, tr):
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tr["learning_rate"], betas=(tr["beta1"], tr["beta2"]), eps=tr["eps"],
+    )
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, labels, mask = batch(rows[step * BATCH:(step + 1) * BATCH])
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        targets = labels[:, 1:]
+        loss_sum = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+            ignore_index=-100, reduction="sum")
+        loss = loss_sum / (targets != -100).sum()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return losses, norms
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.use_deterministic_algorithms(True)
+    for name, (cfg_over, tr_over) in CASES.items():
+        out = os.path.join(args.out, name)
+        os.makedirs(out, exist_ok=True)
+        torch.manual_seed(1234)
+        cfg = transformers.LlamaConfig(**{**BASE, **cfg_over})
+        model = transformers.LlamaForCausalLM(cfg).float()
+        # Non-trivial norm weights and biases, so their gradients and updates are checked.
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(os.path.join(out, "model"))
+        gen = torch.Generator().manual_seed(99)
+        rows = make_rows(gen, cfg.vocab_size)
+        with open(os.path.join(out, "data.jsonl"), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        tr = {**TRAIN, **tr_over}
+        losses, norms = reference(model, rows, tr)
+        with open(os.path.join(out, "expected.json"), "w") as f:
+            json.dump({"losses": losses, "grad_norms": norms, "transformers": transformers.__version__,
+                       "torch": torch.__version__}, f, indent=1)
+        with open(os.path.join(out, "run.yaml"), "w") as f:
+            f.write(f"""# generated by scripts/make_golden.py
+model: {{path: model, init: pretrained, dtype: float32}}
+dataset: {{format: tokenized, path: data.jsonl, shuffle: false}}
+training:
+  batch_size: {BATCH}
+  num_steps: {STEPS}
+  learning_rate: {tr['learning_rate']}
+  weight_decay: {tr['weight_decay']}
+  max_grad_norm: {tr['max_grad_norm']}
+optimizer: {{beta1: {tr['beta1']}, beta2: {tr['beta2']}, eps: {tr['eps']}}}
+""")
+        print(f"{name}: losses {['%.5f' % l for l in losses]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+//! The launcher's side of the shared regions: the weight store it writes between steps and
+//! the gradient slabs it reduces from.
+//!
+//! Soundness rests on the protocol (`crate::protocol`), which these types cannot check
+//! across processes: the store is written only while no step is in flight, and a slab slot
+//! is read only between the worker's `LayerGrads` for it and the launcher's `SlotFree`.
+//! Within the launcher, `&mut self` makes each write exclusive.
+
+use half::bf16;
+
+use super::{Region, RegionHandle, RegionKind};
+use crate::config::DType;
+use crate::error::Result;
+use crate::optim::StoreOut;
+use crate::reduce::accumulate;
+
+/// The shared copy of all weights in the compute dtype, laid out as `Layout` says.
+pub struct Store {
+    region: Region,
+    dtype: DType,
+    len: usize,
+}
+
+impl Store {
+    pub fn create(name: &str, elements: usize, dtype: DType) -> Result<Store> {
+        let region = Region::create(name, RegionKind::Store, elements * dtype.size())?;
+        Ok(Store {
+            region,
+            dtype,
+            len: elements,
+        })
+    }
+
+    pub fn handle(&self) -> RegionHandle {
+        self.region.handle(RegionKind::Store)
+    }
+
+    /// Elements `range` as the optimizer's output.
+    pub fn out_mut(&mut self, range: std::ops::Range<usize>) -> StoreOut<'_> {
+        assert!(range.end <= self.len);
+        // SAFETY: `&mut self` excludes other launcher views; workers do not read the store
+        // while the launcher updates it (protocol).
+        unsafe {
+            match self.dtype {
+                DType::Float32 => StoreOut::F32(self.region.slice_mut(range)),
+                DType::Bfloat16 => StoreOut::Bf16(self.region.slice_mut(range)),
+            }
+        }
+    }
+
+    /// Writes all of `master` (fp32) into the store.
+    pub fn write_all(&mut self, master: &[f32]) {
+        use rayon::prelude::*;
+        match self.out_mut(0..master.len()) {
+            StoreOut::F32(s) => s.par_iter_mut().zip(master).for_each(|(d, x)| *d = *x),
+            StoreOut::Bf16(s) => s
+                .par_iter_mut()
+                .zip(master)
+                .for_each(|(d, x)| *d = bf16::from_f32(*x)),
+        }
+    }
+}
+
+/// Every worker's gradient slab: `slots` slots of `slot_len` elements each.
+pub struct GradSlabs {
+    regions: Vec<Region>,
+    dtype: DType,
+    slot_len: usize,
+    slots: usize,
+}
+
+impl GradSlabs {
+    pub fn create(
+        prefix: &str,
+        workers: usize,
+        slots: usize,
+        slot_len: usize,
+        dtype: DType,
+    ) -> Result<GradSlabs> {
+        let regions = (0..workers)
+            .map(|r| {
+                Region::create(
+                    &format!("{prefix}-{r}"),
+                    RegionKind::GradSlab,
+                    slots * slot_len * dtype.size(),
+                )
+            })
+            .collect::<Result<_>>()?;
+        Ok(GradSlabs {
+            regions,
+            dtype,
+            slot_len,
+            slots,
+        })
+    }
+
+    pub fn handle(&self, rank: usize) -> RegionHandle {
+        self.regions[rank].handle(RegionKind::GradSlab)
+    }
+
+    pub fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+
+    /// `dst += Σ_r slab[r][slots[r]][..dst.len()]`, in rank order.
+    pub fn reduce_into(&self, dst: &mut [f32], slots: &[usize]) {
+        assert_eq!(slots.len(), self.regions.len(), "one slot per worker");
+        let n = dst.len();
+        assert!(n <= self.slot_len);
+        let range = |s: usize| {
+            assert!(s < self.slots, "slot {s} out of range");
+            s * self.slot_len..s * self.slot_len + n
+        };
+        // SAFETY: each worker handed us its slot with `LayerGrads` and writes it again only
+        // after our `SlotFree` (protocol); the launcher only reads slabs.
+        unsafe {
+            match self.dtype {
+                DType::Float32 => {
+                    let srcs: Vec<&[f32]> = self
+                        .regions
+                        .iter()
+                        .zip(slots)
+                        .map(|(r, &s)| r.slice(range(s)))
+                        .collect();
+                    accumulate(dst, &srcs);
+                }
+                DType::Bfloat16 => {
+                    let srcs: Vec<&[bf16]> = self
+                        .regions
+                        .iter()
+                        .zip(slots)
+                        .map(|(r, &s)| r.slice(range(s)))
+                        .collect();
+                    accumulate(dst, &srcs);
+                }
+            }
+        }
+    }
+}
