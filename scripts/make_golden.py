@@ -6,6 +6,7 @@ For each case this writes, under OUT/<case>/:
   data.jsonl      a tokenized dataset with uneven lengths (right padding) and masked labels
   run.yaml        an mt-launch config for the same run (float32, no shuffle)
   expected.json   per-step loss and pre-clip gradient norm from the PyTorch reference
+  grads0.safetensors  every parameter's gradient at step 1 (before clipping), HF names
 
 The reference implements the contract of DESIGN.md "Numerics": loss = summed token
 cross-entropy / unmasked label tokens of the global batch, labels shifted inside,
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
@@ -72,7 +74,7 @@ def batch(rows):
     return ids, labels, mask
 
 
-def reference(model, rows, tr):
+def reference(model, rows, tr, grads_path):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -89,6 +91,9 @@ def reference(model, rows, tr):
             ignore_index=-100, reduction="sum")
         loss = loss_sum / (targets != -100).sum()
         loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
+            safetensors.torch.save_file(grads, grads_path)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
         opt.step()
         opt.zero_grad()
@@ -120,7 +125,7 @@ def main():
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         tr = {**TRAIN, **tr_over}
-        losses, norms = reference(model, rows, tr)
+        losses, norms = reference(model, rows, tr, os.path.join(out, "grads0.safetensors"))
         with open(os.path.join(out, "expected.json"), "w") as f:
             json.dump({"losses": losses, "grad_norms": norms, "transformers": transformers.__version__,
                        "torch": torch.__version__}, f, indent=1)

@@ -16,7 +16,7 @@ use mt::layout::{Block, Layout};
 use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{BlockWeights, llama};
+use crate::model::{self, BlockWeights};
 use crate::stream::{BlockSource, SlabWriter, kind_of};
 
 /// How long the backward waits for the launcher to free a slab slot before giving up.
@@ -128,7 +128,7 @@ impl Engine {
             .reshape([-1])
             .to_device(self.device);
         let targets = targets.to_device(self.device).index_select(0, &valid);
-        let rope = llama::Rope::new(&self.spec, mb.seq_len, self.kind, self.device);
+        let ctx = model::Context::new(&self.spec, mb.seq_len, self.kind, self.device);
         let layout = &self.layout;
         let (embed_block, head_block) = (
             &layout.blocks[Layout::EMBED],
@@ -140,13 +140,13 @@ impl Engine {
         let mut inputs = Vec::with_capacity(layout.num_layers());
         let mut x_bth = tch::no_grad(|| {
             let w = self.source.fetch(embed_block);
-            llama::embed(&BlockWeights::views(&w, embed_block), &ids_bt)
+            model::embed(&self.spec, &BlockWeights::views(&w, embed_block), &ids_bt)
         });
         for l in 0..layout.num_layers() {
             let block = &layout.blocks[layout.layer_block(l)];
             let w = self.source.fetch(block);
             let y = tch::no_grad(|| {
-                llama::decoder_layer(&BlockWeights::views(&w, block), &self.spec, &x_bth, &rope)
+                model::decoder_layer(&self.spec, l, &BlockWeights::views(&w, block), &x_bth, &ctx)
             });
             inputs.push(std::mem::replace(&mut x_bth, y));
         }
@@ -168,16 +168,17 @@ impl Engine {
         let n_valid = valid.size()[0];
         let mut loss_sum = 0.0;
         if n_valid > 0 {
-            let hn_mh = llama::final_norm(
-                &head_w,
+            let hn_mh = model::final_norm(
                 &self.spec,
+                &head_w,
                 &x_leaf.view([-1, h]).index_select(0, &valid),
             );
             let hn_leaf = hn_mh.detach().set_requires_grad(true);
             let mut start = 0;
             while start < n_valid {
                 let len = self.ce_chunk.min(n_valid - start);
-                let loss = llama::chunk_loss_sum(
+                let loss = model::chunk_loss_sum(
+                    &self.spec,
                     &hn_leaf.narrow(0, start, len),
                     lm_head,
                     &targets.narrow(0, start, len),
@@ -205,7 +206,7 @@ impl Engine {
                 .pop()
                 .expect("one saved input per layer")
                 .set_requires_grad(true);
-            let y_bth = llama::decoder_layer(&w, &self.spec, &x_in, &rope);
+            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, &ctx);
             (y_bth * &dy_bth).sum(Kind::Float).backward();
             dy_bth = x_in.grad();
             self.sink
@@ -213,7 +214,7 @@ impl Engine {
         }
 
         // Embedding (with tied embeddings its leaf already holds the lm_head gradient).
-        let e_bth = llama::embed(&embed_w, &ids_bt);
+        let e_bth = model::embed(&self.spec, &embed_w, &ids_bt);
         (e_bth * &dy_bth).sum(Kind::Float).backward();
         self.sink
             .send(mi, Layout::EMBED, embed_block, &embed_w, link, timings)?;

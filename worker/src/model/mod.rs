@@ -6,8 +6,66 @@ pub mod llama;
 
 use std::collections::HashMap;
 
+use mt::config::hf::ModelSpec;
 use mt::layout::Block;
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
+
+/// Per-sequence-length tables a family precomputes once per micro-batch (rotary cos/sin).
+pub struct Context {
+    rope: llama::Rope,
+}
+
+impl Context {
+    pub fn new(spec: &ModelSpec, seq_len: usize, kind: Kind, device: Device) -> Context {
+        Context {
+            rope: llama::Rope::new(spec, seq_len, kind, device),
+        }
+    }
+}
+
+// The family dispatch: the engine calls only these. Each family file provides the same
+// functions; `spec.model_type` picks one (ModelSpec::from_hf rejects unknown types).
+
+/// Token embedding: ids (B, T) -> (B, T, H).
+pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
+    match spec.model_type.as_str() {
+        _ => llama::embed(w, ids_bt),
+    }
+}
+
+/// Decoder layer `layer` (0-based; families with per-layer attention kinds need it):
+/// (B, T, H) -> (B, T, H).
+pub fn decoder_layer(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+    ctx: &Context,
+) -> Tensor {
+    let _ = layer;
+    match spec.model_type.as_str() {
+        _ => llama::decoder_layer(w, spec, x_bth, &ctx.rope),
+    }
+}
+
+/// Final norm of selected hidden states (M, H) -> (M, H).
+pub fn final_norm(spec: &ModelSpec, head: &BlockWeights, h_mh: &Tensor) -> Tensor {
+    match spec.model_type.as_str() {
+        _ => llama::final_norm(head, spec, h_mh),
+    }
+}
+
+/// Summed token cross-entropy of one chunk of normed hidden states (C, H) against targets.
+pub fn chunk_loss_sum(
+    spec: &ModelSpec,
+    h_ch: &Tensor,
+    lm_head_vh: &Tensor,
+    targets_c: &Tensor,
+) -> Tensor {
+    match spec.model_type.as_str() {
+        _ => llama::chunk_loss_sum(h_ch, lm_head_vh, targets_c),
+    }
+}
 
 /// The tensors of one layout block, as views into its flat buffer.
 pub struct BlockWeights {
