@@ -34,6 +34,11 @@ pub struct Cli {
     #[arg(long, value_name = "FILE")]
     pub metrics_out: Option<PathBuf>,
 
+    /// Write the global fp32 gradient of the first step (before clipping) to this
+    /// safetensors file, with HF tensor names (for parity checks against PyTorch).
+    #[arg(long, value_name = "FILE")]
+    pub dump_grads: Option<PathBuf>,
+
     /// Log level: error, warn, info, debug, trace.
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: String,

@@ -2,7 +2,7 @@
 //! the shared compute-dtype store and the workers' gradient slabs, all indexed by the one
 //! `Layout`.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use mt::config::{OptimizerSection, RunConfig};
 use mt::layout::Layout;
 use mt::optim::{AdamWStep, adamw_update};
@@ -61,6 +61,27 @@ impl HostState {
         self.slabs.reduce_into(&mut self.grad[range], slots);
     }
 
+    /// Writes the fp32 gradient of every tensor to a safetensors file (HF names).
+    pub fn dump_grads(&self, path: &std::path::Path) -> Result<()> {
+        let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = self
+            .layout
+            .tensors()
+            .map(|(b, t)| {
+                let g = &self.grad[Layout::global_range(b, t)];
+                let bytes: &[u8] = bytemuck_f32(g);
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    t.shape.clone(),
+                    bytes,
+                )
+                .expect("shape matches data");
+                (b.hf_name(t), view)
+            })
+            .collect();
+        safetensors::serialize_to_file(tensors, None, path)
+            .with_context(|| format!("write gradients to {}", path.display()))
+    }
+
     /// Global gradient 2-norm over all parameters (per-tensor norms, then their norm, as
     /// torch's clip_grad_norm_).
     pub fn grad_norm(&self) -> f64 {
@@ -111,4 +132,12 @@ impl HostState {
             }
         }
     }
+}
+
+/// The bytes of an f32 slice (little-endian on every platform we build for).
+fn bytemuck_f32(x: &[f32]) -> &[u8] {
+    const { assert!(cfg!(target_endian = "little")) };
+    // SAFETY: f32 has no padding and any byte pattern may be read as u8; the length covers
+    // exactly the slice.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
 }

@@ -30,6 +30,7 @@ pub struct Trainer {
     host: HostState,
     sup: Supervisor,
     metrics: Option<MetricsWriter>,
+    dump_grads: Option<PathBuf>,
 }
 
 /// What the workers and the reduce reported for one step.
@@ -44,6 +45,7 @@ impl Trainer {
         cfg: RunConfig,
         placement: Placement,
         metrics_out: Option<PathBuf>,
+        dump_grads: Option<PathBuf>,
     ) -> Result<Trainer> {
         cfg.validate_world(placement.workers)?;
         let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
@@ -110,6 +112,7 @@ impl Trainer {
             host,
             sup,
             metrics,
+            dump_grads,
         })
     }
 
@@ -120,6 +123,9 @@ impl Trainer {
             let t0 = Instant::now();
             let plan = self.fetch_batch(step);
             let out = self.forward_backward(step, &plan)?;
+            if let Some(path) = self.dump_grads.take() {
+                self.host.dump_grads(&path)?;
+            }
             let (grad_norm, lr, optimizer_s) = self.clip_and_update(step);
             self.report(
                 step,

@@ -1,0 +1,122 @@
+//! Shared helpers for the end-to-end tests: they drive the real `mt-launch` (and through it
+//! real `mt-worker` processes) exactly as a user does.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn launcher() -> PathBuf {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_mt-launch"));
+    let worker = bin.with_file_name("mt-worker");
+    assert!(
+        worker.is_file(),
+        "{} is missing: build the whole workspace first (scripts/test.sh does)",
+        worker.display()
+    );
+    bin
+}
+
+/// The fixtures written by scripts/make_golden.py.
+pub fn golden_dir() -> PathBuf {
+    let dir = std::env::var_os("MT_GOLDEN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/golden"));
+    assert!(
+        dir.join("llama/expected.json").is_file(),
+        "no golden fixtures in {}: run `.venv/bin/python scripts/make_golden.py --out target/golden` (scripts/test.sh does)",
+        dir.display()
+    );
+    dir
+}
+
+/// A fresh directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/test-scratch")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs mt-launch to completion.
+pub fn run(args: &[&str]) -> Output {
+    Command::new(launcher())
+        .args(args)
+        .output()
+        .expect("spawn mt-launch")
+}
+
+pub fn run_ok(args: &[&str]) -> Output {
+    let out = run(args);
+    assert!(
+        out.status.success(),
+        "mt-launch {args:?} failed ({}):\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+pub fn metrics(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("metrics line is JSON"))
+        .collect()
+}
+
+pub fn column(rows: &[serde_json::Value], key: &str) -> Vec<f64> {
+    rows.iter()
+        .map(|r| {
+            r[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("metrics lack `{key}`"))
+        })
+        .collect()
+}
+
+pub fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// |a - b| <= tol * |b| elementwise; returns the worst relative error.
+pub fn worst_rel(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "lengths differ: {a:?} vs {b:?}");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-12))
+        .fold(0.0, f64::max)
+}
+
+/// Every tensor of a safetensors file as f32 (F32 or BF16 files).
+pub fn tensors(path: &Path) -> HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.iter()
+        .map(|(name, v)| {
+            let data = v.data();
+            let vals = match v.dtype() {
+                safetensors::Dtype::F32 => data
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                safetensors::Dtype::BF16 => data
+                    .chunks_exact(2)
+                    .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+                    .collect(),
+                d => panic!("{name}: unexpected dtype {d:?}"),
+            };
+            (name.to_string(), vals)
+        })
+        .collect()
+}
+
+/// ‖a − b‖ / ‖b‖ for one tensor.
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (diff / norm.max(1e-30)).sqrt()
+}

@@ -1,0 +1,73 @@
+//! W workers with batch b give the same training as one worker accumulating W micro-batches
+//! of b (float32, 1e-5 relative): per-step losses and the final weights.
+
+mod common;
+
+use common::*;
+
+fn train(
+    tag: &str,
+    workers: usize,
+    accum: usize,
+) -> (Vec<f64>, std::collections::HashMap<String, Vec<f32>>) {
+    let case = golden_dir().join("llama");
+    let dir = scratch(&format!("equiv-{tag}"));
+    let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
+    run_ok(&[
+        "--config",
+        case.join("run.yaml").to_str().unwrap(),
+        "--gpus",
+        "0",
+        "--workers",
+        &workers.to_string(),
+        "--set",
+        &format!("training.gradient_accumulation_steps={accum}"),
+        "--set",
+        "training.num_steps=4",
+        "--set",
+        &format!("training.output_dir={}", out.display()),
+        "--metrics-out",
+        m.to_str().unwrap(),
+    ]);
+    (
+        column(&metrics(&m), "loss"),
+        tensors(&out.join("model.safetensors")),
+    )
+}
+
+fn assert_same(
+    a: &(Vec<f64>, std::collections::HashMap<String, Vec<f32>>),
+    b: &(Vec<f64>, std::collections::HashMap<String, Vec<f32>>),
+) {
+    let e = worst_rel(&a.0, &b.0);
+    assert!(
+        e <= 1e-5,
+        "losses differ: {:?} vs {:?} (rel {e:.2e})",
+        a.0,
+        b.0
+    );
+    assert_eq!(a.1.len(), b.1.len());
+    for (name, wa) in &a.1 {
+        let wb = &b.1[name];
+        let scale = wb.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+        let worst = wa
+            .iter()
+            .zip(wb)
+            .map(|(x, y)| (x - y).abs() as f64)
+            .fold(0.0, f64::max);
+        assert!(
+            worst <= 1e-5 * scale,
+            "final `{name}` differs: max |Δ| {worst:.3e} vs max |w| {scale:.3e}"
+        );
+    }
+}
+
+#[test]
+fn two_workers_equal_one_worker_accumulating_two() {
+    assert_same(&train("w2", 2, 1), &train("w1ga2", 1, 2));
+}
+
+#[test]
+fn four_workers_equal_one_worker_accumulating_four() {
+    assert_same(&train("w4", 4, 1), &train("w1ga4", 1, 4));
+}

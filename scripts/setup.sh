@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Idempotent setup: a git-ignored .venv holding torch==2.11.0 (our libtorch) and the
+# packages the test fixtures use, plus the stable link .venv/libtorch that
+# .cargo/config.toml points LIBTORCH at. After this a plain `cargo build` works, and the
+# binaries find libtorch through their RUNPATH (worker/build.rs), no LD_LIBRARY_PATH needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+REQS="torch==2.11.0 transformers==5.17.0 safetensors numpy"
+STAMP=.venv/.mt-setup-$(echo "$REQS" | cksum | cut -d' ' -f1)
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+if [ ! -f "$STAMP" ]; then
+  echo "setup: installing $REQS (first time: a few minutes, ~5 GB)"
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  # shellcheck disable=SC2086
+  .venv/bin/python -m pip install --quiet $REQS
+  rm -f .venv/.mt-setup-*
+  touch "$STAMP"
+fi
+torch_dir=$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+ln -sfn "$torch_dir" .venv/libtorch
+echo "setup: libtorch $(.venv/bin/python -c 'import torch; print(torch.__version__)') at .venv/libtorch"

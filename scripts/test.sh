@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every test: lints, the fixture step (PyTorch reference runs), then all Rust tests
+# (unit, multi-process integration, numerics against the fixtures).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+cargo fmt --all -- --check
+cargo build --release --workspace --all-targets
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+echo "test: generating golden fixtures with transformers + torch"
+.venv/bin/python scripts/make_golden.py --out target/golden
+
+export MT_GOLDEN_DIR="$PWD/target/golden"
+cargo test --release --workspace
