@@ -28,6 +28,60 @@ pub struct StepMetrics {
     /// Launcher time in the slab reduce and in clip + AdamW.
     pub reduce_s: f64,
     pub optimizer_s: f64,
+    /// Slowest worker's stall on host-to-device layer copies, and its device-to-host
+    /// gradient copy time (GPU only).
+    pub h2d_wait_s: f64,
+    pub d2h_s: f64,
+    /// Largest device memory in use on any worker's GPU.
+    pub peak_gpu_bytes: u64,
+    /// The launcher's resident host memory.
+    pub launcher_rss_bytes: u64,
+    /// Per GPU (or CPU worker), MegaTrain's formula: 6 x all parameters x batch_size x
+    /// padded sequence length / step time.
+    pub tflops_megatrain: f64,
+    /// Per GPU (or CPU worker), model FLOPs: 6 x matmul parameters x real (non-padding)
+    /// tokens, plus causal attention (QK^T and AV, forward and backward) over them.
+    pub tflops_model: f64,
+}
+
+/// The FLOPs of one step, from its shape.
+#[derive(Debug, Clone, Copy)]
+pub struct StepFlops {
+    pub megatrain: f64,
+    pub model: f64,
+}
+
+/// Computes [`StepFlops`]. `params` counts every parameter; `matmul_params` excludes the
+/// embedding table when it is only looked up (it is a matmul when tied to lm_head);
+/// `attn_width` is heads x head dim; `causal_pairs` is Σ over rows of T(T+1)/2 for each
+/// row's real length T.
+pub fn step_flops(
+    params: u64,
+    matmul_params: u64,
+    layers: u64,
+    attn_width: u64,
+    padded_tokens: u64,
+    real_tokens: u64,
+    causal_pairs: u64,
+) -> StepFlops {
+    let megatrain = 6.0 * params as f64 * padded_tokens as f64;
+    // Forward: QK^T and AV are 2 FLOPs per (query, key, channel) pair each; backward 2x.
+    let attention = 3.0 * 4.0 * (layers * attn_width) as f64 * causal_pairs as f64;
+    let model = 6.0 * matmul_params as f64 * real_tokens as f64 + attention;
+    StepFlops { megatrain, model }
+}
+
+/// This process's resident set size, from /proc (0 where unavailable).
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kib| kib * 1024)
+        .unwrap_or(0)
 }
 
 /// Appends metrics as JSON lines.
@@ -50,5 +104,19 @@ impl MetricsWriter {
         writeln!(self.file, "{line}")
             .and_then(|_| self.file.flush())
             .map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_add_up() {
+        // One row of 4 tokens: 10 causal pairs.
+        let f = step_flops(100, 80, 2, 8, 6, 4, 10);
+        assert_eq!(f.megatrain, 6.0 * 100.0 * 6.0);
+        assert_eq!(f.model, 6.0 * 80.0 * 4.0 + 12.0 * 16.0 * 10.0);
+        assert!(rss_bytes() > 0);
     }
 }

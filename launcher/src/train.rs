@@ -11,7 +11,7 @@ use mt::config::hf::ModelSpec;
 use mt::config::{Init as InitKind, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
-use mt::metrics::{MetricsWriter, StepMetrics};
+use mt::metrics::{MetricsWriter, StepMetrics, rss_bytes, step_flops};
 use mt::optim::{clip_coefficient, lr_at};
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
@@ -226,6 +226,9 @@ impl Trainer {
                     s.forward_s = s.forward_s.max(timings.forward_s);
                     s.backward_s = s.backward_s.max(timings.backward_s);
                     s.slot_wait_s = s.slot_wait_s.max(timings.slot_wait_s);
+                    s.h2d_wait_s = s.h2d_wait_s.max(timings.h2d_wait_s);
+                    s.d2h_s = s.d2h_s.max(timings.d2h_s);
+                    s.peak_device_bytes = s.peak_device_bytes.max(timings.peak_device_bytes);
                     done += 1;
                 }
                 Event::Msg(rank, FromWorker::Fatal { msg }) => {
@@ -261,6 +264,24 @@ impl Trainer {
         optimizer_s: f64,
         step_time_s: f64,
     ) -> Result<()> {
+        let layout = &self.host.layout;
+        let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
+        let params = layout.num_params() as u64;
+        let matmul_params = if layout.tied_embeddings {
+            params
+        } else {
+            params - embed_table
+        };
+        let flops = step_flops(
+            params,
+            matmul_params,
+            layout.num_layers() as u64,
+            (self.spec.num_heads * self.spec.head_dim) as u64,
+            plan.padded_tokens,
+            plan.real_tokens,
+            plan.causal_pairs,
+        );
+        let per_device_tflops = |f: f64| f / step_time_s / self.sup.world() as f64 / 1e12;
         let m = StepMetrics {
             step: step + 1,
             loss: out.loss_sum / plan.tokens.max(1) as f64,
@@ -274,6 +295,12 @@ impl Trainer {
             slot_wait_s: out.slowest.slot_wait_s,
             reduce_s: out.reduce_s,
             optimizer_s,
+            h2d_wait_s: out.slowest.h2d_wait_s,
+            d2h_s: out.slowest.d2h_s,
+            peak_gpu_bytes: out.slowest.peak_device_bytes,
+            launcher_rss_bytes: rss_bytes(),
+            tflops_megatrain: per_device_tflops(flops.megatrain),
+            tflops_model: per_device_tflops(flops.model),
         };
         if !m.loss.is_finite() {
             tracing::warn!(step = m.step, "non-finite loss");
@@ -284,7 +311,7 @@ impl Trainer {
         let every = self.cfg.logging.log_every.max(1);
         if m.step % every == 0 || m.step == self.cfg.training.num_steps {
             println!(
-                "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s",
+                "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev",
                 m.step,
                 self.cfg.training.num_steps,
                 m.loss,
@@ -292,7 +319,8 @@ impl Trainer {
                 m.grad_norm,
                 m.tokens,
                 m.step_time_s,
-                m.tokens_per_s
+                m.tokens_per_s,
+                m.tflops_megatrain
             );
         }
         Ok(())

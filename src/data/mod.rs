@@ -183,6 +183,12 @@ pub struct StepPlan {
     pub per_rank: Vec<Vec<MicroBatch>>,
     /// Unmasked label tokens in the whole global batch.
     pub tokens: u64,
+    /// Tokens including padding (Σ rows x padded length over micro-batches).
+    pub padded_tokens: u64,
+    /// Non-padding tokens.
+    pub real_tokens: u64,
+    /// Σ over rows of T(T+1)/2 for each row's real length T (causal attention pairs).
+    pub causal_pairs: u64,
 }
 
 /// Splits a global batch over ranks and micro-batches.
@@ -200,7 +206,10 @@ pub fn plan_step(
     let per_rank = rows.len() / world;
     let per_micro = per_rank / accum;
     let tokens = rows.iter().map(|&i| ds.rows[i].label_tokens() as u64).sum();
-    let per_rank = rows
+    let lens = || rows.iter().map(|&i| ds.rows[i].input_ids.len() as u64);
+    let real_tokens = lens().sum();
+    let causal_pairs = lens().map(|t| t * (t + 1) / 2).sum();
+    let per_rank: Vec<Vec<MicroBatch>> = rows
         .chunks(per_rank)
         .map(|rank_rows| {
             rank_rows
@@ -209,7 +218,18 @@ pub fn plan_step(
                 .collect()
         })
         .collect();
-    StepPlan { per_rank, tokens }
+    let padded_tokens = per_rank
+        .iter()
+        .flatten()
+        .map(|m| (m.rows * m.seq_len) as u64)
+        .sum();
+    StepPlan {
+        per_rank,
+        tokens,
+        padded_tokens,
+        real_tokens,
+        causal_pairs,
+    }
 }
 
 /// Right-pads rows to the longest one; padded labels are ignored.
@@ -264,6 +284,13 @@ mod tests {
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);
         assert_eq!(plan.tokens, (0..8).sum::<u64>());
+        assert_eq!(plan.real_tokens, (1..=8).sum::<u64>());
+        // Micro-batches of lengths (1,2) (3,4) (5,6) (7,8) pad to 2, 4, 6, 8.
+        assert_eq!(plan.padded_tokens, 2 * (2 + 4 + 6 + 8));
+        assert_eq!(
+            plan.causal_pairs,
+            (1..=8u64).map(|t| t * (t + 1) / 2).sum::<u64>()
+        );
         let m = &plan.per_rank[1][0]; // rows 4, 5 = lengths 5, 6
         assert_eq!((m.rows, m.seq_len), (2, 6));
         assert_eq!(&m.input_ids[..6], &[0, 1, 2, 3, 4, 0]);

@@ -3,8 +3,9 @@
 //! Forward: embed, then each layer with its input kept (the per-layer checkpoint), then the
 //! head with a chunked cross-entropy. Backward: the head, then each layer from the last,
 //! recomputed with grad on leaf views of its weights and its saved input, then the
-//! embedding. Each block's gradient goes to a slab slot as soon as it exists, and the
-//! launcher is told, so the host reduce overlaps the rest of the backward.
+//! embedding. Each block's gradient leaves for a slab slot as soon as it exists and the
+//! launcher is told once it has landed, so the host reduce overlaps the rest of the
+//! backward.
 
 use std::time::{Duration, Instant};
 
@@ -12,12 +13,12 @@ use anyhow::{Context, Result, bail};
 use ipc_channel::TryRecvError;
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use mt::config::hf::ModelSpec;
-use mt::layout::{Block, Layout};
+use mt::layout::Layout;
 use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{self, BlockWeights};
-use crate::stream::{BlockSource, SlabWriter, kind_of};
+use crate::stream::{Streamer, kind_of};
 
 /// How long the backward waits for the launcher to free a slab slot before giving up.
 const SLOT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -28,13 +29,7 @@ pub struct Engine {
     device: Device,
     kind: Kind,
     ce_chunk: i64,
-    source: BlockSource,
-    sink: GradSink,
-}
-
-/// The gradient slab and which of its slots this worker owns right now.
-pub struct GradSink {
-    slab: SlabWriter,
+    streamer: Streamer,
     free_slots: Vec<usize>,
 }
 
@@ -44,7 +39,7 @@ pub struct Link<'a> {
     pub rx: &'a IpcReceiver<ToWorker>,
 }
 
-/// What the launcher said while the engine waited for a slot, that is not a slot.
+/// The launcher asked to stop while the engine waited.
 #[derive(Debug)]
 pub struct Interrupted;
 
@@ -56,19 +51,24 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
+/// One micro-batch on the device: ids, the targets of the unmasked positions, and where
+/// those positions are in the flattened (B*T) batch.
+struct DeviceBatch {
+    ids_bt: Tensor,
+    valid_m: Tensor,
+    targets_m: Tensor,
+}
+
 impl Engine {
-    pub fn new(init: &Init, source: BlockSource, slab: SlabWriter) -> Engine {
+    pub fn new(init: &Init, streamer: Streamer) -> Engine {
         Engine {
             spec: init.spec.clone(),
             layout: init.layout.clone(),
             device: crate::stream::device_of(init.device),
             kind: kind_of(init.dtype),
             ce_chunk: init.ce_chunk_tokens as i64,
-            source,
-            sink: GradSink {
-                free_slots: (0..slab.slots()).rev().collect(),
-                slab,
-            },
+            streamer,
+            free_slots: (0..init.num_slots).rev().collect(),
         }
     }
 
@@ -80,26 +80,34 @@ impl Engine {
         loss_scale: f64,
         link: &Link,
     ) -> Result<(f64, u64, WorkerTimings)> {
-        let mut timings = WorkerTimings::default();
+        let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
+        self.streamer.begin_step(&self.layout)?;
         for (mi, mb) in micro.iter().enumerate() {
-            let (l, n) = self.micro_step(mi, mb, loss_scale, link, &mut timings)?;
-            loss_sum += l;
-            tokens += n;
+            let batch = self.upload(mi, mb)?;
+            self.streamer.begin_micro(&self.layout)?;
+            let t0 = Instant::now();
+            let (inputs, x_bth) = self.forward(&batch, mb.seq_len)?;
+            tm.forward_s += t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            loss_sum += self.backward(
+                mi, &batch, mb.seq_len, loss_scale, inputs, x_bth, link, &mut tm,
+            )?;
+            tm.backward_s += t1.elapsed().as_secs_f64();
+            self.streamer.end_micro()?;
+            tokens += batch.valid_m.size()[0] as u64;
         }
-        Ok((loss_sum, tokens, timings))
+        self.announce(link, true)?;
+        let stats = self.streamer.take_stats()?;
+        tm.h2d_wait_s = stats.h2d_wait_s;
+        tm.d2h_s = stats.d2h_s;
+        tm.peak_device_bytes = stats.peak_device_bytes;
+        Ok((loss_sum, tokens, tm))
     }
 
-    fn micro_step(
-        &mut self,
-        mi: usize,
-        mb: &MicroBatch,
-        scale: f64,
-        link: &Link,
-        timings: &mut WorkerTimings,
-    ) -> Result<(f64, u64)> {
+    fn upload(&self, mi: usize, mb: &MicroBatch) -> Result<DeviceBatch> {
         let (b, t) = (mb.rows as i64, mb.seq_len as i64);
-        if mb.input_ids.len() != (b * t) as usize || mb.labels.len() != (b * t) as usize {
+        if mb.input_ids.len() != (b * t) as usize || mb.labels.len() != (b * t) as usize || t == 0 {
             bail!(
                 "micro-batch {mi}: {} ids / {} labels for {b}x{t}",
                 mb.input_ids.len(),
@@ -114,152 +122,162 @@ impl Engine {
         let labels_bt = Tensor::from_slice(&mb.labels)
             .view([b, t])
             .to_kind(Kind::Int64);
-        let targets_bt = Tensor::cat(
-            &[
-                labels_bt.narrow(1, 1, t - 1),
-                Tensor::full([b, 1], -100, (Kind::Int64, Device::Cpu)),
-            ],
-            1,
-        );
-        let targets = targets_bt.reshape([-1]);
-        let valid = targets
-            .ne(-100)
-            .nonzero()
-            .reshape([-1])
-            .to_device(self.device);
-        let targets = targets.to_device(self.device).index_select(0, &valid);
-        let ctx = model::Context::new(&self.spec, mb.seq_len, self.kind, self.device);
+        let pad = Tensor::full([b, 1], -100, (Kind::Int64, Device::Cpu));
+        let targets = Tensor::cat(&[labels_bt.narrow(1, 1, t - 1), pad], 1).reshape([-1]);
+        let valid_m = targets.ne(-100).nonzero().reshape([-1]);
+        let targets_m = targets.index_select(0, &valid_m).to_device(self.device);
+        Ok(DeviceBatch {
+            ids_bt,
+            valid_m: valid_m.to_device(self.device),
+            targets_m,
+        })
+    }
+
+    /// Embedding and every layer without grad; returns each layer's input and the output.
+    fn forward(&mut self, batch: &DeviceBatch, seq_len: usize) -> Result<(Vec<Tensor>, Tensor)> {
         let layout = &self.layout;
+        let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
+        let _guard = tch::no_grad_guard();
+        let embed = self.streamer.embed(layout)?;
+        let mut x_bth = model::embed(
+            &self.spec,
+            &BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]),
+            &batch.ids_bt,
+        );
+        let mut inputs = Vec::with_capacity(layout.num_layers());
+        for l in 0..layout.num_layers() {
+            let flat = self.streamer.layer(layout, l)?;
+            let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
+            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
+            inputs.push(std::mem::replace(&mut x_bth, y_bth));
+        }
+        Ok((inputs, x_bth))
+    }
+
+    /// Head loss and gradients, then every layer recomputed and backpropagated, then the
+    /// embedding; returns the summed token loss.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &mut self,
+        mi: usize,
+        batch: &DeviceBatch,
+        seq_len: usize,
+        scale: f64,
+        mut inputs: Vec<Tensor>,
+        x_bth: Tensor,
+        link: &Link,
+        tm: &mut WorkerTimings,
+    ) -> Result<f64> {
+        let layout = self.layout.clone();
         let (embed_block, head_block) = (
             &layout.blocks[Layout::EMBED],
             &layout.blocks[layout.head_block()],
         );
-
-        // Forward, keeping each layer's input.
-        let t0 = Instant::now();
-        let mut inputs = Vec::with_capacity(layout.num_layers());
-        let mut x_bth = tch::no_grad(|| {
-            let w = self.source.fetch(embed_block);
-            model::embed(&self.spec, &BlockWeights::views(&w, embed_block), &ids_bt)
-        });
-        for l in 0..layout.num_layers() {
-            let block = &layout.blocks[layout.layer_block(l)];
-            let w = self.source.fetch(block);
-            let y = tch::no_grad(|| {
-                model::decoder_layer(&self.spec, l, &BlockWeights::views(&w, block), &x_bth, &ctx)
-            });
-            inputs.push(std::mem::replace(&mut x_bth, y));
-        }
-        timings.forward_s += t0.elapsed().as_secs_f64();
+        let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
+        let embed_w = BlockWeights::leaves(&self.streamer.embed(&layout)?, embed_block);
+        let head_w = BlockWeights::leaves(&self.streamer.head(&layout)?, head_block);
 
         // Head: final norm, chunked lm_head + cross-entropy, backward to the last hidden state.
-        let t1 = Instant::now();
-        let embed_flat = self.source.fetch(embed_block);
-        let embed_w = BlockWeights::leaves(&embed_flat, embed_block);
-        let head_flat = self.source.fetch(head_block);
-        let head_w = BlockWeights::leaves(&head_flat, head_block);
-        let lm_head = if layout.tied_embeddings {
-            embed_w.get("model.embed_tokens.weight")
-        } else {
-            head_w.get("lm_head.weight")
+        let lm_head = match layout.tied_embeddings {
+            true => embed_w.get("model.embed_tokens.weight"),
+            false => head_w.get("lm_head.weight"),
         };
         let h = self.spec.hidden_size as i64;
         let x_leaf = x_bth.detach().set_requires_grad(true);
-        let n_valid = valid.size()[0];
+        let n_valid = batch.valid_m.size()[0];
         let mut loss_sum = 0.0;
+        let mut dy_bth = x_leaf.zeros_like();
         if n_valid > 0 {
             let hn_mh = model::final_norm(
                 &self.spec,
                 &head_w,
-                &x_leaf.view([-1, h]).index_select(0, &valid),
+                &x_leaf.view([-1, h]).index_select(0, &batch.valid_m),
             );
             let hn_leaf = hn_mh.detach().set_requires_grad(true);
-            let mut start = 0;
-            while start < n_valid {
+            let mut losses = Vec::new();
+            for start in (0..n_valid).step_by(self.ce_chunk as usize) {
                 let len = self.ce_chunk.min(n_valid - start);
+                let h_ch = hn_leaf.narrow(0, start, len);
                 let loss = model::chunk_loss_sum(
                     &self.spec,
-                    &hn_leaf.narrow(0, start, len),
+                    &h_ch,
                     lm_head,
-                    &targets.narrow(0, start, len),
+                    &batch.targets_m.narrow(0, start, len),
                 );
-                loss_sum += loss.double_value(&[]);
-                (loss * scale).backward();
-                start += len;
+                (&loss * scale).backward();
+                losses.push(loss.detach());
             }
             (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
+            loss_sum = Tensor::stack(&losses, 0)
+                .sum(Kind::Double)
+                .double_value(&[]);
+            dy_bth = x_leaf.grad();
         }
-        self.sink
-            .send(mi, layout.head_block(), head_block, &head_w, link, timings)?;
-        let mut dy_bth = if n_valid > 0 {
-            x_leaf.grad()
-        } else {
-            x_leaf.zeros_like()
-        };
+        self.send(mi, layout.head_block(), &head_w, link, tm)?;
 
         // Layers, last to first: recompute with grad, backpropagate dy.
         for l in (0..layout.num_layers()).rev() {
-            let block = &layout.blocks[layout.layer_block(l)];
-            let flat = self.source.fetch(block);
-            let w = BlockWeights::leaves(&flat, block);
+            let flat = self.streamer.layer(&layout, l)?;
+            let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)]);
             let x_in = inputs
                 .pop()
-                .expect("one saved input per layer")
+                .context("one saved input per layer")?
                 .set_requires_grad(true);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, &ctx);
             (y_bth * &dy_bth).sum(Kind::Float).backward();
             dy_bth = x_in.grad();
-            self.sink
-                .send(mi, layout.layer_block(l), block, &w, link, timings)?;
+            self.send(mi, layout.layer_block(l), &w, link, tm)?;
         }
 
         // Embedding (with tied embeddings its leaf already holds the lm_head gradient).
-        let e_bth = model::embed(&self.spec, &embed_w, &ids_bt);
+        let e_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
         (e_bth * &dy_bth).sum(Kind::Float).backward();
-        self.sink
-            .send(mi, Layout::EMBED, embed_block, &embed_w, link, timings)?;
-        timings.backward_s += t1.elapsed().as_secs_f64();
-        Ok((loss_sum, n_valid as u64))
+        self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
+        Ok(loss_sum)
     }
 
-    pub fn free_slot(&mut self, slot: usize) {
-        self.sink.free_slot(slot);
-    }
-}
-
-impl GradSink {
-    /// Copies a block's gradients into a free slab slot and tells the launcher.
+    /// Hands a block's gradients to a free slab slot; announces whatever has landed.
     fn send(
         &mut self,
         mi: usize,
         index: usize,
-        block: &Block,
         w: &BlockWeights,
         link: &Link,
         tm: &mut WorkerTimings,
     ) -> Result<()> {
         let t0 = Instant::now();
-        let slot = self.take_slot(link.rx)?;
+        let slot = self.take_slot(link)?;
         tm.slot_wait_s += t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-        let out = self.slab.slot(slot, block.len)?;
-        w.write_grads(block, &out);
-        tm.d2h_s += t1.elapsed().as_secs_f64();
-        link.tx
-            .send(FromWorker::LayerGrads {
-                micro: mi,
-                block: index,
-                slot,
-            })
-            .context("launcher channel closed")?;
+        self.streamer
+            .offload(mi, index, &self.layout.blocks[index], w, slot)?;
+        self.announce(link, false)
+    }
+
+    /// Tells the launcher about every offload that has landed (all of them with `wait`).
+    fn announce(&mut self, link: &Link, wait: bool) -> Result<()> {
+        for d in self.streamer.delivered(wait)? {
+            link.tx
+                .send(FromWorker::LayerGrads {
+                    micro: d.micro,
+                    block: d.block,
+                    slot: d.slot,
+                })
+                .context("launcher channel closed")?;
+        }
         Ok(())
     }
 
-    fn take_slot(&mut self, rx: &IpcReceiver<ToWorker>) -> Result<usize> {
+    fn take_slot(&mut self, link: &Link) -> Result<usize> {
         let deadline = Instant::now() + SLOT_TIMEOUT;
         while self.free_slots.is_empty() {
+            // Slots come back only after the launcher reduced them, which needs our
+            // announcements: land and announce our own copies before blocking on it.
+            if self.streamer.wait_oldest()? {
+                self.announce(link, false)?;
+                continue;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
-            match rx.try_recv_timeout(left) {
+            match link.rx.try_recv_timeout(left) {
                 Ok(ToWorker::SlotFree { slot }) => self.free_slot(slot),
                 Ok(ToWorker::Shutdown) => return Err(Interrupted.into()),
                 Ok(other) => bail!("unexpected message mid-step: {other:?}"),
@@ -272,7 +290,7 @@ impl GradSink {
         Ok(self.free_slots.pop().expect("non-empty"))
     }
 
-    fn free_slot(&mut self, slot: usize) {
+    pub fn free_slot(&mut self, slot: usize) {
         debug_assert!(!self.free_slots.contains(&slot));
         self.free_slots.push(slot);
     }

@@ -72,19 +72,16 @@ fn run() -> Result<()> {
         let store = unsafe { Region::from_inherited_fd(&init.store) }?;
         // SAFETY: as above.
         let slab = unsafe { Region::from_inherited_fd(&init.slab) }?;
-        let source = stream::BlockSource::new(
+        let regions = stream::Regions {
             store,
-            init.dtype,
-            stream::device_of(init.device),
-            &init.layout,
-        )?;
-        let slab = stream::SlabWriter::new(
             slab,
-            init.dtype,
-            init.layout.max_block_len(),
-            init.num_slots,
-        )?;
-        let mut engine = Engine::new(&init, source, slab);
+            dtype: init.dtype,
+            slot_len: init.layout.max_block_len(),
+            slots: init.num_slots,
+        };
+        let streamer =
+            stream::Streamer::new(regions, &init.layout, stream::device_of(init.device))?;
+        let mut engine = Engine::new(&init, streamer);
         tx.send(FromWorker::Ready {
             device: init.device.to_string(),
         })?;
