@@ -27,10 +27,83 @@ STEPS = 3
 BATCH = 4
 ROWS = 12  # 3 steps x 4 rows, file order
 
+# Every case: a tiny random model (>= 2 layers, GQA, sizes that are not powers of two) with
+# its family's distinctive options switched on, sized so they matter: sliding windows
+# shorter than the rows (6..20 tokens), soft-caps near the score and logit magnitudes, RoPE
+# scalings whose regimes all occur; cases whose feature acts through attention scores use a
+# larger init, so that attention is far from uniform and the feature moves the loss.
+#   model_type: the transformers config class (AutoConfig.for_model)
+#   config: overrides of BASE
+#   train: overrides of TRAIN
+#   attn: attention implementation of the reference; Gemma 2 needs "eager", as transformers'
+#         SDPA path silently drops attention soft-capping
+#   row_len: every row this long (no padding), so that every micro-batch of every worker
+#         sees the same sequence length (dynamic NTK RoPE depends on it)
 CASES = {
-    # name: (config overrides, training overrides)
-    "llama": (dict(tie_word_embeddings=False, attention_bias=False), {}),
-    "llama_tied_bias": (dict(tie_word_embeddings=True, attention_bias=True), dict(weight_decay=0.0)),
+    "llama": dict(model_type="llama", config=dict(tie_word_embeddings=False, attention_bias=False)),
+    "llama_tied_bias": dict(
+        model_type="llama",
+        config=dict(tie_word_embeddings=True, attention_bias=True),
+        train=dict(weight_decay=0.0),
+    ),
+    "llama_rope_linear": dict(
+        model_type="llama",
+        config=dict(head_dim=10, mlp_bias=True, initializer_range=0.08, rope_parameters=dict(rope_type="linear", factor=2.5, rope_theta=10000.0)),
+    ),
+    "llama_rope_dynamic": dict(
+        model_type="llama",
+        config=dict(max_position_embeddings=12, initializer_range=0.08, rope_parameters=dict(rope_type="dynamic", factor=3.0, rope_theta=10000.0)),
+        row_len=19,
+    ),
+    "llama32_tied_rope_llama3": dict(
+        model_type="llama",
+        config=dict(
+            tie_word_embeddings=True, head_dim=16, max_position_embeddings=256, initializer_range=0.08,
+            rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=64, rope_theta=500000.0),
+        ),
+    ),
+    "llama_rope_yarn": dict(
+        model_type="llama",
+        config=dict(head_dim=12, max_position_embeddings=128, initializer_range=0.08,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                         rope_theta=10000.0)),
+    ),
+    "mistral_sliding": dict(model_type="mistral", config=dict(num_key_value_heads=3, sliding_window=5)),
+    "qwen2_bias_sliding": dict(
+        model_type="qwen2",
+        config=dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
+    "qwen3_qk_norm": dict(model_type="qwen3", config=dict(head_dim=10, tie_word_embeddings=True)),
+    "gemma2_softcap": dict(
+        model_type="gemma2",
+        config=dict(head_dim=10, query_pre_attn_scalar=12, sliding_window=5, initializer_range=0.2,
+                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=0),
+        attn="eager",
+    ),
+    "gemma3_text_local_rope": dict(
+        model_type="gemma3_text",
+        config=dict(
+            head_dim=10, query_pre_attn_scalar=12, sliding_window=5, initializer_range=0.2,
+            final_logit_softcapping=3.0, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=1000.0),
+            },
+        ),
+        attn="eager",
+    ),
+    "phi3_fused_longrope": dict(
+        model_type="phi3",
+        config=dict(
+            hidden_size=60, sliding_window=6, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+            max_position_embeddings=128, initializer_range=0.08,
+            original_max_position_embeddings=32,
+            rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.6,
+                                 short_factor=[1.0, 1.7, 2.9], long_factor=[1.2, 3.1, 5.3]),
+        ),
+    ),
 }
 
 BASE = dict(
@@ -42,15 +115,15 @@ BASE = dict(
     num_key_value_heads=2,
     max_position_embeddings=128,
     rms_norm_eps=1e-6,
-    rope_theta=10000.0,
 )
 TRAIN = dict(learning_rate=3e-3, weight_decay=0.1, max_grad_norm=1.0, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
-def make_rows(gen, vocab):
+def make_rows(gen, vocab, row_len=None):
     rows = []
     for i in range(ROWS):
         n = int(torch.randint(6, 21, (1,), generator=gen))
+        n = row_len or n
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         if i % 3 == 2:
             rows.append({"input_ids": ids})  # labels absent = input_ids
@@ -107,12 +180,15 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
-    for name, (cfg_over, tr_over) in CASES.items():
+    for name, case in CASES.items():
         out = os.path.join(args.out, name)
         os.makedirs(out, exist_ok=True)
         torch.manual_seed(1234)
-        cfg = transformers.LlamaConfig(**{**BASE, **cfg_over})
-        model = transformers.LlamaForCausalLM(cfg).float()
+        overrides = case["config"]
+        if "rope_parameters" not in overrides:
+            overrides = {**overrides, "rope_theta": 10000.0}
+        cfg = transformers.AutoConfig.for_model(case["model_type"], **{**BASE, **overrides})
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=case.get("attn")).float()
         # Non-trivial norm weights and biases, so their gradients and updates are checked.
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -120,11 +196,11 @@ def main():
                     p.add_(0.1 * torch.randn_like(p))
         model.save_pretrained(os.path.join(out, "model"))
         gen = torch.Generator().manual_seed(99)
-        rows = make_rows(gen, cfg.vocab_size)
+        rows = make_rows(gen, cfg.vocab_size, case.get("row_len"))
         with open(os.path.join(out, "data.jsonl"), "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-        tr = {**TRAIN, **tr_over}
+        tr = {**TRAIN, **case.get("train", {})}
         losses, norms = reference(model, rows, tr, os.path.join(out, "grads0.safetensors"))
         with open(os.path.join(out, "expected.json"), "w") as f:
             json.dump({"losses": losses, "grad_norms": norms, "transformers": transformers.__version__,

@@ -10,12 +10,15 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::hf::ModelSpec;
+use crate::config::hf::{Family, ModelSpec};
 
 /// Tensor start alignment inside a block, in elements (256 B for f32).
 const TENSOR_ALIGN: usize = 64;
 /// Block start alignment, in elements (8 KiB for f32, 4 KiB for bf16).
 const BLOCK_ALIGN: usize = 2048;
+
+/// A tensor name inside its block and its shape, before offsets are assigned.
+type NamedShape = (String, Vec<usize>);
 
 /// One named tensor inside a block.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,40 +90,19 @@ pub struct Layout {
 
 impl Layout {
     pub fn new(spec: &ModelSpec) -> Layout {
-        let (h, i, v) = (spec.hidden_size, spec.intermediate_size, spec.vocab_size);
-        let q = spec.num_heads * spec.head_dim;
-        let kv = spec.num_kv_heads * spec.head_dim;
-
-        let mut defs: Vec<(BlockKind, String, Vec<(String, Vec<usize>)>)> = Vec::new();
+        let (h, v) = (spec.hidden_size, spec.vocab_size);
+        let mut defs: Vec<(BlockKind, String, Vec<NamedShape>)> = Vec::new();
         defs.push((
             BlockKind::Embed,
             String::new(),
             vec![("model.embed_tokens.weight".into(), vec![v, h])],
         ));
         for l in 0..spec.num_layers {
-            let mut t: Vec<(String, Vec<usize>)> = vec![("input_layernorm.weight".into(), vec![h])];
-            for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-                t.push((format!("self_attn.{name}.weight"), vec![out, h]));
-                if spec.attention_bias {
-                    t.push((format!("self_attn.{name}.bias"), vec![out]));
-                }
-            }
-            t.push(("self_attn.o_proj.weight".into(), vec![h, q]));
-            if spec.attention_bias {
-                t.push(("self_attn.o_proj.bias".into(), vec![h]));
-            }
-            t.push(("post_attention_layernorm.weight".into(), vec![h]));
-            for (name, shape, bias) in [
-                ("gate_proj", vec![i, h], i),
-                ("up_proj", vec![i, h], i),
-                ("down_proj", vec![h, i], h),
-            ] {
-                t.push((format!("mlp.{name}.weight"), shape));
-                if spec.mlp_bias {
-                    t.push((format!("mlp.{name}.bias"), vec![bias]));
-                }
-            }
-            defs.push((BlockKind::Layer(l), format!("model.layers.{l}."), t));
+            defs.push((
+                BlockKind::Layer(l),
+                format!("model.layers.{l}."),
+                layer_tensors(spec),
+            ));
         }
         let mut head = vec![("model.norm.weight".to_string(), vec![h])];
         if !spec.tie_word_embeddings {
@@ -204,6 +186,49 @@ impl Layout {
     }
 }
 
+/// The tensors of one decoder layer, in the order of the family's modeling code, named as
+/// in its checkpoints (without the `model.layers.N.` prefix).
+fn layer_tensors(spec: &ModelSpec) -> Vec<NamedShape> {
+    let (h, i, d) = (spec.hidden_size, spec.intermediate_size, spec.head_dim);
+    let q = spec.num_heads * d;
+    let kv = spec.num_kv_heads * d;
+    let mut t: Vec<NamedShape> = Vec::new();
+    let mut push = |name: &str, shape: Vec<usize>| t.push((name.to_string(), shape));
+    let linear = |push: &mut dyn FnMut(&str, Vec<usize>), name: &str, out, inp, bias| {
+        push(&format!("{name}.weight"), vec![out, inp]);
+        if bias {
+            push(&format!("{name}.bias"), vec![out]);
+        }
+    };
+    push("input_layernorm.weight", vec![h]);
+    if spec.family == Family::Phi3 {
+        linear(&mut push, "self_attn.qkv_proj", q + 2 * kv, h, false);
+        linear(&mut push, "self_attn.o_proj", h, q, false);
+    } else {
+        linear(&mut push, "self_attn.q_proj", q, h, spec.qkv_bias);
+        linear(&mut push, "self_attn.k_proj", kv, h, spec.qkv_bias);
+        linear(&mut push, "self_attn.v_proj", kv, h, spec.qkv_bias);
+        linear(&mut push, "self_attn.o_proj", h, q, spec.o_bias);
+    }
+    if spec.qk_norm {
+        push("self_attn.q_norm.weight", vec![d]);
+        push("self_attn.k_norm.weight", vec![d]);
+    }
+    push("post_attention_layernorm.weight", vec![h]);
+    if spec.family == Family::Gemma {
+        push("pre_feedforward_layernorm.weight", vec![h]);
+        push("post_feedforward_layernorm.weight", vec![h]);
+    }
+    if spec.family == Family::Phi3 {
+        linear(&mut push, "mlp.gate_up_proj", 2 * i, h, false);
+    } else {
+        linear(&mut push, "mlp.gate_proj", i, h, spec.mlp_bias);
+        linear(&mut push, "mlp.up_proj", i, h, spec.mlp_bias);
+    }
+    linear(&mut push, "mlp.down_proj", h, i, spec.mlp_bias);
+    t
+}
+
 fn align(n: usize, a: usize) -> usize {
     n.div_ceil(a) * a
 }
@@ -212,24 +237,30 @@ fn align(n: usize, a: usize) -> usize {
 mod tests {
     use super::*;
 
+    fn spec(model_type: &str, extra: &str) -> ModelSpec {
+        let json = format!(
+            r#"{{"model_type":"{model_type}","vocab_size":67,"hidden_size":48,
+            "intermediate_size":88,"num_hidden_layers":3,"num_attention_heads":6,
+            "num_key_value_heads":2{extra}}}"#
+        );
+        let hf: crate::config::hf::HfConfig = serde_json::from_str(&json).unwrap();
+        ModelSpec::from_hf(&hf, std::path::Path::new("config.json")).unwrap()
+    }
+
     pub(crate) fn tiny_spec(tied: bool) -> ModelSpec {
-        ModelSpec {
-            model_type: "llama".into(),
-            vocab_size: 67,
-            hidden_size: 48,
-            intermediate_size: 88,
-            num_layers: 3,
-            num_heads: 6,
-            num_kv_heads: 2,
-            head_dim: 8,
-            rms_norm_eps: 1e-6,
-            rope_theta: 10000.0,
-            tie_word_embeddings: tied,
-            attention_bias: true,
-            mlp_bias: false,
-            initializer_range: 0.02,
-            pad_token_id: 0,
-        }
+        spec(
+            "llama",
+            &format!(r#","tie_word_embeddings":{tied},"attention_bias":true"#),
+        )
+    }
+
+    fn layer_names(s: &ModelSpec) -> Vec<String> {
+        let l = Layout::new(s);
+        l.blocks[l.layer_block(0)]
+            .tensors
+            .iter()
+            .map(|t| format!("{}{:?}", t.name, t.shape))
+            .collect()
     }
 
     #[test]
@@ -265,5 +296,53 @@ mod tests {
         let head = &l.blocks[l.head_block()];
         assert!(head.tensor("lm_head.weight").is_none());
         assert!(l.tied_embeddings);
+    }
+
+    #[test]
+    fn family_layers_hold_their_checkpoint_tensors() {
+        let names = layer_names(&spec("qwen2", ""));
+        assert!(names.contains(&"self_attn.k_proj.bias[16]".to_string()));
+        assert!(!names.iter().any(|n| n.starts_with("self_attn.o_proj.bias")));
+
+        let names = layer_names(&spec("qwen3", r#","head_dim":10"#));
+        assert!(names.contains(&"self_attn.q_proj.weight[60, 48]".to_string()));
+        assert!(names.contains(&"self_attn.o_proj.weight[48, 60]".to_string()));
+        assert!(names.contains(&"self_attn.q_norm.weight[10]".to_string()));
+        assert!(names.contains(&"self_attn.k_norm.weight[10]".to_string()));
+
+        let gemma2 = spec("gemma2", r#","head_dim":10"#);
+        let names = layer_names(&gemma2);
+        for n in [
+            "pre_feedforward_layernorm.weight[48]",
+            "post_feedforward_layernorm.weight[48]",
+            "mlp.gate_proj.weight[88, 48]",
+        ] {
+            assert!(names.contains(&n.to_string()), "{names:?}");
+        }
+        assert!(!names.iter().any(|n| n.contains("q_norm")));
+        assert!(
+            Layout::new(&gemma2).tied_embeddings,
+            "gemma ties by default"
+        );
+        let names = layer_names(&spec("gemma3_text", r#","head_dim":10"#));
+        assert!(names.contains(&"self_attn.k_norm.weight[10]".to_string()));
+        assert_eq!(names.len(), 13);
+
+        let names = layer_names(&spec("phi3", ""));
+        assert_eq!(
+            names,
+            [
+                "input_layernorm.weight[48]",
+                "self_attn.qkv_proj.weight[80, 48]",
+                "self_attn.o_proj.weight[48, 48]",
+                "post_attention_layernorm.weight[48]",
+                "mlp.gate_up_proj.weight[176, 48]",
+                "mlp.down_proj.weight[48, 88]",
+            ]
+        );
+
+        let names = layer_names(&spec("llama", r#","mlp_bias":true"#));
+        assert!(names.contains(&"mlp.down_proj.bias[48]".to_string()));
+        assert!(names.contains(&"mlp.gate_proj.bias[88]".to_string()));
     }
 }

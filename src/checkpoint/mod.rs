@@ -139,14 +139,20 @@ fn convert_into(dst: &mut [f32], dtype: Dtype, bytes: &[u8]) -> std::result::Res
 }
 
 /// transformers' `_init_weights` for these families: weights ~ normal(0, initializer_range),
-/// norms 1, biases 0. Deterministic in `seed`, independent of the thread count.
+/// norms 1 (0 where the norm multiplies by `1 + w`, as Gemma's), biases 0. Deterministic in
+/// `seed`, independent of the thread count.
 pub fn init_random(layout: &Layout, spec: &ModelSpec, seed: u64, master: &mut [f32]) {
     const PIECE: usize = 1 << 20;
     let normal = Normal::new(0.0f32, spec.initializer_range as f32).expect("finite std");
+    let norm_init = if spec.family.norm_adds_one() {
+        0.0
+    } else {
+        1.0
+    };
     for (ti, (b, t)) in layout.tensors().enumerate() {
         let dst = &mut master[Layout::global_range(b, t)];
         if t.name.ends_with("norm.weight") {
-            dst.fill(1.0);
+            dst.fill(norm_init);
         } else if t.name.ends_with(".bias") {
             dst.fill(0.0);
         } else {

@@ -1,18 +1,39 @@
 //! Hugging Face `config.json`: the file format (`HfConfig`, lenient: HF configs carry many
 //! keys we do not use) and the internal, validated architecture (`ModelSpec`) that the
 //! layout and the worker's model code are built from.
+//!
+//! `ModelSpec::from_hf` resolves everything a family leaves implicit the way transformers'
+//! `configuration_<family>.py` does: per-family defaults for absent keys, which layers use a
+//! sliding window, which projections carry biases, the RoPE variant and its parameters (both
+//! the transformers 5 `rope_parameters` form and the older `rope_theta` + `rope_scaling`
+//! form), so the worker only reads plain fields.
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
-/// Model families the worker can compute, by HF `model_type`.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama"];
+/// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
+/// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+];
 
-/// The subset of an HF `config.json` we read.
-#[derive(Debug, Clone, Deserialize)]
+/// RoPE variants (`rope_type`) we compute.
+pub const SUPPORTED_ROPE_TYPES: &[&str] =
+    &["default", "linear", "dynamic", "llama3", "yarn", "longrope"];
+
+/// The subset of an HF `config.json` we read. `Option<Option<T>>` fields tell an absent key
+/// (family default applies) from an explicit `null` (feature off).
+#[derive(Debug, Clone, Default, Deserialize)]
 pub struct HfConfig {
     pub model_type: Option<String>,
     pub vocab_size: Option<usize>,
@@ -23,28 +44,141 @@ pub struct HfConfig {
     pub num_key_value_heads: Option<usize>,
     pub head_dim: Option<usize>,
     pub rms_norm_eps: Option<f64>,
+    pub max_position_embeddings: Option<usize>,
+    /// Phi-3 keeps the pre-training length here, outside the RoPE dict.
+    pub original_max_position_embeddings: Option<usize>,
     pub rope_theta: Option<f64>,
-    pub rope_parameters: Option<RopeParameters>,
-    pub rope_scaling: Option<RopeParameters>,
+    /// transformers 5: one RoPE dict, or one per layer type (Gemma 3).
+    pub rope_parameters: Option<Value>,
+    /// transformers 4: the scaling dict (`type`/`rope_type`, `factor`, …).
+    pub rope_scaling: Option<Value>,
+    /// Gemma 3 (transformers 4): RoPE base of the sliding-window layers.
+    pub rope_local_base_freq: Option<f64>,
+    pub partial_rotary_factor: Option<f64>,
     pub tie_word_embeddings: Option<bool>,
     pub attention_bias: Option<bool>,
     pub mlp_bias: Option<bool>,
     pub hidden_act: Option<String>,
+    /// Gemma's name for the MLP activation.
+    pub hidden_activation: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    pub sliding_window: Option<Option<usize>>,
+    pub use_sliding_window: Option<bool>,
+    pub max_window_layers: Option<usize>,
+    pub layer_types: Option<Vec<String>>,
+    pub sliding_window_pattern: Option<usize>,
+    pub query_pre_attn_scalar: Option<f64>,
+    #[serde(default, deserialize_with = "present")]
+    pub attn_logit_softcapping: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "present")]
+    pub final_logit_softcapping: Option<Option<f64>>,
+    pub use_bidirectional_attention: Option<bool>,
+    pub attention_dropout: Option<f64>,
+    pub resid_pdrop: Option<f64>,
+    pub embd_pdrop: Option<f64>,
     pub initializer_range: Option<f64>,
-    pub pad_token_id: Option<serde_json::Value>,
+    pub pad_token_id: Option<Value>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-pub struct RopeParameters {
-    pub rope_theta: Option<f64>,
-    #[serde(alias = "type")]
-    pub rope_type: Option<String>,
+/// Deserializes a present key (value or null) as `Some(..)`; with `#[serde(default)]` an
+/// absent key stays `None`.
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> std::result::Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// Which model file of the worker computes a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Family {
+    /// Llama, Mistral, Qwen2: they differ only in biases and sliding windows.
+    Llama,
+    /// Qwen3: RMSNorm on each query and key head.
+    Qwen3,
+    /// Gemma 2 and Gemma 3 text: (1 + w) norms around attention and MLP, scaled embedding.
+    Gemma,
+    /// Phi-3: fused qkv_proj and gate_up_proj.
+    Phi3,
+}
+
+impl Family {
+    /// Norm weights act as `1 + w` (Gemma); random init sets them to 0 instead of 1.
+    pub fn norm_adds_one(self) -> bool {
+        self == Family::Gemma
+    }
+}
+
+/// The MLP activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Activation {
+    Silu,
+    /// `gelu_pytorch_tanh`: GELU with the tanh approximation.
+    GeluTanh,
+    /// `gelu`: exact GELU.
+    Gelu,
+}
+
+/// Attention pattern of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AttentionKind {
+    /// Causal over the whole sequence.
+    Full,
+    /// Causal over the last `sliding_window` positions (itself included).
+    Sliding,
+}
+
+/// Rotary embedding of one layer kind, as transformers' `ROPE_INIT_FUNCTIONS` define it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RopeSpec {
+    /// Base wavelength (`rope_theta`).
+    pub theta: f64,
+    /// Leading dims of each head that rotate (`head_dim * partial_rotary_factor`).
+    pub rotary_dim: usize,
+    pub scaling: RopeScaling,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    Default,
+    /// Frequencies divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// NTK: the base grows once the sequence passes `max_position_embeddings`.
+    Dynamic {
+        factor: f64,
+        max_position_embeddings: usize,
+    },
+    /// Llama 3.1 piecewise frequency scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+    /// YaRN; `attention_factor` (resolved) multiplies cos and sin.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
+    /// LongRoPE (Phi-3): per-frequency factors, long ones past the original length.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
 }
 
 /// The architecture, validated; everything the layout and the model math need.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
     pub model_type: String,
+    pub family: Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -53,12 +187,73 @@ pub struct ModelSpec {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f64,
-    pub rope_theta: f64,
+    pub hidden_act: Activation,
     pub tie_word_embeddings: bool,
-    pub attention_bias: bool,
+    /// q_proj, k_proj and v_proj carry biases.
+    pub qkv_bias: bool,
+    /// o_proj carries a bias.
+    pub o_bias: bool,
+    /// gate_proj, up_proj and down_proj carry biases.
     pub mlp_bias: bool,
+    /// Per-head RMSNorm of queries and keys (`self_attn.q_norm`, `self_attn.k_norm`).
+    pub qk_norm: bool,
+    /// One entry per layer.
+    pub layer_types: Vec<AttentionKind>,
+    /// Window of the `Sliding` layers (set whenever one exists).
+    pub sliding_window: Option<usize>,
+    /// RoPE of the full-attention layers (and of all layers unless `rope_local` is set).
+    pub rope: RopeSpec,
+    /// RoPE of the sliding-window layers where it differs (Gemma 3's local base).
+    pub rope_local: Option<RopeSpec>,
+    /// Multiplies q·k before the softmax.
+    pub attn_scale: f64,
+    /// `cap * tanh(scores / cap)` on attention scores (Gemma 2).
+    pub attn_softcap: Option<f64>,
+    /// `cap * tanh(logits / cap)` on the output logits (Gemma).
+    pub final_softcap: Option<f64>,
+    /// Embeddings are multiplied by this (Gemma: sqrt(hidden_size)).
+    pub embed_scale: Option<f64>,
+    pub max_position_embeddings: usize,
     pub initializer_range: f64,
+    /// Token id the launcher pads batches with.
     pub pad_token_id: i64,
+    /// Row of the embedding that gets no gradient (`nn.Embedding(padding_idx=pad_token_id)`).
+    pub embed_padding_idx: Option<i64>,
+}
+
+/// What a family leaves implicit when a key is absent from config.json (the defaults of its
+/// transformers config class).
+struct Defaults {
+    family: Family,
+    rms_norm_eps: f64,
+    act: &'static str,
+    tie: bool,
+    max_pos: usize,
+    sliding_window: Option<usize>,
+    head_dim: Option<usize>,
+}
+
+fn defaults(model_type: &str) -> Option<Defaults> {
+    let d = |family, rms_norm_eps, act, tie, max_pos, sliding_window, head_dim| Defaults {
+        family,
+        rms_norm_eps,
+        act,
+        tie,
+        max_pos,
+        sliding_window,
+        head_dim,
+    };
+    let (gelu, win) = ("gelu_pytorch_tanh", Some(4096));
+    Some(match model_type {
+        "llama" => d(Family::Llama, 1e-6, "silu", false, 2048, None, None),
+        "mistral" => d(Family::Llama, 1e-6, "silu", false, 131_072, win, None),
+        "qwen2" => d(Family::Llama, 1e-6, "silu", false, 32_768, win, None),
+        "qwen3" => d(Family::Qwen3, 1e-6, "silu", false, 32_768, win, Some(128)),
+        "gemma2" => d(Family::Gemma, 1e-6, gelu, true, 8192, win, Some(256)),
+        "gemma3_text" => d(Family::Gemma, 1e-6, gelu, true, 131_072, win, Some(256)),
+        "phi3" => d(Family::Phi3, 1e-5, "silu", false, 4096, None, None),
+        _ => return None,
+    })
 }
 
 impl ModelSpec {
@@ -86,71 +281,492 @@ impl ModelSpec {
             .model_type
             .clone()
             .ok_or_else(|| err("`model_type` is missing".into()))?;
-        if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
+        let Some(def) = defaults(&model_type) else {
             return Err(err(format!(
                 "unsupported model_type `{model_type}`; supported: {}",
                 SUPPORTED_MODEL_TYPES.join(", ")
             )));
-        }
+        };
+        let family = def.family;
+        let is = |t: &str| model_type == t;
+        let gemma3 = is("gemma3_text");
+
         let hidden_size = need(hf.hidden_size, "hidden_size")?;
         let num_heads = need(hf.num_attention_heads, "num_attention_heads")?;
+        let num_layers = need(hf.num_hidden_layers, "num_hidden_layers")?;
         let num_kv_heads = hf.num_key_value_heads.unwrap_or(num_heads);
-        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        if num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             return Err(err(format!(
                 "num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
             )));
         }
-        let head_dim = match hf.head_dim {
+        let head_dim = match hf.head_dim.or(def.head_dim) {
             Some(d) => d,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
             None => {
                 return Err(err(format!(
                     "hidden_size ({hidden_size}) is not divisible by num_attention_heads ({num_heads}) and head_dim is not given"
                 )));
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(err(format!("head_dim ({head_dim}) must be even and > 0")));
         }
-        let rope = hf.rope_parameters.as_ref().or(hf.rope_scaling.as_ref());
-        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref())
-            && kind != "default"
-        {
-            return Err(err(format!(
-                "rope type `{kind}` is not supported yet (only `default`)"
-            )));
+
+        let act_name = if family == Family::Gemma {
+            hf.hidden_activation.as_deref()
+        } else {
+            hf.hidden_act.as_deref()
         }
-        let rope_theta = hf
-            .rope_theta
-            .or(rope.and_then(|r| r.rope_theta))
-            .unwrap_or(10_000.0);
-        if let Some(act) = hf.hidden_act.as_deref()
-            && act != "silu"
-        {
-            return Err(err(format!(
-                "hidden_act `{act}` is not supported for {model_type} (expected silu)"
-            )));
+        .unwrap_or(def.act);
+        let hidden_act = match act_name {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" => Activation::GeluTanh,
+            "gelu" => Activation::Gelu,
+            other => {
+                return Err(err(format!(
+                    "activation `{other}` is not supported (supported: silu, gelu_pytorch_tanh, gelu)"
+                )));
+            }
+        };
+
+        for (key, p) in [
+            ("attention_dropout", hf.attention_dropout),
+            ("resid_pdrop", hf.resid_pdrop),
+            ("embd_pdrop", hf.embd_pdrop),
+        ] {
+            if let Some(p) = p.filter(|&p| p != 0.0) {
+                return Err(err(format!(
+                    "`{key}` is {p}: dropout is not implemented; set it to 0"
+                )));
+            }
         }
-        let pad_token_id = match &hf.pad_token_id {
-            Some(serde_json::Value::Number(n)) => n.as_i64().unwrap_or(0),
-            _ => 0,
+        if hf.use_bidirectional_attention == Some(true) {
+            return Err(err(
+                "`use_bidirectional_attention: true` is not supported (causal LM training only)"
+                    .into(),
+            ));
+        }
+
+        // Biases, as each family's modeling code hard-wires or reads them.
+        let attention_bias = hf.attention_bias.unwrap_or(false);
+        let (qkv_bias, o_bias) = match model_type.as_str() {
+            "qwen2" => (true, false),
+            "mistral" | "phi3" => (false, false),
+            _ => (attention_bias, attention_bias),
+        };
+        let mlp_bias = is("llama") && hf.mlp_bias.unwrap_or(false);
+
+        // Sliding windows: which layers, and how wide.
+        let window = match hf.sliding_window {
+            None => def.sliding_window,
+            Some(w) => w,
+        };
+        let (window, layer_types) = match model_type.as_str() {
+            "llama" => (None, vec![AttentionKind::Full; num_layers]),
+            "mistral" | "phi3" => {
+                let kind = if window.is_some() {
+                    AttentionKind::Sliding
+                } else {
+                    AttentionKind::Full
+                };
+                (window, vec![kind; num_layers])
+            }
+            "qwen2" | "qwen3" => {
+                let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
+                let from = hf.max_window_layers.unwrap_or(28);
+                let computed = (0..num_layers)
+                    .map(|i| {
+                        if window.is_some() && i >= from {
+                            AttentionKind::Sliding
+                        } else {
+                            AttentionKind::Full
+                        }
+                    })
+                    .collect();
+                (window, layer_types(hf, num_layers, computed, &err)?)
+            }
+            _ => {
+                // Gemma 2 alternates; Gemma 3 has one global layer in `sliding_window_pattern`.
+                let every = if is("gemma2") {
+                    2
+                } else {
+                    hf.sliding_window_pattern.unwrap_or(6).max(1)
+                };
+                let computed = (0..num_layers)
+                    .map(|i| {
+                        if !(i + 1).is_multiple_of(every) {
+                            AttentionKind::Sliding
+                        } else {
+                            AttentionKind::Full
+                        }
+                    })
+                    .collect();
+                (window, layer_types(hf, num_layers, computed, &err)?)
+            }
+        };
+        let any_sliding = layer_types.contains(&AttentionKind::Sliding);
+        if any_sliding && window.is_none_or(|w| w == 0) {
+            return Err(err(
+                "`layer_types` has sliding_attention layers but `sliding_window` is not a positive integer".into(),
+            ));
+        }
+        let sliding_window = window.filter(|_| any_sliding);
+
+        // Rotary embeddings.
+        let max_position_embeddings = hf.max_position_embeddings.unwrap_or(def.max_pos);
+        let ctx = RopeCtx {
+            head_dim,
+            max_pos: max_position_embeddings,
+            top_original: hf.original_max_position_embeddings,
+            top_partial: hf.partial_rotary_factor,
+            phi3: family == Family::Phi3,
+        };
+        let scaling_dict = hf
+            .rope_scaling
+            .as_ref()
+            .filter(|v| !v.is_null())
+            .or(hf.rope_parameters.as_ref().filter(|v| !v.is_null()));
+        let scaling_dict = match scaling_dict {
+            Some(Value::Object(m)) => Some(m),
+            Some(other) => {
+                return Err(err(format!(
+                    "`rope_parameters` / `rope_scaling` must be an object, got {other}"
+                )));
+            }
+            None => None,
+        };
+        let nested = scaling_dict.is_some_and(|m| {
+            m.contains_key("full_attention") || m.contains_key("sliding_attention")
+        });
+        let (rope, rope_local) = if is("gemma3_text") || nested {
+            // One dict per layer type; the transformers 4 form keeps the global scaling
+            // in `rope_scaling`, the global base in `rope_theta`, the local one in
+            // `rope_local_base_freq`.
+            let (global_default, local_default) = if is("gemma3_text") {
+                (1_000_000.0, 10_000.0)
+            } else {
+                (10_000.0, 10_000.0)
+            };
+            let part = |key: &str| -> Result<Option<&Map<String, Value>>> {
+                match scaling_dict.filter(|_| nested).and_then(|m| m.get(key)) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(Value::Object(m)) => Ok(Some(m)),
+                    Some(other) => Err(err(format!(
+                        "`rope_parameters.{key}` must be an object, got {other}"
+                    ))),
+                }
+            };
+            let global_dict = if nested {
+                part("full_attention")?
+            } else {
+                scaling_dict
+            };
+            let global = ctx.parse(
+                global_dict,
+                hf.rope_theta.unwrap_or(global_default),
+                "full_attention",
+                &err,
+            )?;
+            let local = ctx.parse(
+                part("sliding_attention")?,
+                hf.rope_local_base_freq.unwrap_or(local_default),
+                "sliding_attention",
+                &err,
+            )?;
+            (global, Some(local).filter(|_| any_sliding))
+        } else {
+            (
+                ctx.parse(scaling_dict, hf.rope_theta.unwrap_or(10_000.0), "", &err)?,
+                None,
+            )
+        };
+
+        let gemma = family == Family::Gemma;
+        let attn_scale = if gemma {
+            hf.query_pre_attn_scalar.unwrap_or(256.0).powf(-0.5)
+        } else {
+            (head_dim as f64).powf(-0.5)
+        };
+        let softcap = |v: Option<Option<f64>>, default: Option<f64>| {
+            v.unwrap_or(default).filter(|&c| c > 0.0)
+        };
+        // Gemma 3's attention in transformers ignores `attn_logit_softcapping`.
+        let attn_softcap = softcap(hf.attn_logit_softcapping, Some(50.0)).filter(|_| is("gemma2"));
+        let final_softcap = if gemma {
+            softcap(hf.final_logit_softcapping, is("gemma2").then_some(30.0))
+        } else {
+            None
+        };
+
+        let vocab_size = need(hf.vocab_size, "vocab_size")?;
+        let pad = match &hf.pad_token_id {
+            Some(Value::Number(n)) => n.as_i64(),
+            _ => None,
+        };
+        let embed_padding_idx = match pad {
+            Some(p) if (-(vocab_size as i64)..vocab_size as i64).contains(&p) => {
+                Some(p.rem_euclid(vocab_size as i64))
+            }
+            Some(p) => {
+                return Err(err(format!(
+                    "pad_token_id ({p}) is outside the vocabulary (vocab_size {vocab_size})"
+                )));
+            }
+            None => None,
         };
         Ok(ModelSpec {
             model_type,
-            vocab_size: need(hf.vocab_size, "vocab_size")?,
+            family,
+            vocab_size,
             hidden_size,
             intermediate_size: need(hf.intermediate_size, "intermediate_size")?,
-            num_layers: need(hf.num_hidden_layers, "num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta,
-            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
-            attention_bias: hf.attention_bias.unwrap_or(false),
-            mlp_bias: hf.mlp_bias.unwrap_or(false),
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(def.rms_norm_eps),
+            hidden_act,
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(def.tie),
+            qkv_bias,
+            o_bias,
+            mlp_bias,
+            qk_norm: family == Family::Qwen3 || gemma3,
+            layer_types,
+            sliding_window,
+            rope,
+            rope_local,
+            attn_scale,
+            attn_softcap,
+            final_softcap,
+            embed_scale: gemma.then(|| (hidden_size as f64).sqrt()),
+            max_position_embeddings,
             initializer_range: hf.initializer_range.unwrap_or(0.02),
-            pad_token_id,
+            pad_token_id: embed_padding_idx.unwrap_or(0),
+            embed_padding_idx,
+        })
+    }
+}
+
+/// `layer_types` from config.json when present (checked), else the family's pattern.
+fn layer_types(
+    hf: &HfConfig,
+    num_layers: usize,
+    computed: Vec<AttentionKind>,
+    err: &dyn Fn(String) -> Error,
+) -> Result<Vec<AttentionKind>> {
+    let Some(given) = &hf.layer_types else {
+        return Ok(computed);
+    };
+    if given.len() != num_layers {
+        return Err(err(format!(
+            "`layer_types` has {} entries for {num_layers} layers",
+            given.len()
+        )));
+    }
+    given
+        .iter()
+        .map(|t| match t.as_str() {
+            "full_attention" => Ok(AttentionKind::Full),
+            "sliding_attention" => Ok(AttentionKind::Sliding),
+            other => Err(err(format!(
+                "`layer_types` entry `{other}` is not supported (full_attention, sliding_attention)"
+            ))),
+        })
+        .collect()
+}
+
+/// What RoPE parsing needs besides the dict.
+struct RopeCtx {
+    head_dim: usize,
+    max_pos: usize,
+    top_original: Option<usize>,
+    top_partial: Option<f64>,
+    phi3: bool,
+}
+
+impl RopeCtx {
+    /// One RoPE dict (absent: default RoPE with `theta`) as transformers standardizes it.
+    fn parse(
+        &self,
+        dict: Option<&Map<String, Value>>,
+        theta: f64,
+        which: &str,
+        err: &dyn Fn(String) -> Error,
+    ) -> Result<RopeSpec> {
+        let empty = Map::new();
+        let m = dict.unwrap_or(&empty);
+        let key = |k: &str| {
+            if which.is_empty() {
+                format!("rope_parameters.{k}")
+            } else {
+                format!("rope_parameters.{which}.{k}")
+            }
+        };
+        let num = |k: &str| -> Result<Option<f64>> {
+            match m.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| err(format!("`{}` must be a number, got {v}", key(k)))),
+            }
+        };
+        let need = |k: &str| -> Result<f64> {
+            num(k)?.ok_or_else(|| err(format!("`{}` is required for this rope type", key(k))))
+        };
+        let list = |k: &str| -> Result<Vec<f64>> {
+            m.get(k)
+                .and_then(Value::as_array)
+                .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| err(format!("`{}` must be a list of numbers", key(k))))
+        };
+        let mut kind = m
+            .get("rope_type")
+            .or_else(|| m.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if self.phi3 && matches!(kind, "su" | "yarn") {
+            kind = "longrope"; // transformers' Phi-3 renames its legacy types
+        }
+        let theta = num("rope_theta")?.unwrap_or(theta);
+        if !(theta.is_finite() && theta > 1.0) {
+            return Err(err(format!(
+                "`{}` ({theta}) must be > 1",
+                key("rope_theta")
+            )));
+        }
+        let partial = num("partial_rotary_factor")?
+            .or(self.top_partial)
+            .unwrap_or(1.0);
+        if partial != 1.0 && !self.phi3 {
+            return Err(err(format!(
+                "`partial_rotary_factor` ({partial}) is only supported for phi3"
+            )));
+        }
+        let rotary_dim = (self.head_dim as f64 * partial) as usize;
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > self.head_dim {
+            return Err(err(format!(
+                "rotary dim {rotary_dim} (head_dim {} x partial_rotary_factor {partial}) must be even, > 0 and <= head_dim",
+                self.head_dim
+            )));
+        }
+        // transformers gives a top-level `original_max_position_embeddings` priority.
+        let original = || -> Result<usize> {
+            let v = match self.top_original {
+                Some(v) => v,
+                None => num("original_max_position_embeddings")?
+                    .map(|v| v as usize)
+                    .unwrap_or(self.max_pos),
+            };
+            if v == 0 {
+                return Err(err(format!(
+                    "`{}` must be > 0",
+                    key("original_max_position_embeddings")
+                )));
+            }
+            Ok(v)
+        };
+        let factor_at_least_one = |f: f64| -> Result<f64> {
+            if f.is_finite() && f >= 1.0 {
+                Ok(f)
+            } else {
+                Err(err(format!("`{}` ({f}) must be >= 1", key("factor"))))
+            }
+        };
+        let scaling = match kind {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear {
+                factor: factor_at_least_one(need("factor")?)?,
+            },
+            "dynamic" => RopeScaling::Dynamic {
+                factor: factor_at_least_one(need("factor")?)?,
+                max_position_embeddings: self.max_pos,
+            },
+            "llama3" => {
+                let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
+                if high <= low {
+                    return Err(err(format!(
+                        "`{}` ({high}) must be greater than `low_freq_factor` ({low})",
+                        key("high_freq_factor")
+                    )));
+                }
+                RopeScaling::Llama3 {
+                    factor: factor_at_least_one(need("factor")?)?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: original()?,
+                }
+            }
+            "yarn" => {
+                let original = original()?;
+                let factor = num("factor")?.unwrap_or(self.max_pos as f64 / original as f64);
+                let mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let attention_factor = match num("attention_factor")? {
+                    Some(a) => a,
+                    None => match (num("mscale")?, num("mscale_all_dim")?) {
+                        (Some(a), Some(b)) if a != 0.0 && b != 0.0 => {
+                            mscale(factor, a) / mscale(factor, b)
+                        }
+                        _ => mscale(factor, 1.0),
+                    },
+                };
+                // transformers' `get(..) or default`: 0 means the default too.
+                let beta = |k: &str, d: f64| -> Result<f64> {
+                    Ok(num(k)?.filter(|&b| b != 0.0).unwrap_or(d))
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast: beta("beta_fast", 32.0)?,
+                    beta_slow: beta("beta_slow", 1.0)?,
+                    attention_factor,
+                    truncate: m.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                }
+            }
+            "longrope" => {
+                let original = original()?;
+                let (short, long) = (list("short_factor")?, list("long_factor")?);
+                for (k, l) in [("short_factor", &short), ("long_factor", &long)] {
+                    if l.len() != rotary_dim / 2 {
+                        return Err(err(format!(
+                            "`{}` has {} entries, expected rotary dim / 2 = {}",
+                            key(k),
+                            l.len(),
+                            rotary_dim / 2
+                        )));
+                    }
+                }
+                let factor = num("factor")?.unwrap_or(self.max_pos as f64 / original as f64);
+                let attention_factor = match num("attention_factor")? {
+                    Some(a) => a,
+                    None if factor <= 1.0 => 1.0,
+                    None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+                };
+                RopeScaling::LongRope {
+                    short_factor: short,
+                    long_factor: long,
+                    original_max_position_embeddings: original,
+                    attention_factor,
+                }
+            }
+            other => {
+                return Err(err(format!(
+                    "rope type `{other}` is not supported; supported: {}",
+                    SUPPORTED_ROPE_TYPES.join(", ")
+                )));
+            }
+        };
+        Ok(RopeSpec {
+            theta,
+            rotary_dim,
+            scaling,
         })
     }
 }
@@ -164,23 +780,43 @@ mod tests {
         ModelSpec::from_hf(&hf, Path::new("config.json"))
     }
 
-    const TINY: &str = r#"{"model_type":"llama","vocab_size":67,"hidden_size":48,
-        "intermediate_size":88,"num_hidden_layers":2,"num_attention_heads":6,
-        "num_key_value_heads":2,"rope_parameters":{"rope_theta":500000.0,"rope_type":"default"}}"#;
+    /// A tiny config of `model_type` with `extra` keys merged in.
+    fn tiny(model_type: &str, extra: &str) -> Result<ModelSpec> {
+        let sep = if extra.is_empty() { "" } else { "," };
+        spec(&format!(
+            r#"{{"model_type":"{model_type}","vocab_size":67,"hidden_size":48,
+            "intermediate_size":88,"num_hidden_layers":4,"num_attention_heads":6,
+            "num_key_value_heads":2{sep}{extra}}}"#
+        ))
+    }
+
+    use AttentionKind::{Full, Sliding};
 
     #[test]
     fn reads_transformers5_rope_parameters() {
-        let s = spec(TINY).unwrap();
+        let s = tiny(
+            "llama",
+            r#""rope_parameters":{"rope_theta":500000.0,"rope_type":"default"}"#,
+        )
+        .unwrap();
         assert_eq!(s.head_dim, 8);
-        assert_eq!(s.rope_theta, 500000.0);
-        assert!(!s.tie_word_embeddings);
+        assert_eq!(s.family, Family::Llama);
+        assert_eq!(s.rope.theta, 500000.0);
+        assert_eq!(s.rope.scaling, RopeScaling::Default);
+        assert!(!s.tie_word_embeddings && !s.qkv_bias && !s.o_bias);
+        assert_eq!(s.layer_types, vec![Full; 4]);
+        assert_eq!(s.embed_padding_idx, None);
+        assert_eq!(s.attn_scale, 8f64.powf(-0.5));
     }
 
     #[test]
     fn unsupported_type_lists_supported() {
         let e = spec(r#"{"model_type":"bert"}"#).unwrap_err().to_string();
         assert!(
-            e.contains("unsupported model_type `bert`") && e.contains("llama"),
+            e.contains("unsupported model_type `bert`")
+                && e.contains("llama")
+                && e.contains("gemma3_text")
+                && e.contains("phi3"),
             "{e}"
         );
     }
@@ -191,5 +827,246 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("hidden_size"), "{e}");
+    }
+
+    #[test]
+    fn llama_rope_scalings_old_and_new_forms() {
+        // transformers 4: rope_theta beside rope_scaling with `type`.
+        let s = tiny(
+            "llama",
+            r#""rope_theta":20000.0,"rope_scaling":{"type":"linear","factor":2.0}"#,
+        )
+        .unwrap();
+        assert_eq!(s.rope.theta, 20000.0);
+        assert_eq!(s.rope.scaling, RopeScaling::Linear { factor: 2.0 });
+
+        let s = tiny(
+            "llama",
+            r#""max_position_embeddings":64,"rope_parameters":{"rope_type":"dynamic","factor":3.0}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            s.rope.scaling,
+            RopeScaling::Dynamic {
+                factor: 3.0,
+                max_position_embeddings: 64
+            }
+        );
+
+        let s = tiny(
+            "llama",
+            r#""rope_parameters":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+            "high_freq_factor":4.0,"original_max_position_embeddings":8192,"rope_theta":500000.0}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            s.rope.scaling,
+            RopeScaling::Llama3 {
+                original_max_position_embeddings: 8192,
+                ..
+            }
+        ));
+
+        // YaRN: the attention factor is derived from `factor` when absent.
+        let s = tiny(
+            "llama",
+            r#""max_position_embeddings":4096,"rope_parameters":{"rope_type":"yarn","factor":4.0,
+            "original_max_position_embeddings":1024}"#,
+        )
+        .unwrap();
+        let RopeScaling::Yarn {
+            attention_factor,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } = s.rope.scaling
+        else {
+            panic!("{:?}", s.rope)
+        };
+        assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        assert_eq!((beta_fast, beta_slow, truncate), (32.0, 1.0, true));
+
+        let e = tiny(
+            "llama",
+            r#""rope_scaling":{"rope_type":"llama3","factor":8.0}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("low_freq_factor"), "{e}");
+        let e = tiny("llama", r#""rope_scaling":{"rope_type":"ntk-by-parts"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("ntk-by-parts") && e.contains("yarn"), "{e}");
+    }
+
+    #[test]
+    fn mistral_slides_every_layer_unless_null() {
+        let s = tiny("mistral", r#""sliding_window":5"#).unwrap();
+        assert_eq!(s.sliding_window, Some(5));
+        assert_eq!(s.layer_types, vec![Sliding; 4]);
+        // Absent: MistralConfig's default window.
+        assert_eq!(tiny("mistral", "").unwrap().sliding_window, Some(4096));
+        let s = tiny("mistral", r#""sliding_window":null"#).unwrap();
+        assert_eq!((s.sliding_window, s.layer_types[0]), (None, Full));
+        assert!(
+            !tiny("mistral", r#""attention_bias":true"#)
+                .unwrap()
+                .qkv_bias
+        );
+    }
+
+    #[test]
+    fn qwen2_has_qkv_bias_and_upper_sliding_layers() {
+        let s = tiny("qwen2", r#""sliding_window":7"#).unwrap();
+        assert!(s.qkv_bias && !s.o_bias && !s.mlp_bias);
+        assert_eq!((s.sliding_window, s.layer_types[3]), (None, Full));
+        let s = tiny(
+            "qwen2",
+            r#""use_sliding_window":true,"sliding_window":7,"max_window_layers":2"#,
+        )
+        .unwrap();
+        assert_eq!(s.layer_types, vec![Full, Full, Sliding, Sliding]);
+        assert_eq!(s.sliding_window, Some(7));
+        // transformers 5 writes layer_types; they win.
+        let s = tiny(
+            "qwen2",
+            r#""use_sliding_window":true,"sliding_window":7,"layer_types":
+            ["sliding_attention","full_attention","full_attention","full_attention"]"#,
+        )
+        .unwrap();
+        assert_eq!(s.layer_types, vec![Sliding, Full, Full, Full]);
+        let e = tiny("qwen2", r#""layer_types":["full_attention"]"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("layer_types") && e.contains("4 layers"), "{e}");
+    }
+
+    #[test]
+    fn qwen3_has_qk_norm_and_explicit_head_dim() {
+        let s = tiny("qwen3", r#""head_dim":10,"attention_bias":true"#).unwrap();
+        assert_eq!(s.family, Family::Qwen3);
+        assert!(s.qk_norm && s.qkv_bias && s.o_bias);
+        assert_eq!(s.head_dim, 10);
+        assert_eq!(s.attn_scale, 10f64.powf(-0.5));
+    }
+
+    #[test]
+    fn gemma2_defaults_softcaps_alternation_and_scales() {
+        let s = tiny(
+            "gemma2",
+            r#""head_dim":10,"query_pre_attn_scalar":12,"sliding_window":5,"pad_token_id":0"#,
+        )
+        .unwrap();
+        assert_eq!(s.family, Family::Gemma);
+        assert_eq!(s.hidden_act, Activation::GeluTanh);
+        assert!(s.tie_word_embeddings && !s.qk_norm);
+        assert_eq!(s.layer_types, vec![Sliding, Full, Sliding, Full]);
+        assert_eq!(s.attn_softcap, Some(50.0));
+        assert_eq!(s.final_softcap, Some(30.0));
+        assert_eq!(s.attn_scale, 12f64.powf(-0.5));
+        assert_eq!(s.embed_scale, Some(48f64.sqrt()));
+        assert_eq!(s.embed_padding_idx, Some(0));
+        assert_eq!(s.rope_local, None);
+        let s = tiny(
+            "gemma2",
+            r#""attn_logit_softcapping":null,"final_logit_softcapping":null"#,
+        )
+        .unwrap();
+        assert_eq!((s.attn_softcap, s.final_softcap), (None, None));
+    }
+
+    #[test]
+    fn gemma3_local_rope_both_forms() {
+        // transformers 4: rope_theta / rope_local_base_freq / rope_scaling for global.
+        let s = tiny(
+            "gemma3_text",
+            r#""sliding_window_pattern":2,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,
+            "rope_scaling":{"rope_type":"linear","factor":8.0},"attn_logit_softcapping":50.0"#,
+        )
+        .unwrap();
+        assert!(s.qk_norm && s.attn_softcap.is_none() && s.final_softcap.is_none());
+        assert_eq!(s.layer_types, vec![Sliding, Full, Sliding, Full]);
+        assert_eq!(s.rope.theta, 1e6);
+        assert_eq!(s.rope.scaling, RopeScaling::Linear { factor: 8.0 });
+        let local = s.rope_local.unwrap();
+        assert_eq!((local.theta, local.scaling), (1e4, RopeScaling::Default));
+
+        // transformers 5: one dict per layer type.
+        let s = tiny(
+            "gemma3_text",
+            r#""layer_types":["sliding_attention","sliding_attention","sliding_attention","full_attention"],
+            "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":50000.0},
+            "sliding_attention":{"rope_type":"default","rope_theta":700.0}}"#,
+        )
+        .unwrap();
+        assert_eq!(s.rope.theta, 50000.0);
+        assert_eq!(s.rope_local.unwrap().theta, 700.0);
+        assert_eq!(s.layer_types[3], Full);
+        // Defaults: 1e6 global, 1e4 local, one global layer in six.
+        let s = tiny("gemma3_text", "").unwrap();
+        assert_eq!(s.rope.theta, 1e6);
+        assert_eq!(s.layer_types, vec![Sliding; 4]);
+        let e = tiny("gemma3_text", r#""use_bidirectional_attention":true"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("use_bidirectional_attention"), "{e}");
+    }
+
+    #[test]
+    fn phi3_longrope_partial_rotary_and_window() {
+        let factors = "[1.0,1.5,2.0]";
+        let s = tiny(
+            "phi3",
+            &format!(
+                r#""max_position_embeddings":64,"original_max_position_embeddings":16,
+                "sliding_window":5,"partial_rotary_factor":0.75,
+                "rope_scaling":{{"type":"su","short_factor":{factors},"long_factor":{factors}}}"#
+            ),
+        )
+        .unwrap();
+        assert_eq!(s.family, Family::Phi3);
+        assert_eq!((s.head_dim, s.rope.rotary_dim), (8, 6));
+        assert_eq!(s.rms_norm_eps, 1e-5);
+        assert_eq!(s.layer_types, vec![Sliding; 4]);
+        let RopeScaling::LongRope {
+            attention_factor,
+            original_max_position_embeddings,
+            ..
+        } = s.rope.scaling
+        else {
+            panic!("{:?}", s.rope)
+        };
+        assert_eq!(original_max_position_embeddings, 16);
+        assert!((attention_factor - (1.0 + 4f64.ln() / 16f64.ln()).sqrt()).abs() < 1e-12);
+        let e = tiny(
+            "phi3",
+            r#""rope_scaling":{"type":"longrope","short_factor":[1],"long_factor":[1]}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("short_factor") && e.contains("expected"), "{e}");
+        let e = tiny("llama", r#""partial_rotary_factor":0.5"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only supported for phi3"), "{e}");
+    }
+
+    #[test]
+    fn dropout_and_bad_pad_are_rejected() {
+        let e = tiny("phi3", r#""resid_pdrop":0.1"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("resid_pdrop"), "{e}");
+        let e = tiny("phi3", r#""pad_token_id":32000"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pad_token_id"), "{e}");
+        assert_eq!(
+            tiny("llama", r#""pad_token_id":-1"#)
+                .unwrap()
+                .embed_padding_idx,
+            Some(66)
+        );
     }
 }

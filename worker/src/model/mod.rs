@@ -1,40 +1,102 @@
 //! Model math. One architecture family per file, pure functions of (weights, input); the
 //! weights are views into a flat block buffer, looked up by their checkpoint names, so no
 //! module objects are built and loading needs no renaming table.
+//!
+//! | file        | transformers model_type        |
+//! |-------------|--------------------------------|
+//! | `llama.rs`  | llama, mistral, qwen2          |
+//! | `qwen3.rs`  | qwen3                          |
+//! | `gemma.rs`  | gemma2, gemma3_text            |
+//! | `phi3.rs`   | phi3                           |
+//!
+//! `common.rs` holds the pieces they share (norms, attention, embedding, loss) and
+//! `rope.rs` the rotary embeddings.
+//!
+//! Shapes: B batch rows, T sequence length, H hidden size, M selected tokens, C tokens in a
+//! loss chunk, V vocabulary.
 
-pub mod llama;
+mod common;
+mod gemma;
+mod llama;
+mod phi3;
+mod qwen3;
+mod rope;
 
 use std::collections::HashMap;
 
-use mt::config::hf::ModelSpec;
+use mt::config::hf::{AttentionKind, Family, ModelSpec};
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
-/// Per-sequence-length tables a family precomputes once per micro-batch (rotary cos/sin).
+use rope::Rope;
+
+/// Per-micro-batch tables a model precomputes once for its sequence length T: rotary
+/// cos/sin per layer kind and the attention masks.
 pub struct Context {
-    rope: llama::Rope,
+    rope: Rope,
+    /// Sliding-window layers' RoPE where it differs (Gemma 3).
+    rope_local: Option<Rope>,
+    /// (T, T), true where a sliding-window layer may attend (causal and within the
+    /// window); None when the window spans the whole sequence.
+    sliding_mask_tt: Option<Tensor>,
+    /// (T, T) causal mask, built only for the explicit (soft-capped) attention.
+    causal_mask_tt: Option<Tensor>,
+}
+
+/// What one layer reads from the context.
+pub struct LayerCtx<'a> {
+    pub rope: &'a Rope,
+    /// True where a query (row) may attend to a key (column); None: plain causal.
+    pub mask_tt: Option<&'a Tensor>,
 }
 
 impl Context {
     pub fn new(spec: &ModelSpec, seq_len: usize, kind: Kind, device: Device) -> Context {
+        let t = seq_len as i64;
+        let q_t1 = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(1);
+        let k_1t = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(0);
+        let causal_tt = || k_1t.le_tensor(&q_t1);
+        let sliding_mask_tt = spec
+            .sliding_window
+            .filter(|&w| w < seq_len)
+            .map(|w| causal_tt().logical_and(&(&q_t1 - &k_1t).lt(w as i64)));
         Context {
-            rope: llama::Rope::new(spec, seq_len, kind, device),
+            rope: Rope::new(&spec.rope, seq_len, kind, device),
+            rope_local: spec
+                .rope_local
+                .as_ref()
+                .map(|r| Rope::new(r, seq_len, kind, device)),
+            sliding_mask_tt,
+            causal_mask_tt: spec.attn_softcap.map(|_| causal_tt()),
+        }
+    }
+
+    /// The RoPE and mask of layer `layer`.
+    fn layer(&self, spec: &ModelSpec, layer: usize) -> LayerCtx<'_> {
+        match spec.layer_types[layer] {
+            AttentionKind::Full => LayerCtx {
+                rope: &self.rope,
+                mask_tt: self.causal_mask_tt.as_ref(),
+            },
+            AttentionKind::Sliding => LayerCtx {
+                rope: self.rope_local.as_ref().unwrap_or(&self.rope),
+                mask_tt: self
+                    .sliding_mask_tt
+                    .as_ref()
+                    .or(self.causal_mask_tt.as_ref()),
+            },
         }
     }
 }
 
-// The family dispatch: the engine calls only these. Each family file provides the same
-// functions; `spec.model_type` picks one (ModelSpec::from_hf rejects unknown types).
+// The family dispatch: the engine calls only these; `spec.family` picks the file.
 
 /// Token embedding: ids (B, T) -> (B, T, H).
 pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
-    match spec.model_type.as_str() {
-        _ => llama::embed(w, ids_bt),
-    }
+    common::embed(spec, w, ids_bt)
 }
 
-/// Decoder layer `layer` (0-based; families with per-layer attention kinds need it):
-/// (B, T, H) -> (B, T, H).
+/// Decoder layer `layer` (0-based): (B, T, H) -> (B, T, H).
 pub fn decoder_layer(
     spec: &ModelSpec,
     layer: usize,
@@ -42,16 +104,22 @@ pub fn decoder_layer(
     x_bth: &Tensor,
     ctx: &Context,
 ) -> Tensor {
-    let _ = layer;
-    match spec.model_type.as_str() {
-        _ => llama::decoder_layer(w, spec, x_bth, &ctx.rope),
+    let lc = ctx.layer(spec, layer);
+    match spec.family {
+        Family::Llama => llama::decoder_layer(spec, w, x_bth, &lc),
+        Family::Qwen3 => qwen3::decoder_layer(spec, w, x_bth, &lc),
+        Family::Gemma => gemma::decoder_layer(spec, w, x_bth, &lc),
+        Family::Phi3 => phi3::decoder_layer(spec, w, x_bth, &lc),
     }
 }
 
 /// Final norm of selected hidden states (M, H) -> (M, H).
 pub fn final_norm(spec: &ModelSpec, head: &BlockWeights, h_mh: &Tensor) -> Tensor {
-    match spec.model_type.as_str() {
-        _ => llama::final_norm(head, spec, h_mh),
+    match spec.family {
+        Family::Gemma => gemma::final_norm(spec, head, h_mh),
+        Family::Llama | Family::Qwen3 | Family::Phi3 => {
+            common::rms_norm(h_mh, head.get("model.norm.weight"), spec.rms_norm_eps)
+        }
     }
 }
 
@@ -62,9 +130,7 @@ pub fn chunk_loss_sum(
     lm_head_vh: &Tensor,
     targets_c: &Tensor,
 ) -> Tensor {
-    match spec.model_type.as_str() {
-        _ => llama::chunk_loss_sum(h_ch, lm_head_vh, targets_c),
-    }
+    common::chunk_loss_sum(spec, h_ch, lm_head_vh, targets_c)
 }
 
 /// The tensors of one layout block, as views into its flat buffer.

@@ -1,0 +1,167 @@
+//! Building blocks the family files share: projections, the two RMSNorm conventions,
+//! activations, attention (fused SDPA, or explicit where scores are soft-capped), the
+//! embedding and the chunked loss. Each follows transformers' numerics, dtype casts included.
+//!
+//! Shapes: B batch rows, T sequence length, H hidden size, N attention heads, K key/value
+//! heads, D head dim, V vocabulary, C tokens in a loss chunk.
+
+use mt::config::hf::{Activation, ModelSpec};
+use tch::{Kind, Tensor};
+
+use super::{BlockWeights, LayerCtx};
+
+/// `x W^T (+ b)` with the weight (and bias, when the block has one) named `{name}.weight`.
+pub fn linear(x: &Tensor, w: &BlockWeights, name: &str) -> Tensor {
+    let bias = w.opt(&format!("{name}.bias"));
+    x.linear(w.get(&format!("{name}.weight")), bias)
+}
+
+/// Llama RMSNorm: the statistic in f32, cast back, then scaled: `w * norm(x).to(dtype)`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    w * (xf * (var + eps).rsqrt()).to_kind(x.kind())
+}
+
+/// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`.
+pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    (xf * (var + eps).rsqrt() * (w.to_kind(Kind::Float) + 1.0)).to_kind(x.kind())
+}
+
+pub fn activation(x: &Tensor, act: Activation) -> Tensor {
+    match act {
+        Activation::Silu => x.silu(),
+        Activation::GeluTanh => x.gelu("tanh"),
+        Activation::Gelu => x.gelu("none"),
+    }
+}
+
+/// `down(act(gate(x)) * up(x))`: (B, T, H) -> (B, T, H).
+pub fn gated_mlp(w: &BlockWeights, spec: &ModelSpec, x_bth: &Tensor) -> Tensor {
+    let gate_bti = activation(&linear(x_bth, w, "mlp.gate_proj"), spec.hidden_act);
+    let up_bti = linear(x_bth, w, "mlp.up_proj");
+    linear(&(gate_bti * up_bti), w, "mlp.down_proj")
+}
+
+/// (B, T, N*D) -> (B, N, T, D) for `heads` heads.
+pub fn split_heads(x_btf: &Tensor, heads: usize, d: usize) -> Tensor {
+    let (b, t) = (x_btf.size()[0], x_btf.size()[1]);
+    x_btf.view([b, t, heads as i64, d as i64]).transpose(1, 2)
+}
+
+/// (B, N, T, D) -> (B, T, N*D).
+pub fn merge_heads(x_bntd: &Tensor) -> Tensor {
+    let s = x_bntd.size();
+    x_bntd.transpose(1, 2).reshape([s[0], s[2], s[1] * s[3]])
+}
+
+/// Causal attention of rotated queries over keys and values (K heads shared by N/K query
+/// heads each), with the layer's mask: (B, N, T, D) -> (B, N, T, D).
+pub fn attend(
+    spec: &ModelSpec,
+    q_bntd: &Tensor,
+    k_bktd: &Tensor,
+    v_bktd: &Tensor,
+    lc: &LayerCtx,
+) -> Tensor {
+    let gqa = spec.num_kv_heads != spec.num_heads;
+    match (spec.attn_softcap, lc.mask_tt) {
+        (None, None) => Tensor::scaled_dot_product_attention(
+            q_bntd,
+            k_bktd,
+            v_bktd,
+            None::<Tensor>,
+            0.0,
+            true,
+            spec.attn_scale,
+            gqa,
+        ),
+        (None, Some(mask_tt)) => Tensor::scaled_dot_product_attention(
+            q_bntd,
+            k_bktd,
+            v_bktd,
+            Some(mask_tt),
+            0.0,
+            false,
+            spec.attn_scale,
+            gqa,
+        ),
+        (Some(cap), mask) => {
+            let mask_tt = mask.expect("Context builds a mask for soft-capped attention");
+            softcapped_attention(spec, q_bntd, k_bktd, v_bktd, mask_tt, cap)
+        }
+    }
+}
+
+/// transformers' eager attention with `cap * tanh(scores / cap)` before the mask; the
+/// softmax in f32, its result cast back to the compute dtype.
+fn softcapped_attention(
+    spec: &ModelSpec,
+    q_bntd: &Tensor,
+    k_bktd: &Tensor,
+    v_bktd: &Tensor,
+    mask_tt: &Tensor,
+    cap: f64,
+) -> Tensor {
+    let rep = (spec.num_heads / spec.num_kv_heads) as i64;
+    let k_bntd = repeat_kv(k_bktd, rep);
+    let v_bntd = repeat_kv(v_bktd, rep);
+    let scores_bntt = q_bntd.matmul(&k_bntd.transpose(2, 3)) * spec.attn_scale;
+    let scores_bntt = (scores_bntt / cap).tanh() * cap;
+    let scores_bntt = scores_bntt.masked_fill(&mask_tt.logical_not(), f64::NEG_INFINITY);
+    let p_bntt = scores_bntt.softmax(-1, Kind::Float).to_kind(q_bntd.kind());
+    p_bntt.matmul(&v_bntd)
+}
+
+/// (B, K, T, D) -> (B, K*rep, T, D), each key/value head repeated for its query heads.
+fn repeat_kv(x_bktd: &Tensor, rep: i64) -> Tensor {
+    if rep == 1 {
+        return x_bktd.shallow_clone();
+    }
+    let s = x_bktd.size();
+    x_bktd
+        .unsqueeze(2)
+        .expand([s[0], s[1], rep, s[2], s[3]], false)
+        .reshape([s[0], s[1] * rep, s[2], s[3]])
+}
+
+/// Token embedding: ids (B, T) -> (B, T, H); the padding row gets no gradient and Gemma's
+/// scale is applied in the weight's dtype (sqrt(H) as f32, then cast, as transformers does).
+pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
+    let table_vh = w.get("model.embed_tokens.weight");
+    let pad = spec.embed_padding_idx.unwrap_or(-1);
+    let e_bth = Tensor::embedding(table_vh, ids_bt, pad, false, false);
+    match spec.embed_scale {
+        None => e_bth,
+        Some(s) => {
+            let scale =
+                Tensor::scalar_tensor(s, (Kind::Float, table_vh.device())).to_kind(table_vh.kind());
+            e_bth * scale
+        }
+    }
+}
+
+/// Summed token cross-entropy of one chunk: logits = h W^T in the compute dtype (soft-capped
+/// there when the family caps them), the loss in f32 (as transformers upcasts logits), -100
+/// ignored.
+pub fn chunk_loss_sum(
+    spec: &ModelSpec,
+    h_ch: &Tensor,
+    lm_head_vh: &Tensor,
+    targets_c: &Tensor,
+) -> Tensor {
+    let logits_cv = h_ch.linear(lm_head_vh, None::<Tensor>);
+    let logits_cv = match spec.final_softcap {
+        Some(cap) => (logits_cv / cap).tanh() * cap,
+        None => logits_cv,
+    };
+    logits_cv.to_kind(Kind::Float).cross_entropy_loss(
+        targets_c,
+        None::<Tensor>,
+        tch::Reduction::Sum,
+        -100,
+        0.0,
+    )
+}

@@ -1,0 +1,49 @@
+//! Phi-3, as transformers' `modeling_phi3.py` computes it: Llama with the q/k/v projections
+//! fused into one `qkv_proj` (rows: N*D queries, then K*D keys, then K*D values) and gate
+//! and up fused into `gate_up_proj` (rows: I gate, then I up), RoPE on the first R dims of
+//! each head only (partial rotary, `Rope::apply`), and an optional sliding window on every
+//! layer.
+//!
+//! Shapes: B batch rows, T sequence length, H hidden size, I intermediate size, N attention
+//! heads, K key/value heads, D head dim. Suffixes name a tensor's shape (`x_bth`).
+
+use mt::config::hf::ModelSpec;
+use tch::Tensor;
+
+use super::common::{activation, attend, linear, merge_heads, rms_norm, split_heads};
+use super::{BlockWeights, LayerCtx};
+
+/// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`.
+pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let eps = spec.rms_norm_eps;
+    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
+    let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
+    let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
+    let mlp_bth = mlp(spec, w, &mlp_in_bth);
+    h_bth + mlp_bth
+}
+
+fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let (n, k, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
+    let qkv_btf = linear(x_bth, w, "self_attn.qkv_proj");
+    let (q_len, kv_len) = ((n * d) as i64, (k * d) as i64);
+    let q_bntd = split_heads(&qkv_btf.narrow(-1, 0, q_len), n, d);
+    let k_bktd = split_heads(&qkv_btf.narrow(-1, q_len, kv_len), k, d);
+    let v_bktd = split_heads(&qkv_btf.narrow(-1, q_len + kv_len, kv_len), k, d);
+    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
+    linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
+}
+
+/// `down(up * act(gate))` with `[gate; up] = gate_up(x)`.
+fn mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
+    let gate_up_bt2i = linear(x_bth, w, "mlp.gate_up_proj");
+    let i = spec.intermediate_size as i64;
+    let gate_bti = gate_up_bt2i.narrow(-1, 0, i);
+    let up_bti = gate_up_bt2i.narrow(-1, i, i);
+    linear(
+        &(up_bti * activation(&gate_bti, spec.hidden_act)),
+        w,
+        "mlp.down_proj",
+    )
+}

@@ -1,0 +1,40 @@
+//! Qwen3, as transformers' `modeling_qwen3.py` computes it: Llama with an RMSNorm over each
+//! query and key head (`self_attn.q_norm`, `self_attn.k_norm`, weights of size D) before
+//! the rotary embedding, and optional sliding-window layers.
+//!
+//! Shapes: B batch rows, T sequence length, H hidden size, N attention heads, K key/value
+//! heads, D head dim. Suffixes name a tensor's shape (`x_bth`).
+
+use mt::config::hf::ModelSpec;
+use tch::Tensor;
+
+use super::common::{attend, gated_mlp, linear, merge_heads, rms_norm, split_heads};
+use super::{BlockWeights, LayerCtx};
+
+/// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`.
+pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let eps = spec.rms_norm_eps;
+    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
+    let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
+    let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
+    let mlp_bth = gated_mlp(w, spec, &mlp_in_bth);
+    h_bth + mlp_bth
+}
+
+fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let (n, k, d, eps) = (
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.rms_norm_eps,
+    );
+    // The per-head norm acts on the last dim, so it may run before or after the transpose.
+    let q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
+    let q_bntd = rms_norm(&q_bntd, w.get("self_attn.q_norm.weight"), eps);
+    let k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
+    let k_bktd = rms_norm(&k_bktd, w.get("self_attn.k_norm.weight"), eps);
+    let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
+    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
+    linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
+}

@@ -1,0 +1,246 @@
+//! Rotary position embeddings: the inverse frequencies of each RoPE variant, as
+//! transformers' `ROPE_INIT_FUNCTIONS` compute them, and the cos/sin tables built from them.
+//!
+//! Sequence-dependent variants (dynamic NTK, LongRoPE's long factors) are a pure function of
+//! the micro-batch length T here, where transformers keeps state across forward calls (its
+//! dynamic RoPE only resets below the original length). Both agree whenever T stays at or
+//! below `max_position_embeddings` (dynamic) or `original_max_position_embeddings` (LongRoPE).
+//!
+//! Shapes: T sequence length, D head dim, R rotary dims (R <= D; Phi-3's partial rotary).
+
+use std::f64::consts::PI;
+
+use mt::config::hf::{RopeScaling, RopeSpec};
+use tch::{Device, Kind, Tensor};
+
+/// The R/2 inverse frequencies for a sequence of `seq_len` positions, and the factor that
+/// multiplies cos and sin (`attention_scaling`; 1 except YaRN and LongRoPE).
+pub fn inv_freq(r: &RopeSpec, seq_len: usize) -> (Vec<f64>, f64) {
+    let dim = r.rotary_dim as f64;
+    let half = r.rotary_dim / 2;
+    // base^(2i/R) for i in 0..R/2.
+    let powers =
+        |base: f64| -> Vec<f64> { (0..half).map(|i| base.powf((2 * i) as f64 / dim)).collect() };
+    let plain = |base: f64| -> Vec<f64> { powers(base).iter().map(|p| 1.0 / p).collect() };
+    match &r.scaling {
+        RopeScaling::Default => (plain(r.theta), 1.0),
+        RopeScaling::Linear { factor } => {
+            (plain(r.theta).iter().map(|f| f / factor).collect(), 1.0)
+        }
+        RopeScaling::Dynamic {
+            factor,
+            max_position_embeddings,
+        } => {
+            let max = *max_position_embeddings as f64;
+            let len = (seq_len as f64).max(max);
+            let base = r.theta * ((factor * len / max) - (factor - 1.0)).powf(dim / (dim - 2.0));
+            (plain(base), 1.0)
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let old = *original_max_position_embeddings as f64;
+            let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+            let freqs = plain(r.theta)
+                .into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect();
+            (freqs, 1.0)
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            truncate,
+        } => {
+            let orig = *original_max_position_embeddings as f64;
+            let correction_dim =
+                |rotations: f64| dim * (orig / (rotations * 2.0 * PI)).ln() / (2.0 * r.theta.ln());
+            let (mut low, mut high) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
+            if *truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            let freqs = powers(r.theta)
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    (1.0 / (factor * p)) * (1.0 - extrapolation) + (1.0 / p) * extrapolation
+                })
+                .collect();
+            (freqs, *attention_factor)
+        }
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => {
+            let ext = if seq_len > *original_max_position_embeddings {
+                long_factor
+            } else {
+                short_factor
+            };
+            let freqs = powers(r.theta)
+                .iter()
+                .zip(ext)
+                .map(|(p, e)| 1.0 / (e * p))
+                .collect();
+            (freqs, *attention_factor)
+        }
+    }
+}
+
+/// cos/sin tables for positions 0..T in the compute dtype: (1, 1, T, R).
+pub struct Rope {
+    cos_11tr: Tensor,
+    sin_11tr: Tensor,
+    rotary_dim: i64,
+}
+
+impl Rope {
+    pub fn new(r: &RopeSpec, seq_len: usize, kind: Kind, device: Device) -> Rope {
+        let (freqs, scaling) = inv_freq(r, seq_len);
+        let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();
+        let inv_freq_r2 = Tensor::from_slice(&freqs).to_device(device);
+        let pos_t = Tensor::arange(seq_len as i64, (Kind::Float, device));
+        // Angles in f32, as transformers forces, then cast to the compute dtype.
+        let angle_tr2 = pos_t.unsqueeze(1) * inv_freq_r2.unsqueeze(0);
+        let emb_tr = Tensor::cat(&[&angle_tr2, &angle_tr2], -1);
+        let shape = [1, 1, seq_len as i64, r.rotary_dim as i64];
+        Rope {
+            cos_11tr: (emb_tr.cos() * scaling).to_kind(kind).view(shape),
+            sin_11tr: (emb_tr.sin() * scaling).to_kind(kind).view(shape),
+            rotary_dim: r.rotary_dim as i64,
+        }
+    }
+
+    /// Rotates the first R dims of each head: (B, N, T, D) -> (B, N, T, D).
+    pub fn apply(&self, x_bntd: &Tensor) -> Tensor {
+        let d = x_bntd.size()[3];
+        if self.rotary_dim == d {
+            return x_bntd * &self.cos_11tr + rotate_half(x_bntd) * &self.sin_11tr;
+        }
+        let x_bntr = x_bntd.narrow(-1, 0, self.rotary_dim);
+        let pass = x_bntd.narrow(-1, self.rotary_dim, d - self.rotary_dim);
+        let rotated = &x_bntr * &self.cos_11tr + rotate_half(&x_bntr) * &self.sin_11tr;
+        Tensor::cat(&[&rotated, &pass], -1)
+    }
+}
+
+/// (x1, x2) -> (-x2, x1) over the halves of the last dim.
+fn rotate_half(x: &Tensor) -> Tensor {
+    let half = x.size()[x.dim() - 1] / 2;
+    let x1 = x.narrow(-1, 0, half);
+    let x2 = x.narrow(-1, half, half);
+    Tensor::cat(&[&x2.neg(), &x1], -1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(scaling: RopeScaling) -> RopeSpec {
+        RopeSpec {
+            theta: 10_000.0,
+            rotary_dim: 8,
+            scaling,
+        }
+    }
+
+    fn close(got: &[f64], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-6 * w.abs(), "{got:?} vs {want:?}");
+        }
+    }
+
+    // Expected values: transformers 5.17's ROPE_INIT_FUNCTIONS with head_dim 8, theta 1e4.
+    #[test]
+    fn variants_match_transformers() {
+        let base = [1.0, 0.1, 0.01, 0.001];
+        close(&inv_freq(&spec(RopeScaling::Default), 5).0, &base);
+        close(
+            &inv_freq(&spec(RopeScaling::Linear { factor: 4.0 }), 5).0,
+            &base.map(|f| f / 4.0),
+        );
+        let dynamic = spec(RopeScaling::Dynamic {
+            factor: 2.0,
+            max_position_embeddings: 16,
+        });
+        close(&inv_freq(&dynamic, 16).0, &base);
+        // base' = 1e4 * (2 * 32 / 16 - 1)^(8/6)
+        let grown = 10_000.0 * 3f64.powf(8.0 / 6.0);
+        close(
+            &inv_freq(&dynamic, 32).0,
+            &[0, 2, 4, 6].map(|i| 1.0 / grown.powf(i as f64 / 8.0)),
+        );
+        let llama3 = spec(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        });
+        // wavelengths 6.28 (kept), 62.8 (smoothed), 628 and 6283 (divided by 8).
+        let smooth = (64.0 / (2.0 * PI / 0.1) - 1.0) / 3.0;
+        close(
+            &inv_freq(&llama3, 5).0,
+            &[
+                1.0,
+                (1.0 - smooth) * 0.1 / 8.0 + smooth * 0.1,
+                0.01 / 8.0,
+                0.001 / 8.0,
+            ],
+        );
+        let yarn = spec(RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 1.1386,
+            truncate: true,
+        });
+        let (f, a) = inv_freq(&yarn, 5);
+        // low = floor(0.0) = 0, high = ceil(2.0) = 2: ramp 0, 0.5, 1, 1.
+        close(
+            &f,
+            &[1.0, 0.5 * 0.1 / 4.0 + 0.5 * 0.1, 0.01 / 4.0, 0.001 / 4.0],
+        );
+        assert_eq!(a, 1.1386);
+        let longrope = spec(RopeScaling::LongRope {
+            short_factor: vec![1.0, 2.0, 3.0, 4.0],
+            long_factor: vec![5.0, 6.0, 7.0, 8.0],
+            original_max_position_embeddings: 16,
+            attention_factor: 1.2,
+        });
+        close(
+            &inv_freq(&longrope, 16).0,
+            &[1.0, 0.05, 0.01 / 3.0, 0.00025],
+        );
+        close(
+            &inv_freq(&longrope, 17).0,
+            &[0.2, 0.1 / 6.0, 0.01 / 7.0, 0.001 / 8.0],
+        );
+    }
+}
