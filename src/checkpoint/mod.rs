@@ -46,13 +46,27 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             path: index.clone(),
             msg: "missing `weight_map` object".into(),
         })?;
-    let mut files: Vec<PathBuf> = map
-        .values()
-        .filter_map(|f| f.as_str())
-        .map(|f| dir.join(f))
-        .collect();
+    let mut files = Vec::with_capacity(map.len());
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .filter(|f| !f.contains('/'))
+            .ok_or_else(|| Error::Tensor {
+                path: index.clone(),
+                tensor: tensor.clone(),
+                expected: "a shard file name in the same directory".into(),
+                got: file.to_string(),
+            })?;
+        files.push(dir.join(file));
+    }
     files.sort();
     files.dedup();
+    if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+        return Err(Error::Weights {
+            path: index,
+            msg: format!("lists shard {} which does not exist", missing.display()),
+        });
+    }
     Ok(files)
 }
 
@@ -62,6 +76,7 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Resul
         .tensors()
         .map(|(b, t)| (b.hf_name(t), (Layout::global_range(b, t), t.shape.clone())))
         .collect();
+    let mut loaded: HashMap<String, PathBuf> = HashMap::new();
     for file in weight_files(dir)? {
         let map = crate::shm::map_readonly(&file)?;
         let st = SafeTensors::deserialize(&map).map_err(|e| Error::Weights {
@@ -75,13 +90,18 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Resul
                 if ignorable {
                     continue;
                 }
+                let expected = match loaded.get(name) {
+                    Some(first) => format!("one copy (already read from {})", first.display()),
+                    None => "no such tensor in this architecture".into(),
+                };
                 return Err(Error::Tensor {
                     path: file.clone(),
                     tensor: name.into(),
-                    expected: "no such tensor in this architecture".into(),
+                    expected,
                     got: format!("a tensor of shape {:?}", view.shape()),
                 });
             };
+            loaded.insert(name.to_string(), file.clone());
             if view.shape() != shape.as_slice() {
                 return Err(Error::Tensor {
                     path: file.clone(),
@@ -94,7 +114,7 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Resul
                 Error::Tensor {
                     path: file.clone(),
                     tensor: name.into(),
-                    expected: "dtype F32, BF16 or F16".into(),
+                    expected: "dtype F32, BF16, F16 or F64".into(),
                     got,
                 }
             })?;
@@ -113,6 +133,7 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Resul
 
 fn convert_into(dst: &mut [f32], dtype: Dtype, bytes: &[u8]) -> std::result::Result<(), String> {
     let width = match dtype {
+        Dtype::F64 => 8,
         Dtype::F32 => 4,
         Dtype::BF16 | Dtype::F16 => 2,
         other => return Err(format!("dtype {other:?}")),
@@ -122,6 +143,10 @@ fn convert_into(dst: &mut [f32], dtype: Dtype, bytes: &[u8]) -> std::result::Res
     }
     let src = bytes.par_chunks_exact(width);
     match dtype {
+        Dtype::F64 => dst
+            .par_iter_mut()
+            .zip(src)
+            .for_each(|(d, b)| *d = f64::from_le_bytes(b.try_into().expect("8-byte chunk")) as f32),
         Dtype::F32 => dst
             .par_iter_mut()
             .zip(src)
@@ -306,6 +331,84 @@ mod tests {
         let e = load_pretrained(&out, &l2, &mut d).unwrap_err().to_string();
         assert!(
             e.contains("model.embed_tokens.weight") && e.contains("[38, 24]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn sharded_checkpoints_load_in_any_dtype_and_name_problems() {
+        let dir = std::env::temp_dir().join(format!("mt-shards-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = spec(false);
+        let layout = Layout::new(&s);
+        let mut want = vec![0.0f32; layout.total];
+        init_random(&layout, &s, 7, &mut want);
+        // Round every value to bf16 so that all three dtypes carry it exactly.
+        want.iter_mut()
+            .for_each(|x| *x = bf16::from_f32(*x).to_f32());
+        let dtypes = [Dtype::BF16, Dtype::F32, Dtype::F64];
+        let mut shards: Vec<BTreeMap<String, OwnedTensor>> =
+            (0..3).map(|_| BTreeMap::new()).collect();
+        let mut weight_map = serde_json::Map::new();
+        for (i, (b, t)) in layout.tensors().enumerate() {
+            let src = &want[Layout::global_range(b, t)];
+            let dtype = dtypes[i % 3];
+            let data = match dtype {
+                Dtype::BF16 => src
+                    .iter()
+                    .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
+                    .collect(),
+                Dtype::F32 => src.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                _ => src.iter().flat_map(|x| (*x as f64).to_le_bytes()).collect(),
+            };
+            let file = format!("model-{:05}-of-00003.safetensors", i % 3 + 1);
+            weight_map.insert(b.hf_name(t), file.into());
+            shards[i % 3].insert(
+                b.hf_name(t),
+                OwnedTensor {
+                    dtype,
+                    shape: t.shape.clone(),
+                    data,
+                },
+            );
+        }
+        // A non-persistent buffer some exporters write: ignored.
+        shards[0].insert(
+            "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+            OwnedTensor {
+                dtype: Dtype::F32,
+                shape: vec![2],
+                data: vec![0; 8],
+            },
+        );
+        for (i, shard) in shards.iter().enumerate() {
+            let path = dir.join(format!("model-{:05}-of-00003.safetensors", i + 1));
+            safetensors::serialize_to_file(shard.iter(), None, &path).unwrap();
+        }
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let mut got = vec![0.0f32; layout.total];
+        load_pretrained(&dir, &layout, &mut got).unwrap();
+        assert_eq!(got, want);
+
+        // A tensor in two shards is named with both files.
+        let dup = dir.join("model-00003-of-00003.safetensors");
+        let mut third = std::mem::take(&mut shards[2]);
+        let (name, first) = shards[0].pop_first().unwrap();
+        third.insert(name.clone(), first);
+        safetensors::serialize_to_file(third.iter(), None, &dup).unwrap();
+        let e = load_pretrained(&dir, &layout, &mut got)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&name) && e.contains("already read from"), "{e}");
+
+        // A shard the index lists but the directory lacks.
+        std::fs::remove_file(&dup).unwrap();
+        let e = load_pretrained(&dir, &layout, &mut got)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model-00003-of-00003.safetensors") && e.contains("does not exist"),
             "{e}"
         );
     }

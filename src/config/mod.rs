@@ -9,6 +9,7 @@
 //! config runs the same from any working directory.
 
 pub mod hf;
+pub mod hub;
 
 use std::path::{Path, PathBuf};
 
@@ -36,14 +37,44 @@ pub struct RunConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    /// An HF-format model directory: config.json (+ model.safetensors for `init: pretrained`).
+    /// An HF-format model directory: config.json (+ model.safetensors, or shards with
+    /// model.safetensors.index.json, for `init: pretrained`). Exactly one of `path` and
+    /// `name` is given; after loading, `path` holds the directory either way.
+    #[serde(default)]
     pub path: PathBuf,
+    /// A Hugging Face hub id (`org/name`, or `org/name@revision`), resolved offline through
+    /// the local HF cache (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// Where the initial weights come from.
     #[serde(default)]
     pub init: Init,
     /// Compute dtype, and the dtype of the shared weight store and gradient slabs.
     #[serde(default)]
     pub dtype: DType,
+}
+
+impl ModelSection {
+    /// Checks that exactly one of `path` and `name` is given and turns a hub `name` into the
+    /// cached snapshot directory in `path`.
+    fn resolve_source(&mut self) -> Result<()> {
+        let has_path = !self.path.as_os_str().is_empty();
+        match (&self.name, has_path) {
+            (Some(_), true) => Err(Error::invalid(
+                "model.name",
+                "give either model.path or model.name, not both",
+            )),
+            (None, false) => Err(Error::invalid(
+                "model.path",
+                "missing: give model.path (a model directory) or model.name (a hub id)",
+            )),
+            (Some(name), false) => {
+                self.path = hub::resolve(name)?;
+                Ok(())
+            }
+            (None, true) => Ok(()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -220,6 +251,7 @@ impl RunConfig {
             }
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
+        cfg.model.resolve_source()?;
         cfg.resolve_paths(base);
         cfg.validate()?;
         Ok(cfg)
