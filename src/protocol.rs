@@ -6,18 +6,24 @@
 //!
 //! ```text
 //! launcher                                 worker r
-//!   Step{micro-batches, loss_scale}  ──▶
+//!   Step{micro-batches, loss_scale,  ──▶
+//!        weights_pending}
+//!   BlockReady{block} (forward order)──▶   (forward of block b waits for its BlockReady)
 //!                                    ◀──   LayerGrads{micro, block, slot}   (per block,
 //!   SlotFree{slot}                   ──▶    once every worker delivered it)
 //!                                    ◀──   StepDone{loss_sum, tokens, timings}
-//!   (reduce done, clip, AdamW, store written)
-//!   Step{…}                          ──▶ …
+//!   (grad norm known) Step{…, weights_pending: true} ──▶
+//!   AdamW block 0 → BlockReady{0}, block 1 → BlockReady{1}, …  (overlaps the forward)
 //! ```
 //!
-//! Ownership rules that make the shared regions race-free: the launcher writes the store
-//! only between the last `StepDone` of a step and the next `Step`; a worker writes slab
-//! slot s only after taking it from its free list and until it sends `LayerGrads` for it;
-//! the launcher reads slot s only between that `LayerGrads` and its `SlotFree`.
+//! Ownership rules that make the shared regions race-free: the launcher writes store
+//! block b only while a step that has not yet received `BlockReady{b}` is pending, i.e.
+//! after every worker's `StepDone` of the previous step and before it sends `BlockReady{b}`
+//! for the next (a `Step` with `weights_pending: false` means every block is ready); a
+//! worker reads block b of a step only after `BlockReady{b}` (or with no weights pending).
+//! A worker writes slab slot s only after taking it from its free list and until it sends
+//! `LayerGrads` for it; the launcher reads slot s only between that `LayerGrads` and its
+//! `SlotFree`.
 
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
@@ -83,6 +89,13 @@ pub enum ToWorker {
         micro: Vec<MicroBatch>,
         /// 1 / (unmasked label tokens of the whole global batch).
         loss_scale: f64,
+        /// The store is still being updated: block b may be read only after
+        /// `BlockReady{block: b}`.
+        weights_pending: bool,
+    },
+    /// Store block `block` holds this step's weights.
+    BlockReady {
+        block: usize,
     },
     SlotFree {
         slot: usize,

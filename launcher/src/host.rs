@@ -51,10 +51,6 @@ impl HostState {
         })
     }
 
-    pub fn zero_grad(&mut self) {
-        self.grad.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
-    }
-
     /// Adds block `block` of every worker's slab slot (`slots[r]`) into the fp32 gradient.
     pub fn reduce_block(&mut self, block: usize, slots: &[usize]) {
         let range = self.layout.blocks[block].range();
@@ -103,10 +99,16 @@ impl HostState {
             .sqrt()
     }
 
-    /// One AdamW update of every tensor; writes master, moments and the store.
-    pub fn update(&mut self, opt: &OptimizerSection, lr: f64, weight_decay: f64, grad_scale: f32) {
+    /// The scalars of the next AdamW update (counts it).
+    pub fn next_update(
+        &mut self,
+        opt: &OptimizerSection,
+        lr: f64,
+        weight_decay: f64,
+        grad_scale: f32,
+    ) -> AdamWStep {
         self.updates += 1;
-        let hp = AdamWStep {
+        AdamWStep {
             lr,
             beta1: opt.beta1,
             beta2: opt.beta2,
@@ -114,23 +116,28 @@ impl HostState {
             weight_decay,
             step: self.updates,
             grad_scale,
-        };
-        for bi in 0..self.layout.blocks.len() {
-            for ti in 0..self.layout.blocks[bi].tensors.len() {
-                let (b, t) = (&self.layout.blocks[bi], &self.layout.blocks[bi].tensors[ti]);
-                let r = Layout::global_range(b, t);
-                let decay = t.decays();
-                adamw_update(
-                    &mut self.master[r.clone()],
-                    &self.grad[r.clone()],
-                    &mut self.m[r.clone()],
-                    &mut self.v[r.clone()],
-                    self.store.out_mut(r),
-                    &hp,
-                    decay,
-                );
-            }
         }
+    }
+
+    /// Applies the update to every tensor of block `block` (master, moments and store),
+    /// then zeroes its gradient for the next step.
+    pub fn update_block(&mut self, block: usize, hp: &AdamWStep) {
+        let b = &self.layout.blocks[block];
+        for t in &b.tensors {
+            let r = Layout::global_range(b, t);
+            adamw_update(
+                &mut self.master[r.clone()],
+                &self.grad[r.clone()],
+                &mut self.m[r.clone()],
+                &mut self.v[r.clone()],
+                self.store.out_mut(r),
+                hp,
+                t.decays(),
+            );
+        }
+        self.grad[b.range()]
+            .par_chunks_mut(1 << 16)
+            .for_each(|c| c.fill(0.0));
     }
 }
 

@@ -79,6 +79,11 @@ impl Supervisor {
             .map_err(|e| anyhow!("cannot reach worker rank {rank}: {e:?}"))
     }
 
+    /// Sends a message built by `msg` to every worker.
+    pub fn broadcast(&self, msg: impl Fn() -> ToWorker) -> Result<()> {
+        (0..self.workers.len()).try_for_each(|r| self.send(r, msg()))
+    }
+
     /// The next event, or an error if a worker died or `deadline` passed.
     pub fn next_event(&mut self, deadline: Instant) -> Result<Event> {
         loop {

@@ -12,7 +12,7 @@ use mt::config::{Init as InitKind, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
 use mt::metrics::{MetricsWriter, StepMetrics, rss_bytes, step_flops};
-use mt::optim::{clip_coefficient, lr_at};
+use mt::optim::{AdamWStep, clip_coefficient, lr_at};
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
@@ -117,25 +117,41 @@ impl Trainer {
     }
 
     /// Runs every step, then stops the workers and writes the model if asked.
+    ///
+    /// As soon as a step's gradient norm is known, the next step is sent and the update
+    /// runs block by block in the order its forward reads them, each block released to
+    /// the workers as soon as it is written: the optimizer overlaps the next forward.
     pub fn run(mut self) -> Result<()> {
         let steps = self.cfg.training.num_steps;
+        let mut plan = self.fetch_batch(0);
+        self.send_step(0, &plan, false)?;
+        let mut last_report = Instant::now();
         for step in 0..steps {
-            let t0 = Instant::now();
-            let plan = self.fetch_batch(step);
-            let out = self.forward_backward(step, &plan)?;
+            let out = self.collect_gradients()?;
             if let Some(path) = self.dump_grads.take() {
                 self.host.dump_grads(&path)?;
             }
-            let (grad_norm, lr, optimizer_s) = self.clip_and_update(step);
-            self.report(
-                step,
-                &plan,
-                &out,
-                grad_norm,
-                lr,
-                optimizer_s,
-                t0.elapsed().as_secs_f64(),
-            )?;
+            let t = Instant::now();
+            let (grad_norm, lr, hp) = self.clip(step);
+            let next = if step + 1 < steps {
+                let next = self.fetch_batch(step + 1);
+                self.send_step(step + 1, &next, true)?;
+                Some(next)
+            } else {
+                None
+            };
+            for block in 0..self.host.layout.blocks.len() {
+                self.host.update_block(block, &hp);
+                if next.is_some() {
+                    self.sup.broadcast(|| ToWorker::BlockReady { block })?;
+                }
+            }
+            let optimizer_s = t.elapsed().as_secs_f64();
+            let now = Instant::now();
+            let step_time_s = now.duration_since(last_report).as_secs_f64();
+            last_report = now;
+            self.report(step, &plan, &out, grad_norm, lr, optimizer_s, step_time_s)?;
+            plan = next.unwrap_or(plan);
         }
         let Trainer { cfg, host, sup, .. } = self;
         sup.shutdown();
@@ -152,6 +168,24 @@ impl Trainer {
         Ok(())
     }
 
+    /// Sends every worker its micro-batches of step `step`.
+    fn send_step(&mut self, step: u64, plan: &StepPlan, weights_pending: bool) -> Result<()> {
+        let loss_scale = 1.0 / plan.tokens.max(1) as f64;
+        for (rank, micro) in plan.per_rank.iter().enumerate() {
+            let micro = micro.clone();
+            self.sup.send(
+                rank,
+                ToWorker::Step {
+                    step,
+                    micro,
+                    loss_scale,
+                    weights_pending,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
     fn fetch_batch(&mut self, step: u64) -> StepPlan {
         let rows = self.sampler.global_batch(step);
         let t = &self.cfg.training;
@@ -164,22 +198,10 @@ impl Trainer {
         )
     }
 
-    /// Sends each worker its micro-batches and reduces gradient blocks as every worker
-    /// delivers them, until all workers report the step done.
-    fn forward_backward(&mut self, step: u64, plan: &StepPlan) -> Result<StepOutcome> {
+    /// Reduces gradient blocks as every worker delivers them, until all workers report
+    /// the step done.
+    fn collect_gradients(&mut self) -> Result<StepOutcome> {
         let world = self.sup.world();
-        self.host.zero_grad();
-        let loss_scale = 1.0 / plan.tokens.max(1) as f64;
-        for (rank, micro) in plan.per_rank.iter().enumerate() {
-            self.sup.send(
-                rank,
-                ToWorker::Step {
-                    step,
-                    micro: micro.clone(),
-                    loss_scale,
-                },
-            )?;
-        }
         let accum = self.cfg.training.gradient_accumulation_steps;
         let expected_blocks = accum * self.host.layout.blocks.len();
         let mut pending: HashMap<(usize, usize), Vec<Option<usize>>> = HashMap::new();
@@ -241,16 +263,16 @@ impl Trainer {
         Ok(out)
     }
 
-    /// Global norm, clip coefficient, AdamW; returns (grad_norm, lr, seconds).
-    fn clip_and_update(&mut self, step: u64) -> (f64, f64, f64) {
-        let t = Instant::now();
+    /// Global norm and clip coefficient; returns (grad_norm, lr, the update's scalars).
+    fn clip(&mut self, step: u64) -> (f64, f64, AdamWStep) {
         let tc = &self.cfg.training;
         let grad_norm = self.host.grad_norm();
         let coef = clip_coefficient(grad_norm, tc.max_grad_norm);
         let lr = lr_at(tc, step);
-        self.host
-            .update(&self.cfg.optimizer, lr, tc.weight_decay, coef);
-        (grad_norm, lr, t.elapsed().as_secs_f64())
+        let hp = self
+            .host
+            .next_update(&self.cfg.optimizer, lr, tc.weight_decay, coef);
+        (grad_norm, lr, hp)
     }
 
     #[allow(clippy::too_many_arguments)]

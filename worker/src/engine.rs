@@ -20,8 +20,9 @@ use tch::{Device, Kind, Tensor};
 use crate::model::{self, BlockWeights};
 use crate::stream::{Streamer, kind_of};
 
-/// How long the backward waits for the launcher to free a slab slot before giving up.
-const SLOT_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long the worker waits for the launcher (a free slab slot, an updated block) before
+/// giving up.
+const WAIT_TIMEOUT: Duration = Duration::from_secs(600);
 
 pub struct Engine {
     spec: ModelSpec,
@@ -30,7 +31,59 @@ pub struct Engine {
     kind: Kind,
     ce_chunk: i64,
     streamer: Streamer,
+    ctl: Control,
+}
+
+/// What the launcher has told this worker between its own actions: which slab slots are
+/// free and which store blocks hold this step's weights.
+struct Control {
     free_slots: Vec<usize>,
+    ready: Vec<bool>,
+}
+
+impl Control {
+    fn handle(&mut self, msg: ToWorker) -> Result<()> {
+        match msg {
+            ToWorker::SlotFree { slot } => {
+                debug_assert!(!self.free_slots.contains(&slot));
+                self.free_slots.push(slot);
+            }
+            ToWorker::BlockReady { block } => match self.ready.get_mut(block) {
+                Some(r) => *r = true,
+                None => bail!(
+                    "BlockReady for block {block}, the layout has {}",
+                    self.ready.len()
+                ),
+            },
+            ToWorker::Shutdown => return Err(Interrupted.into()),
+            other => bail!("unexpected message mid-step: {other:?}"),
+        }
+        Ok(())
+    }
+
+    /// Waits for (and handles) the launcher's next message.
+    fn receive(
+        &mut self,
+        rx: &IpcReceiver<ToWorker>,
+        deadline: Instant,
+        waiting_for: &str,
+    ) -> Result<()> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.try_recv_timeout(left) {
+            Ok(msg) => self.handle(msg),
+            Err(TryRecvError::Empty) => bail!("waited {WAIT_TIMEOUT:?} for {waiting_for}"),
+            Err(TryRecvError::IpcError(e)) => bail!("launcher channel closed: {e:?}"),
+        }
+    }
+
+    /// Returns once store block `block` holds this step's weights.
+    fn wait_block(&mut self, block: usize, rx: &IpcReceiver<ToWorker>) -> Result<()> {
+        let deadline = Instant::now() + WAIT_TIMEOUT;
+        while !self.ready[block] {
+            self.receive(rx, deadline, &format!("the update of block {block}"))?;
+        }
+        Ok(())
+    }
 }
 
 /// The channels a step talks over.
@@ -67,27 +120,42 @@ impl Engine {
             device: crate::stream::device_of(init.device),
             kind: kind_of(init.dtype),
             ce_chunk: init.ce_chunk_tokens as i64,
+            ctl: Control {
+                free_slots: (0..init.num_slots).rev().collect(),
+                ready: vec![true; init.layout.blocks.len()],
+            },
             streamer,
-            free_slots: (0..init.num_slots).rev().collect(),
         }
     }
 
+    /// Handles a message that arrived between steps.
+    pub fn handle(&mut self, msg: ToWorker) -> Result<()> {
+        self.ctl.handle(msg)
+    }
+
     /// One optimizer step's share of this worker: every micro-batch, forward and backward.
-    /// Returns (summed token loss, label tokens, timings).
+    /// With `weights_pending`, each store block is read only after the launcher says its
+    /// update for this step is done. Returns (summed token loss, label tokens, timings).
     pub fn step(
         &mut self,
         micro: &[MicroBatch],
         loss_scale: f64,
+        weights_pending: bool,
         link: &Link,
     ) -> Result<(f64, u64, WorkerTimings)> {
         let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
-        self.streamer.begin_step(&self.layout)?;
+        self.ctl.ready.fill(!weights_pending);
+        let (ctl, rx) = (&mut self.ctl, link.rx);
+        self.streamer
+            .begin_step(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
         for (mi, mb) in micro.iter().enumerate() {
             let batch = self.upload(mi, mb)?;
-            self.streamer.begin_micro(&self.layout)?;
+            let (ctl, rx) = (&mut self.ctl, link.rx);
+            self.streamer
+                .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
             let t0 = Instant::now();
-            let (inputs, x_bth) = self.forward(&batch, mb.seq_len)?;
+            let (inputs, x_bth) = self.forward(&batch, mb.seq_len, link)?;
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             loss_sum += self.backward(
@@ -134,11 +202,18 @@ impl Engine {
     }
 
     /// Embedding and every layer without grad; returns each layer's input and the output.
-    fn forward(&mut self, batch: &DeviceBatch, seq_len: usize) -> Result<(Vec<Tensor>, Tensor)> {
+    fn forward(
+        &mut self,
+        batch: &DeviceBatch,
+        seq_len: usize,
+        link: &Link,
+    ) -> Result<(Vec<Tensor>, Tensor)> {
         let layout = &self.layout;
         let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
         let _guard = tch::no_grad_guard();
-        let embed = self.streamer.embed(layout)?;
+        let (ctl, rx) = (&mut self.ctl, link.rx);
+        let gate = &mut |b| ctl.wait_block(b, rx);
+        let embed = self.streamer.embed(layout, gate)?;
         let mut x_bth = model::embed(
             &self.spec,
             &BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]),
@@ -146,7 +221,7 @@ impl Engine {
         );
         let mut inputs = Vec::with_capacity(layout.num_layers());
         for l in 0..layout.num_layers() {
-            let flat = self.streamer.layer(layout, l)?;
+            let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
             inputs.push(std::mem::replace(&mut x_bth, y_bth));
@@ -174,8 +249,19 @@ impl Engine {
             &layout.blocks[layout.head_block()],
         );
         let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
-        let embed_w = BlockWeights::leaves(&self.streamer.embed(&layout)?, embed_block);
-        let head_w = BlockWeights::leaves(&self.streamer.head(&layout)?, head_block);
+        let (ctl, rx) = (&mut self.ctl, link.rx);
+        let embed_w = BlockWeights::leaves(
+            &self
+                .streamer
+                .embed(&layout, &mut |b| ctl.wait_block(b, rx))?,
+            embed_block,
+        );
+        let head_w = BlockWeights::leaves(
+            &self
+                .streamer
+                .head(&layout, &mut |b| ctl.wait_block(b, rx))?,
+            head_block,
+        );
 
         // Head: final norm, chunked lm_head + cross-entropy, backward to the last hidden state.
         let lm_head = match layout.tied_embeddings {
@@ -217,7 +303,10 @@ impl Engine {
 
         // Layers, last to first: recompute with grad, backpropagate dy.
         for l in (0..layout.num_layers()).rev() {
-            let flat = self.streamer.layer(&layout, l)?;
+            let (ctl, rx) = (&mut self.ctl, link.rx);
+            let flat = self
+                .streamer
+                .layer(&layout, l, &mut |b| ctl.wait_block(b, rx))?;
             let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)]);
             let x_in = inputs
                 .pop()
@@ -268,30 +357,17 @@ impl Engine {
     }
 
     fn take_slot(&mut self, link: &Link) -> Result<usize> {
-        let deadline = Instant::now() + SLOT_TIMEOUT;
-        while self.free_slots.is_empty() {
+        let deadline = Instant::now() + WAIT_TIMEOUT;
+        while self.ctl.free_slots.is_empty() {
             // Slots come back only after the launcher reduced them, which needs our
             // announcements: land and announce our own copies before blocking on it.
             if self.streamer.wait_oldest()? {
                 self.announce(link, false)?;
                 continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match link.rx.try_recv_timeout(left) {
-                Ok(ToWorker::SlotFree { slot }) => self.free_slot(slot),
-                Ok(ToWorker::Shutdown) => return Err(Interrupted.into()),
-                Ok(other) => bail!("unexpected message mid-step: {other:?}"),
-                Err(TryRecvError::Empty) => {
-                    bail!("no gradient slab slot was freed within {SLOT_TIMEOUT:?}")
-                }
-                Err(TryRecvError::IpcError(e)) => bail!("launcher channel closed: {e:?}"),
-            }
+            self.ctl
+                .receive(link.rx, deadline, "a free gradient slab slot")?;
         }
-        Ok(self.free_slots.pop().expect("non-empty"))
-    }
-
-    pub fn free_slot(&mut self, slot: usize) {
-        debug_assert!(!self.free_slots.contains(&slot));
-        self.free_slots.push(slot);
+        Ok(self.ctl.free_slots.pop().expect("non-empty"))
     }
 }

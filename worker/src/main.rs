@@ -110,11 +110,14 @@ fn serve(
         };
         match msg {
             ToWorker::Step {
-                micro, loss_scale, ..
+                micro,
+                loss_scale,
+                weights_pending,
+                ..
             } => {
                 let link = Link { tx, rx };
                 let out = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    engine.step(&micro, loss_scale, &link)
+                    engine.step(&micro, loss_scale, weights_pending, &link)
                 }))
                 .unwrap_or_else(|p| Err(anyhow::anyhow!("panic in step: {}", panic_text(&p))))?;
                 let (loss_sum, tokens, timings) = out;
@@ -124,9 +127,9 @@ fn serve(
                     timings,
                 })?;
             }
-            ToWorker::SlotFree { slot } => engine.free_slot(slot),
             ToWorker::Shutdown => return Ok(()),
             ToWorker::Init(_) => bail!("Init received twice"),
+            other => engine.handle(other)?,
         }
     }
 }

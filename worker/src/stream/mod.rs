@@ -104,6 +104,10 @@ unsafe fn region_view(region: &Region, offset: usize, len: usize, kind: Kind) ->
     }
 }
 
+/// Called with a block index before that block of the store is read; returns once the
+/// launcher has written this step's weights there (see `mt::protocol`).
+pub type Gate<'a> = &'a mut dyn FnMut(usize) -> Result<()>;
+
 /// Gradients of one block that reached the slab: announce them to the launcher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Delivered {
@@ -184,43 +188,46 @@ impl Streamer {
         })
     }
 
-    /// Starts a step: resident blocks are (re)filled from the store.
-    pub fn begin_step(&mut self, layout: &Layout) -> Result<()> {
+    /// Starts a step: the embedding's resident buffer is filled from the store.
+    pub fn begin_step(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
         match self {
             Streamer::Cpu(_) => Ok(()),
-            Streamer::Cuda(c) => c.begin_step(layout),
+            Streamer::Cuda(c) => c.begin_step(layout, gate),
         }
     }
 
     /// Starts a micro-batch: layers will be asked for 0..L-1, then L-1..0.
-    pub fn begin_micro(&mut self, layout: &Layout) -> Result<()> {
+    pub fn begin_micro(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
         match self {
             Streamer::Cpu(_) => Ok(()),
-            Streamer::Cuda(c) => c.begin_micro(layout),
+            Streamer::Cuda(c) => c.begin_micro(layout, gate),
         }
     }
 
     /// The embedding block (index `Layout::EMBED`), flat, on the device.
-    pub fn embed(&mut self, layout: &Layout) -> Result<Tensor> {
+    pub fn embed(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
         match self {
-            Streamer::Cpu(c) => Ok(c.view(&layout.blocks[Layout::EMBED])),
+            Streamer::Cpu(c) => c.view(layout, Layout::EMBED, gate),
             Streamer::Cuda(c) => c.resident(0),
         }
     }
 
     /// The head block, flat, on the device.
-    pub fn head(&mut self, layout: &Layout) -> Result<Tensor> {
+    pub fn head(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
         match self {
-            Streamer::Cpu(c) => Ok(c.view(&layout.blocks[layout.head_block()])),
-            Streamer::Cuda(c) => c.resident(1),
+            Streamer::Cpu(c) => c.view(layout, layout.head_block(), gate),
+            Streamer::Cuda(c) => {
+                c.fill_head(layout, gate)?;
+                c.resident(1)
+            }
         }
     }
 
     /// Layer `l`, flat, on the device; must follow the micro-batch's order.
-    pub fn layer(&mut self, layout: &Layout, l: usize) -> Result<Tensor> {
+    pub fn layer(&mut self, layout: &Layout, l: usize, gate: Gate) -> Result<Tensor> {
         match self {
-            Streamer::Cpu(c) => Ok(c.view(&layout.blocks[layout.layer_block(l)])),
-            Streamer::Cuda(c) => c.layer(layout, l),
+            Streamer::Cpu(c) => c.view(layout, layout.layer_block(l), gate),
+            Streamer::Cuda(c) => c.layer(layout, l, gate),
         }
     }
 
@@ -279,10 +286,12 @@ pub struct CpuStreamer {
 }
 
 impl CpuStreamer {
-    fn view(&self, block: &Block) -> Tensor {
-        // SAFETY: the store stays mapped while `self` lives, and the launcher does not
-        // write it during a step (protocol); the view is only read.
-        unsafe { region_view(&self.regions.store, block.offset, block.len, self.kind) }
+    fn view(&self, layout: &Layout, index: usize, gate: Gate) -> Result<Tensor> {
+        gate(index)?;
+        let block = &layout.blocks[index];
+        // SAFETY: the store stays mapped while `self` lives, and the gate returned, so the
+        // launcher is done writing this block for the step (protocol); the view is only read.
+        Ok(unsafe { region_view(&self.regions.store, block.offset, block.len, self.kind) })
     }
 
     fn offload(
@@ -347,6 +356,8 @@ pub struct CudaStreamer {
     offload: Stream,
     /// [embed, head]
     residents: [DeviceBuf; 2],
+    /// Whether the head's copy for this step was enqueued.
+    head_filled: bool,
     ring: Vec<DeviceBuf>,
     /// Layer indices in the order the micro-batch asks for them.
     schedule: Vec<usize>,
@@ -402,6 +413,7 @@ impl CudaStreamer {
             copy: Stream::non_blocking()?,
             offload: Stream::non_blocking()?,
             residents,
+            head_filled: false,
             ring,
             schedule: Vec::new(),
             next: 0,
@@ -428,31 +440,54 @@ impl CudaStreamer {
         buf.ready.record(copy.raw())
     }
 
-    fn begin_step(&mut self, layout: &Layout) -> Result<()> {
-        let blocks = [
+    fn begin_step(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
+        gate(Layout::EMBED)?;
+        Self::fill(
+            &self.copy,
+            &self.regions,
+            &self.residents[0],
             &layout.blocks[Layout::EMBED],
-            &layout.blocks[layout.head_block()],
-        ];
-        for (buf, block) in self.residents.iter().zip(blocks) {
-            Self::fill(&self.copy, &self.regions, buf, block)?;
+        )?;
+        self.head_filled = false;
+        Ok(())
+    }
+
+    /// Enqueues the head's copy once per step (needed after the last layer's forward).
+    fn fill_head(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
+        if !self.head_filled {
+            let index = layout.head_block();
+            gate(index)?;
+            Self::fill(
+                &self.copy,
+                &self.regions,
+                &self.residents[1],
+                &layout.blocks[index],
+            )?;
+            self.head_filled = true;
         }
         Ok(())
     }
 
-    fn begin_micro(&mut self, layout: &Layout) -> Result<()> {
+    fn begin_micro(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
         let n = layout.num_layers();
         self.schedule = (0..n).chain((0..n).rev()).collect();
         self.next = 0;
         self.issued = 0;
-        self.issue_up_to(layout, RING - 1)
+        self.issue_up_to(layout, RING - 1, gate)
     }
 
     /// Enqueues copies for schedule entries up to `last` (each waits for its buffer).
-    fn issue_up_to(&mut self, layout: &Layout, last: usize) -> Result<()> {
+    fn issue_up_to(&mut self, layout: &Layout, last: usize, gate: Gate) -> Result<()> {
         while self.issued < self.schedule.len() && self.issued <= last {
             let k = self.issued;
-            let block = &layout.blocks[layout.layer_block(self.schedule[k])];
-            Self::fill(&self.copy, &self.regions, &self.ring[k % RING], block)?;
+            let index = layout.layer_block(self.schedule[k]);
+            gate(index)?;
+            Self::fill(
+                &self.copy,
+                &self.regions,
+                &self.ring[k % RING],
+                &layout.blocks[index],
+            )?;
             self.issued += 1;
         }
         Ok(())
@@ -482,7 +517,7 @@ impl CudaStreamer {
         self.wait_ready(Some(which))
     }
 
-    fn layer(&mut self, layout: &Layout, l: usize) -> Result<Tensor> {
+    fn layer(&mut self, layout: &Layout, l: usize, gate: Gate) -> Result<Tensor> {
         let k = self.next;
         if self.schedule.get(k) != Some(&l) {
             bail!(
@@ -494,7 +529,11 @@ impl CudaStreamer {
             // Everything that reads the previous layer's buffer is enqueued by now.
             self.ring[(k - 1) % RING].free.record(torch_stream())?;
         }
-        self.issue_up_to(layout, k + RING - 1)?;
+        self.issue_up_to(layout, k + RING - 1, gate)?;
+        if k + 1 == layout.num_layers() {
+            // The last forward layer: the head comes next.
+            self.fill_head(layout, gate)?;
+        }
         self.next += 1;
         let len = layout.blocks[layout.layer_block(l)].len as i64;
         Ok(self.wait_ready(None)?.narrow(0, 0, len))

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# GPU throughput benchmark: a model shape with random init at a fixed sequence length, for
+# several per-GPU batch sizes, on several GPU counts; WARMUP + STEPS optimizer steps each,
+# averaged over the timed steps. Prints a table and writes it, with the command, to
+# $RESULTS/<model>_<machine>_<date>.md.
+#
+# Environment (defaults in brackets):
+#   CONFIG [configs/qwen_7b.yaml]  BATCHES per GPU ["8 32"]  GPUS ["1 2"]  SEQ [1024]
+#   WARMUP [2]  STEPS [5]  ACCUM [1]  LAYERS (override num_hidden_layers, for quick probes)
+#   BIN [target/release]  RESULTS [benches/results]  MACHINE [from nvidia-smi]  PYTHON [python3]
+#   EXTRA (more mt-launch flags, e.g. "--set memory.num_grad_slabs=8")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CONFIG=${CONFIG:-configs/qwen_7b.yaml}
+BATCHES=${BATCHES:-"8 32"}
+GPUS=${GPUS:-"1 2"}
+SEQ=${SEQ:-1024}
+WARMUP=${WARMUP:-2}
+STEPS=${STEPS:-5}
+ACCUM=${ACCUM:-1}
+BIN=${BIN:-target/release}
+RESULTS=${RESULTS:-benches/results}
+PYTHON=${PYTHON:-python3}
+EXTRA=${EXTRA:-}
+MACHINE=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-' || echo unknown)}
+DATE=$(date +%Y-%m-%d)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# The model dir named by the config, optionally with fewer layers.
+model_dir=$(cd "$(dirname "$CONFIG")" && cd "$(sed -n 's/^  path: *//p' "$(basename "$CONFIG")" | head -1)" && pwd)
+if [ -n "${LAYERS:-}" ]; then
+  mkdir -p "$work/model"
+  "$PYTHON" - "$model_dir/config.json" "$work/model/config.json" "$LAYERS" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[3])
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+PY
+  model_dir=$work/model
+fi
+model=$(basename "$(dirname "$CONFIG")/$(sed -n 's/^  path: *//p' "$CONFIG" | head -1)")${LAYERS:+-${LAYERS}L}
+
+max_rows=0
+for g in $GPUS; do for b in $BATCHES; do r=$(( (g > 0 ? g : 1) * b * ACCUM)); [ $r -gt $max_rows ] && max_rows=$r; done; done
+"$PYTHON" - "$model_dir/config.json" "$work/data.jsonl" "$max_rows" "$SEQ" <<'PY'
+import json, random, sys
+vocab = json.load(open(sys.argv[1]))["vocab_size"]
+rng = random.Random(0)
+with open(sys.argv[2], "w") as f:
+    for _ in range(int(sys.argv[3])):
+        f.write(json.dumps({"input_ids": [rng.randrange(vocab) for _ in range(int(sys.argv[4]))]}) + "\n")
+PY
+
+runs=()
+for g in $GPUS; do
+  for b in $BATCHES; do
+    tag="g${g}_b${b}"
+    echo "== $model: $g GPU(s), per-GPU batch $b x $SEQ (accumulation $ACCUM)" >&2
+    # shellcheck disable=SC2086
+    if "$BIN/mt-launch" --config "$CONFIG" --gpus "$g" \
+        --set "model.path=$model_dir" --set "dataset.path=$work/data.jsonl" --set dataset.shuffle=false \
+        --set "dataset.max_seq_len=$SEQ" --set "training.batch_size=$(( (g > 0 ? g : 1) * b * ACCUM))" \
+        --set "training.gradient_accumulation_steps=$ACCUM" --set "training.num_steps=$((WARMUP + STEPS))" \
+        --set logging.log_every=1 --metrics-out "$work/$tag.jsonl" $EXTRA >&2; then
+      runs+=("$g $b $work/$tag.jsonl")
+    else
+      echo "run $tag failed" >&2
+      runs+=("$g $b FAILED")
+    fi
+  done
+done
+
+mkdir -p "$RESULTS"
+out="$RESULTS/${model}_${MACHINE}_${DATE}.md"
+"$PYTHON" - "$WARMUP" "$SEQ" "$model" "$MACHINE" "$DATE" "$out" "CONFIG=$CONFIG BATCHES=\"$BATCHES\" GPUS=\"$GPUS\" SEQ=$SEQ WARMUP=$WARMUP STEPS=$STEPS ACCUM=$ACCUM ${LAYERS:+LAYERS=$LAYERS }scripts/bench_gpu.sh" "${runs[@]}" <<'PY'
+import json, sys
+warmup, seq, model, machine, date, out, cmd = int(sys.argv[1]), sys.argv[2], *sys.argv[3:8]
+rows, base = [], {}
+for spec in sys.argv[8:]:
+    g, b, path = spec.split(" ", 2)
+    if path == "FAILED":
+        rows.append(f"| {g} | {b} | failed | | | | | | | | |")
+        continue
+    ms = [json.loads(l) for l in open(path)][warmup:]
+    avg = lambda k: sum(m[k] for m in ms) / len(ms)
+    step = avg("step_time_s")
+    tps = avg("tokens_per_s")
+    base.setdefault(b, {})[int(g)] = tps
+    rows.append("| {} | {} | {:.2f} | {:.0f} | {:.1f} | {:.1f} | {:.1%} | {:.2f} / {:.2f} | {:.2f} | {:.1f} | {:.1f} |".format(
+        g, b, step, tps, avg("tflops_megatrain"), avg("tflops_model"), avg("h2d_wait_s") / step,
+        avg("forward_s"), avg("backward_s"), avg("optimizer_s"), max(m["peak_gpu_bytes"] for m in ms) / 2**30,
+        max(m["launcher_rss_bytes"] for m in ms) / 2**30))
+head = ("| GPUs | batch/GPU | step s | tokens/s | TFLOPS/GPU (MegaTrain) | TFLOPS/GPU (model) | H2D wait | fwd / bwd s "
+        "| optimizer s | peak GPU GiB | launcher RSS GiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+scaling = []
+for b, by_g in base.items():
+    for g, t in sorted(by_g.items()):
+        if g > 1 and 1 in by_g:
+            scaling.append(f"batch {b}/GPU: {g} GPUs = {t / by_g[1]:.2f}x the tokens/s of 1 GPU")
+text = (f"# {model} on {machine}, {date}\n\nseq {seq}, random init, bf16 compute, fp32 master + Adam on host; "
+        f"averages over the timed steps after {warmup} warm-up steps.\n\nCommand: `{cmd}`\n\n{head}\n" + "\n".join(rows) + "\n")
+if scaling:
+    text += "\n" + "\n".join(f"- {s}" for s in scaling) + "\n"
+open(out, "w").write(text)
+print(text)
+PY
+echo "written: $out" >&2
