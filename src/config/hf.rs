@@ -15,6 +15,11 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+mod rope;
+
+use rope::RopeCtx;
+pub use rope::{RopeScaling, RopeSpec, SUPPORTED_ROPE_TYPES};
+
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
 /// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
@@ -26,10 +31,6 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma3_text",
     "phi3",
 ];
-
-/// RoPE variants (`rope_type`) we compute.
-pub const SUPPORTED_ROPE_TYPES: &[&str] =
-    &["default", "linear", "dynamic", "llama3", "yarn", "longrope"];
 
 /// The subset of an HF `config.json` we read. `Option<Option<T>>` fields tell an absent key
 /// (family default applies) from an explicit `null` (feature off).
@@ -125,53 +126,6 @@ pub enum AttentionKind {
     Full,
     /// Causal over the last `sliding_window` positions (itself included).
     Sliding,
-}
-
-/// Rotary embedding of one layer kind, as transformers' `ROPE_INIT_FUNCTIONS` define it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RopeSpec {
-    /// Base wavelength (`rope_theta`).
-    pub theta: f64,
-    /// Leading dims of each head that rotate (`head_dim * partial_rotary_factor`).
-    pub rotary_dim: usize,
-    pub scaling: RopeScaling,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum RopeScaling {
-    Default,
-    /// Frequencies divided by `factor`.
-    Linear {
-        factor: f64,
-    },
-    /// NTK: the base grows once the sequence passes `max_position_embeddings`.
-    Dynamic {
-        factor: f64,
-        max_position_embeddings: usize,
-    },
-    /// Llama 3.1 piecewise frequency scaling.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: usize,
-    },
-    /// YaRN; `attention_factor` (resolved) multiplies cos and sin.
-    Yarn {
-        factor: f64,
-        original_max_position_embeddings: usize,
-        beta_fast: f64,
-        beta_slow: f64,
-        attention_factor: f64,
-        truncate: bool,
-    },
-    /// LongRoPE (Phi-3): per-frequency factors, long ones past the original length.
-    LongRope {
-        short_factor: Vec<f64>,
-        long_factor: Vec<f64>,
-        original_max_position_embeddings: usize,
-        attention_factor: f64,
-    },
 }
 
 /// The architecture, validated; everything the layout and the model math need.
@@ -288,8 +242,7 @@ impl ModelSpec {
             )));
         };
         let family = def.family;
-        let is = |t: &str| model_type == t;
-        let gemma3 = is("gemma3_text");
+        let gemma3 = model_type == "gemma3_text";
 
         let hidden_size = need(hf.hidden_size, "hidden_size")?;
         let num_heads = need(hf.num_attention_heads, "num_attention_heads")?;
@@ -355,65 +308,11 @@ impl ModelSpec {
             "mistral" | "phi3" => (false, false),
             _ => (attention_bias, attention_bias),
         };
-        let mlp_bias = is("llama") && hf.mlp_bias.unwrap_or(false);
+        let mlp_bias = model_type == "llama" && hf.mlp_bias.unwrap_or(false);
 
-        // Sliding windows: which layers, and how wide.
-        let window = match hf.sliding_window {
-            None => def.sliding_window,
-            Some(w) => w,
-        };
-        let (window, layer_types) = match model_type.as_str() {
-            "llama" => (None, vec![AttentionKind::Full; num_layers]),
-            "mistral" | "phi3" => {
-                let kind = if window.is_some() {
-                    AttentionKind::Sliding
-                } else {
-                    AttentionKind::Full
-                };
-                (window, vec![kind; num_layers])
-            }
-            "qwen2" | "qwen3" => {
-                let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
-                let from = hf.max_window_layers.unwrap_or(28);
-                let computed = (0..num_layers)
-                    .map(|i| {
-                        if window.is_some() && i >= from {
-                            AttentionKind::Sliding
-                        } else {
-                            AttentionKind::Full
-                        }
-                    })
-                    .collect();
-                (window, layer_types(hf, num_layers, computed, &err)?)
-            }
-            _ => {
-                // Gemma 2 alternates; Gemma 3 has one global layer in `sliding_window_pattern`.
-                let every = if is("gemma2") {
-                    2
-                } else {
-                    hf.sliding_window_pattern.unwrap_or(6).max(1)
-                };
-                let computed = (0..num_layers)
-                    .map(|i| {
-                        if !(i + 1).is_multiple_of(every) {
-                            AttentionKind::Sliding
-                        } else {
-                            AttentionKind::Full
-                        }
-                    })
-                    .collect();
-                (window, layer_types(hf, num_layers, computed, &err)?)
-            }
-        };
+        let (sliding_window, layer_types) =
+            attention_kinds(hf, &model_type, &def, num_layers, &err)?;
         let any_sliding = layer_types.contains(&AttentionKind::Sliding);
-        if any_sliding && window.is_none_or(|w| w == 0) {
-            return Err(err(
-                "`layer_types` has sliding_attention layers but `sliding_window` is not a positive integer".into(),
-            ));
-        }
-        let sliding_window = window.filter(|_| any_sliding);
-
-        // Rotary embeddings.
         let max_position_embeddings = hf.max_position_embeddings.unwrap_or(def.max_pos);
         let ctx = RopeCtx {
             head_dim,
@@ -422,65 +321,7 @@ impl ModelSpec {
             top_partial: hf.partial_rotary_factor,
             phi3: family == Family::Phi3,
         };
-        let scaling_dict = hf
-            .rope_scaling
-            .as_ref()
-            .filter(|v| !v.is_null())
-            .or(hf.rope_parameters.as_ref().filter(|v| !v.is_null()));
-        let scaling_dict = match scaling_dict {
-            Some(Value::Object(m)) => Some(m),
-            Some(other) => {
-                return Err(err(format!(
-                    "`rope_parameters` / `rope_scaling` must be an object, got {other}"
-                )));
-            }
-            None => None,
-        };
-        let nested = scaling_dict.is_some_and(|m| {
-            m.contains_key("full_attention") || m.contains_key("sliding_attention")
-        });
-        let (rope, rope_local) = if is("gemma3_text") || nested {
-            // One dict per layer type; the transformers 4 form keeps the global scaling
-            // in `rope_scaling`, the global base in `rope_theta`, the local one in
-            // `rope_local_base_freq`.
-            let (global_default, local_default) = if is("gemma3_text") {
-                (1_000_000.0, 10_000.0)
-            } else {
-                (10_000.0, 10_000.0)
-            };
-            let part = |key: &str| -> Result<Option<&Map<String, Value>>> {
-                match scaling_dict.filter(|_| nested).and_then(|m| m.get(key)) {
-                    None | Some(Value::Null) => Ok(None),
-                    Some(Value::Object(m)) => Ok(Some(m)),
-                    Some(other) => Err(err(format!(
-                        "`rope_parameters.{key}` must be an object, got {other}"
-                    ))),
-                }
-            };
-            let global_dict = if nested {
-                part("full_attention")?
-            } else {
-                scaling_dict
-            };
-            let global = ctx.parse(
-                global_dict,
-                hf.rope_theta.unwrap_or(global_default),
-                "full_attention",
-                &err,
-            )?;
-            let local = ctx.parse(
-                part("sliding_attention")?,
-                hf.rope_local_base_freq.unwrap_or(local_default),
-                "sliding_attention",
-                &err,
-            )?;
-            (global, Some(local).filter(|_| any_sliding))
-        } else {
-            (
-                ctx.parse(scaling_dict, hf.rope_theta.unwrap_or(10_000.0), "", &err)?,
-                None,
-            )
-        };
+        let (rope, rope_local) = ropes(hf, gemma3, any_sliding, &ctx, &err)?;
 
         let gemma = family == Family::Gemma;
         let attn_scale = if gemma {
@@ -492,9 +333,9 @@ impl ModelSpec {
             v.unwrap_or(default).filter(|&c| c > 0.0)
         };
         // Gemma 3's attention in transformers ignores `attn_logit_softcapping`.
-        let attn_softcap = softcap(hf.attn_logit_softcapping, Some(50.0)).filter(|_| is("gemma2"));
+        let attn_softcap = softcap(hf.attn_logit_softcapping, Some(50.0)).filter(|_| !gemma3);
         let final_softcap = if gemma {
-            softcap(hf.final_logit_softcapping, is("gemma2").then_some(30.0))
+            softcap(hf.final_logit_softcapping, (!gemma3).then_some(30.0))
         } else {
             None
         };
@@ -548,6 +389,124 @@ impl ModelSpec {
     }
 }
 
+/// Which layers slide and the window, as each family's config class and model decide:
+/// Mistral and Phi-3 slide every layer when `sliding_window` is set; Qwen2/3 the layers from
+/// `max_window_layers` on when `use_sliding_window`; Gemma 2 every other layer; Gemma 3 all
+/// but every `sliding_window_pattern`-th. A `layer_types` list in config.json wins (except
+/// for Mistral and Phi-3, whose models ignore it).
+fn attention_kinds(
+    hf: &HfConfig,
+    model_type: &str,
+    def: &Defaults,
+    num_layers: usize,
+    err: &dyn Fn(String) -> Error,
+) -> Result<(Option<usize>, Vec<AttentionKind>)> {
+    let pattern = |slides: &dyn Fn(usize) -> bool| -> Vec<AttentionKind> {
+        (0..num_layers)
+            .map(|i| {
+                if slides(i) {
+                    AttentionKind::Sliding
+                } else {
+                    AttentionKind::Full
+                }
+            })
+            .collect()
+    };
+    let window = hf.sliding_window.unwrap_or(def.sliding_window);
+    let (window, kinds) = match model_type {
+        "llama" => (None, pattern(&|_| false)),
+        "mistral" | "phi3" => (window, pattern(&|_| window.is_some())),
+        "qwen2" | "qwen3" => {
+            let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
+            let from = hf.max_window_layers.unwrap_or(28);
+            let computed = pattern(&|i| window.is_some() && i >= from);
+            (window, layer_types(hf, num_layers, computed, err)?)
+        }
+        _ => {
+            let every = if model_type == "gemma2" {
+                2
+            } else {
+                hf.sliding_window_pattern.unwrap_or(6).max(1)
+            };
+            let computed = pattern(&|i| !(i + 1).is_multiple_of(every));
+            (window, layer_types(hf, num_layers, computed, err)?)
+        }
+    };
+    let any_sliding = kinds.contains(&AttentionKind::Sliding);
+    if any_sliding && window.is_none_or(|w| w == 0) {
+        return Err(err(
+            "`layer_types` has sliding_attention layers but `sliding_window` is not a positive integer".into(),
+        ));
+    }
+    Ok((window.filter(|_| any_sliding), kinds))
+}
+
+/// The RoPE of full-attention layers and, where it differs, of sliding ones. The dict is
+/// `rope_scaling` (transformers 4) or `rope_parameters` (5); it is per layer type when it
+/// has `full_attention` / `sliding_attention` keys (Gemma 3 in transformers 5). Gemma 3's
+/// transformers 4 form keeps the global scaling in `rope_scaling`, the global base in
+/// `rope_theta` (default 1e6) and the local one in `rope_local_base_freq` (default 1e4).
+fn ropes(
+    hf: &HfConfig,
+    gemma3: bool,
+    any_sliding: bool,
+    ctx: &RopeCtx,
+    err: &dyn Fn(String) -> Error,
+) -> Result<(RopeSpec, Option<RopeSpec>)> {
+    let dict = hf
+        .rope_scaling
+        .as_ref()
+        .filter(|v| !v.is_null())
+        .or(hf.rope_parameters.as_ref().filter(|v| !v.is_null()));
+    let dict = match dict {
+        Some(Value::Object(m)) => Some(m),
+        Some(other) => {
+            return Err(err(format!(
+                "`rope_parameters` / `rope_scaling` must be an object, got {other}"
+            )));
+        }
+        None => None,
+    };
+    let nested = dict
+        .is_some_and(|m| m.contains_key("full_attention") || m.contains_key("sliding_attention"));
+    if !gemma3 && !nested {
+        let rope = ctx.parse(dict, hf.rope_theta.unwrap_or(10_000.0), "", err)?;
+        return Ok((rope, None));
+    }
+    let part = |key: &str| -> Result<Option<&Map<String, Value>>> {
+        match dict.filter(|_| nested).and_then(|m| m.get(key)) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(m)) => Ok(Some(m)),
+            Some(other) => Err(err(format!(
+                "`rope_parameters.{key}` must be an object, got {other}"
+            ))),
+        }
+    };
+    let (global_theta, local_theta) = if gemma3 {
+        (1_000_000.0, 10_000.0)
+    } else {
+        (10_000.0, 10_000.0)
+    };
+    let global_dict = if nested {
+        part("full_attention")?
+    } else {
+        dict
+    };
+    let global = ctx.parse(
+        global_dict,
+        hf.rope_theta.unwrap_or(global_theta),
+        "full_attention",
+        err,
+    )?;
+    let local = ctx.parse(
+        part("sliding_attention")?,
+        hf.rope_local_base_freq.unwrap_or(local_theta),
+        "sliding_attention",
+        err,
+    )?;
+    Ok((global, Some(local).filter(|_| any_sliding)))
+}
+
 /// `layer_types` from config.json when present (checked), else the family's pattern.
 fn layer_types(
     hf: &HfConfig,
@@ -574,201 +533,6 @@ fn layer_types(
             ))),
         })
         .collect()
-}
-
-/// What RoPE parsing needs besides the dict.
-struct RopeCtx {
-    head_dim: usize,
-    max_pos: usize,
-    top_original: Option<usize>,
-    top_partial: Option<f64>,
-    phi3: bool,
-}
-
-impl RopeCtx {
-    /// One RoPE dict (absent: default RoPE with `theta`) as transformers standardizes it.
-    fn parse(
-        &self,
-        dict: Option<&Map<String, Value>>,
-        theta: f64,
-        which: &str,
-        err: &dyn Fn(String) -> Error,
-    ) -> Result<RopeSpec> {
-        let empty = Map::new();
-        let m = dict.unwrap_or(&empty);
-        let key = |k: &str| {
-            if which.is_empty() {
-                format!("rope_parameters.{k}")
-            } else {
-                format!("rope_parameters.{which}.{k}")
-            }
-        };
-        let num = |k: &str| -> Result<Option<f64>> {
-            match m.get(k) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_f64()
-                    .map(Some)
-                    .ok_or_else(|| err(format!("`{}` must be a number, got {v}", key(k)))),
-            }
-        };
-        let need = |k: &str| -> Result<f64> {
-            num(k)?.ok_or_else(|| err(format!("`{}` is required for this rope type", key(k))))
-        };
-        let list = |k: &str| -> Result<Vec<f64>> {
-            m.get(k)
-                .and_then(Value::as_array)
-                .and_then(|a| a.iter().map(Value::as_f64).collect::<Option<Vec<_>>>())
-                .ok_or_else(|| err(format!("`{}` must be a list of numbers", key(k))))
-        };
-        let mut kind = m
-            .get("rope_type")
-            .or_else(|| m.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        if self.phi3 && matches!(kind, "su" | "yarn") {
-            kind = "longrope"; // transformers' Phi-3 renames its legacy types
-        }
-        let theta = num("rope_theta")?.unwrap_or(theta);
-        if !(theta.is_finite() && theta > 1.0) {
-            return Err(err(format!(
-                "`{}` ({theta}) must be > 1",
-                key("rope_theta")
-            )));
-        }
-        let partial = num("partial_rotary_factor")?
-            .or(self.top_partial)
-            .unwrap_or(1.0);
-        if partial != 1.0 && !self.phi3 {
-            return Err(err(format!(
-                "`partial_rotary_factor` ({partial}) is only supported for phi3"
-            )));
-        }
-        let rotary_dim = (self.head_dim as f64 * partial) as usize;
-        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > self.head_dim {
-            return Err(err(format!(
-                "rotary dim {rotary_dim} (head_dim {} x partial_rotary_factor {partial}) must be even, > 0 and <= head_dim",
-                self.head_dim
-            )));
-        }
-        // transformers gives a top-level `original_max_position_embeddings` priority.
-        let original = || -> Result<usize> {
-            let v = match self.top_original {
-                Some(v) => v,
-                None => num("original_max_position_embeddings")?
-                    .map(|v| v as usize)
-                    .unwrap_or(self.max_pos),
-            };
-            if v == 0 {
-                return Err(err(format!(
-                    "`{}` must be > 0",
-                    key("original_max_position_embeddings")
-                )));
-            }
-            Ok(v)
-        };
-        let factor_at_least_one = |f: f64| -> Result<f64> {
-            if f.is_finite() && f >= 1.0 {
-                Ok(f)
-            } else {
-                Err(err(format!("`{}` ({f}) must be >= 1", key("factor"))))
-            }
-        };
-        let scaling = match kind {
-            "default" => RopeScaling::Default,
-            "linear" => RopeScaling::Linear {
-                factor: factor_at_least_one(need("factor")?)?,
-            },
-            "dynamic" => RopeScaling::Dynamic {
-                factor: factor_at_least_one(need("factor")?)?,
-                max_position_embeddings: self.max_pos,
-            },
-            "llama3" => {
-                let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
-                if high <= low {
-                    return Err(err(format!(
-                        "`{}` ({high}) must be greater than `low_freq_factor` ({low})",
-                        key("high_freq_factor")
-                    )));
-                }
-                RopeScaling::Llama3 {
-                    factor: factor_at_least_one(need("factor")?)?,
-                    low_freq_factor: low,
-                    high_freq_factor: high,
-                    original_max_position_embeddings: original()?,
-                }
-            }
-            "yarn" => {
-                let original = original()?;
-                let factor = num("factor")?.unwrap_or(self.max_pos as f64 / original as f64);
-                let mscale = |scale: f64, m: f64| {
-                    if scale <= 1.0 {
-                        1.0
-                    } else {
-                        0.1 * m * scale.ln() + 1.0
-                    }
-                };
-                let attention_factor = match num("attention_factor")? {
-                    Some(a) => a,
-                    None => match (num("mscale")?, num("mscale_all_dim")?) {
-                        (Some(a), Some(b)) if a != 0.0 && b != 0.0 => {
-                            mscale(factor, a) / mscale(factor, b)
-                        }
-                        _ => mscale(factor, 1.0),
-                    },
-                };
-                // transformers' `get(..) or default`: 0 means the default too.
-                let beta = |k: &str, d: f64| -> Result<f64> {
-                    Ok(num(k)?.filter(|&b| b != 0.0).unwrap_or(d))
-                };
-                RopeScaling::Yarn {
-                    factor,
-                    original_max_position_embeddings: original,
-                    beta_fast: beta("beta_fast", 32.0)?,
-                    beta_slow: beta("beta_slow", 1.0)?,
-                    attention_factor,
-                    truncate: m.get("truncate").and_then(Value::as_bool).unwrap_or(true),
-                }
-            }
-            "longrope" => {
-                let original = original()?;
-                let (short, long) = (list("short_factor")?, list("long_factor")?);
-                for (k, l) in [("short_factor", &short), ("long_factor", &long)] {
-                    if l.len() != rotary_dim / 2 {
-                        return Err(err(format!(
-                            "`{}` has {} entries, expected rotary dim / 2 = {}",
-                            key(k),
-                            l.len(),
-                            rotary_dim / 2
-                        )));
-                    }
-                }
-                let factor = num("factor")?.unwrap_or(self.max_pos as f64 / original as f64);
-                let attention_factor = match num("attention_factor")? {
-                    Some(a) => a,
-                    None if factor <= 1.0 => 1.0,
-                    None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
-                };
-                RopeScaling::LongRope {
-                    short_factor: short,
-                    long_factor: long,
-                    original_max_position_embeddings: original,
-                    attention_factor,
-                }
-            }
-            other => {
-                return Err(err(format!(
-                    "rope type `{other}` is not supported; supported: {}",
-                    SUPPORTED_ROPE_TYPES.join(", ")
-                )));
-            }
-        };
-        Ok(RopeSpec {
-            theta,
-            rotary_dim,
-            scaling,
-        })
-    }
 }
 
 #[cfg(test)]
