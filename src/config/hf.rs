@@ -333,7 +333,8 @@ impl ModelSpec {
             v.unwrap_or(default).filter(|&c| c > 0.0)
         };
         // Gemma 3's attention in transformers ignores `attn_logit_softcapping`.
-        let attn_softcap = softcap(hf.attn_logit_softcapping, Some(50.0)).filter(|_| !gemma3);
+        let attn_softcap =
+            softcap(hf.attn_logit_softcapping, Some(50.0)).filter(|_| model_type == "gemma2");
         let final_softcap = if gemma {
             softcap(hf.final_logit_softcapping, (!gemma3).then_some(30.0))
         } else {
@@ -571,6 +572,10 @@ mod tests {
         assert_eq!(s.layer_types, vec![Full; 4]);
         assert_eq!(s.embed_padding_idx, None);
         assert_eq!(s.attn_scale, 8f64.powf(-0.5));
+        assert_eq!(
+            (s.attn_softcap, s.final_softcap, s.embed_scale),
+            (None, None, None)
+        );
     }
 
     #[test]
