@@ -1,0 +1,161 @@
+use super::*;
+
+/// The update written out step by step in f64, as torch's docs state the algorithm.
+fn reference(p: f64, g: f64, m: f64, v: f64, hp: &AdamWStep, decay: bool) -> (f64, f64, f64) {
+    let g = g * hp.grad_scale as f64;
+    let p = if decay {
+        p * (1.0 - hp.lr * hp.weight_decay)
+    } else {
+        p
+    };
+    let m = hp.beta1 * m + (1.0 - hp.beta1) * g;
+    let v = hp.beta2 * v + (1.0 - hp.beta2) * g * g;
+    let mhat = m / (1.0 - hp.beta1.powi(hp.step as i32));
+    let vhat = v / (1.0 - hp.beta2.powi(hp.step as i32));
+    (p - hp.lr * mhat / (vhat.sqrt() + hp.eps), m, v)
+}
+
+#[test]
+fn matches_the_algorithm_over_several_steps() {
+    let n = CHUNK + 100;
+    let mut p: Vec<f32> = (0..n).map(|i| ((i % 17) as f32 - 8.0) * 0.05).collect();
+    let mut m = vec![0.0f32; n];
+    let mut v = vec![0.0f32; n];
+    let mut s = vec![bf16::ZERO; n];
+    let (mut rp, mut rm, mut rv): (Vec<f64>, Vec<f64>, Vec<f64>) = (
+        p.iter().map(|&x| x as f64).collect(),
+        vec![0.0; n],
+        vec![0.0; n],
+    );
+    for step in 1..=3 {
+        let g: Vec<f32> = (0..n)
+            .map(|i| (((i * 31 + step * 7) % 23) as f32 - 11.0) * 0.01)
+            .collect();
+        let hp = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: step as u64,
+            grad_scale: 0.5,
+        };
+        adamw_update(
+            &mut p,
+            &g,
+            &mut m,
+            &mut v,
+            StoreOut::Bf16(&mut s),
+            &hp,
+            true,
+        );
+        for i in 0..n {
+            (rp[i], rm[i], rv[i]) = reference(rp[i], g[i] as f64, rm[i], rv[i], &hp, true);
+        }
+    }
+    for i in 0..n {
+        assert!(
+            (p[i] as f64 - rp[i]).abs() <= 1e-6 + 1e-5 * rp[i].abs(),
+            "param {i}: {} vs {}",
+            p[i],
+            rp[i]
+        );
+        assert_eq!(s[i], bf16::from_f32(p[i]));
+    }
+}
+
+#[test]
+fn no_decay_for_vectors() {
+    let hp = AdamWStep {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.5,
+        step: 1,
+        grad_scale: 1.0,
+    };
+    let (mut p, mut m, mut v, mut s) = (vec![1.0f32], vec![0.0], vec![0.0], vec![0.0f32]);
+    adamw_update(
+        &mut p,
+        &[0.0],
+        &mut m,
+        &mut v,
+        StoreOut::F32(&mut s),
+        &hp,
+        false,
+    );
+    assert_eq!(p[0], 1.0);
+    adamw_update(
+        &mut p,
+        &[0.0],
+        &mut m,
+        &mut v,
+        StoreOut::F32(&mut s),
+        &hp,
+        true,
+    );
+    assert!((p[0] - 0.95).abs() < 1e-7);
+}
+
+/// Every path this CPU runs gives the portable path's bits, for both store dtypes, at
+/// lengths and offsets that exercise the aligned body, the head and the tail.
+#[test]
+fn simd_paths_match_portable_bit_for_bit() {
+    let levels: Vec<Simd> = [Simd::Avx2, Simd::Avx512]
+        .into_iter()
+        .filter(|s| s.supported())
+        .collect();
+    let n = 3 * CHUNK + 77;
+    let val = |i: usize, salt: usize| {
+        let h = (i.wrapping_mul(0x9e37_79b9) ^ salt.wrapping_mul(0x85eb_ca6b)) % 20011;
+        (h as f32 - 10005.0) * 1e-4
+    };
+    let hp = AdamWStep {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 7,
+        grad_scale: 0.8,
+    };
+    let k = Consts::new(&hp, true);
+    for off in [0, 1, 5, 31] {
+        let g: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
+        let p0: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
+        let m0: Vec<f32> = (0..n).map(|i| val(i, 3) * 0.1).collect();
+        let v0: Vec<f32> = (0..n).map(|i| val(i, 4).abs() * 0.01).collect();
+        let run = |simd: Simd| {
+            let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+            let mut sb = vec![bf16::ZERO; n];
+            let mut sf = vec![0.0f32; n];
+            update_with(
+                simd,
+                &mut p[off..],
+                &g[off..],
+                &mut m[off..],
+                &mut v[off..],
+                StoreOut::Bf16(&mut sb[off..]),
+                &k,
+            );
+            let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
+            update_with(
+                simd,
+                &mut p2[off..],
+                &g[off..],
+                &mut m2[off..],
+                &mut v2[off..],
+                StoreOut::F32(&mut sf[off..]),
+                &k,
+            );
+            assert_eq!(p, p2);
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            (bits(&p), bits(&m), bits(&v), sb, bits(&sf))
+        };
+        let want = run(Simd::Portable);
+        for &simd in &levels {
+            assert!(run(simd) == want, "{simd:?} differs at offset {off}");
+        }
+    }
+}
