@@ -63,6 +63,8 @@ for g in $GPUS; do
         --set "dataset.max_seq_len=$SEQ" --set "training.batch_size=$(( (g > 0 ? g : 1) * b * ACCUM))" \
         --set "training.gradient_accumulation_steps=$ACCUM" --set "training.num_steps=$((WARMUP + STEPS))" \
         --set logging.log_every=1 --metrics-out "$work/$tag.jsonl" $EXTRA >&2; then
+      mkdir -p "$RESULTS/metrics"
+      cp "$work/$tag.jsonl" "$RESULTS/metrics/${model}_${MACHINE}_${DATE}_$tag.jsonl"
       runs+=("$g $b $work/$tag.jsonl")
     else
       echo "run $tag failed" >&2

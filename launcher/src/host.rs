@@ -78,25 +78,20 @@ impl HostState {
             .with_context(|| format!("write gradients to {}", path.display()))
     }
 
-    /// Global gradient 2-norm over all parameters (per-tensor norms, then their norm, as
-    /// torch's clip_grad_norm_).
-    pub fn grad_norm(&self) -> f64 {
-        let grad = &self.grad;
-        let ranges: Vec<_> = self
-            .layout
-            .tensors()
-            .map(|(b, t)| Layout::global_range(b, t))
-            .collect();
-        ranges
-            .into_par_iter()
-            .map(|r| {
-                grad[r]
-                    .iter()
-                    .map(|&g| (g as f64) * (g as f64))
+    /// Σ g² over block `block` (f64), once its gradient is final; the global norm is the
+    /// square root of the sum over blocks (per-tensor norms combined as torch's
+    /// clip_grad_norm_ does, up to summation order).
+    pub fn block_sum_sq(&self, block: usize) -> f64 {
+        let b = &self.layout.blocks[block];
+        b.tensors
+            .par_iter()
+            .map(|t| {
+                self.grad[Layout::global_range(b, t)]
+                    .par_chunks(1 << 16)
+                    .map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>())
                     .sum::<f64>()
             })
-            .sum::<f64>()
-            .sqrt()
+            .sum()
     }
 
     /// The scalars of the next AdamW update (counts it).

@@ -38,6 +38,8 @@ struct StepOutcome {
     loss_sum: f64,
     slowest: WorkerTimings,
     reduce_s: f64,
+    /// Σ g² over every parameter.
+    grad_sum_sq: f64,
 }
 
 impl Trainer {
@@ -132,7 +134,7 @@ impl Trainer {
                 self.host.dump_grads(&path)?;
             }
             let t = Instant::now();
-            let (grad_norm, lr, hp) = self.clip(step);
+            let (grad_norm, lr, hp) = self.clip(step, out.grad_sum_sq.sqrt());
             let next = if step + 1 < steps {
                 let next = self.fetch_batch(step + 1);
                 self.send_step(step + 1, &next, true)?;
@@ -210,6 +212,7 @@ impl Trainer {
             loss_sum: 0.0,
             slowest: WorkerTimings::default(),
             reduce_s: 0.0,
+            grad_sum_sq: 0.0,
         };
         let deadline = Instant::now() + STEP_TIMEOUT;
         while done < world || reduced < expected_blocks {
@@ -230,6 +233,11 @@ impl Trainer {
                             .collect();
                         let t = Instant::now();
                         self.host.reduce_block(block, &slots);
+                        if micro + 1 == accum {
+                            // Final for this step: fold it into the norm while the GPUs
+                            // still work on earlier layers.
+                            out.grad_sum_sq += self.host.block_sum_sq(block);
+                        }
                         out.reduce_s += t.elapsed().as_secs_f64();
                         for (r, &s) in slots.iter().enumerate() {
                             self.sup.send(r, ToWorker::SlotFree { slot: s })?;
@@ -263,10 +271,9 @@ impl Trainer {
         Ok(out)
     }
 
-    /// Global norm and clip coefficient; returns (grad_norm, lr, the update's scalars).
-    fn clip(&mut self, step: u64) -> (f64, f64, AdamWStep) {
+    /// Clip coefficient from the global norm; returns (grad_norm, lr, the update's scalars).
+    fn clip(&mut self, step: u64, grad_norm: f64) -> (f64, f64, AdamWStep) {
         let tc = &self.cfg.training;
-        let grad_norm = self.host.grad_norm();
         let coef = clip_coefficient(grad_norm, tc.max_grad_norm);
         let lr = lr_at(tc, step);
         let hp = self
@@ -331,7 +338,7 @@ impl Trainer {
             w.write(&m)?;
         }
         let every = self.cfg.logging.log_every.max(1);
-        if m.step % every == 0 || m.step == self.cfg.training.num_steps {
+        if m.step.is_multiple_of(every) || m.step == self.cfg.training.num_steps {
             println!(
                 "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev",
                 m.step,

@@ -345,7 +345,7 @@ impl RunConfig {
     pub fn validate_world(&self, workers: usize) -> Result<()> {
         let t = &self.training;
         let per = workers * t.gradient_accumulation_steps;
-        if workers == 0 || t.batch_size % per != 0 {
+        if workers == 0 || !t.batch_size.is_multiple_of(per) {
             return Err(Error::invalid(
                 "training.batch_size",
                 format!(

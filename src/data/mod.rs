@@ -200,7 +200,7 @@ pub fn plan_step(
     pad_id: i32,
 ) -> StepPlan {
     assert!(
-        rows.len() % (world * accum) == 0,
+        rows.len().is_multiple_of(world * accum),
         "batch not divisible by world x accum"
     );
     let per_rank = rows.len() / world;
