@@ -1,7 +1,8 @@
 //! Gradient-slab reduce throughput (`mt::reduce::accumulate`): `dst += Σ_W src_w` for W
 //! workers' bf16 or f32 slabs, against a plain parallel copy of the same length as the
 //! memory yardstick. Bytes are what the kernel must move: dst read and written, each source
-//! read once (copy: read + write). `MT_SIMD=portable|avx2` lowers the SIMD level.
+//! read once (copy: read + write). `workers_sum_sq` also returns Σ dst² (the norm pass
+//! folded in). `MT_SIMD=portable|avx2` lowers the SIMD level.
 //!
 //! `cargo bench -p mt --bench reduce`; scripts/bench_host.sh runs the same comparison.
 
@@ -10,10 +11,11 @@ use std::hint::black_box;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use mt::optim::adamw::Simd;
-use mt::reduce::{GradElem, accumulate};
+use mt::reduce::{GradElem, accumulate, accumulate_sum_sq};
 use rayon::prelude::*;
 
-const N: usize = 1 << 25;
+/// 512 MiB of f32 destination: well beyond a server's last-level cache.
+const N: usize = 1 << 27;
 
 fn val(i: usize, salt: usize) -> f32 {
     let h = (i.wrapping_mul(0x9e37_79b9) ^ salt.wrapping_mul(0x85eb_ca6b)) % 20011;
@@ -35,6 +37,9 @@ fn reduce<T: GradElem>(c: &mut Criterion, dtype: &str, make: fn(f32) -> T) {
                 accumulate(&mut dst, &refs);
                 black_box(&mut dst);
             })
+        });
+        group.bench_function(BenchmarkId::new("workers_sum_sq", w), |b| {
+            b.iter(|| black_box(accumulate_sum_sq(&mut dst, &refs)))
         });
     }
     group.finish();

@@ -49,6 +49,17 @@ impl GradElem for bf16 {
 
 /// `dst += Σ srcs` elementwise; every source must be as long as `dst`.
 pub fn accumulate<T: GradElem>(dst: &mut [f32], srcs: &[&[T]]) {
+    reduce::<T, false>(dst, srcs);
+}
+
+/// [`accumulate`], also returning Σ dst² over the result (f64), computed in the same pass:
+/// the gradient-norm contribution of a block whose gradient this makes final, without
+/// reading it again. Deterministic: the same bits for every thread count and SIMD level.
+pub fn accumulate_sum_sq<T: GradElem>(dst: &mut [f32], srcs: &[&[T]]) -> f64 {
+    reduce::<T, true>(dst, srcs)
+}
+
+fn reduce<T: GradElem, const SQ: bool>(dst: &mut [f32], srcs: &[&[T]]) -> f64 {
     for s in srcs {
         assert_eq!(
             s.len(),
@@ -58,30 +69,40 @@ pub fn accumulate<T: GradElem>(dst: &mut [f32], srcs: &[&[T]]) {
     }
     let simd = Simd::get();
     if dst.len() <= CHUNK {
-        return accumulate_chunk(simd, dst, srcs);
+        return reduce_chunk::<T, SQ>(simd, dst, srcs);
     }
-    dst.par_chunks_mut(CHUNK).enumerate().for_each(|(c, d)| {
+    let per_chunk = |(c, d): (usize, &mut [f32])| {
         let base = c * CHUNK;
         let parts: Vec<&[T]> = srcs.iter().map(|s| &s[base..base + d.len()]).collect();
-        accumulate_chunk(simd, d, &parts);
-    });
+        reduce_chunk::<T, SQ>(simd, d, &parts)
+    };
+    let chunks = dst.par_chunks_mut(CHUNK).enumerate();
+    if !SQ {
+        chunks.for_each(|c| {
+            per_chunk(c);
+        });
+        return 0.0;
+    }
+    // Chunk sums added in chunk order, so the result does not depend on scheduling.
+    let sums: Vec<f64> = chunks.map(per_chunk).collect();
+    sums.iter().sum()
 }
 
-fn accumulate_chunk<T: GradElem>(simd: Simd, d: &mut [f32], parts: &[&[T]]) {
+fn reduce_chunk<T: GradElem, const SQ: bool>(simd: Simd, d: &mut [f32], parts: &[&[T]]) -> f64 {
     match simd {
         #[cfg(target_arch = "x86_64")]
         Simd::Avx512 => {
             assert!(simd.supported());
             // SAFETY: the CPU has the features (checked above).
-            unsafe { x86::sum_avx512(d, parts) }
+            unsafe { x86::sum_avx512::<T, SQ>(d, parts) }
         }
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => {
             assert!(simd.supported());
             // SAFETY: as above.
-            unsafe { x86::sum_avx2(d, parts) }
+            unsafe { x86::sum_avx2::<T, SQ>(d, parts) }
         }
-        _ => sum_into::<T, false>(d, parts),
+        _ => sum_into::<T, false, SQ>(d, parts),
     }
 }
 
@@ -92,24 +113,35 @@ mod x86 {
     /// # Safety
     /// The CPU has AVX-512 F and BW.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn sum_avx512<T: GradElem>(d: &mut [f32], parts: &[&[T]]) {
-        sum_into::<T, true>(d, parts)
+    pub(super) unsafe fn sum_avx512<T: GradElem, const SQ: bool>(
+        d: &mut [f32],
+        parts: &[&[T]],
+    ) -> f64 {
+        sum_into::<T, true, SQ>(d, parts)
     }
 
     /// # Safety
     /// The CPU has AVX2.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn sum_avx2<T: GradElem>(d: &mut [f32], parts: &[&[T]]) {
-        sum_into::<T, true>(d, parts)
+    pub(super) unsafe fn sum_avx2<T: GradElem, const SQ: bool>(
+        d: &mut [f32],
+        parts: &[&[T]],
+    ) -> f64 {
+        sum_into::<T, true, SQ>(d, parts)
     }
 }
 
 /// `d += Σ parts`, sources summed first, in rank order, a strip at a time; with `PREFETCH`,
-/// each strip asks for the lines `PREFETCH_AHEAD` elements ahead of it.
+/// each strip asks for the lines `PREFETCH_AHEAD` elements ahead of it. With `SQ`, returns
+/// Σ d² of the result (f64), strip by strip.
 #[inline(always)]
-fn sum_into<T: GradElem, const PREFETCH: bool>(d: &mut [f32], parts: &[&[T]]) {
+fn sum_into<T: GradElem, const PREFETCH: bool, const SQ: bool>(
+    d: &mut [f32],
+    parts: &[&[T]],
+) -> f64 {
     let n = d.len();
     let mut acc = [0.0f32; STRIP];
+    let mut sq = [0.0f64; 16];
     let mut lo = 0;
     while lo < n {
         let len = STRIP.min(n - lo);
@@ -151,8 +183,28 @@ fn sum_into<T: GradElem, const PREFETCH: bool>(d: &mut [f32], parts: &[&[T]]) {
                 }
             }
         }
+        if SQ {
+            let s = sum_sq16(d);
+            sq = std::array::from_fn(|j| sq[j] + s[j]);
+        }
         lo += len;
     }
+    sq.iter().sum()
+}
+
+/// Σ x² over 16 interleaved f64 partial sums: vectorizable, and the same order of
+/// operations whatever the vector width.
+#[inline(always)]
+fn sum_sq16(x: &[f32]) -> [f64; 16] {
+    let (body, tail) = x.as_chunks::<16>();
+    let mut sq = [0.0f64; 16];
+    for c in body {
+        sq = std::array::from_fn(|j| sq[j] + f64::from(c[j]) * f64::from(c[j]));
+    }
+    for (j, &v) in tail.iter().enumerate() {
+        sq[j] += f64::from(v) * f64::from(v);
+    }
+    sq
 }
 
 /// Hints that `s[at..at + len]` (possibly past its end) will be read soon.
@@ -203,7 +255,7 @@ mod tests {
                 for off in [0, 3] {
                     let mut dst = dst0.clone();
                     let parts: Vec<&[T]> = refs.iter().map(|s| &s[off..]).collect();
-                    accumulate_chunk(simd, &mut dst[off..], &parts);
+                    reduce_chunk::<T, false>(simd, &mut dst[off..], &parts);
                     assert_eq!(
                         dst[off..],
                         expect[off..],
@@ -211,6 +263,35 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn sum_of_squares_is_the_result_s_and_path_independent() {
+        let n = 2 * CHUNK + 1001;
+        let a: Vec<bf16> = (0..n)
+            .map(|i| bf16::from_f32((i % 37) as f32 * 0.1))
+            .collect();
+        let b: Vec<bf16> = (0..n)
+            .map(|i| bf16::from_f32((i % 11) as f32 - 5.0))
+            .collect();
+        let dst0: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.01).collect();
+        let mut dst = dst0.clone();
+        let sq = accumulate_sum_sq(&mut dst, &[&a[..], &b[..]]);
+        let mut plain = dst0.clone();
+        accumulate(&mut plain, &[&a[..], &b[..]]);
+        assert_eq!(dst, plain);
+        let want: f64 = dst.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+        assert!((sq - want).abs() <= 1e-12 * want, "{sq} vs {want}");
+        let chunk = |simd: Simd| {
+            let mut d = dst0[..CHUNK].to_vec();
+            reduce_chunk::<bf16, true>(simd, &mut d, &[&a[..CHUNK], &b[..CHUNK]]).to_bits()
+        };
+        for simd in [Simd::Avx2, Simd::Avx512]
+            .into_iter()
+            .filter(|s| s.supported())
+        {
+            assert_eq!(chunk(simd), chunk(Simd::Portable), "{simd:?}");
         }
     }
 
