@@ -2,7 +2,7 @@
 //! workers' bf16 or f32 slabs, against a plain parallel copy of the same length as the
 //! memory yardstick. Bytes are what the kernel must move: dst read and written, each source
 //! read once (copy: read + write). `workers_sum_sq` also returns Σ dst² (the norm pass
-//! folded in). `MT_SIMD=portable|avx2` lowers the SIMD level.
+//! folded in); `assign_workers` is `dst = Σ` (dst written, not read). `MT_SIMD=portable|avx2` lowers the SIMD level.
 //!
 //! `cargo bench -p mt --bench reduce`; scripts/bench_host.sh runs the same comparison.
 
@@ -11,7 +11,7 @@ use std::hint::black_box;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
 use mt::optim::adamw::Simd;
-use mt::reduce::{GradElem, accumulate, accumulate_sum_sq};
+use mt::reduce::{GradElem, accumulate, accumulate_sum_sq, assign};
 use rayon::prelude::*;
 
 /// 512 MiB of f32 destination: well beyond a server's last-level cache.
@@ -40,6 +40,13 @@ fn reduce<T: GradElem>(c: &mut Criterion, dtype: &str, make: fn(f32) -> T) {
         });
         group.bench_function(BenchmarkId::new("workers_sum_sq", w), |b| {
             b.iter(|| black_box(accumulate_sum_sq(&mut dst, &refs)))
+        });
+        group.throughput(Throughput::Bytes(((4 + w * size_of::<T>()) * N) as u64));
+        group.bench_function(BenchmarkId::new("assign_workers", w), |b| {
+            b.iter(|| {
+                assign(&mut dst, &refs);
+                black_box(&mut dst);
+            })
         });
     }
     group.finish();

@@ -6,8 +6,9 @@
 //! ```
 //! Prints one `RESULT <kernel> key=value …` line per measurement (best of K timed runs
 //! after a warm-up). Bytes count what the kernel must move: copy reads and writes n f32;
-//! reduce reads dst, the W sources and writes dst; AdamW reads p, g, m, v and writes p, m,
-//! v and the bf16 store (30 B/param). `MT_SIMD=portable|avx2` lowers the SIMD level.
+//! reduce (`accumulate`) reads dst, the W sources and writes dst; `assign` reads the
+//! sources and writes dst; AdamW reads p, g, m, v and writes p, m, v and the bf16 store
+//! (30 B/param). `MT_SIMD=portable|avx2` lowers the SIMD level.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -15,7 +16,7 @@ use std::time::Instant;
 use half::bf16;
 use mt::optim::adamw::Simd;
 use mt::optim::{AdamWStep, StoreOut, adamw_update};
-use mt::reduce::accumulate;
+use mt::reduce::{GradElem, accumulate, assign};
 use rayon::prelude::*;
 
 struct Args {
@@ -123,7 +124,9 @@ fn copy(a: &Args) {
     report("copy", "", t, 8.0 * a.n as f64, a.n);
 }
 
-fn reduce_one<T: mt::reduce::GradElem>(a: &Args, w: usize, name: &str, make: fn(f32) -> T) {
+/// `accumulate` (dst += Σ) and, for bf16 slabs, `assign` (dst = Σ: a step's first
+/// micro-batch, dst not read) over the same sources.
+fn reduce_one<T: GradElem>(a: &Args, w: usize, name: &str, make: fn(f32) -> T) {
     let srcs: Vec<Vec<T>> = (0..w).map(|r| filled(a.n, |i| make(val(i, r)))).collect();
     let refs: Vec<&[T]> = srcs.iter().map(|s| s.as_slice()).collect();
     let mut dst = filled(a.n, |i| val(i, 99));
@@ -132,13 +135,16 @@ fn reduce_one<T: mt::reduce::GradElem>(a: &Args, w: usize, name: &str, make: fn(
         black_box(&mut dst);
     });
     let bytes = (8 + w * size_of::<T>()) as f64 * a.n as f64;
-    report(
-        "reduce",
-        &format!("workers={w} dtype={name}"),
-        t,
-        bytes,
-        a.n,
-    );
+    let what = format!("workers={w} dtype={name}");
+    report("reduce", &what, t, bytes, a.n);
+    if size_of::<T>() == 2 {
+        let t = time(a.iters, || {
+            assign(&mut dst, &refs);
+            black_box(&mut dst);
+        });
+        let bytes = (4 + w * size_of::<T>()) as f64 * a.n as f64;
+        report("assign", &what, t, bytes, a.n);
+    }
 }
 
 fn adamw(a: &Args) {

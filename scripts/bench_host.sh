@@ -2,7 +2,8 @@
 # Host-side kernels in one run, on the same N, dtype and thread count:
 #   (a) our fused AdamW (fp32 p, g, m, v + bf16 store) vs torch.optim.AdamW(fused=True),
 #       alternating ROUNDS times so that both see the same machine state; best of each;
-#   (b) the gradient-slab reduce (W workers, bf16 and f32 slabs) vs this machine's copy
+#   (b) the gradient-slab reduce (W workers, bf16 and f32 slabs; `reduce` is dst += Σ,
+#       `assign` is dst = Σ for a step's first micro-batch) vs this machine's copy
 #       bandwidth measured by the same binary in the same run.
 # Prints a compact table last. Floors: AdamW >= 1.0x torch fused; reduce >= 70% of copy.
 #
@@ -74,7 +75,7 @@ awk -v threads="$THREADS" -v n="$N" '
         printf "%-34s %9.3f %8.1f  ours %.2fx  (same outputs)\n", \
             "torch fused + bf16 copy_", tb, best["torch_fused_bf16"], ours / tb
         printf "%-34s %9s %8.1f\n", "copy (read+write)", "", cp
-        for (i = 1; i <= k; i++) if (order[i] ~ /^reduce/) {
+        for (i = 1; i <= k; i++) if (order[i] ~ /^(reduce|assign)/) {
             printf "%-34s %9s %8.1f  %3.0f%% of copy  (floor 70%%)\n", \
                 order[i], "", best[order[i]], 100 * best[order[i]] / cp
         }
