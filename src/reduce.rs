@@ -169,7 +169,11 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     unsafe fn stream512(d: &mut [f32], s: &[f32]) {
-        assert!(d.len() == s.len() && d.len() % 16 == 0 && d.as_ptr() as usize % 64 == 0);
+        assert!(
+            d.len() == s.len()
+                && d.len().is_multiple_of(16)
+                && d.as_ptr().addr().is_multiple_of(64)
+        );
         for i in (0..d.len()).step_by(16) {
             // SAFETY: i + 16 <= len; d + i is 64-byte aligned.
             unsafe { _mm512_stream_ps(d.as_mut_ptr().add(i), _mm512_loadu_ps(s.as_ptr().add(i))) }
@@ -183,7 +187,9 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     #[inline]
     unsafe fn stream256(d: &mut [f32], s: &[f32]) {
-        assert!(d.len() == s.len() && d.len() % 8 == 0 && d.as_ptr() as usize % 32 == 0);
+        assert!(
+            d.len() == s.len() && d.len().is_multiple_of(8) && d.as_ptr().addr().is_multiple_of(32)
+        );
         for i in (0..d.len()).step_by(8) {
             // SAFETY: i + 8 <= len; d + i is 32-byte aligned.
             unsafe { _mm256_stream_ps(d.as_mut_ptr().add(i), _mm256_loadu_ps(s.as_ptr().add(i))) }
