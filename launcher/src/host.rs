@@ -7,7 +7,6 @@ use mt::config::{OptimizerSection, RunConfig};
 use mt::layout::Layout;
 use mt::optim::{AdamWStep, adamw_update};
 use mt::shm::host::{GradSlabs, Store};
-use rayon::prelude::*;
 
 pub struct HostState {
     pub layout: Layout,
@@ -51,10 +50,19 @@ impl HostState {
         })
     }
 
-    /// Adds block `block` of every worker's slab slot (`slots[r]`) into the fp32 gradient.
-    pub fn reduce_block(&mut self, block: usize, slots: &[usize]) {
-        let range = self.layout.blocks[block].range();
-        self.slabs.reduce_into(&mut self.grad[range], slots);
+    /// Reduces block `block` of every worker's slab slot (`slots[r]`) into the fp32
+    /// gradient: overwrites it for the step's `first` micro-batch, adds after. For the
+    /// `last` micro-batch the block is final, and its Σ g² (for the global norm) comes
+    /// from the same pass.
+    pub fn reduce_block(&mut self, block: usize, slots: &[usize], first: bool, last: bool) -> f64 {
+        let b = &self.layout.blocks[block];
+        b.tensors
+            .iter()
+            .map(|t| {
+                let dst = &mut self.grad[Layout::global_range(b, t)];
+                self.slabs.reduce_into(dst, slots, t.offset, first, last)
+            })
+            .sum()
     }
 
     /// Writes the fp32 gradient of every tensor to a safetensors file (HF names).
@@ -78,22 +86,6 @@ impl HostState {
             .with_context(|| format!("write gradients to {}", path.display()))
     }
 
-    /// Σ g² over block `block` (f64), once its gradient is final; the global norm is the
-    /// square root of the sum over blocks (per-tensor norms combined as torch's
-    /// clip_grad_norm_ does, up to summation order).
-    pub fn block_sum_sq(&self, block: usize) -> f64 {
-        let b = &self.layout.blocks[block];
-        b.tensors
-            .par_iter()
-            .map(|t| {
-                self.grad[Layout::global_range(b, t)]
-                    .par_chunks(1 << 16)
-                    .map(|c| c.iter().map(|&g| (g as f64) * (g as f64)).sum::<f64>())
-                    .sum::<f64>()
-            })
-            .sum()
-    }
-
     /// The scalars of the next AdamW update (counts it).
     pub fn next_update(
         &mut self,
@@ -114,8 +106,7 @@ impl HostState {
         }
     }
 
-    /// Applies the update to every tensor of block `block` (master, moments and store),
-    /// then zeroes its gradient for the next step.
+    /// Applies the update to every tensor of block `block` (master, moments and store).
     pub fn update_block(&mut self, block: usize, hp: &AdamWStep) {
         let b = &self.layout.blocks[block];
         for t in &b.tensors {
@@ -130,9 +121,6 @@ impl HostState {
                 t.decays(),
             );
         }
-        self.grad[b.range()]
-            .par_chunks_mut(1 << 16)
-            .for_each(|c| c.fill(0.0));
     }
 }
 

@@ -72,15 +72,18 @@ impl Supervisor {
         self.workers.len()
     }
 
-    pub fn send(&self, rank: usize, msg: ToWorker) -> Result<()> {
-        self.workers[rank]
-            .tx
-            .send(msg)
-            .map_err(|e| anyhow!("cannot reach worker rank {rank}: {e:?}"))
+    /// Sends `msg` to worker `rank`; if it cannot be reached, says how it died.
+    pub fn send(&mut self, rank: usize, msg: ToWorker) -> Result<()> {
+        match self.workers[rank].tx.send(msg) {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self
+                .death(rank)
+                .context(format!("cannot reach worker rank {rank} ({e:?})"))),
+        }
     }
 
     /// Sends a message built by `msg` to every worker.
-    pub fn broadcast(&self, msg: impl Fn() -> ToWorker) -> Result<()> {
+    pub fn broadcast(&mut self, msg: impl Fn() -> ToWorker) -> Result<()> {
         (0..self.workers.len()).try_for_each(|r| self.send(r, msg()))
     }
 

@@ -232,12 +232,10 @@ impl Trainer {
                             .flatten()
                             .collect();
                         let t = Instant::now();
-                        self.host.reduce_block(block, &slots);
-                        if micro + 1 == accum {
-                            // Final for this step: fold it into the norm while the GPUs
-                            // still work on earlier layers.
-                            out.grad_sum_sq += self.host.block_sum_sq(block);
-                        }
+                        // The last micro-batch makes the block final: its share of the
+                        // norm comes from the same pass, while the GPUs still work.
+                        let (first, last) = (micro == 0, micro + 1 == accum);
+                        out.grad_sum_sq += self.host.reduce_block(block, &slots, first, last);
                         out.reduce_s += t.elapsed().as_secs_f64();
                         for (r, &s) in slots.iter().enumerate() {
                             self.sup.send(r, ToWorker::SlotFree { slot: s })?;

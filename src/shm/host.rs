@@ -12,7 +12,7 @@ use super::{Region, RegionHandle, RegionKind};
 use crate::config::DType;
 use crate::error::Result;
 use crate::optim::StoreOut;
-use crate::reduce::accumulate;
+use crate::reduce::{self, GradElem};
 
 /// The shared copy of all weights in the compute dtype, laid out as `Layout` says.
 pub struct Store {
@@ -102,14 +102,25 @@ impl GradSlabs {
         self.slot_len
     }
 
-    /// `dst += Σ_r slab[r][slots[r]][..dst.len()]`, in rank order.
-    pub fn reduce_into(&self, dst: &mut [f32], slots: &[usize]) {
+    /// Reduces elements `offset..offset + dst.len()` of every worker's slot (`slots[r]`)
+    /// into `dst`, in rank order: `dst = Σ` for a step's first micro-batch (`first`),
+    /// `dst += Σ` after. With `sum_sq`, also returns Σ dst² of the result from the same
+    /// pass (else 0). Slots are shared by blocks of different shapes, so only tensor
+    /// ranges hold meaningful values, never the gaps between them.
+    pub fn reduce_into(
+        &self,
+        dst: &mut [f32],
+        slots: &[usize],
+        offset: usize,
+        first: bool,
+        sum_sq: bool,
+    ) -> f64 {
         assert_eq!(slots.len(), self.regions.len(), "one slot per worker");
         let n = dst.len();
-        assert!(n <= self.slot_len);
+        assert!(offset + n <= self.slot_len);
         let range = |s: usize| {
             assert!(s < self.slots, "slot {s} out of range");
-            s * self.slot_len..s * self.slot_len + n
+            s * self.slot_len + offset..s * self.slot_len + offset + n
         };
         // SAFETY: each worker handed us its slot with `LayerGrads` and writes it again only
         // after our `SlotFree` (protocol); the launcher only reads slabs.
@@ -122,7 +133,7 @@ impl GradSlabs {
                         .zip(slots)
                         .map(|(r, &s)| r.slice(range(s)))
                         .collect();
-                    accumulate(dst, &srcs);
+                    combine(dst, &srcs, first, sum_sq)
                 }
                 DType::Bfloat16 => {
                     let srcs: Vec<&[bf16]> = self
@@ -131,9 +142,24 @@ impl GradSlabs {
                         .zip(slots)
                         .map(|(r, &s)| r.slice(range(s)))
                         .collect();
-                    accumulate(dst, &srcs);
+                    combine(dst, &srcs, first, sum_sq)
                 }
             }
+        }
+    }
+}
+
+fn combine<T: GradElem>(dst: &mut [f32], srcs: &[&[T]], first: bool, sum_sq: bool) -> f64 {
+    match (first, sum_sq) {
+        (true, true) => reduce::assign_sum_sq(dst, srcs),
+        (false, true) => reduce::accumulate_sum_sq(dst, srcs),
+        (true, false) => {
+            reduce::assign(dst, srcs);
+            0.0
+        }
+        (false, false) => {
+            reduce::accumulate(dst, srcs);
+            0.0
         }
     }
 }
