@@ -310,14 +310,19 @@ fn sum_parts<T: GradElem>(acc: &mut [f32], parts: &[&[T]], lo: usize) {
 #[inline(always)]
 fn sum_sq16(sq: &mut [f64; 16], x: &[f32]) {
     let (body, tail) = x.as_chunks::<16>();
-    let mut s = *sq;
+    // Two halves of 8 lanes: what the vectorizer maps onto two zmm accumulators.
+    let (mut lo, mut hi): ([f64; 8], [f64; 8]) = (
+        std::array::from_fn(|j| sq[j]),
+        std::array::from_fn(|j| sq[8 + j]),
+    );
     for c in body {
-        s = std::array::from_fn(|j| s[j] + f64::from(c[j]) * f64::from(c[j]));
+        lo = std::array::from_fn(|j| lo[j] + f64::from(c[j]) * f64::from(c[j]));
+        hi = std::array::from_fn(|j| hi[j] + f64::from(c[8 + j]) * f64::from(c[8 + j]));
     }
+    *sq = std::array::from_fn(|j| if j < 8 { lo[j] } else { hi[j - 8] });
     for (j, &v) in tail.iter().enumerate() {
-        s[j] += f64::from(v) * f64::from(v);
+        sq[j] += f64::from(v) * f64::from(v);
     }
-    *sq = s;
 }
 
 /// Hints that `s[at..at + len]` (possibly past its end) will be read soon.
