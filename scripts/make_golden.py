@@ -7,6 +7,7 @@ For each case this writes, under OUT/<case>/:
   run.yaml        an mt-launch config for the same run (float32, no shuffle)
   expected.json   per-step loss and pre-clip gradient norm from the PyTorch reference
   grads0.safetensors  every parameter's gradient at step 1 (before clipping), HF names
+  logits0.safetensors the step-1 logits (f32, rows x padded length x vocab)
 
 The reference implements the contract of DESIGN.md "Numerics": loss = summed token
 cross-entropy / unmasked label tokens of the global batch, labels shifted inside,
@@ -167,6 +168,8 @@ def reference(model, rows, tr, grads_path):
         if step == 0:
             grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
             safetensors.torch.save_file(grads, grads_path)
+            logits_path = os.path.join(os.path.dirname(grads_path), "logits0.safetensors")
+            safetensors.torch.save_file({"logits": logits.detach().float().contiguous()}, logits_path)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
         opt.step()
         opt.zero_grad()

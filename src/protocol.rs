@@ -69,6 +69,8 @@ pub struct Init {
     /// Slots in this worker's gradient slab; each holds `layout.max_block_len()` elements.
     pub num_slots: usize,
     pub ce_chunk_tokens: usize,
+    /// Write the logits of the first micro-batch of the first step here (parity checks).
+    pub dump_logits: Option<std::path::PathBuf>,
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.

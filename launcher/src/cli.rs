@@ -39,6 +39,12 @@ pub struct Cli {
     #[arg(long, value_name = "FILE")]
     pub dump_grads: Option<PathBuf>,
 
+    /// Write the logits of the first step's first micro-batch (all positions, f32) to this
+    /// safetensors file (tensor `logits`, shape rows x seq x vocab); with several workers
+    /// rank r writes FILE.rank<r> (for parity checks against PyTorch).
+    #[arg(long, value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
+
     /// Log level: error, warn, info, debug, trace.
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: String,

@@ -31,5 +31,12 @@ fn main() -> ExitCode {
 fn run(cli: cli::Cli) -> Result<()> {
     let cfg = mt::config::RunConfig::load(&cli.config, &cli.set)?;
     let placement = cli.placement()?;
-    train::Trainer::new(cfg, placement, cli.metrics_out, cli.dump_grads)?.run()
+    train::Trainer::new(
+        cfg,
+        placement,
+        cli.metrics_out,
+        cli.dump_grads,
+        cli.dump_logits,
+    )?
+    .run()
 }

@@ -48,6 +48,7 @@ impl Trainer {
         placement: Placement,
         metrics_out: Option<PathBuf>,
         dump_grads: Option<PathBuf>,
+        dump_logits: Option<PathBuf>,
     ) -> Result<Trainer> {
         cfg.validate_world(placement.workers)?;
         let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
@@ -97,6 +98,10 @@ impl Trainer {
                 slab: host.slabs.handle(rank),
                 num_slots: cfg.memory.num_grad_slabs,
                 ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+                dump_logits: dump_logits.as_ref().map(|p| match placement.workers {
+                    1 => p.clone(),
+                    _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
+                }),
             })
             .collect();
         let sup = Supervisor::start(&worker_binary()?, inits)?;

@@ -1,8 +1,9 @@
 //! Numerics against PyTorch: every case scripts/make_golden.py wrote (a tiny HF model
 //! trained 3 steps by transformers + torch.optim.AdamW) must be reproduced by mt-launch
-//! with 1 and 2 CPU workers: per-step losses and gradient norms to 1e-4 relative and every
-//! step-1 gradient to 1e-4 (‖ours − torch‖ / ‖torch‖) in float32; per-step losses within
-//! 2e-2 relative when computing in bfloat16.
+//! with 1 and 2 CPU workers: per-step losses and gradient norms to 1e-4 relative, every
+//! step-1 gradient and the step-1 logits of every real (non-padding) position to 1e-4
+//! (‖ours − torch‖ / ‖torch‖) in float32; per-step losses within 2e-2 relative when
+//! computing in bfloat16.
 
 mod common;
 
@@ -38,6 +39,17 @@ fn every_golden_case_matches_pytorch() {
             .map(|v| v.as_f64().unwrap())
             .collect();
         let torch_grads = tensors(&case.join("grads0.safetensors"));
+        let torch_logits = logits(&case.join("logits0.safetensors"));
+        let row_lens: Vec<usize> = std::fs::read_to_string(case.join("data.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["input_ids"]
+                    .as_array()
+                    .unwrap()
+                    .len()
+            })
+            .collect();
         let config = case.join("run.yaml");
         let dir = scratch(&format!("golden-{name}"));
         for workers in ["1", "2"] {
@@ -119,4 +131,41 @@ fn every_golden_case_matches_pytorch() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The `logits` tensor of a safetensors file: (shape, values).
+fn logits(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let shape = st.tensor("logits").unwrap().shape().to_vec();
+    (shape, tensors(path).remove("logits").unwrap())
+}
+
+/// ‖ours − torch‖ / ‖torch‖ over the real positions of each row; `ours` holds the ranks'
+/// (rows, T_r, V) tensors in rank order, `torch` one (B, T, V) tensor for the batch.
+fn logits_rel_err(
+    ours: &[(Vec<usize>, Vec<f32>)],
+    torch: &(Vec<usize>, Vec<f32>),
+    row_lens: &[usize],
+) -> f64 {
+    let (t_all, v) = (torch.0[1], torch.0[2]);
+    let (mut diff, mut norm, mut row) = (0.0f64, 0.0f64, 0);
+    for (shape, vals) in ours {
+        assert_eq!(shape[2], v, "vocab differs");
+        for r in 0..shape[0] {
+            for t in 0..row_lens[row] {
+                let a = &vals[(r * shape[1] + t) * v..][..v];
+                let b = &torch.1[(row * t_all + t) * v..][..v];
+                diff += a
+                    .iter()
+                    .zip(b)
+                    .map(|(x, y)| ((x - y) as f64).powi(2))
+                    .sum::<f64>();
+                norm += b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>();
+            }
+            row += 1;
+        }
+    }
+    assert_eq!(row, torch.0[0], "every row of the first batch compared");
+    (diff / norm).sqrt()
 }

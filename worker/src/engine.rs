@@ -32,6 +32,7 @@ pub struct Engine {
     ce_chunk: i64,
     streamer: Streamer,
     ctl: Control,
+    dump_logits: Option<std::path::PathBuf>,
 }
 
 /// What the launcher has told this worker between its own actions: which slab slots are
@@ -125,6 +126,7 @@ impl Engine {
                 ready: vec![true; init.layout.blocks.len()],
             },
             streamer,
+            dump_logits: init.dump_logits.clone(),
         }
     }
 
@@ -156,6 +158,9 @@ impl Engine {
                 .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
             let t0 = Instant::now();
             let (inputs, x_bth) = self.forward(&batch, mb.seq_len, link)?;
+            if let Some(path) = self.dump_logits.take() {
+                self.write_logits(&path, &x_bth, link)?;
+            }
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             loss_sum += self.backward(
@@ -227,6 +232,29 @@ impl Engine {
             inputs.push(std::mem::replace(&mut x_bth, y_bth));
         }
         Ok((inputs, x_bth))
+    }
+
+    /// Writes the logits of every position of `x_bth` (B, T, H) as f32 `logits` (B, T, V).
+    fn write_logits(&mut self, path: &std::path::Path, x_bth: &Tensor, link: &Link) -> Result<()> {
+        let layout = &self.layout;
+        let (ctl, rx) = (&mut self.ctl, link.rx);
+        let gate = &mut |b| ctl.wait_block(b, rx);
+        let embed = self.streamer.embed(layout, gate)?;
+        let head = self.streamer.head(layout, gate)?;
+        let _guard = tch::no_grad_guard();
+        let embed_w = BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]);
+        let head_w = BlockWeights::views(&head, &layout.blocks[layout.head_block()]);
+        let lm_head = match layout.tied_embeddings {
+            true => embed_w.get("model.embed_tokens.weight"),
+            false => head_w.get("lm_head.weight"),
+        };
+        let (b, t, h) = x_bth.size3()?;
+        let hn_mh = model::final_norm(&self.spec, &head_w, &x_bth.reshape([b * t, h]));
+        let logits = model::logits(&self.spec, &hn_mh, lm_head)
+            .reshape([b, t, -1])
+            .to_device(Device::Cpu);
+        Tensor::write_safetensors(&[("logits", &logits)], path)
+            .with_context(|| format!("write logits to {}", path.display()))
     }
 
     /// Head loss and gradients, then every layer recomputed and backpropagated, then the

@@ -152,16 +152,22 @@ pub fn chunk_loss_sum(
     lm_head_vh: &Tensor,
     targets_c: &Tensor,
 ) -> Tensor {
-    let logits_cv = h_ch.linear(lm_head_vh, None::<Tensor>);
-    let logits_cv = match spec.final_softcap {
-        Some(cap) => (logits_cv / cap).tanh() * cap,
-        None => logits_cv,
-    };
-    logits_cv.to_kind(Kind::Float).cross_entropy_loss(
+    logits(spec, h_ch, lm_head_vh).cross_entropy_loss(
         targets_c,
         None::<Tensor>,
         tch::Reduction::Sum,
         -100,
         0.0,
     )
+}
+
+/// Logits of normed hidden states (M, H) -> (M, V) in f32: the lm_head in the compute
+/// dtype, soft-capped where the family caps them, then upcast as transformers does.
+pub fn logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
+    let logits_mv = h_mh.linear(lm_head_vh, None::<Tensor>);
+    let logits_mv = match spec.final_softcap {
+        Some(cap) => (logits_mv / cap).tanh() * cap,
+        None => logits_mv,
+    };
+    logits_mv.to_kind(Kind::Float)
 }

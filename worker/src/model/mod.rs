@@ -133,6 +133,11 @@ pub fn chunk_loss_sum(
     common::chunk_loss_sum(spec, h_ch, lm_head_vh, targets_c)
 }
 
+/// Logits of normed hidden states (M, H) -> (M, V), f32.
+pub fn logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
+    common::logits(spec, h_mh, lm_head_vh)
+}
+
 /// The tensors of one layout block, as views into its flat buffer.
 pub struct BlockWeights {
     tensors: HashMap<String, Tensor>,
