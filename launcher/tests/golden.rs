@@ -55,6 +55,7 @@ fn every_golden_case_matches_pytorch() {
         for workers in ["1", "2"] {
             let m = dir.join(format!("f32-{workers}.jsonl"));
             let g = dir.join(format!("grads-{workers}.safetensors"));
+            let lg = dir.join(format!("logits-{workers}.safetensors"));
             run_ok(&[
                 "--config",
                 config.to_str().unwrap(),
@@ -66,7 +67,28 @@ fn every_golden_case_matches_pytorch() {
                 m.to_str().unwrap(),
                 "--dump-grads",
                 g.to_str().unwrap(),
+                "--dump-logits",
+                lg.to_str().unwrap(),
             ]);
+            // Rank r holds the r-th contiguous slice of the batch, padded to its own longest row.
+            let ours: Vec<(Vec<usize>, Vec<f32>)> = match workers {
+                "1" => vec![logits(&lg)],
+                _ => (0..2)
+                    .map(|r| {
+                        logits(&std::path::PathBuf::from(format!(
+                            "{}.rank{r}",
+                            lg.display()
+                        )))
+                    })
+                    .collect(),
+            };
+            let e = logits_rel_err(&ours, &torch_logits, &row_lens);
+            eprintln!("golden {name} {workers}w: step-1 logits rel error {e:.2e}");
+            if e > F32_TOL {
+                failures.push(format!(
+                    "{name} f32 {workers}w: step-1 logits rel error {e:.2e}"
+                ));
+            }
             let rows = metrics(&m);
             let (ours, our_norms) = (column(&rows, "loss"), column(&rows, "grad_norm"));
             let e = worst_rel(&ours, &losses);
