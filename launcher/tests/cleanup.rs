@@ -77,31 +77,35 @@ fn children(pid: u32) -> Vec<u32> {
     out
 }
 
-/// Starts a long run with 2 workers and waits until it has finished a step.
-fn start_long_run(name: &str) -> (Child, std::path::PathBuf, Vec<u32>) {
+/// Starts mt-launch on the llama fixture with 2 workers (and `steps` steps), its stderr
+/// in `<scratch>/stderr.log` and metrics in `<scratch>/metrics.jsonl`.
+fn spawn_run(name: &str, steps: u64) -> (Child, std::path::PathBuf) {
     let case = golden_dir().join("llama");
     let dir = scratch(name);
+    let config = case.join("run.yaml");
     let metrics = dir.join("metrics.jsonl");
-    let stderr = std::fs::File::create(dir.join("stderr.log")).unwrap();
     let child = Command::new(launcher())
         .args([
             "--config",
-            case.join("run.yaml").to_str().unwrap(),
+            config.to_str().unwrap(),
             "--gpus",
             "0",
             "--workers",
             "2",
         ])
-        .args([
-            "--set",
-            "training.num_steps=1000000",
-            "--metrics-out",
-            metrics.to_str().unwrap(),
-        ])
+        .args(["--set", &format!("training.num_steps={steps}")])
+        .args(["--metrics-out", metrics.to_str().unwrap()])
         .stdout(Stdio::null())
-        .stderr(stderr)
+        .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
         .spawn()
         .unwrap();
+    (child, dir)
+}
+
+/// Starts a long run with 2 workers and waits until it has finished a step.
+fn start_long_run(name: &str) -> (Child, std::path::PathBuf, Vec<u32>) {
+    let (child, dir) = spawn_run(name, 1_000_000);
+    let metrics = dir.join("metrics.jsonl");
     wait_for(Duration::from_secs(60), || {
         std::fs::read_to_string(&metrics)
             .map(|s| s.lines().count() >= 1)
@@ -157,21 +161,7 @@ fn assert_clean(launcher_pid: u32, workers: &[u32], shm_before: &[String]) {
 #[test]
 fn normal_run_leaves_nothing() {
     let before = shm_entries();
-    let case = golden_dir().join("llama");
-    let dir = scratch("clean-normal");
-    let child = Command::new(launcher())
-        .args([
-            "--config",
-            case.join("run.yaml").to_str().unwrap(),
-            "--gpus",
-            "0",
-            "--workers",
-            "2",
-        ])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
-        .spawn()
-        .unwrap();
+    let (child, _dir) = spawn_run("clean-normal", 3);
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());

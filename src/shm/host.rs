@@ -118,34 +118,26 @@ impl GradSlabs {
         assert_eq!(slots.len(), self.regions.len(), "one slot per worker");
         let n = dst.len();
         assert!(offset + n <= self.slot_len);
+        match self.dtype {
+            DType::Float32 => combine::<f32>(dst, &self.sources(slots, offset, n), first, sum_sq),
+            DType::Bfloat16 => combine::<bf16>(dst, &self.sources(slots, offset, n), first, sum_sq),
+        }
+    }
+
+    /// Elements `offset..offset + n` of each worker's slot `slots[r]`.
+    fn sources<T: GradElem>(&self, slots: &[usize], offset: usize, n: usize) -> Vec<&[T]> {
         let range = |s: usize| {
             assert!(s < self.slots, "slot {s} out of range");
             s * self.slot_len + offset..s * self.slot_len + offset + n
         };
         // SAFETY: each worker handed us its slot with `LayerGrads` and writes it again only
-        // after our `SlotFree` (protocol); the launcher only reads slabs.
-        unsafe {
-            match self.dtype {
-                DType::Float32 => {
-                    let srcs: Vec<&[f32]> = self
-                        .regions
-                        .iter()
-                        .zip(slots)
-                        .map(|(r, &s)| r.slice(range(s)))
-                        .collect();
-                    combine(dst, &srcs, first, sum_sq)
-                }
-                DType::Bfloat16 => {
-                    let srcs: Vec<&[bf16]> = self
-                        .regions
-                        .iter()
-                        .zip(slots)
-                        .map(|(r, &s)| r.slice(range(s)))
-                        .collect();
-                    combine(dst, &srcs, first, sum_sq)
-                }
-            }
-        }
+        // after our `SlotFree` (protocol); the launcher only reads slabs, and the views do
+        // not outlive the reduce that borrows them.
+        self.regions
+            .iter()
+            .zip(slots)
+            .map(|(r, &s)| unsafe { r.slice(range(s)) })
+            .collect()
     }
 }
 
