@@ -8,12 +8,18 @@
 //!
 //! The update is memory-bound (28 B/param moved, plus 2 for the store), so the kernels aim
 //! at moving bytes, not at saving flops:
-//! - explicit AVX-512 and AVX2 bodies ([`x86`]) chosen at run time ([`Simd`]), with the
+//! - explicit AVX-512 and AVX2 bodies (`x86.rs`) chosen at run time ([`Simd`]), with the
 //!   portable loop below as the fallback and the reference: every path performs the same
 //!   IEEE operations in the same order (no FMA contraction), so all give the same bits;
+//! - the four fp32 streams are prefetched into L1 2 KiB ahead (a core alone cannot keep
+//!   enough misses in flight with the hardware prefetchers only: +18% on 2 cores);
 //! - the bf16 store is written with non-temporal full-cache-line stores: it is read next by
 //!   the GPUs' DMA, not by this CPU, so it skips the read-for-ownership (2 B/param) and
 //!   does not evict the fp32 streams from cache.
+//!
+//! Measured (benches/results/host_*): 1.08x torch's fused CPU step on 2 cores with the bf16
+//! store written on top; where DRAM, not the core, is the limit, expect the byte ratio
+//! (28/30 against torch's step alone, 36/30 against step + bf16 copy).
 
 use std::sync::OnceLock;
 
