@@ -7,7 +7,7 @@
 #       bandwidth measured by the same binary in the same run.
 # Prints a compact table last. Floors: AdamW >= 1.0x torch fused; reduce >= 70% of copy.
 #
-# usage: scripts/bench_host.sh [N]            N = parameters (default 2^28: ~5 GiB of RAM)
+# usage: scripts/bench_host.sh [N]            N = parameters (default 2**28: ~5 GiB of RAM)
 # env:   THREADS    threads for both sides (default: all cores)
 #        ITERS      timed steps per measurement (default 10), ROUNDS (default 3)
 #        WORKERS    reduce fan-ins (default 1,2,4)
@@ -20,7 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-N=${1:-268435456}
+N=$(( ${1:-2**28} ))    # an integer or an expression such as 2**27
 THREADS=${THREADS:-$(nproc)}
 ITERS=${ITERS:-10}
 ROUNDS=${ROUNDS:-3}
