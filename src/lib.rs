@@ -11,6 +11,7 @@ pub mod error;
 pub mod layout;
 pub mod metrics;
 pub mod optim;
+pub mod plan;
 pub mod protocol;
 pub mod reduce;
 pub mod shm;

@@ -4,18 +4,55 @@
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use clap::Parser;
+use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "mt-launch",
     version,
-    about = "Train LLMs larger than GPU memory from host RAM, one worker process per GPU"
+    about = "Train LLMs larger than GPU memory from host RAM, one worker process per GPU",
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true
 )]
 pub struct Cli {
-    /// YAML run config (sections: model, dataset, training, optimizer, memory, logging).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print what a run would hold in host RAM (from the real layout) and exit.
+    Plan(PlanArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// YAML run config.
     #[arg(long, value_name = "FILE")]
     pub config: PathBuf,
+
+    /// GPUs (one worker each); 0 = CPU workers.
+    #[arg(long, value_name = "N")]
+    pub gpus: Option<usize>,
+
+    /// Worker processes with `--gpus 0`.
+    #[arg(long, value_name = "N")]
+    pub workers: Option<usize>,
+
+    /// Override a config value (repeatable).
+    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
+    pub set: Vec<String>,
+}
+
+/// Training (the default command).
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// YAML run config (sections: model, dataset, training, optimizer, memory, logging).
+    #[arg(long, value_name = "FILE", required = true)]
+    pub config: Option<PathBuf>,
 
     /// One worker per GPU 0..N-1; 0 runs workers on CPU. Default: every GPU the NVIDIA
     /// driver lists, or 0 when there is none.
@@ -57,17 +94,18 @@ pub struct Placement {
     pub workers: usize,
 }
 
-impl Cli {
-    pub fn placement(&self) -> Result<Placement> {
+/// Where the workers run, from `--gpus` / `--workers`.
+pub fn placement(gpus: Option<usize>, workers: Option<usize>) -> Result<Placement> {
+    {
         let present = visible_gpus();
-        let gpus = self.gpus.unwrap_or(present);
+        let gpus = gpus.unwrap_or(present);
         if gpus > 0 {
             if present < gpus {
                 bail!(
                     "--gpus {gpus} asks for more GPUs than the {present} this machine's NVIDIA driver lists"
                 );
             }
-            if let Some(w) = self.workers.filter(|&w| w != gpus) {
+            if let Some(w) = workers.filter(|&w| w != gpus) {
                 bail!(
                     "--workers {w} conflicts with --gpus {gpus}: with GPUs there is one worker per GPU"
                 );
@@ -77,7 +115,7 @@ impl Cli {
                 workers: gpus,
             });
         }
-        let workers = self.workers.unwrap_or(1);
+        let workers = workers.unwrap_or(1);
         if workers == 0 {
             bail!("--workers must be at least 1");
         }

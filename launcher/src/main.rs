@@ -14,7 +14,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log_level)
+            tracing_subscriber::EnvFilter::try_new(&cli.run.log_level)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
@@ -29,8 +29,13 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: cli::Cli) -> Result<()> {
-    let cfg = mt::config::RunConfig::load(&cli.config, &cli.set)?;
-    let placement = cli.placement()?;
+    let cli = match cli.command {
+        Some(cli::Command::Plan(p)) => return plan(p),
+        None => cli.run,
+    };
+    let config = cli.config.expect("clap requires --config");
+    let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
+    let placement = cli::placement(cli.gpus, cli.workers)?;
     train::Trainer::new(
         cfg,
         placement,
@@ -39,4 +44,26 @@ fn run(cli: cli::Cli) -> Result<()> {
         cli.dump_logits,
     )?
     .run()
+}
+
+/// `mt-launch plan`: the host memory a run would hold, from the real layout.
+fn plan(p: cli::PlanArgs) -> Result<()> {
+    let cfg = mt::config::RunConfig::load(&p.config, &p.set)?;
+    let placement = cli::placement(p.gpus, p.workers)?;
+    let spec = mt::config::hf::ModelSpec::from_model_dir(&cfg.model.path)?;
+    let layout = mt::layout::Layout::new(&spec);
+    let plan = mt::plan::HostPlan::new(
+        &layout,
+        cfg.model.dtype,
+        placement.workers,
+        cfg.memory.num_grad_slabs,
+    );
+    println!(
+        "{} worker(s) on {}, {:?} store",
+        placement.workers,
+        if placement.gpus > 0 { "GPUs" } else { "CPU" },
+        cfg.model.dtype
+    );
+    println!("{plan}");
+    Ok(())
 }

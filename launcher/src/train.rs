@@ -77,6 +77,13 @@ impl Trainer {
             rows = data.rows.len(),
             "starting"
         );
+        let plan = mt::plan::HostPlan::new(
+            &layout,
+            cfg.model.dtype,
+            placement.workers,
+            cfg.memory.num_grad_slabs,
+        );
+        println!("{plan}");
         let host = HostState::new(&cfg, layout, master, placement.workers)?;
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())

@@ -1,0 +1,92 @@
+//! Host memory plan: what the launcher allocates, computed from the real layout (the same
+//! sizes `HostState` and the shared regions use), so users know before launch whether a
+//! model fits.
+
+use crate::config::DType;
+use crate::layout::Layout;
+use crate::shm::HEADER_LEN;
+
+/// Bytes of host RAM the launcher holds for training state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostPlan {
+    pub params: u64,
+    /// fp32 master weights.
+    pub master: u64,
+    /// fp32 Adam first and second moments.
+    pub adam: u64,
+    /// fp32 gradient accumulator.
+    pub grad: u64,
+    /// Shared weight store in the compute dtype.
+    pub store: u64,
+    /// Every worker's gradient slab (slots x largest block).
+    pub slabs: u64,
+}
+
+impl HostPlan {
+    pub fn new(layout: &Layout, dtype: DType, workers: usize, slots: usize) -> HostPlan {
+        let elems = layout.total as u64;
+        let slab = (slots * layout.max_block_len() * dtype.size() + HEADER_LEN) as u64;
+        HostPlan {
+            params: layout.num_params() as u64,
+            master: 4 * elems,
+            adam: 8 * elems,
+            grad: 4 * elems,
+            store: elems * dtype.size() as u64 + HEADER_LEN as u64,
+            slabs: workers as u64 * slab,
+        }
+    }
+
+    /// Everything except the slabs, which are bounded by layer size, not model size.
+    pub fn per_param_state(&self) -> u64 {
+        self.master + self.adam + self.grad + self.store
+    }
+
+    pub fn total(&self) -> u64 {
+        self.per_param_state() + self.slabs
+    }
+
+    pub fn bytes_per_param(&self) -> f64 {
+        self.per_param_state() as f64 / self.params as f64
+    }
+}
+
+impl std::fmt::Display for HostPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gb = |b: u64| b as f64 / 1e9;
+        writeln!(f, "host memory for {:.3e} parameters:", self.params as f64)?;
+        writeln!(f, "  fp32 master weights   {:>9.2} GB", gb(self.master))?;
+        writeln!(f, "  fp32 Adam m, v        {:>9.2} GB", gb(self.adam))?;
+        writeln!(f, "  fp32 gradient         {:>9.2} GB", gb(self.grad))?;
+        writeln!(f, "  shared weight store   {:>9.2} GB", gb(self.store))?;
+        writeln!(f, "  = {:.2} bytes per parameter", self.bytes_per_param())?;
+        writeln!(f, "  gradient slabs        {:>9.2} GB", gb(self.slabs))?;
+        write!(f, "  total                 {:>9.2} GB", gb(self.total()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::hf::{HfConfig, ModelSpec};
+
+    #[test]
+    fn qwen_7b_needs_18_bytes_per_parameter_in_bf16() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
+        let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let spec = ModelSpec::from_hf(&hf, &path).unwrap();
+        let layout = Layout::new(&spec);
+        let plan = HostPlan::new(&layout, DType::Bfloat16, 2, 4);
+        assert_eq!(
+            plan.params, 7_615_616_512,
+            "Qwen2.5-7B's published parameter count"
+        );
+        // Alignment gaps add a little over 18 B/param; the bound is 18 + slabs.
+        assert!(plan.bytes_per_param() < 18.01, "{}", plan.bytes_per_param());
+        assert_eq!(
+            plan.slabs,
+            2 * (4 * layout.max_block_len() as u64 * 2 + HEADER_LEN as u64)
+        );
+        assert!(plan.to_string().contains("bytes per parameter"));
+    }
+}
