@@ -42,6 +42,8 @@ pub struct StepMetrics {
     /// Per GPU (or CPU worker), model FLOPs: 6 x matmul parameters x real (non-padding)
     /// tokens, plus causal attention (QK^T and AV, forward and backward) over them.
     pub tflops_model: f64,
+    /// The update was skipped: the loss or the gradient norm was not finite.
+    pub skipped: bool,
 }
 
 /// The FLOPs of one step, from its shape.

@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use mt::checkpoint;
 use mt::config::hf::ModelSpec;
-use mt::config::{Init as InitKind, RunConfig};
+use mt::config::{Init as InitKind, NanPolicy, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
 use mt::metrics::{MetricsWriter, StepMetrics, rss_bytes, step_flops};
-use mt::optim::{AdamWStep, clip_coefficient, lr_at};
+use mt::optim::{clip_coefficient, lr_at};
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
@@ -31,6 +31,8 @@ pub struct Trainer {
     sup: Supervisor,
     metrics: Option<MetricsWriter>,
     dump_grads: Option<PathBuf>,
+    /// Non-finite steps in a row.
+    nan_run: u64,
 }
 
 /// What the workers and the reduce reported for one step.
@@ -40,6 +42,8 @@ struct StepOutcome {
     reduce_s: f64,
     /// Σ g² over every parameter.
     grad_sum_sq: f64,
+    /// The update was skipped (non-finite loss or norm).
+    skipped: bool,
 }
 
 impl Trainer {
@@ -127,6 +131,7 @@ impl Trainer {
             sup,
             metrics,
             dump_grads,
+            nan_run: 0,
         })
     }
 
@@ -141,12 +146,23 @@ impl Trainer {
         self.send_step(0, &plan, false)?;
         let mut last_report = Instant::now();
         for step in 0..steps {
-            let out = self.collect_gradients()?;
+            let mut out = self.collect_gradients()?;
             if let Some(path) = self.dump_grads.take() {
                 self.host.dump_grads(&path)?;
             }
             let t = Instant::now();
-            let (grad_norm, lr, hp) = self.clip(step, out.grad_sum_sq.sqrt());
+            let grad_norm = out.grad_sum_sq.sqrt();
+            let finite = grad_norm.is_finite() && out.loss_sum.is_finite();
+            self.check_finite(step, finite, &out, grad_norm)?;
+            let (lr, coef) = self.clip(step, grad_norm);
+            let hp = finite.then(|| {
+                self.host.next_update(
+                    &self.cfg.optimizer,
+                    lr,
+                    self.cfg.training.weight_decay,
+                    coef,
+                )
+            });
             let next = if step + 1 < steps {
                 let next = self.fetch_batch(step + 1);
                 self.send_step(step + 1, &next, true)?;
@@ -155,7 +171,9 @@ impl Trainer {
                 None
             };
             for block in 0..self.host.layout.blocks.len() {
-                self.host.update_block(block, &hp);
+                if let Some(hp) = &hp {
+                    self.host.update_block(block, hp);
+                }
                 if next.is_some() {
                     self.sup.broadcast(|| ToWorker::BlockReady { block })?;
                 }
@@ -164,6 +182,7 @@ impl Trainer {
             let now = Instant::now();
             let step_time_s = now.duration_since(last_report).as_secs_f64();
             last_report = now;
+            out.skipped = !finite;
             self.report(step, &plan, &out, grad_norm, lr, optimizer_s, step_time_s)?;
             plan = next.unwrap_or(plan);
         }
@@ -225,6 +244,7 @@ impl Trainer {
             slowest: WorkerTimings::default(),
             reduce_s: 0.0,
             grad_sum_sq: 0.0,
+            skipped: false,
         };
         let deadline = Instant::now() + STEP_TIMEOUT;
         while done < world || reduced < expected_blocks {
@@ -281,15 +301,47 @@ impl Trainer {
         Ok(out)
     }
 
-    /// Clip coefficient from the global norm; returns (grad_norm, lr, the update's scalars).
-    fn clip(&mut self, step: u64, grad_norm: f64) -> (f64, f64, AdamWStep) {
+    /// Applies `training.nan_policy` to a step whose loss or gradient norm is not finite:
+    /// `abort` fails at once; `skip` lets the update be skipped, up to `max_nan_steps` in a row.
+    fn check_finite(
+        &mut self,
+        step: u64,
+        finite: bool,
+        out: &StepOutcome,
+        grad_norm: f64,
+    ) -> Result<()> {
+        if finite {
+            self.nan_run = 0;
+            return Ok(());
+        }
+        self.nan_run += 1;
         let tc = &self.cfg.training;
-        let coef = clip_coefficient(grad_norm, tc.max_grad_norm);
-        let lr = lr_at(tc, step);
-        let hp = self
-            .host
-            .next_update(&self.cfg.optimizer, lr, tc.weight_decay, coef);
-        (grad_norm, lr, hp)
+        let what = format!(
+            "step {}: loss sum {} and gradient norm {grad_norm} are not both finite",
+            step + 1,
+            out.loss_sum
+        );
+        match tc.nan_policy {
+            NanPolicy::Abort => bail!("{what} (training.nan_policy: abort)"),
+            NanPolicy::Skip if self.nan_run > tc.max_nan_steps => bail!(
+                "{what}; {} non-finite steps in a row exceed training.max_nan_steps ({})",
+                self.nan_run,
+                tc.max_nan_steps
+            ),
+            NanPolicy::Skip => {
+                tracing::warn!("{what}: update skipped ({} in a row)", self.nan_run);
+                Ok(())
+            }
+        }
+    }
+
+    /// Clip coefficient and learning rate for the update after `step` steps.
+    fn clip(&self, step: u64, grad_norm: f64) -> (f64, f32) {
+        let tc = &self.cfg.training;
+        (
+            lr_at(tc, step),
+            clip_coefficient(grad_norm, tc.max_grad_norm),
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -340,6 +392,7 @@ impl Trainer {
             launcher_rss_bytes: rss_bytes(),
             tflops_megatrain: per_device_tflops(flops.megatrain),
             tflops_model: per_device_tflops(flops.model),
+            skipped: out.skipped,
         };
         if !m.loss.is_finite() {
             tracing::warn!(step = m.step, "non-finite loss");

@@ -151,6 +151,19 @@ pub struct TrainingSection {
     pub seed: u64,
     /// Where the trained model is written as an HF model directory (None: not written).
     pub output_dir: Option<PathBuf>,
+    /// What a non-finite loss or gradient norm does: `skip` the update (counted in the
+    /// metrics) or `abort` the run.
+    pub nan_policy: NanPolicy,
+    /// With `skip`: abort after this many non-finite steps in a row.
+    pub max_nan_steps: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum NanPolicy {
+    #[default]
+    Skip,
+    Abort,
 }
 
 impl Default for TrainingSection {
@@ -166,6 +179,8 @@ impl Default for TrainingSection {
             max_grad_norm: 1.0,
             seed: 42,
             output_dir: None,
+            nan_policy: NanPolicy::Skip,
+            max_nan_steps: 5,
         }
     }
 }
