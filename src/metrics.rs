@@ -23,7 +23,9 @@ pub struct StepMetrics {
     /// Slowest worker's forward and backward time.
     pub forward_s: f64,
     pub backward_s: f64,
-    /// Slowest worker's wait for a free gradient slab slot.
+    /// Slowest worker's wait for a free gradient slab slot. On GPU the host runs ahead of
+    /// the device, so this mostly measures waiting for the GPU to finish the layers whose
+    /// gradients occupy the slots; it points at the host reduce only when reduce_s is large.
     pub slot_wait_s: f64,
     /// Launcher time in the slab reduce and in clip + AdamW.
     pub reduce_s: f64,
