@@ -113,7 +113,8 @@ pub struct WorkerTimings {
     pub h2d_wait_s: f64,
     /// Time spent copying gradients into the slab (device-to-host).
     pub d2h_s: f64,
-    /// Time the backward waited for a free slab slot (host reduce behind).
+    /// Time the backward waited for a free slab slot (on GPU mostly the device itself:
+    /// the slots are held by in-flight gradient copies of layers still computing).
     pub slot_wait_s: f64,
     pub peak_device_bytes: u64,
 }
