@@ -82,6 +82,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     pub dump_logits: Option<PathBuf>,
 
+    /// Resume from a checkpoint directory, or `latest` (the newest complete one under
+    /// checkpoint.dir): weights, Adam state, step and data position.
+    #[arg(long, value_name = "DIR|latest")]
+    pub resume: Option<String>,
+
     /// Log level: error, warn, info, debug, trace.
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: String,

@@ -72,7 +72,7 @@ impl HostState {
             .tensors()
             .map(|(b, t)| {
                 let g = &self.grad[Layout::global_range(b, t)];
-                let bytes: &[u8] = bytemuck_f32(g);
+                let bytes: &[u8] = mt::shm::f32_bytes(g);
                 let view = safetensors::tensor::TensorView::new(
                     safetensors::Dtype::F32,
                     t.shape.clone(),
@@ -84,6 +84,52 @@ impl HostState {
             .collect();
         safetensors::serialize_to_file(tensors, None, path)
             .with_context(|| format!("write gradients to {}", path.display()))
+    }
+
+    /// Writes a full checkpoint after `step` steps under `root`; returns its directory.
+    pub fn save_checkpoint(
+        &self,
+        root: &std::path::Path,
+        step: u64,
+        nan_run: u64,
+        dtype: mt::config::DType,
+        config: &std::path::Path,
+    ) -> Result<std::path::PathBuf> {
+        use mt::checkpoint::state::{self, Tensors, TrainState};
+        let st = TrainState {
+            format: state::FORMAT,
+            step,
+            updates: self.updates,
+            nan_run,
+            layout: state::fingerprint(&self.layout),
+        };
+        let tensors = Tensors {
+            master: &self.master,
+            m: &self.m,
+            v: &self.v,
+        };
+        Ok(state::save(
+            root,
+            &st,
+            &self.layout,
+            &tensors,
+            dtype,
+            config,
+        )?)
+    }
+
+    /// Loads a checkpoint's weights and Adam state and rewrites the store from them.
+    pub fn restore(&mut self, dir: &std::path::Path) -> Result<mt::checkpoint::state::TrainState> {
+        let st = mt::checkpoint::state::load(
+            dir,
+            &self.layout,
+            &mut self.master,
+            &mut self.m,
+            &mut self.v,
+        )?;
+        self.updates = st.updates;
+        self.store.write_all(&self.master);
+        Ok(st)
     }
 
     /// The scalars of the next AdamW update (counts it).
@@ -122,12 +168,4 @@ impl HostState {
             );
         }
     }
-}
-
-/// The bytes of an f32 slice (little-endian on every platform we build for).
-fn bytemuck_f32(x: &[f32]) -> &[u8] {
-    const { assert!(cfg!(target_endian = "little")) };
-    // SAFETY: f32 has no padding and any byte pattern may be read as u8; the length covers
-    // exactly the slice.
-    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
 }

@@ -42,6 +42,7 @@ fn run(cli: cli::Cli) -> Result<()> {
         cli.metrics_out,
         cli.dump_grads,
         cli.dump_logits,
+        cli.resume,
     )?
     .run()
 }

@@ -33,6 +33,8 @@ pub struct Trainer {
     dump_grads: Option<PathBuf>,
     /// Non-finite steps in a row.
     nan_run: u64,
+    /// The first step to run (0, or the resumed checkpoint's step).
+    start_step: u64,
 }
 
 /// What the workers and the reduce reported for one step.
@@ -53,6 +55,7 @@ impl Trainer {
         metrics_out: Option<PathBuf>,
         dump_grads: Option<PathBuf>,
         dump_logits: Option<PathBuf>,
+        resume: Option<String>,
     ) -> Result<Trainer> {
         cfg.validate_world(placement.workers)?;
         let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
@@ -63,8 +66,12 @@ impl Trainer {
             .as_deref()
             .map(MetricsWriter::create)
             .transpose()?;
+        let resume = resume
+            .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
+            .transpose()?;
         let mut master = vec![0.0f32; layout.total];
         match cfg.model.init {
+            _ if resume.is_some() => {}
             InitKind::Pretrained => {
                 checkpoint::load_pretrained(&cfg.model.path, &layout, &mut master)?
             }
@@ -88,7 +95,13 @@ impl Trainer {
             cfg.memory.num_grad_slabs,
         );
         println!("{plan}");
-        let host = HostState::new(&cfg, layout, master, placement.workers)?;
+        let mut host = HostState::new(&cfg, layout, master, placement.workers)?;
+        let (mut start_step, mut nan_run) = (0, 0);
+        if let Some(dir) = &resume {
+            let state = host.restore(dir)?;
+            println!("resumed from {} at step {}", dir.display(), state.step);
+            (start_step, nan_run) = (state.step, state.nan_run);
+        }
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
@@ -131,7 +144,8 @@ impl Trainer {
             sup,
             metrics,
             dump_grads,
-            nan_run: 0,
+            nan_run,
+            start_step,
         })
     }
 
@@ -142,10 +156,16 @@ impl Trainer {
     /// the workers as soon as it is written: the optimizer overlaps the next forward.
     pub fn run(mut self) -> Result<()> {
         let steps = self.cfg.training.num_steps;
-        let mut plan = self.fetch_batch(0);
-        self.send_step(0, &plan, false)?;
+        let first = self.start_step;
+        if first >= steps {
+            bail!(
+                "the checkpoint is at step {first}, training.num_steps is {steps}: nothing left to run"
+            );
+        }
+        let mut plan = self.fetch_batch(first);
+        self.send_step(first, &plan, false)?;
         let mut last_report = Instant::now();
-        for step in 0..steps {
+        for step in first..steps {
             let mut out = self.collect_gradients()?;
             if let Some(path) = self.dump_grads.take() {
                 self.host.dump_grads(&path)?;
@@ -184,6 +204,7 @@ impl Trainer {
             last_report = now;
             out.skipped = !finite;
             self.report(step, &plan, &out, grad_norm, lr, optimizer_s, step_time_s)?;
+            self.maybe_checkpoint(step + 1)?;
             plan = next.unwrap_or(plan);
         }
         let Trainer { cfg, host, sup, .. } = self;
@@ -299,6 +320,29 @@ impl Trainer {
             }
         }
         Ok(out)
+    }
+
+    /// Writes a checkpoint after `done` steps if `checkpoint.every_steps` says so.
+    fn maybe_checkpoint(&mut self, done: u64) -> Result<()> {
+        let ck = &self.cfg.checkpoint;
+        let Some(root) = ck.dir.as_deref() else {
+            return Ok(());
+        };
+        if ck.every_steps == 0 || !done.is_multiple_of(ck.every_steps) {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let config = self.cfg.model.path.join("config.json");
+        let dir =
+            self.host
+                .save_checkpoint(root, done, self.nan_run, self.cfg.model.dtype, &config)?;
+        checkpoint::state::prune(root, ck.keep_last)?;
+        println!(
+            "checkpoint {} written in {:.1}s",
+            dir.display(),
+            t.elapsed().as_secs_f64()
+        );
+        Ok(())
     }
 
     /// Applies `training.nan_policy` to a step whose loss or gradient norm is not finite:

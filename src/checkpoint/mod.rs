@@ -1,6 +1,8 @@
 //! Weights in and out: HF safetensors into the fp32 master (every tensor checked by name,
 //! shape and dtype), transformers-style random init, and export of an HF model directory.
 
+pub mod state;
+
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -32,6 +32,30 @@ pub struct RunConfig {
     pub memory: MemorySection,
     #[serde(default)]
     pub logging: LoggingSection,
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointSection {
+    /// Where checkpoints go (`step-NNNNNNNN/` each); needed for `every_steps` and
+    /// `--resume latest`.
+    pub dir: Option<PathBuf>,
+    /// Write a checkpoint every this many optimizer steps (0: never).
+    pub every_steps: u64,
+    /// Complete checkpoints kept; older ones are deleted (the newest is always kept).
+    pub keep_last: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection {
+            dir: None,
+            every_steps: 0,
+            keep_last: 2,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -283,6 +307,9 @@ impl RunConfig {
         if let Some(out) = self.training.output_dir.as_mut() {
             fix(out);
         }
+        if let Some(dir) = self.checkpoint.dir.as_mut() {
+            fix(dir);
+        }
     }
 
     /// Checks every value that deserialization cannot; errors name the key.
@@ -349,6 +376,12 @@ impl RunConfig {
             if !ok {
                 return Err(Error::invalid(key, msg));
             }
+        }
+        if self.checkpoint.every_steps > 0 && self.checkpoint.dir.is_none() {
+            return Err(Error::invalid(
+                "checkpoint.dir",
+                "is required when checkpoint.every_steps > 0",
+            ));
         }
         if self.dataset.max_seq_len == Some(0) {
             return Err(Error::invalid("dataset.max_seq_len", "must be > 0"));

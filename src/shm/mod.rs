@@ -219,6 +219,15 @@ unsafe impl Pod for half::bf16 {}
 // SAFETY: as above.
 unsafe impl Pod for u8 {}
 
+/// The bytes of an f32 slice, little-endian (every platform we build for), for writing
+/// tensors without a copy.
+pub fn f32_bytes(x: &[f32]) -> &[u8] {
+    const { assert!(cfg!(target_endian = "little")) };
+    // SAFETY: f32 has no padding and any byte may be read as u8; the length covers exactly
+    // the slice, and the borrow keeps it alive.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
 /// Maps a file read-only (model weights).
 pub fn map_readonly(path: &std::path::Path) -> Result<memmap2::Mmap> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;

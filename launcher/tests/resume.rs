@@ -1,0 +1,177 @@
+//! Checkpoints and exact resume: 3 steps + resume + 3 steps equals 6 steps straight
+//! (float32, 2 workers, 1e-6); an incomplete or foreign checkpoint is refused by name;
+//! keep_last prunes old checkpoints.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+fn train(case: &str, dir: &Path, tag: &str, extra: &[&str]) -> (std::process::Output, PathBuf) {
+    let config = golden_dir().join(case).join("run.yaml");
+    let m = dir.join(format!("{tag}.jsonl"));
+    let mut args = vec![
+        "--config",
+        config.to_str().unwrap(),
+        "--gpus",
+        "0",
+        "--workers",
+        "2",
+        "--metrics-out",
+        m.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    (run(&args), m)
+}
+
+fn ok(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn resume_continues_exactly() {
+    let dir = scratch("resume-exact");
+    let ck = dir.join("ck");
+    let ck_set = format!("checkpoint.dir={}", ck.display());
+    let (out, straight) = train(
+        "llama",
+        &dir,
+        "straight",
+        &["--set", "training.num_steps=6"],
+    );
+    ok(&out);
+    let (out, first) = train(
+        "llama",
+        &dir,
+        "first",
+        &[
+            "--set",
+            "training.num_steps=3",
+            "--set",
+            &ck_set,
+            "--set",
+            "checkpoint.every_steps=3",
+        ],
+    );
+    ok(&out);
+    let (out, second) = train(
+        "llama",
+        &dir,
+        "second",
+        &[
+            "--set",
+            "training.num_steps=6",
+            "--set",
+            &ck_set,
+            "--resume",
+            "latest",
+        ],
+    );
+    ok(&out);
+    let straight = column(&metrics(&straight), "loss");
+    let resumed: Vec<f64> = [first, second]
+        .iter()
+        .flat_map(|m| column(&metrics(m), "loss"))
+        .collect();
+    assert_eq!(
+        metrics(&dir.join("second.jsonl"))[0]["step"],
+        4,
+        "the resumed run starts at step 4"
+    );
+    let e = worst_rel(&resumed, &straight);
+    assert!(
+        e <= 1e-6,
+        "resumed {resumed:?} vs straight {straight:?} (rel {e:.2e})"
+    );
+}
+
+#[test]
+fn incomplete_and_foreign_checkpoints_are_refused() {
+    let dir = scratch("resume-refused");
+    let ck = dir.join("ck");
+    let (out, _) = train(
+        "llama_tied_bias",
+        &dir,
+        "tied",
+        &[
+            "--set",
+            "training.num_steps=1",
+            "--set",
+            &format!("checkpoint.dir={}", ck.display()),
+            "--set",
+            "checkpoint.every_steps=1",
+        ],
+    );
+    ok(&out);
+    let saved = ck.join("step-00000001");
+    assert!(saved.join("COMPLETE").is_file());
+
+    // Another model's checkpoint.
+    let (out, _) = train(
+        "llama",
+        &dir,
+        "foreign",
+        &["--resume", saved.to_str().unwrap()],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("saved for another model"),
+        "{err}"
+    );
+
+    // The same checkpoint without its marker (as if the writer died).
+    let partial = dir.join("partial");
+    std::fs::create_dir_all(&partial).unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        std::fs::copy(saved.join(f), partial.join(f)).unwrap();
+    }
+    let (out, _) = train(
+        "llama_tied_bias",
+        &dir,
+        "partial",
+        &["--resume", partial.to_str().unwrap()],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no COMPLETE marker"),
+        "{err}"
+    );
+}
+
+#[test]
+fn keep_last_prunes_old_checkpoints() {
+    let dir = scratch("resume-prune");
+    let ck = dir.join("ck");
+    let (out, _) = train(
+        "llama",
+        &dir,
+        "prune",
+        &[
+            "--set",
+            "training.num_steps=4",
+            "--set",
+            &format!("checkpoint.dir={}", ck.display()),
+            "--set",
+            "checkpoint.every_steps=1",
+            "--set",
+            "checkpoint.keep_last=2",
+        ],
+    );
+    ok(&out);
+    let mut left: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["step-00000003", "step-00000004"]);
+}

@@ -1,0 +1,248 @@
+//! Full training checkpoints: an HF model directory plus everything needed to resume
+//! exactly (fp32 master weights, Adam moments, step and update counts).
+//!
+//! Layout of `checkpoint.dir/step-00000123/`: `config.json` + `model.safetensors` (loadable
+//! by transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
+//! f32 in layout order), `trainer_state.json`, and `COMPLETE`. A checkpoint is written into
+//! a hidden temporary directory, every file fsynced, the marker written last, then renamed
+//! into place; a directory without `COMPLETE` is never loaded, and pruning never deletes
+//! the newest complete checkpoint.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use safetensors::SafeTensors;
+use safetensors::tensor::TensorView;
+use serde::{Deserialize, Serialize};
+
+use crate::config::DType;
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+use crate::shm::{f32_bytes, map_readonly};
+
+const MARKER: &str = "COMPLETE";
+const STATE: &str = "trainer_state.json";
+const OPTIMIZER: &str = "optimizer.safetensors";
+/// The trainer_state.json format this build writes and reads.
+pub const FORMAT: u32 = 1;
+
+/// Where training stands, besides the tensors.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub format: u32,
+    /// Optimizer steps completed (the data position: step k reads global batch k).
+    pub step: u64,
+    /// AdamW updates applied (differs from `step` when non-finite steps were skipped).
+    pub updates: u64,
+    /// Non-finite steps in a row at the time of the checkpoint.
+    pub nan_run: u64,
+    /// Identifies the parameter layout (names, shapes, offsets).
+    pub layout: String,
+}
+
+/// The host tensors a checkpoint holds, all in layout order.
+pub struct Tensors<'a> {
+    pub master: &'a [f32],
+    pub m: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// FNV-1a over every tensor's name, shape and offset: equal layouts, equal fingerprints.
+pub fn fingerprint(layout: &Layout) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (b, t) in layout.tensors() {
+        for byte in format!("{}{:?}@{};", b.hf_name(t), t.shape, b.offset + t.offset).bytes() {
+            h = (h ^ byte as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}-{}", layout.total)
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |e| Error::io(path, e)
+}
+
+fn fsync(path: &Path) -> Result<()> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(path))
+}
+
+/// Writes checkpoint `step` under `root` and returns its directory.
+#[allow(clippy::too_many_arguments)]
+pub fn save(
+    root: &Path,
+    state: &TrainState,
+    layout: &Layout,
+    tensors: &Tensors,
+    dtype: DType,
+    config_src: &Path,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(root).map_err(io(root))?;
+    let name = format!("step-{:08}", state.step);
+    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    let dst = root.join(&name);
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    super::save_hf(&tmp, layout, tensors.master, dtype, config_src)?;
+    let opt = tmp.join(OPTIMIZER);
+    let shape = vec![layout.total];
+    let views =
+        [
+            ("master", tensors.master),
+            ("exp_avg", tensors.m),
+            ("exp_avg_sq", tensors.v),
+        ]
+        .into_iter()
+        .map(|(n, x)| {
+            let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), f32_bytes(x))
+                .map_err(|e| Error::Weights {
+                    path: opt.clone(),
+                    msg: format!("tensor `{n}`: {e}"),
+                })?;
+            Ok((n, view))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, &opt).map_err(|e| Error::Weights {
+        path: opt.clone(),
+        msg: format!("write failed: {e}"),
+    })?;
+    let st = tmp.join(STATE);
+    let json = serde_json::to_string_pretty(state)
+        .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
+    std::fs::write(&st, json).map_err(io(&st))?;
+    for f in ["config.json", "model.safetensors", OPTIMIZER, STATE] {
+        fsync(&tmp.join(f))?;
+    }
+    let marker = tmp.join(MARKER);
+    std::fs::write(&marker, b"").map_err(io(&marker))?;
+    fsync(&marker)?;
+    fsync(&tmp)?;
+    if dst.exists() {
+        std::fs::remove_dir_all(&dst).map_err(io(&dst))?;
+    }
+    std::fs::rename(&tmp, &dst).map_err(io(&dst))?;
+    fsync(root)?;
+    Ok(dst)
+}
+
+/// Complete checkpoints under `root`, oldest first.
+pub fn complete(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut found = Vec::new();
+    let entries = match std::fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(found),
+        Err(e) => return Err(Error::io(root, e)),
+    };
+    for entry in entries {
+        let path = entry.map_err(io(root))?.path();
+        let step = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<u64>().ok());
+        if let Some(step) = step
+            && path.join(MARKER).is_file()
+        {
+            found.push((step, path));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Deletes the oldest complete checkpoints so that at most `keep` remain (at least one).
+pub fn prune(root: &Path, keep: usize) -> Result<()> {
+    let all = complete(root)?;
+    let excess = all.len().saturating_sub(keep.max(1));
+    for (_, path) in &all[..excess] {
+        std::fs::remove_dir_all(path).map_err(io(path))?;
+    }
+    Ok(())
+}
+
+/// `latest` (the newest complete checkpoint under `root`) or a checkpoint directory.
+pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
+    if spec == "latest" {
+        let root = root.ok_or_else(|| {
+            Error::invalid("checkpoint.dir", "--resume latest needs checkpoint.dir")
+        })?;
+        return complete(root)?
+            .pop()
+            .map(|(_, p)| p)
+            .ok_or_else(|| Error::Weights {
+                path: root.into(),
+                msg: "no complete checkpoint to resume from".into(),
+            });
+    }
+    let dir = PathBuf::from(spec);
+    if !dir.join(MARKER).is_file() {
+        return Err(Error::Weights {
+            path: dir,
+            msg: format!(
+                "not a complete checkpoint (no {MARKER} marker): it was interrupted while being written, or is not a checkpoint"
+            ),
+        });
+    }
+    Ok(dir)
+}
+
+/// Loads checkpoint `dir` into the host tensors, which must match `layout`.
+pub fn load(
+    dir: &Path,
+    layout: &Layout,
+    master: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) -> Result<TrainState> {
+    let st = dir.join(STATE);
+    let text = std::fs::read_to_string(&st).map_err(io(&st))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Weights {
+        path: st.clone(),
+        msg: format!("malformed trainer state: {e}"),
+    })?;
+    if state.format != FORMAT {
+        return Err(Error::Weights {
+            path: st,
+            msg: format!("format {} is not {FORMAT}", state.format),
+        });
+    }
+    let ours = fingerprint(layout);
+    if state.layout != ours {
+        return Err(Error::Weights {
+            path: st,
+            msg: format!(
+                "saved for another model: layout {} does not match this model's {ours} (different architecture or config)",
+                state.layout
+            ),
+        });
+    }
+    let opt = dir.join(OPTIMIZER);
+    let map = map_readonly(&opt)?;
+    let tensors = SafeTensors::deserialize(&map).map_err(|e| Error::Weights {
+        path: opt.clone(),
+        msg: format!("not a valid safetensors file: {e}"),
+    })?;
+    for (name, dst) in [("master", master), ("exp_avg", m), ("exp_avg_sq", v)] {
+        let view = tensors.tensor(name).map_err(|e| Error::Tensor {
+            path: opt.clone(),
+            tensor: name.into(),
+            expected: format!("f32 [{}]", layout.total),
+            got: e.to_string(),
+        })?;
+        if view.dtype() != safetensors::Dtype::F32 || view.shape() != [dst.len()] {
+            return Err(Error::Tensor {
+                path: opt.clone(),
+                tensor: name.into(),
+                expected: format!("f32 [{}]", dst.len()),
+                got: format!("{:?} {:?}", view.dtype(), view.shape()),
+            });
+        }
+        dst.par_iter_mut()
+            .zip(view.data().par_chunks_exact(4))
+            .for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    }
+    Ok(state)
+}
