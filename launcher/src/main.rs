@@ -4,6 +4,7 @@ mod cli;
 mod host;
 mod supervisor;
 mod train;
+mod unix;
 
 use std::process::ExitCode;
 
@@ -21,6 +22,11 @@ fn main() -> ExitCode {
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<train::Stopped>() => {
+            let stopped = e.downcast_ref::<train::Stopped>().expect("checked");
+            eprintln!("mt-launch: {stopped}");
+            ExitCode::from(128 + stopped.0 as u8)
+        }
         Err(e) => {
             eprintln!("mt-launch: error: {e:#}");
             ExitCode::FAILURE
@@ -34,6 +40,7 @@ fn run(cli: cli::Cli) -> Result<()> {
         None => cli.run,
     };
     let config = cli.config.expect("clap requires --config");
+    unix::install_stop_handlers()?;
     let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
     let placement = cli::placement(cli.gpus, cli.workers)?;
     train::Trainer::new(

@@ -19,6 +19,21 @@ use crate::cli::Placement;
 use crate::host::HostState;
 use crate::supervisor::{Event, Supervisor};
 
+/// The run stopped at a step boundary because of this signal (after its checkpoint).
+#[derive(Debug)]
+pub struct Stopped(pub i32);
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = nix::sys::signal::Signal::try_from(self.0)
+            .map(|s| s.as_str())
+            .unwrap_or("signal");
+        write!(f, "stopped by {name} at a step boundary")
+    }
+}
+
+impl std::error::Error for Stopped {}
+
 /// Longest a step may take before the workers are declared hung.
 const STEP_TIMEOUT: Duration = Duration::from_secs(1800);
 
@@ -165,6 +180,7 @@ impl Trainer {
         let mut plan = self.fetch_batch(first);
         self.send_step(first, &plan, false)?;
         let mut last_report = Instant::now();
+        let mut stopped = None;
         for step in first..steps {
             let mut out = self.collect_gradients()?;
             if let Some(path) = self.dump_grads.take() {
@@ -183,7 +199,8 @@ impl Trainer {
                     coef,
                 )
             });
-            let next = if step + 1 < steps {
+            let stop = crate::unix::stop_requested();
+            let next = if step + 1 < steps && stop.is_none() {
                 let next = self.fetch_batch(step + 1);
                 self.send_step(step + 1, &next, true)?;
                 Some(next)
@@ -204,11 +221,18 @@ impl Trainer {
             last_report = now;
             out.skipped = !finite;
             self.report(step, &plan, &out, grad_norm, lr, optimizer_s, step_time_s)?;
-            self.maybe_checkpoint(step + 1)?;
+            self.maybe_checkpoint(step + 1, stop.is_some())?;
+            if stop.is_some() {
+                stopped = stop;
+                break;
+            }
             plan = next.unwrap_or(plan);
         }
         let Trainer { cfg, host, sup, .. } = self;
         sup.shutdown();
+        if let Some(sig) = stopped {
+            return Err(Stopped(sig as i32).into());
+        }
         if let Some(out) = &cfg.training.output_dir {
             checkpoint::save_hf(
                 out,
@@ -322,13 +346,15 @@ impl Trainer {
         Ok(out)
     }
 
-    /// Writes a checkpoint after `done` steps if `checkpoint.every_steps` says so.
-    fn maybe_checkpoint(&mut self, done: u64) -> Result<()> {
+    /// Writes a checkpoint after `done` steps if `checkpoint.every_steps` says so, or if
+    /// the run is stopping (`force`) and checkpoint.dir is set.
+    fn maybe_checkpoint(&mut self, done: u64, force: bool) -> Result<()> {
         let ck = &self.cfg.checkpoint;
         let Some(root) = ck.dir.as_deref() else {
             return Ok(());
         };
-        if ck.every_steps == 0 || !done.is_multiple_of(ck.every_steps) {
+        let due = ck.every_steps > 0 && done.is_multiple_of(ck.every_steps);
+        if !due && !force {
             return Ok(());
         }
         let t = Instant::now();

@@ -79,7 +79,7 @@ fn children(pid: u32) -> Vec<u32> {
 
 /// Starts mt-launch on the llama fixture with 2 workers (and `steps` steps), its stderr
 /// in `<scratch>/stderr.log` and metrics in `<scratch>/metrics.jsonl`.
-fn spawn_run(name: &str, steps: u64) -> (Child, std::path::PathBuf) {
+fn spawn_run(name: &str, steps: u64, extra: &[&str]) -> (Child, std::path::PathBuf) {
     let case = golden_dir().join("llama");
     let dir = scratch(name);
     let config = case.join("run.yaml");
@@ -95,6 +95,7 @@ fn spawn_run(name: &str, steps: u64) -> (Child, std::path::PathBuf) {
         ])
         .args(["--set", &format!("training.num_steps={steps}")])
         .args(["--metrics-out", metrics.to_str().unwrap()])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
         .spawn()
@@ -104,7 +105,11 @@ fn spawn_run(name: &str, steps: u64) -> (Child, std::path::PathBuf) {
 
 /// Starts a long run with 2 workers and waits until it has finished a step.
 fn start_long_run(name: &str) -> (Child, std::path::PathBuf, Vec<u32>) {
-    let (child, dir) = spawn_run(name, 1_000_000);
+    start_long_run_with(name, &[])
+}
+
+fn start_long_run_with(name: &str, extra: &[&str]) -> (Child, std::path::PathBuf, Vec<u32>) {
+    let (child, dir) = spawn_run(name, 1_000_000, extra);
     let metrics = dir.join("metrics.jsonl");
     wait_for(Duration::from_secs(60), || {
         std::fs::read_to_string(&metrics)
@@ -161,7 +166,7 @@ fn assert_clean(launcher_pid: u32, workers: &[u32], shm_before: &[String]) {
 #[test]
 fn normal_run_leaves_nothing() {
     let before = shm_entries();
-    let (child, _dir) = spawn_run("clean-normal", 3);
+    let (child, _dir) = spawn_run("clean-normal", 3, &[]);
     let pid = child.id();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
@@ -212,4 +217,50 @@ fn killing_the_launcher_ends_every_worker() {
         "workers {workers:?} outlived the launcher by 5 s"
     );
     assert_clean(pid, &workers, &before);
+}
+
+/// SIGINT / SIGTERM stop the run at a step boundary with a checkpoint of the last finished
+/// step, exit 130 / 143, and leave nothing behind.
+fn stop_with(signal: &str, code: i32) {
+    let before = shm_entries();
+    let name = format!("clean-{signal}");
+    let ck = scratch(&format!("{name}-ck"));
+    let ck_set = format!("checkpoint.dir={}", ck.display());
+    let (mut child, dir, workers) = start_long_run_with(&name, &["--set", &ck_set]);
+    let pid = child.id();
+    let rc = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(rc.success());
+    let exited = wait_for(Duration::from_secs(10), || {
+        matches!(child.try_wait(), Ok(Some(_)))
+    });
+    assert!(
+        exited.is_some(),
+        "launcher still running 10 s after {signal}"
+    );
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(code), "exit status after {signal}");
+    let steps = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .count();
+    let saved = ck.join(format!("step-{steps:08}"));
+    assert!(
+        saved.join("COMPLETE").is_file(),
+        "no complete checkpoint of step {steps} in {}",
+        ck.display()
+    );
+    assert_clean(pid, &workers, &before);
+}
+
+#[test]
+fn sigint_stops_at_a_step_boundary_with_a_checkpoint() {
+    stop_with("INT", 130);
+}
+
+#[test]
+fn sigterm_stops_at_a_step_boundary_with_a_checkpoint() {
+    stop_with("TERM", 143);
 }
