@@ -13,22 +13,19 @@ fn train(
     let case = golden_dir().join("llama");
     let dir = scratch(&format!("equiv-{tag}"));
     let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
-    run_ok(&[
-        "--config",
-        case.join("run.yaml").to_str().unwrap(),
-        "--gpus",
-        "0",
-        "--workers",
-        &workers.to_string(),
-        "--set",
-        &format!("training.gradient_accumulation_steps={accum}"),
-        "--set",
-        "training.num_steps=4",
-        "--set",
-        &format!("training.output_dir={}", out.display()),
-        "--metrics-out",
-        m.to_str().unwrap(),
-    ]);
+    run_cpu_ok(
+        &case.join("run.yaml"),
+        workers,
+        &m,
+        &[
+            "--set",
+            &format!("training.gradient_accumulation_steps={accum}"),
+            "--set",
+            "training.num_steps=4",
+            "--set",
+            &format!("training.output_dir={}", out.display()),
+        ],
+    );
     (
         column(&metrics(&m), "loss"),
         tensors(&out.join("model.safetensors")),

@@ -26,18 +26,8 @@ fn every_golden_case_matches_pytorch() {
     for case in &cases {
         let name = case.file_name().unwrap().to_string_lossy().to_string();
         let expected = json(&case.join("expected.json"));
-        let losses: Vec<f64> = expected["losses"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
-        let norms: Vec<f64> = expected["grad_norms"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
+        let losses = f64_array(&expected["losses"]);
+        let norms = f64_array(&expected["grad_norms"]);
         let torch_grads = tensors(&case.join("grads0.safetensors"));
         let torch_logits = logits(&case.join("logits0.safetensors"));
         let row_lens: Vec<usize> = std::fs::read_to_string(case.join("data.jsonl"))
@@ -52,27 +42,19 @@ fn every_golden_case_matches_pytorch() {
             .collect();
         let config = case.join("run.yaml");
         let dir = scratch(&format!("golden-{name}"));
-        for workers in ["1", "2"] {
+        for workers in [1, 2] {
             let m = dir.join(format!("f32-{workers}.jsonl"));
             let g = dir.join(format!("grads-{workers}.safetensors"));
             let lg = dir.join(format!("logits-{workers}.safetensors"));
-            run_ok(&[
-                "--config",
-                config.to_str().unwrap(),
-                "--gpus",
-                "0",
-                "--workers",
+            run_cpu_ok(
+                &config,
                 workers,
-                "--metrics-out",
-                m.to_str().unwrap(),
-                "--dump-grads",
-                g.to_str().unwrap(),
-                "--dump-logits",
-                lg.to_str().unwrap(),
-            ]);
+                &m,
+                &["--dump-grads", path_str(&g), "--dump-logits", path_str(&lg)],
+            );
             // Rank r holds the r-th contiguous slice of the batch, padded to its own longest row.
             let ours: Vec<(Vec<usize>, Vec<f32>)> = match workers {
-                "1" => vec![logits(&lg)],
+                1 => vec![logits(&lg)],
                 _ => (0..2)
                     .map(|r| {
                         logits(&std::path::PathBuf::from(format!(
@@ -126,18 +108,7 @@ fn every_golden_case_matches_pytorch() {
             }
         }
         let m = dir.join("bf16.jsonl");
-        run_ok(&[
-            "--config",
-            config.to_str().unwrap(),
-            "--gpus",
-            "0",
-            "--workers",
-            "2",
-            "--set",
-            "model.dtype=bfloat16",
-            "--metrics-out",
-            m.to_str().unwrap(),
-        ]);
+        run_cpu_ok(&config, 2, &m, &["--set", "model.dtype=bfloat16"]);
         let ours = column(&metrics(&m), "loss");
         let e = worst_rel(&ours, &losses);
         if e > BF16_TOL {

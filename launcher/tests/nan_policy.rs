@@ -10,23 +10,14 @@ fn blow_up(name: &str, extra: &[&str]) -> (std::process::Output, Vec<serde_json:
     let case = golden_dir().join("llama");
     let dir = scratch(name);
     let m = dir.join("metrics.jsonl");
-    let config = case.join("run.yaml");
     let mut args = vec![
-        "--config",
-        config.to_str().unwrap(),
-        "--gpus",
-        "0",
-        "--workers",
-        "2",
         "--set",
         "training.learning_rate=1e30",
         "--set",
         "training.num_steps=12",
-        "--metrics-out",
-        m.to_str().unwrap(),
     ];
     args.extend_from_slice(extra);
-    let out = run(&args);
+    let (out, _) = run_cpu(&case.join("run.yaml"), 2, &m, &args);
     let rows = if m.exists() { metrics(&m) } else { Vec::new() };
     (out, rows)
 }

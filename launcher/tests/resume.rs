@@ -9,28 +9,13 @@ use std::path::{Path, PathBuf};
 use common::*;
 
 fn train(case: &str, dir: &Path, tag: &str, extra: &[&str]) -> (std::process::Output, PathBuf) {
-    let config = golden_dir().join(case).join("run.yaml");
     let m = dir.join(format!("{tag}.jsonl"));
-    let mut args = vec![
-        "--config",
-        config.to_str().unwrap(),
-        "--gpus",
-        "0",
-        "--workers",
-        "2",
-        "--metrics-out",
-        m.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    (run(&args), m)
+    let (out, _) = run_cpu(&golden_dir().join(case).join("run.yaml"), 2, &m, extra);
+    (out, m)
 }
 
 fn ok(out: &std::process::Output) {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(out, &[]);
 }
 
 #[test]

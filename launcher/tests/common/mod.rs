@@ -50,13 +50,56 @@ pub fn run(args: &[&str]) -> Output {
 
 pub fn run_ok(args: &[&str]) -> Output {
     let out = run(args);
+    assert_ok(&out, args);
+    out
+}
+
+/// Fails the test with mt-launch's stderr unless it succeeded.
+pub fn assert_ok(out: &Output, args: &[&str]) {
     assert!(
         out.status.success(),
         "mt-launch {args:?} failed ({}):\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    out
+}
+
+/// Runs mt-launch on `config` with `workers` CPU workers and metrics written to `metrics`,
+/// plus `extra` flags.
+pub fn run_cpu(
+    config: &Path,
+    workers: usize,
+    metrics: &Path,
+    extra: &[&str],
+) -> (Output, Vec<String>) {
+    let mut args: Vec<String> = ["--config", path_str(config), "--gpus", "0", "--workers"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    args.push(workers.to_string());
+    args.extend(["--metrics-out".to_string(), path_str(metrics).to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    (run(&refs), args)
+}
+
+/// [`run_cpu`] that must succeed.
+pub fn run_cpu_ok(config: &Path, workers: usize, metrics: &Path, extra: &[&str]) {
+    let (out, args) = run_cpu(config, workers, metrics, extra);
+    assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("test paths are UTF-8")
+}
+
+/// A JSON array of numbers.
+pub fn f64_array(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array()
+        .expect("a JSON array")
+        .iter()
+        .map(|x| x.as_f64().expect("a number"))
+        .collect()
 }
 
 pub fn metrics(path: &Path) -> Vec<serde_json::Value> {
