@@ -18,6 +18,7 @@ Installed by scripts/setup.sh: torch==2.11.0 transformers==5.17.0 safetensors nu
 import argparse
 import json
 import os
+import shutil
 
 import safetensors.torch
 import torch
@@ -40,6 +41,10 @@ ROWS = 12  # 3 steps x 4 rows, file order
 #         SDPA path silently drops attention soft-capping
 #   row_len: every row this long (no padding), so that every micro-batch of every worker
 #         sees the same sequence length (dynamic NTK RoPE depends on it)
+#   scale: {parameter-name substring: factor} applied after init, to push a feature into its
+#         active range (GPT-OSS's expert clamp at +-7)
+# MoE cases mix sparse and dense layers where the family allows it, so the layout holds
+# layers of different structures; hybrid cases mix Gated DeltaNet and attention layers.
 CASES = {
     "llama": dict(model_type="llama", config=dict(tie_word_embeddings=False, attention_bias=False)),
     "llama_tied_bias": dict(
@@ -105,6 +110,50 @@ CASES = {
                                  short_factor=[1.0, 1.7, 2.9], long_factor=[1.2, 3.1, 5.3]),
         ),
     ),
+    "mixtral_moe": dict(
+        model_type="mixtral",
+        config=dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=20, sliding_window=7),
+    ),
+    "qwen2_moe_shared_dense": dict(
+        model_type="qwen2_moe",
+        config=dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=20,
+                    shared_expert_intermediate_size=24, norm_topk_prob=False, mlp_only_layers=[1]),
+    ),
+    "qwen3_moe_norm_topk": dict(
+        model_type="qwen3_moe",
+        config=dict(head_dim=10, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
+                    norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True),
+    ),
+    "gpt_oss_sinks_clamp": dict(
+        model_type="gpt_oss",
+        config=dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=20,
+                    sliding_window=5, initializer_range=0.1,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                         truncate=False, original_max_position_embeddings=32,
+                                         rope_theta=150000.0)),
+        scale={"gate_up_proj": 6.0},
+    ),
+    "qwen3_next_hybrid_moe": dict(
+        model_type="qwen3_next",
+        config=dict(
+            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
+            shared_expert_intermediate_size=24, mlp_only_layers=[2],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=6, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+    ),
+    "qwen3_5_text_long_chunks": dict(
+        model_type="qwen3_5_text",
+        config=dict(
+            head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=10, linear_conv_kernel_dim=3, initializer_range=0.05,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        ),
+        row_len=70,
+    ),
 }
 
 BASE = dict(
@@ -148,6 +197,20 @@ def batch(rows):
     return ids, labels, mask
 
 
+def checkpoint_named(model, values, tmp):
+    """`values` (one tensor per named parameter) under the checkpoint's names: transformers 5
+    fuses some families' experts in memory but saves them per expert, so the tensors go
+    through save_pretrained in place of the parameters."""
+    params = dict(model.named_parameters())
+    kept = {n: p.data for n, p in params.items()}
+    for n, p in params.items():
+        p.data = values[n]
+    model.save_pretrained(tmp)
+    for n, p in params.items():
+        p.data = kept[n]
+    return safetensors.torch.load_file(os.path.join(tmp, "model.safetensors"))
+
+
 def reference(model, rows, tr, grads_path):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -167,7 +230,9 @@ def reference(model, rows, tr, grads_path):
         loss.backward()
         if step == 0:
             grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
-            safetensors.torch.save_file(grads, grads_path)
+            tmp = os.path.join(os.path.dirname(grads_path), "grads0.tmp")
+            safetensors.torch.save_file(checkpoint_named(model, grads, tmp), grads_path)
+            shutil.rmtree(tmp)
             logits_path = os.path.join(os.path.dirname(grads_path), "logits0.safetensors")
             safetensors.torch.save_file({"logits": logits.detach().float().contiguous()}, logits_path)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
@@ -197,6 +262,9 @@ def main():
             for n, p in model.named_parameters():
                 if p.ndim == 1:
                     p.add_(0.1 * torch.randn_like(p))
+                for part, factor in case.get("scale", {}).items():
+                    if part in n:
+                        p.mul_(factor)
         model.save_pretrained(os.path.join(out, "model"))
         gen = torch.Generator().manual_seed(99)
         rows = make_rows(gen, cfg.vocab_size, case.get("row_len"))

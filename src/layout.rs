@@ -7,10 +7,15 @@
 //! embeddings are tied, in which case lm_head reads block 0). Each block is contiguous, so
 //! one layer is one host-to-device copy and one device-to-host copy. Tensors inside a block
 //! and blocks themselves start at aligned element offsets; the gaps are zero everywhere.
+//!
+//! Layers need not share one structure: hybrid stacks mix Gated DeltaNet and attention
+//! layers, MoE stacks may keep dense MLPs in some layers. Layers with the same tensor list
+//! (names and shapes) form a [`LayerGroup`]; each group has its own block length, so
+//! buffers can be sized per kind of layer.
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::hf::{Family, ModelSpec};
+use crate::config::hf::{AttentionKind, ExpertNames, Family, ModelSpec};
 
 /// Tensor start alignment inside a block, in elements (256 B for f32).
 const TENSOR_ALIGN: usize = 64;
@@ -79,6 +84,17 @@ impl Block {
     }
 }
 
+/// Decoder layers with one structure: the same tensors at the same offsets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerGroup {
+    /// The structure in words (`linear_attention+moe`, `attention+mlp`).
+    pub name: String,
+    /// 0-based layer indices, ascending.
+    pub layers: Vec<usize>,
+    /// Elements of each of its blocks, gaps included.
+    pub block_len: usize,
+}
+
 /// The whole parameter layout of a model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Layout {
@@ -86,6 +102,8 @@ pub struct Layout {
     /// Total elements, gaps included.
     pub total: usize,
     pub tied_embeddings: bool,
+    /// The decoder layers grouped by structure, in order of first appearance.
+    pub layer_groups: Vec<LayerGroup>,
 }
 
 impl Layout {
@@ -101,7 +119,7 @@ impl Layout {
             defs.push((
                 BlockKind::Layer(l),
                 format!("model.layers.{l}."),
-                layer_tensors(spec),
+                layer_tensors(spec, l),
             ));
         }
         let mut head = vec![("model.norm.weight".to_string(), vec![h])];
@@ -136,11 +154,30 @@ impl Layout {
             });
             offset += len;
         }
+        let layer_groups = group_layers(spec, &blocks);
         Layout {
             blocks,
             total: offset,
             tied_embeddings: spec.tie_word_embeddings,
+            layer_groups,
         }
+    }
+
+    /// Largest decoder-layer block, in elements: sizes the buffers layers stream through.
+    pub fn max_layer_len(&self) -> usize {
+        self.layer_groups
+            .iter()
+            .map(|g| g.block_len)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Index into `layer_groups` of layer `layer`'s structure.
+    pub fn layer_group(&self, layer: usize) -> usize {
+        self.layer_groups
+            .iter()
+            .position(|g| g.layers.binary_search(&layer).is_ok())
+            .expect("every layer belongs to a group")
     }
 
     pub const EMBED: usize = 0;
@@ -186,9 +223,9 @@ impl Layout {
     }
 }
 
-/// The tensors of one decoder layer, in the order of the family's modeling code, named as
-/// in its checkpoints (without the `model.layers.N.` prefix).
-fn layer_tensors(spec: &ModelSpec) -> Vec<NamedShape> {
+/// The tensors of decoder layer `layer`, in the order of the family's modeling code, named
+/// as in its checkpoints (without the `model.layers.N.` prefix).
+fn layer_tensors(spec: &ModelSpec, layer: usize) -> Vec<NamedShape> {
     let (h, i, d) = (spec.hidden_size, spec.intermediate_size, spec.head_dim);
     let q = spec.num_heads * d;
     let kv = spec.num_kv_heads * d;
@@ -201,16 +238,23 @@ fn layer_tensors(spec: &ModelSpec) -> Vec<NamedShape> {
         }
     };
     push("input_layernorm.weight", vec![h]);
-    if spec.family == Family::Phi3 {
+    if spec.layer_types[layer] == AttentionKind::Linear {
+        linear_attn_tensors(spec, &mut push);
+    } else if spec.family == Family::Phi3 {
         linear(&mut push, "self_attn.qkv_proj", q + 2 * kv, h, false);
         linear(&mut push, "self_attn.o_proj", h, q, false);
     } else {
-        linear(&mut push, "self_attn.q_proj", q, h, spec.qkv_bias);
+        // With an output gate, q_proj yields [query; gate] per head.
+        let q_out = if spec.attn_output_gate { 2 * q } else { q };
+        linear(&mut push, "self_attn.q_proj", q_out, h, spec.qkv_bias);
         linear(&mut push, "self_attn.k_proj", kv, h, spec.qkv_bias);
         linear(&mut push, "self_attn.v_proj", kv, h, spec.qkv_bias);
         linear(&mut push, "self_attn.o_proj", h, q, spec.o_bias);
+        if spec.attn_sinks {
+            push("self_attn.sinks", vec![spec.num_heads]);
+        }
     }
-    if spec.qk_norm {
+    if spec.qk_norm && spec.layer_types[layer] != AttentionKind::Linear {
         push("self_attn.q_norm.weight", vec![d]);
         push("self_attn.k_norm.weight", vec![d]);
     }
@@ -219,14 +263,112 @@ fn layer_tensors(spec: &ModelSpec) -> Vec<NamedShape> {
         push("pre_feedforward_layernorm.weight", vec![h]);
         push("post_feedforward_layernorm.weight", vec![h]);
     }
-    if spec.family == Family::Phi3 {
+    if spec.is_sparse(layer) {
+        moe_tensors(spec, &mut push);
+    } else if spec.family == Family::Phi3 {
         linear(&mut push, "mlp.gate_up_proj", 2 * i, h, false);
+        linear(&mut push, "mlp.down_proj", h, i, false);
     } else {
         linear(&mut push, "mlp.gate_proj", i, h, spec.mlp_bias);
         linear(&mut push, "mlp.up_proj", i, h, spec.mlp_bias);
+        linear(&mut push, "mlp.down_proj", h, i, spec.mlp_bias);
     }
-    linear(&mut push, "mlp.down_proj", h, i, spec.mlp_bias);
     t
+}
+
+/// Gated DeltaNet (`linear_attn.*`), Qwen3-Next's fused or Qwen3.5's split projections.
+fn linear_attn_tensors(spec: &ModelSpec, push: &mut dyn FnMut(&str, Vec<usize>)) {
+    let la = spec
+        .linear_attn
+        .as_ref()
+        .expect("linear layers have a spec");
+    let (h, nv) = (spec.hidden_size, la.num_v_heads);
+    let (kd, vd) = (la.key_dim(), la.value_dim());
+    if la.fused_qkvz {
+        push("linear_attn.in_proj_qkvz.weight", vec![2 * kd + 2 * vd, h]);
+        push("linear_attn.in_proj_ba.weight", vec![2 * nv, h]);
+    } else {
+        push("linear_attn.in_proj_qkv.weight", vec![2 * kd + vd, h]);
+        push("linear_attn.in_proj_z.weight", vec![vd, h]);
+        push("linear_attn.in_proj_b.weight", vec![nv, h]);
+        push("linear_attn.in_proj_a.weight", vec![nv, h]);
+    }
+    push(
+        "linear_attn.conv1d.weight",
+        vec![la.conv_dim(), 1, la.conv_kernel],
+    );
+    push("linear_attn.dt_bias", vec![nv]);
+    push("linear_attn.A_log", vec![nv]);
+    push("linear_attn.norm.weight", vec![la.v_head_dim]);
+    push("linear_attn.out_proj.weight", vec![h, vd]);
+}
+
+/// A sparse MLP block: router, experts (one tensor set per expert, or GPT-OSS's fused 3-D
+/// tensors), and the shared expert where the family has one.
+fn moe_tensors(spec: &ModelSpec, push: &mut dyn FnMut(&str, Vec<usize>)) {
+    let m = spec.moe.as_ref().expect("sparse layers have a spec");
+    let (h, e, i) = (spec.hidden_size, m.num_experts, m.expert_intermediate_size);
+    match m.names {
+        ExpertNames::Mixtral => {
+            push("block_sparse_moe.gate.weight", vec![e, h]);
+            for x in 0..e {
+                let p = format!("block_sparse_moe.experts.{x}");
+                push(&format!("{p}.w1.weight"), vec![i, h]);
+                push(&format!("{p}.w2.weight"), vec![h, i]);
+                push(&format!("{p}.w3.weight"), vec![i, h]);
+            }
+        }
+        ExpertNames::Qwen => {
+            push("mlp.gate.weight", vec![e, h]);
+            for x in 0..e {
+                let p = format!("mlp.experts.{x}");
+                push(&format!("{p}.gate_proj.weight"), vec![i, h]);
+                push(&format!("{p}.up_proj.weight"), vec![i, h]);
+                push(&format!("{p}.down_proj.weight"), vec![h, i]);
+            }
+            if let Some(s) = m.shared_expert_intermediate_size {
+                push("mlp.shared_expert.gate_proj.weight", vec![s, h]);
+                push("mlp.shared_expert.up_proj.weight", vec![s, h]);
+                push("mlp.shared_expert.down_proj.weight", vec![h, s]);
+                push("mlp.shared_expert_gate.weight", vec![1, h]);
+            }
+        }
+        ExpertNames::GptOssFused => {
+            push("mlp.router.weight", vec![e, h]);
+            push("mlp.router.bias", vec![e]);
+            push("mlp.experts.gate_up_proj", vec![e, h, 2 * i]);
+            push("mlp.experts.gate_up_proj_bias", vec![e, 2 * i]);
+            push("mlp.experts.down_proj", vec![e, i, h]);
+            push("mlp.experts.down_proj_bias", vec![e, h]);
+        }
+    }
+}
+
+/// Groups the decoder layers by structure (equal tensor lists).
+fn group_layers(spec: &ModelSpec, blocks: &[Block]) -> Vec<LayerGroup> {
+    let mut groups: Vec<(LayerGroup, &[TensorSpec])> = Vec::new();
+    for b in blocks {
+        let BlockKind::Layer(l) = b.kind else {
+            continue;
+        };
+        match groups.iter_mut().find(|(_, t)| *t == b.tensors.as_slice()) {
+            Some((g, _)) => g.layers.push(l),
+            None => {
+                let mixer = match spec.layer_types[l] {
+                    AttentionKind::Linear => "linear_attention",
+                    AttentionKind::Full | AttentionKind::Sliding => "attention",
+                };
+                let mlp = if spec.is_sparse(l) { "moe" } else { "mlp" };
+                let group = LayerGroup {
+                    name: format!("{mixer}+{mlp}"),
+                    layers: vec![l],
+                    block_len: b.len,
+                };
+                groups.push((group, b.tensors.as_slice()));
+            }
+        }
+    }
+    groups.into_iter().map(|(g, _)| g).collect()
 }
 
 fn align(n: usize, a: usize) -> usize {

@@ -171,17 +171,10 @@ fn convert_into(dst: &mut [f32], dtype: Dtype, bytes: &[u8]) -> std::result::Res
 pub fn init_random(layout: &Layout, spec: &ModelSpec, seed: u64, master: &mut [f32]) {
     const PIECE: usize = 1 << 20;
     let normal = Normal::new(0.0f32, spec.initializer_range as f32).expect("finite std");
-    let norm_init = if spec.family.norm_adds_one() {
-        0.0
-    } else {
-        1.0
-    };
     for (ti, (b, t)) in layout.tensors().enumerate() {
         let dst = &mut master[Layout::global_range(b, t)];
-        if t.name.ends_with("norm.weight") {
-            dst.fill(norm_init);
-        } else if t.name.ends_with(".bias") {
-            dst.fill(0.0);
+        if let Some(v) = spec.constant_init(&t.name) {
+            dst.fill(v);
         } else {
             dst.par_chunks_mut(PIECE)
                 .enumerate()

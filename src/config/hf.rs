@@ -15,8 +15,10 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+mod moe;
 mod rope;
 
+pub use moe::{ExpertAct, ExpertNames, LinearAttnSpec, MoeSpec, Router};
 use rope::RopeCtx;
 pub use rope::{RopeScaling, RopeSpec, SUPPORTED_ROPE_TYPES};
 
@@ -30,6 +32,12 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gemma2",
     "gemma3_text",
     "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_text",
 ];
 
 /// The subset of an HF `config.json` we read. `Option<Option<T>>` fields tell an absent key
@@ -79,6 +87,27 @@ pub struct HfConfig {
     pub embd_pdrop: Option<f64>,
     pub initializer_range: Option<f64>,
     pub pad_token_id: Option<Value>,
+    /// Qwen2-MoE's name for the q/k/v biases.
+    pub qkv_bias: Option<bool>,
+    // Mixture of experts (`moe.rs`).
+    pub num_local_experts: Option<usize>,
+    pub num_experts: Option<usize>,
+    pub num_experts_per_tok: Option<usize>,
+    pub moe_intermediate_size: Option<usize>,
+    pub shared_expert_intermediate_size: Option<usize>,
+    pub norm_topk_prob: Option<bool>,
+    pub decoder_sparse_step: Option<usize>,
+    pub mlp_only_layers: Option<Vec<usize>>,
+    pub router_aux_loss_coef: Option<f64>,
+    pub output_router_logits: Option<bool>,
+    pub router_jitter_noise: Option<f64>,
+    // Gated DeltaNet (Qwen3-Next, Qwen3.5).
+    pub linear_num_key_heads: Option<usize>,
+    pub linear_num_value_heads: Option<usize>,
+    pub linear_key_head_dim: Option<usize>,
+    pub linear_value_head_dim: Option<usize>,
+    pub linear_conv_kernel_dim: Option<usize>,
+    pub full_attention_interval: Option<usize>,
 }
 
 /// Deserializes a present key (value or null) as `Some(..)`; with `#[serde(default)]` an
@@ -100,12 +129,17 @@ pub enum Family {
     Gemma,
     /// Phi-3: fused qkv_proj and gate_up_proj.
     Phi3,
+    /// GPT-OSS: attention sinks, biases everywhere, clamped-SwiGLU experts.
+    GptOss,
+    /// Qwen3-Next and Qwen3.5: Gated DeltaNet layers between gated full-attention layers,
+    /// (1 + w) norms.
+    Qwen3Next,
 }
 
 impl Family {
-    /// Norm weights act as `1 + w` (Gemma); random init sets them to 0 instead of 1.
+    /// Norm weights act as `1 + w` (Gemma, Qwen3-Next); random init sets them to 0.
     pub fn norm_adds_one(self) -> bool {
-        self == Family::Gemma
+        matches!(self, Family::Gemma | Family::Qwen3Next)
     }
 }
 
@@ -126,6 +160,8 @@ pub enum AttentionKind {
     Full,
     /// Causal over the last `sliding_window` positions (itself included).
     Sliding,
+    /// Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5).
+    Linear,
 }
 
 /// The architecture, validated; everything the layout and the model math need.
@@ -173,6 +209,43 @@ pub struct ModelSpec {
     pub pad_token_id: i64,
     /// Row of the embedding that gets no gradient (`nn.Embedding(padding_idx=pad_token_id)`).
     pub embed_padding_idx: Option<i64>,
+    /// Sparse MLP blocks (mixture of experts).
+    pub moe: Option<MoeSpec>,
+    /// Shape of the `Linear` layers.
+    pub linear_attn: Option<LinearAttnSpec>,
+    /// q_proj also yields a per-channel gate: `o_proj(attn * sigmoid(gate))` (Qwen3-Next).
+    pub attn_output_gate: bool,
+    /// A learned per-head sink logit joins each softmax (`self_attn.sinks`, GPT-OSS).
+    pub attn_sinks: bool,
+}
+
+impl ModelSpec {
+    /// Whether layer `layer`'s MLP is a sparse mixture-of-experts block.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.sparse_layers[layer])
+    }
+
+    /// The value random init gives every element of a tensor named `name` (inside its
+    /// block), or None for a normal draw: norms 1 (0 where they act as `1 + w`), biases
+    /// 0, and the Gated DeltaNet's `dt_bias` 1 and `A_log` 0 (decay rate 1).
+    pub fn constant_init(&self, name: &str) -> Option<f32> {
+        let plain_norm = name.ends_with("linear_attn.norm.weight");
+        if name.ends_with("norm.weight") {
+            Some(if self.family.norm_adds_one() && !plain_norm {
+                0.0
+            } else {
+                1.0
+            })
+        } else if name.ends_with(".bias") || name.ends_with("_bias") && !name.ends_with("dt_bias") {
+            Some(0.0)
+        } else if name.ends_with("dt_bias") {
+            Some(1.0)
+        } else if name.ends_with("A_log") {
+            Some(0.0)
+        } else {
+            None
+        }
+    }
 }
 
 /// What a family leaves implicit when a key is absent from config.json (the defaults of its
@@ -206,6 +279,36 @@ fn defaults(model_type: &str) -> Option<Defaults> {
         "gemma2" => d(Family::Gemma, 1e-6, gelu, true, 8192, win, Some(256)),
         "gemma3_text" => d(Family::Gemma, 1e-6, gelu, true, 131_072, win, Some(256)),
         "phi3" => d(Family::Phi3, 1e-5, "silu", false, 4096, None, None),
+        "mixtral" => d(Family::Llama, 1e-5, "silu", false, 4096 * 32, None, None),
+        "qwen2_moe" => d(Family::Llama, 1e-6, "silu", false, 32_768, win, None),
+        "qwen3_moe" => d(Family::Qwen3, 1e-6, "silu", false, 32_768, win, None),
+        "gpt_oss" => d(
+            Family::GptOss,
+            1e-5,
+            "silu",
+            false,
+            131_072,
+            Some(128),
+            Some(64),
+        ),
+        "qwen3_next" => d(
+            Family::Qwen3Next,
+            1e-6,
+            "silu",
+            false,
+            32_768,
+            None,
+            Some(256),
+        ),
+        "qwen3_5_text" => d(
+            Family::Qwen3Next,
+            1e-6,
+            "silu",
+            false,
+            32_768,
+            None,
+            Some(256),
+        ),
         _ => return None,
     })
 }
@@ -305,7 +408,12 @@ impl ModelSpec {
         let attention_bias = hf.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match model_type.as_str() {
             "qwen2" => (true, false),
-            "mistral" | "phi3" => (false, false),
+            "qwen2_moe" => (hf.qkv_bias.unwrap_or(true), false),
+            "mistral" | "phi3" | "mixtral" => (false, false),
+            "gpt_oss" => (
+                hf.attention_bias.unwrap_or(true),
+                hf.attention_bias.unwrap_or(true),
+            ),
             _ => (attention_bias, attention_bias),
         };
         let mlp_bias = model_type == "llama" && hf.mlp_bias.unwrap_or(false);
@@ -318,8 +426,11 @@ impl ModelSpec {
             head_dim,
             max_pos: max_position_embeddings,
             top_original: hf.original_max_position_embeddings,
-            top_partial: hf.partial_rotary_factor,
+            top_partial: hf
+                .partial_rotary_factor
+                .or((family == Family::Qwen3Next).then_some(0.25)),
             phi3: family == Family::Phi3,
+            partial_ok: matches!(family, Family::Phi3 | Family::Qwen3Next),
         };
         let (rope, rope_local) = ropes(hf, gemma3, any_sliding, &ctx, &err)?;
 
@@ -357,6 +468,8 @@ impl ModelSpec {
             }
             None => None,
         };
+        let moe = moe::moe_spec(hf, &model_type, num_layers, &err)?;
+        let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
         Ok(ModelSpec {
             model_type,
             family,
@@ -373,7 +486,7 @@ impl ModelSpec {
             qkv_bias,
             o_bias,
             mlp_bias,
-            qk_norm: family == Family::Qwen3 || gemma3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Next) || gemma3,
             layer_types,
             sliding_window,
             rope,
@@ -386,6 +499,10 @@ impl ModelSpec {
             initializer_range: hf.initializer_range.unwrap_or(0.02),
             pad_token_id: embed_padding_idx.unwrap_or(0),
             embed_padding_idx,
+            moe,
+            linear_attn,
+            attn_output_gate: family == Family::Qwen3Next,
+            attn_sinks: family == Family::GptOss,
         })
     }
 }
@@ -416,7 +533,20 @@ fn attention_kinds(
     let window = hf.sliding_window.unwrap_or(def.sliding_window);
     let (window, kinds) = match model_type {
         "llama" => (None, pattern(&|_| false)),
-        "mistral" | "phi3" => (window, pattern(&|_| window.is_some())),
+        "qwen3_next" | "qwen3_5_text" => (None, moe::hybrid_layer_types(hf, num_layers, err)?),
+        "mistral" | "phi3" | "mixtral" => (window, pattern(&|_| window.is_some())),
+        // Qwen3-MoE slides every layer when `use_sliding_window`.
+        "qwen3_moe" => {
+            let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
+            (window, pattern(&|_| window.is_some()))
+        }
+        // Qwen2-MoE: every other layer (0, 2, …) below `max_window_layers`.
+        "qwen2_moe" => {
+            let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
+            let below = hf.max_window_layers.unwrap_or(28);
+            let computed = pattern(&|i| window.is_some() && i % 2 == 0 && i < below);
+            (window, layer_types(hf, num_layers, computed, err)?)
+        }
         "qwen2" | "qwen3" => {
             let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
             let from = hf.max_window_layers.unwrap_or(28);
@@ -424,7 +554,7 @@ fn attention_kinds(
             (window, layer_types(hf, num_layers, computed, err)?)
         }
         _ => {
-            let every = if model_type == "gemma2" {
+            let every = if matches!(model_type, "gemma2" | "gpt_oss") {
                 2
             } else {
                 hf.sliding_window_pattern.unwrap_or(6).max(1)

@@ -66,6 +66,8 @@ pub(super) struct RopeCtx {
     pub(super) top_original: Option<usize>,
     pub(super) top_partial: Option<f64>,
     pub(super) phi3: bool,
+    /// The family rotates only part of each head (Phi-3, Qwen3-Next / Qwen3.5).
+    pub(super) partial_ok: bool,
 }
 
 impl RopeCtx {
@@ -122,9 +124,9 @@ impl RopeCtx {
         let partial = num("partial_rotary_factor")?
             .or(self.top_partial)
             .unwrap_or(1.0);
-        if partial != 1.0 && !self.phi3 {
+        if partial != 1.0 && !self.partial_ok {
             return Err(err(format!(
-                "`partial_rotary_factor` ({partial}) is only supported for phi3"
+                "`partial_rotary_factor` ({partial}) is only supported for phi3, qwen3_next and qwen3_5_text"
             )));
         }
         let rotary_dim = (self.head_dim as f64 * partial) as usize;

@@ -40,9 +40,27 @@ pub fn activation(x: &Tensor, act: Activation) -> Tensor {
 
 /// `down(act(gate(x)) * up(x))`: (B, T, H) -> (B, T, H).
 pub fn gated_mlp(w: &BlockWeights, spec: &ModelSpec, x_bth: &Tensor) -> Tensor {
-    let gate_bti = activation(&linear(x_bth, w, "mlp.gate_proj"), spec.hidden_act);
-    let up_bti = linear(x_bth, w, "mlp.up_proj");
-    linear(&(gate_bti * up_bti), w, "mlp.down_proj")
+    gated_mlp_named(w, spec, x_bth, "mlp")
+}
+
+/// [`gated_mlp`] with the projections under `{prefix}.gate_proj` etc.: (.., H) -> (.., H).
+pub fn gated_mlp_named(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
+    let gate = activation(
+        &linear(x, w, &format!("{prefix}.gate_proj")),
+        spec.hidden_act,
+    );
+    let up = linear(x, w, &format!("{prefix}.up_proj"));
+    linear(&(gate * up), w, &format!("{prefix}.down_proj"))
+}
+
+/// The layer's MLP: the sparse mixture-of-experts block where the layer has one, else the
+/// dense gated MLP: (B, T, H) -> (B, T, H).
+pub fn mlp(w: &BlockWeights, spec: &ModelSpec, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    if lc.sparse {
+        super::moe::sparse_mlp(spec, w, x_bth)
+    } else {
+        gated_mlp(w, spec, x_bth)
+    }
 }
 
 /// (B, T, N*D) -> (B, N, T, D) for `heads` heads.
@@ -116,7 +134,7 @@ fn softcapped_attention(
 }
 
 /// (B, K, T, D) -> (B, K*rep, T, D), each key/value head repeated for its query heads.
-fn repeat_kv(x_bktd: &Tensor, rep: i64) -> Tensor {
+pub fn repeat_kv(x_bktd: &Tensor, rep: i64) -> Tensor {
     if rep == 1 {
         return x_bktd.shallow_clone();
     }

@@ -2,7 +2,8 @@
 //! Llama-shaped `modeling_mistral.py` and `modeling_qwen2.py`: those differ only in which
 //! projections carry biases (the layout holds exactly the checkpoint's tensors, and
 //! `linear` uses a bias when the block has one) and in which layers see a sliding window
-//! (the layer's mask in `LayerCtx`).
+//! (the layer's mask in `LayerCtx`). Mixtral and Qwen2-MoE are the same layer with a sparse
+//! mixture-of-experts MLP (`moe.rs`) in place of the dense one.
 //!
 //! Shapes: B batch rows, T sequence length, H hidden size, N attention heads, K key/value
 //! heads, D head dim. Suffixes name a tensor's shape (`x_bth`).
@@ -10,7 +11,7 @@
 use mt::config::hf::ModelSpec;
 use tch::Tensor;
 
-use super::common::{attend, gated_mlp, linear, merge_heads, rms_norm, split_heads};
+use super::common::{attend, linear, merge_heads, mlp, rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx};
 
 /// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`.
@@ -19,7 +20,7 @@ pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &La
     let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
     let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
     let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
-    let mlp_bth = gated_mlp(w, spec, &mlp_in_bth);
+    let mlp_bth = mlp(w, spec, &mlp_in_bth, lc);
     h_bth + mlp_bth
 }
 

@@ -8,18 +8,27 @@
 //! | `qwen3.rs`  | qwen3                          |
 //! | `gemma.rs`  | gemma2, gemma3_text            |
 //! | `phi3.rs`   | phi3                           |
+//! | `llama.rs`  | + mixtral, qwen2_moe (MoE MLP) |
+//! | `qwen3.rs`  | + qwen3_moe (MoE MLP)          |
+//! | `gpt_oss.rs`| gpt_oss                        |
+//! | `qwen3_next.rs` | qwen3_next, qwen3_5_text   |
 //!
-//! `common.rs` holds the pieces they share (norms, attention, embedding, loss) and
-//! `rope.rs` the rotary embeddings.
+//! `common.rs` holds the pieces they share (norms, attention, embedding, loss),
+//! `moe.rs` the sparse mixture-of-experts MLP, `gated_delta.rs` the Gated DeltaNet linear
+//! attention and `rope.rs` the rotary embeddings.
 //!
 //! Shapes: B batch rows, T sequence length, H hidden size, M selected tokens, C tokens in a
 //! loss chunk, V vocabulary.
 
 mod common;
+mod gated_delta;
 mod gemma;
+mod gpt_oss;
 mod llama;
+mod moe;
 mod phi3;
 mod qwen3;
+mod qwen3_next;
 mod rope;
 
 use std::collections::HashMap;
@@ -39,7 +48,7 @@ pub struct Context {
     /// (T, T), true where a sliding-window layer may attend (causal and within the
     /// window); None when the window spans the whole sequence.
     sliding_mask_tt: Option<Tensor>,
-    /// (T, T) causal mask, built only for the explicit (soft-capped) attention.
+    /// (T, T) causal mask, built only for the explicit (soft-capped, sink) attention.
     causal_mask_tt: Option<Tensor>,
 }
 
@@ -48,6 +57,8 @@ pub struct LayerCtx<'a> {
     pub rope: &'a Rope,
     /// True where a query (row) may attend to a key (column); None: plain causal.
     pub mask_tt: Option<&'a Tensor>,
+    /// The layer's MLP is a sparse mixture-of-experts block.
+    pub sparse: bool,
 }
 
 impl Context {
@@ -67,16 +78,19 @@ impl Context {
                 .as_ref()
                 .map(|r| Rope::new(r, seq_len, kind, device)),
             sliding_mask_tt,
-            causal_mask_tt: spec.attn_softcap.map(|_| causal_tt()),
+            causal_mask_tt: (spec.attn_softcap.is_some() || spec.attn_sinks).then(causal_tt),
         }
     }
 
     /// The RoPE and mask of layer `layer`.
     fn layer(&self, spec: &ModelSpec, layer: usize) -> LayerCtx<'_> {
+        let sparse = spec.is_sparse(layer);
         match spec.layer_types[layer] {
-            AttentionKind::Full => LayerCtx {
+            // Linear layers read neither RoPE nor a mask; they are causal by construction.
+            AttentionKind::Full | AttentionKind::Linear => LayerCtx {
                 rope: &self.rope,
                 mask_tt: self.causal_mask_tt.as_ref(),
+                sparse,
             },
             AttentionKind::Sliding => LayerCtx {
                 rope: self.rope_local.as_ref().unwrap_or(&self.rope),
@@ -84,6 +98,7 @@ impl Context {
                     .sliding_mask_tt
                     .as_ref()
                     .or(self.causal_mask_tt.as_ref()),
+                sparse,
             },
         }
     }
@@ -110,13 +125,19 @@ pub fn decoder_layer(
         Family::Qwen3 => qwen3::decoder_layer(spec, w, x_bth, &lc),
         Family::Gemma => gemma::decoder_layer(spec, w, x_bth, &lc),
         Family::Phi3 => phi3::decoder_layer(spec, w, x_bth, &lc),
+        Family::GptOss => gpt_oss::decoder_layer(spec, w, x_bth, &lc),
+        Family::Qwen3Next => {
+            let linear = spec.layer_types[layer] == AttentionKind::Linear;
+            qwen3_next::decoder_layer(spec, w, x_bth, &lc, linear)
+        }
     }
 }
 
 /// Final norm of selected hidden states (M, H) -> (M, H).
 pub fn final_norm(spec: &ModelSpec, head: &BlockWeights, h_mh: &Tensor) -> Tensor {
     match spec.family {
-        Family::Gemma => gemma::final_norm(spec, head, h_mh),
+        Family::Gemma | Family::Qwen3Next => gemma::final_norm(spec, head, h_mh),
+        Family::GptOss => gpt_oss::rms_norm(h_mh, head.get("model.norm.weight"), spec.rms_norm_eps),
         Family::Llama | Family::Qwen3 | Family::Phi3 => {
             common::rms_norm(h_mh, head.get("model.norm.weight"), spec.rms_norm_eps)
         }

@@ -1,0 +1,184 @@
+//! Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5), as transformers'
+//! `*GatedDeltaNet` computes it without the flash-linear-attention kernels: projections to
+//! q, k, v, the output gate z and the per-head b (write strength) and a (decay rate); a
+//! depthwise causal convolution with SiLU over q, k, v; L2-normed q and k; the gated delta
+//! rule evaluated chunk by chunk (`torch_chunk_gated_delta_rule`: within a chunk by a
+//! unit-triangular solve, across chunks through the (Dk, Dv) state); a gated RMSNorm
+//! `w * norm(o) * silu(z)` per value head; out_proj.
+//!
+//! Shapes: B batch rows, T sequence length (P padded to whole chunks), H hidden size, G key
+//! heads, V value heads, Dk / Dv their head dims, C chunk length, U chunks, F conv channels.
+
+use mt::config::hf::{LinearAttnSpec, ModelSpec};
+use tch::{Kind, Tensor};
+
+use super::BlockWeights;
+use super::common::linear;
+
+/// Chunk length of transformers' chunked delta rule.
+const CHUNK: i64 = 64;
+
+/// (B, T, H) -> (B, T, H).
+pub fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
+    let la = spec
+        .linear_attn
+        .as_ref()
+        .expect("linear layers have a spec");
+    let (b, t) = (x_bth.size()[0], x_bth.size()[1]);
+    let (g, v) = (la.num_k_heads as i64, la.num_v_heads as i64);
+    let (dk, dv) = (la.k_head_dim as i64, la.v_head_dim as i64);
+    let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, x_bth);
+
+    // Depthwise causal conv over the F = 2*G*Dk + V*Dv channels, then SiLU.
+    let kernel = la.conv_kernel as i64;
+    let conv_bft = qkv_btf.transpose(1, 2).conv1d(
+        w.get("linear_attn.conv1d.weight"),
+        None::<Tensor>,
+        [1],
+        [kernel - 1],
+        [1],
+        la.conv_dim() as i64,
+    );
+    let qkv_btf = conv_bft.narrow(2, 0, t).silu().transpose(1, 2);
+    let q_btgd = qkv_btf.narrow(-1, 0, g * dk).reshape([b, t, g, dk]);
+    let k_btgd = qkv_btf.narrow(-1, g * dk, g * dk).reshape([b, t, g, dk]);
+    let v_btvd = qkv_btf
+        .narrow(-1, 2 * g * dk, v * dv)
+        .reshape([b, t, v, dv]);
+
+    let beta_btv = b_btv.sigmoid();
+    let decay_btv = -w.get("linear_attn.A_log").to_kind(Kind::Float).exp()
+        * (a_btv.to_kind(Kind::Float) + w.get("linear_attn.dt_bias")).softplus();
+    // Each key head serves V/G consecutive value heads.
+    let (q_btvd, k_btvd) = if v > g {
+        (
+            q_btgd.repeat_interleave_self_int(v / g, 2, None),
+            k_btgd.repeat_interleave_self_int(v / g, 2, None),
+        )
+    } else {
+        (q_btgd, k_btgd)
+    };
+    let o_btvd = chunk_gated_delta_rule(&q_btvd, &k_btvd, &v_btvd, &decay_btv, &beta_btv);
+
+    let o_btvd = gated_rms_norm(
+        &o_btvd,
+        &z_btvd,
+        w.get("linear_attn.norm.weight"),
+        spec.rms_norm_eps,
+    );
+    linear(&o_btvd.reshape([b, t, v * dv]), w, "linear_attn.out_proj")
+}
+
+/// The input projections: conv input [q; k; v] (B, T, F), z (B, T, V, Dv), b and a (B, T, V).
+/// Qwen3-Next's fused projections are grouped by key head: per head, Dk query, Dk key,
+/// (V/G)*Dv value and (V/G)*Dv z columns, and (V/G) b then (V/G) a columns.
+fn project(
+    la: &LinearAttnSpec,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+) -> (Tensor, Tensor, Tensor, Tensor) {
+    let (b, t) = (x_bth.size()[0], x_bth.size()[1]);
+    let (g, v) = (la.num_k_heads as i64, la.num_v_heads as i64);
+    let (dk, dv, r) = (la.k_head_dim as i64, la.v_head_dim as i64, v / g);
+    if !la.fused_qkvz {
+        let qkv_btf = linear(x_bth, w, "linear_attn.in_proj_qkv");
+        let z_btvd = linear(x_bth, w, "linear_attn.in_proj_z").reshape([b, t, v, dv]);
+        let b_btv = linear(x_bth, w, "linear_attn.in_proj_b");
+        let a_btv = linear(x_bth, w, "linear_attn.in_proj_a");
+        return (qkv_btf, z_btvd, b_btv, a_btv);
+    }
+    let qkvz_btgf =
+        linear(x_bth, w, "linear_attn.in_proj_qkvz").view([b, t, g, 2 * dk + 2 * r * dv]);
+    let ba_btgf = linear(x_bth, w, "linear_attn.in_proj_ba").view([b, t, g, 2 * r]);
+    let q = qkvz_btgf.narrow(-1, 0, dk).reshape([b, t, g * dk]);
+    let k = qkvz_btgf.narrow(-1, dk, dk).reshape([b, t, g * dk]);
+    let val = qkvz_btgf.narrow(-1, 2 * dk, r * dv).reshape([b, t, v * dv]);
+    let z_btvd = qkvz_btgf
+        .narrow(-1, 2 * dk + r * dv, r * dv)
+        .reshape([b, t, v, dv]);
+    let b_btv = ba_btgf.narrow(-1, 0, r).reshape([b, t, v]);
+    let a_btv = ba_btgf.narrow(-1, r, r).reshape([b, t, v]);
+    (Tensor::cat(&[q, k, val], -1), z_btvd, b_btv, a_btv)
+}
+
+/// `w * norm(o).to(dtype) * silu(z)` per value head, in f32 then cast: (B, T, V, Dv).
+fn gated_rms_norm(o_btvd: &Tensor, z_btvd: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let of = o_btvd.to_kind(Kind::Float);
+    let var = of.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    let normed = w * (of * (var + eps).rsqrt()).to_kind(o_btvd.kind());
+    (normed * z_btvd.to_kind(Kind::Float).silu()).to_kind(o_btvd.kind())
+}
+
+/// `x / sqrt(sum(x^2) + 1e-6)` over the last dim.
+fn l2norm(x: &Tensor) -> Tensor {
+    x * ((x * x).sum_dim_intlist(-1, true, Kind::Float) + 1e-6).rsqrt()
+}
+
+/// The gated delta rule over whole chunks, as `torch_chunk_gated_delta_rule` (zero initial
+/// state, q and k L2-normed): state S (Dk, Dv) decays by exp(g_t), then
+/// `S += k_t beta_t (v_t - S^T k_t)^T`, `o_t = S^T q_t / sqrt(Dk)`.
+/// q, k (B, T, V, Dk), v (B, T, V, Dv), decay and beta (B, T, V) -> (B, T, V, Dv).
+fn chunk_gated_delta_rule(
+    q_btvd: &Tensor,
+    k_btvd: &Tensor,
+    v_btvd: &Tensor,
+    decay_btv: &Tensor,
+    beta_btv: &Tensor,
+) -> Tensor {
+    let dtype = q_btvd.kind();
+    let f32 = |x: &Tensor| x.transpose(1, 2).to_kind(Kind::Float).contiguous();
+    let (q, k, v) = (f32(q_btvd), f32(k_btvd), f32(v_btvd)); // (B, V, T, D)
+    let (beta_bvt, decay_bvt) = (f32(beta_btv), f32(decay_btv));
+    let (b, nv, t, dk) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
+    let dv = v.size()[3];
+    let q = l2norm(&q) * (dk as f64).powf(-0.5);
+    let k = l2norm(&k);
+
+    let pad = (CHUNK - t % CHUNK) % CHUNK;
+    let (q, k, v) = (
+        q.constant_pad_nd([0, 0, 0, pad]),
+        k.constant_pad_nd([0, 0, 0, pad]),
+        v.constant_pad_nd([0, 0, 0, pad]),
+    );
+    let (beta_bvp, decay_bvp) = (
+        beta_bvt.constant_pad_nd([0, pad]),
+        decay_bvt.constant_pad_nd([0, pad]),
+    );
+    let u = (t + pad) / CHUNK;
+    let chunks = |x: &Tensor, d: i64| x.reshape([b, nv, u, CHUNK, d]);
+    let v_beta = chunks(&(&v * beta_bvp.unsqueeze(-1)), dv);
+    let k_beta = chunks(&(&k * beta_bvp.unsqueeze(-1)), dk);
+    let (q, k) = (chunks(&q, dk), chunks(&k, dk));
+    let cum_bvuc = decay_bvp.reshape([b, nv, u, CHUNK]).cumsum(-1, Kind::Float);
+
+    // exp(cum_i - cum_j) for j <= i, 0 above the diagonal: (B, V, U, C, C).
+    let upper_cc = Tensor::ones([CHUNK, CHUNK], (Kind::Bool, q.device())).triu(1);
+    let pair = (cum_bvuc.unsqueeze(-1) - cum_bvuc.unsqueeze(-2))
+        .masked_fill(&upper_cc, f64::NEG_INFINITY)
+        .exp();
+    let kt = k.transpose(-1, -2);
+    let ut_system = k_beta.matmul(&kt) * &pair;
+    let intra = q.matmul(&kt) * &pair;
+    let decayed_k_beta = &k_beta * cum_bvuc.exp().unsqueeze(-1);
+    let new_values = ut_system.linalg_solve_triangular(&v_beta, false, true, true);
+    let k_cumdecay = ut_system.linalg_solve_triangular(&decayed_k_beta, false, true, true);
+
+    let q = q * cum_bvuc.exp().unsqueeze(-1);
+    let last = cum_bvuc.narrow(-1, CHUNK - 1, 1);
+    let k = k * (&last - &cum_bvuc).exp().unsqueeze(-1);
+    let chunk_decay = last.exp().unsqueeze(-1); // (B, V, U, 1, 1)
+    let mut state = Tensor::zeros([b, nv, dk, dv], (Kind::Float, q.device()));
+    let mut outs = Vec::with_capacity(u as usize);
+    for i in 0..u {
+        let v_new = new_values.select(2, i) - k_cumdecay.select(2, i).matmul(&state);
+        let inter = q.select(2, i).matmul(&state);
+        outs.push(inter + intra.select(2, i).matmul(&v_new));
+        state = state * chunk_decay.select(2, i) + k.select(2, i).transpose(-1, -2).matmul(&v_new);
+    }
+    Tensor::stack(&outs, 2)
+        .reshape([b, nv, u * CHUNK, dv])
+        .narrow(2, 0, t)
+        .transpose(1, 2)
+        .to_kind(dtype)
+        .contiguous()
+}

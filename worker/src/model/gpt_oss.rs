@@ -1,0 +1,72 @@
+//! GPT-OSS, as transformers' `modeling_gpt_oss.py` computes it: Llama-shaped layers with
+//! biases on every attention projection, a learned per-head "sink" logit that joins each
+//! attention softmax (its probability is dropped, so rows may sum to less than 1),
+//! sliding-window and full layers alternating, RMSNorm scaling in f32 before the cast, and
+//! a mixture-of-experts MLP with a biased router and clamped-SwiGLU experts (`moe.rs`).
+//!
+//! Shapes: B batch rows, T sequence length, H hidden size, N attention heads, K key/value
+//! heads, D head dim. Suffixes name a tensor's shape (`x_bth`).
+
+use mt::config::hf::ModelSpec;
+use tch::{Kind, Tensor};
+
+use super::common::{linear, merge_heads, repeat_kv, split_heads};
+use super::{BlockWeights, LayerCtx, moe};
+
+/// One decoder layer: `h = x + attn(norm1(x)); out = h + moe(norm2(h))`.
+pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let eps = spec.rms_norm_eps;
+    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
+    let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
+    let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
+    let mlp_bth = moe::sparse_mlp(spec, w, &mlp_in_bth);
+    h_bth + mlp_bth
+}
+
+/// GPT-OSS RMSNorm: the weight multiplies in f32, then the cast: `(w * norm(x)).to(dtype)`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    (w * (xf * (var + eps).rsqrt())).to_kind(x.kind())
+}
+
+fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let (n, k, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
+    let q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
+    let k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
+    let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
+    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let mask_tt = lc
+        .mask_tt
+        .expect("Context builds a mask for the sink attention");
+    let o_bntd = sink_attention(spec, w, &q_bntd, &k_bktd, &v_bktd, mask_tt);
+    linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
+}
+
+/// transformers' eager attention with sinks: the masked scores of each row get one more
+/// column, the head's sink logit; the row max is subtracted, the softmax taken in the
+/// scores' dtype and the sink column dropped: (B, N, T, D) -> (B, N, T, D).
+fn sink_attention(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    q_bntd: &Tensor,
+    k_bktd: &Tensor,
+    v_bktd: &Tensor,
+    mask_tt: &Tensor,
+) -> Tensor {
+    let rep = (spec.num_heads / spec.num_kv_heads) as i64;
+    let k_bntd = repeat_kv(k_bktd, rep);
+    let v_bntd = repeat_kv(v_bktd, rep);
+    let scores_bntt = q_bntd.matmul(&k_bntd.transpose(2, 3)) * spec.attn_scale;
+    let scores_bntt = scores_bntt.masked_fill(&mask_tt.logical_not(), f64::NEG_INFINITY);
+    let s = scores_bntt.size();
+    let sinks_bnt1 = w
+        .get("self_attn.sinks")
+        .reshape([1, -1, 1, 1])
+        .expand([s[0], s[1], s[2], 1], false);
+    let all_bntu = Tensor::cat(&[&scores_bntt, &sinks_bnt1.to_kind(scores_bntt.kind())], -1);
+    let all_bntu = &all_bntu - all_bntu.amax(-1, true);
+    let p_bntu = all_bntu.softmax(-1, all_bntu.kind());
+    let p_bntt = p_bntu.narrow(-1, 0, s[3]).to_kind(v_bntd.kind());
+    p_bntt.matmul(&v_bntd)
+}
