@@ -17,6 +17,8 @@ Installed by scripts/setup.sh: torch==2.11.0 transformers==5.17.0 safetensors nu
 """
 import argparse
 import json
+import copy
+import importlib
 import os
 import shutil
 
@@ -43,6 +45,11 @@ ROWS = 12  # 3 steps x 4 rows, file order
 #         sees the same sequence length (dynamic NTK RoPE depends on it)
 #   scale: {parameter-name substring: factor} applied after init, to push a feature into its
 #         active range (GPT-OSS's expert clamp at +-7)
+# With output_router_logits the loss adds router_aux_loss_coef x transformers' router
+# load-balancing loss. Each micro-batch (one per worker here) adds its own aux loss,
+# weighted by its share of the batch's label tokens, so the reference depends on the number
+# of workers: the 1-worker run is exactly transformers' loss (its `aux_loss` output), and
+# expected_w2.json / grads0_w2.safetensors hold the 2-worker reference.
 # MoE cases mix sparse and dense layers where the family allows it, so the layout holds
 # layers of different structures; hybrid cases mix Gated DeltaNet and attention layers.
 CASES = {
@@ -124,6 +131,11 @@ CASES = {
         config=dict(head_dim=10, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
                     norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True),
     ),
+    "mixtral_router_aux_loss": dict(
+        model_type="mixtral",
+        config=dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=20,
+                    output_router_logits=True, router_aux_loss_coef=0.5, num_hidden_layers=2),
+    ),
     "gpt_oss_sinks_clamp": dict(
         model_type="gpt_oss",
         config=dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=20,
@@ -138,6 +150,7 @@ CASES = {
         config=dict(
             head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
             shared_expert_intermediate_size=24, mlp_only_layers=[2],
+            output_router_logits=True, router_aux_loss_coef=0.3,
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
             linear_value_head_dim=6, linear_conv_kernel_dim=4,
             layer_types=["linear_attention", "full_attention", "linear_attention"],
@@ -211,7 +224,27 @@ def checkpoint_named(model, values, tmp):
     return safetensors.torch.load_file(os.path.join(tmp, "model.safetensors"))
 
 
-def reference(model, rows, tr, grads_path):
+def aux_loss(model, out, mask, targets, world):
+    """The router aux term of the loss: the batch split into `world` contiguous slices (one
+    micro-batch per worker), each slice's load-balancing loss weighted by its share of the
+    label tokens. With world 1 it is transformers' own `aux_loss`."""
+    cfg = model.config
+    if world == 1:
+        return cfg.router_aux_loss_coef * out.aux_loss
+    balance = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    b, t = mask.shape
+    per = b // world
+    n = (targets != -100).sum()
+    total = 0.0
+    for r in range(world):
+        rows = slice(r * per, (r + 1) * per)
+        logits = tuple(l.view(b, t, -1)[rows].reshape(per * t, -1) for l in out.router_logits)
+        aux = balance(logits, model.num_experts, model.num_experts_per_tok, mask[rows])
+        total = total + aux * (targets[rows] != -100).sum() / n
+    return cfg.router_aux_loss_coef * total
+
+
+def reference(model, rows, tr, grads_path, world=1):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -221,14 +254,22 @@ def reference(model, rows, tr, grads_path):
     losses, norms = [], []
     for step in range(STEPS):
         ids, labels, mask = batch(rows[step * BATCH:(step + 1) * BATCH])
-        logits = model(input_ids=ids, attention_mask=mask).logits
+        out = model(input_ids=ids, attention_mask=mask)
+        logits = out.logits
         targets = labels[:, 1:]
         loss_sum = F.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
             ignore_index=-100, reduction="sum")
         loss = loss_sum / (targets != -100).sum()
+        if getattr(model.config, "output_router_logits", False):
+            loss = loss + aux_loss(model, out, mask, targets, world)
         loss.backward()
-        if step == 0:
+        if step == 0 and world > 1:
+            grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
+            tmp = grads_path + ".tmp"
+            safetensors.torch.save_file(checkpoint_named(model, grads, tmp), grads_path)
+            shutil.rmtree(tmp)
+        elif step == 0:
             grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
             tmp = os.path.join(os.path.dirname(grads_path), "grads0.tmp")
             safetensors.torch.save_file(checkpoint_named(model, grads, tmp), grads_path)
@@ -272,6 +313,10 @@ def main():
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         tr = {**TRAIN, **case.get("train", {})}
+        if getattr(cfg, "output_router_logits", False):
+            losses, norms = reference(copy.deepcopy(model), rows, tr, os.path.join(out, "grads0_w2.safetensors"), 2)
+            with open(os.path.join(out, "expected_w2.json"), "w") as f:
+                json.dump({"losses": losses, "grad_norms": norms}, f, indent=1)
         losses, norms = reference(model, rows, tr, os.path.join(out, "grads0.safetensors"))
         with open(os.path.join(out, "expected.json"), "w") as f:
             json.dump({"losses": losses, "grad_norms": norms, "transformers": transformers.__version__,

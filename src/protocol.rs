@@ -81,6 +81,9 @@ pub struct MicroBatch {
     pub input_ids: Vec<i32>,
     /// Aligned with `input_ids` (HF convention, shifted inside the worker); -100 = ignored.
     pub labels: Vec<i32>,
+    /// Real (unpadded) length of each row: the attention mask, which the MoE router
+    /// load-balancing loss reads.
+    pub row_lens: Vec<usize>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

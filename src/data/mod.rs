@@ -249,6 +249,7 @@ pub fn pad_batch(rows: &[&Example], pad_id: i32) -> MicroBatch {
         seq_len,
         input_ids,
         labels,
+        row_lens: rows.iter().map(|r| r.input_ids.len()).collect(),
     }
 }
 

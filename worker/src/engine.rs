@@ -17,7 +17,7 @@ use mt::layout::Layout;
 use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{self, BlockWeights};
+use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Streamer, kind_of};
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
@@ -157,15 +157,18 @@ impl Engine {
             self.streamer
                 .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
             let t0 = Instant::now();
-            let (inputs, x_bth) = self.forward(&batch, mb.seq_len, link)?;
+            let mut ctx = model::Context::new(&self.spec, mb.seq_len, self.kind, self.device);
+            let share = batch.valid_m.size()[0] as f64 * loss_scale;
+            ctx.router_aux =
+                RouterAux::new(&self.spec, &mb.row_lens, mb.seq_len, share, self.device);
+            let (inputs, x_bth) = self.forward(&batch, &ctx, link)?;
             if let Some(path) = self.dump_logits.take() {
                 self.write_logits(&path, &x_bth, link)?;
             }
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            loss_sum += self.backward(
-                mi, &batch, mb.seq_len, loss_scale, inputs, x_bth, link, &mut tm,
-            )?;
+            loss_sum +=
+                self.backward(mi, &batch, &ctx, loss_scale, inputs, x_bth, link, &mut tm)?;
             tm.backward_s += t1.elapsed().as_secs_f64();
             self.streamer.end_micro()?;
             tokens += batch.valid_m.size()[0] as u64;
@@ -210,11 +213,10 @@ impl Engine {
     fn forward(
         &mut self,
         batch: &DeviceBatch,
-        seq_len: usize,
+        ctx: &model::Context,
         link: &Link,
     ) -> Result<(Vec<Tensor>, Tensor)> {
         let layout = &self.layout;
-        let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
         let _guard = tch::no_grad_guard();
         let (ctl, rx) = (&mut self.ctl, link.rx);
         let gate = &mut |b| ctl.wait_block(b, rx);
@@ -228,7 +230,7 @@ impl Engine {
         for l in 0..layout.num_layers() {
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
-            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
+            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, ctx);
             inputs.push(std::mem::replace(&mut x_bth, y_bth));
         }
         Ok((inputs, x_bth))
@@ -258,13 +260,14 @@ impl Engine {
     }
 
     /// Head loss and gradients, then every layer recomputed and backpropagated, then the
-    /// embedding; returns the summed token loss.
+    /// embedding; returns the summed token loss (plus the router aux loss, in the same
+    /// units: divided by `scale`).
     #[allow(clippy::too_many_arguments)]
     fn backward(
         &mut self,
         mi: usize,
         batch: &DeviceBatch,
-        seq_len: usize,
+        ctx: &model::Context,
         scale: f64,
         mut inputs: Vec<Tensor>,
         x_bth: Tensor,
@@ -276,7 +279,6 @@ impl Engine {
             &layout.blocks[Layout::EMBED],
             &layout.blocks[layout.head_block()],
         );
-        let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
         let (ctl, rx) = (&mut self.ctl, link.rx);
         let embed_w = BlockWeights::leaves(
             &self
@@ -340,8 +342,12 @@ impl Engine {
                 .pop()
                 .context("one saved input per layer")?
                 .set_requires_grad(true);
-            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, &ctx);
-            (y_bth * &dy_bth).sum(Kind::Float).backward();
+            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, ctx);
+            let objective = (y_bth * &dy_bth).sum(Kind::Float);
+            match ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
+                Some(aux) => (objective + aux).backward(),
+                None => objective.backward(),
+            }
             dy_bth = x_in.grad();
             self.send(mi, layout.layer_block(l), &w, link, tm)?;
         }
@@ -350,7 +356,8 @@ impl Engine {
         let e_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
         (e_bth * &dy_bth).sum(Kind::Float).backward();
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
-        Ok(loss_sum)
+        let aux = ctx.router_aux.as_ref().map_or(0.0, RouterAux::loss);
+        Ok(loss_sum + aux / scale)
     }
 
     /// Hands a block's gradients to a free slab slot; announces whatever has landed.

@@ -62,6 +62,9 @@ pub struct MoeSpec {
     /// Intermediate size of the always-on shared expert, gated by
     /// `sigmoid(shared_expert_gate(x))` (Qwen2-MoE, Qwen3-Next).
     pub shared_expert_intermediate_size: Option<usize>,
+    /// The router load-balancing loss joins the training loss (`output_router_logits`),
+    /// weighted by `router_aux_loss_coef`.
+    pub router_aux_loss: bool,
     pub router_aux_loss_coef: f64,
 }
 
@@ -192,11 +195,11 @@ pub(super) fn moe_spec(
             "`router_jitter_noise` is not 0: router jitter is not implemented; set it to 0".into(),
         ));
     }
-    if hf.output_router_logits == Some(true) {
-        return Err(err(
-            "`output_router_logits: true` (the router load-balancing loss) is not supported yet; set it to false"
-                .into(),
-        ));
+    let router_aux_loss_coef = hf.router_aux_loss_coef.unwrap_or(0.001);
+    if !router_aux_loss_coef.is_finite() {
+        return Err(err(format!(
+            "`router_aux_loss_coef` ({router_aux_loss_coef}) must be a finite number"
+        )));
     }
     Ok(Some(MoeSpec {
         num_experts,
@@ -208,7 +211,8 @@ pub(super) fn moe_spec(
         act,
         weights_in_compute_dtype,
         shared_expert_intermediate_size,
-        router_aux_loss_coef: hf.router_aux_loss_coef.unwrap_or(0.001),
+        router_aux_loss: hf.output_router_logits.unwrap_or(false),
+        router_aux_loss_coef,
     }))
 }
 

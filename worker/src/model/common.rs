@@ -57,7 +57,7 @@ pub fn gated_mlp_named(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &
 /// dense gated MLP: (B, T, H) -> (B, T, H).
 pub fn mlp(w: &BlockWeights, spec: &ModelSpec, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     if lc.sparse {
-        super::moe::sparse_mlp(spec, w, x_bth)
+        super::moe::sparse_mlp(spec, w, x_bth, lc)
     } else {
         gated_mlp(w, spec, x_bth)
     }

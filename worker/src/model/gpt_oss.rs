@@ -19,7 +19,7 @@ pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &La
     let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
     let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
     let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
-    let mlp_bth = moe::sparse_mlp(spec, w, &mlp_in_bth);
+    let mlp_bth = moe::sparse_mlp(spec, w, &mlp_in_bth, lc);
     h_bth + mlp_bth
 }
 

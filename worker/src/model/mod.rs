@@ -37,6 +37,7 @@ use mt::config::hf::{AttentionKind, Family, ModelSpec};
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
+pub use moe::RouterAux;
 use rope::Rope;
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary
@@ -50,6 +51,8 @@ pub struct Context {
     sliding_mask_tt: Option<Tensor>,
     /// (T, T) causal mask, built only for the explicit (soft-capped, sink) attention.
     causal_mask_tt: Option<Tensor>,
+    /// The router load-balancing loss, where the model trains with it.
+    pub router_aux: Option<RouterAux>,
 }
 
 /// What one layer reads from the context.
@@ -59,6 +62,7 @@ pub struct LayerCtx<'a> {
     pub mask_tt: Option<&'a Tensor>,
     /// The layer's MLP is a sparse mixture-of-experts block.
     pub sparse: bool,
+    pub aux: Option<&'a RouterAux>,
 }
 
 impl Context {
@@ -79,18 +83,21 @@ impl Context {
                 .map(|r| Rope::new(r, seq_len, kind, device)),
             sliding_mask_tt,
             causal_mask_tt: (spec.attn_softcap.is_some() || spec.attn_sinks).then(causal_tt),
+            router_aux: None,
         }
     }
 
     /// The RoPE and mask of layer `layer`.
     fn layer(&self, spec: &ModelSpec, layer: usize) -> LayerCtx<'_> {
         let sparse = spec.is_sparse(layer);
+        let aux = self.router_aux.as_ref().filter(|_| sparse);
         match spec.layer_types[layer] {
             // Linear layers read neither RoPE nor a mask; they are causal by construction.
             AttentionKind::Full | AttentionKind::Linear => LayerCtx {
                 rope: &self.rope,
                 mask_tt: self.causal_mask_tt.as_ref(),
                 sparse,
+                aux,
             },
             AttentionKind::Sliding => LayerCtx {
                 rope: self.rope_local.as_ref().unwrap_or(&self.rope),
@@ -99,6 +106,7 @@ impl Context {
                     .as_ref()
                     .or(self.causal_mask_tt.as_ref()),
                 sparse,
+                aux,
             },
         }
     }

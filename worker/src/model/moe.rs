@@ -6,22 +6,123 @@
 //! contiguous rows, and one `index_add` scatters the weighted outputs back. Autograd gives
 //! the backward (the worker recomputes each layer under grad).
 //!
+//! The router load-balancing loss ([`RouterAux`]) is transformers' `load_balancing_loss_func`
+//! over one micro-batch: with f_e the share of (unpadded token, slot) assignments that went
+//! to expert e and P_e the mean router probability of e, both over all sparse layers,
+//! `aux = E * sum_e f_e P_e`. Only P carries a gradient, so once the forward pass has
+//! counted f, each layer's part of the gradient comes from its own probabilities alone.
+//!
 //! Shapes: B batch rows, T sequence length, H hidden size, N = B*T tokens, E experts, K
 //! experts per token, S = N*K routed (token, slot) pairs, M one expert's rows, I expert
 //! intermediate size.
 
-use mt::config::hf::{ExpertAct, ExpertNames, ModelSpec, MoeSpec, Router};
-use tch::{Kind, Tensor};
+use std::cell::RefCell;
 
-use super::BlockWeights;
+use mt::config::hf::{ExpertAct, ExpertNames, ModelSpec, MoeSpec, Router};
+use tch::{Device, Kind, Tensor};
+
 use super::common::{activation, gated_mlp_named, linear};
+use super::{BlockWeights, LayerCtx};
+
+/// The router load-balancing loss of one micro-batch, added to the training loss with
+/// weight `router_aux_loss_coef * (this micro-batch's label tokens / the global batch's)`:
+/// with one micro-batch in the step that is exactly `loss + coef * aux_loss` as
+/// transformers' `*ForCausalLM` computes it when `output_router_logits` is set.
+pub struct RouterAux {
+    /// (N,) 1 for real tokens, 0 for padding (the attention mask).
+    mask_n: Tensor,
+    num_experts: i64,
+    /// `coef * micro-batch share`, the weight of this micro-batch's aux loss.
+    weight: f64,
+    /// Counted by the forward pass over every sparse layer: top-k assignments per expert
+    /// (E), router probabilities per expert (E), unpadded rows (layers x tokens).
+    counts_e: RefCell<Tensor>,
+    probs_e: RefCell<Tensor>,
+    rows: RefCell<f64>,
+    /// The differentiable term of the layer just recomputed, for the engine to add.
+    term: RefCell<Option<Tensor>>,
+}
+
+impl RouterAux {
+    /// For a micro-batch of rows of `row_lens` real tokens padded to `seq_len`; `share` is
+    /// its label tokens over the global batch's. None unless the spec enables the loss.
+    pub fn new(
+        spec: &ModelSpec,
+        row_lens: &[usize],
+        seq_len: usize,
+        share: f64,
+        device: Device,
+    ) -> Option<RouterAux> {
+        let m = spec.moe.as_ref().filter(|m| m.router_aux_loss)?;
+        let t = seq_len as i64;
+        let lens_b1 = Tensor::from_slice(&row_lens.iter().map(|&l| l as i64).collect::<Vec<_>>())
+            .unsqueeze(1);
+        let mask_n = Tensor::arange(t, (Kind::Int64, Device::Cpu))
+            .unsqueeze(0)
+            .lt_tensor(&lens_b1)
+            .to_kind(Kind::Float)
+            .reshape([-1])
+            .to_device(device);
+        let e = m.num_experts as i64;
+        let zeros = || RefCell::new(Tensor::zeros([e], (Kind::Float, device)));
+        Some(RouterAux {
+            mask_n,
+            num_experts: e,
+            weight: m.router_aux_loss_coef * share,
+            counts_e: zeros(),
+            probs_e: zeros(),
+            rows: RefCell::new(0.0),
+            term: RefCell::new(None),
+        })
+    }
+
+    /// One sparse layer's router logits (N, E). Without grad (the forward pass) they are
+    /// counted; with grad (the recompute) the layer's term is kept for [`Self::take_term`].
+    fn observe(&self, logits_ne: &Tensor, top_k: i64) {
+        let probs_ne = logits_ne.softmax(-1, logits_ne.kind()).to_kind(Kind::Float);
+        let masked_e =
+            (&probs_ne * self.mask_n.unsqueeze(1)).sum_dim_intlist(0, false, Kind::Float);
+        if logits_ne.requires_grad() {
+            // d aux / d P_e sums: E * f_e / rows, with f_e = counts_e / rows.
+            let rows = *self.rows.borrow();
+            let coeff_e = &*self.counts_e.borrow() * (self.num_experts as f64 / (rows * rows));
+            let term = (masked_e * coeff_e).sum(Kind::Float) * self.weight;
+            *self.term.borrow_mut() = Some(term);
+            return;
+        }
+        let (_, chosen_nk) = probs_ne.topk(top_k, -1, true, true);
+        let slot_mask_s = self.mask_n.repeat_interleave_self_int(top_k, 0, None);
+        let mut counts = self.counts_e.borrow_mut();
+        *counts = counts.scatter_add(0, &chosen_nk.reshape([-1]), &slot_mask_s);
+        let mut probs = self.probs_e.borrow_mut();
+        *probs = &*probs + masked_e;
+        *self.rows.borrow_mut() += self.mask_n.sum(Kind::Float).double_value(&[]);
+    }
+
+    /// The weighted aux loss of the micro-batch, once the forward pass has counted it.
+    pub fn loss(&self) -> f64 {
+        let rows = *self.rows.borrow();
+        if rows == 0.0 {
+            return 0.0;
+        }
+        let f_e = &*self.counts_e.borrow() / rows;
+        let p_e = &*self.probs_e.borrow() / rows;
+        (f_e * p_e).sum(Kind::Double).double_value(&[]) * self.num_experts as f64 * self.weight
+    }
+
+    /// The term of the layer just recomputed under grad (None for dense layers), to be
+    /// added to the objective that layer backpropagates.
+    pub fn take_term(&self) -> Option<Tensor> {
+        self.term.borrow_mut().take()
+    }
+}
 
 /// (B, T, H) -> (B, T, H).
-pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
+pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     let m = spec.moe.as_ref().expect("sparse layers have a MoE spec");
     let size = x_bth.size();
     let x_nh = x_bth.reshape([-1, size[2]]);
-    let (weights_nk, experts_nk) = route(m, w, &x_nh);
+    let (weights_nk, experts_nk) = route(m, w, &x_nh, lc.aux);
     let mut out_nh = experts(spec, m, w, &x_nh, &weights_nk, &experts_nk);
     if m.shared_expert_intermediate_size.is_some() {
         let shared_nh = gated_mlp_named(w, spec, &x_nh, "mlp.shared_expert");
@@ -32,7 +133,12 @@ pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor 
 }
 
 /// The router: top-k weights (N, K) and expert indices (N, K) of every token.
-fn route(m: &MoeSpec, w: &BlockWeights, x_nh: &Tensor) -> (Tensor, Tensor) {
+fn route(
+    m: &MoeSpec,
+    w: &BlockWeights,
+    x_nh: &Tensor,
+    aux: Option<&RouterAux>,
+) -> (Tensor, Tensor) {
     let router = match m.names {
         ExpertNames::Mixtral => "block_sparse_moe.gate",
         ExpertNames::Qwen => "mlp.gate",
@@ -40,6 +146,9 @@ fn route(m: &MoeSpec, w: &BlockWeights, x_nh: &Tensor) -> (Tensor, Tensor) {
     };
     let logits_ne = linear(x_nh, w, router);
     let k = m.top_k as i64;
+    if let Some(aux) = aux {
+        aux.observe(&logits_ne, k);
+    }
     match m.router {
         Router::SoftmaxTopK { renormalize } => {
             let probs_ne = logits_ne.softmax(-1, Kind::Float);
