@@ -487,4 +487,93 @@ mod tests {
         assert!(names.contains(&"mlp.down_proj.bias[48]".to_string()));
         assert!(names.contains(&"mlp.gate_proj.bias[88]".to_string()));
     }
+
+    #[test]
+    fn moe_layers_hold_router_and_per_expert_tensors() {
+        let mixtral = spec(
+            "mixtral",
+            r#","num_local_experts":3,"num_experts_per_tok":2"#,
+        );
+        let names = layer_names(&mixtral);
+        assert!(names.contains(&"block_sparse_moe.gate.weight[3, 48]".to_string()));
+        assert!(names.contains(&"block_sparse_moe.experts.2.w2.weight[48, 88]".to_string()));
+        assert!(!names.iter().any(|n| n.starts_with("mlp.")));
+
+        let gpt = spec(
+            "gpt_oss",
+            r#","num_local_experts":4,"num_experts_per_tok":2,"head_dim":8"#,
+        );
+        let names = layer_names(&gpt);
+        for n in [
+            "self_attn.sinks[6]",
+            "self_attn.o_proj.bias[48]",
+            "mlp.router.bias[4]",
+            "mlp.experts.gate_up_proj[4, 48, 176]",
+            "mlp.experts.down_proj[4, 88, 48]",
+            "mlp.experts.down_proj_bias[4, 48]",
+        ] {
+            assert!(names.contains(&n.to_string()), "{n} in {names:?}");
+        }
+        assert_eq!(Layout::new(&gpt).layer_groups.len(), 1);
+    }
+
+    #[test]
+    fn mixed_layers_group_by_structure_with_their_own_lengths() {
+        // Layers 0 and 2 linear (0 sparse, 2 dense), 1 full attention, sparse.
+        let s = spec(
+            "qwen3_next",
+            r#","head_dim":8,"num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":20,
+            "shared_expert_intermediate_size":24,"mlp_only_layers":[2],"linear_num_key_heads":2,
+            "linear_num_value_heads":4,"linear_key_head_dim":8,"linear_value_head_dim":6,
+            "layer_types":["linear_attention","full_attention","linear_attention"]"#,
+        );
+        let l = Layout::new(&s);
+        let groups: Vec<(&str, &[usize])> = l
+            .layer_groups
+            .iter()
+            .map(|g| (g.name.as_str(), g.layers.as_slice()))
+            .collect();
+        assert_eq!(
+            groups,
+            [
+                ("linear_attention+moe", &[0][..]),
+                ("attention+moe", &[1][..]),
+                ("linear_attention+mlp", &[2][..]),
+            ]
+        );
+        for (gi, g) in l.layer_groups.iter().enumerate() {
+            for &layer in &g.layers {
+                assert_eq!(l.blocks[l.layer_block(layer)].len, g.block_len);
+                assert_eq!(l.layer_group(layer), gi);
+            }
+        }
+        assert_ne!(l.layer_groups[0].block_len, l.layer_groups[2].block_len);
+        assert_eq!(
+            l.max_layer_len(),
+            l.layer_groups.iter().map(|g| g.block_len).max().unwrap()
+        );
+        let names = |layer| -> Vec<String> {
+            l.blocks[l.layer_block(layer)]
+                .tensors
+                .iter()
+                .map(|t| format!("{}{:?}", t.name, t.shape))
+                .collect()
+        };
+        let linear = names(0);
+        for n in [
+            "linear_attn.in_proj_qkvz.weight[80, 48]",
+            "linear_attn.in_proj_ba.weight[8, 48]",
+            "linear_attn.conv1d.weight[56, 1, 4]",
+            "linear_attn.norm.weight[6]",
+            "mlp.shared_expert_gate.weight[1, 48]",
+            "mlp.experts.3.down_proj.weight[48, 20]",
+        ] {
+            assert!(linear.contains(&n.to_string()), "{n} in {linear:?}");
+        }
+        assert!(!linear.iter().any(|n| n.starts_with("self_attn.")));
+        let full = names(1);
+        assert!(full.contains(&"self_attn.q_proj.weight[96, 48]".to_string()));
+        assert!(full.contains(&"self_attn.q_norm.weight[8]".to_string()));
+        assert!(names(2).contains(&"mlp.down_proj.weight[48, 88]".to_string()));
+    }
 }

@@ -149,7 +149,11 @@ pub(super) fn moe_spec(
     let expert_intermediate_size = if mixtral_like {
         hf.intermediate_size
     } else {
-        hf.moe_intermediate_size
+        hf.moe_intermediate_size.or(Some(match model_type {
+            "qwen2_moe" => 1408,
+            "qwen3_moe" => 768,
+            _ => 512,
+        }))
     }
     .filter(|&n| n > 0)
     .ok_or_else(|| {
