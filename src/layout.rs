@@ -576,4 +576,19 @@ mod tests {
         assert!(full.contains(&"self_attn.q_norm.weight[8]".to_string()));
         assert!(names(2).contains(&"mlp.down_proj.weight[48, 88]".to_string()));
     }
+
+    #[test]
+    fn public_moe_configs_have_their_transformers_parameter_counts() {
+        // Counted by transformers 5.17: AutoModelForCausalLM.from_config on the meta device.
+        let configs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        for (dir, params) in [
+            ("mixtral-8x7b", 46_702_792_704),
+            ("qwen3-30b-a3b", 30_532_122_624),
+            ("qwen3-next-80b-a3b", 79_674_391_296),
+            ("gpt-oss-20b", 20_914_757_184),
+        ] {
+            let spec = ModelSpec::from_model_dir(&configs.join(dir)).unwrap();
+            assert_eq!(Layout::new(&spec).num_params(), params, "{dir}");
+        }
+    }
 }
