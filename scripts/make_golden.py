@@ -167,6 +167,16 @@ CASES = {
         ),
         row_len=70,
     ),
+    "qwen3_5_moe_text": dict(
+        model_type="qwen3_5_moe_text",
+        config=dict(
+            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
+            shared_expert_intermediate_size=24, linear_num_key_heads=1, linear_num_value_heads=3,
+            linear_key_head_dim=8, linear_value_head_dim=6,
+            layer_types=["full_attention", "linear_attention", "linear_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        ),
+    ),
 }
 
 BASE = dict(

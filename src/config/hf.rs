@@ -38,6 +38,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "gpt_oss",
     "qwen3_next",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
 ];
 
 /// The subset of an HF `config.json` we read. `Option<Option<T>>` fields tell an absent key
@@ -300,7 +301,7 @@ fn defaults(model_type: &str) -> Option<Defaults> {
             None,
             Some(256),
         ),
-        "qwen3_5_text" => d(
+        "qwen3_5_text" | "qwen3_5_moe_text" => d(
             Family::Qwen3Next,
             1e-6,
             "silu",
@@ -533,7 +534,9 @@ fn attention_kinds(
     let window = hf.sliding_window.unwrap_or(def.sliding_window);
     let (window, kinds) = match model_type {
         "llama" => (None, pattern(&|_| false)),
-        "qwen3_next" | "qwen3_5_text" => (None, moe::hybrid_layer_types(hf, num_layers, err)?),
+        "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text" => {
+            (None, moe::hybrid_layer_types(hf, num_layers, err)?)
+        }
         "mistral" | "phi3" | "mixtral" => (window, pattern(&|_| window.is_some())),
         // Qwen3-MoE slides every layer when `use_sliding_window`.
         "qwen3_moe" => {

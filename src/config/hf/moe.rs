@@ -108,7 +108,9 @@ pub(super) fn moe_spec(
         "mixtral" => (ExpertNames::Mixtral, ExpertAct::Gated, true, false, false),
         "qwen2_moe" => (ExpertNames::Qwen, ExpertAct::Gated, false, true, true),
         "qwen3_moe" => (ExpertNames::Qwen, ExpertAct::Gated, false, false, true),
-        "qwen3_next" => (ExpertNames::Qwen, ExpertAct::Gated, true, true, true),
+        "qwen3_next" | "qwen3_5_moe_text" => {
+            (ExpertNames::Qwen, ExpertAct::Gated, true, true, true)
+        }
         "gpt_oss" => (
             ExpertNames::GptOssFused,
             ExpertAct::ClampedSwiglu {
@@ -133,12 +135,13 @@ pub(super) fn moe_spec(
         "mixtral" => 8,
         "qwen2_moe" => 60,
         "qwen3_moe" | "gpt_oss" => 128,
+        "qwen3_5_moe_text" => 256,
         _ => 512,
     });
     let top_k = hf.num_experts_per_tok.unwrap_or(match model_type {
         "mixtral" => 2,
         "qwen2_moe" | "gpt_oss" => 4,
-        "qwen3_moe" => 8,
+        "qwen3_moe" | "qwen3_5_moe_text" => 8,
         _ => 10,
     });
     if top_k == 0 || top_k > num_experts {
@@ -165,14 +168,16 @@ pub(super) fn moe_spec(
         err(format!("`{key}` is missing or not a positive integer"))
     })?;
     // Qwen families: layers in `mlp_only_layers` and those off the `decoder_sparse_step`
-    // grid keep a dense MLP; Mixtral and GPT-OSS are sparse everywhere.
+    // grid keep a dense MLP; Mixtral, GPT-OSS and Qwen3.5-MoE are sparse everywhere (their
+    // models read neither key).
+    let all_sparse = mixtral_like || model_type == "qwen3_5_moe_text";
     let step = hf.decoder_sparse_step.unwrap_or(1);
     if step == 0 {
         return Err(err("`decoder_sparse_step` must be >= 1".into()));
     }
     let dense_only = hf.mlp_only_layers.clone().unwrap_or_default();
     let sparse_layers = (0..num_layers)
-        .map(|l| mixtral_like || (!dense_only.contains(&l) && (l + 1).is_multiple_of(step)))
+        .map(|l| all_sparse || (!dense_only.contains(&l) && (l + 1).is_multiple_of(step)))
         .collect();
     let router = if model_type == "gpt_oss" {
         Router::TopKSoftmax
@@ -226,7 +231,10 @@ pub(super) fn linear_attn_spec(
     model_type: &str,
     err: &dyn Fn(String) -> Error,
 ) -> Result<Option<LinearAttnSpec>> {
-    if !matches!(model_type, "qwen3_next" | "qwen3_5_text") {
+    if !matches!(
+        model_type,
+        "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text"
+    ) {
         return Ok(None);
     }
     let pos = |v: Option<usize>, default: usize, key: &str| match v.unwrap_or(default) {

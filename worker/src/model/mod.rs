@@ -11,7 +11,7 @@
 //! | `llama.rs`  | + mixtral, qwen2_moe (MoE MLP) |
 //! | `qwen3.rs`  | + qwen3_moe (MoE MLP)          |
 //! | `gpt_oss.rs`| gpt_oss                        |
-//! | `qwen3_next.rs` | qwen3_next, qwen3_5_text   |
+//! | `qwen3_next.rs` | qwen3_next, qwen3_5_text, qwen3_5_moe_text |
 //!
 //! `common.rs` holds the pieces they share (norms, attention, embedding, loss),
 //! `moe.rs` the sparse mixture-of-experts MLP, `gated_delta.rs` the Gated DeltaNet linear
