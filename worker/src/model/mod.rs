@@ -2,16 +2,14 @@
 //! weights are views into a flat block buffer, looked up by their checkpoint names, so no
 //! module objects are built and loading needs no renaming table.
 //!
-//! | file        | transformers model_type        |
-//! |-------------|--------------------------------|
-//! | `llama.rs`  | llama, mistral, qwen2          |
-//! | `qwen3.rs`  | qwen3                          |
-//! | `gemma.rs`  | gemma2, gemma3_text            |
-//! | `phi3.rs`   | phi3                           |
-//! | `llama.rs`  | + mixtral, qwen2_moe (MoE MLP) |
-//! | `qwen3.rs`  | + qwen3_moe (MoE MLP)          |
-//! | `gpt_oss.rs`| gpt_oss                        |
-//! | `qwen3_next.rs` | qwen3_next, qwen3_5_text, qwen3_5_moe_text |
+//! | file            | transformers model_type                                   |
+//! |-----------------|-----------------------------------------------------------|
+//! | `llama.rs`      | llama, mistral, qwen2; mixtral, qwen2_moe (MoE MLP)       |
+//! | `qwen3.rs`      | qwen3; qwen3_moe (MoE MLP)                                |
+//! | `gemma.rs`      | gemma2, gemma3_text                                       |
+//! | `phi3.rs`       | phi3                                                      |
+//! | `gpt_oss.rs`    | gpt_oss                                                   |
+//! | `qwen3_next.rs` | qwen3_next, qwen3_5_text, qwen3_5_moe_text                |
 //!
 //! `common.rs` holds the pieces they share (norms, attention, embedding, loss),
 //! `moe.rs` the sparse mixture-of-experts MLP, `gated_delta.rs` the Gated DeltaNet linear
