@@ -433,7 +433,20 @@ impl ModelSpec {
             phi3: family == Family::Phi3,
             partial_ok: matches!(family, Family::Phi3 | Family::Qwen3Next),
         };
-        let (rope, rope_local) = ropes(hf, gemma3, any_sliding, &ctx, &err)?;
+        let (rope, rope_local) = if family == Family::GptOss && hf.rope_scaling.is_none() {
+            // GptOssConfig's default when config.json names no RoPE: YaRN x32 from 4096.
+            let mut hf = hf.clone();
+            hf.rope_parameters = hf.rope_parameters.take().or_else(|| {
+                Some(
+                    serde_json::json!({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                    "beta_slow": 1.0, "truncate": false, "original_max_position_embeddings": 4096}),
+                )
+            });
+            hf.rope_theta = hf.rope_theta.or(Some(150_000.0));
+            ropes(&hf, gemma3, any_sliding, &ctx, &err)?
+        } else {
+            ropes(hf, gemma3, any_sliding, &ctx, &err)?
+        };
 
         let gemma = family == Family::Gemma;
         let attn_scale = if gemma {

@@ -382,6 +382,13 @@ fn gpt_oss_sinks_biases_alternation_and_clamped_experts() {
     .unwrap();
     assert_eq!(s.family, Family::GptOss);
     assert!(s.attn_sinks && s.qkv_bias && s.o_bias);
+    // No RoPE keys: GptOssConfig's YaRN default.
+    assert_eq!(s.rope.theta, 150_000.0);
+    assert!(
+        matches!(s.rope.scaling, RopeScaling::Yarn { factor, original_max_position_embeddings: 4096, truncate: false, .. } if factor == 32.0),
+        "{:?}",
+        s.rope
+    );
     assert_eq!(s.layer_types, vec![Sliding, Full, Sliding, Full]);
     let m = s.moe.as_ref().unwrap();
     assert_eq!(m.router, Router::TopKSoftmax);

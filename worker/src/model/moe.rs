@@ -123,12 +123,15 @@ pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &Layer
     let size = x_bth.size();
     let x_nh = x_bth.reshape([-1, size[2]]);
     let (weights_nk, experts_nk) = route(m, w, &x_nh, lc.aux);
-    let mut out_nh = experts(spec, m, w, &x_nh, &weights_nk, &experts_nk);
-    if m.shared_expert_intermediate_size.is_some() {
-        let shared_nh = gated_mlp_named(w, spec, &x_nh, "mlp.shared_expert");
-        let gate_n1 = linear(&x_nh, w, "mlp.shared_expert_gate").sigmoid();
-        out_nh = out_nh + gate_n1 * shared_nh;
-    }
+    let routed_nh = experts(spec, m, w, &x_nh, &weights_nk, &experts_nk);
+    let out_nh = match m.shared_expert_intermediate_size {
+        None => routed_nh,
+        Some(_) => {
+            let shared_nh = gated_mlp_named(w, spec, &x_nh, "mlp.shared_expert");
+            let gate_n1 = linear(&x_nh, w, "mlp.shared_expert_gate").sigmoid();
+            routed_nh + gate_n1 * shared_nh
+        }
+    };
     out_nh.reshape(size.as_slice())
 }
 
@@ -185,8 +188,11 @@ fn experts(
     // Sort the S = N*K (token, slot) pairs by expert; each expert's rows are then contiguous.
     let experts_s = experts_nk.reshape([-1]);
     let order_s = experts_s.argsort_stable(true, 0, false);
-    let counts: Vec<i64> = Vec::try_from(experts_s.bincount(None::<Tensor>, m.num_experts as i64))
-        .expect("bincount is an int64 vector");
+    // Rows per expert, on the host (one small device-to-host copy per layer).
+    let counts_e = experts_s
+        .bincount(None::<Tensor>, m.num_experts as i64)
+        .to_device(Device::Cpu);
+    let counts: Vec<i64> = Vec::try_from(&counts_e).expect("bincount is an int64 vector");
     let token_s = order_s.divide_scalar_mode(k, "floor");
     let weight_s = weights_nk.reshape([-1]).index_select(0, &order_s);
     let x_sh = x_nh.index_select(0, &token_s);
