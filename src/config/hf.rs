@@ -11,15 +11,17 @@
 use std::path::Path;
 
 use serde::{Deserialize, Deserializer, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::error::{Error, Result};
 
+mod layers;
 mod moe;
 mod rope;
 
+use layers::attention_kinds;
 pub use moe::{ExpertAct, ExpertNames, LinearAttnSpec, MoeSpec, Router};
-use rope::RopeCtx;
+use rope::{RopeCtx, ropes};
 pub use rope::{RopeScaling, RopeSpec, SUPPORTED_ROPE_TYPES};
 
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
@@ -519,167 +521,6 @@ impl ModelSpec {
             attn_sinks: family == Family::GptOss,
         })
     }
-}
-
-/// Which layers slide and the window, as each family's config class and model decide:
-/// Mistral and Phi-3 slide every layer when `sliding_window` is set; Qwen2/3 the layers from
-/// `max_window_layers` on when `use_sliding_window`; Gemma 2 every other layer; Gemma 3 all
-/// but every `sliding_window_pattern`-th. A `layer_types` list in config.json wins (except
-/// for Mistral and Phi-3, whose models ignore it).
-fn attention_kinds(
-    hf: &HfConfig,
-    model_type: &str,
-    def: &Defaults,
-    num_layers: usize,
-    err: &dyn Fn(String) -> Error,
-) -> Result<(Option<usize>, Vec<AttentionKind>)> {
-    let pattern = |slides: &dyn Fn(usize) -> bool| -> Vec<AttentionKind> {
-        (0..num_layers)
-            .map(|i| {
-                if slides(i) {
-                    AttentionKind::Sliding
-                } else {
-                    AttentionKind::Full
-                }
-            })
-            .collect()
-    };
-    let window = hf.sliding_window.unwrap_or(def.sliding_window);
-    let (window, kinds) = match model_type {
-        "llama" => (None, pattern(&|_| false)),
-        "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text" => {
-            (None, moe::hybrid_layer_types(hf, num_layers, err)?)
-        }
-        "mistral" | "phi3" | "mixtral" => (window, pattern(&|_| window.is_some())),
-        // Qwen3-MoE slides every layer when `use_sliding_window`.
-        "qwen3_moe" => {
-            let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
-            (window, pattern(&|_| window.is_some()))
-        }
-        // Qwen2-MoE: every other layer (0, 2, …) below `max_window_layers`.
-        "qwen2_moe" => {
-            let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
-            let below = hf.max_window_layers.unwrap_or(28);
-            let computed = pattern(&|i| window.is_some() && i % 2 == 0 && i < below);
-            (window, layer_types(hf, num_layers, computed, err)?)
-        }
-        "qwen2" | "qwen3" => {
-            let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
-            let from = hf.max_window_layers.unwrap_or(28);
-            let computed = pattern(&|i| window.is_some() && i >= from);
-            (window, layer_types(hf, num_layers, computed, err)?)
-        }
-        _ => {
-            let every = if matches!(model_type, "gemma2" | "gpt_oss") {
-                2
-            } else {
-                hf.sliding_window_pattern.unwrap_or(6).max(1)
-            };
-            let computed = pattern(&|i| !(i + 1).is_multiple_of(every));
-            (window, layer_types(hf, num_layers, computed, err)?)
-        }
-    };
-    let any_sliding = kinds.contains(&AttentionKind::Sliding);
-    if any_sliding && window.is_none_or(|w| w == 0) {
-        return Err(err(
-            "`layer_types` has sliding_attention layers but `sliding_window` is not a positive integer".into(),
-        ));
-    }
-    Ok((window.filter(|_| any_sliding), kinds))
-}
-
-/// The RoPE of full-attention layers and, where it differs, of sliding ones. The dict is
-/// `rope_scaling` (transformers 4) or `rope_parameters` (5); it is per layer type when it
-/// has `full_attention` / `sliding_attention` keys (Gemma 3 in transformers 5). Gemma 3's
-/// transformers 4 form keeps the global scaling in `rope_scaling`, the global base in
-/// `rope_theta` (default 1e6) and the local one in `rope_local_base_freq` (default 1e4).
-fn ropes(
-    hf: &HfConfig,
-    gemma3: bool,
-    any_sliding: bool,
-    ctx: &RopeCtx,
-    err: &dyn Fn(String) -> Error,
-) -> Result<(RopeSpec, Option<RopeSpec>)> {
-    let dict = hf
-        .rope_scaling
-        .as_ref()
-        .filter(|v| !v.is_null())
-        .or(hf.rope_parameters.as_ref().filter(|v| !v.is_null()));
-    let dict = match dict {
-        Some(Value::Object(m)) => Some(m),
-        Some(other) => {
-            return Err(err(format!(
-                "`rope_parameters` / `rope_scaling` must be an object, got {other}"
-            )));
-        }
-        None => None,
-    };
-    let nested = dict
-        .is_some_and(|m| m.contains_key("full_attention") || m.contains_key("sliding_attention"));
-    if !gemma3 && !nested {
-        let rope = ctx.parse(dict, hf.rope_theta.unwrap_or(10_000.0), "", err)?;
-        return Ok((rope, None));
-    }
-    let part = |key: &str| -> Result<Option<&Map<String, Value>>> {
-        match dict.filter(|_| nested).and_then(|m| m.get(key)) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Object(m)) => Ok(Some(m)),
-            Some(other) => Err(err(format!(
-                "`rope_parameters.{key}` must be an object, got {other}"
-            ))),
-        }
-    };
-    let (global_theta, local_theta) = if gemma3 {
-        (1_000_000.0, 10_000.0)
-    } else {
-        (10_000.0, 10_000.0)
-    };
-    let global_dict = if nested {
-        part("full_attention")?
-    } else {
-        dict
-    };
-    let global = ctx.parse(
-        global_dict,
-        hf.rope_theta.unwrap_or(global_theta),
-        "full_attention",
-        err,
-    )?;
-    let local = ctx.parse(
-        part("sliding_attention")?,
-        hf.rope_local_base_freq.unwrap_or(local_theta),
-        "sliding_attention",
-        err,
-    )?;
-    Ok((global, Some(local).filter(|_| any_sliding)))
-}
-
-/// `layer_types` from config.json when present (checked), else the family's pattern.
-fn layer_types(
-    hf: &HfConfig,
-    num_layers: usize,
-    computed: Vec<AttentionKind>,
-    err: &dyn Fn(String) -> Error,
-) -> Result<Vec<AttentionKind>> {
-    let Some(given) = &hf.layer_types else {
-        return Ok(computed);
-    };
-    if given.len() != num_layers {
-        return Err(err(format!(
-            "`layer_types` has {} entries for {num_layers} layers",
-            given.len()
-        )));
-    }
-    given
-        .iter()
-        .map(|t| match t.as_str() {
-            "full_attention" => Ok(AttentionKind::Full),
-            "sliding_attention" => Ok(AttentionKind::Sliding),
-            other => Err(err(format!(
-                "`layer_types` entry `{other}` is not supported (full_attention, sliding_attention)"
-            ))),
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::HfConfig;
 use crate::error::{Error, Result};
 
 /// RoPE variants (`rope_type`) we compute.
@@ -254,4 +255,70 @@ impl RopeCtx {
             scaling,
         })
     }
+}
+
+/// The RoPE of full-attention layers and, where it differs, of sliding ones. The dict is
+/// `rope_scaling` (transformers 4) or `rope_parameters` (5); it is per layer type when it
+/// has `full_attention` / `sliding_attention` keys (Gemma 3 in transformers 5). Gemma 3's
+/// transformers 4 form keeps the global scaling in `rope_scaling`, the global base in
+/// `rope_theta` (default 1e6) and the local one in `rope_local_base_freq` (default 1e4).
+pub(super) fn ropes(
+    hf: &HfConfig,
+    gemma3: bool,
+    any_sliding: bool,
+    ctx: &RopeCtx,
+    err: &dyn Fn(String) -> Error,
+) -> Result<(RopeSpec, Option<RopeSpec>)> {
+    let dict = hf
+        .rope_scaling
+        .as_ref()
+        .filter(|v| !v.is_null())
+        .or(hf.rope_parameters.as_ref().filter(|v| !v.is_null()));
+    let dict = match dict {
+        Some(Value::Object(m)) => Some(m),
+        Some(other) => {
+            return Err(err(format!(
+                "`rope_parameters` / `rope_scaling` must be an object, got {other}"
+            )));
+        }
+        None => None,
+    };
+    let nested = dict
+        .is_some_and(|m| m.contains_key("full_attention") || m.contains_key("sliding_attention"));
+    if !gemma3 && !nested {
+        let rope = ctx.parse(dict, hf.rope_theta.unwrap_or(10_000.0), "", err)?;
+        return Ok((rope, None));
+    }
+    let part = |key: &str| -> Result<Option<&Map<String, Value>>> {
+        match dict.filter(|_| nested).and_then(|m| m.get(key)) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Object(m)) => Ok(Some(m)),
+            Some(other) => Err(err(format!(
+                "`rope_parameters.{key}` must be an object, got {other}"
+            ))),
+        }
+    };
+    let (global_theta, local_theta) = if gemma3 {
+        (1_000_000.0, 10_000.0)
+    } else {
+        (10_000.0, 10_000.0)
+    };
+    let global_dict = if nested {
+        part("full_attention")?
+    } else {
+        dict
+    };
+    let global = ctx.parse(
+        global_dict,
+        hf.rope_theta.unwrap_or(global_theta),
+        "full_attention",
+        err,
+    )?;
+    let local = ctx.parse(
+        part("sliding_attention")?,
+        hf.rope_local_base_freq.unwrap_or(local_theta),
+        "sliding_attention",
+        err,
+    )?;
+    Ok((global, Some(local).filter(|_| any_sliding)))
 }
