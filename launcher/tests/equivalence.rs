@@ -1,5 +1,6 @@
 //! W workers with batch b give the same training as one worker accumulating W micro-batches
-//! of b (float32, 1e-5 relative): per-step losses and the final weights.
+//! of b (float32, 1e-5 relative): per-step losses and the final weights. The MoE case adds
+//! the router load-balancing loss, which is per micro-batch.
 
 mod common;
 
@@ -7,10 +8,11 @@ use common::*;
 
 fn train(
     tag: &str,
+    fixture: &str,
     workers: usize,
     accum: usize,
 ) -> (Vec<f64>, std::collections::HashMap<String, Vec<f32>>) {
-    let case = golden_dir().join("llama");
+    let case = golden_dir().join(fixture);
     let dir = scratch(&format!("equiv-{tag}"));
     let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
     run_cpu_ok(
@@ -61,10 +63,19 @@ fn assert_same(
 
 #[test]
 fn two_workers_equal_one_worker_accumulating_two() {
-    assert_same(&train("w2", 2, 1), &train("w1ga2", 1, 2));
+    assert_same(&train("w2", "llama", 2, 1), &train("w1ga2", "llama", 1, 2));
+}
+
+#[test]
+fn moe_with_router_aux_loss_two_workers_equal_one_accumulating_two() {
+    let fixture = "mixtral_router_aux_loss";
+    assert_same(
+        &train("moe-w2", fixture, 2, 1),
+        &train("moe-w1ga2", fixture, 1, 2),
+    );
 }
 
 #[test]
 fn four_workers_equal_one_worker_accumulating_four() {
-    assert_same(&train("w4", 4, 1), &train("w1ga4", 1, 4));
+    assert_same(&train("w4", "llama", 4, 1), &train("w1ga4", "llama", 1, 4));
 }
