@@ -39,7 +39,8 @@ pub use moe::RouterAux;
 use rope::Rope;
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary
-/// cos/sin per layer kind and the attention masks.
+/// cos/sin per layer kind and the attention masks; and the router aux loss state, which the
+/// forward pass fills and the backward pass reads, so one Context serves both.
 pub struct Context {
     rope: Rope,
     /// Sliding-window layers' RoPE where it differs (Gemma 3).
@@ -49,7 +50,8 @@ pub struct Context {
     sliding_mask_tt: Option<Tensor>,
     /// (T, T) causal mask, built only for the explicit (soft-capped, sink) attention.
     causal_mask_tt: Option<Tensor>,
-    /// The router load-balancing loss, where the model trains with it.
+    /// The router load-balancing loss, where the model trains with it (set by the engine,
+    /// which knows the micro-batch's padding and its share of the batch).
     pub router_aux: Option<RouterAux>,
 }
 
@@ -60,6 +62,7 @@ pub struct LayerCtx<'a> {
     pub mask_tt: Option<&'a Tensor>,
     /// The layer's MLP is a sparse mixture-of-experts block.
     pub sparse: bool,
+    /// The router aux loss of the micro-batch, for sparse layers when it is on.
     pub aux: Option<&'a RouterAux>,
 }
 
