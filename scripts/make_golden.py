@@ -6,7 +6,10 @@ For each case this writes, under OUT/<case>/:
   data.jsonl      a tokenized dataset with uneven lengths (right padding) and masked labels
   run.yaml        an mt-launch config for the same run (float32, no shuffle)
   expected.json   per-step loss and pre-clip gradient norm from the PyTorch reference
-  grads0.safetensors  every parameter's gradient at step 1 (before clipping), HF names
+  grads0.safetensors  every parameter's gradient at step 1 (before clipping), under the
+                      names save_pretrained writes (per-expert tensors for fused MoE experts)
+  expected_w2.json, grads0_w2.safetensors  the 2-worker reference, for cases whose loss
+                      depends on the split of the batch (the router aux loss)
   logits0.safetensors the step-1 logits (f32, rows x padded length x vocab)
 
 The reference implements the contract of DESIGN.md "Numerics": loss = summed token
