@@ -19,9 +19,9 @@ torch.optim.AdamW with decay on >= 2-dim tensors only, torch clip_grad_norm_.
 Installed by scripts/setup.sh: torch==2.11.0 transformers==5.17.0 safetensors numpy.
 """
 import argparse
-import json
 import copy
 import importlib
+import json
 import os
 import shutil
 
