@@ -104,6 +104,9 @@ pub struct Layout {
     pub tied_embeddings: bool,
     /// The decoder layers grouped by structure, in order of first appearance.
     pub layer_groups: Vec<LayerGroup>,
+    /// Parameters of the experts a token is not routed to, over all sparse layers: what
+    /// `num_params` counts but one token's forward pass never multiplies by.
+    pub unrouted_params: usize,
 }
 
 impl Layout {
@@ -160,6 +163,7 @@ impl Layout {
             total: offset,
             tied_embeddings: spec.tie_word_embeddings,
             layer_groups,
+            unrouted_params: unrouted_params(spec),
         }
     }
 
@@ -344,6 +348,20 @@ fn moe_tensors(spec: &ModelSpec, push: &mut dyn FnMut(&str, Vec<usize>)) {
     }
 }
 
+/// (E - K) experts' parameters per sparse layer (see `Layout::unrouted_params`).
+fn unrouted_params(spec: &ModelSpec) -> usize {
+    let Some(m) = &spec.moe else {
+        return 0;
+    };
+    let (h, i) = (spec.hidden_size, m.expert_intermediate_size);
+    let per_expert = match m.names {
+        ExpertNames::Mixtral | ExpertNames::Qwen => 3 * h * i,
+        ExpertNames::GptOssFused => 3 * h * i + 2 * i + h,
+    };
+    let sparse = m.sparse_layers.iter().filter(|&&s| s).count();
+    sparse * (m.num_experts - m.top_k) * per_expert
+}
+
 /// Groups the decoder layers by structure (equal tensor lists).
 fn group_layers(spec: &ModelSpec, blocks: &[Block]) -> Vec<LayerGroup> {
     let mut groups: Vec<(LayerGroup, &[TensorSpec])> = Vec::new();
@@ -498,6 +516,14 @@ mod tests {
         assert!(names.contains(&"block_sparse_moe.gate.weight[3, 48]".to_string()));
         assert!(names.contains(&"block_sparse_moe.experts.2.w2.weight[48, 88]".to_string()));
         assert!(!names.iter().any(|n| n.starts_with("mlp.")));
+        // A token passes through 2 of the 3 experts: one expert's tensors per layer unused.
+        let l = Layout::new(&mixtral);
+        let one_expert: usize = l
+            .tensors()
+            .filter(|(_, t)| t.name.starts_with("block_sparse_moe.experts.0."))
+            .map(|(_, t)| t.numel())
+            .sum();
+        assert_eq!(l.unrouted_params, one_expert);
 
         let gpt = spec(
             "gpt_oss",
@@ -514,6 +540,14 @@ mod tests {
         ] {
             assert!(names.contains(&n.to_string()), "{n} in {names:?}");
         }
+        // 2 of 4 experts unused: half of the fused expert tensors, over 3 layers.
+        let l = Layout::new(&gpt);
+        let experts: usize = l
+            .tensors()
+            .filter(|(_, t)| t.name.starts_with("mlp.experts."))
+            .map(|(_, t)| t.numel())
+            .sum();
+        assert_eq!(l.unrouted_params, experts / 2);
         assert_eq!(Layout::new(&gpt).layer_groups.len(), 1);
     }
 

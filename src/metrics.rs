@@ -41,8 +41,9 @@ pub struct StepMetrics {
     /// Per GPU (or CPU worker), MegaTrain's formula: 6 x all parameters x batch_size x
     /// padded sequence length / step time.
     pub tflops_megatrain: f64,
-    /// Per GPU (or CPU worker), model FLOPs: 6 x matmul parameters x real (non-padding)
-    /// tokens, plus causal attention (QK^T and AV, forward and backward) over them.
+    /// Per GPU (or CPU worker), model FLOPs: 6 x matmul parameters (of MoE layers, the
+    /// routed experts only) x real (non-padding) tokens, plus causal attention (QK^T and
+    /// AV, forward and backward) over them in the softmax-attention layers.
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,

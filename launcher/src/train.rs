@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use mt::checkpoint;
-use mt::config::hf::ModelSpec;
+use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
@@ -428,15 +428,19 @@ impl Trainer {
         let layout = &self.host.layout;
         let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
         let params = layout.num_params() as u64;
+        // A token multiplies by its routed experts only; Gated DeltaNet layers have no
+        // quadratic attention (their chunked recurrence is not counted).
         let matmul_params = if layout.tied_embeddings {
             params
         } else {
             params - embed_table
-        };
+        } - layout.unrouted_params as u64;
+        let attention_layers = self.spec.layer_types.iter();
+        let attention_layers = attention_layers.filter(|k| **k != AttentionKind::Linear);
         let flops = step_flops(
             params,
             matmul_params,
-            layout.num_layers() as u64,
+            attention_layers.count() as u64,
             (self.spec.num_heads * self.spec.head_dim) as u64,
             plan.padded_tokens,
             plan.real_tokens,
