@@ -34,7 +34,9 @@ if [ -n "${LAYERS:-}" ]; then
   mkdir -p "$work/model"
   "$PYTHON" - "$model_dir/config.json" "$work/model/config.json" "$LAYERS" <<'PY'
 import json, sys
-c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = int(sys.argv[3])
+c = json.load(open(sys.argv[1])); n = c["num_hidden_layers"] = int(sys.argv[3])
+if c.get("layer_types"):  # per-layer lists (GPT-OSS, hybrids) keep their first n entries
+    c["layer_types"] = c["layer_types"][:n]
 json.dump(c, open(sys.argv[2], "w"), indent=1)
 PY
   model_dir=$work/model
