@@ -183,8 +183,9 @@ pub(super) fn moe_spec(
         Router::TopKSoftmax
     } else {
         Router::SoftmaxTopK {
+            // Mixtral's and Qwen3.5-MoE's routers renormalize whatever the config says.
             renormalize: hf.norm_topk_prob.unwrap_or(router_default_renorm)
-                || model_type == "mixtral",
+                || matches!(model_type, "mixtral" | "qwen3_5_moe_text"),
         }
     };
     let shared_expert_intermediate_size = if shared {

@@ -438,6 +438,15 @@ fn qwen3_next_and_qwen3_5_hybrid_layers() {
     .unwrap();
     assert!(s.moe.is_none() && !s.linear_attn.as_ref().unwrap().fused_qkvz);
     assert_eq!((s.layer_types[1], s.rope.rotary_dim), (Full, 4));
+    let s = tiny(
+        "qwen3_5_moe_text",
+        r#""num_experts":4,"num_experts_per_tok":2,"norm_topk_prob":false,"mlp_only_layers":[1]"#,
+    )
+    .unwrap();
+    let m = s.moe.as_ref().unwrap();
+    assert_eq!(m.router, Router::SoftmaxTopK { renormalize: true });
+    assert_eq!(m.sparse_layers, vec![true; 4]);
+    assert_eq!(m.shared_expert_intermediate_size, Some(512));
     let e = tiny(
         "qwen3_next",
         r#""linear_num_key_heads":3,"linear_num_value_heads":4"#,
