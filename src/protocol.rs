@@ -69,6 +69,8 @@ pub struct Init {
     /// Slots in this worker's gradient slab; each holds `layout.max_block_len()` elements.
     pub num_slots: usize,
     pub ce_chunk_tokens: usize,
+    /// Stash layer inputs in pinned host memory (CUDA only).
+    pub offload_activations: bool,
     /// Write the logits of the first micro-batch of the first step here (parity checks).
     pub dump_logits: Option<std::path::PathBuf>,
 }

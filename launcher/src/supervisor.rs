@@ -179,6 +179,9 @@ impl Drop for Supervisor {
     }
 }
 
+/// torch's CUDA allocator settings (read once, when the worker first touches CUDA).
+const ENV_TORCH_ALLOC: &str = "PYTORCH_CUDA_ALLOC_CONF";
+
 fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerProc> {
     let rank = init.rank;
     let (server, name) =
@@ -190,6 +193,11 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    if std::env::var_os(ENV_TORCH_ALLOC).is_none() {
+        // The worker's allocations change size with every block it streams; expandable
+        // segments keep torch's cache from fragmenting into more memory than it holds.
+        cmd.env(ENV_TORCH_ALLOC, "expandable_segments:True");
+    }
     mt::shm::keep_fds_across_exec(&mut cmd, vec![init.store.fd, init.slab.fd]);
     let mut child = cmd
         .spawn()

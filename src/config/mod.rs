@@ -243,6 +243,9 @@ pub struct MemorySection {
     pub num_grad_slabs: usize,
     /// Tokens per chunk of the lm_head + cross-entropy (bounds the logits memory).
     pub ce_chunk_tokens: usize,
+    /// Keep each layer's input between forward and backward in pinned host memory
+    /// instead of on the GPU (long sequences); ignored by CPU workers.
+    pub offload_activations: bool,
 }
 
 impl Default for MemorySection {
@@ -250,6 +253,7 @@ impl Default for MemorySection {
         MemorySection {
             num_grad_slabs: 4,
             ce_chunk_tokens: 4096,
+            offload_activations: false,
         }
     }
 }

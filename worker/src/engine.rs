@@ -148,24 +148,19 @@ impl Engine {
         let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
         self.ctl.ready.fill(!weights_pending);
-        let (ctl, rx) = (&mut self.ctl, link.rx);
-        self.streamer
-            .begin_step(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
         for (mi, mb) in micro.iter().enumerate() {
             let batch = self.upload(mi, mb)?;
             let (ctl, rx) = (&mut self.ctl, link.rx);
             self.streamer
                 .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
             let t0 = Instant::now();
-            let (inputs, x_bth) = self.forward(&batch, mb.seq_len, link)?;
+            let x_bth = self.forward(&batch, mb.seq_len, link)?;
             if let Some(path) = self.dump_logits.take() {
                 self.write_logits(&path, &x_bth, link)?;
             }
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            loss_sum += self.backward(
-                mi, &batch, mb.seq_len, loss_scale, inputs, x_bth, link, &mut tm,
-            )?;
+            loss_sum += self.backward(mi, &batch, mb.seq_len, loss_scale, x_bth, link, &mut tm)?;
             tm.backward_s += t1.elapsed().as_secs_f64();
             self.streamer.end_micro()?;
             tokens += batch.valid_m.size()[0] as u64;
@@ -206,13 +201,9 @@ impl Engine {
         })
     }
 
-    /// Embedding and every layer without grad; returns each layer's input and the output.
-    fn forward(
-        &mut self,
-        batch: &DeviceBatch,
-        seq_len: usize,
-        link: &Link,
-    ) -> Result<(Vec<Tensor>, Tensor)> {
+    /// Embedding and every layer without grad, each layer's input stashed for the
+    /// backward; returns the last layer's output.
+    fn forward(&mut self, batch: &DeviceBatch, seq_len: usize, link: &Link) -> Result<Tensor> {
         let layout = &self.layout;
         let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
         let _guard = tch::no_grad_guard();
@@ -224,14 +215,19 @@ impl Engine {
             &BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]),
             &batch.ids_bt,
         );
-        let mut inputs = Vec::with_capacity(layout.num_layers());
+        drop(embed);
+        if !layout.tied_embeddings {
+            // Not needed again before the end of the backward.
+            self.streamer.release_embed();
+        }
         for l in 0..layout.num_layers() {
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
-            inputs.push(std::mem::replace(&mut x_bth, y_bth));
+            self.streamer
+                .stash_input(l, std::mem::replace(&mut x_bth, y_bth))?;
         }
-        Ok((inputs, x_bth))
+        Ok(x_bth)
     }
 
     /// Writes the logits of every position of `x_bth` (B, T, H) as f32 `logits` (B, T, V).
@@ -253,6 +249,10 @@ impl Engine {
         let logits = model::logits(&self.spec, &hn_mh, lm_head)
             .reshape([b, t, -1])
             .to_device(Device::Cpu);
+        drop((embed_w, embed));
+        if !layout.tied_embeddings {
+            self.streamer.release_embed();
+        }
         Tensor::write_safetensors(&[("logits", &logits)], path)
             .with_context(|| format!("write logits to {}", path.display()))
     }
@@ -266,7 +266,6 @@ impl Engine {
         batch: &DeviceBatch,
         seq_len: usize,
         scale: f64,
-        mut inputs: Vec<Tensor>,
         x_bth: Tensor,
         link: &Link,
         tm: &mut WorkerTimings,
@@ -278,23 +277,21 @@ impl Engine {
         );
         let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
         let (ctl, rx) = (&mut self.ctl, link.rx);
-        let embed_w = BlockWeights::leaves(
-            &self
-                .streamer
-                .embed(&layout, &mut |b| ctl.wait_block(b, rx))?,
-            embed_block,
-        );
-        let head_w = BlockWeights::leaves(
-            &self
-                .streamer
-                .head(&layout, &mut |b| ctl.wait_block(b, rx))?,
-            head_block,
-        );
+        let gate = &mut |b| ctl.wait_block(b, rx);
+        let head_w = BlockWeights::leaves(&self.streamer.head(&layout, gate)?, head_block);
+        // A tied head reads the embedding, whose leaf then collects both gradients.
+        let tied_embed_w = match layout.tied_embeddings {
+            true => Some(BlockWeights::leaves(
+                &self.streamer.embed(&layout, gate)?,
+                embed_block,
+            )),
+            false => None,
+        };
 
         // Head: final norm, chunked lm_head + cross-entropy, backward to the last hidden state.
-        let lm_head = match layout.tied_embeddings {
-            true => embed_w.get("model.embed_tokens.weight"),
-            false => head_w.get("lm_head.weight"),
+        let lm_head = match &tied_embed_w {
+            Some(embed_w) => embed_w.get("model.embed_tokens.weight"),
+            None => head_w.get("lm_head.weight"),
         };
         let h = self.spec.hidden_size as i64;
         let x_leaf = x_bth.detach().set_requires_grad(true);
@@ -328,6 +325,8 @@ impl Engine {
             dy_bth = x_leaf.grad();
         }
         self.send(mi, layout.head_block(), &head_w, link, tm)?;
+        drop(head_w);
+        self.streamer.release_head();
 
         // Layers, last to first: recompute with grad, backpropagate dy.
         for l in (0..layout.num_layers()).rev() {
@@ -336,10 +335,7 @@ impl Engine {
                 .streamer
                 .layer(&layout, l, &mut |b| ctl.wait_block(b, rx))?;
             let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)]);
-            let x_in = inputs
-                .pop()
-                .context("one saved input per layer")?
-                .set_requires_grad(true);
+            let x_in = self.streamer.stashed_input(l)?.set_requires_grad(true);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, &ctx);
             (y_bth * &dy_bth).sum(Kind::Float).backward();
             dy_bth = x_in.grad();
@@ -347,6 +343,16 @@ impl Engine {
         }
 
         // Embedding (with tied embeddings its leaf already holds the lm_head gradient).
+        let embed_w = match tied_embed_w {
+            Some(w) => w,
+            None => {
+                let (ctl, rx) = (&mut self.ctl, link.rx);
+                let flat = self
+                    .streamer
+                    .embed(&layout, &mut |b| ctl.wait_block(b, rx))?;
+                BlockWeights::leaves(&flat, embed_block)
+            }
+        };
         let e_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
         (e_bth * &dy_bth).sum(Kind::Float).backward();
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
