@@ -99,7 +99,6 @@ struct HostStash {
 
 /// CUDA: pinned regions, transient embed/head buffers, a ring of layer buffers.
 pub struct CudaStreamer {
-    regions: Regions,
     kind: Kind,
     device: Device,
     copy: Stream,
@@ -116,8 +115,9 @@ pub struct CudaStreamer {
     stash: Stash,
     waits: WaitTimer,
     stats: TransferStats,
-    // Declared last: unregistered after every copy using it was dropped.
+    // Declared last: unregistered after every copy using it was dropped, then unmapped.
     _pinned: [HostRegistration; 2],
+    regions: Regions,
 }
 
 impl CudaStreamer {
@@ -166,7 +166,6 @@ impl CudaStreamer {
             }),
         };
         Ok(CudaStreamer {
-            regions,
             kind,
             device,
             copy: Stream::non_blocking()?,
@@ -183,6 +182,7 @@ impl CudaStreamer {
             waits: WaitTimer::default(),
             stats: TransferStats::default(),
             _pinned: pinned,
+            regions,
         })
     }
 
