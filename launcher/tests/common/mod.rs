@@ -2,6 +2,9 @@
 //! real `mt-worker` processes) exactly as a user does.
 #![allow(dead_code)]
 
+mod leftovers;
+pub use leftovers::*;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
