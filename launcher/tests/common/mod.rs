@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 mod leftovers;
+#[allow(unused_imports)]
 pub use leftovers::*;
 
 use std::collections::HashMap;
