@@ -86,10 +86,6 @@ impl Trainer {
         let layout = Layout::new(&spec);
         let data =
             Dataset::load_tokenized(&cfg.dataset.path, spec.vocab_size, cfg.dataset.max_seq_len)?;
-        let metrics = metrics_out
-            .as_deref()
-            .map(MetricsWriter::create)
-            .transpose()?;
         let resume = resume
             .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
             .transpose()?;
@@ -123,6 +119,14 @@ impl Trainer {
         let (mut start_step, mut nan_run) = (0, 0);
         if let Some(dir) = &resume {
             let state = host.restore(dir)?;
+            let steps = cfg.training.num_steps;
+            if state.step >= steps {
+                bail!(
+                    "{}: the checkpoint is at step {}, training.num_steps is {steps}: nothing left to run",
+                    dir.display(),
+                    state.step
+                );
+            }
             println!("resumed from {} at step {}", dir.display(), state.step);
             (start_step, nan_run) = (state.step, state.nan_run);
         }
@@ -153,6 +157,10 @@ impl Trainer {
             })
             .collect();
         let sup = Supervisor::start(&worker_binary()?, inits)?;
+        let metrics = metrics_out
+            .as_deref()
+            .map(MetricsWriter::create)
+            .transpose()?;
         let sampler = Sampler::new(
             data.rows.len(),
             cfg.training.batch_size,
@@ -198,11 +206,6 @@ impl Trainer {
     pub fn run(mut self) -> Result<()> {
         let steps = self.cfg.training.num_steps;
         let first = self.start_step;
-        if first >= steps {
-            bail!(
-                "the checkpoint is at step {first}, training.num_steps is {steps}: nothing left to run"
-            );
-        }
         let mut plan = self.fetch_batch(first);
         self.send_step(first, &plan, false)?;
         let mut last_report = Instant::now();
@@ -384,10 +387,13 @@ impl Trainer {
         let every = self.cfg.checkpoint.every_steps;
         let state = self.host.train_state(done, self.nan_run);
         let live = self.host.tensors();
+        let root = writer.root().display().to_string();
+        let failed =
+            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
         let written = if last {
-            writer.write_final(state, &live)?
+            writer.write_final(state, &live).with_context(failed)?
         } else if every > 0 && done.is_multiple_of(every) {
-            let (waited, written) = writer.start(state, &live)?;
+            let (waited, written) = writer.start(state, &live).with_context(failed)?;
             let how = match self.cfg.checkpoint.background {
                 true => "snapshot taken, written in the background",
                 false => "written in place",
@@ -395,7 +401,7 @@ impl Trainer {
             println!("checkpoint of step {done}: {how} ({waited:.3}s)");
             written
         } else {
-            writer.poll()?.into_iter().collect()
+            writer.poll().with_context(failed)?.into_iter().collect()
         };
         for w in written {
             println!(
