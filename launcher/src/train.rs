@@ -172,16 +172,24 @@ impl Trainer {
             source: cfg.model.path.clone(),
             max_shard_bytes: cfg.checkpoint.max_shard_size.0,
         };
+        // Periodic checkpoints are written in the background; the last one from the live state.
         let ck = &cfg.checkpoint;
+        let background = ck.background && ck.every_steps > 0;
         let writer = ck.dir.clone().map(|root| {
             Writer::new(
                 root,
                 ck.keep_last,
                 host.layout.clone(),
                 export.clone(),
-                ck.background,
+                background,
             )
         });
+        if background && writer.is_some() {
+            let gb = checkpoint::writer::snapshot_bytes(&host.layout) as f64 / 1e9;
+            println!(
+                "  + checkpoint snapshot  {gb:>9.2} GB (checkpoint.background; 12 bytes per parameter)"
+            );
+        }
         Ok(Trainer {
             cfg,
             spec,
@@ -395,7 +403,7 @@ impl Trainer {
         } else if every > 0 && done.is_multiple_of(every) {
             let (waited, written) = writer.start(state, &live).with_context(failed)?;
             let how = match self.cfg.checkpoint.background {
-                true => "snapshot taken, written in the background",
+                true => "snapshot taken, writing in the background",
                 false => "written in place",
             };
             println!("checkpoint of step {done}: {how} ({waited:.3}s)");

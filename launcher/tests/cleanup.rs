@@ -38,11 +38,7 @@ fn spawn_run(name: &str, steps: u64, extra: &[&str]) -> (Child, std::path::PathB
 }
 
 /// Starts a long run with 2 workers and waits until it has finished a step.
-fn start_long_run(name: &str) -> (Child, std::path::PathBuf, Vec<u32>) {
-    start_long_run_with(name, &[])
-}
-
-fn start_long_run_with(name: &str, extra: &[&str]) -> (Child, std::path::PathBuf, Vec<u32>) {
+fn start_long_run(name: &str, extra: &[&str]) -> (Child, std::path::PathBuf, Vec<u32>) {
     let (child, dir) = spawn_run(name, 1_000_000, extra);
     let metrics = dir.join("metrics.jsonl");
     wait_for(Duration::from_secs(60), || {
@@ -73,7 +69,10 @@ fn normal_run_leaves_nothing() {
 #[test]
 fn killing_a_worker_stops_the_run_and_frees_everything() {
     let before = shm_entries();
-    let (mut child, dir, workers) = start_long_run("clean-kill-worker");
+    let ck = scratch("clean-kill-worker-ck");
+    let flags = checkpointing(&ck);
+    let (mut child, dir, workers) =
+        start_long_run("clean-kill-worker", &flags.each_ref().map(String::as_str));
     let pid = child.id();
     assert!(
         !region_holders(pid).is_empty(),
@@ -97,13 +96,34 @@ fn killing_a_worker_stops_the_run_and_frees_everything() {
     let rank = if err.contains("worker rank 1") { 1 } else { 0 };
     assert_eq!(rank, 1, "the killed worker was rank 1:\n{err}");
     assert_clean(pid, &workers, &before);
+    // The write in flight was completed, not abandoned.
+    assert_eq!(partial_checkpoints(&ck), Vec::<String>::new());
+    assert!(!mt::checkpoint::state::complete(&ck).unwrap().is_empty());
+}
+
+/// Flags for a checkpoint under `ck` after every step.
+fn checkpointing(ck: &std::path::Path) -> [String; 4] {
+    [
+        "--set".into(),
+        format!("checkpoint.dir={}", ck.display()),
+        "--set".into(),
+        "checkpoint.every_steps=1".into(),
+    ]
 }
 
 #[test]
 fn killing_the_launcher_ends_every_worker() {
     let before = shm_entries();
-    let (mut child, _dir, workers) = start_long_run("clean-kill-launcher");
+    let ck = scratch("clean-kill-launcher-ck");
+    let flags = checkpointing(&ck);
+    let (mut child, dir, workers) =
+        start_long_run("clean-kill-launcher", &flags.each_ref().map(String::as_str));
     let pid = child.id();
+    // Let it write a few checkpoints, so that the kill likely lands mid-write.
+    wait_for(Duration::from_secs(30), || {
+        mt::checkpoint::state::complete(&ck).unwrap().len() >= 2
+    })
+    .expect("two checkpoints within 30 s");
     signal("KILL", pid);
     child.wait().unwrap();
     let gone = wait_for(Duration::from_secs(5), || {
@@ -114,6 +134,18 @@ fn killing_the_launcher_ends_every_worker() {
         "workers {workers:?} outlived the launcher by 5 s"
     );
     assert_clean(pid, &workers, &before);
+    // The newest complete checkpoint resumes, and the resumed run removes what the killed
+    // writer left half written.
+    let (last, _) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
+    let steps = format!("training.num_steps={}", last + 1);
+    let [a, b, c, d] = flags.each_ref().map(String::as_str);
+    run_cpu_ok(
+        &golden_dir().join("llama/run.yaml"),
+        2,
+        &dir.join("resumed.jsonl"),
+        &[a, b, c, d, "--set", &steps, "--resume", "latest"],
+    );
+    assert_eq!(partial_checkpoints(&ck), Vec::<String>::new());
 }
 
 /// SIGINT / SIGTERM stop the run at a step boundary with a checkpoint of the last finished
@@ -123,7 +155,7 @@ fn stop_with(sig: &str, code: i32) {
     let name = format!("clean-{sig}");
     let ck = scratch(&format!("{name}-ck"));
     let ck_set = format!("checkpoint.dir={}", ck.display());
-    let (mut child, dir, workers) = start_long_run_with(&name, &["--set", &ck_set]);
+    let (mut child, dir, workers) = start_long_run(&name, &["--set", &ck_set]);
     let pid = child.id();
     signal(sig, pid);
     let exited = wait_for(Duration::from_secs(10), || {
@@ -159,7 +191,7 @@ fn sigterm_stops_at_a_step_boundary_with_a_checkpoint() {
 fn a_hung_worker_is_timed_out_like_a_crash() {
     let before = shm_entries();
     let (mut child, dir, workers) =
-        start_long_run_with("clean-hang", &["--set", "training.worker_timeout_s=2"]);
+        start_long_run("clean-hang", &["--set", "training.worker_timeout_s=2"]);
     let pid = child.id();
     // A stopped process is alive and silent: from the launcher's side, a hang.
     signal("STOP", workers[1]);

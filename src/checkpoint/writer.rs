@@ -34,11 +34,18 @@ struct Snapshot {
 }
 
 impl Snapshot {
+    /// Allocates and touches every page now, so that the first snapshot costs no page
+    /// faults and a host short of memory fails at start-up, not at the first checkpoint.
     fn new(n: usize) -> Snapshot {
+        let touched = || {
+            let mut x = vec![0.0f32; n];
+            x.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+            x
+        };
         Snapshot {
-            master: vec![0.0; n],
-            m: vec![0.0; n],
-            v: vec![0.0; n],
+            master: touched(),
+            m: touched(),
+            v: touched(),
         }
     }
 
@@ -82,6 +89,8 @@ pub struct Writer {
 }
 
 impl Writer {
+    /// A writer of checkpoints under `root`; with `background`, it allocates its snapshot
+    /// buffer ([`snapshot_bytes`]) now.
     pub fn new(
         root: PathBuf,
         keep_last: usize,
@@ -89,6 +98,7 @@ impl Writer {
         export: ExportOptions,
         background: bool,
     ) -> Writer {
+        let idle = background.then(|| Snapshot::new(layout.total));
         Writer {
             job: Arc::new(Job {
                 root,
@@ -97,7 +107,7 @@ impl Writer {
                 export,
             }),
             background,
-            idle: None,
+            idle,
             in_flight: None,
         }
     }
@@ -115,7 +125,7 @@ impl Writer {
         let mut snap = self
             .idle
             .take()
-            .unwrap_or_else(|| Snapshot::new(self.job.layout.total));
+            .expect("the buffer is back once no write is in flight");
         snap.fill(live);
         let snapshot_s = t.elapsed().as_secs_f64();
         let job = Arc::clone(&self.job);
