@@ -3,7 +3,7 @@
 //! `Layout`.
 
 use anyhow::{Context, Result};
-use mt::checkpoint::state::{self, Tensors, TrainState};
+use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::config::{OptimizerSection, RunConfig};
 use mt::layout::Layout;
 use mt::optim::{AdamWStep, adamw_update};
@@ -88,13 +88,14 @@ impl HostState {
     }
 
     /// Where training stands after `step` steps with `nan_run` non-finite steps in a row.
-    pub fn train_state(&self, step: u64, nan_run: u64) -> TrainState {
+    pub fn train_state(&self, step: u64, nan_run: u64, schedule: Schedule) -> TrainState {
         TrainState {
             format: state::FORMAT,
             step,
             updates: self.updates,
             nan_run,
             layout: state::fingerprint(&self.layout),
+            schedule: Some(schedule),
         }
     }
 

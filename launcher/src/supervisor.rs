@@ -99,7 +99,8 @@ impl Supervisor {
         timeout: Duration,
         waiting: &dyn Fn(usize) -> bool,
     ) -> Result<Event> {
-        let deadline = Instant::now() + timeout;
+        // A timeout too large to add is no timeout.
+        let deadline = Instant::now().checked_add(timeout);
         loop {
             match self.events.recv_timeout(TICK) {
                 Ok(ev) => {
@@ -116,7 +117,7 @@ impl Supervisor {
                     return Err(self.death(r));
                 }
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 let silent = (0..self.workers.len())
                     .filter(|&r| waiting(r))
                     .min_by_key(|&r| self.last_heard[r]);

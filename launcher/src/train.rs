@@ -127,6 +127,12 @@ impl Trainer {
                     state.step
                 );
             }
+            let saved = state.schedule.as_ref();
+            for d in saved.map_or(vec![], |saved| schedule(&cfg).differences(saved)) {
+                tracing::warn!(
+                    "resuming with other settings ({d}): the run does not continue as it would have"
+                );
+            }
             println!("resumed from {} at step {}", dir.display(), state.step);
             (start_step, nan_run) = (state.step, state.nan_run);
         }
@@ -393,7 +399,9 @@ impl Trainer {
             return Ok(());
         };
         let every = self.cfg.checkpoint.every_steps;
-        let state = self.host.train_state(done, self.nan_run);
+        let state = self
+            .host
+            .train_state(done, self.nan_run, schedule(&self.cfg));
         let live = self.host.tensors();
         let root = writer.root().display().to_string();
         let failed =
@@ -536,6 +544,17 @@ impl Trainer {
             );
         }
         Ok(())
+    }
+}
+
+/// The settings a checkpoint records to tell whether a resume continues the same run.
+fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
+    checkpoint::state::Schedule {
+        seed: cfg.training.seed,
+        batch_size: cfg.training.batch_size,
+        shuffle: cfg.dataset.shuffle,
+        decay_steps: (cfg.training.lr_scheduler != mt::config::LrScheduler::Constant)
+            .then_some(cfg.training.num_steps),
     }
 }
 

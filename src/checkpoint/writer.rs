@@ -237,6 +237,7 @@ mod tests {
             updates: step,
             nan_run: 0,
             layout: state::fingerprint(layout),
+            schedule: None,
         }
     }
 

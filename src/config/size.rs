@@ -52,17 +52,26 @@ impl Serialize for ByteSize {
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ByteSize, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Bytes(u64),
-            Text(String),
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a size: bytes, or e.g. 5GB, 500MB, 64KiB")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ByteSize, E> {
+                n.to_string().parse().map_err(E::custom)
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<ByteSize, E> {
+                n.to_string().parse().map_err(E::custom)
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<ByteSize, E> {
+                n.to_string().parse().map_err(E::custom)
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ByteSize, E> {
+                s.parse().map_err(E::custom)
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::Bytes(0) => Err(serde::de::Error::custom("a size must be > 0")),
-            Raw::Bytes(n) => Ok(ByteSize(n)),
-            Raw::Text(t) => t.parse().map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(V)
     }
 }
 
