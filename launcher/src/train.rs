@@ -115,6 +115,29 @@ impl Trainer {
             cfg.memory.num_grad_slabs,
         );
         println!("{plan}");
+        let export = ExportOptions {
+            dtype: cfg.model.dtype,
+            source: cfg.model.path.clone(),
+            max_shard_bytes: cfg.checkpoint.max_shard_size.0,
+        };
+        // Periodic checkpoints are written in the background; the last one from the live state.
+        let ck = &cfg.checkpoint;
+        let background = ck.background && ck.every_steps > 0;
+        let writer = ck.dir.clone().map(|root| {
+            Writer::new(
+                root,
+                ck.keep_last,
+                layout.clone(),
+                export.clone(),
+                background,
+            )
+        });
+        if background && writer.is_some() {
+            let gb = checkpoint::writer::snapshot_bytes(&layout) as f64 / 1e9;
+            println!(
+                "  + checkpoint snapshot  {gb:>9.2} GB (checkpoint.background; 12 bytes per parameter)"
+            );
+        }
         let mut host = HostState::new(&cfg, layout, master, placement.workers)?;
         let (mut start_step, mut nan_run) = (0, 0);
         if let Some(dir) = &resume {
@@ -173,29 +196,6 @@ impl Trainer {
             cfg.dataset.shuffle,
             cfg.training.seed,
         );
-        let export = ExportOptions {
-            dtype: cfg.model.dtype,
-            source: cfg.model.path.clone(),
-            max_shard_bytes: cfg.checkpoint.max_shard_size.0,
-        };
-        // Periodic checkpoints are written in the background; the last one from the live state.
-        let ck = &cfg.checkpoint;
-        let background = ck.background && ck.every_steps > 0;
-        let writer = ck.dir.clone().map(|root| {
-            Writer::new(
-                root,
-                ck.keep_last,
-                host.layout.clone(),
-                export.clone(),
-                background,
-            )
-        });
-        if background && writer.is_some() {
-            let gb = checkpoint::writer::snapshot_bytes(&host.layout) as f64 / 1e9;
-            println!(
-                "  + checkpoint snapshot  {gb:>9.2} GB (checkpoint.background; 12 bytes per parameter)"
-            );
-        }
         Ok(Trainer {
             cfg,
             spec,
@@ -410,11 +410,11 @@ impl Trainer {
             writer.write_final(state, &live).with_context(failed)?
         } else if every > 0 && done.is_multiple_of(every) {
             let (waited, written) = writer.start(state, &live).with_context(failed)?;
-            let how = match self.cfg.checkpoint.background {
-                true => "snapshot taken, writing in the background",
-                false => "written in place",
-            };
-            println!("checkpoint of step {done}: {how} ({waited:.3}s)");
+            if self.cfg.checkpoint.background {
+                println!(
+                    "checkpoint of step {done}: snapshot taken in {waited:.3}s, writing in the background"
+                );
+            }
             written
         } else {
             writer.poll().with_context(failed)?.into_iter().collect()

@@ -2,6 +2,7 @@
 //! real `mt-worker` processes) exactly as a user does.
 #![allow(dead_code)]
 
+pub mod fixture;
 mod leftovers;
 #[allow(unused_imports)]
 pub use leftovers::*;
