@@ -505,6 +505,17 @@ fn resume_from_checkpoint_without_marker() {
 }
 
 #[test]
+fn resume_from_a_missing_dir() {
+    let f = fixture("resume-missing");
+    let nowhere = f.dir.join("nowhere");
+    f.fails(
+        &["--resume", path_str(&nowhere)],
+        Stage::Start,
+        &[&path(&nowhere), "no such checkpoint directory"],
+    );
+}
+
+#[test]
 fn resume_latest_without_checkpoints() {
     let f = fixture("resume-none");
     f.fails(

@@ -155,7 +155,11 @@ fn stop_with(sig: &str, code: i32) {
     let name = format!("clean-{sig}");
     let ck = scratch(&format!("{name}-ck"));
     let ck_set = format!("checkpoint.dir={}", ck.display());
-    let (mut child, dir, workers) = start_long_run(&name, &["--set", &ck_set]);
+    // Checkpoints every step: a background write is likely in flight at the signal.
+    let (mut child, dir, workers) = start_long_run(
+        &name,
+        &["--set", &ck_set, "--set", "checkpoint.every_steps=1"],
+    );
     let pid = child.id();
     signal(sig, pid);
     let exited = wait_for(Duration::from_secs(10), || {
@@ -174,6 +178,7 @@ fn stop_with(sig: &str, code: i32) {
         "no complete checkpoint of step {steps} in {}",
         ck.display()
     );
+    assert_eq!(partial_checkpoints(&ck), Vec::<String>::new());
     assert_clean(pid, &workers, &before);
 }
 

@@ -282,6 +282,12 @@ pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
             });
     }
     let dir = PathBuf::from(spec);
+    if !dir.is_dir() {
+        return Err(Error::Weights {
+            path: dir,
+            msg: "no such checkpoint directory".into(),
+        });
+    }
     if !dir.join(MARKER).is_file() {
         return Err(Error::Weights {
             path: dir,
@@ -349,4 +355,24 @@ pub fn load(
             .for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     }
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_temporary_dirs_of_dead_writers_are_removed() {
+        let root = std::env::temp_dir().join(format!("mt-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        // pid_max is at most 2^22, so this writer is certainly gone.
+        let dead = root.join(format!("{TMP_PREFIX}step-00000002-999999999"));
+        let ours = root.join(format!("{TMP_PREFIX}step-00000003-{}", std::process::id()));
+        let done = root.join("step-00000001");
+        for d in [&dead, &ours, &done] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        remove_stale(&root).unwrap();
+        assert!(!dead.exists() && ours.exists() && done.exists());
+    }
 }
