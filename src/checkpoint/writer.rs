@@ -283,6 +283,32 @@ mod tests {
     }
 
     #[test]
+    fn in_place_writes_are_done_when_start_returns() {
+        let dir = std::env::temp_dir().join(format!("mt-writer-sync-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("config.json"), "{}").unwrap();
+        let l = layout();
+        let export = ExportOptions {
+            dtype: DType::Bfloat16,
+            source: src,
+            max_shard_bytes: 1 << 30,
+        };
+        let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, false);
+        let z = vec![0.25f32; l.total];
+        let live = Tensors {
+            master: &z,
+            m: &z,
+            v: &z,
+        };
+        let (_, done) = w.start(state(1, &l), &live).unwrap();
+        assert_eq!(done.len(), 1);
+        assert!(done[0].dir.join("COMPLETE").is_file());
+        assert!(w.finish().unwrap().is_none(), "nothing in flight");
+    }
+
+    #[test]
     fn a_failed_write_is_reported_and_leaves_the_previous_checkpoint() {
         let dir = std::env::temp_dir().join(format!("mt-writer-fail-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
