@@ -10,6 +10,7 @@
 
 pub mod hf;
 pub mod hub;
+pub mod size;
 
 use std::path::{Path, PathBuf};
 
@@ -46,6 +47,13 @@ pub struct CheckpointSection {
     pub every_steps: u64,
     /// Complete checkpoints kept; older ones are deleted (the newest is always kept).
     pub keep_last: usize,
+    /// Write checkpoints from a snapshot on a background thread, so training waits only for
+    /// the snapshot copy; costs 12 bytes per parameter of host RAM (a copy of the fp32
+    /// master and Adam moments). `false` writes in place while training waits.
+    pub background: bool,
+    /// Weight files larger than this are split into shards with
+    /// `model.safetensors.index.json` (bytes, or `5GB`, `500MB`, `64KiB`).
+    pub max_shard_size: size::ByteSize,
 }
 
 impl Default for CheckpointSection {
@@ -54,6 +62,8 @@ impl Default for CheckpointSection {
             dir: None,
             every_steps: 0,
             keep_last: 2,
+            background: true,
+            max_shard_size: size::ByteSize(5_000_000_000),
         }
     }
 }
@@ -180,6 +190,10 @@ pub struct TrainingSection {
     pub nan_policy: NanPolicy,
     /// With `skip`: abort after this many non-finite steps in a row.
     pub max_nan_steps: u64,
+    /// A worker the launcher waits on that sends nothing for this many seconds is
+    /// treated as crashed (the first step on a GPU, which streams every layer, sends its
+    /// first message only after the forward pass).
+    pub worker_timeout_s: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -205,6 +219,7 @@ impl Default for TrainingSection {
             output_dir: None,
             nan_policy: NanPolicy::Skip,
             max_nan_steps: 5,
+            worker_timeout_s: 600,
         }
     }
 }
@@ -320,7 +335,7 @@ impl RunConfig {
     pub fn validate(&self) -> Result<()> {
         let t = &self.training;
         let o = &self.optimizer;
-        let checks: [(bool, &str, String); 11] = [
+        let checks: [(bool, &str, String); 12] = [
             (
                 t.batch_size > 0,
                 "training.batch_size",
@@ -332,6 +347,11 @@ impl RunConfig {
                 "must be > 0".into(),
             ),
             (t.num_steps > 0, "training.num_steps", "must be > 0".into()),
+            (
+                t.worker_timeout_s > 0,
+                "training.worker_timeout_s",
+                "must be > 0".into(),
+            ),
             (
                 t.learning_rate.is_finite() && t.learning_rate >= 0.0,
                 "training.learning_rate",
