@@ -75,8 +75,13 @@ impl Trainer {
         cfg.validate_world(placement.workers)?;
         let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
         let layout = Layout::new(&spec);
-        let data =
-            Dataset::load_tokenized(&cfg.dataset.path, spec.vocab_size, cfg.dataset.max_seq_len)?;
+        let data = Dataset::load(
+            &cfg.dataset,
+            &cfg.model.path,
+            spec.vocab_size,
+            cfg.training.seed,
+        )?;
+        println!("{}", data.summary());
         let metrics = metrics_out
             .as_deref()
             .map(MetricsWriter::create)

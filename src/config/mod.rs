@@ -97,6 +97,7 @@ pub struct ModelSection {
 pub enum AttnImplementation {
     Sdpa,
     Eager,
+    #[serde(rename = "flash_attention_2")]
     FlashAttention2,
 }
 
