@@ -82,12 +82,15 @@ impl Context {
             .filter(|&w| w < seq_len)
             .map(|w| causal().logical_and(&(&q_t1 - &k_1t).lt(w as i64)));
         let explicit = spec.attn_softcap.is_some() || pos_bt.is_some();
+        // Length-dependent RoPE variants (dynamic NTK, LongRoPE) scale by the longest
+        // position + 1, as transformers does: for packed rows, the longest sample.
+        let rope_len = pos_bt.map_or(seq_len, |p| p.max().int64_value(&[]) as usize + 1);
         Context {
-            rope: Rope::new(&spec.rope, seq_len, pos_bt, kind, device),
+            rope: Rope::new(&spec.rope, rope_len, pos_bt, kind, device),
             rope_local: spec
                 .rope_local
                 .as_ref()
-                .map(|r| Rope::new(r, seq_len, pos_bt, kind, device)),
+                .map(|r| Rope::new(r, rope_len, pos_bt, kind, device)),
             sliding_mask,
             causal_mask: explicit.then(causal),
         }

@@ -121,6 +121,7 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// `seq_len`: the longest position + 1 (what length-dependent variants scale by).
     pub fn new(
         r: &RopeSpec,
         seq_len: usize,
