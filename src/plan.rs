@@ -103,7 +103,13 @@ pub struct DeviceOpts {
 }
 
 impl DevicePlan {
-    pub fn new(spec: &ModelSpec, layout: &Layout, o: DeviceOpts, rows: usize, seq_len: usize) -> DevicePlan {
+    pub fn new(
+        spec: &ModelSpec,
+        layout: &Layout,
+        o: DeviceOpts,
+        rows: usize,
+        seq_len: usize,
+    ) -> DevicePlan {
         let s = o.dtype.size() as u64;
         let f32b = 4u64;
         let blocks = &layout.blocks;
@@ -115,7 +121,11 @@ impl DevicePlan {
         let head_len = blocks[layout.head_block()].len as u64;
         let (m, t, b) = ((rows * seq_len) as u64, seq_len as u64, rows as u64);
         let (h, i) = (spec.hidden_size as u64, spec.intermediate_size as u64);
-        let (n, k, d) = (spec.num_heads as u64, spec.num_kv_heads as u64, spec.head_dim as u64);
+        let (n, k, d) = (
+            spec.num_heads as u64,
+            spec.num_kv_heads as u64,
+            spec.head_dim as u64,
+        );
         let v = spec.vocab_size as u64;
         // One decoder layer under autograd (llama.rs / common.rs): two RMSNorms keep their
         // f32 input and the normed output; q, k, v projections; RoPE keeps the rotated
@@ -154,7 +164,13 @@ impl DevicePlan {
 
     /// The largest micro-batch (rows of `seq_len`) whose plan fits in `budget` bytes; 0
     /// when not even one row fits.
-    pub fn largest_batch(spec: &ModelSpec, layout: &Layout, o: DeviceOpts, seq_len: usize, budget: u64) -> usize {
+    pub fn largest_batch(
+        spec: &ModelSpec,
+        layout: &Layout,
+        o: DeviceOpts,
+        seq_len: usize,
+        budget: u64,
+    ) -> usize {
         let fits = |rows| DevicePlan::new(spec, layout, o, rows, seq_len).total() <= budget;
         let (mut lo, mut hi) = (0usize, 1usize);
         while fits(hi) {
@@ -172,22 +188,44 @@ impl DevicePlan {
     }
 
     pub fn total(&self) -> u64 {
-        self.resident + self.ring + self.grads + self.checkpoints + self.layer_activations + self.head + self.tables
+        self.resident
+            + self.ring
+            + self.grads
+            + self.checkpoints
+            + self.layer_activations
+            + self.head
+            + self.tables
     }
 }
 
 impl std::fmt::Display for DevicePlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gb = |b: u64| b as f64 / 1e9;
-        writeln!(f, "device memory per worker, micro-batch {} x {} tokens:", self.rows, self.seq_len)?;
+        writeln!(
+            f,
+            "device memory per worker, micro-batch {} x {} tokens:",
+            self.rows, self.seq_len
+        )?;
         writeln!(f, "  embed + head blocks   {:>9.2} GB", gb(self.resident))?;
         writeln!(f, "  layer ring (2)        {:>9.2} GB", gb(self.ring))?;
         writeln!(f, "  gradients in flight   {:>9.2} GB", gb(self.grads))?;
-        writeln!(f, "  layer checkpoints     {:>9.2} GB", gb(self.checkpoints))?;
-        writeln!(f, "  one layer's backward  {:>9.2} GB", gb(self.layer_activations))?;
+        writeln!(
+            f,
+            "  layer checkpoints     {:>9.2} GB",
+            gb(self.checkpoints)
+        )?;
+        writeln!(
+            f,
+            "  one layer's backward  {:>9.2} GB",
+            gb(self.layer_activations)
+        )?;
         writeln!(f, "  head + loss chunk     {:>9.2} GB", gb(self.head))?;
         writeln!(f, "  masks + RoPE tables   {:>9.2} GB", gb(self.tables))?;
-        write!(f, "  total                 {:>9.2} GB (+ CUDA context and allocator slack)", gb(self.total()))
+        write!(
+            f,
+            "  total                 {:>9.2} GB (+ CUDA context and allocator slack)",
+            gb(self.total())
+        )
     }
 }
 
@@ -246,12 +284,21 @@ mod tests {
         let (spec, layout) = qwen();
         let p = DevicePlan::new(&spec, &layout, OPTS, 8, 1024);
         let embed = layout.blocks[Layout::EMBED].len as u64;
-        assert_eq!(p.resident, 2 * (embed + layout.blocks[layout.head_block()].len as u64));
-        assert_eq!(p.ring, 2 * 2 * layout.blocks[layout.layer_block(0)].len as u64);
+        assert_eq!(
+            p.resident,
+            2 * (embed + layout.blocks[layout.head_block()].len as u64)
+        );
+        assert_eq!(
+            p.ring,
+            2 * 2 * layout.blocks[layout.layer_block(0)].len as u64
+        );
         assert_eq!(p.checkpoints, 29 * 8 * 1024 * 3584 * 2);
         // Activations grow linearly in the batch; the fixed part does not.
         let p2 = DevicePlan::new(&spec, &layout, OPTS, 16, 1024);
-        assert_eq!(p2.resident + p2.ring + p2.grads, p.resident + p.ring + p.grads);
+        assert_eq!(
+            p2.resident + p2.ring + p2.grads,
+            p.resident + p.ring + p.grads
+        );
         assert_eq!(p2.layer_activations, 2 * p.layer_activations);
         assert!(p.to_string().contains("layer checkpoints"));
     }

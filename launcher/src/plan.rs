@@ -23,18 +23,24 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
             .max()
             .unwrap_or(1)
     });
-    let rows = cfg.training.batch_size / (placement.workers * cfg.training.gradient_accumulation_steps);
+    let rows =
+        cfg.training.batch_size / (placement.workers * cfg.training.gradient_accumulation_steps);
     let opts = DeviceOpts {
         dtype: cfg.model.dtype,
         slots: cfg.memory.num_grad_slabs,
         ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
         packed: cfg.dataset.packing,
     };
-    println!("{}", DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len));
-    let budget = p
-        .gpu_memory
-        .map(|gb| (gb * 1e9) as u64)
-        .or_else(|| placement.devices.first().and_then(|&d| cli::gpu_memory_bytes(d)));
+    println!(
+        "{}",
+        DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len)
+    );
+    let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {
+        placement
+            .devices
+            .first()
+            .and_then(|&d| cli::gpu_memory_bytes(d))
+    });
     match budget {
         Some(b) => {
             let best = DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b);

@@ -22,7 +22,7 @@ impl Progress {
         let bar = ProgressBar::new(total);
         bar.set_style(
             ProgressStyle::with_template(
-                "{bar:30.cyan/blue} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+                "{pos}/{len} {bar:20.cyan/blue} {elapsed_precise} eta {eta_precise} {wide_msg}",
             )
             .expect("static template"),
         );
@@ -35,7 +35,7 @@ impl Progress {
         match self {
             Progress::Bar(bar) => {
                 bar.set_message(format!(
-                    "loss {:.4}  lr {:.2e}  {:.0} tok/s  {:.1} TFLOPS/dev{}",
+                    "loss {:.4} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}",
                     m.loss,
                     m.lr,
                     m.tokens_per_s,

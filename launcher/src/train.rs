@@ -199,11 +199,7 @@ impl Trainer {
             cfg.dataset.shuffle,
             cfg.training.seed,
         );
-        let progress = Progress::new(
-            start_step,
-            cfg.training.num_steps,
-            cfg.logging.log_every,
-        );
+        let progress = Progress::new(start_step, cfg.training.num_steps, cfg.logging.log_every);
         Ok(Trainer {
             progress,
             cfg,

@@ -113,16 +113,32 @@ fn bad_records_are_counted_or_named_when_strict() {
         file.display()
     );
     let data = load(&format!("{{{base}}}")).unwrap();
-    assert_eq!((data.rows.len(), data.skipped.count), (1, 4), "{:?}", data.skipped);
+    assert_eq!(
+        (data.rows.len(), data.skipped.count),
+        (1, 4),
+        "{:?}",
+        data.skipped
+    );
     let s = &data.skipped.first;
-    assert!(s[0].ends_with(":2: field `conversations`: empty conversation"), "{s:?}");
+    assert!(
+        s[0].ends_with(":2: field `conversations`: empty conversation"),
+        "{s:?}"
+    );
     assert!(
         s[1].ends_with(":3: field `conversations[0].value`: expected a string, found a number"),
         "{s:?}"
     );
-    assert!(s[2].ends_with(":4: field `conversations`: missing"), "{s:?}");
-    assert!(s[3].contains(":5: ") && s[3].contains("longer than dataset.max_seq_len (40)"), "{s:?}");
-    let e = load(&format!("{{{base}, strict: true}}")).unwrap_err().to_string();
+    assert!(
+        s[2].ends_with(":4: field `conversations`: missing"),
+        "{s:?}"
+    );
+    assert!(
+        s[3].contains(":5: ") && s[3].contains("longer than dataset.max_seq_len (40)"),
+        "{s:?}"
+    );
+    let e = load(&format!("{{{base}, strict: true}}"))
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("bad.jsonl") && e.contains("line 2") && e.contains("field `conversations`"),
         "{e}"

@@ -20,7 +20,9 @@ fn write_samples(path: &Path) {
     for n in lens {
         let ids: Vec<u64> = (0..n)
             .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 (x >> 33) % 67
             })
             .collect();
@@ -34,9 +36,16 @@ fn write_samples(path: &Path) {
     std::fs::write(path, text).unwrap();
 }
 
-fn step1(case: &str, dir: &Path, packed: bool) -> (f64, std::collections::HashMap<String, Vec<f32>>) {
+fn step1(
+    case: &str,
+    dir: &Path,
+    packed: bool,
+) -> (f64, std::collections::HashMap<String, Vec<f32>>) {
     let tag = if packed { "packed" } else { "unpacked" };
-    let (m, g) = (dir.join(format!("{tag}.jsonl")), dir.join(format!("{tag}.safetensors")));
+    let (m, g) = (
+        dir.join(format!("{tag}.jsonl")),
+        dir.join(format!("{tag}.safetensors")),
+    );
     let data = format!("dataset.path={}", dir.join("samples.jsonl").display());
     let batch = format!("training.batch_size={}", if packed { 3 } else { 8 });
     let packing = format!("dataset.packing={packed}");
@@ -45,8 +54,18 @@ fn step1(case: &str, dir: &Path, packed: bool) -> (f64, std::collections::HashMa
         1,
         &m,
         &[
-            "--set", &data, "--set", "dataset.max_seq_len=30", "--set", &packing,
-            "--set", &batch, "--set", "training.num_steps=1", "--dump-grads", path_str(&g),
+            "--set",
+            &data,
+            "--set",
+            "dataset.max_seq_len=30",
+            "--set",
+            &packing,
+            "--set",
+            &batch,
+            "--set",
+            "training.num_steps=1",
+            "--dump-grads",
+            path_str(&g),
         ],
     );
     (column(&metrics(&m), "loss")[0], tensors(&g))
@@ -74,7 +93,10 @@ fn packed_rows_equal_unpacked_samples() {
         assert_eq!(grads_p.len(), grads_u.len());
         for (name, g) in &grads_u {
             let e = rel_l2(&grads_p[name], g);
-            assert!(e < 1e-5, "{case}: gradient {name} differs by {e:e} (relative L2)");
+            assert!(
+                e < 1e-5,
+                "{case}: gradient {name} differs by {e:e} (relative L2)"
+            );
         }
     }
 }
@@ -92,7 +114,10 @@ fn packing_without_max_seq_len_is_refused() {
     ]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("dataset.packing") && err.contains("max_seq_len"), "{err}");
+    assert!(
+        err.contains("dataset.packing") && err.contains("max_seq_len"),
+        "{err}"
+    );
 }
 
 /// The data position survives a resume with shuffled, packed text data: 3 steps + resume +
@@ -103,16 +128,42 @@ fn resume_is_exact_with_packed_shuffled_text() {
     let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.yaml");
     let ck = format!("checkpoint.dir={}", dir.join("ck").display());
     let common = [
-        "--set", "dataset.packing=true", "--set", "dataset.max_seq_len=256",
-        "--set", "training.batch_size=16",
+        "--set",
+        "dataset.packing=true",
+        "--set",
+        "dataset.max_seq_len=256",
+        "--set",
+        "training.batch_size=16",
     ];
     let with = |extra: &[&'static str], more: &[&str]| -> Vec<String> {
-        common.iter().chain(extra).map(|s| s.to_string()).chain(more.iter().map(|s| s.to_string())).collect()
+        common
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .chain(more.iter().map(|s| s.to_string()))
+            .collect()
     };
     let runs = [
         ("straight", with(&["--set", "training.num_steps=6"], &[])),
-        ("first", with(&["--set", "training.num_steps=3", "--set", "checkpoint.every_steps=3"], &["--set", &ck])),
-        ("second", with(&["--set", "training.num_steps=6", "--resume", "latest"], &["--set", &ck])),
+        (
+            "first",
+            with(
+                &[
+                    "--set",
+                    "training.num_steps=3",
+                    "--set",
+                    "checkpoint.every_steps=3",
+                ],
+                &["--set", &ck],
+            ),
+        ),
+        (
+            "second",
+            with(
+                &["--set", "training.num_steps=6", "--resume", "latest"],
+                &["--set", &ck],
+            ),
+        ),
     ];
     let mut losses = Vec::new();
     for (tag, args) in &runs {
@@ -121,7 +172,17 @@ fn resume_is_exact_with_packed_shuffled_text() {
         run_cpu_ok(&config, 2, &m, &args);
         losses.push(column(&metrics(&m), "loss"));
     }
-    let out = run_ok(&["plan", "--config", path_str(&config), "--gpus", "0", "--set", "dataset.packing=true", "--set", "dataset.max_seq_len=256"]);
+    let out = run_ok(&[
+        "plan",
+        "--config",
+        path_str(&config),
+        "--gpus",
+        "0",
+        "--set",
+        "dataset.packing=true",
+        "--set",
+        "dataset.max_seq_len=256",
+    ]);
     let text = String::from_utf8_lossy(&out.stdout);
     let rows: usize = text
         .split("packed into ")
@@ -129,8 +190,15 @@ fn resume_is_exact_with_packed_shuffled_text() {
         .and_then(|s| s.split(' ').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("plan reports packed rows: {text}"));
-    assert!(rows < 6 * 16, "6 steps of 16 rows cross an epoch ({rows} rows)");
+    assert!(
+        rows < 6 * 16,
+        "6 steps of 16 rows cross an epoch ({rows} rows)"
+    );
     let resumed: Vec<f64> = losses[1].iter().chain(&losses[2]).copied().collect();
     let e = worst_rel(&resumed, &losses[0]);
-    assert!(e <= 1e-6, "resumed {resumed:?} vs straight {:?} (rel {e:.2e})", losses[0]);
+    assert!(
+        e <= 1e-6,
+        "resumed {resumed:?} vs straight {:?} (rel {e:.2e})",
+        losses[0]
+    );
 }

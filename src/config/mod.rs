@@ -462,7 +462,9 @@ fn edit_distance(a: &str, b: &str) -> usize {
         let mut diag = row[0];
         row[0] = i + 1;
         for (j, &cb) in b.iter().enumerate() {
-            let next = (diag + usize::from(ca != cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            let next = (diag + usize::from(ca != cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
             diag = row[j + 1];
             row[j + 1] = next;
         }
@@ -543,11 +545,11 @@ mod tests {
 
     #[test]
     fn megatrain_keys_are_accepted() {
-        let c = parse(&format!(
-            "model: {{path: m, attn_implementation: flash_attention_2, trust_remote_code: true, devices: [1, 0]}}\n\
-             dataset: {{name: alpaca_demo, dataset_dir: d, system_prompt: hi, train_on_prompt: true, num_workers: 2}}\n\
-             optimizer: {{type: adamw}}\nmemory: {{checkpoint_interval: 1, num_grad_slabs: 2}}\n"
-        ))
+        let c = parse(
+            "model: {path: m, attn_implementation: flash_attention_2, trust_remote_code: true, devices: [1, 0]}\n\
+             dataset: {name: alpaca_demo, dataset_dir: d, system_prompt: hi, train_on_prompt: true, num_workers: 2}\n\
+             optimizer: {type: adamw}\nmemory: {checkpoint_interval: 1, num_grad_slabs: 2}\n",
+        )
         .unwrap();
         assert_eq!(c.model.devices, Some(vec![1, 0]));
         assert!(c.dataset.dataset_dir.ends_with("d"));

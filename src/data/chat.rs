@@ -21,6 +21,9 @@ use crate::error::{Error, Result};
 
 const TEMPLATE: &str = "chat";
 
+/// Token ids and each token's byte span in the text.
+type Encoded = (Vec<u32>, Vec<(usize, usize)>);
+
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
     env: Environment<'static>,
@@ -104,9 +107,10 @@ impl ChatTokenizer {
         } else {
             let s = match cfg.chat_template {
                 Some(TemplateField::One(s)) => Some(s),
-                Some(TemplateField::Named(list)) => {
-                    list.into_iter().find(|t| t.name == "default").map(|t| t.template)
-                }
+                Some(TemplateField::Named(list)) => list
+                    .into_iter()
+                    .find(|t| t.name == "default")
+                    .map(|t| t.template),
                 None => None,
             };
             let s = s.ok_or_else(|| Error::ModelConfig {
@@ -125,9 +129,12 @@ impl ChatTokenizer {
             .expect("the default delimiters are valid");
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_template_owned(TEMPLATE, source)
             .map_err(|e| Error::ModelConfig {
                 path: template_path.clone(),
@@ -143,7 +150,11 @@ impl ChatTokenizer {
     }
 
     /// The template's text for `msgs`, with the assistant generation prompt appended when asked.
-    pub fn render(&self, msgs: &[Message], add_generation_prompt: bool) -> std::result::Result<String, String> {
+    pub fn render(
+        &self,
+        msgs: &[Message],
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, String> {
         let messages: Vec<_> = msgs
             .iter()
             .map(|m| context! { role => m.role.as_str(), content => &m.content })
@@ -159,7 +170,7 @@ impl ChatTokenizer {
     }
 
     /// Token ids of `text`, without added special tokens, and each token's byte span.
-    pub fn encode(&self, text: &str) -> std::result::Result<(Vec<u32>, Vec<(usize, usize)>), String> {
+    pub fn encode(&self, text: &str) -> std::result::Result<Encoded, String> {
         let enc = self
             .tokenizer
             .encode(text, false)
@@ -168,7 +179,11 @@ impl ChatTokenizer {
     }
 
     /// The token row of a conversation; labels on the assistant turns (or everywhere).
-    pub fn example(&self, msgs: &[Message], train_on_prompt: bool) -> std::result::Result<Example, String> {
+    pub fn example(
+        &self,
+        msgs: &[Message],
+        train_on_prompt: bool,
+    ) -> std::result::Result<Example, String> {
         let full = self.render(msgs, false)?;
         let mut spans = Vec::new();
         for (i, m) in msgs.iter().enumerate() {

@@ -174,7 +174,11 @@ impl Dataset {
     /// One line for the log: rows, sources, skipped records and the first reasons.
     pub fn summary(&self) -> String {
         let files: Vec<String> = self.files.iter().map(|f| f.display().to_string()).collect();
-        let mut s = format!("dataset: {} samples from {}", self.samples, files.join(", "));
+        let mut s = format!(
+            "dataset: {} samples from {}",
+            self.samples,
+            files.join(", ")
+        );
         if self.rows.len() != self.samples {
             s += &format!(", packed into {} rows", self.rows.len());
         }
@@ -272,7 +276,9 @@ fn row(
                 return Err(BadRecord::new(
                     rec.line,
                     "",
-                    format!("{len} tokens: no trained token left within dataset.max_seq_len ({max})"),
+                    format!(
+                        "{len} tokens: no trained token left within dataset.max_seq_len ({max})"
+                    ),
                 ));
             }
         }
@@ -378,7 +384,10 @@ pub fn plan_step(
     let per_rank = rows.len() / world;
     let per_micro = per_rank / accum;
     let tokens = rows.iter().map(|&i| ds.rows[i].label_tokens() as u64).sum();
-    let real_tokens = rows.iter().map(|&i| ds.rows[i].input_ids.len() as u64).sum();
+    let real_tokens = rows
+        .iter()
+        .map(|&i| ds.rows[i].input_ids.len() as u64)
+        .sum();
     let causal_pairs = rows
         .iter()
         .flat_map(|&i| ds.rows[i].doc_lens())
@@ -537,21 +546,40 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("line 2") && e.contains("entry 1 is 99"), "{e}");
-        assert!(e.contains("bad.jsonl") && e.contains("field `input_ids`"), "{e}");
+        assert!(
+            e.contains("bad.jsonl") && e.contains("field `input_ids`"),
+            "{e}"
+        );
         let yaml = format!("{{format: tokenized, path: {}}}", p.display());
         let d = Dataset::load(&section(&yaml), Path::new("."), 50, 0).unwrap();
         assert_eq!((d.rows.len(), d.skipped.count), (1, 2));
-        assert!(d.skipped.first[1].contains(":3: field `labels`: has 1 entries"), "{:?}", d.skipped);
+        assert!(
+            d.skipped.first[1].contains(":3: field `labels`: has 1 entries"),
+            "{:?}",
+            d.skipped
+        );
         assert!(d.summary().contains("2 records skipped"), "{}", d.summary());
     }
 
     #[test]
     fn overlong_rows_truncate_or_skip() {
-        let p = tmp("long.jsonl", "{\"input_ids\": [1, 2, 3, 4]}\n{\"input_ids\": [1, 2]}\n");
-        let yaml = format!("{{format: tokenized, path: {}, max_seq_len: 3}}", p.display());
+        let p = tmp(
+            "long.jsonl",
+            "{\"input_ids\": [1, 2, 3, 4]}\n{\"input_ids\": [1, 2]}\n",
+        );
+        let yaml = format!(
+            "{{format: tokenized, path: {}, max_seq_len: 3}}",
+            p.display()
+        );
         let d = Dataset::load(&section(&yaml), Path::new("."), 50, 0).unwrap();
         assert_eq!(d.rows[0].input_ids, [1, 2, 3]);
-        let d = Dataset::load(&section(&format!("{{{}, overlong: skip}}", &yaml[1..yaml.len() - 1])), Path::new("."), 50, 0).unwrap();
+        let d = Dataset::load(
+            &section(&format!("{{{}, overlong: skip}}", &yaml[1..yaml.len() - 1])),
+            Path::new("."),
+            50,
+            0,
+        )
+        .unwrap();
         assert_eq!((d.rows.len(), d.skipped.count), (1, 1));
         assert!(d.skipped.first[0].contains("longer than dataset.max_seq_len (3)"));
     }
@@ -567,7 +595,10 @@ mod tests {
         assert_eq!(rows[1].doc_lens(), [4, 1]);
         // A packed row yields exactly its samples' loss terms.
         let per_doc: usize = docs.iter().map(Example::label_tokens).sum();
-        assert_eq!(rows.iter().map(Example::label_tokens).sum::<usize>(), per_doc);
+        assert_eq!(
+            rows.iter().map(Example::label_tokens).sum::<usize>(),
+            per_doc
+        );
         // Padding continues the last sample; unpacked rows in the batch get 0..len.
         let m = pad_batch(&[&rows[1], &ex(2, 0)], 0);
         assert_eq!(m.position_ids, [0, 1, 2, 3, 0, 0, 1, 2, 3, 4]);

@@ -37,6 +37,9 @@ pub struct Message {
     pub content: String,
 }
 
+/// A string field of a record: absent (None) or the bad record it makes.
+type FieldText = std::result::Result<Option<String>, BadRecord>;
+
 /// Why one record was left out: its 1-based line and the field at fault.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BadRecord {
@@ -89,7 +92,10 @@ pub fn split_records<'a>(path: &Path, text: &'a str) -> Result<Vec<RawRecord<'a>
         .map(|raw| {
             let json = raw.get();
             let offset = json.as_ptr() as usize - text.as_ptr() as usize;
-            let line = 1 + text.as_bytes()[..offset].iter().filter(|&&b| b == b'\n').count();
+            let line = 1 + text.as_bytes()[..offset]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count();
             RawRecord { line, json }
         })
         .collect())
@@ -113,12 +119,15 @@ impl Schema {
         let Value::Object(obj) = obj else {
             return Err(bad("", "not a JSON object"));
         };
-        let text = |col: &str, required: bool| -> std::result::Result<Option<String>, BadRecord> {
+        let text = |col: &str, required: bool| -> FieldText {
             match obj.get(col) {
                 None | Some(Value::Null) if required => Err(bad(col, "missing")),
                 None | Some(Value::Null) => Ok(None),
                 Some(Value::String(s)) => Ok(Some(s.clone())),
-                Some(other) => Err(bad(col, &format!("expected a string, found {}", kind(other)))),
+                Some(other) => Err(bad(
+                    col,
+                    &format!("expected a string, found {}", kind(other)),
+                )),
             }
         };
         let system = match &self.columns.system {
@@ -146,7 +155,7 @@ impl Schema {
         &self,
         obj: &serde_json::Map<String, Value>,
         line: usize,
-        text: &dyn Fn(&str, bool) -> std::result::Result<Option<String>, BadRecord>,
+        text: &dyn Fn(&str, bool) -> FieldText,
         msgs: &mut Vec<Message>,
     ) -> std::result::Result<(), BadRecord> {
         let c = &self.columns;
@@ -240,7 +249,10 @@ impl Schema {
                         &field(&t.role_tag),
                         format!(
                             "unknown role `{r}` (expected {}, {}, {}, {}, or {} first)",
-                            t.user_tag, t.assistant_tag, t.observation_tag, t.function_tag,
+                            t.user_tag,
+                            t.assistant_tag,
+                            t.observation_tag,
+                            t.function_tag,
                             t.system_tag
                         ),
                     ));
@@ -323,8 +335,15 @@ mod tests {
     #[test]
     fn bad_records_name_line_and_field() {
         let e = conv(DatasetFormat::Alpaca, r#"{"instruction": "x"}"#).unwrap_err();
-        assert_eq!((e.line, e.field.as_str(), e.reason.as_str()), (7, "output", "missing"));
-        let e = conv(DatasetFormat::Alpaca, r#"{"instruction": 3, "output": "y"}"#).unwrap_err();
+        assert_eq!(
+            (e.line, e.field.as_str(), e.reason.as_str()),
+            (7, "output", "missing")
+        );
+        let e = conv(
+            DatasetFormat::Alpaca,
+            r#"{"instruction": 3, "output": "y"}"#,
+        )
+        .unwrap_err();
         assert_eq!(e.field, "instruction");
         assert!(e.reason.contains("expected a string, found a number"));
         let e = conv(DatasetFormat::Sharegpt, r#"{"conversations": []}"#).unwrap_err();

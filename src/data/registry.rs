@@ -148,8 +148,13 @@ pub fn lookup(dir: &Path, name: &str) -> Result<Registered> {
             known.join(", ")
         )));
     };
-    let e: Entry = serde_path_to_error::deserialize(raw)
-        .map_err(|e| cfg_err(format!("dataset `{name}`, key `{}`: {}", e.path(), e.inner())))?;
+    let e: Entry = serde_path_to_error::deserialize(raw).map_err(|e| {
+        cfg_err(format!(
+            "dataset `{name}`, key `{}`: {}",
+            e.path(),
+            e.inner()
+        ))
+    })?;
     let remote = [
         ("hf_hub_url", &e.hf_hub_url),
         ("ms_hub_url", &e.ms_hub_url),
@@ -161,7 +166,9 @@ pub fn lookup(dir: &Path, name: &str) -> Result<Registered> {
         let given = remote.iter().find(|(_, v)| v.is_some()).map(|(k, _)| *k);
         return Err(cfg_err(format!(
             "dataset `{name}` has no `file_name`{}: only local files are read (runs are offline)",
-            given.map(|k| format!(" (it gives `{k}`)")).unwrap_or_default()
+            given
+                .map(|k| format!(" (it gives `{k}`)"))
+                .unwrap_or_default()
         )));
     };
     let unsupported = [
@@ -182,7 +189,6 @@ pub fn lookup(dir: &Path, name: &str) -> Result<Registered> {
         )));
     }
     Ok(Registered {
-
         file: dir.join(file_name),
         format,
         columns: Columns::defaults(format).with(&e.columns, name, &path)?,
@@ -196,7 +202,8 @@ mod tests {
     use super::*;
 
     fn registry(json: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("mt-reg-{}-{}", std::process::id(), json.len()));
+        let dir =
+            std::env::temp_dir().join(format!("mt-reg-{}-{}", std::process::id(), json.len()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join(REGISTRY), json).unwrap();
         dir
@@ -212,14 +219,23 @@ mod tests {
                 "hub": {"hf_hub_url": "org/x"}}"#,
         );
         let a = lookup(&dir, "a").unwrap();
-        assert_eq!((a.format, a.columns.response.as_str()), (DatasetFormat::Alpaca, "output"));
+        assert_eq!(
+            (a.format, a.columns.response.as_str()),
+            (DatasetFormat::Alpaca, "output")
+        );
         assert_eq!(a.file, dir.join("a.json"));
         let s = lookup(&dir, "s").unwrap();
-        assert_eq!((s.columns.messages.as_str(), s.tags.role_tag.as_str()), ("messages", "role"));
+        assert_eq!(
+            (s.columns.messages.as_str(), s.tags.role_tag.as_str()),
+            ("messages", "role")
+        );
         assert_eq!(s.tags.observation_tag, "observation");
         let e = lookup(&dir, "hub").unwrap_err().to_string();
         assert!(e.contains("hf_hub_url") && e.contains("file_name"), "{e}");
         let e = lookup(&dir, "nope").unwrap_err().to_string();
-        assert!(e.contains("no dataset `nope`") && e.contains("registered: a, hub, s"), "{e}");
+        assert!(
+            e.contains("no dataset `nope`") && e.contains("registered: a, hub, s"),
+            "{e}"
+        );
     }
 }

@@ -50,7 +50,9 @@ fn check_ids(v: &[i64], vocab: usize, allow_ignore: bool) -> Result<Vec<i32>, St
             if (0..vocab as i64).contains(&x) || (allow_ignore && x == IGNORE_INDEX as i64) {
                 Ok(x as i32)
             } else {
-                Err(format!("entry {j} is {x}, outside the vocabulary 0..{vocab}"))
+                Err(format!(
+                    "entry {j} is {x}, outside the vocabulary 0..{vocab}"
+                ))
             }
         })
         .collect()

@@ -105,10 +105,7 @@ impl Context {
             },
             AttentionKind::Sliding => LayerCtx {
                 rope: self.rope_local.as_ref().unwrap_or(&self.rope),
-                mask_tt: self
-                    .sliding_mask
-                    .as_ref()
-                    .or(self.causal_mask.as_ref()),
+                mask_tt: self.sliding_mask.as_ref().or(self.causal_mask.as_ref()),
             },
         }
     }
