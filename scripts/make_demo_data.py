@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Writes the built-in demo: data/demo/alpaca_demo.json (alpaca-format tasks written for this
 project, deterministic) and the tiny demo model's tokenizer (configs/tiny/tokenizer.json, a
-byte-level BPE trained on that data, and tokenizer_config.json with a ChatML template).
+byte-level BPE trained on that data, and tokenizer_config.json with a ChatML template); and
+data/demo/tokenized.jsonl (the `tokenized_demo` set: arithmetic progressions modulo 256 after a
+two-token prompt whose labels are masked).
 
 Run from the repository root with the project venv: .venv/bin/python scripts/make_demo_data.py
 The outputs are committed; this script documents and reproduces them.
@@ -103,3 +105,11 @@ with open("configs/tiny/tokenizer_config.json", "w") as f:
     )
     f.write("\n")
 print(f"{len(rows)} examples, vocabulary {tok.get_vocab_size()}")
+
+rng = random.Random(7)
+with open("data/demo/tokenized.jsonl", "w") as f:
+    for _ in range(256):
+        n = rng.randint(24, 48)
+        start, stride = rng.randrange(256), rng.randint(1, 7)
+        ids = [(start + i * stride) % 256 for i in range(n)]
+        f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")

@@ -585,6 +585,41 @@ mod tests {
     }
 
     #[test]
+    fn packed_order_is_a_function_of_the_seed() {
+        let text: String = (1..=30)
+            .map(|n| {
+                format!(
+                    "{{\"input_ids\": {:?}}}\n",
+                    (0..n % 7 + 2).collect::<Vec<_>>()
+                )
+            })
+            .collect();
+        let p = tmp("seeded.jsonl", &text);
+        let yaml = format!(
+            "{{format: tokenized, path: {}, max_seq_len: 16, packing: true}}",
+            p.display()
+        );
+        let load = |seed| {
+            Dataset::load(&section(&yaml), Path::new("."), 50, seed)
+                .unwrap()
+                .rows
+        };
+        let (a, b, c) = (load(1), load(1), load(2));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let docs = |rows: &[Example]| rows.iter().map(|r| r.doc_lens().len()).sum::<usize>();
+        assert_eq!((docs(&a), docs(&c)), (30, 30));
+        assert!(a.iter().all(|r| r.input_ids.len() <= 16));
+        let unshuffled = format!("{{{}, shuffle: false}}", &yaml[1..yaml.len() - 1]);
+        let d = Dataset::load(&section(&unshuffled), Path::new("."), 50, 1).unwrap();
+        assert_eq!(
+            d.rows[0].doc_lens()[..2],
+            [3, 4],
+            "file order without shuffle"
+        );
+    }
+
+    #[test]
     fn packing_keeps_each_sample_apart() {
         let docs = vec![ex(3, 1), ex(2, 0), ex(4, 0), ex(1, 0)];
         let rows = pack(docs.clone(), 6);
