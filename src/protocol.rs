@@ -83,6 +83,11 @@ pub struct MicroBatch {
     pub input_ids: Vec<i32>,
     /// Aligned with `input_ids` (HF convention, shifted inside the worker); -100 = ignored.
     pub labels: Vec<i32>,
+    /// Packed rows: each token's position, restarting at 0 where a sample starts; a token
+    /// attends only to earlier tokens of its own sample. Empty: positions 0..seq_len and
+    /// plain causal attention.
+    #[serde(default)]
+    pub position_ids: Vec<i32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -17,6 +17,7 @@ use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
 use crate::host::HostState;
+use crate::progress::Progress;
 use crate::supervisor::{Event, Supervisor};
 
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
@@ -52,6 +53,57 @@ pub struct Trainer {
     nan_run: u64,
     /// The first step to run (0, or the resumed checkpoint's step).
     start_step: u64,
+    progress: Progress,
+}
+
+/// Everything a run is built from, checked before any worker starts: the model, its
+/// layout, the dataset (every record read and tokenized) and the host memory plan, which
+/// must fit in the RAM available now.
+pub struct Prepared {
+    pub spec: ModelSpec,
+    pub layout: Layout,
+    pub data: Dataset,
+    pub plan: mt::plan::HostPlan,
+}
+
+impl Prepared {
+    pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        cfg.validate_world(placement.workers)?;
+        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        let layout = Layout::new(&spec);
+        let data = Dataset::load(
+            &cfg.dataset,
+            &cfg.model.path,
+            spec.vocab_size,
+            cfg.training.seed,
+        )?;
+        let plan = mt::plan::HostPlan::new(
+            &layout,
+            cfg.model.dtype,
+            placement.workers,
+            cfg.memory.num_grad_slabs,
+        );
+        Ok(Prepared {
+            spec,
+            layout,
+            data,
+            plan,
+        })
+    }
+
+    /// Refuses a run whose host memory plan exceeds the RAM available now.
+    pub fn check_host_ram(&self) -> Result<()> {
+        if let Some(avail) = mt::plan::available_host_bytes()
+            && self.plan.total() > avail
+        {
+            bail!(
+                "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable)",
+                self.plan.total() as f64 / 1e9,
+                avail as f64 / 1e9
+            );
+        }
+        Ok(())
+    }
 }
 
 /// What the workers and the reduce reported for one step.
@@ -74,7 +126,8 @@ impl Trainer {
         dump_logits: Option<PathBuf>,
         resume: Option<String>,
     ) -> Result<Trainer> {
-        cfg.validate_world(placement.workers)?;
+        let prepared = Prepared::new(&cfg, &placement)?;
+        prepared.check_host_ram()?;
         if let Some(dir) = &cfg.checkpoint.dir {
             checkpoint::check_writable(dir, "checkpoint.dir")?;
             checkpoint::state::remove_stale(dir)?;
@@ -82,10 +135,13 @@ impl Trainer {
         if let Some(dir) = &cfg.training.output_dir {
             checkpoint::check_writable(dir, "training.output_dir")?;
         }
-        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
-        let layout = Layout::new(&spec);
-        let data =
-            Dataset::load_tokenized(&cfg.dataset.path, spec.vocab_size, cfg.dataset.max_seq_len)?;
+        let Prepared {
+            spec,
+            layout,
+            data,
+            plan,
+        } = prepared;
+        println!("{}", data.summary());
         let resume = resume
             .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
             .transpose()?;
@@ -107,12 +163,6 @@ impl Trainer {
             dtype = ?cfg.model.dtype,
             rows = data.rows.len(),
             "starting"
-        );
-        let plan = mt::plan::HostPlan::new(
-            &layout,
-            cfg.model.dtype,
-            placement.workers,
-            cfg.memory.num_grad_slabs,
         );
         println!("{plan}");
         let export = ExportOptions {
@@ -166,10 +216,9 @@ impl Trainer {
             .map(|rank| Init {
                 rank,
                 world: placement.workers,
-                device: if placement.gpus > 0 {
-                    Device::Cuda(rank)
-                } else {
-                    Device::Cpu
+                device: match placement.devices.get(rank) {
+                    Some(&d) => Device::Cuda(d),
+                    None => Device::Cpu,
                 },
                 threads: (cores / placement.workers).max(1),
                 spec: spec.clone(),
@@ -197,7 +246,9 @@ impl Trainer {
             cfg.dataset.shuffle,
             cfg.training.seed,
         );
+        let progress = Progress::new(start_step, cfg.training.num_steps, cfg.logging.log_every);
         Ok(Trainer {
+            progress,
             cfg,
             spec,
             data,
@@ -272,6 +323,7 @@ impl Trainer {
             }
             plan = next.unwrap_or(plan);
         }
+        self.progress.finish();
         let Trainer {
             cfg,
             host,
@@ -412,20 +464,20 @@ impl Trainer {
         } else if every > 0 && done.is_multiple_of(every) {
             let (waited, written) = writer.start(state, &live).with_context(failed)?;
             if self.cfg.checkpoint.background {
-                println!(
+                self.progress.println(&format!(
                     "checkpoint of step {done}: snapshot taken in {waited:.3}s, writing in the background"
-                );
+                ));
             }
             written
         } else {
             writer.poll().with_context(failed)?.into_iter().collect()
         };
         for w in written {
-            println!(
+            self.progress.println(&format!(
                 "checkpoint {} written in {:.3}s",
                 w.dir.display(),
                 w.write_s
-            );
+            ));
         }
         Ok(())
     }
@@ -529,21 +581,7 @@ impl Trainer {
         if let Some(w) = self.metrics.as_mut() {
             w.write(&m)?;
         }
-        let every = self.cfg.logging.log_every.max(1);
-        if m.step.is_multiple_of(every) || m.step == self.cfg.training.num_steps {
-            println!(
-                "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev",
-                m.step,
-                self.cfg.training.num_steps,
-                m.loss,
-                m.lr,
-                m.grad_norm,
-                m.tokens,
-                m.step_time_s,
-                m.tokens_per_s,
-                m.tflops_megatrain
-            );
-        }
+        self.progress.step(&m, self.cfg.training.num_steps);
         Ok(())
     }
 }

@@ -8,9 +8,12 @@
 //! Relative paths in a config are resolved against the directory of the config file, so a
 //! config runs the same from any working directory.
 
+mod dataset;
 pub mod hf;
 pub mod hub;
 pub mod size;
+
+pub use dataset::{DatasetFormat, DatasetSection, Overlong};
 
 use std::path::{Path, PathBuf};
 
@@ -86,6 +89,26 @@ pub struct ModelSection {
     /// Compute dtype, and the dtype of the shared weight store and gradient slabs.
     #[serde(default)]
     pub dtype: DType,
+    /// MegaTrain's key, accepted: attention is always PyTorch's fused SDPA (`sdpa`), or
+    /// the explicit form where a family soft-caps scores (what `eager` computes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_implementation: Option<AttnImplementation>,
+    /// MegaTrain's key, accepted: no model code is ever loaded from the model directory,
+    /// so `true` changes nothing (the family comes from config.json's `model_type`).
+    #[serde(default)]
+    pub trust_remote_code: bool,
+    /// CUDA device indices for the workers, one worker each (default: 0..N-1 for `--gpus N`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<usize>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttnImplementation {
+    Sdpa,
+    Eager,
+    #[serde(rename = "flash_attention_2")]
+    FlashAttention2,
 }
 
 impl ModelSection {
@@ -137,29 +160,6 @@ impl DType {
             DType::Bfloat16 => 2,
         }
     }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DatasetSection {
-    /// On-disk format of `path`.
-    pub format: DatasetFormat,
-    /// The dataset file.
-    pub path: PathBuf,
-    /// Shuffle rows each epoch (seeded by `training.seed`); false keeps file order and
-    /// step k takes the next `batch_size` rows, wrapping around.
-    #[serde(default = "default_true")]
-    pub shuffle: bool,
-    /// Rows longer than this are truncated (None: no limit).
-    #[serde(default)]
-    pub max_seq_len: Option<usize>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DatasetFormat {
-    /// JSONL, one object per line: `input_ids` and optional `labels` (-100 = ignored).
-    Tokenized,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -236,6 +236,9 @@ pub enum LrScheduler {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {
+    /// The optimizer: only `adamw` (torch.optim.AdamW's semantics, on the CPU).
+    #[serde(rename = "type")]
+    pub kind: OptimizerKind,
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
@@ -244,11 +247,19 @@ pub struct OptimizerSection {
 impl Default for OptimizerSection {
     fn default() -> Self {
         OptimizerSection {
+            kind: OptimizerKind::Adamw,
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    #[default]
+    Adamw,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -261,6 +272,9 @@ pub struct MemorySection {
     /// Keep each layer's input between forward and backward in pinned host memory
     /// instead of on the GPU (long sequences); ignored by CPU workers.
     pub offload_activations: bool,
+    /// MegaTrain's activation checkpoint interval in layers: only 1 (every layer's input
+    /// is kept on the device and the layer recomputed in the backward) is implemented.
+    pub checkpoint_interval: usize,
 }
 
 impl Default for MemorySection {
@@ -269,6 +283,7 @@ impl Default for MemorySection {
             num_grad_slabs: 4,
             ce_chunk_tokens: 4096,
             offload_activations: false,
+            checkpoint_interval: 1,
         }
     }
 }
@@ -286,10 +301,6 @@ impl Default for LoggingSection {
     }
 }
 
-fn default_true() -> bool {
-    true
-}
-
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
@@ -303,9 +314,10 @@ impl RunConfig {
         }
         let mut cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
+            let inner = e.inner().to_string();
             Error::Config {
                 path: path.into(),
-                msg: format!("key `{key}`: {}", e.inner()),
+                msg: format!("key `{key}`: {inner}{}", did_you_mean(&inner)),
             }
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
@@ -322,7 +334,10 @@ impl RunConfig {
             }
         };
         fix(&mut self.model.path);
-        fix(&mut self.dataset.path);
+        if let Some(p) = self.dataset.path.as_mut() {
+            fix(p);
+        }
+        fix(&mut self.dataset.dataset_dir);
         if let Some(out) = self.training.output_dir.as_mut() {
             fix(out);
         }
@@ -407,10 +422,27 @@ impl RunConfig {
                 "is required when checkpoint.every_steps > 0",
             ));
         }
-        if self.dataset.max_seq_len == Some(0) {
-            return Err(Error::invalid("dataset.max_seq_len", "must be > 0"));
+        if self.memory.checkpoint_interval != 1 {
+            return Err(Error::invalid(
+                "memory.checkpoint_interval",
+                format!(
+                    "only 1 is implemented (every layer's input is kept), got {}",
+                    self.memory.checkpoint_interval
+                ),
+            ));
         }
-        Ok(())
+        if let Some(d) = &self.model.devices {
+            let mut seen = d.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            if d.is_empty() || seen.len() != d.len() {
+                return Err(Error::invalid(
+                    "model.devices",
+                    format!("must list distinct CUDA device indices, got {d:?}"),
+                ));
+            }
+        }
+        self.dataset.validate()
     }
 
     /// Checks that the global batch splits evenly over `workers` x accumulation steps.
@@ -428,6 +460,40 @@ impl RunConfig {
         }
         Ok(())
     }
+}
+
+/// For serde's "unknown field `x`, expected one of `a`, `b`" (or "unknown variant"):
+/// ", did you mean `a`?" naming the closest valid name, or nothing.
+fn did_you_mean(msg: &str) -> String {
+    let quoted: Vec<&str> = msg.split('`').skip(1).step_by(2).collect();
+    let Some((unknown, valid)) = quoted.split_first() else {
+        return String::new();
+    };
+    valid
+        .iter()
+        .map(|v| (edit_distance(unknown, v), v))
+        .filter(|(d, v)| *d <= v.len().max(unknown.len()) / 2 + 1)
+        .min()
+        .map(|(_, v)| format!(" (did you mean `{v}`?)"))
+        .unwrap_or_default()
+}
+
+/// Levenshtein distance over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let next = (diag + usize::from(ca != cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 /// Applies one `key.path=value` override; the value is parsed as YAML (so `3`, `1e-4`,
@@ -496,6 +562,25 @@ mod tests {
         let msg = e.to_string();
         assert!(msg.contains("training.batch_sise"), "{msg}");
         assert!(msg.contains("unknown field"), "{msg}");
+        assert!(msg.contains("did you mean `batch_size`?"), "{msg}");
+        let e = parse(&format!("{OK}optimizer: {{type: adam}}\n")).unwrap_err();
+        assert!(e.to_string().contains("did you mean `adamw`?"), "{e}");
+    }
+
+    #[test]
+    fn megatrain_keys_are_accepted() {
+        let c = parse(
+            "model: {path: m, attn_implementation: flash_attention_2, trust_remote_code: true, devices: [1, 0]}\n\
+             dataset: {name: alpaca_demo, dataset_dir: d, system_prompt: hi, train_on_prompt: true, num_workers: 2}\n\
+             optimizer: {type: adamw}\nmemory: {checkpoint_interval: 1, num_grad_slabs: 2}\n",
+        )
+        .unwrap();
+        assert_eq!(c.model.devices, Some(vec![1, 0]));
+        assert!(c.dataset.dataset_dir.ends_with("d"));
+        let e = parse(&format!("{OK}memory: {{checkpoint_interval: 2}}\n")).unwrap_err();
+        assert!(e.to_string().contains("memory.checkpoint_interval"), "{e}");
+        let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
+        assert!(e.to_string().contains("dataset.path"), "{e}");
     }
 
     #[test]

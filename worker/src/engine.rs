@@ -109,6 +109,8 @@ impl std::error::Error for Interrupted {}
 /// those positions are in the flattened (B*T) batch.
 struct DeviceBatch {
     ids_bt: Tensor,
+    /// Packed rows' positions (B, T); None: 0..T.
+    pos_bt: Option<Tensor>,
     valid_m: Tensor,
     targets_m: Tensor,
 }
@@ -175,13 +177,22 @@ impl Engine {
 
     fn upload(&self, mi: usize, mb: &MicroBatch) -> Result<DeviceBatch> {
         let (b, t) = (mb.rows as i64, mb.seq_len as i64);
-        if mb.input_ids.len() != (b * t) as usize || mb.labels.len() != (b * t) as usize || t == 0 {
+        let n = (b * t) as usize;
+        let pos_ok = mb.position_ids.is_empty() || mb.position_ids.len() == n;
+        if mb.input_ids.len() != n || mb.labels.len() != n || t == 0 || !pos_ok {
             bail!(
-                "micro-batch {mi}: {} ids / {} labels for {b}x{t}",
+                "micro-batch {mi}: {} ids / {} labels / {} positions for {b}x{t}",
                 mb.input_ids.len(),
-                mb.labels.len()
+                mb.labels.len(),
+                mb.position_ids.len()
             );
         }
+        let pos_bt = (!mb.position_ids.is_empty()).then(|| {
+            Tensor::from_slice(&mb.position_ids)
+                .view([b, t])
+                .to_kind(Kind::Int64)
+                .to_device(self.device)
+        });
         let ids_bt = Tensor::from_slice(&mb.input_ids)
             .view([b, t])
             .to_kind(Kind::Int64)
@@ -196,6 +207,7 @@ impl Engine {
         let targets_m = targets.index_select(0, &valid_m).to_device(self.device);
         Ok(DeviceBatch {
             ids_bt,
+            pos_bt,
             valid_m: valid_m.to_device(self.device),
             targets_m,
         })
@@ -205,7 +217,13 @@ impl Engine {
     /// backward; returns the last layer's output.
     fn forward(&mut self, batch: &DeviceBatch, seq_len: usize, link: &Link) -> Result<Tensor> {
         let layout = &self.layout;
-        let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
+        let ctx = model::Context::new(
+            &self.spec,
+            seq_len,
+            batch.pos_bt.as_ref(),
+            self.kind,
+            self.device,
+        );
         let _guard = tch::no_grad_guard();
         let (ctl, rx) = (&mut self.ctl, link.rx);
         let gate = &mut |b| ctl.wait_block(b, rx);
@@ -275,7 +293,13 @@ impl Engine {
             &layout.blocks[Layout::EMBED],
             &layout.blocks[layout.head_block()],
         );
-        let ctx = model::Context::new(&self.spec, seq_len, self.kind, self.device);
+        let ctx = model::Context::new(
+            &self.spec,
+            seq_len,
+            batch.pos_bt.as_ref(),
+            self.kind,
+            self.device,
+        );
         let (ctl, rx) = (&mut self.ctl, link.rx);
         let gate = &mut |b| ctl.wait_block(b, rx);
         let head_w = BlockWeights::leaves(&self.streamer.head(&layout, gate)?, head_block);
