@@ -15,17 +15,60 @@ import argparse
 import json
 import os
 import random
+import shutil
 
 from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM_PROMPT = "Be exact."
 
+# A second template, written for this test, with the constructs HF templates use: bos_token,
+# `tools is not none`, raise_exception, namespace, slicing, filters, Python string methods,
+# loop variables, whitespace control, and an eos after every answer.
+TEMPLATE2 = """{{- bos_token }}
+{%- if tools is not none %}{{ raise_exception('tools are not supported') }}{% endif %}
+{%- set ns = namespace(system='') %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set ns.system = messages[0]['content'] | trim %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if ns.system %}
+{{ '<|im_start|>system\n' + ns.system + '<|im_end|>' }}
+{% endif %}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('roles must alternate user/assistant') }}
+    {%- endif %}
+    {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- if message['content'].startswith('  ') %}
+        {{- message['content'].lstrip() }}
+    {%- else %}
+        {{- message['content'].rstrip() }}
+    {%- endif %}
+    {{- '<|im_end|>' }}
+    {%- if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}
+
+{% endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 out = os.path.abspath(ap.parse_args().out)
 os.makedirs(out, exist_ok=True)
 tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "configs/tiny"))
+
+model2 = os.path.join(out, "model-template2")
+os.makedirs(model2, exist_ok=True)
+shutil.copy(os.path.join(ROOT, "configs/tiny/tokenizer.json"), model2)
+with open(os.path.join(model2, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+               "eos_token": "<|im_end|>", "chat_template": TEMPLATE2}, f, indent=2)
+tok2 = AutoTokenizer.from_pretrained(model2)
 
 with open(os.path.join(ROOT, "data/demo/alpaca_demo.json")) as f:
     alpaca = json.load(f)
@@ -67,7 +110,7 @@ with open(os.path.join(out, "dataset_info.json"), "w") as f:
     json.dump(registry, f, indent=2)
 
 
-def row(msgs):
+def row(msgs, tok=tok):
     full = tok.apply_chat_template(msgs, tokenize=False)
     spans = []
     for i, m in enumerate(msgs):
@@ -101,4 +144,7 @@ for name, msgs in cases.items():
     with open(os.path.join(out, f"expected_{name}.jsonl"), "w") as f:
         for m in msgs:
             f.write(json.dumps(row(m), ensure_ascii=False) + "\n")
+with open(os.path.join(out, "expected_sharegpt_demo_template2.jsonl"), "w") as f:
+    for m in convs:
+        f.write(json.dumps(row(m, tok2), ensure_ascii=False) + "\n")
 print(f"data fixtures: {', '.join(f'{k} ({len(v)} rows)' for k, v in cases.items())} in {out}")

@@ -46,7 +46,7 @@ fn run(cli: cli::Cli) -> Result<()> {
     let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
     let placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
     if cli.dry_run {
-        return plan::dry_run(&cfg, &placement);
+        return plan::dry_run(&cfg, &placement, cli.resume.as_deref());
     }
     train::Trainer::new(
         cfg,

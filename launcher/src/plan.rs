@@ -55,10 +55,15 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--dry-run`: every check a launch makes, then a summary; no worker starts.
-pub fn dry_run(cfg: &RunConfig, placement: &Placement) -> Result<()> {
+/// `--dry-run`: every check a launch makes (the checkpoint to resume from included), then
+/// a summary; no worker starts.
+pub fn dry_run(cfg: &RunConfig, placement: &Placement, resume: Option<&str>) -> Result<()> {
     let prep = Prepared::new(cfg, placement)?;
     prep.check_host_ram()?;
+    if let Some(r) = resume {
+        let dir = mt::checkpoint::state::resolve(r, cfg.checkpoint.dir.as_deref())?;
+        println!("would resume from {}", dir.display());
+    }
     describe(cfg, placement, &prep);
     println!("dry run: configuration, model, dataset and host memory are valid");
     Ok(())

@@ -25,9 +25,13 @@ fn tiny_model() -> PathBuf {
 }
 
 fn load(yaml: &str) -> mt::error::Result<Dataset> {
+    load_with(yaml, &tiny_model())
+}
+
+fn load_with(yaml: &str, model: &Path) -> mt::error::Result<Dataset> {
     let ds: DatasetSection = serde_yaml_ng::from_str(yaml).unwrap();
     ds.validate()?;
-    Dataset::load(&ds, &tiny_model(), 512, 0)
+    Dataset::load(&ds, model, 512, 0)
 }
 
 fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
@@ -49,13 +53,17 @@ fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
 }
 
 fn check(name: &str, extra: &str) {
+    check_with(name, extra, &tiny_model(), name);
+}
+
+fn check_with(name: &str, extra: &str, model: &Path, expected_name: &str) {
     let dir = fixtures();
     let yaml = format!(
         "{{name: {name}, dataset_dir: {}, shuffle: false{extra}}}",
         dir.display()
     );
-    let data = load(&yaml).unwrap();
-    let want = expected(name);
+    let data = load_with(&yaml, model).unwrap();
+    let want = expected(expected_name);
     assert_eq!(data.skipped.count, 0, "{:?}", data.skipped);
     assert_eq!(data.rows.len(), want.len());
     for (i, (row, (ids, labels))) in data.rows.iter().zip(&want).enumerate() {
@@ -79,6 +87,15 @@ fn sharegpt_rows_equal_transformers_chat_template() {
 #[test]
 fn openai_style_tags_equal_transformers_chat_template() {
     check("openai_demo", "");
+}
+
+/// A template written with the constructs HF templates use (bos_token, `tools is not none`,
+/// raise_exception, namespace, slicing, filters, Python string methods, loop variables,
+/// whitespace control) renders as jinja2 renders it.
+#[test]
+fn hf_template_constructs_render_as_jinja2_does() {
+    let model = fixtures().join("model-template2");
+    check_with("sharegpt_demo", "", &model, "sharegpt_demo_template2");
 }
 
 #[test]

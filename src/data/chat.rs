@@ -160,9 +160,14 @@ impl ChatTokenizer {
             .map(|m| context! { role => m.role.as_str(), content => &m.content })
             .collect();
         let tmpl = self.env.get_template(TEMPLATE).map_err(|e| e.to_string())?;
+        // As transformers renders: `tools` and `documents` are none (templates test them
+        // with `is not none`). `strftime_now` is deliberately not defined, so templates use
+        // their fixed fallback date and the token rows do not change from day to day.
         tmpl.render(context! {
             messages,
             add_generation_prompt,
+            tools => (),
+            documents => (),
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
         })
