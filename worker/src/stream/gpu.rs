@@ -517,7 +517,10 @@ impl HostStash {
     fn pop(&mut self, l: usize, copy: &Stream) -> Result<(Event, Tensor)> {
         if self.arriving.is_empty() {
             if l + 1 != self.shapes.len() {
-                bail!("input of layer {l} asked for first, {} were stashed", self.shapes.len());
+                bail!(
+                    "input of layer {l} asked for first, {} were stashed",
+                    self.shapes.len()
+                );
             }
             self.fetch(l, copy)?;
         }
