@@ -1,21 +1,115 @@
 #!/usr/bin/env python3
-"""Writes data/demo/tokenized.jsonl: the built-in demo dataset (deterministic, no deps).
+"""Writes the built-in demo: data/demo/alpaca_demo.json (alpaca-format tasks written for this
+project, deterministic) and the tiny demo model's tokenizer (configs/tiny/tokenizer.json, a
+byte-level BPE trained on that data, and tokenizer_config.json with a ChatML template); and
+data/demo/tokenized.jsonl (the `tokenized_demo` set: arithmetic progressions modulo 256 after a
+two-token prompt whose labels are masked).
 
-Each row is an arithmetic progression modulo the tiny model's vocabulary, preceded by a
-two-token "prompt" whose labels are masked. A model that learns the rule predicts every
-token after the third, so the loss visibly falls within a few dozen steps.
+Run from the repository root with the project venv: .venv/bin/python scripts/make_demo_data.py
+The outputs are committed; this script documents and reproduces them.
 """
 import json
 import random
 
-VOCAB = 256
-ROWS = 256
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB = 512
+WORDS = """apple river stone cloud garden pencil window orange silver forest candle rocket
+marble violin tiger harbor bridge lemon castle planet meadow copper falcon island lantern
+mirror needle ocean pepper quartz saddle thunder velvet walnut yellow zebra anchor basket
+cactus dragon engine feather glacier hammer igloo jacket kettle ladder magnet""".split()
+
+rng = random.Random(20261122)
+
+
+def task():
+    kind = rng.randrange(8)
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    w = rng.choice(WORDS)
+    if kind == 0:
+        return {"instruction": f"Add {a} and {b}.", "input": "", "output": f"{a} + {b} = {a + b}."}
+    if kind == 1:
+        a, b = max(a, b), min(a, b)
+        return {"instruction": f"Subtract {b} from {a}.", "input": "", "output": f"{a} - {b} = {a - b}."}
+    if kind == 2:
+        return {"instruction": "Reverse the letters of the word.", "input": w, "output": w[::-1]}
+    if kind == 3:
+        return {"instruction": f"Write the word {w} in capital letters.", "input": "", "output": w.upper()}
+    if kind == 4:
+        s = rng.randint(1, 9)
+        seq = [a + i * s for i in range(4)]
+        return {
+            "instruction": "What number comes next?",
+            "input": ", ".join(map(str, seq[:3])),
+            "output": f"The next number is {seq[3]}.",
+        }
+    if kind == 5:
+        parity = "even" if a % 2 == 0 else "odd"
+        return {"instruction": f"Is {a} even or odd?", "input": "", "output": f"{a} is {parity}."}
+    if kind == 6:
+        return {"instruction": f"How many letters are in the word {w}?", "input": "", "output": f"{w} has {len(w)} letters."}
+    nums = rng.sample(range(1, 60), 4)
+    return {
+        "instruction": "Sort these numbers from smallest to largest.",
+        "input": ", ".join(map(str, nums)),
+        "output": ", ".join(map(str, sorted(nums))),
+    }
+
+
+rows = [task() for _ in range(240)]
+for r in rows[::6]:
+    r["system"] = "Answer in one short sentence."
+with open("data/demo/alpaca_demo.json", "w") as f:
+    f.write("[\n" + ",\n".join("  " + json.dumps(r) for r in rows) + "\n]\n")
+
+TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'].strip() + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+texts = []
+for r in rows:
+    texts += [r["instruction"], r["input"], r["output"], r.get("system", ""), "You are a helpful assistant."]
+texts += ["system", "user", "assistant", "\n"]
+tok.train_from_iterator(
+    texts,
+    trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    ),
+)
+tok.save("configs/tiny/tokenizer.json")
+with open("configs/tiny/tokenizer_config.json", "w") as f:
+    json.dump(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "model_max_length": 512,
+            "chat_template": TEMPLATE,
+        },
+        f,
+        indent=2,
+    )
+    f.write("\n")
+print(f"{len(rows)} examples, vocabulary {tok.get_vocab_size()}")
 
 rng = random.Random(7)
 with open("data/demo/tokenized.jsonl", "w") as f:
-    for _ in range(ROWS):
+    for _ in range(256):
         n = rng.randint(24, 48)
-        start, stride = rng.randrange(VOCAB), rng.randint(1, 7)
-        ids = [(start + i * stride) % VOCAB for i in range(n)]
-        labels = [-100, -100] + ids[2:]
-        f.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+        start, stride = rng.randrange(256), rng.randint(1, 7)
+        ids = [(start + i * stride) % 256 for i in range(n)]
+        f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")

@@ -12,5 +12,9 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 echo "test: generating golden fixtures with transformers + torch"
 .venv/bin/python scripts/make_golden.py --out target/golden
 
+echo "test: generating data fixtures with transformers' tokenizer and chat template"
+.venv/bin/python scripts/make_data_fixtures.py --out target/data-fixtures
+
 export MT_GOLDEN_DIR="$PWD/target/golden"
+export MT_DATA_FIXTURES="$PWD/target/data-fixtures"
 cargo test --release --workspace

@@ -69,6 +69,8 @@ pub struct Init {
     /// Slots in this worker's gradient slab; each holds `layout.max_block_len()` elements.
     pub num_slots: usize,
     pub ce_chunk_tokens: usize,
+    /// Stash layer inputs in pinned host memory (CUDA only).
+    pub offload_activations: bool,
     /// Write the logits of the first micro-batch of the first step here (parity checks).
     pub dump_logits: Option<std::path::PathBuf>,
 }
@@ -84,6 +86,11 @@ pub struct MicroBatch {
     /// Real (unpadded) length of each row: the attention mask, which the MoE router
     /// load-balancing loss reads.
     pub row_lens: Vec<usize>,
+    /// Packed rows: each token's position, restarting at 0 where a sample starts; a token
+    /// attends only to earlier tokens of its own sample. Empty: positions 0..seq_len and
+    /// plain causal attention.
+    #[serde(default)]
+    pub position_ids: Vec<i32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -24,7 +24,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Print what a run would hold in host RAM (from the real layout) and exit.
+    /// Print the host RAM and per-GPU memory a run would hold (from the real layout and
+    /// activation sizes) and the largest micro-batch that fits, and exit.
     Plan(PlanArgs),
 }
 
@@ -45,6 +46,11 @@ pub struct PlanArgs {
     /// Override a config value (repeatable).
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub set: Vec<String>,
+
+    /// Device memory per GPU in GB for the largest-batch figure (default: what nvidia-smi
+    /// reports for the first GPU used).
+    #[arg(long, value_name = "GB")]
+    pub gpu_memory: Option<f64>,
 }
 
 /// Training (the default command).
@@ -87,45 +93,86 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR|latest")]
     pub resume: Option<String>,
 
+    /// Check everything (config, model, tokenizer and template, every dataset record,
+    /// host memory) and exit without starting workers.
+    #[arg(long)]
+    pub dry_run: bool,
+
     /// Log level: error, warn, info, debug, trace.
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: String,
 }
 
 /// Where the workers run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
     pub gpus: usize,
     pub workers: usize,
+    /// CUDA device of each rank (empty on CPU).
+    pub devices: Vec<usize>,
 }
 
-/// Where the workers run, from `--gpus` / `--workers`.
-pub fn placement(gpus: Option<usize>, workers: Option<usize>) -> Result<Placement> {
-    {
-        let present = visible_gpus();
-        let gpus = gpus.unwrap_or(present);
-        if gpus > 0 {
-            if present < gpus {
-                bail!(
-                    "--gpus {gpus} asks for more GPUs than the {present} this machine's NVIDIA driver lists"
-                );
-            }
-            if let Some(w) = workers.filter(|&w| w != gpus) {
-                bail!(
-                    "--workers {w} conflicts with --gpus {gpus}: with GPUs there is one worker per GPU"
-                );
-            }
-            return Ok(Placement {
-                gpus,
-                workers: gpus,
-            });
+/// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`.
+pub fn placement(
+    gpus: Option<usize>,
+    workers: Option<usize>,
+    devices: Option<&[usize]>,
+) -> Result<Placement> {
+    let present = visible_gpus();
+    if let Some(d) = devices {
+        if let Some(g) = gpus.filter(|&g| g != d.len()) {
+            bail!(
+                "--gpus {g} conflicts with model.devices {d:?} ({} devices): give one of them",
+                d.len()
+            );
         }
-        let workers = workers.unwrap_or(1);
-        if workers == 0 {
-            bail!("--workers must be at least 1");
+        if let Some(&bad) = d.iter().find(|&&i| i >= present) {
+            bail!(
+                "model.devices names cuda:{bad}, but this machine's NVIDIA driver lists {present} GPU(s)"
+            );
         }
-        Ok(Placement { gpus: 0, workers })
     }
+    let gpus = gpus.unwrap_or_else(|| devices.map_or(present, <[usize]>::len));
+    if gpus > 0 {
+        if present < gpus {
+            bail!(
+                "--gpus {gpus} asks for more GPUs than the {present} this machine's NVIDIA driver lists"
+            );
+        }
+        if let Some(w) = workers.filter(|&w| w != gpus) {
+            bail!(
+                "--workers {w} conflicts with --gpus {gpus}: with GPUs there is one worker per GPU"
+            );
+        }
+        return Ok(Placement {
+            gpus,
+            workers: gpus,
+            devices: devices.map_or_else(|| (0..gpus).collect(), <[usize]>::to_vec),
+        });
+    }
+    let workers = workers.unwrap_or(1);
+    if workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    Ok(Placement {
+        gpus: 0,
+        workers,
+        devices: Vec::new(),
+    })
+}
+
+/// Total memory of CUDA device `index` in bytes, from nvidia-smi (None without it).
+pub fn gpu_memory_bytes(index: usize) -> Option<u64> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=memory.total",
+            "--format=csv,noheader,nounits",
+            &format!("--id={index}"),
+        ])
+        .output()
+        .ok()?;
+    let mib: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
+    Some(mib << 20)
 }
 
 /// GPUs the NVIDIA driver lists (no CUDA needed in the launcher).

@@ -3,6 +3,7 @@
 //! `Layout`.
 
 use anyhow::{Context, Result};
+use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::config::{OptimizerSection, RunConfig};
 use mt::layout::Layout;
 use mt::optim::{AdamWStep, adamw_update};
@@ -86,41 +87,30 @@ impl HostState {
             .with_context(|| format!("write gradients to {}", path.display()))
     }
 
-    /// Writes a full checkpoint after `step` steps under `root`; returns its directory.
-    pub fn save_checkpoint(
-        &self,
-        root: &std::path::Path,
-        step: u64,
-        nan_run: u64,
-        dtype: mt::config::DType,
-        config: &std::path::Path,
-    ) -> Result<std::path::PathBuf> {
-        use mt::checkpoint::state::{self, Tensors, TrainState};
-        let st = TrainState {
+    /// Where training stands after `step` steps with `nan_run` non-finite steps in a row.
+    pub fn train_state(&self, step: u64, nan_run: u64, schedule: Schedule) -> TrainState {
+        TrainState {
             format: state::FORMAT,
             step,
             updates: self.updates,
             nan_run,
             layout: state::fingerprint(&self.layout),
-        };
-        let tensors = Tensors {
+            schedule: Some(schedule),
+        }
+    }
+
+    /// The tensors a checkpoint holds.
+    pub fn tensors(&self) -> Tensors<'_> {
+        Tensors {
             master: &self.master,
             m: &self.m,
             v: &self.v,
-        };
-        Ok(state::save(
-            root,
-            &st,
-            &self.layout,
-            &tensors,
-            dtype,
-            config,
-        )?)
+        }
     }
 
     /// Loads a checkpoint's weights and Adam state and rewrites the store from them.
-    pub fn restore(&mut self, dir: &std::path::Path) -> Result<mt::checkpoint::state::TrainState> {
-        let st = mt::checkpoint::state::load(
+    pub fn restore(&mut self, dir: &std::path::Path) -> Result<TrainState> {
+        let st = state::load(
             dir,
             &self.layout,
             &mut self.master,

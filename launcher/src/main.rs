@@ -2,6 +2,8 @@
 
 mod cli;
 mod host;
+mod plan;
+mod progress;
 mod supervisor;
 mod train;
 mod unix;
@@ -36,13 +38,16 @@ fn main() -> ExitCode {
 
 fn run(cli: cli::Cli) -> Result<()> {
     let cli = match cli.command {
-        Some(cli::Command::Plan(p)) => return plan(p),
+        Some(cli::Command::Plan(p)) => return plan::plan(p),
         None => cli.run,
     };
     let config = cli.config.expect("clap requires --config");
     unix::install_stop_handlers()?;
     let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
-    let placement = cli::placement(cli.gpus, cli.workers)?;
+    let placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
+    if cli.dry_run {
+        return plan::dry_run(&cfg, &placement, cli.resume.as_deref());
+    }
     train::Trainer::new(
         cfg,
         placement,
@@ -52,26 +57,4 @@ fn run(cli: cli::Cli) -> Result<()> {
         cli.resume,
     )?
     .run()
-}
-
-/// `mt-launch plan`: the host memory a run would hold, from the real layout.
-fn plan(p: cli::PlanArgs) -> Result<()> {
-    let cfg = mt::config::RunConfig::load(&p.config, &p.set)?;
-    let placement = cli::placement(p.gpus, p.workers)?;
-    let spec = mt::config::hf::ModelSpec::from_model_dir(&cfg.model.path)?;
-    let layout = mt::layout::Layout::new(&spec);
-    let plan = mt::plan::HostPlan::new(
-        &layout,
-        cfg.model.dtype,
-        placement.workers,
-        cfg.memory.num_grad_slabs,
-    );
-    println!(
-        "{} worker(s) on {}, {:?} store",
-        placement.workers,
-        if placement.gpus > 0 { "GPUs" } else { "CPU" },
-        cfg.model.dtype
-    );
-    println!("{plan}");
-    Ok(())
 }

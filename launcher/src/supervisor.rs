@@ -38,6 +38,8 @@ struct WorkerProc {
 pub struct Supervisor {
     workers: Vec<WorkerProc>,
     events: Receiver<Event>,
+    /// When each worker last sent a message (its start before that).
+    last_heard: Vec<Instant>,
 }
 
 impl Supervisor {
@@ -47,16 +49,17 @@ impl Supervisor {
         let mut sup = Supervisor {
             workers: Vec::new(),
             events,
+            last_heard: Vec::new(),
         };
         for init in inits {
             let w = spawn_one(worker_bin, init, &ev_tx)?;
             sup.workers.push(w);
+            sup.last_heard.push(Instant::now());
         }
         drop(ev_tx);
         let mut ready = vec![false; sup.workers.len()];
-        let deadline = Instant::now() + START_TIMEOUT;
         while ready.iter().any(|r| !r) {
-            match sup.next_event(deadline)? {
+            match sup.next_event(START_TIMEOUT, &|r| !ready[r])? {
                 Event::Msg(r, FromWorker::Ready { device }) => {
                     tracing::debug!(rank = r, %device, "worker ready");
                     ready[r] = true;
@@ -87,11 +90,25 @@ impl Supervisor {
         (0..self.workers.len()).try_for_each(|r| self.send(r, msg()))
     }
 
-    /// The next event, or an error if a worker died or `deadline` passed.
-    pub fn next_event(&mut self, deadline: Instant) -> Result<Event> {
+    /// The next event. Fails if a worker died, or if `timeout` passes without any event
+    /// while the caller waits on the ranks for which `waiting` holds: a hung worker is
+    /// treated like a crashed one. The one blamed is the waited-on worker heard from least
+    /// recently.
+    pub fn next_event(
+        &mut self,
+        timeout: Duration,
+        waiting: &dyn Fn(usize) -> bool,
+    ) -> Result<Event> {
+        // A timeout too large to add is no timeout.
+        let deadline = Instant::now().checked_add(timeout);
         loop {
             match self.events.recv_timeout(TICK) {
-                Ok(ev) => return Ok(ev),
+                Ok(ev) => {
+                    if let Event::Msg(r, _) = &ev {
+                        self.last_heard[*r] = Instant::now();
+                    }
+                    return Ok(ev);
+                }
                 Err(RecvTimeoutError::Disconnected) => bail!("all worker channels closed"),
                 Err(RecvTimeoutError::Timeout) => {}
             }
@@ -100,8 +117,21 @@ impl Supervisor {
                     return Err(self.death(r));
                 }
             }
-            if Instant::now() >= deadline {
-                bail!("timed out waiting for the workers (a worker hangs?)");
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                let silent = (0..self.workers.len())
+                    .filter(|&r| waiting(r))
+                    .min_by_key(|&r| self.last_heard[r]);
+                let Some(r) = silent else {
+                    bail!(
+                        "timed out after {} s waiting for the workers",
+                        timeout.as_secs()
+                    );
+                };
+                bail!(
+                    "worker rank {r} (pid {}) timed out after {} s without a message; treated as a crash",
+                    self.workers[r].child.id(),
+                    timeout.as_secs()
+                );
             }
         }
     }
@@ -179,6 +209,9 @@ impl Drop for Supervisor {
     }
 }
 
+/// torch's CUDA allocator settings (read once, when the worker first touches CUDA).
+const ENV_TORCH_ALLOC: &str = "PYTORCH_CUDA_ALLOC_CONF";
+
 fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerProc> {
     let rank = init.rank;
     let (server, name) =
@@ -190,6 +223,11 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    if std::env::var_os(ENV_TORCH_ALLOC).is_none() {
+        // The worker's allocations change size with every block it streams; expandable
+        // segments keep torch's cache from fragmenting into more memory than it holds.
+        cmd.env(ENV_TORCH_ALLOC, "expandable_segments:True");
+    }
     mt::shm::keep_fds_across_exec(&mut cmd, vec![init.store.fd, init.slab.fd]);
     let mut child = cmd
         .spawn()

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use mt::checkpoint;
+use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
@@ -17,6 +17,7 @@ use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
 use crate::host::HostState;
+use crate::progress::Progress;
 use crate::supervisor::{Event, Supervisor};
 
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
@@ -34,9 +35,6 @@ impl std::fmt::Display for Stopped {
 
 impl std::error::Error for Stopped {}
 
-/// Longest a step may take before the workers are declared hung.
-const STEP_TIMEOUT: Duration = Duration::from_secs(1800);
-
 pub struct Trainer {
     cfg: RunConfig,
     spec: ModelSpec,
@@ -44,12 +42,68 @@ pub struct Trainer {
     sampler: Sampler,
     host: HostState,
     sup: Supervisor,
+    /// Checkpoints (with `checkpoint.dir`); dropped after `sup`, so that a failing run
+    /// stops its workers first and then lets a write in flight complete.
+    writer: Option<Writer>,
+    /// How `training.output_dir` and checkpoints export the model.
+    export: ExportOptions,
     metrics: Option<MetricsWriter>,
     dump_grads: Option<PathBuf>,
     /// Non-finite steps in a row.
     nan_run: u64,
     /// The first step to run (0, or the resumed checkpoint's step).
     start_step: u64,
+    progress: Progress,
+}
+
+/// Everything a run is built from, checked before any worker starts: the model, its
+/// layout, the dataset (every record read and tokenized) and the host memory plan, which
+/// must fit in the RAM available now.
+pub struct Prepared {
+    pub spec: ModelSpec,
+    pub layout: Layout,
+    pub data: Dataset,
+    pub plan: mt::plan::HostPlan,
+}
+
+impl Prepared {
+    pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        cfg.validate_world(placement.workers)?;
+        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        let layout = Layout::new(&spec);
+        let data = Dataset::load(
+            &cfg.dataset,
+            &cfg.model.path,
+            spec.vocab_size,
+            cfg.training.seed,
+        )?;
+        let plan = mt::plan::HostPlan::new(
+            &layout,
+            cfg.model.dtype,
+            placement.workers,
+            cfg.memory.num_grad_slabs,
+        );
+        Ok(Prepared {
+            spec,
+            layout,
+            data,
+            plan,
+        })
+    }
+
+    /// Refuses a run whose host memory plan exceeds the RAM available now.
+    pub fn check_host_ram(&self) -> Result<()> {
+        if let Some(avail) = mt::plan::available_host_bytes()
+            && self.plan.total() > avail
+        {
+            bail!(
+                "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable)",
+                self.plan.total() as f64 / 1e9,
+                avail as f64 / 1e9
+            );
+        }
+        Ok(())
+    }
 }
 
 /// What the workers and the reduce reported for one step.
@@ -72,15 +126,22 @@ impl Trainer {
         dump_logits: Option<PathBuf>,
         resume: Option<String>,
     ) -> Result<Trainer> {
-        cfg.validate_world(placement.workers)?;
-        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
-        let layout = Layout::new(&spec);
-        let data =
-            Dataset::load_tokenized(&cfg.dataset.path, spec.vocab_size, cfg.dataset.max_seq_len)?;
-        let metrics = metrics_out
-            .as_deref()
-            .map(MetricsWriter::create)
-            .transpose()?;
+        let prepared = Prepared::new(&cfg, &placement)?;
+        prepared.check_host_ram()?;
+        if let Some(dir) = &cfg.checkpoint.dir {
+            checkpoint::check_writable(dir, "checkpoint.dir")?;
+            checkpoint::state::remove_stale(dir)?;
+        }
+        if let Some(dir) = &cfg.training.output_dir {
+            checkpoint::check_writable(dir, "training.output_dir")?;
+        }
+        let Prepared {
+            spec,
+            layout,
+            data,
+            plan,
+        } = prepared;
+        println!("{}", data.summary());
         let resume = resume
             .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
             .transpose()?;
@@ -103,17 +164,48 @@ impl Trainer {
             rows = data.rows.len(),
             "starting"
         );
-        let plan = mt::plan::HostPlan::new(
-            &layout,
-            cfg.model.dtype,
-            placement.workers,
-            cfg.memory.num_grad_slabs,
-        );
         println!("{plan}");
+        let export = ExportOptions {
+            dtype: cfg.model.dtype,
+            source: cfg.model.path.clone(),
+            max_shard_bytes: cfg.checkpoint.max_shard_size.0,
+        };
+        // Periodic checkpoints are written in the background; the last one from the live state.
+        let ck = &cfg.checkpoint;
+        let background = ck.background && ck.every_steps > 0;
+        let writer = ck.dir.clone().map(|root| {
+            Writer::new(
+                root,
+                ck.keep_last,
+                layout.clone(),
+                export.clone(),
+                background,
+            )
+        });
+        if background && writer.is_some() {
+            let gb = checkpoint::writer::snapshot_bytes(&layout) as f64 / 1e9;
+            println!(
+                "  + checkpoint snapshot  {gb:>9.2} GB (checkpoint.background; 12 bytes per parameter)"
+            );
+        }
         let mut host = HostState::new(&cfg, layout, master, placement.workers)?;
         let (mut start_step, mut nan_run) = (0, 0);
         if let Some(dir) = &resume {
             let state = host.restore(dir)?;
+            let steps = cfg.training.num_steps;
+            if state.step >= steps {
+                bail!(
+                    "{}: the checkpoint is at step {}, training.num_steps is {steps}: nothing left to run",
+                    dir.display(),
+                    state.step
+                );
+            }
+            let saved = state.schedule.as_ref();
+            for d in saved.map_or(vec![], |saved| schedule(&cfg).differences(saved)) {
+                tracing::warn!(
+                    "resuming with other settings ({d}): the run does not continue as it would have"
+                );
+            }
             println!("resumed from {} at step {}", dir.display(), state.step);
             (start_step, nan_run) = (state.step, state.nan_run);
         }
@@ -124,10 +216,9 @@ impl Trainer {
             .map(|rank| Init {
                 rank,
                 world: placement.workers,
-                device: if placement.gpus > 0 {
-                    Device::Cuda(rank)
-                } else {
-                    Device::Cpu
+                device: match placement.devices.get(rank) {
+                    Some(&d) => Device::Cuda(d),
+                    None => Device::Cpu,
                 },
                 threads: (cores / placement.workers).max(1),
                 spec: spec.clone(),
@@ -137,6 +228,7 @@ impl Trainer {
                 slab: host.slabs.handle(rank),
                 num_slots: cfg.memory.num_grad_slabs,
                 ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+                offload_activations: cfg.memory.offload_activations,
                 dump_logits: dump_logits.as_ref().map(|p| match placement.workers {
                     1 => p.clone(),
                     _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
@@ -144,19 +236,27 @@ impl Trainer {
             })
             .collect();
         let sup = Supervisor::start(&worker_binary()?, inits)?;
+        let metrics = metrics_out
+            .as_deref()
+            .map(MetricsWriter::create)
+            .transpose()?;
         let sampler = Sampler::new(
             data.rows.len(),
             cfg.training.batch_size,
             cfg.dataset.shuffle,
             cfg.training.seed,
         );
+        let progress = Progress::new(start_step, cfg.training.num_steps, cfg.logging.log_every);
         Ok(Trainer {
+            progress,
             cfg,
             spec,
             data,
             sampler,
             host,
             sup,
+            writer,
+            export,
             metrics,
             dump_grads,
             nan_run,
@@ -172,11 +272,6 @@ impl Trainer {
     pub fn run(mut self) -> Result<()> {
         let steps = self.cfg.training.num_steps;
         let first = self.start_step;
-        if first >= steps {
-            bail!(
-                "the checkpoint is at step {first}, training.num_steps is {steps}: nothing left to run"
-            );
-        }
         let mut plan = self.fetch_batch(first);
         self.send_step(first, &plan, false)?;
         let mut last_report = Instant::now();
@@ -221,26 +316,27 @@ impl Trainer {
             last_report = now;
             out.skipped = !finite;
             self.report(step, &plan, &out, grad_norm, lr, optimizer_s, step_time_s)?;
-            self.maybe_checkpoint(step + 1, stop.is_some())?;
+            self.checkpoint(step + 1, next.is_none())?;
             if stop.is_some() {
                 stopped = stop;
                 break;
             }
             plan = next.unwrap_or(plan);
         }
-        let Trainer { cfg, host, sup, .. } = self;
+        self.progress.finish();
+        let Trainer {
+            cfg,
+            host,
+            sup,
+            export,
+            ..
+        } = self;
         sup.shutdown();
         if let Some(sig) = stopped {
             return Err(Stopped(sig as i32).into());
         }
         if let Some(out) = &cfg.training.output_dir {
-            checkpoint::save_hf(
-                out,
-                &host.layout,
-                &host.master,
-                cfg.model.dtype,
-                &cfg.model.path.join("config.json"),
-            )?;
+            checkpoint::save_hf(out, &host.layout, &host.master, &export)?;
             println!("model written to {}", out.display());
         }
         Ok(())
@@ -291,9 +387,10 @@ impl Trainer {
             grad_sum_sq: 0.0,
             skipped: false,
         };
-        let deadline = Instant::now() + STEP_TIMEOUT;
+        let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
+        let mut step_done = vec![false; world];
         while done < world || reduced < expected_blocks {
-            match self.sup.next_event(deadline)? {
+            match self.sup.next_event(timeout, &|r| !step_done[r])? {
                 Event::Msg(rank, FromWorker::LayerGrads { micro, block, slot }) => {
                     let slots = pending
                         .entry((micro, block))
@@ -321,11 +418,12 @@ impl Trainer {
                     }
                 }
                 Event::Msg(
-                    _,
+                    rank,
                     FromWorker::StepDone {
                         loss_sum, timings, ..
                     },
                 ) => {
+                    step_done[rank] = true;
                     out.loss_sum += loss_sum;
                     let s = &mut out.slowest;
                     s.forward_s = s.forward_s.max(timings.forward_s);
@@ -346,28 +444,41 @@ impl Trainer {
         Ok(out)
     }
 
-    /// Writes a checkpoint after `done` steps if `checkpoint.every_steps` says so, or if
-    /// the run is stopping (`force`) and checkpoint.dir is set.
-    fn maybe_checkpoint(&mut self, done: u64, force: bool) -> Result<()> {
-        let ck = &self.cfg.checkpoint;
-        let Some(root) = ck.dir.as_deref() else {
+    /// Checkpoints after `done` steps (with `checkpoint.dir`): every `checkpoint.every_steps`
+    /// in the background, and at the `last` step (end of the run, or a stop signal) at
+    /// once, after the write in flight. A write that failed meanwhile fails the run.
+    fn checkpoint(&mut self, done: u64, last: bool) -> Result<()> {
+        let Some(writer) = self.writer.as_mut() else {
             return Ok(());
         };
-        let due = ck.every_steps > 0 && done.is_multiple_of(ck.every_steps);
-        if !due && !force {
-            return Ok(());
+        let every = self.cfg.checkpoint.every_steps;
+        let state = self
+            .host
+            .train_state(done, self.nan_run, schedule(&self.cfg));
+        let live = self.host.tensors();
+        let root = writer.root().display().to_string();
+        let failed =
+            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
+        let written = if last {
+            writer.write_final(state, &live).with_context(failed)?
+        } else if every > 0 && done.is_multiple_of(every) {
+            let (waited, written) = writer.start(state, &live).with_context(failed)?;
+            if self.cfg.checkpoint.background {
+                self.progress.println(&format!(
+                    "checkpoint of step {done}: snapshot taken in {waited:.3}s, writing in the background"
+                ));
+            }
+            written
+        } else {
+            writer.poll().with_context(failed)?.into_iter().collect()
+        };
+        for w in written {
+            self.progress.println(&format!(
+                "checkpoint {} written in {:.3}s",
+                w.dir.display(),
+                w.write_s
+            ));
         }
-        let t = Instant::now();
-        let config = self.cfg.model.path.join("config.json");
-        let dir =
-            self.host
-                .save_checkpoint(root, done, self.nan_run, self.cfg.model.dtype, &config)?;
-        checkpoint::state::prune(root, ck.keep_last)?;
-        println!(
-            "checkpoint {} written in {:.1}s",
-            dir.display(),
-            t.elapsed().as_secs_f64()
-        );
         Ok(())
     }
 
@@ -474,22 +585,19 @@ impl Trainer {
         if let Some(w) = self.metrics.as_mut() {
             w.write(&m)?;
         }
-        let every = self.cfg.logging.log_every.max(1);
-        if m.step.is_multiple_of(every) || m.step == self.cfg.training.num_steps {
-            println!(
-                "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev",
-                m.step,
-                self.cfg.training.num_steps,
-                m.loss,
-                m.lr,
-                m.grad_norm,
-                m.tokens,
-                m.step_time_s,
-                m.tokens_per_s,
-                m.tflops_megatrain
-            );
-        }
+        self.progress.step(&m, self.cfg.training.num_steps);
         Ok(())
+    }
+}
+
+/// The settings a checkpoint records to tell whether a resume continues the same run.
+fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
+    checkpoint::state::Schedule {
+        seed: cfg.training.seed,
+        batch_size: cfg.training.batch_size,
+        shuffle: cfg.dataset.shuffle,
+        decay_steps: (cfg.training.lr_scheduler != mt::config::LrScheduler::Constant)
+            .then_some(cfg.training.num_steps),
     }
 }
 

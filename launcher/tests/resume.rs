@@ -1,5 +1,5 @@
 //! Checkpoints and exact resume: 3 steps + resume + 3 steps equals 6 steps straight
-//! (float32, 2 workers, 1e-6); an incomplete or foreign checkpoint is refused by name;
+//! (float32, 2 workers, 1e-6), also from a checkpoint written in the background; an incomplete or foreign checkpoint is refused by name;
 //! keep_last prunes old checkpoints.
 
 mod common;
@@ -68,6 +68,58 @@ fn resume_continues_exactly() {
         4,
         "the resumed run starts at step 4"
     );
+    let e = worst_rel(&resumed, &straight);
+    assert!(
+        e <= 1e-6,
+        "resumed {resumed:?} vs straight {straight:?} (rel {e:.2e})"
+    );
+}
+
+/// The checkpoint of step 3 is written in the background from a snapshot while steps 4 and
+/// 5 change the live state; resuming from it still reproduces the straight run.
+#[test]
+fn resume_from_a_background_checkpoint_continues_exactly() {
+    let dir = scratch("resume-background");
+    let ck = dir.join("ck");
+    let ck_set = format!("checkpoint.dir={}", ck.display());
+    let (out, straight) = train(
+        "llama",
+        &dir,
+        "straight",
+        &["--set", "training.num_steps=6"],
+    );
+    ok(&out);
+    let first_flags = [
+        "--set",
+        "training.num_steps=5",
+        "--set",
+        &ck_set,
+        "--set",
+        "checkpoint.every_steps=3",
+    ];
+    let (out, first) = train("llama", &dir, "first", &first_flags);
+    ok(&out);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("writing in the background"),
+        "step 3 was checkpointed in the background"
+    );
+    let step3 = ck.join("step-00000003");
+    let (out, second) = train(
+        "llama",
+        &dir,
+        "second",
+        &[
+            "--set",
+            "training.num_steps=6",
+            "--resume",
+            path_str(&step3),
+        ],
+    );
+    ok(&out);
+    let mut resumed = column(&metrics(&first), "loss");
+    resumed.truncate(3);
+    resumed.extend(column(&metrics(&second), "loss"));
+    let straight = column(&metrics(&straight), "loss");
     let e = worst_rel(&resumed, &straight);
     assert!(
         e <= 1e-6,

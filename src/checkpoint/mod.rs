@@ -1,10 +1,13 @@
 //! Weights in and out: HF safetensors into the fp32 master (every tensor checked by name,
 //! shape and dtype), transformers-style random init, and export of an HF model directory.
 
+pub mod export;
 pub mod state;
+pub mod writer;
 
-use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+pub use export::{ExportOptions, save_hf};
+
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
@@ -12,9 +15,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use rayon::prelude::*;
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, SafeTensors};
 
-use crate::config::DType;
 use crate::config::hf::ModelSpec;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -70,6 +72,23 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         });
     }
     Ok(files)
+}
+
+/// Checks, before a run starts, that `dir` (config key `key`) can be written: its nearest
+/// existing ancestor is a directory in which a file can be created. Creates nothing.
+pub fn check_writable(dir: &Path, key: &str) -> Result<()> {
+    let fail = |msg: String| Error::invalid(key, format!("{}: {msg}", dir.display()));
+    let base = dir
+        .ancestors()
+        .find(|a| a.exists())
+        .ok_or_else(|| fail("no existing parent directory".into()))?;
+    if !base.is_dir() {
+        return Err(fail(format!("{} is not a directory", base.display())));
+    }
+    let probe = base.join(format!(".mt-write-probe-{}", std::process::id()));
+    std::fs::File::create(&probe)
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|e| fail(format!("cannot write in {}: {e}", base.display())))
 }
 
 /// Loads every parameter of `layout` from the model dir into `master` (fp32, layout order).
@@ -189,84 +208,37 @@ pub fn init_random(layout: &Layout, spec: &ModelSpec, seed: u64, master: &mut [f
     }
 }
 
-struct OwnedTensor {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-impl View for &OwnedTensor {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
-/// Writes an HF model directory: `config.json` (copied from `config_src`) and
-/// `model.safetensors` in `dtype`. Each file is written to a temporary name and renamed.
-pub fn save_hf(
-    out: &Path,
-    layout: &Layout,
-    master: &[f32],
-    dtype: DType,
-    config_src: &Path,
-) -> Result<()> {
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let tensors: BTreeMap<String, OwnedTensor> = layout
-        .tensors()
-        .map(|(b, t)| {
-            let src = &master[Layout::global_range(b, t)];
-            let (dt, data) = match dtype {
-                DType::Float32 => (
-                    Dtype::F32,
-                    src.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                ),
-                DType::Bfloat16 => (
-                    Dtype::BF16,
-                    src.iter()
-                        .flat_map(|x| bf16::from_f32(*x).to_le_bytes())
-                        .collect(),
-                ),
-            };
-            (
-                b.hf_name(t),
-                OwnedTensor {
-                    dtype: dt,
-                    shape: t.shape.clone(),
-                    data,
-                },
-            )
-        })
-        .collect();
-    let tmp = out.join(".model.safetensors.tmp");
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors.iter(), Some(meta), &tmp).map_err(|e| {
-        Error::Weights {
-            path: tmp.clone(),
-            msg: format!("write failed: {e}"),
-        }
-    })?;
-    let dst = out.join("model.safetensors");
-    std::fs::rename(&tmp, &dst).map_err(|e| Error::io(&dst, e))?;
-    let cfg_dst = out.join("config.json");
-    let cfg_tmp = out.join(".config.json.tmp");
-    std::fs::copy(config_src, &cfg_tmp).map_err(|e| Error::io(config_src, e))?;
-    std::fs::rename(&cfg_tmp, &cfg_dst).map_err(|e| Error::io(&cfg_dst, e))?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
+    use std::borrow::Cow;
+    use std::collections::BTreeMap;
+
+    use safetensors::View;
+
     use super::*;
+    use crate::config::DType;
     use crate::config::hf::HfConfig;
+
+    struct OwnedTensor {
+        dtype: Dtype,
+        shape: Vec<usize>,
+        data: Vec<u8>,
+    }
+
+    impl View for &OwnedTensor {
+        fn dtype(&self) -> Dtype {
+            self.dtype
+        }
+        fn shape(&self) -> &[usize] {
+            &self.shape
+        }
+        fn data(&self) -> Cow<'_, [u8]> {
+            Cow::Borrowed(&self.data)
+        }
+        fn data_len(&self) -> usize {
+            self.data.len()
+        }
+    }
 
     fn spec(tied: bool) -> ModelSpec {
         let json = format!(
@@ -282,7 +254,10 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("mt-ckpt-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let s = spec(true);
-        std::fs::write(dir.join("src-config.json"), "{}").unwrap();
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("config.json"), r#"{"torch_dtype": "bfloat16"}"#).unwrap();
+        std::fs::write(src.join("tokenizer.json"), "{\"tok\": 1}").unwrap();
         let layout = Layout::new(&s);
         let mut a = vec![0.0f32; layout.total];
         init_random(&layout, &s, 3, &mut a);
@@ -298,17 +273,33 @@ mod tests {
         );
 
         let out = dir.join("out");
-        save_hf(
-            &out,
-            &layout,
-            &a,
-            DType::Float32,
-            &dir.join("src-config.json"),
-        )
-        .unwrap();
+        let mut opts = ExportOptions {
+            dtype: DType::Float32,
+            source: src.clone(),
+            max_shard_bytes: 5_000_000_000,
+        };
+        save_hf(&out, &layout, &a, &opts).unwrap();
         let mut b = vec![0.0f32; layout.total];
         load_pretrained(&out, &layout, &mut b).unwrap();
         assert_eq!(a, b);
+        let cfg = std::fs::read_to_string(out.join("config.json")).unwrap();
+        assert!(cfg.contains(r#""torch_dtype": "float32""#), "{cfg}");
+        assert_eq!(
+            std::fs::read(out.join("tokenizer.json")).unwrap(),
+            std::fs::read(src.join("tokenizer.json")).unwrap()
+        );
+
+        // Sharded, in bf16, over the same directory: the single file gives way to shards.
+        opts.max_shard_bytes = 1000;
+        opts.dtype = DType::Bfloat16;
+        let files = save_hf(&out, &layout, &a, &opts).unwrap();
+        assert!(!out.join("model.safetensors").exists());
+        let shards = weight_files(&out).unwrap();
+        assert!(shards.len() > 3, "{shards:?}");
+        assert!(shards.iter().all(|s| files.contains(s)));
+        load_pretrained(&out, &layout, &mut b).unwrap();
+        let rounded: Vec<f32> = a.iter().map(|x| bf16::from_f32(*x).to_f32()).collect();
+        assert_eq!(b, rounded);
 
         // The same file read by an untied layout misses lm_head.weight.
         let untied = Layout::new(&spec(false));

@@ -1,12 +1,14 @@
 //! Full training checkpoints: an HF model directory plus everything needed to resume
 //! exactly (fp32 master weights, Adam moments, step and update counts).
 //!
-//! Layout of `checkpoint.dir/step-00000123/`: `config.json` + `model.safetensors` (loadable
-//! by transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
+//! Layout of `checkpoint.dir/step-00000123/`: an HF model directory as `export` writes it
+//! (config, weights in the run's dtype, sharded when large, tokenizer files; loadable by
+//! transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
 //! f32 in layout order), `trainer_state.json`, and `COMPLETE`. A checkpoint is written into
 //! a hidden temporary directory, every file fsynced, the marker written last, then renamed
 //! into place; a directory without `COMPLETE` is never loaded, and pruning never deletes
-//! the newest complete checkpoint.
+//! the newest complete checkpoint. A failed write removes its temporary directory; one
+//! left by a killed writer is removed by the next run (`remove_stale`).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -16,12 +18,14 @@ use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};
 
-use crate::config::DType;
+use super::ExportOptions;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::shm::{f32_bytes, map_readonly};
 
 const MARKER: &str = "COMPLETE";
+/// Prefix of the directories a checkpoint is written in (and an old one set aside in).
+const TMP_PREFIX: &str = ".tmp-";
 const STATE: &str = "trainer_state.json";
 const OPTIMIZER: &str = "optimizer.safetensors";
 /// The trainer_state.json format this build writes and reads.
@@ -39,6 +43,62 @@ pub struct TrainState {
     pub nan_run: u64,
     /// Identifies the parameter layout (names, shapes, offsets).
     pub layout: String,
+    /// What the data order and the learning-rate schedule follow (absent in checkpoints of
+    /// earlier builds).
+    #[serde(default)]
+    pub schedule: Option<Schedule>,
+}
+
+/// The settings that, with `step`, fix the data position and the schedule position: step
+/// k reads global batch k of the order `seed` and `shuffle` give, and a decaying learning
+/// rate depends on `num_steps`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    pub seed: u64,
+    pub batch_size: usize,
+    pub shuffle: bool,
+    /// `training.num_steps` when the learning rate decays over it (None: constant).
+    pub decay_steps: Option<u64>,
+}
+
+impl Schedule {
+    /// How `self` (the resumed run's settings) differs from `saved`, in config keys.
+    pub fn differences(&self, saved: &Schedule) -> Vec<String> {
+        let mut d = Vec::new();
+        let mut cmp = |key: &str, ours: String, theirs: String| {
+            if ours != theirs {
+                d.push(format!(
+                    "{key} is {ours}, the checkpoint's run had {theirs}"
+                ));
+            }
+        };
+        cmp(
+            "training.seed",
+            self.seed.to_string(),
+            saved.seed.to_string(),
+        );
+        cmp(
+            "training.batch_size",
+            self.batch_size.to_string(),
+            saved.batch_size.to_string(),
+        );
+        cmp(
+            "dataset.shuffle",
+            self.shuffle.to_string(),
+            saved.shuffle.to_string(),
+        );
+        let steps = |s: Option<u64>| {
+            s.map_or("a constant rate".into(), |n| {
+                format!("a rate decaying over {n} steps")
+            })
+        };
+        cmp(
+            "training.lr_scheduler / num_steps",
+            steps(self.decay_steps),
+            steps(saved.decay_steps),
+        );
+        d
+    }
 }
 
 /// The host tensors a checkpoint holds, all in layout order.
@@ -69,24 +129,50 @@ fn fsync(path: &Path) -> Result<()> {
         .map_err(io(path))
 }
 
-/// Writes checkpoint `step` under `root` and returns its directory.
-#[allow(clippy::too_many_arguments)]
+/// Writes checkpoint `state.step` under `root` and returns its directory. Nothing partial
+/// survives a failure: the temporary directory is removed, and a complete checkpoint of
+/// the same step is replaced only once the new one is complete.
 pub fn save(
     root: &Path,
     state: &TrainState,
     layout: &Layout,
     tensors: &Tensors,
-    dtype: DType,
-    config_src: &Path,
+    export: &ExportOptions,
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(root).map_err(io(root))?;
     let name = format!("step-{:08}", state.step);
-    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    let dst = root.join(&name);
+    let tmp = root.join(format!("{TMP_PREFIX}{name}-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
-    super::save_hf(&tmp, layout, tensors.master, dtype, config_src)?;
+    if let Err(e) = write_into(&tmp, state, layout, tensors, export) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let dst = root.join(&name);
+    // An older checkpoint of the same step is set aside, not deleted, until the new one
+    // has taken its name.
+    let old = root.join(format!("{TMP_PREFIX}old-{name}-{}", std::process::id()));
+    if dst.exists() {
+        std::fs::rename(&dst, &old).map_err(io(&dst))?;
+    }
+    std::fs::rename(&tmp, &dst).map_err(io(&dst))?;
+    fsync(root)?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(io(&old))?;
+    }
+    Ok(dst)
+}
+
+/// Every file of a checkpoint into `tmp`, each fsynced, the marker last.
+fn write_into(
+    tmp: &Path,
+    state: &TrainState,
+    layout: &Layout,
+    tensors: &Tensors,
+    export: &ExportOptions,
+) -> Result<()> {
+    let mut files = super::save_hf(tmp, layout, tensors.master, export)?;
     let opt = tmp.join(OPTIMIZER);
     let shape = vec![layout.total];
     let views =
@@ -109,23 +195,41 @@ pub fn save(
         path: opt.clone(),
         msg: format!("write failed: {e}"),
     })?;
+    files.push(opt);
     let st = tmp.join(STATE);
     let json = serde_json::to_string_pretty(state)
         .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
     std::fs::write(&st, json).map_err(io(&st))?;
-    for f in ["config.json", "model.safetensors", OPTIMIZER, STATE] {
-        fsync(&tmp.join(f))?;
-    }
+    files.push(st);
+    files.iter().try_for_each(|f| fsync(f))?;
     let marker = tmp.join(MARKER);
     std::fs::write(&marker, b"").map_err(io(&marker))?;
     fsync(&marker)?;
-    fsync(&tmp)?;
-    if dst.exists() {
-        std::fs::remove_dir_all(&dst).map_err(io(&dst))?;
+    fsync(tmp)
+}
+
+/// Removes temporary directories under `root` left by writers that died mid-write (their
+/// process is gone); a live writer's are kept.
+pub fn remove_stale(root: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Ok(());
+    };
+    for entry in entries {
+        let path = entry.map_err(io(root))?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let pid = name
+            .strip_prefix(TMP_PREFIX)
+            .and_then(|n| n.rsplit('-').next())
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            std::fs::remove_dir_all(&path).map_err(io(&path))?;
+        }
     }
-    std::fs::rename(&tmp, &dst).map_err(io(&dst))?;
-    fsync(root)?;
-    Ok(dst)
+    Ok(())
 }
 
 /// Complete checkpoints under `root`, oldest first.
@@ -178,6 +282,12 @@ pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
             });
     }
     let dir = PathBuf::from(spec);
+    if !dir.is_dir() {
+        return Err(Error::Weights {
+            path: dir,
+            msg: "no such checkpoint directory".into(),
+        });
+    }
     if !dir.join(MARKER).is_file() {
         return Err(Error::Weights {
             path: dir,
@@ -245,4 +355,24 @@ pub fn load(
             .for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     }
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_temporary_dirs_of_dead_writers_are_removed() {
+        let root = std::env::temp_dir().join(format!("mt-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        // pid_max is at most 2^22, so this writer is certainly gone.
+        let dead = root.join(format!("{TMP_PREFIX}step-00000002-999999999"));
+        let ours = root.join(format!("{TMP_PREFIX}step-00000003-{}", std::process::id()));
+        let done = root.join("step-00000001");
+        for d in [&dead, &ours, &done] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        remove_stale(&root).unwrap();
+        assert!(!dead.exists() && ours.exists() && done.exists());
+    }
 }

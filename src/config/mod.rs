@@ -8,8 +8,12 @@
 //! Relative paths in a config are resolved against the directory of the config file, so a
 //! config runs the same from any working directory.
 
+mod dataset;
 pub mod hf;
 pub mod hub;
+pub mod size;
+
+pub use dataset::{DatasetFormat, DatasetSection, Overlong};
 
 use std::path::{Path, PathBuf};
 
@@ -46,6 +50,13 @@ pub struct CheckpointSection {
     pub every_steps: u64,
     /// Complete checkpoints kept; older ones are deleted (the newest is always kept).
     pub keep_last: usize,
+    /// Write checkpoints from a snapshot on a background thread, so training waits only for
+    /// the snapshot copy; costs 12 bytes per parameter of host RAM (a copy of the fp32
+    /// master and Adam moments). `false` writes in place while training waits.
+    pub background: bool,
+    /// Weight files larger than this are split into shards with
+    /// `model.safetensors.index.json` (bytes, or `5GB`, `500MB`, `64KiB`).
+    pub max_shard_size: size::ByteSize,
 }
 
 impl Default for CheckpointSection {
@@ -54,6 +65,8 @@ impl Default for CheckpointSection {
             dir: None,
             every_steps: 0,
             keep_last: 2,
+            background: true,
+            max_shard_size: size::ByteSize(5_000_000_000),
         }
     }
 }
@@ -76,6 +89,26 @@ pub struct ModelSection {
     /// Compute dtype, and the dtype of the shared weight store and gradient slabs.
     #[serde(default)]
     pub dtype: DType,
+    /// MegaTrain's key, accepted: attention is always PyTorch's fused SDPA (`sdpa`), or
+    /// the explicit form where a family soft-caps scores (what `eager` computes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_implementation: Option<AttnImplementation>,
+    /// MegaTrain's key, accepted: no model code is ever loaded from the model directory,
+    /// so `true` changes nothing (the family comes from config.json's `model_type`).
+    #[serde(default)]
+    pub trust_remote_code: bool,
+    /// CUDA device indices for the workers, one worker each (default: 0..N-1 for `--gpus N`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<usize>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttnImplementation {
+    Sdpa,
+    Eager,
+    #[serde(rename = "flash_attention_2")]
+    FlashAttention2,
 }
 
 impl ModelSection {
@@ -130,29 +163,6 @@ impl DType {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DatasetSection {
-    /// On-disk format of `path`.
-    pub format: DatasetFormat,
-    /// The dataset file.
-    pub path: PathBuf,
-    /// Shuffle rows each epoch (seeded by `training.seed`); false keeps file order and
-    /// step k takes the next `batch_size` rows, wrapping around.
-    #[serde(default = "default_true")]
-    pub shuffle: bool,
-    /// Rows longer than this are truncated (None: no limit).
-    #[serde(default)]
-    pub max_seq_len: Option<usize>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DatasetFormat {
-    /// JSONL, one object per line: `input_ids` and optional `labels` (-100 = ignored).
-    Tokenized,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainingSection {
     /// Global sequences per optimizer step (all workers, all micro-batches).
@@ -180,6 +190,10 @@ pub struct TrainingSection {
     pub nan_policy: NanPolicy,
     /// With `skip`: abort after this many non-finite steps in a row.
     pub max_nan_steps: u64,
+    /// A worker the launcher waits on that sends nothing for this many seconds is
+    /// treated as crashed (the first step on a GPU, which streams every layer, sends its
+    /// first message only after the forward pass).
+    pub worker_timeout_s: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -205,6 +219,7 @@ impl Default for TrainingSection {
             output_dir: None,
             nan_policy: NanPolicy::Skip,
             max_nan_steps: 5,
+            worker_timeout_s: 600,
         }
     }
 }
@@ -221,6 +236,9 @@ pub enum LrScheduler {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {
+    /// The optimizer: only `adamw` (torch.optim.AdamW's semantics, on the CPU).
+    #[serde(rename = "type")]
+    pub kind: OptimizerKind,
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
@@ -229,11 +247,19 @@ pub struct OptimizerSection {
 impl Default for OptimizerSection {
     fn default() -> Self {
         OptimizerSection {
+            kind: OptimizerKind::Adamw,
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    #[default]
+    Adamw,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -243,6 +269,12 @@ pub struct MemorySection {
     pub num_grad_slabs: usize,
     /// Tokens per chunk of the lm_head + cross-entropy (bounds the logits memory).
     pub ce_chunk_tokens: usize,
+    /// Keep each layer's input between forward and backward in pinned host memory
+    /// instead of on the GPU (long sequences); ignored by CPU workers.
+    pub offload_activations: bool,
+    /// MegaTrain's activation checkpoint interval in layers: only 1 (every layer's input
+    /// is kept on the device and the layer recomputed in the backward) is implemented.
+    pub checkpoint_interval: usize,
 }
 
 impl Default for MemorySection {
@@ -250,6 +282,8 @@ impl Default for MemorySection {
         MemorySection {
             num_grad_slabs: 4,
             ce_chunk_tokens: 4096,
+            offload_activations: false,
+            checkpoint_interval: 1,
         }
     }
 }
@@ -267,10 +301,6 @@ impl Default for LoggingSection {
     }
 }
 
-fn default_true() -> bool {
-    true
-}
-
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
@@ -284,9 +314,10 @@ impl RunConfig {
         }
         let mut cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
+            let inner = e.inner().to_string();
             Error::Config {
                 path: path.into(),
-                msg: format!("key `{key}`: {}", e.inner()),
+                msg: format!("key `{key}`: {inner}{}", did_you_mean(&inner)),
             }
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
@@ -303,7 +334,10 @@ impl RunConfig {
             }
         };
         fix(&mut self.model.path);
-        fix(&mut self.dataset.path);
+        if let Some(p) = self.dataset.path.as_mut() {
+            fix(p);
+        }
+        fix(&mut self.dataset.dataset_dir);
         if let Some(out) = self.training.output_dir.as_mut() {
             fix(out);
         }
@@ -316,7 +350,7 @@ impl RunConfig {
     pub fn validate(&self) -> Result<()> {
         let t = &self.training;
         let o = &self.optimizer;
-        let checks: [(bool, &str, String); 11] = [
+        let checks: [(bool, &str, String); 12] = [
             (
                 t.batch_size > 0,
                 "training.batch_size",
@@ -328,6 +362,11 @@ impl RunConfig {
                 "must be > 0".into(),
             ),
             (t.num_steps > 0, "training.num_steps", "must be > 0".into()),
+            (
+                t.worker_timeout_s > 0,
+                "training.worker_timeout_s",
+                "must be > 0".into(),
+            ),
             (
                 t.learning_rate.is_finite() && t.learning_rate >= 0.0,
                 "training.learning_rate",
@@ -383,10 +422,27 @@ impl RunConfig {
                 "is required when checkpoint.every_steps > 0",
             ));
         }
-        if self.dataset.max_seq_len == Some(0) {
-            return Err(Error::invalid("dataset.max_seq_len", "must be > 0"));
+        if self.memory.checkpoint_interval != 1 {
+            return Err(Error::invalid(
+                "memory.checkpoint_interval",
+                format!(
+                    "only 1 is implemented (every layer's input is kept), got {}",
+                    self.memory.checkpoint_interval
+                ),
+            ));
         }
-        Ok(())
+        if let Some(d) = &self.model.devices {
+            let mut seen = d.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            if d.is_empty() || seen.len() != d.len() {
+                return Err(Error::invalid(
+                    "model.devices",
+                    format!("must list distinct CUDA device indices, got {d:?}"),
+                ));
+            }
+        }
+        self.dataset.validate()
     }
 
     /// Checks that the global batch splits evenly over `workers` x accumulation steps.
@@ -404,6 +460,40 @@ impl RunConfig {
         }
         Ok(())
     }
+}
+
+/// For serde's "unknown field `x`, expected one of `a`, `b`" (or "unknown variant"):
+/// ", did you mean `a`?" naming the closest valid name, or nothing.
+fn did_you_mean(msg: &str) -> String {
+    let quoted: Vec<&str> = msg.split('`').skip(1).step_by(2).collect();
+    let Some((unknown, valid)) = quoted.split_first() else {
+        return String::new();
+    };
+    valid
+        .iter()
+        .map(|v| (edit_distance(unknown, v), v))
+        .filter(|(d, v)| *d <= v.len().max(unknown.len()) / 2 + 1)
+        .min()
+        .map(|(_, v)| format!(" (did you mean `{v}`?)"))
+        .unwrap_or_default()
+}
+
+/// Levenshtein distance over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let next = (diag + usize::from(ca != cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 /// Applies one `key.path=value` override; the value is parsed as YAML (so `3`, `1e-4`,
@@ -472,6 +562,25 @@ mod tests {
         let msg = e.to_string();
         assert!(msg.contains("training.batch_sise"), "{msg}");
         assert!(msg.contains("unknown field"), "{msg}");
+        assert!(msg.contains("did you mean `batch_size`?"), "{msg}");
+        let e = parse(&format!("{OK}optimizer: {{type: adam}}\n")).unwrap_err();
+        assert!(e.to_string().contains("did you mean `adamw`?"), "{e}");
+    }
+
+    #[test]
+    fn megatrain_keys_are_accepted() {
+        let c = parse(
+            "model: {path: m, attn_implementation: flash_attention_2, trust_remote_code: true, devices: [1, 0]}\n\
+             dataset: {name: alpaca_demo, dataset_dir: d, system_prompt: hi, train_on_prompt: true, num_workers: 2}\n\
+             optimizer: {type: adamw}\nmemory: {checkpoint_interval: 1, num_grad_slabs: 2}\n",
+        )
+        .unwrap();
+        assert_eq!(c.model.devices, Some(vec![1, 0]));
+        assert!(c.dataset.dataset_dir.ends_with("d"));
+        let e = parse(&format!("{OK}memory: {{checkpoint_interval: 2}}\n")).unwrap_err();
+        assert!(e.to_string().contains("memory.checkpoint_interval"), "{e}");
+        let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
+        assert!(e.to_string().contains("dataset.path"), "{e}");
     }
 
     #[test]

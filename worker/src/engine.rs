@@ -109,6 +109,8 @@ impl std::error::Error for Interrupted {}
 /// those positions are in the flattened (B*T) batch.
 struct DeviceBatch {
     ids_bt: Tensor,
+    /// Packed rows' positions (B, T); None: 0..T.
+    pos_bt: Option<Tensor>,
     valid_m: Tensor,
     targets_m: Tensor,
 }
@@ -148,27 +150,29 @@ impl Engine {
         let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
         self.ctl.ready.fill(!weights_pending);
-        let (ctl, rx) = (&mut self.ctl, link.rx);
-        self.streamer
-            .begin_step(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
         for (mi, mb) in micro.iter().enumerate() {
             let batch = self.upload(mi, mb)?;
             let (ctl, rx) = (&mut self.ctl, link.rx);
             self.streamer
                 .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
             let t0 = Instant::now();
-            let mut ctx = model::Context::new(&self.spec, mb.seq_len, self.kind, self.device);
+            let mut ctx = model::Context::new(
+                &self.spec,
+                mb.seq_len,
+                batch.pos_bt.as_ref(),
+                self.kind,
+                self.device,
+            );
             let share = batch.valid_m.size()[0] as f64 * loss_scale;
             ctx.router_aux =
                 RouterAux::new(&self.spec, &mb.row_lens, mb.seq_len, share, self.device);
-            let (inputs, x_bth) = self.forward(&batch, &ctx, link)?;
+            let x_bth = self.forward(&batch, &ctx, link)?;
             if let Some(path) = self.dump_logits.take() {
                 self.write_logits(&path, &x_bth, link)?;
             }
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            loss_sum +=
-                self.backward(mi, &batch, &ctx, loss_scale, inputs, x_bth, link, &mut tm)?;
+            loss_sum += self.backward(mi, &batch, &ctx, loss_scale, x_bth, link, &mut tm)?;
             tm.backward_s += t1.elapsed().as_secs_f64();
             self.streamer.end_micro()?;
             tokens += batch.valid_m.size()[0] as u64;
@@ -183,13 +187,22 @@ impl Engine {
 
     fn upload(&self, mi: usize, mb: &MicroBatch) -> Result<DeviceBatch> {
         let (b, t) = (mb.rows as i64, mb.seq_len as i64);
-        if mb.input_ids.len() != (b * t) as usize || mb.labels.len() != (b * t) as usize || t == 0 {
+        let n = (b * t) as usize;
+        let pos_ok = mb.position_ids.is_empty() || mb.position_ids.len() == n;
+        if mb.input_ids.len() != n || mb.labels.len() != n || t == 0 || !pos_ok {
             bail!(
-                "micro-batch {mi}: {} ids / {} labels for {b}x{t}",
+                "micro-batch {mi}: {} ids / {} labels / {} positions for {b}x{t}",
                 mb.input_ids.len(),
-                mb.labels.len()
+                mb.labels.len(),
+                mb.position_ids.len()
             );
         }
+        let pos_bt = (!mb.position_ids.is_empty()).then(|| {
+            Tensor::from_slice(&mb.position_ids)
+                .view([b, t])
+                .to_kind(Kind::Int64)
+                .to_device(self.device)
+        });
         let ids_bt = Tensor::from_slice(&mb.input_ids)
             .view([b, t])
             .to_kind(Kind::Int64)
@@ -204,18 +217,20 @@ impl Engine {
         let targets_m = targets.index_select(0, &valid_m).to_device(self.device);
         Ok(DeviceBatch {
             ids_bt,
+            pos_bt,
             valid_m: valid_m.to_device(self.device),
             targets_m,
         })
     }
 
-    /// Embedding and every layer without grad; returns each layer's input and the output.
+    /// Embedding and every layer without grad, each layer's input stashed for the
+    /// backward; returns the last layer's output.
     fn forward(
         &mut self,
         batch: &DeviceBatch,
         ctx: &model::Context,
         link: &Link,
-    ) -> Result<(Vec<Tensor>, Tensor)> {
+    ) -> Result<Tensor> {
         let layout = &self.layout;
         let _guard = tch::no_grad_guard();
         let (ctl, rx) = (&mut self.ctl, link.rx);
@@ -226,14 +241,19 @@ impl Engine {
             &BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]),
             &batch.ids_bt,
         );
-        let mut inputs = Vec::with_capacity(layout.num_layers());
+        drop(embed);
+        if !layout.tied_embeddings {
+            // Not needed again before the end of the backward.
+            self.streamer.release_embed();
+        }
         for l in 0..layout.num_layers() {
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, ctx);
-            inputs.push(std::mem::replace(&mut x_bth, y_bth));
+            self.streamer
+                .stash_input(l, std::mem::replace(&mut x_bth, y_bth))?;
         }
-        Ok((inputs, x_bth))
+        Ok(x_bth)
     }
 
     /// Writes the logits of every position of `x_bth` (B, T, H) as f32 `logits` (B, T, V).
@@ -255,6 +275,10 @@ impl Engine {
         let logits = model::logits(&self.spec, &hn_mh, lm_head)
             .reshape([b, t, -1])
             .to_device(Device::Cpu);
+        drop((embed_w, embed));
+        if !layout.tied_embeddings {
+            self.streamer.release_embed();
+        }
         Tensor::write_safetensors(&[("logits", &logits)], path)
             .with_context(|| format!("write logits to {}", path.display()))
     }
@@ -269,7 +293,6 @@ impl Engine {
         batch: &DeviceBatch,
         ctx: &model::Context,
         scale: f64,
-        mut inputs: Vec<Tensor>,
         x_bth: Tensor,
         link: &Link,
         tm: &mut WorkerTimings,
@@ -280,23 +303,21 @@ impl Engine {
             &layout.blocks[layout.head_block()],
         );
         let (ctl, rx) = (&mut self.ctl, link.rx);
-        let embed_w = BlockWeights::leaves(
-            &self
-                .streamer
-                .embed(&layout, &mut |b| ctl.wait_block(b, rx))?,
-            embed_block,
-        );
-        let head_w = BlockWeights::leaves(
-            &self
-                .streamer
-                .head(&layout, &mut |b| ctl.wait_block(b, rx))?,
-            head_block,
-        );
+        let gate = &mut |b| ctl.wait_block(b, rx);
+        let head_w = BlockWeights::leaves(&self.streamer.head(&layout, gate)?, head_block);
+        // A tied head reads the embedding, whose leaf then collects both gradients.
+        let tied_embed_w = match layout.tied_embeddings {
+            true => Some(BlockWeights::leaves(
+                &self.streamer.embed(&layout, gate)?,
+                embed_block,
+            )),
+            false => None,
+        };
 
         // Head: final norm, chunked lm_head + cross-entropy, backward to the last hidden state.
-        let lm_head = match layout.tied_embeddings {
-            true => embed_w.get("model.embed_tokens.weight"),
-            false => head_w.get("lm_head.weight"),
+        let lm_head = match &tied_embed_w {
+            Some(embed_w) => embed_w.get("model.embed_tokens.weight"),
+            None => head_w.get("lm_head.weight"),
         };
         let h = self.spec.hidden_size as i64;
         let x_leaf = x_bth.detach().set_requires_grad(true);
@@ -330,6 +351,8 @@ impl Engine {
             dy_bth = x_leaf.grad();
         }
         self.send(mi, layout.head_block(), &head_w, link, tm)?;
+        drop(head_w);
+        self.streamer.release_head();
 
         // Layers, last to first: recompute with grad, backpropagate dy.
         for l in (0..layout.num_layers()).rev() {
@@ -338,10 +361,7 @@ impl Engine {
                 .streamer
                 .layer(&layout, l, &mut |b| ctl.wait_block(b, rx))?;
             let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)]);
-            let x_in = inputs
-                .pop()
-                .context("one saved input per layer")?
-                .set_requires_grad(true);
+            let x_in = self.streamer.stashed_input(l)?.set_requires_grad(true);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, ctx);
             let objective = (y_bth * &dy_bth).sum(Kind::Float);
             match ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
@@ -353,6 +373,16 @@ impl Engine {
         }
 
         // Embedding (with tied embeddings its leaf already holds the lm_head gradient).
+        let embed_w = match tied_embed_w {
+            Some(w) => w,
+            None => {
+                let (ctl, rx) = (&mut self.ctl, link.rx);
+                let flat = self
+                    .streamer
+                    .embed(&layout, &mut |b| ctl.wait_block(b, rx))?;
+                BlockWeights::leaves(&flat, embed_block)
+            }
+        };
         let e_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
         (e_bth * &dy_bth).sum(Kind::Float).backward();
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;

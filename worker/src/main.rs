@@ -79,8 +79,12 @@ fn run() -> Result<()> {
             slot_len: init.layout.max_block_len(),
             slots: init.num_slots,
         };
-        let streamer =
-            stream::Streamer::new(regions, &init.layout, stream::device_of(init.device))?;
+        let streamer = stream::Streamer::new(
+            regions,
+            &init.layout,
+            stream::device_of(init.device),
+            init.offload_activations,
+        )?;
         let mut engine = Engine::new(&init, streamer);
         tx.send(FromWorker::Ready {
             device: init.device.to_string(),

@@ -2,6 +2,11 @@
 //! real `mt-worker` processes) exactly as a user does.
 #![allow(dead_code)]
 
+pub mod fixture;
+mod leftovers;
+#[allow(unused_imports)]
+pub use leftovers::*;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -39,17 +39,19 @@ pub use moe::RouterAux;
 use rope::Rope;
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary
-/// cos/sin per layer kind and the attention masks; and the router aux loss state, which the
-/// forward pass fills and the backward pass reads, so one Context serves both.
+/// cos/sin per layer kind and the attention masks (T, T), or (B, 1, T, T) for packed rows,
+/// where a token sees only earlier tokens of its own sample; and the router aux loss state,
+/// which the forward pass fills and the backward pass reads, so one Context serves both.
 pub struct Context {
     rope: Rope,
     /// Sliding-window layers' RoPE where it differs (Gemma 3).
     rope_local: Option<Rope>,
-    /// (T, T), true where a sliding-window layer may attend (causal and within the
+    /// True where a sliding-window layer may attend (causal, same sample, within the
     /// window); None when the window spans the whole sequence.
-    sliding_mask_tt: Option<Tensor>,
-    /// (T, T) causal mask, built only for the explicit (soft-capped, sink) attention.
-    causal_mask_tt: Option<Tensor>,
+    sliding_mask: Option<Tensor>,
+    /// The causal (same-sample) mask, built for the explicit (soft-capped, sink) attention
+    /// and for packed rows; None: SDPA's own causal mask.
+    causal_mask: Option<Tensor>,
     /// The router load-balancing loss, where the model trains with it (set by the engine,
     /// which knows the micro-batch's padding and its share of the batch).
     pub router_aux: Option<RouterAux>,
@@ -67,23 +69,46 @@ pub struct LayerCtx<'a> {
 }
 
 impl Context {
-    pub fn new(spec: &ModelSpec, seq_len: usize, kind: Kind, device: Device) -> Context {
+    /// `pos_bt`: per-row positions of packed rows (a sample starts where its position is
+    /// 0), or None for positions 0..T.
+    pub fn new(
+        spec: &ModelSpec,
+        seq_len: usize,
+        pos_bt: Option<&Tensor>,
+        kind: Kind,
+        device: Device,
+    ) -> Context {
         let t = seq_len as i64;
         let q_t1 = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(1);
         let k_1t = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(0);
-        let causal_tt = || k_1t.le_tensor(&q_t1);
-        let sliding_mask_tt = spec
+        // (B, 1, T, T): query and key in the same sample (sample index = starts so far).
+        let same_sample_b1tt = pos_bt.map(|p| {
+            let doc_bt = p.eq(0).cumsum(1, Kind::Int64);
+            doc_bt
+                .unsqueeze(2)
+                .eq_tensor(&doc_bt.unsqueeze(1))
+                .unsqueeze(1)
+        });
+        let causal = || match &same_sample_b1tt {
+            Some(same) => k_1t.le_tensor(&q_t1).logical_and(same),
+            None => k_1t.le_tensor(&q_t1),
+        };
+        let sliding_mask = spec
             .sliding_window
             .filter(|&w| w < seq_len)
-            .map(|w| causal_tt().logical_and(&(&q_t1 - &k_1t).lt(w as i64)));
+            .map(|w| causal().logical_and(&(&q_t1 - &k_1t).lt(w as i64)));
+        let explicit = spec.attn_softcap.is_some() || spec.attn_sinks || pos_bt.is_some();
+        // Length-dependent RoPE variants (dynamic NTK, LongRoPE) scale by the longest
+        // position + 1, as transformers does: for packed rows, the longest sample.
+        let rope_len = pos_bt.map_or(seq_len, |p| p.max().int64_value(&[]) as usize + 1);
         Context {
-            rope: Rope::new(&spec.rope, seq_len, kind, device),
+            rope: Rope::new(&spec.rope, rope_len, pos_bt, kind, device),
             rope_local: spec
                 .rope_local
                 .as_ref()
-                .map(|r| Rope::new(r, seq_len, kind, device)),
-            sliding_mask_tt,
-            causal_mask_tt: (spec.attn_softcap.is_some() || spec.attn_sinks).then(causal_tt),
+                .map(|r| Rope::new(r, rope_len, pos_bt, kind, device)),
+            sliding_mask,
+            causal_mask: explicit.then(causal),
             router_aux: None,
         }
     }
@@ -96,16 +121,13 @@ impl Context {
             // Linear layers read neither RoPE nor a mask; they are causal by construction.
             AttentionKind::Full | AttentionKind::Linear => LayerCtx {
                 rope: &self.rope,
-                mask_tt: self.causal_mask_tt.as_ref(),
+                mask_tt: self.causal_mask.as_ref(),
                 sparse,
                 aux,
             },
             AttentionKind::Sliding => LayerCtx {
                 rope: self.rope_local.as_ref().unwrap_or(&self.rope),
-                mask_tt: self
-                    .sliding_mask_tt
-                    .as_ref()
-                    .or(self.causal_mask_tt.as_ref()),
+                mask_tt: self.sliding_mask.as_ref().or(self.causal_mask.as_ref()),
                 sparse,
                 aux,
             },

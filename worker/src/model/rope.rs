@@ -112,26 +112,36 @@ pub fn inv_freq(r: &RopeSpec, seq_len: usize) -> (Vec<f64>, f64) {
     }
 }
 
-/// cos/sin tables for positions 0..T in the compute dtype: (1, 1, T, R).
+/// cos/sin tables in the compute dtype: (1, 1, T, R) for positions 0..T, or (B, 1, T, R)
+/// for given per-row positions (packed rows, where each sample restarts at 0).
 pub struct Rope {
-    cos_11tr: Tensor,
-    sin_11tr: Tensor,
+    cos_b1tr: Tensor,
+    sin_b1tr: Tensor,
     rotary_dim: i64,
 }
 
 impl Rope {
-    pub fn new(r: &RopeSpec, seq_len: usize, kind: Kind, device: Device) -> Rope {
+    /// `seq_len`: the longest position + 1 (what length-dependent variants scale by).
+    pub fn new(
+        r: &RopeSpec,
+        seq_len: usize,
+        pos_bt: Option<&Tensor>,
+        kind: Kind,
+        device: Device,
+    ) -> Rope {
         let (freqs, scaling) = inv_freq(r, seq_len);
         let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();
         let inv_freq_r2 = Tensor::from_slice(&freqs).to_device(device);
-        let pos_t = Tensor::arange(seq_len as i64, (Kind::Float, device));
+        let pos_bt = match pos_bt {
+            Some(p) => p.to_kind(Kind::Float),
+            None => Tensor::arange(seq_len as i64, (Kind::Float, device)).unsqueeze(0),
+        };
         // Angles in f32, as transformers forces, then cast to the compute dtype.
-        let angle_tr2 = pos_t.unsqueeze(1) * inv_freq_r2.unsqueeze(0);
-        let emb_tr = Tensor::cat(&[&angle_tr2, &angle_tr2], -1);
-        let shape = [1, 1, seq_len as i64, r.rotary_dim as i64];
+        let angle_btr2 = pos_bt.unsqueeze(-1) * inv_freq_r2.view([1, 1, -1]);
+        let emb_b1tr = Tensor::cat(&[&angle_btr2, &angle_btr2], -1).unsqueeze(1);
         Rope {
-            cos_11tr: (emb_tr.cos() * scaling).to_kind(kind).view(shape),
-            sin_11tr: (emb_tr.sin() * scaling).to_kind(kind).view(shape),
+            cos_b1tr: (emb_b1tr.cos() * scaling).to_kind(kind),
+            sin_b1tr: (emb_b1tr.sin() * scaling).to_kind(kind),
             rotary_dim: r.rotary_dim as i64,
         }
     }
@@ -140,11 +150,11 @@ impl Rope {
     pub fn apply(&self, x_bntd: &Tensor) -> Tensor {
         let d = x_bntd.size()[3];
         if self.rotary_dim == d {
-            return x_bntd * &self.cos_11tr + rotate_half(x_bntd) * &self.sin_11tr;
+            return x_bntd * &self.cos_b1tr + rotate_half(x_bntd) * &self.sin_b1tr;
         }
         let x_bntr = x_bntd.narrow(-1, 0, self.rotary_dim);
         let pass = x_bntd.narrow(-1, self.rotary_dim, d - self.rotary_dim);
-        let rotated = &x_bntr * &self.cos_11tr + rotate_half(&x_bntr) * &self.sin_11tr;
+        let rotated = &x_bntr * &self.cos_b1tr + rotate_half(&x_bntr) * &self.sin_b1tr;
         Tensor::cat(&[&rotated, &pass], -1)
     }
 }

@@ -1,0 +1,95 @@
+//! `mt-launch plan` and `--dry-run`: what a run would hold and whether it fits, printed
+//! without starting a worker.
+
+use anyhow::Result;
+use mt::config::RunConfig;
+use mt::plan::{DeviceOpts, DevicePlan};
+
+use crate::cli::{self, Placement};
+use crate::train::Prepared;
+
+/// `mt-launch plan`: host RAM (and what is available), per-worker device memory for the
+/// configured micro-batch, and the largest micro-batch that fits a GPU.
+pub fn plan(p: cli::PlanArgs) -> Result<()> {
+    let cfg = RunConfig::load(&p.config, &p.set)?;
+    let placement = cli::placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
+    let prep = Prepared::new(&cfg, &placement)?;
+    describe(&cfg, &placement, &prep);
+    let seq_len = cfg.dataset.max_seq_len.unwrap_or_else(|| {
+        prep.data
+            .rows
+            .iter()
+            .map(|r| r.input_ids.len())
+            .max()
+            .unwrap_or(1)
+    });
+    let rows =
+        cfg.training.batch_size / (placement.workers * cfg.training.gradient_accumulation_steps);
+    let opts = DeviceOpts {
+        dtype: cfg.model.dtype,
+        slots: cfg.memory.num_grad_slabs,
+        ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+        packed: cfg.dataset.packing,
+    };
+    println!(
+        "{}",
+        DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len)
+    );
+    let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {
+        placement
+            .devices
+            .first()
+            .and_then(|&d| cli::gpu_memory_bytes(d))
+    });
+    match budget {
+        Some(b) => {
+            let best = DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b);
+            println!(
+                "largest micro-batch on a {:.1} GB GPU: {best} x {seq_len} tokens (configured: {rows}; \
+                 training.batch_size = workers x gradient_accumulation_steps x micro-batch)",
+                b as f64 / 1e9
+            );
+        }
+        None => println!("pass --gpu-memory GB for the largest micro-batch that fits a GPU"),
+    }
+    Ok(())
+}
+
+/// `--dry-run`: every check a launch makes (the checkpoint to resume from included), then
+/// a summary; no worker starts.
+pub fn dry_run(cfg: &RunConfig, placement: &Placement, resume: Option<&str>) -> Result<()> {
+    let prep = Prepared::new(cfg, placement)?;
+    prep.check_host_ram()?;
+    if let Some(r) = resume {
+        let dir = mt::checkpoint::state::resolve(r, cfg.checkpoint.dir.as_deref())?;
+        println!("would resume from {}", dir.display());
+    }
+    describe(cfg, placement, &prep);
+    println!("dry run: configuration, model, dataset and host memory are valid");
+    Ok(())
+}
+
+fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
+    println!(
+        "{} worker(s) on {}, {:?} store",
+        placement.workers,
+        match placement.gpus {
+            0 => "CPU".to_string(),
+            _ => format!("GPUs {:?}", placement.devices),
+        },
+        cfg.model.dtype
+    );
+    println!("{}", prep.data.summary());
+    println!("{}", prep.plan);
+    match mt::plan::available_host_bytes() {
+        Some(avail) if avail >= prep.plan.total() => {
+            println!("host RAM available: {:.2} GB: fits", avail as f64 / 1e9)
+        }
+        Some(avail) => println!(
+            "host RAM available: {:.2} GB: SHORT by {:.2} GB, a launch would be refused",
+            avail as f64 / 1e9,
+            (prep.plan.total() - avail) as f64 / 1e9
+        ),
+        None => println!("host RAM available: unknown (no /proc/meminfo)"),
+    }
+}

@@ -1,0 +1,79 @@
+//! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA) when stdout is a
+//! terminal, plain log lines every `logging.log_every` steps otherwise (files, pipes, CI).
+
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use mt::metrics::StepMetrics;
+
+pub enum Progress {
+    Bar(ProgressBar),
+    Lines { every: u64 },
+}
+
+impl Progress {
+    /// A bar over steps `first..total` on a terminal, else lines every `every` steps.
+    pub fn new(first: u64, total: u64, every: u64) -> Progress {
+        if !std::io::stdout().is_terminal() {
+            return Progress::Lines {
+                every: every.max(1),
+            };
+        }
+        let bar = ProgressBar::new(total);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{pos}/{len} {bar:20.cyan/blue} {elapsed_precise} eta {eta_precise} {wide_msg}",
+            )
+            .expect("static template"),
+        );
+        bar.set_position(first);
+        bar.reset_eta();
+        Progress::Bar(bar)
+    }
+
+    pub fn step(&self, m: &StepMetrics, total: u64) {
+        match self {
+            Progress::Bar(bar) => {
+                bar.set_message(format!(
+                    "loss {:.4} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}",
+                    m.loss,
+                    m.lr,
+                    m.tokens_per_s,
+                    m.tflops_megatrain,
+                    if m.skipped { "  (skipped)" } else { "" }
+                ));
+                bar.set_position(m.step);
+            }
+            Progress::Lines { every } => {
+                if m.step.is_multiple_of(*every) || m.step == total {
+                    println!(
+                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev",
+                        m.step,
+                        total,
+                        m.loss,
+                        m.lr,
+                        m.grad_norm,
+                        m.tokens,
+                        m.step_time_s,
+                        m.tokens_per_s,
+                        m.tflops_megatrain
+                    );
+                }
+            }
+        }
+    }
+
+    /// Prints a line without breaking the bar.
+    pub fn println(&self, line: &str) {
+        match self {
+            Progress::Bar(bar) => bar.println(line),
+            Progress::Lines { .. } => println!("{line}"),
+        }
+    }
+
+    pub fn finish(&self) {
+        if let Progress::Bar(bar) = self {
+            bar.finish();
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! Text datasets through the real tokenizer and chat template: every row of the alpaca and
+//! sharegpt demo sets (from the dataset_info.json registry) equals, token for token and
+//! label for label, what transformers' tokenizer and `apply_chat_template` make of it
+//! (scripts/make_data_fixtures.py); bad records are counted or, with `strict`, named.
+
+use std::path::{Path, PathBuf};
+
+use mt::config::DatasetSection;
+use mt::data::{Dataset, IGNORE_INDEX};
+
+fn fixtures() -> PathBuf {
+    let dir = std::env::var_os("MT_DATA_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/data-fixtures"));
+    assert!(
+        dir.join("dataset_info.json").is_file(),
+        "no data fixtures in {}: run `.venv/bin/python scripts/make_data_fixtures.py --out target/data-fixtures` (scripts/test.sh does)",
+        dir.display()
+    );
+    dir
+}
+
+fn tiny_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny")
+}
+
+fn load(yaml: &str) -> mt::error::Result<Dataset> {
+    load_with(yaml, &tiny_model())
+}
+
+fn load_with(yaml: &str, model: &Path) -> mt::error::Result<Dataset> {
+    let ds: DatasetSection = serde_yaml_ng::from_str(yaml).unwrap();
+    ds.validate()?;
+    Dataset::load(&ds, model, 512, 0)
+}
+
+fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
+    std::fs::read_to_string(fixtures().join(format!("expected_{name}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let ids = |k: &str| -> Vec<i32> {
+                v[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_i64().unwrap() as i32)
+                    .collect()
+            };
+            (ids("input_ids"), ids("labels"))
+        })
+        .collect()
+}
+
+fn check(name: &str, extra: &str) {
+    check_with(name, extra, &tiny_model(), name);
+}
+
+fn check_with(name: &str, extra: &str, model: &Path, expected_name: &str) {
+    let dir = fixtures();
+    let yaml = format!(
+        "{{name: {name}, dataset_dir: {}, shuffle: false{extra}}}",
+        dir.display()
+    );
+    let data = load_with(&yaml, model).unwrap();
+    let want = expected(expected_name);
+    assert_eq!(data.skipped.count, 0, "{:?}", data.skipped);
+    assert_eq!(data.rows.len(), want.len());
+    for (i, (row, (ids, labels))) in data.rows.iter().zip(&want).enumerate() {
+        assert_eq!(&row.input_ids, ids, "{name} record {i}: input_ids");
+        assert_eq!(&row.labels, labels, "{name} record {i}: labels");
+        assert!(row.label_tokens() > 0);
+        assert!(labels.contains(&IGNORE_INDEX), "prompt tokens are masked");
+    }
+}
+
+#[test]
+fn alpaca_rows_equal_transformers_chat_template() {
+    check("alpaca_demo", ", system_prompt: Be exact.");
+}
+
+#[test]
+fn sharegpt_rows_equal_transformers_chat_template() {
+    check("sharegpt_demo", "");
+}
+
+#[test]
+fn openai_style_tags_equal_transformers_chat_template() {
+    check("openai_demo", "");
+}
+
+/// A template written with the constructs HF templates use (bos_token, `tools is not none`,
+/// raise_exception, namespace, slicing, filters, Python string methods, loop variables,
+/// whitespace control) renders as jinja2 renders it.
+#[test]
+fn hf_template_constructs_render_as_jinja2_does() {
+    let model = fixtures().join("model-template2");
+    check_with("sharegpt_demo", "", &model, "sharegpt_demo_template2");
+}
+
+#[test]
+fn train_on_prompt_labels_every_token() {
+    let yaml = format!(
+        "{{name: sharegpt_demo, dataset_dir: {}, train_on_prompt: true}}",
+        fixtures().display()
+    );
+    for row in load(&yaml).unwrap().rows {
+        assert_eq!(row.labels, row.input_ids);
+    }
+}
+
+#[test]
+fn bad_records_are_counted_or_named_when_strict() {
+    let dir = std::env::temp_dir().join(format!("mt-data-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bad.jsonl");
+    std::fs::write(
+        &file,
+        concat!(
+            "{\"conversations\": [{\"from\": \"human\", \"value\": \"Add 1 and 2.\"}, {\"from\": \"gpt\", \"value\": \"3\"}]}\n",
+            "{\"conversations\": []}\n",
+            "{\"conversations\": [{\"from\": \"human\", \"value\": 5}]}\n",
+            "{\"talk\": []}\n",
+            "{\"conversations\": [{\"from\": \"human\", \"value\": \"Add 1 and 2, then explain at length.\"}, {\"from\": \"gpt\", \"value\": \"3\"}]}\n",
+        ),
+    )
+    .unwrap();
+    let base = format!(
+        "format: sharegpt, path: {}, max_seq_len: 40, overlong: skip",
+        file.display()
+    );
+    let data = load(&format!("{{{base}}}")).unwrap();
+    assert_eq!(
+        (data.rows.len(), data.skipped.count),
+        (1, 4),
+        "{:?}",
+        data.skipped
+    );
+    let s = &data.skipped.first;
+    assert!(
+        s[0].ends_with(":2: field `conversations`: empty conversation"),
+        "{s:?}"
+    );
+    assert!(
+        s[1].ends_with(":3: field `conversations[0].value`: expected a string, found a number"),
+        "{s:?}"
+    );
+    assert!(
+        s[2].ends_with(":4: field `conversations`: missing"),
+        "{s:?}"
+    );
+    assert!(
+        s[3].contains(":5: ") && s[3].contains("longer than dataset.max_seq_len (40)"),
+        "{s:?}"
+    );
+    let e = load(&format!("{{{base}, strict: true}}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bad.jsonl") && e.contains("line 2") && e.contains("field `conversations`"),
+        "{e}"
+    );
+}

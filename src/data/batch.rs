@@ -1,0 +1,260 @@
+//! Rows to step inputs: packing samples into rows, the seeded sampler of global batches,
+//! and the split of a global batch into per-rank, per-micro-batch right-padded batches.
+
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+
+use super::{Dataset, Example, IGNORE_INDEX};
+use crate::protocol::MicroBatch;
+
+/// Greedily concatenates samples, in order, into rows of at most `max_len` tokens.
+pub fn pack(docs: Vec<Example>, max_len: usize) -> Vec<Example> {
+    let mut rows = Vec::new();
+    let mut cur = Example::default();
+    for d in docs {
+        if !cur.input_ids.is_empty() && cur.input_ids.len() + d.input_ids.len() > max_len {
+            rows.push(std::mem::take(&mut cur));
+        }
+        cur.position_ids.extend(0..d.input_ids.len() as i32);
+        cur.input_ids.extend(&d.input_ids);
+        cur.labels.push(IGNORE_INDEX);
+        cur.labels.extend(&d.labels[1..]);
+    }
+    if !cur.input_ids.is_empty() {
+        rows.push(cur);
+    }
+    rows
+}
+
+/// Picks the rows of each global batch: file order wrapping around, or a fresh seeded
+/// permutation per epoch.
+pub struct Sampler {
+    n: usize,
+    batch: usize,
+    shuffle: bool,
+    seed: u64,
+    cached: Option<(u64, Vec<usize>)>,
+}
+
+impl Sampler {
+    pub fn new(n: usize, batch: usize, shuffle: bool, seed: u64) -> Sampler {
+        assert!(n > 0 && batch > 0);
+        Sampler {
+            n,
+            batch,
+            shuffle,
+            seed,
+            cached: None,
+        }
+    }
+
+    /// Row indices of the global batch of optimizer step `step` (0-based).
+    pub fn global_batch(&mut self, step: u64) -> Vec<usize> {
+        let start = step as usize * self.batch;
+        (start..start + self.batch)
+            .map(|p| self.row_at(p))
+            .collect()
+    }
+
+    fn row_at(&mut self, pos: usize) -> usize {
+        let (epoch, i) = ((pos / self.n) as u64, pos % self.n);
+        if !self.shuffle {
+            return i;
+        }
+        if self.cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let mut perm: Vec<usize> = (0..self.n).collect();
+            let mut rng =
+                ChaCha8Rng::seed_from_u64(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ epoch);
+            perm.shuffle(&mut rng);
+            self.cached = Some((epoch, perm));
+        }
+        self.cached.as_ref().map(|(_, p)| p[i]).unwrap_or(i)
+    }
+}
+
+/// One optimizer step's data: `per_rank[r][k]` is rank r's k-th micro-batch.
+#[derive(Debug)]
+pub struct StepPlan {
+    pub per_rank: Vec<Vec<MicroBatch>>,
+    /// Unmasked label tokens in the whole global batch.
+    pub tokens: u64,
+    /// Tokens including padding (Σ rows x padded length over micro-batches).
+    pub padded_tokens: u64,
+    /// Non-padding tokens.
+    pub real_tokens: u64,
+    /// Σ over rows of T(T+1)/2 for each row's real length T (causal attention pairs).
+    pub causal_pairs: u64,
+}
+
+/// Splits a global batch over ranks and micro-batches.
+pub fn plan_step(
+    ds: &Dataset,
+    rows: &[usize],
+    world: usize,
+    accum: usize,
+    pad_id: i32,
+) -> StepPlan {
+    assert!(
+        rows.len().is_multiple_of(world * accum),
+        "batch not divisible by world x accum"
+    );
+    let per_rank = rows.len() / world;
+    let per_micro = per_rank / accum;
+    let tokens = rows.iter().map(|&i| ds.rows[i].label_tokens() as u64).sum();
+    let real_tokens = rows
+        .iter()
+        .map(|&i| ds.rows[i].input_ids.len() as u64)
+        .sum();
+    let causal_pairs = rows
+        .iter()
+        .flat_map(|&i| ds.rows[i].doc_lens())
+        .map(|t| (t * (t + 1) / 2) as u64)
+        .sum();
+    let per_rank: Vec<Vec<MicroBatch>> = rows
+        .chunks(per_rank)
+        .map(|rank_rows| {
+            rank_rows
+                .chunks(per_micro)
+                .map(|m| pad_batch(&m.iter().map(|&i| &ds.rows[i]).collect::<Vec<_>>(), pad_id))
+                .collect()
+        })
+        .collect();
+    let padded_tokens = per_rank
+        .iter()
+        .flatten()
+        .map(|m| (m.rows * m.seq_len) as u64)
+        .sum();
+    StepPlan {
+        per_rank,
+        tokens,
+        padded_tokens,
+        real_tokens,
+        causal_pairs,
+    }
+}
+
+/// Right-pads rows to the longest one; padded labels are ignored. When a row is packed,
+/// every row gets position ids (padding continues its row's last sample).
+pub fn pad_batch(rows: &[&Example], pad_id: i32) -> MicroBatch {
+    let seq_len = rows.iter().map(|r| r.input_ids.len()).max().unwrap_or(0);
+    let packed = rows.iter().any(|r| !r.position_ids.is_empty());
+    let mut input_ids = Vec::with_capacity(rows.len() * seq_len);
+    let mut labels = Vec::with_capacity(rows.len() * seq_len);
+    let mut position_ids = Vec::with_capacity(if packed { rows.len() * seq_len } else { 0 });
+    for r in rows {
+        let (len, pad) = (r.input_ids.len(), seq_len - r.input_ids.len());
+        input_ids.extend_from_slice(&r.input_ids);
+        input_ids.extend(std::iter::repeat_n(pad_id, pad));
+        labels.extend_from_slice(&r.labels);
+        labels.extend(std::iter::repeat_n(IGNORE_INDEX, pad));
+        if packed {
+            let first = match r.position_ids.last() {
+                Some(&last) => {
+                    position_ids.extend_from_slice(&r.position_ids);
+                    last + 1
+                }
+                None => {
+                    position_ids.extend(0..len as i32);
+                    len as i32
+                }
+            };
+            position_ids.extend(first..first + pad as i32);
+        }
+    }
+    MicroBatch {
+        rows: rows.len(),
+        seq_len,
+        input_ids,
+        labels,
+        position_ids,
+        row_lens: rows.iter().map(|r| r.input_ids.len()).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Skipped;
+    use super::*;
+
+    fn ex(n: usize, masked_prefix: usize) -> Example {
+        let ids: Vec<i32> = (0..n as i32).collect();
+        let labels = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| if i < masked_prefix { IGNORE_INDEX } else { x })
+            .collect();
+        Example {
+            input_ids: ids,
+            labels,
+            position_ids: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn split_is_contiguous_and_padded() {
+        let ds = Dataset {
+            files: vec![],
+            rows: (1..=8).map(|n| ex(n, 0)).collect(),
+            samples: 8,
+            skipped: Skipped::default(),
+        };
+        let rows: Vec<usize> = (0..8).collect();
+        let plan = plan_step(&ds, &rows, 2, 2, 0);
+        assert_eq!(plan.tokens, (0..8).sum::<u64>());
+        assert_eq!(plan.real_tokens, (1..=8).sum::<u64>());
+        // Micro-batches of lengths (1,2) (3,4) (5,6) (7,8) pad to 2, 4, 6, 8.
+        assert_eq!(plan.padded_tokens, 2 * (2 + 4 + 6 + 8));
+        assert_eq!(
+            plan.causal_pairs,
+            (1..=8u64).map(|t| t * (t + 1) / 2).sum::<u64>()
+        );
+        let m = &plan.per_rank[1][0]; // rows 4, 5 = lengths 5, 6
+        assert_eq!((m.rows, m.seq_len), (2, 6));
+        assert_eq!(&m.input_ids[..6], &[0, 1, 2, 3, 4, 0]);
+        assert_eq!(m.labels[5], IGNORE_INDEX);
+    }
+
+    #[test]
+    fn sampler_orders() {
+        let mut s = Sampler::new(5, 3, false, 0);
+        assert_eq!(s.global_batch(1), vec![3, 4, 0]);
+        let mut a = Sampler::new(100, 10, true, 7);
+        let mut b = Sampler::new(100, 10, true, 7);
+        let epoch: Vec<usize> = (0..10).flat_map(|k| a.global_batch(k)).collect();
+        assert_eq!(
+            epoch,
+            (0..10).flat_map(|k| b.global_batch(k)).collect::<Vec<_>>()
+        );
+        let mut sorted = epoch.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..100).collect::<Vec<_>>());
+        assert_ne!(epoch, (0..100).collect::<Vec<_>>());
+        assert_ne!(
+            a.global_batch(10),
+            epoch[..10].to_vec(),
+            "each epoch reshuffles"
+        );
+    }
+
+    #[test]
+    fn packing_keeps_each_sample_apart() {
+        let docs = vec![ex(3, 1), ex(2, 0), ex(4, 0), ex(1, 0)];
+        let rows = pack(docs.clone(), 6);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].input_ids, [0, 1, 2, 0, 1]);
+        assert_eq!(rows[0].position_ids, [0, 1, 2, 0, 1]);
+        assert_eq!(rows[0].labels, [IGNORE_INDEX, 1, 2, IGNORE_INDEX, 1]);
+        assert_eq!(rows[1].doc_lens(), [4, 1]);
+        // A packed row yields exactly its samples' loss terms.
+        let per_doc: usize = docs.iter().map(Example::label_tokens).sum();
+        assert_eq!(
+            rows.iter().map(Example::label_tokens).sum::<usize>(),
+            per_doc
+        );
+        // Padding continues the last sample; unpacked rows in the batch get 0..len.
+        let m = pad_batch(&[&rows[1], &ex(2, 0)], 0);
+        assert_eq!(m.position_ids, [0, 1, 2, 3, 0, 0, 1, 2, 3, 4]);
+        assert!(pad_batch(&[&ex(2, 0)], 0).position_ids.is_empty());
+    }
+}

@@ -1,0 +1,574 @@
+//! The CUDA streamer: pinned regions, transient embed/head buffers, a ring of layer
+//! buffers, gradients leaving on their own stream, and the per-layer inputs kept on the
+//! device or offloaded to pinned host memory.
+//!
+//! GPU memory is bounded by what one phase of the micro-batch needs, not by the model:
+//!
+//! - layers stream through a ring of [`RING`] buffers sized by the largest layer;
+//! - the embedding and head are loaded only around the compute that reads them and
+//!   released right after (the embedding stays for the whole micro-batch only when the
+//!   head is tied to it), so they never sit beside the layers' backward;
+//! - at most [`MAX_D2H_IN_FLIGHT`] blocks of gradients wait on the device for their copy
+//!   to the slab, besides the block being computed.
+//!
+//! Transient buffers come from torch's caching allocator on torch's stream. A copy into
+//! one first waits for an event recorded on torch's stream after the allocation (the
+//! memory's previous users ran there), and torch's stream waits for the copy before any
+//! read, so the allocator's same-stream reuse rule keeps holding.
+
+use std::collections::VecDeque;
+
+use anyhow::{Result, bail};
+use mt::layout::{Block, Layout};
+use tch::{Device, Kind, Tensor};
+
+use super::cuda::{self, Event, HostRegistration, Stream, torch_stream};
+use super::{Delivered, Gate, Regions, TransferStats, kind_of};
+use crate::model::BlockWeights;
+
+/// Layer buffers in the ring (double buffering).
+const RING: usize = 2;
+
+/// Blocks of gradients allowed to wait on the device for their copy to the slab.
+const MAX_D2H_IN_FLIGHT: usize = 2;
+
+/// Stashed layer inputs allowed to wait on the device for their copy to the host.
+const MAX_STASH_IN_FLIGHT: usize = 2;
+
+/// A device buffer with the events that order its reuse.
+struct DeviceBuf {
+    data: Tensor,
+    /// The last copy into it completed.
+    ready: Event,
+    /// The last compute reading it completed.
+    free: Event,
+}
+
+impl DeviceBuf {
+    fn new(len: usize, kind: Kind, device: Device) -> Result<DeviceBuf> {
+        let data = Tensor::empty([len as i64], (kind, device));
+        let (ready, free) = (Event::new(false)?, Event::new(false)?);
+        ready.record(torch_stream())?;
+        free.record(torch_stream())?;
+        Ok(DeviceBuf { data, ready, free })
+    }
+
+    fn ptr(&self) -> u64 {
+        self.data.data_ptr() as u64
+    }
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        // The memory goes back to torch's allocator, which reuses it in torch's stream
+        // order: make that order include the last copy into it, even if it was never read.
+        let _ = cuda::wait(torch_stream(), &self.ready);
+    }
+}
+
+/// Gradients of one block on their way to the slab.
+struct InFlight {
+    done: Delivered,
+    start: Event,
+    end: Event,
+    /// Gradient tensors kept alive until their copy completes (torch would otherwise
+    /// recycle the memory while the copy stream still reads it).
+    _keep: Vec<Tensor>,
+}
+
+/// Where the per-layer inputs of a micro-batch wait for the backward.
+enum Stash {
+    /// On the device (the default).
+    Device(Vec<Tensor>),
+    /// In pinned host buffers, one per layer, reused across micro-batches and steps.
+    Host(HostStash),
+}
+
+struct HostStash {
+    device: Device,
+    /// Pinned host buffers by layer, grown to the largest input seen.
+    host: Vec<Tensor>,
+    /// Shapes of the inputs stashed this micro-batch, by layer.
+    shapes: Vec<Vec<i64>>,
+    /// Device inputs whose copy to the host is in flight, with its completion event.
+    leaving: VecDeque<(Event, Tensor)>,
+    /// Inputs copied back for the backward (layer, arrival event, tensor), in the order
+    /// it takes them.
+    arriving: VecDeque<(usize, Event, Tensor)>,
+}
+
+/// CUDA: pinned regions, transient embed/head buffers, a ring of layer buffers.
+pub struct CudaStreamer {
+    kind: Kind,
+    device: Device,
+    copy: Stream,
+    offload: Stream,
+    embed: Option<DeviceBuf>,
+    head: Option<DeviceBuf>,
+    ring: Vec<DeviceBuf>,
+    /// Layer indices in the order the micro-batch asks for them.
+    schedule: Vec<usize>,
+    next: usize,
+    issued: usize,
+    in_flight: VecDeque<InFlight>,
+    landed: Vec<Delivered>,
+    stash: Stash,
+    waits: WaitTimer,
+    stats: TransferStats,
+    // Declared last: unregistered after every copy using it was dropped, then unmapped.
+    _pinned: [HostRegistration; 2],
+    regions: Regions,
+}
+
+impl CudaStreamer {
+    pub fn new(
+        regions: Regions,
+        layout: &Layout,
+        index: usize,
+        offload_activations: bool,
+    ) -> Result<CudaStreamer> {
+        let device = Device::Cuda(index);
+        let kind = kind_of(regions.dtype);
+        // Touch the device through torch so its primary context is current here.
+        let _ = Tensor::zeros([1], (kind, device));
+        cuda::check_context()?;
+        // SAFETY: both regions stay mapped for the streamer's life (it owns them, and the
+        // registrations are dropped first).
+        let pinned = unsafe {
+            [
+                HostRegistration::new(
+                    regions.store.payload_ptr(),
+                    regions.store.payload_len(),
+                    regions.store.name(),
+                )?,
+                HostRegistration::new(
+                    regions.slab.payload_ptr(),
+                    regions.slab.payload_len(),
+                    regions.slab.name(),
+                )?,
+            ]
+        };
+        let layer_len = (0..layout.num_layers())
+            .map(|l| layout.blocks[layout.layer_block(l)].len)
+            .max()
+            .unwrap_or(0);
+        let ring = (0..RING)
+            .map(|_| DeviceBuf::new(layer_len, kind, device))
+            .collect::<Result<_>>()?;
+        let stash = match offload_activations {
+            false => Stash::Device(Vec::new()),
+            true => Stash::Host(HostStash {
+                device,
+                host: Vec::new(),
+                shapes: Vec::new(),
+                leaving: VecDeque::new(),
+                arriving: VecDeque::new(),
+            }),
+        };
+        Ok(CudaStreamer {
+            kind,
+            device,
+            copy: Stream::non_blocking()?,
+            offload: Stream::non_blocking()?,
+            embed: None,
+            head: None,
+            ring,
+            schedule: Vec::new(),
+            next: 0,
+            issued: 0,
+            in_flight: VecDeque::new(),
+            landed: Vec::new(),
+            stash,
+            waits: WaitTimer::default(),
+            stats: TransferStats::default(),
+            _pinned: pinned,
+            regions,
+        })
+    }
+
+    /// Enqueues the copy of `block` into `buf` on the copy stream, after `buf`'s readers.
+    fn fill(copy: &Stream, regions: &Regions, buf: &DeviceBuf, block: &Block) -> Result<()> {
+        cuda::wait(copy.raw(), &buf.free)?;
+        let elem = regions.dtype.size();
+        // SAFETY: the source lies inside the pinned store, which the launcher leaves alone
+        // during a step; the destination buffer holds at least `block.len` elements and is
+        // not read until `ready` fires.
+        unsafe {
+            let src = regions.store.payload_ptr().add(block.offset * elem);
+            cuda::copy_h2d(buf.ptr(), src, block.len * elem, copy.raw())?;
+        }
+        buf.ready.record(copy.raw())
+    }
+
+    /// Allocates a transient buffer for block `index` and enqueues its copy.
+    fn load(&self, layout: &Layout, index: usize, gate: Gate) -> Result<DeviceBuf> {
+        gate(index)?;
+        let block = &layout.blocks[index];
+        let buf = DeviceBuf::new(block.len, self.kind, self.device)?;
+        Self::fill(&self.copy, &self.regions, &buf, block)?;
+        Ok(buf)
+    }
+
+    pub fn begin_micro(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
+        let n = layout.num_layers();
+        self.schedule = (0..n).chain((0..n).rev()).collect();
+        self.next = 0;
+        self.issued = 0;
+        if self.embed.is_none() {
+            self.embed = Some(self.load(layout, Layout::EMBED, gate)?);
+        }
+        self.issue_up_to(layout, RING - 1, gate)
+    }
+
+    /// Enqueues copies for schedule entries up to `last` (each waits for its buffer).
+    fn issue_up_to(&mut self, layout: &Layout, last: usize, gate: Gate) -> Result<()> {
+        while self.issued < self.schedule.len() && self.issued <= last {
+            let k = self.issued;
+            let index = layout.layer_block(self.schedule[k]);
+            gate(index)?;
+            Self::fill(
+                &self.copy,
+                &self.regions,
+                &self.ring[k % RING],
+                &layout.blocks[index],
+            )?;
+            self.issued += 1;
+        }
+        Ok(())
+    }
+
+    /// Makes torch's stream wait for a copy, timing the stall.
+    fn wait_for(&mut self, ready: &Event) -> Result<()> {
+        self.waits.wait(ready)?;
+        self.sample_memory();
+        Ok(())
+    }
+
+    fn sample_memory(&mut self) {
+        if let Ok(used) = cuda::device_bytes_used() {
+            self.stats.peak_device_bytes = self.stats.peak_device_bytes.max(used);
+        }
+    }
+
+    pub fn embed(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
+        if self.embed.is_none() {
+            self.embed = Some(self.load(layout, Layout::EMBED, gate)?);
+        }
+        let buf = self.embed.as_ref().expect("loaded above");
+        self.waits.wait(&buf.ready)?;
+        let data = buf.data.shallow_clone();
+        self.sample_memory();
+        Ok(data)
+    }
+
+    pub fn head(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
+        if self.head.is_none() {
+            self.head = Some(self.load(layout, layout.head_block(), gate)?);
+        }
+        let buf = self.head.as_ref().expect("loaded above");
+        self.waits.wait(&buf.ready)?;
+        let data = buf.data.shallow_clone();
+        self.sample_memory();
+        Ok(data)
+    }
+
+    /// The embedding buffer goes back to torch's allocator (the engine dropped its views).
+    pub fn release_embed(&mut self) {
+        self.embed = None;
+    }
+
+    pub fn release_head(&mut self) {
+        self.head = None;
+    }
+
+    pub fn layer(&mut self, layout: &Layout, l: usize, gate: Gate) -> Result<Tensor> {
+        let k = self.next;
+        if self.schedule.get(k) != Some(&l) {
+            bail!(
+                "layer {l} requested out of order (expected {:?})",
+                self.schedule.get(k)
+            );
+        }
+        if k > 0 {
+            // Everything that reads the previous layer's buffer is enqueued by now.
+            self.ring[(k - 1) % RING].free.record(torch_stream())?;
+        }
+        self.issue_up_to(layout, k + RING - 1, gate)?;
+        let n = layout.num_layers();
+        if k + 1 == n && self.head.is_none() {
+            // The last forward layer: the head comes next.
+            self.head = Some(self.load(layout, layout.head_block(), gate)?);
+        }
+        if k + 1 == 2 * n && self.embed.is_none() {
+            // The last backward layer: the embedding comes next.
+            self.embed = Some(self.load(layout, Layout::EMBED, gate)?);
+        }
+        self.next += 1;
+        let len = layout.blocks[layout.layer_block(l)].len as i64;
+        self.waits.wait(&self.ring[k % RING].ready)?;
+        self.sample_memory();
+        Ok(self.ring[k % RING].data.narrow(0, 0, len))
+    }
+
+    pub fn end_micro(&mut self) -> Result<()> {
+        if self.next > 0 {
+            self.ring[(self.next - 1) % RING]
+                .free
+                .record(torch_stream())?;
+        }
+        self.embed = None;
+        self.head = None;
+        Ok(())
+    }
+
+    pub fn offload(
+        &mut self,
+        micro: usize,
+        index: usize,
+        block: &Block,
+        w: &BlockWeights,
+        slot: usize,
+    ) -> Result<()> {
+        while self.in_flight.len() >= MAX_D2H_IN_FLIGHT {
+            self.land_oldest()?;
+        }
+        let (start, end) = (Event::new(true)?, Event::new(true)?);
+        let produced = Event::new(false)?;
+        produced.record(torch_stream())?;
+        cuda::wait(self.offload.raw(), &produced)?;
+        start.record(self.offload.raw())?;
+        let elem = self.regions.dtype.size();
+        let mut keep = Vec::with_capacity(block.tensors.len());
+        for t in &block.tensors {
+            let dst = self.regions.slot_ptr(slot, t.offset);
+            let g = w.get(&t.name).grad();
+            if !g.defined() {
+                // SAFETY: the slot is owned by this worker until announced; the range lies
+                // inside it.
+                unsafe { std::ptr::write_bytes(dst, 0, t.numel() * elem) };
+                continue;
+            }
+            if g.kind() != self.kind {
+                bail!(
+                    "gradient of `{}` is {:?}, the slab holds {:?}",
+                    t.name,
+                    g.kind(),
+                    self.kind
+                );
+            }
+            let g = g.contiguous();
+            // SAFETY: the slot range is owned by this worker and pinned; `g` stays alive in
+            // `keep` until the copy's event completes.
+            unsafe {
+                cuda::copy_d2h(
+                    dst,
+                    g.data_ptr() as u64,
+                    t.numel() * elem,
+                    self.offload.raw(),
+                )?
+            };
+            keep.push(g);
+        }
+        end.record(self.offload.raw())?;
+        self.in_flight.push_back(InFlight {
+            done: Delivered {
+                micro,
+                block: index,
+                slot,
+            },
+            start,
+            end,
+            _keep: keep,
+        });
+        Ok(())
+    }
+
+    /// Waits for the oldest gradient copy and moves it to `landed`; false if none is out.
+    pub fn land_oldest(&mut self) -> Result<bool> {
+        let Some(f) = self.in_flight.pop_front() else {
+            return Ok(false);
+        };
+        f.end.synchronize()?;
+        self.stats.d2h_s += Event::elapsed_ms(&f.start, &f.end)? as f64 / 1e3;
+        self.landed.push(f.done);
+        Ok(true)
+    }
+
+    pub fn delivered(&mut self, wait: bool) -> Result<Vec<Delivered>> {
+        while let Some(f) = self.in_flight.front() {
+            if !wait && !f.end.done()? {
+                break;
+            }
+            self.land_oldest()?;
+        }
+        Ok(std::mem::take(&mut self.landed))
+    }
+
+    /// Keeps layer `l`'s input (its forward is enqueued) for the backward.
+    pub fn stash_input(&mut self, l: usize, x: Tensor) -> Result<()> {
+        match &mut self.stash {
+            Stash::Device(v) => {
+                debug_assert_eq!(v.len(), l);
+                v.push(x);
+                Ok(())
+            }
+            Stash::Host(h) => h.push(l, x, &self.offload),
+        }
+    }
+
+    /// Layer `l`'s input, for its backward (layers come last to first).
+    pub fn stashed_input(&mut self, l: usize) -> Result<Tensor> {
+        match &mut self.stash {
+            Stash::Device(v) => {
+                if v.len() != l + 1 {
+                    bail!("input of layer {l} asked for with {} stashed", v.len());
+                }
+                Ok(v.pop().expect("checked"))
+            }
+            Stash::Host(h) => {
+                let (ready, x) = h.pop(l, &self.copy)?;
+                self.wait_for(&ready)?;
+                Ok(x)
+            }
+        }
+    }
+
+    pub fn take_stats(&mut self) -> Result<TransferStats> {
+        self.sample_memory();
+        self.stats.h2d_wait_s += self.waits.take_seconds()?;
+        Ok(std::mem::take(&mut self.stats))
+    }
+}
+
+impl HostStash {
+    /// Enqueues the copy of `x` to layer `l`'s pinned buffer on `offload`.
+    fn push(&mut self, l: usize, x: Tensor, offload: &Stream) -> Result<()> {
+        if l == 0 {
+            self.shapes.clear();
+            self.arriving.clear();
+        }
+        let numel = x.numel();
+        if self.host.len() <= l {
+            self.host.push(Tensor::empty([0], (x.kind(), Device::Cpu)));
+        }
+        if self.host[l].numel() < numel || self.host[l].kind() != x.kind() {
+            self.host[l] =
+                Tensor::empty([numel as i64], (x.kind(), Device::Cpu)).pin_memory(self.device);
+        }
+        while self.leaving.len() >= MAX_STASH_IN_FLIGHT {
+            let (done, _x) = self.leaving.pop_front().expect("non-empty");
+            done.synchronize()?;
+        }
+        let x = x.contiguous();
+        let produced = Event::new(false)?;
+        produced.record(torch_stream())?;
+        cuda::wait(offload.raw(), &produced)?;
+        let bytes = numel * x.kind().elt_size_in_bytes();
+        // SAFETY: the host buffer is pinned and holds `numel` elements; no copy back from it
+        // is pending (the previous micro-batch's backward consumed it before this forward
+        // ran on torch's stream, which `produced` follows); `x` stays alive in `leaving`
+        // until the copy completes.
+        unsafe {
+            cuda::copy_d2h(
+                self.host[l].data_ptr().cast(),
+                x.data_ptr() as u64,
+                bytes,
+                offload.raw(),
+            )?
+        };
+        let done = Event::new(false)?;
+        done.record(offload.raw())?;
+        self.shapes.push(x.size());
+        self.leaving.push_back((done, x));
+        Ok(())
+    }
+
+    /// Enqueues the copy back of layer `l`'s input to a fresh device tensor.
+    fn fetch(&mut self, l: usize, copy: &Stream) -> Result<()> {
+        let shape = &self.shapes[l];
+        let x = Tensor::empty(shape.as_slice(), (self.host[l].kind(), self.device));
+        let allocated = Event::new(false)?;
+        allocated.record(torch_stream())?;
+        cuda::wait(copy.raw(), &allocated)?;
+        // Every copy to the host must have landed before it is read back.
+        for (done, _) in &self.leaving {
+            cuda::wait(copy.raw(), done)?;
+        }
+        let bytes = x.numel() * x.kind().elt_size_in_bytes();
+        // SAFETY: `x` was just allocated with `bytes` bytes and is read only after `ready`;
+        // the pinned source stays alive in `self.host` and is not rewritten before the next
+        // forward, which follows this backward on torch's stream.
+        unsafe {
+            cuda::copy_h2d(
+                x.data_ptr() as u64,
+                self.host[l].data_ptr().cast::<u8>(),
+                bytes,
+                copy.raw(),
+            )?
+        };
+        let ready = Event::new(false)?;
+        ready.record(copy.raw())?;
+        self.arriving.push_back((l, ready, x));
+        Ok(())
+    }
+
+    /// Layer `l`'s input back on the device, with the event that marks its arrival;
+    /// the next one down is prefetched.
+    fn pop(&mut self, l: usize, copy: &Stream) -> Result<(Event, Tensor)> {
+        if self.arriving.is_empty() {
+            if l + 1 != self.shapes.len() {
+                bail!(
+                    "input of layer {l} asked for first, {} were stashed",
+                    self.shapes.len()
+                );
+            }
+            self.fetch(l, copy)?;
+        }
+        if l > 0 {
+            self.fetch(l - 1, copy)?;
+        }
+        let (got, ready, x) = self.arriving.pop_front().expect("fetched");
+        if got != l {
+            bail!("input of layer {l} asked for, layer {got} is next");
+        }
+        if l == 0 {
+            // Torch's stream waited for the first copy back, which followed every copy out.
+            self.leaving.clear();
+        }
+        Ok((ready, x))
+    }
+}
+
+/// Times torch's waits on copies with event pairs, read back once per step.
+#[derive(Default)]
+struct WaitTimer {
+    /// (before, after) around each wait; reused across steps.
+    events: Vec<(Event, Event)>,
+    used: usize,
+}
+
+impl WaitTimer {
+    /// Makes torch's stream wait for `ready`, between two timing events.
+    fn wait(&mut self, ready: &Event) -> Result<()> {
+        if self.used == self.events.len() {
+            self.events.push((Event::new(true)?, Event::new(true)?));
+        }
+        let (before, after) = &self.events[self.used];
+        before.record(torch_stream())?;
+        cuda::wait(torch_stream(), ready)?;
+        after.record(torch_stream())?;
+        self.used += 1;
+        Ok(())
+    }
+
+    /// Seconds torch's stream stalled since the last call.
+    fn take_seconds(&mut self) -> Result<f64> {
+        let mut s = 0.0;
+        for (before, after) in &self.events[..self.used] {
+            after.synchronize()?;
+            s += Event::elapsed_ms(before, after)? as f64 / 1e3;
+        }
+        self.used = 0;
+        Ok(s)
+    }
+}
