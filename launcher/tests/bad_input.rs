@@ -350,7 +350,7 @@ fn missing_dataset() {
 fn empty_dataset() {
     let f = fixture("empty-data");
     std::fs::write(&f.data, "\n").unwrap();
-    f.fails(&[], Stage::Start, &[&path(&f.data), "no records"]);
+    f.fails(&[], Stage::Start, &[&path(&f.data), "no usable records"]);
 }
 
 #[test]
@@ -361,9 +361,9 @@ fn malformed_dataset_record() {
     lines[2] = "{\"input_ids\": [1, 2,";
     std::fs::write(&f.data, lines.join("\n")).unwrap();
     f.fails(
-        &[],
+        &["--set", "dataset.strict=true"],
         Stage::Start,
-        &[&path(&f.data), "line 3", "not a tokenized record"],
+        &[&path(&f.data), "3"],
     );
 }
 
@@ -375,9 +375,9 @@ fn token_id_out_of_vocabulary() {
     lines[1] = r#"{"input_ids": [1, 2, 67]}"#.into();
     std::fs::write(&f.data, lines.join("\n")).unwrap();
     f.fails(
-        &[],
+        &["--set", "dataset.strict=true"],
         Stage::Start,
-        &[&path(&f.data), "line 2", "`input_ids`", "67"],
+        &[&path(&f.data), "2", "input_ids", "67"],
     );
 }
 
@@ -388,7 +388,7 @@ fn labels_of_another_length() {
     f.fails(
         &[],
         Stage::Start,
-        &[&path(&f.data), "line 1", "`labels` has 2 entries"],
+        &[&path(&f.data), ":1: field `labels`", "has 2 entries"],
     );
 }
 
