@@ -20,6 +20,7 @@ cfg["tie_word_embeddings"] = True
 os.makedirs(sys.argv[2])
 json.dump(cfg, open(f"{sys.argv[2]}/config.json", "w"))
 PY
+cp configs/tiny/tokenizer.json configs/tiny/tokenizer_config.json "$work/tied/"
 run() { local name=$1; shift; "$BIN/mt-launch" "${common[@]}" "$@" --metrics-out "$work/$name.jsonl"; }
 cpu=(--gpus 0 --workers 1 --set model.dtype=float32)
 gpu=(--set model.dtype=bfloat16)

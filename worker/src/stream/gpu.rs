@@ -214,9 +214,7 @@ impl CudaStreamer {
         self.schedule = (0..n).chain((0..n).rev()).collect();
         self.next = 0;
         self.issued = 0;
-        if self.embed.is_none() {
-            self.embed = Some(self.load(layout, Layout::EMBED, gate)?);
-        }
+        self.prefetch(layout, Layout::EMBED, gate)?;
         self.issue_up_to(layout, RING - 1, gate)
     }
 
@@ -250,26 +248,43 @@ impl CudaStreamer {
         }
     }
 
-    pub fn embed(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
-        if self.embed.is_none() {
-            self.embed = Some(self.load(layout, Layout::EMBED, gate)?);
+    /// Enqueues the copy of the embedding (`Layout::EMBED`) or the head block into its
+    /// transient buffer, unless that buffer is already loaded.
+    fn prefetch(&mut self, layout: &Layout, index: usize, gate: Gate) -> Result<()> {
+        let loaded = match index {
+            Layout::EMBED => self.embed.is_some(),
+            _ => self.head.is_some(),
+        };
+        if !loaded {
+            let buf = Some(self.load(layout, index, gate)?);
+            match index {
+                Layout::EMBED => self.embed = buf,
+                _ => self.head = buf,
+            }
         }
-        let buf = self.embed.as_ref().expect("loaded above");
+        Ok(())
+    }
+
+    /// The embedding or head block on the device, once its copy has landed.
+    fn transient(&mut self, layout: &Layout, index: usize, gate: Gate) -> Result<Tensor> {
+        self.prefetch(layout, index, gate)?;
+        let buf = match index {
+            Layout::EMBED => self.embed.as_ref(),
+            _ => self.head.as_ref(),
+        }
+        .expect("prefetched above");
         self.waits.wait(&buf.ready)?;
         let data = buf.data.shallow_clone();
         self.sample_memory();
         Ok(data)
     }
 
+    pub fn embed(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
+        self.transient(layout, Layout::EMBED, gate)
+    }
+
     pub fn head(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
-        if self.head.is_none() {
-            self.head = Some(self.load(layout, layout.head_block(), gate)?);
-        }
-        let buf = self.head.as_ref().expect("loaded above");
-        self.waits.wait(&buf.ready)?;
-        let data = buf.data.shallow_clone();
-        self.sample_memory();
-        Ok(data)
+        self.transient(layout, layout.head_block(), gate)
     }
 
     /// The embedding buffer goes back to torch's allocator (the engine dropped its views).
@@ -295,13 +310,13 @@ impl CudaStreamer {
         }
         self.issue_up_to(layout, k + RING - 1, gate)?;
         let n = layout.num_layers();
-        if k + 1 == n && self.head.is_none() {
+        if k + 1 == n {
             // The last forward layer: the head comes next.
-            self.head = Some(self.load(layout, layout.head_block(), gate)?);
+            self.prefetch(layout, layout.head_block(), gate)?;
         }
-        if k + 1 == 2 * n && self.embed.is_none() {
+        if k + 1 == 2 * n {
             // The last backward layer: the embedding comes next.
-            self.embed = Some(self.load(layout, Layout::EMBED, gate)?);
+            self.prefetch(layout, Layout::EMBED, gate)?;
         }
         self.next += 1;
         let len = layout.blocks[layout.layer_block(l)].len as i64;
