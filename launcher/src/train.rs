@@ -70,6 +70,18 @@ impl Prepared {
     pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
         cfg.validate_world(placement.workers)?;
         let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        if cfg.dataset.packing && spec.layer_types.contains(&AttentionKind::Linear) {
+            // The delta rule's recurrent state would flow from one packed document into
+            // the next; transformers' torch path has no per-document reset either.
+            return Err(mt::Error::invalid(
+                "dataset.packing",
+                format!(
+                    "packing is not supported for {} models: their linear-attention layers carry state across the documents of a packed row (set dataset.packing: false)",
+                    spec.model_type
+                ),
+            )
+            .into());
+        }
         let layout = Layout::new(&spec);
         let data = Dataset::load(
             &cfg.dataset,

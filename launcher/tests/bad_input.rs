@@ -663,3 +663,22 @@ fn sanity_the_chat_fixture_trains() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn packing_a_linear_attention_model() {
+    let f = fixture("pack-linear");
+    let hybrid = golden_dir().join("qwen3_next_hybrid_moe/model");
+    for e in std::fs::read_dir(&hybrid).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, f.model.join(p.file_name().unwrap())).unwrap();
+    }
+    f.write_config(&f.yaml().replace(
+        "shuffle: false}",
+        "shuffle: false, packing: true, max_seq_len: 16}",
+    ));
+    f.fails(
+        &[],
+        Stage::Start,
+        &["dataset.packing", "qwen3_next", "linear-attention"],
+    );
+}

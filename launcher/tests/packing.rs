@@ -2,7 +2,7 @@
 //! kept inside each sample) give the same step-1 loss and every gradient as the same
 //! samples unpacked, one per row, for every attention variant the families use (plain
 //! causal, sliding window, soft-capped scores, q/k norms, partial rotary with LongRoPE,
-//! per-layer-type RoPE). The unpacked path is itself checked against transformers by
+//! per-layer-type RoPE, attention sinks) and for routed experts. The unpacked path is itself checked against transformers by
 //! golden.rs.
 
 mod common;
@@ -81,6 +81,10 @@ fn packed_rows_equal_unpacked_samples() {
         "gemma2_softcap",
         "gemma3_text_local_rope",
         "phi3_fused_longrope",
+        "gpt_oss_sinks_clamp",
+        "mixtral_moe",
+        "mixtral_router_aux_loss",
+        "qwen3_moe_norm_topk",
     ] {
         let dir = scratch(&format!("packing-{case}"));
         write_samples(&dir.join("samples.jsonl"));

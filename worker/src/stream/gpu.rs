@@ -148,12 +148,11 @@ impl CudaStreamer {
                 )?,
             ]
         };
-        let layer_len = (0..layout.num_layers())
-            .map(|l| layout.blocks[layout.layer_block(l)].len)
-            .max()
-            .unwrap_or(0);
+        // One ring for every layer group: a slot holds whichever layer the schedule puts
+        // there next, and mixed stacks (Qwen3-Next's linear and full attention) alternate
+        // kinds, so per-group rings would only add buffers.
         let ring = (0..RING)
-            .map(|_| DeviceBuf::new(layer_len, kind, device))
+            .map(|_| DeviceBuf::new(layout.max_layer_len(), kind, device))
             .collect::<Result<_>>()?;
         let stash = match offload_activations {
             false => Stash::Device(Vec::new()),
