@@ -23,5 +23,7 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 torch_dir=$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
-ln -sfn "$torch_dir" .venv/libtorch
+# The resolved path: .venv may itself be a link (worktrees share one venv), and the link
+# must not depend on where it was made from.
+ln -sfn "$(readlink -f "$torch_dir")" .venv/libtorch
 echo "setup: libtorch $(.venv/bin/python -c 'import torch; print(torch.__version__)') at .venv/libtorch"

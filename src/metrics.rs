@@ -36,6 +36,10 @@ pub struct StepMetrics {
     pub d2h_s: f64,
     /// Largest device memory in use on any worker's GPU.
     pub peak_gpu_bytes: u64,
+    /// Of which the CUDA context, cuBLAS and torch's first segment, in use before the
+    /// worker allocated anything (`peak_gpu_bytes` minus this is what `mt-launch plan`
+    /// estimates).
+    pub gpu_context_bytes: u64,
     /// The launcher's resident host memory.
     pub launcher_rss_bytes: u64,
     /// Per GPU (or CPU worker), MegaTrain's formula: 6 x all parameters x batch_size x

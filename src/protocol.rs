@@ -127,6 +127,9 @@ pub struct WorkerTimings {
     /// the slots are held by in-flight gradient copies of layers still computing).
     pub slot_wait_s: f64,
     pub peak_device_bytes: u64,
+    /// Device bytes in use before the worker allocated anything (CUDA context, cuBLAS).
+    #[serde(default)]
+    pub context_device_bytes: u64,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -51,6 +51,10 @@ pub struct PlanArgs {
     /// reports for the first GPU used).
     #[arg(long, value_name = "GB")]
     pub gpu_memory: Option<f64>,
+
+    /// Print the plan as one JSON object (bytes) instead of the report.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Training (the default command).

@@ -14,7 +14,6 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let cfg = RunConfig::load(&p.config, &p.set)?;
     let placement = cli::placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
     let prep = Prepared::new(&cfg, &placement)?;
-    describe(&cfg, &placement, &prep);
     let seq_len = cfg.dataset.max_seq_len.unwrap_or_else(|| {
         prep.data
             .rows
@@ -27,32 +26,75 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         cfg.training.batch_size / (placement.workers * cfg.training.gradient_accumulation_steps);
     let opts = DeviceOpts {
         dtype: cfg.model.dtype,
-        slots: cfg.memory.num_grad_slabs,
         ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
         packed: cfg.dataset.packing,
+        offload_activations: cfg.memory.offload_activations,
     };
-    println!(
-        "{}",
-        DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len)
-    );
+    let device = DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len);
     let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {
         placement
             .devices
             .first()
             .and_then(|&d| cli::gpu_memory_bytes(d))
     });
-    match budget {
-        Some(b) => {
-            let best = DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b);
-            println!(
-                "largest micro-batch on a {:.1} GB GPU: {best} x {seq_len} tokens (configured: {rows}; \
-                 training.batch_size = workers x gradient_accumulation_steps x micro-batch)",
-                b as f64 / 1e9
-            );
-        }
-        None => println!("pass --gpu-memory GB for the largest micro-batch that fits a GPU"),
+    let best =
+        budget.map(|b| DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b));
+    if p.json {
+        println!("{}", json(&prep, &device, budget, best));
+        return Ok(());
+    }
+    describe(&cfg, &placement, &prep);
+    println!("{device}");
+    match (budget, best) {
+        (Some(b), Some(best)) => println!(
+            "largest micro-batch on a {:.1} GB GPU: {best} x {seq_len} tokens (configured: {rows}; \
+             training.batch_size = workers x gradient_accumulation_steps x micro-batch)",
+            b as f64 / 1e9
+        ),
+        _ => println!("pass --gpu-memory GB for the largest micro-batch that fits a GPU"),
     }
     Ok(())
+}
+
+/// The plan as JSON: host bytes by component, the device plan's phases, the largest batch.
+fn json(
+    prep: &Prepared,
+    device: &DevicePlan,
+    budget: Option<u64>,
+    best: Option<usize>,
+) -> serde_json::Value {
+    let h = &prep.plan;
+    let parts = |p: &[(&str, u64)]| {
+        p.iter()
+            .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
+            .collect::<serde_json::Map<_, _>>()
+    };
+    let phases: serde_json::Map<_, _> = device
+        .phases
+        .iter()
+        .map(|p| {
+            let v = serde_json::json!({"total": p.total(), "parts": parts(&p.parts)});
+            (p.name.to_string(), v)
+        })
+        .collect();
+    serde_json::json!({
+        "host": {
+            "params": h.params,
+            "bytes_per_param": h.bytes_per_param(),
+            "slabs": h.slabs,
+            "total": h.total(),
+        },
+        "device": {
+            "rows": device.rows,
+            "seq_len": device.seq_len,
+            "fixed": parts(&device.fixed),
+            "phases": phases,
+            "peak_phase": device.peak_phase().name,
+            "total": device.total(),
+        },
+        "gpu_memory": budget,
+        "largest_batch": best,
+    })
 }
 
 /// `--dry-run`: every check a launch makes (the checkpoint to resume from included), then

@@ -444,6 +444,8 @@ impl Trainer {
                     s.h2d_wait_s = s.h2d_wait_s.max(timings.h2d_wait_s);
                     s.d2h_s = s.d2h_s.max(timings.d2h_s);
                     s.peak_device_bytes = s.peak_device_bytes.max(timings.peak_device_bytes);
+                    s.context_device_bytes =
+                        s.context_device_bytes.max(timings.context_device_bytes);
                     done += 1;
                 }
                 Event::Msg(rank, FromWorker::Fatal { msg }) => {
@@ -586,6 +588,7 @@ impl Trainer {
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
             peak_gpu_bytes: out.slowest.peak_device_bytes,
+            gpu_context_bytes: out.slowest.context_device_bytes,
             launcher_rss_bytes: rss_bytes(),
             tflops_megatrain: per_device_tflops(flops.megatrain),
             tflops_model: per_device_tflops(flops.model),

@@ -53,7 +53,8 @@ fn plan_sizes_every_ready_made_config() {
             "bytes per parameter",
             "host RAM available",
             "device memory per worker, micro-batch 16 x 1024 tokens",
-            "layer checkpoints",
+            "peak phase: ",
+            "layer inputs kept for the backward",
             "largest micro-batch on a 80.0 GB GPU: ",
         ] {
             assert!(text.contains(want), "{file}: no `{want}` in\n{text}");

@@ -182,6 +182,7 @@ impl Engine {
         tm.h2d_wait_s = stats.h2d_wait_s;
         tm.d2h_s = stats.d2h_s;
         tm.peak_device_bytes = stats.peak_device_bytes;
+        tm.context_device_bytes = stats.context_device_bytes;
         Ok((loss_sum, tokens, tm))
     }
 
@@ -319,37 +320,9 @@ impl Engine {
             Some(embed_w) => embed_w.get("model.embed_tokens.weight"),
             None => head_w.get("lm_head.weight"),
         };
-        let h = self.spec.hidden_size as i64;
-        let x_leaf = x_bth.detach().set_requires_grad(true);
-        let n_valid = batch.valid_m.size()[0];
-        let mut loss_sum = 0.0;
-        let mut dy_bth = x_leaf.zeros_like();
-        if n_valid > 0 {
-            let hn_mh = model::final_norm(
-                &self.spec,
-                &head_w,
-                &x_leaf.view([-1, h]).index_select(0, &batch.valid_m),
-            );
-            let hn_leaf = hn_mh.detach().set_requires_grad(true);
-            let mut losses = Vec::new();
-            for start in (0..n_valid).step_by(self.ce_chunk as usize) {
-                let len = self.ce_chunk.min(n_valid - start);
-                let h_ch = hn_leaf.narrow(0, start, len);
-                let loss = model::chunk_loss_sum(
-                    &self.spec,
-                    &h_ch,
-                    lm_head,
-                    &batch.targets_m.narrow(0, start, len),
-                );
-                (&loss * scale).backward();
-                losses.push(loss.detach());
-            }
-            (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
-            loss_sum = Tensor::stack(&losses, 0)
-                .sum(Kind::Double)
-                .double_value(&[]);
-            dy_bth = x_leaf.grad();
-        }
+        // The last hidden state lives only through the head: the gradient it hands on (dy)
+        // is all the layers need.
+        let (loss_sum, mut dy_bth) = self.head_backward(batch, &head_w, lm_head, scale, x_bth);
         self.send(mi, layout.head_block(), &head_w, link, tm)?;
         drop(head_w);
         self.streamer.release_head();
@@ -388,6 +361,48 @@ impl Engine {
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
         let aux = ctx.router_aux.as_ref().map_or(0.0, RouterAux::loss);
         Ok(loss_sum + aux / scale)
+    }
+
+    /// Final norm, chunked lm_head + cross-entropy over the labelled tokens, backward to
+    /// the last hidden state `x_bth` (computed without grad, so a leaf): returns (summed
+    /// token loss, dy (B, T, H)).
+    fn head_backward(
+        &self,
+        batch: &DeviceBatch,
+        head_w: &BlockWeights,
+        lm_head: &Tensor,
+        scale: f64,
+        x_bth: Tensor,
+    ) -> (f64, Tensor) {
+        let n_valid = batch.valid_m.size()[0];
+        if n_valid == 0 {
+            return (0.0, x_bth.zeros_like());
+        }
+        let h = self.spec.hidden_size as i64;
+        let x_leaf = x_bth.set_requires_grad(true);
+        let hn_mh = model::final_norm(
+            &self.spec,
+            head_w,
+            &x_leaf.view([-1, h]).index_select(0, &batch.valid_m),
+        );
+        let hn_leaf = hn_mh.detach().set_requires_grad(true);
+        let mut losses = Vec::new();
+        for start in (0..n_valid).step_by(self.ce_chunk as usize) {
+            let len = self.ce_chunk.min(n_valid - start);
+            let loss = model::chunk_loss_sum(
+                &self.spec,
+                &hn_leaf.narrow(0, start, len),
+                lm_head,
+                &batch.targets_m.narrow(0, start, len),
+            );
+            (&loss * scale).backward();
+            losses.push(loss.detach());
+        }
+        (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
+        let loss_sum = Tensor::stack(&losses, 0)
+            .sum(Kind::Double)
+            .double_value(&[]);
+        (loss_sum, x_leaf.grad())
     }
 
     /// Hands a block's gradients to a free slab slot; announces whatever has landed.

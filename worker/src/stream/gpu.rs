@@ -115,6 +115,9 @@ pub struct CudaStreamer {
     stash: Stash,
     waits: WaitTimer,
     stats: TransferStats,
+    /// MT_MEMORY_TRACE set: print each new high-water mark of device memory with where
+    /// in the micro-batch it was seen (for checking the memory plan).
+    trace_memory: bool,
     // Declared last: unregistered after every copy using it was dropped, then unmapped.
     _pinned: [HostRegistration; 2],
     regions: Regions,
@@ -129,9 +132,12 @@ impl CudaStreamer {
     ) -> Result<CudaStreamer> {
         let device = Device::Cuda(index);
         let kind = kind_of(regions.dtype);
-        // Touch the device through torch so its primary context is current here.
-        let _ = Tensor::zeros([1], (kind, device));
+        // Touch the device through torch so its primary context is current here, and run
+        // one matmul so cuBLAS has its handle and workspace: what is in use then is the
+        // per-process overhead the memory plan does not count.
+        let _ = Tensor::ones([8, 8], (kind, device)).matmul(&Tensor::ones([8, 8], (kind, device)));
         cuda::check_context()?;
+        let context_device_bytes = cuda::device_bytes_used()?;
         // SAFETY: both regions stay mapped for the streamer's life (it owns them, and the
         // registrations are dropped first).
         let pinned = unsafe {
@@ -179,7 +185,11 @@ impl CudaStreamer {
             landed: Vec::new(),
             stash,
             waits: WaitTimer::default(),
-            stats: TransferStats::default(),
+            stats: TransferStats {
+                context_device_bytes,
+                ..TransferStats::default()
+            },
+            trace_memory: std::env::var_os("MT_MEMORY_TRACE").is_some(),
             _pinned: pinned,
             regions,
         })
@@ -237,12 +247,26 @@ impl CudaStreamer {
     /// Makes torch's stream wait for a copy, timing the stall.
     fn wait_for(&mut self, ready: &Event) -> Result<()> {
         self.waits.wait(ready)?;
-        self.sample_memory();
+        self.sample_memory(|| "a stashed layer input arrived".into());
         Ok(())
     }
 
-    fn sample_memory(&mut self) {
+    /// Records the device memory in use; `at` says where (for the trace).
+    fn sample_memory(&mut self, at: impl FnOnce() -> String) {
         if let Ok(used) = cuda::device_bytes_used() {
+            if used > self.stats.peak_device_bytes && self.trace_memory {
+                eprintln!(
+                    "memory: {:.3} GB in use (+{:.3}) at {}",
+                    used as f64 / 1e9,
+                    (used
+                        - self
+                            .stats
+                            .peak_device_bytes
+                            .max(self.stats.context_device_bytes)) as f64
+                        / 1e9,
+                    at()
+                );
+            }
             self.stats.peak_device_bytes = self.stats.peak_device_bytes.max(used);
         }
     }
@@ -274,7 +298,10 @@ impl CudaStreamer {
         .expect("prefetched above");
         self.waits.wait(&buf.ready)?;
         let data = buf.data.shallow_clone();
-        self.sample_memory();
+        self.sample_memory(|| match index {
+            Layout::EMBED => "before the embedding's compute".into(),
+            _ => "before the head's compute".into(),
+        });
         Ok(data)
     }
 
@@ -320,7 +347,10 @@ impl CudaStreamer {
         self.next += 1;
         let len = layout.blocks[layout.layer_block(l)].len as i64;
         self.waits.wait(&self.ring[k % RING].ready)?;
-        self.sample_memory();
+        self.sample_memory(|| match k < n {
+            true => format!("before forward layer {l}"),
+            false => format!("before backward layer {l}"),
+        });
         Ok(self.ring[k % RING].data.narrow(0, 0, len))
     }
 
@@ -448,9 +478,16 @@ impl CudaStreamer {
     }
 
     pub fn take_stats(&mut self) -> Result<TransferStats> {
-        self.sample_memory();
+        self.sample_memory(|| "the end of the step".into());
         self.stats.h2d_wait_s += self.waits.take_seconds()?;
-        Ok(std::mem::take(&mut self.stats))
+        let context_device_bytes = self.stats.context_device_bytes;
+        Ok(std::mem::replace(
+            &mut self.stats,
+            TransferStats {
+                context_device_bytes,
+                ..TransferStats::default()
+            },
+        ))
     }
 }
 

@@ -124,6 +124,9 @@ pub struct TransferStats {
     /// Seconds of device-to-host gradient copies.
     pub d2h_s: f64,
     pub peak_device_bytes: u64,
+    /// Device bytes in use before the streamer allocated anything: the CUDA context, the
+    /// cuBLAS handle and workspace, torch's first segment (what the memory plan leaves out).
+    pub context_device_bytes: u64,
 }
 
 /// The shared regions this worker uses, with their geometry.
