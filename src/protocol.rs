@@ -30,7 +30,9 @@
 //! larger than that (the embedding, an untied lm_head) is sent in parts: part p of block b
 //! is the element range `Layout::grad_parts(b, slot_len)` yields p-th, each part in a slot
 //! of its own, announced and freed on its own. A block's gradient is final once every one
-//! of its parts of the step's last micro-batch is reduced.
+//! of its parts of the step's last micro-batch is reduced. One slot per worker suffices:
+//! every worker sends the same parts in the same order, so each part's reduce can run,
+//! and it frees the slots the next part needs.
 
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
