@@ -57,6 +57,11 @@ ROWS = 12  # 3 steps x 4 rows, file order
 # layers of different structures; hybrid cases mix Gated DeltaNet and attention layers.
 CASES = {
     "llama": dict(model_type="llama", config=dict(tie_word_embeddings=False, attention_bias=False)),
+    # Embedding and lm_head ~3.6 decoder layers large: a gradient slab slot holds one layer,
+    # so their gradients travel in 4 parts each (tied: the embedding's, which collects the
+    # lm_head gradient over the whole backward).
+    "llama_wide_vocab": dict(model_type="llama", config=dict(vocab_size=1531, tie_word_embeddings=False)),
+    "llama_wide_vocab_tied": dict(model_type="llama", config=dict(vocab_size=1531, tie_word_embeddings=True)),
     "llama_tied_bias": dict(
         model_type="llama",
         config=dict(tie_word_embeddings=True, attention_bias=True),

@@ -13,6 +13,8 @@
 //! (names and shapes) form a [`LayerGroup`]; each group has its own block length, so
 //! buffers can be sized per kind of layer.
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
 
 use crate::config::hf::{AttentionKind, ExpertNames, Family, ModelSpec};
@@ -81,6 +83,20 @@ impl Block {
 
     pub fn hf_name(&self, t: &TensorSpec) -> String {
         format!("{}{}", self.prefix, t.name)
+    }
+
+    /// The tensors that overlap `part` (a range of the block's elements, see
+    /// [`Layout::grad_parts`]), each with the range of its own flat elements inside the
+    /// part; the gaps between tensors belong to no tensor.
+    pub fn part_tensors(
+        &self,
+        part: Range<usize>,
+    ) -> impl Iterator<Item = (&TensorSpec, Range<usize>)> {
+        self.tensors.iter().filter_map(move |t| {
+            let start = t.offset.max(part.start);
+            let end = (t.offset + t.numel()).min(part.end);
+            (start < end).then(|| (t, start - t.offset..end - t.offset))
+        })
     }
 }
 
@@ -198,9 +214,32 @@ impl Layout {
         self.blocks.len() - 2
     }
 
-    /// Largest block, in elements: sizes GPU layer buffers and slab slots.
+    /// Largest block, in elements.
     pub fn max_block_len(&self) -> usize {
         self.blocks.iter().map(|b| b.len).max().unwrap_or(0)
+    }
+
+    /// Elements of one gradient slab slot: the largest decoder layer (the largest block
+    /// when there are no layers). Blocks larger than a slot (the embedding and lm_head)
+    /// travel in several parts, see [`Layout::grad_parts`].
+    pub fn grad_slot_len(&self) -> usize {
+        match self.max_layer_len() {
+            0 => self.max_block_len(),
+            n => n,
+        }
+    }
+
+    /// The parts block `block`'s gradient is sent in through slots of `slot_len`
+    /// elements: part p is the block's element range `p*slot_len .. min((p+1)*slot_len,
+    /// len)`. Workers and the launcher both derive the parts from here.
+    pub fn grad_parts(
+        &self,
+        block: usize,
+        slot_len: usize,
+    ) -> impl ExactSizeIterator<Item = Range<usize>> + use<> {
+        assert!(slot_len > 0, "slots hold at least one element");
+        let len = self.blocks[block].len;
+        (0..len.div_ceil(slot_len)).map(move |p| p * slot_len..len.min((p + 1) * slot_len))
     }
 
     /// Parameters without gaps.
@@ -448,6 +487,48 @@ mod tests {
             b.hf_name(b.tensor("mlp.up_proj.weight").unwrap()),
             "model.layers.2.mlp.up_proj.weight"
         );
+    }
+
+    #[test]
+    fn gradient_parts_cover_each_block_in_slot_sized_pieces() {
+        // An embedding and lm_head about 3.6 layers large: 4 parts each.
+        let mut s = tiny_spec(false);
+        s.vocab_size = 1531;
+        let l = Layout::new(&s);
+        let slot = l.grad_slot_len();
+        assert_eq!(slot, l.max_layer_len());
+        assert!(slot < l.max_block_len());
+        for (i, b) in l.blocks.iter().enumerate() {
+            let parts: Vec<_> = l.grad_parts(i, slot).collect();
+            assert_eq!(parts.len(), b.len.div_ceil(slot), "block {i}");
+            let mut end = 0;
+            for (p, r) in parts.iter().enumerate() {
+                assert_eq!(r.start, end);
+                assert!(r.len() == slot || (p + 1 == parts.len() && r.len() <= slot));
+                end = r.end;
+            }
+            assert_eq!(end, b.len);
+            // Every element of every tensor lies in exactly one part, in order, at a slot
+            // offset inside the part.
+            let mut seen = vec![0; b.tensors.len()];
+            for r in &parts {
+                for (t, within) in b.part_tensors(r.clone()) {
+                    let ti = b.tensors.iter().position(|x| x.name == t.name).unwrap();
+                    assert_eq!(within.start, seen[ti], "{} in block {i}", t.name);
+                    seen[ti] = within.end;
+                    let at = t.offset + within.start - r.start;
+                    assert!(at + within.len() <= r.len());
+                }
+            }
+            let numels: Vec<usize> = b.tensors.iter().map(TensorSpec::numel).collect();
+            assert_eq!(seen, numels, "block {i}");
+        }
+        assert_eq!(l.grad_parts(Layout::EMBED, slot).len(), 4);
+        assert_eq!(l.grad_parts(l.head_block(), slot).len(), 4);
+        assert_eq!(l.grad_parts(l.layer_block(1), slot).len(), 1);
+        // A slot as large as the largest block: one part per block, as before.
+        let whole = l.max_block_len();
+        assert!((0..l.blocks.len()).all(|i| l.grad_parts(i, whole).len() == 1));
     }
 
     #[test]

@@ -23,14 +23,19 @@ pub struct HostPlan {
     pub grad: u64,
     /// Shared weight store in the compute dtype.
     pub store: u64,
-    /// Every worker's gradient slab (slots x largest block).
+    /// Every worker's gradient slab (slots x largest decoder layer).
     pub slabs: u64,
+    /// Elements of one slab slot (`Layout::grad_slot_len`).
+    pub slot_len: u64,
+    pub workers: u64,
+    pub slots: u64,
 }
 
 impl HostPlan {
     pub fn new(layout: &Layout, dtype: DType, workers: usize, slots: usize) -> HostPlan {
         let elems = layout.total as u64;
-        let slab = (slots * layout.max_block_len() * dtype.size() + HEADER_LEN) as u64;
+        let slot_len = layout.grad_slot_len();
+        let slab = (slots * slot_len * dtype.size() + HEADER_LEN) as u64;
         HostPlan {
             params: layout.num_params() as u64,
             master: 4 * elems,
@@ -38,6 +43,9 @@ impl HostPlan {
             grad: 4 * elems,
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
             slabs: workers as u64 * slab,
+            slot_len: slot_len as u64,
+            workers: workers as u64,
+            slots: slots as u64,
         }
     }
 
@@ -64,7 +72,14 @@ impl std::fmt::Display for HostPlan {
         writeln!(f, "  fp32 gradient         {:>9.2} GB", gb(self.grad))?;
         writeln!(f, "  shared weight store   {:>9.2} GB", gb(self.store))?;
         writeln!(f, "  = {:.2} bytes per parameter", self.bytes_per_param())?;
-        writeln!(f, "  gradient slabs        {:>9.2} GB", gb(self.slabs))?;
+        writeln!(
+            f,
+            "  gradient slabs        {:>9.2} GB ({} worker(s) x {} slots x {} elements: the largest layer)",
+            gb(self.slabs),
+            self.workers,
+            self.slots,
+            self.slot_len
+        )?;
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))
     }
 }
@@ -96,10 +111,10 @@ mod tests {
         );
         // Alignment gaps add a little over 18 B/param; the bound is 18 + slabs.
         assert!(plan.bytes_per_param() < 18.01, "{}", plan.bytes_per_param());
-        assert_eq!(
-            plan.slabs,
-            2 * (4 * layout.max_block_len() as u64 * 2 + HEADER_LEN as u64)
-        );
+        // Slots hold one decoder layer; the embedding and lm_head travel in parts.
+        let layer = layout.blocks[layout.layer_block(0)].len as u64;
+        assert!(layer < layout.max_block_len() as u64 / 2);
+        assert_eq!(plan.slabs, 2 * (4 * layer * 2 + HEADER_LEN as u64));
         assert!(plan.to_string().contains("bytes per parameter"));
     }
 }

@@ -9,8 +9,9 @@
 //!   Step{micro-batches, loss_scale,  ──▶
 //!        weights_pending}
 //!   BlockReady{block} (forward order)──▶   (forward of block b waits for its BlockReady)
-//!                                    ◀──   LayerGrads{micro, block, slot}   (per block,
-//!   SlotFree{slot}                   ──▶    once every worker delivered it)
+//!                                    ◀──   LayerGrads{micro, block, part, slot}
+//!   reduce (block, part)                    (per part of each block, in backward order;
+//!   SlotFree{slot}                   ──▶    once every worker delivered that part)
 //!                                    ◀──   StepDone{loss_sum, tokens, timings}
 //!   (grad norm known) Step{…, weights_pending: true} ──▶
 //!   AdamW block 0 → BlockReady{0}, block 1 → BlockReady{1}, …  (overlaps the forward)
@@ -24,6 +25,14 @@
 //! A worker writes slab slot s only after taking it from its free list and until it sends
 //! `LayerGrads` for it; the launcher reads slot s only between that `LayerGrads` and its
 //! `SlotFree`.
+//!
+//! A slot holds `layout.grad_slot_len()` elements (the largest decoder layer), so a block
+//! larger than that (the embedding, an untied lm_head) is sent in parts: part p of block b
+//! is the element range `Layout::grad_parts(b, slot_len)` yields p-th, each part in a slot
+//! of its own, announced and freed on its own. A block's gradient is final once every one
+//! of its parts of the step's last micro-batch is reduced. One slot per worker suffices:
+//! every worker sends the same parts in the same order, so each part's reduce can run,
+//! and it frees the slots the next part needs.
 
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
@@ -66,7 +75,8 @@ pub struct Init {
     pub dtype: DType,
     pub store: RegionHandle,
     pub slab: RegionHandle,
-    /// Slots in this worker's gradient slab; each holds `layout.max_block_len()` elements.
+    /// Slots in this worker's gradient slab; each holds `layout.grad_slot_len()` elements
+    /// (one decoder layer, or one part of a larger block).
     pub num_slots: usize,
     pub ce_chunk_tokens: usize,
     /// Stash layer inputs in pinned host memory (CUDA only).
@@ -145,6 +155,8 @@ pub enum FromWorker {
     LayerGrads {
         micro: usize,
         block: usize,
+        /// Which of `Layout::grad_parts(block, slot_len)` the slot holds.
+        part: usize,
         slot: usize,
     },
     StepDone {

@@ -36,7 +36,7 @@ impl HostState {
             &format!("{tag}-slab"),
             workers,
             cfg.memory.num_grad_slabs,
-            layout.max_block_len(),
+            layout.grad_slot_len(),
             cfg.model.dtype,
         )?;
         Ok(HostState {
@@ -51,17 +51,25 @@ impl HostState {
         })
     }
 
-    /// Reduces block `block` of every worker's slab slot (`slots[r]`) into the fp32
-    /// gradient: overwrites it for the step's `first` micro-batch, adds after. For the
-    /// `last` micro-batch the block is final, and its Σ g² (for the global norm) comes
-    /// from the same pass.
-    pub fn reduce_block(&mut self, block: usize, slots: &[usize], first: bool, last: bool) -> f64 {
+    /// Reduces `part` (a range of block `block`'s elements, `Layout::grad_parts`) of every
+    /// worker's slab slot (`slots[r]`) into the fp32 gradient: overwrites it for the
+    /// step's `first` micro-batch, adds after. For the `last` micro-batch the part is
+    /// final, and its Σ g² (for the global norm) comes from the same pass.
+    pub fn reduce_part(
+        &mut self,
+        block: usize,
+        part: std::ops::Range<usize>,
+        slots: &[usize],
+        first: bool,
+        last: bool,
+    ) -> f64 {
         let b = &self.layout.blocks[block];
-        b.tensors
-            .iter()
-            .map(|t| {
-                let dst = &mut self.grad[Layout::global_range(b, t)];
-                self.slabs.reduce_into(dst, slots, t.offset, first, last)
+        b.part_tensors(part.clone())
+            .map(|(t, within)| {
+                let start = b.offset + t.offset + within.start;
+                let dst = &mut self.grad[start..start + within.len()];
+                let in_slot = t.offset + within.start - part.start;
+                self.slabs.reduce_into(dst, slots, in_slot, first, last)
             })
             .sum()
     }

@@ -384,13 +384,18 @@ impl Trainer {
         )
     }
 
-    /// Reduces gradient blocks as every worker delivers them, until all workers report
+    /// Reduces gradient parts as every worker delivers them, until all workers report
     /// the step done.
     fn collect_gradients(&mut self) -> Result<StepOutcome> {
         let world = self.sup.world();
         let accum = self.cfg.training.gradient_accumulation_steps;
-        let expected_blocks = accum * self.host.layout.blocks.len();
-        let mut pending: HashMap<(usize, usize), Vec<Option<usize>>> = HashMap::new();
+        let layout = &self.host.layout;
+        // The element ranges each block's gradient travels in, by block.
+        let parts: Vec<Vec<std::ops::Range<usize>>> = (0..layout.blocks.len())
+            .map(|b| layout.grad_parts(b, self.host.slabs.slot_len()).collect())
+            .collect();
+        let expected_parts = accum * parts.iter().map(Vec::len).sum::<usize>();
+        let mut pending: HashMap<(usize, usize, usize), Vec<Option<usize>>> = HashMap::new();
         let (mut reduced, mut done) = (0, 0);
         let mut out = StepOutcome {
             loss_sum: 0.0,
@@ -401,27 +406,46 @@ impl Trainer {
         };
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
         let mut step_done = vec![false; world];
-        while done < world || reduced < expected_blocks {
+        while done < world || reduced < expected_parts {
             match self.sup.next_event(timeout, &|r| !step_done[r])? {
-                Event::Msg(rank, FromWorker::LayerGrads { micro, block, slot }) => {
+                Event::Msg(
+                    rank,
+                    FromWorker::LayerGrads {
+                        micro,
+                        block,
+                        part,
+                        slot,
+                    },
+                ) => {
+                    let Some(range) = parts.get(block).and_then(|p| p.get(part)) else {
+                        bail!(
+                            "worker rank {rank} sent part {part} of block {block}; the layout has {} blocks, in {:?} parts",
+                            parts.len(),
+                            parts.iter().map(Vec::len).collect::<Vec<_>>()
+                        );
+                    };
                     let slots = pending
-                        .entry((micro, block))
+                        .entry((micro, block, part))
                         .or_insert_with(|| vec![None; world]);
                     if slots[rank].replace(slot).is_some() {
-                        bail!("worker rank {rank} sent block {block} of micro-batch {micro} twice");
+                        bail!(
+                            "worker rank {rank} sent part {part} of block {block} of micro-batch {micro} twice"
+                        );
                     }
                     if slots.iter().all(Option::is_some) {
                         let slots: Vec<usize> = pending
-                            .remove(&(micro, block))
+                            .remove(&(micro, block, part))
                             .into_iter()
                             .flatten()
                             .flatten()
                             .collect();
                         let t = Instant::now();
-                        // The last micro-batch makes the block final: its share of the
+                        // The last micro-batch makes the part final: its share of the
                         // norm comes from the same pass, while the GPUs still work.
                         let (first, last) = (micro == 0, micro + 1 == accum);
-                        out.grad_sum_sq += self.host.reduce_block(block, &slots, first, last);
+                        out.grad_sum_sq +=
+                            self.host
+                                .reduce_part(block, range.clone(), &slots, first, last);
                         out.reduce_s += t.elapsed().as_secs_f64();
                         for (r, &s) in slots.iter().enumerate() {
                             self.sup.send(r, ToWorker::SlotFree { slot: s })?;

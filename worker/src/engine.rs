@@ -3,9 +3,9 @@
 //! Forward: embed, then each layer with its input kept (the per-layer checkpoint), then the
 //! head with a chunked cross-entropy. Backward: the head, then each layer from the last,
 //! recomputed with grad on leaf views of its weights and its saved input, then the
-//! embedding. Each block's gradient leaves for a slab slot as soon as it exists and the
-//! launcher is told once it has landed, so the host reduce overlaps the rest of the
-//! backward.
+//! embedding. Each block's gradient leaves for a slab slot (several, one per part, for a
+//! block larger than a slot) as soon as it exists and the launcher is told once it has
+//! landed, so the host reduce overlaps the rest of the backward.
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,7 @@ use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{self, BlockWeights, RouterAux};
-use crate::stream::{Streamer, kind_of};
+use crate::stream::{Delivered, Streamer, kind_of};
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -30,6 +30,8 @@ pub struct Engine {
     device: Device,
     kind: Kind,
     ce_chunk: i64,
+    /// Elements of a slab slot: blocks larger than this are sent in parts.
+    slot_len: usize,
     streamer: Streamer,
     ctl: Control,
     dump_logits: Option<std::path::PathBuf>,
@@ -123,6 +125,7 @@ impl Engine {
             device: crate::stream::device_of(init.device),
             kind: kind_of(init.dtype),
             ce_chunk: init.ce_chunk_tokens as i64,
+            slot_len: init.layout.grad_slot_len(),
             ctl: Control {
                 free_slots: (0..init.num_slots).rev().collect(),
                 ready: vec![true; init.layout.blocks.len()],
@@ -405,7 +408,8 @@ impl Engine {
         (loss_sum, x_leaf.grad())
     }
 
-    /// Hands a block's gradients to a free slab slot; announces whatever has landed.
+    /// Hands a block's gradients to free slab slots, one per part (`Layout::grad_parts`:
+    /// the embedding and lm_head are larger than a slot); announces whatever has landed.
     fn send(
         &mut self,
         mi: usize,
@@ -414,12 +418,21 @@ impl Engine {
         link: &Link,
         tm: &mut WorkerTimings,
     ) -> Result<()> {
-        let t0 = Instant::now();
-        let slot = self.take_slot(link)?;
-        tm.slot_wait_s += t0.elapsed().as_secs_f64();
-        self.streamer
-            .offload(mi, index, &self.layout.blocks[index], w, slot)?;
-        self.announce(link, false)
+        for (part, range) in self.layout.grad_parts(index, self.slot_len).enumerate() {
+            let t0 = Instant::now();
+            let slot = self.take_slot(link)?;
+            tm.slot_wait_s += t0.elapsed().as_secs_f64();
+            let to = Delivered {
+                micro: mi,
+                block: index,
+                part,
+                slot,
+            };
+            self.streamer
+                .offload(to, range, &self.layout.blocks[index], w)?;
+            self.announce(link, false)?;
+        }
+        Ok(())
     }
 
     /// Tells the launcher about every offload that has landed (all of them with `wait`).
@@ -429,6 +442,7 @@ impl Engine {
                 .send(FromWorker::LayerGrads {
                     micro: d.micro,
                     block: d.block,
+                    part: d.part,
                     slot: d.slot,
                 })
                 .context("launcher channel closed")?;

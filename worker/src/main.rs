@@ -76,7 +76,7 @@ fn run() -> Result<()> {
             store,
             slab,
             dtype: init.dtype,
-            slot_len: init.layout.max_block_len(),
+            slot_len: init.layout.grad_slot_len(),
             slots: init.num_slots,
         };
         let streamer = stream::Streamer::new(

@@ -237,14 +237,16 @@ impl BlockWeights {
         self.tensors.get(name)
     }
 
-    /// Copies every leaf's gradient into `out` (the block's flat slab slot) at its offset;
-    /// a leaf that received no gradient is written as zeros.
-    pub fn write_grads(&self, block: &Block, out: &Tensor) {
-        for t in &block.tensors {
-            let mut dst = out.narrow(0, t.offset as i64, t.numel() as i64);
+    /// Copies the gradients inside `part` (a range of the block's elements,
+    /// `Layout::grad_parts`) into `out`, the flat slab slot holding that part: each leaf's
+    /// share at its offset in the part; a leaf that received no gradient is written as zeros.
+    pub fn write_grads(&self, block: &Block, part: std::ops::Range<usize>, out: &Tensor) {
+        for (t, within) in block.part_tensors(part.clone()) {
+            let (at, n) = (t.offset + within.start - part.start, within.len() as i64);
+            let mut dst = out.narrow(0, at as i64, n);
             let g = self.get(&t.name).grad();
             if g.defined() {
-                dst.copy_(&g.reshape([-1]));
+                dst.copy_(&g.reshape([-1]).narrow(0, within.start as i64, n));
             } else {
                 let _ = dst.zero_();
             }

@@ -17,6 +17,7 @@
 //! read, so the allocator's same-stream reuse rule keeps holding.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 
 use anyhow::{Result, bail};
 use mt::layout::{Block, Layout};
@@ -66,7 +67,7 @@ impl Drop for DeviceBuf {
     }
 }
 
-/// Gradients of one block on their way to the slab.
+/// Gradients of one part of a block on their way to the slab.
 struct InFlight {
     done: Delivered,
     start: Event,
@@ -365,15 +366,17 @@ impl CudaStreamer {
         Ok(())
     }
 
+    /// Enqueues the copy of the gradients inside `part` (an element range of `block`)
+    /// into slot `to.slot`, after the compute that produced them.
     pub fn offload(
         &mut self,
-        micro: usize,
-        index: usize,
+        to: Delivered,
+        part: Range<usize>,
         block: &Block,
         w: &BlockWeights,
-        slot: usize,
     ) -> Result<()> {
-        while self.in_flight.len() >= MAX_D2H_IN_FLIGHT {
+        // The parts of one block share its gradient tensors: only other blocks count.
+        while self.other_blocks_in_flight(&to) >= MAX_D2H_IN_FLIGHT {
             self.land_oldest()?;
         }
         let (start, end) = (Event::new(true)?, Event::new(true)?);
@@ -383,48 +386,58 @@ impl CudaStreamer {
         start.record(self.offload.raw())?;
         let elem = self.regions.dtype.size();
         let mut keep = Vec::with_capacity(block.tensors.len());
-        for t in &block.tensors {
-            let dst = self.regions.slot_ptr(slot, t.offset);
+        for (t, within) in block.part_tensors(part.clone()) {
+            let bytes = within.len() * elem;
+            let dst =
+                self.regions
+                    .slot_ptr(to.slot, t.offset + within.start - part.start, within.len());
             let g = w.get(&t.name).grad();
             if !g.defined() {
-                // SAFETY: the slot is owned by this worker until announced; the range lies
-                // inside it.
-                unsafe { std::ptr::write_bytes(dst, 0, t.numel() * elem) };
+                // SAFETY: the slot is owned by this worker until announced; `slot_ptr`
+                // checked that the range lies inside it.
+                unsafe { std::ptr::write_bytes(dst, 0, bytes) };
                 continue;
             }
-            if g.kind() != self.kind {
+            if g.kind() != self.kind || g.numel() != t.numel() {
                 bail!(
-                    "gradient of `{}` is {:?}, the slab holds {:?}",
+                    "gradient of `{}` is {:?} x {}, the slab holds {:?} x {}",
                     t.name,
                     g.kind(),
-                    self.kind
+                    g.numel(),
+                    self.kind,
+                    t.numel()
                 );
             }
             let g = g.contiguous();
-            // SAFETY: the slot range is owned by this worker and pinned; `g` stays alive in
-            // `keep` until the copy's event completes.
-            unsafe {
-                cuda::copy_d2h(
-                    dst,
-                    g.data_ptr() as u64,
-                    t.numel() * elem,
-                    self.offload.raw(),
-                )?
-            };
+            let src = g.data_ptr() as u64 + (within.start * elem) as u64;
+            // SAFETY: the slot range is owned by this worker, pinned and inside the slot
+            // (`slot_ptr`); the source lies inside `g` (`within` is a range of its
+            // `t.numel()` elements), which stays alive in `keep` until the copy's event
+            // completes.
+            unsafe { cuda::copy_d2h(dst, src, bytes, self.offload.raw())? };
             keep.push(g);
         }
         end.record(self.offload.raw())?;
         self.in_flight.push_back(InFlight {
-            done: Delivered {
-                micro,
-                block: index,
-                slot,
-            },
+            done: to,
             start,
             end,
             _keep: keep,
         });
         Ok(())
+    }
+
+    /// Blocks other than `to`'s whose gradient copies are in flight.
+    fn other_blocks_in_flight(&self, to: &Delivered) -> usize {
+        let mut blocks: Vec<(usize, usize)> = self
+            .in_flight
+            .iter()
+            .map(|f| (f.done.micro, f.done.block))
+            .filter(|&b| b != (to.micro, to.block))
+            .collect();
+        // A block's parts are queued one after another.
+        blocks.dedup();
+        blocks.len()
     }
 
     /// Waits for the oldest gradient copy and moves it to `landed`; false if none is out.

@@ -22,6 +22,7 @@ mod gpu;
 
 use std::collections::VecDeque;
 use std::ffi::CString;
+use std::ops::Range;
 
 use anyhow::{Result, bail};
 use mt::config::DType;
@@ -108,11 +109,13 @@ unsafe fn region_view(region: &Region, offset: usize, len: usize, kind: Kind) ->
 /// launcher has written this step's weights there (see `mt::protocol`).
 pub type Gate<'a> = &'a mut dyn FnMut(usize) -> Result<()>;
 
-/// Gradients of one block that reached the slab: announce them to the launcher.
+/// Gradients of one part of a block (`Layout::grad_parts`) in a slab slot: once they
+/// have landed, announce them to the launcher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Delivered {
     pub micro: usize,
     pub block: usize,
+    pub part: usize,
     pub slot: usize,
 }
 
@@ -148,7 +151,7 @@ impl Regions {
                 layout.total * elem
             );
         }
-        if self.slot_len < layout.max_block_len()
+        if self.slot_len < layout.grad_slot_len()
             || self.slab.payload_len() < self.slot_len * self.slots * elem
         {
             bail!(
@@ -161,9 +164,9 @@ impl Regions {
         Ok(())
     }
 
-    /// Pointer to element `elem_off` of slot `slot`.
-    fn slot_ptr(&self, slot: usize, elem_off: usize) -> *mut u8 {
-        assert!(slot < self.slots && elem_off <= self.slot_len);
+    /// Pointer to element `elem_off` of slot `slot`, where `len` elements are written.
+    fn slot_ptr(&self, slot: usize, elem_off: usize, len: usize) -> *mut u8 {
+        assert!(slot < self.slots && elem_off + len <= self.slot_len);
         // SAFETY: inside the slab payload (checked against the region size in `check`).
         unsafe {
             self.slab
@@ -283,18 +286,18 @@ impl Streamer {
         }
     }
 
-    /// Sends block `index`'s gradients (the leaves of `w`) to slab slot `slot`.
+    /// Sends the gradients (the leaves of `w`) inside `part`, the element range of
+    /// `block` that part `to.part` covers, to slab slot `to.slot`.
     pub fn offload(
         &mut self,
-        micro: usize,
-        index: usize,
+        to: Delivered,
+        part: Range<usize>,
         block: &Block,
         w: &BlockWeights,
-        slot: usize,
     ) -> Result<()> {
         match self {
-            Streamer::Cpu(c) => c.offload(micro, index, block, w, slot),
-            Streamer::Cuda(c) => c.offload(micro, index, block, w, slot),
+            Streamer::Cpu(c) => c.offload(to, part, block, w),
+            Streamer::Cuda(c) => c.offload(to, part, block, w),
         }
     }
 
@@ -342,22 +345,18 @@ impl CpuStreamer {
 
     fn offload(
         &mut self,
-        micro: usize,
-        index: usize,
+        to: Delivered,
+        part: Range<usize>,
         block: &Block,
         w: &BlockWeights,
-        slot: usize,
     ) -> Result<()> {
         let r = &self.regions;
-        // SAFETY: the slab stays mapped while `self` lives; this worker owns `slot` (taken
-        // from its free list and not yet announced), so nobody else touches it.
-        let out = unsafe { region_view(&r.slab, slot * r.slot_len, block.len, self.kind) };
-        w.write_grads(block, &out);
-        self.delivered.push_back(Delivered {
-            micro,
-            block: index,
-            slot,
-        });
+        assert!(to.slot < r.slots && part.len() <= r.slot_len);
+        // SAFETY: the slab stays mapped while `self` lives; this worker owns `to.slot`
+        // (taken from its free list and not yet announced), so nobody else touches it.
+        let out = unsafe { region_view(&r.slab, to.slot * r.slot_len, part.len(), self.kind) };
+        w.write_grads(block, part, &out);
+        self.delivered.push_back(to);
         Ok(())
     }
 }
