@@ -9,6 +9,8 @@
 #   WARMUP [2]  STEPS [5]  ACCUM [1]  LAYERS (override num_hidden_layers, for quick probes)
 #   BIN [target/release]  RESULTS [benches/results]  MACHINE [from nvidia-smi]  PYTHON [python3]
 #   EXTRA (more mt-launch flags, e.g. "--set memory.num_grad_slabs=8")
+#   PLAN_TOLERANCE (e.g. 0.10: fail when `mt-launch plan` misses a run's measured device
+#   memory, context excluded, by more than this fraction)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,12 +61,15 @@ for g in $GPUS; do
   for b in $BATCHES; do
     tag="g${g}_b${b}"
     echo "== $model: $g GPU(s), per-GPU batch $b x $SEQ (accumulation $ACCUM)" >&2
+    args=(--config "$CONFIG" --gpus "$g"
+      --set "model.path=$model_dir" --set "dataset.path=$work/data.jsonl" --set dataset.shuffle=false
+      --set "dataset.max_seq_len=$SEQ" --set "training.batch_size=$(( (g > 0 ? g : 1) * b * ACCUM))"
+      --set "training.gradient_accumulation_steps=$ACCUM" --set "training.num_steps=$((WARMUP + STEPS))")
+    # The memory plan of the same run, to print beside the measured peak.
     # shellcheck disable=SC2086
-    if "$BIN/mt-launch" --config "$CONFIG" --gpus "$g" \
-        --set "model.path=$model_dir" --set "dataset.path=$work/data.jsonl" --set dataset.shuffle=false \
-        --set "dataset.max_seq_len=$SEQ" --set "training.batch_size=$(( (g > 0 ? g : 1) * b * ACCUM))" \
-        --set "training.gradient_accumulation_steps=$ACCUM" --set "training.num_steps=$((WARMUP + STEPS))" \
-        --set logging.log_every=1 --metrics-out "$work/$tag.jsonl" $EXTRA >&2; then
+    "$BIN/mt-launch" plan "${args[@]}" $EXTRA --json > "$work/$tag.plan.json" 2>/dev/null || echo '{}' > "$work/$tag.plan.json"
+    # shellcheck disable=SC2086
+    if "$BIN/mt-launch" "${args[@]}" --set logging.log_every=1 --metrics-out "$work/$tag.jsonl" $EXTRA >&2; then
       mkdir -p "$RESULTS/metrics"
       cp "$work/$tag.jsonl" "$RESULTS/metrics/${model}_${MACHINE}_${DATE}_$tag.jsonl"
       runs+=("$g $b $work/$tag.jsonl")
@@ -78,26 +83,36 @@ done
 mkdir -p "$RESULTS"
 out="$RESULTS/${model}_${MACHINE}_${DATE}.md"
 "$PYTHON" - "$WARMUP" "$SEQ" "$model" "$MACHINE" "$DATE" "$out" "CONFIG=$CONFIG BATCHES=\"$BATCHES\" GPUS=\"$GPUS\" SEQ=$SEQ WARMUP=$WARMUP STEPS=$STEPS ACCUM=$ACCUM ${LAYERS:+LAYERS=$LAYERS }scripts/bench_gpu.sh" "${runs[@]}" <<'PY'
-import json, sys
+import json, os, sys
 warmup, seq, model, machine, date, out, cmd = int(sys.argv[1]), sys.argv[2], *sys.argv[3:8]
-rows, base = [], {}
+rows, base, worst_plan = [], {}, 0.0
 for spec in sys.argv[8:]:
     g, b, path = spec.split(" ", 2)
     if path == "FAILED":
-        rows.append(f"| {g} | {b} | failed | | | | | | | | | |")
+        rows.append(f"| {g} | {b} | failed | | | | | | | | | | |")
         continue
+    plan = json.load(open(path[:-len(".jsonl")] + ".plan.json")).get("device", {}).get("total")
     ms = [json.loads(l) for l in open(path)][warmup:]
     avg = lambda k: sum(m[k] for m in ms) / len(ms)
     step = avg("step_time_s")
     tps = avg("tokens_per_s")
     base.setdefault(b, {})[int(g)] = tps
-    rows.append("| {} | {} | {:.2f} | {:.0f} | {:.1f} | {:.1f} | {:.1%} | {:.2f} / {:.2f} | {:.2f} ({:.0%}) | {:.2f} ({:.0%}) | {:.2f} | {:.1f} |".format(
+    # The plan leaves out the CUDA context (measured by the worker before it allocates).
+    used = max(m["peak_gpu_bytes"] - m.get("gpu_context_bytes", 0) for m in ms)
+    if plan and used > 0:
+        err = plan / used - 1
+        worst_plan = max(worst_plan, abs(err))
+        plan_col = f"{plan / 2**30:.1f} / {used / 2**30:.1f} ({err:+.0%})"
+    else:
+        plan_col = "n/a"
+    rows.append("| {} | {} | {:.2f} | {:.0f} | {:.1f} | {:.1f} | {:.1%} | {:.2f} / {:.2f} | {:.2f} ({:.0%}) | {:.2f} ({:.0%}) | {:.2f} | {} | {:.1f} |".format(
         g, b, step, tps, avg("tflops_megatrain"), avg("tflops_model"), avg("h2d_wait_s") / step,
         avg("forward_s"), avg("backward_s"), avg("reduce_s"), avg("reduce_s") / step,
         avg("optimizer_s"), avg("optimizer_s") / step, max(m["peak_gpu_bytes"] for m in ms) / 2**30,
-        max(m["launcher_rss_bytes"] for m in ms) / 2**30))
+        plan_col, max(m["launcher_rss_bytes"] for m in ms) / 2**30))
 head = ("| GPUs | batch/GPU | step s | tokens/s | TFLOPS/GPU (MegaTrain) | TFLOPS/GPU (model) | H2D wait | fwd / bwd s "
-        "| host reduce s (share) | optimizer s (share) | peak GPU GiB | launcher RSS GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| host reduce s (share) | optimizer s (share) | peak GPU GiB | plan / measured GiB (error) | launcher RSS GiB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 scaling = []
 for b, by_g in base.items():
     for g, t in sorted(by_g.items()):
@@ -109,7 +124,13 @@ text = (f"# {model} on {machine}, {date}\n\nseq {seq}, random init, bf16 compute
         f"their share is of the step time, not of its critical path.\n\nCommand: `{cmd}`\n\n{head}\n" + "\n".join(rows) + "\n")
 if scaling:
     text += "\n" + "\n".join(f"- {s}" for s in scaling) + "\n"
+text += ("\nplan / measured: `mt-launch plan` device total against the peak device memory in use "
+         "minus the CUDA context the worker measured before allocating (`gpu_context_bytes`); "
+         f"worst error {worst_plan:.1%}.\n")
 open(out, "w").write(text)
 print(text)
+tol = os.environ.get("PLAN_TOLERANCE")
+if tol and worst_plan > float(tol):
+    sys.exit(f"plan error {worst_plan:.1%} exceeds PLAN_TOLERANCE={tol}")
 PY
 echo "written: $out" >&2

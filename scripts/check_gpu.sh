@@ -2,7 +2,9 @@
 # GPU correctness: the tiny model trained in bfloat16 on GPUs must give per-step losses
 # within 2e-2 (relative) of the same run in float32 on CPU: on 1 and 2 GPUs, with two
 # micro-batches per step, with layer inputs offloaded to host memory (which must also
-# match the plain 1-GPU run to 1e-6), and with tied embeddings. Needs the built binaries
+# match the plain 1-GPU run to 1e-6), with tied embeddings, and for two variants of the
+# tiny model: a Qwen3-MoE (routed experts, router aux loss; also on 2 GPUs) and a
+# Qwen3-Next hybrid (Gated DeltaNet + gated full attention, shared expert). Needs the built binaries
 # (BIN, default target/release) and a GPU machine; Python only for the comparison.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,23 @@ cfg["tie_word_embeddings"] = True
 os.makedirs(sys.argv[2])
 json.dump(cfg, open(f"{sys.argv[2]}/config.json", "w"))
 PY
-cp configs/tiny/tokenizer.json configs/tiny/tokenizer_config.json "$work/tied/"
+"$PYTHON" - configs/tiny/config.json "$work" <<'PY'
+import json, os, sys
+base = json.load(open(sys.argv[1]))
+moe = dict(base, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16,
+           num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1,
+           mlp_only_layers=[], norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.01)
+hybrid = dict(base, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", head_dim=16,
+              layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+              linear_key_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16,
+              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1,
+              mlp_only_layers=[], norm_topk_prob=True, shared_expert_intermediate_size=128,
+              output_router_logits=True, router_aux_loss_coef=0.01, partial_rotary_factor=0.25)
+for name, cfg in (("moe", moe), ("hybrid", hybrid)):
+    os.makedirs(f"{sys.argv[2]}/{name}")
+    json.dump(cfg, open(f"{sys.argv[2]}/{name}/config.json", "w"))
+PY
+for d in tied moe hybrid; do cp configs/tiny/tokenizer.json configs/tiny/tokenizer_config.json "$work/$d/"; done
 run() { local name=$1; shift; "$BIN/mt-launch" "${common[@]}" "$@" --metrics-out "$work/$name.jsonl"; }
 cpu=(--gpus 0 --workers 1 --set model.dtype=float32)
 gpu=(--set model.dtype=bfloat16)
@@ -31,6 +49,11 @@ run gpu2 --gpus 2 "${gpu[@]}"
 run gpu1_accum2 --gpus 1 "${gpu[@]}" --set training.gradient_accumulation_steps=2
 run gpu1_offload --gpus 1 "${gpu[@]}" --set memory.offload_activations=true
 run gpu1_tied --gpus 1 "${gpu[@]}" --set "model.path=$work/tied"
+for m in moe hybrid; do
+  run "cpu_$m" "${cpu[@]}" --set "model.path=$work/$m"
+  run "gpu1_$m" --gpus 1 "${gpu[@]}" --set "model.path=$work/$m"
+done
+run gpu2_moe --gpus 2 "${gpu[@]}" --set "model.path=$work/moe"
 
 "$PYTHON" - "$work" <<'PY'
 import json, sys
@@ -46,6 +69,8 @@ def check(name, ref_name, bound):
 for name in ("gpu1", "gpu2", "gpu1_accum2", "gpu1_offload"):
     check(name, "cpu", 2e-2)
 check("gpu1_tied", "cpu_tied", 2e-2)
+for name, ref in (("gpu1_moe", "cpu_moe"), ("gpu2_moe", "cpu_moe"), ("gpu1_hybrid", "cpu_hybrid")):
+    check(name, ref, 2e-2)
 check("gpu1_offload", "gpu1", 1e-6)
 print("PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
