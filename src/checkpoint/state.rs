@@ -219,9 +219,10 @@ fn write_optimizer(path: &Path, t: &Tensors) -> Result<()> {
         .map_err(|e| bad(format!("header: {e}")))?
         .into_bytes();
     header.resize(header.len().next_multiple_of(8), b' ');
-    let file = File::create(path).map_err(io(path))?;
+    let failed = |e: std::io::Error| bad(format!("write failed: {e}"));
+    let file = File::create(path).map_err(failed)?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut write = |b: &[u8]| w.write_all(b).map_err(io(path));
+    let mut write = |b: &[u8]| w.write_all(b).map_err(failed);
     write(&(header.len() as u64).to_le_bytes())?;
     write(&header)?;
     write(f32_bytes(t.m))?;
@@ -239,7 +240,7 @@ fn write_optimizer(path: &Path, t: &Tensors) -> Result<()> {
             }
         }
     }
-    w.flush().map_err(io(path))
+    w.flush().map_err(failed)
 }
 
 /// Removes temporary directories under `root` left by writers that died mid-write (their
