@@ -8,14 +8,17 @@
 //! after a warm-up). Bytes count what the kernel must move: copy reads and writes n f32;
 //! reduce (`accumulate`) reads dst, the W sources and writes dst; `assign` reads the
 //! sources and writes dst; AdamW reads p, g, m, v and writes p, m, v and the bf16 store
-//! (30 B/param). `MT_SIMD=portable|avx2` lowers the SIMD level.
+//! (30 B/param); with a bf16 gradient (`memory.grad_dtype: bfloat16`) 28 B/param; with a
+//! split master too (`memory.master_weights: split`) it reads store 2, residual 2, g 2,
+//! m 4, v 4 and writes store, residual, m, v: 26 B/param. `MT_SIMD=portable|avx2` lowers
+//! the SIMD level.
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use half::bf16;
 use mt::optim::adamw::Simd;
-use mt::optim::{AdamWStep, StoreOut, adamw_update};
+use mt::optim::{AdamWStep, StoreOut, adamw_update, adamw_update_split, bits};
 use mt::reduce::{GradElem, accumulate, assign};
 use rayon::prelude::*;
 
@@ -155,9 +158,9 @@ fn adamw(a: &Args) {
     let mut v = filled(n, |i| val(i, 4).abs() * 0.01);
     let mut s = filled(n, |_| bf16::ZERO);
     let mut step = 0;
-    let t = time(a.iters, || {
+    let mut hp = move || {
         step += 1;
-        let hp = AdamWStep {
+        AdamWStep {
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.999,
@@ -165,12 +168,41 @@ fn adamw(a: &Args) {
             weight_decay: 0.01,
             step,
             grad_scale: 1.0,
-        };
+        }
+    };
+    let t = time(a.iters, || {
         let out = StoreOut::Bf16(&mut s);
-        adamw_update(&mut p, &g, &mut m, &mut v, out, &hp, true);
+        adamw_update(&mut p, &g, &mut m, &mut v, out, &hp(), true);
         black_box(&mut p);
     });
     report("adamw", "store=bf16", t, 30.0 * n as f64, n);
+    let gb = filled(n, |i| bf16::from_f32(g[i]));
+    let t = time(a.iters, || {
+        let out = StoreOut::Bf16(&mut s);
+        adamw_update(&mut p, &gb, &mut m, &mut v, out, &hp(), true);
+        black_box(&mut p);
+    });
+    report(
+        "adamw",
+        "store=bf16 variant=bf16grad",
+        t,
+        28.0 * n as f64,
+        n,
+    );
+    let mut lo = filled(n, |_| 0u16);
+    bits::split_slice(&p, &mut s, &mut lo);
+    drop(p);
+    let t = time(a.iters, || {
+        adamw_update_split(&mut s, &mut lo, &gb, &mut m, &mut v, &hp(), true);
+        black_box(&mut s);
+    });
+    report(
+        "adamw",
+        "store=bf16 variant=split+bf16grad",
+        t,
+        26.0 * n as f64,
+        n,
+    );
 }
 
 fn main() {

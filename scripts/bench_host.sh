@@ -2,6 +2,8 @@
 # Host-side kernels in one run, on the same N, dtype and thread count:
 #   (a) our fused AdamW (fp32 p, g, m, v + bf16 store) vs torch.optim.AdamW(fused=True),
 #       alternating ROUNDS times so that both see the same machine state; best of each;
+#       also ours with a bf16 gradient (memory.grad_dtype: bfloat16, 28 B/p) and with a
+#       split master too (memory.master_weights: split, 26 B/p);
 #   (b) the gradient-slab reduce (W workers, bf16 and f32 slabs; `reduce` is dst += Σ,
 #       `assign` is dst = Σ for a step's first micro-batch) vs this machine's copy
 #       bandwidth measured by the same binary in the same run.
@@ -57,6 +59,7 @@ awk -v threads="$THREADS" -v n="$N" '
             split($i, kv, "=")
             if (kv[1] == "workers") key = key " W=" kv[2]
             if (kv[1] == "dtype") key = key " " kv[2]
+            if (kv[1] == "variant") key = key " " kv[2]
             if (kv[1] == "gb_s") gb = kv[2]
             if (kv[1] == "gelem_s") ge = kv[2]
         }
@@ -70,6 +73,11 @@ awk -v threads="$THREADS" -v n="$N" '
             threads, n, simd
         printf "%-34s %9s %8s  %s\n", "kernel", "Gparam/s", "GB/s", "vs"
         printf "%-34s %9.3f %8.1f\n", "AdamW ours (+bf16 store, 30 B/p)", ours, best["adamw"]
+        printf "%-34s %9.3f %8.1f  %.2fx fp32 grad\n", "AdamW ours, bf16 grad (28 B/p)", \
+            gelem["adamw bf16grad"], best["adamw bf16grad"], gelem["adamw bf16grad"] / ours
+        printf "%-34s %9.3f %8.1f  %.2fx fp32 grad\n", "AdamW ours, split+bf16g (26 B/p)", \
+            gelem["adamw split+bf16grad"], best["adamw split+bf16grad"], \
+            gelem["adamw split+bf16grad"] / ours
         printf "%-34s %9.3f %8.1f  ours %.2fx  (floor 1.0x, aim 1.3x)\n", \
             "torch fused AdamW (28 B/p)", tf, best["torch_fused"], ours / tf
         printf "%-34s %9.3f %8.1f  ours %.2fx  (same outputs)\n", \

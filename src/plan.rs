@@ -4,9 +4,35 @@
 //! activation sizes of each phase of the worker's micro-batch), with the largest
 //! micro-batch that fits.
 
-use crate::config::DType;
+use crate::config::{DType, MasterWeights, RunConfig};
 use crate::layout::Layout;
 use crate::shm::HEADER_LEN;
+
+/// What the host plan depends on besides the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostOpts {
+    /// The store's (compute) dtype.
+    pub store: DType,
+    /// `memory.grad_dtype`.
+    pub grad: DType,
+    /// `memory.master_weights`.
+    pub master: MasterWeights,
+    pub workers: usize,
+    /// `memory.num_grad_slabs`.
+    pub slots: usize,
+}
+
+impl HostOpts {
+    pub fn new(cfg: &RunConfig, workers: usize) -> HostOpts {
+        HostOpts {
+            store: cfg.model.dtype,
+            grad: cfg.memory.grad_dtype,
+            master: cfg.memory.master_weights,
+            workers,
+            slots: cfg.memory.num_grad_slabs,
+        }
+    }
+}
 
 mod device;
 pub use device::{DeviceOpts, DevicePlan, Phase};
@@ -15,11 +41,13 @@ pub use device::{DeviceOpts, DevicePlan, Phase};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostPlan {
     pub params: u64,
-    /// fp32 master weights.
+    pub opts: HostOpts,
+    /// fp32 master weights, or with a split master the residual low halves (the high
+    /// halves are the store).
     pub master: u64,
     /// fp32 Adam first and second moments.
     pub adam: u64,
-    /// fp32 gradient accumulator.
+    /// Gradient accumulator (`memory.grad_dtype`).
     pub grad: u64,
     /// Shared weight store in the compute dtype.
     pub store: u64,
@@ -32,20 +60,25 @@ pub struct HostPlan {
 }
 
 impl HostPlan {
-    pub fn new(layout: &Layout, dtype: DType, workers: usize, slots: usize) -> HostPlan {
+    pub fn new(layout: &Layout, opts: HostOpts) -> HostPlan {
         let elems = layout.total as u64;
+        let dtype = opts.store;
         let slot_len = layout.grad_slot_len();
-        let slab = (slots * slot_len * dtype.size() + HEADER_LEN) as u64;
+        let slab = (opts.slots * slot_len * dtype.size() + HEADER_LEN) as u64;
         HostPlan {
             params: layout.num_params() as u64,
-            master: 4 * elems,
+            opts,
+            master: match opts.master {
+                MasterWeights::Float32 => 4 * elems,
+                MasterWeights::Split => 2 * elems,
+            },
             adam: 8 * elems,
-            grad: 4 * elems,
+            grad: opts.grad.size() as u64 * elems,
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
-            slabs: workers as u64 * slab,
+            slabs: opts.workers as u64 * slab,
             slot_len: slot_len as u64,
-            workers: workers as u64,
-            slots: slots as u64,
+            workers: opts.workers as u64,
+            slots: opts.slots as u64,
         }
     }
 
@@ -67,9 +100,22 @@ impl std::fmt::Display for HostPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gb = |b: u64| b as f64 / 1e9;
         writeln!(f, "host memory for {:.3e} parameters:", self.params as f64)?;
-        writeln!(f, "  fp32 master weights   {:>9.2} GB", gb(self.master))?;
+        match self.opts.master {
+            MasterWeights::Float32 => {
+                writeln!(f, "  fp32 master weights   {:>9.2} GB", gb(self.master))?
+            }
+            MasterWeights::Split => writeln!(
+                f,
+                "  master low halves     {:>9.2} GB (split: high halves are the store)",
+                gb(self.master)
+            )?,
+        }
         writeln!(f, "  fp32 Adam m, v        {:>9.2} GB", gb(self.adam))?;
-        writeln!(f, "  fp32 gradient         {:>9.2} GB", gb(self.grad))?;
+        let grad = match self.opts.grad {
+            DType::Float32 => "fp32",
+            DType::Bfloat16 => "bf16",
+        };
+        writeln!(f, "  {grad} gradient         {:>9.2} GB", gb(self.grad))?;
         writeln!(f, "  shared weight store   {:>9.2} GB", gb(self.store))?;
         writeln!(f, "  = {:.2} bytes per parameter", self.bytes_per_param())?;
         writeln!(
@@ -104,7 +150,14 @@ mod tests {
         let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let spec = ModelSpec::from_hf(&hf, &path).unwrap();
         let layout = Layout::new(&spec);
-        let plan = HostPlan::new(&layout, DType::Bfloat16, 2, 4);
+        let opts = HostOpts {
+            store: DType::Bfloat16,
+            grad: DType::Float32,
+            master: MasterWeights::Float32,
+            workers: 2,
+            slots: 4,
+        };
+        let plan = HostPlan::new(&layout, opts);
         assert_eq!(
             plan.params, 7_615_616_512,
             "Qwen2.5-7B's published parameter count"
@@ -116,5 +169,18 @@ mod tests {
         assert!(layer < layout.max_block_len() as u64 / 2);
         assert_eq!(plan.slabs, 2 * (4 * layer * 2 + HEADER_LEN as u64));
         assert!(plan.to_string().contains("bytes per parameter"));
+        // A bf16 gradient saves 2 bytes per parameter, a split master 2 more.
+        let lean = HostPlan::new(
+            &layout,
+            HostOpts {
+                grad: DType::Bfloat16,
+                master: MasterWeights::Split,
+                ..opts
+            },
+        );
+        let n = layout.total as u64;
+        assert_eq!(plan.per_param_state() - lean.per_param_state(), 4 * n);
+        assert!(lean.bytes_per_param() < 14.01, "{}", lean.bytes_per_param());
+        assert!(lean.to_string().contains("bf16 gradient"), "{lean}");
     }
 }

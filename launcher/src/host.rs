@@ -1,27 +1,52 @@
-//! Host-resident training state: fp32 master weights, fp32 Adam moments, the fp32 gradient,
-//! the shared compute-dtype store and the workers' gradient slabs, all indexed by the one
-//! `Layout`.
+//! Host-resident training state: the master weights (fp32, or split into the store and a
+//! residual), fp32 Adam moments, the gradient accumulator (fp32 or bf16), the shared
+//! compute-dtype store and the workers' gradient slabs, all indexed by the one `Layout`.
 
 use anyhow::{Context, Result};
+use half::bf16;
 use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
-use mt::config::{OptimizerSection, RunConfig};
-use mt::layout::Layout;
-use mt::optim::{AdamWStep, adamw_update};
+use mt::checkpoint::{MasterMut, MasterRef};
+use mt::config::{DType, MasterWeights, OptimizerSection, RunConfig};
+use mt::layout::{Block, Layout};
+use mt::optim::bits;
+use mt::optim::{AdamWStep, adamw_update, adamw_update_split};
+use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
+
+/// How the master weights are held (`memory.master_weights`).
+enum Master {
+    F32(Vec<f32>),
+    /// The low halves; the high halves are the bf16 store.
+    Split(Vec<u16>),
+}
+
+/// The gradient accumulator (`memory.grad_dtype`).
+enum Grad {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
 
 pub struct HostState {
     pub layout: Layout,
-    pub master: Vec<f32>,
+    master: Master,
     m: Vec<f32>,
     v: Vec<f32>,
-    grad: Vec<f32>,
+    grad: Grad,
     pub store: Store,
     pub slabs: GradSlabs,
     /// Optimizer updates applied so far.
     updates: u64,
 }
 
+/// The bf16 store elements `r`; `memory.master_weights: split` is validated to come with
+/// a bf16 store.
+fn store_bf16(store: &mut Store, r: std::ops::Range<usize>) -> &mut [bf16] {
+    store.bf16_mut(r).expect("a split master has a bf16 store")
+}
+
 impl HostState {
+    /// Takes the initial fp32 master; a split master keeps only its low halves (the
+    /// fp32 copy is freed before the moments and the gradient are first touched).
     pub fn new(
         cfg: &RunConfig,
         layout: Layout,
@@ -31,7 +56,17 @@ impl HostState {
         let n = layout.total;
         let tag = format!("mt-{}", std::process::id());
         let mut store = Store::create(&format!("{tag}-store"), n, cfg.model.dtype)?;
-        store.write_all(&master);
+        let master = match cfg.memory.master_weights {
+            MasterWeights::Float32 => {
+                store.write_all(&master);
+                Master::F32(master)
+            }
+            MasterWeights::Split => {
+                let mut lo = vec![0u16; n];
+                bits::split_slice(&master, store_bf16(&mut store, 0..n), &mut lo);
+                Master::Split(lo)
+            }
+        };
         let slabs = GradSlabs::create(
             &format!("{tag}-slab"),
             workers,
@@ -39,12 +74,16 @@ impl HostState {
             layout.grad_slot_len(),
             cfg.model.dtype,
         )?;
+        let grad = match cfg.memory.grad_dtype {
+            DType::Float32 => Grad::F32(vec![0.0; n]),
+            DType::Bfloat16 => Grad::Bf16(vec![bf16::ZERO; n]),
+        };
         Ok(HostState {
             layout,
             master,
             m: vec![0.0; n],
             v: vec![0.0; n],
-            grad: vec![0.0; n],
+            grad,
             store,
             slabs,
             updates: 0,
@@ -52,9 +91,10 @@ impl HostState {
     }
 
     /// Reduces `part` (a range of block `block`'s elements, `Layout::grad_parts`) of every
-    /// worker's slab slot (`slots[r]`) into the fp32 gradient: overwrites it for the
-    /// step's `first` micro-batch, adds after. For the `last` micro-batch the part is
-    /// final, and its Σ g² (for the global norm) comes from the same pass.
+    /// worker's slab slot (`slots[r]`) into the gradient accumulator: overwrites it for
+    /// the step's `first` micro-batch, adds after. For the `last` micro-batch the part is
+    /// final, and its Σ g² (for the global norm, over the values as stored) comes from the
+    /// same pass.
     pub fn reduce_part(
         &mut self,
         block: usize,
@@ -64,33 +104,33 @@ impl HostState {
         last: bool,
     ) -> f64 {
         let b = &self.layout.blocks[block];
-        b.part_tensors(part.clone())
-            .map(|(t, within)| {
-                let start = b.offset + t.offset + within.start;
-                let dst = &mut self.grad[start..start + within.len()];
-                let in_slot = t.offset + within.start - part.start;
-                self.slabs.reduce_into(dst, slots, in_slot, first, last)
-            })
-            .sum()
+        match &mut self.grad {
+            Grad::F32(g) => reduce_tensors(&self.slabs, b, part, g, slots, first, last),
+            Grad::Bf16(g) => reduce_tensors(&self.slabs, b, part, g, slots, first, last),
+        }
     }
 
-    /// Writes the fp32 gradient of every tensor to a safetensors file (HF names).
+    /// Writes the gradient of every tensor to a safetensors file (HF names), in f32.
     pub fn dump_grads(&self, path: &std::path::Path) -> Result<()> {
-        let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = self
+        let values: Vec<(String, Vec<usize>, std::borrow::Cow<'_, [f32]>)> = self
             .layout
             .tensors()
             .map(|(b, t)| {
-                let g = &self.grad[Layout::global_range(b, t)];
-                let bytes: &[u8] = mt::shm::f32_bytes(g);
-                let view = safetensors::tensor::TensorView::new(
-                    safetensors::Dtype::F32,
-                    t.shape.clone(),
-                    bytes,
-                )
-                .expect("shape matches data");
-                (b.hf_name(t), view)
+                let r = Layout::global_range(b, t);
+                let g = match &self.grad {
+                    Grad::F32(g) => std::borrow::Cow::Borrowed(&g[r]),
+                    Grad::Bf16(g) => g[r].iter().map(|x| x.to_f32()).collect(),
+                };
+                (b.hf_name(t), t.shape.clone(), g)
             })
             .collect();
+        let tensors = values.iter().map(|(name, shape, g)| {
+            let bytes: &[u8] = mt::shm::f32_bytes(g);
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .expect("shape matches data");
+            (name.as_str(), view)
+        });
         safetensors::serialize_to_file(tensors, None, path)
             .with_context(|| format!("write gradients to {}", path.display()))
     }
@@ -107,10 +147,21 @@ impl HostState {
         }
     }
 
+    /// The master weights, whichever way they are held.
+    pub fn master(&self) -> MasterRef<'_> {
+        match &self.master {
+            Master::F32(x) => MasterRef::F32(x),
+            Master::Split(lo) => MasterRef::Split {
+                hi: self.store.bf16().expect("a split master has a bf16 store"),
+                lo,
+            },
+        }
+    }
+
     /// The tensors a checkpoint holds.
     pub fn tensors(&self) -> Tensors<'_> {
         Tensors {
-            master: &self.master,
+            master: self.master(),
             m: &self.m,
             v: &self.v,
         }
@@ -118,15 +169,19 @@ impl HostState {
 
     /// Loads a checkpoint's weights and Adam state and rewrites the store from them.
     pub fn restore(&mut self, dir: &std::path::Path) -> Result<TrainState> {
-        let st = state::load(
-            dir,
-            &self.layout,
-            &mut self.master,
-            &mut self.m,
-            &mut self.v,
-        )?;
+        let n = self.layout.total;
+        let master = match &mut self.master {
+            Master::F32(x) => MasterMut::F32(x),
+            Master::Split(lo) => MasterMut::Split {
+                hi: store_bf16(&mut self.store, 0..n),
+                lo,
+            },
+        };
+        let st = state::load(dir, &self.layout, master, &mut self.m, &mut self.v)?;
         self.updates = st.updates;
-        self.store.write_all(&self.master);
+        if let Master::F32(x) = &self.master {
+            self.store.write_all(x);
+        }
         Ok(st)
     }
 
@@ -155,15 +210,54 @@ impl HostState {
         let b = &self.layout.blocks[block];
         for t in &b.tensors {
             let r = Layout::global_range(b, t);
-            adamw_update(
-                &mut self.master[r.clone()],
-                &self.grad[r.clone()],
-                &mut self.m[r.clone()],
-                &mut self.v[r.clone()],
-                self.store.out_mut(r),
-                hp,
-                t.decays(),
-            );
+            let (m, v) = (&mut self.m[r.clone()], &mut self.v[r.clone()]);
+            let (master, store, at) = (&mut self.master, &mut self.store, r.start);
+            match &self.grad {
+                Grad::F32(g) => update(master, store, &g[r], m, v, at, hp, t.decays()),
+                Grad::Bf16(g) => update(master, store, &g[r], m, v, at, hp, t.decays()),
+            }
+        }
+    }
+}
+
+/// Reduces every tensor range of block `b` into `grad` (the whole model's accumulator).
+fn reduce_tensors<D: GradAcc>(
+    slabs: &GradSlabs,
+    b: &Block,
+    part: std::ops::Range<usize>,
+    grad: &mut [D],
+    slots: &[usize],
+    first: bool,
+    last: bool,
+) -> f64 {
+    b.part_tensors(part.clone())
+        .map(|(t, within)| {
+            let start = b.offset + t.offset + within.start;
+            let dst = &mut grad[start..start + within.len()];
+            let in_slot = t.offset + within.start - part.start;
+            slabs.reduce_into(dst, slots, in_slot, first, last)
+        })
+        .sum()
+}
+
+/// AdamW on the elements `start..start + g.len()` of the master and the store.
+#[allow(clippy::too_many_arguments)]
+fn update<G: GradElem>(
+    master: &mut Master,
+    store: &mut Store,
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    start: usize,
+    hp: &AdamWStep,
+    decay: bool,
+) {
+    let r = start..start + g.len();
+    match master {
+        Master::F32(p) => adamw_update(&mut p[r.clone()], g, m, v, store.out_mut(r), hp, decay),
+        Master::Split(lo) => {
+            let hi = store_bf16(store, r.clone());
+            adamw_update_split(hi, &mut lo[r], g, m, v, hp, decay)
         }
     }
 }

@@ -89,12 +89,8 @@ impl Prepared {
             spec.vocab_size,
             cfg.training.seed,
         )?;
-        let plan = mt::plan::HostPlan::new(
-            &layout,
-            cfg.model.dtype,
-            placement.workers,
-            cfg.memory.num_grad_slabs,
-        );
+        let plan =
+            mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers));
         Ok(Prepared {
             spec,
             layout,
@@ -173,6 +169,9 @@ impl Trainer {
             workers = placement.workers,
             gpus = placement.gpus,
             dtype = ?cfg.model.dtype,
+            grad_dtype = ?cfg.memory.grad_dtype,
+            master_weights = ?cfg.memory.master_weights,
+            host_bytes_per_param = format!("{:.2}", plan.bytes_per_param()),
             rows = data.rows.len(),
             "starting"
         );
@@ -348,7 +347,7 @@ impl Trainer {
             return Err(Stopped(sig as i32).into());
         }
         if let Some(out) = &cfg.training.output_dir {
-            checkpoint::save_hf(out, &host.layout, &host.master, &export)?;
+            checkpoint::save_hf(out, &host.layout, host.master(), &export)?;
             println!("model written to {}", out.display());
         }
         Ok(())

@@ -33,6 +33,52 @@ fn plan_reports_bytes_per_parameter_for_qwen_7b() {
     assert!(text.contains("2 worker(s) on CPU"), "{text}");
 }
 
+/// The bytes per parameter follow `memory.grad_dtype` and `memory.master_weights`: fp32
+/// master 4 (split: a 2-byte residual), Adam 8, gradient 4 or 2, bf16 store 2, over the
+/// layout's elements (with its alignment gaps) plus the store's header.
+#[test]
+fn plan_bytes_follow_the_memory_options() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let spec = mt::config::hf::ModelSpec::from_model_dir(&root.join("qwen2.5-32b")).unwrap();
+    let layout = mt::layout::Layout::new(&spec);
+    let (elems, params) = (layout.total as f64, layout.num_params() as f64);
+    let config = root.join("qwen_32b.yaml");
+    for (grad, master, grad_b, master_b) in [
+        ("float32", "float32", 4.0, 4.0),
+        ("bfloat16", "float32", 2.0, 4.0),
+        ("float32", "split", 4.0, 2.0),
+        ("bfloat16", "split", 2.0, 2.0),
+    ] {
+        let grad_set = format!("memory.grad_dtype={grad}");
+        let master_set = format!("memory.master_weights={master}");
+        let args = [
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "0",
+            "--set",
+            &grad_set,
+            "--set",
+            &master_set,
+        ];
+        let out = std::process::Command::new(launcher())
+            .args(args)
+            .output()
+            .unwrap();
+        assert_ok(&out, &args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        let state = (master_b + 8.0 + grad_b + 2.0) * elems + mt::shm::HEADER_LEN as f64;
+        let want = format!("= {:.2} bytes per parameter", state / params);
+        assert!(
+            text.contains(&want),
+            "{grad}/{master}: want `{want}` in\n{text}"
+        );
+        let grad_line = format!("{} gradient", if grad_b == 2.0 { "bf16" } else { "fp32" });
+        assert!(text.contains(&grad_line), "{text}");
+    }
+}
+
 #[test]
 fn plan_sizes_slab_slots_by_the_largest_layer() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

@@ -7,7 +7,7 @@
 //! the next tensor would overflow the current one, a tensor larger than the limit alone;
 //! shards are `model-00001-of-0000N.safetensors` listed by `model.safetensors.index.json`.
 //! Each tensor is converted from the fp32 master while it is written, so the export needs
-//! no copy of the model (at most one tensor in bf16).
+//! no copy of the model (at most one tensor in bf16, or in fp32 when the master is split).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -17,6 +17,7 @@ use half::bf16;
 use rayon::prelude::*;
 use safetensors::{Dtype, View};
 
+use super::MasterRef;
 use crate::config::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -52,7 +53,7 @@ pub struct ExportOptions {
 
 /// One tensor of the fp32 master, converted to `dtype` when written.
 struct Converted<'a> {
-    src: &'a [f32],
+    src: MasterRef<'a>,
     shape: Vec<usize>,
     dtype: DType,
 }
@@ -68,12 +69,14 @@ impl View for &Converted<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        match self.dtype {
-            DType::Float32 => Cow::Borrowed(f32_bytes(self.src)),
-            DType::Bfloat16 => {
-                let mut out = vec![0u8; self.src.len() * 2];
+        let src = self.src.values();
+        match (self.dtype, src) {
+            (DType::Float32, Cow::Borrowed(x)) => Cow::Borrowed(f32_bytes(x)),
+            (DType::Float32, Cow::Owned(x)) => Cow::Owned(f32_bytes(&x).to_vec()),
+            (DType::Bfloat16, src) => {
+                let mut out = vec![0u8; src.len() * 2];
                 out.par_chunks_exact_mut(2)
-                    .zip(self.src.par_iter())
+                    .zip(src.par_iter())
                     .for_each(|(d, x)| d.copy_from_slice(&bf16::from_f32(*x).to_le_bytes()));
                 Cow::Owned(out)
             }
@@ -154,14 +157,14 @@ fn exported_config(src: &Path, dtype: DType) -> Result<Vec<u8>> {
 pub fn save_hf(
     out: &Path,
     layout: &Layout,
-    master: &[f32],
+    master: MasterRef<'_>,
     opts: &ExportOptions,
 ) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let tensors: Vec<(String, Converted)> = layout
         .tensors()
         .map(|(b, t)| {
-            let src = &master[Layout::global_range(b, t)];
+            let src = master.slice(Layout::global_range(b, t));
             let c = Converted {
                 src,
                 shape: t.shape.clone(),

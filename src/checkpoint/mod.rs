@@ -2,10 +2,12 @@
 //! shape and dtype), transformers-style random init, and export of an HF model directory.
 
 pub mod export;
+pub mod master;
 pub mod state;
 pub mod writer;
 
 pub use export::{ExportOptions, save_hf};
+pub use master::{MasterMut, MasterRef};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -278,7 +280,7 @@ mod tests {
             source: src.clone(),
             max_shard_bytes: 5_000_000_000,
         };
-        save_hf(&out, &layout, &a, &opts).unwrap();
+        save_hf(&out, &layout, MasterRef::F32(&a), &opts).unwrap();
         let mut b = vec![0.0f32; layout.total];
         load_pretrained(&out, &layout, &mut b).unwrap();
         assert_eq!(a, b);
@@ -292,7 +294,7 @@ mod tests {
         // Sharded, in bf16, over the same directory: the single file gives way to shards.
         opts.max_shard_bytes = 1000;
         opts.dtype = DType::Bfloat16;
-        let files = save_hf(&out, &layout, &a, &opts).unwrap();
+        let files = save_hf(&out, &layout, MasterRef::F32(&a), &opts).unwrap();
         assert!(!out.join("model.safetensors").exists());
         let shards = weight_files(&out).unwrap();
         assert!(shards.len() > 3, "{shards:?}");

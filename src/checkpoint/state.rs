@@ -4,21 +4,23 @@
 //! Layout of `checkpoint.dir/step-00000123/`: an HF model directory as `export` writes it
 //! (config, weights in the run's dtype, sharded when large, tokenizer files; loadable by
 //! transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
-//! f32 in layout order), `trainer_state.json`, and `COMPLETE`. A checkpoint is written into
+//! f32 in layout order, whatever `memory.master_weights`; written a chunk at a time, so a
+//! split master is joined without a copy of the model), `trainer_state.json`, and
+//! `COMPLETE`. A checkpoint is written into
 //! a hidden temporary directory, every file fsynced, the marker written last, then renamed
 //! into place; a directory without `COMPLETE` is never loaded, and pruning never deletes
 //! the newest complete checkpoint. A failed write removes its temporary directory; one
 //! left by a killed writer is removed by the next run (`remove_stale`).
 
 use std::fs::File;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use rayon::prelude::*;
-use safetensors::SafeTensors;
-use safetensors::tensor::TensorView;
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use super::ExportOptions;
+use super::{ExportOptions, MasterMut, MasterRef};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::shm::{f32_bytes, map_readonly};
@@ -103,7 +105,7 @@ impl Schedule {
 
 /// The host tensors a checkpoint holds, all in layout order.
 pub struct Tensors<'a> {
-    pub master: &'a [f32],
+    pub master: MasterRef<'a>,
     pub m: &'a [f32],
     pub v: &'a [f32],
 }
@@ -174,27 +176,7 @@ fn write_into(
 ) -> Result<()> {
     let mut files = super::save_hf(tmp, layout, tensors.master, export)?;
     let opt = tmp.join(OPTIMIZER);
-    let shape = vec![layout.total];
-    let views =
-        [
-            ("master", tensors.master),
-            ("exp_avg", tensors.m),
-            ("exp_avg_sq", tensors.v),
-        ]
-        .into_iter()
-        .map(|(n, x)| {
-            let view = TensorView::new(safetensors::Dtype::F32, shape.clone(), f32_bytes(x))
-                .map_err(|e| Error::Weights {
-                    path: opt.clone(),
-                    msg: format!("tensor `{n}`: {e}"),
-                })?;
-            Ok((n, view))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::serialize_to_file(views, None, &opt).map_err(|e| Error::Weights {
-        path: opt.clone(),
-        msg: format!("write failed: {e}"),
-    })?;
+    write_optimizer(&opt, tensors)?;
     files.push(opt);
     let st = tmp.join(STATE);
     let json = serde_json::to_string_pretty(state)
@@ -206,6 +188,59 @@ fn write_into(
     std::fs::write(&marker, b"").map_err(io(&marker))?;
     fsync(&marker)?;
     fsync(tmp)
+}
+
+/// Writes `optimizer.safetensors`: the bytes `safetensors::serialize` gives for the three
+/// flat f32 tensors, the master streamed a chunk at a time (joined when split).
+fn write_optimizer(path: &Path, t: &Tensors) -> Result<()> {
+    let n = t.master.len();
+    assert!(t.m.len() == n && t.v.len() == n);
+    let bytes = 4 * n;
+    // safetensors orders tensors by dtype alignment, then name: all f32, so by name.
+    let names = ["exp_avg", "exp_avg_sq", "master"];
+    let infos = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let info = TensorInfo {
+                dtype: Dtype::F32,
+                shape: vec![n],
+                data_offsets: (i * bytes, (i + 1) * bytes),
+            };
+            (name.to_string(), info)
+        })
+        .collect();
+    let bad = |msg: String| Error::Weights {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let meta = Metadata::new(None, infos).map_err(|e| bad(format!("header: {e}")))?;
+    let mut header = serde_json::to_string(&meta)
+        .map_err(|e| bad(format!("header: {e}")))?
+        .into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let failed = |e: std::io::Error| bad(format!("write failed: {e}"));
+    let file = File::create(path).map_err(failed)?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    let mut write = |b: &[u8]| w.write_all(b).map_err(failed);
+    write(&(header.len() as u64).to_le_bytes())?;
+    write(&header)?;
+    write(f32_bytes(t.m))?;
+    write(f32_bytes(t.v))?;
+    const PIECE: usize = 1 << 20;
+    let mut buf = Vec::new();
+    for lo in (0..n).step_by(PIECE) {
+        let part = t.master.slice(lo..(lo + PIECE).min(n));
+        match part {
+            MasterRef::F32(x) => write(f32_bytes(x))?,
+            MasterRef::Split { .. } => {
+                buf.resize(part.len(), 0.0);
+                part.read_into(&mut buf);
+                write(f32_bytes(&buf))?;
+            }
+        }
+    }
+    w.flush().map_err(failed)
 }
 
 /// Removes temporary directories under `root` left by writers that died mid-write (their
@@ -303,7 +338,7 @@ pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
 pub fn load(
     dir: &Path,
     layout: &Layout,
-    master: &mut [f32],
+    master: MasterMut<'_>,
     m: &mut [f32],
     v: &mut [f32],
 ) -> Result<TrainState> {
@@ -335,24 +370,36 @@ pub fn load(
         path: opt.clone(),
         msg: format!("not a valid safetensors file: {e}"),
     })?;
-    for (name, dst) in [("master", master), ("exp_avg", m), ("exp_avg_sq", v)] {
+    let n = master.len();
+    let mut dsts = [
+        ("master", master),
+        ("exp_avg", MasterMut::F32(m)),
+        ("exp_avg_sq", MasterMut::F32(v)),
+    ];
+    for (name, dst) in &mut dsts {
         let view = tensors.tensor(name).map_err(|e| Error::Tensor {
             path: opt.clone(),
-            tensor: name.into(),
+            tensor: name.to_string(),
             expected: format!("f32 [{}]", layout.total),
             got: e.to_string(),
         })?;
-        if view.dtype() != safetensors::Dtype::F32 || view.shape() != [dst.len()] {
+        if view.dtype() != Dtype::F32 || view.shape() != [n] || dst.len() != n {
             return Err(Error::Tensor {
                 path: opt.clone(),
-                tensor: name.into(),
-                expected: format!("f32 [{}]", dst.len()),
+                tensor: name.to_string(),
+                expected: format!("f32 [{n}]"),
                 got: format!("{:?} {:?}", view.dtype(), view.shape()),
             });
         }
-        dst.par_iter_mut()
-            .zip(view.data().par_chunks_exact(4))
-            .for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let data = view.data();
+        dst.fill(|i| {
+            f32::from_le_bytes([
+                data[4 * i],
+                data[4 * i + 1],
+                data[4 * i + 2],
+                data[4 * i + 3],
+            ])
+        });
     }
     Ok(state)
 }
@@ -360,6 +407,64 @@ pub fn load(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
+    use safetensors::tensor::TensorView;
+
+    /// The streamed optimizer file has the bytes safetensors writes for the same tensors,
+    /// and a split master is stored joined and read back split as it was.
+    #[test]
+    fn optimizer_file_is_safetensors_own_bytes() {
+        let dir = std::env::temp_dir().join(format!("mt-optfile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let n = (1 << 20) + 37;
+        let val = |i: usize, k: u32| f32::from_bits((i as u32).wrapping_mul(0x9e37_79b9) ^ k) % 7.0;
+        let master: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
+        let m: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
+        let v: Vec<f32> = (0..n).map(|i| val(i, 3)).collect();
+        fn view(x: &[f32]) -> TensorView<'_> {
+            TensorView::new(Dtype::F32, vec![x.len()], f32_bytes(x)).unwrap()
+        }
+        let want = safetensors::serialize(
+            [
+                ("master", view(&master)),
+                ("exp_avg", view(&m)),
+                ("exp_avg_sq", view(&v)),
+            ],
+            None,
+        )
+        .unwrap();
+        let path = dir.join(OPTIMIZER);
+        let live = Tensors {
+            master: MasterRef::F32(&master),
+            m: &m,
+            v: &v,
+        };
+        write_optimizer(&path, &live).unwrap();
+        assert!(std::fs::read(&path).unwrap() == want, "bytes differ");
+
+        let (mut hi, mut lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
+        crate::optim::bits::split_slice(&master, &mut hi, &mut lo);
+        let split = Tensors {
+            master: MasterRef::Split { hi: &hi, lo: &lo },
+            m: &m,
+            v: &v,
+        };
+        write_optimizer(&path, &split).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let joined = split.master.values();
+        assert!(st.tensor("master").unwrap().data() == f32_bytes(&joined));
+        assert!(st.tensor("exp_avg").unwrap().data() == f32_bytes(&m));
+        let data = st.tensor("master").unwrap().data().to_vec();
+        let (mut hi2, mut lo2) = (vec![bf16::ZERO; n], vec![0u16; n]);
+        let mut back = MasterMut::Split {
+            hi: &mut hi2,
+            lo: &mut lo2,
+        };
+        back.fill(|i| f32::from_le_bytes(data[4 * i..4 * i + 4].try_into().unwrap()));
+        let bits = |h: &[bf16]| h.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&hi2) == bits(&hi) && lo2 == lo);
+    }
 
     #[test]
     fn stale_temporary_dirs_of_dead_writers_are_removed() {

@@ -1,6 +1,6 @@
 //! Checkpoints written while training goes on. At a step boundary the trainer copies what
-//! a checkpoint holds (fp32 master, Adam m and v: 12 bytes per parameter) into a snapshot
-//! buffer, in parallel, and a writer thread writes, fsyncs and renames the checkpoint from
+//! a checkpoint holds (fp32 master, joined if it is split, Adam m and v: 12 bytes per
+//! parameter) into a snapshot buffer, in parallel, and a writer thread writes, fsyncs and renames the checkpoint from
 //! it; the step loop waits only for the copy. At most one write is in flight: the next
 //! snapshot first waits for the previous write, whose buffer it reuses. A failed write
 //! comes back as an error from the next `poll`, `start` or `finish`, after the writer has
@@ -16,8 +16,8 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::ExportOptions;
 use super::state::{self, Tensors, TrainState};
+use super::{ExportOptions, MasterRef};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 
@@ -50,21 +50,14 @@ impl Snapshot {
     }
 
     fn fill(&mut self, src: &Tensors) {
-        const PIECE: usize = 1 << 16;
-        for (dst, src) in [
-            (&mut self.master, src.master),
-            (&mut self.m, src.m),
-            (&mut self.v, src.v),
-        ] {
-            dst.par_chunks_mut(PIECE)
-                .zip(src.par_chunks(PIECE))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-        }
+        src.master.read_into(&mut self.master);
+        MasterRef::F32(src.m).read_into(&mut self.m);
+        MasterRef::F32(src.v).read_into(&mut self.v);
     }
 
     fn tensors(&self) -> Tensors<'_> {
         Tensors {
-            master: &self.master,
+            master: MasterRef::F32(&self.master),
             m: &self.m,
             v: &self.v,
         }
@@ -218,6 +211,7 @@ impl Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::MasterMut;
     use crate::config::DType;
     use crate::config::hf::{HfConfig, ModelSpec};
 
@@ -260,7 +254,7 @@ mod tests {
         for step in 1..=3u64 {
             master.fill(step as f32);
             let live = Tensors {
-                master: &master,
+                master: MasterRef::F32(&master),
                 m: &m,
                 v: &v,
             };
@@ -271,7 +265,7 @@ mod tests {
         let last = w.finish().unwrap().expect("a write was in flight");
         assert!(last.dir.ends_with("step-00000003"));
         let (mut a, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        let st = state::load(&last.dir, &l, &mut a, &mut b, &mut c).unwrap();
+        let st = state::load(&last.dir, &l, MasterMut::F32(&mut a), &mut b, &mut c).unwrap();
         assert_eq!(st.step, 3);
         assert!(a.iter().all(|&x| x == 3.0) && b == m && c == v);
         let kept: Vec<u64> = state::complete(w.root())
@@ -298,7 +292,7 @@ mod tests {
         let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, false);
         let z = vec![0.25f32; l.total];
         let live = Tensors {
-            master: &z,
+            master: MasterRef::F32(&z),
             m: &z,
             v: &z,
         };
@@ -325,7 +319,7 @@ mod tests {
         let mut w = Writer::new(root.clone(), 1, l.clone(), export, true);
         let z = vec![0.5f32; l.total];
         let live = Tensors {
-            master: &z,
+            master: MasterRef::F32(&z),
             m: &z,
             v: &z,
         };

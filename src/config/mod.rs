@@ -275,6 +275,24 @@ pub struct MemorySection {
     /// MegaTrain's activation checkpoint interval in layers: only 1 (every layer's input
     /// is kept on the device and the layer recomputed in the backward) is implemented.
     pub checkpoint_interval: usize,
+    /// Dtype of the launcher's gradient accumulator: `float32` (4 bytes per parameter) or
+    /// `bfloat16` (2): worker gradients are summed in f32 and rounded once per
+    /// micro-batch; the norm, clipping and AdamW see the rounded values.
+    pub grad_dtype: DType,
+    /// `float32`: a separate fp32 master (4 bytes per parameter). `split`: the bf16 store
+    /// is the master's high half and a 16-bit residual its low half (2 bytes per parameter
+    /// instead of 4); needs `model.dtype: bfloat16`. Checkpoints hold the fp32 master
+    /// either way.
+    pub master_weights: MasterWeights,
+}
+
+/// How the fp32 master weights are held (`memory.master_weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MasterWeights {
+    #[default]
+    Float32,
+    Split,
 }
 
 impl Default for MemorySection {
@@ -284,6 +302,8 @@ impl Default for MemorySection {
             ce_chunk_tokens: 4096,
             offload_activations: false,
             checkpoint_interval: 1,
+            grad_dtype: DType::Float32,
+            master_weights: MasterWeights::Float32,
         }
     }
 }
@@ -429,6 +449,13 @@ impl RunConfig {
                     "only 1 is implemented (every layer's input is kept), got {}",
                     self.memory.checkpoint_interval
                 ),
+            ));
+        }
+        if self.memory.master_weights == MasterWeights::Split && self.model.dtype != DType::Bfloat16
+        {
+            return Err(Error::invalid(
+                "memory.master_weights",
+                "split keeps the master's high half in the bf16 store: it needs model.dtype: bfloat16",
             ));
         }
         if let Some(d) = &self.model.devices {
@@ -579,6 +606,21 @@ mod tests {
         assert!(c.dataset.dataset_dir.ends_with("d"));
         let e = parse(&format!("{OK}memory: {{checkpoint_interval: 2}}\n")).unwrap_err();
         assert!(e.to_string().contains("memory.checkpoint_interval"), "{e}");
+        let e = parse(&format!("{OK}memory: {{grad_dtype: float16}}\n")).unwrap_err();
+        assert!(e.to_string().contains("memory.grad_dtype"), "{e}");
+        let e = parse(&format!("{OK}memory: {{master_weights: bf16}}\n")).unwrap_err();
+        assert!(e.to_string().contains("memory.master_weights"), "{e}");
+        let f32_split = "model: {path: m, dtype: float32}\ndataset: {format: tokenized, path: d.jsonl}\n\
+                         memory: {master_weights: split}\n";
+        let e = parse(f32_split).unwrap_err();
+        assert!(e.to_string().contains("memory.master_weights"), "{e}");
+        let c = parse(&format!(
+            "{OK}memory: {{grad_dtype: bfloat16, master_weights: split}}\n"
+        ))
+        .unwrap();
+        assert_eq!(c.memory.grad_dtype, DType::Bfloat16);
+        assert_eq!(c.memory.master_weights, MasterWeights::Split);
+        assert_eq!(parse(OK).unwrap().memory.grad_dtype, DType::Float32);
         let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
         assert!(e.to_string().contains("dataset.path"), "{e}");
     }

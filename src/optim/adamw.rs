@@ -4,10 +4,15 @@
 //!
 //! One pass reads param, grad, m, v and writes param, m, v and the compute-dtype copy into
 //! the shared store (bf16 by round-to-nearest-even). Gradient clipping is folded in as
-//! `grad_scale`. Parallel over chunks with rayon.
+//! `grad_scale`. Parallel over chunks with rayon. The gradient is fp32 or bf16
+//! (`memory.grad_dtype`), widened exactly when read. [`adamw_update_split`] is the same
+//! update on a split master (`memory.master_weights: split`, see [`super::bits`]): it reads
+//! the bf16 store and the u16 residual, and writes both back, in the same single pass.
 //!
-//! The update is memory-bound (28 B/param moved, plus 2 for the store), so the kernels aim
-//! at moving bytes, not at saving flops:
+//! The update is memory-bound, so the kernels aim at moving bytes, not at saving flops.
+//! Bytes per parameter moved (reads + writes, the store's write included): fp32 master and
+//! grad 30; bf16 grad 28; split master with bf16 grad 26 (store 2 + residual 2 + grad 2 +
+//! m, v 8 read; store, residual, m, v 12 written); split with fp32 grad 28.
 //! - explicit AVX-512 and AVX2 bodies (`x86.rs`) chosen at run time ([`Simd`]), with the
 //!   portable loop below as the fallback and the reference: every path performs the same
 //!   IEEE operations in the same order (no FMA contraction), so all give the same bits;
@@ -25,6 +30,9 @@ use std::sync::OnceLock;
 
 use half::bf16;
 use rayon::prelude::*;
+
+use super::bits;
+use crate::reduce::GradElem;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -118,9 +126,9 @@ impl Simd {
 }
 
 /// Updates one tensor. `decay` says whether weight decay applies (tensors with >= 2 dims).
-pub fn adamw_update(
+pub fn adamw_update<G: GradElem>(
     param: &mut [f32],
-    grad: &[f32],
+    grad: &[G],
     m: &mut [f32],
     v: &mut [f32],
     store: StoreOut<'_>,
@@ -138,10 +146,62 @@ pub fn adamw_update(
     );
 }
 
-fn update_with(
+/// Updates one tensor of a split master: `hi` is its bf16 store, `lo` the residual
+/// ([`bits::split`]). The same bits as joining, [`adamw_update`] and splitting again.
+pub fn adamw_update_split<G: GradElem>(
+    hi: &mut [bf16],
+    lo: &mut [u16],
+    grad: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    hp: &AdamWStep,
+    decay: bool,
+) {
+    update_split_with(Simd::get(), hi, lo, grad, m, v, &Consts::new(hp, decay));
+}
+
+fn update_split_with<G: GradElem>(
+    simd: Simd,
+    hi: &mut [bf16],
+    lo: &mut [u16],
+    grad: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &Consts,
+) {
+    let n = hi.len();
+    assert!(lo.len() == n && grad.len() == n && m.len() == n && v.len() == n);
+    if n <= CHUNK {
+        return update_chunk_split(simd, hi, lo, grad, m, v, k);
+    }
+    hi.par_chunks_mut(CHUNK)
+        .zip(lo.par_chunks_mut(CHUNK))
+        .zip(grad.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .for_each(|((((hi, lo), g), m), v)| update_chunk_split(simd, hi, lo, g, m, v, k));
+}
+
+fn update_chunk_split<G: GradElem>(
+    simd: Simd,
+    hi: &mut [bf16],
+    lo: &mut [u16],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &Consts,
+) {
+    match simd {
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 | Simd::Avx2 => x86::update_split(simd, hi, lo, g, m, v, k),
+        _ => update_split_portable(hi, lo, g, m, v, k),
+    }
+}
+
+fn update_with<G: GradElem>(
     simd: Simd,
     param: &mut [f32],
-    grad: &[f32],
+    grad: &[G],
     m: &mut [f32],
     v: &mut [f32],
     store: StoreOut<'_>,
@@ -171,10 +231,10 @@ fn update_with(
     }
 }
 
-fn update_chunk_f32(
+fn update_chunk_f32<G: GradElem>(
     simd: Simd,
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     m: &mut [f32],
     v: &mut [f32],
     s: &mut [f32],
@@ -187,10 +247,10 @@ fn update_chunk_f32(
     }
 }
 
-fn update_chunk_bf16(
+fn update_chunk_bf16<G: GradElem>(
     simd: Simd,
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     m: &mut [f32],
     v: &mut [f32],
     s: &mut [bf16],
@@ -236,11 +296,26 @@ impl Consts {
     }
 }
 
-/// The reference loop; the SIMD bodies perform exactly these operations in this order.
+/// The update of one element: returns the new parameter, updates `m` and `v`. The SIMD
+/// bodies perform exactly these operations in this order.
 #[inline(always)]
-fn update_portable<S>(
+fn adam1(p: f32, g: f32, m: &mut f32, v: &mut f32, k: &Consts) -> f32 {
+    let gi = g * k.grad_scale;
+    let pi = p * k.decay_mul;
+    // torch's lerp with weight < 0.5: m + w (g - m).
+    let mi = *m + k.one_minus_b1 * (gi - *m);
+    let vi = *v * k.b2 + k.one_minus_b2 * gi * gi;
+    let denom = vi.sqrt() * k.inv_bc2_sqrt + k.eps;
+    *m = mi;
+    *v = vi;
+    pi - k.step_size * (mi / denom)
+}
+
+/// The reference loop.
+#[inline(always)]
+fn update_portable<G: GradElem, S>(
     p: &mut [f32],
-    g: &[f32],
+    g: &[G],
     m: &mut [f32],
     v: &mut [f32],
     s: &mut [S],
@@ -250,17 +325,28 @@ fn update_portable<S>(
     let n = p.len();
     let (g, m, v, s) = (&g[..n], &mut m[..n], &mut v[..n], &mut s[..n]);
     for i in 0..n {
-        let gi = g[i] * k.grad_scale;
-        let pi = p[i] * k.decay_mul;
-        // torch's lerp with weight < 0.5: m + w (g - m).
-        let mi = m[i] + k.one_minus_b1 * (gi - m[i]);
-        let vi = v[i] * k.b2 + k.one_minus_b2 * gi * gi;
-        let denom = vi.sqrt() * k.inv_bc2_sqrt + k.eps;
-        let pi = pi - k.step_size * (mi / denom);
+        let pi = adam1(p[i], g[i].to_f32(), &mut m[i], &mut v[i], k);
         p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
         s[i] = to_store(pi);
+    }
+}
+
+/// The reference loop of the split master.
+#[inline(always)]
+fn update_split_portable<G: GradElem>(
+    hi: &mut [bf16],
+    lo: &mut [u16],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &Consts,
+) {
+    let n = hi.len();
+    let (lo, g, m, v) = (&mut lo[..n], &g[..n], &mut m[..n], &mut v[..n]);
+    for i in 0..n {
+        let pi = bits::join(hi[i], lo[i]);
+        let pi = adam1(pi, g[i].to_f32(), &mut m[i], &mut v[i], k);
+        (hi[i], lo[i]) = bits::split(pi);
     }
 }
 

@@ -3,9 +3,10 @@
 //! AdamW (`torch.optim.AdamW`) over flat fp32 slices.
 
 pub mod adamw;
+pub mod bits;
 pub mod schedule;
 
-pub use adamw::{AdamWStep, StoreOut, adamw_update};
+pub use adamw::{AdamWStep, StoreOut, adamw_update, adamw_update_split};
 pub use schedule::lr_at;
 
 /// Clip coefficient as torch's `clip_grad_norm_` computes it: gradients are multiplied by

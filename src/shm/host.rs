@@ -12,7 +12,7 @@ use super::{Region, RegionHandle, RegionKind};
 use crate::config::DType;
 use crate::error::Result;
 use crate::optim::StoreOut;
-use crate::reduce::{self, GradElem};
+use crate::reduce::{self, GradAcc, GradElem};
 
 /// The shared copy of all weights in the compute dtype, laid out as `Layout` says.
 pub struct Store {
@@ -45,6 +45,21 @@ impl Store {
                 DType::Float32 => StoreOut::F32(self.region.slice_mut(range)),
                 DType::Bfloat16 => StoreOut::Bf16(self.region.slice_mut(range)),
             }
+        }
+    }
+
+    /// The whole store when its dtype is bf16 (read-only).
+    pub fn bf16(&self) -> Option<&[bf16]> {
+        // SAFETY: launcher writes need `&mut self`, so none happens while this borrow
+        // lives; workers only read the store.
+        (self.dtype == DType::Bfloat16).then(|| unsafe { self.region.slice(0..self.len) })
+    }
+
+    /// Elements `range` of a bf16 store, writable (`None` for another dtype).
+    pub fn bf16_mut(&mut self, range: std::ops::Range<usize>) -> Option<&mut [bf16]> {
+        match self.out_mut(range) {
+            StoreOut::Bf16(s) => Some(s),
+            StoreOut::F32(_) => None,
         }
     }
 
@@ -107,9 +122,9 @@ impl GradSlabs {
     /// `dst += Σ` after. With `sum_sq`, also returns Σ dst² of the result from the same
     /// pass (else 0). Slots are shared by blocks of different shapes, so only tensor
     /// ranges hold meaningful values, never the gaps between them.
-    pub fn reduce_into(
+    pub fn reduce_into<D: GradAcc>(
         &self,
-        dst: &mut [f32],
+        dst: &mut [D],
         slots: &[usize],
         offset: usize,
         first: bool,
@@ -119,8 +134,12 @@ impl GradSlabs {
         let n = dst.len();
         assert!(offset + n <= self.slot_len);
         match self.dtype {
-            DType::Float32 => combine::<f32>(dst, &self.sources(slots, offset, n), first, sum_sq),
-            DType::Bfloat16 => combine::<bf16>(dst, &self.sources(slots, offset, n), first, sum_sq),
+            DType::Float32 => {
+                combine::<f32, D>(dst, &self.sources(slots, offset, n), first, sum_sq)
+            }
+            DType::Bfloat16 => {
+                combine::<bf16, D>(dst, &self.sources(slots, offset, n), first, sum_sq)
+            }
         }
     }
 
@@ -141,7 +160,12 @@ impl GradSlabs {
     }
 }
 
-fn combine<T: GradElem>(dst: &mut [f32], srcs: &[&[T]], first: bool, sum_sq: bool) -> f64 {
+fn combine<T: GradElem, D: GradAcc>(
+    dst: &mut [D],
+    srcs: &[&[T]],
+    first: bool,
+    sum_sq: bool,
+) -> f64 {
     match (first, sum_sq) {
         (true, true) => reduce::assign_sum_sq(dst, srcs),
         (false, true) => reduce::accumulate_sum_sq(dst, srcs),

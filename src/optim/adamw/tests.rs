@@ -159,3 +159,138 @@ fn simd_paths_match_portable_bit_for_bit() {
         }
     }
 }
+
+fn hp7() -> AdamWStep {
+    AdamWStep {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 7,
+        grad_scale: 0.8,
+    }
+}
+
+/// Values spread over many exponents, with some exact bf16 ties among the parameters.
+fn spread(n: usize, salt: u32) -> Vec<f32> {
+    let mut h = 0x9e37_79b9u32 ^ salt.wrapping_mul(0x85eb_ca6b);
+    (0..n)
+        .map(|i| {
+            h ^= h << 13;
+            h ^= h >> 17;
+            h ^= h << 5;
+            let x = ((h >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 2f32.powi((h % 9) as i32 - 6);
+            if i % 97 == 0 {
+                f32::from_bits((x.to_bits() & !0xffff) | 0x8000)
+            } else {
+                x
+            }
+        })
+        .collect()
+}
+
+fn bits32(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|f| f.to_bits()).collect()
+}
+
+/// A bf16 gradient gives the bits of the same gradient widened to f32, on every path.
+#[test]
+fn bf16_gradient_is_the_widened_gradient() {
+    let n = 2 * CHUNK + 45;
+    let k = Consts::new(&hp7(), true);
+    let gb: Vec<bf16> = spread(n, 1).into_iter().map(bf16::from_f32).collect();
+    let gf: Vec<f32> = gb.iter().map(|x| x.to_f32()).collect();
+    let (p0, m0) = (spread(n, 2), spread(n, 3));
+    let v0: Vec<f32> = spread(n, 4).iter().map(|x| x * x).collect();
+    for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+        if !simd.supported() {
+            continue;
+        }
+        for off in [0, 3] {
+            let run = |bf: bool| {
+                let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+                let mut s = vec![bf16::ZERO; n];
+                let (p_, m_, v_) = (&mut p[off..], &mut m[off..], &mut v[off..]);
+                let out = StoreOut::Bf16(&mut s[off..]);
+                if bf {
+                    update_with(simd, p_, &gb[off..], m_, v_, out, &k);
+                } else {
+                    update_with(simd, p_, &gf[off..], m_, v_, out, &k);
+                }
+                (bits32(&p), bits32(&m), bits32(&v), s)
+            };
+            assert!(run(true) == run(false), "{simd:?} at offset {off}");
+        }
+    }
+}
+
+/// The split update is the fp32 update of the joined master, split again: bit for bit,
+/// on every path and for both gradient dtypes; the store it leaves is the fp32 path's
+/// store, and the master differs from the fp32 path's only on exact ties, by one ulp.
+#[test]
+fn split_update_is_the_fp32_update_split() {
+    let n = 2 * CHUNK + 45;
+    let k = Consts::new(&hp7(), true);
+    let x0 = spread(n, 5);
+    let g = spread(n, 6);
+    let gb: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+    let m0 = spread(n, 7);
+    let v0: Vec<f32> = spread(n, 8).iter().map(|x| x * x).collect();
+    let (mut hi0, mut lo0) = (vec![bf16::ZERO; n], vec![0u16; n]);
+    bits::split_slice(&x0, &mut hi0, &mut lo0);
+    let mut joined = vec![0.0f32; n];
+    bits::join_slice(&hi0, &lo0, &mut joined);
+    // The fp32 reference, from the joined master.
+    let reference = |bf: bool| {
+        let (mut p, mut m, mut v) = (joined.clone(), m0.clone(), v0.clone());
+        let mut s = vec![bf16::ZERO; n];
+        let out = StoreOut::Bf16(&mut s);
+        if bf {
+            update_with(Simd::Portable, &mut p, &gb, &mut m, &mut v, out, &k);
+        } else {
+            update_with(Simd::Portable, &mut p, &g, &mut m, &mut v, out, &k);
+        }
+        (p, m, v, s)
+    };
+    for bf in [false, true] {
+        let (p, m, v, s) = reference(bf);
+        let mut ties = 0;
+        for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+            if !simd.supported() {
+                continue;
+            }
+            for off in [0, 5] {
+                let (mut hi, mut lo) = (hi0.clone(), lo0.clone());
+                let (mut m2, mut v2) = (m0.clone(), v0.clone());
+                let (h, l, m_, v_) = (
+                    &mut hi[off..],
+                    &mut lo[off..],
+                    &mut m2[off..],
+                    &mut v2[off..],
+                );
+                if bf {
+                    update_split_with(simd, h, l, &gb[off..], m_, v_, &k);
+                } else {
+                    update_split_with(simd, h, l, &g[off..], m_, v_, &k);
+                }
+                assert_eq!(bits32(&m2[off..]), bits32(&m[off..]), "{simd:?} {off}");
+                assert_eq!(bits32(&v2[off..]), bits32(&v[off..]), "{simd:?} {off}");
+                ties = 0;
+                for i in off..n {
+                    let (sh, sl) = bits::split(p[i]);
+                    assert_eq!((hi[i].to_bits(), lo[i]), (sh.to_bits(), sl), "{simd:?} {i}");
+                    assert_eq!(hi[i].to_bits(), s[i].to_bits(), "store {simd:?} {i}");
+                    let got = bits::join(hi[i], lo[i]).to_bits();
+                    if p[i].to_bits() & 0xffff == 0x8000 {
+                        ties += 1;
+                        assert_eq!(got.abs_diff(p[i].to_bits()), 1, "{simd:?} {i}");
+                    } else {
+                        assert_eq!(got, p[i].to_bits(), "{simd:?} {i}");
+                    }
+                }
+            }
+        }
+        assert!(ties < n / 1000, "ties are rare: {ties}");
+    }
+}

@@ -1,0 +1,109 @@
+//! The fp32 master weights as the trainer holds them (`memory.master_weights`): a plain fp32
+//! slice, or split into the bf16 store and a u16 residual ([`crate::optim::bits`]).
+//! Checkpoints and exports read and write fp32 values through these views, so their
+//! on-disk format is the same either way.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::optim::bits;
+
+/// Elements per rayon task.
+const CHUNK: usize = 64 * 1024;
+
+/// Read access to master weights, in layout order.
+#[derive(Clone, Copy)]
+pub enum MasterRef<'a> {
+    F32(&'a [f32]),
+    Split { hi: &'a [bf16], lo: &'a [u16] },
+}
+
+impl<'a> MasterRef<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            MasterRef::F32(x) => x.len(),
+            MasterRef::Split { hi, .. } => hi.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `r`.
+    pub fn slice(&self, r: Range<usize>) -> MasterRef<'a> {
+        match *self {
+            MasterRef::F32(x) => MasterRef::F32(&x[r]),
+            MasterRef::Split { hi, lo } => MasterRef::Split {
+                hi: &hi[r.clone()],
+                lo: &lo[r],
+            },
+        }
+    }
+
+    /// The fp32 values: borrowed when held as such, joined otherwise.
+    pub fn values(&self) -> Cow<'a, [f32]> {
+        match *self {
+            MasterRef::F32(x) => Cow::Borrowed(x),
+            MasterRef::Split { .. } => {
+                let mut out = vec![0.0; self.len()];
+                self.read_into(&mut out);
+                Cow::Owned(out)
+            }
+        }
+    }
+
+    /// Writes the fp32 values into `out` (in parallel).
+    pub fn read_into(&self, out: &mut [f32]) {
+        assert_eq!(out.len(), self.len());
+        match *self {
+            MasterRef::F32(x) => out
+                .par_chunks_mut(CHUNK)
+                .zip(x.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.copy_from_slice(s)),
+            MasterRef::Split { hi, lo } => bits::join_slice(hi, lo, out),
+        }
+    }
+}
+
+/// Write access to master weights, in layout order.
+pub enum MasterMut<'a> {
+    F32(&'a mut [f32]),
+    Split {
+        hi: &'a mut [bf16],
+        lo: &'a mut [u16],
+    },
+}
+
+impl MasterMut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            MasterMut::F32(x) => x.len(),
+            MasterMut::Split { hi, .. } => hi.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Sets element `i` to `value(i)` for every `i` (in parallel).
+    pub fn fill(&mut self, value: impl Fn(usize) -> f32 + Sync) {
+        match self {
+            MasterMut::F32(x) => x
+                .par_iter_mut()
+                .enumerate()
+                .for_each(|(i, d)| *d = value(i)),
+            MasterMut::Split { hi, lo } => {
+                assert_eq!(hi.len(), lo.len());
+                hi.par_iter_mut()
+                    .zip(lo.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(i, (h, l))| (*h, *l) = bits::split(value(i)));
+            }
+        }
+    }
+}
