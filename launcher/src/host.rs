@@ -12,6 +12,7 @@ use mt::optim::bits;
 use mt::optim::{AdamWStep, adamw_update, adamw_update_split};
 use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
+use mt::shm::huge::zeroed;
 
 /// How the master weights are held (`memory.master_weights`).
 enum Master {
@@ -62,7 +63,7 @@ impl HostState {
                 Master::F32(master)
             }
             MasterWeights::Split => {
-                let mut lo = vec![0u16; n];
+                let mut lo = zeroed::<u16>(n);
                 bits::split_slice(&master, store_bf16(&mut store, 0..n), &mut lo);
                 Master::Split(lo)
             }
@@ -75,14 +76,14 @@ impl HostState {
             cfg.model.dtype,
         )?;
         let grad = match cfg.memory.grad_dtype {
-            DType::Float32 => Grad::F32(vec![0.0; n]),
-            DType::Bfloat16 => Grad::Bf16(vec![bf16::ZERO; n]),
+            DType::Float32 => Grad::F32(zeroed(n)),
+            DType::Bfloat16 => Grad::Bf16(zeroed(n)),
         };
         Ok(HostState {
             layout,
             master,
-            m: vec![0.0; n],
-            v: vec![0.0; n],
+            m: zeroed(n),
+            v: zeroed(n),
             grad,
             store,
             slabs,

@@ -153,7 +153,7 @@ impl Trainer {
         let resume = resume
             .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
             .transpose()?;
-        let mut master = vec![0.0f32; layout.total];
+        let mut master = mt::shm::huge::zeroed::<f32>(layout.total);
         match cfg.model.init {
             _ if resume.is_some() => {}
             InitKind::Pretrained => {

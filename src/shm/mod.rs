@@ -17,6 +17,7 @@
 //! therefore `unsafe` and their callers state which rule makes them sound.
 
 pub mod host;
+pub mod huge;
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
