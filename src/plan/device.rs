@@ -157,8 +157,13 @@ impl DevicePlan {
         // tokens (at most all M: their rows, the f32 input, the normed output and its
         // gradient), the
         // head block and its gradient, one loss chunk.
-        let c = (o.ce_chunk_tokens as u64).min(m);
-        let loss_chunk = chunk_bytes(spec, c, v, s);
+        let c = (o.ce_chunk_tokens as u64).min(m).max(1);
+        // The head's gradient exists from the first chunk's lm_head backward on: beside
+        // the peak of every later chunk, after the peak of a lone one.
+        let loss_chunk = match m > c {
+            true => chunk_bytes(spec, c, v, s) + head,
+            false => chunk_bytes(spec, c, v, s).max(head + c * v * (F32 + s)),
+        };
         let mut head_phase: Parts = vec![
             (
                 "layer inputs kept for the backward",
@@ -166,8 +171,8 @@ impl DevicePlan {
             ),
             ("last hidden state and its gradient", 2 * hidden),
             ("final norm of the labelled tokens", m * h * (F32 + 3 * s)),
-            ("head block and its gradient", 2 * head),
-            ("one loss chunk (logits, f32 softmax)", loss_chunk),
+            ("head block", head),
+            ("one loss chunk + the head's gradient", loss_chunk),
         ];
         if tied {
             head_phase.push(("tied embedding and its gradient", tied_bwd));
