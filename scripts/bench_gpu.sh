@@ -69,10 +69,12 @@ for g in $GPUS; do
     # shellcheck disable=SC2086
     "$BIN/mt-launch" plan "${args[@]}" $EXTRA --json > "$work/$tag.plan.json" 2>/dev/null || echo '{}' > "$work/$tag.plan.json"
     # shellcheck disable=SC2086
-    if "$BIN/mt-launch" "${args[@]}" --set logging.log_every=1 --metrics-out "$work/$tag.jsonl" $EXTRA >&2; then
-      mkdir -p "$RESULTS/metrics"
-      cp "$work/$tag.jsonl" "$RESULTS/metrics/${model}_${MACHINE}_${DATE}_$tag.jsonl"
-      runs+=("$g $b $work/$tag.jsonl")
+    # Metrics go straight to RESULTS, so a run cut short (time limit, crash) keeps its steps.
+    metrics="$RESULTS/metrics/${model}_${MACHINE}_${DATE}_$tag.jsonl"
+    mkdir -p "$RESULTS/metrics"
+    cp "$work/$tag.plan.json" "${metrics%.jsonl}.plan.json"
+    if "$BIN/mt-launch" "${args[@]}" --set logging.log_every=1 --metrics-out "$metrics" $EXTRA >&2; then
+      runs+=("$g $b $metrics")
     else
       echo "run $tag failed" >&2
       runs+=("$g $b FAILED")
