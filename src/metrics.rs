@@ -34,7 +34,9 @@ pub struct StepMetrics {
     /// gradient copy time (GPU only).
     pub h2d_wait_s: f64,
     pub d2h_s: f64,
-    /// Largest device memory in use on any worker's GPU.
+    /// Largest device memory in use on any worker's GPU; for CPU workers, the largest
+    /// rise of a worker's resident memory within the step (what `mt-launch plan` estimates
+    /// for `--gpus 0`).
     pub peak_gpu_bytes: u64,
     /// Of which the CUDA context, cuBLAS and torch's first segment, in use before the
     /// worker allocated anything (`peak_gpu_bytes` minus this is what `mt-launch plan`

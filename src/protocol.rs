@@ -136,6 +136,8 @@ pub struct WorkerTimings {
     /// Time the backward waited for a free slab slot (on GPU mostly the device itself:
     /// the slots are held by in-flight gradient copies of layers still computing).
     pub slot_wait_s: f64,
+    /// GPU: the most device memory in use (cuMemGetInfo, so torch's reserve included).
+    /// CPU: the step's peak resident memory above the step's start (VmHWM).
     pub peak_device_bytes: u64,
     /// Device bytes in use before the worker allocated anything (CUDA context, cuBLAS).
     #[serde(default)]

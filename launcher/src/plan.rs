@@ -29,6 +29,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
         packed: cfg.dataset.packing,
         offload_activations: cfg.memory.offload_activations,
+        cpu: placement.gpus == 0,
     };
     let device = DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len);
     let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {

@@ -45,6 +45,9 @@ pub struct DeviceOpts {
     pub packed: bool,
     /// Layer inputs are stashed in pinned host memory.
     pub offload_activations: bool,
+    /// CPU workers: blocks are views of the shared store (no copies, no ring) and
+    /// gradients are copied out at once (none in flight).
+    pub cpu: bool,
 }
 
 /// Named byte counts.
@@ -123,6 +126,8 @@ impl DevicePlan {
         let block_bytes = |i: usize| layout.blocks[i].len as u64 * s;
         let (embed, head) = (block_bytes(Layout::EMBED), block_bytes(layout.head_block()));
         let layer_max = layout.max_layer_len() as u64 * s;
+        // Device copies of blocks and gradients on their way out: none on a CPU worker.
+        let copy = |bytes: u64| if o.cpu { 0 } else { bytes };
         // One hidden state (B, T, H).
         let hidden = m * h * s;
         let (inputs_fwd, inputs_bwd) = match o.offload_activations {
@@ -140,11 +145,11 @@ impl DevicePlan {
                 forward: a.forward.max(x.forward),
             });
 
-        let mut fixed: Parts = vec![("layer ring (2 x largest layer)", 2 * layer_max)];
+        let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
 
-        let tied_fwd = if tied { embed } else { 0 };
-        let tied_bwd = if tied { 2 * embed } else { 0 };
+        let tied_fwd = if tied { copy(embed) } else { 0 };
+        let tied_bwd = if tied { copy(embed) + embed } else { 0 };
         let mut forward: Parts = vec![
             ("layer inputs kept for the backward", inputs_fwd),
             ("one layer's forward temporaries", worst.forward),
@@ -171,7 +176,7 @@ impl DevicePlan {
             ),
             ("last hidden state and its gradient", 2 * hidden),
             ("final norm of the labelled tokens", m * h * (F32 + 3 * s)),
-            ("head block", head),
+            ("head block", copy(head)),
             ("one loss chunk + the head's gradient", loss_chunk),
         ];
         if tied {
@@ -187,7 +192,7 @@ impl DevicePlan {
             ("the layer's weight gradients", layer_max),
             (
                 "gradients in flight to the host",
-                head.max(layer_max) + (GRADS_IN_FLIGHT - 1) * layer_max,
+                copy(head.max(layer_max) + (GRADS_IN_FLIGHT - 1) * layer_max),
             ),
         ];
         if tied {
@@ -197,10 +202,10 @@ impl DevicePlan {
         // Embedding backward: dy, the looked-up rows, the block and its gradient.
         let embed_phase: Parts = vec![
             ("dy and the looked-up embeddings", 2 * hidden),
-            ("embedding block and its gradient", 2 * embed),
+            ("embedding block and its gradient", copy(embed) + embed),
             (
                 "gradients in flight to the host",
-                GRADS_IN_FLIGHT * layer_max,
+                copy(GRADS_IN_FLIGHT * layer_max),
             ),
         ];
 
@@ -487,6 +492,7 @@ mod tests {
         ce_chunk_tokens: 8192,
         packed: false,
         offload_activations: false,
+        cpu: false,
     };
 
     fn part(p: &Phase, name: &str) -> u64 {

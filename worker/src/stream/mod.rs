@@ -201,6 +201,7 @@ impl Streamer {
                 regions,
                 delivered: VecDeque::new(),
                 inputs: Vec::new(),
+                rss_base: rss::reset_peak(),
             }),
         })
     }
@@ -320,7 +321,7 @@ impl Streamer {
     /// Statistics of the step so far; resets them.
     pub fn take_stats(&mut self) -> Result<TransferStats> {
         match self {
-            Streamer::Cpu(_) => Ok(TransferStats::default()),
+            Streamer::Cpu(c) => Ok(c.take_stats()),
             Streamer::Cuda(c) => c.take_stats(),
         }
     }
@@ -332,9 +333,27 @@ pub struct CpuStreamer {
     kind: Kind,
     delivered: VecDeque<Delivered>,
     inputs: Vec<Tensor>,
+    /// Resident bytes when the step began (the peak was reset then); None where /proc
+    /// does not allow it.
+    rss_base: Option<u64>,
 }
 
 impl CpuStreamer {
+    /// The step's peak resident memory above its start (what the memory plan estimates
+    /// for a CPU worker: torch's tensors, the store being shared and already resident),
+    /// then a fresh peak for the next step.
+    fn take_stats(&mut self) -> TransferStats {
+        let peak = match (self.rss_base, rss::peak()) {
+            (Some(base), Some(hwm)) => hwm.saturating_sub(base),
+            _ => 0,
+        };
+        self.rss_base = rss::reset_peak();
+        TransferStats {
+            peak_device_bytes: peak,
+            ..TransferStats::default()
+        }
+    }
+
     fn view(&self, layout: &Layout, index: usize, gate: Gate) -> Result<Tensor> {
         gate(index)?;
         let block = &layout.blocks[index];
@@ -358,5 +377,28 @@ impl CpuStreamer {
         w.write_grads(block, part, &out);
         self.delivered.push_back(to);
         Ok(())
+    }
+}
+
+/// The process's resident memory from /proc (Linux).
+mod rss {
+    /// A `Vm*` line of /proc/self/status, in bytes.
+    fn status(key: &str) -> Option<u64> {
+        let text = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    }
+
+    /// Peak resident bytes since the last reset (VmHWM).
+    pub fn peak() -> Option<u64> {
+        status("VmHWM:")
+    }
+
+    /// Resets the peak to the current resident size (writing 5 to clear_refs) and returns
+    /// that size.
+    pub fn reset_peak() -> Option<u64> {
+        std::fs::write("/proc/self/clear_refs", "5").ok()?;
+        status("VmRSS:")
     }
 }
