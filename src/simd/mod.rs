@@ -11,7 +11,7 @@
 //!   features and that the slices' lengths agree, then calls a `#[target_feature]` body;
 //!   every `unsafe` block in here says why the feature is present and why its pointers
 //!   and lengths are in bounds;
-//! - [`prefetch`] is the portable reduce's cache hint.
+//! - `prefetch` is the portable reduce's cache hint.
 //!
 //! Layout: `x86/reduce.rs` (the reduce's strip loop compiled under AVX2 / AVX-512, with
 //! non-temporal stores), `x86/adamw.rs` (the AdamW update of an fp32 master), and
