@@ -8,8 +8,8 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use mt::optim::adamw::Simd;
 use mt::optim::{AdamWStep, StoreOut, adamw_update};
+use mt::simd::Simd;
 
 fn val(i: usize, salt: usize) -> f32 {
     let h = (i.wrapping_mul(0x9e37_79b9) ^ salt.wrapping_mul(0x85eb_ca6b)) % 20011;

@@ -10,8 +10,8 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use mt::optim::adamw::Simd;
 use mt::reduce::{GradElem, accumulate, accumulate_sum_sq, assign};
+use mt::simd::Simd;
 use rayon::prelude::*;
 
 /// 512 MiB of f32 destination: well beyond a server's last-level cache.

@@ -17,9 +17,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use half::bf16;
-use mt::optim::adamw::Simd;
 use mt::optim::{AdamWStep, StoreOut, adamw_update, adamw_update_split, bits};
 use mt::reduce::{GradElem, accumulate, assign};
+use mt::simd::Simd;
 use rayon::prelude::*;
 
 struct Args {

@@ -3,6 +3,10 @@
 //! The launcher (`mt-launch`) and the workers (`mt-worker`) share these types: the run and
 //! model configs, THE parameter layout, shared-memory regions, the message protocol, and the
 //! host-side numerics (slab reduce, clipping, AdamW, schedules), data and checkpoints.
+//! `unsafe` lives in two fenced modules only, `shm` (shared memory) and `simd` (the host
+//! kernels' intrinsics); the compiler holds the rest of the crate to that.
+
+#![deny(unsafe_code)]
 
 pub mod checkpoint;
 pub mod config;
@@ -14,6 +18,9 @@ pub mod optim;
 pub mod plan;
 pub mod protocol;
 pub mod reduce;
+#[allow(unsafe_code)]
 pub mod shm;
+#[allow(unsafe_code)]
+pub mod simd;
 
 pub use error::{Error, Result};

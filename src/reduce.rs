@@ -16,16 +16,19 @@
 //!   gradient norm, so the norm needs no second read.
 //!
 //! The loops are plain Rust that the compiler vectorizes; they are compiled once more
-//! under AVX2 and AVX-512 and picked at run time ([`Simd`]). Sources are summed a strip at
-//! a time into a small buffer that stays in L1 when needed, so the order of additions
-//! (`((s0 + s1) + s2) + …`, then `dst +`) and the single read of every byte are kept.
+//! under AVX2 and AVX-512 (in [`crate::simd`], which adds the non-temporal stores) and
+//! picked at run time ([`Simd`]). Sources are summed a strip at a time into a small buffer
+//! that stays in L1 when needed, so the order of additions (`((s0 + s1) + s2) + …`, then
+//! `dst +`) and the single read of every byte are kept.
 
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::optim::adamw::Simd;
 use crate::optim::bits::round_bf16;
 use crate::shm::Pod;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::x86;
+use crate::simd::{Simd, prefetch};
 
 /// Elements per parallel task (256 KiB of f32 output): big enough to amortize scheduling,
 /// small enough to balance. A multiple of 16, so every task has the same alignment.
@@ -153,86 +156,10 @@ fn reduce_chunk<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
 ) -> f64 {
     match simd {
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => {
-            assert!(simd.supported());
-            // SAFETY: the CPU has the features (checked above).
-            unsafe { x86::sum_avx512::<T, D, ASSIGN, SQ>(d, parts) }
-        }
+        Simd::Avx512 => x86::sum_avx512::<T, D, ASSIGN, SQ>(d, parts),
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => {
-            assert!(simd.supported());
-            // SAFETY: as above.
-            unsafe { x86::sum_avx2::<T, D, ASSIGN, SQ>(d, parts) }
-        }
+        Simd::Avx2 => x86::sum_avx2::<T, D, ASSIGN, SQ>(d, parts),
         _ => sum_into::<T, D, false, ASSIGN, SQ>(d, parts, |d, s| d.copy_from_slice(s)),
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use std::arch::x86_64::*;
-
-    use super::{GradAcc, GradElem, sum_into};
-
-    /// # Safety
-    /// The CPU has AVX-512 F and BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn sum_avx512<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
-        d: &mut [D],
-        parts: &[&[T]],
-    ) -> f64 {
-        // SAFETY (of the call in the closure): this function runs only with AVX-512 F.
-        let sq = sum_into::<T, D, true, ASSIGN, SQ>(d, parts, |d, s| unsafe { stream512(d, s) });
-        // Non-temporal stores are weakly ordered: fence before the caller publishes `d`.
-        _mm_sfence();
-        sq
-    }
-
-    /// # Safety
-    /// The CPU has AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn sum_avx2<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
-        d: &mut [D],
-        parts: &[&[T]],
-    ) -> f64 {
-        // SAFETY (of the call in the closure): this function runs only with AVX2.
-        let sq = sum_into::<T, D, true, ASSIGN, SQ>(d, parts, |d, s| unsafe { stream256(d, s) });
-        _mm_sfence();
-        sq
-    }
-
-    /// `d.copy_from_slice(s)` with non-temporal stores.
-    ///
-    /// # Safety
-    /// The CPU has AVX-512 F.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn stream512(d: &mut [f32], s: &[f32]) {
-        assert!(
-            d.len() == s.len()
-                && d.len().is_multiple_of(16)
-                && d.as_ptr().addr().is_multiple_of(64)
-        );
-        for i in (0..d.len()).step_by(16) {
-            // SAFETY: i + 16 <= len; d + i is 64-byte aligned.
-            unsafe { _mm512_stream_ps(d.as_mut_ptr().add(i), _mm512_loadu_ps(s.as_ptr().add(i))) }
-        }
-    }
-
-    /// `d.copy_from_slice(s)` with non-temporal stores.
-    ///
-    /// # Safety
-    /// The CPU has AVX2.
-    #[target_feature(enable = "avx2")]
-    #[inline]
-    unsafe fn stream256(d: &mut [f32], s: &[f32]) {
-        assert!(
-            d.len() == s.len() && d.len().is_multiple_of(8) && d.as_ptr().addr().is_multiple_of(32)
-        );
-        for i in (0..d.len()).step_by(8) {
-            // SAFETY: i + 8 <= len; d + i is 32-byte aligned.
-            unsafe { _mm256_stream_ps(d.as_mut_ptr().add(i), _mm256_loadu_ps(s.as_ptr().add(i))) }
-        }
     }
 }
 
@@ -243,7 +170,13 @@ mod x86 {
 /// (non-temporal); `stream(d, s)` must copy `s` into `d`. With `SQ`, returns Σ d² of the
 /// result as stored (f64) over 16 interleaved partial sums.
 #[inline(always)]
-fn sum_into<T: GradElem, D: GradAcc, const PREFETCH: bool, const ASSIGN: bool, const SQ: bool>(
+pub(crate) fn sum_into<
+    T: GradElem,
+    D: GradAcc,
+    const PREFETCH: bool,
+    const ASSIGN: bool,
+    const SQ: bool,
+>(
     d: &mut [D],
     parts: &[&[T]],
     stream: impl Fn(&mut [f32], &[f32]),
@@ -373,22 +306,6 @@ fn sum_sq16<X: GradElem>(sq: &mut [f64; 16], x: &[X]) {
     for (j, &v) in tail.iter().enumerate() {
         sq[j] += sq64(v);
     }
-}
-
-/// Hints that `s[at..at + len]` (possibly past its end) will be read soon.
-#[inline(always)]
-fn prefetch<T>(s: &[T], at: usize, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let p = s.as_ptr().wrapping_add(at) as *const i8;
-        for off in (0..len * size_of::<T>()).step_by(64) {
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (s, at, len);
 }
 
 #[cfg(test)]

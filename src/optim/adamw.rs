@@ -13,9 +13,10 @@
 //! Bytes per parameter moved (reads + writes, the store's write included): fp32 master and
 //! grad 30; bf16 grad 28; split master with bf16 grad 26 (store 2 + residual 2 + grad 2 +
 //! m, v 8 read; store, residual, m, v 12 written); split with fp32 grad 28.
-//! - explicit AVX-512 and AVX2 bodies (`x86.rs`) chosen at run time ([`Simd`]), with the
-//!   portable loop below as the fallback and the reference: every path performs the same
-//!   IEEE operations in the same order (no FMA contraction), so all give the same bits;
+//! - explicit AVX-512 and AVX2 bodies (in [`crate::simd`], with all of their `unsafe`)
+//!   chosen at run time ([`Simd`]), with the portable loop below as the fallback and the
+//!   reference: every path performs the same IEEE operations in the same order (no FMA
+//!   contraction), so all give the same bits;
 //! - the four fp32 streams are prefetched into L1 2 KiB ahead (a core alone cannot keep
 //!   enough misses in flight with the hardware prefetchers only: +18% on 2 cores);
 //! - the bf16 store is written with non-temporal full-cache-line stores: it is read next by
@@ -26,16 +27,14 @@
 //! store written on top; where DRAM, not the core, is the limit, expect the byte ratio
 //! (28/30 against torch's step alone, 36/30 against step + bf16 copy).
 
-use std::sync::OnceLock;
-
 use half::bf16;
 use rayon::prelude::*;
 
 use super::bits;
 use crate::reduce::GradElem;
-
+use crate::simd::Simd;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+use crate::simd::x86;
 
 /// Elements per rayon task (~2 MB of traffic). A multiple of 32, so every task starts at
 /// the same alignment as the whole slice.
@@ -66,61 +65,6 @@ impl StoreOut<'_> {
         match self {
             StoreOut::F32(s) => s.len(),
             StoreOut::Bf16(s) => s.len(),
-        }
-    }
-}
-
-/// The vector instruction set the host kernels (AdamW, gradient reduce) use: the widest the
-/// CPU has, lowered by `MT_SIMD=portable|avx2|avx512` (to compare paths in benchmarks).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Simd {
-    Portable,
-    /// x86-64 AVX2.
-    Avx2,
-    /// x86-64 AVX-512 F + BW + VL.
-    Avx512,
-}
-
-impl Simd {
-    /// The level in use, detected once per process.
-    pub fn get() -> Simd {
-        static LEVEL: OnceLock<Simd> = OnceLock::new();
-        *LEVEL.get_or_init(|| {
-            let best = [Simd::Avx512, Simd::Avx2]
-                .into_iter()
-                .find(|s| s.supported())
-                .unwrap_or(Simd::Portable);
-            let asked = match std::env::var("MT_SIMD").as_deref() {
-                Ok("portable") => Simd::Portable,
-                Ok("avx2") => Simd::Avx2,
-                _ => Simd::Avx512,
-            };
-            best.min(asked)
-        })
-    }
-
-    /// Whether this CPU runs the level's instructions.
-    pub fn supported(self) -> bool {
-        match self {
-            Simd::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => is_x86_feature_detected!("avx2"),
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx512 => {
-                is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vl")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => false,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Simd::Portable => "portable",
-            Simd::Avx2 => "avx2",
-            Simd::Avx512 => "avx512",
         }
     }
 }
@@ -264,15 +208,15 @@ fn update_chunk_bf16<G: GradElem>(
 }
 
 /// The per-update scalars, rounded to f32 once.
-struct Consts {
-    decay_mul: f32,
-    one_minus_b1: f32,
-    b2: f32,
-    one_minus_b2: f32,
-    step_size: f32,
-    inv_bc2_sqrt: f32,
-    eps: f32,
-    grad_scale: f32,
+pub(crate) struct Consts {
+    pub(crate) decay_mul: f32,
+    pub(crate) one_minus_b1: f32,
+    pub(crate) b2: f32,
+    pub(crate) one_minus_b2: f32,
+    pub(crate) step_size: f32,
+    pub(crate) inv_bc2_sqrt: f32,
+    pub(crate) eps: f32,
+    pub(crate) grad_scale: f32,
 }
 
 impl Consts {
@@ -313,7 +257,7 @@ fn adam1(p: f32, g: f32, m: &mut f32, v: &mut f32, k: &Consts) -> f32 {
 
 /// The reference loop.
 #[inline(always)]
-fn update_portable<G: GradElem, S>(
+pub(crate) fn update_portable<G: GradElem, S>(
     p: &mut [f32],
     g: &[G],
     m: &mut [f32],
@@ -333,7 +277,7 @@ fn update_portable<G: GradElem, S>(
 
 /// The reference loop of the split master.
 #[inline(always)]
-fn update_split_portable<G: GradElem>(
+pub(crate) fn update_split_portable<G: GradElem>(
     hi: &mut [bf16],
     lo: &mut [u16],
     g: &[G],

@@ -177,7 +177,7 @@ impl Regions {
 }
 
 pub enum Streamer {
-    Cpu(CpuStreamer),
+    Cpu(Box<CpuStreamer>),
     Cuda(Box<CudaStreamer>),
 }
 
@@ -196,13 +196,13 @@ impl Streamer {
                 i,
                 offload_activations,
             )?)),
-            _ => Streamer::Cpu(CpuStreamer {
+            _ => Streamer::Cpu(Box::new(CpuStreamer {
                 kind: kind_of(regions.dtype),
                 regions,
                 delivered: VecDeque::new(),
                 inputs: Vec::new(),
                 rss_base: rss::reset_peak(),
-            }),
+            })),
         })
     }
 

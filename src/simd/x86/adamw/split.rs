@@ -7,13 +7,15 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::super::update_split_portable;
 use super::{
     Consts, GradElem, PREFETCH_AHEAD, Simd, adam8, adam16, bf16x8_lanes, bf16x16, k256, k512,
     pack16, prefetch32,
 };
+use crate::optim::adamw::update_split_portable;
 
-pub(in crate::optim::adamw) fn update_split<G: GradElem>(
+/// The AdamW update of a split master at level `simd`.
+/// Panics if the CPU lacks the level or the lengths differ.
+pub(crate) fn update_split<G: GradElem>(
     simd: Simd,
     hi: &mut [bf16],
     lo: &mut [u16],
@@ -26,9 +28,10 @@ pub(in crate::optim::adamw) fn update_split<G: GradElem>(
     let n = hi.len();
     assert!(lo.len() == n && g.len() == n && m.len() == n && v.len() == n);
     match simd {
-        // SAFETY: the CPU has the features (checked above); lengths are equal.
+        // SAFETY: the CPU has AVX-512 F, BW and VL (`supported` asserted above); every
+        // slice has `hi.len()` elements (asserted above).
         Simd::Avx512 => unsafe { split_avx512(hi, lo, g, m, v, k) },
-        // SAFETY: as above.
+        // SAFETY: the CPU has AVX2 (asserted above); every slice has `hi.len()` elements.
         Simd::Avx2 => unsafe { split_avx2(hi, lo, g, m, v, k) },
         Simd::Portable => update_split_portable(hi, lo, g, m, v, k),
     }
@@ -91,7 +94,9 @@ unsafe fn split_avx512<G: GradElem>(
         prefetch32(mp, i + PREFETCH_AHEAD);
         prefetch32(vp, i + PREFETCH_AHEAD);
         for h in [i, i + 16] {
-            // SAFETY: h + 16 <= n for every slice; unaligned loads and stores.
+            // SAFETY: AVX-512 F, BW, VL by this function's contract; h + 16 <= n and every
+            // slice has n elements (contract), so the 16-element loads, stores and the
+            // `adam16` step are in bounds; unaligned loads and stores.
             unsafe {
                 let (hv, lv) = (hp.add(h) as *mut __m256i, lp.add(h) as *mut __m256i);
                 let p = join16(_mm256_loadu_si256(hv), _mm256_loadu_si256(lv));
@@ -168,7 +173,9 @@ unsafe fn split_avx2<G: GradElem>(
         prefetch32(mp, i + PREFETCH_AHEAD);
         prefetch32(vp, i + PREFETCH_AHEAD);
         for h in [i, i + 16] {
-            // SAFETY: h + 16 <= n for every slice; unaligned loads and stores.
+            // SAFETY: AVX2 by this function's contract; h + 16 <= n and every slice has n
+            // elements (contract), so the 16-element loads and stores and the two `adam8`
+            // steps (h, h + 8) are in bounds; unaligned loads and stores.
             unsafe {
                 let (hv, lv) = (hp.add(h) as *mut __m256i, lp.add(h) as *mut __m256i);
                 let (s, r) = (_mm256_loadu_si256(hv), _mm256_loadu_si256(lv));

@@ -11,13 +11,16 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use super::{Consts, Simd, update_portable};
+use crate::optim::adamw::{Consts, update_portable};
 use crate::reduce::GradElem;
+use crate::simd::Simd;
 
 mod split;
-pub(super) use split::update_split;
+pub(crate) use split::update_split;
 
-pub(super) fn update_bf16<G: GradElem>(
+/// The AdamW update of an fp32 master with a bf16 store, at level `simd`.
+/// Panics if the CPU lacks the level or the lengths differ.
+pub(crate) fn update_bf16<G: GradElem>(
     simd: Simd,
     p: &mut [f32],
     g: &[G],
@@ -30,15 +33,18 @@ pub(super) fn update_bf16<G: GradElem>(
     let n = p.len();
     assert!(g.len() == n && m.len() == n && v.len() == n && s.len() == n);
     match simd {
-        // SAFETY: the CPU has the features (checked above); lengths are equal.
+        // SAFETY: the CPU has AVX-512 F, BW and VL (`supported` asserted above); every
+        // slice has `p.len()` elements (asserted above).
         Simd::Avx512 => unsafe { bf16_avx512(p, g, m, v, s, k) },
-        // SAFETY: as above.
+        // SAFETY: the CPU has AVX2 (asserted above); every slice has `p.len()` elements.
         Simd::Avx2 => unsafe { bf16_avx2(p, g, m, v, s, k) },
         Simd::Portable => update_portable(p, g, m, v, s, k, bf16::from_f32),
     }
 }
 
-pub(super) fn update_f32<G: GradElem>(
+/// The AdamW update of an fp32 master with an f32 store, at level `simd`.
+/// Panics if the CPU lacks the level or the lengths differ.
+pub(crate) fn update_f32<G: GradElem>(
     simd: Simd,
     p: &mut [f32],
     g: &[G],
@@ -51,9 +57,10 @@ pub(super) fn update_f32<G: GradElem>(
     let n = p.len();
     assert!(g.len() == n && m.len() == n && v.len() == n && s.len() == n);
     match simd {
-        // SAFETY: the CPU has the features (checked above); lengths are equal.
+        // SAFETY: the CPU has AVX-512 F, BW and VL (`supported` asserted above); every
+        // slice has `p.len()` elements (asserted above).
         Simd::Avx512 => unsafe { f32_avx512(p, g, m, v, s, k) },
-        // SAFETY: as above.
+        // SAFETY: the CPU has AVX2 (asserted above); every slice has `p.len()` elements.
         Simd::Avx2 => unsafe { f32_avx2(p, g, m, v, s, k) },
         Simd::Portable => update_portable(p, g, m, v, s, k, |x| x),
     }
@@ -68,7 +75,8 @@ const PREFETCH_AHEAD: usize = 512;
 fn prefetch32<T>(q: *const T, i: usize) {
     let a = q.wrapping_add(i) as *const i8;
     for off in (0..32 * size_of::<T>()).step_by(64) {
-        // SAFETY: a prefetch never faults, whatever the address.
+        // SAFETY: SSE is part of x86-64, so the instruction is present; a prefetch never
+        // faults, whatever the address, and the pointer is never dereferenced.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(off)) };
     }
 }
@@ -128,7 +136,8 @@ fn k512(k: &Consts) -> K512 {
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn load_g16<G: GradElem>(g: *const G, i: usize) -> __m512 {
-    // SAFETY: in bounds by the caller's contract; unaligned loads.
+    // SAFETY: AVX-512 F by this function's contract; `g + i .. g + i + 16` is within the
+    // slice by the same contract; the loads are unaligned ones.
     unsafe {
         if is_bf16::<G>() {
             let h = _mm256_loadu_si256(g.add(i) as *const __m256i);
@@ -153,7 +162,8 @@ unsafe fn step16<G: GradElem>(
     v: *mut f32,
     i: usize,
 ) -> __m512 {
-    // SAFETY: in bounds by the caller's contract; unaligned loads and stores.
+    // SAFETY: AVX-512 F by this function's contract; `i + 16` is within every slice by the
+    // same contract (what `adam16` requires too); unaligned loads and stores.
     unsafe {
         let pn = adam16(c, _mm512_loadu_ps(p.add(i)), g, m, v, i);
         _mm512_storeu_ps(p.add(i), pn);
@@ -176,7 +186,8 @@ unsafe fn adam16<G: GradElem>(
     v: *mut f32,
     i: usize,
 ) -> __m512 {
-    // SAFETY: in bounds by the caller's contract; unaligned loads and stores.
+    // SAFETY: AVX-512 F by this function's contract; `i + 16` is within every slice by the
+    // same contract (what `load_g16` requires too); unaligned loads and stores.
     unsafe {
         let gi = _mm512_mul_ps(load_g16(g, i), c.grad_scale);
         let pi = _mm512_mul_ps(p, c.decay_mul);
@@ -228,8 +239,9 @@ unsafe fn bf16_avx512<G: GradElem>(
     let mut i = head;
     while i + 32 <= n {
         prefetch4(pp, gp, mp, vp, i + PREFETCH_AHEAD);
-        // SAFETY: i + 32 <= n for every slice; s + i is 64-byte aligned (head), so the
-        // 64-byte non-temporal store covers exactly one cache line.
+        // SAFETY: AVX-512 F by this function's contract; i + 32 <= n and every slice has n
+        // elements (contract), so `step16` at i and i + 16 is in bounds; s + i is 64-byte
+        // aligned (head), so the 64-byte non-temporal store covers exactly one cache line.
         unsafe {
             let a = bf16x16(step16(&c, pp, gp, mp, vp, i));
             let b = bf16x16(step16(&c, pp, gp, mp, vp, i + 16));
@@ -269,7 +281,8 @@ unsafe fn f32_avx512<G: GradElem>(
     let mut i = 0;
     while i + 32 <= n {
         prefetch4(pp, gp, mp, vp, i + PREFETCH_AHEAD);
-        // SAFETY: i + 32 <= n for every slice.
+        // SAFETY: AVX-512 F by this function's contract; i + 32 <= n and every slice has n
+        // elements (contract), so both 16-element steps and stores are in bounds.
         unsafe {
             _mm512_storeu_ps(sp.add(i), step16(&c, pp, gp, mp, vp, i));
             _mm512_storeu_ps(sp.add(i + 16), step16(&c, pp, gp, mp, vp, i + 16));
@@ -315,7 +328,8 @@ fn k256(k: &Consts) -> K256 {
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn load_g8<G: GradElem>(g: *const G, i: usize) -> __m256 {
-    // SAFETY: in bounds by the caller's contract; unaligned loads.
+    // SAFETY: AVX2 by this function's contract; `g + i .. g + i + 8` is within the slice by
+    // the same contract; the loads are unaligned ones.
     unsafe {
         if is_bf16::<G>() {
             let h = _mm_loadu_si128(g.add(i) as *const __m128i);
@@ -340,7 +354,8 @@ unsafe fn step8<G: GradElem>(
     v: *mut f32,
     i: usize,
 ) -> __m256 {
-    // SAFETY: in bounds by the caller's contract; unaligned loads and stores.
+    // SAFETY: AVX2 by this function's contract; `i + 8` is within every slice by the same
+    // contract (what `adam8` requires too); unaligned loads and stores.
     unsafe {
         let pn = adam8(c, _mm256_loadu_ps(p.add(i)), g, m, v, i);
         _mm256_storeu_ps(p.add(i), pn);
@@ -363,7 +378,8 @@ unsafe fn adam8<G: GradElem>(
     v: *mut f32,
     i: usize,
 ) -> __m256 {
-    // SAFETY: in bounds by the caller's contract; unaligned loads and stores.
+    // SAFETY: AVX2 by this function's contract; `i + 8` is within every slice by the same
+    // contract (what `load_g8` requires too); unaligned loads and stores.
     unsafe {
         let gi = _mm256_mul_ps(load_g8(g, i), c.grad_scale);
         let pi = _mm256_mul_ps(p, c.decay_mul);
@@ -424,7 +440,9 @@ unsafe fn bf16_avx2<G: GradElem>(
     while i + 32 <= n {
         prefetch4(pp, gp, mp, vp, i + PREFETCH_AHEAD);
         for h in [i, i + 16] {
-            // SAFETY: h + 16 <= n for every slice; s + h is 32-byte aligned (head).
+            // SAFETY: AVX2 by this function's contract; h + 16 <= n and every slice has n
+            // elements (contract), so `step8` at h and h + 8 is in bounds; s + h is
+            // 32-byte aligned (head), as the 32-byte non-temporal store requires.
             unsafe {
                 let a = bf16x8_lanes(step8(&c, pp, gp, mp, vp, h));
                 let b = bf16x8_lanes(step8(&c, pp, gp, mp, vp, h + 8));
@@ -464,7 +482,8 @@ unsafe fn f32_avx2<G: GradElem>(
     while i + 32 <= n {
         prefetch4(pp, gp, mp, vp, i + PREFETCH_AHEAD);
         for h in [i, i + 8, i + 16, i + 24] {
-            // SAFETY: h + 8 <= n for every slice.
+            // SAFETY: AVX2 by this function's contract; h + 8 <= n and every slice has n
+            // elements (contract), so the step and the store are in bounds.
             unsafe { _mm256_storeu_ps(sp.add(h), step8(&c, pp, gp, mp, vp, h)) };
         }
         i += 32;
@@ -505,7 +524,7 @@ mod tests {
             let expect: Vec<u16> = x.iter().map(|&f| bf16::from_f32(f).to_bits()).collect();
             if Simd::Avx512.supported() {
                 let mut got = [0u16; 16];
-                // SAFETY: features checked; 16 floats in, 32 bytes out.
+                // SAFETY: AVX-512 checked just above; 16 floats in, 32 bytes out.
                 unsafe {
                     let r = bf16x16(_mm512_loadu_ps(x.as_ptr()));
                     _mm256_storeu_si256(got.as_mut_ptr() as *mut __m256i, r);
@@ -514,7 +533,7 @@ mod tests {
             }
             if Simd::Avx2.supported() {
                 let mut got = [0u32; 16];
-                // SAFETY: features checked; 8 floats in, 8 lanes out, twice.
+                // SAFETY: AVX2 checked just above; 8 floats in, 8 lanes out, twice.
                 unsafe {
                     for h in 0..2 {
                         let r = bf16x8_lanes(_mm256_loadu_ps(x.as_ptr().add(8 * h)));
