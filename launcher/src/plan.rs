@@ -6,7 +6,7 @@ use mt::config::RunConfig;
 use mt::plan::{DeviceOpts, DevicePlan};
 
 use crate::cli::{self, Placement};
-use crate::train::Prepared;
+use crate::train::{Prepared, Snapshot};
 
 /// `mt-launch plan`: host RAM (and what is available), per-worker device memory for the
 /// configured micro-batch, and the largest micro-batch that fits a GPU.
@@ -134,5 +134,16 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
             (prep.plan.total() - avail) as f64 / 1e9
         ),
         None => println!("host RAM available: unknown (no /proc/meminfo)"),
+    }
+    let snapshot = mt::checkpoint::writer::snapshot_bytes(&prep.layout) as f64 / 1e9;
+    match crate::train::background_snapshot(cfg, &prep.layout, &prep.plan) {
+        Snapshot::None => {}
+        Snapshot::Fits => {
+            println!("  + checkpoint snapshot  {snapshot:>9.2} GB (checkpoint.background: fits)")
+        }
+        Snapshot::Short { .. } => println!(
+            "  + checkpoint snapshot  {snapshot:>9.2} GB (checkpoint.background: does not fit; \
+             periodic checkpoints would be written from the live state)"
+        ),
     }
 }

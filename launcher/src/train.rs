@@ -114,6 +114,40 @@ impl Prepared {
     }
 }
 
+/// Whether periodic checkpoints can snapshot into a buffer of their own
+/// (`checkpoint.background`): it holds 12 bytes per parameter beside the training state.
+pub enum Snapshot {
+    /// No periodic checkpoints, or `checkpoint.background: false`.
+    None,
+    Fits,
+    /// Host RAM is short for it (bytes needed with the training state, bytes available).
+    Short {
+        need: u64,
+        avail: u64,
+    },
+}
+
+pub fn background_snapshot(
+    cfg: &RunConfig,
+    layout: &Layout,
+    plan: &mt::plan::HostPlan,
+) -> Snapshot {
+    let ck = &cfg.checkpoint;
+    if !(ck.background && ck.every_steps > 0 && ck.dir.is_some()) {
+        return Snapshot::None;
+    }
+    let need = plan.total() + checkpoint::writer::snapshot_bytes(layout);
+    snapshot_fit(need, mt::plan::available_host_bytes())
+}
+
+/// Fits unless the RAM available (where known) is below `need`.
+fn snapshot_fit(need: u64, avail: Option<u64>) -> Snapshot {
+    match avail {
+        Some(avail) if avail < need => Snapshot::Short { need, avail },
+        _ => Snapshot::Fits,
+    }
+}
+
 /// What the workers and the reduce reported for one step.
 struct StepOutcome {
     loss_sum: f64,
@@ -183,7 +217,21 @@ impl Trainer {
         };
         // Periodic checkpoints are written in the background; the last one from the live state.
         let ck = &cfg.checkpoint;
-        let background = ck.background && ck.every_steps > 0;
+        let background = match background_snapshot(&cfg, &layout, &plan) {
+            Snapshot::None => false,
+            Snapshot::Fits => true,
+            Snapshot::Short { need, avail } => {
+                tracing::warn!(
+                    "checkpoint.background: the snapshot buffer ({:.2} GB) does not fit beside the \
+                     training state ({:.2} GB available, {:.2} GB needed): periodic checkpoints are \
+                     written from the live state, and training waits for each",
+                    checkpoint::writer::snapshot_bytes(&layout) as f64 / 1e9,
+                    avail as f64 / 1e9,
+                    need as f64 / 1e9
+                );
+                false
+            }
+        };
         let writer = ck.dir.clone().map(|root| {
             Writer::new(
                 root,
@@ -653,4 +701,19 @@ fn worker_binary() -> Result<PathBuf> {
         ));
     }
     Ok(bin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_that_does_not_fit_falls_back_to_live_writes() {
+        assert!(matches!(
+            snapshot_fit(10, Some(9)),
+            Snapshot::Short { need: 10, avail: 9 }
+        ));
+        assert!(matches!(snapshot_fit(10, Some(10)), Snapshot::Fits));
+        assert!(matches!(snapshot_fit(10, None), Snapshot::Fits));
+    }
 }
