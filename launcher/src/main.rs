@@ -1,11 +1,15 @@
 //! `mt-launch`: parse, build the trainer, run, map errors to an exit code.
 
+#![deny(unsafe_code)]
+
 mod cli;
 mod host;
 mod plan;
 mod progress;
 mod supervisor;
 mod train;
+// Signals and process groups: the one unsafe module.
+#[allow(unsafe_code)]
 mod unix;
 
 use std::process::ExitCode;

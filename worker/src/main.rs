@@ -4,8 +4,12 @@
 //! regions it inherited, then runs steps until told to stop. It dies with the launcher
 //! (`PR_SET_PDEATHSIG`) and exits when the launcher's channel closes.
 
+#![deny(unsafe_code)]
+
 mod engine;
 mod model;
+// Shared memory adoption, host registration, CUDA driver calls: the one unsafe module.
+#[allow(unsafe_code)]
 mod stream;
 
 use std::panic::AssertUnwindSafe;
@@ -14,7 +18,6 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use ipc_channel::ipc::{self, IpcSender};
 use mt::protocol::{Device, ENV_BOOTSTRAP, ENV_RANK, FromWorker, ToWorker};
-use mt::shm::Region;
 
 use engine::{Engine, Interrupted, Link};
 
@@ -67,18 +70,7 @@ fn run() -> Result<()> {
         }
         stream::check_device(init.device)?;
         tch::set_num_threads(init.threads.max(1) as i32);
-        // SAFETY: the launcher cleared close-on-exec on exactly these fds for this process,
-        // and nothing else here uses them.
-        let store = unsafe { Region::from_inherited_fd(&init.store) }?;
-        // SAFETY: as above.
-        let slab = unsafe { Region::from_inherited_fd(&init.slab) }?;
-        let regions = stream::Regions {
-            store,
-            slab,
-            dtype: init.dtype,
-            slot_len: init.layout.grad_slot_len(),
-            slots: init.num_slots,
-        };
+        let regions = stream::Regions::inherit(&init)?;
         let streamer = stream::Streamer::new(
             regions,
             &init.layout,

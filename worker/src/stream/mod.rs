@@ -27,7 +27,7 @@ use std::ops::Range;
 use anyhow::{Result, bail};
 use mt::config::DType;
 use mt::layout::{Block, Layout};
-use mt::protocol::Device as MtDevice;
+use mt::protocol::{Device as MtDevice, Init};
 use mt::shm::Region;
 use tch::{Device, Kind, Tensor};
 
@@ -142,6 +142,23 @@ pub struct Regions {
 }
 
 impl Regions {
+    /// Adopts the store and this worker's slab from the fds named in `Init`. Called once,
+    /// at start-up: the launcher cleared close-on-exec on exactly these fds for this
+    /// process, and nothing else in the worker uses them.
+    pub fn inherit(init: &Init) -> Result<Regions> {
+        // SAFETY: see above; each fd is taken over once, by its region.
+        let store = unsafe { Region::from_inherited_fd(&init.store) }?;
+        // SAFETY: as for the store.
+        let slab = unsafe { Region::from_inherited_fd(&init.slab) }?;
+        Ok(Regions {
+            store,
+            slab,
+            dtype: init.dtype,
+            slot_len: init.layout.grad_slot_len(),
+            slots: init.num_slots,
+        })
+    }
+
     pub fn check(&self, layout: &Layout) -> Result<()> {
         let elem = self.dtype.size();
         if self.store.payload_len() < layout.total * elem {
