@@ -137,13 +137,13 @@ impl DevicePlan {
             false => ((num_layers + 1) * hidden, num_layers * hidden),
         };
         let tied = layout.tied_embeddings;
-        let worst = (0..spec.num_layers)
+        // The largest layer in each role (layer kinds differ in mixed stacks): its
+        // recompute graph with the backward's temporaries, and its no-grad forward.
+        let acts: Vec<LayerActs> = (0..spec.num_layers)
             .map(|l| layer_acts(spec, l, &dims))
-            .fold(LayerActs::default(), |a, x| LayerActs {
-                saved: a.saved.max(x.saved + x.backward),
-                backward: 0,
-                forward: a.forward.max(x.forward),
-            });
+            .collect();
+        let graph = acts.iter().map(|a| a.saved + a.backward).max().unwrap_or(0);
+        let layer_forward = acts.iter().map(|a| a.forward).max().unwrap_or(0);
 
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
@@ -152,7 +152,7 @@ impl DevicePlan {
         let tied_bwd = if tied { copy(embed) + embed } else { 0 };
         let mut forward: Parts = vec![
             ("layer inputs kept for the backward", inputs_fwd),
-            ("one layer's forward temporaries", worst.forward),
+            ("one layer's forward temporaries", layer_forward),
         ];
         if tied {
             forward.push(("tied embedding", tied_fwd));
@@ -170,10 +170,7 @@ impl DevicePlan {
             false => chunk_bytes(spec, c, v, s).max(head + c * v * (F32 + s)),
         };
         let mut head_phase: Parts = vec![
-            (
-                "layer inputs kept for the backward",
-                num_layers_or_offloaded(o, num_layers, hidden),
-            ),
+            ("layer inputs kept for the backward", inputs_bwd),
             ("last hidden state and its gradient", 2 * hidden),
             ("final norm of the labelled tokens", m * h * (F32 + 3 * s)),
             ("head block", copy(head)),
@@ -188,7 +185,7 @@ impl DevicePlan {
         let mut layer_phase: Parts = vec![
             ("layer inputs kept for the backward", inputs_bwd),
             ("dy and dx of the layer", 2 * hidden),
-            ("one layer's recompute graph + gradients", worst.saved),
+            ("one layer's recompute graph + gradients", graph),
             ("the layer's weight gradients", layer_max),
             (
                 "gradients in flight to the host",
@@ -272,13 +269,6 @@ impl DevicePlan {
     }
 }
 
-fn num_layers_or_offloaded(o: DeviceOpts, num_layers: u64, hidden: u64) -> u64 {
-    match o.offload_activations {
-        true => OFFLOADED_INPUTS * hidden,
-        false => num_layers * hidden,
-    }
-}
-
 /// One chunk of C tokens through lm_head and the cross-entropy. Its peak is in the
 /// backward of log-softmax: the saved f32 output, the incoming f32 gradient and the
 /// outgoing one (the compute-dtype logits and their f32 copy are gone by then); a
@@ -324,7 +314,7 @@ fn layer_acts(spec: &ModelSpec, l: usize, d: &Dims) -> LayerActs {
     };
     let mixer = match spec.layer_types[l] {
         AttentionKind::Linear => delta_acts(spec, d),
-        AttentionKind::Full | AttentionKind::Sliding => attention_acts(spec, l, d),
+        AttentionKind::Full | AttentionKind::Sliding => attention_acts(spec, d),
     };
     let mlp = if spec.is_sparse(l) {
         moe_acts(spec, d)
@@ -348,7 +338,7 @@ fn dense_mlp(m: u64, i: u64, s: u64) -> LayerActs {
 /// Attention: the rotated q and k and v, SDPA's output and log-sum-exp, the merged heads
 /// (o_proj's input); q/k norms, the output gate and materialized scores where the family
 /// has them.
-fn attention_acts(spec: &ModelSpec, _l: usize, d: &Dims) -> LayerActs {
+fn attention_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     let (b, t, m, s) = (d.b, d.t, d.m, d.s);
     let (n, k, hd) = (
         spec.num_heads as u64,
