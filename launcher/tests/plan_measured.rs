@@ -78,32 +78,21 @@ fn plan_and_peak(name: &str, extra: serde_json::Value, rows: usize) -> (f64, f64
     for s in &sets {
         args.extend(["--set".into(), s.clone()]);
     }
-    let out = Command::new(launcher())
-        .arg("plan")
-        .args(&args)
-        .arg("--json")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut plan_args: Vec<&str> = vec!["plan", "--json"];
+    plan_args.extend(args.iter().map(String::as_str));
+    let out = run_ok(&plan_args);
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let total = plan["device"]["total"].as_f64().unwrap();
 
     let metrics = dir.join("metrics.jsonl");
+    let mut run_args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_args.extend(["--metrics-out", path_str(&metrics)]);
     let out = Command::new(launcher())
-        .args(&args)
-        .args(["--metrics-out", path_str(&metrics)])
+        .args(&run_args)
         .env("MALLOC_MMAP_THRESHOLD_", "65536")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out, &run_args);
     let peaks = column(&common::metrics(&metrics), "peak_gpu_bytes");
     assert_eq!(peaks.len(), 3);
     let peak = peaks[1..].iter().cloned().fold(0.0, f64::max);
