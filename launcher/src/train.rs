@@ -268,30 +268,30 @@ impl Trainer {
             println!("resumed from {} at step {}", dir.display(), state.step);
             (start_step, nan_run) = (state.step, state.nan_run);
         }
-        let cores = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
         let inits = (0..placement.workers)
-            .map(|rank| Init {
-                rank,
-                world: placement.workers,
-                device: match placement.devices.get(rank) {
+            .map(|rank| {
+                let device = match placement.devices.get(rank) {
                     Some(&d) => Device::Cuda(d),
                     None => Device::Cpu,
-                },
-                threads: (cores / placement.workers).max(1),
-                spec: spec.clone(),
-                layout: host.layout.clone(),
-                dtype: cfg.model.dtype,
-                store: host.store.handle(),
-                slab: host.slabs.handle(rank),
-                num_slots: cfg.memory.num_grad_slabs,
-                ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
-                offload_activations: cfg.memory.offload_activations,
-                dump_logits: dump_logits.as_ref().map(|p| match placement.workers {
-                    1 => p.clone(),
-                    _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
-                }),
+                };
+                Init {
+                    rank,
+                    world: placement.workers,
+                    device,
+                    threads: worker_threads(device, placement.workers),
+                    spec: spec.clone(),
+                    layout: host.layout.clone(),
+                    dtype: cfg.model.dtype,
+                    store: host.store.handle(),
+                    slab: host.slabs.handle(rank),
+                    num_slots: cfg.memory.num_grad_slabs,
+                    ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+                    offload_activations: cfg.memory.offload_activations,
+                    dump_logits: dump_logits.as_ref().map(|p| match placement.workers {
+                        1 => p.clone(),
+                        _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
+                    }),
+                }
             })
             .collect();
         let sup = Supervisor::start(&worker_binary()?, inits)?;
@@ -452,9 +452,11 @@ impl Trainer {
             skipped: false,
         };
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
-        let mut step_done = vec![false; world];
+        // Each rank's loss sum, added in rank order at the end: the reported loss does not
+        // depend on which worker finished first.
+        let mut step_done: Vec<Option<f64>> = vec![None; world];
         while done < world || reduced < expected_parts {
-            match self.sup.next_event(timeout, &|r| !step_done[r])? {
+            match self.sup.next_event(timeout, &|r| step_done[r].is_none())? {
                 Event::Msg(
                     rank,
                     FromWorker::LayerGrads {
@@ -506,8 +508,7 @@ impl Trainer {
                         loss_sum, timings, ..
                     },
                 ) => {
-                    step_done[rank] = true;
-                    out.loss_sum += loss_sum;
+                    step_done[rank] = Some(loss_sum);
                     let s = &mut out.slowest;
                     s.forward_s = s.forward_s.max(timings.forward_s);
                     s.backward_s = s.backward_s.max(timings.backward_s);
@@ -526,6 +527,7 @@ impl Trainer {
                 Event::Closed(rank) => return Err(self.sup.death(rank)),
             }
         }
+        out.loss_sum = step_done.into_iter().flatten().sum();
         Ok(out)
     }
 
@@ -684,6 +686,26 @@ fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
         shuffle: cfg.dataset.shuffle,
         decay_steps: (cfg.training.lr_scheduler != mt::config::LrScheduler::Constant)
             .then_some(cfg.training.num_steps),
+    }
+}
+
+/// Intra-op threads of a worker on `device`.
+///
+/// A CPU worker computes single-threaded. MKL's GEMM blocks (and so rounds) a product by
+/// the thread count it runs with: on an AMD EPYC, `linear` of a 10 x 48 input by a 48 x 48
+/// weight gives other bits on 2 threads than on 1. A thread count derived from the worker
+/// count would make one worker accumulating W micro-batches differ from W workers, and a
+/// run differ from one machine to the next; with one thread each, a micro-batch's
+/// gradient is the same bits whatever the number of workers or cores. On CPU, cores are
+/// used through `--workers`, which gives the same training by design. A GPU worker's
+/// host threads only feed the device: it gets its share of the cores.
+fn worker_threads(device: Device, workers: usize) -> usize {
+    match device {
+        Device::Cpu => 1,
+        Device::Cuda(_) => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / workers).max(1)
+        }
     }
 }
 
