@@ -42,8 +42,10 @@ pub struct StepMetrics {
     /// worker allocated anything (`peak_gpu_bytes` minus this is what `mt-launch plan`
     /// estimates).
     pub gpu_context_bytes: u64,
-    /// The launcher's resident host memory.
+    /// The launcher's resident host memory, and its peak since start (VmHWM): what the
+    /// host plan's total promises to bound.
     pub launcher_rss_bytes: u64,
+    pub launcher_peak_rss_bytes: u64,
     /// Per GPU (or CPU worker), MegaTrain's formula: 6 x all parameters x batch_size x
     /// padded sequence length / step time.
     pub tflops_megatrain: f64,
@@ -84,11 +86,21 @@ pub fn step_flops(
 
 /// This process's resident set size, from /proc (0 where unavailable).
 pub fn rss_bytes() -> u64 {
+    proc_status_bytes("VmRSS:")
+}
+
+/// This process's peak resident set size since it started (VmHWM; 0 where unavailable).
+pub fn peak_rss_bytes() -> u64 {
+    proc_status_bytes("VmHWM:")
+}
+
+/// A `kB` field of /proc/self/status, in bytes.
+fn proc_status_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
+                .find(|l| l.starts_with(key))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         })
         .map(|kib| kib * 1024)
@@ -129,5 +141,6 @@ mod tests {
         assert_eq!(f.megatrain, 6.0 * 100.0 * 6.0);
         assert_eq!(f.model, 6.0 * 80.0 * 4.0 + 12.0 * 16.0 * 10.0);
         assert!(rss_bytes() > 0);
+        assert!(peak_rss_bytes() >= rss_bytes());
     }
 }

@@ -20,18 +20,34 @@ pub struct HostOpts {
     pub workers: usize,
     /// `memory.num_grad_slabs`.
     pub slots: usize,
+    /// Periodic checkpoints are written in the background from a snapshot
+    /// (`checkpoint.background` with `checkpoint.every_steps` and `checkpoint.dir`).
+    pub snapshot: bool,
 }
 
 impl HostOpts {
     pub fn new(cfg: &RunConfig, workers: usize) -> HostOpts {
+        let ck = &cfg.checkpoint;
         HostOpts {
             store: cfg.model.dtype,
             grad: cfg.memory.grad_dtype,
             master: cfg.memory.master_weights,
             workers,
             slots: cfg.memory.num_grad_slabs,
+            snapshot: ck.background && ck.every_steps > 0 && ck.dir.is_some(),
         }
     }
+}
+
+/// How a host plan meets the RAM available.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// It fits (or the RAM available is unknown).
+    Fits,
+    /// Only without its background-checkpoint snapshot.
+    WithoutSnapshot,
+    /// Not even without it.
+    Short,
 }
 
 mod device;
@@ -53,6 +69,8 @@ pub struct HostPlan {
     pub store: u64,
     /// Every worker's gradient slab (slots x largest decoder layer).
     pub slabs: u64,
+    /// The background-checkpoint snapshot (fp32 master, m and v), or 0.
+    pub snapshot: u64,
     /// Elements of one slab slot (`Layout::grad_slot_len`).
     pub slot_len: u64,
     pub workers: u64,
@@ -76,6 +94,10 @@ impl HostPlan {
             grad: opts.grad.size() as u64 * elems,
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
             slabs: opts.workers as u64 * slab,
+            snapshot: match opts.snapshot {
+                true => crate::checkpoint::writer::snapshot_bytes(layout),
+                false => 0,
+            },
             slot_len: slot_len as u64,
             workers: opts.workers as u64,
             slots: opts.slots as u64,
@@ -87,8 +109,32 @@ impl HostPlan {
         self.master + self.adam + self.grad + self.store
     }
 
+    /// What the launcher holds at its peak, start-up and checkpoints included.
     pub fn total(&self) -> u64 {
-        self.per_param_state() + self.slabs
+        self.per_param_state() + self.slabs + self.snapshot
+    }
+
+    /// Whether the plan fits in `avail` bytes (None: unknown).
+    pub fn fit(&self, avail: Option<u64>) -> Fit {
+        match avail {
+            Some(avail) if self.total() > avail => match self.total() - self.snapshot <= avail {
+                true => Fit::WithoutSnapshot,
+                false => Fit::Short,
+            },
+            _ => Fit::Fits,
+        }
+    }
+
+    /// The plan with periodic checkpoints written from the live state.
+    pub fn without_snapshot(self) -> HostPlan {
+        HostPlan {
+            snapshot: 0,
+            opts: HostOpts {
+                snapshot: false,
+                ..self.opts
+            },
+            ..self
+        }
     }
 
     pub fn bytes_per_param(&self) -> f64 {
@@ -126,6 +172,13 @@ impl std::fmt::Display for HostPlan {
             self.slots,
             self.slot_len
         )?;
+        if self.snapshot > 0 {
+            writeln!(
+                f,
+                "  checkpoint snapshot   {:>9.2} GB (checkpoint.background: master, m, v copied at each checkpoint)",
+                gb(self.snapshot)
+            )?;
+        }
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))
     }
 }
@@ -156,6 +209,7 @@ mod tests {
             master: MasterWeights::Float32,
             workers: 2,
             slots: 4,
+            snapshot: false,
         };
         let plan = HostPlan::new(&layout, opts);
         assert_eq!(
@@ -182,5 +236,22 @@ mod tests {
         assert_eq!(plan.per_param_state() - lean.per_param_state(), 4 * n);
         assert!(lean.bytes_per_param() < 14.01, "{}", lean.bytes_per_param());
         assert!(lean.to_string().contains("bf16 gradient"), "{lean}");
+
+        // A background-checkpoint snapshot adds 12 bytes per parameter to the total; a
+        // host that lacks them runs without it, one that lacks more is short.
+        let snap = HostPlan::new(
+            &layout,
+            HostOpts {
+                snapshot: true,
+                ..opts
+            },
+        );
+        assert_eq!(snap.total() - plan.total(), 12 * n);
+        assert!(snap.to_string().contains("checkpoint snapshot"), "{snap}");
+        assert_eq!(snap.fit(Some(snap.total())), Fit::Fits);
+        assert_eq!(snap.fit(None), Fit::Fits);
+        assert_eq!(snap.fit(Some(plan.total())), Fit::WithoutSnapshot);
+        assert_eq!(snap.fit(Some(plan.total() - 1)), Fit::Short);
+        assert_eq!(snap.without_snapshot(), plan);
     }
 }

@@ -8,7 +8,6 @@ use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{DType, MasterWeights, OptimizerSection, RunConfig};
 use mt::layout::{Block, Layout};
-use mt::optim::bits;
 use mt::optim::{AdamWStep, adamw_update, adamw_update_split};
 use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
@@ -46,27 +45,17 @@ fn store_bf16(store: &mut Store, r: std::ops::Range<usize>) -> &mut [bf16] {
 }
 
 impl HostState {
-    /// Takes the initial fp32 master; a split master keeps only its low halves (the
-    /// fp32 copy is freed before the moments and the gradient are first touched).
-    pub fn new(
-        cfg: &RunConfig,
-        layout: Layout,
-        master: Vec<f32>,
-        workers: usize,
-    ) -> Result<HostState> {
+    /// Allocates every buffer of the host plan (all zero, their pages touched, so that a
+    /// host short of memory fails here, at start-up); the master is filled in place by
+    /// [`HostState::init_master`] or [`HostState::restore`], a piece at a time, so the
+    /// start-up peak is the plan.
+    pub fn new(cfg: &RunConfig, layout: Layout, workers: usize) -> Result<HostState> {
         let n = layout.total;
         let tag = format!("mt-{}", std::process::id());
-        let mut store = Store::create(&format!("{tag}-store"), n, cfg.model.dtype)?;
+        let store = Store::create(&format!("{tag}-store"), n, cfg.model.dtype)?;
         let master = match cfg.memory.master_weights {
-            MasterWeights::Float32 => {
-                store.write_all(&master);
-                Master::F32(master)
-            }
-            MasterWeights::Split => {
-                let mut lo = zeroed::<u16>(n);
-                bits::split_slice(&master, store_bf16(&mut store, 0..n), &mut lo);
-                Master::Split(lo)
-            }
+            MasterWeights::Float32 => Master::F32(zeroed(n)),
+            MasterWeights::Split => Master::Split(zeroed(n)),
         };
         let slabs = GradSlabs::create(
             &format!("{tag}-slab"),
@@ -89,6 +78,25 @@ impl HostState {
             slabs,
             updates: 0,
         })
+    }
+
+    /// Sets the initial master weights with `fill` (random init or a pretrained load) and
+    /// the store from them.
+    pub fn init_master(
+        &mut self,
+        fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
+    ) -> Result<()> {
+        let mut master = master_mut(&mut self.master, &mut self.store, self.layout.total);
+        fill(&self.layout, &mut master)?;
+        self.sync_store();
+        Ok(())
+    }
+
+    /// Rewrites the store from an fp32 master (a split master's high halves are the store).
+    fn sync_store(&mut self) {
+        if let Master::F32(x) = &self.master {
+            self.store.write_all(x);
+        }
     }
 
     /// Reduces `part` (a range of block `block`'s elements, `Layout::grad_parts`) of every
@@ -170,19 +178,10 @@ impl HostState {
 
     /// Loads a checkpoint's weights and Adam state and rewrites the store from them.
     pub fn restore(&mut self, dir: &std::path::Path) -> Result<TrainState> {
-        let n = self.layout.total;
-        let master = match &mut self.master {
-            Master::F32(x) => MasterMut::F32(x),
-            Master::Split(lo) => MasterMut::Split {
-                hi: store_bf16(&mut self.store, 0..n),
-                lo,
-            },
-        };
+        let master = master_mut(&mut self.master, &mut self.store, self.layout.total);
         let st = state::load(dir, &self.layout, master, &mut self.m, &mut self.v)?;
         self.updates = st.updates;
-        if let Master::F32(x) = &self.master {
-            self.store.write_all(x);
-        }
+        self.sync_store();
         Ok(st)
     }
 
@@ -218,6 +217,17 @@ impl HostState {
                 Grad::Bf16(g) => update(master, store, &g[r], m, v, at, hp, t.decays()),
             }
         }
+    }
+}
+
+/// Write access to the `n` master weights, whichever way they are held.
+fn master_mut<'a>(master: &'a mut Master, store: &'a mut Store, n: usize) -> MasterMut<'a> {
+    match master {
+        Master::F32(x) => MasterMut::F32(x),
+        Master::Split(lo) => MasterMut::Split {
+            hi: store_bf16(store, 0..n),
+            lo,
+        },
     }
 }
 

@@ -3,10 +3,10 @@
 
 use anyhow::Result;
 use mt::config::RunConfig;
-use mt::plan::{DeviceOpts, DevicePlan};
+use mt::plan::{DeviceOpts, DevicePlan, Fit};
 
 use crate::cli::{self, Placement};
-use crate::train::{Prepared, Snapshot};
+use crate::train::Prepared;
 
 /// `mt-launch plan`: host RAM (and what is available), per-worker device memory for the
 /// configured micro-batch, and the largest micro-batch that fits a GPU.
@@ -83,6 +83,7 @@ fn json(
             "params": h.params,
             "bytes_per_param": h.bytes_per_param(),
             "slabs": h.slabs,
+            "checkpoint_snapshot": h.snapshot,
             "total": h.total(),
         },
         "device": {
@@ -101,7 +102,7 @@ fn json(
 /// `--dry-run`: every check a launch makes (the checkpoint to resume from included), then
 /// a summary; no worker starts.
 pub fn dry_run(cfg: &RunConfig, placement: &Placement, resume: Option<&str>) -> Result<()> {
-    let prep = Prepared::new(cfg, placement)?;
+    let mut prep = Prepared::new(cfg, placement)?;
     prep.check_host_ram()?;
     if let Some(r) = resume {
         let dir = mt::checkpoint::state::resolve(r, cfg.checkpoint.dir.as_deref())?;
@@ -124,26 +125,20 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
     );
     println!("{}", prep.data.summary());
     println!("{}", prep.plan);
-    match mt::plan::available_host_bytes() {
-        Some(avail) if avail >= prep.plan.total() => {
-            println!("host RAM available: {:.2} GB: fits", avail as f64 / 1e9)
-        }
-        Some(avail) => println!(
-            "host RAM available: {:.2} GB: SHORT by {:.2} GB, a launch would be refused",
-            avail as f64 / 1e9,
-            (prep.plan.total() - avail) as f64 / 1e9
+    let gb = |b: u64| b as f64 / 1e9;
+    let avail = mt::plan::available_host_bytes();
+    match (avail, prep.plan.fit(avail)) {
+        (None, _) => println!("host RAM available: unknown (no /proc/meminfo)"),
+        (Some(a), Fit::Fits) => println!("host RAM available: {:.2} GB: fits", gb(a)),
+        (Some(a), Fit::WithoutSnapshot) => println!(
+            "host RAM available: {:.2} GB: fits without the checkpoint snapshot (periodic \
+             checkpoints would be written from the live state, training waiting for each)",
+            gb(a)
         ),
-        None => println!("host RAM available: unknown (no /proc/meminfo)"),
-    }
-    let snapshot = mt::checkpoint::writer::snapshot_bytes(&prep.layout) as f64 / 1e9;
-    match crate::train::background_snapshot(cfg, &prep.layout, &prep.plan) {
-        Snapshot::None => {}
-        Snapshot::Fits => {
-            println!("  + checkpoint snapshot  {snapshot:>9.2} GB (checkpoint.background: fits)")
-        }
-        Snapshot::Short { .. } => println!(
-            "  + checkpoint snapshot  {snapshot:>9.2} GB (checkpoint.background: does not fit; \
-             periodic checkpoints would be written from the live state)"
+        (Some(a), Fit::Short) => println!(
+            "host RAM available: {:.2} GB: SHORT by {:.2} GB, a launch would be refused",
+            gb(a),
+            gb(prep.plan.without_snapshot().total() - a)
         ),
     }
 }

@@ -11,8 +11,9 @@ use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
-use mt::metrics::{MetricsWriter, StepMetrics, rss_bytes, step_flops};
+use mt::metrics::{MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
 use mt::optim::{clip_coefficient, lr_at};
+use mt::plan::Fit;
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
@@ -54,6 +55,8 @@ pub struct Trainer {
     /// The first step to run (0, or the resumed checkpoint's step).
     start_step: u64,
     progress: Progress,
+    /// The host plan, whose total the launcher's resident peak is reported against.
+    plan: mt::plan::HostPlan,
 }
 
 /// Everything a run is built from, checked before any worker starts: the model, its
@@ -99,52 +102,32 @@ impl Prepared {
         })
     }
 
-    /// Refuses a run whose host memory plan exceeds the RAM available now.
-    pub fn check_host_ram(&self) -> Result<()> {
-        if let Some(avail) = mt::plan::available_host_bytes()
-            && self.plan.total() > avail
-        {
-            bail!(
+    /// Refuses a run whose host memory plan exceeds the RAM available now; one that fits
+    /// only without its background-checkpoint snapshot loses it (periodic checkpoints are
+    /// then written from the live state), with a warning.
+    pub fn check_host_ram(&mut self) -> Result<()> {
+        let avail = mt::plan::available_host_bytes();
+        let gb = |b: u64| b as f64 / 1e9;
+        match self.plan.fit(avail) {
+            Fit::Fits => {}
+            Fit::WithoutSnapshot => {
+                tracing::warn!(
+                    "checkpoint.background: the snapshot buffer ({:.2} GB) does not fit beside the \
+                     training state ({:.2} GB available, {:.2} GB needed): periodic checkpoints are \
+                     written from the live state, and training waits for each",
+                    gb(self.plan.snapshot),
+                    gb(avail.unwrap_or(0)),
+                    gb(self.plan.total())
+                );
+                self.plan = self.plan.without_snapshot();
+            }
+            Fit::Short => bail!(
                 "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable)",
-                self.plan.total() as f64 / 1e9,
-                avail as f64 / 1e9
-            );
+                gb(self.plan.without_snapshot().total()),
+                gb(avail.unwrap_or(0))
+            ),
         }
         Ok(())
-    }
-}
-
-/// Whether periodic checkpoints can snapshot into a buffer of their own
-/// (`checkpoint.background`): it holds 12 bytes per parameter beside the training state.
-pub enum Snapshot {
-    /// No periodic checkpoints, or `checkpoint.background: false`.
-    None,
-    Fits,
-    /// Host RAM is short for it (bytes needed with the training state, bytes available).
-    Short {
-        need: u64,
-        avail: u64,
-    },
-}
-
-pub fn background_snapshot(
-    cfg: &RunConfig,
-    layout: &Layout,
-    plan: &mt::plan::HostPlan,
-) -> Snapshot {
-    let ck = &cfg.checkpoint;
-    if !(ck.background && ck.every_steps > 0 && ck.dir.is_some()) {
-        return Snapshot::None;
-    }
-    let need = plan.total() + checkpoint::writer::snapshot_bytes(layout);
-    snapshot_fit(need, mt::plan::available_host_bytes())
-}
-
-/// Fits unless the RAM available (where known) is below `need`.
-fn snapshot_fit(need: u64, avail: Option<u64>) -> Snapshot {
-    match avail {
-        Some(avail) if avail < need => Snapshot::Short { need, avail },
-        _ => Snapshot::Fits,
     }
 }
 
@@ -168,7 +151,7 @@ impl Trainer {
         dump_logits: Option<PathBuf>,
         resume: Option<String>,
     ) -> Result<Trainer> {
-        let prepared = Prepared::new(&cfg, &placement)?;
+        let mut prepared = Prepared::new(&cfg, &placement)?;
         prepared.check_host_ram()?;
         if let Some(dir) = &cfg.checkpoint.dir {
             checkpoint::check_writable(dir, "checkpoint.dir")?;
@@ -187,16 +170,6 @@ impl Trainer {
         let resume = resume
             .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
             .transpose()?;
-        let mut master = mt::shm::huge::zeroed::<f32>(layout.total);
-        match cfg.model.init {
-            _ if resume.is_some() => {}
-            InitKind::Pretrained => {
-                checkpoint::load_pretrained(&cfg.model.path, &layout, &mut master)?
-            }
-            InitKind::Random => {
-                checkpoint::init_random(&layout, &spec, cfg.training.seed, &mut master)
-            }
-        }
         tracing::info!(
             params = layout.num_params(),
             layers = layout.num_layers(),
@@ -215,23 +188,10 @@ impl Trainer {
             source: cfg.model.path.clone(),
             max_shard_bytes: cfg.checkpoint.max_shard_size.0,
         };
-        // Periodic checkpoints are written in the background; the last one from the live state.
+        // Periodic checkpoints are written in the background where the plan holds a
+        // snapshot for them; the last one from the live state.
         let ck = &cfg.checkpoint;
-        let background = match background_snapshot(&cfg, &layout, &plan) {
-            Snapshot::None => false,
-            Snapshot::Fits => true,
-            Snapshot::Short { need, avail } => {
-                tracing::warn!(
-                    "checkpoint.background: the snapshot buffer ({:.2} GB) does not fit beside the \
-                     training state ({:.2} GB available, {:.2} GB needed): periodic checkpoints are \
-                     written from the live state, and training waits for each",
-                    checkpoint::writer::snapshot_bytes(&layout) as f64 / 1e9,
-                    avail as f64 / 1e9,
-                    need as f64 / 1e9
-                );
-                false
-            }
-        };
+        let background = plan.snapshot > 0;
         let writer = ck.dir.clone().map(|root| {
             Writer::new(
                 root,
@@ -241,13 +201,17 @@ impl Trainer {
                 background,
             )
         });
-        if background && writer.is_some() {
-            let gb = checkpoint::writer::snapshot_bytes(&layout) as f64 / 1e9;
-            println!(
-                "  + checkpoint snapshot  {gb:>9.2} GB (checkpoint.background; 12 bytes per parameter)"
-            );
+        let mut host = HostState::new(&cfg, layout, placement.workers)?;
+        match cfg.model.init {
+            _ if resume.is_some() => {}
+            InitKind::Pretrained => host.init_master(|layout, master| {
+                checkpoint::load_pretrained(&cfg.model.path, layout, master)
+            })?,
+            InitKind::Random => host.init_master(|layout, master| {
+                checkpoint::init_random(layout, &spec, cfg.training.seed, master);
+                Ok(())
+            })?,
         }
-        let mut host = HostState::new(&cfg, layout, master, placement.workers)?;
         let (mut start_step, mut nan_run) = (0, 0);
         if let Some(dir) = &resume {
             let state = host.restore(dir)?;
@@ -320,6 +284,7 @@ impl Trainer {
             dump_grads,
             nan_run,
             start_step,
+            plan,
         })
     }
 
@@ -388,6 +353,7 @@ impl Trainer {
             host,
             sup,
             export,
+            plan,
             ..
         } = self;
         sup.shutdown();
@@ -398,6 +364,11 @@ impl Trainer {
             checkpoint::save_hf(out, &host.layout, host.master(), &export)?;
             println!("model written to {}", out.display());
         }
+        println!(
+            "host memory: launcher peak {:.3} GB resident (VmHWM), plan {:.3} GB",
+            peak_rss_bytes() as f64 / 1e9,
+            plan.total() as f64 / 1e9
+        );
         Ok(())
     }
 
@@ -663,6 +634,7 @@ impl Trainer {
             peak_gpu_bytes: out.slowest.peak_device_bytes,
             gpu_context_bytes: out.slowest.context_device_bytes,
             launcher_rss_bytes: rss_bytes(),
+            launcher_peak_rss_bytes: peak_rss_bytes(),
             tflops_megatrain: per_device_tflops(flops.megatrain),
             tflops_model: per_device_tflops(flops.model),
             skipped: out.skipped,
@@ -723,19 +695,4 @@ fn worker_binary() -> Result<PathBuf> {
         ));
     }
     Ok(bin)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_snapshot_that_does_not_fit_falls_back_to_live_writes() {
-        assert!(matches!(
-            snapshot_fit(10, Some(9)),
-            Snapshot::Short { need: 10, avail: 9 }
-        ));
-        assert!(matches!(snapshot_fit(10, Some(10)), Snapshot::Fits));
-        assert!(matches!(snapshot_fit(10, None), Snapshot::Fits));
-    }
 }

@@ -6,22 +6,20 @@
 //! tensors in order (the layout's: embedding, layers, final norm, head), a new shard when
 //! the next tensor would overflow the current one, a tensor larger than the limit alone;
 //! shards are `model-00001-of-0000N.safetensors` listed by `model.safetensors.index.json`.
-//! Each tensor is converted from the fp32 master while it is written, so the export needs
-//! no copy of the model (at most one tensor in bf16, or in fp32 when the master is split).
+//! Each tensor is converted from the fp32 master while it is written, a piece at a time
+//! ([`pieces`]), so the export holds no copy of the model nor of any whole tensor.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use half::bf16;
 use rayon::prelude::*;
-use safetensors::{Dtype, View};
+use safetensors::Dtype;
 
-use super::MasterRef;
+use super::{MasterRef, pieces};
 use crate::config::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
-use crate::shm::f32_bytes;
 
 /// Files of a model directory besides config and weights that an export carries over.
 pub const COPIED_FILES: &[&str] = &[
@@ -51,39 +49,26 @@ pub struct ExportOptions {
     pub max_shard_bytes: u64,
 }
 
-/// One tensor of the fp32 master, converted to `dtype` when written.
-struct Converted<'a> {
-    src: MasterRef<'a>,
-    shape: Vec<usize>,
-    dtype: DType,
+/// The safetensors dtype of `dtype`.
+fn st_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::Float32 => Dtype::F32,
+        DType::Bfloat16 => Dtype::BF16,
+    }
 }
 
-impl View for &Converted<'_> {
-    fn dtype(&self) -> Dtype {
-        match self.dtype {
-            DType::Float32 => Dtype::F32,
-            DType::Bfloat16 => Dtype::BF16,
+/// Appends the bytes of `src` (fp32 master values) in `dtype` to `out`.
+fn append_converted(src: MasterRef<'_>, dtype: DType, out: &mut Vec<u8>) {
+    match dtype {
+        DType::Float32 => super::state::append_f32(src, out),
+        DType::Bfloat16 => {
+            let at = out.len();
+            out.resize(at + 2 * src.len(), 0);
+            out[at..]
+                .par_chunks_exact_mut(2)
+                .zip(src.values().par_iter())
+                .for_each(|(d, x)| d.copy_from_slice(&bf16::from_f32(*x).to_le_bytes()));
         }
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        let src = self.src.values();
-        match (self.dtype, src) {
-            (DType::Float32, Cow::Borrowed(x)) => Cow::Borrowed(f32_bytes(x)),
-            (DType::Float32, Cow::Owned(x)) => Cow::Owned(f32_bytes(&x).to_vec()),
-            (DType::Bfloat16, src) => {
-                let mut out = vec![0u8; src.len() * 2];
-                out.par_chunks_exact_mut(2)
-                    .zip(src.par_iter())
-                    .for_each(|(d, x)| d.copy_from_slice(&bf16::from_f32(*x).to_le_bytes()));
-                Cow::Owned(out)
-            }
-        }
-    }
-    fn data_len(&self) -> usize {
-        self.src.len() * self.dtype.size()
     }
 }
 
@@ -161,19 +146,15 @@ pub fn save_hf(
     opts: &ExportOptions,
 ) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let tensors: Vec<(String, Converted)> = layout
+    // (name, master range, shape), in layout order.
+    let tensors: Vec<(String, std::ops::Range<usize>, Vec<usize>)> = layout
         .tensors()
-        .map(|(b, t)| {
-            let src = master.slice(Layout::global_range(b, t));
-            let c = Converted {
-                src,
-                shape: t.shape.clone(),
-                dtype: opts.dtype,
-            };
-            (b.hf_name(t), c)
-        })
+        .map(|(b, t)| (b.hf_name(t), Layout::global_range(b, t), t.shape.clone()))
         .collect();
-    let sizes: Vec<usize> = tensors.iter().map(|(_, c)| (&c).data_len()).collect();
+    let sizes: Vec<usize> = tensors
+        .iter()
+        .map(|(_, r, _)| r.len() * opts.dtype.size())
+        .collect();
     let shard_of = plan_shards(&sizes, opts.max_shard_bytes);
     let n = shard_of.last().map_or(1, |s| s + 1);
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
@@ -189,20 +170,24 @@ pub fn save_hf(
             .iter()
             .zip(&shard_of)
             .filter(|(_, s)| **s == shard)
-            .map(|((name, c), _)| (name.as_str(), c));
-        safetensors::serialize_to_file(members, Some(meta.clone()), &path).map_err(|e| {
-            Error::Weights {
-                path: path.clone(),
-                msg: format!("write failed: {e}"),
-            }
-        })?;
+            .map(|((name, range, shape), _)| {
+                let src = master.slice(range.clone());
+                pieces::Entry {
+                    name: name.clone(),
+                    dtype: st_dtype(opts.dtype),
+                    shape: shape.clone(),
+                    fill: Box::new(move |r, out| append_converted(src.slice(r), opts.dtype, out)),
+                }
+            })
+            .collect();
+        pieces::write(&path, members, Some(meta.clone()))?;
         written.push(path);
     }
     if n > 1 {
         let weight_map: serde_json::Map<String, serde_json::Value> = tensors
             .iter()
             .zip(&shard_of)
-            .map(|((name, _), &s)| (name.clone(), shard_name(s, n).into()))
+            .map(|((name, _, _), &s)| (name.clone(), shard_name(s, n).into()))
             .collect();
         let total: usize = sizes.iter().sum();
         let index = serde_json::json!({

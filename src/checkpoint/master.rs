@@ -11,8 +11,16 @@ use rayon::prelude::*;
 
 use crate::optim::bits;
 
-/// Elements per rayon task.
+/// Elements per rayon task of a copy.
 const CHUNK: usize = 64 * 1024;
+
+pub use super::pieces::PIECE;
+
+thread_local! {
+    /// Each thread's fp32 piece for a split master, taken while in use (see
+    /// [`super::pieces::with_bytes`]).
+    static SPLIT: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
 
 /// Read access to master weights, in layout order.
 #[derive(Clone, Copy)]
@@ -90,20 +98,35 @@ impl MasterMut<'_> {
         self.len() == 0
     }
 
-    /// Sets element `i` to `value(i)` for every `i` (in parallel).
-    pub fn fill(&mut self, value: impl Fn(usize) -> f32 + Sync) {
+    /// Writes elements `r`, a piece of at most [`PIECE`] elements at a time (pieces start
+    /// at `r.start`), in parallel: `f(first, out)` puts the fp32 values of elements
+    /// `first..first + out.len()` into `out`. An fp32 master is written in place; a split
+    /// one through a buffer of one piece per task, so no fp32 copy of the range exists.
+    pub fn try_fill<E: Send>(
+        &mut self,
+        r: Range<usize>,
+        f: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
+    ) -> Result<(), E> {
+        let at = |i: usize| r.start + i * PIECE;
         match self {
-            MasterMut::F32(x) => x
-                .par_iter_mut()
+            MasterMut::F32(x) => x[r.clone()]
+                .par_chunks_mut(PIECE)
                 .enumerate()
-                .for_each(|(i, d)| *d = value(i)),
-            MasterMut::Split { hi, lo } => {
-                assert_eq!(hi.len(), lo.len());
-                hi.par_iter_mut()
-                    .zip(lo.par_iter_mut())
-                    .enumerate()
-                    .for_each(|(i, (h, l))| (*h, *l) = bits::split(value(i)));
-            }
+                .try_for_each(|(i, out)| f(at(i), out)),
+            MasterMut::Split { hi, lo } => hi[r.clone()]
+                .par_chunks_mut(PIECE)
+                .zip(lo[r.clone()].par_chunks_mut(PIECE))
+                .enumerate()
+                .try_for_each(|(i, (h, l))| {
+                    let mut buf = SPLIT.take();
+                    buf.resize(h.len(), 0.0);
+                    let r = f(at(i), &mut buf);
+                    for ((h, l), x) in h.iter_mut().zip(l.iter_mut()).zip(buf.iter()) {
+                        (*h, *l) = bits::split(*x);
+                    }
+                    SPLIT.set(buf);
+                    r
+                }),
         }
     }
 }

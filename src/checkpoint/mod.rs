@@ -3,6 +3,7 @@
 
 pub mod export;
 pub mod master;
+pub mod pieces;
 pub mod state;
 pub mod writer;
 
@@ -12,12 +13,9 @@ pub use master::{MasterMut, MasterRef};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use half::{bf16, f16};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
-use rayon::prelude::*;
-use safetensors::{Dtype, SafeTensors};
 
 use crate::config::hf::ModelSpec;
 use crate::error::{Error, Result};
@@ -93,53 +91,55 @@ pub fn check_writable(dir: &Path, key: &str) -> Result<()> {
         .map_err(|e| fail(format!("cannot write in {}: {e}", base.display())))
 }
 
-/// Loads every parameter of `layout` from the model dir into `master` (fp32, layout order).
-pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Result<()> {
+/// Loads every parameter of `layout` from the model dir into `master` (layout order),
+/// reading each tensor a piece at a time ([`pieces`]): the files are never mapped whole.
+pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut MasterMut) -> Result<()> {
     let mut want: HashMap<String, (std::ops::Range<usize>, Vec<usize>)> = layout
         .tensors()
         .map(|(b, t)| (b.hf_name(t), (Layout::global_range(b, t), t.shape.clone())))
         .collect();
     let mut loaded: HashMap<String, PathBuf> = HashMap::new();
     for file in weight_files(dir)? {
-        let map = crate::shm::map_readonly(&file)?;
-        let st = SafeTensors::deserialize(&map).map_err(|e| Error::Weights {
-            path: file.clone(),
-            msg: format!("not a valid safetensors file: {e}"),
-        })?;
-        for (name, view) in st.iter() {
-            let Some((range, shape)) = want.remove(name) else {
+        let reader = pieces::Reader::open(&file)?;
+        for (name, info) in reader.tensors() {
+            let Some((range, shape)) = want.remove(&name) else {
                 let ignorable = IGNORABLE_SUFFIXES.iter().any(|s| name.ends_with(s))
                     || (layout.tied_embeddings && name == "lm_head.weight");
                 if ignorable {
                     continue;
                 }
-                let expected = match loaded.get(name) {
+                let expected = match loaded.get(&name) {
                     Some(first) => format!("one copy (already read from {})", first.display()),
                     None => "no such tensor in this architecture".into(),
                 };
                 return Err(Error::Tensor {
                     path: file.clone(),
-                    tensor: name.into(),
+                    tensor: name,
                     expected,
-                    got: format!("a tensor of shape {:?}", view.shape()),
+                    got: format!("a tensor of shape {:?}", info.shape),
                 });
             };
-            loaded.insert(name.to_string(), file.clone());
-            if view.shape() != shape.as_slice() {
+            loaded.insert(name.clone(), file.clone());
+            if info.shape != shape {
                 return Err(Error::Tensor {
                     path: file.clone(),
-                    tensor: name.into(),
+                    tensor: name,
                     expected: format!("shape {shape:?}"),
-                    got: format!("shape {:?}", view.shape()),
+                    got: format!("shape {:?}", info.shape),
                 });
             }
-            convert_into(&mut master[range], view.dtype(), view.data()).map_err(|got| {
-                Error::Tensor {
+            if pieces::float_width(info.dtype).is_none() {
+                return Err(Error::Tensor {
                     path: file.clone(),
-                    tensor: name.into(),
+                    tensor: name,
                     expected: "dtype F32, BF16, F16 or F64".into(),
-                    got,
-                }
+                    got: format!("dtype {:?}", info.dtype),
+                });
+            }
+            let start = range.start;
+            master.try_fill(range, |first, out| {
+                let elems = first - start..first - start + out.len();
+                reader.read_f32(&info, elems, out)
             })?;
         }
     }
@@ -154,59 +154,31 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut [f32]) -> Resul
     Ok(())
 }
 
-fn convert_into(dst: &mut [f32], dtype: Dtype, bytes: &[u8]) -> std::result::Result<(), String> {
-    let width = match dtype {
-        Dtype::F64 => 8,
-        Dtype::F32 => 4,
-        Dtype::BF16 | Dtype::F16 => 2,
-        other => return Err(format!("dtype {other:?}")),
-    };
-    if bytes.len() != dst.len() * width {
-        return Err(format!("{} bytes of data", bytes.len()));
-    }
-    let src = bytes.par_chunks_exact(width);
-    match dtype {
-        Dtype::F64 => dst
-            .par_iter_mut()
-            .zip(src)
-            .for_each(|(d, b)| *d = f64::from_le_bytes(b.try_into().expect("8-byte chunk")) as f32),
-        Dtype::F32 => dst
-            .par_iter_mut()
-            .zip(src)
-            .for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        Dtype::BF16 => dst
-            .par_iter_mut()
-            .zip(src)
-            .for_each(|(d, b)| *d = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-        _ => dst
-            .par_iter_mut()
-            .zip(src)
-            .for_each(|(d, b)| *d = f16::from_le_bytes([b[0], b[1]]).to_f32()),
-    }
-    Ok(())
-}
-
 /// transformers' `_init_weights` for these families: weights ~ normal(0, initializer_range),
 /// norms 1 (0 where the norm multiplies by `1 + w`, as Gemma's), biases 0. Deterministic in
-/// `seed`, independent of the thread count.
-pub fn init_random(layout: &Layout, spec: &ModelSpec, seed: u64, master: &mut [f32]) {
-    const PIECE: usize = 1 << 20;
+/// `seed`, independent of the thread count and of how the master is held.
+pub fn init_random(layout: &Layout, spec: &ModelSpec, seed: u64, master: &mut MasterMut) {
     let normal = Normal::new(0.0f32, spec.initializer_range as f32).expect("finite std");
     for (ti, (b, t)) in layout.tensors().enumerate() {
-        let dst = &mut master[Layout::global_range(b, t)];
-        if let Some(v) = spec.constant_init(&t.name) {
-            dst.fill(v);
-        } else {
-            dst.par_chunks_mut(PIECE)
-                .enumerate()
-                .for_each(|(pi, piece)| {
-                    let stream = ((ti as u64) << 32) | pi as u64;
-                    let mut rng = ChaCha8Rng::seed_from_u64(
-                        seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                    );
-                    piece.iter_mut().for_each(|x| *x = normal.sample(&mut rng));
-                });
-        }
+        let range = Layout::global_range(b, t);
+        let start = range.start;
+        let constant = spec.constant_init(&t.name);
+        let filled: std::result::Result<(), std::convert::Infallible> =
+            master.try_fill(range, |first, piece| {
+                match constant {
+                    Some(v) => piece.fill(v),
+                    None => {
+                        let pi = (first - start) / master::PIECE;
+                        let stream = ((ti as u64) << 32) | pi as u64;
+                        let mut rng = ChaCha8Rng::seed_from_u64(
+                            seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                        );
+                        piece.iter_mut().for_each(|x| *x = normal.sample(&mut rng));
+                    }
+                }
+                Ok(())
+            });
+        let Ok(()) = filled;
     }
 }
 
@@ -215,7 +187,8 @@ mod tests {
     use std::borrow::Cow;
     use std::collections::BTreeMap;
 
-    use safetensors::View;
+    use half::bf16;
+    use safetensors::{Dtype, View};
 
     use super::*;
     use crate::config::DType;
@@ -262,9 +235,9 @@ mod tests {
         std::fs::write(src.join("tokenizer.json"), "{\"tok\": 1}").unwrap();
         let layout = Layout::new(&s);
         let mut a = vec![0.0f32; layout.total];
-        init_random(&layout, &s, 3, &mut a);
+        init_random(&layout, &s, 3, &mut MasterMut::F32(&mut a));
         let mut again = vec![0.0f32; layout.total];
-        init_random(&layout, &s, 3, &mut again);
+        init_random(&layout, &s, 3, &mut MasterMut::F32(&mut again));
         assert_eq!(a, again, "init is deterministic");
         let norm = &layout.blocks[1].tensors[0];
         assert_eq!(norm.name, "input_layernorm.weight");
@@ -282,8 +255,28 @@ mod tests {
         };
         save_hf(&out, &layout, MasterRef::F32(&a), &opts).unwrap();
         let mut b = vec![0.0f32; layout.total];
-        load_pretrained(&out, &layout, &mut b).unwrap();
+        load_pretrained(&out, &layout, &mut MasterMut::F32(&mut b)).unwrap();
         assert_eq!(a, b);
+        // Into a split master, a piece at a time: the split of the same values, bit for bit,
+        // and so is a random init.
+        let n = layout.total;
+        let (mut hi, mut lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
+        let (mut want_hi, mut want_lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
+        crate::optim::bits::split_slice(&a, &mut want_hi, &mut want_lo);
+        let mut split = MasterMut::Split {
+            hi: &mut hi,
+            lo: &mut lo,
+        };
+        load_pretrained(&out, &layout, &mut split).unwrap();
+        assert!(hi == want_hi && lo == want_lo, "split load differs");
+        hi.fill(bf16::ZERO);
+        lo.fill(0);
+        let mut split = MasterMut::Split {
+            hi: &mut hi,
+            lo: &mut lo,
+        };
+        init_random(&layout, &s, 3, &mut split);
+        assert!(hi == want_hi && lo == want_lo, "split init differs");
         let cfg = std::fs::read_to_string(out.join("config.json")).unwrap();
         assert!(cfg.contains(r#""torch_dtype": "float32""#), "{cfg}");
         assert_eq!(
@@ -299,14 +292,14 @@ mod tests {
         let shards = weight_files(&out).unwrap();
         assert!(shards.len() > 3, "{shards:?}");
         assert!(shards.iter().all(|s| files.contains(s)));
-        load_pretrained(&out, &layout, &mut b).unwrap();
+        load_pretrained(&out, &layout, &mut MasterMut::F32(&mut b)).unwrap();
         let rounded: Vec<f32> = a.iter().map(|x| bf16::from_f32(*x).to_f32()).collect();
         assert_eq!(b, rounded);
 
         // The same file read by an untied layout misses lm_head.weight.
         let untied = Layout::new(&spec(false));
         let mut c = vec![0.0f32; untied.total];
-        let e = load_pretrained(&out, &untied, &mut c)
+        let e = load_pretrained(&out, &untied, &mut MasterMut::F32(&mut c))
             .unwrap_err()
             .to_string();
         assert!(e.contains("lm_head.weight") && e.contains("missing"), "{e}");
@@ -316,7 +309,9 @@ mod tests {
         bigger.vocab_size = 38;
         let l2 = Layout::new(&bigger);
         let mut d = vec![0.0f32; l2.total];
-        let e = load_pretrained(&out, &l2, &mut d).unwrap_err().to_string();
+        let e = load_pretrained(&out, &l2, &mut MasterMut::F32(&mut d))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("model.embed_tokens.weight") && e.contains("[38, 24]"),
             "{e}"
@@ -330,7 +325,7 @@ mod tests {
         let s = spec(false);
         let layout = Layout::new(&s);
         let mut want = vec![0.0f32; layout.total];
-        init_random(&layout, &s, 7, &mut want);
+        init_random(&layout, &s, 7, &mut MasterMut::F32(&mut want));
         // Round every value to bf16 so that all three dtypes carry it exactly.
         want.iter_mut()
             .for_each(|x| *x = bf16::from_f32(*x).to_f32());
@@ -376,7 +371,7 @@ mod tests {
         let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
         std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
         let mut got = vec![0.0f32; layout.total];
-        load_pretrained(&dir, &layout, &mut got).unwrap();
+        load_pretrained(&dir, &layout, &mut MasterMut::F32(&mut got)).unwrap();
         assert_eq!(got, want);
 
         // A tensor in two shards is named with both files.
@@ -385,14 +380,14 @@ mod tests {
         let (name, first) = shards[0].pop_first().unwrap();
         third.insert(name.clone(), first);
         safetensors::serialize_to_file(third.iter(), None, &dup).unwrap();
-        let e = load_pretrained(&dir, &layout, &mut got)
+        let e = load_pretrained(&dir, &layout, &mut MasterMut::F32(&mut got))
             .unwrap_err()
             .to_string();
         assert!(e.contains(&name) && e.contains("already read from"), "{e}");
 
         // A shard the index lists but the directory lacks.
         std::fs::remove_file(&dup).unwrap();
-        let e = load_pretrained(&dir, &layout, &mut got)
+        let e = load_pretrained(&dir, &layout, &mut MasterMut::F32(&mut got))
             .unwrap_err()
             .to_string();
         assert!(

@@ -13,17 +13,15 @@
 //! left by a killed writer is removed by the next run (`remove_stale`).
 
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Metadata, TensorInfo};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
-use super::{ExportOptions, MasterMut, MasterRef};
+use super::{ExportOptions, MasterMut, MasterRef, pieces};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
-use crate::shm::{f32_bytes, map_readonly};
+use crate::shm::f32_bytes;
 
 const MARKER: &str = "COMPLETE";
 /// Prefix of the directories a checkpoint is written in (and an old one set aside in).
@@ -191,56 +189,38 @@ fn write_into(
 }
 
 /// Writes `optimizer.safetensors`: the bytes `safetensors::serialize` gives for the three
-/// flat f32 tensors, the master streamed a chunk at a time (joined when split).
+/// flat f32 tensors, streamed a piece at a time (the master joined when split).
 fn write_optimizer(path: &Path, t: &Tensors) -> Result<()> {
     let n = t.master.len();
     assert!(t.m.len() == n && t.v.len() == n);
-    let bytes = 4 * n;
-    // safetensors orders tensors by dtype alignment, then name: all f32, so by name.
-    let names = ["exp_avg", "exp_avg_sq", "master"];
-    let infos = names
-        .iter()
-        .enumerate()
-        .map(|(i, name)| {
-            let info = TensorInfo {
-                dtype: Dtype::F32,
-                shape: vec![n],
-                data_offsets: (i * bytes, (i + 1) * bytes),
-            };
-            (name.to_string(), info)
-        })
-        .collect();
-    let bad = |msg: String| Error::Weights {
-        path: path.to_path_buf(),
-        msg,
-    };
-    let meta = Metadata::new(None, infos).map_err(|e| bad(format!("header: {e}")))?;
-    let mut header = serde_json::to_string(&meta)
-        .map_err(|e| bad(format!("header: {e}")))?
-        .into_bytes();
-    header.resize(header.len().next_multiple_of(8), b' ');
-    let failed = |e: std::io::Error| bad(format!("write failed: {e}"));
-    let file = File::create(path).map_err(failed)?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut write = |b: &[u8]| w.write_all(b).map_err(failed);
-    write(&(header.len() as u64).to_le_bytes())?;
-    write(&header)?;
-    write(f32_bytes(t.m))?;
-    write(f32_bytes(t.v))?;
-    const PIECE: usize = 1 << 20;
-    let mut buf = Vec::new();
-    for lo in (0..n).step_by(PIECE) {
-        let part = t.master.slice(lo..(lo + PIECE).min(n));
-        match part {
-            MasterRef::F32(x) => write(f32_bytes(x))?,
-            MasterRef::Split { .. } => {
-                buf.resize(part.len(), 0.0);
-                part.read_into(&mut buf);
-                write(f32_bytes(&buf))?;
+    fn flat<'a>(name: &str, src: MasterRef<'a>) -> pieces::Entry<'a> {
+        pieces::Entry {
+            name: name.into(),
+            dtype: Dtype::F32,
+            shape: vec![src.len()],
+            fill: Box::new(move |r, out| append_f32(src.slice(r), out)),
+        }
+    }
+    let entries = vec![
+        flat("exp_avg", MasterRef::F32(t.m)),
+        flat("exp_avg_sq", MasterRef::F32(t.v)),
+        flat("master", t.master),
+    ];
+    pieces::write(path, entries, None)
+}
+
+/// Appends the little-endian bytes of `src`'s fp32 values to `out`.
+pub(super) fn append_f32(src: MasterRef<'_>, out: &mut Vec<u8>) {
+    match src {
+        MasterRef::F32(x) => out.extend_from_slice(f32_bytes(x)),
+        MasterRef::Split { .. } => {
+            let at = out.len();
+            out.resize(at + 4 * src.len(), 0);
+            for (d, x) in out[at..].chunks_exact_mut(4).zip(src.values().iter()) {
+                d.copy_from_slice(&x.to_le_bytes());
             }
         }
     }
-    w.flush().map_err(failed)
 }
 
 /// Removes temporary directories under `root` left by writers that died mid-write (their
@@ -365,11 +345,7 @@ pub fn load(
         });
     }
     let opt = dir.join(OPTIMIZER);
-    let map = map_readonly(&opt)?;
-    let tensors = SafeTensors::deserialize(&map).map_err(|e| Error::Weights {
-        path: opt.clone(),
-        msg: format!("not a valid safetensors file: {e}"),
-    })?;
+    let reader = pieces::Reader::open(&opt)?;
     let n = master.len();
     let mut dsts = [
         ("master", master),
@@ -377,29 +353,23 @@ pub fn load(
         ("exp_avg_sq", MasterMut::F32(v)),
     ];
     for (name, dst) in &mut dsts {
-        let view = tensors.tensor(name).map_err(|e| Error::Tensor {
+        let info = reader.tensor(name).ok_or_else(|| Error::Tensor {
             path: opt.clone(),
             tensor: name.to_string(),
             expected: format!("f32 [{}]", layout.total),
-            got: e.to_string(),
+            got: "missing".into(),
         })?;
-        if view.dtype() != Dtype::F32 || view.shape() != [n] || dst.len() != n {
+        if info.dtype != Dtype::F32 || info.shape != [n] || dst.len() != n {
             return Err(Error::Tensor {
                 path: opt.clone(),
                 tensor: name.to_string(),
                 expected: format!("f32 [{n}]"),
-                got: format!("{:?} {:?}", view.dtype(), view.shape()),
+                got: format!("{:?} {:?}", info.dtype, info.shape),
             });
         }
-        let data = view.data();
-        dst.fill(|i| {
-            f32::from_le_bytes([
-                data[4 * i],
-                data[4 * i + 1],
-                data[4 * i + 2],
-                data[4 * i + 3],
-            ])
-        });
+        dst.try_fill(0..n, |first, out| {
+            reader.read_f32(info, first..first + out.len(), out)
+        })?;
     }
     Ok(state)
 }
@@ -408,6 +378,7 @@ pub fn load(
 mod tests {
     use super::*;
     use half::bf16;
+    use safetensors::SafeTensors;
     use safetensors::tensor::TensorView;
 
     /// The streamed optimizer file has the bytes safetensors writes for the same tensors,
@@ -461,7 +432,14 @@ mod tests {
             hi: &mut hi2,
             lo: &mut lo2,
         };
-        back.fill(|i| f32::from_le_bytes(data[4 * i..4 * i + 4].try_into().unwrap()));
+        back.try_fill(0..n, |first, out| {
+            for (k, o) in out.iter_mut().enumerate() {
+                let i = 4 * (first + k);
+                *o = f32::from_le_bytes(data[i..i + 4].try_into().unwrap());
+            }
+            Ok::<_, ()>(())
+        })
+        .unwrap();
         let bits = |h: &[bf16]| h.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert!(bits(&hi2) == bits(&hi) && lo2 == lo);
     }

@@ -1,0 +1,331 @@
+//! safetensors files read and written a piece at a time, never mapped or held whole.
+//!
+//! A mapped weight or optimizer file puts every page it reads into the launcher's resident
+//! set: resuming a 7B run mapped its 91 GB `optimizer.safetensors` on top of the training
+//! state it was being read into, and an export held each tensor (the 0.5 GB embedding of
+//! Qwen2.5-0.5B, joined to fp32 and then converted) beside the master. Here reads are
+//! positional (`pread`) into buffers of at most [`PIECE`] elements per rayon task, and
+//! writes stream the same bytes `safetensors::serialize` would produce, a piece at a
+//! time, so the host peak is the training state plus a piece per thread (0.75 MiB at most:
+//! 96 MiB on a 128-core host).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use safetensors::Dtype;
+use safetensors::tensor::{Metadata, TensorInfo};
+
+use crate::error::{Error, Result};
+
+/// Elements per piece (256 KiB of f32): small enough that one buffer per thread is
+/// negligible beside the state, large enough that a read is one efficient `pread`.
+pub const PIECE: usize = 1 << 16;
+
+thread_local! {
+    /// Each thread's byte buffer, taken while in use (so a nested use allocates its own
+    /// instead of colliding) and put back after.
+    static BYTES: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's reusable byte buffer (cleared).
+pub fn with_bytes<R>(f: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+    let mut buf = BYTES.take();
+    buf.clear();
+    let r = f(&mut buf);
+    BYTES.set(buf);
+    r
+}
+
+/// Bytes of the header-length prefix.
+const N_LEN: usize = 8;
+/// The largest header read (safetensors' own limit).
+const MAX_HEADER: usize = 100_000_000;
+
+/// A safetensors file opened for positional reads.
+pub struct Reader {
+    path: PathBuf,
+    file: File,
+    /// Offset of the data section in the file.
+    data_start: u64,
+    meta: Metadata,
+}
+
+impl Reader {
+    /// Opens `path` and checks its header: valid JSON, offsets that tile the data
+    /// section, and a data section exactly as long as the file's remainder.
+    pub fn open(path: &Path) -> Result<Reader> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let bad = |msg: String| Error::Weights {
+            path: path.into(),
+            msg: format!("not a valid safetensors file: {msg}"),
+        };
+        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        let mut n = [0u8; N_LEN];
+        file.read_exact_at(&mut n, 0)
+            .map_err(|_| bad(format!("{len} bytes, shorter than a header")))?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER as u64 || N_LEN as u64 + n > len {
+            return Err(bad(format!("header of {n} bytes in a file of {len} bytes")));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, N_LEN as u64)
+            .map_err(|e| Error::io(path, e))?;
+        // Deserializing validates that the offsets tile the data section.
+        let meta: Metadata =
+            serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+        let data_start = N_LEN as u64 + n;
+        if data_start + meta.data_len() as u64 != len {
+            return Err(bad(format!(
+                "the header describes {} bytes of data, the file holds {}",
+                meta.data_len(),
+                len - data_start
+            )));
+        }
+        Ok(Reader {
+            path: path.into(),
+            file,
+            data_start,
+            meta,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Every tensor, in file order.
+    pub fn tensors(&self) -> Vec<(String, TensorInfo)> {
+        let mut all: Vec<(String, TensorInfo)> = self
+            .meta
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| (name, info.clone()))
+            .collect();
+        all.sort_by_key(|(_, info)| info.data_offsets.0);
+        all
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.meta.info(name)
+    }
+
+    /// Elements `elems` of tensor `info` (F64, F32, BF16 or F16) converted to f32 into
+    /// `out` (as long as `elems`), read through this thread's buffer.
+    pub fn read_f32(&self, info: &TensorInfo, elems: Range<usize>, out: &mut [f32]) -> Result<()> {
+        assert_eq!(out.len(), elems.len());
+        let width = float_width(info.dtype).expect("dtype checked by the caller");
+        let at = self.data_start + (info.data_offsets.0 + elems.start * width) as u64;
+        with_bytes(|buf| {
+            buf.resize(elems.len() * width, 0);
+            self.file
+                .read_exact_at(buf, at)
+                .map_err(|e| Error::io(&self.path, e))?;
+            convert(info.dtype, buf, out);
+            Ok(())
+        })
+    }
+
+    /// Raw bytes `bytes` of tensor `info`'s data into `out`.
+    pub fn read_bytes(&self, info: &TensorInfo, bytes: Range<usize>, out: &mut [u8]) -> Result<()> {
+        assert!(bytes.end <= info.data_offsets.1 - info.data_offsets.0);
+        let at = self.data_start + (info.data_offsets.0 + bytes.start) as u64;
+        self.file
+            .read_exact_at(out, at)
+            .map_err(|e| Error::io(&self.path, e))
+    }
+}
+
+/// Bytes per element of the float dtypes weights may come in.
+pub fn float_width(dtype: Dtype) -> Option<usize> {
+    match dtype {
+        Dtype::F64 => Some(8),
+        Dtype::F32 => Some(4),
+        Dtype::BF16 | Dtype::F16 => Some(2),
+        _ => None,
+    }
+}
+
+/// Little-endian `bytes` of `dtype` to f32.
+fn convert(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+    let pairs = out.iter_mut();
+    match dtype {
+        Dtype::F64 => pairs
+            .zip(bytes.chunks_exact(8))
+            .for_each(|(d, b)| *d = f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32),
+        Dtype::F32 => pairs
+            .zip(bytes.chunks_exact(4))
+            .for_each(|(d, b)| *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::BF16 => pairs
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(d, b)| *d = bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Dtype::F16 => pairs
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(d, b)| *d = f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        other => unreachable!("dtype {other:?} is not a float dtype"),
+    }
+}
+
+/// One tensor to write: its bytes come from `fill(elements, out)`, which appends the
+/// little-endian bytes of elements `elements` to `out`.
+pub struct Entry<'a> {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    #[allow(clippy::type_complexity)]
+    pub fill: Box<dyn Fn(Range<usize>, &mut Vec<u8>) + Sync + 'a>,
+}
+
+impl Entry<'_> {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    fn bytes(&self) -> usize {
+        self.numel() * self.dtype.bitsize() / 8
+    }
+}
+
+/// Writes `entries` to `path` as `safetensors::serialize` lays them out (tensors ordered
+/// by descending alignment, then name; the header padded with spaces to 8 bytes), a piece
+/// of at most [`PIECE`] elements at a time. The file is not fsynced.
+pub fn write(
+    path: &Path,
+    mut entries: Vec<Entry>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let failed = |e: String| Error::Weights {
+        path: path.to_path_buf(),
+        msg: format!("write failed: {e}"),
+    };
+    entries.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(&b.name)));
+    let mut offset = 0;
+    let infos = entries
+        .iter()
+        .map(|e| {
+            let info = TensorInfo {
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                data_offsets: (offset, offset + e.bytes()),
+            };
+            offset += e.bytes();
+            (e.name.clone(), info)
+        })
+        .collect();
+    let meta = Metadata::new(metadata, infos).map_err(|e| failed(format!("header: {e}")))?;
+    let mut header = serde_json::to_string(&meta)
+        .map_err(|e| failed(format!("header: {e}")))?
+        .into_bytes();
+    header.resize(header.len().next_multiple_of(N_LEN), b' ');
+    let io = |e: std::io::Error| failed(e.to_string());
+    let file = File::create(path).map_err(io)?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    w.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    w.write_all(&header).map_err(io)?;
+    let mut buf = Vec::new();
+    for e in &entries {
+        let n = e.numel();
+        for lo in (0..n).step_by(PIECE) {
+            buf.clear();
+            (e.fill)(lo..(lo + PIECE).min(n), &mut buf);
+            w.write_all(&buf).map_err(io)?;
+        }
+    }
+    w.flush().map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("mt-pieces-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The streamed bytes are safetensors' own, pieces spanning tensor boundaries and
+    /// mixed dtypes included, and the reader gives back every element.
+    #[test]
+    fn writes_safetensors_own_bytes_and_reads_them_back() {
+        let dir = scratch("roundtrip");
+        let a: Vec<f32> = (0..PIECE + 5).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let b: Vec<bf16> = (0..37).map(|i| bf16::from_f32(i as f32 - 9.25)).collect();
+        let bytes_a: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let bytes_b: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let entries = vec![
+            Entry {
+                name: "b".into(),
+                dtype: Dtype::BF16,
+                shape: vec![37],
+                fill: Box::new(|r, out| out.extend_from_slice(&bytes_b[2 * r.start..2 * r.end])),
+            },
+            Entry {
+                name: "a".into(),
+                dtype: Dtype::F32,
+                shape: vec![PIECE + 5],
+                fill: Box::new(|r, out| out.extend_from_slice(&bytes_a[4 * r.start..4 * r.end])),
+            },
+        ];
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let path = dir.join("x.safetensors");
+        write(&path, entries, Some(meta.clone())).unwrap();
+        let views = [
+            (
+                "a",
+                TensorView::new(Dtype::F32, vec![PIECE + 5], &bytes_a).unwrap(),
+            ),
+            (
+                "b",
+                TensorView::new(Dtype::BF16, vec![37], &bytes_b).unwrap(),
+            ),
+        ];
+        let own = safetensors::serialize(views, Some(meta)).unwrap();
+        assert!(
+            std::fs::read(&path).unwrap() == own,
+            "bytes differ from safetensors'"
+        );
+
+        let r = Reader::open(&path).unwrap();
+        let names: Vec<String> = r.tensors().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["a", "b"]);
+        let (ia, ib) = (r.tensor("a").unwrap(), r.tensor("b").unwrap());
+        let mut out = vec![0.0f32; 7];
+        r.read_f32(ia, PIECE - 2..PIECE + 5, &mut out).unwrap();
+        assert_eq!(out, a[PIECE - 2..]);
+        let mut out = vec![0.0f32; 37];
+        r.read_f32(ib, 0..37, &mut out).unwrap();
+        assert!(out.iter().zip(&b).all(|(x, y)| *x == y.to_f32()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn truncated_and_malformed_files_are_named() {
+        let dir = scratch("bad");
+        let path = dir.join("t.safetensors");
+        let entries = vec![Entry {
+            name: "w".into(),
+            dtype: Dtype::F32,
+            shape: vec![4],
+            fill: Box::new(|r, out| out.extend(r.flat_map(|i| (i as f32).to_le_bytes()))),
+        }];
+        write(&path, entries, None).unwrap();
+        let full = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &full[..full.len() - 1]).unwrap();
+        let e = Reader::open(&path).err().unwrap().to_string();
+        assert!(e.contains("t.safetensors") && e.contains("data"), "{e}");
+        std::fs::write(&path, b"\x04\0\0\0\0\0\0\0{x}:").unwrap();
+        let e = Reader::open(&path).err().unwrap().to_string();
+        assert!(e.contains("header"), "{e}");
+        std::fs::write(&path, b"abc").unwrap();
+        let e = Reader::open(&path).err().unwrap().to_string();
+        assert!(e.contains("shorter than a header"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
