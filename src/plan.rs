@@ -183,6 +183,15 @@ impl std::fmt::Display for HostPlan {
     }
 }
 
+/// The kernel's count of OOM kills since boot (`oom_kill` in /proc/vmstat; None where it
+/// cannot be read). `MT_PROC_VMSTAT` names another file to read, for tests.
+pub fn oom_kills() -> Option<u64> {
+    let path = std::env::var_os("MT_PROC_VMSTAT").unwrap_or_else(|| "/proc/vmstat".into());
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.starts_with("oom_kill "))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// MemAvailable from /proc/meminfo, in bytes (None where it cannot be read).
 pub fn available_host_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

@@ -258,7 +258,7 @@ impl Trainer {
                 }
             })
             .collect();
-        let sup = Supervisor::start(&worker_binary()?, inits)?;
+        let sup = Supervisor::start(&worker_binary()?, inits, plan.total())?;
         let metrics = metrics_out
             .as_deref()
             .map(MetricsWriter::create)
