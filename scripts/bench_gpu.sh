@@ -93,7 +93,9 @@ for spec in sys.argv[8:]:
     if path == "FAILED":
         rows.append(f"| {g} | {b} | failed | | | | | | | | | | |")
         continue
-    plan = json.load(open(path[:-len(".jsonl")] + ".plan.json")).get("device", {}).get("total")
+    plan_json = json.load(open(path[:-len(".jsonl")] + ".plan.json"))
+    plan = plan_json.get("device", {}).get("total")
+    host_plan = plan_json.get("host", {}).get("total")
     ms = [json.loads(l) for l in open(path)][warmup:]
     avg = lambda k: sum(m[k] for m in ms) / len(ms)
     step = avg("step_time_s")
@@ -107,13 +109,15 @@ for spec in sys.argv[8:]:
         plan_col = f"{plan / 2**30:.1f} / {used / 2**30:.1f} ({err:+.0%})"
     else:
         plan_col = "n/a"
-    rows.append("| {} | {} | {:.2f} | {:.0f} | {:.1f} | {:.1f} | {:.1%} | {:.2f} / {:.2f} | {:.2f} ({:.0%}) | {:.2f} ({:.0%}) | {:.2f} | {} | {:.1f} |".format(
+    peak_rss = max(m.get("launcher_peak_rss_bytes", m["launcher_rss_bytes"]) for m in ms)
+    host_col = (f"{host_plan / 1e9:.1f}" if host_plan else "n/a") + f" / {peak_rss / 1e9:.1f}"
+    rows.append("| {} | {} | {:.2f} | {:.0f} | {:.1f} | {:.1f} | {:.1%} | {:.2f} / {:.2f} | {:.2f} ({:.0%}) | {:.2f} ({:.0%}) | {:.2f} | {} | {} |".format(
         g, b, step, tps, avg("tflops_megatrain"), avg("tflops_model"), avg("h2d_wait_s") / step,
         avg("forward_s"), avg("backward_s"), avg("reduce_s"), avg("reduce_s") / step,
         avg("optimizer_s"), avg("optimizer_s") / step, max(m["peak_gpu_bytes"] for m in ms) / 2**30,
-        plan_col, max(m["launcher_rss_bytes"] for m in ms) / 2**30))
+        plan_col, host_col))
 head = ("| GPUs | batch/GPU | step s | tokens/s | TFLOPS/GPU (MegaTrain) | TFLOPS/GPU (model) | H2D wait | fwd / bwd s "
-        "| host reduce s (share) | optimizer s (share) | peak GPU GiB | plan / measured GiB (error) | launcher RSS GiB |\n"
+        "| host reduce s (share) | optimizer s (share) | peak GPU GiB | plan / measured GiB (error) | host plan / launcher peak RSS GB |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 scaling = []
 for b, by_g in base.items():

@@ -116,13 +116,34 @@ pub struct Placement {
     pub devices: Vec<usize>,
 }
 
-/// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`.
+/// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`,
+/// checked against the GPUs this machine has.
 pub fn placement(
     gpus: Option<usize>,
     workers: Option<usize>,
     devices: Option<&[usize]>,
 ) -> Result<Placement> {
-    let present = visible_gpus();
+    placement_on(gpus, workers, devices, visible_gpus())
+}
+
+/// [`placement`] for sizing a run on another machine: `--gpus N` (or `model.devices`)
+/// describes the target, whatever this machine has; without either, this machine's GPUs.
+pub fn plan_placement(
+    gpus: Option<usize>,
+    workers: Option<usize>,
+    devices: Option<&[usize]>,
+) -> Result<Placement> {
+    let target = gpus.max(devices.and_then(|d| d.iter().max().map(|&m| m + 1)));
+    placement_on(gpus, workers, devices, target.unwrap_or_else(visible_gpus))
+}
+
+/// [`placement`] on a machine with `present` GPUs.
+fn placement_on(
+    gpus: Option<usize>,
+    workers: Option<usize>,
+    devices: Option<&[usize]>,
+    present: usize,
+) -> Result<Placement> {
     if let Some(d) = devices {
         if let Some(g) = gpus.filter(|&g| g != d.len()) {
             bail!(

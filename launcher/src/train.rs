@@ -71,8 +71,30 @@ pub struct Prepared {
 
 impl Prepared {
     pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        Self::build(cfg, placement, true)
+    }
+
+    /// What `mt-launch plan` sizes: as [`Prepared::new`], except that a text dataset is
+    /// not read when the model has no tokenizer here (a shipped architecture standing in
+    /// for a hub id, or a directory with config.json alone): the run is then sized from
+    /// `dataset.max_seq_len`, and `data` is empty.
+    pub fn for_plan(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        let tokenizer =
+            cfg.model.shipped.is_none() && cfg.model.path.join("tokenizer.json").is_file();
+        let read = tokenizer || !mt::data::needs_tokenizer(&cfg.dataset)?;
+        if !read && cfg.dataset.max_seq_len.is_none() {
+            return Err(mt::Error::invalid(
+                "dataset.max_seq_len",
+                "needed to size a text dataset without its tokenizer (the model has no tokenizer.json here): set it",
+            )
+            .into());
+        }
+        Self::build(cfg, placement, read)
+    }
+
+    fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
         cfg.validate_world(placement.workers)?;
-        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        let spec = cfg.model.spec()?;
         if cfg.dataset.packing && spec.layer_types.contains(&AttentionKind::Linear) {
             // The delta rule's recurrent state would flow from one packed document into
             // the next; transformers' torch path has no per-document reset either.
@@ -86,12 +108,15 @@ impl Prepared {
             .into());
         }
         let layout = Layout::new(&spec);
-        let data = Dataset::load(
-            &cfg.dataset,
-            &cfg.model.path,
-            spec.vocab_size,
-            cfg.training.seed,
-        )?;
+        let data = match read_data {
+            true => Dataset::load(
+                &cfg.dataset,
+                &cfg.model.path,
+                spec.vocab_size,
+                cfg.training.seed,
+            )?,
+            false => Dataset::default(),
+        };
         let plan =
             mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers));
         Ok(Prepared {

@@ -11,6 +11,7 @@
 mod dataset;
 pub mod hf;
 pub mod hub;
+pub mod shipped;
 pub mod size;
 
 pub use dataset::{DatasetFormat, DatasetSection, Overlong};
@@ -100,6 +101,10 @@ pub struct ModelSection {
     /// CUDA device indices for the workers, one worker each (default: 0..N-1 for `--gpus N`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<usize>>,
+    /// Set by [`RunConfig::load_for_plan`] when `name` is not in the HF cache: the shipped
+    /// architecture that stands in for it (no weights, no tokenizer).
+    #[serde(skip)]
+    pub shipped: Option<&'static shipped::Shipped>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,6 +117,28 @@ pub enum AttnImplementation {
 }
 
 impl ModelSection {
+    /// The model's architecture: `path`'s config.json, or the shipped one standing in.
+    pub fn spec(&self) -> Result<hf::ModelSpec> {
+        match self.shipped {
+            Some(s) => s.spec(),
+            None => hf::ModelSpec::from_model_dir(&self.path),
+        }
+    }
+
+    /// [`Self::resolve_source`], except that a hub `name` missing from the HF cache falls
+    /// back to the architecture shipped for it, if any (`shipped` set, `path` empty).
+    fn resolve_source_or_shipped(&mut self) -> Result<()> {
+        match (self.resolve_source(), self.name.as_deref()) {
+            (Err(Error::InvalidValue { key, .. }), Some(name))
+                if key == "model.name" && shipped::for_hub_id(name).is_some() =>
+            {
+                self.shipped = shipped::for_hub_id(name);
+                Ok(())
+            }
+            (r, _) => r,
+        }
+    }
+
     /// Checks that exactly one of `path` and `name` is given and turns a hub `name` into the
     /// cached snapshot directory in `path`.
     fn resolve_source(&mut self) -> Result<()> {
@@ -324,6 +351,16 @@ impl Default for LoggingSection {
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
+        Self::load_with(path, overrides, false)
+    }
+
+    /// [`Self::load`] for sizing a run: a `model.name` missing from the local HF cache
+    /// falls back to the architecture shipped under configs/ for it (`model.shipped`).
+    pub fn load_for_plan(path: &Path, overrides: &[String]) -> Result<RunConfig> {
+        Self::load_with(path, overrides, true)
+    }
+
+    fn load_with(path: &Path, overrides: &[String], shipped_ok: bool) -> Result<RunConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Config {
             path: path.into(),
@@ -341,7 +378,10 @@ impl RunConfig {
             }
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
-        cfg.model.resolve_source()?;
+        match shipped_ok {
+            true => cfg.model.resolve_source_or_shipped()?,
+            false => cfg.model.resolve_source()?,
+        }
         cfg.resolve_paths(base);
         cfg.validate()?;
         Ok(cfg)

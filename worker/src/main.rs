@@ -12,6 +12,7 @@ mod model;
 #[allow(unsafe_code)]
 mod stream;
 
+use std::io::IsTerminal;
 use std::panic::AssertUnwindSafe;
 use std::process::ExitCode;
 
@@ -26,6 +27,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
