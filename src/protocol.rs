@@ -136,6 +136,10 @@ pub struct WorkerTimings {
     /// Time the backward waited for a free slab slot (on GPU mostly the device itself:
     /// the slots are held by in-flight gradient copies of layers still computing).
     pub slot_wait_s: f64,
+    /// Time the worker waited for the launcher's update of a block it was about to read
+    /// (the previous step's AdamW running behind this step's forward).
+    #[serde(default)]
+    pub update_wait_s: f64,
     /// GPU: the most device memory in use (cuMemGetInfo, so torch's reserve included).
     /// CPU: the step's peak resident memory above the step's start (VmHWM).
     pub peak_device_bytes: u64,

@@ -11,7 +11,7 @@ use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
-use mt::metrics::{MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
+use mt::metrics::{Bound, MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
 use mt::optim::{clip_coefficient, lr_at};
 use mt::plan::Fit;
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
@@ -267,7 +267,7 @@ impl Trainer {
                     rank,
                     world: placement.workers,
                     device,
-                    threads: worker_threads(device, placement.workers),
+                    threads: worker_threads(device),
                     spec: spec.clone(),
                     layout: host.layout.clone(),
                     dtype: cfg.model.dtype,
@@ -509,6 +509,7 @@ impl Trainer {
                     s.forward_s = s.forward_s.max(timings.forward_s);
                     s.backward_s = s.backward_s.max(timings.backward_s);
                     s.slot_wait_s = s.slot_wait_s.max(timings.slot_wait_s);
+                    s.update_wait_s = s.update_wait_s.max(timings.update_wait_s);
                     s.h2d_wait_s = s.h2d_wait_s.max(timings.h2d_wait_s);
                     s.d2h_s = s.d2h_s.max(timings.d2h_s);
                     s.peak_device_bytes = s.peak_device_bytes.max(timings.peak_device_bytes);
@@ -656,6 +657,13 @@ impl Trainer {
             optimizer_s,
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
+            update_wait_s: out.slowest.update_wait_s,
+            bound: Bound::of(
+                step_time_s,
+                out.slowest.update_wait_s,
+                out.slowest.h2d_wait_s,
+                out.slowest.slot_wait_s,
+            ),
             peak_gpu_bytes: out.slowest.peak_device_bytes,
             gpu_context_bytes: out.slowest.context_device_bytes,
             launcher_rss_bytes: rss_bytes(),
@@ -695,15 +703,10 @@ fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
 /// run differ from one machine to the next; with one thread each, a micro-batch's
 /// gradient is the same bits whatever the number of workers or cores. On CPU, cores are
 /// used through `--workers`, which gives the same training by design. A GPU worker's
-/// host threads only feed the device: it gets its share of the cores.
-fn worker_threads(device: Device, workers: usize) -> usize {
-    match device {
-        Device::Cpu => 1,
-        Device::Cuda(_) => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / workers).max(1)
-        }
-    }
+/// CPU-side tensors are its micro-batch's ids and labels, tiny: one thread too, so that
+/// no OpenMP pool of its spins on the cores the launcher's reduce and AdamW need.
+fn worker_threads(_device: Device) -> usize {
+    1
 }
 
 /// `mt-worker` beside this executable, or `MT_WORKER_BIN`.

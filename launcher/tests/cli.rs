@@ -232,5 +232,18 @@ fn piped_stdout_gets_one_line_per_step() {
         text.contains("step    1/2  loss ") && text.contains("step    2/2  loss "),
         "{text}"
     );
-    assert_eq!(metrics(&m).len(), 2);
+    let rows = metrics(&m);
+    assert_eq!(rows.len(), 2);
+    // Each step says what bounded it; on CPU nothing waits a tenth of the step except,
+    // possibly, for the optimizer's update of the previous step.
+    for r in &rows {
+        let bound = r["bound"].as_str().expect("a `bound` string");
+        assert!(["compute", "optimizer"].contains(&bound), "{r}");
+        assert!(r["update_wait_s"].as_f64().unwrap() >= 0.0, "{r}");
+    }
+    assert_eq!(
+        rows[0]["update_wait_s"].as_f64(),
+        Some(0.0),
+        "step 1 waits on no update"
+    );
 }
