@@ -224,6 +224,7 @@ impl Trainer {
                 layout.clone(),
                 export.clone(),
                 background,
+                plan.opts.snapshot_optimizer,
             )
         });
         let mut host = HostState::new(&cfg, layout, placement.workers)?;
@@ -535,7 +536,7 @@ impl Trainer {
         let Some(writer) = self.writer.as_mut() else {
             return Ok(());
         };
-        let every = self.cfg.checkpoint.every_steps;
+        let due = self.cfg.checkpoint.due(done, last);
         let state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
@@ -543,10 +544,12 @@ impl Trainer {
         let root = writer.root().display().to_string();
         let failed =
             || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
-        let written = if last {
-            writer.write_final(state, &live).with_context(failed)?
-        } else if every > 0 && done.is_multiple_of(every) {
-            let (waited, written) = writer.start(state, &live).with_context(failed)?;
+        let written = if let (true, Some(contents)) = (last, due) {
+            writer
+                .write_final(state, &live, contents)
+                .with_context(failed)?
+        } else if let Some(contents) = due {
+            let (waited, written) = writer.start(state, &live, contents).with_context(failed)?;
             if self.cfg.checkpoint.background {
                 self.progress.println(&format!(
                     "checkpoint of step {done}: snapshot taken in {waited:.3}s, writing in the background"

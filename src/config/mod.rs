@@ -58,6 +58,14 @@ pub struct CheckpointSection {
     /// Weight files larger than this are split into shards with
     /// `model.safetensors.index.json` (bytes, or `5GB`, `500MB`, `64KiB`).
     pub max_shard_size: size::ByteSize,
+    /// Write the optimizer state (fp32 master, Adam moments: 12 bytes per parameter) into
+    /// checkpoints so that they resume exactly. `false` writes model-only checkpoints (the
+    /// HF model directory alone, HF Trainer's `save_only_model`), which cannot be resumed.
+    pub save_optimizer: bool,
+    /// With `save_optimizer`, the optimizer state goes into every this many steps'
+    /// checkpoint only; the other checkpoints of `every_steps` are model-only (0: every
+    /// checkpoint holds it). The end of a run and a stop signal always write it.
+    pub full_state_every_steps: u64,
 }
 
 impl Default for CheckpointSection {
@@ -68,7 +76,48 @@ impl Default for CheckpointSection {
             keep_last: 2,
             background: true,
             max_shard_size: size::ByteSize(5_000_000_000),
+            save_optimizer: true,
+            full_state_every_steps: 0,
         }
+    }
+}
+
+/// What a checkpoint holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointContents {
+    /// The HF model directory and the optimizer state: a resume point.
+    Full,
+    /// The HF model directory alone.
+    ModelOnly,
+}
+
+impl CheckpointSection {
+    /// What the checkpoint after `step` steps holds, if one is due; `last` is the end of
+    /// the run or a stop signal, always checkpointed.
+    pub fn due(&self, step: u64, last: bool) -> Option<CheckpointContents> {
+        let at = |every: u64| every > 0 && step.is_multiple_of(every);
+        let full = self.save_optimizer
+            && (last
+                || match self.full_state_every_steps {
+                    0 => at(self.every_steps),
+                    n => at(n),
+                });
+        match (self.dir.is_some(), full) {
+            (false, _) => None,
+            (true, true) => Some(CheckpointContents::Full),
+            (true, false) if last || at(self.every_steps) => Some(CheckpointContents::ModelOnly),
+            (true, false) => None,
+        }
+    }
+
+    /// Whether any checkpoint before the last holds the optimizer state.
+    pub fn periodic_full_state(&self) -> bool {
+        self.save_optimizer && (self.full_state_every_steps > 0 || self.every_steps > 0)
+    }
+
+    /// Whether checkpoints are written before the last one.
+    pub fn periodic(&self) -> bool {
+        self.every_steps > 0 || self.full_state_every_steps > 0
     }
 }
 
@@ -476,10 +525,16 @@ impl RunConfig {
                 return Err(Error::invalid(key, msg));
             }
         }
-        if self.checkpoint.every_steps > 0 && self.checkpoint.dir.is_none() {
+        if self.checkpoint.periodic() && self.checkpoint.dir.is_none() {
             return Err(Error::invalid(
                 "checkpoint.dir",
-                "is required when checkpoint.every_steps > 0",
+                "is required when checkpoint.every_steps or checkpoint.full_state_every_steps > 0",
+            ));
+        }
+        if !self.checkpoint.save_optimizer && self.checkpoint.full_state_every_steps > 0 {
+            return Err(Error::invalid(
+                "checkpoint.full_state_every_steps",
+                "conflicts with checkpoint.save_optimizer: false (no checkpoint holds the optimizer state)",
             ));
         }
         if self.memory.checkpoint_interval != 1 {
@@ -613,6 +668,31 @@ mod tests {
     }
 
     const OK: &str = "model: {path: m}\ndataset: {format: tokenized, path: d.jsonl}\n";
+
+    #[test]
+    fn checkpoints_are_due_full_or_model_only() {
+        use CheckpointContents::{Full, ModelOnly};
+        let mut ck = CheckpointSection {
+            dir: Some("ck".into()),
+            every_steps: 10,
+            ..CheckpointSection::default()
+        };
+        assert_eq!(ck.due(10, false), Some(Full));
+        assert_eq!(ck.due(15, false), None);
+        assert_eq!(ck.due(15, true), Some(Full));
+        ck.full_state_every_steps = 30;
+        assert_eq!(ck.due(10, false), Some(ModelOnly));
+        assert_eq!(ck.due(30, false), Some(Full));
+        assert_eq!(ck.due(45, false), None);
+        assert_eq!(ck.due(45, true), Some(Full));
+        ck.full_state_every_steps = 0;
+        ck.save_optimizer = false;
+        assert_eq!(ck.due(10, false), Some(ModelOnly));
+        assert_eq!(ck.due(11, true), Some(ModelOnly));
+        assert!(!ck.periodic_full_state());
+        ck.dir = None;
+        assert_eq!(ck.due(10, true), None);
+    }
 
     #[test]
     fn minimal_config_gets_defaults_and_resolved_paths() {
