@@ -52,6 +52,9 @@ pub struct StepMetrics {
     /// host plan's total promises to bound.
     pub launcher_rss_bytes: u64,
     pub launcher_peak_rss_bytes: u64,
+    /// Seconds from launch to the workers' readiness (the first step of a run only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub startup_s: Option<f64>,
     /// Per GPU (or CPU worker), MegaTrain's formula: 6 x all parameters x batch_size x
     /// padded sequence length / step time.
     pub tflops_megatrain: f64,

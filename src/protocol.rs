@@ -83,6 +83,8 @@ pub struct Init {
     pub offload_activations: bool,
     /// Write the logits of the first micro-batch of the first step here (parity checks).
     pub dump_logits: Option<std::path::PathBuf>,
+    /// CUDA: warm up at this micro-batch shape (rows, tokens per row) before `Ready`.
+    pub warm_up: Option<(usize, usize)>,
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.
@@ -157,6 +159,10 @@ pub enum FromWorker {
     },
     Ready {
         device: String,
+        /// Seconds spent mapping and host-registering the shared regions.
+        register_s: f64,
+        /// Seconds of the CUDA warm-up (0 without one).
+        warm_up_s: f64,
     },
     LayerGrads {
         micro: usize,

@@ -37,6 +37,9 @@ struct WorkerProc {
 
 pub struct Supervisor {
     workers: Vec<WorkerProc>,
+    /// The slowest worker's host registration and warm-up at start (seconds).
+    pub register_s: f64,
+    pub warm_up_s: f64,
     events: Receiver<Event>,
     /// When each worker last sent a message (its start before that).
     last_heard: Vec<Instant>,
@@ -57,6 +60,8 @@ impl Supervisor {
             last_heard: Vec::new(),
             oom_kills_at_start: mt::plan::oom_kills(),
             host_plan_bytes,
+            register_s: 0.0,
+            warm_up_s: 0.0,
         };
         for init in inits {
             let w = spawn_one(worker_bin, init, &ev_tx)?;
@@ -67,8 +72,17 @@ impl Supervisor {
         let mut ready = vec![false; sup.workers.len()];
         while ready.iter().any(|r| !r) {
             match sup.next_event(START_TIMEOUT, &|r| !ready[r])? {
-                Event::Msg(r, FromWorker::Ready { device }) => {
-                    tracing::debug!(rank = r, %device, "worker ready");
+                Event::Msg(
+                    r,
+                    FromWorker::Ready {
+                        device,
+                        register_s,
+                        warm_up_s,
+                    },
+                ) => {
+                    tracing::debug!(rank = r, %device, register_s, warm_up_s, "worker ready");
+                    sup.register_s = sup.register_s.max(register_s);
+                    sup.warm_up_s = sup.warm_up_s.max(warm_up_s);
                     ready[r] = true;
                 }
                 Event::Msg(r, other) => bail!("worker rank {r} sent {other:?} before Ready"),

@@ -57,6 +57,8 @@ pub struct Trainer {
     progress: Progress,
     /// The host plan, whose total the launcher's resident peak is reported against.
     plan: mt::plan::HostPlan,
+    /// Seconds from launch to the workers' readiness, reported with the first step.
+    startup_s: Option<f64>,
 }
 
 /// Everything a run is built from, checked before any worker starts: the model, its
@@ -176,6 +178,7 @@ impl Trainer {
         dump_logits: Option<PathBuf>,
         resume: Option<String>,
     ) -> Result<Trainer> {
+        let t_start = Instant::now();
         let mut prepared = Prepared::new(&cfg, &placement)?;
         prepared.check_host_ram()?;
         if let Some(dir) = &cfg.checkpoint.dir {
@@ -227,7 +230,14 @@ impl Trainer {
                 plan.opts.snapshot_optimizer,
             )
         });
+        let t_prepared = Instant::now();
         let mut host = HostState::new(&cfg, layout, placement.workers)?;
+        let t_allocated = Instant::now();
+        let weights = match (&resume, cfg.model.init) {
+            (Some(_), _) => "resumed",
+            (None, InitKind::Pretrained) => "loaded",
+            (None, InitKind::Random) => "random init",
+        };
         match cfg.model.init {
             _ if resume.is_some() => {}
             InitKind::Pretrained => host.init_master(|layout, master| {
@@ -258,6 +268,15 @@ impl Trainer {
             println!("resumed from {} at step {}", dir.display(), state.step);
             (start_step, nan_run) = (state.step, state.nan_run);
         }
+        let t_weights = Instant::now();
+        // CUDA workers warm up at the configured micro-batch shape.
+        let warm_up = (placement.gpus > 0).then(|| {
+            let rows = cfg.training.batch_size
+                / (placement.workers * cfg.training.gradient_accumulation_steps);
+            let longest = data.rows.iter().map(|r| r.input_ids.len()).max();
+            let seq = cfg.dataset.max_seq_len.or(longest).unwrap_or(1);
+            (rows.max(1), seq)
+        });
         let inits = (0..placement.workers)
             .map(|rank| {
                 let device = match placement.devices.get(rank) {
@@ -281,10 +300,23 @@ impl Trainer {
                         1 => p.clone(),
                         _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
                     }),
+                    warm_up,
                 }
             })
             .collect();
         let sup = Supervisor::start(&worker_binary()?, inits, plan.total())?;
+        let t_workers = Instant::now();
+        let s = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
+        let startup_s = s(t_start, t_workers);
+        println!(
+            "start-up {startup_s:.1}s: config and data {:.1}s, host state {:.1}s, weights {:.1}s ({weights}), workers {:.1}s (host registration {:.1}s, warm-up {:.1}s)",
+            s(t_start, t_prepared),
+            s(t_prepared, t_allocated),
+            s(t_allocated, t_weights),
+            s(t_weights, t_workers),
+            sup.register_s,
+            sup.warm_up_s,
+        );
         let metrics = metrics_out
             .as_deref()
             .map(MetricsWriter::create)
@@ -311,6 +343,7 @@ impl Trainer {
             nan_run,
             start_step,
             plan,
+            startup_s: Some(startup_s),
         })
     }
 
@@ -671,6 +704,7 @@ impl Trainer {
             gpu_context_bytes: out.slowest.context_device_bytes,
             launcher_rss_bytes: rss_bytes(),
             launcher_peak_rss_bytes: peak_rss_bytes(),
+            startup_s: self.startup_s.take(),
             tflops_megatrain: per_device_tflops(flops.megatrain),
             tflops_model: per_device_tflops(flops.model),
             skipped: out.skipped,
