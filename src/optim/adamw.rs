@@ -8,6 +8,8 @@
 //! (`memory.grad_dtype`), widened exactly when read. [`adamw_update_split`] is the same
 //! update on a split master (`memory.master_weights: split`, see [`super::bits`]): it reads
 //! the bf16 store and the u16 residual, and writes both back, in the same single pass.
+//! [`adamw_update_bf16_master`] updates a bf16 master in place with stochastic rounding
+//! (`memory.master_weights: bfloat16`, 22 bytes moved per parameter with a bf16 gradient).
 //!
 //! The update is memory-bound, so the kernels aim at moving bytes, not at saving flops.
 //! Bytes per parameter moved (reads + writes, the store's write included): fp32 master and
@@ -102,6 +104,41 @@ pub fn adamw_update_split<G: GradElem>(
     decay: bool,
 ) {
     update_split_with(Simd::get(), hi, lo, grad, m, v, &Consts::new(hp, decay));
+}
+
+/// Updates one tensor of a bf16 master (`memory.master_weights: bfloat16`): `p` is its bf16
+/// store, read, updated in f32 as [`adamw_update`] does, and rounded stochastically
+/// ([`bits::stochastic_round_bf16`]) with [`bits::rounding_bits`]`(seed, hp.step, first + i)`
+/// for element `i`, `first` being the tensor's first element in the layout. A pure
+/// function of its inputs: thread count and chunking do not change a bit.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_update_bf16_master<G: GradElem>(
+    p: &mut [bf16],
+    grad: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    hp: &AdamWStep,
+    decay: bool,
+    seed: u64,
+    first: u64,
+) {
+    let n = p.len();
+    assert!(grad.len() == n && m.len() == n && v.len() == n);
+    let k = Consts::new(hp, decay);
+    let chunk = |i: usize, p: &mut [bf16], g: &[G], m: &mut [f32], v: &mut [f32]| {
+        let base = first + (i * CHUNK) as u64;
+        for j in 0..p.len() {
+            let pj = adam1(p[j].to_f32(), g[j].to_f32(), &mut m[j], &mut v[j], &k);
+            let r = bits::rounding_bits(seed, hp.step, base + j as u64);
+            p[j] = bits::stochastic_round_bf16(pj, r);
+        }
+    };
+    p.par_chunks_mut(CHUNK)
+        .zip(grad.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .enumerate()
+        .for_each(|(i, (((p, g), m), v))| chunk(i, p, g, m, v));
 }
 
 fn update_split_with<G: GradElem>(

@@ -37,6 +37,34 @@ fn round_bits(b: u32) -> u16 {
     (if nan { (b >> 16) | 0x40 } else { rounded }) as u16
 }
 
+/// f32 to bf16 rounded stochastically with the 16 random bits `r`: up (in magnitude) with
+/// probability (low half of `x`) / 65536, so that the rounding is unbiased, E[result] = x
+/// (`memory.master_weights: bfloat16`). Adding `r` to the bit pattern carries into the
+/// high half exactly then; a carry out of the mantissa moves into the exponent, as in
+/// [`round_bf16`]. NaN and infinity round as [`round_bf16`] does.
+#[inline(always)]
+pub fn stochastic_round_bf16(x: f32, r: u16) -> bf16 {
+    let b = x.to_bits();
+    let finite = (b & 0x7f80_0000) != 0x7f80_0000;
+    match finite {
+        true => bf16::from_bits((b.wrapping_add(u32::from(r)) >> 16) as u16),
+        false => round_bf16(x),
+    }
+}
+
+/// 16 random bits for element `index` of the update numbered `step` of a run seeded with
+/// `seed`: a pure function (splitmix64's finalizer over the three), so a stochastic
+/// rounding is the same whatever the thread count, chunking or machine.
+#[inline(always)]
+pub fn rounding_bits(seed: u64, step: u64, index: u64) -> u16 {
+    let mut z = seed
+        ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) >> 48) as u16
+}
+
 /// The store's bf16 (`round_bf16(x)`) and the residual low half of `x`, ties nudged (see
 /// the module docs).
 #[inline(always)]
@@ -175,5 +203,33 @@ mod tests {
             assert_eq!((hi[i].to_bits(), lo[i]), (h.to_bits(), l));
             assert_eq!(y[i].to_bits(), join(hi[i], lo[i]).to_bits());
         }
+    }
+
+    /// Stochastic rounding is unbiased: over the 65536 values of `r` it rounds up exactly
+    /// (low half) times, so the mean of the results is `x` to f64 precision; values
+    /// already in bf16 never move; the rounding bits look uniform.
+    #[test]
+    fn stochastic_rounding_is_unbiased_and_exact_on_bf16_values() {
+        for x in [1.000_123_4f32, -3.14159, 1e-30, -7.5e20, 0.333_333_3] {
+            let mean: f64 = (0..=u16::MAX)
+                .map(|r| f64::from(stochastic_round_bf16(x, r).to_f32()))
+                .sum::<f64>()
+                / 65536.0;
+            assert!(
+                (mean - f64::from(x)).abs() <= f64::from(x).abs() * 1e-12,
+                "{x}: mean {mean}"
+            );
+        }
+        for x in [1.0f32, -2.5, 0.0, f32::INFINITY] {
+            assert!((0..1000).all(|r| stochastic_round_bf16(x, r).to_f32() == x));
+        }
+        assert!(stochastic_round_bf16(f32::NAN, 7).is_nan());
+        // Uniform bits: each of 16 buckets holds 1/16 of 2^16 draws within 5%.
+        let mut buckets = [0u32; 16];
+        for i in 0..65536 {
+            buckets[(rounding_bits(42, 3, i) >> 12) as usize] += 1;
+        }
+        assert!(buckets.iter().all(|&c| (3891..=4301).contains(&c)), "{buckets:?}");
+        assert_ne!(rounding_bits(42, 3, 5), rounding_bits(42, 4, 5));
     }
 }

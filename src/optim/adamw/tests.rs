@@ -294,3 +294,40 @@ fn split_update_is_the_fp32_update_split() {
         assert!(ties < n / 1000, "ties are rare: {ties}");
     }
 }
+
+/// The bf16-master update is the fp32 update of the widened store followed by a
+/// stochastic rounding with the element's own bits: bit for bit the same at every chunk
+/// boundary (the element index, not the task, picks the bits), and the moments equal the
+/// fp32 path's exactly.
+#[test]
+fn bf16_master_is_the_f32_update_rounded_stochastically() {
+    let n = 2 * CHUNK + 37;
+    let first = 1_000_003u64;
+    let hp = AdamWStep {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 7,
+        grad_scale: 0.75,
+    };
+    let mut p: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32(((i % 29) as f32 - 14.0) * 0.013))
+        .collect();
+    let g: Vec<bf16> = (0..n)
+        .map(|i| bf16::from_f32(((i * 7 % 31) as f32 - 15.0) * 0.002))
+        .collect();
+    let (mut m, mut v) = (vec![0.01f32; n], vec![0.002f32; n]);
+    let mut p32: Vec<f32> = p.iter().map(|x| x.to_f32()).collect();
+    let (mut m32, mut v32) = (m.clone(), v.clone());
+    let mut store = vec![bf16::ZERO; n];
+    adamw_update(&mut p32, &g, &mut m32, &mut v32, StoreOut::Bf16(&mut store), &hp, true);
+    adamw_update_bf16_master(&mut p, &g, &mut m, &mut v, &hp, true, 42, first);
+    assert!(m == m32 && v == v32, "moments differ from the fp32 path");
+    for i in 0..n {
+        let r = bits::rounding_bits(42, hp.step, first + i as u64);
+        let want = bits::stochastic_round_bf16(p32[i], r);
+        assert_eq!(p[i].to_bits(), want.to_bits(), "element {i}");
+    }
+}
