@@ -1,5 +1,6 @@
-//! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA) when stdout is a
-//! terminal, plain log lines every `logging.log_every` steps otherwise (files, pipes, CI).
+//! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA, the last eval
+//! loss) when stdout is a terminal, plain log lines every `logging.log_every` steps
+//! otherwise (files, pipes, CI). A step with an evaluation always gets its line.
 
 use std::io::IsTerminal;
 
@@ -32,8 +33,17 @@ impl Progress {
     }
 
     pub fn step(&self, m: &StepMetrics, total: u64) {
+        let eval = m.eval.map(|e| {
+            format!(
+                "  eval_loss {:.4} ({} tokens, {:.2}s)",
+                e.eval_loss, e.eval_tokens, e.eval_time_s
+            )
+        });
         match self {
             Progress::Bar(bar) => {
+                if let Some(eval) = &eval {
+                    bar.println(format!("step {}/{total}{eval}", m.step));
+                }
                 bar.set_message(format!(
                     "loss {:.4} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}",
                     m.loss,
@@ -45,9 +55,9 @@ impl Progress {
                 bar.set_position(m.step);
             }
             Progress::Lines { every } => {
-                if m.step.is_multiple_of(*every) || m.step == total {
+                if m.step.is_multiple_of(*every) || m.step == total || eval.is_some() {
                     println!(
-                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev",
+                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev{}",
                         m.step,
                         total,
                         m.loss,
@@ -56,7 +66,8 @@ impl Progress {
                         m.tokens,
                         m.step_time_s,
                         m.tokens_per_s,
-                        m.tflops_megatrain
+                        m.tflops_megatrain,
+                        eval.unwrap_or_default()
                     );
                 }
             }
