@@ -1,6 +1,6 @@
-//! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA, the last eval
-//! loss) when stdout is a terminal, plain log lines every `logging.log_every` steps
-//! otherwise (files, pipes, CI). A step with an evaluation always gets its line.
+//! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA) when stdout is a
+//! terminal, plain log lines every `logging.log_every` steps otherwise (files, pipes, CI).
+//! A step after which the eval set was evaluated always gets a line with its eval loss.
 
 use std::io::IsTerminal;
 

@@ -108,8 +108,57 @@ fn value(a: &dyn Array, i: usize) -> Value {
         ),
         DataType::Dictionary(..) => {
             let d = a.as_any_dictionary();
-            value(d.values().as_ref(), d.normalized_keys()[i])
+            match value(d.keys(), i).as_u64() {
+                Some(k) if (k as usize) < d.values().len() => {
+                    value(d.values().as_ref(), k as usize)
+                }
+                _ => Value::Null,
+            }
         }
         _ => Value::Null,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use arrow_array::types::Int32Type;
+    use arrow_array::{ArrayRef, DictionaryArray, Float64Array, Int64Array, StringArray};
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn rows_become_the_json_objects_they_hold() {
+        let batch = RecordBatch::try_from_iter([
+            (
+                "s",
+                Arc::new(StringArray::from(vec![Some("x"), None])) as ArrayRef,
+            ),
+            (
+                "d",
+                Arc::new(DictionaryArray::<Int32Type>::from_iter(["a", "b"])) as ArrayRef,
+            ),
+            ("n", Arc::new(Int64Array::from(vec![1, -2])) as ArrayRef),
+            (
+                "f",
+                Arc::new(Float64Array::from(vec![0.5, f64::NAN])) as ArrayRef,
+            ),
+        ])
+        .unwrap();
+        let mut rows = Vec::new();
+        batch_rows(&batch, &mut rows);
+        let rows: Vec<Value> = rows
+            .iter()
+            .map(|r| serde_json::from_str(r).unwrap())
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                json!({"s": "x", "d": "a", "n": 1, "f": 0.5}),
+                json!({"s": null, "d": "b", "n": -2, "f": null})
+            ]
+        );
     }
 }
