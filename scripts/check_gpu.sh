@@ -4,7 +4,9 @@
 # micro-batches per step, with layer inputs offloaded to host memory (which must also
 # match the plain 1-GPU run to 1e-6), with tied embeddings, and for two variants of the
 # tiny model: a Qwen3-MoE (routed experts, router aux loss; also on 2 GPUs) and a
-# Qwen3-Next hybrid (Gated DeltaNet + gated full attention, shared expert). Needs the built binaries
+# Qwen3-Next hybrid (Gated DeltaNet + gated full attention, shared expert). The eval loss of
+# the held-out samples (configs/tiny.yaml's val_size, evaluated after the last step by the
+# forward-only path) must agree the same way. Needs the built binaries
 # (BIN, default target/release) and a GPU machine; Python only for the comparison.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,15 +59,22 @@ run gpu2_moe --gpus 2 "${gpu[@]}" --set "model.path=$work/moe"
 
 "$PYTHON" - "$work" <<'PY'
 import json, sys
-load = lambda n: [json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/{n}.jsonl")]
+def load(n, key):
+    rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{n}.jsonl")]
+    return [r[key] for r in rows if key in r]
 ok = True
 def check(name, ref_name, bound):
     global ok
-    got, ref = load(name), load(ref_name)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-    ok &= worst <= bound and len(got) == len(ref)
-    print(f"{name} vs {ref_name} over {len(ref)} steps: worst relative difference {worst:.2e} "
-          f"(bound {bound:.0e}; first {got[0]:.4f} vs {ref[0]:.4f}, last {got[-1]:.4f} vs {ref[-1]:.4f})")
+    for key, what in (("loss", "steps"), ("eval_loss", "evaluations")):
+        got, ref = load(name, key), load(ref_name, key)
+        if not got or len(got) != len(ref):
+            ok = False
+            print(f"{name} vs {ref_name} {key}: {len(got)} values vs {len(ref)}")
+            continue
+        worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+        ok &= worst <= bound
+        print(f"{name} vs {ref_name} {key} over {len(ref)} {what}: worst relative difference {worst:.2e} "
+              f"(bound {bound:.0e}; first {got[0]:.4f} vs {ref[0]:.4f}, last {got[-1]:.4f} vs {ref[-1]:.4f})")
 for name in ("gpu1", "gpu2", "gpu1_accum2", "gpu1_offload"):
     check(name, "cpu", 2e-2)
 check("gpu1_tied", "cpu_tied", 2e-2)

@@ -148,3 +148,83 @@ with open(os.path.join(out, "expected_sharegpt_demo_template2.jsonl"), "w") as f
     for m in convs:
         f.write(json.dumps(row(m, tok2), ensure_ascii=False) + "\n")
 print(f"data fixtures: {', '.join(f'{k} ({len(v)} rows)' for k, v in cases.items())} in {out}")
+
+# Hub datasets, as `hf download --repo-type dataset mt-test/alpaca-mini` would leave them in
+# the cache: the alpaca demo split in two train shards and a test shard written by pyarrow
+# (snapshot files are links into blobs/, as huggingface_hub makes them), and a `chat` subset
+# of the sharegpt conversations (a list of structs per row). Also a Parquet file and a
+# `save_to_disk` directory for dataset.path.
+import datasets  # noqa: E402
+
+datasets.disable_progress_bars()
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+COMMIT = "a1b2c3d4e5f60718293a4b5c6d7e8f9012345678"
+repo = os.path.join(out, "hub", "datasets--mt-test--alpaca-mini")
+shutil.rmtree(repo, ignore_errors=True)
+snapshot = os.path.join(repo, "snapshots", COMMIT)
+os.makedirs(os.path.join(repo, "refs"))
+with open(os.path.join(repo, "refs", "main"), "w") as f:
+    f.write(COMMIT)
+
+
+def table(records):
+    """Every key of any record a column (pyarrow infers the columns from the first record
+    alone); absent values are nulls."""
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    return pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in records])
+
+
+def put_parquet(rel, records):
+    blob = os.path.join(repo, "blobs", rel.replace("/", "_"))
+    os.makedirs(os.path.dirname(blob), exist_ok=True)
+    pq.write_table(table(records), blob)
+    dst = os.path.join(snapshot, rel)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.symlink(os.path.relpath(blob, os.path.dirname(dst)), dst)
+
+
+put_parquet("data/train-00000-of-00002.parquet", alpaca[:120])
+put_parquet("data/train-00001-of-00002.parquet", alpaca[120:200])
+put_parquet("data/test-00000-of-00001.parquet", alpaca[200:])
+sharegpt_records = [json.loads(line) for line in open(os.path.join(out, "sharegpt.jsonl"))]
+put_parquet("chat/train-00000-of-00001.parquet", sharegpt_records)
+with open(os.path.join(snapshot, "README.md"), "w") as f:
+    f.write("# alpaca-mini\n")
+registry.update({
+    "alpaca_hub": {"hf_hub_url": "mt-test/alpaca-mini"},
+    "alpaca_hub_test": {"hf_hub_url": "mt-test/alpaca-mini", "split": "test"},
+    "sharegpt_hub": {"hf_hub_url": "mt-test/alpaca-mini", "subset": "chat", "formatting": "sharegpt"},
+    "missing_hub": {"hf_hub_url": "mt-test/not-downloaded"},
+})
+with open(os.path.join(out, "dataset_info.json"), "w") as f:
+    json.dump(registry, f, indent=2)
+pq.write_table(table(alpaca), os.path.join(out, "alpaca.parquet"))
+shutil.rmtree(os.path.join(out, "saved_alpaca"), ignore_errors=True)
+datasets.Dataset.from_list(alpaca).save_to_disk(os.path.join(out, "saved_alpaca"))
+
+# The tiny model with weights (torch's init, float32), and the summed token loss and label
+# count of every alpaca row under them, one row at a time: the eval loss of any subset of
+# rows follows (launcher/tests/eval.rs).
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+torch.manual_seed(0)
+model_dir = os.path.join(out, "model-tiny")
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.join(ROOT, "configs/tiny"))).float()
+model.save_pretrained(model_dir)
+for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(ROOT, "configs/tiny", name), model_dir)
+row_losses = []
+with torch.no_grad():
+    for m in cases["alpaca_demo"]:
+        r = row(m)
+        logits = model(input_ids=torch.tensor([r["input_ids"]])).logits[0, :-1].float()
+        targets = torch.tensor(r["labels"][1:])
+        loss_sum = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        row_losses.append({"loss_sum": loss_sum.item(), "tokens": int((targets != -100).sum())})
+with open(os.path.join(out, "row_losses_alpaca_demo.json"), "w") as f:
+    json.dump(row_losses, f)
+print(f"data fixtures: hub cache {os.path.join(out, 'hub')}, tiny model and {len(row_losses)} row losses")

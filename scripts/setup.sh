@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-REQS="torch==2.11.0 transformers==5.17.0 safetensors numpy"
+REQS="torch==2.11.0 transformers==5.17.0 safetensors numpy pyarrow datasets tensorboard"
 STAMP=.venv/.mt-setup-$(echo "$REQS" | cksum | cut -d' ' -f1)
 
 if [ ! -x .venv/bin/python ]; then

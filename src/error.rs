@@ -40,6 +40,18 @@ pub enum Error {
         msg: String,
     },
 
+    /// A record of a table file (Parquet, Arrow): rows are counted from 1.
+    #[error("dataset {path}, row {row}: {msg}")]
+    DatasetRow {
+        path: PathBuf,
+        row: usize,
+        msg: String,
+    },
+
+    /// A dataset file or directory as a whole.
+    #[error("dataset {path}: {msg}")]
+    DatasetFile { path: PathBuf, msg: String },
+
     #[error("shared memory region `{name}`: {msg}")]
     Shm { name: String, msg: String },
 

@@ -1,4 +1,8 @@
-//! Per-step metrics: one JSON object per line per optimizer step, and the FLOPs accounting.
+//! Per-step metrics: one JSON object per line per optimizer step, and the FLOPs accounting;
+//! the same scalars as TensorBoard events ([`tensorboard`]) and as a picture ([`plot`]).
+
+pub mod plot;
+pub mod tensorboard;
 
 use std::io::Write;
 use std::path::Path;
@@ -64,6 +68,18 @@ pub struct StepMetrics {
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,
+    /// After an evaluation (every `training.eval_steps` and after the last step): the mean
+    /// token loss over the whole eval set under this step's updated weights, its label
+    /// tokens, and the seconds it took.
+    #[serde(flatten)]
+    pub eval: Option<EvalMetrics>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct EvalMetrics {
+    pub eval_loss: f64,
+    pub eval_tokens: u64,
+    pub eval_time_s: f64,
 }
 
 /// What held a step back.

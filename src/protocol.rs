@@ -26,6 +26,14 @@
 //! `LayerGrads` for it; the launcher reads slot s only between that `LayerGrads` and its
 //! `SlotFree`.
 //!
+//! Evaluation runs between steps, when no update is pending (every store block holds the
+//! weights being evaluated), forward only: no gradient slab is touched.
+//!
+//! ```text
+//!   Eval{index, micro-batch}         ──▶   forward, chunked cross-entropy
+//!                                    ◀──   EvalDone{index, loss_sum}
+//! ```
+//!
 //! A slot holds `layout.grad_slot_len()` elements (the largest decoder layer), so a block
 //! larger than that (the embedding, an untied lm_head) is sent in parts: part p of block b
 //! is the element range `Layout::grad_parts(b, slot_len)` yields p-th, each part in a slot
@@ -124,6 +132,12 @@ pub enum ToWorker {
     SlotFree {
         slot: usize,
     },
+    /// Eval micro-batch `index` (of the eval set's, in order): its summed token loss under
+    /// the weights in the store, forward only.
+    Eval {
+        index: usize,
+        micro: MicroBatch,
+    },
     Shutdown,
 }
 
@@ -175,6 +189,11 @@ pub enum FromWorker {
         loss_sum: f64,
         tokens: u64,
         timings: WorkerTimings,
+    },
+    /// The summed token cross-entropy of eval micro-batch `index`.
+    EvalDone {
+        index: usize,
+        loss_sum: f64,
     },
     Fatal {
         msg: String,

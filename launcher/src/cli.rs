@@ -27,6 +27,20 @@ pub enum Command {
     /// Print the host RAM and per-GPU memory a run would hold (from the real layout and
     /// activation sizes) and the largest micro-batch that fits, and exit.
     Plan(PlanArgs),
+    /// Draw the picture of a run from its metrics file (`--metrics-out`): an SVG with the
+    /// training and eval loss, learning rate and tokens/s over the steps.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// A metrics JSONL file written by `--metrics-out`.
+    #[arg(value_name = "METRICS.jsonl")]
+    pub metrics: PathBuf,
+
+    /// Where to write the SVG (default: beside the metrics file, `<name>.svg`).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -77,7 +91,8 @@ pub struct RunArgs {
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub set: Vec<String>,
 
-    /// Write one JSON object per optimizer step to this file.
+    /// Write one JSON object per optimizer step to this file, and at the end the run's
+    /// picture beside it (`<name>.svg`).
     #[arg(long, value_name = "FILE")]
     pub metrics_out: Option<PathBuf>,
 

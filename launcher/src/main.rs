@@ -3,8 +3,10 @@
 #![deny(unsafe_code)]
 
 mod cli;
+mod eval;
 mod host;
 mod plan;
+mod prepare;
 mod progress;
 mod supervisor;
 mod train;
@@ -48,6 +50,7 @@ fn run(cli: cli::Cli) -> Result<()> {
             unix::default_sigpipe()?;
             return plan::plan(p);
         }
+        Some(cli::Command::Report(r)) => return report(&r.metrics, r.out.as_deref()),
         None => cli.run,
     };
     let config = cli.config.expect("clap requires --config");
@@ -57,7 +60,8 @@ fn run(cli: cli::Cli) -> Result<()> {
     if cli.dry_run {
         return plan::dry_run(&cfg, &placement, cli.resume.as_deref());
     }
-    train::Trainer::new(
+    let metrics = cli.metrics_out.clone();
+    let result = train::Trainer::new(
         cfg,
         placement,
         cli.metrics_out,
@@ -65,5 +69,26 @@ fn run(cli: cli::Cli) -> Result<()> {
         cli.dump_logits,
         cli.resume,
     )?
-    .run()
+    .run();
+    // The picture of the run, whichever way it ended, as far as it went.
+    if let Some(m) = metrics.filter(|m| m.is_file()) {
+        match mt::metrics::plot::write_beside(&m) {
+            Ok(svg) => println!("picture of the run: {}", svg.display()),
+            Err(e) => tracing::warn!("no picture of the run: {e}"),
+        }
+    }
+    result
+}
+
+/// `mt-launch report METRICS.jsonl [--out FILE]`.
+fn report(metrics: &std::path::Path, out: Option<&std::path::Path>) -> Result<()> {
+    let out = match out {
+        Some(out) => {
+            mt::metrics::plot::write(metrics, out)?;
+            out.to_path_buf()
+        }
+        None => mt::metrics::plot::write_beside(metrics)?,
+    };
+    println!("{}", out.display());
+    Ok(())
 }

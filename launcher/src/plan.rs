@@ -6,7 +6,7 @@ use mt::config::RunConfig;
 use mt::plan::{DeviceOpts, DevicePlan, Fit};
 
 use crate::cli::{self, Placement};
-use crate::train::Prepared;
+use crate::prepare::Prepared;
 
 /// `mt-launch plan`: host RAM (and what is available), per-worker device memory for the
 /// configured micro-batch, and the largest micro-batch that fits a GPU.

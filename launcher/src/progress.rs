@@ -1,5 +1,6 @@
 //! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA) when stdout is a
 //! terminal, plain log lines every `logging.log_every` steps otherwise (files, pipes, CI).
+//! A step after which the eval set was evaluated always gets a line with its eval loss.
 
 use std::io::IsTerminal;
 
@@ -88,8 +89,17 @@ impl Progress {
             self.hinted.set(true);
             self.println(&hint);
         }
+        let eval = m.eval.map(|e| {
+            format!(
+                "  eval_loss {:.4} ({} tokens, {:.2}s)",
+                e.eval_loss, e.eval_tokens, e.eval_time_s
+            )
+        });
         match &self.kind {
             Kind::Bar(bar) => {
+                if let Some(eval) = &eval {
+                    bar.println(format!("step {}/{total}{eval}", m.step));
+                }
                 bar.set_message(format!(
                     "loss {:.4} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}{}",
                     m.loss,
@@ -102,9 +112,9 @@ impl Progress {
                 bar.set_position(m.step);
             }
             Kind::Lines { every } => {
-                if m.step.is_multiple_of(*every) || m.step == total {
+                if m.step.is_multiple_of(*every) || m.step == total || eval.is_some() {
                     println!(
-                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev{}",
+                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev{}{}",
                         m.step,
                         total,
                         m.loss,
@@ -114,7 +124,8 @@ impl Progress {
                         m.step_time_s,
                         m.tokens_per_s,
                         m.tflops_megatrain,
-                        bound_note(m)
+                        bound_note(m),
+                        eval.unwrap_or_default()
                     );
                 }
             }

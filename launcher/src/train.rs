@@ -1,5 +1,7 @@
 //! The step driver. A step reads like the algorithm: fetch the batch, run the workers'
 //! forward and backward while reducing their gradients as layers arrive, clip, update.
+//! After the steps `training.eval_steps` names (and the last), the eval set's loss under
+//! the updated weights ([`crate::eval`]); the next step starts after it.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -11,13 +13,17 @@ use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
-use mt::metrics::{Bound, MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
+use mt::metrics::tensorboard::EventWriter;
+use mt::metrics::{
+    Bound, EvalMetrics, MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
+};
 use mt::optim::{clip_coefficient, lr_at};
-use mt::plan::Fit;
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
+use crate::eval::EvalSet;
 use crate::host::HostState;
+use crate::prepare::Prepared;
 use crate::progress::Progress;
 use crate::supervisor::{Event, Supervisor};
 
@@ -49,6 +55,10 @@ pub struct Trainer {
     /// How `training.output_dir` and checkpoints export the model.
     export: ExportOptions,
     metrics: Option<MetricsWriter>,
+    /// `logging.report_to: tensorboard`.
+    tensorboard: Option<EventWriter>,
+    /// The eval set, when the config gives one.
+    eval: Option<EvalSet>,
     dump_grads: Option<PathBuf>,
     /// Non-finite steps in a row.
     nan_run: u64,
@@ -59,103 +69,6 @@ pub struct Trainer {
     plan: mt::plan::HostPlan,
     /// Seconds from launch to the workers' readiness, reported with the first step.
     startup_s: Option<f64>,
-}
-
-/// Everything a run is built from, checked before any worker starts: the model, its
-/// layout, the dataset (every record read and tokenized) and the host memory plan, which
-/// must fit in the RAM available now.
-pub struct Prepared {
-    pub spec: ModelSpec,
-    pub layout: Layout,
-    pub data: Dataset,
-    pub plan: mt::plan::HostPlan,
-}
-
-impl Prepared {
-    pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
-        Self::build(cfg, placement, true)
-    }
-
-    /// What `mt-launch plan` sizes: as [`Prepared::new`], except that a text dataset is
-    /// not read when the model has no tokenizer here (a shipped architecture standing in
-    /// for a hub id, or a directory with config.json alone): the run is then sized from
-    /// `dataset.max_seq_len`, and `data` is empty.
-    pub fn for_plan(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
-        let tokenizer =
-            cfg.model.shipped.is_none() && cfg.model.path.join("tokenizer.json").is_file();
-        let read = tokenizer || !mt::data::needs_tokenizer(&cfg.dataset)?;
-        if !read && cfg.dataset.max_seq_len.is_none() {
-            return Err(mt::Error::invalid(
-                "dataset.max_seq_len",
-                "needed to size a text dataset without its tokenizer (the model has no tokenizer.json here): set it",
-            )
-            .into());
-        }
-        Self::build(cfg, placement, read)
-    }
-
-    fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
-        cfg.validate_world(placement.workers)?;
-        let spec = cfg.model.spec()?;
-        if cfg.dataset.packing && spec.layer_types.contains(&AttentionKind::Linear) {
-            // The delta rule's recurrent state would flow from one packed document into
-            // the next; transformers' torch path has no per-document reset either.
-            return Err(mt::Error::invalid(
-                "dataset.packing",
-                format!(
-                    "packing is not supported for {} models: their linear-attention layers carry state across the documents of a packed row (set dataset.packing: false)",
-                    spec.model_type
-                ),
-            )
-            .into());
-        }
-        let layout = Layout::new(&spec);
-        let data = match read_data {
-            true => Dataset::load(
-                &cfg.dataset,
-                &cfg.model.path,
-                spec.vocab_size,
-                cfg.training.seed,
-            )?,
-            false => Dataset::default(),
-        };
-        let plan =
-            mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers));
-        Ok(Prepared {
-            spec,
-            layout,
-            data,
-            plan,
-        })
-    }
-
-    /// Refuses a run whose host memory plan exceeds the RAM available now; one that fits
-    /// only without its background-checkpoint snapshot loses it (periodic checkpoints are
-    /// then written from the live state), with a warning.
-    pub fn check_host_ram(&mut self) -> Result<()> {
-        let avail = mt::plan::available_host_bytes();
-        let gb = |b: u64| b as f64 / 1e9;
-        match self.plan.fit(avail) {
-            Fit::Fits => {}
-            Fit::WithoutSnapshot => {
-                tracing::warn!(
-                    "checkpoint.background: the snapshot buffer ({:.2} GB) does not fit beside the \
-                     training state ({:.2} GB available, {:.2} GB needed): periodic checkpoints are \
-                     written from the live state, and training waits for each",
-                    gb(self.plan.snapshot),
-                    gb(avail.unwrap_or(0)),
-                    gb(self.plan.total())
-                );
-                self.plan = self.plan.without_snapshot();
-            }
-            Fit::Short => bail!(
-                "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable)",
-                gb(self.plan.without_snapshot().total()),
-                gb(avail.unwrap_or(0))
-            ),
-        }
-        Ok(())
-    }
 }
 
 /// What the workers and the reduce reported for one step.
@@ -188,10 +101,14 @@ impl Trainer {
         if let Some(dir) = &cfg.training.output_dir {
             checkpoint::check_writable(dir, "training.output_dir")?;
         }
+        let tensorboard_dir = cfg.tensorboard_dir()?;
+        if let Some(dir) = &tensorboard_dir {
+            checkpoint::check_writable(dir, "logging.logging_dir")?;
+        }
         let Prepared {
             spec,
             layout,
-            data,
+            mut data,
             plan,
         } = prepared;
         println!("{}", data.summary());
@@ -321,6 +238,21 @@ impl Trainer {
             .as_deref()
             .map(MetricsWriter::create)
             .transpose()?;
+        let tensorboard = tensorboard_dir
+            .as_deref()
+            .map(EventWriter::create)
+            .transpose()?;
+        if let Some(tb) = &tensorboard {
+            println!("TensorBoard events: {}", tb.path().display());
+        }
+        let eval = (!data.eval.is_empty()).then(|| {
+            let t = &cfg.training;
+            let per_micro = t
+                .per_device_eval_batch_size
+                .unwrap_or(t.batch_size / (placement.workers * t.gradient_accumulation_steps));
+            let rows = std::mem::take(&mut data.eval);
+            EvalSet::new(&rows, per_micro, spec.pad_token_id as i32, t.eval_steps)
+        });
         let sampler = Sampler::new(
             data.rows.len(),
             cfg.training.batch_size,
@@ -339,6 +271,8 @@ impl Trainer {
             writer,
             export,
             metrics,
+            tensorboard,
+            eval,
             dump_grads,
             nan_run,
             start_step,
@@ -378,7 +312,11 @@ impl Trainer {
                 )
             });
             let stop = crate::unix::stop_requested();
-            let next = if step + 1 < steps && stop.is_none() {
+            let more = step + 1 < steps && stop.is_none();
+            // An evaluation reads this step's updated weights: the next step waits for it.
+            let evaluate =
+                stop.is_none() && self.eval.as_ref().is_some_and(|e| e.due(step + 1, steps));
+            let next = if more && !evaluate {
                 let next = self.fetch_batch(step + 1);
                 self.send_step(step + 1, &next, true)?;
                 Some(next)
@@ -398,8 +336,27 @@ impl Trainer {
             let step_time_s = now.duration_since(last_report).as_secs_f64();
             last_report = now;
             out.skipped = !finite;
-            self.report(step, &plan, &out, grad_norm, lr, optimizer_s, step_time_s)?;
-            self.checkpoint(step + 1, next.is_none())?;
+            let eval = evaluate.then(|| self.evaluate()).transpose()?;
+            self.report(
+                step,
+                &plan,
+                &out,
+                grad_norm,
+                lr,
+                optimizer_s,
+                step_time_s,
+                eval,
+            )?;
+            let next = match next {
+                None if more => {
+                    let next = self.fetch_batch(step + 1);
+                    self.send_step(step + 1, &next, false)?;
+                    last_report = Instant::now();
+                    Some(next)
+                }
+                next => next,
+            };
+            self.checkpoint(step + 1, !more)?;
             if stop.is_some() {
                 stopped = stop;
                 break;
@@ -429,6 +386,23 @@ impl Trainer {
             plan.total() as f64 / 1e9
         );
         Ok(())
+    }
+
+    /// The eval set's loss under the weights in the store (no update pending).
+    fn evaluate(&mut self) -> Result<EvalMetrics> {
+        let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
+        let set = self
+            .eval
+            .as_ref()
+            .expect("evaluations are due only with an eval set");
+        let m = set.evaluate(&mut self.sup, timeout)?;
+        tracing::info!(
+            eval_loss = m.eval_loss,
+            eval_tokens = m.eval_tokens,
+            eval_time_s = format!("{:.3}", m.eval_time_s),
+            "evaluated"
+        );
+        Ok(m)
     }
 
     /// Sends every worker its micro-batches of step `step`.
@@ -655,6 +629,7 @@ impl Trainer {
         lr: f64,
         optimizer_s: f64,
         step_time_s: f64,
+        eval: Option<EvalMetrics>,
     ) -> Result<()> {
         let layout = &self.host.layout;
         let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
@@ -708,12 +683,16 @@ impl Trainer {
             tflops_megatrain: per_device_tflops(flops.megatrain),
             tflops_model: per_device_tflops(flops.model),
             skipped: out.skipped,
+            eval,
         };
         if !m.loss.is_finite() {
             tracing::warn!(step = m.step, "non-finite loss");
         }
         if let Some(w) = self.metrics.as_mut() {
             w.write(&m)?;
+        }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            tb.step(&m)?;
         }
         self.progress.step(&m, self.cfg.training.num_steps);
         Ok(())

@@ -123,7 +123,9 @@ fn dry_run_checks_everything_and_starts_no_worker() {
         "--dry-run",
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("dataset: 240 samples"), "{text}");
+    // configs/tiny.yaml holds out 10% of the 240 demo samples for evaluation.
+    assert!(text.contains("dataset: 216 samples"), "{text}");
+    assert!(text.contains("eval set: 24 samples held out"), "{text}");
     assert!(text.contains("dry run: configuration, model, dataset and host memory are valid"));
     assert!(!text.contains("step "), "{text}");
     // A broken chat template is found by the dry run.

@@ -2,7 +2,8 @@
 //! trained 3 steps by transformers + torch.optim.AdamW) must be reproduced by mt-launch
 //! with 1 and 2 CPU workers: per-step losses and gradient norms to 1e-4 relative, every
 //! step-1 gradient and the step-1 logits of every real (non-padding) position to 1e-4
-//! (‖ours − torch‖ / ‖torch‖) in float32; per-step losses within 2e-2 relative when
+//! (‖ours − torch‖ / ‖torch‖) in float32, and the loss of a separate eval set after the
+//! last step to 1e-4; per-step losses within 2e-2 relative when
 //! computing in bfloat16. Cases whose loss depends on how the batch is split (the MoE router
 //! aux loss is per micro-batch) carry their N-worker reference in `expected_wN.json` and
 //! `grads0_wN.safetensors`.
@@ -51,15 +52,24 @@ fn every_golden_case_matches_pytorch() {
             let expected = json(&reference("expected", "json", workers));
             let losses = f64_array(&expected["losses"]);
             let norms = f64_array(&expected["grad_norms"]);
+            let evals = f64_array(&expected["eval_losses"]);
             let torch_grads = tensors(&reference("grads0", "safetensors", workers));
             let m = dir.join(format!("f32-{workers}.jsonl"));
             let g = dir.join(format!("grads-{workers}.safetensors"));
             let lg = dir.join(format!("logits-{workers}.safetensors"));
+            let eval_path = format!("dataset.eval_path={}", case.join("eval.jsonl").display());
             run_cpu_ok(
                 &config,
                 workers,
                 &m,
-                &["--dump-grads", path_str(&g), "--dump-logits", path_str(&lg)],
+                &[
+                    "--dump-grads",
+                    path_str(&g),
+                    "--dump-logits",
+                    path_str(&lg),
+                    "--set",
+                    &eval_path,
+                ],
             );
             // Rank r holds the r-th contiguous slice of the batch, padded to its own longest row.
             let ours: Vec<(Vec<usize>, Vec<f32>)> = match workers {
@@ -87,6 +97,14 @@ fn every_golden_case_matches_pytorch() {
                 failures.push(format!(
                     "{name} f32 {workers}w: losses {ours:?} vs torch {losses:?} (rel {e:.2e})"
                 ));
+            }
+            let last = rows.last().expect("metrics of every step");
+            let (eval, want) = (last["eval_loss"].as_f64(), evals.last().copied());
+            match (eval, want) {
+                (Some(e), Some(w)) if worst_rel(&[e], &[w]) <= F32_TOL => {}
+                _ => failures.push(format!(
+                    "{name} f32 {workers}w: eval loss after the last step {eval:?} vs torch {want:?}"
+                )),
             }
             let e = worst_rel(&our_norms, &norms);
             if e > F32_TOL {

@@ -4,6 +4,12 @@
 //! `dataset_dir/dataset_info.json` (LlamaFactory's registry: `file_name`, `formatting`,
 //! `columns`, `tags`). Text formats (`alpaca`, `sharegpt`) are rendered with the model's chat
 //! template and tokenized with its `tokenizer.json`; `tokenized` rows are used as they are.
+//! A registry entry may instead name a hub dataset (`hf_hub_url`), read offline from the
+//! Hugging Face cache; a `path` may be a JSON / JSONL / Parquet file or a directory that
+//! `datasets.save_to_disk` wrote.
+//!
+//! The eval set is either held out of the training samples (`val_size`, LlamaFactory's
+//! key) or read from its own source (`eval_name`, `eval_path`), and becomes rows the same way.
 
 use std::path::PathBuf;
 
@@ -14,10 +20,12 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatasetSection {
-    /// On-disk format of `path`. With `name`, the registry's `formatting` decides.
+    /// Record format of `path` and `eval_path`. With `name`, the registry's `formatting`
+    /// decides.
     #[serde(default)]
     pub format: Option<DatasetFormat>,
-    /// A dataset file (JSON array or JSONL). Exactly one of `path` and `name` is given.
+    /// A dataset file (JSON array, JSONL or Parquet) or a directory written by
+    /// `datasets.save_to_disk`. Exactly one of `path` and `name` is given.
     #[serde(default)]
     pub path: Option<PathBuf>,
     /// Dataset name(s) in `dataset_dir/dataset_info.json`, comma-separated to concatenate.
@@ -59,6 +67,35 @@ pub struct DatasetSection {
     /// Threads that tokenize (0: every core).
     #[serde(default)]
     pub num_workers: usize,
+    /// Samples held out of the training set for evaluation (LlamaFactory's key): a fraction
+    /// in (0, 1) (rounded up, as `datasets`' `train_test_split` does) or a whole number of
+    /// samples, chosen at random with `training.seed`.
+    #[serde(default)]
+    pub val_size: Option<f64>,
+    /// Eval dataset name(s) in `dataset_dir/dataset_info.json`, comma-separated.
+    #[serde(default)]
+    pub eval_name: Option<String>,
+    /// An eval dataset file or `save_to_disk` directory, read like `path` (same `format`).
+    #[serde(default)]
+    pub eval_path: Option<PathBuf>,
+}
+
+/// How many samples `dataset.val_size` holds out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ValSize {
+    /// This part of the samples, rounded up.
+    Fraction(f64),
+    Count(usize),
+}
+
+impl ValSize {
+    /// Samples held out of `n`.
+    pub fn of(self, n: usize) -> usize {
+        match self {
+            ValSize::Fraction(f) => (f * n as f64).ceil() as usize,
+            ValSize::Count(c) => c,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +126,28 @@ fn default_true() -> bool {
 }
 
 impl DatasetSection {
+    /// `val_size` checked: a fraction in (0, 1) or a whole number >= 1.
+    pub fn val_size(&self) -> Result<Option<ValSize>> {
+        let Some(v) = self.val_size else {
+            return Ok(None);
+        };
+        if v > 0.0 && v < 1.0 {
+            return Ok(Some(ValSize::Fraction(v)));
+        }
+        if v >= 1.0 && v.fract() == 0.0 && v <= u32::MAX as f64 {
+            return Ok(Some(ValSize::Count(v as usize)));
+        }
+        Err(Error::invalid(
+            "dataset.val_size",
+            format!("must be a fraction in (0, 1) or a whole number of samples >= 1, got {v}"),
+        ))
+    }
+
+    /// An eval set is configured.
+    pub fn has_eval_set(&self) -> bool {
+        self.val_size.is_some() || self.eval_name.is_some() || self.eval_path.is_some()
+    }
+
     /// Checks that the source is given once and the values make sense; names the key.
     pub fn validate(&self) -> Result<()> {
         match (&self.path, &self.name) {
@@ -104,13 +163,26 @@ impl DatasetSection {
                     "missing: give dataset.path (a file) or dataset.name (in dataset_dir/dataset_info.json)",
                 ));
             }
-            (None, Some(_)) if self.format.is_some() => {
+            (None, Some(_)) if self.format.is_some() && self.eval_path.is_none() => {
                 return Err(Error::invalid(
                     "dataset.format",
-                    "comes from the registry's `formatting` with dataset.name; give it only with dataset.path",
+                    "comes from the registry's `formatting` with dataset.name; give it only with dataset.path or dataset.eval_path",
                 ));
             }
             _ => {}
+        }
+        self.val_size()?;
+        if self.val_size.is_some() && (self.eval_name.is_some() || self.eval_path.is_some()) {
+            return Err(Error::invalid(
+                "dataset.val_size",
+                "give either dataset.val_size (held out of the training set) or dataset.eval_name / dataset.eval_path, not both",
+            ));
+        }
+        if self.eval_name.is_some() && self.eval_path.is_some() {
+            return Err(Error::invalid(
+                "dataset.eval_name",
+                "give either dataset.eval_name or dataset.eval_path, not both",
+            ));
         }
         if self.max_seq_len == Some(0) {
             return Err(Error::invalid("dataset.max_seq_len", "must be > 0"));
@@ -122,12 +194,12 @@ impl DatasetSection {
             ));
         }
         let columns = self.query_field.is_some() || self.response_field.is_some();
-        let alpaca_file = self.name.is_none()
+        let alpaca_file = (self.path.is_some() || self.eval_path.is_some())
             && self.format.unwrap_or(DatasetFormat::Alpaca) == DatasetFormat::Alpaca;
         if columns && !alpaca_file {
             return Err(Error::invalid(
                 "dataset.query_field",
-                "applies to alpaca-format files given by dataset.path",
+                "applies to alpaca-format files given by dataset.path or dataset.eval_path",
             ));
         }
         Ok(())

@@ -1,13 +1,14 @@
 //! Hugging Face hub ids (`org/name`, optionally `org/name@revision`) resolved offline to a
-//! model directory in the local HF cache, laid out as `huggingface_hub` writes it:
+//! snapshot directory in the local HF cache, laid out as `huggingface_hub` writes it:
 //!
 //! ```text
 //! <cache>/models--<org>--<name>/refs/<revision>        the commit a branch or tag points to
 //! <cache>/models--<org>--<name>/snapshots/<commit>/   config.json, *.safetensors, …
+//! <cache>/datasets--<org>--<name>/snapshots/<commit>/ data/train-00000-of-00001.parquet, …
 //! ```
 //!
 //! The cache is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
-//! else `~/.cache/huggingface/hub` (huggingface_hub's order). Nothing is downloaded: a model
+//! else `~/.cache/huggingface/hub` (huggingface_hub's order). Nothing is downloaded: a repo
 //! that is not in the cache is an error that says how to fetch it, so runs behave the same
 //! with and without network (and `HF_HUB_OFFLINE` is trivially honoured).
 
@@ -37,20 +38,73 @@ fn cache_dir_from(var: impl Fn(&str) -> Option<PathBuf>) -> Option<PathBuf> {
     var("HOME").map(|h| h.join(".cache").join("huggingface").join("hub"))
 }
 
-/// Resolves `id` through the cache named by the environment.
-pub fn resolve(id: &str) -> Result<PathBuf> {
-    let cache = cache_dir().ok_or_else(|| {
-        Error::invalid(
-            "model.name",
-            "cannot locate the Hugging Face cache: none of HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME, HOME is set",
-        )
-    })?;
-    resolve_in(&cache, id)
+/// What a hub repository holds: it decides the cache folder and the download command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepoType {
+    Model,
+    Dataset,
 }
 
-/// Resolves `id` (`org/name` or `org/name@revision`; revision a branch, tag or commit,
-/// default `main`) to its snapshot directory under `cache`.
+impl RepoType {
+    fn folder(self) -> &'static str {
+        match self {
+            RepoType::Model => "models",
+            RepoType::Dataset => "datasets",
+        }
+    }
+
+    /// How to fetch `repo` into the cache, and the local alternative.
+    fn fetch_hint(self, repo: &str) -> String {
+        let flag = match self {
+            RepoType::Model => "",
+            RepoType::Dataset => "--repo-type dataset ",
+        };
+        let local = match self {
+            RepoType::Model => "point model.path at a local model directory".to_string(),
+            RepoType::Dataset => "give its dataset_info.json entry a local `file_name`".to_string(),
+        };
+        format!(
+            "download it first (`hf download {flag}{repo}`, or `huggingface-cli download {flag}{repo}`), or {local}"
+        )
+    }
+}
+
+/// Resolves `id` through the cache named by the environment.
+pub fn resolve(id: &str) -> Result<PathBuf> {
+    resolve_in(&cache_for("model.name")?, id)
+}
+
+/// The cache named by the environment; `key` is the config key that needs it.
+pub fn cache_for(key: &str) -> Result<PathBuf> {
+    cache_dir().ok_or_else(|| {
+        Error::invalid(
+            key,
+            "cannot locate the Hugging Face cache: none of HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME, HOME is set",
+        )
+    })
+}
+
+/// Resolves the model `id` (`org/name` or `org/name@revision`; revision a branch, tag or
+/// commit, default `main`) to its snapshot directory under `cache`.
 pub fn resolve_in(cache: &Path, id: &str) -> Result<PathBuf> {
+    let dir = snapshot_in(cache, id, RepoType::Model, "model.name")?;
+    if !dir.join("config.json").is_file() {
+        let repo = id.split('@').next().unwrap_or(id);
+        return Err(Error::invalid(
+            "model.name",
+            format!(
+                "snapshot {} of `{repo}` has no config.json (incomplete download?); {}",
+                dir.display(),
+                RepoType::Model.fetch_hint(repo)
+            ),
+        ));
+    }
+    Ok(dir)
+}
+
+/// The snapshot directory of repository `id` (`org/name[@revision]`) of type `kind` under
+/// `cache`; errors name `key` and say how to download what is missing.
+pub fn snapshot_in(cache: &Path, id: &str, kind: RepoType, key: &str) -> Result<PathBuf> {
     let (repo, revision) = id.split_once('@').unwrap_or((id, "main"));
     let parts: Vec<&str> = repo.split('/').collect();
     let valid = |s: &str| {
@@ -63,20 +117,18 @@ pub fn resolve_in(cache: &Path, id: &str) -> Result<PathBuf> {
     let valid_revision = revision.split('/').all(valid); // branches may hold `/`: refs/pr/1
     if parts.len() != 2 || !parts.iter().all(|p| valid(p)) || !valid_revision {
         return Err(Error::invalid(
-            "model.name",
+            key,
             format!("`{id}` is not a hub id of the form org/name or org/name@revision"),
         ));
     }
-    let repo_dir = cache.join(format!("models--{}--{}", parts[0], parts[1]));
-    let fetch_hint = format!(
-        "download it first (`hf download {repo}`, or `huggingface-cli download {repo}`), or point model.path at a local model directory"
-    );
+    let repo_dir = cache.join(format!("{}--{}--{}", kind.folder(), parts[0], parts[1]));
+    let fetch_hint = kind.fetch_hint(repo);
     if !repo_dir.is_dir() {
         return Err(Error::invalid(
-            "model.name",
+            key,
             format!(
-                "`{repo}` is not in the Hugging Face cache {}; {fetch_hint}",
-                cache.display()
+                "`{repo}` is not in the Hugging Face cache (looked for {}); {fetch_hint}",
+                repo_dir.display()
             ),
         ));
     }
@@ -90,7 +142,7 @@ pub fn resolve_in(cache: &Path, id: &str) -> Result<PathBuf> {
             Ok(c) => c.trim().to_string(),
             Err(_) => {
                 return Err(Error::invalid(
-                    "model.name",
+                    key,
                     format!(
                         "`{repo}` is cached in {} but revision `{revision}` is not (no {}); cached snapshots: {}; {fetch_hint}",
                         repo_dir.display(),
@@ -102,11 +154,11 @@ pub fn resolve_in(cache: &Path, id: &str) -> Result<PathBuf> {
         }
     };
     let dir = snapshots.join(&commit);
-    if !dir.join("config.json").is_file() {
+    if !dir.is_dir() {
         return Err(Error::invalid(
-            "model.name",
+            key,
             format!(
-                "snapshot {} of `{repo}` has no config.json (incomplete download?); {fetch_hint}",
+                "`{repo}`: snapshot {} is missing (incomplete download?); {fetch_hint}",
                 dir.display()
             ),
         ));

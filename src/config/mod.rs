@@ -11,10 +11,12 @@
 mod dataset;
 pub mod hf;
 pub mod hub;
+mod logging;
 pub mod shipped;
 pub mod size;
 
-pub use dataset::{DatasetFormat, DatasetSection, Overlong};
+pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
+pub use logging::{LoggingSection, ReportTo};
 
 use std::path::{Path, PathBuf};
 
@@ -270,6 +272,13 @@ pub struct TrainingSection {
     /// treated as crashed (the first step on a GPU, which streams every layer, sends its
     /// first message only after the forward pass).
     pub worker_timeout_s: u64,
+    /// Evaluate every this many optimizer steps (HF Trainer's key). A run with an eval set
+    /// (`dataset.val_size`, `eval_name` or `eval_path`) also evaluates after its last step.
+    pub eval_steps: Option<u64>,
+    /// Rows per evaluation micro-batch, each computed by one worker (HF Trainer's key).
+    /// Default: the training micro-batch, `batch_size / (workers x
+    /// gradient_accumulation_steps)`.
+    pub per_device_eval_batch_size: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -296,6 +305,8 @@ impl Default for TrainingSection {
             nan_policy: NanPolicy::Skip,
             max_nan_steps: 5,
             worker_timeout_s: 600,
+            eval_steps: None,
+            per_device_eval_batch_size: None,
         }
     }
 }
@@ -384,19 +395,6 @@ impl Default for MemorySection {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LoggingSection {
-    /// Print a log line every this many optimizer steps.
-    pub log_every: u64,
-}
-
-impl Default for LoggingSection {
-    fn default() -> Self {
-        LoggingSection { log_every: 1 }
-    }
-}
-
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
@@ -443,14 +441,19 @@ impl RunConfig {
             }
         };
         fix(&mut self.model.path);
-        if let Some(p) = self.dataset.path.as_mut() {
-            fix(p);
+        for p in [&mut self.dataset.path, &mut self.dataset.eval_path] {
+            if let Some(p) = p.as_mut() {
+                fix(p);
+            }
         }
         fix(&mut self.dataset.dataset_dir);
         if let Some(out) = self.training.output_dir.as_mut() {
             fix(out);
         }
         if let Some(dir) = self.checkpoint.dir.as_mut() {
+            fix(dir);
+        }
+        if let Some(dir) = self.logging.logging_dir.as_mut() {
             fix(dir);
         }
     }
@@ -564,7 +567,49 @@ impl RunConfig {
                 ));
             }
         }
+        self.validate_eval()?;
+        self.tensorboard_dir()?;
         self.dataset.validate()
+    }
+
+    /// The evaluation keys: `training.eval_steps` and `per_device_eval_batch_size` need an
+    /// eval set, and are positive.
+    fn validate_eval(&self) -> Result<()> {
+        let t = &self.training;
+        if t.eval_steps == Some(0) {
+            return Err(Error::invalid(
+                "training.eval_steps",
+                "must be > 0 (leave it out to evaluate only after the last step)",
+            ));
+        }
+        if t.per_device_eval_batch_size == Some(0) {
+            return Err(Error::invalid(
+                "training.per_device_eval_batch_size",
+                "must be > 0",
+            ));
+        }
+        let keys = [
+            ("training.eval_steps", t.eval_steps.is_some()),
+            (
+                "training.per_device_eval_batch_size",
+                t.per_device_eval_batch_size.is_some(),
+            ),
+        ];
+        match keys.iter().find(|(_, set)| *set) {
+            Some((key, _)) if !self.dataset.has_eval_set() => Err(Error::invalid(
+                *key,
+                "needs an eval set: dataset.val_size, dataset.eval_name or dataset.eval_path",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Where TensorBoard event files go (None unless `logging.report_to: tensorboard`).
+    pub fn tensorboard_dir(&self) -> Result<Option<PathBuf>> {
+        self.logging.tensorboard_dir(
+            self.training.output_dir.as_deref(),
+            self.checkpoint.dir.as_deref(),
+        )
     }
 
     /// Checks that the global batch splits evenly over `workers` x accumulation steps.

@@ -198,6 +198,8 @@ mod tests {
             rows: (1..=8).map(|n| ex(n, 0)).collect(),
             samples: 8,
             skipped: Skipped::default(),
+            eval: vec![],
+            eval_source: String::new(),
         };
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);

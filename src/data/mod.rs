@@ -1,7 +1,8 @@
 //! Training data: datasets (tokenized JSONL, or alpaca / sharegpt text rendered with the
-//! model's chat template, from a file or the `dataset_info.json` registry), packing, the
-//! deterministic sampler, and the split of a global batch into per-rank, per-micro-batch
-//! right-padded batches.
+//! model's chat template, from JSON, JSONL or Parquet files, `save_to_disk` directories,
+//! the `dataset_info.json` registry or the HF cache), the eval set (held out or separate),
+//! packing, the deterministic sampler, and the split of a global batch into per-rank,
+//! per-micro-batch right-padded batches.
 //!
 //! Semantics (DESIGN.md "Numerics"): rank r takes the contiguous r-th 1/W slice of each
 //! global batch and splits it into `gradient_accumulation_steps` contiguous micro-batches;
@@ -18,8 +19,12 @@
 
 mod batch;
 mod chat;
+mod files;
+mod hub;
 mod records;
 mod registry;
+mod split;
+mod table;
 mod tokenized;
 
 use std::path::{Path, PathBuf};
@@ -32,9 +37,11 @@ use rayon::prelude::*;
 pub use batch::{Sampler, StepPlan, pack, pad_batch, plan_step};
 pub use chat::ChatTokenizer;
 pub use records::{BadRecord, Message, Role};
+pub use split::held_out;
 
 use crate::config::{DatasetFormat, DatasetSection, Overlong};
 use crate::error::{Error, Result};
+use files::FileRecords;
 use records::{RawRecord, Schema};
 use registry::Columns;
 
@@ -87,31 +94,59 @@ pub struct Dataset {
     /// The files it was read from.
     pub files: Vec<PathBuf>,
     pub rows: Vec<Example>,
-    /// Samples before packing.
+    /// Training samples before packing.
     pub samples: usize,
     pub skipped: Skipped,
+    /// The eval set: samples held out by `dataset.val_size` or read from
+    /// `dataset.eval_name` / `eval_path` (never packed); empty without one.
+    pub eval: Vec<Example>,
+    /// Where the eval set came from, for the log.
+    pub eval_source: String,
 }
 
-/// Whether reading `ds` needs the model's tokenizer (any of its sources is text).
+/// Whether reading `ds` needs the model's tokenizer (any of its sources, training or
+/// eval, is text).
 pub fn needs_tokenizer(ds: &DatasetSection) -> Result<bool> {
-    Ok(sources(ds)?.iter().any(|s| s.schema.is_some()))
+    let train = sources(ds, ds.path.as_ref(), ds.name.as_deref(), "dataset.name")?;
+    let eval = sources(
+        ds,
+        ds.eval_path.as_ref(),
+        ds.eval_name.as_deref(),
+        "dataset.eval_name",
+    )?;
+    Ok(train.iter().chain(&eval).any(|s| s.schema.is_some()))
 }
 
-/// One file to read and how.
+/// One registry entry or file to read, and how.
 struct Source {
-    file: PathBuf,
+    files: Vec<PathBuf>,
     /// None: tokenized.
     schema: Option<Schema>,
     limit: Option<usize>,
 }
 
+/// Samples read from sources.
+#[derive(Default)]
+struct Read {
+    files: Vec<PathBuf>,
+    rows: Vec<Example>,
+    skipped: Skipped,
+}
+
 impl Dataset {
-    /// Reads every file of the `dataset` section, tokenizing text with the tokenizer and
-    /// chat template of `model_dir`; bad records are skipped and counted, or errors with
-    /// `dataset.strict`. Packs rows when asked (shuffled first, seeded by `seed`).
+    /// Reads every source of the `dataset` section, training and eval, tokenizing text with
+    /// the tokenizer and chat template of `model_dir`; bad records are skipped and counted,
+    /// or errors with `dataset.strict`. Holds out `val_size` samples (seeded by `seed`),
+    /// then packs the training rows when asked (shuffled first, seeded by `seed`).
     pub fn load(ds: &DatasetSection, model_dir: &Path, vocab: usize, seed: u64) -> Result<Dataset> {
-        let sources = sources(ds)?;
-        let chat = match sources.iter().any(|s| s.schema.is_some()) {
+        let train = sources(ds, ds.path.as_ref(), ds.name.as_deref(), "dataset.name")?;
+        let eval = sources(
+            ds,
+            ds.eval_path.as_ref(),
+            ds.eval_name.as_deref(),
+            "dataset.eval_name",
+        )?;
+        let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
             true => Some(ChatTokenizer::from_model_dir(model_dir)?),
             false => None,
         };
@@ -119,54 +154,39 @@ impl Dataset {
             .num_threads(ds.num_workers)
             .build()
             .map_err(|e| Error::invalid("dataset.num_workers", e.to_string()))?;
-        let mut data = Dataset {
-            files: Vec::new(),
-            rows: Vec::new(),
-            samples: 0,
-            skipped: Skipped::default(),
-        };
-        for src in &sources {
-            let text = std::fs::read_to_string(&src.file).map_err(|e| Error::io(&src.file, e))?;
-            let mut recs = records::split_records(&src.file, &text)?;
-            recs.truncate(src.limit.unwrap_or(usize::MAX));
-            let rows: Vec<std::result::Result<Example, BadRecord>> = pool.install(|| {
-                recs.par_iter()
-                    .map(|rec| row(src, rec, chat.as_ref(), ds, vocab))
-                    .collect()
-            });
-            for r in rows {
-                match r {
-                    Ok(ex) => data.rows.push(ex),
-                    Err(bad) if ds.strict => return Err(bad.into_error(&src.file)),
-                    Err(bad) => {
-                        let s = &mut data.skipped;
-                        s.count += 1;
-                        if s.first.len() < REPORTED_SKIPS {
-                            s.first.push(format!(
-                                "{}:{}: field `{}`: {}",
-                                src.file.display(),
-                                bad.line,
-                                bad.field,
-                                bad.reason
-                            ));
-                        }
-                    }
-                }
+        let read = |srcs: &[Source]| pool.install(|| read_all(srcs, chat.as_ref(), ds, vocab));
+        let Read {
+            files,
+            mut rows,
+            skipped,
+        } = read(&train)?;
+        let (eval, eval_source) = match ds.val_size()? {
+            Some(size) => {
+                let held = split::hold_out(&mut rows, size, seed)?;
+                let from = format!(
+                    "held out of the training samples (dataset.val_size: {})",
+                    ds.val_size.unwrap_or_default()
+                );
+                (held, from)
             }
-            data.files.push(src.file.clone());
-        }
-        if data.rows.is_empty() {
-            return Err(Error::Dataset {
-                path: data.files.first().cloned().unwrap_or_default(),
-                line: 0,
-                msg: format!(
-                    "no usable records ({} skipped; first: {})",
-                    data.skipped.count,
-                    data.skipped.first.join("; ")
-                ),
-            });
-        }
-        data.samples = data.rows.len();
+            None if eval.is_empty() => (Vec::new(), String::new()),
+            None => {
+                let e = read(&eval)?;
+                let mut from = format!("from {}", list(&e.files));
+                if e.skipped.count > 0 {
+                    from += &format!("; {}", e.skipped);
+                }
+                (e.rows, from)
+            }
+        };
+        let mut data = Dataset {
+            files,
+            samples: rows.len(),
+            rows,
+            skipped,
+            eval,
+            eval_source,
+        };
         if let (true, Some(max)) = (ds.packing, ds.max_seq_len) {
             let mut docs = std::mem::take(&mut data.rows);
             if ds.shuffle {
@@ -177,30 +197,109 @@ impl Dataset {
         Ok(data)
     }
 
-    /// One line for the log: rows, sources, skipped records and the first reasons.
+    /// Lines for the log: rows, sources, skipped records and the first reasons, the eval set.
     pub fn summary(&self) -> String {
-        let files: Vec<String> = self.files.iter().map(|f| f.display().to_string()).collect();
         let mut s = format!(
             "dataset: {} samples from {}",
             self.samples,
-            files.join(", ")
+            list(&self.files)
         );
         if self.rows.len() != self.samples {
             s += &format!(", packed into {} rows", self.rows.len());
         }
         if self.skipped.count > 0 {
+            s += &format!("; {}", self.skipped);
+        }
+        if !self.eval.is_empty() {
             s += &format!(
-                "; {} records skipped (dataset.strict: true makes them errors), first: {}",
-                self.skipped.count,
-                self.skipped.first.join("; ")
+                "\neval set: {} samples {}",
+                self.eval.len(),
+                self.eval_source
             );
         }
         s
     }
 }
 
-/// The files of a `dataset` section with their schemas.
-fn sources(ds: &DatasetSection) -> Result<Vec<Source>> {
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} records skipped (dataset.strict: true makes them errors), first: {}",
+            self.count,
+            self.first.join("; ")
+        )
+    }
+}
+
+fn list(files: &[PathBuf]) -> String {
+    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+    names.join(", ")
+}
+
+/// Reads every file of `srcs`; at least one usable record must come out.
+fn read_all(
+    srcs: &[Source],
+    chat: Option<&ChatTokenizer>,
+    ds: &DatasetSection,
+    vocab: usize,
+) -> Result<Read> {
+    let mut out = Read::default();
+    for src in srcs {
+        let mut left = src.limit.unwrap_or(usize::MAX);
+        for file in &src.files {
+            let contents = FileRecords::read(file)?;
+            let mut recs = contents.records()?;
+            recs.truncate(left);
+            left -= recs.len();
+            let rows: Vec<std::result::Result<Example, BadRecord>> = recs
+                .par_iter()
+                .map(|rec| row(src, rec, chat, ds, vocab))
+                .collect();
+            for r in rows {
+                match r {
+                    Ok(ex) => out.rows.push(ex),
+                    Err(bad) if ds.strict => return Err(contents.error(bad)),
+                    Err(bad) => {
+                        let s = &mut out.skipped;
+                        s.count += 1;
+                        if s.first.len() < REPORTED_SKIPS {
+                            s.first.push(format!(
+                                "{}: field `{}`: {}",
+                                contents.locate(&bad),
+                                bad.field,
+                                bad.reason
+                            ));
+                        }
+                    }
+                }
+            }
+            out.files.push(file.clone());
+        }
+    }
+    if out.rows.is_empty() {
+        return Err(Error::DatasetFile {
+            path: out.files.first().cloned().unwrap_or_default(),
+            msg: match out.skipped.count {
+                0 => "no usable records (it holds none)".into(),
+                n => format!(
+                    "no usable records ({n} skipped; first: {})",
+                    out.skipped.first.join("; ")
+                ),
+            },
+        });
+    }
+    Ok(out)
+}
+
+/// The sources of a `path` or `name` (a list of registry names; `key` names it in errors),
+/// with their schemas; none when neither is given.
+fn sources(
+    ds: &DatasetSection,
+    path: Option<&PathBuf>,
+    names: Option<&str>,
+    key: &str,
+) -> Result<Vec<Source>> {
     let text_schema = |format, columns, tags| match format {
         DatasetFormat::Tokenized => None,
         _ => Some(Schema {
@@ -210,7 +309,7 @@ fn sources(ds: &DatasetSection) -> Result<Vec<Source>> {
             default_system: ds.system_prompt.clone(),
         }),
     };
-    if let Some(path) = &ds.path {
+    if let Some(path) = path {
         let format = ds.format.unwrap_or(DatasetFormat::Alpaca);
         let mut columns = Columns::defaults(format);
         if let Some(q) = &ds.query_field {
@@ -220,20 +319,20 @@ fn sources(ds: &DatasetSection) -> Result<Vec<Source>> {
             columns.response = r.clone();
         }
         return Ok(vec![Source {
-            file: path.clone(),
+            files: vec![path.clone()],
             schema: text_schema(format, columns, Default::default()),
             limit: None,
         }]);
     }
-    let names = ds.name.as_deref().unwrap_or_default();
     names
+        .unwrap_or_default()
         .split(',')
         .map(str::trim)
         .filter(|n| !n.is_empty())
         .map(|n| {
-            let r = registry::lookup(&ds.dataset_dir, n)?;
+            let r = registry::lookup(&ds.dataset_dir, n, key)?;
             Ok(Source {
-                file: r.file,
+                files: r.files,
                 schema: text_schema(r.format, r.columns, r.tags),
                 limit: r.num_samples,
             })

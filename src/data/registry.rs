@@ -1,7 +1,8 @@
 //! `dataset_info.json`: LlamaFactory's dataset registry. Each entry names a local file
-//! (`file_name`, relative to the registry's directory), its `formatting` (`alpaca`, the
-//! default, or `sharegpt`), the `columns` holding each part of a record and, for sharegpt,
-//! the `tags` naming roles inside messages.
+//! (`file_name`, relative to the registry's directory) or a hub dataset (`hf_hub_url`,
+//! with `subset`, `split` and `folder`, read from the HF cache: [`super::hub`]), its
+//! `formatting` (`alpaca`, the default, or `sharegpt`), the `columns` holding each part of
+//! a record and, for sharegpt, the `tags` naming roles inside messages.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -121,18 +122,18 @@ impl Default for Tags {
     }
 }
 
-/// A registered dataset, resolved to its file.
+/// A registered dataset, resolved to its files.
 #[derive(Debug, Clone)]
 pub struct Registered {
-    pub file: PathBuf,
+    pub files: Vec<PathBuf>,
     pub format: DatasetFormat,
     pub columns: Columns,
     pub tags: Tags,
     pub num_samples: Option<usize>,
 }
 
-/// Looks `name` up in `dir/dataset_info.json`.
-pub fn lookup(dir: &Path, name: &str) -> Result<Registered> {
+/// Looks `name` up in `dir/dataset_info.json`; `key` is the config key that gave it.
+pub fn lookup(dir: &Path, name: &str, key: &str) -> Result<Registered> {
     let path = dir.join(REGISTRY);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let cfg_err = |msg: String| Error::Config {
@@ -144,7 +145,7 @@ pub fn lookup(dir: &Path, name: &str) -> Result<Registered> {
     let Some(raw) = all.remove(name) else {
         let known: Vec<_> = all.keys().map(String::as_str).collect();
         return Err(cfg_err(format!(
-            "no dataset `{name}` (dataset.name); registered: {}",
+            "no dataset `{name}` ({key}); registered: {}",
             known.join(", ")
         )));
     };
@@ -155,31 +156,48 @@ pub fn lookup(dir: &Path, name: &str) -> Result<Registered> {
             e.inner()
         ))
     })?;
-    let remote = [
-        ("hf_hub_url", &e.hf_hub_url),
-        ("ms_hub_url", &e.ms_hub_url),
-        ("om_hub_url", &e.om_hub_url),
-        ("script_url", &e.script_url),
-        ("cloud_file_name", &e.cloud_file_name),
-    ];
-    let Some(file_name) = &e.file_name else {
-        let given = remote.iter().find(|(_, v)| v.is_some()).map(|(k, _)| *k);
-        return Err(cfg_err(format!(
-            "dataset `{name}` has no `file_name`{}: only local files are read (runs are offline)",
-            given
-                .map(|k| format!(" (it gives `{k}`)"))
-                .unwrap_or_default()
-        )));
+    let files = match (&e.hf_hub_url, &e.file_name) {
+        (Some(repo), _) => super::hub::HubDataset {
+            key,
+            entry: name,
+            repo,
+            subset: e.subset.as_deref(),
+            split: e.split.as_deref(),
+            folder: e.folder.as_deref(),
+        }
+        .files()?,
+        (None, Some(file_name)) => {
+            let hub_only = [
+                ("subset", e.subset.is_some()),
+                ("split", e.split.is_some()),
+                ("folder", e.folder.is_some()),
+            ];
+            if let Some((k, _)) = hub_only.iter().find(|(_, set)| *set) {
+                return Err(cfg_err(format!(
+                    "dataset `{name}`: `{k}` applies to hub datasets (`hf_hub_url`), not to `file_name`"
+                )));
+            }
+            vec![dir.join(file_name)]
+        }
+        (None, None) => {
+            let remote = [
+                ("ms_hub_url", &e.ms_hub_url),
+                ("om_hub_url", &e.om_hub_url),
+                ("script_url", &e.script_url),
+                ("cloud_file_name", &e.cloud_file_name),
+            ];
+            let given = remote.iter().find(|(_, v)| v.is_some()).map(|(k, _)| *k);
+            return Err(cfg_err(format!(
+                "dataset `{name}` has neither `file_name` nor `hf_hub_url`{}: only local files and the Hugging Face cache are read (runs are offline)",
+                given
+                    .map(|k| format!(" (it gives `{k}`)"))
+                    .unwrap_or_default()
+            )));
+        }
     };
-    let unsupported = [
-        ("ranking", e.ranking),
-        ("subset", e.subset.is_some()),
-        ("split", e.split.is_some()),
-        ("folder", e.folder.is_some()),
-    ];
-    if let Some((k, _)) = unsupported.iter().find(|(_, set)| *set) {
+    if e.ranking {
         return Err(cfg_err(format!(
-            "dataset `{name}`: `{k}` is not supported (supervised alpaca/sharegpt files only)"
+            "dataset `{name}`: `ranking` is not supported (supervised alpaca/sharegpt data only)"
         )));
     }
     let format = e.formatting.unwrap_or(DatasetFormat::Alpaca);
@@ -189,7 +207,7 @@ pub fn lookup(dir: &Path, name: &str) -> Result<Registered> {
         )));
     }
     Ok(Registered {
-        file: dir.join(file_name),
+        files,
         format,
         columns: Columns::defaults(format).with(&e.columns, name, &path)?,
         tags: e.tags,
@@ -216,23 +234,28 @@ mod tests {
                 "s": {"file_name": "s.jsonl", "formatting": "sharegpt",
                       "columns": {"messages": "messages"},
                       "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
-                "hub": {"hf_hub_url": "org/x"}}"#,
+                "hub": {"ms_hub_url": "org/x"}}"#,
         );
-        let a = lookup(&dir, "a").unwrap();
+        let a = lookup(&dir, "a", "dataset.name").unwrap();
         assert_eq!(
             (a.format, a.columns.response.as_str()),
             (DatasetFormat::Alpaca, "output")
         );
-        assert_eq!(a.file, dir.join("a.json"));
-        let s = lookup(&dir, "s").unwrap();
+        assert_eq!(a.files, [dir.join("a.json")]);
+        let s = lookup(&dir, "s", "dataset.name").unwrap();
         assert_eq!(
             (s.columns.messages.as_str(), s.tags.role_tag.as_str()),
             ("messages", "role")
         );
         assert_eq!(s.tags.observation_tag, "observation");
-        let e = lookup(&dir, "hub").unwrap_err().to_string();
-        assert!(e.contains("hf_hub_url") && e.contains("file_name"), "{e}");
-        let e = lookup(&dir, "nope").unwrap_err().to_string();
+        let e = lookup(&dir, "hub", "dataset.name").unwrap_err().to_string();
+        assert!(
+            e.contains("ms_hub_url") && e.contains("file_name") && e.contains("hf_hub_url"),
+            "{e}"
+        );
+        let e = lookup(&dir, "nope", "dataset.name")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("no dataset `nope`") && e.contains("registered: a, hub, s"),
             "{e}"

@@ -6,6 +6,9 @@
 //! embedding. Each block's gradient leaves for a slab slot (several, one per part, for a
 //! block larger than a slot) as soon as it exists and the launcher is told once it has
 //! landed, so the host reduce overlaps the rest of the backward.
+//!
+//! Evaluation is a separate, forward-only pass ([`Engine::evaluate`]): each layer streamed
+//! once, no input kept, the loss summed without a gradient, no slab touched.
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +21,7 @@ use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{self, BlockWeights, RouterAux};
-use crate::stream::{Delivered, Streamer, kind_of};
+use crate::stream::{Delivered, Gate, Streamer, kind_of};
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -197,6 +200,86 @@ impl Engine {
         tm.peak_device_bytes = stats.peak_device_bytes;
         tm.context_device_bytes = stats.context_device_bytes;
         Ok((loss_sum, tokens, tm))
+    }
+
+    /// The summed token cross-entropy of one eval micro-batch under the weights in the
+    /// store: embed, every layer, the head's chunked loss, without grad or kept inputs. The
+    /// launcher sends an eval only when no update is pending, so every block is ready.
+    pub fn evaluate(&mut self, mb: &MicroBatch) -> Result<f64> {
+        let _guard = tch::no_grad_guard();
+        let batch = self.upload(0, mb)?;
+        let layout = &self.layout;
+        let ready: Gate = &mut |_| Ok(());
+        self.streamer.begin_forward(layout, ready)?;
+        let ctx = model::Context::new(
+            &self.spec,
+            mb.seq_len,
+            batch.pos_bt.as_ref(),
+            self.kind,
+            self.device,
+        );
+        let embed = self.streamer.embed(layout, ready)?;
+        let embed_w = BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]);
+        let mut x_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
+        // A tied head reads the embedding: keep it until then.
+        let tied = layout.tied_embeddings.then_some(embed_w);
+        if tied.is_none() {
+            drop(embed);
+            self.streamer.release_embed();
+        }
+        for l in 0..layout.num_layers() {
+            let flat = self.streamer.layer(layout, l, ready)?;
+            let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
+            x_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
+        }
+        let head = self.streamer.head(layout, ready)?;
+        let head_w = BlockWeights::views(&head, &layout.blocks[layout.head_block()]);
+        let lm_head = match &tied {
+            Some(embed_w) => embed_w.get("model.embed_tokens.weight"),
+            None => head_w.get("lm_head.weight"),
+        };
+        let loss_sum = self.head_loss(&batch, &head_w, lm_head, &x_bth);
+        drop((head_w, head, tied));
+        self.streamer.end_micro()?;
+        // The eval's transfers and memory are not the next step's.
+        self.streamer.take_stats()?;
+        Ok(loss_sum)
+    }
+
+    /// Final norm and chunked lm_head + cross-entropy over the labelled tokens of `x_bth`
+    /// (B, T, H), without grad: the summed token loss.
+    fn head_loss(
+        &self,
+        batch: &DeviceBatch,
+        head_w: &BlockWeights,
+        lm_head: &Tensor,
+        x_bth: &Tensor,
+    ) -> f64 {
+        let n_valid = batch.valid_m.size()[0];
+        if n_valid == 0 {
+            return 0.0;
+        }
+        let h = self.spec.hidden_size as i64;
+        let hn_mh = model::final_norm(
+            &self.spec,
+            head_w,
+            &x_bth.view([-1, h]).index_select(0, &batch.valid_m),
+        );
+        let losses: Vec<Tensor> = (0..n_valid)
+            .step_by(self.ce_chunk as usize)
+            .map(|start| {
+                let len = self.ce_chunk.min(n_valid - start);
+                model::chunk_loss_sum(
+                    &self.spec,
+                    &hn_mh.narrow(0, start, len),
+                    lm_head,
+                    &batch.targets_m.narrow(0, start, len),
+                )
+            })
+            .collect();
+        Tensor::stack(&losses, 0)
+            .sum(Kind::Double)
+            .double_value(&[])
     }
 
     fn upload(&self, mi: usize, mb: &MicroBatch) -> Result<DeviceBatch> {

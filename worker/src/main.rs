@@ -1,7 +1,8 @@
 //! `mt-worker`: one per GPU (or N on CPU), started and supervised by `mt-launch`.
 //!
 //! Bootstraps over ipc-channel (the server name is in `MT_BOOTSTRAP`), adopts the shared
-//! regions it inherited, then runs steps until told to stop. It dies with the launcher
+//! regions it inherited, then runs steps (and evaluations between them) until told to
+//! stop. It dies with the launcher
 //! (`PR_SET_PDEATHSIG`) and exits when the launcher's channel closes.
 
 #![deny(unsafe_code)]
@@ -136,6 +137,14 @@ fn serve(
                     tokens,
                     timings,
                 })?;
+            }
+            ToWorker::Eval { index, micro } => {
+                let loss_sum =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| engine.evaluate(&micro)))
+                        .unwrap_or_else(|p| {
+                            Err(anyhow::anyhow!("panic in eval: {}", panic_text(&p)))
+                        })?;
+                tx.send(FromWorker::EvalDone { index, loss_sum })?;
             }
             ToWorker::Shutdown => return Ok(()),
             ToWorker::Init(_) => bail!("Init received twice"),

@@ -221,7 +221,18 @@ impl CudaStreamer {
 
     pub fn begin_micro(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
         let n = layout.num_layers();
-        self.schedule = (0..n).chain((0..n).rev()).collect();
+        self.begin((0..n).chain((0..n).rev()).collect(), layout, gate)
+    }
+
+    /// A forward-only micro-batch: layers 0..L-1 once.
+    pub fn begin_forward(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
+        self.begin((0..layout.num_layers()).collect(), layout, gate)
+    }
+
+    /// Starts a micro-batch that asks for layers in `schedule` order: the embedding's copy
+    /// and the ring's first layers are enqueued.
+    fn begin(&mut self, schedule: Vec<usize>, layout: &Layout, gate: Gate) -> Result<()> {
+        self.schedule = schedule;
         self.next = 0;
         self.issued = 0;
         self.prefetch(layout, Layout::EMBED, gate)?;

@@ -232,6 +232,15 @@ impl Streamer {
         }
     }
 
+    /// Starts a forward-only micro-batch (evaluation): the embedding, layers 0..L-1 and
+    /// the head will be asked for.
+    pub fn begin_forward(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
+        match self {
+            Streamer::Cpu(_) => Ok(()),
+            Streamer::Cuda(c) => c.begin_forward(layout, gate),
+        }
+    }
+
     /// The embedding block (index `Layout::EMBED`), flat, on the device.
     pub fn embed(&mut self, layout: &Layout, gate: Gate) -> Result<Tensor> {
         match self {

@@ -1,0 +1,108 @@
+//! What a run is built from, checked before any worker starts (the trainer, `plan` and
+//! `--dry-run` share it): the model, its layout, the dataset and eval set, the host plan.
+
+use anyhow::{Result, bail};
+use mt::config::RunConfig;
+use mt::config::hf::{AttentionKind, ModelSpec};
+use mt::data::Dataset;
+use mt::layout::Layout;
+use mt::plan::Fit;
+
+use crate::cli::Placement;
+
+/// Everything a run is built from, checked before any worker starts: the model, its
+/// layout, the dataset (every record read and tokenized) and the host memory plan, which
+/// must fit in the RAM available now.
+pub struct Prepared {
+    pub spec: ModelSpec,
+    pub layout: Layout,
+    pub data: Dataset,
+    pub plan: mt::plan::HostPlan,
+}
+
+impl Prepared {
+    pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        Self::build(cfg, placement, true)
+    }
+
+    /// What `mt-launch plan` sizes: as [`Prepared::new`], except that a text dataset is
+    /// not read when the model has no tokenizer here (a shipped architecture standing in
+    /// for a hub id, or a directory with config.json alone): the run is then sized from
+    /// `dataset.max_seq_len`, and `data` is empty.
+    pub fn for_plan(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        let tokenizer =
+            cfg.model.shipped.is_none() && cfg.model.path.join("tokenizer.json").is_file();
+        let read = tokenizer || !mt::data::needs_tokenizer(&cfg.dataset)?;
+        if !read && cfg.dataset.max_seq_len.is_none() {
+            return Err(mt::Error::invalid(
+                "dataset.max_seq_len",
+                "needed to size a text dataset without its tokenizer (the model has no tokenizer.json here): set it",
+            )
+            .into());
+        }
+        Self::build(cfg, placement, read)
+    }
+
+    fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
+        cfg.validate_world(placement.workers)?;
+        let spec = cfg.model.spec()?;
+        if cfg.dataset.packing && spec.layer_types.contains(&AttentionKind::Linear) {
+            // The delta rule's recurrent state would flow from one packed document into
+            // the next; transformers' torch path has no per-document reset either.
+            return Err(mt::Error::invalid(
+                "dataset.packing",
+                format!(
+                    "packing is not supported for {} models: their linear-attention layers carry state across the documents of a packed row (set dataset.packing: false)",
+                    spec.model_type
+                ),
+            )
+            .into());
+        }
+        let layout = Layout::new(&spec);
+        let data = match read_data {
+            true => Dataset::load(
+                &cfg.dataset,
+                &cfg.model.path,
+                spec.vocab_size,
+                cfg.training.seed,
+            )?,
+            false => Dataset::default(),
+        };
+        let plan =
+            mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers));
+        Ok(Prepared {
+            spec,
+            layout,
+            data,
+            plan,
+        })
+    }
+
+    /// Refuses a run whose host memory plan exceeds the RAM available now; one that fits
+    /// only without its background-checkpoint snapshot loses it (periodic checkpoints are
+    /// then written from the live state), with a warning.
+    pub fn check_host_ram(&mut self) -> Result<()> {
+        let avail = mt::plan::available_host_bytes();
+        let gb = |b: u64| b as f64 / 1e9;
+        match self.plan.fit(avail) {
+            Fit::Fits => {}
+            Fit::WithoutSnapshot => {
+                tracing::warn!(
+                    "checkpoint.background: the snapshot buffer ({:.2} GB) does not fit beside the \
+                     training state ({:.2} GB available, {:.2} GB needed): periodic checkpoints are \
+                     written from the live state, and training waits for each",
+                    gb(self.plan.snapshot),
+                    gb(avail.unwrap_or(0)),
+                    gb(self.plan.total())
+                );
+                self.plan = self.plan.without_snapshot();
+            }
+            Fit::Short => bail!(
+                "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable)",
+                gb(self.plan.without_snapshot().total()),
+                gb(avail.unwrap_or(0))
+            ),
+        }
+        Ok(())
+    }
+}
