@@ -62,6 +62,15 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// A tensor a layer reads but does not train (a buffer), in f32.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerBuffer {
+    pub layer: usize,
+    /// Name inside the layer (`mlp.gate.e_score_correction_bias`).
+    pub name: String,
+    pub values: Vec<f32>,
+}
+
 /// Everything a worker needs to run; sent once.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Init {
@@ -83,6 +92,8 @@ pub struct Init {
     pub offload_activations: bool,
     /// Write the logits of the first micro-batch of the first step here (parity checks).
     pub dump_logits: Option<std::path::PathBuf>,
+    /// The layers' buffers (not trained; the store does not hold them).
+    pub buffers: Vec<LayerBuffer>,
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.

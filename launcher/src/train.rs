@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
@@ -72,7 +73,13 @@ pub struct Prepared {
 impl Prepared {
     pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
         cfg.validate_world(placement.workers)?;
-        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        let mut spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        // What the weight files settle (a wrapper's names, a tied head stored untied) and
+        // what they carry besides the trained tensors.
+        let carried = match cfg.model.init {
+            InitKind::Pretrained => checkpoint::carried::resolve(&cfg.model.path, &mut spec)?,
+            InitKind::Random => 0,
+        };
         if cfg.dataset.packing && spec.layer_types.contains(&AttentionKind::Linear) {
             // The delta rule's recurrent state would flow from one packed document into
             // the next; transformers' torch path has no per-document reset either.
@@ -92,8 +99,13 @@ impl Prepared {
             spec.vocab_size,
             cfg.training.seed,
         )?;
+        let carried = match cfg.model.init {
+            InitKind::Pretrained => carried,
+            InitKind::Random => checkpoint::carried::Carried::init(&layout).bytes(),
+        };
         let plan =
-            mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers));
+            mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers))
+                .with_carried(carried);
         Ok(Prepared {
             spec,
             layout,
@@ -183,10 +195,22 @@ impl Trainer {
             "starting"
         );
         println!("{plan}");
+        // Tensors carried as read: from the checkpoint resumed (which holds them as the
+        // model directory did), else the model directory's; buffers at random init.
+        let (carried, carried_from) = match (&resume, cfg.model.init) {
+            (Some(dir), _) => (Carried::read(dir, &layout)?, dir.clone()),
+            (None, InitKind::Pretrained) => (
+                Carried::read(&cfg.model.path, &layout)?,
+                cfg.model.path.clone(),
+            ),
+            (None, InitKind::Random) => (Carried::init(&layout), cfg.model.path.clone()),
+        };
+        let buffers = carried.buffers(&layout, &carried_from)?;
         let export = ExportOptions {
             dtype: cfg.model.dtype,
             source: cfg.model.path.clone(),
             max_shard_bytes: cfg.checkpoint.max_shard_size.0,
+            carried: std::sync::Arc::new(carried),
         };
         // Periodic checkpoints are written in the background where the plan holds a
         // snapshot for them; the last one from the live state.
@@ -255,6 +279,7 @@ impl Trainer {
                         1 => p.clone(),
                         _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
                     }),
+                    buffers: buffers.clone(),
                 }
             })
             .collect();
