@@ -464,6 +464,11 @@ impl ModelSpec {
                 },
                 other => other,
             })?;
+            // Gemma3ForConditionalGeneration's head does not soft-cap the logits its text
+            // model would (real Gemma 3 configs set no cap, so both agree there).
+            if model_type == "gemma3" {
+                spec.final_softcap = None;
+            }
             spec.wrapper = Some(model_type);
             spec.names = w.names;
             return Ok(spec);
