@@ -220,3 +220,220 @@ fn same_values(fa: &Path, a: &str, fb: &Path, b: &str) -> Result<bool> {
     }
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use safetensors::tensor::TensorView;
+
+    use super::*;
+    use crate::checkpoint::{ExportOptions, MasterMut, MasterRef, init_random, load_pretrained};
+    use crate::config::DType;
+    use crate::config::hf::HfConfig;
+
+    fn gemma3(tie: bool) -> ModelSpec {
+        let json = format!(
+            r#"{{"model_type":"gemma3","tie_word_embeddings":{tie},"text_config":{{
+            "vocab_size":37,"hidden_size":24,"intermediate_size":40,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"head_dim":6}}}}"#
+        );
+        let hf: HfConfig = serde_json::from_str(&json).unwrap();
+        ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap()
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("mt-carried-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Writes `tensors` (name, dtype, shape, bytes) as `dir/model.safetensors`.
+    fn write(dir: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)]) {
+        let views: BTreeMap<&str, TensorView> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.as_str(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    }
+
+    /// The text model's tensors of `layout` in f32 from `values`, under checkpoint names.
+    fn text_tensors(layout: &Layout, values: &[f32]) -> Vec<(String, Dtype, Vec<usize>, Vec<u8>)> {
+        layout
+            .tensors()
+            .map(|(b, t)| {
+                let bytes = values[Layout::global_range(b, t)]
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect();
+                (b.hf_name(t), Dtype::F32, t.shape.clone(), bytes)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn wrapper_extras_load_around_the_text_model_and_export_byte_for_byte() {
+        let dir = scratch("wrapper");
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("config.json"), r#"{"model_type":"gemma3"}"#).unwrap();
+        // A checkpoint in the current names, which config.json cannot tell.
+        let mut spec = gemma3(false);
+        spec.names = TextNames::Current;
+        let layout = Layout::new(&spec);
+        let mut want = vec![0.0f32; layout.total];
+        init_random(&layout, &spec, 5, &mut MasterMut::F32(&mut want));
+        let mut tensors = text_tensors(&layout, &want);
+        let extras = [
+            (
+                "model.vision_tower.patch.weight",
+                Dtype::BF16,
+                vec![3, 5],
+                30,
+            ),
+            ("model.multi_modal_projector.scale", Dtype::F16, vec![7], 14),
+            ("model.vision_tower.position_ids", Dtype::I64, vec![4], 32),
+        ];
+        for (name, dtype, shape, n) in extras {
+            let bytes = (0..n).map(|i| (i * 37 % 251) as u8).collect();
+            tensors.push((name.to_string(), dtype, shape, bytes));
+        }
+        write(&src, &tensors);
+
+        let mut resolved = gemma3(false);
+        assert_eq!(resolved.names, TextNames::Legacy, "the class's default");
+        let carried_bytes = resolve(&src, &mut resolved).unwrap();
+        assert_eq!(resolved.names, TextNames::Current, "read from the names");
+        assert_eq!(carried_bytes, 30 + 14 + 32);
+        let layout = Layout::new(&resolved);
+        let mut got = vec![0.0f32; layout.total];
+        load_pretrained(&src, &layout, &mut MasterMut::F32(&mut got)).unwrap();
+        assert_eq!(got, want);
+        let carried = Carried::read(&src, &layout).unwrap();
+        assert_eq!(carried.bytes(), carried_bytes);
+        assert!(carried.buffers(&layout, &src).unwrap().is_empty());
+
+        // Exported in bf16, sharded: the text model converted, the extras as read.
+        let out = dir.join("out");
+        let opts = ExportOptions {
+            dtype: DType::Bfloat16,
+            source: src.clone(),
+            max_shard_bytes: 4000,
+            carried: std::sync::Arc::new(carried),
+        };
+        super::super::save_hf(&out, &layout, MasterRef::F32(&got), &opts).unwrap();
+        let mut exported = HashMap::new();
+        for file in weight_files(&out).unwrap() {
+            let r = pieces::Reader::open(&file).unwrap();
+            for (name, info) in r.tensors() {
+                let mut bytes = vec![0u8; info.data_offsets.1 - info.data_offsets.0];
+                r.read_bytes(&info, 0..bytes.len(), &mut bytes).unwrap();
+                exported.insert(name, (info.dtype, info.shape.clone(), bytes));
+            }
+        }
+        assert_eq!(exported.len(), tensors.len(), "every input tensor, once");
+        for (name, dtype, shape, bytes) in &tensors {
+            let (d, s, b) = &exported[name];
+            assert_eq!(s, shape, "{name}");
+            if name.contains("vision") || name.contains("projector") {
+                assert_eq!((d, b), (dtype, bytes), "{name} carried byte for byte");
+            } else {
+                assert_eq!(*d, Dtype::BF16, "{name}");
+            }
+        }
+        // The export loads back: the same names, the extras again carried.
+        let mut again = vec![0.0f32; layout.total];
+        load_pretrained(&out, &layout, &mut MasterMut::F32(&mut again)).unwrap();
+        assert_eq!(Carried::read(&out, &layout).unwrap(), *opts.carried);
+    }
+
+    #[test]
+    fn a_tied_head_stored_with_values_of_its_own_unties() {
+        let dir = scratch("tie");
+        let spec = gemma3(true);
+        let layout = Layout::new(&spec);
+        let mut values = vec![0.0f32; layout.total];
+        init_random(&layout, &spec, 9, &mut MasterMut::F32(&mut values));
+        let mut tensors = text_tensors(&layout, &values);
+        let embed = tensors
+            .iter()
+            .find(|t| t.0 == "language_model.model.embed_tokens.weight")
+            .unwrap()
+            .clone();
+        // The same values (as torch .bin conversions store both): still tied.
+        tensors.push((
+            "language_model.lm_head.weight".into(),
+            embed.1,
+            embed.2,
+            embed.3.clone(),
+        ));
+        write(&dir, &tensors);
+        let mut s = gemma3(true);
+        resolve(&dir, &mut s).unwrap();
+        assert!(s.tie_word_embeddings);
+        // Values of its own: untied, as transformers' tie_weights leaves it.
+        tensors.last_mut().unwrap().3[0] ^= 0x40;
+        write(&dir, &tensors);
+        resolve(&dir, &mut s).unwrap();
+        assert!(!s.tie_word_embeddings);
+        assert!(
+            Layout::new(&s)
+                .blocks
+                .last()
+                .unwrap()
+                .tensor("lm_head.weight")
+                .is_some()
+        );
+        // No weights at all: the config decides.
+        let empty = scratch("empty");
+        let mut s = gemma3(true);
+        assert_eq!(resolve(&empty, &mut s).unwrap(), 0);
+        assert!(s.tie_word_embeddings && s.names == TextNames::Legacy);
+    }
+
+    #[test]
+    fn buffers_come_from_the_checkpoint_or_start_at_zero() {
+        let json = r#"{"model_type":"glm4_moe","vocab_size":37,"hidden_size":24,
+            "intermediate_size":40,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"head_dim":8,"n_routed_experts":4,"num_experts_per_tok":2,
+            "moe_intermediate_size":8}"#;
+        let hf: HfConfig = serde_json::from_str(json).unwrap();
+        let spec = ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap();
+        let layout = Layout::new(&spec);
+        let init = Carried::init(&layout);
+        assert_eq!(init.tensors.len(), 1);
+        assert_eq!(
+            init.tensors[0].name,
+            "model.layers.1.mlp.gate.e_score_correction_bias"
+        );
+        let b = init.buffers(&layout, Path::new("x")).unwrap();
+        assert_eq!((b[0].layer, b[0].values.as_slice()), (1, &[0.0f32; 4][..]));
+        // From a checkpoint, in bf16; a missing one is named.
+        let bias = [0.5f32, -1.25, 2.0, 0.0];
+        let bytes = bias
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect();
+        let read = Carried {
+            tensors: vec![CarriedTensor {
+                name: "model.layers.1.mlp.gate.e_score_correction_bias".into(),
+                dtype: Dtype::BF16,
+                shape: vec![4],
+                bytes,
+            }],
+        };
+        assert_eq!(
+            read.buffers(&layout, Path::new("x")).unwrap()[0].values,
+            bias
+        );
+        let e = Carried::default()
+            .buffers(&layout, Path::new("ckpt"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("e_score_correction_bias") && e.contains("missing"),
+            "{e}"
+        );
+    }
+}

@@ -714,3 +714,5 @@ impl ModelSpec {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_families;

@@ -1,12 +1,19 @@
 use super::*;
+use crate::config::hf::TextNames;
 
 fn spec(model_type: &str, extra: &str) -> ModelSpec {
-    let json = format!(
+    let mut json: serde_json::Value = serde_json::from_str(&format!(
         r#"{{"model_type":"{model_type}","vocab_size":67,"hidden_size":48,
         "intermediate_size":88,"num_hidden_layers":3,"num_attention_heads":6,
-        "num_key_value_heads":2{extra}}}"#
-    );
-    let hf: crate::config::hf::HfConfig = serde_json::from_str(&json).unwrap();
+        "num_key_value_heads":2}}"#
+    ))
+    .unwrap();
+    let extra: serde_json::Value =
+        serde_json::from_str(&format!("{{{}}}", extra.trim_start_matches(','))).unwrap();
+    for (k, v) in extra.as_object().unwrap() {
+        json[k] = v.clone();
+    }
+    let hf: crate::config::hf::HfConfig = serde_json::from_value(json).unwrap();
     ModelSpec::from_hf(&hf, std::path::Path::new("config.json")).unwrap()
 }
 
@@ -257,7 +264,7 @@ fn mixed_layers_group_by_structure_with_their_own_lengths() {
 }
 
 #[test]
-fn public_moe_configs_have_their_transformers_parameter_counts() {
+fn public_configs_have_their_transformers_parameter_counts() {
     // Counted by transformers 5.17: AutoModelForCausalLM.from_config on the meta device.
     let configs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
     for (dir, params) in [
@@ -265,8 +272,164 @@ fn public_moe_configs_have_their_transformers_parameter_counts() {
         ("qwen3-30b-a3b", 30_532_122_624),
         ("qwen3-next-80b-a3b", 79_674_391_296),
         ("gpt-oss-20b", 20_914_757_184),
+        ("olmo2-7b", 7_298_617_344),
+        ("glm4-9b", 9_400_279_040),
+        ("glm4.5-air", 106_852_245_504),
+        ("deepseek-v3", 671_026_404_352),
+        // Llama4ForCausalLM on the text config: the vision tower is carried.
+        ("llama4-scout", 107_769_861_120),
     ] {
         let spec = ModelSpec::from_model_dir(&configs.join(dir)).unwrap();
         assert_eq!(Layout::new(&spec).num_params(), params, "{dir}");
     }
+}
+
+#[test]
+fn new_family_layers_hold_their_checkpoint_tensors() {
+    let names = layer_names(&spec("olmo2", ""));
+    assert_eq!(
+        names,
+        [
+            "self_attn.q_proj.weight[48, 48]",
+            "self_attn.k_proj.weight[16, 48]",
+            "self_attn.v_proj.weight[16, 48]",
+            "self_attn.o_proj.weight[48, 48]",
+            "self_attn.q_norm.weight[48]",
+            "self_attn.k_norm.weight[16]",
+            "post_attention_layernorm.weight[48]",
+            "post_feedforward_layernorm.weight[48]",
+            "mlp.gate_proj.weight[88, 48]",
+            "mlp.up_proj.weight[88, 48]",
+            "mlp.down_proj.weight[48, 88]",
+        ]
+    );
+    let names = layer_names(&spec("glm4", r#","head_dim":8"#));
+    for n in [
+        "self_attn.q_proj.bias[48]",
+        "post_self_attn_layernorm.weight[48]",
+        "post_mlp_layernorm.weight[48]",
+        "mlp.gate_up_proj.weight[176, 48]",
+    ] {
+        assert!(names.contains(&n.to_string()), "{n} in {names:?}");
+    }
+    assert!(!names.iter().any(|n| n.starts_with("self_attn.o_proj.bias")));
+
+    let ds = spec(
+        "deepseek_v3",
+        r#","num_key_value_heads":6,"kv_lora_rank":16,"q_lora_rank":24,"qk_rope_head_dim":4,
+        "qk_nope_head_dim":6,"v_head_dim":5,"n_routed_experts":4,"num_experts_per_tok":2,
+        "n_group":2,"topk_group":1,"moe_intermediate_size":20,"first_k_dense_replace":1"#,
+    );
+    let l = Layout::new(&ds);
+    let names = |l: &Layout, layer| -> Vec<String> {
+        l.blocks[l.layer_block(layer)]
+            .tensors
+            .iter()
+            .map(|t| format!("{}{:?}", t.name, t.shape))
+            .collect()
+    };
+    for n in [
+        "self_attn.q_a_proj.weight[24, 48]",
+        "self_attn.q_a_layernorm.weight[24]",
+        "self_attn.q_b_proj.weight[60, 24]",
+        "self_attn.kv_a_proj_with_mqa.weight[20, 48]",
+        "self_attn.kv_a_layernorm.weight[16]",
+        "self_attn.kv_b_proj.weight[66, 16]",
+        "self_attn.o_proj.weight[48, 30]",
+        "mlp.gate_proj.weight[88, 48]",
+    ] {
+        assert!(
+            names(&l, 0).contains(&n.to_string()),
+            "{n} in {:?}",
+            names(&l, 0)
+        );
+    }
+    for n in [
+        "mlp.gate.weight[4, 48]",
+        "mlp.experts.3.down_proj.weight[48, 20]",
+        "mlp.shared_experts.up_proj.weight[20, 48]",
+    ] {
+        assert!(
+            names(&l, 1).contains(&n.to_string()),
+            "{n} in {:?}",
+            names(&l, 1)
+        );
+    }
+    // The router's correction bias is a buffer: carried, not in the layout.
+    assert!(
+        !names(&l, 1)
+            .iter()
+            .any(|n| n.contains("e_score_correction_bias"))
+    );
+    assert!(
+        l.carry
+            .carries("model.layers.1.mlp.gate.e_score_correction_bias")
+    );
+    assert!(
+        !l.carry
+            .carries("model.layers.0.mlp.gate.e_score_correction_bias")
+    );
+    // The MTP layer after the decoder layers is carried; a layer beyond it is not.
+    assert!(l.carry.carries("model.layers.3.eh_proj.weight"));
+    assert!(!l.carry.carries("model.layers.4.eh_proj.weight"));
+    assert!(!l.carry.carries("model.layers.1.mlp.gate.weight"));
+
+    let l = Layout::new(&spec(
+        "llama4_text",
+        r#","head_dim":8,"intermediate_size_mlp":40,"num_local_experts":4,
+        "interleave_moe_layer_step":2"#,
+    ));
+    assert!(names(&l, 0).contains(&"feed_forward.gate_proj.weight[40, 48]".to_string()));
+    for n in [
+        "feed_forward.router.weight[4, 48]",
+        "feed_forward.experts.gate_up_proj[4, 48, 176]",
+        "feed_forward.experts.down_proj[4, 88, 48]",
+        "feed_forward.shared_expert.down_proj.weight[48, 88]",
+    ] {
+        assert!(
+            names(&l, 1).contains(&n.to_string()),
+            "{n} in {:?}",
+            names(&l, 1)
+        );
+    }
+}
+
+#[test]
+fn wrapped_text_models_keep_their_checkpoint_names() {
+    let mut s = spec(
+        "gemma3_text",
+        r#","head_dim":8,"tie_word_embeddings":false"#,
+    );
+    for (names, layer, head) in [
+        (
+            TextNames::Legacy,
+            "language_model.model.layers.2.mlp.up_proj.weight",
+            "language_model.lm_head.weight",
+        ),
+        (
+            TextNames::Current,
+            "model.language_model.layers.2.mlp.up_proj.weight",
+            "lm_head.weight",
+        ),
+    ] {
+        s.names = names;
+        let l = Layout::new(&s);
+        let b = &l.blocks[l.layer_block(2)];
+        assert_eq!(b.hf_name(b.tensor("mlp.up_proj.weight").unwrap()), layer);
+        let h = &l.blocks[l.head_block()];
+        assert_eq!(h.hf_name(h.tensor("lm_head.weight").unwrap()), head);
+        assert_eq!(l.hf("lm_head.weight"), head);
+        // Everything outside the text model is carried; its own tensors are not.
+        assert!(
+            l.carry
+                .carries("vision_tower.encoder.layers.0.mlp.fc1.weight")
+        );
+        assert!(l.carry.carries("model.visual.blocks.0.attn.qkv.weight"));
+        assert!(l.carry.carries("mtp.fc.weight"));
+        assert!(!l.carry.carries(layer));
+    }
+    s.names = TextNames::Plain;
+    let l = Layout::new(&s);
+    assert!(l.carry.carries("mtp.layers.0.input_layernorm.weight"));
+    assert!(!l.carry.carries("model.layers.9.extra.weight"));
 }

@@ -104,15 +104,17 @@ pub struct Llama4Attn {
     pub temperature: Option<(f64, f64)>,
 }
 
-/// The Llama 4 attention options and layer kinds (`Chunked` or `Full`) and the chunk size
-/// of `llama4_text`; None for other types. `layer_types` wins when given; otherwise the
-/// RoPE layers are chunked, as `Llama4TextConfig` derives them.
+/// Llama 4's attention options, each layer's kind (`Chunked` or `Full`) and the chunk size.
+pub(super) type Llama4Layers = (Llama4Attn, Vec<AttentionKind>, Option<usize>);
+
+/// The Llama 4 attention of `llama4_text`; None for other types. `layer_types` wins when
+/// given; otherwise the RoPE layers are chunked, as `Llama4TextConfig` derives them.
 pub(super) fn llama4_attn(
     hf: &HfConfig,
     model_type: &str,
     num_layers: usize,
     err: &dyn Fn(String) -> Error,
-) -> Result<Option<(Llama4Attn, Vec<AttentionKind>, Option<usize>)>> {
+) -> Result<Option<Llama4Layers>> {
     if model_type != "llama4_text" {
         return Ok(None);
     }

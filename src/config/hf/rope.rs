@@ -173,9 +173,10 @@ impl RopeCtx {
             },
             "llama3" => {
                 let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
-                if high <= low {
+                // Equal factors (Llama 4 Scout) leave no band to smooth; transformers warns.
+                if high < low {
                     return Err(err(format!(
-                        "`{}` ({high}) must be greater than `low_freq_factor` ({low})",
+                        "`{}` ({high}) must be at least `low_freq_factor` ({low})",
                         key("high_freq_factor")
                     )));
                 }
