@@ -6,10 +6,11 @@ same logits as mt-launch does.
 For each case, OUR_LOGITS is what `mt-launch --dump-logits` wrote for a run with
 `model.path: MODEL_DIR`, one worker, unshuffled DATA_JSONL in float32: the logits of the
 first micro-batch of step 1 (tensor `logits`, rows x padded length x vocab, rows = the
-first rows of the file). The model is loaded with AutoModelForCausalLM in float32 and run on
-the same rows, right-padded with an attention mask; ||ours - torch|| / ||torch|| over every
-real (non-padding) position must be <= tol. Prints one JSON line per case; exits 1 if any
-case fails.
+first rows of the file). The model is loaded in float32 with the class its config.json names
+(a multimodal wrapper, whose config has a `vision_config`, with AutoModelForImageTextToText;
+any other with AutoModelForCausalLM) and run on the same rows (text only), right-padded with
+an attention mask; ||ours - torch|| / ||torch|| over every real (non-padding) position must
+be <= tol. Prints one JSON line per case; exits 1 if any case fails.
 """
 
 import argparse
@@ -36,9 +37,10 @@ def check(model_dir, data, logits_path, tol):
     for i, r in enumerate(batch):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager"
-    )
+    with open(f"{model_dir}/config.json") as f:
+        wrapped = "vision_config" in json.load(f)
+    auto = transformers.AutoModelForImageTextToText if wrapped else transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits.float()

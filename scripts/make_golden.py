@@ -52,6 +52,15 @@ EVAL_ROWS = 5
 #         sees the same sequence length (dynamic NTK RoPE depends on it)
 #   scale: {parameter-name substring: factor} applied after init, to push a feature into its
 #         active range (GPT-OSS's expert clamp at +-7)
+#   buffers: {buffer-name substring: std} non-zero random buffers (the routers' correction
+#         bias, which a fresh model holds at 0)
+#   wrapper: the multimodal class (`model_type` of AutoConfig) whose text model is
+#         `model_type` with `config`; `vision` its vision_config, `top` its own keys. The
+#         reference is the wrapper's forward on text; its vision tower gets no gradient,
+#         so the reference neither clips nor updates it (carried by mt-launch)
+#   names: "current" rewrites the saved checkpoint from the legacy names transformers 5.17
+#         writes (`language_model.model.*`) to the current ones (`model.language_model.*`);
+#         `drop_top_keys` removes keys from the saved config.json
 # With output_router_logits the loss adds router_aux_loss_coef x transformers' router
 # load-balancing loss. Each micro-batch (one per worker here) adds its own aux loss,
 # weighted by its share of the batch's label tokens, so the reference depends on the number
@@ -59,6 +68,21 @@ EVAL_ROWS = 5
 # expected_w2.json / grads0_w2.safetensors hold the 2-worker reference.
 # MoE cases mix sparse and dense layers where the family allows it, so the layout holds
 # layers of different structures; hybrid cases mix Gated DeltaNet and attention layers.
+# Llama 4: layer 1 a NoPE layer with a temperature that varies inside the rows (floor_scale
+# 4), layers 0 and 2 chunked (5 positions) with RoPE and the query/key L2 norm; layer 1 an
+# MoE layer (2 of 4 experts per token, scores scaling the experts' input) beside a shared
+# expert, the others dense (intermediate_size_mlp).
+LLAMA4_TEXT = dict(
+    head_dim=8, intermediate_size=20, intermediate_size_mlp=40, num_local_experts=4,
+    num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layers=[1, 0, 1],
+    attention_chunk_size=5, floor_scale=4, attn_scale=0.5, use_qk_norm=True, pad_token_id=0,
+    initializer_range=0.08,
+    rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                         original_max_position_embeddings=16, rope_theta=500000.0),
+)
+MISTRAL3_VISION = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                       image_size=28, patch_size=14, head_dim=16)
+
 CASES = {
     "llama": dict(model_type="llama", config=dict(tie_word_embeddings=False, attention_bias=False)),
     # Embedding and lm_head ~3.6 decoder layers large: a gradient slab slot holds one layer,
@@ -189,6 +213,112 @@ CASES = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
         ),
     ),
+    "olmo2_post_norm": dict(
+        model_type="olmo2",
+        config=dict(attention_bias=True, pad_token_id=1, eos_token_id=2, initializer_range=0.08),
+    ),
+    "glm4_sandwich_partial_rope": dict(
+        model_type="glm4",
+        config=dict(head_dim=12, pad_token_id=0, eos_token_id=2, initializer_range=0.08,
+                    rms_norm_eps=1e-5),
+    ),
+    "glm4_moe_group_router": dict(
+        model_type="glm4_moe",
+        config=dict(head_dim=8, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                    moe_intermediate_size=20, n_shared_experts=2, first_k_dense_replace=1,
+                    routed_scaling_factor=1.8, use_qk_norm=True, pad_token_id=0, initializer_range=0.08),
+        buffers={"e_score_correction_bias": 0.1},
+    ),
+    "deepseek_v3_mla_yarn": dict(
+        model_type="deepseek_v3",
+        config=dict(num_key_value_heads=6, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+                    qk_nope_head_dim=6, v_head_dim=5, n_routed_experts=8, num_experts_per_tok=2,
+                    n_group=4, topk_group=2, moe_intermediate_size=20, first_k_dense_replace=1,
+                    rms_norm_eps=1e-5, pad_token_id=0, initializer_range=0.08,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                         mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0,
+                                         rope_theta=10000.0)),
+        buffers={"e_score_correction_bias": 0.1},
+    ),
+    "deepseek_v3_plain_q_halves": dict(
+        model_type="deepseek_v3",
+        config=dict(num_key_value_heads=6, kv_lora_rank=12, q_lora_rank=None, qk_rope_head_dim=6,
+                    qk_nope_head_dim=4, v_head_dim=7, n_routed_experts=4, num_experts_per_tok=2,
+                    n_group=1, topk_group=1, moe_intermediate_size=20, first_k_dense_replace=2,
+                    n_shared_experts=1, norm_topk_prob=False, rope_interleave=False, pad_token_id=0,
+                    initializer_range=0.08),
+    ),
+    "llama4_text_chunked_nope": dict(
+        model_type="llama4_text",
+        config=LLAMA4_TEXT,
+    ),
+    "qwen3_5_wrapper": dict(
+        wrapper="qwen3_5",
+        model_type="qwen3_5_text",
+        config=dict(
+            head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=10, linear_conv_kernel_dim=3, initializer_range=0.05,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[1, 0, 0], mrope_interleaved=True),
+        ),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=48),
+    ),
+    "qwen3_5_moe_wrapper": dict(
+        wrapper="qwen3_5_moe",
+        model_type="qwen3_5_moe_text",
+        config=dict(
+            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=20,
+            shared_expert_intermediate_size=24, linear_num_key_heads=1, linear_num_value_heads=3,
+            linear_key_head_dim=8, linear_value_head_dim=6,
+            layer_types=["full_attention", "linear_attention", "linear_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        ),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=48),
+    ),
+    "gemma3_wrapper": dict(
+        wrapper="gemma3",
+        model_type="gemma3_text",
+        config=dict(
+            head_dim=10, query_pre_attn_scalar=12, sliding_window=5, initializer_range=0.2,
+            final_logit_softcapping=3.0, pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=100000.0),
+                "sliding_attention": dict(rope_type="default", rope_theta=1000.0),
+            },
+        ),
+        vision=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                    image_size=28, patch_size=14),
+        top=dict(mm_tokens_per_image=4),
+        attn="eager",
+    ),
+    "mistral3_wrapper": dict(
+        wrapper="mistral3",
+        model_type="mistral",
+        config=dict(head_dim=10, sliding_window=None, initializer_range=0.08),
+        vision=MISTRAL3_VISION,
+        top=dict(tie_word_embeddings=False),
+    ),
+    # The current names, and a config that ties by default (no `tie_word_embeddings`) over
+    # a checkpoint that stores its own lm_head: transformers leaves it untied.
+    "mistral3_current_names_untied": dict(
+        wrapper="mistral3",
+        model_type="mistral",
+        config=dict(num_key_value_heads=3, sliding_window=7),
+        vision=MISTRAL3_VISION,
+        top=dict(tie_word_embeddings=False),
+        names="current",
+        drop_top_keys=["tie_word_embeddings"],
+    ),
+    "llama4_wrapper": dict(
+        wrapper="llama4",
+        model_type="llama4_text",
+        config=LLAMA4_TEXT,
+        vision=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                    image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                    projector_output_dim=32),
+    ),
 }
 
 BASE = dict(
@@ -245,18 +375,46 @@ def eval_loss(model, rows):
         return (loss_sum / (targets != -100).sum()).item()
 
 
-def checkpoint_named(model, values, tmp):
-    """`values` (one tensor per named parameter) under the checkpoint's names: transformers 5
-    fuses some families' experts in memory but saves them per expert, so the tensors go
-    through save_pretrained in place of the parameters."""
+def checkpoint_named(model, values, tmp, names=None):
+    """`values` (one tensor per named parameter, None where it has none) under the
+    checkpoint's names: transformers 5 fuses some families' experts in memory but saves them
+    per expert, and wrappers under their legacy names, so the tensors go through
+    save_pretrained in place of the parameters. Parameters without a value and buffers
+    (NaN while saved) are left out."""
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     kept = {n: p.data for n, p in params.items()}
+    kept_buffers = {n: b.data for n, b in buffers.items()}
     for n, p in params.items():
-        p.data = values[n]
+        p.data = values[n] if values[n] is not None else torch.full_like(p.data, float("nan"))
+    for b in buffers.values():
+        if b.is_floating_point():
+            b.data = torch.full_like(b.data, float("nan"))
     model.save_pretrained(tmp)
     for n, p in params.items():
         p.data = kept[n]
-    return safetensors.torch.load_file(os.path.join(tmp, "model.safetensors"))
+    for n, b in buffers.items():
+        b.data = kept_buffers[n]
+    saved = safetensors.torch.load_file(os.path.join(tmp, "model.safetensors"))
+    saved = {n: t for n, t in saved.items() if t.is_floating_point() and not torch.isnan(t).all()}
+    return rename(saved, names)
+
+
+def rename(tensors, names):
+    """Legacy wrapper names (`language_model.model.*`, `vision_tower.*`) to the current ones
+    (`model.language_model.*`, `model.vision_tower.*`) when `names` is "current"."""
+    if names != "current":
+        return tensors
+    out = {}
+    for n, t in tensors.items():
+        if n.startswith("language_model.model."):
+            n = "model.language_model." + n[len("language_model.model."):]
+        elif n == "language_model.lm_head.weight":
+            n = "lm_head.weight"
+        elif not n.startswith("model."):
+            n = "model." + n
+        out[n] = t
+    return out
 
 
 def aux_loss(model, out, mask, targets, world):
@@ -279,7 +437,7 @@ def aux_loss(model, out, mask, targets, world):
     return cfg.router_aux_loss_coef * total
 
 
-def reference(model, rows, eval_rows, tr, grads_path, world=1):
+def reference(model, rows, eval_rows, tr, grads_path, world=1, names=None):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -299,15 +457,15 @@ def reference(model, rows, eval_rows, tr, grads_path, world=1):
         if getattr(model.config, "output_router_logits", False):
             loss = loss + aux_loss(model, out, mask, targets, world)
         loss.backward()
+        grads = {n: None if p.grad is None else p.grad.detach().clone().contiguous()
+                 for n, p in model.named_parameters()}
         if step == 0 and world > 1:
-            grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
             tmp = grads_path + ".tmp"
-            safetensors.torch.save_file(checkpoint_named(model, grads, tmp), grads_path)
+            safetensors.torch.save_file(checkpoint_named(model, grads, tmp, names), grads_path)
             shutil.rmtree(tmp)
         elif step == 0:
-            grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
             tmp = os.path.join(os.path.dirname(grads_path), "grads0.tmp")
-            safetensors.torch.save_file(checkpoint_named(model, grads, tmp), grads_path)
+            safetensors.torch.save_file(checkpoint_named(model, grads, tmp, names), grads_path)
             shutil.rmtree(tmp)
             logits_path = os.path.join(os.path.dirname(grads_path), "logits0.safetensors")
             safetensors.torch.save_file({"logits": logits.detach().float().contiguous()}, logits_path)
@@ -320,20 +478,56 @@ def reference(model, rows, eval_rows, tr, grads_path, world=1):
     return losses, norms, eval_losses
 
 
+def build(case):
+    """The case's tiny model (float32) and its text config."""
+    overrides = case["config"]
+    if "rope_parameters" not in overrides:
+        overrides = {**overrides, "rope_theta": 10000.0}
+    text = {**BASE, **overrides}
+    attn = case.get("attn")
+    if "wrapper" not in case:
+        cfg = transformers.AutoConfig.for_model(case["model_type"], **text)
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float(), cfg
+    if case["wrapper"] == "mistral3":
+        text["model_type"] = case["model_type"]
+    cfg = transformers.AutoConfig.for_model(case["wrapper"], text_config=text, vision_config=case["vision"],
+                                            **case.get("top", {}))
+    model = transformers.AutoModelForImageTextToText.from_config(cfg, attn_implementation=attn).float()
+    return model, cfg.get_text_config()
+
+
+def save_model(model, case, out):
+    """save_pretrained, then the case's renames and config edits."""
+    model.save_pretrained(out)
+    if case.get("names") == "current":
+        path = os.path.join(out, "model.safetensors")
+        safetensors.torch.save_file(rename(safetensors.torch.load_file(path), "current"), path,
+                                    metadata={"format": "pt"})
+    if case.get("drop_top_keys"):
+        path = os.path.join(out, "config.json")
+        cfg = json.load(open(path))
+        for k in case["drop_top_keys"]:
+            cfg.pop(k, None)
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", help="comma-separated case names (default: all)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
+    only = set(args.cases.split(",")) if args.cases else set(CASES)
+    if only - set(CASES):
+        raise SystemExit(f"unknown cases: {sorted(only - set(CASES))}")
     for name, case in CASES.items():
+        if name not in only:
+            continue
         out = os.path.join(args.out, name)
         os.makedirs(out, exist_ok=True)
         torch.manual_seed(1234)
-        overrides = case["config"]
-        if "rope_parameters" not in overrides:
-            overrides = {**overrides, "rope_theta": 10000.0}
-        cfg = transformers.AutoConfig.for_model(case["model_type"], **{**BASE, **overrides})
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=case.get("attn")).float()
+        model, cfg = build(case)
         # Non-trivial norm weights and biases, so their gradients and updates are checked.
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -342,7 +536,11 @@ def main():
                 for part, factor in case.get("scale", {}).items():
                     if part in n:
                         p.mul_(factor)
-        model.save_pretrained(os.path.join(out, "model"))
+            for n, b in model.named_buffers():
+                for part, std in case.get("buffers", {}).items():
+                    if part in n:
+                        b.copy_(std * torch.randn_like(b))
+        save_model(model, case, os.path.join(out, "model"))
         gen = torch.Generator().manual_seed(99)
         rows = make_rows(gen, cfg.vocab_size, case.get("row_len"))
         with open(os.path.join(out, "data.jsonl"), "w") as f:
@@ -358,7 +556,8 @@ def main():
                 copy.deepcopy(model), rows, eval_rows, tr, os.path.join(out, "grads0_w2.safetensors"), 2)
             with open(os.path.join(out, "expected_w2.json"), "w") as f:
                 json.dump({"losses": losses, "grad_norms": norms, "eval_losses": evals}, f, indent=1)
-        losses, norms, evals = reference(model, rows, eval_rows, tr, os.path.join(out, "grads0.safetensors"))
+        losses, norms, evals = reference(model, rows, eval_rows, tr, os.path.join(out, "grads0.safetensors"),
+                                         names=case.get("names"))
         with open(os.path.join(out, "expected.json"), "w") as f:
             json.dump({"losses": losses, "grad_norms": norms, "eval_losses": evals,
                        "transformers": transformers.__version__, "torch": torch.__version__}, f, indent=1)

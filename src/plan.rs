@@ -75,6 +75,8 @@ pub struct HostPlan {
     pub slabs: u64,
     /// The background-checkpoint snapshot (fp32 master, m and v), or 0.
     pub snapshot: u64,
+    /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
+    pub carried: u64,
     /// Elements of one slab slot (`Layout::grad_slot_len`).
     pub slot_len: u64,
     pub workers: u64,
@@ -102,6 +104,7 @@ impl HostPlan {
                 true => crate::checkpoint::writer::snapshot_bytes(layout, opts.snapshot_optimizer),
                 false => 0,
             },
+            carried: 0,
             slot_len: slot_len as u64,
             workers: opts.workers as u64,
             slots: opts.slots as u64,
@@ -115,7 +118,15 @@ impl HostPlan {
 
     /// What the launcher holds at its peak, start-up and checkpoints included.
     pub fn total(&self) -> u64 {
-        self.per_param_state() + self.slabs + self.snapshot
+        self.per_param_state() + self.slabs + self.snapshot + self.carried
+    }
+
+    /// The plan holding `bytes` of carried tensors besides the training state.
+    pub fn with_carried(self, bytes: u64) -> HostPlan {
+        HostPlan {
+            carried: bytes,
+            ..self
+        }
     }
 
     /// Whether the plan fits in `avail` bytes (None: unknown).
@@ -186,6 +197,13 @@ impl std::fmt::Display for HostPlan {
                 } else {
                     "master"
                 }
+            )?;
+        }
+        if self.carried > 0 {
+            writeln!(
+                f,
+                "  carried, not trained  {:>9.2} GB (kept as read and exported as is)",
+                gb(self.carried)
             )?;
         }
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))

@@ -70,6 +70,15 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// A tensor a layer reads but does not train (a buffer), in f32.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayerBuffer {
+    pub layer: usize,
+    /// Name inside the layer (`mlp.gate.e_score_correction_bias`).
+    pub name: String,
+    pub values: Vec<f32>,
+}
+
 /// Everything a worker needs to run; sent once.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Init {
@@ -93,6 +102,8 @@ pub struct Init {
     pub dump_logits: Option<std::path::PathBuf>,
     /// CUDA: warm up at this micro-batch shape (rows, tokens per row) before `Ready`.
     pub warm_up: Option<(usize, usize)>,
+    /// The layers' buffers (not trained; the store does not hold them).
+    pub buffers: Vec<LayerBuffer>,
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.

@@ -84,6 +84,7 @@ fn json(
             "bytes_per_param": h.bytes_per_param(),
             "slabs": h.slabs,
             "checkpoint_snapshot": h.snapshot,
+            "carried": h.carried,
             "total": h.total(),
         },
         "device": {

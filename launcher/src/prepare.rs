@@ -2,8 +2,9 @@
 //! `--dry-run` share it): the model, its layout, the dataset and eval set, the host plan.
 
 use anyhow::{Result, bail};
-use mt::config::RunConfig;
+use mt::checkpoint;
 use mt::config::hf::{AttentionKind, ModelSpec};
+use mt::config::{Init, RunConfig};
 use mt::data::Dataset;
 use mt::layout::Layout;
 use mt::plan::Fit;
@@ -45,7 +46,14 @@ impl Prepared {
 
     fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
         cfg.validate_world(placement.workers)?;
-        let spec = cfg.model.spec()?;
+        let mut spec = cfg.model.spec()?;
+        // What the weight files settle (a wrapper's names, a tied head stored untied) and
+        // what they carry besides the trained tensors; a shipped architecture standing in
+        // for a hub model has no files (its plan leaves carried tensors out).
+        let carried = match (cfg.model.init, cfg.model.shipped) {
+            (Init::Pretrained, None) => checkpoint::carried::resolve(&cfg.model.path, &mut spec)?,
+            _ => 0,
+        };
         if cfg.dataset.packing && spec.layer_types.contains(&AttentionKind::Linear) {
             // The delta rule's recurrent state would flow from one packed document into
             // the next; transformers' torch path has no per-document reset either.
@@ -68,8 +76,13 @@ impl Prepared {
             )?,
             false => Dataset::default(),
         };
+        let carried = match cfg.model.init {
+            Init::Pretrained => carried,
+            Init::Random => checkpoint::carried::Carried::init(&layout).bytes(),
+        };
         let plan =
-            mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers));
+            mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers))
+                .with_carried(carried);
         Ok(Prepared {
             spec,
             layout,

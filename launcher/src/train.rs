@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
+use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
@@ -128,10 +129,22 @@ impl Trainer {
             "starting"
         );
         println!("{plan}");
+        // Tensors carried as read: from the checkpoint resumed (which holds them as the
+        // model directory did), else the model directory's; buffers at random init.
+        let (carried, carried_from) = match (&resume, cfg.model.init) {
+            (Some(dir), _) => (Carried::read(dir, &layout)?, dir.clone()),
+            (None, InitKind::Pretrained) => (
+                Carried::read(&cfg.model.path, &layout)?,
+                cfg.model.path.clone(),
+            ),
+            (None, InitKind::Random) => (Carried::init(&layout), cfg.model.path.clone()),
+        };
+        let buffers = carried.buffers(&layout, &carried_from)?;
         let export = ExportOptions {
             dtype: cfg.model.dtype,
             source: cfg.model.path.clone(),
             max_shard_bytes: cfg.checkpoint.max_shard_size.0,
+            carried: std::sync::Arc::new(carried),
         };
         // Periodic checkpoints are written in the background where the plan holds a
         // snapshot for them; the last one from the live state.
@@ -218,6 +231,7 @@ impl Trainer {
                         _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
                     }),
                     warm_up,
+                    buffers: buffers.clone(),
                 }
             })
             .collect();

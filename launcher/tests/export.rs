@@ -2,10 +2,13 @@
 //! load in transformers and give the same logits as our model: scripts/check_export.py
 //! loads each with AutoModelForCausalLM in float32 and compares with `--dump-logits` of a
 //! run from that directory, to 1e-4 over every real position. Covers Llama (sharded into
-//! many files, tokenizer files carried over), Qwen3 exported in bfloat16 and Gemma 2.
+//! many files, tokenizer files carried over), Qwen3 exported in bfloat16, Gemma 2, and every
+//! multimodal wrapper (loaded with AutoModelForImageTextToText): their exports keep the
+//! input's config.json, tensor names and layout, and every tensor not trained byte for byte.
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -160,6 +163,33 @@ fn exports_load_in_transformers_with_our_logits() {
         our_logits("gemma2_softcap", &out, &dir, "out"),
     ));
 
+    // Multimodal wrappers: the text model trained, the rest carried.
+    for (case, dtype) in [
+        ("qwen3_5_wrapper", "float32"),
+        ("qwen3_5_moe_wrapper", "float32"),
+        ("gemma3_wrapper", "bfloat16"),
+        ("mistral3_wrapper", "float32"),
+        ("mistral3_current_names_untied", "float32"),
+        ("llama4_wrapper", "float32"),
+    ] {
+        let dir = scratch(&format!("export-{case}"));
+        let src = golden_dir().join(case).join("model");
+        let (out, ck) = train_and_export(
+            case,
+            &dir,
+            dtype,
+            &["--set", "checkpoint.max_shard_size=30KB"],
+        );
+        for export in [&out, &ck] {
+            assert_same_hub_layout(&src, export);
+        }
+        cases.push((
+            out.clone(),
+            golden_dir().join(case).join("data.jsonl"),
+            our_logits(case, &out, &dir, "out"),
+        ));
+    }
+
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/check_export.py");
     let mut cmd = Command::new(py);
     cmd.arg(script).args(["--tol", &TOL.to_string()]);
@@ -179,4 +209,57 @@ fn exports_load_in_transformers_with_our_logits() {
         .filter(|l| l.contains("\"ok\": true"))
         .count();
     assert_eq!(checked, cases.len(), "every case reported");
+}
+
+/// Every tensor of `dir`'s weight files: name -> (dtype, shape, bytes).
+fn all_tensors(dir: &Path) -> HashMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> {
+    let mut all = HashMap::new();
+    for file in mt::checkpoint::weight_files(dir).unwrap() {
+        let bytes = std::fs::read(&file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, v) in st.iter() {
+            all.insert(
+                name.to_string(),
+                (v.dtype(), v.shape().to_vec(), v.data().to_vec()),
+            );
+        }
+    }
+    all
+}
+
+/// An export of the wrapper checkpoint `src` has its config.json (bar the dtype), its
+/// tensor names and shapes, and every carried tensor byte for byte.
+fn assert_same_hub_layout(src: &Path, export: &Path) {
+    let strip = |p: &Path| {
+        let mut cfg = json(&p.join("config.json"));
+        let obj = cfg.as_object_mut().unwrap();
+        obj.remove("dtype");
+        obj.remove("torch_dtype");
+        cfg
+    };
+    assert_eq!(
+        strip(src),
+        strip(export),
+        "{}: config.json",
+        export.display()
+    );
+    let mut spec = mt::config::hf::ModelSpec::from_model_dir(src).unwrap();
+    mt::checkpoint::carried::resolve(src, &mut spec).unwrap();
+    let layout = mt::layout::Layout::new(&spec);
+    let (before, after) = (all_tensors(src), all_tensors(export));
+    let mut names: Vec<&String> = before.keys().collect();
+    names.sort();
+    let mut exported: Vec<&String> = after.keys().collect();
+    exported.sort();
+    assert_eq!(names, exported, "{}: tensor names", export.display());
+    let mut carried = 0;
+    for name in names {
+        let ((d0, s0, b0), (d1, s1, b1)) = (&before[name], &after[name]);
+        assert_eq!(s0, s1, "{name}: shape");
+        if layout.carry.carries(name) {
+            assert!(d0 == d1 && b0 == b1, "{name}: not carried byte for byte");
+            carried += 1;
+        }
+    }
+    assert!(carried > 0, "{}: nothing carried", src.display());
 }

@@ -7,7 +7,8 @@
 //! the next tensor would overflow the current one, a tensor larger than the limit alone;
 //! shards are `model-00001-of-0000N.safetensors` listed by `model.safetensors.index.json`.
 //! Each tensor is converted from the fp32 master while it is written, a piece at a time
-//! ([`pieces`]), so the export holds no copy of the model nor of any whole tensor.
+//! ([`pieces`]), so the export holds no copy of the model nor of any whole tensor. Carried
+//! tensors ([`carried`]) follow the trained ones, byte for byte as read.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,7 +17,8 @@ use half::bf16;
 use rayon::prelude::*;
 use safetensors::Dtype;
 
-use super::{MasterRef, pieces};
+use super::carried::SharedCarried;
+use super::{MasterRef, carried, pieces};
 use crate::config::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -47,6 +49,8 @@ pub struct ExportOptions {
     pub source: PathBuf,
     /// Weights above this many bytes are sharded.
     pub max_shard_bytes: u64,
+    /// Tensors written back as read (a wrapper's vision tower, extra heads, buffers).
+    pub carried: SharedCarried,
 }
 
 /// The safetensors dtype of `dtype`.
@@ -146,14 +150,16 @@ pub fn save_hf(
     opts: &ExportOptions,
 ) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    // (name, master range, shape), in layout order.
+    // The trained tensors (name, master range, shape) in layout order, then the carried.
     let tensors: Vec<(String, std::ops::Range<usize>, Vec<usize>)> = layout
         .tensors()
         .map(|(b, t)| (b.hf_name(t), Layout::global_range(b, t), t.shape.clone()))
         .collect();
+    let carried = &opts.carried.tensors;
     let sizes: Vec<usize> = tensors
         .iter()
         .map(|(_, r, _)| r.len() * opts.dtype.size())
+        .chain(carried.iter().map(|c| c.bytes.len()))
         .collect();
     let shard_of = plan_shards(&sizes, opts.max_shard_bytes);
     let n = shard_of.last().map_or(1, |s| s + 1);
@@ -166,9 +172,10 @@ pub fn save_hf(
             shard_name(shard, n)
         };
         let path = out.join(&name);
+        let (trained_shards, carried_shards) = shard_of.split_at(tensors.len());
         let members = tensors
             .iter()
-            .zip(&shard_of)
+            .zip(trained_shards)
             .filter(|(_, s)| **s == shard)
             .map(|((name, range, shape), _)| {
                 let src = master.slice(range.clone());
@@ -179,6 +186,13 @@ pub fn save_hf(
                     fill: Box::new(move |r, out| append_converted(src.slice(r), opts.dtype, out)),
                 }
             })
+            .chain(
+                carried
+                    .iter()
+                    .zip(carried_shards)
+                    .filter(|(_, s)| **s == shard)
+                    .map(|(c, _)| carried_entry(c)),
+            )
             .collect();
         pieces::write(&path, members, Some(meta.clone()))?;
         written.push(path);
@@ -186,8 +200,10 @@ pub fn save_hf(
     if n > 1 {
         let weight_map: serde_json::Map<String, serde_json::Value> = tensors
             .iter()
+            .map(|(name, _, _)| name)
+            .chain(carried.iter().map(|c| &c.name))
             .zip(&shard_of)
-            .map(|((name, _, _), &s)| (name.clone(), shard_name(s, n).into()))
+            .map(|(name, &s)| (name.clone(), shard_name(s, n).into()))
             .collect();
         let total: usize = sizes.iter().sum();
         let index = serde_json::json!({
@@ -219,6 +235,16 @@ pub fn save_hf(
         written.push(dst);
     }
     Ok(written)
+}
+
+/// A carried tensor to write: its bytes as read.
+fn carried_entry(c: &carried::CarriedTensor) -> pieces::Entry<'_> {
+    pieces::Entry {
+        name: c.name.clone(),
+        dtype: c.dtype,
+        shape: c.shape.clone(),
+        fill: Box::new(move |r, out| out.extend_from_slice(c.element_bytes(r))),
+    }
 }
 
 /// Removes weight files in `dir` that are not in `keep` (an earlier export's shards or

@@ -1,6 +1,7 @@
 //! Weights in and out: HF safetensors into the fp32 master (every tensor checked by name,
 //! shape and dtype), transformers-style random init, and export of an HF model directory.
 
+pub mod carried;
 pub mod export;
 pub mod master;
 pub mod pieces;
@@ -93,6 +94,7 @@ pub fn check_writable(dir: &Path, key: &str) -> Result<()> {
 
 /// Loads every parameter of `layout` from the model dir into `master` (layout order),
 /// reading each tensor a piece at a time ([`pieces`]): the files are never mapped whole.
+/// Carried tensors are skipped ([`carried::Carried::read`] holds them).
 pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut MasterMut) -> Result<()> {
     let mut want: HashMap<String, (std::ops::Range<usize>, Vec<usize>)> = layout
         .tensors()
@@ -104,7 +106,8 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut MasterMut) -> R
         for (name, info) in reader.tensors() {
             let Some((range, shape)) = want.remove(&name) else {
                 let ignorable = IGNORABLE_SUFFIXES.iter().any(|s| name.ends_with(s))
-                    || (layout.tied_embeddings && name == "lm_head.weight");
+                    || (layout.tied_embeddings && name == layout.hf("lm_head.weight"))
+                    || layout.carry.carries(&name);
                 if ignorable {
                     continue;
                 }
@@ -252,6 +255,7 @@ mod tests {
             dtype: DType::Float32,
             source: src.clone(),
             max_shard_bytes: 5_000_000_000,
+            carried: Default::default(),
         };
         save_hf(&out, &layout, MasterRef::F32(&a), &opts).unwrap();
         let mut b = vec![0.0f32; layout.total];

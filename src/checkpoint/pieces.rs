@@ -150,8 +150,8 @@ pub fn float_width(dtype: Dtype) -> Option<usize> {
     }
 }
 
-/// Little-endian `bytes` of `dtype` to f32.
-fn convert(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+/// Little-endian `bytes` of `dtype` (a float dtype) to f32.
+pub(crate) fn convert(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
     let pairs = out.iter_mut();
     match dtype {
         Dtype::F64 => pairs

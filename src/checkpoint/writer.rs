@@ -287,6 +287,7 @@ mod tests {
             dtype: DType::Float32,
             source: src,
             max_shard_bytes: 1 << 30,
+            carried: Default::default(),
         };
         let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, true, true);
         let n = l.total;
@@ -329,6 +330,7 @@ mod tests {
             dtype: DType::Bfloat16,
             source: src,
             max_shard_bytes: 1 << 30,
+            carried: Default::default(),
         };
         let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, false, true);
         let z = vec![0.25f32; l.total];
@@ -357,6 +359,7 @@ mod tests {
             dtype: DType::Float32,
             source: src.clone(),
             max_shard_bytes: 1 << 30,
+            carried: Default::default(),
         };
         let root = dir.join("ck");
         let mut w = Writer::new(root.clone(), 1, l.clone(), export, true, true);

@@ -6,7 +6,8 @@
 //! `configuration_<family>.py` does: per-family defaults for absent keys, which layers use a
 //! sliding window, which projections carry biases, the RoPE variant and its parameters (both
 //! the transformers 5 `rope_parameters` form and the older `rope_theta` + `rope_scaling`
-//! form), so the worker only reads plain fields.
+//! form), so the worker only reads plain fields. A multimodal wrapper's config resolves to
+//! its text model's (`wrapper.rs`).
 
 use std::path::Path;
 
@@ -15,17 +16,24 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 
+mod attn;
 mod layers;
 mod moe;
+mod moe_sigmoid;
 mod rope;
+mod wrapper;
 
+pub use attn::{Llama4Attn, MlaSpec};
 use layers::attention_kinds;
 pub use moe::{ExpertAct, ExpertNames, LinearAttnSpec, MoeSpec, Router};
 use rope::{RopeCtx, ropes};
 pub use rope::{RopeScaling, RopeSpec, SUPPORTED_ROPE_TYPES};
+pub use wrapper::TextNames;
 
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
-/// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such.
+/// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such. The multimodal
+/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`) train their text
+/// model, which must be one of these.
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
     "mistral",
@@ -41,6 +49,11 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "olmo2",
+    "glm4",
+    "glm4_moe",
+    "deepseek_v3",
+    "llama4_text",
 ];
 
 /// The subset of an HF `config.json` we read. `Option<Option<T>>` fields tell an absent key
@@ -111,6 +124,36 @@ pub struct HfConfig {
     pub linear_value_head_dim: Option<usize>,
     pub linear_conv_kernel_dim: Option<usize>,
     pub full_attention_interval: Option<usize>,
+    /// A multimodal wrapper's text model config (`wrapper.rs`).
+    pub text_config: Option<Value>,
+    // GLM-4.5 and DeepSeek-V3 (`moe_sigmoid.rs`, `attn.rs`).
+    pub n_routed_experts: Option<usize>,
+    pub n_shared_experts: Option<usize>,
+    pub routed_scaling_factor: Option<f64>,
+    pub n_group: Option<usize>,
+    pub topk_group: Option<usize>,
+    pub first_k_dense_replace: Option<usize>,
+    pub use_qk_norm: Option<bool>,
+    /// Multi-token-prediction layers stored after the decoder layers.
+    pub num_nextn_predict_layers: Option<usize>,
+    #[serde(default, deserialize_with = "present")]
+    pub q_lora_rank: Option<Option<usize>>,
+    pub kv_lora_rank: Option<usize>,
+    pub qk_nope_head_dim: Option<usize>,
+    pub qk_rope_head_dim: Option<usize>,
+    pub v_head_dim: Option<usize>,
+    pub rope_interleave: Option<bool>,
+    // Llama 4 (`attn.rs`, `moe_sigmoid.rs`).
+    pub intermediate_size_mlp: Option<usize>,
+    pub moe_layers: Option<Vec<usize>>,
+    pub interleave_moe_layer_step: Option<usize>,
+    pub no_rope_layers: Option<Vec<u8>>,
+    pub no_rope_layer_interval: Option<usize>,
+    #[serde(default, deserialize_with = "present")]
+    pub attention_chunk_size: Option<Option<usize>>,
+    pub attn_temperature_tuning: Option<bool>,
+    pub floor_scale: Option<f64>,
+    pub attn_scale: Option<f64>,
 }
 
 /// Deserializes a present key (value or null) as `Some(..)`; with `#[serde(default)]` an
@@ -137,6 +180,14 @@ pub enum Family {
     /// Qwen3-Next and Qwen3.5: Gated DeltaNet layers between gated full-attention layers,
     /// (1 + w) norms.
     Qwen3Next,
+    /// OLMo 2: norms after attention and MLP (not before), q/k norms over all heads.
+    Olmo2,
+    /// GLM-4: four norms per layer, fused gate_up_proj, interleaved partial RoPE.
+    Glm4,
+    /// DeepSeek-V3: multi-head latent attention; MoE with group-limited sigmoid routing.
+    DeepseekV3,
+    /// Llama 4 text: NoPE and chunked RoPE layers, MoE with a shared expert.
+    Llama4,
 }
 
 impl Family {
@@ -165,6 +216,8 @@ pub enum AttentionKind {
     Sliding,
     /// Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5).
     Linear,
+    /// Causal within chunks of `attention_chunk` positions (Llama 4's local attention).
+    Chunked,
 }
 
 /// The architecture, validated; everything the layout and the model math need.
@@ -220,12 +273,52 @@ pub struct ModelSpec {
     pub attn_output_gate: bool,
     /// A learned per-head sink logit joins each softmax (`self_attn.sinks`, GPT-OSS).
     pub attn_sinks: bool,
+    /// Window of the `Chunked` layers (set whenever one exists).
+    pub attention_chunk: Option<usize>,
+    /// RoPE rotates adjacent pairs (2i, 2i+1) instead of the halves (i, i + R/2) (GLM-4,
+    /// DeepSeek-V3 with `rope_interleave`, Llama 4).
+    pub rope_interleaved: bool,
+    /// DeepSeek-V3's multi-head latent attention.
+    pub mla: Option<MlaSpec>,
+    /// Llama 4's NoPE layers, query/key L2 norm and attention temperature.
+    pub llama4: Option<Llama4Attn>,
+    /// The multimodal class config.json describes, when the text model is wrapped in one
+    /// (its `model_type`: `gemma3`, `qwen3_5`, ...).
+    pub wrapper: Option<String>,
+    /// Where the checkpoint keeps the text model's tensors.
+    pub names: TextNames,
+    /// Multi-token-prediction layers the checkpoint numbers after the decoder layers
+    /// (`num_nextn_predict_layers` of GLM-4.5 and DeepSeek-V3): carried, not trained.
+    pub mtp_layers: usize,
 }
 
 impl ModelSpec {
     /// Whether layer `layer`'s MLP is a sparse mixture-of-experts block.
     pub fn is_sparse(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| m.sparse_layers[layer])
+    }
+
+    /// Name of the MLP module in a decoder layer (`feed_forward` in Llama 4).
+    pub fn mlp_name(&self) -> &'static str {
+        match self.family {
+            Family::Llama4 => "feed_forward",
+            _ => "mlp",
+        }
+    }
+
+    /// The tensors a layer reads that are not trained (buffers): name inside the layer
+    /// and shape. Their values come from the checkpoint (zeros at random init, as
+    /// transformers initializes them) and stay as read.
+    pub fn layer_buffers(&self, layer: usize) -> Vec<(&'static str, Vec<usize>)> {
+        match &self.moe {
+            Some(m)
+                if m.sparse_layers[layer]
+                    && matches!(m.router, Router::SigmoidGroupTopK { .. }) =>
+            {
+                vec![("mlp.gate.e_score_correction_bias", vec![m.num_experts])]
+            }
+            _ => vec![],
+        }
     }
 
     /// The value random init gives every element of a tensor named `name` (inside its
@@ -312,6 +405,28 @@ fn defaults(model_type: &str) -> Option<Defaults> {
             None,
             Some(256),
         ),
+        "olmo2" => d(Family::Olmo2, 1e-5, "silu", false, 2048, None, None),
+        "glm4" => d(
+            Family::Glm4,
+            1.5625e-7,
+            "silu",
+            false,
+            131_072,
+            None,
+            Some(128),
+        ),
+        // GLM-4.5's layer is Qwen3's: optional per-head q/k norms, then a MoE MLP.
+        "glm4_moe" => d(Family::Qwen3, 1e-5, "silu", false, 131_072, None, None),
+        "deepseek_v3" => d(Family::DeepseekV3, 1e-6, "silu", false, 4096, None, None),
+        "llama4_text" => d(
+            Family::Llama4,
+            1e-5,
+            "silu",
+            false,
+            131_072,
+            None,
+            Some(128),
+        ),
         _ => return None,
     })
 }
@@ -341,10 +456,29 @@ impl ModelSpec {
             .model_type
             .clone()
             .ok_or_else(|| err("`model_type` is missing".into()))?;
+        if let Some(w) = wrapper::unwrap(hf, &model_type, &err)? {
+            let mut spec = ModelSpec::from_hf(&w.text, path).map_err(|e| match e {
+                Error::ModelConfig { path, msg } => Error::ModelConfig {
+                    path,
+                    msg: format!("`text_config` of `{model_type}`: {msg}"),
+                },
+                other => other,
+            })?;
+            // Gemma3ForConditionalGeneration's head does not soft-cap the logits its text
+            // model would (real Gemma 3 configs set no cap, so both agree there).
+            if model_type == "gemma3" {
+                spec.final_softcap = None;
+            }
+            spec.wrapper = Some(model_type);
+            spec.names = w.names;
+            return Ok(spec);
+        }
         let Some(def) = defaults(&model_type) else {
+            let wrappers: Vec<&str> = wrapper::wrapper_types().collect();
             return Err(err(format!(
-                "unsupported model_type `{model_type}`; supported: {}",
-                SUPPORTED_MODEL_TYPES.join(", ")
+                "unsupported model_type `{model_type}`; supported: {}; multimodal wrappers of these: {}",
+                SUPPORTED_MODEL_TYPES.join(", "),
+                wrappers.join(", ")
             )));
         };
         let family = def.family;
@@ -359,7 +493,14 @@ impl ModelSpec {
                 "num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
             )));
         }
-        let head_dim = match hf.head_dim.or(def.head_dim) {
+        let mla = attn::mla_spec(hf, &model_type, num_heads, num_kv_heads, &err)?;
+        // DeepSeek-V3's config sets head_dim to the rotary part of a head.
+        let head_dim = match mla
+            .as_ref()
+            .map(|(m, _)| m.qk_rope_head_dim)
+            .or(hf.head_dim)
+            .or(def.head_dim)
+        {
             Some(d) => d,
             None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
             None => {
@@ -413,16 +554,28 @@ impl ModelSpec {
             "qwen2" => (true, false),
             "qwen2_moe" => (hf.qkv_bias.unwrap_or(true), false),
             "mistral" | "phi3" | "mixtral" => (false, false),
+            "glm4" => (hf.attention_bias.unwrap_or(true), false),
+            "glm4_moe" => (attention_bias, false),
             "gpt_oss" => (
                 hf.attention_bias.unwrap_or(true),
                 hf.attention_bias.unwrap_or(true),
             ),
+            // DeepSeek-V3's "q/k/v" biases are q_a_proj's and kv_a_proj_with_mqa's.
             _ => (attention_bias, attention_bias),
         };
         let mlp_bias = model_type == "llama" && hf.mlp_bias.unwrap_or(false);
 
-        let (sliding_window, layer_types) =
+        let (sliding_window, mut layer_types) =
             attention_kinds(hf, &model_type, &def, num_layers, &err)?;
+        let (llama4, attention_chunk) = match attn::llama4_attn(hf, &model_type, num_layers, &err)?
+        {
+            Some((attn, kinds, chunk)) => {
+                layer_types = kinds;
+                (Some(attn), chunk)
+            }
+            None => (None, None),
+        };
+        let glm = matches!(model_type.as_str(), "glm4" | "glm4_moe");
         let any_sliding = layer_types.contains(&AttentionKind::Sliding);
         let max_position_embeddings = hf.max_position_embeddings.unwrap_or(def.max_pos);
         let ctx = RopeCtx {
@@ -431,9 +584,14 @@ impl ModelSpec {
             top_original: hf.original_max_position_embeddings,
             top_partial: hf
                 .partial_rotary_factor
-                .or((family == Family::Qwen3Next).then_some(0.25)),
+                .or((family == Family::Qwen3Next).then_some(0.25))
+                .or(glm.then_some(0.5)),
             phi3: family == Family::Phi3,
-            partial_ok: matches!(family, Family::Phi3 | Family::Qwen3Next),
+            partial_ok: matches!(family, Family::Phi3 | Family::Qwen3Next) || glm,
+            default_theta: match family {
+                Family::Llama4 => 500_000.0,
+                _ => 10_000.0,
+            },
         };
         let (rope, rope_local) = if family == Family::GptOss && hf.rope_scaling.is_none() {
             // GptOssConfig's default when config.json names no RoPE: YaRN x32 from 4096.
@@ -453,6 +611,8 @@ impl ModelSpec {
         let gemma = family == Family::Gemma;
         let attn_scale = if gemma {
             hf.query_pre_attn_scalar.unwrap_or(256.0).powf(-0.5)
+        } else if let Some((_, scale)) = &mla {
+            *scale
         } else {
             (head_dim as f64).powf(-0.5)
         };
@@ -484,14 +644,36 @@ impl ModelSpec {
             }
             None => None,
         };
-        let moe = moe::moe_spec(hf, &model_type, num_layers, &err)?;
+        let moe = match moe_sigmoid::moe_spec(hf, &model_type, num_layers, &err)? {
+            Some(m) => Some(m),
+            None => moe::moe_spec(hf, &model_type, num_layers, &err)?,
+        };
+        let intermediate_size = match family {
+            // Llama 4's dense layers; `intermediate_size` is an expert's.
+            Family::Llama4 => hf.intermediate_size_mlp.unwrap_or(16_384),
+            _ => need(hf.intermediate_size, "intermediate_size")?,
+        };
+        let qk_norm = match model_type.as_str() {
+            "glm4_moe" => hf.use_qk_norm.unwrap_or(false),
+            "olmo2" => true,
+            _ => matches!(family, Family::Qwen3 | Family::Qwen3Next) || gemma3,
+        };
+        let rope_interleaved = match family {
+            Family::Glm4 | Family::Llama4 => true,
+            Family::DeepseekV3 => hf.rope_interleave.unwrap_or(true),
+            _ => false,
+        };
+        let mtp_layers = match model_type.as_str() {
+            "glm4_moe" | "deepseek_v3" => hf.num_nextn_predict_layers.unwrap_or(1),
+            _ => 0,
+        };
         let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
         Ok(ModelSpec {
             model_type,
             family,
             vocab_size,
             hidden_size,
-            intermediate_size: need(hf.intermediate_size, "intermediate_size")?,
+            intermediate_size,
             num_layers,
             num_heads,
             num_kv_heads,
@@ -502,7 +684,7 @@ impl ModelSpec {
             qkv_bias,
             o_bias,
             mlp_bias,
-            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Next) || gemma3,
+            qk_norm,
             layer_types,
             sliding_window,
             rope,
@@ -519,9 +701,18 @@ impl ModelSpec {
             linear_attn,
             attn_output_gate: family == Family::Qwen3Next,
             attn_sinks: family == Family::GptOss,
+            attention_chunk,
+            rope_interleaved,
+            mla: mla.map(|(m, _)| m),
+            llama4,
+            wrapper: None,
+            names: TextNames::Plain,
+            mtp_layers,
         })
     }
 }
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_families;

@@ -57,9 +57,8 @@ pub fn stochastic_round_bf16(x: f32, r: u16) -> bf16 {
 /// rounding is the same whatever the thread count, chunking or machine.
 #[inline(always)]
 pub fn rounding_bits(seed: u64, step: u64, index: u64) -> u16 {
-    let mut z = seed
-        ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut z =
+        seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     ((z ^ (z >> 31)) >> 48) as u16
@@ -210,7 +209,7 @@ mod tests {
     /// already in bf16 never move; the rounding bits look uniform.
     #[test]
     fn stochastic_rounding_is_unbiased_and_exact_on_bf16_values() {
-        for x in [1.000_123_4f32, -3.14159, 1e-30, -7.5e20, 0.333_333_3] {
+        for x in [1.000_123_4f32, -3.0417, 1e-30, -7.5e20, 0.333_333_3] {
             let mean: f64 = (0..=u16::MAX)
                 .map(|r| f64::from(stochastic_round_bf16(x, r).to_f32()))
                 .sum::<f64>()
@@ -229,7 +228,10 @@ mod tests {
         for i in 0..65536 {
             buckets[(rounding_bits(42, 3, i) >> 12) as usize] += 1;
         }
-        assert!(buckets.iter().all(|&c| (3891..=4301).contains(&c)), "{buckets:?}");
+        assert!(
+            buckets.iter().all(|&c| (3891..=4301).contains(&c)),
+            "{buckets:?}"
+        );
         assert_ne!(rounding_bits(42, 3, 5), rounding_bits(42, 4, 5));
     }
 }

@@ -291,7 +291,8 @@ fn tables(spec: &ModelSpec, o: DeviceOpts, d: &Dims) -> u64 {
     let rope = ropes * 2 * rows * d.t * spec.rope.rotary_dim as u64 * d.s;
     let explicit = o.packed || spec.attn_softcap.is_some() || spec.attn_sinks;
     let sliding = spec.sliding_window.is_some_and(|w| (w as u64) < d.t);
-    let masks = (explicit as u64 + sliding as u64) * rows * d.t * d.t;
+    let chunked = spec.attention_chunk.is_some_and(|c| (c as u64) < d.t);
+    let masks = (explicit as u64 + sliding as u64 + chunked as u64) * rows * d.t * d.t;
     rope + masks + 4 * 8 * d.m
 }
 
@@ -314,7 +315,9 @@ fn layer_acts(spec: &ModelSpec, l: usize, d: &Dims) -> LayerActs {
     };
     let mixer = match spec.layer_types[l] {
         AttentionKind::Linear => delta_acts(spec, d),
-        AttentionKind::Full | AttentionKind::Sliding => attention_acts(spec, d),
+        AttentionKind::Full | AttentionKind::Sliding | AttentionKind::Chunked => {
+            attention_acts(spec, d)
+        }
     };
     let mlp = if spec.is_sparse(l) {
         moe_acts(spec, d)
@@ -345,9 +348,17 @@ fn attention_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         spec.num_kv_heads as u64,
         spec.head_dim as u64,
     );
-    let (q, kv) = (m * n * hd, m * k * hd);
-    let mut saved = (3 * q + 2 * kv) * s + b * n * t * F32;
-    let mut forward = 2 * (q + 2 * kv) * s;
+    // Multi-head latent attention: wider query/key heads, and the latents on the way.
+    let (qk_d, latent) = match &spec.mla {
+        Some(a) => {
+            let latent = a.kv_lora_rank + a.qk_rope_head_dim + a.q_lora_rank.unwrap_or(0);
+            (a.qk_head_dim() as u64, m * latent as u64 * (F32 + 2 * s))
+        }
+        None => (hd, 0),
+    };
+    let (q, kv) = (m * n * qk_d, m * k * qk_d);
+    let mut saved = (3 * q + 2 * kv) * s + b * n * t * F32 + latent;
+    let mut forward = 2 * (q + 2 * kv) * s + latent;
     if spec.qk_norm {
         saved += (q + kv) * (F32 + s);
     }
@@ -388,7 +399,10 @@ fn moe_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
             backward: 2 * slots * ie * s,
             forward: 3 * slots * ie * s,
         },
-        ExpertNames::Mixtral | ExpertNames::Qwen => dense_mlp(slots, ie, s),
+        ExpertNames::Mixtral
+        | ExpertNames::Qwen
+        | ExpertNames::DeepSeek
+        | ExpertNames::Llama4Fused => dense_mlp(slots, ie, s),
     };
     let routing = LayerActs {
         saved: m * moe.num_experts as u64 * (F32 + s) + 2 * slots * h * s,

@@ -38,6 +38,8 @@ pub struct Engine {
     streamer: Streamer,
     ctl: Control,
     dump_logits: Option<std::path::PathBuf>,
+    /// Per layer: the buffers it reads (name inside the layer, f32 on the device).
+    buffers: Vec<Vec<(String, Tensor)>>,
 }
 
 /// What the launcher has told this worker between its own actions: which slab slots are
@@ -99,6 +101,18 @@ impl Control {
     }
 }
 
+/// `init.buffers` on the device, grouped by layer.
+pub fn layer_buffers(init: &Init) -> Vec<Vec<(String, Tensor)>> {
+    let device = crate::stream::device_of(init.device);
+    let mut by_layer: Vec<Vec<(String, Tensor)>> =
+        (0..init.spec.num_layers).map(|_| Vec::new()).collect();
+    for b in &init.buffers {
+        let t = Tensor::from_slice(&b.values).to_device(device);
+        by_layer[b.layer].push((b.name.clone(), t));
+    }
+    by_layer
+}
+
 /// The channels a step talks over.
 pub struct Link<'a> {
     pub tx: &'a IpcSender<FromWorker>,
@@ -143,6 +157,7 @@ impl Engine {
             },
             streamer,
             dump_logits: init.dump_logits.clone(),
+            buffers: layer_buffers(init),
         }
     }
 
@@ -345,7 +360,8 @@ impl Engine {
         }
         for l in 0..layout.num_layers() {
             let flat = self.streamer.layer(layout, l, gate)?;
-            let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
+            let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
+                .with(&self.buffers[l]);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, ctx);
             self.streamer
                 .stash_input(l, std::mem::replace(&mut x_bth, y_bth))?;
@@ -429,7 +445,8 @@ impl Engine {
             let flat = self
                 .streamer
                 .layer(&layout, l, &mut |b| ctl.wait_block(b, rx))?;
-            let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)]);
+            let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)])
+                .with(&self.buffers[l]);
             let x_in = self.streamer.stashed_input(l)?.set_requires_grad(true);
             let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, ctx);
             let objective = (y_bth * &dy_bth).sum(Kind::Float);

@@ -84,6 +84,7 @@ fn run() -> Result<()> {
             Some(shape) => warmup::warm_up(
                 &init.spec,
                 &init.layout,
+                &engine::layer_buffers(&init),
                 (stream::kind_of(init.dtype), device),
                 init.ce_chunk_tokens,
                 shape,

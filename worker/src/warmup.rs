@@ -17,10 +17,12 @@ use tch::{Device, Kind, Tensor};
 use crate::model::{self, BlockWeights, RouterAux};
 
 /// Runs the warm-up on `device` for micro-batches of `rows` x `seq_len` tokens and loss
-/// chunks of `ce_chunk` tokens; returns its seconds (device work included).
+/// chunks of `ce_chunk` tokens, with each layer's `buffers` (not trained, not random);
+/// returns its seconds (device work included).
 pub fn warm_up(
     spec: &ModelSpec,
     layout: &Layout,
+    buffers: &[Vec<(String, Tensor)>],
     (kind, device): (Kind, Device),
     ce_chunk: usize,
     (rows, seq_len): (usize, usize),
@@ -34,7 +36,7 @@ pub fn warm_up(
         let l = group.layers[0];
         let block = &layout.blocks[layout.layer_block(l)];
         let flat = Tensor::randn([block.len as i64], opts) * 0.02;
-        let w = BlockWeights::leaves(&flat, block);
+        let w = BlockWeights::leaves(&flat, block).with(&buffers[l]);
         let x_bth = Tensor::randn([b, t, h], opts).set_requires_grad(true);
         let y_bth = model::decoder_layer(spec, l, &w, &x_bth, &ctx);
         let objective = (&y_bth * y_bth.ones_like()).sum(Kind::Float);

@@ -16,6 +16,20 @@ pub enum Router {
     SoftmaxTopK { renormalize: bool },
     /// Top-k of the raw logits (the router has a bias), softmax over the k (GPT-OSS).
     TopKSoftmax,
+    /// In f32: sigmoid scores; the top-k chosen by score plus a per-expert correction bias
+    /// (`mlp.gate.e_score_correction_bias`, a buffer, not trained) among the `topk_group`
+    /// best of `n_group` expert groups (a group scores its two best); weights are the chosen
+    /// scores, renormalized (`norm_topk_prob`), times `scaling` (`routed_scaling_factor`)
+    /// (GLM-4.5, DeepSeek-V3).
+    SigmoidGroupTopK {
+        n_group: usize,
+        topk_group: usize,
+        renormalize: bool,
+        scaling: f64,
+    },
+    /// Top-k of the logits; each chosen expert's sigmoid score scales its input, not its
+    /// output (Llama 4).
+    TopKSigmoidInput,
 }
 
 /// Where a family keeps its experts in the checkpoint (names inside `model.layers.N.`).
@@ -31,6 +45,13 @@ pub enum ExpertNames {
     /// interleaved along the last dim, its `_bias` (E, 2I), `down_proj` (E, I, H) and
     /// `down_proj_bias` (E, H) (GPT-OSS).
     GptOssFused,
+    /// `mlp.gate.weight`, `mlp.experts.{e}.{gate,up,down}_proj.weight` and an ungated
+    /// `mlp.shared_experts.{gate,up,down}_proj.weight` (GLM-4.5, DeepSeek-V3).
+    DeepSeek,
+    /// `feed_forward.router.weight`, fused `feed_forward.experts.gate_up_proj` (E, H, 2I),
+    /// gate then up along the last dim, `feed_forward.experts.down_proj` (E, I, H) and an
+    /// ungated `feed_forward.shared_expert.{gate,up,down}_proj.weight` (Llama 4).
+    Llama4Fused,
 }
 
 /// The expert activation.
@@ -59,8 +80,9 @@ pub struct MoeSpec {
     /// The router's top-k weights are in the compute dtype when they scale the experts'
     /// outputs (Qwen casts them back, GPT-OSS computes its softmax there); Mixtral keeps f32.
     pub weights_in_compute_dtype: bool,
-    /// Intermediate size of the always-on shared expert, gated by
-    /// `sigmoid(shared_expert_gate(x))` (Qwen2-MoE, Qwen3-Next).
+    /// Intermediate size of the always-on shared expert (gated by
+    /// `sigmoid(shared_expert_gate(x))` in Qwen2-MoE and Qwen3-Next, ungated in GLM-4.5,
+    /// DeepSeek-V3 and Llama 4).
     pub shared_expert_intermediate_size: Option<usize>,
     /// The router load-balancing loss joins the training loss (`output_router_logits`),
     /// weighted by `router_aux_loss_coef`.

@@ -67,8 +67,10 @@ pub(super) struct RopeCtx {
     pub(super) top_original: Option<usize>,
     pub(super) top_partial: Option<f64>,
     pub(super) phi3: bool,
-    /// The family rotates only part of each head (Phi-3, Qwen3-Next / Qwen3.5).
+    /// The family rotates only part of each head (Phi-3, Qwen3-Next / Qwen3.5, GLM-4).
     pub(super) partial_ok: bool,
+    /// `rope_theta` when config.json names none (the config class's `default_theta`).
+    pub(super) default_theta: f64,
 }
 
 impl RopeCtx {
@@ -127,7 +129,7 @@ impl RopeCtx {
             .unwrap_or(1.0);
         if partial != 1.0 && !self.partial_ok {
             return Err(err(format!(
-                "`partial_rotary_factor` ({partial}) is only supported for phi3, qwen3_next and qwen3_5_text"
+                "`partial_rotary_factor` ({partial}) is only supported for phi3, qwen3_next, qwen3_5_text, glm4 and glm4_moe"
             )));
         }
         let rotary_dim = (self.head_dim as f64 * partial) as usize;
@@ -171,9 +173,10 @@ impl RopeCtx {
             },
             "llama3" => {
                 let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
-                if high <= low {
+                // Equal factors (Llama 4 Scout) leave no band to smooth; transformers warns.
+                if high < low {
                     return Err(err(format!(
-                        "`{}` ({high}) must be greater than `low_freq_factor` ({low})",
+                        "`{}` ({high}) must be at least `low_freq_factor` ({low})",
                         key("high_freq_factor")
                     )));
                 }
@@ -286,7 +289,7 @@ pub(super) fn ropes(
     let nested = dict
         .is_some_and(|m| m.contains_key("full_attention") || m.contains_key("sliding_attention"));
     if !gemma3 && !nested {
-        let rope = ctx.parse(dict, hf.rope_theta.unwrap_or(10_000.0), "", err)?;
+        let rope = ctx.parse(dict, hf.rope_theta.unwrap_or(ctx.default_theta), "", err)?;
         return Ok((rope, None));
     }
     let part = |key: &str| -> Result<Option<&Map<String, Value>>> {

@@ -322,7 +322,15 @@ fn bf16_master_is_the_f32_update_rounded_stochastically() {
     let mut p32: Vec<f32> = p.iter().map(|x| x.to_f32()).collect();
     let (mut m32, mut v32) = (m.clone(), v.clone());
     let mut store = vec![bf16::ZERO; n];
-    adamw_update(&mut p32, &g, &mut m32, &mut v32, StoreOut::Bf16(&mut store), &hp, true);
+    adamw_update(
+        &mut p32,
+        &g,
+        &mut m32,
+        &mut v32,
+        StoreOut::Bf16(&mut store),
+        &hp,
+        true,
+    );
     adamw_update_bf16_master(&mut p, &g, &mut m, &mut v, &hp, true, 42, first);
     assert!(m == m32 && v == v32, "moments differ from the fp32 path");
     for i in 0..n {

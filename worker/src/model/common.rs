@@ -23,6 +23,14 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     w * (xf * (var + eps).rsqrt()).to_kind(x.kind())
 }
 
+/// RMSNorm with the weight applied in f32 before the cast (GPT-OSS, OLMo 2):
+/// `(w * norm(x)).to(dtype)`.
+pub fn rms_norm_f32_scale(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    (w * (xf * (var + eps).rsqrt())).to_kind(x.kind())
+}
+
 /// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`.
 pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     let xf = x.to_kind(Kind::Float);
@@ -51,6 +59,20 @@ pub fn gated_mlp_named(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &
     );
     let up = linear(x, w, &format!("{prefix}.up_proj"));
     linear(&(gate * up), w, &format!("{prefix}.down_proj"))
+}
+
+/// `down(up * act(gate))` with `[gate; up] = gate_up(x)` fused in `{prefix}.gate_up_proj`
+/// (Phi-3, GLM-4): (.., H) -> (.., H).
+pub fn fused_gated_mlp(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
+    let gate_up = linear(x, w, &format!("{prefix}.gate_up_proj"));
+    let i = spec.intermediate_size as i64;
+    let gate = gate_up.narrow(-1, 0, i);
+    let up = gate_up.narrow(-1, i, i);
+    linear(
+        &(up * activation(&gate, spec.hidden_act)),
+        w,
+        &format!("{prefix}.down_proj"),
+    )
 }
 
 /// The layer's MLP: the sparse mixture-of-experts block where the layer has one, else the

@@ -8,9 +8,9 @@
 //! heads, D head dim. Suffixes name a tensor's shape (`x_bth`).
 
 use mt::config::hf::ModelSpec;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
-use super::common::{linear, merge_heads, repeat_kv, split_heads};
+use super::common::{linear, merge_heads, repeat_kv, rms_norm_f32_scale as rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx, moe};
 
 /// One decoder layer: `h = x + attn(norm1(x)); out = h + moe(norm2(h))`.
@@ -21,13 +21,6 @@ pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &La
     let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
     let mlp_bth = moe::sparse_mlp(spec, w, &mlp_in_bth, lc);
     h_bth + mlp_bth
-}
-
-/// GPT-OSS RMSNorm: the weight multiplies in f32, then the cast: `(w * norm(x)).to(dtype)`.
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
-    let xf = x.to_kind(Kind::Float);
-    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-    (w * (xf * (var + eps).rsqrt())).to_kind(x.kind())
 }
 
 fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {

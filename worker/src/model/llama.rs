@@ -24,7 +24,13 @@ pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &La
     h_bth + mlp_bth
 }
 
-fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+/// Causal self-attention with RoPE: (B, T, H) -> (B, T, H).
+pub(super) fn attention(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+    lc: &LayerCtx,
+) -> Tensor {
     let (n, k, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
     let q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
     let k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);

@@ -5,11 +5,17 @@
 //! | file            | transformers model_type                                   |
 //! |-----------------|-----------------------------------------------------------|
 //! | `llama.rs`      | llama, mistral, qwen2; mixtral, qwen2_moe (MoE MLP)       |
-//! | `qwen3.rs`      | qwen3; qwen3_moe (MoE MLP)                                |
+//! | `qwen3.rs`      | qwen3; qwen3_moe, glm4_moe (MoE MLP)                      |
 //! | `gemma.rs`      | gemma2, gemma3_text                                       |
 //! | `phi3.rs`       | phi3                                                      |
 //! | `gpt_oss.rs`    | gpt_oss                                                   |
 //! | `qwen3_next.rs` | qwen3_next, qwen3_5_text, qwen3_5_moe_text                |
+//! | `olmo2.rs`      | olmo2                                                     |
+//! | `glm4.rs`       | glm4                                                      |
+//! | `deepseek_v3.rs`| deepseek_v3                                               |
+//! | `llama4.rs`     | llama4_text                                               |
+//!
+//! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
 //! `common.rs` holds the pieces they share (norms, attention, embedding, loss),
 //! `moe.rs` the sparse mixture-of-experts MLP, `gated_delta.rs` the Gated DeltaNet linear
@@ -19,11 +25,15 @@
 //! loss chunk, V vocabulary.
 
 mod common;
+mod deepseek_v3;
 mod gated_delta;
 mod gemma;
+mod glm4;
 mod gpt_oss;
 mod llama;
+mod llama4;
 mod moe;
+mod olmo2;
 mod phi3;
 mod qwen3;
 mod qwen3_next;
@@ -52,6 +62,11 @@ pub struct Context {
     /// The causal (same-sample) mask, built for the explicit (soft-capped, sink) attention
     /// and for packed rows; None: SDPA's own causal mask.
     causal_mask: Option<Tensor>,
+    /// True where a chunked layer may attend (causal, same sample, same chunk of
+    /// positions); None when one chunk spans the whole sequence.
+    chunked_mask: Option<Tensor>,
+    /// Llama 4's attention temperature per position, (B or 1, 1, T, 1) f32, for NoPE layers.
+    temperature_b1t1: Option<Tensor>,
     /// The router load-balancing loss, where the model trains with it (set by the engine,
     /// which knows the micro-batch's padding and its share of the batch).
     pub router_aux: Option<RouterAux>,
@@ -66,6 +81,8 @@ pub struct LayerCtx<'a> {
     pub sparse: bool,
     /// The router aux loss of the micro-batch, for sparse layers when it is on.
     pub aux: Option<&'a RouterAux>,
+    /// Llama 4's attention temperature per position (B or 1, 1, T, 1), f32.
+    pub temperature_b1t1: Option<&'a Tensor>,
 }
 
 impl Context {
@@ -97,18 +114,61 @@ impl Context {
             .sliding_window
             .filter(|&w| w < seq_len)
             .map(|w| causal().logical_and(&(&q_t1 - &k_1t).lt(w as i64)));
+        // Chunks of positions (a packed sample's own positions, restarting at 0).
+        let chunked_mask = spec.attention_chunk.filter(|&c| c < seq_len).map(|c| {
+            let c = c as i64;
+            let same_chunk = match pos_bt {
+                Some(p) => {
+                    let chunk_bt = p.divide_scalar_mode(c, "floor");
+                    chunk_bt
+                        .unsqueeze(2)
+                        .eq_tensor(&chunk_bt.unsqueeze(1))
+                        .unsqueeze(1)
+                }
+                None => q_t1
+                    .divide_scalar_mode(c, "floor")
+                    .eq_tensor(&k_1t.divide_scalar_mode(c, "floor")),
+            };
+            causal().logical_and(&same_chunk)
+        });
         let explicit = spec.attn_softcap.is_some() || spec.attn_sinks || pos_bt.is_some();
         // Length-dependent RoPE variants (dynamic NTK, LongRoPE) scale by the longest
         // position + 1, as transformers does: for packed rows, the longest sample.
         let rope_len = pos_bt.map_or(seq_len, |p| p.max().int64_value(&[]) as usize + 1);
-        Context {
-            rope: Rope::new(&spec.rope, rope_len, pos_bt, kind, device),
-            rope_local: spec
-                .rope_local
+        // Llama 4 rotates in f32, then casts back.
+        let rope_kind = match spec.family {
+            Family::Llama4 => Kind::Float,
+            _ => kind,
+        };
+        let rope = |r| {
+            Rope::new(
+                r,
+                spec.rope_interleaved,
+                rope_len,
+                pos_bt,
+                rope_kind,
+                device,
+            )
+        };
+        let temperature_b1t1 =
+            spec.llama4
                 .as_ref()
-                .map(|r| Rope::new(r, rope_len, pos_bt, kind, device)),
+                .and_then(|a| a.temperature)
+                .map(|(floor, scale)| {
+                    let pos_bt = match pos_bt {
+                        Some(p) => p.to_kind(Kind::Float),
+                        None => Tensor::arange(t, (Kind::Float, device)).unsqueeze(0),
+                    };
+                    let steps_bt = ((pos_bt + 1.0) / floor).floor();
+                    (steps_bt.log1p() * scale + 1.0).unsqueeze(1).unsqueeze(-1)
+                });
+        Context {
+            rope: rope(&spec.rope),
+            rope_local: spec.rope_local.as_ref().map(rope),
             sliding_mask,
             causal_mask: explicit.then(causal),
+            chunked_mask,
+            temperature_b1t1,
             router_aux: None,
         }
     }
@@ -117,20 +177,22 @@ impl Context {
     fn layer(&self, spec: &ModelSpec, layer: usize) -> LayerCtx<'_> {
         let sparse = spec.is_sparse(layer);
         let aux = self.router_aux.as_ref().filter(|_| sparse);
-        match spec.layer_types[layer] {
-            // Linear layers read neither RoPE nor a mask; they are causal by construction.
-            AttentionKind::Full | AttentionKind::Linear => LayerCtx {
-                rope: &self.rope,
-                mask_tt: self.causal_mask.as_ref(),
-                sparse,
-                aux,
-            },
-            AttentionKind::Sliding => LayerCtx {
-                rope: self.rope_local.as_ref().unwrap_or(&self.rope),
-                mask_tt: self.sliding_mask.as_ref().or(self.causal_mask.as_ref()),
-                sparse,
-                aux,
-            },
+        let causal = self.causal_mask.as_ref();
+        // Linear layers read neither RoPE nor a mask; they are causal by construction.
+        let (rope, mask_tt) = match spec.layer_types[layer] {
+            AttentionKind::Full | AttentionKind::Linear => (&self.rope, causal),
+            AttentionKind::Sliding => (
+                self.rope_local.as_ref().unwrap_or(&self.rope),
+                self.sliding_mask.as_ref().or(causal),
+            ),
+            AttentionKind::Chunked => (&self.rope, self.chunked_mask.as_ref().or(causal)),
+        };
+        LayerCtx {
+            rope,
+            mask_tt,
+            sparse,
+            aux,
+            temperature_b1t1: self.temperature_b1t1.as_ref(),
         }
     }
 }
@@ -161,6 +223,10 @@ pub fn decoder_layer(
             let linear = spec.layer_types[layer] == AttentionKind::Linear;
             qwen3_next::decoder_layer(spec, w, x_bth, &lc, linear)
         }
+        Family::Olmo2 => olmo2::decoder_layer(spec, w, x_bth, &lc),
+        Family::Glm4 => glm4::decoder_layer(spec, w, x_bth, &lc),
+        Family::DeepseekV3 => deepseek_v3::decoder_layer(spec, w, x_bth, &lc),
+        Family::Llama4 => llama4::decoder_layer(spec, layer, w, x_bth, &lc),
     }
 }
 
@@ -168,8 +234,15 @@ pub fn decoder_layer(
 pub fn final_norm(spec: &ModelSpec, head: &BlockWeights, h_mh: &Tensor) -> Tensor {
     match spec.family {
         Family::Gemma | Family::Qwen3Next => gemma::final_norm(spec, head, h_mh),
-        Family::GptOss => gpt_oss::rms_norm(h_mh, head.get("model.norm.weight"), spec.rms_norm_eps),
-        Family::Llama | Family::Qwen3 | Family::Phi3 => {
+        Family::GptOss | Family::Olmo2 => {
+            common::rms_norm_f32_scale(h_mh, head.get("model.norm.weight"), spec.rms_norm_eps)
+        }
+        Family::Llama
+        | Family::Qwen3
+        | Family::Phi3
+        | Family::Glm4
+        | Family::DeepseekV3
+        | Family::Llama4 => {
             common::rms_norm(h_mh, head.get("model.norm.weight"), spec.rms_norm_eps)
         }
     }
@@ -224,6 +297,14 @@ impl BlockWeights {
             })
             .collect();
         BlockWeights { tensors }
+    }
+
+    /// The block's tensors plus `extra` (a layer's buffers, which the block does not hold).
+    pub fn with(mut self, extra: &[(String, Tensor)]) -> BlockWeights {
+        for (name, t) in extra {
+            self.tensors.insert(name.clone(), t.shallow_clone());
+        }
+        self
     }
 
     /// The tensor named `name`; the layout guarantees it exists for this family.

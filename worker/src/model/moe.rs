@@ -1,5 +1,6 @@
-//! The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next and
-//! GPT-OSS, as their `*SparseMoeBlock` / `*Experts` / `*TopKRouter` modules compute it.
+//! The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
+//! GPT-OSS, GLM-4.5, DeepSeek-V3 and Llama 4, as their `*SparseMoeBlock` / `*MoE` /
+//! `*Experts` / `*TopkRouter` modules compute it.
 //!
 //! Expert compute is batched per expert, never per token: the (token, slot) pairs are sorted
 //! by expert once, the tokens gathered once, each expert runs one matmul chain over its
@@ -124,9 +125,15 @@ pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &Layer
     let x_nh = x_bth.reshape([-1, size[2]]);
     let (weights_nk, experts_nk) = route(m, w, &x_nh, lc.aux);
     let routed_nh = experts(spec, m, w, &x_nh, &weights_nk, &experts_nk);
-    let out_nh = match m.shared_expert_intermediate_size {
-        None => routed_nh,
-        Some(_) => {
+    let out_nh = match (m.shared_expert_intermediate_size, m.names) {
+        (None, _) => routed_nh,
+        (Some(_), ExpertNames::DeepSeek) => {
+            routed_nh + gated_mlp_named(w, spec, &x_nh, "mlp.shared_experts")
+        }
+        (Some(_), ExpertNames::Llama4Fused) => {
+            routed_nh + gated_mlp_named(w, spec, &x_nh, "feed_forward.shared_expert")
+        }
+        (Some(_), _) => {
             let shared_nh = gated_mlp_named(w, spec, &x_nh, "mlp.shared_expert");
             let gate_n1 = linear(&x_nh, w, "mlp.shared_expert_gate").sigmoid();
             routed_nh + gate_n1 * shared_nh
@@ -144,9 +151,25 @@ fn route(
 ) -> (Tensor, Tensor) {
     let router = match m.names {
         ExpertNames::Mixtral => "block_sparse_moe.gate",
-        ExpertNames::Qwen => "mlp.gate",
+        ExpertNames::Qwen | ExpertNames::DeepSeek => "mlp.gate",
         ExpertNames::GptOssFused => "mlp.router",
+        ExpertNames::Llama4Fused => "feed_forward.router",
     };
+    if let Router::SigmoidGroupTopK {
+        n_group,
+        topk_group,
+        renormalize,
+        scaling,
+    } = m.router
+    {
+        let group = GroupLimit {
+            n_group: n_group as i64,
+            topk_group: topk_group as i64,
+            renormalize,
+            scaling,
+        };
+        return group.route(m, w, x_nh, router);
+    }
     let logits_ne = linear(x_nh, w, router);
     let k = m.top_k as i64;
     if let Some(aux) = aux {
@@ -172,6 +195,63 @@ fn route(
             let (top_nk, idx_nk) = logits_ne.topk(k, -1, true, true);
             (top_nk.softmax(1, top_nk.kind()), idx_nk)
         }
+        // In the compute dtype: these scale the experts' inputs (`experts`).
+        Router::TopKSigmoidInput => {
+            let (top_nk, idx_nk) = logits_ne.topk(k, -1, true, true);
+            let scores_nk = top_nk.to_kind(Kind::Float).sigmoid();
+            (scores_nk.to_kind(x_nh.kind()), idx_nk)
+        }
+        Router::SigmoidGroupTopK { .. } => unreachable!("routed above"),
+    }
+}
+
+/// GLM-4.5's and DeepSeek-V3's router (`Router::SigmoidGroupTopK`).
+struct GroupLimit {
+    n_group: i64,
+    topk_group: i64,
+    renormalize: bool,
+    scaling: f64,
+}
+
+impl GroupLimit {
+    /// In f32: sigmoid scores; experts chosen by score + the correction bias among the
+    /// best groups; weights (N, K) f32 are the chosen scores, renormalized and scaled.
+    fn route(
+        &self,
+        m: &MoeSpec,
+        w: &BlockWeights,
+        x_nh: &Tensor,
+        router: &str,
+    ) -> (Tensor, Tensor) {
+        let f32 = Kind::Float;
+        let weight_eh = w.get(&format!("{router}.weight")).to_kind(f32);
+        let scores_ne = x_nh
+            .to_kind(f32)
+            .linear(&weight_eh, None::<Tensor>)
+            .sigmoid();
+        let bias_e = w.get(&format!("{router}.e_score_correction_bias"));
+        let choice_ne = &scores_ne + bias_e.to_kind(f32);
+        let (n, e) = (choice_ne.size()[0], m.num_experts as i64);
+        let per_group = e / self.n_group;
+        // A group scores the sum of its two best experts; the best `topk_group` stay.
+        let group_ng = choice_ne
+            .view([n, self.n_group, per_group])
+            .topk(2, -1, true, true)
+            .0
+            .sum_dim_intlist(-1, false, f32);
+        let (_, groups_nk) = group_ng.topk(self.topk_group, -1, true, false);
+        let keep_ng = group_ng.zeros_like().scatter_value(1, &groups_nk, 1.0);
+        let keep_ne = keep_ng
+            .unsqueeze(-1)
+            .expand([n, self.n_group, per_group], false)
+            .reshape([n, e]);
+        let choice_ne = choice_ne.masked_fill(&keep_ne.eq(0.0), f64::NEG_INFINITY);
+        let (_, idx_nk) = choice_ne.topk(m.top_k as i64, -1, true, false);
+        let mut weights_nk = scores_ne.gather(1, &idx_nk, false);
+        if self.renormalize {
+            weights_nk = &weights_nk / (weights_nk.sum_dim_intlist(-1, true, f32) + 1e-20);
+        }
+        (weights_nk * self.scaling, idx_nk)
     }
 }
 
@@ -196,6 +276,12 @@ fn experts(
     let token_s = order_s.divide_scalar_mode(k, "floor");
     let weight_s = weights_nk.reshape([-1]).index_select(0, &order_s);
     let x_sh = x_nh.index_select(0, &token_s);
+    // Llama 4's scores scale what enters each expert; the others' what leaves it.
+    let scales_input = m.router == Router::TopKSigmoidInput;
+    let x_sh = match scales_input {
+        true => x_sh * weight_s.unsqueeze(-1),
+        false => x_sh,
+    };
     let mut outs = Vec::with_capacity(m.num_experts);
     let mut start = 0;
     for (e, &rows) in counts.iter().enumerate() {
@@ -208,7 +294,10 @@ fn experts(
     }
     let y_sh = Tensor::cat(&outs, 0);
     // Weighted in the router weights' dtype (f32 for Mixtral), then cast, as transformers.
-    let y_sh = (y_sh * weight_s.unsqueeze(-1)).to_kind(x_nh.kind());
+    let y_sh = match scales_input {
+        true => y_sh,
+        false => (y_sh * weight_s.unsqueeze(-1)).to_kind(x_nh.kind()),
+    };
     x_nh.zeros_like().index_add(0, &token_s, &y_sh)
 }
 
@@ -237,6 +326,16 @@ fn expert(spec: &ModelSpec, m: &MoeSpec, w: &BlockWeights, e: usize, x_mh: &Tens
             let up_mi = linear(x_mh, w, &format!("{p}.w3"));
             linear(&(gate_mi * up_mi), w, &format!("{p}.w2"))
         }
-        ExpertNames::Qwen => gated_mlp_named(w, spec, x_mh, &format!("mlp.experts.{e}")),
+        ExpertNames::Qwen | ExpertNames::DeepSeek => {
+            gated_mlp_named(w, spec, x_mh, &format!("mlp.experts.{e}"))
+        }
+        ExpertNames::Llama4Fused => {
+            let ei = e as i64;
+            let gate_up_m2i = x_mh.matmul(&w.get("feed_forward.experts.gate_up_proj").get(ei));
+            let i = gate_up_m2i.size()[1] / 2;
+            let gate_mi = activation(&gate_up_m2i.narrow(1, 0, i), spec.hidden_act);
+            let h_mi = gate_up_m2i.narrow(1, i, i) * gate_mi;
+            h_mi.matmul(&w.get("feed_forward.experts.down_proj").get(ei))
+        }
     }
 }

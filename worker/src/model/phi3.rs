@@ -10,7 +10,7 @@
 use mt::config::hf::ModelSpec;
 use tch::Tensor;
 
-use super::common::{activation, attend, linear, merge_heads, rms_norm, split_heads};
+use super::common::{attend, fused_gated_mlp, linear, merge_heads, rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx};
 
 /// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`.
@@ -19,7 +19,7 @@ pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &La
     let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
     let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
     let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
-    let mlp_bth = mlp(spec, w, &mlp_in_bth);
+    let mlp_bth = fused_gated_mlp(w, spec, &mlp_in_bth, "mlp");
     h_bth + mlp_bth
 }
 
@@ -33,17 +33,4 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
     let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
     linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
-}
-
-/// `down(up * act(gate))` with `[gate; up] = gate_up(x)`.
-fn mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
-    let gate_up_bt2i = linear(x_bth, w, "mlp.gate_up_proj");
-    let i = spec.intermediate_size as i64;
-    let gate_bti = gate_up_bt2i.narrow(-1, 0, i);
-    let up_bti = gate_up_bt2i.narrow(-1, i, i);
-    linear(
-        &(up_bti * activation(&gate_bti, spec.hidden_act)),
-        w,
-        "mlp.down_proj",
-    )
 }

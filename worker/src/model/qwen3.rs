@@ -1,6 +1,9 @@
 //! Qwen3, as transformers' `modeling_qwen3.py` computes it: Llama with an RMSNorm over each
 //! query and key head (`self_attn.q_norm`, `self_attn.k_norm`, weights of size D) before
-//! the rotary embedding, and optional sliding-window layers.
+//! the rotary embedding, and optional sliding-window layers. GLM-4.5
+//! (`modeling_glm4_moe.py`) is the same layer with the head norms optional
+//! (`use_qk_norm`), RoPE on half of each head, and its MoE MLP (`moe.rs`) after
+//! `first_k_dense_replace` dense layers.
 //!
 //! Shapes: B batch rows, T sequence length, H hidden size, N attention heads, K key/value
 //! heads, D head dim. Suffixes name a tensor's shape (`x_bth`).
@@ -29,10 +32,12 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         spec.rms_norm_eps,
     );
     // The per-head norm acts on the last dim, so it may run before or after the transpose.
-    let q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
-    let q_bntd = rms_norm(&q_bntd, w.get("self_attn.q_norm.weight"), eps);
-    let k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
-    let k_bktd = rms_norm(&k_bktd, w.get("self_attn.k_norm.weight"), eps);
+    let mut q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
+    let mut k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
+    if spec.qk_norm {
+        q_bntd = rms_norm(&q_bntd, w.get("self_attn.q_norm.weight"), eps);
+        k_bktd = rms_norm(&k_bktd, w.get("self_attn.k_norm.weight"), eps);
+    }
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
     let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);

@@ -6,7 +6,11 @@
 //! dynamic RoPE only resets below the original length). Both agree whenever T stays at or
 //! below `max_position_embeddings` (dynamic) or `original_max_position_embeddings` (LongRoPE).
 //!
-//! Shapes: T sequence length, D head dim, R rotary dims (R <= D; Phi-3's partial rotary).
+//! Rotary pairs are the halves of the rotary dims, (i, i + R/2), as Llama's `rotate_half`
+//! pairs them, or adjacent dims (2i, 2i + 1) where the family interleaves them (GLM-4,
+//! DeepSeek-V3, Llama 4's complex product); each pair turns by frequency i either way.
+//!
+//! Shapes: T sequence length, D head dim, R rotary dims (R <= D; partial rotary).
 
 use std::f64::consts::PI;
 
@@ -112,18 +116,21 @@ pub fn inv_freq(r: &RopeSpec, seq_len: usize) -> (Vec<f64>, f64) {
     }
 }
 
-/// cos/sin tables in the compute dtype: (1, 1, T, R) for positions 0..T, or (B, 1, T, R)
-/// for given per-row positions (packed rows, where each sample restarts at 0).
+/// cos/sin tables in `kind`: (1, 1, T, R) for positions 0..T, or (B, 1, T, R) for given
+/// per-row positions (packed rows, where each sample restarts at 0); (.., R/2), one entry
+/// per pair, where pairs are interleaved.
 pub struct Rope {
     cos_b1tr: Tensor,
     sin_b1tr: Tensor,
     rotary_dim: i64,
+    interleaved: bool,
 }
 
 impl Rope {
     /// `seq_len`: the longest position + 1 (what length-dependent variants scale by).
     pub fn new(
         r: &RopeSpec,
+        interleaved: bool,
         seq_len: usize,
         pos_bt: Option<&Tensor>,
         kind: Kind,
@@ -138,11 +145,15 @@ impl Rope {
         };
         // Angles in f32, as transformers forces, then cast to the compute dtype.
         let angle_btr2 = pos_bt.unsqueeze(-1) * inv_freq_r2.view([1, 1, -1]);
-        let emb_b1tr = Tensor::cat(&[&angle_btr2, &angle_btr2], -1).unsqueeze(1);
+        let emb_b1tr = match interleaved {
+            true => angle_btr2.unsqueeze(1),
+            false => Tensor::cat(&[&angle_btr2, &angle_btr2], -1).unsqueeze(1),
+        };
         Rope {
             cos_b1tr: (emb_b1tr.cos() * scaling).to_kind(kind),
             sin_b1tr: (emb_b1tr.sin() * scaling).to_kind(kind),
             rotary_dim: r.rotary_dim as i64,
+            interleaved,
         }
     }
 
@@ -150,12 +161,26 @@ impl Rope {
     pub fn apply(&self, x_bntd: &Tensor) -> Tensor {
         let d = x_bntd.size()[3];
         if self.rotary_dim == d {
-            return x_bntd * &self.cos_b1tr + rotate_half(x_bntd) * &self.sin_b1tr;
+            return self.rotate(x_bntd);
         }
         let x_bntr = x_bntd.narrow(-1, 0, self.rotary_dim);
         let pass = x_bntd.narrow(-1, self.rotary_dim, d - self.rotary_dim);
-        let rotated = &x_bntr * &self.cos_b1tr + rotate_half(&x_bntr) * &self.sin_b1tr;
-        Tensor::cat(&[&rotated, &pass], -1)
+        Tensor::cat(&[&self.rotate(&x_bntr), &pass], -1)
+    }
+
+    /// (B, N, T, R) -> (B, N, T, R).
+    fn rotate(&self, x_bntr: &Tensor) -> Tensor {
+        let (cos, sin) = (&self.cos_b1tr, &self.sin_b1tr);
+        if !self.interleaved {
+            return x_bntr * cos + rotate_half(x_bntr) * sin;
+        }
+        // Pairs (x0, x1) = dims (2i, 2i + 1) turn to (x0 cos - x1 sin, x1 cos + x0 sin).
+        let s = x_bntr.size();
+        let pairs = x_bntr.reshape([s[0], s[1], s[2], s[3] / 2, 2]);
+        let (x0, x1) = (pairs.select(-1, 0), pairs.select(-1, 1));
+        let y0 = &x0 * cos - &x1 * sin;
+        let y1 = x1 * cos + x0 * sin;
+        Tensor::stack(&[y0, y1], -1).reshape(s.as_slice())
     }
 }
 
