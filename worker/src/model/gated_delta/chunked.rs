@@ -29,10 +29,10 @@
 //! head dims. Suffixes name the dims: `_bgucd` per key head, `_bvucd` per value head,
 //! `_bvucc` pairs of a chunk's positions.
 
-use mt::config::hf::ModelSpec;
+use mt::config::hf::{LinearAttnSpec, ModelSpec};
 use tch::{Kind, Tensor};
 
-use super::{gates, project, short_conv};
+use super::{gates, short_conv};
 use crate::model::BlockWeights;
 use crate::model::common::linear;
 
@@ -186,6 +186,65 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
         w,
         "linear_attn.out_proj",
     )
+}
+
+/// The input projections as two matmuls: the conv input [q; k; v] (B, T, F), and [z; b; a]
+/// returned as z (B, T, V, Dv), b and a (B, T, V). Qwen3-Next's fused weights are grouped by
+/// key head (per head: Dk query, Dk key, (V/G) Dv value and (V/G) Dv z rows; (V/G) b then
+/// (V/G) a rows); their rows are put in Qwen3.5's order first, a copy of the weights rather
+/// than of the activations.
+fn project(
+    la: &LinearAttnSpec,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+) -> (Tensor, Tensor, Tensor, Tensor) {
+    let (b, t, h) = (x_bth.size()[0], x_bth.size()[1], x_bth.size()[2]);
+    let (g, v) = (la.num_k_heads as i64, la.num_v_heads as i64);
+    let (dk, dv, r) = (la.k_head_dim as i64, la.v_head_dim as i64, v / g);
+    let (w_qkv, w_zba) = if la.fused_qkvz {
+        let qkvz = w
+            .get("linear_attn.in_proj_qkvz.weight")
+            .view([g, 2 * dk + 2 * r * dv, h]);
+        let ba = w.get("linear_attn.in_proj_ba.weight").view([g, 2 * r, h]);
+        // Rows `at..at + n` of every key head's group, heads one after another.
+        let rows = |x: &Tensor, at: i64, n: i64| x.narrow(1, at, n).reshape([g * n, h]);
+        (
+            Tensor::cat(
+                &[
+                    rows(&qkvz, 0, dk),
+                    rows(&qkvz, dk, dk),
+                    rows(&qkvz, 2 * dk, r * dv),
+                ],
+                0,
+            ),
+            Tensor::cat(
+                &[
+                    rows(&qkvz, 2 * dk + r * dv, r * dv),
+                    rows(&ba, 0, r),
+                    rows(&ba, r, r),
+                ],
+                0,
+            ),
+        )
+    } else {
+        (
+            w.get("linear_attn.in_proj_qkv.weight").shallow_clone(),
+            Tensor::cat(
+                &[
+                    w.get("linear_attn.in_proj_z.weight"),
+                    w.get("linear_attn.in_proj_b.weight"),
+                    w.get("linear_attn.in_proj_a.weight"),
+                ],
+                0,
+            ),
+        )
+    };
+    let qkv_btf = x_bth.linear(&w_qkv, None::<Tensor>);
+    let zba_btf = x_bth.linear(&w_zba, None::<Tensor>);
+    let z_btvd = zba_btf.narrow(-1, 0, v * dv).view([b, t, v, dv]);
+    let b_btv = zba_btf.narrow(-1, v * dv, v);
+    let a_btv = zba_btf.narrow(-1, v * dv + v, v);
+    (qkv_btf, z_btvd, b_btv, a_btv)
 }
 
 /// The two halves of `x` along `dim`, as views (one autograd node: its backward is a cat).

@@ -7,10 +7,10 @@
 //! Shapes: B batch rows, T sequence length (P padded to whole chunks), H hidden size, G key
 //! heads, V value heads, Dk / Dv their head dims, C chunk length, U chunks, F conv channels.
 
-use mt::config::hf::ModelSpec;
+use mt::config::hf::{LinearAttnSpec, ModelSpec};
 use tch::{Kind, Tensor};
 
-use super::{gates, project, short_conv};
+use super::{gates, short_conv};
 use crate::model::BlockWeights;
 use crate::model::common::linear;
 
@@ -52,6 +52,38 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Ten
         spec.rms_norm_eps,
     );
     linear(&o_btvd.reshape([b, t, v * dv]), w, "linear_attn.out_proj")
+}
+
+/// The input projections: conv input [q; k; v] (B, T, F), z (B, T, V, Dv), b and a (B, T, V).
+/// Qwen3-Next's fused projections are grouped by key head: per head, Dk query, Dk key,
+/// (V/G)*Dv value and (V/G)*Dv z columns, and (V/G) b then (V/G) a columns.
+fn project(
+    la: &LinearAttnSpec,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+) -> (Tensor, Tensor, Tensor, Tensor) {
+    let (b, t) = (x_bth.size()[0], x_bth.size()[1]);
+    let (g, v) = (la.num_k_heads as i64, la.num_v_heads as i64);
+    let (dk, dv, r) = (la.k_head_dim as i64, la.v_head_dim as i64, v / g);
+    if !la.fused_qkvz {
+        let qkv_btf = linear(x_bth, w, "linear_attn.in_proj_qkv");
+        let z_btvd = linear(x_bth, w, "linear_attn.in_proj_z").reshape([b, t, v, dv]);
+        let b_btv = linear(x_bth, w, "linear_attn.in_proj_b");
+        let a_btv = linear(x_bth, w, "linear_attn.in_proj_a");
+        return (qkv_btf, z_btvd, b_btv, a_btv);
+    }
+    let qkvz_btgf =
+        linear(x_bth, w, "linear_attn.in_proj_qkvz").view([b, t, g, 2 * dk + 2 * r * dv]);
+    let ba_btgf = linear(x_bth, w, "linear_attn.in_proj_ba").view([b, t, g, 2 * r]);
+    let q = qkvz_btgf.narrow(-1, 0, dk).reshape([b, t, g * dk]);
+    let k = qkvz_btgf.narrow(-1, dk, dk).reshape([b, t, g * dk]);
+    let val = qkvz_btgf.narrow(-1, 2 * dk, r * dv).reshape([b, t, v * dv]);
+    let z_btvd = qkvz_btgf
+        .narrow(-1, 2 * dk + r * dv, r * dv)
+        .reshape([b, t, v, dv]);
+    let b_btv = ba_btgf.narrow(-1, 0, r).reshape([b, t, v]);
+    let a_btv = ba_btgf.narrow(-1, r, r).reshape([b, t, v]);
+    (Tensor::cat(&[q, k, val], -1), z_btvd, b_btv, a_btv)
 }
 
 /// `w * norm(o).to(dtype) * silu(z)` per value head, in f32 then cast: (B, T, V, Dv).
