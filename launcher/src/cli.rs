@@ -116,13 +116,24 @@ pub struct Placement {
     pub devices: Vec<usize>,
 }
 
-/// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`.
+/// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`, on
+/// this machine.
 pub fn placement(
     gpus: Option<usize>,
     workers: Option<usize>,
     devices: Option<&[usize]>,
 ) -> Result<Placement> {
-    let present = visible_gpus();
+    placement_on(Some(visible_gpus()), gpus, workers, devices)
+}
+
+/// [`placement`] on a machine with `present` GPUs; None: a machine not at hand (`plan
+/// --gpus N` for another host), whose GPUs are taken as asked.
+pub fn placement_on(
+    present: Option<usize>,
+    gpus: Option<usize>,
+    workers: Option<usize>,
+    devices: Option<&[usize]>,
+) -> Result<Placement> {
     if let Some(d) = devices {
         if let Some(g) = gpus.filter(|&g| g != d.len()) {
             bail!(
@@ -130,15 +141,17 @@ pub fn placement(
                 d.len()
             );
         }
-        if let Some(&bad) = d.iter().find(|&&i| i >= present) {
+        if let Some(present) = present
+            && let Some(&bad) = d.iter().find(|&&i| i >= present)
+        {
             bail!(
                 "model.devices names cuda:{bad}, but this machine's NVIDIA driver lists {present} GPU(s)"
             );
         }
     }
-    let gpus = gpus.unwrap_or_else(|| devices.map_or(present, <[usize]>::len));
+    let gpus = gpus.unwrap_or_else(|| devices.map_or(present.unwrap_or(0), <[usize]>::len));
     if gpus > 0 {
-        if present < gpus {
+        if let Some(present) = present.filter(|&n| n < gpus) {
             bail!(
                 "--gpus {gpus} asks for more GPUs than the {present} this machine's NVIDIA driver lists"
             );

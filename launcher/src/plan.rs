@@ -12,7 +12,12 @@ use crate::train::Prepared;
 /// configured micro-batch, and the largest micro-batch that fits a GPU.
 pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let cfg = RunConfig::load(&p.config, &p.set)?;
-    let placement = cli::placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
+    // With --gpus the plan may be for another machine: its GPUs need not be here.
+    let devices = cfg.model.devices.as_deref();
+    let placement = match p.gpus {
+        Some(_) => cli::placement_on(None, p.gpus, p.workers, devices)?,
+        None => cli::placement(p.gpus, p.workers, devices)?,
+    };
     let prep = Prepared::new(&cfg, &placement)?;
     let seq_len = cfg.dataset.max_seq_len.unwrap_or_else(|| {
         prep.data

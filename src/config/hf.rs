@@ -174,6 +174,7 @@ pub struct ModelSpec {
     pub family: Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// The dense MLP's width; 0 where no layer has one (Qwen3.5-MoE).
     pub intermediate_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -486,12 +487,17 @@ impl ModelSpec {
         };
         let moe = moe::moe_spec(hf, &model_type, num_layers, &err)?;
         let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
+        // Qwen3.5-MoE is sparse in every layer and its config has no dense size.
+        let intermediate_size = match model_type.as_str() {
+            "qwen3_5_moe_text" => hf.intermediate_size.unwrap_or(0),
+            _ => need(hf.intermediate_size, "intermediate_size")?,
+        };
         Ok(ModelSpec {
             model_type,
             family,
             vocab_size,
             hidden_size,
-            intermediate_size: need(hf.intermediate_size, "intermediate_size")?,
+            intermediate_size,
             num_layers,
             num_heads,
             num_kv_heads,
