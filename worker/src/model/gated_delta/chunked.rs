@@ -101,21 +101,14 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
     let qkv_bfp = short_conv(la, w, &qkv_btf, d.p());
     let kind = qkv_bfp.kind();
 
+    // [q; k] and v as one split (its backward writes the conv's gradient once).
+    let qkv = qkv_bfp.split_with_sizes([2 * g * dk, nv * dv], 1);
     // q and k per key head, L2-normed (q also by Dk^-1/2), as one (2C, Dk) matrix [q; k]
     // per chunk: (B, G, U, 2, C, Dk).
-    let qk_bgu2cd = qkv_bfp
-        .narrow(1, 0, 2 * g * dk)
-        .view([b, 2, g, dk, u, c])
-        .permute([0, 2, 4, 1, 5, 3]);
+    let qk_bgu2cd = qkv[0].view([b, 2, g, dk, u, c]).permute([0, 2, 4, 1, 5, 3]);
     let norm_bgu2c1 = qk_bgu2cd.linalg_norm(2.0, [-1i64].as_slice(), true, Kind::Float);
-    let inv_bgu2c1 = (norm_bgu2c1.square() + 1e-6).rsqrt();
-    let inv_bgu2c1 = Tensor::cat(
-        &[
-            inv_bgu2c1.narrow(3, 0, 1) * (dk as f64).powf(-0.5),
-            inv_bgu2c1.narrow(3, 1, 1),
-        ],
-        3,
-    );
+    let [inv_q, inv_k] = halves(&(norm_bgu2c1.square() + 1e-6).rsqrt(), 3);
+    let inv_bgu2c1 = Tensor::cat(&[inv_q * (dk as f64).powf(-0.5), inv_k], 3);
     // The scale first: the product takes its layout, and so comes out chunk-major.
     let qk_bgu2cd = (inv_bgu2c1.to_kind(kind) * qk_bgu2cd).contiguous();
     let qk_bgu2cd = qk_bgu2cd.view([b, g, u, 2 * c, dk]);
@@ -134,13 +127,12 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
         (coef_bvuc.to_kind(kind).view([b, g, d.r, u, c, 1]) * x_bgucd.unsqueeze(2))
             .view([b, nv, u, c, dk])
     };
-    let kbeta_bvucd = per_value_head(&(&beta_bvuc * &exp_gamma_bvuc), &k_bgucd);
+    // -beta exp(gamma) k: w comes out negated, so that v' = u + (-w) S needs no scaling
+    // (baddbmm's alpha would cost a multiply per chunk in the backward).
+    let neg_kbeta_bvucd = per_value_head(&(-&beta_bvuc * &exp_gamma_bvuc), &k_bgucd);
     let kdecay_bvucd = per_value_head(&(&gamma_last_bvu1 - &gamma_bvuc).exp(), &k_bgucd);
     let qdecay_bvucd = per_value_head(&exp_gamma_bvuc, &q_bgucd);
-    let v_bvucd = qkv_bfp
-        .narrow(1, 2 * g * dk, nv * dv)
-        .view([b, nv, dv, u, c])
-        .permute([0, 1, 3, 4, 2]);
+    let v_bvucd = qkv[1].view([b, nv, dv, u, c]).permute([0, 1, 3, 4, 2]);
     let vbeta_bvucd = (beta_bvuc.to_kind(kind).unsqueeze(-1) * v_bvucd).contiguous();
 
     // exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal: (B, V, U, C, C), f32.
@@ -155,7 +147,7 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
     let p_bvucc = (decay_bvucc.to_kind(kind).view([b, g, d.r, u, c, c]) * qk_bgucc.unsqueeze(2))
         .view([b, nv, u, c, c]);
     let u_bvucd = t_bvucc.matmul(&vbeta_bvucd);
-    let w_bvucd = t_bvucc.matmul(&kbeta_bvucd);
+    let neg_w_bvucd = t_bvucc.matmul(&neg_kbeta_bvucd);
 
     // (B V, U, ...) for the (B V)-batched matmuls of the recurrence.
     let flat = |x: &Tensor| {
@@ -165,7 +157,7 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
     };
     let o_bvucd = state_recurrence(
         &flat(&u_bvucd),
-        &flat(&w_bvucd),
+        &flat(&neg_w_bvucd),
         &flat(&qdecay_bvucd),
         &flat(&kdecay_bvucd),
         &flat(&p_bvucc),
@@ -204,27 +196,17 @@ fn project(
     let (w_qkv, w_zba) = if la.fused_qkvz {
         let qkvz = w
             .get("linear_attn.in_proj_qkvz.weight")
-            .view([g, 2 * dk + 2 * r * dv, h]);
-        let ba = w.get("linear_attn.in_proj_ba.weight").view([g, 2 * r, h]);
-        // Rows `at..at + n` of every key head's group, heads one after another.
-        let rows = |x: &Tensor, at: i64, n: i64| x.narrow(1, at, n).reshape([g * n, h]);
+            .view([g, 2 * dk + 2 * r * dv, h])
+            .split_with_sizes([dk, dk, r * dv, r * dv], 1);
+        let ba = w
+            .get("linear_attn.in_proj_ba.weight")
+            .view([g, 2 * r, h])
+            .split_with_sizes([r, r], 1);
+        // Every key head's rows of one part, heads one after another.
+        let rows = |x: &Tensor| x.reshape([-1, h]);
         (
-            Tensor::cat(
-                &[
-                    rows(&qkvz, 0, dk),
-                    rows(&qkvz, dk, dk),
-                    rows(&qkvz, 2 * dk, r * dv),
-                ],
-                0,
-            ),
-            Tensor::cat(
-                &[
-                    rows(&qkvz, 2 * dk + r * dv, r * dv),
-                    rows(&ba, 0, r),
-                    rows(&ba, r, r),
-                ],
-                0,
-            ),
+            Tensor::cat(&[rows(&qkvz[0]), rows(&qkvz[1]), rows(&qkvz[2])], 0),
+            Tensor::cat(&[rows(&qkvz[3]), rows(&ba[0]), rows(&ba[1])], 0),
         )
     } else {
         (
@@ -241,15 +223,15 @@ fn project(
     };
     let qkv_btf = x_bth.linear(&w_qkv, None::<Tensor>);
     let zba_btf = x_bth.linear(&w_zba, None::<Tensor>);
-    let z_btvd = zba_btf.narrow(-1, 0, v * dv).view([b, t, v, dv]);
-    let b_btv = zba_btf.narrow(-1, v * dv, v);
-    let a_btv = zba_btf.narrow(-1, v * dv + v, v);
+    let mut zba = zba_btf.split_with_sizes([v * dv, v, v], -1);
+    let (a_btv, b_btv) = (zba.pop().expect("a"), zba.pop().expect("b"));
+    let z_btvd = zba.pop().expect("z").view([b, t, v, dv]);
     (qkv_btf, z_btvd, b_btv, a_btv)
 }
 
 /// The two halves of `x` along `dim`, as views (one autograd node: its backward is a cat).
 fn halves(x: &Tensor, dim: i64) -> [Tensor; 2] {
-    let n = x.size()[(dim + x.dim() as i64) as usize];
+    let n = x.size()[dim.rem_euclid(x.dim() as i64) as usize];
     let mut parts = x.split(n / 2, dim);
     let second = parts.pop().expect("two halves");
     [parts.pop().expect("two halves"), second]
@@ -257,19 +239,19 @@ fn halves(x: &Tensor, dim: i64) -> [Tensor; 2] {
 
 /// The recurrence across chunks. Per chunk, from the state S (Dk, Dv) at its start (0 for
 /// the first): v' = u - w S, o = q S + P v', and, for the next chunk, S <- d S + k^T v'.
-/// u, w, q, k (N, U, C, D) and p (N, U, C, C) in the compute dtype, d (N, U, 1, 1) f32, for
+/// u, -w, q, k (N, U, C, D) and p (N, U, C, C) in the compute dtype, d (N, U, 1, 1) f32, for
 /// N = B V independent heads -> o (N, U, C, Dv). The state stays f32; its products run in
 /// the compute dtype.
 fn state_recurrence(
     u_nucd: &Tensor,
-    w_nucd: &Tensor,
+    neg_w_nucd: &Tensor,
     q_nucd: &Tensor,
     k_nucd: &Tensor,
     p_nucc: &Tensor,
     d_nu11: &Tensor,
 ) -> Tensor {
     let kind = u_nucd.kind();
-    let (us, ws, qs) = (u_nucd.unbind(1), w_nucd.unbind(1), q_nucd.unbind(1));
+    let (us, neg_ws, qs) = (u_nucd.unbind(1), neg_w_nucd.unbind(1), q_nucd.unbind(1));
     let (ks, ps, ds) = (k_nucd.unbind(1), p_nucc.unbind(1), d_nu11.unbind(1));
     let mut state: Option<Tensor> = None; // (N, Dk, Dv) f32
     let mut outs = Vec::with_capacity(us.len());
@@ -278,7 +260,7 @@ fn state_recurrence(
             None => (us[n].shallow_clone(), ps[n].matmul(&us[n])),
             Some(s) => {
                 let s = s.to_kind(kind);
-                let v_new = us[n].baddbmm(&ws[n], &s, 1, -1);
+                let v_new = us[n].baddbmm(&neg_ws[n], &s, 1, 1);
                 let o = qs[n].matmul(&s).baddbmm(&ps[n], &v_new, 1, 1);
                 (v_new, o)
             }

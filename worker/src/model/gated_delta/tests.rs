@@ -195,7 +195,7 @@ fn chunked_equals_reference_qwen3_5_split_projections() {
 
 #[test]
 fn chunked_equals_reference_qwen3_next_fused_projections() {
-    f32_case("qwen3_next", 150, &[64, 16]);
+    f32_case("qwen3_next", 150, &[64, 16, 128]);
 }
 
 #[test]
