@@ -92,10 +92,13 @@ rows, base, worst_plan = [], {}, 0.0
 for spec in sys.argv[8:]:
     g, b, path = spec.split(" ", 2)
     if path == "FAILED":
-        rows.append(f"| {g} | {b} | failed | | | | | | | | | | |")
+        rows.append(f"| {g} | {b} | failed | | | | | | | | | | | | |")
         continue
-    plan = json.load(open(path[:-len(".jsonl")] + ".plan.json")).get("device", {}).get("total")
-    ms = [json.loads(l) for l in open(path)][warmup:]
+    plan_json = json.load(open(path[:-len(".jsonl")] + ".plan.json"))
+    plan = plan_json.get("device", {}).get("total")
+    host_plan = plan_json.get("host", {}).get("total")
+    all_ms = [json.loads(l) for l in open(path)]
+    ms = all_ms[warmup:]
     avg = lambda k: sum(m[k] for m in ms) / len(ms)
     step = avg("step_time_s")
     tps = avg("tokens_per_s")
@@ -108,14 +111,23 @@ for spec in sys.argv[8:]:
         plan_col = f"{plan / 2**30:.1f} / {used / 2**30:.1f} ({err:+.0%})"
     else:
         plan_col = "n/a"
-    rows.append("| {} | {} | {:.2f} | {:.0f} | {:.1f} | {:.1f} | {:.1%} | {:.2f} / {:.2f} | {:.2f} ({:.0%}) | {:.2f} ({:.0%}) | {:.2f} | {} | {:.1f} |".format(
-        g, b, step, tps, avg("tflops_megatrain"), avg("tflops_model"), avg("h2d_wait_s") / step,
+    peak_rss = max(m.get("launcher_peak_rss_bytes", m["launcher_rss_bytes"]) for m in ms)
+    first = all_ms[0]
+    first_col = "{} / {:.2f} ({:.2f}x)".format(
+        f"{first['startup_s']:.1f}" if "startup_s" in first else "n/a",
+        first["step_time_s"], first["step_time_s"] / avg("step_time_s"))
+    bounds = [m.get("bound", "n/a") for m in ms]
+    bound = max(set(bounds), key=bounds.count)
+    wait_col = "{:.1%} / {:.1%} / {:.1%}".format(*(avg(k) / step for k in ("update_wait_s", "h2d_wait_s", "slot_wait_s"))) if "update_wait_s" in ms[0] else "n/a"
+    host_col = (f"{host_plan / 1e9:.1f}" if host_plan else "n/a") + f" / {peak_rss / 1e9:.1f}"
+    rows.append("| {} | {} | {:.2f} | {:.0f} | {:.1f} | {:.1f} | {} | {} | {:.2f} / {:.2f} | {:.2f} ({:.0%}) | {:.2f} ({:.0%}) | {:.2f} | {} | {} | {} |".format(
+        g, b, step, tps, avg("tflops_megatrain"), avg("tflops_model"), bound, wait_col,
         avg("forward_s"), avg("backward_s"), avg("reduce_s"), avg("reduce_s") / step,
         avg("optimizer_s"), avg("optimizer_s") / step, max(m["peak_gpu_bytes"] for m in ms) / 2**30,
-        plan_col, max(m["launcher_rss_bytes"] for m in ms) / 2**30))
-head = ("| GPUs | batch/GPU | step s | tokens/s | TFLOPS/GPU (MegaTrain) | TFLOPS/GPU (model) | H2D wait | fwd / bwd s "
-        "| host reduce s (share) | optimizer s (share) | peak GPU GiB | plan / measured GiB (error) | launcher RSS GiB |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        plan_col, host_col, first_col))
+head = ("| GPUs | batch/GPU | step s | tokens/s | TFLOPS/GPU (MegaTrain) | TFLOPS/GPU (model) | bound | waits: update / H2D / slot | fwd / bwd s "
+        "| host reduce s (share) | optimizer s (share) | peak GPU GiB | plan / measured GiB (error) | host plan / launcher peak RSS GB | start-up s / step 1 s (x later) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 scaling = []
 for b, by_g in base.items():
     for g, t in sorted(by_g.items()):

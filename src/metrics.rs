@@ -34,6 +34,12 @@ pub struct StepMetrics {
     /// gradient copy time (GPU only).
     pub h2d_wait_s: f64,
     pub d2h_s: f64,
+    /// Slowest worker's wait for the launcher's update of the blocks it reads (the
+    /// previous step's AdamW, which runs behind this step's forward).
+    pub update_wait_s: f64,
+    /// What bounded the step ([`Bound`]): the largest of the waits above when it is at
+    /// least [`Bound::SHARE`] of the step, else the workers' own compute.
+    pub bound: Bound,
     /// Largest device memory in use on any worker's GPU; for CPU workers, the largest
     /// rise of a worker's resident memory within the step (what `mt-launch plan` estimates
     /// for `--gpus 0`).
@@ -46,6 +52,9 @@ pub struct StepMetrics {
     /// host plan's total promises to bound.
     pub launcher_rss_bytes: u64,
     pub launcher_peak_rss_bytes: u64,
+    /// Seconds from launch to the workers' readiness (the first step of a run only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub startup_s: Option<f64>,
     /// Per GPU (or CPU worker), MegaTrain's formula: 6 x all parameters x batch_size x
     /// padded sequence length / step time.
     pub tflops_megatrain: f64,
@@ -62,6 +71,55 @@ pub struct StepMetrics {
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,
+}
+
+/// What held a step back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Bound {
+    /// The workers computed all along: a larger batch would not raise the utilization.
+    Compute,
+    /// Workers waited for the host's AdamW (`update_wait_s`): the update of all
+    /// parameters takes longer than the forward; a larger batch (or more accumulation)
+    /// spreads it over more tokens.
+    Optimizer,
+    /// Workers waited for weights to cross PCIe (`h2d_wait_s`): at this batch a layer's
+    /// compute is shorter than its copy; a larger batch hides the copies.
+    H2d,
+    /// Workers waited for free gradient slab slots (`slot_wait_s`): the host reduce, or
+    /// on GPU the gradient copies themselves, lag the backward; more
+    /// `memory.num_grad_slabs` or a larger batch help.
+    Reduce,
+}
+
+impl Bound {
+    /// The share of the step a wait must reach to be named.
+    pub const SHARE: f64 = 0.10;
+
+    /// The largest wait of a step of `step_s` seconds, if it reaches [`Bound::SHARE`].
+    pub fn of(step_s: f64, update_wait_s: f64, h2d_wait_s: f64, slot_wait_s: f64) -> Bound {
+        let waits = [
+            (Bound::Optimizer, update_wait_s),
+            (Bound::H2d, h2d_wait_s),
+            (Bound::Reduce, slot_wait_s),
+        ];
+        let (bound, wait) = waits
+            .into_iter()
+            .fold((Bound::Compute, 0.0), |a, b| if b.1 > a.1 { b } else { a });
+        match wait >= Bound::SHARE * step_s {
+            true => bound,
+            false => Bound::Compute,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Bound::Compute => "compute",
+            Bound::Optimizer => "optimizer",
+            Bound::H2d => "h2d",
+            Bound::Reduce => "reduce",
+        }
+    }
 }
 
 /// The FLOPs of one step, from its shape.
@@ -149,5 +207,14 @@ mod tests {
         assert_eq!(f.model, 6.0 * 80.0 * 4.0 + 12.0 * 16.0 * 10.0);
         assert!(rss_bytes() > 0);
         assert!(peak_rss_bytes() >= rss_bytes());
+    }
+
+    #[test]
+    fn the_largest_wait_names_the_bound_once_it_is_a_tenth_of_the_step() {
+        assert_eq!(Bound::of(10.0, 0.5, 0.9, 0.2), Bound::Compute);
+        assert_eq!(Bound::of(10.0, 4.0, 1.5, 0.2), Bound::Optimizer);
+        assert_eq!(Bound::of(10.0, 0.5, 1.5, 1.0), Bound::H2d);
+        assert_eq!(Bound::of(10.0, 0.0, 0.0, 1.0), Bound::Reduce);
+        assert_eq!(Bound::of(10.0, 0.0, 0.0, 0.0), Bound::Compute);
     }
 }

@@ -23,6 +23,9 @@ pub struct HostOpts {
     /// Periodic checkpoints are written in the background from a snapshot
     /// (`checkpoint.background` with `checkpoint.every_steps` and `checkpoint.dir`).
     pub snapshot: bool,
+    /// The snapshot holds the Adam moments too: periodic checkpoints hold the optimizer
+    /// state (else the master alone).
+    pub snapshot_optimizer: bool,
 }
 
 impl HostOpts {
@@ -34,7 +37,8 @@ impl HostOpts {
             master: cfg.memory.master_weights,
             workers,
             slots: cfg.memory.num_grad_slabs,
-            snapshot: ck.background && ck.every_steps > 0 && ck.dir.is_some(),
+            snapshot: ck.background && ck.periodic() && ck.dir.is_some(),
+            snapshot_optimizer: ck.periodic_full_state(),
         }
     }
 }
@@ -95,7 +99,7 @@ impl HostPlan {
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
             slabs: opts.workers as u64 * slab,
             snapshot: match opts.snapshot {
-                true => crate::checkpoint::writer::snapshot_bytes(layout),
+                true => crate::checkpoint::writer::snapshot_bytes(layout, opts.snapshot_optimizer),
                 false => 0,
             },
             slot_len: slot_len as u64,
@@ -175,12 +179,26 @@ impl std::fmt::Display for HostPlan {
         if self.snapshot > 0 {
             writeln!(
                 f,
-                "  checkpoint snapshot   {:>9.2} GB (checkpoint.background: master, m, v copied at each checkpoint)",
-                gb(self.snapshot)
+                "  checkpoint snapshot   {:>9.2} GB (checkpoint.background: {} copied at each checkpoint)",
+                gb(self.snapshot),
+                if self.opts.snapshot_optimizer {
+                    "master, m, v"
+                } else {
+                    "master"
+                }
             )?;
         }
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))
     }
+}
+
+/// The kernel's count of OOM kills since boot (`oom_kill` in /proc/vmstat; None where it
+/// cannot be read). `MT_PROC_VMSTAT` names another file to read, for tests.
+pub fn oom_kills() -> Option<u64> {
+    let path = std::env::var_os("MT_PROC_VMSTAT").unwrap_or_else(|| "/proc/vmstat".into());
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().find(|l| l.starts_with("oom_kill "))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// MemAvailable from /proc/meminfo, in bytes (None where it cannot be read).
@@ -210,6 +228,7 @@ mod tests {
             workers: 2,
             slots: 4,
             snapshot: false,
+            snapshot_optimizer: true,
         };
         let plan = HostPlan::new(&layout, opts);
         assert_eq!(
@@ -252,6 +271,25 @@ mod tests {
         assert_eq!(snap.fit(None), Fit::Fits);
         assert_eq!(snap.fit(Some(plan.total())), Fit::WithoutSnapshot);
         assert_eq!(snap.fit(Some(plan.total() - 1)), Fit::Short);
-        assert_eq!(snap.without_snapshot(), plan);
+        assert_eq!(
+            snap.without_snapshot(),
+            HostPlan {
+                opts: HostOpts {
+                    snapshot_optimizer: true,
+                    ..plan.opts
+                },
+                ..plan
+            }
+        );
+        // Model-only periodic checkpoints snapshot the master alone.
+        let master_only = HostPlan::new(
+            &layout,
+            HostOpts {
+                snapshot: true,
+                snapshot_optimizer: false,
+                ..opts
+            },
+        );
+        assert_eq!(master_only.total() - plan.total(), 4 * n);
     }
 }

@@ -83,6 +83,8 @@ pub struct Init {
     pub offload_activations: bool,
     /// Write the logits of the first micro-batch of the first step here (parity checks).
     pub dump_logits: Option<std::path::PathBuf>,
+    /// CUDA: warm up at this micro-batch shape (rows, tokens per row) before `Ready`.
+    pub warm_up: Option<(usize, usize)>,
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.
@@ -136,6 +138,10 @@ pub struct WorkerTimings {
     /// Time the backward waited for a free slab slot (on GPU mostly the device itself:
     /// the slots are held by in-flight gradient copies of layers still computing).
     pub slot_wait_s: f64,
+    /// Time the worker waited for the launcher's update of a block it was about to read
+    /// (the previous step's AdamW running behind this step's forward).
+    #[serde(default)]
+    pub update_wait_s: f64,
     /// GPU: the most device memory in use (cuMemGetInfo, so torch's reserve included).
     /// CPU: the step's peak resident memory above the step's start (VmHWM).
     pub peak_device_bytes: u64,
@@ -153,6 +159,10 @@ pub enum FromWorker {
     },
     Ready {
         device: String,
+        /// Seconds spent mapping and host-registering the shared regions.
+        register_s: f64,
+        /// Seconds of the CUDA warm-up (0 without one).
+        warm_up_s: f64,
     },
     LayerGrads {
         micro: usize,

@@ -116,23 +116,33 @@ pub struct Placement {
     pub devices: Vec<usize>,
 }
 
-/// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`, on
-/// this machine.
+/// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`,
+/// checked against the GPUs this machine has.
 pub fn placement(
     gpus: Option<usize>,
     workers: Option<usize>,
     devices: Option<&[usize]>,
 ) -> Result<Placement> {
-    placement_on(Some(visible_gpus()), gpus, workers, devices)
+    placement_on(gpus, workers, devices, visible_gpus())
 }
 
-/// [`placement`] on a machine with `present` GPUs; None: a machine not at hand (`plan
-/// --gpus N` for another host), whose GPUs are taken as asked.
-pub fn placement_on(
-    present: Option<usize>,
+/// [`placement`] for sizing a run on another machine: `--gpus N` (or `model.devices`)
+/// describes the target, whatever this machine has; without either, this machine's GPUs.
+pub fn plan_placement(
     gpus: Option<usize>,
     workers: Option<usize>,
     devices: Option<&[usize]>,
+) -> Result<Placement> {
+    let target = gpus.max(devices.and_then(|d| d.iter().max().map(|&m| m + 1)));
+    placement_on(gpus, workers, devices, target.unwrap_or_else(visible_gpus))
+}
+
+/// [`placement`] on a machine with `present` GPUs.
+fn placement_on(
+    gpus: Option<usize>,
+    workers: Option<usize>,
+    devices: Option<&[usize]>,
+    present: usize,
 ) -> Result<Placement> {
     if let Some(d) = devices {
         if let Some(g) = gpus.filter(|&g| g != d.len()) {
@@ -141,17 +151,15 @@ pub fn placement_on(
                 d.len()
             );
         }
-        if let Some(present) = present
-            && let Some(&bad) = d.iter().find(|&&i| i >= present)
-        {
+        if let Some(&bad) = d.iter().find(|&&i| i >= present) {
             bail!(
                 "model.devices names cuda:{bad}, but this machine's NVIDIA driver lists {present} GPU(s)"
             );
         }
     }
-    let gpus = gpus.unwrap_or_else(|| devices.map_or(present.unwrap_or(0), <[usize]>::len));
+    let gpus = gpus.unwrap_or_else(|| devices.map_or(present, <[usize]>::len));
     if gpus > 0 {
-        if let Some(present) = present.filter(|&n| n < gpus) {
+        if present < gpus {
             bail!(
                 "--gpus {gpus} asks for more GPUs than the {present} this machine's NVIDIA driver lists"
             );

@@ -12,6 +12,7 @@ mod train;
 #[allow(unsafe_code)]
 mod unix;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::Result;
@@ -25,6 +26,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
@@ -42,7 +44,10 @@ fn main() -> ExitCode {
 
 fn run(cli: cli::Cli) -> Result<()> {
     let cli = match cli.command {
-        Some(cli::Command::Plan(p)) => return plan::plan(p),
+        Some(cli::Command::Plan(p)) => {
+            unix::default_sigpipe()?;
+            return plan::plan(p);
+        }
         None => cli.run,
     };
     let config = cli.config.expect("clap requires --config");

@@ -11,14 +11,9 @@ use crate::train::Prepared;
 /// `mt-launch plan`: host RAM (and what is available), per-worker device memory for the
 /// configured micro-batch, and the largest micro-batch that fits a GPU.
 pub fn plan(p: cli::PlanArgs) -> Result<()> {
-    let cfg = RunConfig::load(&p.config, &p.set)?;
-    // With --gpus the plan may be for another machine: its GPUs need not be here.
-    let devices = cfg.model.devices.as_deref();
-    let placement = match p.gpus {
-        Some(_) => cli::placement_on(None, p.gpus, p.workers, devices)?,
-        None => cli::placement(p.gpus, p.workers, devices)?,
-    };
-    let prep = Prepared::new(&cfg, &placement)?;
+    let cfg = RunConfig::load_for_plan(&p.config, &p.set)?;
+    let placement = cli::plan_placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
+    let prep = Prepared::for_plan(&cfg, &placement)?;
     let seq_len = cfg.dataset.max_seq_len.unwrap_or_else(|| {
         prep.data
             .rows
@@ -128,7 +123,19 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
         },
         cfg.model.dtype
     );
-    println!("{}", prep.data.summary());
+    if let (Some(s), Some(name)) = (cfg.model.shipped, &cfg.model.name) {
+        println!(
+            "model: `{name}` is not in the Hugging Face cache here: sized from the architecture shipped for it (configs/{}/config.json)",
+            s.dir
+        );
+    }
+    match prep.data.files.is_empty() {
+        true => println!(
+            "dataset: not read (no tokenizer here): sized from dataset.max_seq_len = {}",
+            cfg.dataset.max_seq_len.unwrap_or(0)
+        ),
+        false => println!("{}", prep.data.summary()),
+    }
     println!("{}", prep.plan);
     let gb = |b: u64| b as f64 / 1e9;
     let avail = mt::plan::available_host_bytes();

@@ -4,9 +4,52 @@
 use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use mt::metrics::StepMetrics;
+use mt::metrics::{Bound, StepMetrics};
 
-pub enum Progress {
+/// `  optimizer-bound (42% waiting)` when a wait bounded the step, else nothing.
+fn bound_note(m: &StepMetrics) -> String {
+    let wait = match m.bound {
+        Bound::Compute => return String::new(),
+        Bound::Optimizer => m.update_wait_s,
+        Bound::H2d => m.h2d_wait_s,
+        Bound::Reduce => m.slot_wait_s,
+    };
+    format!(
+        "  {}-bound ({:.0}% waiting)",
+        m.bound.name(),
+        100.0 * wait / m.step_time_s.max(1e-9)
+    )
+}
+
+/// What to change when a step after the first is bounded by the host or PCIe (printed
+/// once per run).
+fn bound_hint(m: &StepMetrics) -> Option<String> {
+    let what = match m.bound {
+        Bound::Compute => return None,
+        Bound::Optimizer => {
+            "the workers waited for the host's AdamW, which updates every parameter once per step"
+        }
+        Bound::H2d => "the workers waited for layer weights to cross PCIe",
+        Bound::Reduce => "the workers waited for free gradient slab slots",
+    };
+    Some(format!(
+        "note: step {} was {}-bound: {what}; a larger per-GPU batch (or gradient_accumulation_steps) spreads that over more tokens{}",
+        m.step,
+        m.bound.name(),
+        match m.bound {
+            Bound::Reduce => ", as does a larger memory.num_grad_slabs",
+            _ => "",
+        }
+    ))
+}
+
+pub struct Progress {
+    kind: Kind,
+    /// Whether the bound hint was printed.
+    hinted: std::cell::Cell<bool>,
+}
+
+enum Kind {
     Bar(ProgressBar),
     Lines { every: u64 },
 }
@@ -14,10 +57,12 @@ pub enum Progress {
 impl Progress {
     /// A bar over steps `first..total` on a terminal, else lines every `every` steps.
     pub fn new(first: u64, total: u64, every: u64) -> Progress {
+        let hinted = std::cell::Cell::new(false);
         if !std::io::stdout().is_terminal() {
-            return Progress::Lines {
+            let kind = Kind::Lines {
                 every: every.max(1),
             };
+            return Progress { kind, hinted };
         }
         let bar = ProgressBar::new(total);
         bar.set_style(
@@ -28,26 +73,38 @@ impl Progress {
         );
         bar.set_position(first);
         bar.reset_eta();
-        Progress::Bar(bar)
+        Progress {
+            kind: Kind::Bar(bar),
+            hinted,
+        }
     }
 
     pub fn step(&self, m: &StepMetrics, total: u64) {
-        match self {
-            Progress::Bar(bar) => {
+        // The first step starts with no update to wait for: judge from the second on.
+        if m.step >= 2
+            && !self.hinted.get()
+            && let Some(hint) = bound_hint(m)
+        {
+            self.hinted.set(true);
+            self.println(&hint);
+        }
+        match &self.kind {
+            Kind::Bar(bar) => {
                 bar.set_message(format!(
-                    "loss {:.4} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}",
+                    "loss {:.4} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}{}",
                     m.loss,
                     m.lr,
                     m.tokens_per_s,
                     m.tflops_megatrain,
+                    bound_note(m),
                     if m.skipped { "  (skipped)" } else { "" }
                 ));
                 bar.set_position(m.step);
             }
-            Progress::Lines { every } => {
+            Kind::Lines { every } => {
                 if m.step.is_multiple_of(*every) || m.step == total {
                     println!(
-                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev",
+                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev{}",
                         m.step,
                         total,
                         m.loss,
@@ -56,7 +113,8 @@ impl Progress {
                         m.tokens,
                         m.step_time_s,
                         m.tokens_per_s,
-                        m.tflops_megatrain
+                        m.tflops_megatrain,
+                        bound_note(m)
                     );
                 }
             }
@@ -65,14 +123,14 @@ impl Progress {
 
     /// Prints a line without breaking the bar.
     pub fn println(&self, line: &str) {
-        match self {
-            Progress::Bar(bar) => bar.println(line),
-            Progress::Lines { .. } => println!("{line}"),
+        match &self.kind {
+            Kind::Bar(bar) => bar.println(line),
+            Kind::Lines { .. } => println!("{line}"),
         }
     }
 
     pub fn finish(&self) {
-        if let Progress::Bar(bar) = self {
+        if let Kind::Bar(bar) = &self.kind {
             bar.finish();
         }
     }

@@ -37,19 +37,31 @@ struct WorkerProc {
 
 pub struct Supervisor {
     workers: Vec<WorkerProc>,
+    /// The slowest worker's host registration and warm-up at start (seconds).
+    pub register_s: f64,
+    pub warm_up_s: f64,
     events: Receiver<Event>,
     /// When each worker last sent a message (its start before that).
     last_heard: Vec<Instant>,
+    /// The kernel's OOM-kill count when the workers started, and the host plan's total:
+    /// a worker killed by SIGKILL after the count moved is reported as out of memory.
+    oom_kills_at_start: Option<u64>,
+    host_plan_bytes: u64,
 }
 
 impl Supervisor {
-    /// Starts `inits.len()` workers and waits until each reports `Ready`.
-    pub fn start(worker_bin: &Path, inits: Vec<Init>) -> Result<Supervisor> {
+    /// Starts `inits.len()` workers and waits until each reports `Ready`. `host_plan_bytes`
+    /// (the host plan's total) is named if a worker is killed for want of memory.
+    pub fn start(worker_bin: &Path, inits: Vec<Init>, host_plan_bytes: u64) -> Result<Supervisor> {
         let (ev_tx, events) = unbounded();
         let mut sup = Supervisor {
             workers: Vec::new(),
             events,
             last_heard: Vec::new(),
+            oom_kills_at_start: mt::plan::oom_kills(),
+            host_plan_bytes,
+            register_s: 0.0,
+            warm_up_s: 0.0,
         };
         for init in inits {
             let w = spawn_one(worker_bin, init, &ev_tx)?;
@@ -60,8 +72,17 @@ impl Supervisor {
         let mut ready = vec![false; sup.workers.len()];
         while ready.iter().any(|r| !r) {
             match sup.next_event(START_TIMEOUT, &|r| !ready[r])? {
-                Event::Msg(r, FromWorker::Ready { device }) => {
-                    tracing::debug!(rank = r, %device, "worker ready");
+                Event::Msg(
+                    r,
+                    FromWorker::Ready {
+                        device,
+                        register_s,
+                        warm_up_s,
+                    },
+                ) => {
+                    tracing::debug!(rank = r, %device, register_s, warm_up_s, "worker ready");
+                    sup.register_s = sup.register_s.max(register_s);
+                    sup.warm_up_s = sup.warm_up_s.max(warm_up_s);
                     ready[r] = true;
                 }
                 Event::Msg(r, other) => bail!("worker rank {r} sent {other:?} before Ready"),
@@ -150,6 +171,9 @@ impl Supervisor {
         };
         let how = match status {
             Some(s) => match (s.code(), s.signal()) {
+                (_, Some(sig)) if sig == Signal::SIGKILL as i32 => {
+                    format!("was killed by signal SIGKILL{}", self.oom_note())
+                }
                 (_, Some(sig)) => format!(
                     "was killed by signal {}",
                     Signal::try_from(sig).map(|s| s.as_str()).unwrap_or("?")
@@ -160,6 +184,29 @@ impl Supervisor {
             None => "closed its channel".into(),
         };
         anyhow!("worker rank {rank} (pid {pid}) {how}")
+    }
+
+    /// Why a SIGKILL was likely the kernel's OOM killer, if its kill count moved since the
+    /// workers started; empty otherwise.
+    fn oom_note(&self) -> String {
+        let (Some(before), Some(now)) = (self.oom_kills_at_start, mt::plan::oom_kills()) else {
+            return String::new();
+        };
+        if now <= before {
+            return String::new();
+        }
+        let gb = |b: u64| b as f64 / 1e9;
+        let avail = mt::plan::available_host_bytes()
+            .map_or("unknown".into(), |a| format!("{:.2} GB", gb(a)));
+        format!(
+            ": the host ran out of memory (the kernel's OOM killer ran {} time(s) during this run: \
+             oom_kill in /proc/vmstat went from {before} to {now}). The launcher's plan holds \
+             {:.2} GB (`mt-launch plan`), plus each worker's own memory; MemAvailable is {avail} \
+             now. Free host memory, or lower the bytes per parameter (memory.grad_dtype: bfloat16, \
+             memory.master_weights: split)",
+            now - before,
+            gb(self.host_plan_bytes)
+        )
     }
 
     /// Asks every worker to stop, then makes sure they do.

@@ -11,7 +11,7 @@ use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init as InitKind, NanPolicy, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::layout::Layout;
-use mt::metrics::{MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
+use mt::metrics::{Bound, MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
 use mt::optim::{clip_coefficient, lr_at};
 use mt::plan::Fit;
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
@@ -57,6 +57,8 @@ pub struct Trainer {
     progress: Progress,
     /// The host plan, whose total the launcher's resident peak is reported against.
     plan: mt::plan::HostPlan,
+    /// Seconds from launch to the workers' readiness, reported with the first step.
+    startup_s: Option<f64>,
 }
 
 /// Everything a run is built from, checked before any worker starts: the model, its
@@ -71,8 +73,30 @@ pub struct Prepared {
 
 impl Prepared {
     pub fn new(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        Self::build(cfg, placement, true)
+    }
+
+    /// What `mt-launch plan` sizes: as [`Prepared::new`], except that a text dataset is
+    /// not read when the model has no tokenizer here (a shipped architecture standing in
+    /// for a hub id, or a directory with config.json alone): the run is then sized from
+    /// `dataset.max_seq_len`, and `data` is empty.
+    pub fn for_plan(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        let tokenizer =
+            cfg.model.shipped.is_none() && cfg.model.path.join("tokenizer.json").is_file();
+        let read = tokenizer || !mt::data::needs_tokenizer(&cfg.dataset)?;
+        if !read && cfg.dataset.max_seq_len.is_none() {
+            return Err(mt::Error::invalid(
+                "dataset.max_seq_len",
+                "needed to size a text dataset without its tokenizer (the model has no tokenizer.json here): set it",
+            )
+            .into());
+        }
+        Self::build(cfg, placement, read)
+    }
+
+    fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
         cfg.validate_world(placement.workers)?;
-        let spec = ModelSpec::from_model_dir(&cfg.model.path)?;
+        let spec = cfg.model.spec()?;
         if cfg.dataset.packing && spec.layer_types.contains(&AttentionKind::Linear) {
             // The delta rule's recurrent state would flow from one packed document into
             // the next; transformers' torch path has no per-document reset either.
@@ -86,12 +110,15 @@ impl Prepared {
             .into());
         }
         let layout = Layout::new(&spec);
-        let data = Dataset::load(
-            &cfg.dataset,
-            &cfg.model.path,
-            spec.vocab_size,
-            cfg.training.seed,
-        )?;
+        let data = match read_data {
+            true => Dataset::load(
+                &cfg.dataset,
+                &cfg.model.path,
+                spec.vocab_size,
+                cfg.training.seed,
+            )?,
+            false => Dataset::default(),
+        };
         let plan =
             mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers));
         Ok(Prepared {
@@ -151,6 +178,7 @@ impl Trainer {
         dump_logits: Option<PathBuf>,
         resume: Option<String>,
     ) -> Result<Trainer> {
+        let t_start = Instant::now();
         let mut prepared = Prepared::new(&cfg, &placement)?;
         prepared.check_host_ram()?;
         if let Some(dir) = &cfg.checkpoint.dir {
@@ -199,9 +227,17 @@ impl Trainer {
                 layout.clone(),
                 export.clone(),
                 background,
+                plan.opts.snapshot_optimizer,
             )
         });
+        let t_prepared = Instant::now();
         let mut host = HostState::new(&cfg, layout, placement.workers)?;
+        let t_allocated = Instant::now();
+        let weights = match (&resume, cfg.model.init) {
+            (Some(_), _) => "resumed",
+            (None, InitKind::Pretrained) => "loaded",
+            (None, InitKind::Random) => "random init",
+        };
         match cfg.model.init {
             _ if resume.is_some() => {}
             InitKind::Pretrained => host.init_master(|layout, master| {
@@ -232,6 +268,15 @@ impl Trainer {
             println!("resumed from {} at step {}", dir.display(), state.step);
             (start_step, nan_run) = (state.step, state.nan_run);
         }
+        let t_weights = Instant::now();
+        // CUDA workers warm up at the configured micro-batch shape.
+        let warm_up = (placement.gpus > 0).then(|| {
+            let rows = cfg.training.batch_size
+                / (placement.workers * cfg.training.gradient_accumulation_steps);
+            let longest = data.rows.iter().map(|r| r.input_ids.len()).max();
+            let seq = cfg.dataset.max_seq_len.or(longest).unwrap_or(1);
+            (rows.max(1), seq)
+        });
         let inits = (0..placement.workers)
             .map(|rank| {
                 let device = match placement.devices.get(rank) {
@@ -242,7 +287,7 @@ impl Trainer {
                     rank,
                     world: placement.workers,
                     device,
-                    threads: worker_threads(device, placement.workers),
+                    threads: worker_threads(device),
                     spec: spec.clone(),
                     layout: host.layout.clone(),
                     dtype: cfg.model.dtype,
@@ -255,10 +300,23 @@ impl Trainer {
                         1 => p.clone(),
                         _ => PathBuf::from(format!("{}.rank{rank}", p.display())),
                     }),
+                    warm_up,
                 }
             })
             .collect();
-        let sup = Supervisor::start(&worker_binary()?, inits)?;
+        let sup = Supervisor::start(&worker_binary()?, inits, plan.total())?;
+        let t_workers = Instant::now();
+        let s = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
+        let startup_s = s(t_start, t_workers);
+        println!(
+            "start-up {startup_s:.1}s: config and data {:.1}s, host state {:.1}s, weights {:.1}s ({weights}), workers {:.1}s (host registration {:.1}s, warm-up {:.1}s)",
+            s(t_start, t_prepared),
+            s(t_prepared, t_allocated),
+            s(t_allocated, t_weights),
+            s(t_weights, t_workers),
+            sup.register_s,
+            sup.warm_up_s,
+        );
         let metrics = metrics_out
             .as_deref()
             .map(MetricsWriter::create)
@@ -285,6 +343,7 @@ impl Trainer {
             nan_run,
             start_step,
             plan,
+            startup_s: Some(startup_s),
         })
     }
 
@@ -484,6 +543,7 @@ impl Trainer {
                     s.forward_s = s.forward_s.max(timings.forward_s);
                     s.backward_s = s.backward_s.max(timings.backward_s);
                     s.slot_wait_s = s.slot_wait_s.max(timings.slot_wait_s);
+                    s.update_wait_s = s.update_wait_s.max(timings.update_wait_s);
                     s.h2d_wait_s = s.h2d_wait_s.max(timings.h2d_wait_s);
                     s.d2h_s = s.d2h_s.max(timings.d2h_s);
                     s.peak_device_bytes = s.peak_device_bytes.max(timings.peak_device_bytes);
@@ -509,7 +569,7 @@ impl Trainer {
         let Some(writer) = self.writer.as_mut() else {
             return Ok(());
         };
-        let every = self.cfg.checkpoint.every_steps;
+        let due = self.cfg.checkpoint.due(done, last);
         let state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
@@ -517,10 +577,12 @@ impl Trainer {
         let root = writer.root().display().to_string();
         let failed =
             || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
-        let written = if last {
-            writer.write_final(state, &live).with_context(failed)?
-        } else if every > 0 && done.is_multiple_of(every) {
-            let (waited, written) = writer.start(state, &live).with_context(failed)?;
+        let written = if let (true, Some(contents)) = (last, due) {
+            writer
+                .write_final(state, &live, contents)
+                .with_context(failed)?
+        } else if let Some(contents) = due {
+            let (waited, written) = writer.start(state, &live, contents).with_context(failed)?;
             if self.cfg.checkpoint.background {
                 self.progress.println(&format!(
                     "checkpoint of step {done}: snapshot taken in {waited:.3}s, writing in the background"
@@ -631,10 +693,18 @@ impl Trainer {
             optimizer_s,
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
+            update_wait_s: out.slowest.update_wait_s,
+            bound: Bound::of(
+                step_time_s,
+                out.slowest.update_wait_s,
+                out.slowest.h2d_wait_s,
+                out.slowest.slot_wait_s,
+            ),
             peak_gpu_bytes: out.slowest.peak_device_bytes,
             gpu_context_bytes: out.slowest.context_device_bytes,
             launcher_rss_bytes: rss_bytes(),
             launcher_peak_rss_bytes: peak_rss_bytes(),
+            startup_s: self.startup_s.take(),
             tflops_megatrain: per_device_tflops(flops.megatrain),
             tflops_model: per_device_tflops(flops.model),
             skipped: out.skipped,
@@ -670,15 +740,10 @@ fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
 /// run differ from one machine to the next; with one thread each, a micro-batch's
 /// gradient is the same bits whatever the number of workers or cores. On CPU, cores are
 /// used through `--workers`, which gives the same training by design. A GPU worker's
-/// host threads only feed the device: it gets its share of the cores.
-fn worker_threads(device: Device, workers: usize) -> usize {
-    match device {
-        Device::Cpu => 1,
-        Device::Cuda(_) => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / workers).max(1)
-        }
-    }
+/// CPU-side tensors are its micro-batch's ids and labels, tiny: one thread too, so that
+/// no OpenMP pool of its spins on the cores the launcher's reduce and AdamW need.
+fn worker_threads(_device: Device) -> usize {
+    1
 }
 
 /// `mt-worker` beside this executable, or `MT_WORKER_BIN`.

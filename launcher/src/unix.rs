@@ -28,6 +28,16 @@ pub fn install_stop_handlers() -> Result<()> {
     Ok(())
 }
 
+/// Restores SIGPIPE's default action (Rust ignores it), so that a report piped into
+/// `head` ends the process quietly, as other command-line tools do, instead of panicking
+/// on the broken pipe.
+pub fn default_sigpipe() -> Result<()> {
+    let action = SigAction::new(SigHandler::SigDfl, SaFlags::empty(), SigSet::empty());
+    // SAFETY: installing the default action runs no code of ours in the handler.
+    unsafe { sigaction(Signal::SIGPIPE, &action) }.context("restore SIGPIPE")?;
+    Ok(())
+}
+
 /// The stop signal received so far, if any.
 pub fn stop_requested() -> Option<Signal> {
     match STOP.load(Ordering::SeqCst) {

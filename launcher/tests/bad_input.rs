@@ -130,6 +130,21 @@ fn checkpoint_every_steps_without_dir() {
     f.fails(&[], Stage::Start, &["checkpoint.dir", "every_steps"]);
 }
 
+#[test]
+fn full_state_interval_without_any_optimizer_state() {
+    let f = fixture("full-state-no-optimizer");
+    f.fails(
+        &[
+            "--set",
+            "checkpoint.save_optimizer=false",
+            "--set",
+            "checkpoint.full_state_every_steps=2",
+        ],
+        Stage::Start,
+        &["checkpoint.full_state_every_steps", "save_optimizer: false"],
+    );
+}
+
 // ---- placement ----
 
 #[test]

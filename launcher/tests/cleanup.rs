@@ -14,6 +14,16 @@ use common::*;
 /// Starts mt-launch on the llama fixture with 2 workers (and `steps` steps), its stderr
 /// in `<scratch>/stderr.log` and metrics in `<scratch>/metrics.jsonl`.
 fn spawn_run(name: &str, steps: u64, extra: &[&str]) -> (Child, std::path::PathBuf) {
+    spawn_run_env(name, steps, extra, &[])
+}
+
+/// [`spawn_run`] with extra environment variables.
+fn spawn_run_env(
+    name: &str,
+    steps: u64,
+    extra: &[&str],
+    env: &[(&str, &std::path::Path)],
+) -> (Child, std::path::PathBuf) {
     let case = golden_dir().join("llama");
     let dir = scratch(name);
     let config = case.join("run.yaml");
@@ -30,6 +40,7 @@ fn spawn_run(name: &str, steps: u64, extra: &[&str]) -> (Child, std::path::PathB
         .args(["--set", &format!("training.num_steps={steps}")])
         .args(["--metrics-out", metrics.to_str().unwrap()])
         .args(extra)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
         .spawn()
@@ -39,7 +50,15 @@ fn spawn_run(name: &str, steps: u64, extra: &[&str]) -> (Child, std::path::PathB
 
 /// Starts a long run with 2 workers and waits until it has finished a step.
 fn start_long_run(name: &str, extra: &[&str]) -> (Child, std::path::PathBuf, Vec<u32>) {
-    let (child, dir) = spawn_run(name, 1_000_000, extra);
+    start_long_run_env(name, extra, &[])
+}
+
+fn start_long_run_env(
+    name: &str,
+    extra: &[&str],
+    env: &[(&str, &std::path::Path)],
+) -> (Child, std::path::PathBuf, Vec<u32>) {
+    let (child, dir) = spawn_run_env(name, 1_000_000, extra, env);
     let metrics = dir.join("metrics.jsonl");
     wait_for(Duration::from_secs(60), || {
         std::fs::read_to_string(&metrics)
@@ -95,10 +114,44 @@ fn killing_a_worker_stops_the_run_and_frees_everything() {
     );
     let rank = if err.contains("worker rank 1") { 1 } else { 0 };
     assert_eq!(rank, 1, "the killed worker was rank 1:\n{err}");
+    assert!(
+        !err.contains("out of memory"),
+        "a plain SIGKILL is not an OOM kill:\n{err}"
+    );
     assert_clean(pid, &workers, &before);
     // The write in flight was completed, not abandoned.
     assert_eq!(partial_checkpoints(&ck), Vec::<String>::new());
     assert!(!mt::checkpoint::state::complete(&ck).unwrap().is_empty());
+}
+
+/// A worker SIGKILLed while the kernel's OOM-kill count moves (a stand-in /proc/vmstat,
+/// `MT_PROC_VMSTAT`, bumped just before the kill) is reported as the host running out of
+/// memory, with the plan's figure; a plain SIGKILL (the test above) is not.
+#[test]
+fn a_worker_killed_for_memory_is_reported_as_such() {
+    let before = shm_entries();
+    let vmstat = scratch("clean-oom-vmstat").join("vmstat");
+    std::fs::write(&vmstat, "nr_free_pages 1\noom_kill 7\n").unwrap();
+    let (mut child, dir, workers) =
+        start_long_run_env("clean-oom", &[], &[("MT_PROC_VMSTAT", &vmstat)]);
+    let pid = child.id();
+    std::fs::write(&vmstat, "nr_free_pages 1\noom_kill 8\n").unwrap();
+    signal("KILL", workers[0]);
+    wait_for(Duration::from_secs(10), || {
+        matches!(child.try_wait(), Ok(Some(_)))
+    })
+    .expect("launcher still running 10 s after a worker was killed");
+    assert!(!child.wait().unwrap().success());
+    let err = std::fs::read_to_string(dir.join("stderr.log")).unwrap();
+    assert!(
+        err.contains("worker rank 0")
+            && err.contains("SIGKILL")
+            && err.contains("ran out of memory")
+            && err.contains("from 7 to 8")
+            && err.contains("plan holds"),
+        "stderr must say the worker was killed for memory, with the plan:\n{err}"
+    );
+    assert_clean(pid, &workers, &before);
 }
 
 /// Flags for a checkpoint under `ck` after every step.

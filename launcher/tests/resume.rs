@@ -212,3 +212,157 @@ fn keep_last_prunes_old_checkpoints() {
     left.sort();
     assert_eq!(left, ["step-00000003", "step-00000004"]);
 }
+
+/// `checkpoint.full_state_every_steps` makes the other periodic checkpoints model-only:
+/// HF model directories without `optimizer.safetensors`. `--resume latest` skips them for
+/// the newest one that holds the optimizer state and still reproduces the straight run;
+/// resuming a model-only one by name is refused, naming it; a model-only checkpoint loads
+/// as pretrained weights.
+#[test]
+fn model_only_checkpoints_between_full_states() {
+    let dir = scratch("resume-model-only");
+    let ck = dir.join("ck");
+    let ck_set = format!("checkpoint.dir={}", ck.display());
+    let (out, straight) = train(
+        "llama",
+        &dir,
+        "straight",
+        &["--set", "training.num_steps=5"],
+    );
+    ok(&out);
+    let (out, _) = train(
+        "llama",
+        &dir,
+        "first",
+        &[
+            "--set",
+            "training.num_steps=5",
+            "--set",
+            &ck_set,
+            "--set",
+            "checkpoint.every_steps=1",
+            "--set",
+            "checkpoint.full_state_every_steps=2",
+            "--set",
+            "checkpoint.keep_last=10",
+        ],
+    );
+    ok(&out);
+    let step = |s: u64| ck.join(format!("step-{s:08}"));
+    let full: Vec<bool> = (1..=5)
+        .map(|s| {
+            assert!(step(s).join("COMPLETE").is_file(), "step {s} checkpointed");
+            step(s).join("optimizer.safetensors").is_file()
+        })
+        .collect();
+    // Full state every 2 steps and at the end of the run.
+    assert_eq!(full, [false, true, false, true, true]);
+    assert!(step(1).join("model.safetensors").is_file());
+    // With steps 4 and 5 gone, the newest checkpoint (3) is model-only: latest is 2.
+    for s in [4, 5] {
+        std::fs::remove_dir_all(step(s)).unwrap();
+    }
+    let (out, second) = train(
+        "llama",
+        &dir,
+        "second",
+        &[
+            "--set",
+            "training.num_steps=5",
+            "--set",
+            &ck_set,
+            "--resume",
+            "latest",
+        ],
+    );
+    ok(&out);
+    let rows = metrics(&second);
+    assert_eq!(
+        rows[0]["step"], 3,
+        "resumed after step 2, the newest full state"
+    );
+    let straight = column(&metrics(&straight), "loss");
+    let resumed = column(&rows, "loss");
+    let e = worst_rel(&resumed, &straight[2..]);
+    assert!(
+        e <= 1e-6,
+        "resumed {resumed:?} vs straight {straight:?} (rel {e:.2e})"
+    );
+    // The resumed run pruned to keep_last (2): step 3 (model-only) and step 5 remain.
+    let left: Vec<u64> = mt::checkpoint::state::complete(&ck)
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(left, [3, 5]);
+    // A model-only checkpoint named explicitly is refused, saying why.
+    let step3 = path_str(&step(3)).to_string();
+    let (out, _) = train(
+        "llama",
+        &dir,
+        "refused",
+        &["--set", "training.num_steps=5", "--resume", &step3],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("model-only checkpoint")
+            && err.contains("step-00000003"),
+        "{err}"
+    );
+    // It loads as pretrained weights.
+    let (out, _) = train(
+        "llama",
+        &dir,
+        "from-model-only",
+        &[
+            "--set",
+            "training.num_steps=1",
+            "--set",
+            &format!("model.path={step3}"),
+        ],
+    );
+    ok(&out);
+}
+
+/// `checkpoint.save_optimizer: false`: every checkpoint, the last included, is model-only,
+/// and `--resume latest` says there is nothing to resume from.
+#[test]
+fn save_optimizer_false_writes_model_only_checkpoints() {
+    let dir = scratch("resume-no-optimizer");
+    let ck = dir.join("ck");
+    let ck_set = format!("checkpoint.dir={}", ck.display());
+    let flags = [
+        "--set",
+        "training.num_steps=2",
+        "--set",
+        &ck_set,
+        "--set",
+        "checkpoint.every_steps=1",
+        "--set",
+        "checkpoint.save_optimizer=false",
+    ];
+    let (out, _) = train("llama", &dir, "first", &flags);
+    ok(&out);
+    let all = mt::checkpoint::state::complete(&ck).unwrap();
+    assert_eq!(all.len(), 2);
+    assert!(
+        all.iter()
+            .all(|(_, p)| !p.join("optimizer.safetensors").exists())
+    );
+    let (out, _) = train(
+        "llama",
+        &dir,
+        "second",
+        &[
+            "--set",
+            "training.num_steps=3",
+            "--set",
+            &ck_set,
+            "--resume",
+            "latest",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("model-only"), "{err}");
+}

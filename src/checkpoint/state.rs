@@ -19,6 +19,7 @@ use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
 use super::{ExportOptions, MasterMut, MasterRef, pieces};
+use crate::config::CheckpointContents;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::shm::f32_bytes;
@@ -129,15 +130,17 @@ fn fsync(path: &Path) -> Result<()> {
         .map_err(io(path))
 }
 
-/// Writes checkpoint `state.step` under `root` and returns its directory. Nothing partial
-/// survives a failure: the temporary directory is removed, and a complete checkpoint of
-/// the same step is replaced only once the new one is complete.
+/// Writes checkpoint `state.step` under `root` and returns its directory: the HF model
+/// directory and `trainer_state.json`, plus `optimizer.safetensors` for a `Full` one.
+/// Nothing partial survives a failure: the temporary directory is removed, and a complete
+/// checkpoint of the same step is replaced only once the new one is complete.
 pub fn save(
     root: &Path,
     state: &TrainState,
     layout: &Layout,
     tensors: &Tensors,
     export: &ExportOptions,
+    contents: CheckpointContents,
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(root).map_err(io(root))?;
     let name = format!("step-{:08}", state.step);
@@ -145,7 +148,7 @@ pub fn save(
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
-    if let Err(e) = write_into(&tmp, state, layout, tensors, export) {
+    if let Err(e) = write_into(&tmp, state, layout, tensors, export, contents) {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
@@ -171,11 +174,14 @@ fn write_into(
     layout: &Layout,
     tensors: &Tensors,
     export: &ExportOptions,
+    contents: CheckpointContents,
 ) -> Result<()> {
     let mut files = super::save_hf(tmp, layout, tensors.master, export)?;
-    let opt = tmp.join(OPTIMIZER);
-    write_optimizer(&opt, tensors)?;
-    files.push(opt);
+    if contents == CheckpointContents::Full {
+        let opt = tmp.join(OPTIMIZER);
+        write_optimizer(&opt, tensors)?;
+        files.push(opt);
+    }
     let st = tmp.join(STATE);
     let json = serde_json::to_string_pretty(state)
         .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
@@ -272,29 +278,47 @@ pub fn complete(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     Ok(found)
 }
 
-/// Deletes the oldest complete checkpoints so that at most `keep` remain (at least one).
+/// Whether complete checkpoint `dir` holds the optimizer state (can be resumed).
+pub fn resumable(dir: &Path) -> bool {
+    dir.join(OPTIMIZER).is_file()
+}
+
+/// Deletes the oldest complete checkpoints so that at most `keep` remain (at least one),
+/// besides the newest one that can be resumed, which is always kept.
 pub fn prune(root: &Path, keep: usize) -> Result<()> {
     let all = complete(root)?;
+    let newest_full = all
+        .iter()
+        .rev()
+        .find(|(_, p)| resumable(p))
+        .map(|(s, _)| *s);
     let excess = all.len().saturating_sub(keep.max(1));
-    for (_, path) in &all[..excess] {
-        std::fs::remove_dir_all(path).map_err(io(path))?;
+    for (step, path) in &all[..excess] {
+        if Some(*step) != newest_full {
+            std::fs::remove_dir_all(path).map_err(io(path))?;
+        }
     }
     Ok(())
 }
 
-/// `latest` (the newest complete checkpoint under `root`) or a checkpoint directory.
+/// `latest` (the newest complete checkpoint under `root` that holds the optimizer state)
+/// or a checkpoint directory.
 pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
     if spec == "latest" {
         let root = root.ok_or_else(|| {
             Error::invalid("checkpoint.dir", "--resume latest needs checkpoint.dir")
         })?;
-        return complete(root)?
-            .pop()
-            .map(|(_, p)| p)
-            .ok_or_else(|| Error::Weights {
-                path: root.into(),
-                msg: "no complete checkpoint to resume from".into(),
-            });
+        let all = complete(root)?;
+        let found = all.iter().rev().find(|(_, p)| resumable(p));
+        return found.map(|(_, p)| p.clone()).ok_or_else(|| Error::Weights {
+            path: root.into(),
+            msg: match all.len() {
+                0 => "no complete checkpoint to resume from".into(),
+                n => format!(
+                    "no complete checkpoint to resume from: the {n} there are model-only (checkpoint.save_optimizer: false, or between checkpoint.full_state_every_steps)"
+                ),
+            },
+        });
     }
     let dir = PathBuf::from(spec);
     if !dir.is_dir() {
@@ -345,6 +369,14 @@ pub fn load(
         });
     }
     let opt = dir.join(OPTIMIZER);
+    if !resumable(dir) {
+        return Err(Error::Weights {
+            path: dir.into(),
+            msg: format!(
+                "a model-only checkpoint (no {OPTIMIZER}): it cannot be resumed; start a new run from its weights with model.path"
+            ),
+        });
+    }
     let reader = pieces::Reader::open(&opt)?;
     let n = master.len();
     let mut dsts = [
@@ -442,6 +474,34 @@ mod tests {
         .unwrap();
         let bits = |h: &[bf16]| h.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert!(bits(&hi2) == bits(&hi) && lo2 == lo);
+    }
+
+    /// `keep_last` counts every complete checkpoint, but the newest one that can be resumed
+    /// is never deleted, however many model-only ones follow it.
+    #[test]
+    fn pruning_keeps_the_newest_resumable_checkpoint() {
+        let root = std::env::temp_dir().join(format!("mt-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for (step, full) in [(1, true), (2, true), (3, false), (4, false)] {
+            let d = root.join(format!("step-{step:08}"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join(MARKER), b"").unwrap();
+            if full {
+                std::fs::write(d.join(OPTIMIZER), b"").unwrap();
+            }
+        }
+        prune(&root, 1).unwrap();
+        let left: Vec<u64> = complete(&root)
+            .unwrap()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(left, [2, 4]);
+        assert_eq!(
+            resolve("latest", Some(&root)).unwrap(),
+            root.join("step-00000002")
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

@@ -18,12 +18,15 @@ use rayon::prelude::*;
 
 use super::state::{self, Tensors, TrainState};
 use super::{ExportOptions, MasterRef};
+use crate::config::CheckpointContents;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 
-/// Host bytes of the snapshot buffer a background writer holds for `layout`.
-pub fn snapshot_bytes(layout: &Layout) -> u64 {
-    12 * layout.total as u64
+/// Host bytes of the snapshot buffer a background writer holds for `layout`: the fp32
+/// master, and the Adam moments where periodic checkpoints hold the optimizer state
+/// (`optimizer`).
+pub fn snapshot_bytes(layout: &Layout, optimizer: bool) -> u64 {
+    layout.total as u64 * if optimizer { 12 } else { 4 }
 }
 
 /// A copy of the checkpointed host tensors.
@@ -36,23 +39,28 @@ struct Snapshot {
 impl Snapshot {
     /// Allocates and touches every page now, so that the first snapshot costs no page
     /// faults and a host short of memory fails at start-up, not at the first checkpoint.
-    fn new(n: usize) -> Snapshot {
-        let touched = || {
+    /// Without `optimizer` it holds the master only.
+    fn new(n: usize, optimizer: bool) -> Snapshot {
+        let touched = |n: usize| {
             let mut x = vec![0.0f32; n];
             x.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
             x
         };
+        let moments = if optimizer { n } else { 0 };
         Snapshot {
-            master: touched(),
-            m: touched(),
-            v: touched(),
+            master: touched(n),
+            m: touched(moments),
+            v: touched(moments),
         }
     }
 
-    fn fill(&mut self, src: &Tensors) {
+    /// Copies what a checkpoint of `contents` holds.
+    fn fill(&mut self, src: &Tensors, contents: CheckpointContents) {
         src.master.read_into(&mut self.master);
-        MasterRef::F32(src.m).read_into(&mut self.m);
-        MasterRef::F32(src.v).read_into(&mut self.v);
+        if contents == CheckpointContents::Full {
+            MasterRef::F32(src.m).read_into(&mut self.m);
+            MasterRef::F32(src.v).read_into(&mut self.v);
+        }
     }
 
     fn tensors(&self) -> Tensors<'_> {
@@ -83,15 +91,17 @@ pub struct Writer {
 
 impl Writer {
     /// A writer of checkpoints under `root`; with `background`, it allocates its snapshot
-    /// buffer ([`snapshot_bytes`]) now.
+    /// buffer ([`snapshot_bytes`]) now, with the moments if periodic checkpoints hold the
+    /// optimizer state (`optimizer`).
     pub fn new(
         root: PathBuf,
         keep_last: usize,
         layout: Layout,
         export: ExportOptions,
         background: bool,
+        optimizer: bool,
     ) -> Writer {
-        let idle = background.then(|| Snapshot::new(layout.total));
+        let idle = background.then(|| Snapshot::new(layout.total, optimizer));
         Writer {
             job: Arc::new(Job {
                 root,
@@ -105,31 +115,39 @@ impl Writer {
         }
     }
 
-    /// Starts checkpoint `state` of `live`: in the background from a snapshot (after waiting
-    /// for the previous write), or in place. Returns the seconds the caller waited for the
-    /// snapshot (or the whole write), and every write that completed meanwhile.
-    pub fn start(&mut self, state: TrainState, live: &Tensors) -> Result<(f64, Vec<Written>)> {
+    /// Starts checkpoint `state` of `live` holding `contents`: in the background from a
+    /// snapshot (after waiting for the previous write), or in place. Returns the seconds
+    /// the caller waited for the snapshot (or the whole write), and every write that
+    /// completed meanwhile.
+    pub fn start(
+        &mut self,
+        state: TrainState,
+        live: &Tensors,
+        contents: CheckpointContents,
+    ) -> Result<(f64, Vec<Written>)> {
         let mut done: Vec<Written> = self.finish()?.into_iter().collect();
         let t = Instant::now();
         if !self.background {
-            done.push(self.write_now(&state, live)?);
+            done.push(self.write_now(&state, live, contents)?);
             return Ok((t.elapsed().as_secs_f64(), done));
         }
         let mut snap = self
             .idle
             .take()
             .expect("the buffer is back once no write is in flight");
-        snap.fill(live);
+        snap.fill(live, contents);
         let snapshot_s = t.elapsed().as_secs_f64();
         let job = Arc::clone(&self.job);
         let handle = std::thread::Builder::new()
             .name("mt-checkpoint".into())
             .spawn(move || {
                 let t = Instant::now();
-                let r = job.write(&state, &snap.tensors()).map(|dir| Written {
-                    dir,
-                    write_s: t.elapsed().as_secs_f64(),
-                });
+                let r = job
+                    .write(&state, &snap.tensors(), contents)
+                    .map(|dir| Written {
+                        dir,
+                        write_s: t.elapsed().as_secs_f64(),
+                    });
                 (snap, r)
             })
             .map_err(|e| Error::Other(format!("start the checkpoint writer thread: {e}")))?;
@@ -139,9 +157,14 @@ impl Writer {
 
     /// Writes checkpoint `state` from `live` now (after the write in flight), for the end
     /// of a run when nothing runs alongside. Returns every write completed.
-    pub fn write_final(&mut self, state: TrainState, live: &Tensors) -> Result<Vec<Written>> {
+    pub fn write_final(
+        &mut self,
+        state: TrainState,
+        live: &Tensors,
+        contents: CheckpointContents,
+    ) -> Result<Vec<Written>> {
         let mut done: Vec<Written> = self.finish()?.into_iter().collect();
-        done.push(self.write_now(&state, live)?);
+        done.push(self.write_now(&state, live, contents)?);
         Ok(done)
     }
 
@@ -165,9 +188,14 @@ impl Writer {
         r.map(Some)
     }
 
-    fn write_now(&self, state: &TrainState, live: &Tensors) -> Result<Written> {
+    fn write_now(
+        &self,
+        state: &TrainState,
+        live: &Tensors,
+        contents: CheckpointContents,
+    ) -> Result<Written> {
         let t = Instant::now();
-        let dir = self.job.write(state, live)?;
+        let dir = self.job.write(state, live, contents)?;
         Ok(Written {
             dir,
             write_s: t.elapsed().as_secs_f64(),
@@ -201,8 +229,20 @@ struct Job {
 }
 
 impl Job {
-    fn write(&self, st: &TrainState, tensors: &Tensors) -> Result<PathBuf> {
-        let dir = state::save(&self.root, st, &self.layout, tensors, &self.export)?;
+    fn write(
+        &self,
+        st: &TrainState,
+        tensors: &Tensors,
+        contents: CheckpointContents,
+    ) -> Result<PathBuf> {
+        let dir = state::save(
+            &self.root,
+            st,
+            &self.layout,
+            tensors,
+            &self.export,
+            contents,
+        )?;
         state::prune(&self.root, self.keep_last)?;
         Ok(dir)
     }
@@ -248,7 +288,7 @@ mod tests {
             source: src,
             max_shard_bytes: 1 << 30,
         };
-        let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, true);
+        let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, true, true);
         let n = l.total;
         let (mut master, m, v) = (vec![1.0f32; n], vec![2.0f32; n], vec![3.0f32; n]);
         for step in 1..=3u64 {
@@ -258,7 +298,8 @@ mod tests {
                 m: &m,
                 v: &v,
             };
-            w.start(state(step, &l), &live).unwrap();
+            w.start(state(step, &l), &live, CheckpointContents::Full)
+                .unwrap();
             // Training goes on and changes the live state while the write runs.
             master.fill(-1.0);
         }
@@ -289,14 +330,16 @@ mod tests {
             source: src,
             max_shard_bytes: 1 << 30,
         };
-        let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, false);
+        let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, false, true);
         let z = vec![0.25f32; l.total];
         let live = Tensors {
             master: MasterRef::F32(&z),
             m: &z,
             v: &z,
         };
-        let (_, done) = w.start(state(1, &l), &live).unwrap();
+        let (_, done) = w
+            .start(state(1, &l), &live, CheckpointContents::Full)
+            .unwrap();
         assert_eq!(done.len(), 1);
         assert!(done[0].dir.join("COMPLETE").is_file());
         assert!(w.finish().unwrap().is_none(), "nothing in flight");
@@ -316,18 +359,20 @@ mod tests {
             max_shard_bytes: 1 << 30,
         };
         let root = dir.join("ck");
-        let mut w = Writer::new(root.clone(), 1, l.clone(), export, true);
+        let mut w = Writer::new(root.clone(), 1, l.clone(), export, true, true);
         let z = vec![0.5f32; l.total];
         let live = Tensors {
             master: MasterRef::F32(&z),
             m: &z,
             v: &z,
         };
-        w.start(state(1, &l), &live).unwrap();
+        w.start(state(1, &l), &live, CheckpointContents::Full)
+            .unwrap();
         w.finish().unwrap();
         // The next write cannot read the source config: it fails after writing weights.
         std::fs::remove_file(src.join("config.json")).unwrap();
-        w.start(state(2, &l), &live).unwrap();
+        w.start(state(2, &l), &live, CheckpointContents::Full)
+            .unwrap();
         let e = w.finish().unwrap_err().to_string();
         assert!(e.contains("config.json"), "{e}");
         let left: Vec<String> = std::fs::read_dir(&root)

@@ -11,6 +11,7 @@
 mod dataset;
 pub mod hf;
 pub mod hub;
+pub mod shipped;
 pub mod size;
 
 pub use dataset::{DatasetFormat, DatasetSection, Overlong};
@@ -57,6 +58,14 @@ pub struct CheckpointSection {
     /// Weight files larger than this are split into shards with
     /// `model.safetensors.index.json` (bytes, or `5GB`, `500MB`, `64KiB`).
     pub max_shard_size: size::ByteSize,
+    /// Write the optimizer state (fp32 master, Adam moments: 12 bytes per parameter) into
+    /// checkpoints so that they resume exactly. `false` writes model-only checkpoints (the
+    /// HF model directory alone, HF Trainer's `save_only_model`), which cannot be resumed.
+    pub save_optimizer: bool,
+    /// With `save_optimizer`, the optimizer state goes into every this many steps'
+    /// checkpoint only; the other checkpoints of `every_steps` are model-only (0: every
+    /// checkpoint holds it). The end of a run and a stop signal always write it.
+    pub full_state_every_steps: u64,
 }
 
 impl Default for CheckpointSection {
@@ -67,7 +76,48 @@ impl Default for CheckpointSection {
             keep_last: 2,
             background: true,
             max_shard_size: size::ByteSize(5_000_000_000),
+            save_optimizer: true,
+            full_state_every_steps: 0,
         }
+    }
+}
+
+/// What a checkpoint holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointContents {
+    /// The HF model directory and the optimizer state: a resume point.
+    Full,
+    /// The HF model directory alone.
+    ModelOnly,
+}
+
+impl CheckpointSection {
+    /// What the checkpoint after `step` steps holds, if one is due; `last` is the end of
+    /// the run or a stop signal, always checkpointed.
+    pub fn due(&self, step: u64, last: bool) -> Option<CheckpointContents> {
+        let at = |every: u64| every > 0 && step.is_multiple_of(every);
+        let full = self.save_optimizer
+            && (last
+                || match self.full_state_every_steps {
+                    0 => at(self.every_steps),
+                    n => at(n),
+                });
+        match (self.dir.is_some(), full) {
+            (false, _) => None,
+            (true, true) => Some(CheckpointContents::Full),
+            (true, false) if last || at(self.every_steps) => Some(CheckpointContents::ModelOnly),
+            (true, false) => None,
+        }
+    }
+
+    /// Whether any checkpoint before the last holds the optimizer state.
+    pub fn periodic_full_state(&self) -> bool {
+        self.save_optimizer && (self.full_state_every_steps > 0 || self.every_steps > 0)
+    }
+
+    /// Whether checkpoints are written before the last one.
+    pub fn periodic(&self) -> bool {
+        self.every_steps > 0 || self.full_state_every_steps > 0
     }
 }
 
@@ -100,6 +150,10 @@ pub struct ModelSection {
     /// CUDA device indices for the workers, one worker each (default: 0..N-1 for `--gpus N`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<usize>>,
+    /// Set by [`RunConfig::load_for_plan`] when `name` is not in the HF cache: the shipped
+    /// architecture that stands in for it (no weights, no tokenizer).
+    #[serde(skip)]
+    pub shipped: Option<&'static shipped::Shipped>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,6 +166,28 @@ pub enum AttnImplementation {
 }
 
 impl ModelSection {
+    /// The model's architecture: `path`'s config.json, or the shipped one standing in.
+    pub fn spec(&self) -> Result<hf::ModelSpec> {
+        match self.shipped {
+            Some(s) => s.spec(),
+            None => hf::ModelSpec::from_model_dir(&self.path),
+        }
+    }
+
+    /// [`Self::resolve_source`], except that a hub `name` missing from the HF cache falls
+    /// back to the architecture shipped for it, if any (`shipped` set, `path` empty).
+    fn resolve_source_or_shipped(&mut self) -> Result<()> {
+        match (self.resolve_source(), self.name.as_deref()) {
+            (Err(Error::InvalidValue { key, .. }), Some(name))
+                if key == "model.name" && shipped::for_hub_id(name).is_some() =>
+            {
+                self.shipped = shipped::for_hub_id(name);
+                Ok(())
+            }
+            (r, _) => r,
+        }
+    }
+
     /// Checks that exactly one of `path` and `name` is given and turns a hub `name` into the
     /// cached snapshot directory in `path`.
     fn resolve_source(&mut self) -> Result<()> {
@@ -324,6 +400,16 @@ impl Default for LoggingSection {
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
+        Self::load_with(path, overrides, false)
+    }
+
+    /// [`Self::load`] for sizing a run: a `model.name` missing from the local HF cache
+    /// falls back to the architecture shipped under configs/ for it (`model.shipped`).
+    pub fn load_for_plan(path: &Path, overrides: &[String]) -> Result<RunConfig> {
+        Self::load_with(path, overrides, true)
+    }
+
+    fn load_with(path: &Path, overrides: &[String], shipped_ok: bool) -> Result<RunConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Config {
             path: path.into(),
@@ -341,7 +427,10 @@ impl RunConfig {
             }
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
-        cfg.model.resolve_source()?;
+        match shipped_ok {
+            true => cfg.model.resolve_source_or_shipped()?,
+            false => cfg.model.resolve_source()?,
+        }
         cfg.resolve_paths(base);
         cfg.validate()?;
         Ok(cfg)
@@ -436,10 +525,16 @@ impl RunConfig {
                 return Err(Error::invalid(key, msg));
             }
         }
-        if self.checkpoint.every_steps > 0 && self.checkpoint.dir.is_none() {
+        if self.checkpoint.periodic() && self.checkpoint.dir.is_none() {
             return Err(Error::invalid(
                 "checkpoint.dir",
-                "is required when checkpoint.every_steps > 0",
+                "is required when checkpoint.every_steps or checkpoint.full_state_every_steps > 0",
+            ));
+        }
+        if !self.checkpoint.save_optimizer && self.checkpoint.full_state_every_steps > 0 {
+            return Err(Error::invalid(
+                "checkpoint.full_state_every_steps",
+                "conflicts with checkpoint.save_optimizer: false (no checkpoint holds the optimizer state)",
             ));
         }
         if self.memory.checkpoint_interval != 1 {
@@ -573,6 +668,31 @@ mod tests {
     }
 
     const OK: &str = "model: {path: m}\ndataset: {format: tokenized, path: d.jsonl}\n";
+
+    #[test]
+    fn checkpoints_are_due_full_or_model_only() {
+        use CheckpointContents::{Full, ModelOnly};
+        let mut ck = CheckpointSection {
+            dir: Some("ck".into()),
+            every_steps: 10,
+            ..CheckpointSection::default()
+        };
+        assert_eq!(ck.due(10, false), Some(Full));
+        assert_eq!(ck.due(15, false), None);
+        assert_eq!(ck.due(15, true), Some(Full));
+        ck.full_state_every_steps = 30;
+        assert_eq!(ck.due(10, false), Some(ModelOnly));
+        assert_eq!(ck.due(30, false), Some(Full));
+        assert_eq!(ck.due(45, false), None);
+        assert_eq!(ck.due(45, true), Some(Full));
+        ck.full_state_every_steps = 0;
+        ck.save_optimizer = false;
+        assert_eq!(ck.due(10, false), Some(ModelOnly));
+        assert_eq!(ck.due(11, true), Some(ModelOnly));
+        assert!(!ck.periodic_full_state());
+        ck.dir = None;
+        assert_eq!(ck.due(10, true), None);
+    }
 
     #[test]
     fn minimal_config_gets_defaults_and_resolved_paths() {

@@ -82,7 +82,7 @@ pub struct Skipped {
     pub first: Vec<String>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Dataset {
     /// The files it was read from.
     pub files: Vec<PathBuf>,
@@ -90,6 +90,11 @@ pub struct Dataset {
     /// Samples before packing.
     pub samples: usize,
     pub skipped: Skipped,
+}
+
+/// Whether reading `ds` needs the model's tokenizer (any of its sources is text).
+pub fn needs_tokenizer(ds: &DatasetSection) -> Result<bool> {
+    Ok(sources(ds)?.iter().any(|s| s.schema.is_some()))
 }
 
 /// One file to read and how.

@@ -42,6 +42,8 @@ pub struct Engine {
 struct Control {
     free_slots: Vec<usize>,
     ready: Vec<bool>,
+    /// Seconds spent in [`Control::wait_block`] waiting for an update, this step.
+    update_wait_s: f64,
 }
 
 impl Control {
@@ -81,10 +83,15 @@ impl Control {
 
     /// Returns once store block `block` holds this step's weights.
     fn wait_block(&mut self, block: usize, rx: &IpcReceiver<ToWorker>) -> Result<()> {
-        let deadline = Instant::now() + WAIT_TIMEOUT;
+        if self.ready[block] {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let deadline = start + WAIT_TIMEOUT;
         while !self.ready[block] {
             self.receive(rx, deadline, &format!("the update of block {block}"))?;
         }
+        self.update_wait_s += start.elapsed().as_secs_f64();
         Ok(())
     }
 }
@@ -129,6 +136,7 @@ impl Engine {
             ctl: Control {
                 free_slots: (0..init.num_slots).rev().collect(),
                 ready: vec![true; init.layout.blocks.len()],
+                update_wait_s: 0.0,
             },
             streamer,
             dump_logits: init.dump_logits.clone(),
@@ -153,6 +161,7 @@ impl Engine {
         let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
         self.ctl.ready.fill(!weights_pending);
+        self.ctl.update_wait_s = 0.0;
         for (mi, mb) in micro.iter().enumerate() {
             let batch = self.upload(mi, mb)?;
             let (ctl, rx) = (&mut self.ctl, link.rx);
@@ -183,6 +192,7 @@ impl Engine {
         self.announce(link, true)?;
         let stats = self.streamer.take_stats()?;
         tm.h2d_wait_s = stats.h2d_wait_s;
+        tm.update_wait_s = self.ctl.update_wait_s;
         tm.d2h_s = stats.d2h_s;
         tm.peak_device_bytes = stats.peak_device_bytes;
         tm.context_device_bytes = stats.context_device_bytes;

@@ -8,10 +8,12 @@
 
 mod engine;
 mod model;
+mod warmup;
 // Shared memory adoption, host registration, CUDA driver calls: the one unsafe module.
 #[allow(unsafe_code)]
 mod stream;
 
+use std::io::IsTerminal;
 use std::panic::AssertUnwindSafe;
 use std::process::ExitCode;
 
@@ -26,6 +28,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -70,16 +73,27 @@ fn run() -> Result<()> {
         }
         stream::check_device(init.device)?;
         tch::set_num_threads(init.threads.max(1) as i32);
+        let t = std::time::Instant::now();
         let regions = stream::Regions::inherit(&init)?;
-        let streamer = stream::Streamer::new(
-            regions,
-            &init.layout,
-            stream::device_of(init.device),
-            init.offload_activations,
-        )?;
+        let device = stream::device_of(init.device);
+        let streamer =
+            stream::Streamer::new(regions, &init.layout, device, init.offload_activations)?;
+        let register_s = t.elapsed().as_secs_f64();
+        let warm_up_s = match init.warm_up {
+            Some(shape) => warmup::warm_up(
+                &init.spec,
+                &init.layout,
+                (stream::kind_of(init.dtype), device),
+                init.ce_chunk_tokens,
+                shape,
+            )?,
+            None => 0.0,
+        };
         let mut engine = Engine::new(&init, streamer);
         tx.send(FromWorker::Ready {
             device: init.device.to_string(),
+            register_s,
+            warm_up_s,
         })?;
         serve(&mut engine, &tx, &rx)
     })();
