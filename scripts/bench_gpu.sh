@@ -9,6 +9,7 @@
 #   WARMUP [2]  STEPS [5]  ACCUM [1]  LAYERS (override num_hidden_layers, for quick probes)
 #   BIN [target/release]  RESULTS [benches/results]  MACHINE [from nvidia-smi]  PYTHON [python3]
 #   EXTRA (more mt-launch flags, e.g. "--set memory.num_grad_slabs=8")
+#   MT_GATED_DELTA, MT_GATED_DELTA_CHUNK (the Gated DeltaNet path and chunk length; recorded)
 #   PLAN_TOLERANCE (e.g. 0.10: fail when `mt-launch plan` misses a run's measured device
 #   memory, context excluded, by more than this fraction)
 set -euo pipefail
@@ -84,7 +85,7 @@ done
 
 mkdir -p "$RESULTS"
 out="$RESULTS/${model}_${MACHINE}_${DATE}.md"
-"$PYTHON" - "$WARMUP" "$SEQ" "$model" "$MACHINE" "$DATE" "$out" "CONFIG=$CONFIG BATCHES=\"$BATCHES\" GPUS=\"$GPUS\" SEQ=$SEQ WARMUP=$WARMUP STEPS=$STEPS ACCUM=$ACCUM ${LAYERS:+LAYERS=$LAYERS }scripts/bench_gpu.sh" "${runs[@]}" <<'PY'
+"$PYTHON" - "$WARMUP" "$SEQ" "$model" "$MACHINE" "$DATE" "$out" "$(env | sed -n '/^MT_GATED_DELTA/p' | tr '\n' ' ')CONFIG=$CONFIG BATCHES=\"$BATCHES\" GPUS=\"$GPUS\" SEQ=$SEQ WARMUP=$WARMUP STEPS=$STEPS ACCUM=$ACCUM ${LAYERS:+LAYERS=$LAYERS }${EXTRA:+EXTRA=\"$EXTRA\" }scripts/bench_gpu.sh" "${runs[@]}" <<'PY'
 import json, os, sys
 warmup, seq, model, machine, date, out, cmd = int(sys.argv[1]), sys.argv[2], *sys.argv[3:8]
 rows, base, worst_plan = [], {}, 0.0
@@ -138,6 +139,10 @@ text = (f"# {model} on {machine}, {date}\n\nseq {seq}, random init, bf16 compute
         f"their share is of the step time, not of its critical path.\n\nCommand: `{cmd}`\n\n{head}\n" + "\n".join(rows) + "\n")
 if scaling:
     text += "\n" + "\n".join(f"- {s}" for s in scaling) + "\n"
+text += ("\nTFLOPS (model): 6 x matmul parameters (MoE: the routed experts only) x real tokens, plus "
+         "QK^T and AV of the softmax-attention layers; Gated DeltaNet layers count their projections "
+         "only, not the chunked delta rule (src/metrics.rs). TFLOPS (MegaTrain): 6 x all parameters x "
+         "padded tokens.\n")
 text += ("\nplan / measured: `mt-launch plan` device total against the peak device memory in use "
          "minus the CUDA context the worker measured before allocating (`gpu_context_bytes`); "
          f"worst error {worst_plan:.1%}.\n")

@@ -2,16 +2,19 @@
 # GPU correctness: the tiny model trained in bfloat16 on GPUs must give per-step losses
 # within 2e-2 (relative) of the same run in float32 on CPU: on 1 and 2 GPUs, with two
 # micro-batches per step, with layer inputs offloaded to host memory (which must also
-# match the plain 1-GPU run to 1e-6), with tied embeddings, and for two variants of the
-# tiny model: a Qwen3-MoE (routed experts, router aux loss; also on 2 GPUs) and a
-# Qwen3-Next hybrid (Gated DeltaNet + gated full attention, shared expert); and the families
-# and multimodal wrappers of issue 17 at the tiny model's size: OLMo 2, GLM-4, GLM-4.5
-# (group-limited sigmoid router, correction bias), DeepSeek-V3 (latent attention), Llama 4
-# (NoPE + chunked layers, temperature, input-scaled experts), and Qwen3.5, Qwen3.5-MoE,
-# Gemma 3, Mistral 3 and Llama 4 wrappers (random init: the text model, as trained). The
-# eval loss of the held-out samples (configs/tiny.yaml's val_size, evaluated after the last
-# step by the forward-only path) must agree the same way. Needs the built binaries (BIN,
-# default target/release) and a GPU machine; Python only for the configs and the comparison.
+# match the plain 1-GPU run to 1e-6), with tied embeddings, and for three variants of the
+# tiny model: a Qwen3-MoE (routed experts, router aux loss; also on 2 GPUs), a Qwen3-Next
+# hybrid (Gated DeltaNet + gated full attention, shared expert) and a Qwen3.5 one (split
+# projections, dense MLP), the GPU runs taking the chunked Gated DeltaNet path; and the
+# families and multimodal wrappers of issue 17 at the tiny model's size: OLMo 2, GLM-4,
+# GLM-4.5 (group-limited sigmoid router, correction bias), DeepSeek-V3 (latent attention),
+# Llama 4 (NoPE + chunked layers, temperature, input-scaled experts), and Qwen3.5,
+# Qwen3.5-MoE, Gemma 3, Mistral 3 and Llama 4 wrappers (random init: the text model, as
+# trained). The eval loss of the held-out samples (configs/tiny.yaml's val_size, evaluated
+# after the last step by the forward-only path) must agree the same way. Then
+# scripts/check_gated_delta.sh compares the chunked Gated DeltaNet path with the reference
+# one layer deep. Needs the built binaries (BIN, default target/release) and a GPU machine;
+# Python only for the configs and the comparison.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
@@ -40,7 +43,11 @@ hybrid = dict(base, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_ne
               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1,
               mlp_only_layers=[], norm_topk_prob=True, shared_expert_intermediate_size=128,
               output_router_logits=True, router_aux_loss_coef=0.01, partial_rotary_factor=0.25)
-for name, cfg in (("moe", moe), ("hybrid", hybrid)):
+hybrid35 = dict(base, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", head_dim=16,
+                layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+                linear_key_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_value_head_dim=16, partial_rotary_factor=0.25)
+for name, cfg in (("moe", moe), ("hybrid", hybrid), ("hybrid35", hybrid35)):
     os.makedirs(f"{sys.argv[2]}/{name}")
     json.dump(cfg, open(f"{sys.argv[2]}/{name}/config.json", "w"))
 PY
@@ -83,7 +90,7 @@ for name, cfg in configs.items():
     json.dump(cfg, open(f"{sys.argv[2]}/{name}/config.json", "w"))
 PY
 families="olmo2 glm4 glm4_moe deepseek_v3 llama4_text w_qwen3_5 w_qwen3_5_moe w_gemma3 w_mistral3 w_llama4"
-for d in tied moe hybrid $families; do cp configs/tiny/tokenizer.json configs/tiny/tokenizer_config.json "$work/$d/"; done
+for d in tied moe hybrid hybrid35 $families; do cp configs/tiny/tokenizer.json configs/tiny/tokenizer_config.json "$work/$d/"; done
 run() { local name=$1; shift; "$BIN/mt-launch" "${common[@]}" "$@" --metrics-out "$work/$name.jsonl"; }
 cpu=(--gpus 0 --workers 1 --set model.dtype=float32)
 gpu=(--set model.dtype=bfloat16)
@@ -94,7 +101,7 @@ run gpu2 --gpus 2 "${gpu[@]}"
 run gpu1_accum2 --gpus 1 "${gpu[@]}" --set training.gradient_accumulation_steps=2
 run gpu1_offload --gpus 1 "${gpu[@]}" --set memory.offload_activations=true
 run gpu1_tied --gpus 1 "${gpu[@]}" --set "model.path=$work/tied"
-for m in moe hybrid; do
+for m in moe hybrid hybrid35; do
   run "cpu_$m" "${cpu[@]}" --set "model.path=$work/$m"
   run "gpu1_$m" --gpus 1 "${gpu[@]}" --set "model.path=$work/$m"
 done
@@ -104,7 +111,8 @@ for m in $families; do
   run "gpu1_$m" --gpus 1 "${gpu[@]}" --set "model.path=$work/$m"
 done
 
-"$PYTHON" - "$work" $families <<'PY'
+status=0
+"$PYTHON" - "$work" $families <<'PY' || status=1
 import json, sys
 def load(n, key):
     rows = [json.loads(l) for l in open(f"{sys.argv[1]}/{n}.jsonl")]
@@ -125,7 +133,8 @@ def check(name, ref_name, bound):
 for name in ("gpu1", "gpu2", "gpu1_accum2", "gpu1_offload"):
     check(name, "cpu", 2e-2)
 check("gpu1_tied", "cpu_tied", 2e-2)
-for name, ref in (("gpu1_moe", "cpu_moe"), ("gpu2_moe", "cpu_moe"), ("gpu1_hybrid", "cpu_hybrid")):
+for name, ref in (("gpu1_moe", "cpu_moe"), ("gpu2_moe", "cpu_moe"), ("gpu1_hybrid", "cpu_hybrid"),
+                  ("gpu1_hybrid35", "cpu_hybrid35")):
     check(name, ref, 2e-2)
 for m in sys.argv[2:]:
     check(f"gpu1_{m}", f"cpu_{m}", 2e-2)
@@ -133,3 +142,5 @@ check("gpu1_offload", "gpu1", 1e-6)
 print("PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 PY
+BIN=$BIN PYTHON=$PYTHON scripts/check_gated_delta.sh || status=1
+exit $status

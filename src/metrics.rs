@@ -64,7 +64,14 @@ pub struct StepMetrics {
     pub tflops_megatrain: f64,
     /// Per GPU (or CPU worker), model FLOPs: 6 x matmul parameters (of MoE layers, the
     /// routed experts only) x real (non-padding) tokens, plus causal attention (QK^T and
-    /// AV, forward and backward) over them in the softmax-attention layers.
+    /// AV, forward and backward) over them in the softmax-attention layers. Gated DeltaNet
+    /// layers count their projections only (in the matmul parameters), not the delta rule:
+    /// its chunked form (worker/src/model/gated_delta/chunked.rs) multiplies, per token and
+    /// value head, about C (Dk + Dv) + 3 Dk Dv + C Dv + 2 C Dk / r MACs forward (C = 64 the
+    /// chunk, r value heads per key head), so for Qwen3.5-27B (48 value heads of 128) ~23
+    /// MFLOP per token and layer forward and backward, 1% of the 2.3 GFLOP of its
+    /// projections and MLP; left out as MegaTrain leaves it out, which keeps the figure
+    /// comparable.
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,

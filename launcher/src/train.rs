@@ -649,7 +649,7 @@ impl Trainer {
         let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
         let params = layout.num_params() as u64;
         // A token multiplies by its routed experts only; Gated DeltaNet layers have no
-        // quadratic attention (their chunked recurrence is not counted).
+        // quadratic attention (their delta rule is not counted: StepMetrics::tflops_model).
         let matmul_params = if layout.tied_embeddings {
             params
         } else {

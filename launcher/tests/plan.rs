@@ -130,3 +130,38 @@ fn plan_without_config_is_an_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--config"));
 }
+
+/// A GPU run can be planned on a machine without GPUs (`--gpus` and `--gpu-memory` say
+/// which): the Qwen3.5 configs, with their public sizes (27B; 35B total for the MoE).
+#[test]
+fn plan_for_gpus_elsewhere_qwen3_5() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    for (yaml, billions) in [("qwen3_5_27b.yaml", 27.0), ("qwen3_5_35b_a3b.yaml", 35.0)] {
+        let config = root.join(yaml);
+        let args = [
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "141",
+            "--json",
+        ];
+        let out = std::process::Command::new(launcher())
+            .args(args)
+            .output()
+            .unwrap();
+        assert_ok(&out, &args);
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let params = plan["host"]["params"].as_f64().unwrap() / 1e9;
+        assert!(
+            (params - billions).abs() < 1.0,
+            "{yaml}: {params}B parameters"
+        );
+        assert!(
+            plan["largest_batch"].as_u64().unwrap() > 0,
+            "{yaml}: {plan}"
+        );
+    }
+}

@@ -227,6 +227,7 @@ pub struct ModelSpec {
     pub family: Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// The dense MLP's width; 0 where no layer has one (Qwen3.5-MoE).
     pub intermediate_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -648,11 +649,6 @@ impl ModelSpec {
             Some(m) => Some(m),
             None => moe::moe_spec(hf, &model_type, num_layers, &err)?,
         };
-        let intermediate_size = match family {
-            // Llama 4's dense layers; `intermediate_size` is an expert's.
-            Family::Llama4 => hf.intermediate_size_mlp.unwrap_or(16_384),
-            _ => need(hf.intermediate_size, "intermediate_size")?,
-        };
         let qk_norm = match model_type.as_str() {
             "glm4_moe" => hf.use_qk_norm.unwrap_or(false),
             "olmo2" => true,
@@ -668,6 +664,13 @@ impl ModelSpec {
             _ => 0,
         };
         let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
+        let intermediate_size = match model_type.as_str() {
+            // Llama 4's dense layers; `intermediate_size` is an expert's.
+            _ if family == Family::Llama4 => hf.intermediate_size_mlp.unwrap_or(16_384),
+            // Qwen3.5-MoE is sparse in every layer and its config has no dense size.
+            "qwen3_5_moe_text" => hf.intermediate_size.unwrap_or(0),
+            _ => need(hf.intermediate_size, "intermediate_size")?,
+        };
         Ok(ModelSpec {
             model_type,
             family,

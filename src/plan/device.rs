@@ -20,7 +20,8 @@
 //! Each figure counts the tensors the worker code creates or autograd saves, by shape and
 //! dtype (the comments name them). Not counted: the CUDA context and cuBLAS workspaces
 //! (fixed per process, measured by the worker at start), the allocator's rounding and
-//! fragmentation. Gated DeltaNet layers are counted from their main f32 tensors only.
+//! fragmentation. Gated DeltaNet layers are counted from their main tensors only, for the
+//! path the worker takes (chunked on GPUs, the reference on CPU).
 
 use crate::config::DType;
 use crate::config::hf::{AttentionKind, ExpertNames, ModelSpec};
@@ -32,7 +33,8 @@ const GRADS_IN_FLIGHT: u64 = 2;
 /// Layer inputs on the device with `offload_activations`: the one in use and at most two
 /// copies in flight (two leaving in the forward; one arriving ahead in the backward).
 const OFFLOADED_INPUTS: u64 = 3;
-/// Rows of a chunk of the Gated DeltaNet rule (worker/src/model/gated_delta.rs CHUNK).
+/// Rows of a chunk of the Gated DeltaNet rule (worker/src/model/gated_delta/: the reference's
+/// CHUNK and the chunked path's default).
 const DELTA_CHUNK: u64 = 64;
 const F32: u64 = 4;
 
@@ -106,6 +108,8 @@ struct Dims {
     t: u64,
     m: u64,
     s: u64,
+    /// Gated DeltaNet runs its chunked path (GPU workers) rather than the reference one.
+    chunked_delta: bool,
 }
 
 impl DevicePlan {
@@ -118,7 +122,13 @@ impl DevicePlan {
     ) -> DevicePlan {
         let s = o.dtype.size() as u64;
         let (b, t) = (rows as u64, seq_len as u64);
-        let dims = Dims { b, t, m: b * t, s };
+        let dims = Dims {
+            b,
+            t,
+            m: b * t,
+            s,
+            chunked_delta: !o.cpu,
+        };
         let m = dims.m;
         let h = spec.hidden_size as u64;
         let v = spec.vocab_size as u64;
@@ -416,9 +426,7 @@ fn moe_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     experts + routing + shared
 }
 
-/// Gated DeltaNet: the projections, the short convolution and its SiLU, f32 copies of q,
-/// k, v per value head (normalized, beta-scaled, chunked, solved), the chunk-pair
-/// matrices and the gated norm. Counted from these main tensors only.
+/// Gated DeltaNet (worker/src/model/gated_delta/), counted from its main tensors only.
 fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     let (m, s) = (d.m, d.s);
     let la = spec
@@ -427,15 +435,34 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         .expect("linear layers have a spec");
     let (g, nv) = (la.num_k_heads as u64, la.num_v_heads as u64);
     let (dk, dv) = (la.k_head_dim as u64, la.v_head_dim as u64);
-    let proj = m * (2 * g * dk + 2 * nv * dv + 2 * nv) * s;
-    let conv = 2 * m * (2 * g * dk + nv * dv) * s;
+    let conv = 2 * g * dk + nv * dv;
+    let proj = m * (conv + nv * dv + 2 * nv) * s;
+    if d.chunked_delta {
+        // Per token: the projections, the conv's output and its SiLU; the normed [q; k]
+        // and its q.k / k.k; per value head the scaled k (three), beta v, w, v' and the
+        // gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy),
+        // A and the blocked inverse's pieces (f32, ~4 pair tensors), T and P; the state at
+        // each chunk start (f32 and a copy). The forward peaks with the projections, conv,
+        // the value-head tensors and three f32 pair tensors alive.
+        let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
+        let states = nv * dk * dv / DELTA_CHUNK;
+        let in_dtype = 2 * conv + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
+        return LayerActs {
+            saved: proj + m * (in_dtype + states) * s + m * (6 * pairs + states) * F32,
+            backward: 2 * m * conv * s + 4 * m * pairs * F32,
+            forward: proj + m * (2 * conv + 5 * vd) * s + 3 * m * pairs * F32,
+        };
+    }
+    // The reference path: f32 copies of q, k, v per value head (normalized, beta-scaled,
+    // chunked, solved), the chunk-pair matrices and the gated norm.
+    let conv_out = 2 * m * conv * s;
     let per_head = m * nv * (2 * dk + dv) * F32;
     let pairs = 3 * m * nv * DELTA_CHUNK * F32;
     let norm = 3 * m * nv * dv * F32;
     LayerActs {
-        saved: proj + conv + 6 * per_head + pairs + norm,
+        saved: proj + conv_out + 6 * per_head + pairs + norm,
         backward: 2 * per_head,
-        forward: proj + conv + 3 * per_head + pairs,
+        forward: proj + conv_out + 3 * per_head + pairs,
     }
 }
 

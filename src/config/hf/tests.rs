@@ -447,6 +447,13 @@ fn qwen3_next_and_qwen3_5_hybrid_layers() {
     assert_eq!(m.router, Router::SoftmaxTopK { renormalize: true });
     assert_eq!(m.sparse_layers, vec![true; 4]);
     assert_eq!(m.shared_expert_intermediate_size, Some(512));
+    // Qwen3_5MoeTextConfig has no dense MLP, so no `intermediate_size` (Qwen3.5-35B-A3B).
+    let s = spec(
+        r#"{"model_type":"qwen3_5_moe_text","vocab_size":67,"hidden_size":48,
+        "num_hidden_layers":4,"num_attention_heads":6,"num_key_value_heads":2}"#,
+    )
+    .unwrap();
+    assert_eq!(s.intermediate_size, 0);
     let e = tiny(
         "qwen3_next",
         r#""linear_num_key_heads":3,"linear_num_value_heads":4"#,

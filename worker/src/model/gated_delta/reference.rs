@@ -1,10 +1,8 @@
-//! Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5), as transformers'
-//! `*GatedDeltaNet` computes it without the flash-linear-attention kernels: projections to
-//! q, k, v, the output gate z and the per-head b (write strength) and a (decay rate); a
-//! depthwise causal convolution with SiLU over q, k, v; L2-normed q and k; the gated delta
-//! rule evaluated chunk by chunk (`torch_chunk_gated_delta_rule`: within a chunk by a
-//! unit-triangular solve, across chunks through the (Dk, Dv) state); a gated RMSNorm
-//! `w * norm(o) * silu(z)` per value head; out_proj.
+//! The reference Gated DeltaNet, as transformers computes it without the
+//! flash-linear-attention kernels: q, k, v in f32, each key head repeated for its value
+//! heads, and `torch_chunk_gated_delta_rule` (zero initial state) evaluated chunk by chunk:
+//! within a chunk by a unit-triangular solve, across chunks through the (Dk, Dv) state. The
+//! CPU path, and what the chunked path is checked against.
 //!
 //! Shapes: B batch rows, T sequence length (P padded to whole chunks), H hidden size, G key
 //! heads, V value heads, Dk / Dv their head dims, C chunk length, U chunks, F conv channels.
@@ -12,14 +10,15 @@
 use mt::config::hf::{LinearAttnSpec, ModelSpec};
 use tch::{Kind, Tensor};
 
-use super::BlockWeights;
-use super::common::linear;
+use super::{gates, short_conv};
+use crate::model::BlockWeights;
+use crate::model::common::linear;
 
 /// Chunk length of transformers' chunked delta rule.
 const CHUNK: i64 = 64;
 
 /// (B, T, H) -> (B, T, H).
-pub fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
+pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
     let la = spec
         .linear_attn
         .as_ref()
@@ -28,27 +27,13 @@ pub fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
     let (g, v) = (la.num_k_heads as i64, la.num_v_heads as i64);
     let (dk, dv) = (la.k_head_dim as i64, la.v_head_dim as i64);
     let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, x_bth);
-
-    // Depthwise causal conv over the F = 2*G*Dk + V*Dv channels, then SiLU.
-    let kernel = la.conv_kernel as i64;
-    let conv_bft = qkv_btf.transpose(1, 2).conv1d(
-        w.get("linear_attn.conv1d.weight"),
-        None::<Tensor>,
-        [1],
-        [kernel - 1],
-        [1],
-        la.conv_dim() as i64,
-    );
-    let qkv_btf = conv_bft.narrow(2, 0, t).silu().transpose(1, 2);
+    let qkv_btf = short_conv(la, w, &qkv_btf, t).transpose(1, 2);
     let q_btgd = qkv_btf.narrow(-1, 0, g * dk).reshape([b, t, g, dk]);
     let k_btgd = qkv_btf.narrow(-1, g * dk, g * dk).reshape([b, t, g, dk]);
     let v_btvd = qkv_btf
         .narrow(-1, 2 * g * dk, v * dv)
         .reshape([b, t, v, dv]);
-
-    let beta_btv = b_btv.sigmoid();
-    let decay_btv = -w.get("linear_attn.A_log").to_kind(Kind::Float).exp()
-        * (a_btv.to_kind(Kind::Float) + w.get("linear_attn.dt_bias")).softplus();
+    let (beta_btv, decay_btv) = gates(w, &b_btv, &a_btv);
     // Each key head serves V/G consecutive value heads.
     let (q_btvd, k_btvd) = if v > g {
         (
@@ -115,9 +100,8 @@ fn l2norm(x: &Tensor) -> Tensor {
 }
 
 /// The gated delta rule over whole chunks, as `torch_chunk_gated_delta_rule` (zero initial
-/// state, q and k L2-normed): state S (Dk, Dv) decays by exp(g_t), then
-/// `S += k_t beta_t (v_t - S^T k_t)^T`, `o_t = S^T q_t / sqrt(Dk)`.
-/// q, k (B, T, V, Dk), v (B, T, V, Dv), decay and beta (B, T, V) -> (B, T, V, Dv).
+/// state, q and k L2-normed): q, k (B, T, V, Dk), v (B, T, V, Dv), decay and beta (B, T, V)
+/// -> (B, T, V, Dv).
 fn chunk_gated_delta_rule(
     q_btvd: &Tensor,
     k_btvd: &Tensor,

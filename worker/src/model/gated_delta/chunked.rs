@@ -1,0 +1,317 @@
+//! The chunked Gated DeltaNet, as flash-linear-attention's `chunk_gated_delta_rule` computes
+//! it (the WY representation of the delta rule, built by the UT transform), in batched tch
+//! ops. Per chunk of C tokens, with gamma the chunk-local cumulative log decay and beta the
+//! write strength:
+//!
+//! ```text
+//! A = strictly_lower(beta_i k_i.k_j exp(gamma_i - gamma_j)),   T = (I + A)^-1
+//! w = T (beta exp(gamma) k),   u = T (beta v)                    (the UT transform)
+//! P = lower(q_i.k_j exp(gamma_i - gamma_j))                      (attention inside the chunk)
+//! ```
+//!
+//! and from the state S (Dk, Dv) at the chunk's start (0 for the first chunk):
+//!
+//! ```text
+//! v' = u - w S,   o = exp(gamma) q S + P v',   S <- exp(gamma_C) S + (exp(gamma_C - gamma) k)^T v'
+//! ```
+//!
+//! Everything but the state update is batched over all chunks at once: (B, V, U, C, C) and
+//! (B, V, U, C, D) matmuls in the compute dtype (bf16 on GPU, accumulating in f32), with
+//! the gates, A and its inverse in f32 as flash-linear-attention keeps them. Only the state
+//! recurrence loops over the U chunks, a few (B V)-batched matmuls each, the state in f32.
+//! q.k and k.k are computed once per key head and shared by its value heads; v's SiLU
+//! output is read once, by the beta scaling. Autograd differentiates it all; per-chunk
+//! pieces come from one `unbind` and return through one `stack`, so the backward holds no
+//! per-chunk copies of whole tensors.
+//!
+//! Shapes: B batch rows, T sequence length, P = U C padded to whole chunks, G key heads,
+//! V value heads (r = V / G per key head; value head g r + j reads key head g), Dk / Dv
+//! head dims. Suffixes name the dims: `_bgucd` per key head, `_bvucd` per value head,
+//! `_bvucc` pairs of a chunk's positions.
+
+use mt::config::hf::{LinearAttnSpec, ModelSpec};
+use tch::{Kind, Tensor};
+
+use super::{gates, short_conv};
+use crate::model::BlockWeights;
+use crate::model::common::linear;
+
+/// flash-linear-attention's chunk length (and transformers').
+pub(super) const CHUNK: i64 = 64;
+/// Side of the diagonal blocks that `unit_lower_inverse` inverts directly.
+const BLOCK: i64 = 16;
+
+/// Chunk lengths `unit_lower_inverse` handles: 16 * 2^k, up to 256.
+pub(super) fn chunk_ok(c: i64) -> bool {
+    (BLOCK..=256).contains(&c) && c % BLOCK == 0 && (c / BLOCK).count_ones() == 1
+}
+
+/// The sizes the steps share.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: i64,
+    t: i64,
+    g: i64,
+    /// Value heads per key head.
+    r: i64,
+    u: i64,
+    c: i64,
+}
+
+impl Dims {
+    fn v(&self) -> i64 {
+        self.g * self.r
+    }
+
+    fn p(&self) -> i64 {
+        self.u * self.c
+    }
+
+    /// (B, T, V) -> (B, V, U, C), zeros past T.
+    fn chunks(&self, x_btv: &Tensor) -> Tensor {
+        x_btv
+            .constant_pad_nd([0, 0, 0, self.p() - self.t])
+            .transpose(1, 2)
+            .reshape([self.b, self.v(), self.u, self.c])
+    }
+}
+
+/// (B, T, H) -> (B, T, H), in chunks of `chunk` tokens (`chunk_ok`).
+pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk: i64) -> Tensor {
+    assert!(chunk_ok(chunk), "chunk length {chunk}");
+    let la = spec
+        .linear_attn
+        .as_ref()
+        .expect("linear layers have a spec");
+    let (b, t) = (x_bth.size()[0], x_bth.size()[1]);
+    let (g, nv) = (la.num_k_heads as i64, la.num_v_heads as i64);
+    let (dk, dv) = (la.k_head_dim as i64, la.v_head_dim as i64);
+    let d = Dims {
+        b,
+        t,
+        g,
+        r: nv / g,
+        u: (t + chunk - 1) / chunk,
+        c: chunk,
+    };
+    let (u, c) = (d.u, d.c);
+    let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, x_bth);
+    // Padded to whole chunks by the convolution itself: what lies past T is read by no
+    // earlier position, and its outputs are dropped.
+    let qkv_bfp = short_conv(la, w, &qkv_btf, d.p());
+    let kind = qkv_bfp.kind();
+
+    // [q; k] and v as one split (its backward writes the conv's gradient once).
+    let qkv = qkv_bfp.split_with_sizes([2 * g * dk, nv * dv], 1);
+    // q and k per key head, L2-normed (q also by Dk^-1/2), as one (2C, Dk) matrix [q; k]
+    // per chunk: (B, G, U, 2, C, Dk).
+    let qk_bgu2cd = qkv[0].view([b, 2, g, dk, u, c]).permute([0, 2, 4, 1, 5, 3]);
+    let norm_bgu2c1 = qk_bgu2cd.linalg_norm(2.0, [-1i64].as_slice(), true, Kind::Float);
+    let [inv_q, inv_k] = halves(&(norm_bgu2c1.square() + 1e-6).rsqrt(), 3);
+    let inv_bgu2c1 = Tensor::cat(&[inv_q * (dk as f64).powf(-0.5), inv_k], 3);
+    // The scale first: the product takes its layout, and so comes out chunk-major.
+    let qk_bgu2cd = (inv_bgu2c1.to_kind(kind) * qk_bgu2cd).contiguous();
+    let qk_bgu2cd = qk_bgu2cd.view([b, g, u, 2 * c, dk]);
+    let [q_bgucd, k_bgucd] = halves(&qk_bgu2cd, -2);
+    // [q; k] k^T: q.k and k.k of every chunk in one matmul, (B, G, U, 2C, C).
+    let [qk_bgucc, kk_bgucc] = halves(&qk_bgu2cd.matmul(&k_bgucd.transpose(-1, -2)), -2);
+
+    let (beta_btv, g_btv) = gates(w, &b_btv, &a_btv);
+    let beta_bvuc = d.chunks(&beta_btv);
+    let gamma_bvuc = d.chunks(&g_btv).cumsum(-1, Kind::Float);
+    let gamma_last_bvu1 = gamma_bvuc.narrow(-1, c - 1, 1);
+    let exp_gamma_bvuc = gamma_bvuc.exp();
+
+    // Key-head rows scaled per value head: coef (B, V, U, C) * x (B, G, U, C, Dk).
+    let per_value_head = |coef_bvuc: &Tensor, x_bgucd: &Tensor| {
+        (coef_bvuc.to_kind(kind).view([b, g, d.r, u, c, 1]) * x_bgucd.unsqueeze(2))
+            .view([b, nv, u, c, dk])
+    };
+    // -beta exp(gamma) k: w comes out negated, so that v' = u + (-w) S needs no scaling
+    // (baddbmm's alpha would cost a multiply per chunk in the backward).
+    let neg_kbeta_bvucd = per_value_head(&(-&beta_bvuc * &exp_gamma_bvuc), &k_bgucd);
+    let kdecay_bvucd = per_value_head(&(&gamma_last_bvu1 - &gamma_bvuc).exp(), &k_bgucd);
+    let qdecay_bvucd = per_value_head(&exp_gamma_bvuc, &q_bgucd);
+    let v_bvucd = qkv[1].view([b, nv, dv, u, c]).permute([0, 1, 3, 4, 2]);
+    let vbeta_bvucd = (beta_bvuc.to_kind(kind).unsqueeze(-1) * v_bvucd).contiguous();
+
+    // exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal: (B, V, U, C, C), f32.
+    let upper_cc = Tensor::ones([c, c], (Kind::Bool, x_bth.device())).triu(1);
+    let decay_bvucc = (gamma_bvuc.unsqueeze(-1) - gamma_bvuc.unsqueeze(-2))
+        .masked_fill_(&upper_cc, f64::NEG_INFINITY)
+        .exp();
+    let a_bvucc = ((&decay_bvucc * beta_bvuc.unsqueeze(-1)).view([b, g, d.r, u, c, c])
+        * kk_bgucc.unsqueeze(2))
+    .view([b, nv, u, c, c]);
+    let t_bvucc = unit_lower_inverse(&a_bvucc).to_kind(kind);
+    let p_bvucc = (decay_bvucc.to_kind(kind).view([b, g, d.r, u, c, c]) * qk_bgucc.unsqueeze(2))
+        .view([b, nv, u, c, c]);
+    let u_bvucd = t_bvucc.matmul(&vbeta_bvucd);
+    let neg_w_bvucd = t_bvucc.matmul(&neg_kbeta_bvucd);
+
+    // (B V, U, ...) for the (B V)-batched matmuls of the recurrence.
+    let flat = |x: &Tensor| {
+        let mut s = x.size();
+        s.splice(0..2, [b * nv]);
+        x.view(s.as_slice())
+    };
+    let o_bvucd = state_recurrence(
+        &flat(&u_bvucd),
+        &flat(&neg_w_bvucd),
+        &flat(&qdecay_bvucd),
+        &flat(&kdecay_bvucd),
+        &flat(&p_bvucc),
+        &flat(&gamma_last_bvu1.exp().unsqueeze(-1)),
+    );
+
+    // Gated RMSNorm per value head, then out_proj. silu(z) comes first in the product,
+    // which so takes its (B, T, V, Dv) layout, out_proj's input.
+    let o_bvtd = o_bvucd.view([b, nv, d.p(), dv]).narrow(2, 0, t);
+    let normed_bvtd = o_bvtd.rms_norm(
+        [dv],
+        Some(w.get("linear_attn.norm.weight")),
+        spec.rms_norm_eps,
+    );
+    let gated_btvd = z_btvd.silu() * normed_bvtd.transpose(1, 2);
+    linear(
+        &gated_btvd.reshape([b, t, nv * dv]),
+        w,
+        "linear_attn.out_proj",
+    )
+}
+
+/// The input projections as two matmuls: the conv input [q; k; v] (B, T, F), and [z; b; a]
+/// returned as z (B, T, V, Dv), b and a (B, T, V). Qwen3-Next's fused weights are grouped by
+/// key head (per head: Dk query, Dk key, (V/G) Dv value and (V/G) Dv z rows; (V/G) b then
+/// (V/G) a rows); their rows are put in Qwen3.5's order first, a copy of the weights rather
+/// than of the activations.
+fn project(
+    la: &LinearAttnSpec,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+) -> (Tensor, Tensor, Tensor, Tensor) {
+    let (b, t, h) = (x_bth.size()[0], x_bth.size()[1], x_bth.size()[2]);
+    let (g, v) = (la.num_k_heads as i64, la.num_v_heads as i64);
+    let (dk, dv, r) = (la.k_head_dim as i64, la.v_head_dim as i64, v / g);
+    let (w_qkv, w_zba) = if la.fused_qkvz {
+        let qkvz = w
+            .get("linear_attn.in_proj_qkvz.weight")
+            .view([g, 2 * dk + 2 * r * dv, h])
+            .split_with_sizes([dk, dk, r * dv, r * dv], 1);
+        let ba = w
+            .get("linear_attn.in_proj_ba.weight")
+            .view([g, 2 * r, h])
+            .split_with_sizes([r, r], 1);
+        // Every key head's rows of one part, heads one after another.
+        let rows = |x: &Tensor| x.reshape([-1, h]);
+        (
+            Tensor::cat(&[rows(&qkvz[0]), rows(&qkvz[1]), rows(&qkvz[2])], 0),
+            Tensor::cat(&[rows(&qkvz[3]), rows(&ba[0]), rows(&ba[1])], 0),
+        )
+    } else {
+        (
+            w.get("linear_attn.in_proj_qkv.weight").shallow_clone(),
+            Tensor::cat(
+                &[
+                    w.get("linear_attn.in_proj_z.weight"),
+                    w.get("linear_attn.in_proj_b.weight"),
+                    w.get("linear_attn.in_proj_a.weight"),
+                ],
+                0,
+            ),
+        )
+    };
+    let qkv_btf = x_bth.linear(&w_qkv, None::<Tensor>);
+    let zba_btf = x_bth.linear(&w_zba, None::<Tensor>);
+    let mut zba = zba_btf.split_with_sizes([v * dv, v, v], -1);
+    let (a_btv, b_btv) = (zba.pop().expect("a"), zba.pop().expect("b"));
+    let z_btvd = zba.pop().expect("z").view([b, t, v, dv]);
+    (qkv_btf, z_btvd, b_btv, a_btv)
+}
+
+/// The two halves of `x` along `dim`, as views (one autograd node: its backward is a cat).
+fn halves(x: &Tensor, dim: i64) -> [Tensor; 2] {
+    let n = x.size()[dim.rem_euclid(x.dim() as i64) as usize];
+    let mut parts = x.split(n / 2, dim);
+    let second = parts.pop().expect("two halves");
+    [parts.pop().expect("two halves"), second]
+}
+
+/// The recurrence across chunks. Per chunk, from the state S (Dk, Dv) at its start (0 for
+/// the first): v' = u - w S, o = q S + P v', and, for the next chunk, S <- d S + k^T v'.
+/// u, -w, q, k (N, U, C, D) and p (N, U, C, C) in the compute dtype, d (N, U, 1, 1) f32, for
+/// N = B V independent heads -> o (N, U, C, Dv). The state stays f32; its products run in
+/// the compute dtype.
+fn state_recurrence(
+    u_nucd: &Tensor,
+    neg_w_nucd: &Tensor,
+    q_nucd: &Tensor,
+    k_nucd: &Tensor,
+    p_nucc: &Tensor,
+    d_nu11: &Tensor,
+) -> Tensor {
+    let kind = u_nucd.kind();
+    let (us, neg_ws, qs) = (u_nucd.unbind(1), neg_w_nucd.unbind(1), q_nucd.unbind(1));
+    let (ks, ps, ds) = (k_nucd.unbind(1), p_nucc.unbind(1), d_nu11.unbind(1));
+    let mut state: Option<Tensor> = None; // (N, Dk, Dv) f32
+    let mut outs = Vec::with_capacity(us.len());
+    for n in 0..us.len() {
+        let (v_new, o) = match &state {
+            None => (us[n].shallow_clone(), ps[n].matmul(&us[n])),
+            Some(s) => {
+                let s = s.to_kind(kind);
+                let v_new = us[n].baddbmm(&neg_ws[n], &s, 1, 1);
+                let o = qs[n].matmul(&s).baddbmm(&ps[n], &v_new, 1, 1);
+                (v_new, o)
+            }
+        };
+        if n + 1 < us.len() {
+            let kv = ks[n].transpose(-1, -2).matmul(&v_new);
+            state = Some(match state {
+                None => kv.to_kind(Kind::Float),
+                Some(s) => kv.addcmul(&s, &ds[n]),
+            });
+        }
+        outs.push(o);
+    }
+    Tensor::stack(&outs, 1)
+}
+
+/// (I + A)^-1 for A strictly lower triangular (what is on and above the diagonal is
+/// ignored) over the last two dims (C, C), C = 16 2^k, in A's dtype; the rest are batch
+/// dims. Divide and conquer, both halves in one batched call:
+/// `[[I + A11, 0], [A21, I + A22]]^-1 = [[T11, 0], [-T22 A21 T11, T22]]`; down to 16x16
+/// blocks, inverted by the product form `(I + M)^-1 = (I - M)(I + M^2)(I + M^4)(I + M^8)`
+/// (M^16 = 0). Quadrants come from `unbind`, so the backward assembles A's gradient with
+/// stacks rather than zero-filled copies.
+pub(super) fn unit_lower_inverse(a: &Tensor) -> Tensor {
+    let mut shape = a.size();
+    let n = *shape.last().expect("a matrix");
+    if n <= BLOCK {
+        let m = a.tril(-1);
+        let mut t = Tensor::eye(n, (a.kind(), a.device())) - &m;
+        let mut power = m.matmul(&m);
+        let mut p = 2;
+        while p < n {
+            t = &t + t.matmul(&power);
+            p *= 2;
+            if p < n {
+                power = power.matmul(&power);
+            }
+        }
+        return t;
+    }
+    let h = n / 2;
+    shape.truncate(shape.len() - 2);
+    shape.extend([2, h, 2, h]);
+    let rows = a.view(shape.as_slice()).unbind(-4); // each (.., h, 2, h)
+    let (top, bottom) = (rows[0].unbind(-2), rows[1].unbind(-2));
+    let (a11, a21, a22) = (&top[0], &bottom[0], &bottom[1]);
+    let diag = unit_lower_inverse(&Tensor::stack(&[a11, a22], -3)).unbind(-3);
+    let (t11, t22) = (&diag[0], &diag[1]);
+    let t21 = -t22.matmul(&a21.matmul(t11));
+    Tensor::cat(
+        &[t11.constant_pad_nd([0, h]), Tensor::cat(&[&t21, t22], -1)],
+        -2,
+    )
+}

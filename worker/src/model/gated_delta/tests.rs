@@ -1,0 +1,256 @@
+//! The chunked path against the reference path on CPU, for one Gated DeltaNet layer: its
+//! output and the gradients of its input and of every weight, with rows of padding, T not a
+//! multiple of the chunk, several chunk lengths, Qwen3.5's split and Qwen3-Next's fused
+//! projections; in f32 (same function, different rounding) and in bf16 (against f32).
+//!
+//! Shapes: B batch rows, T sequence length, H hidden size.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use mt::config::hf::{HfConfig, ModelSpec};
+use mt::layout::{Block, Layout};
+use tch::{Device, Kind, Tensor};
+
+use super::{chunked, reference};
+use crate::model::BlockWeights;
+
+/// Rows of the test batch: their lengths (the rest is padding, which gets no gradient).
+const LENS: [i64; 3] = [150, 113, 5];
+const HIDDEN: i64 = 32;
+
+/// A one-layer Gated DeltaNet model: 2 key heads of 16, 4 value heads of 8 (each key head
+/// serves two), conv width 4; `qwen3_5_text` (split projections) or `qwen3_next` (fused).
+fn spec(model_type: &str) -> ModelSpec {
+    let hf = HfConfig {
+        model_type: Some(model_type.into()),
+        vocab_size: Some(64),
+        hidden_size: Some(HIDDEN as usize),
+        intermediate_size: Some(48),
+        num_hidden_layers: Some(1),
+        num_attention_heads: Some(2),
+        num_key_value_heads: Some(1),
+        head_dim: Some(16),
+        layer_types: Some(vec!["linear_attention".into()]),
+        mlp_only_layers: Some(vec![0]),
+        linear_num_key_heads: Some(2),
+        linear_num_value_heads: Some(4),
+        linear_key_head_dim: Some(16),
+        linear_value_head_dim: Some(8),
+        linear_conv_kernel_dim: Some(4),
+        ..Default::default()
+    };
+    ModelSpec::from_hf(&hf, Path::new("config.json")).expect("a valid test config")
+}
+
+/// The layer's weights, f32: projections ~ N(0, 1/fan_in), conv taps ~ N(0, 1/4), norm
+/// scales near 1, dt_bias 1 and decay rates exp(A_log) spread from 1e-3 to 16 over the value
+/// heads (from a long memory to one that forgets within a token).
+fn weights(block: &Block) -> Tensor {
+    let flat = Tensor::zeros([block.len as i64], (Kind::Float, Device::Cpu));
+    for t in &block.tensors {
+        let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
+        let init = match t.name.as_str() {
+            "linear_attn.A_log" => Tensor::linspace(
+                1e-3f64.ln(),
+                16f64.ln(),
+                shape[0],
+                (Kind::Float, Device::Cpu),
+            ),
+            "linear_attn.dt_bias" => Tensor::ones(shape.as_slice(), (Kind::Float, Device::Cpu)),
+            "linear_attn.conv1d.weight" => {
+                Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu)) * 0.5
+            }
+            n if n.ends_with("norm.weight") => {
+                Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu)) * 0.1 + 1.0
+            }
+            _ => {
+                Tensor::randn(shape.as_slice(), (Kind::Float, Device::Cpu))
+                    / (shape[shape.len() - 1] as f64).sqrt()
+            }
+        };
+        flat.narrow(0, t.offset as i64, t.numel() as i64)
+            .copy_(&init.reshape([-1]));
+    }
+    flat
+}
+
+/// The layer's output and the gradients of (output * dy).sum() with respect to the input
+/// and every `linear_attn.*` weight, all as f32, by name (`y`, `x`, then the weights').
+type Run = Vec<(String, Tensor)>;
+
+/// One test's layer and batch: weights as above, x ~ N(0, 1) (B, T, H) and an upstream
+/// gradient that is zero on the rows' padding.
+struct Case {
+    spec: ModelSpec,
+    layout: Layout,
+    flat: Tensor,
+    x_bth: Tensor,
+    dy_bth: Tensor,
+}
+
+impl Case {
+    /// Drawn from `seed` under a lock: tests run in parallel and share torch's generator.
+    fn new(model_type: &str, t: i64, seed: i64) -> Case {
+        static RNG: Mutex<()> = Mutex::new(());
+        let _draws = RNG.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(seed);
+        let spec = spec(model_type);
+        let layout = Layout::new(&spec);
+        let flat = weights(&layout.blocks[layout.layer_block(0)]);
+        let lens: Vec<i64> = LENS.iter().map(|&l| l.min(t)).collect();
+        let b = lens.len() as i64;
+        let x_bth = Tensor::randn([b, t, HIDDEN], (Kind::Float, Device::Cpu));
+        let valid_bt = Tensor::arange(t, (Kind::Int64, Device::Cpu))
+            .unsqueeze(0)
+            .lt_tensor(&Tensor::from_slice(&lens).unsqueeze(1));
+        let dy_bth =
+            Tensor::randn([b, t, HIDDEN], (Kind::Float, Device::Cpu)) * valid_bt.unsqueeze(-1);
+        Case {
+            spec,
+            layout,
+            flat,
+            x_bth,
+            dy_bth,
+        }
+    }
+
+    /// `layer` on the case in `kind` (weights, input and upstream gradient cast to it).
+    fn run(&self, kind: Kind, layer: &dyn Fn(&ModelSpec, &BlockWeights, &Tensor) -> Tensor) -> Run {
+        let block = &self.layout.blocks[self.layout.layer_block(0)];
+        let w = BlockWeights::leaves(&self.flat.to_kind(kind), block);
+        let x = self.x_bth.to_kind(kind).detach().set_requires_grad(true);
+        let y = layer(&self.spec, &w, &x);
+        (&y * self.dy_bth.to_kind(kind)).sum(Kind::Float).backward();
+        let mut out = vec![
+            ("y".to_string(), y.detach().to_kind(Kind::Float)),
+            ("x".to_string(), x.grad().to_kind(Kind::Float)),
+        ];
+        for t in block
+            .tensors
+            .iter()
+            .filter(|t| t.name.starts_with("linear_attn."))
+        {
+            out.push((t.name.clone(), w.get(&t.name).grad().to_kind(Kind::Float)));
+        }
+        out
+    }
+}
+
+fn chunked_by(chunk: i64) -> impl Fn(&ModelSpec, &BlockWeights, &Tensor) -> Tensor {
+    move |s, w, x| chunked::forward(s, w, x, chunk)
+}
+
+/// Norm-wise relative difference of every tensor of `got` from `want`, by name.
+fn rel_diffs(got: &Run, want: &Run) -> Vec<(String, f64)> {
+    got.iter()
+        .zip(want)
+        .map(|((name, g), (_, w))| {
+            let diff = (g - w).norm().double_value(&[]);
+            (name.clone(), diff / w.norm().double_value(&[]).max(1e-30))
+        })
+        .collect()
+}
+
+fn assert_within(diffs: &[(String, f64)], bound: &dyn Fn(&str) -> f64, what: &str) {
+    for (name, d) in diffs {
+        let bound = bound(name);
+        assert!(
+            d.is_finite() && *d <= bound,
+            "{what}: {name} differs by {d:.2e} (bound {bound:.0e}); all: {diffs:?}"
+        );
+    }
+}
+
+/// f32: the two paths evaluate the same function and differ only in rounding (unit
+/// roundoff 6e-8). The longest chains (64-term dot products, the 64x64 unit-triangular
+/// inverse, the state carried across chunks) amplify it ~1e1..1e2: over 36 draws of these
+/// inputs the output and the gradients of x and of the value-path weights differed by at
+/// most 3e-6, so 1e-5 bounds them. The decay path's gradients (A_log, dt_bias, in_proj_a)
+/// are sums over every position and pair of positions of terms spanning many orders of
+/// magnitude (exp(gamma_i - gamma_j) for decays up to 20 per token), which cancel ~1e3-fold:
+/// measured up to 5.5e-5, bounded by 2e-4. A wrong term moves any of them by 1e-2 or more.
+fn f32_bound(name: &str) -> f64 {
+    match name {
+        "linear_attn.A_log" | "linear_attn.dt_bias" | "linear_attn.in_proj_a.weight" => 2e-4,
+        _ => 1e-5,
+    }
+}
+
+fn f32_case(model_type: &str, t: i64, chunks: &[i64]) {
+    let case = Case::new(model_type, t, 0);
+    let want = case.run(Kind::Float, &reference::forward);
+    for &chunk in chunks {
+        let got = case.run(Kind::Float, &chunked_by(chunk));
+        let what = format!("{model_type} T={t} chunk {chunk}");
+        assert_within(&rel_diffs(&got, &want), &f32_bound, &what);
+    }
+}
+
+#[test]
+fn chunked_equals_reference_qwen3_5_split_projections() {
+    // T = 150: three chunks of 64, the last partly padding; 5, 10 chunks of 32, 16.
+    f32_case("qwen3_5_text", 150, &[64, 32, 16]);
+}
+
+#[test]
+fn chunked_equals_reference_qwen3_next_fused_projections() {
+    f32_case("qwen3_next", 150, &[64, 16, 128]);
+}
+
+#[test]
+fn chunked_equals_reference_within_one_chunk() {
+    f32_case("qwen3_5_text", 10, &[64]);
+    f32_case("qwen3_next", 64, &[64]);
+}
+
+/// bf16 against the f32 reference. What bf16 costs here is set by the layer's conditioning
+/// at these inputs more than by the unit roundoff (2^-9): through the L2 norms of q and k
+/// and the fast-forgetting heads, the input-side gradients of the reference path itself
+/// come out ~15% off in bf16 (its rule runs in f32; the projections, conv and norms do
+/// not). So the chunked path, which also rounds its matmuls to bf16, is held to the
+/// reference path's own bf16 error: at most twice it (one more bit), or 2e-2 where that is
+/// tiny (a few roundings of 2^-9). A wrong term moves results by O(1) and still fails.
+fn within_reference_error(got: &Run, reference: &Run, want: &Run, what: &str) {
+    let (got, reference) = (rel_diffs(got, want), rel_diffs(reference, want));
+    for ((name, g), (_, r)) in got.iter().zip(&reference) {
+        let bound = (2.0 * r).max(2e-2);
+        assert!(
+            g.is_finite() && *g <= bound,
+            "{what}: {name} is {g:.2e} off (bound {bound:.2e}, the reference in bf16 {r:.2e})"
+        );
+    }
+}
+
+#[test]
+fn chunked_in_bf16_is_as_close_to_f32_as_the_reference() {
+    for model_type in ["qwen3_5_text", "qwen3_next"] {
+        let case = Case::new(model_type, 100, 1);
+        let want = case.run(Kind::Float, &reference::forward);
+        let chunked16 = case.run(Kind::BFloat16, &chunked_by(chunked::CHUNK));
+        let reference16 = case.run(Kind::BFloat16, &reference::forward);
+        within_reference_error(&chunked16, &reference16, &want, model_type);
+    }
+}
+
+/// The inverse by blocks against the triangular solve, for matrices like A (|A_ij| <= 1).
+#[test]
+fn unit_lower_inverse_inverts() {
+    for n in [16, 32, 64, 128] {
+        // Entries of either sign up to 1/2, as A's (|beta k_i.k_j decay| <= 1) but denser.
+        let a = Tensor::linspace(-0.5, 0.5, 3 * n * n, (Kind::Double, Device::Cpu))
+            .view([3, n, n])
+            .sin()
+            * 0.5;
+        let l = a.tril(-1) + Tensor::eye(n, (Kind::Double, Device::Cpu));
+        let want = l.linalg_solve_triangular(
+            &Tensor::eye(n, (Kind::Double, Device::Cpu)),
+            false,
+            true,
+            true,
+        );
+        let got = chunked::unit_lower_inverse(&a);
+        let d = (got - &want).norm().double_value(&[]) / want.norm().double_value(&[]);
+        assert!(d < 1e-12, "n {n}: {d:e}");
+    }
+}
