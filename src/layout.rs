@@ -85,6 +85,45 @@ impl Block {
         format!("{}{}", self.prefix, t.name)
     }
 
+    /// Every per-expert tensor of the block (`mlp.experts.{e}.gate_proj.weight`, e in 0..E)
+    /// as one [`ExpertStack`], in order of first appearance; empty for a block without
+    /// per-expert tensors (dense layers, GPT-OSS's fused experts).
+    pub fn expert_stacks(&self) -> Vec<ExpertStack> {
+        // (stack name, (expert, offset, shape) of each copy)
+        let mut found: Vec<(String, Vec<(usize, usize, &[usize])>)> = Vec::new();
+        for t in &self.tensors {
+            let Some((name, e)) = expert_copy(&t.name) else {
+                continue;
+            };
+            let copy = (e, t.offset, t.shape.as_slice());
+            match found.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, copies)) => copies.push(copy),
+                None => found.push((name, vec![copy])),
+            }
+        }
+        found
+            .into_iter()
+            .map(|(name, mut copies)| {
+                copies.sort_by_key(|c| c.0);
+                let (_, offset, shape) = copies[0];
+                let stride = copies.get(1).map_or(0, |c| c.1 - offset);
+                for (i, &(e, at, s)) in copies.iter().enumerate() {
+                    assert!(
+                        e == i && at == offset + i * stride && s == shape,
+                        "the layout places the experts' `{name}` at one stride"
+                    );
+                }
+                ExpertStack {
+                    name,
+                    offset,
+                    stride,
+                    experts: copies.len(),
+                    shape: shape.to_vec(),
+                }
+            })
+            .collect()
+    }
+
     /// The tensors that overlap `part` (a range of the block's elements, see
     /// [`Layout::grad_parts`]), each with the range of its own flat elements inside the
     /// part; the gaps between tensors belong to no tensor.
@@ -98,6 +137,43 @@ impl Block {
             (start < end).then(|| (t, start - t.offset..end - t.offset))
         })
     }
+}
+
+/// One tensor of every expert of a sparse block, `{head}.experts.{e}.{tail}` for e in
+/// 0..E. [`Layout::new`] lays the experts out one after another, each with the same tensor
+/// list, so the copies sit at a constant stride and read as one (E, ..shape) tensor
+/// without moving: what a grouped GEMM over all experts takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertStack {
+    /// The name without the expert index: `{head}.experts.{tail}`
+    /// (`mlp.experts.gate_proj.weight`).
+    pub name: String,
+    /// Element offset of expert 0's copy in the block.
+    pub offset: usize,
+    /// Elements from one expert's copy to the next.
+    pub stride: usize,
+    pub experts: usize,
+    /// One expert's shape.
+    pub shape: Vec<usize>,
+}
+
+impl ExpertStack {
+    /// The name of expert `e`'s copy.
+    pub fn member(&self, e: usize) -> String {
+        let (head, tail) = self
+            .name
+            .split_once(".experts.")
+            .expect("a stack name holds `.experts.`");
+        format!("{head}.experts.{e}.{tail}")
+    }
+}
+
+/// `{head}.experts.{e}.{tail}` -> (`{head}.experts.{tail}`, e).
+fn expert_copy(name: &str) -> Option<(String, usize)> {
+    let (head, rest) = name.split_once(".experts.")?;
+    let (e, tail) = rest.split_once('.')?;
+    let e = e.parse().ok()?;
+    Some((format!("{head}.experts.{tail}"), e))
 }
 
 /// Decoder layers with one structure: the same tensors at the same offsets.
@@ -433,277 +509,4 @@ fn align(n: usize, a: usize) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec(model_type: &str, extra: &str) -> ModelSpec {
-        let json = format!(
-            r#"{{"model_type":"{model_type}","vocab_size":67,"hidden_size":48,
-            "intermediate_size":88,"num_hidden_layers":3,"num_attention_heads":6,
-            "num_key_value_heads":2{extra}}}"#
-        );
-        let hf: crate::config::hf::HfConfig = serde_json::from_str(&json).unwrap();
-        ModelSpec::from_hf(&hf, std::path::Path::new("config.json")).unwrap()
-    }
-
-    pub(crate) fn tiny_spec(tied: bool) -> ModelSpec {
-        spec(
-            "llama",
-            &format!(r#","tie_word_embeddings":{tied},"attention_bias":true"#),
-        )
-    }
-
-    fn layer_names(s: &ModelSpec) -> Vec<String> {
-        let l = Layout::new(s);
-        l.blocks[l.layer_block(0)]
-            .tensors
-            .iter()
-            .map(|t| format!("{}{:?}", t.name, t.shape))
-            .collect()
-    }
-
-    #[test]
-    fn blocks_are_aligned_disjoint_and_hold_every_tensor() {
-        let l = Layout::new(&tiny_spec(false));
-        assert_eq!(l.blocks.len(), 3 + 2);
-        let mut end = 0;
-        for b in &l.blocks {
-            assert_eq!(b.offset, end);
-            assert_eq!(b.offset % BLOCK_ALIGN, 0);
-            let mut prev = 0;
-            for t in &b.tensors {
-                assert!(t.offset >= prev && t.offset % TENSOR_ALIGN == 0);
-                prev = t.offset + t.numel();
-            }
-            assert!(prev <= b.len);
-            end = b.offset + b.len;
-        }
-        assert_eq!(end, l.total);
-        // 67*48 embed + 48 norm + 67*48 lm_head + 3 layers.
-        let layer = 48 + (48 * 48 + 48) + 2 * (16 * 48 + 16) + (48 * 48 + 48) + 48 + 3 * 88 * 48;
-        assert_eq!(l.num_params(), 2 * 67 * 48 + 48 + 3 * layer);
-        let b = &l.blocks[l.layer_block(2)];
-        assert_eq!(
-            b.hf_name(b.tensor("mlp.up_proj.weight").unwrap()),
-            "model.layers.2.mlp.up_proj.weight"
-        );
-    }
-
-    #[test]
-    fn gradient_parts_cover_each_block_in_slot_sized_pieces() {
-        // An embedding and lm_head about 3.6 layers large: 4 parts each.
-        let mut s = tiny_spec(false);
-        s.vocab_size = 1531;
-        let l = Layout::new(&s);
-        let slot = l.grad_slot_len();
-        assert_eq!(slot, l.max_layer_len());
-        assert!(slot < l.max_block_len());
-        for (i, b) in l.blocks.iter().enumerate() {
-            let parts: Vec<_> = l.grad_parts(i, slot).collect();
-            assert_eq!(parts.len(), b.len.div_ceil(slot), "block {i}");
-            let mut end = 0;
-            for (p, r) in parts.iter().enumerate() {
-                assert_eq!(r.start, end);
-                assert!(r.len() == slot || (p + 1 == parts.len() && r.len() <= slot));
-                end = r.end;
-            }
-            assert_eq!(end, b.len);
-            // Every element of every tensor lies in exactly one part, in order, at a slot
-            // offset inside the part.
-            let mut seen = vec![0; b.tensors.len()];
-            for r in &parts {
-                for (t, within) in b.part_tensors(r.clone()) {
-                    let ti = b.tensors.iter().position(|x| x.name == t.name).unwrap();
-                    assert_eq!(within.start, seen[ti], "{} in block {i}", t.name);
-                    seen[ti] = within.end;
-                    let at = t.offset + within.start - r.start;
-                    assert!(at + within.len() <= r.len());
-                }
-            }
-            let numels: Vec<usize> = b.tensors.iter().map(TensorSpec::numel).collect();
-            assert_eq!(seen, numels, "block {i}");
-        }
-        assert_eq!(l.grad_parts(Layout::EMBED, slot).len(), 4);
-        assert_eq!(l.grad_parts(l.head_block(), slot).len(), 4);
-        assert_eq!(l.grad_parts(l.layer_block(1), slot).len(), 1);
-        // A slot as large as the largest block: one part per block, as before.
-        let whole = l.max_block_len();
-        assert!((0..l.blocks.len()).all(|i| l.grad_parts(i, whole).len() == 1));
-    }
-
-    #[test]
-    fn tied_head_has_no_lm_head() {
-        let l = Layout::new(&tiny_spec(true));
-        let head = &l.blocks[l.head_block()];
-        assert!(head.tensor("lm_head.weight").is_none());
-        assert!(l.tied_embeddings);
-    }
-
-    #[test]
-    fn family_layers_hold_their_checkpoint_tensors() {
-        let names = layer_names(&spec("qwen2", ""));
-        assert!(names.contains(&"self_attn.k_proj.bias[16]".to_string()));
-        assert!(!names.iter().any(|n| n.starts_with("self_attn.o_proj.bias")));
-
-        let names = layer_names(&spec("qwen3", r#","head_dim":10"#));
-        assert!(names.contains(&"self_attn.q_proj.weight[60, 48]".to_string()));
-        assert!(names.contains(&"self_attn.o_proj.weight[48, 60]".to_string()));
-        assert!(names.contains(&"self_attn.q_norm.weight[10]".to_string()));
-        assert!(names.contains(&"self_attn.k_norm.weight[10]".to_string()));
-
-        let gemma2 = spec("gemma2", r#","head_dim":10"#);
-        let names = layer_names(&gemma2);
-        for n in [
-            "pre_feedforward_layernorm.weight[48]",
-            "post_feedforward_layernorm.weight[48]",
-            "mlp.gate_proj.weight[88, 48]",
-        ] {
-            assert!(names.contains(&n.to_string()), "{names:?}");
-        }
-        assert!(!names.iter().any(|n| n.contains("q_norm")));
-        assert!(
-            Layout::new(&gemma2).tied_embeddings,
-            "gemma ties by default"
-        );
-        let names = layer_names(&spec("gemma3_text", r#","head_dim":10"#));
-        assert!(names.contains(&"self_attn.k_norm.weight[10]".to_string()));
-        assert_eq!(names.len(), 13);
-
-        let names = layer_names(&spec("phi3", ""));
-        assert_eq!(
-            names,
-            [
-                "input_layernorm.weight[48]",
-                "self_attn.qkv_proj.weight[80, 48]",
-                "self_attn.o_proj.weight[48, 48]",
-                "post_attention_layernorm.weight[48]",
-                "mlp.gate_up_proj.weight[176, 48]",
-                "mlp.down_proj.weight[48, 88]",
-            ]
-        );
-
-        let names = layer_names(&spec("llama", r#","mlp_bias":true"#));
-        assert!(names.contains(&"mlp.down_proj.bias[48]".to_string()));
-        assert!(names.contains(&"mlp.gate_proj.bias[88]".to_string()));
-    }
-
-    #[test]
-    fn moe_layers_hold_router_and_per_expert_tensors() {
-        let mixtral = spec(
-            "mixtral",
-            r#","num_local_experts":3,"num_experts_per_tok":2"#,
-        );
-        let names = layer_names(&mixtral);
-        assert!(names.contains(&"block_sparse_moe.gate.weight[3, 48]".to_string()));
-        assert!(names.contains(&"block_sparse_moe.experts.2.w2.weight[48, 88]".to_string()));
-        assert!(!names.iter().any(|n| n.starts_with("mlp.")));
-        // A token passes through 2 of the 3 experts: one expert's tensors per layer unused.
-        let l = Layout::new(&mixtral);
-        let one_expert: usize = l
-            .tensors()
-            .filter(|(_, t)| t.name.starts_with("block_sparse_moe.experts.0."))
-            .map(|(_, t)| t.numel())
-            .sum();
-        assert_eq!(l.unrouted_params, one_expert);
-
-        let gpt = spec(
-            "gpt_oss",
-            r#","num_local_experts":4,"num_experts_per_tok":2,"head_dim":8"#,
-        );
-        let names = layer_names(&gpt);
-        for n in [
-            "self_attn.sinks[6]",
-            "self_attn.o_proj.bias[48]",
-            "mlp.router.bias[4]",
-            "mlp.experts.gate_up_proj[4, 48, 176]",
-            "mlp.experts.down_proj[4, 88, 48]",
-            "mlp.experts.down_proj_bias[4, 48]",
-        ] {
-            assert!(names.contains(&n.to_string()), "{n} in {names:?}");
-        }
-        // 2 of 4 experts unused: half of the fused expert tensors, over 3 layers.
-        let l = Layout::new(&gpt);
-        let experts: usize = l
-            .tensors()
-            .filter(|(_, t)| t.name.starts_with("mlp.experts."))
-            .map(|(_, t)| t.numel())
-            .sum();
-        assert_eq!(l.unrouted_params, experts / 2);
-        assert_eq!(Layout::new(&gpt).layer_groups.len(), 1);
-    }
-
-    #[test]
-    fn mixed_layers_group_by_structure_with_their_own_lengths() {
-        // Layers 0 and 2 linear (0 sparse, 2 dense), 1 full attention, sparse.
-        let s = spec(
-            "qwen3_next",
-            r#","head_dim":8,"num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":20,
-            "shared_expert_intermediate_size":24,"mlp_only_layers":[2],"linear_num_key_heads":2,
-            "linear_num_value_heads":4,"linear_key_head_dim":8,"linear_value_head_dim":6,
-            "layer_types":["linear_attention","full_attention","linear_attention"]"#,
-        );
-        let l = Layout::new(&s);
-        let groups: Vec<(&str, &[usize])> = l
-            .layer_groups
-            .iter()
-            .map(|g| (g.name.as_str(), g.layers.as_slice()))
-            .collect();
-        assert_eq!(
-            groups,
-            [
-                ("linear_attention+moe", &[0][..]),
-                ("attention+moe", &[1][..]),
-                ("linear_attention+mlp", &[2][..]),
-            ]
-        );
-        for (gi, g) in l.layer_groups.iter().enumerate() {
-            for &layer in &g.layers {
-                assert_eq!(l.blocks[l.layer_block(layer)].len, g.block_len);
-                assert_eq!(l.layer_group(layer), gi);
-            }
-        }
-        assert_ne!(l.layer_groups[0].block_len, l.layer_groups[2].block_len);
-        assert_eq!(
-            l.max_layer_len(),
-            l.layer_groups.iter().map(|g| g.block_len).max().unwrap()
-        );
-        let names = |layer| -> Vec<String> {
-            l.blocks[l.layer_block(layer)]
-                .tensors
-                .iter()
-                .map(|t| format!("{}{:?}", t.name, t.shape))
-                .collect()
-        };
-        let linear = names(0);
-        for n in [
-            "linear_attn.in_proj_qkvz.weight[80, 48]",
-            "linear_attn.in_proj_ba.weight[8, 48]",
-            "linear_attn.conv1d.weight[56, 1, 4]",
-            "linear_attn.norm.weight[6]",
-            "mlp.shared_expert_gate.weight[1, 48]",
-            "mlp.experts.3.down_proj.weight[48, 20]",
-        ] {
-            assert!(linear.contains(&n.to_string()), "{n} in {linear:?}");
-        }
-        assert!(!linear.iter().any(|n| n.starts_with("self_attn.")));
-        let full = names(1);
-        assert!(full.contains(&"self_attn.q_proj.weight[96, 48]".to_string()));
-        assert!(full.contains(&"self_attn.q_norm.weight[8]".to_string()));
-        assert!(names(2).contains(&"mlp.down_proj.weight[48, 88]".to_string()));
-    }
-
-    #[test]
-    fn public_moe_configs_have_their_transformers_parameter_counts() {
-        // Counted by transformers 5.17: AutoModelForCausalLM.from_config on the meta device.
-        let configs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
-        for (dir, params) in [
-            ("mixtral-8x7b", 46_702_792_704),
-            ("qwen3-30b-a3b", 30_532_122_624),
-            ("qwen3-next-80b-a3b", 79_674_391_296),
-            ("gpt-oss-20b", 20_914_757_184),
-        ] {
-            let spec = ModelSpec::from_model_dir(&configs.join(dir)).unwrap();
-            assert_eq!(Layout::new(&spec).num_params(), params, "{dir}");
-        }
-    }
-}
+mod tests;

@@ -5,7 +5,9 @@
 //! (‖ours − torch‖ / ‖torch‖) in float32; per-step losses within 2e-2 relative when
 //! computing in bfloat16. Cases whose loss depends on how the batch is split (the MoE router
 //! aux loss is per micro-batch) carry their N-worker reference in `expected_wN.json` and
-//! `grads0_wN.safetensors`.
+//! `grads0_wN.safetensors`. Mixture-of-experts cases run once more with their experts as
+//! grouped GEMMs (`MT_MOE_EXPERTS=grouped`, the path GPUs take), 1 worker, f32, same
+//! tolerances.
 
 mod common;
 
@@ -47,19 +49,35 @@ fn every_golden_case_matches_pytorch() {
                 false => case.join(format!("{stem}.{ext}")),
             }
         };
-        for workers in [1, 2] {
+        // (workers, environment): 1 and 2 workers, and the MoE cases once more with their
+        // experts as grouped GEMMs (torch's CPU grouped GEMM; the GPU default).
+        let mut runs: Vec<(usize, &[(&str, &str)])> = vec![(1, &[]), (2, &[])];
+        if mt::config::hf::ModelSpec::from_model_dir(&case.join("model"))
+            .unwrap()
+            .moe
+            .is_some()
+        {
+            runs.push((1, &[("MT_MOE_EXPERTS", "grouped")]));
+        }
+        for (workers, env) in runs {
+            let tag = match env.is_empty() {
+                true => format!("{workers}w"),
+                false => format!("{workers}w grouped experts"),
+            };
             let expected = json(&reference("expected", "json", workers));
             let losses = f64_array(&expected["losses"]);
             let norms = f64_array(&expected["grad_norms"]);
             let torch_grads = tensors(&reference("grads0", "safetensors", workers));
-            let m = dir.join(format!("f32-{workers}.jsonl"));
-            let g = dir.join(format!("grads-{workers}.safetensors"));
-            let lg = dir.join(format!("logits-{workers}.safetensors"));
-            run_cpu_ok(
+            let stem = tag.replace(' ', "-");
+            let m = dir.join(format!("f32-{stem}.jsonl"));
+            let g = dir.join(format!("grads-{stem}.safetensors"));
+            let lg = dir.join(format!("logits-{stem}.safetensors"));
+            run_cpu_env_ok(
                 &config,
                 workers,
                 &m,
                 &["--dump-grads", path_str(&g), "--dump-logits", path_str(&lg)],
+                env,
             );
             // Rank r holds the r-th contiguous slice of the batch, padded to its own longest row.
             let ours: Vec<(Vec<usize>, Vec<f32>)> = match workers {
@@ -74,23 +92,23 @@ fn every_golden_case_matches_pytorch() {
                     .collect(),
             };
             let e = logits_rel_err(&ours, &torch_logits, &row_lens);
-            eprintln!("golden {name} {workers}w: step-1 logits rel error {e:.2e}");
+            eprintln!("golden {name} {tag}: step-1 logits rel error {e:.2e}");
             if e > F32_TOL {
-                failures.push(format!(
-                    "{name} f32 {workers}w: step-1 logits rel error {e:.2e}"
-                ));
+                failures.push(format!("{name} f32 {tag}: step-1 logits rel error {e:.2e}"));
             }
             let rows = metrics(&m);
             let (ours, our_norms) = (column(&rows, "loss"), column(&rows, "grad_norm"));
             let e = worst_rel(&ours, &losses);
             if e > F32_TOL {
                 failures.push(format!(
-                    "{name} f32 {workers}w: losses {ours:?} vs torch {losses:?} (rel {e:.2e})"
+                    "{name} f32 {tag}: losses {ours:?} vs torch {losses:?} (rel {e:.2e})"
                 ));
             }
             let e = worst_rel(&our_norms, &norms);
             if e > F32_TOL {
-                failures.push(format!("{name} f32 {workers}w: grad norms {our_norms:?} vs torch {norms:?} (rel {e:.2e})"));
+                failures.push(format!(
+                    "{name} f32 {tag}: grad norms {our_norms:?} vs torch {norms:?} (rel {e:.2e})"
+                ));
             }
             let grads = tensors(&g);
             let mut names: Vec<_> = torch_grads.keys().collect();
@@ -104,12 +122,12 @@ fn every_golden_case_matches_pytorch() {
             }
             for t in names {
                 match grads.get(t) {
-                    None => failures.push(format!("{name} {workers}w: no gradient for `{t}`")),
+                    None => failures.push(format!("{name} {tag}: no gradient for `{t}`")),
                     Some(ours) => {
                         let e = rel_l2(ours, &torch_grads[t]);
                         if e > F32_TOL {
                             failures.push(format!(
-                                "{name} f32 {workers}w: gradient `{t}` rel error {e:.2e}"
+                                "{name} f32 {tag}: gradient `{t}` rel error {e:.2e}"
                             ));
                         }
                     }

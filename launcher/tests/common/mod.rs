@@ -77,6 +77,17 @@ pub fn run_cpu(
     metrics: &Path,
     extra: &[&str],
 ) -> (Output, Vec<String>) {
+    run_cpu_env(config, workers, metrics, extra, &[])
+}
+
+/// [`run_cpu`] with environment variables `env` set for mt-launch and its workers.
+pub fn run_cpu_env(
+    config: &Path,
+    workers: usize,
+    metrics: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Output, Vec<String>) {
     let mut args: Vec<String> = ["--config", path_str(config), "--gpus", "0", "--workers"]
         .into_iter()
         .map(String::from)
@@ -84,13 +95,28 @@ pub fn run_cpu(
     args.push(workers.to_string());
     args.extend(["--metrics-out".to_string(), path_str(metrics).to_string()]);
     args.extend(extra.iter().map(|s| s.to_string()));
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    (run(&refs), args)
+    let out = Command::new(launcher())
+        .args(&args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("spawn mt-launch");
+    (out, args)
 }
 
 /// [`run_cpu`] that must succeed.
 pub fn run_cpu_ok(config: &Path, workers: usize, metrics: &Path, extra: &[&str]) {
-    let (out, args) = run_cpu(config, workers, metrics, extra);
+    run_cpu_env_ok(config, workers, metrics, extra, &[]);
+}
+
+/// [`run_cpu_env`] that must succeed.
+pub fn run_cpu_env_ok(
+    config: &Path,
+    workers: usize,
+    metrics: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) {
+    let (out, args) = run_cpu_env(config, workers, metrics, extra, env);
     assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
 }
 
