@@ -19,7 +19,8 @@
 #    token must get exactly zero gradient from both; each model is run on 16 tokens (at
 #    most 32 of the 64 experts used) and on 16 rows of 256 (about 128 pairs per expert).
 #
-# Runs needing 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
+# PARTS ["train experts"] picks the parts to run (each fits in a few minutes). Runs needing
+# 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
 # Needs the built binaries (BIN, default target/release) and a GPU machine; Python (no
 # packages) only for the comparisons. Prints PASS or FAIL; exits non-zero on FAIL.
 set -euo pipefail
@@ -27,6 +28,8 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-12}
+PARTS=${PARTS:-"train experts"}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 common=(--config configs/tiny.yaml --set dataset.shuffle=false --set "training.num_steps=$STEPS" --set training.learning_rate=3e-3 --set logging.log_every=4)
@@ -85,35 +88,39 @@ run2() {
 }
 cpu=(--gpus 0 --workers 1 --set model.dtype=float32)
 gpu=(--set model.dtype=bfloat16)
-run cpu "${cpu[@]}"
-run cpu_tied "${cpu[@]}" --set "model.path=$work/tied"
-run gpu1 --gpus 1 "${gpu[@]}"
-run2 gpu2 --gpus 2 "${gpu[@]}"
-run gpu1_accum2 --gpus 1 "${gpu[@]}" --set training.gradient_accumulation_steps=2
-run gpu1_offload --gpus 1 "${gpu[@]}" --set memory.offload_activations=true
-run gpu1_tied --gpus 1 "${gpu[@]}" --set "model.path=$work/tied"
-for m in moe mixtral gpt_oss hybrid; do
-  run "cpu_$m" "${cpu[@]}" --set "model.path=$work/$m"
-  run "gpu1_$m" --gpus 1 "${gpu[@]}" --set "model.path=$work/$m"
-done
-run2 gpu2_moe --gpus 2 "${gpu[@]}" --set "model.path=$work/moe"
+if part train; then
+  run cpu "${cpu[@]}"
+  run cpu_tied "${cpu[@]}" --set "model.path=$work/tied"
+  run gpu1 --gpus 1 "${gpu[@]}"
+  run2 gpu2 --gpus 2 "${gpu[@]}"
+  run gpu1_accum2 --gpus 1 "${gpu[@]}" --set training.gradient_accumulation_steps=2
+  run gpu1_offload --gpus 1 "${gpu[@]}" --set memory.offload_activations=true
+  run gpu1_tied --gpus 1 "${gpu[@]}" --set "model.path=$work/tied"
+  for m in moe mixtral gpt_oss hybrid; do
+    run "cpu_$m" "${cpu[@]}" --set "model.path=$work/$m"
+    run "gpu1_$m" --gpus 1 "${gpu[@]}" --set "model.path=$work/$m"
+  done
+  run2 gpu2_moe --gpus 2 "${gpu[@]}" --set "model.path=$work/moe"
+fi
 
 # Grouped against per-expert experts: step 1's logits and gradients.
-for m in moe mixtral gpt_oss; do
-  for shape in "sparse 1 16" "full 16 256"; do
-    set -- $shape
-    for path in grouped loop; do
-      MT_MOE_EXPERTS=$path run "layer_${m}_$1_$path" --gpus 1 "${gpu[@]}" --set "model.path=$work/layer_$m" \
-        --set dataset.name=null --set dataset.format=tokenized --set "dataset.path=$work/ids.jsonl" \
-        --set training.num_steps=1 --set "training.batch_size=$2" --set "dataset.max_seq_len=$3" \
-        --dump-grads "$work/layer_${m}_$1_$path.grads" --dump-logits "$work/layer_${m}_$1_$path.logits"
+if part experts; then
+  for m in moe mixtral gpt_oss; do
+    for shape in "sparse 1 16" "full 16 256"; do
+      set -- $shape
+      for path in grouped loop; do
+        MT_MOE_EXPERTS=$path run "layer_${m}_$1_$path" --gpus 1 "${gpu[@]}" --set "model.path=$work/layer_$m" \
+          --set dataset.name=null --set dataset.format=tokenized --set "dataset.path=$work/ids.jsonl" \
+          --set training.num_steps=1 --set "training.batch_size=$2" --set "dataset.max_seq_len=$3" \
+          --dump-grads "$work/layer_${m}_$1_$path.grads" --dump-logits "$work/layer_${m}_$1_$path.logits"
+      done
     done
   done
-done
+fi
 
-"$PYTHON" - "$work" "$gpus" <<'PY'
+"$PYTHON" - "$work" "$gpus" "$PARTS" <<'PY'
 import array, json, math, os, re, struct, sys
-work, gpus = sys.argv[1], int(sys.argv[2])
+work, gpus, parts = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
 load = lambda n: [json.loads(l)["loss"] for l in open(f"{work}/{n}.jsonl")]
 ok = True
 def check(name, ref_name, bound):
@@ -126,13 +133,14 @@ def check(name, ref_name, bound):
     ok &= worst <= bound and len(got) == len(ref)
     print(f"{name} vs {ref_name} over {len(ref)} steps: worst relative difference {worst:.2e} "
           f"(bound {bound:.0e}; first {got[0]:.4f} vs {ref[0]:.4f}, last {got[-1]:.4f} vs {ref[-1]:.4f})")
-for name in ("gpu1", "gpu2", "gpu1_accum2", "gpu1_offload"):
-    check(name, "cpu", 2e-2)
-check("gpu1_tied", "cpu_tied", 2e-2)
-for m in ("moe", "mixtral", "gpt_oss", "hybrid"):
-    check(f"gpu1_{m}", f"cpu_{m}", 2e-2)
-check("gpu2_moe", "cpu_moe", 2e-2)
-check("gpu1_offload", "gpu1", 1e-6)
+if "train" in parts:
+    for name in ("gpu1", "gpu2", "gpu1_accum2", "gpu1_offload"):
+        check(name, "cpu", 2e-2)
+    check("gpu1_tied", "cpu_tied", 2e-2)
+    for m in ("moe", "mixtral", "gpt_oss", "hybrid"):
+        check(f"gpu1_{m}", f"cpu_{m}", 2e-2)
+    check("gpu2_moe", "cpu_moe", 2e-2)
+    check("gpu1_offload", "gpu1", 1e-6)
 
 def tensors(path):
     """An f32 safetensors file as {name: (shape, array of floats)}, read without packages."""
@@ -170,7 +178,7 @@ def experts(grads, e_total):
     return per
 
 bound = 2e-2
-for m in ("moe", "mixtral", "gpt_oss"):
+for m in ("moe", "mixtral", "gpt_oss") if "experts" in parts else ():
     for shape in ("sparse", "full"):
         stem = f"{work}/layer_{m}_{shape}"
         worst = rel_l2(tensors(f"{stem}_grouped.logits")["logits"][1], tensors(f"{stem}_loop.logits")["logits"][1])

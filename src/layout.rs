@@ -89,39 +89,35 @@ impl Block {
     /// as one [`ExpertStack`], in order of first appearance; empty for a block without
     /// per-expert tensors (dense layers, GPT-OSS's fused experts).
     pub fn expert_stacks(&self) -> Vec<ExpertStack> {
-        // (stack name, (expert, offset, shape) of each copy)
-        let mut found: Vec<(String, Vec<(usize, usize, &[usize])>)> = Vec::new();
+        let mut stacks: Vec<ExpertStack> = Vec::new();
         for t in &self.tensors {
             let Some((name, e)) = expert_copy(&t.name) else {
                 continue;
             };
-            let copy = (e, t.offset, t.shape.as_slice());
-            match found.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, copies)) => copies.push(copy),
-                None => found.push((name, vec![copy])),
+            match stacks.iter_mut().find(|s| s.name == name) {
+                None => {
+                    assert_eq!(e, 0, "the layout lists expert 0's `{name}` first");
+                    stacks.push(ExpertStack {
+                        name,
+                        offset: t.offset,
+                        stride: 0,
+                        experts: 1,
+                        shape: t.shape.clone(),
+                    });
+                }
+                Some(s) => {
+                    if e == 1 {
+                        s.stride = t.offset - s.offset;
+                    }
+                    assert!(
+                        e == s.experts && t.offset == s.offset + e * s.stride && t.shape == s.shape,
+                        "the layout places the experts' `{name}` in order at one stride"
+                    );
+                    s.experts += 1;
+                }
             }
         }
-        found
-            .into_iter()
-            .map(|(name, mut copies)| {
-                copies.sort_by_key(|c| c.0);
-                let (_, offset, shape) = copies[0];
-                let stride = copies.get(1).map_or(0, |c| c.1 - offset);
-                for (i, &(e, at, s)) in copies.iter().enumerate() {
-                    assert!(
-                        e == i && at == offset + i * stride && s == shape,
-                        "the layout places the experts' `{name}` at one stride"
-                    );
-                }
-                ExpertStack {
-                    name,
-                    offset,
-                    stride,
-                    experts: copies.len(),
-                    shape: shape.to_vec(),
-                }
-            })
-            .collect()
+        stacks
     }
 
     /// The tensors that overlap `part` (a range of the block's elements, see

@@ -155,7 +155,7 @@ fn dequantize_tensor(
             format!("no MXFP4 codes: `{target}` is {shape:?}, not a stack of expert matrices"),
         ));
     };
-    if c % RUN != 0 {
+    if !c.is_multiple_of(RUN) {
         return Err(bad(
             blocks,
             BLOCKS,

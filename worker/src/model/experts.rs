@@ -52,7 +52,7 @@ pub fn grouped(block: &Block, stacks: &[ExpertStack], kind: Kind, device: Device
     let aligned = dims
         .iter()
         .flat_map(|d| d.iter())
-        .all(|&n| (n * elem) % 16 == 0);
+        .all(|&n| (n * elem).is_multiple_of(16));
     match forced() {
         Some(false) => false,
         Some(true) => {
