@@ -14,6 +14,8 @@ For each case this writes, under OUT/<case>/:
   eval.jsonl      a separate eval set; expected.json's `eval_losses` is its loss (summed
                   token cross-entropy / label tokens of the whole set, no router aux term)
                   under the weights after each step
+  dequantized.safetensors  (MXFP4 cases) the expert weights as transformers dequantizes
+                      the packed checkpoint in model/ (bf16), to compare bit for bit
 
 The reference implements the contract of DESIGN.md "Numerics": loss = summed token
 cross-entropy / unmasked label tokens of the global batch, labels shifted inside,
@@ -61,6 +63,7 @@ EVAL_ROWS = 5
 #   names: "current" rewrites the saved checkpoint from the legacy names transformers 5.17
 #         writes (`language_model.model.*`) to the current ones (`model.language_model.*`);
 #         `drop_top_keys` removes keys from the saved config.json
+#   mxfp4: the checkpoint's expert weights are MXFP4-packed (pack_mxfp4)
 # With output_router_logits the loss adds router_aux_loss_coef x transformers' router
 # load-balancing loss. Each micro-batch (one per worker here) adds its own aux loss,
 # weighted by its share of the batch's label tokens, so the reference depends on the number
@@ -180,6 +183,18 @@ CASES = {
                                          truncate=False, original_max_position_embeddings=32,
                                          rope_theta=150000.0)),
         scale={"gate_up_proj": 6.0},
+    ),
+    # GPT-OSS as OpenAI publishes it: the experts' weights in MXFP4 (`*_blocks`, `*_scales`,
+    # random codes and scales; widths multiples of 32), loaded by transformers
+    # (Mxfp4Config(dequantize=True)) for the reference, which trains the dequantized model.
+    "gpt_oss_mxfp4": dict(
+        model_type="gpt_oss",
+        config=dict(hidden_size=64, intermediate_size=32, head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=5, initializer_range=0.1,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                         truncate=False, original_max_position_embeddings=32,
+                                         rope_theta=150000.0)),
+        mxfp4=True,
     ),
     "qwen3_next_hybrid_moe": dict(
         model_type="qwen3_next",
@@ -375,6 +390,41 @@ def eval_loss(model, rows):
         return (loss_sum / (targets != -100).sum()).item()
 
 
+MXFP4_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def pack_mxfp4(model, model_dir, gen):
+    """Rewrites the checkpoint in `model_dir` as OpenAI publishes GPT-OSS: each expert weight
+    X (E, C, R) becomes X_blocks (E, R, C/32, 16) uint8, random pairs of e2m1 codes, and
+    X_scales (E, R, C/32) uint8, random e8m0 exponents 2^-6 .. 2^-3; config.json gains the
+    quantization_config. transformers then loads it (dequantizing, on CPU) into `model`'s
+    parameters; returns the dequantized expert tensors as transformers holds them."""
+    path = os.path.join(model_dir, "model.safetensors")
+    packed = {}
+    for name, value in safetensors.torch.load_file(path).items():
+        if not name.endswith(MXFP4_EXPERTS):
+            packed[name] = value
+            continue
+        e, c, r = value.shape
+        packed[name + "_blocks"] = torch.randint(0, 256, (e, r, c // 32, 16), generator=gen).to(torch.uint8)
+        packed[name + "_scales"] = torch.randint(121, 125, (e, r, c // 32), generator=gen).to(torch.uint8)
+    safetensors.torch.save_file(packed, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(model_dir, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    state = loaded.state_dict()
+    model.load_state_dict({n: v.float() for n, v in state.items()})
+    return {n: v.contiguous() for n, v in state.items() if n.endswith(MXFP4_EXPERTS)}
+
+
 def checkpoint_named(model, values, tmp, names=None):
     """`values` (one tensor per named parameter, None where it has none) under the
     checkpoint's names: transformers 5 fuses some families' experts in memory but saves them
@@ -541,6 +591,9 @@ def main():
                     if part in n:
                         b.copy_(std * torch.randn_like(b))
         save_model(model, case, os.path.join(out, "model"))
+        if case.get("mxfp4"):
+            dequantized = pack_mxfp4(model, os.path.join(out, "model"), torch.Generator().manual_seed(7))
+            safetensors.torch.save_file(dequantized, os.path.join(out, "dequantized.safetensors"))
         gen = torch.Generator().manual_seed(99)
         rows = make_rows(gen, cfg.vocab_size, case.get("row_len"))
         with open(os.path.join(out, "data.jsonl"), "w") as f:

@@ -2,7 +2,8 @@
 //! load in transformers and give the same logits as our model: scripts/check_export.py
 //! loads each with AutoModelForCausalLM in float32 and compares with `--dump-logits` of a
 //! run from that directory, to 1e-4 over every real position. Covers Llama (sharded into
-//! many files, tokenizer files carried over), Qwen3 exported in bfloat16, Gemma 2, and every
+//! many files, tokenizer files carried over), Qwen3 exported in bfloat16, Gemma 2, GPT-OSS
+//! trained from MXFP4 experts and exported in bfloat16 (no `quantization_config`), and every
 //! multimodal wrapper (loaded with AutoModelForImageTextToText): their exports keep the
 //! input's config.json, tensor names and layout, and every tensor not trained byte for byte.
 
@@ -189,6 +190,20 @@ fn exports_load_in_transformers_with_our_logits() {
             our_logits(case, &out, &dir, "out"),
         ));
     }
+    // GPT-OSS trained from its MXFP4 checkpoint and exported in bfloat16: the experts
+    // dequantized, the quantization_config gone.
+    let dir = scratch("export-gpt-oss-mxfp4");
+    let (out, _) = train_and_export("gpt_oss_mxfp4", &dir, "bfloat16", &[]);
+    assert_eq!(weight_dtypes(&out), [safetensors::Dtype::BF16]);
+    let source = json(&golden_dir().join("gpt_oss_mxfp4/model/config.json"));
+    assert!(source.get("quantization_config").is_some());
+    let cfg = json(&out.join("config.json"));
+    assert!(cfg.get("quantization_config").is_none(), "{cfg}");
+    cases.push((
+        out.clone(),
+        golden_dir().join("gpt_oss_mxfp4/data.jsonl"),
+        our_logits("gpt_oss_mxfp4", &out, &dir, "out"),
+    ));
 
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/check_export.py");
     let mut cmd = Command::new(py);

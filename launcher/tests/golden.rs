@@ -6,7 +6,9 @@
 //! last step to 1e-4; per-step losses within 2e-2 relative when
 //! computing in bfloat16. Cases whose loss depends on how the batch is split (the MoE router
 //! aux loss is per micro-batch) carry their N-worker reference in `expected_wN.json` and
-//! `grads0_wN.safetensors`.
+//! `grads0_wN.safetensors`. Mixture-of-experts cases run once more with their experts as
+//! grouped GEMMs (`MT_MOE_EXPERTS=grouped`, the path GPUs take), 1 worker, f32, same
+//! tolerances.
 
 mod common;
 
@@ -24,6 +26,21 @@ fn every_golden_case_matches_pytorch() {
         let name = case.file_name().unwrap().to_string_lossy().to_string();
         for workers in [1, 2] {
             check_f32(case, workers, &[], &|_| F32_TOL, &mut failures);
+        }
+        // The MoE cases once more with their experts as grouped GEMMs (torch's CPU grouped
+        // GEMM; the GPU default).
+        if mt::config::hf::ModelSpec::from_model_dir(&case.join("model"))
+            .unwrap()
+            .moe
+            .is_some()
+        {
+            check_f32(
+                case,
+                1,
+                &[("MT_MOE_EXPERTS", "grouped")],
+                &|_| F32_TOL,
+                &mut failures,
+            );
         }
         let dir = scratch(&format!("golden-{name}"));
         let m = dir.join("bf16.jsonl");

@@ -1,5 +1,5 @@
 //! Export of an HF model directory that transformers loads as is: `config.json` (its `dtype`
-//! set to the exported one), the weights in the chosen dtype, and the tokenizer and
+//! set to the exported one, any `quantization_config` dropped), the weights in the chosen dtype, and the tokenizer and
 //! generation files of the source model directory copied when present.
 //!
 //! Weights larger than `max_shard_bytes` are split as huggingface_hub splits a state dict:
@@ -115,7 +115,7 @@ fn write_atomic(dst: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// `config.json` of the source with `dtype` (transformers 5) and `torch_dtype` (older
-/// versions, if present) saying what the weights are.
+/// versions, if present) saying what the weights are, and no `quantization_config`.
 fn exported_config(src: &Path, dtype: DType) -> Result<Vec<u8>> {
     let text = std::fs::read_to_string(src).map_err(|e| Error::io(src, e))?;
     let mut cfg: serde_json::Value =
@@ -135,6 +135,9 @@ fn exported_config(src: &Path, dtype: DType) -> Result<Vec<u8>> {
     if obj.contains_key("torch_dtype") {
         obj.insert("torch_dtype".into(), name.into());
     }
+    // The weights are written dequantized (GPT-OSS's MXFP4 experts, `mxfp4`): a
+    // `quantization_config` would make transformers look for packed tensors.
+    obj.remove("quantization_config");
     let mut out = serde_json::to_vec_pretty(&cfg).expect("a JSON value serializes");
     out.push(b'\n');
     Ok(out)

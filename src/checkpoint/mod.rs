@@ -4,6 +4,7 @@
 pub mod carried;
 pub mod export;
 pub mod master;
+pub mod mxfp4;
 pub mod pieces;
 pub mod state;
 pub mod writer;
@@ -94,16 +95,25 @@ pub fn check_writable(dir: &Path, key: &str) -> Result<()> {
 
 /// Loads every parameter of `layout` from the model dir into `master` (layout order),
 /// reading each tensor a piece at a time ([`pieces`]): the files are never mapped whole.
-/// Carried tensors are skipped ([`carried::Carried::read`] holds them).
+/// Carried tensors are skipped ([`carried::Carried::read`] holds them); MXFP4-packed expert
+/// weights (GPT-OSS as published) are dequantized ([`mxfp4`]).
 pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut MasterMut) -> Result<()> {
-    let mut want: HashMap<String, (std::ops::Range<usize>, Vec<usize>)> = layout
+    let mut want: mxfp4::Wanted = layout
         .tensors()
         .map(|(b, t)| (b.hf_name(t), (Layout::global_range(b, t), t.shape.clone())))
         .collect();
     let mut loaded: HashMap<String, PathBuf> = HashMap::new();
-    for file in weight_files(dir)? {
-        let reader = pieces::Reader::open(&file)?;
+    let readers = weight_files(dir)?
+        .iter()
+        .map(|f| pieces::Reader::open(f))
+        .collect::<Result<Vec<_>>>()?;
+    let packed = mxfp4::load(&readers, &mut want, &mut loaded, master)?;
+    for reader in &readers {
+        let file = reader.path().to_path_buf();
         for (name, info) in reader.tensors() {
+            if packed.contains(&name) {
+                continue;
+            }
             let Some((range, shape)) = want.remove(&name) else {
                 let ignorable = IGNORABLE_SUFFIXES.iter().any(|s| name.ends_with(s))
                     || (layout.tied_embeddings && name == layout.hf("lm_head.weight"))

@@ -101,6 +101,41 @@ impl Block {
             .into_owned()
     }
 
+    /// Every per-expert tensor of the block (`mlp.experts.{e}.gate_proj.weight`, e in 0..E)
+    /// as one [`ExpertStack`], in order of first appearance; empty for a block without
+    /// per-expert tensors (dense layers, GPT-OSS's fused experts).
+    pub fn expert_stacks(&self) -> Vec<ExpertStack> {
+        let mut stacks: Vec<ExpertStack> = Vec::new();
+        for t in &self.tensors {
+            let Some((name, e)) = expert_copy(&t.name) else {
+                continue;
+            };
+            match stacks.iter_mut().find(|s| s.name == name) {
+                None => {
+                    assert_eq!(e, 0, "the layout lists expert 0's `{name}` first");
+                    stacks.push(ExpertStack {
+                        name,
+                        offset: t.offset,
+                        stride: 0,
+                        experts: 1,
+                        shape: t.shape.clone(),
+                    });
+                }
+                Some(s) => {
+                    if e == 1 {
+                        s.stride = t.offset - s.offset;
+                    }
+                    assert!(
+                        e == s.experts && t.offset == s.offset + e * s.stride && t.shape == s.shape,
+                        "the layout places the experts' `{name}` in order at one stride"
+                    );
+                    s.experts += 1;
+                }
+            }
+        }
+        stacks
+    }
+
     /// The tensors that overlap `part` (a range of the block's elements, see
     /// [`Layout::grad_parts`]), each with the range of its own flat elements inside the
     /// part; the gaps between tensors belong to no tensor.
@@ -114,6 +149,43 @@ impl Block {
             (start < end).then(|| (t, start - t.offset..end - t.offset))
         })
     }
+}
+
+/// One tensor of every expert of a sparse block, `{head}.experts.{e}.{tail}` for e in
+/// 0..E. [`Layout::new`] lays the experts out one after another, each with the same tensor
+/// list, so the copies sit at a constant stride and read as one (E, ..shape) tensor
+/// without moving: what a grouped GEMM over all experts takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertStack {
+    /// The name without the expert index: `{head}.experts.{tail}`
+    /// (`mlp.experts.gate_proj.weight`).
+    pub name: String,
+    /// Element offset of expert 0's copy in the block.
+    pub offset: usize,
+    /// Elements from one expert's copy to the next.
+    pub stride: usize,
+    pub experts: usize,
+    /// One expert's shape.
+    pub shape: Vec<usize>,
+}
+
+impl ExpertStack {
+    /// The name of expert `e`'s copy.
+    pub fn member(&self, e: usize) -> String {
+        let (head, tail) = self
+            .name
+            .split_once(".experts.")
+            .expect("a stack name holds `.experts.`");
+        format!("{head}.experts.{e}.{tail}")
+    }
+}
+
+/// `{head}.experts.{e}.{tail}` -> (`{head}.experts.{tail}`, e).
+fn expert_copy(name: &str) -> Option<(String, usize)> {
+    let (head, rest) = name.split_once(".experts.")?;
+    let (e, tail) = rest.split_once('.')?;
+    let e = e.parse().ok()?;
+    Some((format!("{head}.experts.{tail}"), e))
 }
 
 /// Decoder layers with one structure: the same tensors at the same offsets.

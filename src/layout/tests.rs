@@ -176,6 +176,36 @@ fn moe_layers_hold_router_and_per_expert_tensors() {
         .map(|(_, t)| t.numel())
         .sum();
     assert_eq!(l.unrouted_params, one_expert);
+    // Each expert tensor's copies form a stack at one stride, in the block's order.
+    let b = &l.blocks[l.layer_block(1)];
+    let stacks = b.expert_stacks();
+    let names: Vec<&str> = stacks.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "block_sparse_moe.experts.w1.weight",
+            "block_sparse_moe.experts.w2.weight",
+            "block_sparse_moe.experts.w3.weight"
+        ]
+    );
+    for s in &stacks {
+        assert_eq!(s.experts, 3);
+        assert!(s.stride >= 3 * 88 * 48 && s.stride % TENSOR_ALIGN == 0);
+        for e in 0..3 {
+            let t = b.tensor(&s.member(e)).unwrap();
+            assert_eq!((t.offset, &t.shape), (s.offset + e * s.stride, &s.shape));
+        }
+    }
+    let qwen = spec(
+        "qwen2_moe",
+        r#","num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":20,"shared_expert_intermediate_size":24"#,
+    );
+    let l = Layout::new(&qwen);
+    let stacks = l.blocks[l.layer_block(0)].expert_stacks();
+    assert_eq!(stacks.len(), 3, "the shared expert is no stack");
+    assert_eq!(stacks[2].name, "mlp.experts.down_proj.weight");
+    assert_eq!(stacks[2].shape, [48, 20]);
+    assert!(l.blocks[Layout::EMBED].expert_stacks().is_empty());
 
     let gpt = spec(
         "gpt_oss",
@@ -201,6 +231,10 @@ fn moe_layers_hold_router_and_per_expert_tensors() {
         .sum();
     assert_eq!(l.unrouted_params, experts / 2);
     assert_eq!(Layout::new(&gpt).layer_groups.len(), 1);
+    assert!(
+        l.blocks[l.layer_block(0)].expert_stacks().is_empty(),
+        "fused, no stacks"
+    );
 }
 
 #[test]

@@ -393,19 +393,29 @@ fn attention_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     }
 }
 
-/// Mixture of experts over S = M * top_k routed slots: the router's f32 probabilities,
-/// the gathered inputs, each expert's MLP over its rows (all experts together: S rows),
-/// the outputs and their weighted f32 product; the shared expert where there is one.
+/// Mixture of experts over S = M * top_k routed (token, slot) pairs, as
+/// worker/src/model/experts.rs computes it on GPUs: grouped GEMMs over the pairs sorted by
+/// expert. Autograd keeps the router's f32 probabilities (and the aux loss's), the permuted
+/// tokens (S, H), the stacked expert activations (every expert's MLP over its rows: S rows
+/// of width I in all), the outputs back in (token, slot) order for the weighting, two int64
+/// permutations and, for GPT-OSS's biases, the rows' one-hot experts (S, E). The backward
+/// holds the weighting's and the un-permutation's (S, H) gradients, or the experts' (S, I)
+/// ones; the forward peaks at the weighting. The per-expert loop (CPU workers) holds the
+/// same tensors; its backward frees each expert's as it goes, so it needs a little less.
+/// Measured on CPU workers against this plan (tiny models, 16 x 1024 tokens, both ways):
+/// Qwen3-MoE within 0.5%, Mixtral-like widths grouped +4%, GPT-OSS +5%.
 fn moe_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     let (m, s) = (d.m, d.s);
     let moe = spec.moe.as_ref().expect("sparse layers have a MoE spec");
     let h = spec.hidden_size as u64;
+    let e = moe.num_experts as u64;
     let slots = m * moe.top_k as u64;
     let ie = moe.expert_intermediate_size as u64;
     let experts = match moe.names {
-        // Fused gate_up, the clamped halves, sigmoid, the GLU and its product.
+        // Fused gate_up, the clamped halves, sigmoid, the GLU and its product; the
+        // one-hot experts the biases are added through.
         ExpertNames::GptOssFused => LayerActs {
-            saved: 7 * slots * ie * s,
+            saved: 7 * slots * ie * s + slots * e * s,
             backward: 2 * slots * ie * s,
             forward: 3 * slots * ie * s,
         },
@@ -415,7 +425,7 @@ fn moe_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         | ExpertNames::Llama4Fused => dense_mlp(slots, ie, s),
     };
     let routing = LayerActs {
-        saved: m * moe.num_experts as u64 * (F32 + s) + 2 * slots * h * s,
+        saved: m * e * (F32 + s) + 2 * slots * h * s + 2 * 8 * slots,
         backward: slots * h * (F32 + s),
         forward: slots * h * (F32 + 3 * s),
     };

@@ -26,6 +26,7 @@
 
 mod common;
 mod deepseek_v3;
+mod experts;
 mod gated_delta;
 mod gemma;
 mod glm4;
@@ -263,9 +264,17 @@ pub fn logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
     common::logits(spec, h_mh, lm_head_vh)
 }
 
-/// The tensors of one layout block, as views into its flat buffer.
+/// The tensors of one layout block, as views into its flat buffer. Where the block's
+/// experts run grouped ([`experts::grouped`]), each per-expert tensor is one
+/// (E, rows, cols) stack over all experts instead (`Block::expert_stacks`), read with
+/// [`BlockWeights::get`] under the stack's name; the per-expert names then exist only for
+/// their gradients ([`BlockWeights::grad`]).
 pub struct BlockWeights {
     tensors: HashMap<String, Tensor>,
+    /// A per-expert tensor name -> (its stack's name, expert index).
+    in_stack: HashMap<String, (String, i64)>,
+    /// The block's experts run as grouped GEMMs.
+    grouped: bool,
 }
 
 impl BlockWeights {
@@ -280,23 +289,51 @@ impl BlockWeights {
     }
 
     fn build(flat: &Tensor, block: &Block, grad: bool) -> BlockWeights {
-        let tensors = block
-            .tensors
-            .iter()
-            .map(|t| {
-                let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
-                let v = flat
-                    .narrow(0, t.offset as i64, t.numel() as i64)
-                    .view(shape.as_slice());
-                let v = if grad {
-                    v.detach().set_requires_grad(true)
-                } else {
-                    v
-                };
-                (t.name.clone(), v)
-            })
-            .collect();
-        BlockWeights { tensors }
+        let leaf = |v: Tensor| match grad {
+            true => v.detach().set_requires_grad(true),
+            false => v,
+        };
+        let mut tensors = HashMap::new();
+        let mut in_stack = HashMap::new();
+        let stacks = block.expert_stacks();
+        let grouped = experts::grouped(block, &stacks, flat.kind(), flat.device());
+        if grouped {
+            for s in stacks {
+                let shape: Vec<i64> = s.shape.iter().map(|&d| d as i64).collect();
+                let (rows, cols) = (shape[0], shape[1]);
+                let span = (s.experts - 1) * s.stride + s.shape.iter().product::<usize>();
+                // (E, rows, cols) over the copies, in place: expert e's starts e * stride on.
+                let v = flat.narrow(0, s.offset as i64, span as i64).as_strided(
+                    [s.experts as i64, rows, cols],
+                    [s.stride as i64, cols, 1],
+                    None,
+                );
+                for e in 0..s.experts {
+                    in_stack.insert(s.member(e), (s.name.clone(), e as i64));
+                }
+                tensors.insert(s.name, leaf(v));
+            }
+        }
+        for t in &block.tensors {
+            if in_stack.contains_key(&t.name) {
+                continue;
+            }
+            let shape: Vec<i64> = t.shape.iter().map(|&d| d as i64).collect();
+            let v = flat
+                .narrow(0, t.offset as i64, t.numel() as i64)
+                .view(shape.as_slice());
+            tensors.insert(t.name.clone(), leaf(v));
+        }
+        BlockWeights {
+            tensors,
+            in_stack,
+            grouped,
+        }
+    }
+
+    /// Whether the block's experts run as grouped GEMMs over stacked weights.
+    pub fn grouped_experts(&self) -> bool {
+        self.grouped
     }
 
     /// The block's tensors plus `extra` (a layer's buffers, which the block does not hold).
@@ -318,6 +355,19 @@ impl BlockWeights {
         self.tensors.get(name)
     }
 
+    /// The gradient of tensor `name` (a view into its stack's for a stacked expert
+    /// tensor); None if it received none.
+    pub fn grad(&self, name: &str) -> Option<Tensor> {
+        let g = match self.in_stack.get(name) {
+            Some((stack, e)) => {
+                let g = self.get(stack).grad();
+                g.defined().then(|| g.select(0, *e))
+            }
+            None => Some(self.get(name).grad()),
+        };
+        g.filter(Tensor::defined)
+    }
+
     /// Copies the gradients inside `part` (a range of the block's elements,
     /// `Layout::grad_parts`) into `out`, the flat slab slot holding that part: each leaf's
     /// share at its offset in the part; a leaf that received no gradient is written as zeros.
@@ -325,11 +375,13 @@ impl BlockWeights {
         for (t, within) in block.part_tensors(part.clone()) {
             let (at, n) = (t.offset + within.start - part.start, within.len() as i64);
             let mut dst = out.narrow(0, at as i64, n);
-            let g = self.get(&t.name).grad();
-            if g.defined() {
-                dst.copy_(&g.reshape([-1]).narrow(0, within.start as i64, n));
-            } else {
-                let _ = dst.zero_();
+            match self.grad(&t.name) {
+                Some(g) => {
+                    dst.copy_(&g.reshape([-1]).narrow(0, within.start as i64, n));
+                }
+                None => {
+                    let _ = dst.zero_();
+                }
             }
         }
     }

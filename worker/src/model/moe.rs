@@ -2,10 +2,10 @@
 //! GPT-OSS, GLM-4.5, DeepSeek-V3 and Llama 4, as their `*SparseMoeBlock` / `*MoE` /
 //! `*Experts` / `*TopkRouter` modules compute it.
 //!
-//! Expert compute is batched per expert, never per token: the (token, slot) pairs are sorted
-//! by expert once, the tokens gathered once, each expert runs one matmul chain over its
-//! contiguous rows, and one `index_add` scatters the weighted outputs back. Autograd gives
-//! the backward (the worker recomputes each layer under grad).
+//! This file holds the router and the block around the experts; `experts.rs` runs the
+//! experts themselves (grouped GEMMs over all experts on GPUs, one matmul chain per expert
+//! as the reference). Autograd gives the backward (the worker recomputes each layer under
+//! grad).
 //!
 //! The router load-balancing loss ([`RouterAux`]) is transformers' `load_balancing_loss_func`
 //! over one micro-batch: with f_e the share of (unpadded token, slot) assignments that went
@@ -19,11 +19,11 @@
 
 use std::cell::RefCell;
 
-use mt::config::hf::{ExpertAct, ExpertNames, ModelSpec, MoeSpec, Router};
+use mt::config::hf::{ExpertNames, ModelSpec, MoeSpec, Router};
 use tch::{Device, Kind, Tensor};
 
-use super::common::{activation, gated_mlp_named, linear};
-use super::{BlockWeights, LayerCtx};
+use super::common::{gated_mlp_named, linear};
+use super::{BlockWeights, LayerCtx, experts};
 
 /// The router load-balancing loss of one micro-batch, added to the training loss with
 /// weight `router_aux_loss_coef * (this micro-batch's label tokens / the global batch's)`:
@@ -33,6 +33,8 @@ pub struct RouterAux {
     /// (N,) 1 for real tokens, 0 for padding (the attention mask).
     mask_n: Tensor,
     num_experts: i64,
+    /// Unpadded tokens of the micro-batch (counted on the host: no device read per layer).
+    tokens: f64,
     /// `coef * micro-batch share`, the weight of this micro-batch's aux loss.
     weight: f64,
     /// Counted by the forward pass over every sparse layer: top-k assignments per expert
@@ -66,9 +68,11 @@ impl RouterAux {
             .to_device(device);
         let e = m.num_experts as i64;
         let zeros = || RefCell::new(Tensor::zeros([e], (Kind::Float, device)));
+        let tokens = row_lens.iter().map(|&l| l.min(seq_len)).sum::<usize>() as f64;
         Some(RouterAux {
             mask_n,
             num_experts: e,
+            tokens,
             weight: m.router_aux_loss_coef * share,
             counts_e: zeros(),
             probs_e: zeros(),
@@ -97,7 +101,7 @@ impl RouterAux {
         *counts = counts.scatter_add(0, &chosen_nk.reshape([-1]), &slot_mask_s);
         let mut probs = self.probs_e.borrow_mut();
         *probs = &*probs + masked_e;
-        *self.rows.borrow_mut() += self.mask_n.sum(Kind::Float).double_value(&[]);
+        *self.rows.borrow_mut() += self.tokens;
     }
 
     /// The weighted aux loss of the micro-batch, once the forward pass has counted it.
@@ -124,7 +128,7 @@ pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &Layer
     let size = x_bth.size();
     let x_nh = x_bth.reshape([-1, size[2]]);
     let (weights_nk, experts_nk) = route(m, w, &x_nh, lc.aux);
-    let routed_nh = experts(spec, m, w, &x_nh, &weights_nk, &experts_nk);
+    let routed_nh = experts::routed(spec, m, w, &x_nh, &weights_nk, &experts_nk);
     let out_nh = match (m.shared_expert_intermediate_size, m.names) {
         (None, _) => routed_nh,
         (Some(_), ExpertNames::DeepSeek) => {
@@ -252,90 +256,5 @@ impl GroupLimit {
             weights_nk = &weights_nk / (weights_nk.sum_dim_intlist(-1, true, f32) + 1e-20);
         }
         (weights_nk * self.scaling, idx_nk)
-    }
-}
-
-/// Sum over each token's K experts of `weight * expert(x)`: (N, H) -> (N, H).
-fn experts(
-    spec: &ModelSpec,
-    m: &MoeSpec,
-    w: &BlockWeights,
-    x_nh: &Tensor,
-    weights_nk: &Tensor,
-    experts_nk: &Tensor,
-) -> Tensor {
-    let k = m.top_k as i64;
-    // Sort the S = N*K (token, slot) pairs by expert; each expert's rows are then contiguous.
-    let experts_s = experts_nk.reshape([-1]);
-    let order_s = experts_s.argsort_stable(true, 0, false);
-    // Rows per expert, on the host (one small device-to-host copy per layer).
-    let counts_e = experts_s
-        .bincount(None::<Tensor>, m.num_experts as i64)
-        .to_device(Device::Cpu);
-    let counts: Vec<i64> = Vec::try_from(&counts_e).expect("bincount is an int64 vector");
-    let token_s = order_s.divide_scalar_mode(k, "floor");
-    let weight_s = weights_nk.reshape([-1]).index_select(0, &order_s);
-    let x_sh = x_nh.index_select(0, &token_s);
-    // Llama 4's scores scale what enters each expert; the others' what leaves it.
-    let scales_input = m.router == Router::TopKSigmoidInput;
-    let x_sh = match scales_input {
-        true => x_sh * weight_s.unsqueeze(-1),
-        false => x_sh,
-    };
-    let mut outs = Vec::with_capacity(m.num_experts);
-    let mut start = 0;
-    for (e, &rows) in counts.iter().enumerate() {
-        if rows == 0 {
-            continue;
-        }
-        let x_mh = x_sh.narrow(0, start, rows);
-        outs.push(expert(spec, m, w, e, &x_mh));
-        start += rows;
-    }
-    let y_sh = Tensor::cat(&outs, 0);
-    // Weighted in the router weights' dtype (f32 for Mixtral), then cast, as transformers.
-    let y_sh = match scales_input {
-        true => y_sh,
-        false => (y_sh * weight_s.unsqueeze(-1)).to_kind(x_nh.kind()),
-    };
-    x_nh.zeros_like().index_add(0, &token_s, &y_sh)
-}
-
-/// Expert `e` on its rows: (M, H) -> (M, H).
-fn expert(spec: &ModelSpec, m: &MoeSpec, w: &BlockWeights, e: usize, x_mh: &Tensor) -> Tensor {
-    match m.names {
-        ExpertNames::GptOssFused => {
-            let ExpertAct::ClampedSwiglu { alpha, limit } = m.act else {
-                panic!("GPT-OSS experts use the clamped SwiGLU")
-            };
-            let ei = e as i64;
-            let gate_up_m2i = x_mh.matmul(&w.get("mlp.experts.gate_up_proj").get(ei))
-                + w.get("mlp.experts.gate_up_proj_bias").get(ei);
-            // Gate and up interleave along the last dim: even columns gate, odd up.
-            let i2 = gate_up_m2i.size()[1];
-            let gate_mi = gate_up_m2i.slice(1, 0, i2, 2).clamp_max(limit);
-            let up_mi = gate_up_m2i.slice(1, 1, i2, 2).clamp(-limit, limit);
-            let glu_mi = &gate_mi * (&gate_mi * alpha).sigmoid();
-            let h_mi = (up_mi + 1.0) * glu_mi;
-            h_mi.matmul(&w.get("mlp.experts.down_proj").get(ei))
-                + w.get("mlp.experts.down_proj_bias").get(ei)
-        }
-        ExpertNames::Mixtral => {
-            let p = format!("block_sparse_moe.experts.{e}");
-            let gate_mi = activation(&linear(x_mh, w, &format!("{p}.w1")), spec.hidden_act);
-            let up_mi = linear(x_mh, w, &format!("{p}.w3"));
-            linear(&(gate_mi * up_mi), w, &format!("{p}.w2"))
-        }
-        ExpertNames::Qwen | ExpertNames::DeepSeek => {
-            gated_mlp_named(w, spec, x_mh, &format!("mlp.experts.{e}"))
-        }
-        ExpertNames::Llama4Fused => {
-            let ei = e as i64;
-            let gate_up_m2i = x_mh.matmul(&w.get("feed_forward.experts.gate_up_proj").get(ei));
-            let i = gate_up_m2i.size()[1] / 2;
-            let gate_mi = activation(&gate_up_m2i.narrow(1, 0, i), spec.hidden_act);
-            let h_mi = gate_up_m2i.narrow(1, i, i) * gate_mi;
-            h_mi.matmul(&w.get("feed_forward.experts.down_proj").get(ei))
-        }
     }
 }

@@ -402,13 +402,12 @@ impl CudaStreamer {
             let dst =
                 self.regions
                     .slot_ptr(to.slot, t.offset + within.start - part.start, within.len());
-            let g = w.get(&t.name).grad();
-            if !g.defined() {
+            let Some(g) = w.grad(&t.name) else {
                 // SAFETY: the slot is owned by this worker until announced; `slot_ptr`
                 // checked that the range lies inside it.
                 unsafe { std::ptr::write_bytes(dst, 0, bytes) };
                 continue;
-            }
+            };
             if g.kind() != self.kind || g.numel() != t.numel() {
                 bail!(
                     "gradient of `{}` is {:?} x {}, the slab holds {:?} x {}",
