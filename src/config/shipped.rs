@@ -96,6 +96,32 @@ pub const SHIPPED: &[Shipped] = &[
     shipped!("gemma2-9b", ["google/gemma-2-9b", "google/gemma-2-9b-it"]),
     shipped!("phi3-mini", ["microsoft/Phi-3-mini-4k-instruct"]),
     shipped!("gpt-oss-20b", ["openai/gpt-oss-20b"]),
+    shipped!("qwen3.5-27b", ["Qwen/Qwen3.5-27B"]),
+    shipped!("qwen3.5-35b-a3b", ["Qwen/Qwen3.5-35B-A3B"]),
+    shipped!(
+        "olmo2-7b",
+        ["allenai/OLMo-2-1124-7B", "allenai/OLMo-2-1124-7B-Instruct"]
+    ),
+    shipped!("glm4-9b", ["zai-org/GLM-4-9B-0414", "THUDM/GLM-4-9B-0414"]),
+    shipped!(
+        "glm4.5-air",
+        ["zai-org/GLM-4.5-Air", "zai-org/GLM-4.5-Air-Base"]
+    ),
+    shipped!(
+        "deepseek-v3",
+        [
+            "deepseek-ai/DeepSeek-V3",
+            "deepseek-ai/DeepSeek-V3-Base",
+            "deepseek-ai/DeepSeek-V3-0324"
+        ]
+    ),
+    shipped!(
+        "llama4-scout",
+        [
+            "meta-llama/Llama-4-Scout-17B-16E",
+            "meta-llama/Llama-4-Scout-17B-16E-Instruct"
+        ]
+    ),
 ];
 
 /// The shipped architecture of hub id `id` (`org/name` or `org/name@revision`; the case

@@ -244,7 +244,8 @@ impl Engine {
         }
         for l in 0..layout.num_layers() {
             let flat = self.streamer.layer(layout, l, ready)?;
-            let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)]);
+            let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
+                .with(&self.buffers[l]);
             x_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
         }
         let head = self.streamer.head(layout, ready)?;

@@ -101,7 +101,12 @@ pub fn routed(
     // Llama 4's router scores scale what enters each expert; the others' what leaves it.
     let scales_input = m.router == Router::TopKSigmoidInput;
     let x_sh = match scales_input {
-        true => x_sh * weights_nk.reshape([-1]).index_select(0, &pair_s).unsqueeze(-1),
+        true => {
+            x_sh * weights_nk
+                .reshape([-1])
+                .index_select(0, &pair_s)
+                .unsqueeze(-1)
+        }
         false => x_sh,
     };
     let y_sh = match w.grouped_experts() {
