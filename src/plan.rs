@@ -63,7 +63,7 @@ pub struct HostPlan {
     pub params: u64,
     pub opts: HostOpts,
     /// fp32 master weights, or with a split master the residual low halves (the high
-    /// halves are the store).
+    /// halves are the store), or 0 with a bf16 master (the store is the master).
     pub master: u64,
     /// fp32 Adam first and second moments.
     pub adam: u64,
@@ -95,6 +95,7 @@ impl HostPlan {
             master: match opts.master {
                 MasterWeights::Float32 => 4 * elems,
                 MasterWeights::Split => 2 * elems,
+                MasterWeights::Bfloat16 => 0,
             },
             adam: 8 * elems,
             grad: opts.grad.size() as u64 * elems,
@@ -168,6 +169,11 @@ impl std::fmt::Display for HostPlan {
             MasterWeights::Split => writeln!(
                 f,
                 "  master low halves     {:>9.2} GB (split: high halves are the store)",
+                gb(self.master)
+            )?,
+            MasterWeights::Bfloat16 => writeln!(
+                f,
+                "  master weights        {:>9.2} GB (bfloat16: the store is the master)",
                 gb(self.master)
             )?,
         }
@@ -273,6 +279,23 @@ mod tests {
         assert_eq!(plan.per_param_state() - lean.per_param_state(), 4 * n);
         assert!(lean.bytes_per_param() < 14.01, "{}", lean.bytes_per_param());
         assert!(lean.to_string().contains("bf16 gradient"), "{lean}");
+        // A bf16 master saves the residual's 2 more: store 2 + m, v 8 + gradient 2.
+        let bf16_master = HostPlan::new(
+            &layout,
+            HostOpts {
+                grad: DType::Bfloat16,
+                master: MasterWeights::Bfloat16,
+                ..opts
+            },
+        );
+        assert_eq!(bf16_master.master, 0);
+        assert_eq!(
+            lean.per_param_state() - bf16_master.per_param_state(),
+            2 * n
+        );
+        let text = bf16_master.to_string();
+        assert!(text.contains("the store is the master"), "{text}");
+        assert!(bf16_master.bytes_per_param() < 12.01, "{text}");
 
         // A background-checkpoint snapshot adds 12 bytes per parameter to the total; a
         // host that lacks them runs without it, one that lacks more is short.

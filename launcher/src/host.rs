@@ -1,6 +1,8 @@
-//! Host-resident training state: the master weights (fp32, or split into the store and a
-//! residual), fp32 Adam moments, the gradient accumulator (fp32 or bf16), the shared
+//! Host-resident training state: the master weights (fp32, split into the store and a
+//! residual, or the bf16 store itself), fp32 Adam moments, the gradient accumulator (fp32 or bf16), the shared
 //! compute-dtype store and the workers' gradient slabs, all indexed by the one `Layout`.
+
+use std::sync::atomic::AtomicU64;
 
 use anyhow::{Context, Result};
 use half::bf16;
@@ -8,7 +10,7 @@ use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{DType, MasterWeights, OptimizerSection, RunConfig};
 use mt::layout::{Block, Layout};
-use mt::optim::{AdamWStep, adamw_update, adamw_update_split};
+use mt::optim::{AdamWStep, adamw_update, adamw_update_bf16_master, adamw_update_split};
 use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
 use mt::shm::huge::zeroed;
@@ -18,6 +20,11 @@ enum Master {
     F32(Vec<f32>),
     /// The low halves; the high halves are the bf16 store.
     Split(Vec<u16>),
+    /// The bf16 store is the master, rounded stochastically with bits from `seed`
+    /// (`training.seed`), the update count and each element's layout index.
+    Bf16 {
+        seed: u64,
+    },
 }
 
 /// The gradient accumulator (`memory.grad_dtype`).
@@ -38,10 +45,12 @@ pub struct HostState {
     updates: u64,
 }
 
-/// The bf16 store elements `r`; `memory.master_weights: split` is validated to come with
-/// a bf16 store.
+/// The bf16 store elements `r`; `memory.master_weights: split` and `bfloat16` are
+/// validated to come with a bf16 store.
 fn store_bf16(store: &mut Store, r: std::ops::Range<usize>) -> &mut [bf16] {
-    store.bf16_mut(r).expect("a split master has a bf16 store")
+    store
+        .bf16_mut(r)
+        .expect("a split or bf16 master has a bf16 store")
 }
 
 impl HostState {
@@ -56,6 +65,9 @@ impl HostState {
         let master = match cfg.memory.master_weights {
             MasterWeights::Float32 => Master::F32(zeroed(n)),
             MasterWeights::Split => Master::Split(zeroed(n)),
+            MasterWeights::Bfloat16 => Master::Bf16 {
+                seed: cfg.training.seed,
+            },
         };
         let slabs = GradSlabs::create(
             &format!("{tag}-slab"),
@@ -86,13 +98,20 @@ impl HostState {
         &mut self,
         fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
     ) -> Result<()> {
-        let mut master = master_mut(&mut self.master, &mut self.store, self.layout.total);
+        let rounded = AtomicU64::new(0);
+        let mut master = master_mut(
+            &mut self.master,
+            &mut self.store,
+            self.layout.total,
+            &rounded,
+        );
         fill(&self.layout, &mut master)?;
         self.sync_store();
         Ok(())
     }
 
-    /// Rewrites the store from an fp32 master (a split master's high halves are the store).
+    /// Rewrites the store from an fp32 master (a split master's high halves are the store,
+    /// a bf16 master is the store).
     fn sync_store(&mut self) {
         if let Master::F32(x) = &self.master {
             self.store.write_all(x);
@@ -164,6 +183,9 @@ impl HostState {
                 hi: self.store.bf16().expect("a split master has a bf16 store"),
                 lo,
             },
+            Master::Bf16 { .. } => {
+                MasterRef::Bf16(self.store.bf16().expect("a bf16 master has a bf16 store"))
+            }
         }
     }
 
@@ -176,12 +198,30 @@ impl HostState {
         }
     }
 
-    /// Loads a checkpoint's weights and Adam state and rewrites the store from them.
+    /// Loads a checkpoint's weights and Adam state and rewrites the store from them. A bf16
+    /// master reads a bf16-master checkpoint exactly; one saved with an fp32 master is
+    /// rounded to nearest even, and the log says so.
     pub fn restore(&mut self, dir: &std::path::Path) -> Result<TrainState> {
-        let master = master_mut(&mut self.master, &mut self.store, self.layout.total);
+        let rounded = AtomicU64::new(0);
+        let master = master_mut(
+            &mut self.master,
+            &mut self.store,
+            self.layout.total,
+            &rounded,
+        );
         let st = state::load(dir, &self.layout, master, &mut self.m, &mut self.v)?;
         self.updates = st.updates;
         self.sync_store();
+        let rounded = rounded.into_inner();
+        if rounded > 0 {
+            tracing::warn!(
+                rounded,
+                of = self.layout.total,
+                "the checkpoint's master weights are not all bf16 values (saved with an fp32 \
+                 master?): memory.master_weights: bfloat16 rounded them to nearest even, so the \
+                 run does not continue exactly as the saved one would have"
+            );
+        }
         Ok(st)
     }
 
@@ -220,13 +260,23 @@ impl HostState {
     }
 }
 
-/// Write access to the `n` master weights, whichever way they are held.
-fn master_mut<'a>(master: &'a mut Master, store: &'a mut Store, n: usize) -> MasterMut<'a> {
+/// Write access to the `n` master weights, whichever way they are held; a bf16 master counts
+/// the values it had to round in `rounded`.
+fn master_mut<'a>(
+    master: &'a mut Master,
+    store: &'a mut Store,
+    n: usize,
+    rounded: &'a AtomicU64,
+) -> MasterMut<'a> {
     match master {
         Master::F32(x) => MasterMut::F32(x),
         Master::Split(lo) => MasterMut::Split {
             hi: store_bf16(store, 0..n),
             lo,
+        },
+        Master::Bf16 { .. } => MasterMut::Bf16 {
+            p: store_bf16(store, 0..n),
+            rounded,
         },
     }
 }
@@ -269,6 +319,10 @@ fn update<G: GradElem>(
         Master::Split(lo) => {
             let hi = store_bf16(store, r.clone());
             adamw_update_split(hi, &mut lo[r], g, m, v, hp, decay)
+        }
+        Master::Bf16 { seed } => {
+            let p = store_bf16(store, r);
+            adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, start as u64)
         }
     }
 }

@@ -202,8 +202,8 @@ impl Supervisor {
             ": the host ran out of memory (the kernel's OOM killer ran {} time(s) during this run: \
              oom_kill in /proc/vmstat went from {before} to {now}). The launcher's plan holds \
              {:.2} GB (`mt-launch plan`), plus each worker's own memory; MemAvailable is {avail} \
-             now. Free host memory, or lower the bytes per parameter (memory.grad_dtype: bfloat16, \
-             memory.master_weights: split)",
+             now. Free host memory, or lower the bytes per parameter (memory.grad_dtype: bfloat16 with \
+             memory.master_weights: split for 14, or bfloat16 for 12)",
             now - before,
             gb(self.host_plan_bytes)
         )

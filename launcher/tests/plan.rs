@@ -34,8 +34,9 @@ fn plan_reports_bytes_per_parameter_for_qwen_7b() {
 }
 
 /// The bytes per parameter follow `memory.grad_dtype` and `memory.master_weights`: fp32
-/// master 4 (split: a 2-byte residual), Adam 8, gradient 4 or 2, bf16 store 2, over the
-/// layout's elements (with its alignment gaps) plus the store's header.
+/// master 4 (split: a 2-byte residual; bfloat16: none, the store is the master), Adam 8,
+/// gradient 4 or 2, bf16 store 2, over the layout's elements (with its alignment gaps) plus
+/// the store's header: 12.00 with a bf16 master and gradient.
 #[test]
 fn plan_bytes_follow_the_memory_options() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
@@ -48,6 +49,8 @@ fn plan_bytes_follow_the_memory_options() {
         ("bfloat16", "float32", 2.0, 4.0),
         ("float32", "split", 4.0, 2.0),
         ("bfloat16", "split", 2.0, 2.0),
+        ("float32", "bfloat16", 4.0, 0.0),
+        ("bfloat16", "bfloat16", 2.0, 0.0),
     ] {
         let grad_set = format!("memory.grad_dtype={grad}");
         let master_set = format!("memory.master_weights={master}");
@@ -76,6 +79,17 @@ fn plan_bytes_follow_the_memory_options() {
         );
         let grad_line = format!("{} gradient", if grad_b == 2.0 { "bf16" } else { "fp32" });
         assert!(text.contains(&grad_line), "{text}");
+        if master == "bfloat16" {
+            assert!(
+                text.contains(
+                    "master weights             0.00 GB (bfloat16: the store is the master)"
+                ),
+                "{text}"
+            );
+        }
+        if (grad, master) == ("bfloat16", "bfloat16") {
+            assert!(text.contains("= 12.00 bytes per parameter"), "{text}");
+        }
     }
 }
 

@@ -1,10 +1,13 @@
-//! The fp32 master weights as the trainer holds them (`memory.master_weights`): a plain fp32
-//! slice, or split into the bf16 store and a u16 residual ([`crate::optim::bits`]).
-//! Checkpoints and exports read and write fp32 values through these views, so their
-//! on-disk format is the same either way.
+//! The master weights as the trainer holds them (`memory.master_weights`): a plain fp32
+//! slice, split into the bf16 store and a u16 residual ([`crate::optim::bits`]), or the bf16
+//! store alone. Checkpoints and exports read and write fp32 values through these views, so
+//! their on-disk format is the same either way: a bf16 master is widened exactly, and fp32
+//! values written into one are rounded to nearest even (exact for values a bf16 master
+//! saved; [`MasterMut::Bf16`] counts the others).
 
 use std::borrow::Cow;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use half::bf16;
 use rayon::prelude::*;
@@ -17,7 +20,7 @@ const CHUNK: usize = 64 * 1024;
 pub use super::pieces::PIECE;
 
 thread_local! {
-    /// Each thread's fp32 piece for a split master, taken while in use (see
+    /// Each thread's fp32 piece for a split or bf16 master, taken while in use (see
     /// [`super::pieces::with_bytes`]).
     static SPLIT: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
@@ -26,14 +29,19 @@ thread_local! {
 #[derive(Clone, Copy)]
 pub enum MasterRef<'a> {
     F32(&'a [f32]),
-    Split { hi: &'a [bf16], lo: &'a [u16] },
+    Split {
+        hi: &'a [bf16],
+        lo: &'a [u16],
+    },
+    /// A bf16 master (`memory.master_weights: bfloat16`): the store itself.
+    Bf16(&'a [bf16]),
 }
 
 impl<'a> MasterRef<'a> {
     pub fn len(&self) -> usize {
         match self {
             MasterRef::F32(x) => x.len(),
-            MasterRef::Split { hi, .. } => hi.len(),
+            MasterRef::Split { hi, .. } | MasterRef::Bf16(hi) => hi.len(),
         }
     }
 
@@ -49,14 +57,15 @@ impl<'a> MasterRef<'a> {
                 hi: &hi[r.clone()],
                 lo: &lo[r],
             },
+            MasterRef::Bf16(x) => MasterRef::Bf16(&x[r]),
         }
     }
 
-    /// The fp32 values: borrowed when held as such, joined otherwise.
+    /// The fp32 values: borrowed when held as such, joined or widened otherwise.
     pub fn values(&self) -> Cow<'a, [f32]> {
         match *self {
             MasterRef::F32(x) => Cow::Borrowed(x),
-            MasterRef::Split { .. } => {
+            MasterRef::Split { .. } | MasterRef::Bf16(_) => {
                 let mut out = vec![0.0; self.len()];
                 self.read_into(&mut out);
                 Cow::Owned(out)
@@ -73,6 +82,10 @@ impl<'a> MasterRef<'a> {
                 .zip(x.par_chunks(CHUNK))
                 .for_each(|(d, s)| d.copy_from_slice(s)),
             MasterRef::Split { hi, lo } => bits::join_slice(hi, lo, out),
+            MasterRef::Bf16(x) => out
+                .par_chunks_mut(CHUNK)
+                .zip(x.par_chunks(CHUNK))
+                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32())),
         }
     }
 }
@@ -84,13 +97,19 @@ pub enum MasterMut<'a> {
         hi: &'a mut [bf16],
         lo: &'a mut [u16],
     },
+    /// A bf16 master: values written are rounded to nearest even, and those that were not
+    /// bf16 already are counted in `rounded`.
+    Bf16 {
+        p: &'a mut [bf16],
+        rounded: &'a AtomicU64,
+    },
 }
 
 impl MasterMut<'_> {
     pub fn len(&self) -> usize {
         match self {
             MasterMut::F32(x) => x.len(),
-            MasterMut::Split { hi, .. } => hi.len(),
+            MasterMut::Split { hi, .. } | MasterMut::Bf16 { p: hi, .. } => hi.len(),
         }
     }
 
@@ -100,8 +119,8 @@ impl MasterMut<'_> {
 
     /// Writes elements `r`, a piece of at most [`PIECE`] elements at a time (pieces start
     /// at `r.start`), in parallel: `f(first, out)` puts the fp32 values of elements
-    /// `first..first + out.len()` into `out`. An fp32 master is written in place; a split
-    /// one through a buffer of one piece per task, so no fp32 copy of the range exists.
+    /// `first..first + out.len()` into `out`. An fp32 master is written in place; a split or
+    /// bf16 one through a buffer of one piece per task, so no fp32 copy of the range exists.
     pub fn try_fill<E: Send>(
         &mut self,
         r: Range<usize>,
@@ -124,6 +143,22 @@ impl MasterMut<'_> {
                     for ((h, l), x) in h.iter_mut().zip(l.iter_mut()).zip(buf.iter()) {
                         (*h, *l) = bits::split(*x);
                     }
+                    SPLIT.set(buf);
+                    r
+                }),
+            MasterMut::Bf16 { p, rounded } => p[r.clone()]
+                .par_chunks_mut(PIECE)
+                .enumerate()
+                .try_for_each(|(i, p)| {
+                    let mut buf = SPLIT.take();
+                    buf.resize(p.len(), 0.0);
+                    let r = f(at(i), &mut buf);
+                    let mut inexact = 0;
+                    for (p, &x) in p.iter_mut().zip(buf.iter()) {
+                        *p = bits::round_bf16(x);
+                        inexact += u64::from(p.to_f32().to_bits() != x.to_bits() && !x.is_nan());
+                    }
+                    rounded.fetch_add(inexact, Ordering::Relaxed);
                     SPLIT.set(buf);
                     r
                 }),

@@ -5,7 +5,7 @@
 //! (config, weights in the run's dtype, sharded when large, tokenizer files; loadable by
 //! transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
 //! f32 in layout order, whatever `memory.master_weights`; written a chunk at a time, so a
-//! split master is joined without a copy of the model), `trainer_state.json`, and
+//! split master is joined, a bf16 one widened, without a copy of the model), `trainer_state.json`, and
 //! `COMPLETE`. A checkpoint is written into
 //! a hidden temporary directory, every file fsynced, the marker written last, then renamed
 //! into place; a directory without `COMPLETE` is never loaded, and pruning never deletes
@@ -219,7 +219,7 @@ fn write_optimizer(path: &Path, t: &Tensors) -> Result<()> {
 pub(super) fn append_f32(src: MasterRef<'_>, out: &mut Vec<u8>) {
     match src {
         MasterRef::F32(x) => out.extend_from_slice(f32_bytes(x)),
-        MasterRef::Split { .. } => {
+        MasterRef::Split { .. } | MasterRef::Bf16(_) => {
             let at = out.len();
             out.resize(at + 4 * src.len(), 0);
             for (d, x) in out[at..].chunks_exact_mut(4).zip(src.values().iter()) {

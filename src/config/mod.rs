@@ -368,8 +368,10 @@ pub struct MemorySection {
     pub grad_dtype: DType,
     /// `float32`: a separate fp32 master (4 bytes per parameter). `split`: the bf16 store
     /// is the master's high half and a 16-bit residual its low half (2 bytes per parameter
-    /// instead of 4); needs `model.dtype: bfloat16`. Checkpoints hold the fp32 master
-    /// either way.
+    /// instead of 4). `bfloat16`: no separate master, the bf16 store is the master (0
+    /// bytes), updated by AdamW with stochastic rounding seeded by `training.seed`
+    /// (12 bytes per parameter with `grad_dtype: bfloat16`). `split` and `bfloat16` need
+    /// `model.dtype: bfloat16`. Checkpoints hold fp32 master values either way.
     pub master_weights: MasterWeights,
 }
 
@@ -380,6 +382,8 @@ pub enum MasterWeights {
     #[default]
     Float32,
     Split,
+    /// The bf16 store alone, rounded stochastically ([`crate::optim::bits`]).
+    Bfloat16,
 }
 
 impl Default for MemorySection {
@@ -549,11 +553,17 @@ impl RunConfig {
                 ),
             ));
         }
-        if self.memory.master_weights == MasterWeights::Split && self.model.dtype != DType::Bfloat16
+        let master_in_store = match self.memory.master_weights {
+            MasterWeights::Float32 => None,
+            MasterWeights::Split => Some("split keeps the master's high half in the bf16 store"),
+            MasterWeights::Bfloat16 => Some("bfloat16 keeps the master in the bf16 store"),
+        };
+        if let Some(why) = master_in_store
+            && self.model.dtype != DType::Bfloat16
         {
             return Err(Error::invalid(
                 "memory.master_weights",
-                "split keeps the master's high half in the bf16 store: it needs model.dtype: bfloat16",
+                format!("{why}: it needs model.dtype: bfloat16"),
             ));
         }
         if let Some(d) = &self.model.devices {
@@ -785,6 +795,17 @@ mod tests {
         .unwrap();
         assert_eq!(c.memory.grad_dtype, DType::Bfloat16);
         assert_eq!(c.memory.master_weights, MasterWeights::Split);
+        let f32_bf16 = f32_split.replace("split", "bfloat16");
+        let e = parse(&f32_bf16).unwrap_err().to_string();
+        assert!(
+            e.contains("memory.master_weights") && e.contains("model.dtype"),
+            "{e}"
+        );
+        let c = parse(&format!(
+            "{OK}memory: {{grad_dtype: bfloat16, master_weights: bfloat16}}\n"
+        ))
+        .unwrap();
+        assert_eq!(c.memory.master_weights, MasterWeights::Bfloat16);
         assert_eq!(parse(OK).unwrap().memory.grad_dtype, DType::Float32);
         let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
         assert!(e.to_string().contains("dataset.path"), "{e}");
