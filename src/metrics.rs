@@ -102,9 +102,8 @@ pub enum Bound {
     /// Workers waited for weights to cross PCIe (`h2d_wait_s`): at this batch a layer's
     /// compute is shorter than its copy; a larger batch hides the copies.
     H2d,
-    /// Workers waited for free gradient slab slots (`slot_wait_s`): the host reduce, or
-    /// on GPU the gradient copies themselves, lag the backward; more
-    /// `memory.num_grad_slabs` or a larger batch help.
+    /// Workers waited for the launcher to free gradient slab slots (`slot_wait_s`): the
+    /// host reduce lags the backward; more `memory.num_grad_slabs` or a larger batch help.
     Reduce,
 }
 

@@ -160,8 +160,9 @@ pub struct WorkerTimings {
     pub h2d_wait_s: f64,
     /// Time spent copying gradients into the slab (device-to-host).
     pub d2h_s: f64,
-    /// Time the backward waited for a free slab slot (on GPU mostly the device itself:
-    /// the slots are held by in-flight gradient copies of layers still computing).
+    /// Time the backward waited for the launcher to free a slab slot (the host reduce
+    /// lagging); waiting for the worker's own in-flight gradient copies, which land only
+    /// when the device has computed their layers, is not counted.
     pub slot_wait_s: f64,
     /// Time the worker waited for the launcher's update of a block it was about to read
     /// (the previous step's AdamW running behind this step's forward).

@@ -5,19 +5,14 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
+use common::*;
 use mt::config::DatasetSection;
 use mt::data::{Dataset, IGNORE_INDEX};
 
 fn fixtures() -> PathBuf {
-    let dir = std::env::var_os("MT_DATA_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/data-fixtures"));
-    assert!(
-        dir.join("dataset_info.json").is_file(),
-        "no data fixtures in {}: run `.venv/bin/python scripts/make_data_fixtures.py --out target/data-fixtures` (scripts/test.sh does)",
-        dir.display()
-    );
-    dir
+    data_fixtures("dataset_info.json")
 }
 
 fn tiny_model() -> PathBuf {
@@ -35,21 +30,7 @@ fn load_with(yaml: &str, model: &Path) -> mt::error::Result<Dataset> {
 }
 
 fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
-    std::fs::read_to_string(fixtures().join(format!("expected_{name}.jsonl")))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            let ids = |k: &str| -> Vec<i32> {
-                v[k].as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_i64().unwrap() as i32)
-                    .collect()
-            };
-            (ids("input_ids"), ids("labels"))
-        })
-        .collect()
+    expected_rows(&fixtures(), name)
 }
 
 fn check(name: &str, extra: &str) {

@@ -11,7 +11,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::*;
@@ -90,18 +90,6 @@ fn two_workers_evaluate_as_one_worker_accumulating_two() {
     assert_eq!(bits(&two, "loss"), bits(&one, "loss"));
 }
 
-fn data_fixtures() -> PathBuf {
-    let dir = std::env::var_os("MT_DATA_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/data-fixtures"));
-    assert!(
-        dir.join("row_losses_alpaca_demo.json").is_file(),
-        "no data fixtures in {}: run `.venv/bin/python scripts/make_data_fixtures.py --out target/data-fixtures` (scripts/test.sh does)",
-        dir.display()
-    );
-    dir
-}
-
 /// What TensorBoard's EventAccumulator reads from `dir`: tag -> [(step, value)].
 fn read_tensorboard(dir: &Path) -> serde_json::Map<String, serde_json::Value> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -121,7 +109,7 @@ fn read_tensorboard(dir: &Path) -> serde_json::Map<String, serde_json::Value> {
 
 #[test]
 fn hub_dataset_with_val_size_and_tensorboard() {
-    let fx = data_fixtures();
+    let fx = data_fixtures("row_losses_alpaca_demo.json");
     let dir = scratch("eval-hub-tensorboard");
     let (tb, m) = (dir.join("tb"), dir.join("metrics.jsonl"));
     let config = dir.join("run.yaml");

@@ -8,6 +8,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
+mod common;
+
+use common::*;
 use mt::config::DatasetSection;
 use mt::data::{Dataset, Example};
 
@@ -15,14 +18,7 @@ use mt::data::{Dataset, Example};
 /// this first, so the variable is set before any test thread reads the environment.
 fn fixtures() -> PathBuf {
     static CACHE: Once = Once::new();
-    let dir = std::env::var_os("MT_DATA_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/data-fixtures"));
-    assert!(
-        dir.join("hub").is_dir(),
-        "no hub fixtures in {}: run `.venv/bin/python scripts/make_data_fixtures.py --out target/data-fixtures` (scripts/test.sh does)",
-        dir.display()
-    );
+    let dir = data_fixtures("hub");
     // SAFETY: set once, while every other test of this binary waits on the `Once`.
     CACHE.call_once(|| unsafe { std::env::set_var("HF_HUB_CACHE", dir.join("hub")) });
     dir
@@ -36,21 +32,7 @@ fn load(yaml: &str) -> mt::error::Result<Dataset> {
 }
 
 fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
-    std::fs::read_to_string(fixtures().join(format!("expected_{name}.jsonl")))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            let ids = |k: &str| -> Vec<i32> {
-                v[k].as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_i64().unwrap() as i32)
-                    .collect()
-            };
-            (ids("input_ids"), ids("labels"))
-        })
-        .collect()
+    expected_rows(&fixtures(), name)
 }
 
 fn assert_rows(what: &str, rows: &[Example], want: &[(Vec<i32>, Vec<i32>)]) {

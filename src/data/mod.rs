@@ -107,6 +107,12 @@ pub struct Dataset {
 /// Whether reading `ds` needs the model's tokenizer (any of its sources, training or
 /// eval, is text).
 pub fn needs_tokenizer(ds: &DatasetSection) -> Result<bool> {
+    let (train, eval) = train_and_eval_sources(ds)?;
+    Ok(train.iter().chain(&eval).any(|s| s.schema.is_some()))
+}
+
+/// The sources of the training set and of the eval set (none without one).
+fn train_and_eval_sources(ds: &DatasetSection) -> Result<(Vec<Source>, Vec<Source>)> {
     let train = sources(ds, ds.path.as_ref(), ds.name.as_deref(), "dataset.name")?;
     let eval = sources(
         ds,
@@ -114,7 +120,7 @@ pub fn needs_tokenizer(ds: &DatasetSection) -> Result<bool> {
         ds.eval_name.as_deref(),
         "dataset.eval_name",
     )?;
-    Ok(train.iter().chain(&eval).any(|s| s.schema.is_some()))
+    Ok((train, eval))
 }
 
 /// One registry entry or file to read, and how.
@@ -139,13 +145,7 @@ impl Dataset {
     /// or errors with `dataset.strict`. Holds out `val_size` samples (seeded by `seed`),
     /// then packs the training rows when asked (shuffled first, seeded by `seed`).
     pub fn load(ds: &DatasetSection, model_dir: &Path, vocab: usize, seed: u64) -> Result<Dataset> {
-        let train = sources(ds, ds.path.as_ref(), ds.name.as_deref(), "dataset.name")?;
-        let eval = sources(
-            ds,
-            ds.eval_path.as_ref(),
-            ds.eval_name.as_deref(),
-            "dataset.eval_name",
-        )?;
+        let (train, eval) = train_and_eval_sources(ds)?;
         let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
             true => Some(ChatTokenizer::from_model_dir(model_dir)?),
             false => None,

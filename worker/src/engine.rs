@@ -530,9 +530,7 @@ impl Engine {
         tm: &mut WorkerTimings,
     ) -> Result<()> {
         for (part, range) in self.layout.grad_parts(index, self.slot_len).enumerate() {
-            let t0 = Instant::now();
-            let slot = self.take_slot(link)?;
-            tm.slot_wait_s += t0.elapsed().as_secs_f64();
+            let slot = self.take_slot(link, tm)?;
             let to = Delivered {
                 micro: mi,
                 block: index,
@@ -561,17 +559,22 @@ impl Engine {
         Ok(())
     }
 
-    fn take_slot(&mut self, link: &Link) -> Result<usize> {
+    fn take_slot(&mut self, link: &Link, tm: &mut WorkerTimings) -> Result<usize> {
         let deadline = Instant::now() + WAIT_TIMEOUT;
         while self.ctl.free_slots.is_empty() {
             // Slots come back only after the launcher reduced them, which needs our
             // announcements: land and announce our own copies before blocking on it.
+            // Waiting for our copies is waiting for the device's backward (the host
+            // queues ahead of it), not for the reduce: only the launcher's part counts
+            // as the slot wait.
             if self.streamer.wait_oldest()? {
                 self.announce(link, false)?;
                 continue;
             }
+            let t0 = Instant::now();
             self.ctl
                 .receive(link.rx, deadline, "a free gradient slab slot")?;
+            tm.slot_wait_s += t0.elapsed().as_secs_f64();
         }
         Ok(self.ctl.free_slots.pop().expect("non-empty"))
     }

@@ -35,6 +35,40 @@ pub fn golden_dir() -> PathBuf {
     dir
 }
 
+/// The fixtures written by scripts/make_data_fixtures.py; `marker` is a path inside them
+/// that the caller needs (it names what is missing when they were not generated).
+pub fn data_fixtures(marker: &str) -> PathBuf {
+    let dir = std::env::var_os("MT_DATA_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/data-fixtures"));
+    assert!(
+        dir.join(marker).exists(),
+        "no data fixtures ({marker}) in {}: run `.venv/bin/python scripts/make_data_fixtures.py --out target/data-fixtures` (scripts/test.sh does)",
+        dir.display()
+    );
+    dir
+}
+
+/// The (input_ids, labels) rows transformers' tokenizer and chat template gave for fixture
+/// `name` (`expected_NAME.jsonl` in `dir`).
+pub fn expected_rows(dir: &Path, name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
+    std::fs::read_to_string(dir.join(format!("expected_{name}.jsonl")))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let ids = |k: &str| -> Vec<i32> {
+                v[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_i64().unwrap() as i32)
+                    .collect()
+            };
+            (ids("input_ids"), ids("labels"))
+        })
+        .collect()
+}
+
 /// A fresh directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))

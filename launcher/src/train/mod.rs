@@ -10,15 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
-use mt::config::hf::{AttentionKind, ModelSpec};
-use mt::config::{Init as InitKind, NanPolicy, RunConfig};
+use mt::config::hf::ModelSpec;
+use mt::config::{Init as InitKind, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
-use mt::layout::Layout;
 use mt::metrics::tensorboard::EventWriter;
-use mt::metrics::{
-    Bound, EvalMetrics, MetricsWriter, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
-};
-use mt::optim::{clip_coefficient, lr_at};
+use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
@@ -27,6 +23,8 @@ use crate::host::HostState;
 use crate::prepare::Prepared;
 use crate::progress::Progress;
 use crate::supervisor::{Event, Supervisor};
+
+mod step_end;
 
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
 #[derive(Debug)]
@@ -548,168 +546,6 @@ impl Trainer {
         }
         out.loss_sum = step_done.into_iter().flatten().sum();
         Ok(out)
-    }
-
-    /// Checkpoints after `done` steps (with `checkpoint.dir`): every `checkpoint.every_steps`
-    /// in the background, and at the `last` step (end of the run, or a stop signal) at
-    /// once, after the write in flight. A write that failed meanwhile fails the run.
-    fn checkpoint(&mut self, done: u64, last: bool) -> Result<()> {
-        let Some(writer) = self.writer.as_mut() else {
-            return Ok(());
-        };
-        let due = self.cfg.checkpoint.due(done, last);
-        let state = self
-            .host
-            .train_state(done, self.nan_run, schedule(&self.cfg));
-        let live = self.host.tensors();
-        let root = writer.root().display().to_string();
-        let failed =
-            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
-        let written = if let (true, Some(contents)) = (last, due) {
-            writer
-                .write_final(state, &live, contents)
-                .with_context(failed)?
-        } else if let Some(contents) = due {
-            let (waited, written) = writer.start(state, &live, contents).with_context(failed)?;
-            if self.cfg.checkpoint.background {
-                self.progress.println(&format!(
-                    "checkpoint of step {done}: snapshot taken in {waited:.3}s, writing in the background"
-                ));
-            }
-            written
-        } else {
-            writer.poll().with_context(failed)?.into_iter().collect()
-        };
-        for w in written {
-            self.progress.println(&format!(
-                "checkpoint {} written in {:.3}s",
-                w.dir.display(),
-                w.write_s
-            ));
-        }
-        Ok(())
-    }
-
-    /// Applies `training.nan_policy` to a step whose loss or gradient norm is not finite:
-    /// `abort` fails at once; `skip` lets the update be skipped, up to `max_nan_steps` in a row.
-    fn check_finite(
-        &mut self,
-        step: u64,
-        finite: bool,
-        out: &StepOutcome,
-        grad_norm: f64,
-    ) -> Result<()> {
-        if finite {
-            self.nan_run = 0;
-            return Ok(());
-        }
-        self.nan_run += 1;
-        let tc = &self.cfg.training;
-        let what = format!(
-            "step {}: loss sum {} and gradient norm {grad_norm} are not both finite",
-            step + 1,
-            out.loss_sum
-        );
-        match tc.nan_policy {
-            NanPolicy::Abort => bail!("{what} (training.nan_policy: abort)"),
-            NanPolicy::Skip if self.nan_run > tc.max_nan_steps => bail!(
-                "{what}; {} non-finite steps in a row exceed training.max_nan_steps ({})",
-                self.nan_run,
-                tc.max_nan_steps
-            ),
-            NanPolicy::Skip => {
-                tracing::warn!("{what}: update skipped ({} in a row)", self.nan_run);
-                Ok(())
-            }
-        }
-    }
-
-    /// Clip coefficient and learning rate for the update after `step` steps.
-    fn clip(&self, step: u64, grad_norm: f64) -> (f64, f32) {
-        let tc = &self.cfg.training;
-        (
-            lr_at(tc, step),
-            clip_coefficient(grad_norm, tc.max_grad_norm),
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn report(
-        &mut self,
-        step: u64,
-        plan: &StepPlan,
-        out: &StepOutcome,
-        grad_norm: f64,
-        lr: f64,
-        optimizer_s: f64,
-        step_time_s: f64,
-        eval: Option<EvalMetrics>,
-    ) -> Result<()> {
-        let layout = &self.host.layout;
-        let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
-        let params = layout.num_params() as u64;
-        // A token multiplies by its routed experts only; Gated DeltaNet layers have no
-        // quadratic attention (their delta rule is not counted: StepMetrics::tflops_model).
-        let matmul_params = if layout.tied_embeddings {
-            params
-        } else {
-            params - embed_table
-        } - layout.unrouted_params as u64;
-        let attention_layers = self.spec.layer_types.iter();
-        let attention_layers = attention_layers.filter(|k| **k != AttentionKind::Linear);
-        let flops = step_flops(
-            params,
-            matmul_params,
-            attention_layers.count() as u64,
-            (self.spec.num_heads * self.spec.head_dim) as u64,
-            plan.padded_tokens,
-            plan.real_tokens,
-            plan.causal_pairs,
-        );
-        let per_device_tflops = |f: f64| f / step_time_s / self.sup.world() as f64 / 1e12;
-        let m = StepMetrics {
-            step: step + 1,
-            loss: out.loss_sum / plan.tokens.max(1) as f64,
-            lr,
-            grad_norm,
-            tokens: plan.tokens,
-            step_time_s,
-            tokens_per_s: plan.tokens as f64 / step_time_s,
-            forward_s: out.slowest.forward_s,
-            backward_s: out.slowest.backward_s,
-            slot_wait_s: out.slowest.slot_wait_s,
-            reduce_s: out.reduce_s,
-            optimizer_s,
-            h2d_wait_s: out.slowest.h2d_wait_s,
-            d2h_s: out.slowest.d2h_s,
-            update_wait_s: out.slowest.update_wait_s,
-            bound: Bound::of(
-                step_time_s,
-                out.slowest.update_wait_s,
-                out.slowest.h2d_wait_s,
-                out.slowest.slot_wait_s,
-            ),
-            peak_gpu_bytes: out.slowest.peak_device_bytes,
-            gpu_context_bytes: out.slowest.context_device_bytes,
-            launcher_rss_bytes: rss_bytes(),
-            launcher_peak_rss_bytes: peak_rss_bytes(),
-            startup_s: self.startup_s.take(),
-            tflops_megatrain: per_device_tflops(flops.megatrain),
-            tflops_model: per_device_tflops(flops.model),
-            skipped: out.skipped,
-            eval,
-        };
-        if !m.loss.is_finite() {
-            tracing::warn!(step = m.step, "non-finite loss");
-        }
-        if let Some(w) = self.metrics.as_mut() {
-            w.write(&m)?;
-        }
-        if let Some(tb) = self.tensorboard.as_mut() {
-            tb.step(&m)?;
-        }
-        self.progress.step(&m, self.cfg.training.num_steps);
-        Ok(())
     }
 }
 
