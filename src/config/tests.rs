@@ -1,0 +1,139 @@
+//! Unit tests of the run config: parsing, validation, overrides, path resolution.
+
+use super::*;
+
+fn parse(yaml: &str) -> Result<RunConfig> {
+    let dir = std::env::temp_dir().join(format!("mt-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(format!(
+        "{:x}.yaml",
+        yaml.len() * 31 + yaml.as_bytes()[0] as usize
+    ));
+    std::fs::write(&p, yaml).unwrap();
+    RunConfig::load(&p, &[])
+}
+
+const OK: &str = "model: {path: m}\ndataset: {format: tokenized, path: d.jsonl}\n";
+
+#[test]
+fn checkpoints_are_due_full_or_model_only() {
+    use CheckpointContents::{Full, ModelOnly};
+    let mut ck = CheckpointSection {
+        dir: Some("ck".into()),
+        every_steps: 10,
+        ..CheckpointSection::default()
+    };
+    assert_eq!(ck.due(10, false), Some(Full));
+    assert_eq!(ck.due(15, false), None);
+    assert_eq!(ck.due(15, true), Some(Full));
+    ck.full_state_every_steps = 30;
+    assert_eq!(ck.due(10, false), Some(ModelOnly));
+    assert_eq!(ck.due(30, false), Some(Full));
+    assert_eq!(ck.due(45, false), None);
+    assert_eq!(ck.due(45, true), Some(Full));
+    ck.full_state_every_steps = 0;
+    ck.save_optimizer = false;
+    assert_eq!(ck.due(10, false), Some(ModelOnly));
+    assert_eq!(ck.due(11, true), Some(ModelOnly));
+    assert!(!ck.periodic_full_state());
+    ck.dir = None;
+    assert_eq!(ck.due(10, true), None);
+}
+
+#[test]
+fn minimal_config_gets_defaults_and_resolved_paths() {
+    let c = parse(OK).unwrap();
+    assert_eq!(c.training.batch_size, 8);
+    assert!(c.dataset.shuffle);
+    assert_eq!(c.model.dtype, DType::Bfloat16);
+    assert!(c.model.path.is_absolute() || c.model.path.starts_with(std::env::temp_dir()));
+}
+
+#[test]
+fn unknown_key_is_named_with_its_section() {
+    let e = parse(&format!("{OK}training: {{batch_sise: 4}}\n")).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("training.batch_sise"), "{msg}");
+    assert!(msg.contains("unknown field"), "{msg}");
+    assert!(msg.contains("did you mean `batch_size`?"), "{msg}");
+    let e = parse(&format!("{OK}optimizer: {{type: adam}}\n")).unwrap_err();
+    assert!(e.to_string().contains("did you mean `adamw`?"), "{e}");
+}
+
+#[test]
+fn megatrain_keys_are_accepted() {
+    let c = parse(
+        "model: {path: m, attn_implementation: flash_attention_2, trust_remote_code: true, devices: [1, 0]}\n\
+         dataset: {name: alpaca_demo, dataset_dir: d, system_prompt: hi, train_on_prompt: true, num_workers: 2}\n\
+         optimizer: {type: adamw}\nmemory: {checkpoint_interval: 1, num_grad_slabs: 2}\n",
+    )
+    .unwrap();
+    assert_eq!(c.model.devices, Some(vec![1, 0]));
+    assert!(c.dataset.dataset_dir.ends_with("d"));
+    let e = parse(&format!("{OK}memory: {{checkpoint_interval: 2}}\n")).unwrap_err();
+    assert!(e.to_string().contains("memory.checkpoint_interval"), "{e}");
+    let e = parse(&format!("{OK}memory: {{grad_dtype: float16}}\n")).unwrap_err();
+    assert!(e.to_string().contains("memory.grad_dtype"), "{e}");
+    let e = parse(&format!("{OK}memory: {{master_weights: bf16}}\n")).unwrap_err();
+    assert!(e.to_string().contains("memory.master_weights"), "{e}");
+    let f32_split = "model: {path: m, dtype: float32}\ndataset: {format: tokenized, path: d.jsonl}\n\
+                     memory: {master_weights: split}\n";
+    let e = parse(f32_split).unwrap_err();
+    assert!(e.to_string().contains("memory.master_weights"), "{e}");
+    let c = parse(&format!(
+        "{OK}memory: {{grad_dtype: bfloat16, master_weights: split}}\n"
+    ))
+    .unwrap();
+    assert_eq!(c.memory.grad_dtype, DType::Bfloat16);
+    assert_eq!(c.memory.master_weights, MasterWeights::Split);
+    let f32_bf16 = f32_split.replace("split", "bfloat16");
+    let e = parse(&f32_bf16).unwrap_err().to_string();
+    assert!(
+        e.contains("memory.master_weights") && e.contains("model.dtype"),
+        "{e}"
+    );
+    let c = parse(&format!(
+        "{OK}memory: {{grad_dtype: bfloat16, master_weights: bfloat16}}\n"
+    ))
+    .unwrap();
+    assert_eq!(c.memory.master_weights, MasterWeights::Bfloat16);
+    assert_eq!(parse(OK).unwrap().memory.grad_dtype, DType::Float32);
+    let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
+    assert!(e.to_string().contains("dataset.path"), "{e}");
+}
+
+#[test]
+fn wrong_type_is_named() {
+    let e = parse(&format!("{OK}training: {{num_steps: many}}\n")).unwrap_err();
+    assert!(e.to_string().contains("training.num_steps"), "{e}");
+}
+
+#[test]
+fn malformed_yaml_says_so() {
+    let e = parse("model: {path: [\n").unwrap_err();
+    assert!(e.to_string().contains("malformed YAML"), "{e}");
+}
+
+#[test]
+fn validation_names_key() {
+    let e = parse(&format!("{OK}training: {{learning_rate: -1.0}}\n")).unwrap_err();
+    assert!(e.to_string().contains("training.learning_rate"), "{e}");
+}
+
+#[test]
+fn overrides_create_and_type_values() {
+    let mut v: Value = serde_yaml_ng::from_str(OK).unwrap();
+    apply_override(&mut v, "training.num_steps=3").unwrap();
+    apply_override(&mut v, "optimizer.eps=1e-6").unwrap();
+    let c: RunConfig = serde_yaml_ng::from_value(v).unwrap();
+    assert_eq!(c.training.num_steps, 3);
+    assert_eq!(c.optimizer.eps, 1e-6);
+    assert!(apply_override(&mut Value::Null, "nokey").is_err());
+}
+
+#[test]
+fn batch_must_divide() {
+    let c = parse(OK).unwrap();
+    assert!(c.validate_world(3).is_err());
+    assert!(c.validate_world(4).is_ok());
+}
