@@ -295,7 +295,13 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
     let excess = all.len().saturating_sub(keep.max(1));
     for (step, path) in &all[..excess] {
         if Some(*step) != newest_full {
-            std::fs::remove_dir_all(path).map_err(io(path))?;
+            // Renamed first (atomic), so that a process killed mid-delete leaves a
+            // temporary directory that `remove_stale` clears, never a `step-N` directory
+            // half deleted.
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("step");
+            let doomed = root.join(format!("{TMP_PREFIX}pruned-{name}-{}", std::process::id()));
+            std::fs::rename(path, &doomed).map_err(io(path))?;
+            std::fs::remove_dir_all(&doomed).map_err(io(&doomed))?;
         }
     }
     Ok(())
