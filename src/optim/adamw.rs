@@ -11,6 +11,14 @@
 //! [`adamw_update_bf16_master`] updates a bf16 master in place with stochastic rounding
 //! (`memory.master_weights: bfloat16`, 22 bytes moved per parameter with a bf16 gradient).
 //!
+//! An update can also run in two passes ([`Moments`]): the weights and the store first
+//! (`Moments::Keep`: m and v are read, not written), the moments later ([`adamw_moments`]).
+//! Together they give the bits of one pass. The first is what the next step's forward
+//! waits for; it moves 18 bytes per parameter where the whole update moves 26 (split
+//! master, bf16 gradient), and the second (18 more) runs while the GPUs compute. The
+//! `Keep` pass runs the one-pass kernels on copies of the moments made a few KiB at a
+//! time, so the copies live in cache and memory sees m and v read only.
+//!
 //! The update is memory-bound, so the kernels aim at moving bytes, not at saving flops.
 //! Bytes per parameter moved (reads + writes, the store's write included): fp32 master and
 //! grad 30; bf16 grad 28; split master with bf16 grad 26 (store 2 + residual 2 + grad 2 +
@@ -28,6 +36,9 @@
 //! Measured (benches/results/host_*): 1.08x torch's fused CPU step on 2 cores with the bf16
 //! store written on top; where DRAM, not the core, is the limit, expect the byte ratio
 //! (28/30 against torch's step alone, 36/30 against step + bf16 copy).
+
+use std::cell::RefCell;
+use std::ops::Range;
 
 use half::bf16;
 use rayon::prelude::*;
@@ -56,6 +67,50 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// Whether an update writes the Adam moments back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moments {
+    /// The whole update: weights, store, m and v.
+    Write,
+    /// Weights and store only: m and v are read, not changed. [`adamw_moments`] with the
+    /// same step completes the update; the two give the bits of one `Write` update.
+    Keep,
+}
+
+/// Elements per cache-resident copy of the moments in a `Moments::Keep` update (32 KiB
+/// each for m and v). A multiple of 32, like [`CHUNK`].
+const KEEP_PIECE: usize = 8 * 1024;
+
+thread_local! {
+    /// Per-thread copies of m and v for `Moments::Keep` updates.
+    static KEPT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Calls `f(range, m, v)` over `m` and `v`: once, on themselves, for `Write`; for `Keep`,
+/// piece by piece on copies that are dropped afterwards, so what `f` writes to them never
+/// reaches `m` and `v`.
+fn with_moments(
+    moments: Moments,
+    m: &mut [f32],
+    v: &mut [f32],
+    mut f: impl FnMut(Range<usize>, &mut [f32], &mut [f32]),
+) {
+    match moments {
+        Moments::Write => f(0..m.len(), m, v),
+        Moments::Keep => KEPT.with_borrow_mut(|kept| {
+            kept.resize(2 * KEEP_PIECE, 0.0);
+            let (km, kv) = kept.split_at_mut(KEEP_PIECE);
+            for start in (0..m.len()).step_by(KEEP_PIECE) {
+                let r = start..(start + KEEP_PIECE).min(m.len());
+                let (km, kv) = (&mut km[..r.len()], &mut kv[..r.len()]);
+                km.copy_from_slice(&m[r.clone()]);
+                kv.copy_from_slice(&v[r.clone()]);
+                f(r, km, kv);
+            }
+        }),
+    }
+}
+
 /// Where the updated weights are also written, in the store's dtype.
 pub enum StoreOut<'a> {
     F32(&'a mut [f32]),
@@ -72,6 +127,7 @@ impl StoreOut<'_> {
 }
 
 /// Updates one tensor. `decay` says whether weight decay applies (tensors with >= 2 dims).
+#[allow(clippy::too_many_arguments)]
 pub fn adamw_update<G: GradElem>(
     param: &mut [f32],
     grad: &[G],
@@ -80,20 +136,15 @@ pub fn adamw_update<G: GradElem>(
     store: StoreOut<'_>,
     hp: &AdamWStep,
     decay: bool,
+    moments: Moments,
 ) {
-    update_with(
-        Simd::get(),
-        param,
-        grad,
-        m,
-        v,
-        store,
-        &Consts::new(hp, decay),
-    );
+    let k = &Consts::new(hp, decay);
+    update_with(Simd::get(), param, grad, m, v, store, k, moments);
 }
 
 /// Updates one tensor of a split master: `hi` is its bf16 store, `lo` the residual
 /// ([`bits::split`]). The same bits as joining, [`adamw_update`] and splitting again.
+#[allow(clippy::too_many_arguments)]
 pub fn adamw_update_split<G: GradElem>(
     hi: &mut [bf16],
     lo: &mut [u16],
@@ -102,8 +153,25 @@ pub fn adamw_update_split<G: GradElem>(
     v: &mut [f32],
     hp: &AdamWStep,
     decay: bool,
+    moments: Moments,
 ) {
-    update_split_with(Simd::get(), hi, lo, grad, m, v, &Consts::new(hp, decay));
+    let k = &Consts::new(hp, decay);
+    update_split_with(Simd::get(), hi, lo, grad, m, v, k, moments);
+}
+
+/// The second pass of a two-pass update ([`Moments::Keep`]): m and v of one tensor, as
+/// the one-pass update leaves them.
+pub fn adamw_moments<G: GradElem>(grad: &[G], m: &mut [f32], v: &mut [f32], hp: &AdamWStep) {
+    let n = grad.len();
+    assert!(m.len() == n && v.len() == n);
+    let k = &Consts::new(hp, false);
+    if n <= CHUNK {
+        return moments_portable(grad, m, v, k);
+    }
+    grad.par_chunks(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .for_each(|((g, m), v)| moments_portable(g, m, v, k));
 }
 
 /// Updates one tensor of a bf16 master (`memory.master_weights: bfloat16`): `p` is its bf16
@@ -121,17 +189,21 @@ pub fn adamw_update_bf16_master<G: GradElem>(
     decay: bool,
     seed: u64,
     first: u64,
+    moments: Moments,
 ) {
     let n = p.len();
     assert!(grad.len() == n && m.len() == n && v.len() == n);
     let k = Consts::new(hp, decay);
     let chunk = |i: usize, p: &mut [bf16], g: &[G], m: &mut [f32], v: &mut [f32]| {
-        let base = first + (i * CHUNK) as u64;
-        for j in 0..p.len() {
-            let pj = adam1(p[j].to_f32(), g[j].to_f32(), &mut m[j], &mut v[j], &k);
-            let r = bits::rounding_bits(seed, hp.step, base + j as u64);
-            p[j] = bits::stochastic_round_bf16(pj, r);
-        }
+        with_moments(moments, m, v, |r, m, v| {
+            let base = first + (i * CHUNK + r.start) as u64;
+            let (p, g) = (&mut p[r.clone()], &g[r]);
+            for j in 0..p.len() {
+                let pj = adam1(p[j].to_f32(), g[j].to_f32(), &mut m[j], &mut v[j], &k);
+                let r = bits::rounding_bits(seed, hp.step, base + j as u64);
+                p[j] = bits::stochastic_round_bf16(pj, r);
+            }
+        })
     };
     p.par_chunks_mut(CHUNK)
         .zip(grad.par_chunks(CHUNK))
@@ -141,6 +213,7 @@ pub fn adamw_update_bf16_master<G: GradElem>(
         .for_each(|(i, (((p, g), m), v))| chunk(i, p, g, m, v));
 }
 
+#[allow(clippy::too_many_arguments)]
 fn update_split_with<G: GradElem>(
     simd: Simd,
     hi: &mut [bf16],
@@ -149,18 +222,25 @@ fn update_split_with<G: GradElem>(
     m: &mut [f32],
     v: &mut [f32],
     k: &Consts,
+    moments: Moments,
 ) {
     let n = hi.len();
     assert!(lo.len() == n && grad.len() == n && m.len() == n && v.len() == n);
+    let chunk = |hi: &mut [bf16], lo: &mut [u16], g: &[G], m: &mut [f32], v: &mut [f32]| {
+        with_moments(moments, m, v, |r, m, v| {
+            let (hi, lo, g) = (&mut hi[r.clone()], &mut lo[r.clone()], &g[r]);
+            update_chunk_split(simd, hi, lo, g, m, v, k)
+        })
+    };
     if n <= CHUNK {
-        return update_chunk_split(simd, hi, lo, grad, m, v, k);
+        return chunk(hi, lo, grad, m, v);
     }
     hi.par_chunks_mut(CHUNK)
         .zip(lo.par_chunks_mut(CHUNK))
         .zip(grad.par_chunks(CHUNK))
         .zip(m.par_chunks_mut(CHUNK))
         .zip(v.par_chunks_mut(CHUNK))
-        .for_each(|((((hi, lo), g), m), v)| update_chunk_split(simd, hi, lo, g, m, v, k));
+        .for_each(|((((hi, lo), g), m), v)| chunk(hi, lo, g, m, v));
 }
 
 fn update_chunk_split<G: GradElem>(
@@ -179,6 +259,7 @@ fn update_chunk_split<G: GradElem>(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn update_with<G: GradElem>(
     simd: Simd,
     param: &mut [f32],
@@ -187,14 +268,27 @@ fn update_with<G: GradElem>(
     v: &mut [f32],
     store: StoreOut<'_>,
     k: &Consts,
+    moments: Moments,
 ) {
     let n = param.len();
     assert!(grad.len() == n && m.len() == n && v.len() == n && store.len() == n);
+    let f32_chunk = |p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], s: &mut [f32]| {
+        with_moments(moments, m, v, |r, m, v| {
+            let (p, g, s) = (&mut p[r.clone()], &g[r.clone()], &mut s[r]);
+            update_chunk_f32(simd, p, g, m, v, s, k)
+        })
+    };
+    let bf16_chunk = |p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], s: &mut [bf16]| {
+        with_moments(moments, m, v, |r, m, v| {
+            let (p, g, s) = (&mut p[r.clone()], &g[r.clone()], &mut s[r]);
+            update_chunk_bf16(simd, p, g, m, v, s, k)
+        })
+    };
     if n <= CHUNK {
         // One task: stay on the caller's thread (small tensors: norms, biases).
         return match store {
-            StoreOut::F32(s) => update_chunk_f32(simd, param, grad, m, v, s, k),
-            StoreOut::Bf16(s) => update_chunk_bf16(simd, param, grad, m, v, s, k),
+            StoreOut::F32(s) => f32_chunk(param, grad, m, v, s),
+            StoreOut::Bf16(s) => bf16_chunk(param, grad, m, v, s),
         };
     }
     let parts = param
@@ -205,10 +299,10 @@ fn update_with<G: GradElem>(
     match store {
         StoreOut::F32(s) => parts
             .zip(s.par_chunks_mut(CHUNK))
-            .for_each(|((((p, g), m), v), s)| update_chunk_f32(simd, p, g, m, v, s, k)),
+            .for_each(|((((p, g), m), v), s)| f32_chunk(p, g, m, v, s)),
         StoreOut::Bf16(s) => parts
             .zip(s.par_chunks_mut(CHUNK))
-            .for_each(|((((p, g), m), v), s)| update_chunk_bf16(simd, p, g, m, v, s, k)),
+            .for_each(|((((p, g), m), v), s)| bf16_chunk(p, g, m, v, s)),
     }
 }
 
@@ -281,15 +375,30 @@ impl Consts {
 /// bodies perform exactly these operations in this order.
 #[inline(always)]
 fn adam1(p: f32, g: f32, m: &mut f32, v: &mut f32, k: &Consts) -> f32 {
-    let gi = g * k.grad_scale;
     let pi = p * k.decay_mul;
-    // torch's lerp with weight < 0.5: m + w (g - m).
-    let mi = *m + k.one_minus_b1 * (gi - *m);
-    let vi = *v * k.b2 + k.one_minus_b2 * gi * gi;
+    let (mi, vi) = moments1(g, *m, *v, k);
     let denom = vi.sqrt() * k.inv_bc2_sqrt + k.eps;
     *m = mi;
     *v = vi;
     pi - k.step_size * (mi / denom)
+}
+
+/// The new m and v of one element (what [`adam1`] and the SIMD bodies compute).
+#[inline(always)]
+fn moments1(g: f32, m: f32, v: f32, k: &Consts) -> (f32, f32) {
+    let gi = g * k.grad_scale;
+    // torch's lerp with weight < 0.5: m + w (g - m).
+    let mi = m + k.one_minus_b1 * (gi - m);
+    let vi = v * k.b2 + k.one_minus_b2 * gi * gi;
+    (mi, vi)
+}
+
+/// The moments pass over one chunk; a plain loop the compiler vectorizes (no FMA
+/// contraction in Rust, so the same bits at any vector width).
+fn moments_portable<G: GradElem>(g: &[G], m: &mut [f32], v: &mut [f32], k: &Consts) {
+    for ((g, m), v) in g.iter().zip(m.iter_mut()).zip(v.iter_mut()) {
+        (*m, *v) = moments1(g.to_f32(), *m, *v, k);
+    }
 }
 
 /// The reference loop.

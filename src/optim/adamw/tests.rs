@@ -48,6 +48,7 @@ fn matches_the_algorithm_over_several_steps() {
             StoreOut::Bf16(&mut s),
             &hp,
             true,
+            Moments::Write,
         );
         for i in 0..n {
             (rp[i], rm[i], rv[i]) = reference(rp[i], g[i] as f64, rm[i], rv[i], &hp, true);
@@ -84,6 +85,7 @@ fn no_decay_for_vectors() {
         StoreOut::F32(&mut s),
         &hp,
         false,
+        Moments::Write,
     );
     assert_eq!(p[0], 1.0);
     adamw_update(
@@ -94,6 +96,7 @@ fn no_decay_for_vectors() {
         StoreOut::F32(&mut s),
         &hp,
         true,
+        Moments::Write,
     );
     assert!((p[0] - 0.95).abs() < 1e-7);
 }
@@ -138,6 +141,7 @@ fn simd_paths_match_portable_bit_for_bit() {
                 &mut v[off..],
                 StoreOut::Bf16(&mut sb[off..]),
                 &k,
+                Moments::Write,
             );
             let (mut p2, mut m2, mut v2) = (p0.clone(), m0.clone(), v0.clone());
             update_with(
@@ -148,6 +152,7 @@ fn simd_paths_match_portable_bit_for_bit() {
                 &mut v2[off..],
                 StoreOut::F32(&mut sf[off..]),
                 &k,
+                Moments::Write,
             );
             assert_eq!(p, p2);
             let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -214,9 +219,9 @@ fn bf16_gradient_is_the_widened_gradient() {
                 let (p_, m_, v_) = (&mut p[off..], &mut m[off..], &mut v[off..]);
                 let out = StoreOut::Bf16(&mut s[off..]);
                 if bf {
-                    update_with(simd, p_, &gb[off..], m_, v_, out, &k);
+                    update_with(simd, p_, &gb[off..], m_, v_, out, &k, Moments::Write);
                 } else {
-                    update_with(simd, p_, &gf[off..], m_, v_, out, &k);
+                    update_with(simd, p_, &gf[off..], m_, v_, out, &k, Moments::Write);
                 }
                 (bits32(&p), bits32(&m), bits32(&v), s)
             };
@@ -247,9 +252,27 @@ fn split_update_is_the_fp32_update_split() {
         let mut s = vec![bf16::ZERO; n];
         let out = StoreOut::Bf16(&mut s);
         if bf {
-            update_with(Simd::Portable, &mut p, &gb, &mut m, &mut v, out, &k);
+            update_with(
+                Simd::Portable,
+                &mut p,
+                &gb,
+                &mut m,
+                &mut v,
+                out,
+                &k,
+                Moments::Write,
+            );
         } else {
-            update_with(Simd::Portable, &mut p, &g, &mut m, &mut v, out, &k);
+            update_with(
+                Simd::Portable,
+                &mut p,
+                &g,
+                &mut m,
+                &mut v,
+                out,
+                &k,
+                Moments::Write,
+            );
         }
         (p, m, v, s)
     };
@@ -270,9 +293,9 @@ fn split_update_is_the_fp32_update_split() {
                     &mut v2[off..],
                 );
                 if bf {
-                    update_split_with(simd, h, l, &gb[off..], m_, v_, &k);
+                    update_split_with(simd, h, l, &gb[off..], m_, v_, &k, Moments::Write);
                 } else {
-                    update_split_with(simd, h, l, &g[off..], m_, v_, &k);
+                    update_split_with(simd, h, l, &g[off..], m_, v_, &k, Moments::Write);
                 }
                 assert_eq!(bits32(&m2[off..]), bits32(&m[off..]), "{simd:?} {off}");
                 assert_eq!(bits32(&v2[off..]), bits32(&v[off..]), "{simd:?} {off}");
@@ -330,12 +353,110 @@ fn bf16_master_is_the_f32_update_rounded_stochastically() {
         StoreOut::Bf16(&mut store),
         &hp,
         true,
+        Moments::Write,
     );
-    adamw_update_bf16_master(&mut p, &g, &mut m, &mut v, &hp, true, 42, first);
+    adamw_update_bf16_master(
+        &mut p,
+        &g,
+        &mut m,
+        &mut v,
+        &hp,
+        true,
+        42,
+        first,
+        Moments::Write,
+    );
     assert!(m == m32 && v == v32, "moments differ from the fp32 path");
     for i in 0..n {
         let r = bits::rounding_bits(42, hp.step, first + i as u64);
         let want = bits::stochastic_round_bf16(p32[i], r);
         assert_eq!(p[i].to_bits(), want.to_bits(), "element {i}");
+    }
+}
+
+/// A two-pass update (the weights with `Moments::Keep`, then [`adamw_moments`]) leaves the
+/// bits of the one-pass update, for every way the master is held, both gradient dtypes,
+/// every SIMD level, with and without clipping and decay, at lengths that cross chunk and
+/// piece boundaries; and the first pass leaves m and v untouched.
+#[test]
+fn two_passes_equal_one() {
+    let n = 2 * CHUNK + 3 * KEEP_PIECE + 45;
+    let g32 = spread(n, 11);
+    let g16: Vec<bf16> = g32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let x0 = spread(n, 12);
+    let m0 = spread(n, 13);
+    let v0: Vec<f32> = spread(n, 14).iter().map(|x| x * x).collect();
+    let (mut hi0, mut lo0) = (vec![bf16::ZERO; n], vec![0u16; n]);
+    bits::split_slice(&x0, &mut hi0, &mut lo0);
+    let b0: Vec<bf16> = x0.iter().map(|&x| bf16::from_f32(x)).collect();
+    for (grad_scale, decay) in [(1.0, true), (0.37, true), (0.37, false)] {
+        let hp = AdamWStep {
+            grad_scale,
+            ..hp7()
+        };
+        for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+            if !simd.supported() {
+                continue;
+            }
+            let k = Consts::new(&hp, decay);
+            // Each case: run the update with `moments` on fresh copies, return every output.
+            let run = |case: usize, bf: bool, moments: Moments| {
+                let (mut m, mut v) = (m0.clone(), v0.clone());
+                let (mut p, mut s) = (x0.clone(), vec![bf16::ZERO; n]);
+                let (mut hi, mut lo, mut b) = (hi0.clone(), lo0.clone(), b0.clone());
+                macro_rules! go {
+                    ($g:expr) => {
+                        match case {
+                            0 => update_with(
+                                simd,
+                                &mut p,
+                                $g,
+                                &mut m,
+                                &mut v,
+                                StoreOut::Bf16(&mut s),
+                                &k,
+                                moments,
+                            ),
+                            1 => update_split_with(
+                                simd, &mut hi, &mut lo, $g, &mut m, &mut v, &k, moments,
+                            ),
+                            _ => adamw_update_bf16_master(
+                                &mut b, $g, &mut m, &mut v, &hp, decay, 9, 77, moments,
+                            ),
+                        }
+                    };
+                }
+                if bf {
+                    go!(&g16);
+                } else {
+                    go!(&g32);
+                }
+                if moments == Moments::Keep {
+                    assert!(
+                        bits32(&m) == bits32(&m0) && bits32(&v) == bits32(&v0),
+                        "the weights pass changed the moments ({case} {simd:?})"
+                    );
+                    if bf {
+                        adamw_moments(&g16, &mut m, &mut v, &hp);
+                    } else {
+                        adamw_moments(&g32, &mut m, &mut v, &hp);
+                    }
+                }
+                let b: Vec<u16> = b.iter().map(|x| x.to_bits()).collect();
+                let (hi, s): (Vec<u16>, Vec<u16>) = (
+                    hi.iter().map(|x| x.to_bits()).collect(),
+                    s.iter().map(|x| x.to_bits()).collect(),
+                );
+                (bits32(&p), s, hi, lo, b, bits32(&m), bits32(&v))
+            };
+            for case in 0..3 {
+                for bf in [false, true] {
+                    assert!(
+                        run(case, bf, Moments::Keep) == run(case, bf, Moments::Write),
+                        "master {case}, bf16 grad {bf}, {simd:?}, scale {grad_scale}, decay {decay}"
+                    );
+                }
+            }
+        }
     }
 }
