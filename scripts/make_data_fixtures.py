@@ -228,3 +228,215 @@ with torch.no_grad():
 with open(os.path.join(out, "row_losses_alpaca_demo.json"), "w") as f:
     json.dump(row_losses, f)
 print(f"data fixtures: hub cache {os.path.join(out, 'hub')}, tiny model and {len(row_losses)} row losses")
+
+# Continued pretraining (training.stage: pt): the documents of data/demo/pt_demo.txt as a
+# .txt file, JSONL (`text` column) and Parquet (dataset.path), and a hub subset, tokenized
+# by LlamaFactory's pretraining rule with the tiny tokenizer (no BOS; eos `<|im_end|>`) and
+# with a variant that adds a BOS and has Llama 3's `<|end_of_text|>` (the eos LlamaFactory
+# uses for its llama3 template): each document + eos, then either truncated per document
+# (`bos + text + eos`) or concatenated and cut into blocks, the rest dropped, the first
+# token of each block the BOS.
+from tokenizers import Tokenizer, processors  # noqa: E402
+
+PT_LEN = 64
+with open(os.path.join(ROOT, "data/demo/pt_demo.txt")) as f:
+    docs = [line.rstrip("\n") for line in f if line.strip()]
+shutil.copy(os.path.join(ROOT, "data/demo/pt_demo.txt"), os.path.join(out, "pt_demo.txt"))
+with open(os.path.join(out, "pt_demo.jsonl"), "w") as f:
+    for d in docs:
+        f.write(json.dumps({"id": len(d), "text": d}, ensure_ascii=False) + "\n")
+pq.write_table(table([{"text": d} for d in docs]), os.path.join(out, "pt_demo.parquet"))
+put_parquet("text/train-00000-of-00001.parquet", [{"text": d} for d in docs])
+registry.update({
+    "pt_txt": {"file_name": "pt_demo.txt", "columns": {"prompt": "text"}},
+    "pt_jsonl": {"file_name": "pt_demo.jsonl", "columns": {"prompt": "text"}},
+    "pt_hub": {"hf_hub_url": "mt-test/alpaca-mini", "subset": "text", "columns": {"prompt": "text"}},
+    "ranking_demo": {"file_name": "sharegpt.jsonl", "formatting": "sharegpt", "ranking": True,
+                     "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+})
+
+model_bos = os.path.join(out, "model-bos")
+os.makedirs(model_bos, exist_ok=True)
+bos_tok = Tokenizer.from_file(os.path.join(ROOT, "configs/tiny/tokenizer.json"))
+bos_tok.add_special_tokens(["<|end_of_text|>"])
+bos_tok.post_processor = processors.TemplateProcessing(
+    single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B",
+    special_tokens=[("<|endoftext|>", bos_tok.token_to_id("<|endoftext|>"))])
+bos_tok.save(os.path.join(model_bos, "tokenizer.json"))
+with open(os.path.join(model_bos, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+               "eos_token": "<|im_end|>"}, f, indent=2)
+
+
+def pt_rows(tok, docs, packing, block=PT_LEN):
+    """LlamaFactory's PretrainDatasetProcessor on `docs`; the BOS is the token the tokenizer
+    adds in front when asked for special tokens."""
+    eos = "<|end_of_text|>" if "<|end_of_text|>" in tok.get_vocab() else tok.eos_token
+    plain = tok("a", add_special_tokens=False)["input_ids"]
+    added = tok("a")["input_ids"]
+    bos = added[0] if len(added) > len(plain) and added[1:1 + len(plain)] == plain else None
+    texts = [d + eos for d in docs]
+    if not packing:
+        if bos is not None:
+            texts = [tok.convert_ids_to_tokens(bos) + t for t in texts]
+        ids = tok(texts, add_special_tokens=False, truncation=True, max_length=block)["input_ids"]
+        return [{"input_ids": r, "labels": r} for r in ids]
+    ids = [t for r in tok(texts, add_special_tokens=False)["input_ids"] for t in r]
+    total = len(ids) // block * block
+    rows = [ids[i:i + block] for i in range(0, total, block)]
+    if bos is not None:
+        for r in rows:
+            r[0] = bos
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+tok_bos = AutoTokenizer.from_pretrained(model_bos)
+assert tok_bos("a")["input_ids"][0] == tok_bos.convert_tokens_to_ids("<|endoftext|>")
+for model_name, t in (("tiny", tok), ("bos", tok_bos)):
+    for packing in (False, True):
+        with open(os.path.join(out, f"expected_pt_{model_name}_{'packed' if packing else 'docs'}.jsonl"), "w") as f:
+            for r in pt_rows(t, docs, packing):
+                f.write(json.dumps(r) + "\n")
+
+# Tool calling: glaive_toolcall_en_demo-style sharegpt records (`function_call` turns holding
+# {"name", "arguments"} or a list of them, `observation` turns, a `tools` column holding a
+# JSON list of bare function definitions) rendered by the Qwen2.5, Llama 3.1 and Mistral v0.3
+# templates (scripts/fixture_templates.py) as `apply_chat_template(messages, tools=...)`
+# renders them; call ids `call00000`, `call00001`, ... in the conversation; labels on the
+# assistant turns, tool calls included, never on the tool answers.
+import collections  # noqa: E402
+
+from fixture_templates import LLAMA31, MISTRAL_V03, QWEN25  # noqa: E402
+
+TOOLS = [
+    {"name": "calculate_tip", "description": "Calculate the tip for a bill",
+     "parameters": {"type": "object", "properties": {
+         "bill_amount": {"type": "number", "description": "The bill, in dollars"},
+         "tip_percentage": {"type": "number", "description": "The tip, in percent"}},
+         "required": ["bill_amount", "tip_percentage"]}},
+    {"name": "get_weather", "description": "Météo actuelle d'une ville",
+     "parameters": {"type": "object", "properties": {
+         "city": {"type": "string"}, "units": {"type": "string", "enum": ["metric", "imperial"]}},
+         "required": ["city"]}},
+    {"name": "search_recipes", "description": "Search recipes by ingredients",
+     "parameters": {"type": "object", "properties": {
+         "ingredients": {"type": "array", "items": {"type": "string"}}}, "required": ["ingredients"]}},
+]
+rng = random.Random(11)
+
+
+def call(name):
+    if name == "calculate_tip":
+        return {"name": name, "arguments": {"bill_amount": rng.choice([42.5, 100, 17.25]),
+                                            "tip_percentage": rng.choice([15, 20, 12.5])}}
+    if name == "get_weather":
+        return {"name": name, "arguments": {"city": rng.choice(["Paris", "Zürich", "Tokyo"]),
+                                            "units": "metric"}}
+    return {"name": name, "arguments": {"ingredients": rng.sample(["egg", "rice", "leek", "feta"], 2)}}
+
+
+def tool_record(k, multi, system):
+    names = [t["name"] for t in TOOLS]
+    conv = [{"from": "human", "value": f"Question {k}: can you help me with {rng.choice(names)}?"}]
+    for turn in range(rng.randint(1, 2)):
+        if turn > 0:
+            conv.append({"from": "human", "value": f"Thanks! One more thing ({k}.{turn})."})
+        if rng.random() < 0.2:
+            conv.append({"from": "gpt", "value": "I can only do that with the tools I have."})
+            continue
+        calls = [call(n) for n in rng.sample(names, 2 if multi and turn == 0 else 1)]
+        value = calls if len(calls) > 1 else calls[0]
+        conv.append({"from": "function_call", "value": json.dumps(value, ensure_ascii=False)})
+        for c in calls:
+            conv.append({"from": "observation", "value": json.dumps({"result": len(c["name"]), "ok": True})})
+        conv.append({"from": "gpt", "value": f"Done: the answer to {k} is {rng.randint(1, 99)}."})
+    rec = {"conversations": conv,
+           "tools": json.dumps(rng.sample(TOOLS, rng.randint(2, 3)), ensure_ascii=False)}
+    if system:
+        rec["system"] = "You are a careful assistant."
+    return rec
+
+
+tools_multi = [tool_record(k, multi=k % 3 == 0, system=False) for k in range(12)]
+tools_multi[1]["tools"] = json.loads(tools_multi[1]["tools"])  # a JSON list, not a string
+tools_single = [tool_record(k, multi=False, system=k % 2 == 0) for k in range(12)]
+tools_single[3]["tools"] = ""  # no tools
+for name, recs in (("tools_multi", tools_multi), ("tools_single", tools_single)):
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(recs, f, ensure_ascii=False, indent=1)
+    registry[name] = {"file_name": f"{name}.json", "formatting": "sharegpt",
+                      "columns": {"messages": "conversations", "tools": "tools", "system": "system"}}
+
+
+def tool_messages(rec):
+    """The record as transformers' apply_chat_template takes it: (messages, tools)."""
+    msgs = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+    n, pending, last = 0, collections.deque(), None
+    for t in rec["conversations"]:
+        if t["from"] == "function_call":
+            v = json.loads(t["value"])
+            calls = []
+            pending.clear()
+            for c in v if isinstance(v, list) else [v]:
+                last = f"call{n:05d}"
+                n += 1
+                pending.append(last)
+                calls.append({"id": last, "type": "function",
+                              "function": {"name": c["name"], "arguments": c.get("arguments", {})}})
+            msgs.append({"role": "assistant", "content": "", "tool_calls": calls})
+        elif t["from"] == "observation":
+            msgs.append({"role": "tool", "content": t["value"],
+                         "tool_call_id": pending.popleft() if pending else last})
+        else:
+            msgs.append({"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]})
+    tools = rec.get("tools") or None
+    if isinstance(tools, str):
+        tools = json.loads(tools) or None
+    if tools:
+        tools = [t if t.get("type") == "function" else {"type": "function", "function": t} for t in tools]
+    return msgs, tools
+
+
+def tool_row(tok, msgs, tools):
+    """As chat.rs labels: each assistant turn is what the render up to it adds to the render
+    before it with the generation prompt, at the same place in the whole render when that is
+    a prefix, else at its first occurrence after the previous turn."""
+    render = lambda m, gen: tok.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    full = render(msgs, False)
+    spans, start_at = [], 0
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt, turn = render(msgs[:i], True), render(msgs[: i + 1], False)
+        assert turn.startswith(prompt)
+        answer = turn[len(prompt):]
+        start = len(prompt) if full.startswith(turn) else full.index(answer, start_at)
+        spans.append((start, start + len(answer)))
+        start_at = start + len(answer)
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [t if any(a <= s < b for a, b in spans) else -100
+              for t, (s, _) in zip(enc["input_ids"], enc["offset_mapping"])]
+    return {"input_ids": enc["input_ids"], "labels": labels}
+
+
+TOOL_MODELS = {
+    "qwen25": (QWEN25, None, "<|im_end|>", ("tools_multi", "tools_single")),
+    "llama31": (LLAMA31, "<|begin_of_text|>", "<|eot_id|>", ("tools_single",)),
+    "mistral": (MISTRAL_V03, "<s>", "</s>", ("tools_multi",)),
+}
+for model_name, (template, bos_text, eos_text, sets) in TOOL_MODELS.items():
+    d = os.path.join(out, f"model-{model_name}")
+    os.makedirs(d, exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "configs/tiny/tokenizer.json"), d)
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos_text,
+                   "eos_token": eos_text, "chat_template": template}, f, indent=2)
+    t = AutoTokenizer.from_pretrained(d)
+    for name in sets:
+        recs = tools_multi if name == "tools_multi" else tools_single
+        with open(os.path.join(out, f"expected_{name}_{model_name}.jsonl"), "w") as f:
+            for rec in recs:
+                f.write(json.dumps(tool_row(t, *tool_messages(rec))) + "\n")
+with open(os.path.join(out, "dataset_info.json"), "w") as f:
+    json.dump(registry, f, indent=2)
+print(f"data fixtures: pt rows of {len(docs)} documents, tool-calling rows for {', '.join(TOOL_MODELS)}")

@@ -3,7 +3,8 @@
 project, deterministic) and the tiny demo model's tokenizer (configs/tiny/tokenizer.json, a
 byte-level BPE trained on that data, and tokenizer_config.json with a ChatML template); and
 data/demo/tokenized.jsonl (the `tokenized_demo` set: arithmetic progressions modulo 256 after a
-two-token prompt whose labels are masked).
+two-token prompt whose labels are masked); and data/demo/pt_demo.txt (plain-text documents for
+continued pretraining).
 
 Run from the repository root with the project venv: .venv/bin/python scripts/make_demo_data.py
 The outputs are committed; this script documents and reproduces them.
@@ -113,3 +114,22 @@ with open("data/demo/tokenized.jsonl", "w") as f:
         start, stride = rng.randrange(256), rng.randint(1, 7)
         ids = [(start + i * stride) % 256 for i in range(n)]
         f.write(json.dumps({"input_ids": ids, "labels": [-100, -100] + ids[2:]}) + "\n")
+
+# data/demo/pt_demo.txt (the `pt_demo` set): plain-text documents, one per line, for
+# continued pretraining (training.stage: pt, configs/tiny_pt.yaml).
+rng = random.Random(25)
+lines = []
+for k in range(48):
+    s = []
+    for _ in range(rng.randint(1, 4)):
+        a, b, w, v = rng.randint(2, 99), rng.randint(2, 99), rng.choice(WORDS), rng.choice(WORDS)
+        s.append(rng.choice([
+            f"The {w} is next to the {v}.",
+            f"{a} plus {b} makes {a + b}.",
+            f"A {w} has {len(w)} letters, and {w[::-1]} is {w} backwards.",
+            f"Count from {a}: {a}, {a + 1}, {a + 2}, {a + 3}.",
+            f"Le {w} est près du café.",
+        ]))
+    lines.append(" ".join(s))
+with open("data/demo/pt_demo.txt", "w") as f:
+    f.write("\n".join(lines) + "\n")

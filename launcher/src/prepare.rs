@@ -33,7 +33,7 @@ impl Prepared {
     pub fn for_plan(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
         let tokenizer =
             cfg.model.shipped.is_none() && cfg.model.path.join("tokenizer.json").is_file();
-        let read = tokenizer || !mt::data::needs_tokenizer(&cfg.dataset)?;
+        let read = tokenizer || !mt::data::needs_tokenizer(&cfg.dataset, cfg.training.stage)?;
         if !read && cfg.dataset.max_seq_len.is_none() {
             return Err(mt::Error::invalid(
                 "dataset.max_seq_len",
@@ -70,6 +70,7 @@ impl Prepared {
         let data = match read_data {
             true => Dataset::load(
                 &cfg.dataset,
+                cfg.training.stage,
                 &cfg.model.path,
                 spec.vocab_size,
                 cfg.training.seed,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 mod common;
 
 use common::*;
-use mt::config::DatasetSection;
+use mt::config::{DatasetSection, Stage};
 use mt::data::{Dataset, IGNORE_INDEX};
 
 fn fixtures() -> PathBuf {
@@ -26,7 +26,7 @@ fn load(yaml: &str) -> mt::error::Result<Dataset> {
 fn load_with(yaml: &str, model: &Path) -> mt::error::Result<Dataset> {
     let ds: DatasetSection = serde_yaml_ng::from_str(yaml).unwrap();
     ds.validate()?;
-    Dataset::load(&ds, model, 512, 0)
+    Dataset::load(&ds, Stage::Sft, model, 512, 0)
 }
 
 fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {

@@ -11,7 +11,7 @@ use std::sync::Once;
 mod common;
 
 use common::*;
-use mt::config::DatasetSection;
+use mt::config::{DatasetSection, Stage};
 use mt::data::{Dataset, Example};
 
 /// The data fixtures, with `HF_HUB_CACHE` pointing at their hub cache. Every test calls
@@ -28,7 +28,7 @@ fn load(yaml: &str) -> mt::error::Result<Dataset> {
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny");
     let ds: DatasetSection = serde_yaml_ng::from_str(yaml).unwrap();
     ds.validate()?;
-    Dataset::load(&ds, &tiny, 512, 0)
+    Dataset::load(&ds, Stage::Sft, &tiny, 512, 0)
 }
 
 fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {

@@ -246,6 +246,10 @@ impl DType {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainingSection {
+    /// The training stage (LlamaFactory's key and names): `sft` (supervised fine-tuning on
+    /// the assistant turns of alpaca / sharegpt data), `pt` (continued pretraining on plain
+    /// text, loss on every token), `dpo` and `grpo` (not implemented yet).
+    pub stage: Stage,
     /// Global sequences per optimizer step (all workers, all micro-batches).
     pub batch_size: usize,
     /// Micro-batches per worker per optimizer step.
@@ -292,9 +296,36 @@ pub enum NanPolicy {
     Abort,
 }
 
+/// `training.stage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Stage {
+    /// Continued pretraining: documents + EOS, loss on every token.
+    Pt,
+    /// Supervised fine-tuning: loss on the assistant turns.
+    #[default]
+    Sft,
+    /// Direct preference optimization (not implemented yet).
+    Dpo,
+    /// Group relative policy optimization (not implemented yet).
+    Grpo,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Pt => "pt",
+            Stage::Sft => "sft",
+            Stage::Dpo => "dpo",
+            Stage::Grpo => "grpo",
+        }
+    }
+}
+
 impl Default for TrainingSection {
     fn default() -> Self {
         TrainingSection {
+            stage: Stage::Sft,
             batch_size: 8,
             gradient_accumulation_steps: 1,
             num_steps: 10,
@@ -534,6 +565,15 @@ impl RunConfig {
             if !ok {
                 return Err(Error::invalid(key, msg));
             }
+        }
+        if matches!(t.stage, Stage::Dpo | Stage::Grpo) {
+            return Err(Error::invalid(
+                "training.stage",
+                format!(
+                    "`{}` is not implemented yet (implemented: pt, sft)",
+                    t.stage.as_str()
+                ),
+            ));
         }
         if self.checkpoint.periodic() && self.checkpoint.dir.is_none() {
             return Err(Error::invalid(

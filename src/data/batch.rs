@@ -200,6 +200,7 @@ mod tests {
             skipped: Skipped::default(),
             eval: vec![],
             eval_source: String::new(),
+            blocks: None,
         };
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);

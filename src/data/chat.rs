@@ -5,18 +5,32 @@
 //! the `tokenizers` crate, without added special tokens (the template writes them), as
 //! `apply_chat_template` does.
 //!
+//! Tool-calling conversations render as `apply_chat_template(messages, tools=...)` does
+//! ([`super::tools`]): the `tools` variable, assistant messages with `tool_calls`, `tool`
+//! messages; `tojson` is Python's `json.dumps` ([`super::pyjson`]). A dataset with tools
+//! needs a template that reads `tools` and writes `tool_calls`.
+//!
 //! Labels: the whole conversation is rendered and tokenized once (the exact text inference
-//! sees). Assistant turn i spans the characters between the render of turns `..i` with the
-//! generation prompt and the render of turns `..=i`; a token is trained on when it starts
-//! inside such a span (every token with `train_on_prompt`).
+//! sees). Assistant turn i is the text that the render of turns `..=i` adds to the render of
+//! turns `..i` with the generation prompt; it spans the same characters of the whole render
+//! when the render of `..=i` is a prefix of it, else (templates that place the tool list
+//! before the last user message, as Mistral's does) its first occurrence after the previous
+//! turn. A token is trained on when it starts inside a turn (every token with
+//! `train_on_prompt`); tool calls are assistant turns, tool answers are not.
+//!
+//! Documents (`training.stage: pt`) are tokenized as LlamaFactory's pretraining processor
+//! does: `text + eos` without added special tokens, `bos + text + eos` unpacked when the
+//! tokenizer adds a BOS ([`ChatTokenizer::bos`]); Llama 3's end-of-document token
+//! `<|end_of_text|>` is the eos where the vocabulary has it (LlamaFactory's `llama3` rule,
+//! whose chat eos is `<|eot_id|>`).
 
 use std::path::{Path, PathBuf};
 
-use minijinja::{Environment, ErrorKind, context};
-use serde::Deserialize;
+use minijinja::{Environment, ErrorKind, Value, context};
+use serde::{Deserialize, Serialize};
 
-use super::records::{Message, Role};
-use super::{Example, IGNORE_INDEX};
+use super::records::{Conversation, Message, Role};
+use super::{Example, IGNORE_INDEX, pyjson};
 use crate::error::{Error, Result};
 
 const TEMPLATE: &str = "chat";
@@ -24,11 +38,19 @@ const TEMPLATE: &str = "chat";
 /// Token ids and each token's byte span in the text.
 type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 
+/// Llama 3's end-of-document token.
+const LLAMA3_END_OF_TEXT: &str = "<|end_of_text|>";
+
 pub struct ChatTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    env: Environment<'static>,
+    /// None: the model has no chat template (documents only).
+    env: Option<Environment<'static>>,
     bos_token: String,
     eos_token: String,
+    /// The token the tokenizer puts first when asked for special tokens.
+    bos: Option<(i32, String)>,
+    /// The template reads `tools` and writes `tool_calls`.
+    tools: bool,
     /// Where the template came from (for error messages).
     pub template_path: PathBuf,
 }
@@ -73,8 +95,9 @@ impl TokenText {
 }
 
 impl ChatTokenizer {
-    /// Loads `tokenizer.json`, `tokenizer_config.json` and the chat template of `dir`.
-    pub fn from_model_dir(dir: &Path) -> Result<ChatTokenizer> {
+    /// Loads `tokenizer.json`, `tokenizer_config.json` and the chat template of `dir`;
+    /// without `template`, a missing chat template is no error (documents need none).
+    pub fn from_model_dir(dir: &Path, template: bool) -> Result<ChatTokenizer> {
         let tok_path = dir.join("tokenizer.json");
         if !tok_path.is_file() {
             return Err(Error::ModelConfig {
@@ -103,7 +126,7 @@ impl ChatTokenizer {
         let jinja_path = dir.join("chat_template.jinja");
         let (source, template_path) = if jinja_path.is_file() {
             let s = std::fs::read_to_string(&jinja_path).map_err(|e| Error::io(&jinja_path, e))?;
-            (s, jinja_path)
+            (Some(s), jinja_path)
         } else {
             let s = match cfg.chat_template {
                 Some(TemplateField::One(s)) => Some(s),
@@ -113,60 +136,68 @@ impl ChatTokenizer {
                     .map(|t| t.template),
                 None => None,
             };
-            let s = s.ok_or_else(|| Error::ModelConfig {
-                path: cfg_path.clone(),
-                msg: "no chat template (neither chat_template.jinja nor a `chat_template` key): \
-                      alpaca and sharegpt data need one; use a tokenized dataset otherwise"
-                    .into(),
-            })?;
-            (s, cfg_path.clone())
+            match s {
+                Some(s) => (Some(s), cfg_path.clone()),
+                None if !template => (None, cfg_path.clone()),
+                None => {
+                    return Err(Error::ModelConfig {
+                        path: cfg_path.clone(),
+                        msg: "no chat template (neither chat_template.jinja nor a `chat_template` key): \
+                              alpaca and sharegpt data need one; use a tokenized dataset otherwise"
+                            .into(),
+                    });
+                }
+            }
         };
-        let mut env = Environment::new();
-        let syntax = minijinja::syntax::SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .expect("the default delimiters are valid");
-        env.set_syntax(syntax);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-            },
-        );
-        env.add_template_owned(TEMPLATE, source)
-            .map_err(|e| Error::ModelConfig {
-                path: template_path.clone(),
-                msg: format!("chat template does not parse: {e}"),
-            })?;
+        let env = source
+            .map(|s| template_env(s, &template_path))
+            .transpose()?;
+        let bos = first_added_token(&tokenizer);
+        let tools = env.as_ref().is_some_and(|env| {
+            let tmpl = env.get_template(TEMPLATE).expect("added above");
+            tmpl.undeclared_variables(false).contains("tools")
+                && tmpl.source().contains("tool_calls")
+        });
         Ok(ChatTokenizer {
             tokenizer,
             env,
+            tools,
             bos_token: cfg.bos_token.map(TokenText::text).unwrap_or_default(),
             eos_token: cfg.eos_token.map(TokenText::text).unwrap_or_default(),
+            bos,
             template_path,
         })
     }
 
-    /// The template's text for `msgs`, with the assistant generation prompt appended when asked.
+    /// Whether the template reads `tools` and writes `tool_calls`.
+    pub fn supports_tools(&self) -> bool {
+        self.tools
+    }
+
+    /// The template's text for the first `n` messages of `conv`, with the assistant
+    /// generation prompt appended when asked.
     pub fn render(
         &self,
-        msgs: &[Message],
+        conv: &Conversation,
+        n: usize,
         add_generation_prompt: bool,
     ) -> std::result::Result<String, String> {
-        let messages: Vec<_> = msgs
-            .iter()
-            .map(|m| context! { role => m.role.as_str(), content => &m.content })
-            .collect();
-        let tmpl = self.env.get_template(TEMPLATE).map_err(|e| e.to_string())?;
-        // As transformers renders: `tools` and `documents` are none (templates test them
-        // with `is not none`). `strftime_now` is deliberately not defined, so templates use
-        // their fixed fallback date and the token rows do not change from day to day.
+        let env = self.env.as_ref().ok_or_else(|| {
+            format!(
+                "the model has no chat template ({}): conversations need one",
+                self.template_path.display()
+            )
+        })?;
+        let messages: Vec<Value> = conv.messages[..n].iter().map(message_value).collect();
+        let tmpl = env.get_template(TEMPLATE).map_err(|e| e.to_string())?;
+        // As transformers renders: `tools` is the list or none, `documents` none (templates
+        // test them with `is not none`). `strftime_now` is deliberately not defined, so
+        // templates use their fixed fallback date and the token rows do not change from day
+        // to day.
         tmpl.render(context! {
             messages,
             add_generation_prompt,
-            tools => (),
+            tools => conv.tools.clone().unwrap_or(Value::from(())),
             documents => (),
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
@@ -186,23 +217,31 @@ impl ChatTokenizer {
     /// The token row of a conversation; labels on the assistant turns (or everywhere).
     pub fn example(
         &self,
-        msgs: &[Message],
+        conv: &Conversation,
         train_on_prompt: bool,
     ) -> std::result::Result<Example, String> {
-        let full = self.render(msgs, false)?;
+        let full = self.render(conv, conv.messages.len(), false)?;
         let mut spans = Vec::new();
-        for (i, m) in msgs.iter().enumerate() {
+        let mut from = 0;
+        for (i, m) in conv.messages.iter().enumerate() {
             if m.role != Role::Assistant {
                 continue;
             }
-            let prompt = self.render(&msgs[..i], true)?;
-            let turn = self.render(&msgs[..=i], false)?;
-            if !turn.starts_with(&prompt) || !full.starts_with(&turn) {
-                return Err(format!(
-                    "the chat template does not render the conversation up to message {i} as a prefix of the whole, so its answer cannot be located"
-                ));
-            }
-            spans.push(prompt.len()..turn.len());
+            let prompt = self.render(conv, i, true)?;
+            let turn = self.render(conv, i + 1, false)?;
+            let answer = turn.strip_prefix(prompt.as_str()).ok_or_else(|| {
+                format!(
+                    "the chat template does not render the conversation up to message {i} as a prefix of the conversation up to its answer, so the answer cannot be located"
+                )
+            })?;
+            let start = match full.starts_with(&turn) {
+                true => prompt.len(),
+                false => full[from..].find(answer).map(|p| from + p).ok_or_else(|| {
+                    format!("the chat template's answer to message {i} is not found in the whole conversation's text")
+                })?,
+            };
+            spans.push(start..start + answer.len());
+            from = start + answer.len();
         }
         let (ids, offsets) = self.encode(&full)?;
         let labels = ids
@@ -222,4 +261,121 @@ impl ChatTokenizer {
             position_ids: Vec::new(),
         })
     }
+
+    /// The id and text of the token the tokenizer adds in front of a text when asked for
+    /// special tokens (transformers' `tokenizer(text)`), if any.
+    pub fn bos(&self) -> Option<(i32, &str)> {
+        self.bos.as_ref().map(|(id, s)| (*id, s.as_str()))
+    }
+
+    /// The token that ends each pretraining document.
+    pub fn document_eos(&self) -> std::result::Result<&str, String> {
+        if self.tokenizer.token_to_id(LLAMA3_END_OF_TEXT).is_some() {
+            return Ok(LLAMA3_END_OF_TEXT);
+        }
+        match self.eos_token.as_str() {
+            "" => Err(format!(
+                "the tokenizer has no eos_token ({}): pretraining documents end with it",
+                self.template_path.display()
+            )),
+            eos => Ok(eos),
+        }
+    }
+
+    /// A pretraining document's row: `text + eos` (`bos + text + eos` with `bos`),
+    /// tokenized without added special tokens; loss on every token.
+    pub fn document(&self, text: &str, bos: bool) -> std::result::Result<Example, String> {
+        let mut s = String::with_capacity(text.len() + 32);
+        if let (true, Some((_, b))) = (bos, self.bos()) {
+            s.push_str(b);
+        }
+        s.push_str(text);
+        s.push_str(self.document_eos()?);
+        let (ids, _) = self.encode(&s)?;
+        let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        Ok(Example {
+            labels: ids.clone(),
+            input_ids: ids,
+            position_ids: Vec::new(),
+        })
+    }
+}
+
+/// The minijinja environment of a chat template, set up as transformers renders.
+fn template_env(source: String, path: &Path) -> Result<Environment<'static>> {
+    let mut env = Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .expect("the default delimiters are valid");
+    env.set_syntax(syntax);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
+    env.add_filter("tojson", pyjson::tojson);
+    env.add_test("iterable", pyjson::is_iterable);
+    env.add_template_owned(TEMPLATE, source)
+        .map_err(|e| Error::ModelConfig {
+            path: path.into(),
+            msg: format!("chat template does not parse: {e}"),
+        })?;
+    Ok(env)
+}
+
+/// The token a tokenizer's post-processor puts before a text, if any.
+fn first_added_token(tok: &tokenizers::Tokenizer) -> Option<(i32, String)> {
+    let with = tok.encode("a", true).ok()?;
+    let without = tok.encode("a", false).ok()?;
+    let added = with.get_ids().len() > without.get_ids().len()
+        && with.get_special_tokens_mask().first() == Some(&1)
+        && with.get_ids()[1..].starts_with(without.get_ids());
+    added.then(|| (with.get_ids()[0] as i32, with.get_tokens()[0].clone()))
+}
+
+/// A message as transformers passes it to the template: `role` and `content`, plus
+/// `tool_calls` on a tool-calling turn and `tool_call_id` on a tool's answer.
+fn message_value(m: &Message) -> Value {
+    #[derive(Serialize)]
+    struct Msg<'a> {
+        role: &'a str,
+        content: &'a str,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<Call<'a>>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tool_call_id: Option<&'a str>,
+    }
+    #[derive(Serialize)]
+    struct Call<'a> {
+        id: &'a str,
+        #[serde(rename = "type")]
+        kind: &'static str,
+        function: Function<'a>,
+    }
+    #[derive(Serialize)]
+    struct Function<'a> {
+        name: &'a str,
+        arguments: &'a Value,
+    }
+    Value::from_serialize(Msg {
+        role: m.role.as_str(),
+        content: &m.content,
+        tool_calls: m
+            .tool_calls
+            .iter()
+            .map(|c| Call {
+                id: &c.id,
+                kind: "function",
+                function: Function {
+                    name: &c.name,
+                    arguments: &c.arguments,
+                },
+            })
+            .collect(),
+        tool_call_id: m.tool_call_id.as_deref(),
+    })
 }

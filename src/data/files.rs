@@ -1,6 +1,8 @@
 //! Dataset files and their records: JSON arrays and JSONL text (a record is found by its
-//! line), Parquet files and the directories `datasets.save_to_disk` writes (a record is a
-//! table row, counted from 1; see [`super::table`]).
+//! line), plain text (`.txt`: each non-blank line a document, the record `{"text": line}`
+//! as `datasets`' text loader names its column), Parquet files and the directories
+//! `datasets.save_to_disk` writes (a record is a table row, counted from 1; see
+//! [`super::table`]).
 
 use std::path::{Path, PathBuf};
 
@@ -19,6 +21,8 @@ pub struct FileRecords {
 enum Contents {
     /// JSON or JSONL text.
     Text(String),
+    /// Plain-text documents as `{"text": ...}` records, with their lines.
+    Lines(Vec<(usize, String)>),
     /// Table rows as JSON objects.
     Rows(Vec<String>),
 }
@@ -36,8 +40,8 @@ struct SavedFile {
 }
 
 impl FileRecords {
-    /// Reads `path`: a `.parquet` file, a `.arrow` stream, a `save_to_disk` directory, or
-    /// JSON / JSONL text.
+    /// Reads `path`: a `.parquet` file, a `.arrow` stream, a `save_to_disk` directory, a
+    /// `.txt` file, or JSON / JSONL text.
     pub fn read(path: &Path) -> Result<FileRecords> {
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         let contents = if path.is_dir() {
@@ -46,6 +50,15 @@ impl FileRecords {
             Contents::Rows(table::parquet_rows(path)?)
         } else if ext == "arrow" {
             Contents::Rows(table::arrow_rows(path)?)
+        } else if is_plain_text(path) {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+            Contents::Lines(
+                text.lines()
+                    .enumerate()
+                    .filter(|(_, l)| !l.trim().is_empty())
+                    .map(|(i, l)| (i + 1, serde_json::json!({ "text": l }).to_string()))
+                    .collect(),
+            )
         } else {
             Contents::Text(std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?)
         };
@@ -59,6 +72,10 @@ impl FileRecords {
     pub fn records(&self) -> Result<Vec<RawRecord<'_>>> {
         match &self.contents {
             Contents::Text(text) => records::split_records(&self.path, text),
+            Contents::Lines(lines) => Ok(lines
+                .iter()
+                .map(|(line, json)| RawRecord { line: *line, json })
+                .collect()),
             Contents::Rows(rows) => Ok(rows
                 .iter()
                 .enumerate()
@@ -70,7 +87,7 @@ impl FileRecords {
     /// The error a bad record makes with `dataset.strict`.
     pub fn error(&self, bad: BadRecord) -> Error {
         match self.contents {
-            Contents::Text(_) => bad.into_error(&self.path),
+            Contents::Text(_) | Contents::Lines(_) => bad.into_error(&self.path),
             Contents::Rows(_) => Error::DatasetRow {
                 path: self.path.clone(),
                 row: bad.line,
@@ -83,10 +100,17 @@ impl FileRecords {
     /// `file row N`.
     pub fn locate(&self, bad: &BadRecord) -> String {
         match self.contents {
-            Contents::Text(_) => format!("{}:{}", self.path.display(), bad.line),
+            Contents::Text(_) | Contents::Lines(_) => {
+                format!("{}:{}", self.path.display(), bad.line)
+            }
             Contents::Rows(_) => format!("{} row {}", self.path.display(), bad.line),
         }
     }
+}
+
+/// A `.txt` file: plain-text documents, one per line.
+pub fn is_plain_text(path: &Path) -> bool {
+    path.extension().and_then(|e| e.to_str()) == Some("txt")
 }
 
 /// The rows of a directory written by `datasets.save_to_disk`: the Arrow streams that its

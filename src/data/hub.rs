@@ -16,7 +16,8 @@
 //!   standing between non-word characters (`-._ ` and digits);
 //! - else every file is `train`.
 //!
-//! Parquet, JSON and JSONL files are read; hidden files and `README.md` are not data.
+//! Parquet, JSON, JSONL, Arrow and plain-text (`.txt`) files are read; hidden files and
+//! `README.md` are not data.
 
 use std::path::{Path, PathBuf};
 
@@ -24,7 +25,7 @@ use crate::config::hub::{self, RepoType};
 use crate::error::{Error, Result};
 
 /// File extensions read as data.
-const DATA_EXTENSIONS: [&str; 4] = ["parquet", "jsonl", "json", "arrow"];
+const DATA_EXTENSIONS: [&str; 5] = ["parquet", "jsonl", "json", "arrow", "txt"];
 
 /// `datasets`' keywords of its default splits.
 const SPLIT_KEYWORDS: [(&str, &[&str]); 3] = [
@@ -85,7 +86,7 @@ impl HubDataset<'_> {
             return Err(Error::invalid(
                 key,
                 format!(
-                    "no Parquet, JSON or JSONL files in {} (it holds: {}); an incomplete download?",
+                    "no Parquet, JSON, JSONL, Arrow or .txt files in {} (it holds: {}); an incomplete download?",
                     root.display(),
                     listing(&root)
                 ),

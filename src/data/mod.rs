@@ -1,6 +1,7 @@
 //! Training data: datasets (tokenized JSONL, or alpaca / sharegpt text rendered with the
 //! model's chat template, from JSON, JSONL or Parquet files, `save_to_disk` directories,
-//! the `dataset_info.json` registry or the HF cache), the eval set (held out or separate),
+//! the `dataset_info.json` registry or the HF cache), plain-text documents for continued
+//! pretraining (`training.stage: pt`: [`pretrain`]), the eval set (held out or separate),
 //! packing, the deterministic sampler, and the split of a global batch into per-rank,
 //! per-micro-batch right-padded batches.
 //!
@@ -15,17 +16,22 @@
 //! (restarting at 0, which is also how the worker finds sample boundaries for its
 //! attention mask) and the first label of each sample is ignored, so a packed row yields
 //! exactly the loss terms of its samples. Packed rows are then sampled like any rows, so
-//! the data position stays the step count and resume is exact.
+//! the data position stays the step count and resume is exact. Under `pt`, packing is
+//! instead LlamaFactory's: the documents concatenated in order and cut into blocks
+//! ([`pretrain::blocks`]).
 
 mod batch;
 mod chat;
 mod files;
 mod hub;
+mod pretrain;
+mod pyjson;
 mod records;
 mod registry;
 mod split;
 mod table;
 mod tokenized;
+mod tools;
 
 use std::path::{Path, PathBuf};
 
@@ -36,10 +42,10 @@ use rayon::prelude::*;
 
 pub use batch::{Sampler, StepPlan, pack, pad_batch, plan_step};
 pub use chat::ChatTokenizer;
-pub use records::{BadRecord, Message, Role};
+pub use records::{BadRecord, Conversation, Message, Role};
 pub use split::held_out;
 
-use crate::config::{DatasetFormat, DatasetSection, Overlong};
+use crate::config::{DatasetFormat, DatasetSection, Overlong, Stage};
 use crate::error::{Error, Result};
 use files::FileRecords;
 use records::{RawRecord, Schema};
@@ -102,20 +108,23 @@ pub struct Dataset {
     pub eval: Vec<Example>,
     /// Where the eval set came from, for the log.
     pub eval_source: String,
+    /// `pt` packing: the block length and the tokens dropped after the last full block.
+    pub blocks: Option<(usize, usize)>,
 }
 
-/// Whether reading `ds` needs the model's tokenizer (any of its sources, training or
-/// eval, is text).
-pub fn needs_tokenizer(ds: &DatasetSection) -> Result<bool> {
-    let (train, eval) = train_and_eval_sources(ds)?;
+/// Whether reading `ds` for `stage` needs the model's tokenizer (any of its sources,
+/// training or eval, is text).
+pub fn needs_tokenizer(ds: &DatasetSection, stage: Stage) -> Result<bool> {
+    let (train, eval) = train_and_eval_sources(ds, stage)?;
     Ok(train.iter().chain(&eval).any(|s| s.schema.is_some()))
 }
 
 /// The sources of the training set and of the eval set (none without one).
-fn train_and_eval_sources(ds: &DatasetSection) -> Result<(Vec<Source>, Vec<Source>)> {
-    let train = sources(ds, ds.path.as_ref(), ds.name.as_deref(), "dataset.name")?;
+fn train_and_eval_sources(ds: &DatasetSection, stage: Stage) -> Result<(Vec<Source>, Vec<Source>)> {
+    let train = sources(ds, stage, ds.path.as_ref(), ds.name.as_deref(), "dataset.name")?;
     let eval = sources(
         ds,
+        stage,
         ds.eval_path.as_ref(),
         ds.eval_name.as_deref(),
         "dataset.eval_name",
@@ -125,10 +134,27 @@ fn train_and_eval_sources(ds: &DatasetSection) -> Result<(Vec<Source>, Vec<Sourc
 
 /// One registry entry or file to read, and how.
 struct Source {
+    /// The registry name or the file, for messages.
+    name: String,
     files: Vec<PathBuf>,
     /// None: tokenized.
     schema: Option<Schema>,
     limit: Option<usize>,
+}
+
+/// What every record of a load is read with.
+struct Reader<'a> {
+    ds: &'a DatasetSection,
+    stage: Stage,
+    chat: Option<&'a ChatTokenizer>,
+    vocab: usize,
+}
+
+impl Reader<'_> {
+    /// `pt` documents are cut into blocks after reading, so each is kept whole.
+    fn pt_blocks(&self) -> bool {
+        self.stage == Stage::Pt && self.ds.packing
+    }
 }
 
 /// Samples read from sources.
@@ -140,21 +166,37 @@ struct Read {
 }
 
 impl Dataset {
-    /// Reads every source of the `dataset` section, training and eval, tokenizing text with
-    /// the tokenizer and chat template of `model_dir`; bad records are skipped and counted,
-    /// or errors with `dataset.strict`. Holds out `val_size` samples (seeded by `seed`),
-    /// then packs the training rows when asked (shuffled first, seeded by `seed`).
-    pub fn load(ds: &DatasetSection, model_dir: &Path, vocab: usize, seed: u64) -> Result<Dataset> {
-        let (train, eval) = train_and_eval_sources(ds)?;
+    /// Reads every source of the `dataset` section for `stage`, training and eval,
+    /// tokenizing text with the tokenizer and chat template of `model_dir`; bad records are
+    /// skipped and counted, or errors with `dataset.strict`. Holds out `val_size` samples
+    /// (seeded by `seed`), then packs the training rows when asked (shuffled first, seeded
+    /// by `seed`; under `pt`, documents in order are cut into blocks, the eval set too).
+    pub fn load(
+        ds: &DatasetSection,
+        stage: Stage,
+        model_dir: &Path,
+        vocab: usize,
+        seed: u64,
+    ) -> Result<Dataset> {
+        let (train, eval) = train_and_eval_sources(ds, stage)?;
         let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
-            true => Some(ChatTokenizer::from_model_dir(model_dir)?),
+            true => Some(ChatTokenizer::from_model_dir(model_dir, stage != Stage::Pt)?),
             false => None,
         };
+        if let Some(chat) = &chat {
+            check_tools(train.iter().chain(&eval), chat, stage)?;
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(ds.num_workers)
             .build()
             .map_err(|e| Error::invalid("dataset.num_workers", e.to_string()))?;
-        let read = |srcs: &[Source]| pool.install(|| read_all(srcs, chat.as_ref(), ds, vocab));
+        let reader = Reader {
+            ds,
+            stage,
+            chat: chat.as_ref(),
+            vocab,
+        };
+        let read = |srcs: &[Source]| pool.install(|| read_all(srcs, &reader));
         let Read {
             files,
             mut rows,
@@ -186,13 +228,45 @@ impl Dataset {
             skipped,
             eval,
             eval_source,
+            blocks: None,
         };
-        if let (true, Some(max)) = (ds.packing, ds.max_seq_len) {
-            let mut docs = std::mem::take(&mut data.rows);
-            if ds.shuffle {
-                docs.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+        match (ds.packing, ds.max_seq_len) {
+            (true, Some(len)) if reader.pt_blocks() => {
+                let bos = chat.as_ref().and_then(|c| c.bos()).map(|(id, _)| id);
+                let (rows, dropped) = pretrain::blocks(&data.rows, len, bos);
+                if rows.is_empty() {
+                    return Err(Error::DatasetFile {
+                        path: data.files.first().cloned().unwrap_or_default(),
+                        msg: format!(
+                            "{} documents hold {dropped} tokens, fewer than one block of dataset.max_seq_len ({len}) tokens",
+                            data.samples
+                        ),
+                    });
+                }
+                data.rows = rows;
+                data.blocks = Some((len, dropped));
+                if !data.eval.is_empty() {
+                    let (eval, dropped) = pretrain::blocks(&data.eval, len, bos);
+                    if eval.is_empty() {
+                        return Err(Error::invalid(
+                            "dataset.max_seq_len",
+                            format!(
+                                "the eval documents ({}) hold {dropped} tokens, fewer than one block of {len} tokens",
+                                data.eval_source
+                            ),
+                        ));
+                    }
+                    data.eval = eval;
+                }
             }
-            data.rows = pack(docs, max);
+            (true, Some(max)) => {
+                let mut docs = std::mem::take(&mut data.rows);
+                if ds.shuffle {
+                    docs.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+                }
+                data.rows = pack(docs, max);
+            }
+            _ => {}
         }
         Ok(data)
     }
@@ -204,8 +278,17 @@ impl Dataset {
             self.samples,
             list(&self.files)
         );
-        if self.rows.len() != self.samples {
-            s += &format!(", packed into {} rows", self.rows.len());
+        match self.blocks {
+            Some((len, dropped)) => {
+                s += &format!(
+                    ", concatenated into {} blocks of {len} tokens ({dropped} tokens after the last full block dropped)",
+                    self.rows.len()
+                )
+            }
+            None if self.rows.len() != self.samples => {
+                s += &format!(", packed into {} rows", self.rows.len())
+            }
+            None => {}
         }
         if self.skipped.count > 0 {
             s += &format!("; {}", self.skipped);
@@ -237,13 +320,31 @@ fn list(files: &[PathBuf]) -> String {
     names.join(", ")
 }
 
+/// A dataset with tool definitions needs a template that renders them (not under `pt`,
+/// which reads no conversation).
+fn check_tools<'a>(
+    srcs: impl Iterator<Item = &'a Source>,
+    chat: &ChatTokenizer,
+    stage: Stage,
+) -> Result<()> {
+    for src in srcs {
+        let tools_col = src.schema.as_ref().and_then(|s| s.columns.tools.as_deref());
+        if let (Some(col), false, true) = (tools_col, chat.supports_tools(), stage == Stage::Sft) {
+            return Err(Error::ModelConfig {
+                path: chat.template_path.clone(),
+                msg: format!(
+                    "dataset `{}` has tool definitions (column `{col}`), but this chat template has no tool support (it reads no `tools` variable or writes no `tool_calls`): use a model whose template renders tools, or leave the `tools` column out of the dataset",
+                    src.name
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Reads every file of `srcs`; at least one usable record must come out.
-fn read_all(
-    srcs: &[Source],
-    chat: Option<&ChatTokenizer>,
-    ds: &DatasetSection,
-    vocab: usize,
-) -> Result<Read> {
+fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
+    let ds = reader.ds;
     let mut out = Read::default();
     for src in srcs {
         let mut left = src.limit.unwrap_or(usize::MAX);
@@ -254,7 +355,7 @@ fn read_all(
             left -= recs.len();
             let rows: Vec<std::result::Result<Example, BadRecord>> = recs
                 .par_iter()
-                .map(|rec| row(src, rec, chat, ds, vocab))
+                .map(|rec| row(src, rec, reader))
                 .collect();
             for r in rows {
                 match r {
@@ -293,9 +394,10 @@ fn read_all(
 }
 
 /// The sources of a `path` or `name` (a list of registry names; `key` names it in errors),
-/// with their schemas; none when neither is given.
+/// with their schemas; none when neither is given. Each must suit `stage`.
 fn sources(
     ds: &DatasetSection,
+    stage: Stage,
     path: Option<&PathBuf>,
     names: Option<&str>,
     key: &str,
@@ -312,13 +414,22 @@ fn sources(
     if let Some(path) = path {
         let format = ds.format.unwrap_or(DatasetFormat::Alpaca);
         let mut columns = Columns::defaults(format);
+        if stage == Stage::Pt {
+            // A plain-text corpus names its column `text` (`datasets`' text loader too).
+            columns.prompt = "text".into();
+            columns.query = None;
+        }
         if let Some(q) = &ds.query_field {
             columns.prompt = q.clone();
         }
         if let Some(r) = &ds.response_field {
             columns.response = r.clone();
         }
+        let key = if key == "dataset.name" { "dataset.path" } else { "dataset.eval_path" };
+        let name = path.display().to_string();
+        check_stage(stage, key, &name, format, false, std::slice::from_ref(path))?;
         return Ok(vec![Source {
+            name,
             files: vec![path.clone()],
             schema: text_schema(format, columns, Default::default()),
             limit: None,
@@ -331,7 +442,9 @@ fn sources(
         .filter(|n| !n.is_empty())
         .map(|n| {
             let r = registry::lookup(&ds.dataset_dir, n, key)?;
+            check_stage(stage, key, n, r.format, r.ranking, &r.files)?;
             Ok(Source {
+                name: n.to_owned(),
                 files: r.files,
                 schema: text_schema(r.format, r.columns, r.tags),
                 limit: r.num_samples,
@@ -340,20 +453,73 @@ fn sources(
         .collect()
 }
 
-/// One record to a row, with `max_seq_len` applied.
-fn row(
-    src: &Source,
-    rec: &RawRecord,
-    chat: Option<&ChatTokenizer>,
-    ds: &DatasetSection,
-    vocab: usize,
-) -> std::result::Result<Example, BadRecord> {
-    let mut ex = match (&src.schema, chat) {
+/// Refuses a dataset that `stage` cannot train on, naming it and the key that gave it.
+fn check_stage(
+    stage: Stage,
+    key: &str,
+    name: &str,
+    format: DatasetFormat,
+    ranking: bool,
+    files: &[PathBuf],
+) -> Result<()> {
+    let stage_name = stage.as_str();
+    if ranking && stage != Stage::Dpo {
+        return Err(Error::invalid(
+            key,
+            format!(
+                "dataset `{name}` is a ranking dataset (`ranking: true`: chosen/rejected preference pairs, for training.stage: dpo), which training.stage: {stage_name} cannot train on: give a supervised dataset"
+            ),
+        ));
+    }
+    if stage == Stage::Pt && format == DatasetFormat::Sharegpt {
+        return Err(Error::invalid(
+            key,
+            format!(
+                "dataset `{name}` is sharegpt conversations; training.stage: pt reads plain text: alpaca-format records with the document in the `prompt` column (`columns: {{prompt: text}}` in dataset_info.json), .txt files, or tokenized rows"
+            ),
+        ));
+    }
+    if let Some(txt) = files.iter().find(|f| files::is_plain_text(f))
+        && stage != Stage::Pt
+    {
+        return Err(Error::invalid(
+            key,
+            format!(
+                "dataset `{name}` is plain text ({}: one document per line), which is read with training.stage: pt, not {stage_name}",
+                txt.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One record to a row, with `max_seq_len` applied (but to `pt` documents that are cut
+/// into blocks later).
+fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Example, BadRecord> {
+    let (ds, vocab) = (reader.ds, reader.vocab);
+    let mut ex = match (&src.schema, reader.chat) {
         (Some(schema), Some(chat)) => {
-            let msgs = schema.conversation(rec)?;
-            let ex = chat
-                .example(&msgs, ds.train_on_prompt)
-                .map_err(|m| BadRecord::new(rec.line, "", m))?;
+            let ex = match reader.stage {
+                Stage::Pt => {
+                    let text = schema.document(rec)?;
+                    chat.document(&text, !ds.packing)
+                }
+                _ => {
+                    let conv = schema.conversation(rec)?;
+                    if !chat.supports_tools() && conv.messages.iter().any(|m| !m.tool_calls.is_empty()) {
+                        return Err(BadRecord::new(
+                            rec.line,
+                            &schema.columns.messages,
+                            format!(
+                                "a function_call turn, but the chat template ({}) does not render tool calls",
+                                chat.template_path.display()
+                            ),
+                        ));
+                    }
+                    chat.example(&conv, ds.train_on_prompt)
+                }
+            }
+            .map_err(|m| BadRecord::new(rec.line, "", m))?;
             if let Some(&bad) = ex.input_ids.iter().find(|&&id| id as usize >= vocab) {
                 return Err(BadRecord::new(
                     rec.line,
@@ -367,6 +533,7 @@ fn row(
     };
     let len = ex.input_ids.len();
     match ds.max_seq_len {
+        _ if reader.pt_blocks() => {}
         Some(max) if len > max && ds.overlong == Overlong::Skip => {
             return Err(BadRecord::new(
                 rec.line,
@@ -438,7 +605,7 @@ mod tests {
             "{\"input_ids\": [1, 2]}\n{\"input_ids\": [1, 99]}\n{\"input_ids\": [1, 2], \"labels\": [1]}\n",
         );
         let yaml = format!("{{format: tokenized, path: {}, strict: true}}", p.display());
-        let e = Dataset::load(&section(&yaml), Path::new("."), 50, 0)
+        let e = Dataset::load(&section(&yaml), Stage::Sft, Path::new("."), 50, 0)
             .unwrap_err()
             .to_string();
         assert!(e.contains("line 2") && e.contains("entry 1 is 99"), "{e}");
@@ -447,7 +614,7 @@ mod tests {
             "{e}"
         );
         let yaml = format!("{{format: tokenized, path: {}}}", p.display());
-        let d = Dataset::load(&section(&yaml), Path::new("."), 50, 0).unwrap();
+        let d = Dataset::load(&section(&yaml), Stage::Sft, Path::new("."), 50, 0).unwrap();
         assert_eq!((d.rows.len(), d.skipped.count), (1, 2));
         assert!(
             d.skipped.first[1].contains(":3: field `labels`: has 1 entries"),
@@ -467,10 +634,11 @@ mod tests {
             "{{format: tokenized, path: {}, max_seq_len: 3}}",
             p.display()
         );
-        let d = Dataset::load(&section(&yaml), Path::new("."), 50, 0).unwrap();
+        let d = Dataset::load(&section(&yaml), Stage::Sft, Path::new("."), 50, 0).unwrap();
         assert_eq!(d.rows[0].input_ids, [1, 2, 3]);
         let d = Dataset::load(
             &section(&format!("{{{}, overlong: skip}}", &yaml[1..yaml.len() - 1])),
+            Stage::Sft,
             Path::new("."),
             50,
             0,
@@ -496,7 +664,7 @@ mod tests {
             p.display()
         );
         let load = |seed| {
-            Dataset::load(&section(&yaml), Path::new("."), 50, seed)
+            Dataset::load(&section(&yaml), Stage::Sft, Path::new("."), 50, seed)
                 .unwrap()
                 .rows
         };
@@ -507,7 +675,7 @@ mod tests {
         assert_eq!((docs(&a), docs(&c)), (30, 30));
         assert!(a.iter().all(|r| r.input_ids.len() <= 16));
         let unshuffled = format!("{{{}, shuffle: false}}", &yaml[1..yaml.len() - 1]);
-        let d = Dataset::load(&section(&unshuffled), Path::new("."), 50, 1).unwrap();
+        let d = Dataset::load(&section(&unshuffled), Stage::Sft, Path::new("."), 50, 1).unwrap();
         assert_eq!(
             d.rows[0].doc_lens()[..2],
             [3, 4],

@@ -1,6 +1,6 @@
 //! Text records (alpaca, sharegpt) read from JSON or JSONL files and turned into
-//! conversations, following LlamaFactory's conventions; a record that cannot become one is
-//! a `BadRecord` naming its line and field.
+//! conversations (or, for `training.stage: pt`, documents), following LlamaFactory's
+//! conventions; a record that cannot become one is a `BadRecord` naming its line and field.
 
 use std::path::Path;
 
@@ -8,6 +8,7 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 use super::registry::{Columns, Tags};
+use super::tools::{self, CallIds, ToolCall};
 use crate::config::DatasetFormat;
 use crate::error::{Error, Result};
 
@@ -35,6 +36,29 @@ impl Role {
 pub struct Message {
     pub role: Role,
     pub content: String,
+    /// An assistant turn's tool calls (sharegpt `function_call`).
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+}
+
+impl Message {
+    pub fn new(role: Role, content: impl Into<String>) -> Message {
+        Message {
+            role,
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+}
+
+/// A record as the chat template sees it: the messages and the tools it may call.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Conversation {
+    pub messages: Vec<Message>,
+    /// The `tools` column, as `apply_chat_template(tools=...)` takes it; None without.
+    pub tools: Option<minijinja::Value>,
 }
 
 /// A string field of a record: absent (None) or the bad record it makes.
@@ -111,25 +135,11 @@ pub struct Schema {
 }
 
 impl Schema {
-    /// The record's conversation: an optional system prompt and the turns in order.
-    pub fn conversation(&self, rec: &RawRecord) -> std::result::Result<Vec<Message>, BadRecord> {
-        let bad = |field: &str, reason: &str| BadRecord::new(rec.line, field, reason);
-        let obj: Value = serde_json::from_str(rec.json)
-            .map_err(|e| bad("", &format!("not a JSON object: {e}")))?;
-        let Value::Object(obj) = obj else {
-            return Err(bad("", "not a JSON object"));
-        };
-        let text = |col: &str, required: bool| -> FieldText {
-            match obj.get(col) {
-                None | Some(Value::Null) if required => Err(bad(col, "missing")),
-                None | Some(Value::Null) => Ok(None),
-                Some(Value::String(s)) => Ok(Some(s.clone())),
-                Some(other) => Err(bad(
-                    col,
-                    &format!("expected a string, found {}", kind(other)),
-                )),
-            }
-        };
+    /// The record's conversation: an optional system prompt and the turns in order, and
+    /// its tools.
+    pub fn conversation(&self, rec: &RawRecord) -> std::result::Result<Conversation, BadRecord> {
+        let obj = object(rec)?;
+        let text = |col: &str, required: bool| field_text(&obj, col, required, rec.line);
         let system = match &self.columns.system {
             Some(col) => text(col, false)?,
             None => None,
@@ -137,10 +147,7 @@ impl Schema {
         .filter(|s| !s.is_empty())
         .or_else(|| self.default_system.clone());
         let mut msgs: Vec<Message> = system
-            .map(|content| Message {
-                role: Role::System,
-                content,
-            })
+            .map(|content| Message::new(Role::System, content))
             .into_iter()
             .collect();
         match self.format {
@@ -148,7 +155,40 @@ impl Schema {
             DatasetFormat::Sharegpt => self.sharegpt(&obj, rec.line, &mut msgs)?,
             DatasetFormat::Tokenized => unreachable!("tokenized files are not text records"),
         }
-        Ok(msgs)
+        let tools = match &self.columns.tools {
+            Some(col) if obj.contains_key(col) => tools::tools(&raw_field(rec, col)?, rec.line, col)?,
+            _ => None,
+        };
+        Ok(Conversation {
+            messages: msgs,
+            tools,
+        })
+    }
+
+    /// A `pt` record's document: the `prompt` column, and the `query` column after a
+    /// newline when it has one (LlamaFactory's first user turn of an alpaca record).
+    pub fn document(&self, rec: &RawRecord) -> std::result::Result<String, BadRecord> {
+        let obj = object(rec)?;
+        let c = &self.columns;
+        let prompt = field_text(&obj, &c.prompt, true, rec.line).map_err(|mut e| {
+            if e.reason == "missing" {
+                e.reason = "missing: training.stage: pt reads each document from the `prompt` column (`columns: {prompt: text}` in dataset_info.json, `text` for dataset.path)".into();
+            }
+            e
+        })?;
+        let query = match &c.query {
+            Some(col) => field_text(&obj, col, false, rec.line)?,
+            None => None,
+        };
+        let parts: Vec<String> = [prompt, query]
+            .into_iter()
+            .flatten()
+            .filter(|s| !s.is_empty())
+            .collect();
+        if parts.is_empty() {
+            return Err(BadRecord::new(rec.line, &c.prompt, "empty document"));
+        }
+        Ok(parts.join("\n"))
     }
 
     fn alpaca(
@@ -224,6 +264,7 @@ impl Schema {
             }
         };
         let t = &self.tags;
+        let mut ids = CallIds::default();
         for (i, m) in turns.iter().enumerate() {
             let field = |tag: &str| format!("{col}[{i}].{tag}");
             let get = |tag: &str| -> std::result::Result<&str, BadRecord> {
@@ -259,11 +300,18 @@ impl Schema {
                 }
             };
             let content = get(&t.content_tag)?.to_owned();
+            let mut msg = Message::new(role, content);
+            if role_name == t.function_tag {
+                msg.tool_calls = ids.calls(&msg.content, line, &field(&t.content_tag))?;
+                msg.content.clear();
+            } else if role == Role::Tool {
+                msg.tool_call_id = ids.answer();
+            }
             if role == Role::System {
                 msgs.retain(|m| m.role != Role::System);
-                msgs.insert(0, Message { role, content });
+                msgs.insert(0, msg);
             } else {
-                msgs.push(Message { role, content });
+                msgs.push(msg);
             }
         }
         if !msgs.iter().any(|m| m.role == Role::Assistant) {
@@ -279,14 +327,50 @@ impl Schema {
 }
 
 fn push_turn(msgs: &mut Vec<Message>, user: String, assistant: String) {
-    msgs.push(Message {
-        role: Role::User,
-        content: user,
-    });
-    msgs.push(Message {
-        role: Role::Assistant,
-        content: assistant,
-    });
+    msgs.push(Message::new(Role::User, user));
+    msgs.push(Message::new(Role::Assistant, assistant));
+}
+
+/// The record as a JSON object.
+fn object(rec: &RawRecord) -> std::result::Result<serde_json::Map<String, Value>, BadRecord> {
+    match serde_json::from_str(rec.json) {
+        Ok(Value::Object(obj)) => Ok(obj),
+        Ok(_) => Err(BadRecord::new(rec.line, "", "not a JSON object")),
+        Err(e) => Err(BadRecord::new(
+            rec.line,
+            "",
+            format!("not a JSON object: {e}"),
+        )),
+    }
+}
+
+/// A string field: absent or null (an error when `required`), or its text.
+fn field_text(
+    obj: &serde_json::Map<String, Value>,
+    col: &str,
+    required: bool,
+    line: usize,
+) -> FieldText {
+    match obj.get(col) {
+        None | Some(Value::Null) if required => Err(BadRecord::new(line, col, "missing")),
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(BadRecord::new(
+            line,
+            col,
+            format!("expected a string, found {}", kind(other)),
+        )),
+    }
+}
+
+/// A field's JSON text as written (serde_json's map would sort its keys).
+fn raw_field(rec: &RawRecord, col: &str) -> std::result::Result<Box<RawValue>, BadRecord> {
+    let mut fields: std::collections::HashMap<String, Box<RawValue>> =
+        serde_json::from_str(rec.json)
+            .map_err(|e| BadRecord::new(rec.line, "", format!("not a JSON object: {e}")))?;
+    fields
+        .remove(col)
+        .ok_or_else(|| BadRecord::new(rec.line, col, "missing"))
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -314,7 +398,9 @@ mod tests {
     }
 
     fn conv(format: DatasetFormat, json: &str) -> std::result::Result<Vec<Message>, BadRecord> {
-        schema(format).conversation(&RawRecord { line: 7, json })
+        schema(format)
+            .conversation(&RawRecord { line: 7, json })
+            .map(|c| c.messages)
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! (`file_name`, relative to the registry's directory) or a hub dataset (`hf_hub_url`,
 //! with `subset`, `split` and `folder`, read from the HF cache: [`super::hub`]), its
 //! `formatting` (`alpaca`, the default, or `sharegpt`), the `columns` holding each part of
-//! a record and, for sharegpt, the `tags` naming roles inside messages.
+//! a record (`prompt` alone for `training.stage: pt`; `tools` for tool-calling data) and,
+//! for sharegpt, the `tags` naming roles inside messages. `ranking` entries (preference
+//! pairs) are reported so that stages other than `dpo` can refuse them by name.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -54,6 +56,9 @@ pub struct Columns {
     pub messages: String,
     /// A per-record system prompt.
     pub system: Option<String>,
+    /// The tool definitions a record's conversation may call (a JSON list, or a string
+    /// holding one).
+    pub tools: Option<String>,
 }
 
 impl Columns {
@@ -66,6 +71,7 @@ impl Columns {
             history: alpaca.then(|| "history".into()),
             messages: "conversations".into(),
             system: Some("system".into()),
+            tools: None,
         }
     }
 
@@ -79,13 +85,15 @@ impl Columns {
                 "history" => self.history = Some(v.clone()),
                 "messages" => self.messages = v.clone(),
                 "system" => self.system = Some(v.clone()),
-                // Multimodal and tool columns: the text model ignores them.
-                "tools" | "images" | "videos" | "audios" => {}
+                "tools" => self.tools = Some(v.clone()),
+                // Multimodal columns: the text model ignores them. Ranking columns are
+                // for `dpo`, which refuses the entry first.
+                "images" | "videos" | "audios" | "chosen" | "rejected" | "kto_tag" => {}
                 other => {
                     return Err(Error::Config {
                         path: path.into(),
                         msg: format!(
-                            "dataset `{name}`: unknown column role `{other}` (expected prompt, query, response, history, messages, system)"
+                            "dataset `{name}`: unknown column role `{other}` (expected prompt, query, response, history, messages, system, tools)"
                         ),
                     });
                 }
@@ -130,6 +138,8 @@ pub struct Registered {
     pub columns: Columns,
     pub tags: Tags,
     pub num_samples: Option<usize>,
+    /// `ranking: true`: chosen / rejected preference pairs.
+    pub ranking: bool,
 }
 
 /// Looks `name` up in `dir/dataset_info.json`; `key` is the config key that gave it.
@@ -195,11 +205,6 @@ pub fn lookup(dir: &Path, name: &str, key: &str) -> Result<Registered> {
             )));
         }
     };
-    if e.ranking {
-        return Err(cfg_err(format!(
-            "dataset `{name}`: `ranking` is not supported (supervised alpaca/sharegpt data only)"
-        )));
-    }
     let format = e.formatting.unwrap_or(DatasetFormat::Alpaca);
     if format == DatasetFormat::Tokenized && !e.columns.is_empty() {
         return Err(cfg_err(format!(
@@ -212,6 +217,7 @@ pub fn lookup(dir: &Path, name: &str, key: &str) -> Result<Registered> {
         columns: Columns::defaults(format).with(&e.columns, name, &path)?,
         tags: e.tags,
         num_samples: e.num_samples,
+        ranking: e.ranking,
     })
 }
 
