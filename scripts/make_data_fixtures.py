@@ -427,7 +427,10 @@ TOOL_MODELS = {
 for model_name, (template, bos_text, eos_text, sets) in TOOL_MODELS.items():
     d = os.path.join(out, f"model-{model_name}")
     os.makedirs(d, exist_ok=True)
-    shutil.copy(os.path.join(ROOT, "configs/tiny/tokenizer.json"), d)
+    # The model's bos/eos are special tokens of its vocabulary, as in the real tokenizers.
+    tool_tok = Tokenizer.from_file(os.path.join(ROOT, "configs/tiny/tokenizer.json"))
+    tool_tok.add_special_tokens([t for t in (bos_text, eos_text) if t and tool_tok.token_to_id(t) is None])
+    tool_tok.save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos_text,
                    "eos_token": eos_text, "chat_template": template}, f, indent=2)

