@@ -5,10 +5,10 @@ use super::*;
 fn parse(yaml: &str) -> Result<RunConfig> {
     let dir = std::env::temp_dir().join(format!("mt-cfg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(format!(
-        "{:x}.yaml",
-        yaml.len() * 31 + yaml.as_bytes()[0] as usize
-    ));
+    // One file per call: tests run in parallel and may parse the same text.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let p = dir.join(format!("{n}.yaml"));
     std::fs::write(&p, yaml).unwrap();
     RunConfig::load(&p, &[])
 }
