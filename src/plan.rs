@@ -55,7 +55,9 @@ pub enum Fit {
 }
 
 mod device;
+mod fit;
 pub use device::{DeviceOpts, DevicePlan, Phase};
+pub use fit::{DeviceMemory, Largest, Short, check as check_device_fit};
 
 /// Bytes of host RAM the launcher holds for training state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
