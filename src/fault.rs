@@ -8,8 +8,8 @@
 //! (the worker prints it with `--log-level debug` or `RUST_BACKTRACE`).
 //!
 //! ```text
-//! worker rank 0 failed: out of memory on cuda:0 in the backward of layer 5 (micro-batch
-//! 1 x 524288 tokens): asked for 3.76 GB with 1.32 GB free of 150.02 GB; the plan puts this
+//! worker rank 0 failed: out of memory on cuda:0 in the backward of layer 5, micro-batch
+//! 1 x 524288 tokens: asked for 3.76 GB with 1.32 GB free of 150.02 GB; the plan puts this
 //! micro-batch at 162.41 GB. To fit: for 1 row, sequences of at most 393216 tokens
 //! (dataset.max_seq_len), or memory.offload_activations: true
 //! ```
@@ -83,7 +83,7 @@ impl Phase {
             Phase::Upload => "upload of the micro-batch",
             Phase::HostToDevice => "host-to-device copy",
             Phase::Forward => "forward",
-            Phase::Head => "head (final norm, lm_head and loss)",
+            Phase::Head => "head (final norm, lm_head, loss)",
             Phase::Backward => "backward",
             Phase::EmbeddingBackward => "embedding backward",
             Phase::DeviceToHost => "device-to-host copy of the gradients",
@@ -239,10 +239,7 @@ impl Fault {
     }
 }
 
-/// Bytes as GB with two decimals.
-fn gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / 1e9)
-}
+use crate::plan::human_bytes as gb;
 
 impl std::fmt::Display for Fault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -255,7 +252,7 @@ impl std::fmt::Display for Fault {
             write!(f, " of layer {l}")?;
         }
         if let Some((rows, seq)) = self.micro_batch {
-            write!(f, " (micro-batch {rows} x {seq} tokens)")?;
+            write!(f, ", micro-batch {rows} x {seq} tokens")?;
         }
         let Some(oom) = self.oom else {
             return write!(f, ": {}", self.message);
@@ -270,10 +267,11 @@ impl std::fmt::Display for Fault {
         if let Some(p) = self.plan {
             write!(f, "; the plan puts this micro-batch at {}", gb(p.need))?;
             if let Some(b) = p.budget.filter(|&b| b >= p.need) {
-                // The plan fits yet the allocation failed: what the plan leaves out.
+                // The plan fits, yet the allocation failed: what the plan leaves out.
                 write!(
                     f,
-                    " of the {} this worker had (the rest: allocator fragmentation or other processes)",
+                    " of the {} this worker had (it does not count allocator slack or other \
+                     processes on the device)",
                     gb(b)
                 )?;
             }
@@ -356,7 +354,7 @@ mod tests {
         let line = fault(Phase::Backward, 8, PLAN, false).to_string();
         assert_eq!(
             line,
-            "out of memory on cuda:0 in the backward of layer 5 (micro-batch 8 x 4096 tokens): \
+            "out of memory on cuda:0 in the backward of layer 5, micro-batch 8 x 4096 tokens: \
              asked for 3.76 GB with 1.32 GB free of 150.12 GB; the plan puts this micro-batch at \
              160.00 GB. To fit: a micro-batch of at most 3 rows (training.batch_size = workers x \
              gradient_accumulation_steps x rows), or memory.offload_activations: true"
@@ -386,7 +384,7 @@ mod tests {
             ..PLAN
         };
         let frag = fault(Phase::Forward, 8, fits, true).to_string();
-        assert!(frag.contains("fragmentation"), "{frag}");
+        assert!(frag.contains("allocator slack"), "{frag}");
     }
 
     #[test]
@@ -399,7 +397,7 @@ mod tests {
         };
         assert_eq!(
             f.to_string(),
-            "libtorch error on cuda:0 in the forward of layer 5 (micro-batch 2 x 4096 tokens): \
+            "libtorch error on cuda:0 in the forward of layer 5, micro-batch 2 x 4096 tokens: \
              mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"
         );
     }

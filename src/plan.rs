@@ -218,6 +218,15 @@ impl std::fmt::Display for HostPlan {
     }
 }
 
+/// Bytes for a reader: GB with two decimals, or MB / kB below a hundredth of a GB.
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 10_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 10_000 => format!("{:.2} MB", b as f64 / 1e6),
+        b => format!("{:.2} kB", b as f64 / 1e3),
+    }
+}
+
 /// The kernel's count of OOM kills since boot (`oom_kill` in /proc/vmstat; None where it
 /// cannot be read). `MT_PROC_VMSTAT` names another file to read, for tests.
 pub fn oom_kills() -> Option<u64> {

@@ -30,6 +30,9 @@ fn run_llama(name: &str, env: &[(&str, &str)], extra: &[&str]) -> Ended {
         .args(["--config", path_str(&config), "--gpus", "0", "--workers", "2"])
         .args(["--set", "training.num_steps=2"])
         .args(extra)
+        // Quiet unless a case asks otherwise (cargo test may run with RUST_BACKTRACE set).
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LOG")
         .envs(env.iter().copied())
         .stdout(std::fs::File::create(dir.join("stdout.log")).unwrap())
         .stderr(std::fs::File::create(dir.join("stderr.log")).unwrap())
@@ -79,7 +82,7 @@ fn an_allocation_failure_is_one_line_and_leaves_nothing_behind() {
     let cases = [
         (
             "backward:1",
-            "in the backward of layer 1 (micro-batch 2 x",
+            "in the backward of layer 1, micro-batch 2 x",
             "training.batch_size",
         ),
         ("forward:0", "in the forward of layer 0", "training.batch_size"),
@@ -153,7 +156,7 @@ fn a_micro_batch_that_cannot_fit_is_refused_before_anything_is_loaded() {
     assert_eq!(line.len(), 1, "{}", run.err);
     for needle in [
         "the micro-batch of 2 x ",
-        &format!("the plan needs {:.2} GB", total as f64 / 1e9),
+        &format!("the plan needs {} per worker", mt::plan::human_bytes(total)),
         "MT_TEST_DEVICE_MEMORY (a test hook) gives",
         "The largest that fits is 1 x ",
         "Pass --force to launch anyway.",

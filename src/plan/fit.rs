@@ -124,7 +124,7 @@ pub fn check(
 
 impl std::fmt::Display for Short {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
+        let gb = super::human_bytes;
         let m = &self.memory;
         write!(
             f,
