@@ -10,7 +10,9 @@ use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{DType, MasterWeights, OptimizerSection, RunConfig};
 use mt::layout::{Block, Layout};
-use mt::optim::{AdamWStep, adamw_update, adamw_update_bf16_master, adamw_update_split};
+use mt::optim::{
+    AdamWStep, Moments, adamw_moments, adamw_update, adamw_update_bf16_master, adamw_update_split,
+};
 use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
 use mt::shm::huge::zeroed;
@@ -43,6 +45,16 @@ pub struct HostState {
     pub slabs: GradSlabs,
     /// Optimizer updates applied so far.
     updates: u64,
+    /// The moments pass of the last update where it is still due ([`HostState::defer_moments`]).
+    deferred: Option<Deferred>,
+}
+
+/// The second pass of an update whose weights pass ran on every block: blocks
+/// `..below` still lack it. It runs from the last block down, the order in which the next
+/// backward delivers (and so overwrites) the gradients it reads.
+struct Deferred {
+    hp: AdamWStep,
+    below: usize,
 }
 
 /// The bf16 store elements `r`; `memory.master_weights: split` and `bfloat16` are
@@ -89,6 +101,7 @@ impl HostState {
             store,
             slabs,
             updates: 0,
+            deferred: None,
         })
     }
 
@@ -131,6 +144,8 @@ impl HostState {
         first: bool,
         last: bool,
     ) -> f64 {
+        // The accumulator is about to change: the last update's moments pass reads it.
+        self.settle_moments_down_to(block);
         let b = &self.layout.blocks[block];
         match &mut self.grad {
             Grad::F32(g) => reduce_tensors(&self.slabs, b, part, g, slots, first, last),
@@ -189,8 +204,12 @@ impl HostState {
         }
     }
 
-    /// The tensors a checkpoint holds.
+    /// The tensors a checkpoint holds: call [`HostState::settle_moments`] first.
     pub fn tensors(&self) -> Tensors<'_> {
+        assert!(
+            self.deferred.is_none(),
+            "the moments of the last update are not all written yet"
+        );
         Tensors {
             master: self.master(),
             m: &self.m,
@@ -245,16 +264,77 @@ impl HostState {
         }
     }
 
-    /// Applies the update to every tensor of block `block` (master, moments and store).
-    pub fn update_block(&mut self, block: usize, hp: &AdamWStep) {
+    /// Applies the update to every tensor of block `block`: master and store, and the
+    /// moments with `Moments::Write`. With `Moments::Keep` the moments follow from
+    /// [`HostState::defer_moments`] once every block's weights are updated.
+    pub fn update_block(&mut self, block: usize, hp: &AdamWStep, moments: Moments) {
+        assert!(
+            self.deferred.is_none(),
+            "an update starts before the last one's moments are written"
+        );
         let b = &self.layout.blocks[block];
         for t in &b.tensors {
             let r = Layout::global_range(b, t);
             let (m, v) = (&mut self.m[r.clone()], &mut self.v[r.clone()]);
             let (master, store, at) = (&mut self.master, &mut self.store, r.start);
+            let decay = t.decays();
             match &self.grad {
-                Grad::F32(g) => update(master, store, &g[r], m, v, at, hp, t.decays()),
-                Grad::Bf16(g) => update(master, store, &g[r], m, v, at, hp, t.decays()),
+                Grad::F32(g) => update(master, store, &g[r], m, v, at, hp, decay, moments),
+                Grad::Bf16(g) => update(master, store, &g[r], m, v, at, hp, decay, moments),
+            }
+        }
+    }
+
+    /// Records that update `hp` ran with `Moments::Keep` on every block: its moments pass
+    /// is due, block by block, before the accumulator or the moments are next read or
+    /// changed ([`HostState::reduce_part`] and [`HostState::tensors`] see to it), and may
+    /// run earlier, while the workers compute ([`HostState::settle_next_moments`]).
+    pub fn defer_moments(&mut self, hp: AdamWStep) {
+        let below = self.layout.blocks.len();
+        self.deferred = Some(Deferred { hp, below });
+    }
+
+    /// Whether a moments pass is due on some block.
+    pub fn moments_due(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// Runs the due moments pass on the highest block still lacking it; false if none was.
+    pub fn settle_next_moments(&mut self) -> bool {
+        let Some(d) = &self.deferred else {
+            return false;
+        };
+        self.settle_moments_down_to(d.below - 1);
+        true
+    }
+
+    /// Runs the due moments pass on every block.
+    pub fn settle_moments(&mut self) {
+        self.settle_moments_down_to(0);
+    }
+
+    /// Runs the due moments pass on blocks `block..` that lack it.
+    pub fn settle_moments_down_to(&mut self, block: usize) {
+        loop {
+            let Some(d) = &mut self.deferred else {
+                return;
+            };
+            if d.below <= block {
+                return;
+            }
+            d.below -= 1;
+            let (i, hp) = (d.below, d.hp);
+            if i == 0 {
+                self.deferred = None;
+            }
+            let b = &self.layout.blocks[i];
+            for t in &b.tensors {
+                let r = Layout::global_range(b, t);
+                let (m, v) = (&mut self.m[r.clone()], &mut self.v[r.clone()]);
+                match &self.grad {
+                    Grad::F32(g) => adamw_moments(&g[r], m, v, &hp),
+                    Grad::Bf16(g) => adamw_moments(&g[r], m, v, &hp),
+                }
             }
         }
     }
@@ -312,17 +392,21 @@ fn update<G: GradElem>(
     start: usize,
     hp: &AdamWStep,
     decay: bool,
+    moments: Moments,
 ) {
     let r = start..start + g.len();
     match master {
-        Master::F32(p) => adamw_update(&mut p[r.clone()], g, m, v, store.out_mut(r), hp, decay),
+        Master::F32(p) => {
+            let s = store.out_mut(r.clone());
+            adamw_update(&mut p[r], g, m, v, s, hp, decay, moments)
+        }
         Master::Split(lo) => {
             let hi = store_bf16(store, r.clone());
-            adamw_update_split(hi, &mut lo[r], g, m, v, hp, decay)
+            adamw_update_split(hi, &mut lo[r], g, m, v, hp, decay, moments)
         }
         Master::Bf16 { seed } => {
             let p = store_bf16(store, r);
-            adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, start as u64)
+            adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, start as u64, moments)
         }
     }
 }

@@ -19,19 +19,24 @@ impl Trainer {
         let Some(writer) = self.writer.as_mut() else {
             return Ok(());
         };
-        let due = self.cfg.checkpoint.due(done, last);
+        let root = writer.root().display().to_string();
+        let failed =
+            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
+        let Some(contents) = self.cfg.checkpoint.due(done, last) else {
+            let written = writer.poll().with_context(failed)?;
+            return self.report_written(written.into_iter().collect());
+        };
+        // A checkpoint holds the moments of the update just made.
+        self.host.settle_moments();
         let state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
         let live = self.host.tensors();
-        let root = writer.root().display().to_string();
-        let failed =
-            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
-        let written = if let (true, Some(contents)) = (last, due) {
+        let written = if last {
             writer
                 .write_final(state, &live, contents)
                 .with_context(failed)?
-        } else if let Some(contents) = due {
+        } else {
             let (waited, written) = writer.start(state, &live, contents).with_context(failed)?;
             if self.cfg.checkpoint.background {
                 self.progress.println(&format!(
@@ -39,9 +44,12 @@ impl Trainer {
                 ));
             }
             written
-        } else {
-            writer.poll().with_context(failed)?.into_iter().collect()
         };
+        self.report_written(written)
+    }
+
+    /// Says where the checkpoints completed meanwhile were written.
+    fn report_written(&mut self, written: Vec<mt::checkpoint::writer::Written>) -> Result<()> {
         for w in written {
             self.progress.println(&format!(
                 "checkpoint {} written in {:.3}s",
