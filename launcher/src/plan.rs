@@ -101,7 +101,7 @@ pub fn dry_run(
         println!("would resume from {}", dir.display());
     }
     describe(cfg, placement, &prep);
-    println!("dry run: configuration, model, dataset, host and device memory are valid");
+    println!("dry run: configuration, model, dataset and host memory are valid");
     Ok(())
 }
 

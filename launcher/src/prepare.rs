@@ -126,7 +126,10 @@ impl Prepared {
         let t = &cfg.training;
         let rows = t.batch_size / (workers * t.gradient_accumulation_steps);
         let longest = self.data.rows.iter().map(|r| r.input_ids.len()).max();
-        (rows.max(1), cfg.dataset.max_seq_len.or(longest).unwrap_or(1))
+        (
+            rows.max(1),
+            cfg.dataset.max_seq_len.or(longest).unwrap_or(1),
+        )
     }
 
     /// Refuses a run whose micro-batch does not fit the memory a GPU it uses has free, by

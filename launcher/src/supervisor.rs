@@ -305,7 +305,10 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
         && tracing::level_filters::LevelFilter::current() >= tracing::Level::DEBUG
     {
         // `--log-level debug` reaches the workers: libtorch's full messages, panics.
-        cmd.env("RUST_LOG", tracing::level_filters::LevelFilter::current().to_string());
+        cmd.env(
+            "RUST_LOG",
+            tracing::level_filters::LevelFilter::current().to_string(),
+        );
     }
     if std::env::var_os(ENV_TORCH_ALLOC).is_none() {
         // The worker's allocations change size with every block it streams; expandable

@@ -27,7 +27,14 @@ fn run_llama(name: &str, env: &[(&str, &str)], extra: &[&str]) -> Ended {
     let dir = scratch(name);
     let config = golden_dir().join("llama/run.yaml");
     let mut child = Command::new(launcher())
-        .args(["--config", path_str(&config), "--gpus", "0", "--workers", "2"])
+        .args([
+            "--config",
+            path_str(&config),
+            "--gpus",
+            "0",
+            "--workers",
+            "2",
+        ])
         .args(["--set", "training.num_steps=2"])
         .args(extra)
         // Quiet unless a case asks otherwise (cargo test may run with RUST_BACKTRACE set).
@@ -85,7 +92,11 @@ fn an_allocation_failure_is_one_line_and_leaves_nothing_behind() {
             "in the backward of layer 1, micro-batch 2 x",
             "training.batch_size",
         ),
-        ("forward:0", "in the forward of layer 0", "training.batch_size"),
+        (
+            "forward:0",
+            "in the forward of layer 0",
+            "training.batch_size",
+        ),
         ("head", "in the head", "memory.ce_chunk_tokens (now 4096)"),
     ];
     for (hook, place, advice) in cases {
@@ -104,10 +115,17 @@ fn an_allocation_failure_is_one_line_and_leaves_nothing_behind() {
             "To fit: ",
             advice,
         ] {
-            assert!(line.contains(needle), "{hook}: `{needle}` missing from:\n{line}");
+            assert!(
+                line.contains(needle),
+                "{hook}: `{needle}` missing from:\n{line}"
+            );
         }
         for noise in NOISE {
-            assert!(!run.err.contains(noise), "{hook}: `{noise}` in stderr:\n{}", run.err);
+            assert!(
+                !run.err.contains(noise),
+                "{hook}: `{noise}` in stderr:\n{}",
+                run.err
+            );
         }
     }
 }
@@ -161,7 +179,11 @@ fn a_micro_batch_that_cannot_fit_is_refused_before_anything_is_loaded() {
         "The largest that fits is 1 x ",
         "Pass --force to launch anyway.",
     ] {
-        assert!(line[0].contains(needle), "`{needle}` missing from:\n{}", line[0]);
+        assert!(
+            line[0].contains(needle),
+            "`{needle}` missing from:\n{}",
+            line[0]
+        );
     }
     // Refused before the data summary, the host state and the workers.
     assert_eq!(run.out, "", "nothing may run before the refusal");
@@ -185,7 +207,11 @@ fn one_row_that_cannot_fit_gets_the_longest_sequence_that_does() {
     let one_row = ["--set", "training.batch_size=2"];
     let total = plan_total(&one_row);
     let short = (total - 1).to_string();
-    let run = run_llama("fit-one-row", &[("MT_TEST_DEVICE_MEMORY", &short)], &one_row);
+    let run = run_llama(
+        "fit-one-row",
+        &[("MT_TEST_DEVICE_MEMORY", &short)],
+        &one_row,
+    );
     assert!(!run.ok);
     assert!(
         run.err.contains("With 1 row, sequences of up to ")

@@ -156,7 +156,11 @@ impl std::fmt::Display for Short {
             None => {}
         }
         if let Some(b) = self.with_offload {
-            let verdict = if b <= m.free { "fits" } else { "does not fit either" };
+            let verdict = if b <= m.free {
+                "fits"
+            } else {
+                "does not fit either"
+            };
             write!(
                 f,
                 " With memory.offload_activations: true the plan is {} ({verdict}).",
@@ -174,8 +178,8 @@ mod tests {
     use crate::config::hf::HfConfig;
 
     fn qwen_7b() -> (ModelSpec, Layout) {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("configs/qwen2.5-7b/config.json");
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
         let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let spec = ModelSpec::from_hf(&hf, &path).unwrap();
         let layout = Layout::new(&spec);
@@ -217,7 +221,10 @@ mod tests {
         let text = s.to_string();
         assert!(
             text.contains("does not fit cuda:1")
-                && text.contains(&format!("The largest that fits is {} x 4096", s.largest.rows))
+                && text.contains(&format!(
+                    "The largest that fits is {} x 4096",
+                    s.largest.rows
+                ))
                 && !text.contains('\n'),
             "{text}"
         );

@@ -110,7 +110,12 @@ pub fn layer_buffers(init: &Init) -> Result<Vec<Vec<(String, Tensor)>>> {
         (0..init.spec.num_layers).map(|_| Vec::new()).collect();
     for b in &init.buffers {
         let Some(layer) = by_layer.get_mut(b.layer) else {
-            bail!("buffer `{}` of layer {}: the model has {} layers", b.name, b.layer, init.spec.num_layers);
+            bail!(
+                "buffer `{}` of layer {}: the model has {} layers",
+                b.name,
+                b.layer,
+                init.spec.num_layers
+            );
         };
         let t = Tensor::f_from_slice(&b.values)?.f_to_device(device)?;
         layer.push((b.name.clone(), t));
@@ -324,7 +329,9 @@ impl Engine {
         }
         let dev = self.device;
         let grid = |v: &[i32]| -> Result<Tensor, tch::TchError> {
-            Tensor::f_from_slice(v)?.f_view([b, t])?.f_to_kind(Kind::Int64)
+            Tensor::f_from_slice(v)?
+                .f_view([b, t])?
+                .f_to_kind(Kind::Int64)
         };
         let pos_bt = match mb.position_ids.is_empty() {
             true => None,
@@ -334,7 +341,8 @@ impl Engine {
         // Targets are the labels shifted left by one; the last position predicts nothing.
         let labels_bt = grid(&mb.labels)?;
         let pad = Tensor::f_full([b, 1], -100, (Kind::Int64, Device::Cpu))?;
-        let targets = Tensor::f_cat(&[labels_bt.f_narrow(1, 1, t - 1)?, pad], 1)?.f_reshape([-1])?;
+        let targets =
+            Tensor::f_cat(&[labels_bt.f_narrow(1, 1, t - 1)?, pad], 1)?.f_reshape([-1])?;
         let valid_m = targets.f_ne(-100)?.f_nonzero()?.f_reshape([-1])?;
         let targets_m = targets.f_index_select(0, &valid_m)?.f_to_device(dev)?;
         Ok(DeviceBatch {

@@ -217,7 +217,9 @@ pub fn verbose() -> bool {
 pub fn install_panic_hook() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let at = info.location().map(|l| format!("{}:{}", l.file(), l.line()));
+        let at = info
+            .location()
+            .map(|l| format!("{}:{}", l.file(), l.line()));
         PANIC_AT.with(|p| *p.borrow_mut() = at);
         if verbose() {
             default(info);
@@ -261,8 +263,7 @@ pub fn report(e: &anyhow::Error) -> String {
             let o = DeviceOpts { packed, ..run.opts };
             let need = DevicePlan::new(&run.spec, &run.layout, o, rows, seq).total();
             let budget = run.budget.get().copied();
-            let largest =
-                budget.map(|b| Largest::new(&run.spec, &run.layout, o, (rows, seq), b));
+            let largest = budget.map(|b| Largest::new(&run.spec, &run.layout, o, (rows, seq), b));
             Some(PlanFigures {
                 need,
                 budget,

@@ -143,7 +143,8 @@ impl CudaStreamer {
         // Touch the device through torch so its primary context is current here, and run
         // one matmul so cuBLAS has its handle and workspace: what is in use then is the
         // per-process overhead the memory plan does not count.
-        let _ = Tensor::f_ones([8, 8], (kind, device))?.f_matmul(&Tensor::f_ones([8, 8], (kind, device))?)?;
+        let _ = Tensor::f_ones([8, 8], (kind, device))?
+            .f_matmul(&Tensor::f_ones([8, 8], (kind, device))?)?;
         cuda::check_context()?;
         let (free, total) = cuda::memory_info()?;
         let context_device_bytes = total - free;
