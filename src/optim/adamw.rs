@@ -16,8 +16,7 @@
 //! Together they give the bits of one pass. The first is what the next step's forward
 //! waits for; it moves 18 bytes per parameter where the whole update moves 26 (split
 //! master, bf16 gradient), and the second (18 more) runs while the GPUs compute. The
-//! `Keep` pass runs the one-pass kernels on copies of the moments made a few KiB at a
-//! time, so the copies live in cache and memory sees m and v read only.
+//! `Keep` pass is the one-pass kernel with the stores of m and v left out.
 //!
 //! The update is memory-bound, so the kernels aim at moving bytes, not at saving flops.
 //! Bytes per parameter moved (reads + writes, the store's write included): fp32 master and
@@ -36,9 +35,6 @@
 //! Measured (benches/results/host_*): 1.08x torch's fused CPU step on 2 cores with the bf16
 //! store written on top; where DRAM, not the core, is the limit, expect the byte ratio
 //! (28/30 against torch's step alone, 36/30 against step + bf16 copy).
-
-use std::cell::RefCell;
-use std::ops::Range;
 
 use half::bf16;
 use rayon::prelude::*;
@@ -77,40 +73,6 @@ pub enum Moments {
     Keep,
 }
 
-/// Elements per cache-resident copy of the moments in a `Moments::Keep` update (32 KiB
-/// each for m and v). A multiple of 32, like [`CHUNK`].
-const KEEP_PIECE: usize = 8 * 1024;
-
-thread_local! {
-    /// Per-thread copies of m and v for `Moments::Keep` updates.
-    static KEPT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Calls `f(range, m, v)` over `m` and `v`: once, on themselves, for `Write`; for `Keep`,
-/// piece by piece on copies that are dropped afterwards, so what `f` writes to them never
-/// reaches `m` and `v`.
-fn with_moments(
-    moments: Moments,
-    m: &mut [f32],
-    v: &mut [f32],
-    mut f: impl FnMut(Range<usize>, &mut [f32], &mut [f32]),
-) {
-    match moments {
-        Moments::Write => f(0..m.len(), m, v),
-        Moments::Keep => KEPT.with_borrow_mut(|kept| {
-            kept.resize(2 * KEEP_PIECE, 0.0);
-            let (km, kv) = kept.split_at_mut(KEEP_PIECE);
-            for start in (0..m.len()).step_by(KEEP_PIECE) {
-                let r = start..(start + KEEP_PIECE).min(m.len());
-                let (km, kv) = (&mut km[..r.len()], &mut kv[..r.len()]);
-                km.copy_from_slice(&m[r.clone()]);
-                kv.copy_from_slice(&v[r.clone()]);
-                f(r, km, kv);
-            }
-        }),
-    }
-}
-
 /// Where the updated weights are also written, in the store's dtype.
 pub enum StoreOut<'a> {
     F32(&'a mut [f32]),
@@ -138,8 +100,8 @@ pub fn adamw_update<G: GradElem>(
     decay: bool,
     moments: Moments,
 ) {
-    let k = &Consts::new(hp, decay);
-    update_with(Simd::get(), param, grad, m, v, store, k, moments);
+    let k = &Consts::new(hp, decay).with(moments);
+    update_with(Simd::get(), param, grad, m, v, store, k);
 }
 
 /// Updates one tensor of a split master: `hi` is its bf16 store, `lo` the residual
@@ -155,8 +117,8 @@ pub fn adamw_update_split<G: GradElem>(
     decay: bool,
     moments: Moments,
 ) {
-    let k = &Consts::new(hp, decay);
-    update_split_with(Simd::get(), hi, lo, grad, m, v, k, moments);
+    let k = &Consts::new(hp, decay).with(moments);
+    update_split_with(Simd::get(), hi, lo, grad, m, v, k);
 }
 
 /// The second pass of a two-pass update ([`Moments::Keep`]): m and v of one tensor, as
@@ -193,17 +155,14 @@ pub fn adamw_update_bf16_master<G: GradElem>(
 ) {
     let n = p.len();
     assert!(grad.len() == n && m.len() == n && v.len() == n);
-    let k = Consts::new(hp, decay);
+    let k = Consts::new(hp, decay).with(moments);
     let chunk = |i: usize, p: &mut [bf16], g: &[G], m: &mut [f32], v: &mut [f32]| {
-        with_moments(moments, m, v, |r, m, v| {
-            let base = first + (i * CHUNK + r.start) as u64;
-            let (p, g) = (&mut p[r.clone()], &g[r]);
-            for j in 0..p.len() {
-                let pj = adam1(p[j].to_f32(), g[j].to_f32(), &mut m[j], &mut v[j], &k);
-                let r = bits::rounding_bits(seed, hp.step, base + j as u64);
-                p[j] = bits::stochastic_round_bf16(pj, r);
-            }
-        })
+        let base = first + (i * CHUNK) as u64;
+        for j in 0..p.len() {
+            let pj = adam1(p[j].to_f32(), g[j].to_f32(), &mut m[j], &mut v[j], &k);
+            let r = bits::rounding_bits(seed, hp.step, base + j as u64);
+            p[j] = bits::stochastic_round_bf16(pj, r);
+        }
     };
     p.par_chunks_mut(CHUNK)
         .zip(grad.par_chunks(CHUNK))
@@ -213,7 +172,6 @@ pub fn adamw_update_bf16_master<G: GradElem>(
         .for_each(|(i, (((p, g), m), v))| chunk(i, p, g, m, v));
 }
 
-#[allow(clippy::too_many_arguments)]
 fn update_split_with<G: GradElem>(
     simd: Simd,
     hi: &mut [bf16],
@@ -222,25 +180,18 @@ fn update_split_with<G: GradElem>(
     m: &mut [f32],
     v: &mut [f32],
     k: &Consts,
-    moments: Moments,
 ) {
     let n = hi.len();
     assert!(lo.len() == n && grad.len() == n && m.len() == n && v.len() == n);
-    let chunk = |hi: &mut [bf16], lo: &mut [u16], g: &[G], m: &mut [f32], v: &mut [f32]| {
-        with_moments(moments, m, v, |r, m, v| {
-            let (hi, lo, g) = (&mut hi[r.clone()], &mut lo[r.clone()], &g[r]);
-            update_chunk_split(simd, hi, lo, g, m, v, k)
-        })
-    };
     if n <= CHUNK {
-        return chunk(hi, lo, grad, m, v);
+        return update_chunk_split(simd, hi, lo, grad, m, v, k);
     }
     hi.par_chunks_mut(CHUNK)
         .zip(lo.par_chunks_mut(CHUNK))
         .zip(grad.par_chunks(CHUNK))
         .zip(m.par_chunks_mut(CHUNK))
         .zip(v.par_chunks_mut(CHUNK))
-        .for_each(|((((hi, lo), g), m), v)| chunk(hi, lo, g, m, v));
+        .for_each(|((((hi, lo), g), m), v)| update_chunk_split(simd, hi, lo, g, m, v, k));
 }
 
 fn update_chunk_split<G: GradElem>(
@@ -259,7 +210,6 @@ fn update_chunk_split<G: GradElem>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn update_with<G: GradElem>(
     simd: Simd,
     param: &mut [f32],
@@ -268,27 +218,14 @@ fn update_with<G: GradElem>(
     v: &mut [f32],
     store: StoreOut<'_>,
     k: &Consts,
-    moments: Moments,
 ) {
     let n = param.len();
     assert!(grad.len() == n && m.len() == n && v.len() == n && store.len() == n);
-    let f32_chunk = |p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], s: &mut [f32]| {
-        with_moments(moments, m, v, |r, m, v| {
-            let (p, g, s) = (&mut p[r.clone()], &g[r.clone()], &mut s[r]);
-            update_chunk_f32(simd, p, g, m, v, s, k)
-        })
-    };
-    let bf16_chunk = |p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32], s: &mut [bf16]| {
-        with_moments(moments, m, v, |r, m, v| {
-            let (p, g, s) = (&mut p[r.clone()], &g[r.clone()], &mut s[r]);
-            update_chunk_bf16(simd, p, g, m, v, s, k)
-        })
-    };
     if n <= CHUNK {
         // One task: stay on the caller's thread (small tensors: norms, biases).
         return match store {
-            StoreOut::F32(s) => f32_chunk(param, grad, m, v, s),
-            StoreOut::Bf16(s) => bf16_chunk(param, grad, m, v, s),
+            StoreOut::F32(s) => update_chunk_f32(simd, param, grad, m, v, s, k),
+            StoreOut::Bf16(s) => update_chunk_bf16(simd, param, grad, m, v, s, k),
         };
     }
     let parts = param
@@ -299,10 +236,10 @@ fn update_with<G: GradElem>(
     match store {
         StoreOut::F32(s) => parts
             .zip(s.par_chunks_mut(CHUNK))
-            .for_each(|((((p, g), m), v), s)| f32_chunk(p, g, m, v, s)),
+            .for_each(|((((p, g), m), v), s)| update_chunk_f32(simd, p, g, m, v, s, k)),
         StoreOut::Bf16(s) => parts
             .zip(s.par_chunks_mut(CHUNK))
-            .for_each(|((((p, g), m), v), s)| bf16_chunk(p, g, m, v, s)),
+            .for_each(|((((p, g), m), v), s)| update_chunk_bf16(simd, p, g, m, v, s, k)),
     }
 }
 
@@ -348,9 +285,19 @@ pub(crate) struct Consts {
     pub(crate) inv_bc2_sqrt: f32,
     pub(crate) eps: f32,
     pub(crate) grad_scale: f32,
+    /// Whether m and v are written back (`Moments::Write`); read only otherwise.
+    pub(crate) write_moments: bool,
 }
 
 impl Consts {
+    fn with(self, moments: Moments) -> Consts {
+        let write_moments = moments == Moments::Write;
+        Consts {
+            write_moments,
+            ..self
+        }
+    }
+
     fn new(hp: &AdamWStep, decay: bool) -> Consts {
         let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
         let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
@@ -367,19 +314,23 @@ impl Consts {
             inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
             eps: hp.eps as f32,
             grad_scale: hp.grad_scale,
+            write_moments: true,
         }
     }
 }
 
-/// The update of one element: returns the new parameter, updates `m` and `v`. The SIMD
+/// The update of one element: returns the new parameter, updates `m` and `v` (with
+/// `write_moments`). The SIMD
 /// bodies perform exactly these operations in this order.
 #[inline(always)]
 fn adam1(p: f32, g: f32, m: &mut f32, v: &mut f32, k: &Consts) -> f32 {
     let pi = p * k.decay_mul;
     let (mi, vi) = moments1(g, *m, *v, k);
     let denom = vi.sqrt() * k.inv_bc2_sqrt + k.eps;
-    *m = mi;
-    *v = vi;
+    if k.write_moments {
+        *m = mi;
+        *v = vi;
+    }
     pi - k.step_size * (mi / denom)
 }
 
