@@ -68,6 +68,9 @@ pub struct Trainer {
     plan: mt::plan::HostPlan,
     /// Seconds from launch to the workers' readiness, reported with the first step.
     startup_s: Option<f64>,
+    /// Seconds the step loop waited for a checkpoint write in flight before starting the
+    /// next one, reported with the next step.
+    checkpoint_wait_s: f64,
 }
 
 /// What the workers and the reduce reported for one step.
@@ -144,18 +147,16 @@ impl Trainer {
             max_shard_bytes: cfg.checkpoint.max_shard_size.0,
             carried: std::sync::Arc::new(carried),
         };
-        // Periodic checkpoints are written in the background where the plan holds a
-        // snapshot for them; the last one from the live state.
+        // Periodic checkpoints are written in the background through the staging area the
+        // plan holds (none: in place).
         let ck = &cfg.checkpoint;
-        let background = plan.snapshot > 0;
         let writer = ck.dir.clone().map(|root| {
             Writer::new(
                 root,
                 ck.keep_last,
                 layout.clone(),
                 export.clone(),
-                background,
-                plan.opts.snapshot_optimizer,
+                plan.staging,
             )
         });
         let t_prepared = Instant::now();
@@ -290,6 +291,7 @@ impl Trainer {
             start_step,
             plan,
             startup_s: Some(startup_s),
+            checkpoint_wait_s: 0.0,
         })
     }
 
