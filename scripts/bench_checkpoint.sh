@@ -65,7 +65,7 @@ PY
   model_dir=$work/model
 fi
 model=$(basename "$(dirname "$CONFIG")/$(sed -n 's/^  path: *//p' "$CONFIG" | head -1)")${LAYERS:+-${LAYERS}L}
-rows=$(( GPUS * BATCH ))
+rows=$(( (GPUS > 0 ? GPUS : 1) * BATCH ))
 "$PYTHON" - "$model_dir/config.json" "$work/data.jsonl" "$rows" "$SEQ" <<'PY'
 import json, random, sys
 vocab = json.load(open(sys.argv[1]))["vocab_size"]
@@ -108,7 +108,7 @@ launcher_pid=$!
 # Delete each checkpoint once complete (keep_last is high, so the launcher never prunes).
 deleted=0
 while kill -0 "$launcher_pid" 2>/dev/null; do
-  grep -o "checkpoint $ck/step-[0-9]* written" "$work/run.log" | awk '{print $2}' | tail -n +$((deleted + 1)) | while read -r d; do
+  { grep -o "checkpoint $ck/step-[0-9]* written" "$work/run.log" || true; } | awk '{print $2}' | tail -n +$((deleted + 1)) | while read -r d; do
     rm -rf "$d"
   done
   deleted=$(grep -c "checkpoint $ck/step-[0-9]* written" "$work/run.log" || true)

@@ -44,6 +44,8 @@ pub const COPIED_FILES: &[&str] = &[
 ];
 
 const SINGLE: &str = "model.safetensors";
+/// Elements per rayon task of a conversion to bf16.
+const CONVERT_CHUNK: usize = 64 * 1024;
 const INDEX: &str = "model.safetensors.index.json";
 
 /// What an export writes besides the tensors.
@@ -248,7 +250,14 @@ impl<'a> ExportFiles<'a> {
                 match self.opts.dtype {
                     DType::Float32 => file.write(name, 4 * lo, f32_bytes(&x))?,
                     DType::Bfloat16 => pieces::with_bytes(|buf| {
-                        buf.extend(x.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()));
+                        buf.resize(2 * x.len(), 0);
+                        buf.par_chunks_mut(2 * CONVERT_CHUNK)
+                            .zip(x.par_chunks(CONVERT_CHUNK))
+                            .for_each(|(d, s)| {
+                                for (d, s) in d.chunks_exact_mut(2).zip(s) {
+                                    d.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
+                                }
+                            });
                         file.write(name, 2 * lo, buf)
                     })?,
                 }
