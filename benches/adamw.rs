@@ -1,6 +1,8 @@
 //! Fused AdamW throughput (`mt::optim::adamw_update`) on flat fp32 slices, with the bf16 and
 //! the fp32 store. Bytes are what the update must move: p, g, m, v read, p, m, v written,
-//! plus the store (30 B/param with bf16). `MT_SIMD=portable|avx2` lowers the SIMD level.
+//! plus the store (30 B/param with bf16). The two passes of a deferred update: the weights
+//! (m, v read only: 22 B/param) and the moments (g, m, v read, m, v written: 20 B/param).
+//! `MT_SIMD=portable|avx2` lowers the SIMD level.
 //!
 //! `cargo bench -p mt --bench adamw`; scripts/bench_host.sh compares with torch.
 
@@ -8,7 +10,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use mt::optim::{AdamWStep, StoreOut, adamw_update};
+use mt::optim::{AdamWStep, Moments, StoreOut, adamw_moments, adamw_update};
 use mt::simd::Simd;
 
 fn val(i: usize, salt: usize) -> f32 {
@@ -40,15 +42,30 @@ fn bench(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("bf16_store", n), |b| {
             b.iter(|| {
                 let out = StoreOut::Bf16(&mut sb);
-                adamw_update(&mut p, &g, &mut m, &mut v, out, &hp, true);
+                adamw_update(&mut p, &g, &mut m, &mut v, out, &hp, true, Moments::Write);
                 black_box(&mut p);
+            })
+        });
+        group.throughput(Throughput::Bytes(22 * n as u64));
+        group.bench_function(BenchmarkId::new("bf16_store_weights_pass", n), |b| {
+            b.iter(|| {
+                let out = StoreOut::Bf16(&mut sb);
+                adamw_update(&mut p, &g, &mut m, &mut v, out, &hp, true, Moments::Keep);
+                black_box(&mut p);
+            })
+        });
+        group.throughput(Throughput::Bytes(20 * n as u64));
+        group.bench_function(BenchmarkId::new("moments_pass", n), |b| {
+            b.iter(|| {
+                adamw_moments(&g, &mut m, &mut v, &hp);
+                black_box(&mut m);
             })
         });
         group.throughput(Throughput::Bytes(32 * n as u64));
         group.bench_function(BenchmarkId::new("f32_store", n), |b| {
             b.iter(|| {
                 let out = StoreOut::F32(&mut sf);
-                adamw_update(&mut p, &g, &mut m, &mut v, out, &hp, true);
+                adamw_update(&mut p, &g, &mut m, &mut v, out, &hp, true, Moments::Write);
                 black_box(&mut p);
             })
         });

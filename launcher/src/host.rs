@@ -13,7 +13,9 @@ use mt::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
 use mt::layout::{Block, Layout};
-use mt::optim::{AdamWStep, adamw_update, adamw_update_bf16_master, adamw_update_split};
+use mt::optim::{
+    AdamWStep, Moments, adamw_moments, adamw_update, adamw_update_bf16_master, adamw_update_split,
+};
 use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
 use mt::shm::huge::zeroed;
@@ -52,6 +54,16 @@ pub struct HostState {
     checkpoint: Option<Arc<Gate>>,
     /// Seconds spent on it since [`HostState::take_checkpoint_wait`].
     checkpoint_wait_s: f64,
+    /// The moments pass of the last update where it is still due ([`HostState::defer_moments`]).
+    deferred: Option<Deferred>,
+}
+
+/// The second pass of an update whose weights pass ran on every block: blocks
+/// `..below` still lack it. It runs from the last block down, the order in which the next
+/// backward delivers (and so overwrites) the gradients it reads.
+struct Deferred {
+    hp: AdamWStep,
+    below: usize,
 }
 
 /// The bf16 store elements `r`; `memory.master_weights: split` and `bfloat16` are
@@ -100,6 +112,7 @@ impl HostState {
             updates: 0,
             checkpoint: None,
             checkpoint_wait_s: 0.0,
+            deferred: None,
         })
     }
 
@@ -143,6 +156,8 @@ impl HostState {
         first: bool,
         last: bool,
     ) -> f64 {
+        // The accumulator is about to change: the last update's moments pass reads it.
+        self.settle_moments_down_to(block);
         let b = &self.layout.blocks[block];
         match &mut self.grad {
             Grad::F32(g) => reduce_tensors(&self.slabs, b, part, g, slots, first, last),
@@ -201,8 +216,8 @@ impl HostState {
         }
     }
 
-    /// The tensors a checkpoint holds.
-    pub fn tensors(&self) -> Tensors<'_> {
+    /// The live tensors (whose moments may lag a due moments pass).
+    fn live(&self) -> Tensors<'_> {
         Tensors {
             master: self.master(),
             m: self.m.as_slice(),
@@ -266,16 +281,22 @@ impl HostState {
 
     /// Starts writing checkpoint `state` holding `contents` with `writer`, which reads the
     /// live state until [`HostState::before_block_changes`] stages a block. Returns the
-    /// seconds waited for the previous write and every write completed meanwhile.
+    /// seconds waited for the previous write and every write completed meanwhile. Call
+    /// [`HostState::settle_moments`] first: a checkpoint holds the last update's moments.
     pub fn start_checkpoint(
         &mut self,
         writer: &mut Writer,
         state: TrainState,
         contents: CheckpointContents,
     ) -> mt::Result<(f64, Vec<Written>)> {
+        assert!(
+            self.deferred.is_none(),
+            "the moments of the last update are not all written yet"
+        );
         // The writer reads a block only while its gate state lets it, and every change of
         // a block's master (the store too, where it holds the master), m or v goes through
-        // `update_block`, whose first step is `before_block_changes`: it stages the block,
+        // `update_block` or `settle_moments_down_to`, whose first step for a block is
+        // `before_block_changes`: it stages the block,
         // or waits until the writer is done reading it (mt::shm::lent's protocol).
         // `restore` and `init_master`, which change everything, run before any checkpoint
         // (asserted).
@@ -304,10 +325,15 @@ impl HostState {
     /// Must precede any change of block `block`'s master, m or v (the store too, where it
     /// holds the master): while a checkpoint is being written, a block it has not written
     /// yet is copied into its staging area first (or the optimizer waits for the writer,
-    /// where the area is full), so that the checkpoint holds the values of its step.
+    /// where the area is full), so that the checkpoint holds the values of its step. Both
+    /// passes of an update call it first: the weights pass (`update_block`) and the moments
+    /// pass (`settle_moments_down_to`).
     pub fn before_block_changes(&mut self, block: usize) {
         if let Some(gate) = &self.checkpoint {
-            let s = gate.before_change(block, &self.tensors());
+            // A moments pass may be due: every block gets this call in the weights pass
+            // before its moments pass, so none is staged with a master and moments of
+            // different steps.
+            let s = gate.before_change(block, &self.live());
             self.checkpoint_wait_s += s;
         }
     }
@@ -326,17 +352,79 @@ impl HostState {
         self.checkpoint = None;
     }
 
-    /// Applies the update to every tensor of block `block` (master, moments and store).
-    pub fn update_block(&mut self, block: usize, hp: &AdamWStep) {
+    /// Applies the update to every tensor of block `block`: master and store, and the
+    /// moments with `Moments::Write`. With `Moments::Keep` the moments follow from
+    /// [`HostState::defer_moments`] once every block's weights are updated.
+    pub fn update_block(&mut self, block: usize, hp: &AdamWStep, moments: Moments) {
+        assert!(
+            self.deferred.is_none(),
+            "an update starts before the last one's moments are written"
+        );
         self.before_block_changes(block);
         let b = &self.layout.blocks[block];
         for t in &b.tensors {
             let r = Layout::global_range(b, t);
             let (m, v) = (self.m.range_mut(r.clone()), self.v.range_mut(r.clone()));
             let (master, store, at) = (&mut self.master, &mut self.store, r.start);
+            let decay = t.decays();
             match &self.grad {
-                Grad::F32(g) => update(master, store, &g[r], m, v, at, hp, t.decays()),
-                Grad::Bf16(g) => update(master, store, &g[r], m, v, at, hp, t.decays()),
+                Grad::F32(g) => update(master, store, &g[r], m, v, at, hp, decay, moments),
+                Grad::Bf16(g) => update(master, store, &g[r], m, v, at, hp, decay, moments),
+            }
+        }
+    }
+
+    /// Records that update `hp` ran with `Moments::Keep` on every block: its moments pass
+    /// is due, block by block, before the accumulator or the moments are next read or
+    /// changed ([`HostState::reduce_part`] and [`HostState::tensors`] see to it), and may
+    /// run earlier, while the workers compute ([`HostState::settle_next_moments`]).
+    pub fn defer_moments(&mut self, hp: AdamWStep) {
+        let below = self.layout.blocks.len();
+        self.deferred = Some(Deferred { hp, below });
+    }
+
+    /// Whether a moments pass is due on some block.
+    pub fn moments_due(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    /// Runs the due moments pass on the highest block still lacking it; false if none was.
+    pub fn settle_next_moments(&mut self) -> bool {
+        let Some(d) = &self.deferred else {
+            return false;
+        };
+        self.settle_moments_down_to(d.below - 1);
+        true
+    }
+
+    /// Runs the due moments pass on every block.
+    pub fn settle_moments(&mut self) {
+        self.settle_moments_down_to(0);
+    }
+
+    /// Runs the due moments pass on blocks `block..` that lack it.
+    pub fn settle_moments_down_to(&mut self, block: usize) {
+        loop {
+            let Some(d) = &mut self.deferred else {
+                return;
+            };
+            if d.below <= block {
+                return;
+            }
+            d.below -= 1;
+            let (i, hp) = (d.below, d.hp);
+            if i == 0 {
+                self.deferred = None;
+            }
+            self.before_block_changes(i);
+            let b = &self.layout.blocks[i];
+            for t in &b.tensors {
+                let r = Layout::global_range(b, t);
+                let (m, v) = (self.m.range_mut(r.clone()), self.v.range_mut(r.clone()));
+                match &self.grad {
+                    Grad::F32(g) => adamw_moments(&g[r], m, v, &hp),
+                    Grad::Bf16(g) => adamw_moments(&g[r], m, v, &hp),
+                }
             }
         }
     }
@@ -400,19 +488,21 @@ fn update<G: GradElem>(
     start: usize,
     hp: &AdamWStep,
     decay: bool,
+    moments: Moments,
 ) {
     let r = start..start + g.len();
     match master {
         Master::F32(p) => {
-            adamw_update(p.range_mut(r.clone()), g, m, v, store.out_mut(r), hp, decay)
+            let s = store.out_mut(r.clone());
+            adamw_update(p.range_mut(r.clone()), g, m, v, s, hp, decay, moments)
         }
         Master::Split(lo) => {
             let hi = store_bf16(store, r.clone());
-            adamw_update_split(hi, lo.range_mut(r), g, m, v, hp, decay)
+            adamw_update_split(hi, lo.range_mut(r), g, m, v, hp, decay, moments)
         }
         Master::Bf16 { seed } => {
             let p = store_bf16(store, r);
-            adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, start as u64)
+            adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, start as u64, moments)
         }
     }
 }

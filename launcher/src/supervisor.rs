@@ -111,6 +111,16 @@ impl Supervisor {
         (0..self.workers.len()).try_for_each(|r| self.send(r, msg()))
     }
 
+    /// The next event if one is already waiting (a worker's death is reported by the next
+    /// [`Supervisor::next_event`]).
+    pub fn try_event(&mut self) -> Option<Event> {
+        let ev = self.events.try_recv().ok()?;
+        if let Event::Msg(r, _) = &ev {
+            self.last_heard[*r] = Instant::now();
+        }
+        Some(ev)
+    }
+
     /// The next event. Fails if a worker died, or if `timeout` passes without any event
     /// while the caller waits on the ranks for which `waiting` holds: a hung worker is
     /// treated like a crashed one. The one blamed is the waited-on worker heard from least

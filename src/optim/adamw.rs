@@ -11,6 +11,13 @@
 //! [`adamw_update_bf16_master`] updates a bf16 master in place with stochastic rounding
 //! (`memory.master_weights: bfloat16`, 22 bytes moved per parameter with a bf16 gradient).
 //!
+//! An update can also run in two passes ([`Moments`]): the weights and the store first
+//! (`Moments::Keep`: m and v are read, not written), the moments later ([`adamw_moments`]).
+//! Together they give the bits of one pass. The first is what the next step's forward
+//! waits for; it moves 18 bytes per parameter where the whole update moves 26 (split
+//! master, bf16 gradient), and the second (18 more) runs while the GPUs compute. The
+//! `Keep` pass is the one-pass kernel with the stores of m and v left out.
+//!
 //! The update is memory-bound, so the kernels aim at moving bytes, not at saving flops.
 //! Bytes per parameter moved (reads + writes, the store's write included): fp32 master and
 //! grad 30; bf16 grad 28; split master with bf16 grad 26 (store 2 + residual 2 + grad 2 +
@@ -56,6 +63,16 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
+/// Whether an update writes the Adam moments back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moments {
+    /// The whole update: weights, store, m and v.
+    Write,
+    /// Weights and store only: m and v are read, not changed. [`adamw_moments`] with the
+    /// same step completes the update; the two give the bits of one `Write` update.
+    Keep,
+}
+
 /// Where the updated weights are also written, in the store's dtype.
 pub enum StoreOut<'a> {
     F32(&'a mut [f32]),
@@ -72,6 +89,7 @@ impl StoreOut<'_> {
 }
 
 /// Updates one tensor. `decay` says whether weight decay applies (tensors with >= 2 dims).
+#[allow(clippy::too_many_arguments)]
 pub fn adamw_update<G: GradElem>(
     param: &mut [f32],
     grad: &[G],
@@ -80,20 +98,15 @@ pub fn adamw_update<G: GradElem>(
     store: StoreOut<'_>,
     hp: &AdamWStep,
     decay: bool,
+    moments: Moments,
 ) {
-    update_with(
-        Simd::get(),
-        param,
-        grad,
-        m,
-        v,
-        store,
-        &Consts::new(hp, decay),
-    );
+    let k = &Consts::new(hp, decay).with(moments);
+    update_with(Simd::get(), param, grad, m, v, store, k);
 }
 
 /// Updates one tensor of a split master: `hi` is its bf16 store, `lo` the residual
 /// ([`bits::split`]). The same bits as joining, [`adamw_update`] and splitting again.
+#[allow(clippy::too_many_arguments)]
 pub fn adamw_update_split<G: GradElem>(
     hi: &mut [bf16],
     lo: &mut [u16],
@@ -102,8 +115,25 @@ pub fn adamw_update_split<G: GradElem>(
     v: &mut [f32],
     hp: &AdamWStep,
     decay: bool,
+    moments: Moments,
 ) {
-    update_split_with(Simd::get(), hi, lo, grad, m, v, &Consts::new(hp, decay));
+    let k = &Consts::new(hp, decay).with(moments);
+    update_split_with(Simd::get(), hi, lo, grad, m, v, k);
+}
+
+/// The second pass of a two-pass update ([`Moments::Keep`]): m and v of one tensor, as
+/// the one-pass update leaves them.
+pub fn adamw_moments<G: GradElem>(grad: &[G], m: &mut [f32], v: &mut [f32], hp: &AdamWStep) {
+    let n = grad.len();
+    assert!(m.len() == n && v.len() == n);
+    let k = &Consts::new(hp, false);
+    if n <= CHUNK {
+        return moments_portable(grad, m, v, k);
+    }
+    grad.par_chunks(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .for_each(|((g, m), v)| moments_portable(g, m, v, k));
 }
 
 /// Updates one tensor of a bf16 master (`memory.master_weights: bfloat16`): `p` is its bf16
@@ -121,10 +151,11 @@ pub fn adamw_update_bf16_master<G: GradElem>(
     decay: bool,
     seed: u64,
     first: u64,
+    moments: Moments,
 ) {
     let n = p.len();
     assert!(grad.len() == n && m.len() == n && v.len() == n);
-    let k = Consts::new(hp, decay);
+    let k = Consts::new(hp, decay).with(moments);
     let chunk = |i: usize, p: &mut [bf16], g: &[G], m: &mut [f32], v: &mut [f32]| {
         let base = first + (i * CHUNK) as u64;
         for j in 0..p.len() {
@@ -254,9 +285,19 @@ pub(crate) struct Consts {
     pub(crate) inv_bc2_sqrt: f32,
     pub(crate) eps: f32,
     pub(crate) grad_scale: f32,
+    /// Whether m and v are written back (`Moments::Write`); read only otherwise.
+    pub(crate) write_moments: bool,
 }
 
 impl Consts {
+    fn with(self, moments: Moments) -> Consts {
+        let write_moments = moments == Moments::Write;
+        Consts {
+            write_moments,
+            ..self
+        }
+    }
+
     fn new(hp: &AdamWStep, decay: bool) -> Consts {
         let bc1 = 1.0 - hp.beta1.powi(hp.step as i32);
         let bc2 = 1.0 - hp.beta2.powi(hp.step as i32);
@@ -273,23 +314,42 @@ impl Consts {
             inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
             eps: hp.eps as f32,
             grad_scale: hp.grad_scale,
+            write_moments: true,
         }
     }
 }
 
-/// The update of one element: returns the new parameter, updates `m` and `v`. The SIMD
+/// The update of one element: returns the new parameter, updates `m` and `v` (with
+/// `write_moments`). The SIMD
 /// bodies perform exactly these operations in this order.
 #[inline(always)]
 fn adam1(p: f32, g: f32, m: &mut f32, v: &mut f32, k: &Consts) -> f32 {
-    let gi = g * k.grad_scale;
     let pi = p * k.decay_mul;
-    // torch's lerp with weight < 0.5: m + w (g - m).
-    let mi = *m + k.one_minus_b1 * (gi - *m);
-    let vi = *v * k.b2 + k.one_minus_b2 * gi * gi;
+    let (mi, vi) = moments1(g, *m, *v, k);
     let denom = vi.sqrt() * k.inv_bc2_sqrt + k.eps;
-    *m = mi;
-    *v = vi;
+    if k.write_moments {
+        *m = mi;
+        *v = vi;
+    }
     pi - k.step_size * (mi / denom)
+}
+
+/// The new m and v of one element (what [`adam1`] and the SIMD bodies compute).
+#[inline(always)]
+fn moments1(g: f32, m: f32, v: f32, k: &Consts) -> (f32, f32) {
+    let gi = g * k.grad_scale;
+    // torch's lerp with weight < 0.5: m + w (g - m).
+    let mi = m + k.one_minus_b1 * (gi - m);
+    let vi = v * k.b2 + k.one_minus_b2 * gi * gi;
+    (mi, vi)
+}
+
+/// The moments pass over one chunk; a plain loop the compiler vectorizes (no FMA
+/// contraction in Rust, so the same bits at any vector width).
+fn moments_portable<G: GradElem>(g: &[G], m: &mut [f32], v: &mut [f32], k: &Consts) {
+    for ((g, m), v) in g.iter().zip(m.iter_mut()).zip(v.iter_mut()) {
+        (*m, *v) = moments1(g.to_f32(), *m, *v, k);
+    }
 }
 
 /// The reference loop.

@@ -6,7 +6,10 @@ pub mod adamw;
 pub mod bits;
 pub mod schedule;
 
-pub use adamw::{AdamWStep, StoreOut, adamw_update, adamw_update_bf16_master, adamw_update_split};
+pub use adamw::{
+    AdamWStep, Moments, StoreOut, adamw_moments, adamw_update, adamw_update_bf16_master,
+    adamw_update_split,
+};
 pub use schedule::lr_at;
 
 /// Clip coefficient as torch's `clip_grad_norm_` computes it: gradients are multiplied by

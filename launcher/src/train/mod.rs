@@ -15,6 +15,7 @@ use mt::config::{Init as InitKind, RunConfig};
 use mt::data::{Dataset, Sampler, StepPlan, plan_step};
 use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
+use mt::optim::Moments;
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
@@ -71,6 +72,10 @@ pub struct Trainer {
     /// Seconds the step loop waited for a checkpoint write in flight before starting the
     /// next one, reported with the next step.
     checkpoint_wait_s: f64,
+    /// How an update writes the Adam moments: `Keep` (the default) writes the weights
+    /// first and the moments during the next step ([`Trainer::run`]); `Write` in the same
+    /// pass (`MT_DEFER_MOMENTS=0`). Both give the same bits.
+    moments: Moments,
 }
 
 /// What the workers and the reduce reported for one step.
@@ -78,6 +83,8 @@ struct StepOutcome {
     loss_sum: f64,
     slowest: WorkerTimings,
     reduce_s: f64,
+    /// Seconds of the previous update's moments pass run during this step.
+    moments_s: f64,
     /// Σ g² over every parameter.
     grad_sum_sq: f64,
     /// The update was skipped (non-finite loss or norm).
@@ -292,6 +299,10 @@ impl Trainer {
             plan,
             startup_s: Some(startup_s),
             checkpoint_wait_s: 0.0,
+            moments: match std::env::var("MT_DEFER_MOMENTS").as_deref() {
+                Ok("0") => Moments::Write,
+                _ => Moments::Keep,
+            },
         })
     }
 
@@ -300,6 +311,9 @@ impl Trainer {
     /// As soon as a step's gradient norm is known, the next step is sent and the update
     /// runs block by block in the order its forward reads them, each block released to
     /// the workers as soon as it is written: the optimizer overlaps the next forward.
+    /// Only the weights are written then; the Adam moments (half the update's memory
+    /// traffic) follow while the workers compute the next step, before the reduce
+    /// overwrites the gradient of each block (see [`HostState::defer_moments`]).
     pub fn run(mut self) -> Result<()> {
         let steps = self.cfg.training.num_steps;
         let first = self.start_step;
@@ -339,13 +353,16 @@ impl Trainer {
             };
             for block in 0..self.host.layout.blocks.len() {
                 if let Some(hp) = &hp {
-                    self.host.update_block(block, hp);
+                    self.host.update_block(block, hp, self.moments);
                 }
                 if next.is_some() {
                     self.sup.broadcast(|| ToWorker::BlockReady { block })?;
                 }
             }
-            let optimizer_s = t.elapsed().as_secs_f64();
+            if let (Some(hp), Moments::Keep) = (hp, self.moments) {
+                self.host.defer_moments(hp);
+            }
+            let optimizer_s = t.elapsed().as_secs_f64() + out.moments_s;
             let now = Instant::now();
             let step_time_s = now.duration_since(last_report).as_secs_f64();
             last_report = now;
@@ -466,6 +483,7 @@ impl Trainer {
             loss_sum: 0.0,
             slowest: WorkerTimings::default(),
             reduce_s: 0.0,
+            moments_s: 0.0,
             grad_sum_sq: 0.0,
             skipped: false,
         };
@@ -474,7 +492,20 @@ impl Trainer {
         // depend on which worker finished first.
         let mut step_done: Vec<Option<f64>> = vec![None; world];
         while done < world || reduced < expected_parts {
-            match self.sup.next_event(timeout, &|r| step_done[r].is_none())? {
+            // The last update's moments pass fills the time the launcher would wait.
+            let event = match self.host.moments_due() {
+                true => match self.sup.try_event() {
+                    Some(event) => event,
+                    None => {
+                        let t = Instant::now();
+                        self.host.settle_next_moments();
+                        out.moments_s += t.elapsed().as_secs_f64();
+                        continue;
+                    }
+                },
+                false => self.sup.next_event(timeout, &|r| step_done[r].is_none())?,
+            };
+            match event {
                 Event::Msg(
                     rank,
                     FromWorker::LayerGrads {
@@ -506,6 +537,9 @@ impl Trainer {
                             .flatten()
                             .flatten()
                             .collect();
+                        let t = Instant::now();
+                        self.host.settle_moments_down_to(block);
+                        out.moments_s += t.elapsed().as_secs_f64();
                         let t = Instant::now();
                         // The last micro-batch makes the part final: its share of the
                         // norm comes from the same pass, while the GPUs still work.
@@ -546,6 +580,9 @@ impl Trainer {
                 Event::Closed(rank) => return Err(self.sup.death(rank)),
             }
         }
+        let t = Instant::now();
+        self.host.settle_moments();
+        out.moments_s += t.elapsed().as_secs_f64();
         out.loss_sum = step_done.into_iter().flatten().sum();
         Ok(out)
     }

@@ -23,27 +23,32 @@ impl Trainer {
         let root = writer.root().display().to_string();
         let failed =
             || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
-        let mut written = Vec::new();
-        if let Some(contents) = self.cfg.checkpoint.due(done, last) {
-            let state = self
-                .host
-                .train_state(done, self.nan_run, schedule(&self.cfg));
-            let (waited, completed) = self
-                .host
-                .start_checkpoint(writer, state, contents)
-                .with_context(failed)?;
-            self.checkpoint_wait_s += waited;
-            written.extend(completed);
-            if last || self.plan.staging == 0 {
-                written.extend(writer.finish().with_context(failed)?);
-            } else {
-                self.progress.println(&format!(
-                    "checkpoint of step {done}: writing in the background"
-                ));
-            }
+        let Some(contents) = self.cfg.checkpoint.due(done, last) else {
+            let written = writer.poll().with_context(failed)?;
+            return self.report_written(written.into_iter().collect());
+        };
+        // A checkpoint holds the moments of the update just made.
+        self.host.settle_moments();
+        let state = self
+            .host
+            .train_state(done, self.nan_run, schedule(&self.cfg));
+        let (waited, mut written) = self
+            .host
+            .start_checkpoint(writer, state, contents)
+            .with_context(failed)?;
+        self.checkpoint_wait_s += waited;
+        if last || self.plan.staging == 0 {
+            written.extend(writer.finish().with_context(failed)?);
         } else {
-            written.extend(writer.poll().with_context(failed)?);
+            self.progress.println(&format!(
+                "checkpoint of step {done}: writing in the background"
+            ));
         }
+        self.report_written(written)
+    }
+
+    /// Says where the checkpoints completed meanwhile were written.
+    fn report_written(&mut self, written: Vec<mt::checkpoint::writer::Written>) -> Result<()> {
         for w in written {
             self.progress.println(&format!(
                 "checkpoint {} written: {:.2} GB in {:.3}s ({:.2} GB/s); training waited {:.3}s for it; blocks: {} staged, {} copied ahead, {} from the live state",

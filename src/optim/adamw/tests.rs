@@ -48,6 +48,7 @@ fn matches_the_algorithm_over_several_steps() {
             StoreOut::Bf16(&mut s),
             &hp,
             true,
+            Moments::Write,
         );
         for i in 0..n {
             (rp[i], rm[i], rv[i]) = reference(rp[i], g[i] as f64, rm[i], rv[i], &hp, true);
@@ -84,6 +85,7 @@ fn no_decay_for_vectors() {
         StoreOut::F32(&mut s),
         &hp,
         false,
+        Moments::Write,
     );
     assert_eq!(p[0], 1.0);
     adamw_update(
@@ -94,6 +96,7 @@ fn no_decay_for_vectors() {
         StoreOut::F32(&mut s),
         &hp,
         true,
+        Moments::Write,
     );
     assert!((p[0] - 0.95).abs() < 1e-7);
 }
@@ -330,12 +333,114 @@ fn bf16_master_is_the_f32_update_rounded_stochastically() {
         StoreOut::Bf16(&mut store),
         &hp,
         true,
+        Moments::Write,
     );
-    adamw_update_bf16_master(&mut p, &g, &mut m, &mut v, &hp, true, 42, first);
+    adamw_update_bf16_master(
+        &mut p,
+        &g,
+        &mut m,
+        &mut v,
+        &hp,
+        true,
+        42,
+        first,
+        Moments::Write,
+    );
     assert!(m == m32 && v == v32, "moments differ from the fp32 path");
     for i in 0..n {
         let r = bits::rounding_bits(42, hp.step, first + i as u64);
         let want = bits::stochastic_round_bf16(p32[i], r);
         assert_eq!(p[i].to_bits(), want.to_bits(), "element {i}");
+    }
+}
+
+/// A two-pass update (the weights with `Moments::Keep`, then [`adamw_moments`]) leaves the
+/// bits of the one-pass update, for every way the master is held, both gradient dtypes,
+/// every SIMD level, with and without clipping and decay, at lengths that cross chunk and
+/// piece boundaries; and the first pass leaves m and v untouched.
+#[test]
+fn two_passes_equal_one() {
+    let n = 2 * CHUNK + 45;
+    let g32 = spread(n, 11);
+    let g16: Vec<bf16> = g32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let x0 = spread(n, 12);
+    let m0 = spread(n, 13);
+    let v0: Vec<f32> = spread(n, 14).iter().map(|x| x * x).collect();
+    let (mut hi0, mut lo0) = (vec![bf16::ZERO; n], vec![0u16; n]);
+    bits::split_slice(&x0, &mut hi0, &mut lo0);
+    let b0: Vec<bf16> = x0.iter().map(|&x| bf16::from_f32(x)).collect();
+    for (grad_scale, decay) in [(1.0, true), (0.37, true), (0.37, false)] {
+        let hp = AdamWStep {
+            grad_scale,
+            ..hp7()
+        };
+        for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+            if !simd.supported() {
+                continue;
+            }
+            // Each case: run the update with `moments` on fresh copies, return every output.
+            let run = |case: usize, bf: bool, moments: Moments| {
+                let (mut m, mut v) = (m0.clone(), v0.clone());
+                let (mut p, mut s) = (x0.clone(), vec![bf16::ZERO; n]);
+                let (mut hi, mut lo, mut b) = (hi0.clone(), lo0.clone(), b0.clone());
+                macro_rules! go {
+                    ($g:expr) => {
+                        match case {
+                            0 => update_with(
+                                simd,
+                                &mut p,
+                                $g,
+                                &mut m,
+                                &mut v,
+                                StoreOut::Bf16(&mut s),
+                                &Consts::new(&hp, decay).with(moments),
+                            ),
+                            1 => update_split_with(
+                                simd,
+                                &mut hi,
+                                &mut lo,
+                                $g,
+                                &mut m,
+                                &mut v,
+                                &Consts::new(&hp, decay).with(moments),
+                            ),
+                            _ => adamw_update_bf16_master(
+                                &mut b, $g, &mut m, &mut v, &hp, decay, 9, 77, moments,
+                            ),
+                        }
+                    };
+                }
+                if bf {
+                    go!(&g16);
+                } else {
+                    go!(&g32);
+                }
+                if moments == Moments::Keep {
+                    assert!(
+                        bits32(&m) == bits32(&m0) && bits32(&v) == bits32(&v0),
+                        "the weights pass changed the moments ({case} {simd:?})"
+                    );
+                    if bf {
+                        adamw_moments(&g16, &mut m, &mut v, &hp);
+                    } else {
+                        adamw_moments(&g32, &mut m, &mut v, &hp);
+                    }
+                }
+                let b: Vec<u16> = b.iter().map(|x| x.to_bits()).collect();
+                let (hi, s): (Vec<u16>, Vec<u16>) = (
+                    hi.iter().map(|x| x.to_bits()).collect(),
+                    s.iter().map(|x| x.to_bits()).collect(),
+                );
+                (bits32(&p), s, hi, lo, b, bits32(&m), bits32(&v))
+            };
+            for case in 0..3 {
+                for bf in [false, true] {
+                    assert!(
+                        run(case, bf, Moments::Keep) == run(case, bf, Moments::Write),
+                        "master {case}, bf16 grad {bf}, {simd:?}, scale {grad_scale}, decay {decay}"
+                    );
+                }
+            }
+        }
     }
 }

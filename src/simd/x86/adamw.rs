@@ -113,6 +113,7 @@ struct K512 {
     step_size: __m512,
     inv_bc2_sqrt: __m512,
     eps: __m512,
+    write_moments: bool,
 }
 
 #[target_feature(enable = "avx512f")]
@@ -126,6 +127,7 @@ fn k512(k: &Consts) -> K512 {
         step_size: _mm512_set1_ps(k.step_size),
         inv_bc2_sqrt: _mm512_set1_ps(k.inv_bc2_sqrt),
         eps: _mm512_set1_ps(k.eps),
+        write_moments: k.write_moments,
     }
 }
 
@@ -172,7 +174,7 @@ unsafe fn step16<G: GradElem>(
 }
 
 /// The update of parameters `p` (elements `i..i + 16`): loads the gradient, updates `m`
-/// and `v` in place, returns the new parameters.
+/// and `v` in place (with `write_moments`), returns the new parameters.
 ///
 /// # Safety
 /// The CPU has AVX-512 F; `i + 16` is within every slice.
@@ -199,8 +201,10 @@ unsafe fn adam16<G: GradElem>(
         );
         let denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), c.inv_bc2_sqrt), c.eps);
         let pn = _mm512_sub_ps(pi, _mm512_mul_ps(c.step_size, _mm512_div_ps(mi, denom)));
-        _mm512_storeu_ps(m.add(i), mi);
-        _mm512_storeu_ps(v.add(i), vi);
+        if c.write_moments {
+            _mm512_storeu_ps(m.add(i), mi);
+            _mm512_storeu_ps(v.add(i), vi);
+        }
         pn
     }
 }
@@ -305,6 +309,7 @@ struct K256 {
     step_size: __m256,
     inv_bc2_sqrt: __m256,
     eps: __m256,
+    write_moments: bool,
 }
 
 #[target_feature(enable = "avx2")]
@@ -318,6 +323,7 @@ fn k256(k: &Consts) -> K256 {
         step_size: _mm256_set1_ps(k.step_size),
         inv_bc2_sqrt: _mm256_set1_ps(k.inv_bc2_sqrt),
         eps: _mm256_set1_ps(k.eps),
+        write_moments: k.write_moments,
     }
 }
 
@@ -364,7 +370,7 @@ unsafe fn step8<G: GradElem>(
 }
 
 /// The update of parameters `p` (elements `i..i + 8`): loads the gradient, updates `m`
-/// and `v` in place, returns the new parameters.
+/// and `v` in place (with `write_moments`), returns the new parameters.
 ///
 /// # Safety
 /// The CPU has AVX2; `i + 8` is within every slice.
@@ -391,8 +397,10 @@ unsafe fn adam8<G: GradElem>(
         );
         let denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), c.inv_bc2_sqrt), c.eps);
         let pn = _mm256_sub_ps(pi, _mm256_mul_ps(c.step_size, _mm256_div_ps(mi, denom)));
-        _mm256_storeu_ps(m.add(i), mi);
-        _mm256_storeu_ps(v.add(i), vi);
+        if c.write_moments {
+            _mm256_storeu_ps(m.add(i), mi);
+            _mm256_storeu_ps(v.add(i), vi);
+        }
         pn
     }
 }
