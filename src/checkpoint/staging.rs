@@ -102,10 +102,10 @@ impl BlockValues for Staged {
             return Cow::Borrowed(&pages[first][at..at + r.len()]);
         }
         let mut out = Vec::with_capacity(r.len());
-        for p in first..=last {
+        for (p, page) in pages.iter().enumerate().take(last + 1).skip(first) {
             let lo = r.start.max(p * self.page) - p * self.page;
             let hi = r.end.min((p + 1) * self.page) - p * self.page;
-            out.extend_from_slice(&pages[p][lo..hi]);
+            out.extend_from_slice(&page[lo..hi]);
         }
         Cow::Owned(out)
     }
@@ -324,5 +324,44 @@ impl Gate {
     /// How its blocks were written.
     pub fn counts(&self) -> Counts {
         self.lock().counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::MasterRef;
+
+    /// A staged copy gives back every range of each field, within a page or across pages,
+    /// and a split master comes back joined (its fp32 values, which move exact bf16 ties by
+    /// one ulp: `optim::bits`).
+    #[test]
+    fn staged_values_read_back_across_pages() {
+        let n = 3000;
+        let master: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
+        let m: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
+        let v: Vec<f32> = (0..n).map(|i| i as f32 * 3.0).collect();
+        let (mut hi, mut lo) = (vec![half::bf16::ZERO; n], vec![0u16; n]);
+        crate::optim::bits::split_slice(&master, &mut hi, &mut lo);
+        let sources = [
+            MasterRef::F32(&master),
+            MasterRef::Split { hi: &hi, lo: &lo },
+        ];
+        for src in sources {
+            let want = src.values();
+            let live = Tensors {
+                master: src,
+                m: &m,
+                v: &v,
+            };
+            let pages = (0..9).map(|_| vec![0.0f32; 1024]).collect();
+            let s = Staged::copy(pages, &live, true);
+            for r in [0..10, 1000..1030, 500..2900, 2990..3000, 0..3000, 7..7] {
+                assert_eq!(*s.values(Field::Master, r.clone()), want[r.clone()]);
+                assert_eq!(*s.values(Field::M, r.clone()), m[r.clone()]);
+                assert_eq!(*s.values(Field::V, r.clone()), v[r.clone()]);
+            }
+            assert_eq!(s.into_pages().count(), 9);
+        }
     }
 }
