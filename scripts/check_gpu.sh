@@ -26,8 +26,15 @@
 #    token must get exactly zero gradient from both; each model is run on 16 tokens (at
 #    most 32 of the 64 experts used) and on 16 rows of 256 (about 128 pairs per expert).
 # 4. Gated DeltaNet one layer deep: scripts/check_gated_delta.sh.
+# 5. Errors (issue 23): the Qwen2.5-7B shape with 2 layers at 2 x 524288 tokens on 1 GPU
+#    (ERRORS_SEQ) must be refused before anything is loaded (the device plan exceeds any
+#    GPU's free memory); with --force it must run out of memory and the launcher must say so
+#    in one line (phase, layer, asked vs free, the plan's figure, what to change), with no
+#    backtrace, exit non-zero and leave no worker and no /dev/shm/mt-* behind. An allocation
+#    failure injected into the tiny model's backward of layer 1 (MT_TEST_FAIL_ALLOC) must
+#    give the same one line with CUDA's figures.
 #
-# PARTS ["train families experts delta"] picks the parts to run (each fits in a few
+# PARTS ["train families experts delta errors"] picks the parts to run (each fits in a few
 # minutes). Runs needing
 # 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
 # Needs the built binaries (BIN, default target/release) and a GPU machine; Python (no
@@ -37,7 +44,8 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-12}
-PARTS=${PARTS:-"train families experts delta"}
+PARTS=${PARTS:-"train families experts delta errors"}
+ERRORS_SEQ=${ERRORS_SEQ:-524288}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -176,6 +184,43 @@ if part experts; then
   done
 fi
 
+# Failures that must reach the user as one line, and leave nothing behind.
+if part errors; then
+  "$PYTHON" - configs/qwen2.5-7b/config.json "$work/q7b2" "$work/long.jsonl" "$ERRORS_SEQ" <<'PY'
+import json, os, random, sys
+c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2
+os.makedirs(sys.argv[2]); json.dump(c, open(f"{sys.argv[2]}/config.json", "w"))
+rng = random.Random(0)
+with open(sys.argv[3], "w") as f:
+    for _ in range(2):
+        f.write(json.dumps({"input_ids": [rng.randrange(c["vocab_size"]) for _ in range(int(sys.argv[4]))]}) + "\n")
+PY
+  long=(--config configs/qwen_7b.yaml --gpus 1 --set "model.path=$work/q7b2" --set "dataset.path=$work/long.jsonl"
+        --set "dataset.max_seq_len=$ERRORS_SEQ" --set training.batch_size=2 --set training.num_steps=1)
+  shm_before=$(ls /dev/shm | grep '^mt' | sort || true)
+  fail() { echo "errors: FAIL: $*" | tee -a "$work/errors.failed" >&2; }
+  # Exit status, then the stderr of each case.
+  rc=0; "$BIN/mt-launch" "${long[@]}" 2>"$work/refused.err" >/dev/null || rc=$?
+  [ $rc -ne 0 ] || fail "the launch that cannot fit was not refused"
+  grep -q "does not fit cuda:0: the plan needs" "$work/refused.err" && grep -q "Pass --force" "$work/refused.err" \
+    || fail "no refusal line: $(tail -3 "$work/refused.err")"
+  rc=0; "$BIN/mt-launch" "${long[@]}" --force 2>"$work/oom.err" >/dev/null || rc=$?
+  rc2=0; MT_TEST_FAIL_ALLOC=backward:1 run injected --gpus 1 "${gpu[@]}" 2>"$work/injected.err" >/dev/null || rc2=$?
+  for case in "oom:$rc:out of memory on cuda:0 in the " "injected:$rc2:out of memory on cuda:0 in the backward of layer 1"; do
+    name=${case%%:*}; rest=${case#*:}; code=${rest%%:*}; needle=${rest#*:}
+    [ "$code" -ne 0 ] || fail "$name: exit status 0"
+    n=$(grep -c "mt-launch: error: worker rank 0 failed: $needle" "$work/$name.err" || true)
+    [ "$n" -eq 1 ] || fail "$name: $n error lines with '$needle' (want 1): $(tail -5 "$work/$name.err")"
+    grep -q " free of .* the plan puts this micro-batch at .*To fit: " "$work/$name.err" || fail "$name: figures or advice missing"
+    ! grep -qE "panicked|frame #|Exception raised from" "$work/$name.err" || fail "$name: a backtrace reached the user"
+    echo "errors: $name: $(grep 'mt-launch: error:' "$work/$name.err" | head -1)" >&2
+  done
+  sleep 1
+  ! pgrep -x mt-worker >/dev/null || fail "mt-worker processes left: $(pgrep -x mt-worker | tr '\n' ' ')"
+  [ "$(ls /dev/shm | grep '^mt' | sort || true)" = "$shm_before" ] || fail "/dev/shm/mt-* entries left"
+  echo "errors: $(head -1 "$work/refused.err")" >&2
+fi
+
 status=0
 "$PYTHON" - "$work" "$gpus" "$PARTS" $families <<'PY' || status=1
 import array, json, math, os, re, struct, sys
@@ -268,6 +313,11 @@ for m in ("moe", "mixtral", "gpt_oss") if "experts" in parts else ():
         print(f"grouped vs per-expert, {m} {shape}: worst relative L2 {worst:.2e} ({what}; bound {bound:.0e}); "
               f"{len(idle)} of 64 experts without tokens, {len(leaked)} of them with a nonzero grouped gradient"
               + ("" if covered else " (FAIL: the run does not cover the case it is for)"))
+if "errors" in parts:
+    failed = f"{work}/errors.failed"
+    ok &= not os.path.exists(failed)
+    print("errors: " + (open(failed).read().strip() if os.path.exists(failed) else
+                        "refused before loading, one-line out-of-memory reports, nothing left behind"))
 print("PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 PY

@@ -12,6 +12,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod fault;
 pub mod layout;
 pub mod metrics;
 pub mod optim;

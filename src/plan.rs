@@ -71,7 +71,9 @@ pub enum Fit {
 }
 
 mod device;
+mod fit;
 pub use device::{DeviceOpts, DevicePlan, Phase};
+pub use fit::{DeviceMemory, Largest, Short, check as check_device_fit};
 
 /// Bytes of host RAM the launcher holds for training state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -231,6 +233,15 @@ impl std::fmt::Display for HostPlan {
             )?;
         }
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))
+    }
+}
+
+/// Bytes for a reader: GB with two decimals, or MB / kB below a hundredth of a GB.
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 10_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 10_000 => format!("{:.2} MB", b as f64 / 1e6),
+        b => format!("{:.2} kB", b as f64 / 1e3),
     }
 }
 

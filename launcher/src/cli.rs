@@ -61,8 +61,8 @@ pub struct PlanArgs {
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub set: Vec<String>,
 
-    /// Device memory per GPU in GB for the largest-batch figure (default: what nvidia-smi
-    /// reports for the first GPU used).
+    /// Device memory per GPU in GB for the largest-batch figure (default: the total the
+    /// CUDA driver reports for the first GPU used).
     #[arg(long, value_name = "GB")]
     pub gpu_memory: Option<f64>,
 
@@ -117,7 +117,13 @@ pub struct RunArgs {
     #[arg(long)]
     pub dry_run: bool,
 
-    /// Log level: error, warn, info, debug, trace.
+    /// Launch even when the device memory plan (`mt-launch plan`) says the micro-batch does
+    /// not fit the memory a GPU has free (the check runs before anything is loaded).
+    #[arg(long)]
+    pub force: bool,
+
+    /// Log level: error, warn, info, debug, trace (debug and trace also show libtorch's
+    /// full error messages, C++ backtraces included).
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: String,
 }
@@ -199,20 +205,6 @@ fn placement_on(
         workers,
         devices: Vec::new(),
     })
-}
-
-/// Total memory of CUDA device `index` in bytes, from nvidia-smi (None without it).
-pub fn gpu_memory_bytes(index: usize) -> Option<u64> {
-    let out = std::process::Command::new("nvidia-smi")
-        .args([
-            "--query-gpu=memory.total",
-            "--format=csv,noheader,nounits",
-            &format!("--id={index}"),
-        ])
-        .output()
-        .ok()?;
-    let mib: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
-    Some(mib << 20)
 }
 
 /// GPUs the NVIDIA driver lists (no CUDA needed in the launcher).

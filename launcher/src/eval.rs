@@ -15,7 +15,7 @@ use mt::data::{Example, pad_batch};
 use mt::metrics::EvalMetrics;
 use mt::protocol::{FromWorker, MicroBatch, ToWorker};
 
-use crate::supervisor::{Event, Supervisor};
+use crate::supervisor::{Event, Supervisor, fatal};
 
 /// Eval micro-batches a worker is sent ahead of its results.
 const IN_FLIGHT: usize = 2;
@@ -91,9 +91,7 @@ impl EvalSet {
                     left -= 1;
                     send(sup, &mut next, &mut out, rank)?;
                 }
-                Event::Msg(rank, FromWorker::Fatal { msg }) => {
-                    bail!("worker rank {rank} failed: {msg}")
-                }
+                Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
                 Event::Msg(rank, other) => bail!("worker rank {rank} sent {other:?} mid-eval"),
                 Event::Closed(rank) => return Err(sup.death(rank)),
             }

@@ -4,6 +4,7 @@
 
 mod cli;
 mod eval;
+mod gpu;
 mod host;
 mod plan;
 mod prepare;
@@ -58,7 +59,7 @@ fn run(cli: cli::Cli) -> Result<()> {
     let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
     let placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
     if cli.dry_run {
-        return plan::dry_run(&cfg, &placement, cli.resume.as_deref());
+        return plan::dry_run(&cfg, &placement, cli.resume.as_deref(), cli.force);
     }
     let metrics = cli.metrics_out.clone();
     let result = train::Trainer::new(
@@ -68,6 +69,7 @@ fn run(cli: cli::Cli) -> Result<()> {
         cli.dump_grads,
         cli.dump_logits,
         cli.resume,
+        cli.force,
     )?
     .run();
     // The picture of the run, whichever way it ended, as far as it went.

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use mt::config::RunConfig;
-use mt::plan::{DeviceOpts, DevicePlan, Fit};
+use mt::plan::{DevicePlan, Fit};
 
 use crate::cli::{self, Placement};
 use crate::prepare::Prepared;
@@ -14,29 +14,14 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let cfg = RunConfig::load_for_plan(&p.config, &p.set)?;
     let placement = cli::plan_placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
     let prep = Prepared::for_plan(&cfg, &placement)?;
-    let seq_len = cfg.dataset.max_seq_len.unwrap_or_else(|| {
-        prep.data
-            .rows
-            .iter()
-            .map(|r| r.input_ids.len())
-            .max()
-            .unwrap_or(1)
-    });
-    let rows =
-        cfg.training.batch_size / (placement.workers * cfg.training.gradient_accumulation_steps);
-    let opts = DeviceOpts {
-        dtype: cfg.model.dtype,
-        ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
-        packed: cfg.dataset.packing,
-        offload_activations: cfg.memory.offload_activations,
-        cpu: placement.gpus == 0,
-    };
+    let (rows, seq_len) = prep.micro_batch(&cfg, placement.workers);
+    let opts = crate::prepare::device_opts(&cfg, &placement);
     let device = DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len);
     let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {
         placement
             .devices
             .first()
-            .and_then(|&d| cli::gpu_memory_bytes(d))
+            .and_then(|&d| crate::gpu::total_memory(d))
     });
     let best =
         budget.map(|b| DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b));
@@ -102,9 +87,15 @@ fn json(
 
 /// `--dry-run`: every check a launch makes (the checkpoint to resume from included), then
 /// a summary; no worker starts.
-pub fn dry_run(cfg: &RunConfig, placement: &Placement, resume: Option<&str>) -> Result<()> {
+pub fn dry_run(
+    cfg: &RunConfig,
+    placement: &Placement,
+    resume: Option<&str>,
+    force: bool,
+) -> Result<()> {
     let mut prep = Prepared::new(cfg, placement)?;
     prep.check_host_ram()?;
+    prep.check_device_memory(cfg, placement, force)?;
     if let Some(r) = resume {
         let dir = mt::checkpoint::state::resolve(r, cfg.checkpoint.dir.as_deref())?;
         println!("would resume from {}", dir.display());

@@ -1,13 +1,13 @@
 //! What a run is built from, checked before any worker starts (the trainer, `plan` and
 //! `--dry-run` share it): the model, its layout, the dataset and eval set, the host plan.
 
-use anyhow::{Result, bail};
+use anyhow::{Result, anyhow, bail};
 use mt::checkpoint;
 use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init, RunConfig};
 use mt::data::Dataset;
 use mt::layout::Layout;
-use mt::plan::Fit;
+use mt::plan::{DeviceOpts, Fit};
 
 use crate::cli::Placement;
 
@@ -117,5 +117,54 @@ impl Prepared {
             ),
         }
         Ok(())
+    }
+
+    /// The shape of one worker's micro-batch: rows = training.batch_size / (workers x
+    /// gradient_accumulation_steps) (at least 1), tokens per row = dataset.max_seq_len, or
+    /// the longest row when that is unset (1 without data).
+    pub fn micro_batch(&self, cfg: &RunConfig, workers: usize) -> (usize, usize) {
+        let t = &cfg.training;
+        let rows = t.batch_size / (workers * t.gradient_accumulation_steps);
+        let longest = self.data.rows.iter().map(|r| r.input_ids.len()).max();
+        (
+            rows.max(1),
+            cfg.dataset.max_seq_len.or(longest).unwrap_or(1),
+        )
+    }
+
+    /// Refuses a run whose micro-batch does not fit the memory a GPU it uses has free, by
+    /// the device plan (`mt::plan::check_device_fit`); with `force`, warns and goes on.
+    /// Skipped where that memory cannot be known (CPU workers, no CUDA driver).
+    pub fn check_device_memory(
+        &self,
+        cfg: &RunConfig,
+        placement: &Placement,
+        force: bool,
+    ) -> Result<()> {
+        let Some(memory) = crate::gpu::memory(&placement.devices, placement.workers) else {
+            return Ok(());
+        };
+        let shape = self.micro_batch(cfg, placement.workers);
+        let opts = device_opts(cfg, placement);
+        let source = crate::gpu::source();
+        match mt::plan::check_device_fit(&self.spec, &self.layout, opts, shape, &memory, source) {
+            Ok(()) => Ok(()),
+            Err(short) if force => {
+                tracing::warn!("--force: {short}");
+                Ok(())
+            }
+            Err(short) => Err(anyhow!("{short} Pass --force to launch anyway.")),
+        }
+    }
+}
+
+/// The device plan's options for `cfg` on `placement`.
+pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
+    DeviceOpts {
+        dtype: cfg.model.dtype,
+        ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+        packed: cfg.dataset.packing,
+        offload_activations: cfg.memory.offload_activations,
+        cpu: placement.gpus == 0,
     }
 }

@@ -85,6 +85,7 @@ impl Supervisor {
                     sup.warm_up_s = sup.warm_up_s.max(warm_up_s);
                     ready[r] = true;
                 }
+                Event::Msg(r, FromWorker::Fatal { msg }) => return Err(fatal(r, &msg)),
                 Event::Msg(r, other) => bail!("worker rank {r} sent {other:?} before Ready"),
                 Event::Closed(r) => return Err(sup.death(r)),
             }
@@ -101,7 +102,7 @@ impl Supervisor {
         match self.workers[rank].tx.send(msg) {
             Ok(()) => Ok(()),
             Err(e) => Err(self
-                .death(rank)
+                .exit_report(rank)
                 .context(format!("cannot reach worker rank {rank} ({e:?})"))),
         }
     }
@@ -145,7 +146,7 @@ impl Supervisor {
             }
             for r in 0..self.workers.len() {
                 if let Ok(Some(_)) = self.workers[r].child.try_wait() {
-                    return Err(self.death(r));
+                    return Err(self.exit_report(r));
                 }
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -165,6 +166,21 @@ impl Supervisor {
                 );
             }
         }
+    }
+
+    /// Why worker `rank`, found exited (or unreachable) before its channel was seen to
+    /// close, stopped: the `Fatal` it sent just before, if it is still on its way (a worker
+    /// that fails reports, then exits), else how it died.
+    fn exit_report(&mut self, rank: usize) -> anyhow::Error {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while let Ok(ev) = self.events.recv_deadline(deadline) {
+            match ev {
+                Event::Msg(r, FromWorker::Fatal { msg }) if r == rank => return fatal(rank, &msg),
+                Event::Closed(r) if r == rank => break,
+                _ => {}
+            }
+        }
+        self.death(rank)
     }
 
     /// Describes how worker `rank` died (waiting briefly for its exit status).
@@ -266,6 +282,11 @@ impl Drop for Supervisor {
     }
 }
 
+/// The error for a worker's `Fatal`: its line, said once.
+pub fn fatal(rank: usize, msg: &str) -> anyhow::Error {
+    anyhow!("worker rank {rank} failed: {msg}")
+}
+
 /// torch's CUDA allocator settings (read once, when the worker first touches CUDA).
 const ENV_TORCH_ALLOC: &str = "PYTORCH_CUDA_ALLOC_CONF";
 
@@ -280,6 +301,15 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    if std::env::var_os("RUST_LOG").is_none()
+        && tracing::level_filters::LevelFilter::current() >= tracing::Level::DEBUG
+    {
+        // `--log-level debug` reaches the workers: libtorch's full messages, panics.
+        cmd.env(
+            "RUST_LOG",
+            tracing::level_filters::LevelFilter::current().to_string(),
+        );
+    }
     if std::env::var_os(ENV_TORCH_ALLOC).is_none() {
         // The worker's allocations change size with every block it streams; expandable
         // segments keep torch's cache from fragmenting into more memory than it holds.

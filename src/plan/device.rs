@@ -263,19 +263,7 @@ impl DevicePlan {
         budget: u64,
     ) -> usize {
         let fits = |rows| DevicePlan::new(spec, layout, o, rows, seq_len).total() <= budget;
-        let (mut lo, mut hi) = (0usize, 1usize);
-        while fits(hi) {
-            lo = hi;
-            hi *= 2;
-            if hi > 1 << 24 {
-                return lo;
-            }
-        }
-        while hi - lo > 1 {
-            let mid = (lo + hi) / 2;
-            if fits(mid) { lo = mid } else { hi = mid }
-        }
-        lo
+        super::fit::largest(fits, 1 << 24)
     }
 }
 

@@ -16,10 +16,12 @@ use anyhow::{Context, Result, bail};
 use ipc_channel::TryRecvError;
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use mt::config::hf::ModelSpec;
+use mt::fault::Phase;
 use mt::layout::Layout;
 use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
+use crate::fault::enter;
 use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Streamer, kind_of};
 
@@ -102,15 +104,23 @@ impl Control {
 }
 
 /// `init.buffers` on the device, grouped by layer.
-pub fn layer_buffers(init: &Init) -> Vec<Vec<(String, Tensor)>> {
+pub fn layer_buffers(init: &Init) -> Result<Vec<Vec<(String, Tensor)>>> {
     let device = crate::stream::device_of(init.device);
     let mut by_layer: Vec<Vec<(String, Tensor)>> =
         (0..init.spec.num_layers).map(|_| Vec::new()).collect();
     for b in &init.buffers {
-        let t = Tensor::from_slice(&b.values).to_device(device);
-        by_layer[b.layer].push((b.name.clone(), t));
+        let Some(layer) = by_layer.get_mut(b.layer) else {
+            bail!(
+                "buffer `{}` of layer {}: the model has {} layers",
+                b.name,
+                b.layer,
+                init.spec.num_layers
+            );
+        };
+        let t = Tensor::f_from_slice(&b.values)?.f_to_device(device)?;
+        layer.push((b.name.clone(), t));
     }
-    by_layer
+    Ok(by_layer)
 }
 
 /// The channels a step talks over.
@@ -142,8 +152,8 @@ struct DeviceBatch {
 }
 
 impl Engine {
-    pub fn new(init: &Init, streamer: Streamer) -> Engine {
-        Engine {
+    pub fn new(init: &Init, streamer: Streamer) -> Result<Engine> {
+        Ok(Engine {
             spec: init.spec.clone(),
             layout: init.layout.clone(),
             device: crate::stream::device_of(init.device),
@@ -157,8 +167,8 @@ impl Engine {
             },
             streamer,
             dump_logits: init.dump_logits.clone(),
-            buffers: layer_buffers(init),
-        }
+            buffers: layer_buffers(init)?,
+        })
     }
 
     /// Handles a message that arrived between steps.
@@ -181,6 +191,8 @@ impl Engine {
         self.ctl.ready.fill(!weights_pending);
         self.ctl.update_wait_s = 0.0;
         for (mi, mb) in micro.iter().enumerate() {
+            crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
+            enter(Phase::Upload, None);
             let batch = self.upload(mi, mb)?;
             let (ctl, rx) = (&mut self.ctl, link.rx);
             self.streamer
@@ -222,7 +234,10 @@ impl Engine {
     /// launcher sends an eval only when no update is pending, so every block is ready.
     pub fn evaluate(&mut self, mb: &MicroBatch) -> Result<f64> {
         let _guard = tch::no_grad_guard();
+        crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
+        enter(Phase::Upload, None);
         let batch = self.upload(0, mb)?;
+        enter(Phase::Eval, None);
         let layout = &self.layout;
         let ready: Gate = &mut |_| Ok(());
         self.streamer.begin_forward(layout, ready)?;
@@ -243,11 +258,13 @@ impl Engine {
             self.streamer.release_embed();
         }
         for l in 0..layout.num_layers() {
+            enter(Phase::Eval, Some(l));
             let flat = self.streamer.layer(layout, l, ready)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
             x_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
         }
+        enter(Phase::Eval, None);
         let head = self.streamer.head(layout, ready)?;
         let head_w = BlockWeights::views(&head, &layout.blocks[layout.head_block()]);
         let lm_head = match &tied {
@@ -310,28 +327,28 @@ impl Engine {
                 mb.position_ids.len()
             );
         }
-        let pos_bt = (!mb.position_ids.is_empty()).then(|| {
-            Tensor::from_slice(&mb.position_ids)
-                .view([b, t])
-                .to_kind(Kind::Int64)
-                .to_device(self.device)
-        });
-        let ids_bt = Tensor::from_slice(&mb.input_ids)
-            .view([b, t])
-            .to_kind(Kind::Int64)
-            .to_device(self.device);
+        let dev = self.device;
+        let grid = |v: &[i32]| -> Result<Tensor, tch::TchError> {
+            Tensor::f_from_slice(v)?
+                .f_view([b, t])?
+                .f_to_kind(Kind::Int64)
+        };
+        let pos_bt = match mb.position_ids.is_empty() {
+            true => None,
+            false => Some(grid(&mb.position_ids)?.f_to_device(dev)?),
+        };
+        let ids_bt = grid(&mb.input_ids)?.f_to_device(dev)?;
         // Targets are the labels shifted left by one; the last position predicts nothing.
-        let labels_bt = Tensor::from_slice(&mb.labels)
-            .view([b, t])
-            .to_kind(Kind::Int64);
-        let pad = Tensor::full([b, 1], -100, (Kind::Int64, Device::Cpu));
-        let targets = Tensor::cat(&[labels_bt.narrow(1, 1, t - 1), pad], 1).reshape([-1]);
-        let valid_m = targets.ne(-100).nonzero().reshape([-1]);
-        let targets_m = targets.index_select(0, &valid_m).to_device(self.device);
+        let labels_bt = grid(&mb.labels)?;
+        let pad = Tensor::f_full([b, 1], -100, (Kind::Int64, Device::Cpu))?;
+        let targets =
+            Tensor::f_cat(&[labels_bt.f_narrow(1, 1, t - 1)?, pad], 1)?.f_reshape([-1])?;
+        let valid_m = targets.f_ne(-100)?.f_nonzero()?.f_reshape([-1])?;
+        let targets_m = targets.f_index_select(0, &valid_m)?.f_to_device(dev)?;
         Ok(DeviceBatch {
             ids_bt,
             pos_bt,
-            valid_m: valid_m.to_device(self.device),
+            valid_m: valid_m.f_to_device(dev)?,
             targets_m,
         })
     }
@@ -348,6 +365,7 @@ impl Engine {
         let _guard = tch::no_grad_guard();
         let (ctl, rx) = (&mut self.ctl, link.rx);
         let gate = &mut |b| ctl.wait_block(b, rx);
+        enter(Phase::Forward, None);
         let embed = self.streamer.embed(layout, gate)?;
         let mut x_bth = model::embed(
             &self.spec,
@@ -360,6 +378,7 @@ impl Engine {
             self.streamer.release_embed();
         }
         for l in 0..layout.num_layers() {
+            enter(Phase::Forward, Some(l));
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
@@ -418,6 +437,7 @@ impl Engine {
         );
         let (ctl, rx) = (&mut self.ctl, link.rx);
         let gate = &mut |b| ctl.wait_block(b, rx);
+        enter(Phase::Head, None);
         let head_w = BlockWeights::leaves(&self.streamer.head(&layout, gate)?, head_block);
         // A tied head reads the embedding, whose leaf then collects both gradients.
         let tied_embed_w = match layout.tied_embeddings {
@@ -442,6 +462,7 @@ impl Engine {
 
         // Layers, last to first: recompute with grad, backpropagate dy.
         for l in (0..layout.num_layers()).rev() {
+            enter(Phase::Backward, Some(l));
             let (ctl, rx) = (&mut self.ctl, link.rx);
             let flat = self
                 .streamer
@@ -460,6 +481,7 @@ impl Engine {
         }
 
         // Embedding (with tied embeddings its leaf already holds the lm_head gradient).
+        enter(Phase::EmbeddingBackward, None);
         let embed_w = match tied_embed_w {
             Some(w) => w,
             None => {

@@ -8,6 +8,7 @@
 #![deny(unsafe_code)]
 
 mod engine;
+mod fault;
 mod model;
 mod warmup;
 // Shared memory adoption, host registration, CUDA driver calls: the one unsafe module.
@@ -15,7 +16,6 @@ mod warmup;
 mod stream;
 
 use std::io::IsTerminal;
-use std::panic::AssertUnwindSafe;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
@@ -31,9 +31,12 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match run() {
+    fault::install_panic_hook();
+    match fault::catch(run) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<Interrupted>() => ExitCode::SUCCESS,
+        // The launcher has the error and prints it: once.
+        Err(e) if e.is::<Reported>() => ExitCode::FAILURE,
         Err(e) => {
             eprintln!("mt-worker[{rank}]: error: {e:#}");
             ExitCode::FAILURE
@@ -68,7 +71,8 @@ fn run() -> Result<()> {
         other => bail!("expected Init, got {other:?}"),
     };
 
-    let result = (|| -> Result<()> {
+    fault::set_run(&init);
+    let result = fault::catch(|| {
         if let Device::Cuda(_) = init.device {
             stream::load_torch_cuda()?;
         }
@@ -80,34 +84,51 @@ fn run() -> Result<()> {
         let streamer =
             stream::Streamer::new(regions, &init.layout, device, init.offload_activations)?;
         let register_s = t.elapsed().as_secs_f64();
+        if init.device == Device::Cpu {
+            fault::set_budget(mt::plan::available_host_bytes().unwrap_or(0));
+        }
         let warm_up_s = match init.warm_up {
             Some(shape) => warmup::warm_up(
                 &init.spec,
                 &init.layout,
-                &engine::layer_buffers(&init),
+                &engine::layer_buffers(&init)?,
                 (stream::kind_of(init.dtype), device),
                 init.ce_chunk_tokens,
                 shape,
             )?,
             None => 0.0,
         };
-        let mut engine = Engine::new(&init, streamer);
+        let mut engine = Engine::new(&init, streamer)?;
         tx.send(FromWorker::Ready {
             device: init.device.to_string(),
             register_s,
             warm_up_s,
         })?;
         serve(&mut engine, &tx, &rx)
-    })();
-    if let Err(e) = &result
-        && !e.is::<Interrupted>()
-    {
-        let _ = tx.send(FromWorker::Fatal {
-            msg: format!("{e:#}"),
-        });
+    });
+    match result {
+        Err(e) if !e.is::<Interrupted>() => {
+            let msg = fault::report(&e);
+            match tx.send(FromWorker::Fatal { msg }) {
+                Ok(()) => Err(Reported.into()),
+                Err(_) => Err(e),
+            }
+        }
+        other => other,
     }
-    result
 }
+
+/// The error reached the launcher as `Fatal`; the worker prints nothing more.
+#[derive(Debug)]
+struct Reported;
+
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "reported to the launcher")
+    }
+}
+
+impl std::error::Error for Reported {}
 
 /// Runs steps until `Shutdown` or until the launcher's channel closes.
 fn serve(
@@ -128,11 +149,8 @@ fn serve(
                 ..
             } => {
                 let link = Link { tx, rx };
-                let out = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    engine.step(&micro, loss_scale, weights_pending, &link)
-                }))
-                .unwrap_or_else(|p| Err(anyhow::anyhow!("panic in step: {}", panic_text(&p))))?;
-                let (loss_sum, tokens, timings) = out;
+                let (loss_sum, tokens, timings) =
+                    engine.step(&micro, loss_scale, weights_pending, &link)?;
                 tx.send(FromWorker::StepDone {
                     loss_sum,
                     tokens,
@@ -140,11 +158,7 @@ fn serve(
                 })?;
             }
             ToWorker::Eval { index, micro } => {
-                let loss_sum =
-                    std::panic::catch_unwind(AssertUnwindSafe(|| engine.evaluate(&micro)))
-                        .unwrap_or_else(|p| {
-                            Err(anyhow::anyhow!("panic in eval: {}", panic_text(&p)))
-                        })?;
+                let loss_sum = engine.evaluate(&micro)?;
                 tx.send(FromWorker::EvalDone { index, loss_sum })?;
             }
             ToWorker::Shutdown => return Ok(()),
@@ -152,11 +166,4 @@ fn serve(
             other => engine.handle(other)?,
         }
     }
-}
-
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
 }

@@ -11,9 +11,11 @@
 
 use anyhow::Result;
 use mt::config::hf::ModelSpec;
+use mt::fault::Phase;
 use mt::layout::Layout;
 use tch::{Device, Kind, Tensor};
 
+use crate::fault::enter;
 use crate::model::{self, BlockWeights, RouterAux};
 
 /// Runs the warm-up on `device` for micro-batches of `rows` x `seq_len` tokens and loss
@@ -28,12 +30,15 @@ pub fn warm_up(
     (rows, seq_len): (usize, usize),
 ) -> Result<f64> {
     let start = std::time::Instant::now();
+    crate::fault::micro_batch(rows, seq_len, false);
+    enter(Phase::WarmUp, None);
     let (b, t, h) = (rows as i64, seq_len as i64, spec.hidden_size as i64);
     let opts = (kind, device);
     let mut ctx = model::Context::new(spec, seq_len, None, kind, device);
     ctx.router_aux = RouterAux::new(spec, &vec![seq_len; rows], seq_len, 1.0, device);
     for group in &layout.layer_groups {
         let l = group.layers[0];
+        enter(Phase::WarmUp, Some(l));
         let block = &layout.blocks[layout.layer_block(l)];
         let flat = Tensor::randn([block.len as i64], opts) * 0.02;
         let w = BlockWeights::leaves(&flat, block).with(&buffers[l]);
@@ -46,6 +51,7 @@ pub fn warm_up(
         }
     }
     // The head: final norm and one loss chunk, against the real vocabulary.
+    enter(Phase::WarmUp, None);
     let head = &layout.blocks[layout.head_block()];
     let head_flat = Tensor::randn([head.len as i64], opts) * 0.02;
     let head_w = BlockWeights::leaves(&head_flat, head);

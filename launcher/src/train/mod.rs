@@ -23,7 +23,7 @@ use crate::eval::EvalSet;
 use crate::host::HostState;
 use crate::prepare::Prepared;
 use crate::progress::Progress;
-use crate::supervisor::{Event, Supervisor};
+use crate::supervisor::{Event, Supervisor, fatal};
 
 mod step_end;
 
@@ -99,10 +99,13 @@ impl Trainer {
         dump_grads: Option<PathBuf>,
         dump_logits: Option<PathBuf>,
         resume: Option<String>,
+        force: bool,
     ) -> Result<Trainer> {
         let t_start = Instant::now();
         let mut prepared = Prepared::new(&cfg, &placement)?;
         prepared.check_host_ram()?;
+        // Before anything large is allocated or loaded.
+        prepared.check_device_memory(&cfg, &placement, force)?;
         if let Some(dir) = &cfg.checkpoint.dir {
             checkpoint::check_writable(dir, "checkpoint.dir")?;
             checkpoint::state::remove_stale(dir)?;
@@ -114,6 +117,7 @@ impl Trainer {
         if let Some(dir) = &tensorboard_dir {
             checkpoint::check_writable(dir, "logging.logging_dir")?;
         }
+        let micro_batch = prepared.micro_batch(&cfg, placement.workers);
         let Prepared {
             spec,
             layout,
@@ -206,13 +210,7 @@ impl Trainer {
         }
         let t_weights = Instant::now();
         // CUDA workers warm up at the configured micro-batch shape.
-        let warm_up = (placement.gpus > 0).then(|| {
-            let rows = cfg.training.batch_size
-                / (placement.workers * cfg.training.gradient_accumulation_steps);
-            let longest = data.rows.iter().map(|r| r.input_ids.len()).max();
-            let seq = cfg.dataset.max_seq_len.or(longest).unwrap_or(1);
-            (rows.max(1), seq)
-        });
+        let warm_up = (placement.gpus > 0).then_some(micro_batch);
         let inits = (0..placement.workers)
             .map(|rank| {
                 let device = match placement.devices.get(rank) {
@@ -573,9 +571,7 @@ impl Trainer {
                         s.context_device_bytes.max(timings.context_device_bytes);
                     done += 1;
                 }
-                Event::Msg(rank, FromWorker::Fatal { msg }) => {
-                    bail!("worker rank {rank} failed: {msg}")
-                }
+                Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
                 Event::Msg(rank, other) => bail!("worker rank {rank} sent {other:?} mid-step"),
                 Event::Closed(rank) => return Err(self.sup.death(rank)),
             }

@@ -33,15 +33,22 @@ pub fn check_context() -> Result<()> {
     Ok(())
 }
 
-/// Bytes of device memory in use (all allocations on this device, the context included).
-pub fn device_bytes_used() -> Result<u64> {
+/// (free, total) bytes of device memory as the driver reports them (all allocations on
+/// this device, the context included, count as used).
+pub fn memory_info() -> Result<(u64, u64)> {
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: writes two integers.
     check(
         unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
         "cuMemGetInfo",
     )?;
-    Ok((total - free) as u64)
+    Ok((free as u64, total as u64))
+}
+
+/// Bytes of device memory in use (all allocations on this device, the context included).
+pub fn device_bytes_used() -> Result<u64> {
+    let (free, total) = memory_info()?;
+    Ok(total - free)
 }
 
 /// A stream that does not synchronize implicitly with the legacy default stream.

@@ -19,7 +19,8 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
+use mt::fault::Phase;
 use mt::layout::{Block, Layout};
 use tch::{Device, Kind, Tensor};
 
@@ -46,8 +47,14 @@ struct DeviceBuf {
 }
 
 impl DeviceBuf {
-    fn new(len: usize, kind: Kind, device: Device) -> Result<DeviceBuf> {
-        let data = Tensor::empty([len as i64], (kind, device));
+    /// `what` names the buffer in an error.
+    fn new(len: usize, kind: Kind, device: Device, what: &str) -> Result<DeviceBuf> {
+        let data = Tensor::f_empty([len as i64], (kind, device)).with_context(|| {
+            format!(
+                "allocate the device buffer of {what} ({:.2} GB)",
+                (len * kind.elt_size_in_bytes()) as f64 / 1e9
+            )
+        })?;
         let (ready, free) = (Event::new(false)?, Event::new(false)?);
         ready.record(torch_stream())?;
         free.record(torch_stream())?;
@@ -136,9 +143,13 @@ impl CudaStreamer {
         // Touch the device through torch so its primary context is current here, and run
         // one matmul so cuBLAS has its handle and workspace: what is in use then is the
         // per-process overhead the memory plan does not count.
-        let _ = Tensor::ones([8, 8], (kind, device)).matmul(&Tensor::ones([8, 8], (kind, device)));
+        let _ = Tensor::f_ones([8, 8], (kind, device))?
+            .f_matmul(&Tensor::f_ones([8, 8], (kind, device))?)?;
         cuda::check_context()?;
-        let context_device_bytes = cuda::device_bytes_used()?;
+        let (free, total) = cuda::memory_info()?;
+        let context_device_bytes = total - free;
+        // What the memory plan may use: an out-of-memory report compares with it.
+        crate::fault::set_budget(free);
         // SAFETY: both regions stay mapped for the streamer's life (it owns them, and the
         // registrations are dropped first).
         let pinned = unsafe {
@@ -159,7 +170,7 @@ impl CudaStreamer {
         // there next, and mixed stacks (Qwen3-Next's linear and full attention) alternate
         // kinds, so per-group rings would only add buffers.
         let ring = (0..RING)
-            .map(|_| DeviceBuf::new(layout.max_layer_len(), kind, device))
+            .map(|_| DeviceBuf::new(layout.max_layer_len(), kind, device, "the layer ring"))
             .collect::<Result<_>>()?;
         let stash = match offload_activations {
             false => Stash::Device(Vec::new()),
@@ -214,9 +225,15 @@ impl CudaStreamer {
     fn load(&self, layout: &Layout, index: usize, gate: Gate) -> Result<DeviceBuf> {
         gate(index)?;
         let block = &layout.blocks[index];
-        let buf = DeviceBuf::new(block.len, self.kind, self.device)?;
-        Self::fill(&self.copy, &self.regions, &buf, block)?;
-        Ok(buf)
+        crate::fault::within(Phase::HostToDevice, None, || {
+            let what = match index {
+                Layout::EMBED => "the embedding",
+                _ => "the head",
+            };
+            let buf = DeviceBuf::new(block.len, self.kind, self.device, what)?;
+            Self::fill(&self.copy, &self.regions, &buf, block)?;
+            Ok(buf)
+        })
     }
 
     pub fn begin_micro(&mut self, layout: &Layout, gate: Gate) -> Result<()> {
@@ -418,7 +435,7 @@ impl CudaStreamer {
                     t.numel()
                 );
             }
-            let g = g.contiguous();
+            let g = g.f_contiguous()?;
             let src = g.data_ptr() as u64 + (within.start * elem) as u64;
             // SAFETY: the slot range is owned by this worker, pinned and inside the slot
             // (`slot_ptr`); the source lies inside `g` (`within` is a range of its
@@ -479,7 +496,9 @@ impl CudaStreamer {
                 v.push(x);
                 Ok(())
             }
-            Stash::Host(h) => h.push(l, x, &self.offload),
+            Stash::Host(h) => {
+                crate::fault::within(Phase::DeviceToHost, Some(l), || h.push(l, x, &self.offload))
+            }
         }
     }
 
@@ -493,7 +512,8 @@ impl CudaStreamer {
                 Ok(v.pop().expect("checked"))
             }
             Stash::Host(h) => {
-                let (ready, x) = h.pop(l, &self.copy)?;
+                let (ready, x) =
+                    crate::fault::within(Phase::HostToDevice, Some(l), || h.pop(l, &self.copy))?;
                 self.wait_for(&ready)?;
                 Ok(x)
             }
@@ -526,14 +546,22 @@ impl HostStash {
             self.host.push(Tensor::empty([0], (x.kind(), Device::Cpu)));
         }
         if self.host[l].numel() < numel || self.host[l].kind() != x.kind() {
-            self.host[l] =
-                Tensor::empty([numel as i64], (x.kind(), Device::Cpu)).pin_memory(self.device);
+            let bytes = numel * x.kind().elt_size_in_bytes();
+            self.host[l] = Tensor::f_empty([numel as i64], (x.kind(), Device::Cpu))
+                .and_then(|t| t.f_pin_memory(self.device))
+                .with_context(|| {
+                    format!(
+                        "allocate {:.2} GB of pinned host memory for layer {l}'s input \
+                         (memory.offload_activations)",
+                        bytes as f64 / 1e9
+                    )
+                })?;
         }
         while self.leaving.len() >= MAX_STASH_IN_FLIGHT {
             let (done, _x) = self.leaving.pop_front().expect("non-empty");
             done.synchronize()?;
         }
-        let x = x.contiguous();
+        let x = x.f_contiguous()?;
         let produced = Event::new(false)?;
         produced.record(torch_stream())?;
         cuda::wait(offload.raw(), &produced)?;
@@ -560,7 +588,7 @@ impl HostStash {
     /// Enqueues the copy back of layer `l`'s input to a fresh device tensor.
     fn fetch(&mut self, l: usize, copy: &Stream) -> Result<()> {
         let shape = &self.shapes[l];
-        let x = Tensor::empty(shape.as_slice(), (self.host[l].kind(), self.device));
+        let x = Tensor::f_empty(shape.as_slice(), (self.host[l].kind(), self.device))?;
         let allocated = Event::new(false)?;
         allocated.record(torch_stream())?;
         cuda::wait(copy.raw(), &allocated)?;

@@ -1,0 +1,76 @@
+//! The launcher's one look at the GPUs: their free and total memory, from the CUDA driver
+//! (cudarc, loaded at run time: the launcher links neither libtorch nor CUDA, and runs
+//! where no driver is installed).
+//!
+//! Free memory is read with a CUDA context open on the device (`cuMemGetInfo` needs one):
+//! what other processes hold is excluded, and so is roughly what a worker's own context
+//! will take, which the memory plan does not count. The context is released before any
+//! worker starts.
+//!
+//! Test hook: `MT_TEST_DEVICE_MEMORY=<bytes>` stands for every worker's device memory (free
+//! and total), CPU workers included, so that a test on a machine without GPUs can see the
+//! refusal of a micro-batch that does not fit.
+
+use mt::plan::DeviceMemory;
+use mt::protocol::Device;
+
+/// The test hook's variable.
+const ENV_TEST_MEMORY: &str = "MT_TEST_DEVICE_MEMORY";
+
+/// Where [`memory`]'s figures come from, as the refusal says it.
+pub fn source() -> &'static str {
+    match std::env::var_os(ENV_TEST_MEMORY) {
+        Some(_) => "MT_TEST_DEVICE_MEMORY (a test hook) gives",
+        None => "the CUDA driver reports",
+    }
+}
+
+/// Free and total memory of each device in `devices` (CUDA ordinals; empty: `workers` CPU
+/// workers), or None where it cannot be known: CPU workers, no CUDA driver, or a driver
+/// error (logged; the workers then report what they find).
+pub fn memory(devices: &[usize], workers: usize) -> Option<Vec<DeviceMemory>> {
+    if let Some(v) = std::env::var_os(ENV_TEST_MEMORY) {
+        let bytes: u64 = v.to_str()?.parse().ok()?;
+        let all = |device| DeviceMemory {
+            device,
+            free: bytes,
+            total: bytes,
+        };
+        return Some(match devices.is_empty() {
+            true => (0..workers).map(|_| all(Device::Cpu)).collect(),
+            false => devices.iter().map(|&d| all(Device::Cuda(d))).collect(),
+        });
+    }
+    if devices.is_empty() || !driver_present() {
+        return None;
+    }
+    let read = |d: usize| -> Result<DeviceMemory, cudarc::driver::DriverError> {
+        let ctx = cudarc::driver::CudaContext::new(d)?;
+        let (free, total) = ctx.mem_get_info()?;
+        Ok(DeviceMemory {
+            device: Device::Cuda(d),
+            free: free as u64,
+            total: total as u64,
+        })
+    };
+    let found: Result<Vec<_>, _> = devices.iter().map(|&d| read(d)).collect();
+    match found {
+        Ok(m) => Some(m),
+        Err(e) => {
+            tracing::warn!("cannot read GPU memory from the CUDA driver ({e}): not checked");
+            None
+        }
+    }
+}
+
+/// Total memory of CUDA device `index` in bytes (None without a driver or that device).
+pub fn total_memory(index: usize) -> Option<u64> {
+    memory(&[index], 1)?.first().map(|m| m.total)
+}
+
+/// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
+#[allow(unsafe_code)]
+fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library by its usual names, and drops it.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
