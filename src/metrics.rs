@@ -41,6 +41,11 @@ pub struct StepMetrics {
     /// Slowest worker's wait for the launcher's update of the blocks it reads (the
     /// previous step's AdamW, which runs behind this step's forward).
     pub update_wait_s: f64,
+    /// Launcher time spent on background checkpoints: staging the blocks the writer had
+    /// not written before the optimizer changed them, waiting for it where the staging
+    /// area was full, and waiting for the previous write at a checkpoint. The workers
+    /// wait for it in `update_wait_s` (or, at a checkpoint, the next step starts later).
+    pub checkpoint_wait_s: f64,
     /// What bounded the step ([`Bound`]): the largest of the waits above when it is at
     /// least [`Bound::SHARE`] of the step, else the workers' own compute.
     pub bound: Bound,

@@ -20,12 +20,19 @@ pub struct HostOpts {
     pub workers: usize,
     /// `memory.num_grad_slabs`.
     pub slots: usize,
-    /// Periodic checkpoints are written in the background from a snapshot
-    /// (`checkpoint.background` with `checkpoint.every_steps` and `checkpoint.dir`).
-    pub snapshot: bool,
-    /// The snapshot holds the Adam moments too: periodic checkpoints hold the optimizer
-    /// state (else the master alone).
-    pub snapshot_optimizer: bool,
+    /// How periodic checkpoints are staged.
+    pub staging: Staging,
+}
+
+/// The staging area of checkpoints written in the background ([`crate::checkpoint::staging`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Staging {
+    /// None: no periodic checkpoints, or written in place (`checkpoint.background: false`).
+    Off,
+    /// The default for the layout; `moments`: periodic checkpoints hold the optimizer state.
+    Default { moments: bool },
+    /// `checkpoint.staging_size`.
+    Bytes(u64),
 }
 
 impl HostOpts {
@@ -37,8 +44,16 @@ impl HostOpts {
             master: cfg.memory.master_weights,
             workers,
             slots: cfg.memory.num_grad_slabs,
-            snapshot: ck.background && ck.periodic() && ck.dir.is_some(),
-            snapshot_optimizer: ck.periodic_full_state(),
+            staging: match (
+                ck.background && ck.periodic() && ck.dir.is_some(),
+                ck.staging_size,
+            ) {
+                (false, _) => Staging::Off,
+                (true, Some(b)) => Staging::Bytes(b.0),
+                (true, None) => Staging::Default {
+                    moments: ck.periodic_full_state(),
+                },
+            },
         }
     }
 }
@@ -48,8 +63,9 @@ impl HostOpts {
 pub enum Fit {
     /// It fits (or the RAM available is unknown).
     Fits,
-    /// Only without its background-checkpoint snapshot.
-    WithoutSnapshot,
+    /// Only without its checkpoint staging area (periodic checkpoints then written in
+    /// place).
+    WithoutStaging,
     /// Not even without it.
     Short,
 }
@@ -75,8 +91,8 @@ pub struct HostPlan {
     pub store: u64,
     /// Every worker's gradient slab (slots x largest decoder layer).
     pub slabs: u64,
-    /// The background-checkpoint snapshot (fp32 master, m and v), or 0.
-    pub snapshot: u64,
+    /// The staging area of background checkpoints, or 0.
+    pub staging: u64,
     /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
     pub carried: u64,
     /// Elements of one slab slot (`Layout::grad_slot_len`).
@@ -103,9 +119,12 @@ impl HostPlan {
             grad: opts.grad.size() as u64 * elems,
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
             slabs: opts.workers as u64 * slab,
-            snapshot: match opts.snapshot {
-                true => crate::checkpoint::writer::snapshot_bytes(layout, opts.snapshot_optimizer),
-                false => 0,
+            staging: match opts.staging {
+                Staging::Off => 0,
+                Staging::Default { moments } => {
+                    crate::checkpoint::staging::default_bytes(layout, moments)
+                }
+                Staging::Bytes(b) => b,
             },
             carried: 0,
             slot_len: slot_len as u64,
@@ -121,7 +140,7 @@ impl HostPlan {
 
     /// What the launcher holds at its peak, start-up and checkpoints included.
     pub fn total(&self) -> u64 {
-        self.per_param_state() + self.slabs + self.snapshot + self.carried
+        self.per_param_state() + self.slabs + self.staging + self.carried
     }
 
     /// The plan holding `bytes` of carried tensors besides the training state.
@@ -135,20 +154,20 @@ impl HostPlan {
     /// Whether the plan fits in `avail` bytes (None: unknown).
     pub fn fit(&self, avail: Option<u64>) -> Fit {
         match avail {
-            Some(avail) if self.total() > avail => match self.total() - self.snapshot <= avail {
-                true => Fit::WithoutSnapshot,
+            Some(avail) if self.total() > avail => match self.total() - self.staging <= avail {
+                true => Fit::WithoutStaging,
                 false => Fit::Short,
             },
             _ => Fit::Fits,
         }
     }
 
-    /// The plan with periodic checkpoints written from the live state.
-    pub fn without_snapshot(self) -> HostPlan {
+    /// The plan with periodic checkpoints written in place.
+    pub fn without_staging(self) -> HostPlan {
         HostPlan {
-            snapshot: 0,
+            staging: 0,
             opts: HostOpts {
-                snapshot: false,
+                staging: Staging::Off,
                 ..self.opts
             },
             ..self
@@ -195,16 +214,15 @@ impl std::fmt::Display for HostPlan {
             self.slots,
             self.slot_len
         )?;
-        if self.snapshot > 0 {
+        if self.staging > 0 {
+            let how = match self.opts.staging {
+                Staging::Bytes(_) => "checkpoint.staging_size",
+                _ => "checkpoint.staging_size unset: two of the largest blocks",
+            };
             writeln!(
                 f,
-                "  checkpoint snapshot   {:>9.2} GB (checkpoint.background: {} copied at each checkpoint)",
-                gb(self.snapshot),
-                if self.opts.snapshot_optimizer {
-                    "master, m, v"
-                } else {
-                    "master"
-                }
+                "  checkpoint staging    {:>9.2} GB ({how}; blocks copied before the optimizer changes them mid-write)",
+                gb(self.staging),
             )?;
         }
         if self.carried > 0 {
@@ -262,8 +280,7 @@ mod tests {
             master: MasterWeights::Float32,
             workers: 2,
             slots: 4,
-            snapshot: false,
-            snapshot_optimizer: true,
+            staging: Staging::Off,
         };
         let plan = HostPlan::new(&layout, opts);
         assert_eq!(
@@ -308,40 +325,50 @@ mod tests {
         assert!(text.contains("the store is the master"), "{text}");
         assert!(bf16_master.bytes_per_param() < 12.01, "{text}");
 
-        // A background-checkpoint snapshot adds 12 bytes per parameter to the total; a
+        // The staging area of background checkpoints adds two of the largest blocks (the
+        // head, with lm_head: 12 bytes per element of it) or the configured bound to the total; a
         // host that lacks them runs without it, one that lacks more is short.
-        let snap = HostPlan::new(
+        let staged = HostPlan::new(
             &layout,
             HostOpts {
-                snapshot: true,
+                staging: Staging::Default { moments: true },
                 ..opts
             },
         );
-        assert_eq!(snap.total() - plan.total(), 12 * n);
-        assert!(snap.to_string().contains("checkpoint snapshot"), "{snap}");
-        assert_eq!(snap.fit(Some(snap.total())), Fit::Fits);
-        assert_eq!(snap.fit(None), Fit::Fits);
-        assert_eq!(snap.fit(Some(plan.total())), Fit::WithoutSnapshot);
-        assert_eq!(snap.fit(Some(plan.total() - 1)), Fit::Short);
-        assert_eq!(
-            snap.without_snapshot(),
-            HostPlan {
-                opts: HostOpts {
-                    snapshot_optimizer: true,
-                    ..plan.opts
-                },
-                ..plan
-            }
+        let largest = layout.max_block_len() as u64;
+        assert!(largest > layout.blocks[Layout::EMBED].len as u64);
+        assert_eq!(staged.total() - plan.total(), 2 * 12 * largest);
+        assert!(
+            staged.to_string().contains("checkpoint staging"),
+            "{staged}"
         );
-        // Model-only periodic checkpoints snapshot the master alone.
+        assert_eq!(staged.fit(Some(staged.total())), Fit::Fits);
+        assert_eq!(staged.fit(None), Fit::Fits);
+        assert_eq!(staged.fit(Some(plan.total())), Fit::WithoutStaging);
+        assert_eq!(staged.fit(Some(plan.total() - 1)), Fit::Short);
+        assert_eq!(staged.without_staging(), plan);
+        // Model-only periodic checkpoints stage the master alone; a bound is taken as is.
         let master_only = HostPlan::new(
             &layout,
             HostOpts {
-                snapshot: true,
-                snapshot_optimizer: false,
+                staging: Staging::Default { moments: false },
                 ..opts
             },
         );
-        assert_eq!(master_only.total() - plan.total(), 4 * n);
+        assert_eq!(master_only.total() - plan.total(), 2 * 4 * largest);
+        let bound = HostPlan::new(
+            &layout,
+            HostOpts {
+                staging: Staging::Bytes(3 << 30),
+                ..opts
+            },
+        );
+        assert_eq!(bound.total() - plan.total(), 3 << 30);
+        assert!(
+            bound
+                .to_string()
+                .contains("3.22 GB (checkpoint.staging_size;"),
+            "{bound}"
+        );
     }
 }

@@ -2,13 +2,16 @@
 //! residual, or the bf16 store itself), fp32 Adam moments, the gradient accumulator (fp32 or bf16), the shared
 //! compute-dtype store and the workers' gradient slabs, all indexed by the one `Layout`.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use anyhow::{Context, Result};
 use half::bf16;
+use mt::checkpoint::staging::Gate;
 use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
+use mt::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use mt::checkpoint::{MasterMut, MasterRef};
-use mt::config::{DType, MasterWeights, OptimizerSection, RunConfig};
+use mt::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
 use mt::layout::{Block, Layout};
 use mt::optim::{
     AdamWStep, Moments, adamw_moments, adamw_update, adamw_update_bf16_master, adamw_update_split,
@@ -16,12 +19,13 @@ use mt::optim::{
 use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
 use mt::shm::huge::zeroed;
+use mt::shm::lent::Buf;
 
 /// How the master weights are held (`memory.master_weights`).
 enum Master {
-    F32(Vec<f32>),
+    F32(Buf<f32>),
     /// The low halves; the high halves are the bf16 store.
-    Split(Vec<u16>),
+    Split(Buf<u16>),
     /// The bf16 store is the master, rounded stochastically with bits from `seed`
     /// (`training.seed`), the update count and each element's layout index.
     Bf16 {
@@ -38,13 +42,18 @@ enum Grad {
 pub struct HostState {
     pub layout: Layout,
     master: Master,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    m: Buf<f32>,
+    v: Buf<f32>,
     grad: Grad,
     pub store: Store,
     pub slabs: GradSlabs,
     /// Optimizer updates applied so far.
     updates: u64,
+    /// The checkpoint being written while training goes on (see
+    /// [`HostState::before_block_changes`]).
+    checkpoint: Option<Arc<Gate>>,
+    /// Seconds spent on it since [`HostState::take_checkpoint_wait`].
+    checkpoint_wait_s: f64,
     /// The moments pass of the last update where it is still due ([`HostState::defer_moments`]).
     deferred: Option<Deferred>,
 }
@@ -75,8 +84,8 @@ impl HostState {
         let tag = format!("mt-{}", std::process::id());
         let store = Store::create(&format!("{tag}-store"), n, cfg.model.dtype)?;
         let master = match cfg.memory.master_weights {
-            MasterWeights::Float32 => Master::F32(zeroed(n)),
-            MasterWeights::Split => Master::Split(zeroed(n)),
+            MasterWeights::Float32 => Master::F32(Buf::zeroed(n)),
+            MasterWeights::Split => Master::Split(Buf::zeroed(n)),
             MasterWeights::Bfloat16 => Master::Bf16 {
                 seed: cfg.training.seed,
             },
@@ -95,12 +104,14 @@ impl HostState {
         Ok(HostState {
             layout,
             master,
-            m: zeroed(n),
-            v: zeroed(n),
+            m: Buf::zeroed(n),
+            v: Buf::zeroed(n),
             grad,
             store,
             slabs,
             updates: 0,
+            checkpoint: None,
+            checkpoint_wait_s: 0.0,
             deferred: None,
         })
     }
@@ -111,6 +122,7 @@ impl HostState {
         &mut self,
         fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
     ) -> Result<()> {
+        assert!(self.checkpoint.is_none(), "no checkpoint is being written");
         let rounded = AtomicU64::new(0);
         let mut master = master_mut(
             &mut self.master,
@@ -127,7 +139,7 @@ impl HostState {
     /// a bf16 master is the store).
     fn sync_store(&mut self) {
         if let Master::F32(x) = &self.master {
-            self.store.write_all(x);
+            self.store.write_all(x.as_slice());
         }
     }
 
@@ -193,10 +205,10 @@ impl HostState {
     /// The master weights, whichever way they are held.
     pub fn master(&self) -> MasterRef<'_> {
         match &self.master {
-            Master::F32(x) => MasterRef::F32(x),
+            Master::F32(x) => MasterRef::F32(x.as_slice()),
             Master::Split(lo) => MasterRef::Split {
                 hi: self.store.bf16().expect("a split master has a bf16 store"),
-                lo,
+                lo: lo.as_slice(),
             },
             Master::Bf16 { .. } => {
                 MasterRef::Bf16(self.store.bf16().expect("a bf16 master has a bf16 store"))
@@ -204,16 +216,12 @@ impl HostState {
         }
     }
 
-    /// The tensors a checkpoint holds: call [`HostState::settle_moments`] first.
-    pub fn tensors(&self) -> Tensors<'_> {
-        assert!(
-            self.deferred.is_none(),
-            "the moments of the last update are not all written yet"
-        );
+    /// The live tensors (whose moments may lag a due moments pass).
+    fn live(&self) -> Tensors<'_> {
         Tensors {
             master: self.master(),
-            m: &self.m,
-            v: &self.v,
+            m: self.m.as_slice(),
+            v: self.v.as_slice(),
         }
     }
 
@@ -221,6 +229,7 @@ impl HostState {
     /// master reads a bf16-master checkpoint exactly; one saved with an fp32 master is
     /// rounded to nearest even, and the log says so.
     pub fn restore(&mut self, dir: &std::path::Path) -> Result<TrainState> {
+        assert!(self.checkpoint.is_none(), "no checkpoint is being written");
         let rounded = AtomicU64::new(0);
         let master = master_mut(
             &mut self.master,
@@ -228,7 +237,13 @@ impl HostState {
             self.layout.total,
             &rounded,
         );
-        let st = state::load(dir, &self.layout, master, &mut self.m, &mut self.v)?;
+        let st = state::load(
+            dir,
+            &self.layout,
+            master,
+            self.m.as_mut_slice(),
+            self.v.as_mut_slice(),
+        )?;
         self.updates = st.updates;
         self.sync_store();
         let rounded = rounded.into_inner();
@@ -264,6 +279,79 @@ impl HostState {
         }
     }
 
+    /// Starts writing checkpoint `state` holding `contents` with `writer`, which reads the
+    /// live state until [`HostState::before_block_changes`] stages a block. Returns the
+    /// seconds waited for the previous write and every write completed meanwhile. Call
+    /// [`HostState::settle_moments`] first: a checkpoint holds the last update's moments.
+    pub fn start_checkpoint(
+        &mut self,
+        writer: &mut Writer,
+        state: TrainState,
+        contents: CheckpointContents,
+    ) -> mt::Result<(f64, Vec<Written>)> {
+        assert!(
+            self.deferred.is_none(),
+            "the moments of the last update are not all written yet"
+        );
+        // The writer reads a block only while its gate state lets it, and every change of
+        // a block's master (the store too, where it holds the master), m or v goes through
+        // `update_block` or `settle_moments_down_to`, whose first step for a block is
+        // `before_block_changes`: it stages the block,
+        // or waits until the writer is done reading it (mt::shm::lent's protocol).
+        // `restore` and `init_master`, which change everything, run before any checkpoint
+        // (asserted).
+        let store = || {
+            self.store
+                .lend_bf16()
+                .expect("a split or bf16 master has a bf16 store")
+        };
+        let lent = LentTensors {
+            master: match &self.master {
+                Master::F32(x) => LentMaster::F32(x.lend()),
+                Master::Split(lo) => LentMaster::Split {
+                    hi: store(),
+                    lo: lo.lend(),
+                },
+                Master::Bf16 { .. } => LentMaster::Bf16(store()),
+            },
+            m: self.m.lend(),
+            v: self.v.lend(),
+        };
+        let (waited, done, gate) = writer.start(state, lent, contents)?;
+        self.checkpoint = Some(gate);
+        Ok((waited, done))
+    }
+
+    /// Must precede any change of block `block`'s master, m or v (the store too, where it
+    /// holds the master): while a checkpoint is being written, a block it has not written
+    /// yet is copied into its staging area first (or the optimizer waits for the writer,
+    /// where the area is full), so that the checkpoint holds the values of its step. Both
+    /// passes of an update call it first: the weights pass (`update_block`) and the moments
+    /// pass (`settle_moments_down_to`).
+    pub fn before_block_changes(&mut self, block: usize) {
+        if let Some(gate) = &self.checkpoint {
+            // A moments pass may be due: every block gets this call in the weights pass
+            // before its moments pass, so none is staged with a master and moments of
+            // different steps.
+            let s = gate.before_change(block, &self.live());
+            self.checkpoint_wait_s += s;
+        }
+    }
+
+    /// Seconds spent in [`HostState::before_block_changes`] since the last call.
+    pub fn take_checkpoint_wait(&mut self) -> f64 {
+        std::mem::take(&mut self.checkpoint_wait_s)
+    }
+
+    /// Makes the writer of the checkpoint in flight read nothing more from the live state
+    /// (stages or waits for every block it has not written).
+    fn release_checkpoint(&mut self) {
+        for b in 0..self.layout.blocks.len() {
+            self.before_block_changes(b);
+        }
+        self.checkpoint = None;
+    }
+
     /// Applies the update to every tensor of block `block`: master and store, and the
     /// moments with `Moments::Write`. With `Moments::Keep` the moments follow from
     /// [`HostState::defer_moments`] once every block's weights are updated.
@@ -272,10 +360,11 @@ impl HostState {
             self.deferred.is_none(),
             "an update starts before the last one's moments are written"
         );
+        self.before_block_changes(block);
         let b = &self.layout.blocks[block];
         for t in &b.tensors {
             let r = Layout::global_range(b, t);
-            let (m, v) = (&mut self.m[r.clone()], &mut self.v[r.clone()]);
+            let (m, v) = (self.m.range_mut(r.clone()), self.v.range_mut(r.clone()));
             let (master, store, at) = (&mut self.master, &mut self.store, r.start);
             let decay = t.decays();
             match &self.grad {
@@ -327,16 +416,23 @@ impl HostState {
             if i == 0 {
                 self.deferred = None;
             }
+            self.before_block_changes(i);
             let b = &self.layout.blocks[i];
             for t in &b.tensors {
                 let r = Layout::global_range(b, t);
-                let (m, v) = (&mut self.m[r.clone()], &mut self.v[r.clone()]);
+                let (m, v) = (self.m.range_mut(r.clone()), self.v.range_mut(r.clone()));
                 match &self.grad {
                     Grad::F32(g) => adamw_moments(&g[r], m, v, &hp),
                     Grad::Bf16(g) => adamw_moments(&g[r], m, v, &hp),
                 }
             }
         }
+    }
+}
+
+impl Drop for HostState {
+    fn drop(&mut self) {
+        self.release_checkpoint();
     }
 }
 
@@ -349,10 +445,10 @@ fn master_mut<'a>(
     rounded: &'a AtomicU64,
 ) -> MasterMut<'a> {
     match master {
-        Master::F32(x) => MasterMut::F32(x),
+        Master::F32(x) => MasterMut::F32(x.as_mut_slice()),
         Master::Split(lo) => MasterMut::Split {
             hi: store_bf16(store, 0..n),
-            lo,
+            lo: lo.as_mut_slice(),
         },
         Master::Bf16 { .. } => MasterMut::Bf16 {
             p: store_bf16(store, 0..n),
@@ -398,11 +494,11 @@ fn update<G: GradElem>(
     match master {
         Master::F32(p) => {
             let s = store.out_mut(r.clone());
-            adamw_update(&mut p[r], g, m, v, s, hp, decay, moments)
+            adamw_update(p.range_mut(r.clone()), g, m, v, s, hp, decay, moments)
         }
         Master::Split(lo) => {
             let hi = store_bf16(store, r.clone());
-            adamw_update_split(hi, &mut lo[r], g, m, v, hp, decay, moments)
+            adamw_update_split(hi, lo.range_mut(r), g, m, v, hp, decay, moments)
         }
         Master::Bf16 { seed } => {
             let p = store_bf16(store, r);

@@ -68,7 +68,7 @@ fn json(
             "params": h.params,
             "bytes_per_param": h.bytes_per_param(),
             "slabs": h.slabs,
-            "checkpoint_snapshot": h.snapshot,
+            "checkpoint_staging": h.staging,
             "carried": h.carried,
             "total": h.total(),
         },
@@ -134,15 +134,15 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
     match (avail, prep.plan.fit(avail)) {
         (None, _) => println!("host RAM available: unknown (no /proc/meminfo)"),
         (Some(a), Fit::Fits) => println!("host RAM available: {:.2} GB: fits", gb(a)),
-        (Some(a), Fit::WithoutSnapshot) => println!(
-            "host RAM available: {:.2} GB: fits without the checkpoint snapshot (periodic \
-             checkpoints would be written from the live state, training waiting for each)",
+        (Some(a), Fit::WithoutStaging) => println!(
+            "host RAM available: {:.2} GB: fits without the checkpoint staging area (periodic \
+             checkpoints would be written in place, training waiting for each)",
             gb(a)
         ),
         (Some(a), Fit::Short) => println!(
             "host RAM available: {:.2} GB: SHORT by {:.2} GB, a launch would be refused",
             gb(a),
-            gb(prep.plan.without_snapshot().total() - a)
+            gb(prep.plan.without_staging().total() - a)
         ),
     }
 }

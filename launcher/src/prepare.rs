@@ -93,27 +93,27 @@ impl Prepared {
     }
 
     /// Refuses a run whose host memory plan exceeds the RAM available now; one that fits
-    /// only without its background-checkpoint snapshot loses it (periodic checkpoints are
-    /// then written from the live state), with a warning.
+    /// only without its checkpoint staging area loses it (periodic checkpoints are then
+    /// written in place), with a warning.
     pub fn check_host_ram(&mut self) -> Result<()> {
         let avail = mt::plan::available_host_bytes();
         let gb = |b: u64| b as f64 / 1e9;
         match self.plan.fit(avail) {
             Fit::Fits => {}
-            Fit::WithoutSnapshot => {
+            Fit::WithoutStaging => {
                 tracing::warn!(
-                    "checkpoint.background: the snapshot buffer ({:.2} GB) does not fit beside the \
+                    "checkpoint.staging_size: the staging area ({:.2} GB) does not fit beside the \
                      training state ({:.2} GB available, {:.2} GB needed): periodic checkpoints are \
-                     written from the live state, and training waits for each",
-                    gb(self.plan.snapshot),
+                     written in place, and training waits for each",
+                    gb(self.plan.staging),
                     gb(avail.unwrap_or(0)),
                     gb(self.plan.total())
                 );
-                self.plan = self.plan.without_snapshot();
+                self.plan = self.plan.without_staging();
             }
             Fit::Short => bail!(
                 "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable)",
-                gb(self.plan.without_snapshot().total()),
+                gb(self.plan.without_staging().total()),
                 gb(avail.unwrap_or(0))
             ),
         }

@@ -111,6 +111,28 @@ fn bad_shard_size() {
 }
 
 #[test]
+fn bad_staging_size() {
+    let f = fixture("staging-size");
+    for bad in ["lots", "0", "-1GB"] {
+        f.fails(
+            &["--set", &format!("checkpoint.staging_size={bad}")],
+            Stage::Start,
+            &["checkpoint.staging_size", "is not a size"],
+        );
+    }
+    f.fails(
+        &[
+            "--set",
+            "checkpoint.staging_size=1GB",
+            "--set",
+            "checkpoint.background=false",
+        ],
+        Stage::Start,
+        &["checkpoint.staging_size", "background: false"],
+    );
+}
+
+#[test]
 fn model_path_and_name_both_given() {
     let f = fixture("path-and-name");
     f.fails(

@@ -118,7 +118,7 @@ fn bf16_master_two_workers_equal_one_accumulating_two() {
     assert!(bits(&w1.master) == bits(&w2.master), "final masters differ");
 }
 
-/// 3 steps, a checkpoint (in the background, from a snapshot of the widened store), 2 more
+/// 3 steps, a checkpoint (in the background, while training changes the store), 2 more
 /// and a final checkpoint (from the live store); resuming from either reproduces the
 /// straight run bit for bit, losses and final master. A checkpoint of an fp32-master run
 /// resumes too, its master rounded to nearest even, and the log says so.

@@ -91,7 +91,7 @@ fn split_master_trains_as_fp32_master() {
     );
 }
 
-/// 3 steps, checkpoint (in the background, from a snapshot of the joined master), 2 more
+/// 3 steps, checkpoint (in the background, while training changes the split master), 2 more
 /// steps and a final checkpoint (streamed from the live split master); resuming from
 /// either reproduces the straight run's losses bit for bit, also with a bf16 gradient.
 #[test]

@@ -2,7 +2,7 @@
 //! parameters, configs/qwen2.5-0.5b) at 18, 16, 14 and 12 bytes per parameter, the launcher's
 //! resident peak over a whole run (VmHWM, which it prints at exit) is within 3% of the total
 //! the plan prints, whether the weights come from a random init, a pretrained load or a
-//! resume, and with background checkpoints, whose snapshot the plan counts.
+//! resume, and with background checkpoints, whose staging area the plan counts.
 //!
 //! The bound: the plan counts every buffer of the training state exactly (the same sizes
 //! `HostState` allocates and touches); what it leaves out is the process itself (binary,
@@ -102,9 +102,9 @@ fn launcher_peak_is_the_plan_for_every_host_mode_and_start() {
         ]
         .concat();
         let ck = dir.join(format!("ck-{bytes}"));
-        // Random init with periodic background checkpoints: the snapshot buffer is
-        // allocated at start (and in the plan); the last step's checkpoint is written from
-        // the live state, an export of the model included.
+        // Random init with periodic background checkpoints: the staging area is
+        // allocated at start (and in the plan); the last step's checkpoint is written in
+        // place, an export of the model included.
         let random = [
             mode.clone(),
             set(format!("checkpoint.dir={}", ck.display())),

@@ -93,6 +93,71 @@ fn plan_bytes_follow_the_memory_options() {
     }
 }
 
+/// Background checkpoints add their staging area to the host total, on a line of its own:
+/// by default two of the largest blocks at 12 bytes per element (fp32 master, m, v), else
+/// `checkpoint.staging_size`; none when checkpoints are written in place.
+#[test]
+fn plan_shows_the_checkpoint_staging_area() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let spec = mt::config::hf::ModelSpec::from_model_dir(&root.join("qwen2.5-7b")).unwrap();
+    let layout = mt::layout::Layout::new(&spec);
+    let default = 2.0 * 12.0 * layout.max_block_len() as f64;
+    let config = root.join("qwen_7b.yaml");
+    let ck = scratch("plan-staging").join("ck");
+    let dir = format!("checkpoint.dir={}", ck.display());
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "0",
+            "--json",
+            "--set",
+            &dir,
+            "--set",
+            "checkpoint.every_steps=100",
+        ];
+        args.extend(extra);
+        let out = std::process::Command::new(launcher())
+            .args(&args)
+            .output()
+            .unwrap();
+        assert_ok(&out, &args);
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let h = &json["host"];
+        let staging = h["checkpoint_staging"].as_u64().unwrap();
+        let without = h["total"].as_u64().unwrap() - staging;
+        let text_args: Vec<&str> = args.iter().copied().filter(|a| *a != "--json").collect();
+        let out = std::process::Command::new(launcher())
+            .args(&text_args)
+            .output()
+            .unwrap();
+        assert_ok(&out, &text_args);
+        (
+            staging,
+            without,
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let (staging, total, text) = plan(&[]);
+    assert_eq!(staging as f64, default);
+    let line = format!(
+        "checkpoint staging    {:>9.2} GB (checkpoint.staging_size unset: two of the largest blocks",
+        default / 1e9
+    );
+    assert!(text.contains(&line), "want `{line}` in\n{text}");
+    let (staging, total_8gb, text) = plan(&["--set", "checkpoint.staging_size=8GB"]);
+    assert_eq!((staging, total_8gb), (8_000_000_000, total));
+    assert!(
+        text.contains("checkpoint staging         8.00 GB (checkpoint.staging_size;"),
+        "{text}"
+    );
+    let (staging, total_in_place, text) = plan(&["--set", "checkpoint.background=false"]);
+    assert_eq!((staging, total_in_place), (0, total));
+    assert!(!text.contains("checkpoint staging"), "{text}");
+}
+
 #[test]
 fn plan_sizes_slab_slots_by_the_largest_layer() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

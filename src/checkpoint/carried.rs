@@ -37,12 +37,6 @@ impl CarriedTensor {
     fn numel(&self) -> usize {
         self.shape.iter().product()
     }
-
-    /// The little-endian bytes of elements `elems`.
-    pub fn element_bytes(&self, elems: std::ops::Range<usize>) -> &[u8] {
-        let bits = self.dtype.bitsize();
-        &self.bytes[elems.start * bits / 8..elems.end * bits / 8]
-    }
 }
 
 /// Every carried tensor of a run, in checkpoint order.

@@ -6,9 +6,12 @@
 //! tensors in order (the layout's: embedding, layers, final norm, head), a new shard when
 //! the next tensor would overflow the current one, a tensor larger than the limit alone;
 //! shards are `model-00001-of-0000N.safetensors` listed by `model.safetensors.index.json`.
-//! Each tensor is converted from the fp32 master while it is written, a piece at a time
-//! ([`pieces`]), so the export holds no copy of the model nor of any whole tensor. Carried
-//! tensors ([`carried`]) follow the trained ones, byte for byte as read.
+//! The files are created with their headers first and each block's tensors written at their
+//! offsets, converted from the fp32 master a chunk at a time ([`ExportFiles`]): the export
+//! holds no copy of the model nor of any whole tensor, and a checkpoint written while
+//! training goes on writes each block from wherever its consistent copy is
+//! ([`super::writer`]). Carried tensors ([`super::carried`]) follow the trained ones, byte
+//! for byte as read.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -17,11 +20,14 @@ use half::bf16;
 use rayon::prelude::*;
 use safetensors::Dtype;
 
+use super::MasterRef;
 use super::carried::SharedCarried;
-use super::{MasterRef, carried, pieces};
+use super::pieces::{self, Meta, Positioned};
+use super::state::{BlockValues, Field, Tensors, WRITE_CHUNK};
 use crate::config::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::shm::f32_bytes;
 
 /// Files of a model directory besides config and weights that an export carries over.
 pub const COPIED_FILES: &[&str] = &[
@@ -38,6 +44,8 @@ pub const COPIED_FILES: &[&str] = &[
 ];
 
 const SINGLE: &str = "model.safetensors";
+/// Elements per rayon task of a conversion to bf16.
+const CONVERT_CHUNK: usize = 64 * 1024;
 const INDEX: &str = "model.safetensors.index.json";
 
 /// What an export writes besides the tensors.
@@ -58,21 +66,6 @@ fn st_dtype(dtype: DType) -> Dtype {
     match dtype {
         DType::Float32 => Dtype::F32,
         DType::Bfloat16 => Dtype::BF16,
-    }
-}
-
-/// Appends the bytes of `src` (fp32 master values) in `dtype` to `out`.
-fn append_converted(src: MasterRef<'_>, dtype: DType, out: &mut Vec<u8>) {
-    match dtype {
-        DType::Float32 => super::state::append_f32(src, out),
-        DType::Bfloat16 => {
-            let at = out.len();
-            out.resize(at + 2 * src.len(), 0);
-            out[at..]
-                .par_chunks_exact_mut(2)
-                .zip(src.values().par_iter())
-                .for_each(|(d, x)| d.copy_from_slice(&bf16::from_f32(*x).to_le_bytes()));
-        }
     }
 }
 
@@ -143,110 +136,180 @@ fn exported_config(src: &Path, dtype: DType) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Writes an HF model directory to `out` (created if needed) and returns the files written.
-/// Every file is written under a temporary name and renamed; weight files of an earlier
-/// export with another sharding are removed.
+/// Writes an HF model directory to `out` (created if needed) from `master` and returns the
+/// files written; blocks are converted and written in parallel. Every file but the weights
+/// is written under a temporary name and renamed; weight files of an earlier export with
+/// another sharding are removed.
 pub fn save_hf(
     out: &Path,
     layout: &Layout,
     master: MasterRef<'_>,
     opts: &ExportOptions,
 ) -> Result<Vec<PathBuf>> {
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    // The trained tensors (name, master range, shape) in layout order, then the carried.
-    let tensors: Vec<(String, std::ops::Range<usize>, Vec<usize>)> = layout
-        .tensors()
-        .map(|(b, t)| (b.hf_name(t), Layout::global_range(b, t), t.shape.clone()))
-        .collect();
-    let carried = &opts.carried.tensors;
-    let sizes: Vec<usize> = tensors
-        .iter()
-        .map(|(_, r, _)| r.len() * opts.dtype.size())
-        .chain(carried.iter().map(|c| c.bytes.len()))
-        .collect();
-    let shard_of = plan_shards(&sizes, opts.max_shard_bytes);
-    let n = shard_of.last().map_or(1, |s| s + 1);
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let mut written = Vec::new();
-    for shard in 0..n {
-        let name = if n == 1 {
-            SINGLE.to_string()
-        } else {
-            shard_name(shard, n)
-        };
-        let path = out.join(&name);
-        let (trained_shards, carried_shards) = shard_of.split_at(tensors.len());
-        let members = tensors
-            .iter()
-            .zip(trained_shards)
-            .filter(|(_, s)| **s == shard)
-            .map(|((name, range, shape), _)| {
-                let src = master.slice(range.clone());
-                pieces::Entry {
-                    name: name.clone(),
-                    dtype: st_dtype(opts.dtype),
-                    shape: shape.clone(),
-                    fill: Box::new(move |r, out| append_converted(src.slice(r), opts.dtype, out)),
-                }
-            })
-            .chain(
-                carried
-                    .iter()
-                    .zip(carried_shards)
-                    .filter(|(_, s)| **s == shard)
-                    .map(|(c, _)| carried_entry(c)),
-            )
-            .collect();
-        pieces::write(&path, members, Some(meta.clone()))?;
-        written.push(path);
-    }
-    if n > 1 {
-        let weight_map: serde_json::Map<String, serde_json::Value> = tensors
-            .iter()
-            .map(|(name, _, _)| name)
-            .chain(carried.iter().map(|c| &c.name))
-            .zip(&shard_of)
-            .map(|(name, &s)| (name.clone(), shard_name(s, n).into()))
-            .collect();
-        let total: usize = sizes.iter().sum();
-        let index = serde_json::json!({
-            "metadata": {"total_size": total},
-            "weight_map": weight_map,
-        });
-        let path = out.join(INDEX);
-        write_atomic(
-            &path,
-            &serde_json::to_vec_pretty(&index).expect("JSON serializes"),
-        )?;
-        written.push(path);
-    }
-    remove_stale_weights(out, &written)?;
-
-    let cfg_src = opts.source.join("config.json");
-    let cfg_dst = out.join("config.json");
-    write_atomic(&cfg_dst, &exported_config(&cfg_src, opts.dtype)?)?;
-    written.push(cfg_dst);
-    for name in COPIED_FILES {
-        let src = opts.source.join(name);
-        if !src.is_file() {
-            continue;
-        }
-        let dst = out.join(name);
-        let tmp = tmp_for(&dst);
-        std::fs::copy(&src, &tmp).map_err(|e| Error::io(&src, e))?;
-        std::fs::rename(&tmp, &dst).map_err(|e| Error::io(&dst, e))?;
-        written.push(dst);
-    }
-    Ok(written)
+    let files = ExportFiles::create(out, layout, opts)?;
+    (0..layout.blocks.len()).into_par_iter().try_for_each(|b| {
+        let r = layout.blocks[b].range();
+        files.write_block(b, &Tensors::master_only(master.slice(r)))
+    })?;
+    files.finish()
 }
 
-/// A carried tensor to write: its bytes as read.
-fn carried_entry(c: &carried::CarriedTensor) -> pieces::Entry<'_> {
-    pieces::Entry {
-        name: c.name.clone(),
-        dtype: c.dtype,
-        shape: c.shape.clone(),
-        fill: Box::new(move |r, out| out.extend_from_slice(c.element_bytes(r))),
+/// An HF model directory being written: its weight files are created with their headers
+/// and the carried tensors; the trained tensors follow block by block, in any order
+/// ([`ExportFiles::write_block`]); [`ExportFiles::finish`] adds the index, the config and
+/// the copied files.
+pub struct ExportFiles<'a> {
+    out: PathBuf,
+    layout: &'a Layout,
+    opts: &'a ExportOptions,
+    shards: Vec<Positioned>,
+    /// Each block's tensors: HF name and shard.
+    names: Vec<Vec<(String, usize)>>,
+    /// The shard of each tensor, trained ones (in layout order) then carried ones.
+    shard_of: Vec<usize>,
+    /// Bytes of the weights in all.
+    total: usize,
+}
+
+impl<'a> ExportFiles<'a> {
+    /// Creates `out` (if needed) and its weight files, sharded as huggingface_hub shards,
+    /// with the carried tensors written.
+    pub fn create(
+        out: &Path,
+        layout: &'a Layout,
+        opts: &'a ExportOptions,
+    ) -> Result<ExportFiles<'a>> {
+        std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+        let carried = &opts.carried.tensors;
+        let sizes: Vec<usize> = layout
+            .tensors()
+            .map(|(_, t)| t.numel() * opts.dtype.size())
+            .chain(carried.iter().map(|c| c.bytes.len()))
+            .collect();
+        let shard_of = plan_shards(&sizes, opts.max_shard_bytes);
+        let n = shard_of.last().map_or(1, |s| s + 1);
+        let mut metas: Vec<Vec<Meta>> = vec![Vec::new(); n];
+        let mut names: Vec<Vec<(String, usize)>> = vec![Vec::new(); layout.blocks.len()];
+        let mut shards = shard_of.iter();
+        for (bi, b) in layout.blocks.iter().enumerate() {
+            for t in &b.tensors {
+                let shard = *shards.next().expect("a shard per tensor");
+                metas[shard].push(Meta {
+                    name: b.hf_name(t),
+                    dtype: st_dtype(opts.dtype),
+                    shape: t.shape.clone(),
+                });
+                names[bi].push((b.hf_name(t), shard));
+            }
+        }
+        let carried_shards: Vec<usize> = shards.copied().collect();
+        for (c, &shard) in carried.iter().zip(&carried_shards) {
+            metas[shard].push(Meta {
+                name: c.name.clone(),
+                dtype: c.dtype,
+                shape: c.shape.clone(),
+            });
+        }
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let shard_files = metas
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let name = if n == 1 {
+                    SINGLE.to_string()
+                } else {
+                    shard_name(i, n)
+                };
+                Positioned::create(&out.join(name), m, Some(meta.clone()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (c, &shard) in carried.iter().zip(&carried_shards) {
+            shard_files[shard].write(&c.name, 0, &c.bytes)?;
+        }
+        Ok(ExportFiles {
+            out: out.into(),
+            layout,
+            opts,
+            shards: shard_files,
+            names,
+            total: sizes.iter().sum(),
+            shard_of,
+        })
+    }
+
+    /// Writes the tensors of block `b` from `values` (its master, fp32), converted to the
+    /// export dtype a chunk at a time.
+    pub fn write_block(&self, b: usize, values: &dyn BlockValues) -> Result<()> {
+        let block = &self.layout.blocks[b];
+        for (t, (name, shard)) in block.tensors.iter().zip(&self.names[b]) {
+            let file = &self.shards[*shard];
+            let n = t.numel();
+            for lo in (0..n).step_by(WRITE_CHUNK) {
+                let r = t.offset + lo..t.offset + (lo + WRITE_CHUNK).min(n);
+                let x = values.values(Field::Master, r);
+                match self.opts.dtype {
+                    DType::Float32 => file.write(name, 4 * lo, f32_bytes(&x))?,
+                    DType::Bfloat16 => pieces::with_bytes(|buf| {
+                        buf.resize(2 * x.len(), 0);
+                        buf.par_chunks_mut(2 * CONVERT_CHUNK)
+                            .zip(x.par_chunks(CONVERT_CHUNK))
+                            .for_each(|(d, s)| {
+                                for (d, s) in d.chunks_exact_mut(2).zip(s) {
+                                    d.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
+                                }
+                            });
+                        file.write(name, 2 * lo, buf)
+                    })?,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the index (when sharded), the config and the copied files, removes weight
+    /// files of an earlier export, and returns every file of the export.
+    pub fn finish(self) -> Result<Vec<PathBuf>> {
+        let (out, opts) = (&self.out, self.opts);
+        let mut written: Vec<PathBuf> = self.shards.iter().map(|f| f.path().into()).collect();
+        let n = self.shards.len();
+        if n > 1 {
+            let weight_map: serde_json::Map<String, serde_json::Value> = self
+                .names
+                .iter()
+                .flatten()
+                .map(|(name, _)| name)
+                .chain(opts.carried.tensors.iter().map(|c| &c.name))
+                .zip(&self.shard_of)
+                .map(|(name, &s)| (name.clone(), shard_name(s, n).into()))
+                .collect();
+            let index = serde_json::json!({
+                "metadata": {"total_size": self.total},
+                "weight_map": weight_map,
+            });
+            let path = out.join(INDEX);
+            write_atomic(
+                &path,
+                &serde_json::to_vec_pretty(&index).expect("JSON serializes"),
+            )?;
+            written.push(path);
+        }
+        remove_stale_weights(out, &written)?;
+        let cfg_src = opts.source.join("config.json");
+        let cfg_dst = out.join("config.json");
+        write_atomic(&cfg_dst, &exported_config(&cfg_src, opts.dtype)?)?;
+        written.push(cfg_dst);
+        for name in COPIED_FILES {
+            let src = opts.source.join(name);
+            if !src.is_file() {
+                continue;
+            }
+            let dst = out.join(name);
+            let tmp = tmp_for(&dst);
+            std::fs::copy(&src, &tmp).map_err(|e| Error::io(&src, e))?;
+            std::fs::rename(&tmp, &dst).map_err(|e| Error::io(&dst, e))?;
+            written.push(dst);
+        }
+        Ok(written)
     }
 }
 

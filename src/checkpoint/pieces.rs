@@ -5,13 +5,13 @@
 //! state it was being read into, and an export held each tensor (the 0.5 GB embedding of
 //! Qwen2.5-0.5B, joined to fp32 and then converted) beside the master. Here reads are
 //! positional (`pread`) into buffers of at most [`PIECE`] elements per rayon task, and
-//! writes stream the same bytes `safetensors::serialize` would produce, a piece at a
-//! time, so the host peak is the training state plus a piece per thread (0.75 MiB at most:
-//! 96 MiB on a 128-core host).
+//! writes are positional too (`pwrite`, [`Positioned`]) into a file laid out as
+//! `safetensors::serialize` lays it out, a piece or a block at a time, so the host peak is
+//! the training state plus a piece per thread (0.75 MiB at most: 96 MiB on a 128-core
+//! host).
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -170,73 +170,96 @@ pub(crate) fn convert(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// One tensor to write: its bytes come from `fill(elements, out)`, which appends the
-/// little-endian bytes of elements `elements` to `out`.
-pub struct Entry<'a> {
+/// What a file's header says of one tensor.
+#[derive(Debug, Clone)]
+pub struct Meta {
     pub name: String,
     pub dtype: Dtype,
     pub shape: Vec<usize>,
-    #[allow(clippy::type_complexity)]
-    pub fill: Box<dyn Fn(Range<usize>, &mut Vec<u8>) + Sync + 'a>,
 }
 
-impl Entry<'_> {
-    fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
+impl Meta {
     fn bytes(&self) -> usize {
-        self.numel() * self.dtype.bitsize() / 8
+        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
     }
 }
 
-/// Writes `entries` to `path` as `safetensors::serialize` lays them out (tensors ordered
-/// by descending alignment, then name; the header padded with spaces to 8 bytes), a piece
-/// of at most [`PIECE`] elements at a time. The file is not fsynced.
-pub fn write(
-    path: &Path,
-    mut entries: Vec<Entry>,
-    metadata: Option<HashMap<String, String>>,
-) -> Result<()> {
-    let failed = |e: String| Error::Weights {
-        path: path.to_path_buf(),
-        msg: format!("write failed: {e}"),
-    };
-    entries.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(&b.name)));
-    let mut offset = 0;
-    let infos = entries
-        .iter()
-        .map(|e| {
-            let info = TensorInfo {
-                dtype: e.dtype,
-                shape: e.shape.clone(),
-                data_offsets: (offset, offset + e.bytes()),
-            };
-            offset += e.bytes();
-            (e.name.clone(), info)
+/// A safetensors file created at its full length with the header `safetensors::serialize`
+/// writes for the same tensors (ordered by descending alignment, then name; the header
+/// padded with spaces to 8 bytes); the tensors' bytes are then written at their offsets
+/// ([`Positioned::write`], `pwrite`), in any order and from any thread, so a checkpoint can
+/// be written block by block as its blocks become available. Not fsynced.
+pub struct Positioned {
+    path: PathBuf,
+    file: File,
+    /// File offset of each tensor's data.
+    at: HashMap<String, u64>,
+}
+
+impl Positioned {
+    pub fn create(
+        path: &Path,
+        mut tensors: Vec<Meta>,
+        metadata: Option<HashMap<String, String>>,
+    ) -> Result<Positioned> {
+        let failed = |e: String| Error::Weights {
+            path: path.to_path_buf(),
+            msg: format!("write failed: {e}"),
+        };
+        tensors.sort_by(|a, b| b.dtype.cmp(&a.dtype).then_with(|| a.name.cmp(&b.name)));
+        let mut offset = 0;
+        let infos = tensors
+            .iter()
+            .map(|t| {
+                let info = TensorInfo {
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    data_offsets: (offset, offset + t.bytes()),
+                };
+                offset += t.bytes();
+                (t.name.clone(), info)
+            })
+            .collect();
+        let meta = Metadata::new(metadata, infos).map_err(|e| failed(format!("header: {e}")))?;
+        let mut header = serde_json::to_string(&meta)
+            .map_err(|e| failed(format!("header: {e}")))?
+            .into_bytes();
+        header.resize(header.len().next_multiple_of(N_LEN), b' ');
+        let data_start = (N_LEN + header.len()) as u64;
+        let io = |e: std::io::Error| failed(e.to_string());
+        let file = File::create(path).map_err(io)?;
+        let mut prefix = (header.len() as u64).to_le_bytes().to_vec();
+        prefix.extend_from_slice(&header);
+        file.write_all_at(&prefix, 0).map_err(io)?;
+        file.set_len(data_start + offset as u64).map_err(io)?;
+        let at = tensors
+            .iter()
+            .map(|t| {
+                let info = meta.info(&t.name).expect("every tensor is in the header");
+                (t.name.clone(), data_start + info.data_offsets.0 as u64)
+            })
+            .collect();
+        Ok(Positioned {
+            path: path.into(),
+            file,
+            at,
         })
-        .collect();
-    let meta = Metadata::new(metadata, infos).map_err(|e| failed(format!("header: {e}")))?;
-    let mut header = serde_json::to_string(&meta)
-        .map_err(|e| failed(format!("header: {e}")))?
-        .into_bytes();
-    header.resize(header.len().next_multiple_of(N_LEN), b' ');
-    let io = |e: std::io::Error| failed(e.to_string());
-    let file = File::create(path).map_err(io)?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    w.write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(io)?;
-    w.write_all(&header).map_err(io)?;
-    let mut buf = Vec::new();
-    for e in &entries {
-        let n = e.numel();
-        for lo in (0..n).step_by(PIECE) {
-            buf.clear();
-            (e.fill)(lo..(lo + PIECE).min(n), &mut buf);
-            w.write_all(&buf).map_err(io)?;
-        }
     }
-    w.flush().map_err(io)
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes `bytes` at byte `offset` of tensor `name`'s data.
+    pub fn write(&self, name: &str, offset: usize, bytes: &[u8]) -> Result<()> {
+        let at = self.at[name] + offset as u64;
+        self.file
+            .write_all_at(bytes, at)
+            .map_err(|e| Error::Weights {
+                path: self.path.clone(),
+                msg: format!("write failed: {e}"),
+            })
+    }
 }
 
 #[cfg(test)]
@@ -250,8 +273,8 @@ mod tests {
         dir
     }
 
-    /// The streamed bytes are safetensors' own, pieces spanning tensor boundaries and
-    /// mixed dtypes included, and the reader gives back every element.
+    /// Positioned writes in any order give safetensors' own bytes, mixed dtypes included,
+    /// and the reader gives back every element.
     #[test]
     fn writes_safetensors_own_bytes_and_reads_them_back() {
         let dir = scratch("roundtrip");
@@ -259,23 +282,25 @@ mod tests {
         let b: Vec<bf16> = (0..37).map(|i| bf16::from_f32(i as f32 - 9.25)).collect();
         let bytes_a: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
         let bytes_b: Vec<u8> = b.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let entries = vec![
-            Entry {
+        let tensors = vec![
+            Meta {
                 name: "b".into(),
                 dtype: Dtype::BF16,
                 shape: vec![37],
-                fill: Box::new(|r, out| out.extend_from_slice(&bytes_b[2 * r.start..2 * r.end])),
             },
-            Entry {
+            Meta {
                 name: "a".into(),
                 dtype: Dtype::F32,
                 shape: vec![PIECE + 5],
-                fill: Box::new(|r, out| out.extend_from_slice(&bytes_a[4 * r.start..4 * r.end])),
             },
         ];
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
         let path = dir.join("x.safetensors");
-        write(&path, entries, Some(meta.clone())).unwrap();
+        let file = Positioned::create(&path, tensors, Some(meta.clone())).unwrap();
+        // Out of order, in pieces that do not follow tensor boundaries.
+        file.write("a", 4 * PIECE, &bytes_a[4 * PIECE..]).unwrap();
+        file.write("b", 0, &bytes_b).unwrap();
+        file.write("a", 0, &bytes_a[..4 * PIECE]).unwrap();
         let views = [
             (
                 "a",
@@ -309,13 +334,14 @@ mod tests {
     fn truncated_and_malformed_files_are_named() {
         let dir = scratch("bad");
         let path = dir.join("t.safetensors");
-        let entries = vec![Entry {
+        let w = Meta {
             name: "w".into(),
             dtype: Dtype::F32,
             shape: vec![4],
-            fill: Box::new(|r, out| out.extend(r.flat_map(|i| (i as f32).to_le_bytes()))),
-        }];
-        write(&path, entries, None).unwrap();
+        };
+        let file = Positioned::create(&path, vec![w], None).unwrap();
+        let bytes: Vec<u8> = (0..4).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        file.write("w", 0, &bytes).unwrap();
         let full = std::fs::read(&path).unwrap();
         std::fs::write(&path, &full[..full.len() - 1]).unwrap();
         let e = Reader::open(&path).err().unwrap().to_string();

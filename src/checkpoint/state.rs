@@ -4,21 +4,28 @@
 //! Layout of `checkpoint.dir/step-00000123/`: an HF model directory as `export` writes it
 //! (config, weights in the run's dtype, sharded when large, tokenizer files; loadable by
 //! transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
-//! f32 in layout order, whatever `memory.master_weights`; written a chunk at a time, so a
-//! split master is joined, a bf16 one widened, without a copy of the model), `trainer_state.json`, and
-//! `COMPLETE`. A checkpoint is written into
+//! f32 in layout order, whatever `memory.master_weights`; a split master is joined, a bf16
+//! one widened, a chunk at a time), `trainer_state.json`, and `COMPLETE`. Every file is
+//! created with its header, then each block's values are written at their offsets
+//! ([`Files::write_block`]), so a block can be written from the live state or from a
+//! staged copy ([`super::writer`]). A checkpoint is written into
 //! a hidden temporary directory, every file fsynced, the marker written last, then renamed
 //! into place; a directory without `COMPLETE` is never loaded, and pruning never deletes
 //! the newest complete checkpoint. A failed write removes its temporary directory; one
 //! left by a killed writer is removed by the next run (`remove_stale`).
 
+use std::borrow::Cow;
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
-use super::{ExportOptions, MasterMut, MasterRef, pieces};
+use super::export::ExportFiles;
+use super::pieces::{self, Positioned};
+use super::{ExportOptions, MasterMut, MasterRef};
 use crate::config::CheckpointContents;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -103,11 +110,62 @@ impl Schedule {
 }
 
 /// The host tensors a checkpoint holds, all in layout order.
+#[derive(Clone, Copy)]
 pub struct Tensors<'a> {
     pub master: MasterRef<'a>,
     pub m: &'a [f32],
     pub v: &'a [f32],
 }
+
+impl<'a> Tensors<'a> {
+    /// A master without moments (what an export reads).
+    pub fn master_only(master: MasterRef<'a>) -> Tensors<'a> {
+        Tensors {
+            master,
+            m: &[],
+            v: &[],
+        }
+    }
+
+    /// Elements `r` of each.
+    pub fn slice(&self, r: Range<usize>) -> Tensors<'a> {
+        let opt = |x: &'a [f32]| if x.is_empty() { x } else { &x[r.clone()] };
+        Tensors {
+            master: self.master.slice(r.clone()),
+            m: opt(self.m),
+            v: opt(self.v),
+        }
+    }
+}
+
+/// What a checkpoint holds of each parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    Master,
+    M,
+    V,
+}
+
+/// One block's checkpointed values, wherever they are held (the live state, or a staged
+/// copy: [`super::staging`]).
+pub trait BlockValues: Sync {
+    /// The fp32 values of `field` at elements `r` of the block.
+    fn values(&self, field: Field, r: Range<usize>) -> Cow<'_, [f32]>;
+}
+
+/// A block's elements of the live tensors ([`Tensors::slice`]).
+impl BlockValues for Tensors<'_> {
+    fn values(&self, field: Field, r: Range<usize>) -> Cow<'_, [f32]> {
+        match field {
+            Field::Master => self.master.slice(r).values(),
+            Field::M => Cow::Borrowed(&self.m[r]),
+            Field::V => Cow::Borrowed(&self.v[r]),
+        }
+    }
+}
+
+/// Elements per positioned write (4 MiB of f32).
+pub const WRITE_CHUNK: usize = 1 << 20;
 
 /// FNV-1a over every tensor's name, shape and offset: equal layouts, equal fingerprints.
 pub fn fingerprint(layout: &Layout) -> String {
@@ -130,10 +188,8 @@ fn fsync(path: &Path) -> Result<()> {
         .map_err(io(path))
 }
 
-/// Writes checkpoint `state.step` under `root` and returns its directory: the HF model
-/// directory and `trainer_state.json`, plus `optimizer.safetensors` for a `Full` one.
-/// Nothing partial survives a failure: the temporary directory is removed, and a complete
-/// checkpoint of the same step is replaced only once the new one is complete.
+/// Writes checkpoint `state.step` of `tensors` under `root` (blocks in parallel) and
+/// returns its directory, as [`save_with`] does.
 pub fn save(
     root: &Path,
     state: &TrainState,
@@ -142,13 +198,35 @@ pub fn save(
     export: &ExportOptions,
     contents: CheckpointContents,
 ) -> Result<PathBuf> {
+    save_with(root, state, layout, export, contents, |files| {
+        (0..layout.blocks.len())
+            .into_par_iter()
+            .try_for_each(|b| files.write_block(b, &tensors.slice(layout.blocks[b].range())))
+    })
+}
+
+/// Writes checkpoint `state.step` under `root` and returns its directory: the HF model
+/// directory and `trainer_state.json`, plus `optimizer.safetensors` for a `Full` one; the
+/// tensors' values are written by `fill`, which must write every block. Nothing partial
+/// survives a failure: the temporary directory is removed, and a complete checkpoint of
+/// the same step is replaced only once the new one is complete.
+pub fn save_with(
+    root: &Path,
+    state: &TrainState,
+    layout: &Layout,
+    export: &ExportOptions,
+    contents: CheckpointContents,
+    fill: impl FnOnce(&Files) -> Result<()>,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(root).map_err(io(root))?;
     let name = format!("step-{:08}", state.step);
     let tmp = root.join(format!("{TMP_PREFIX}{name}-{}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
     }
-    if let Err(e) = write_into(&tmp, state, layout, tensors, export, contents) {
+    let written = Files::create(&tmp, layout, export, contents)
+        .and_then(|files| fill(&files).and_then(|()| files.finish(state)));
+    if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
@@ -167,66 +245,99 @@ pub fn save(
     Ok(dst)
 }
 
-/// Every file of a checkpoint into `tmp`, each fsynced, the marker last.
-fn write_into(
-    tmp: &Path,
-    state: &TrainState,
-    layout: &Layout,
-    tensors: &Tensors,
-    export: &ExportOptions,
-    contents: CheckpointContents,
-) -> Result<()> {
-    let mut files = super::save_hf(tmp, layout, tensors.master, export)?;
-    if contents == CheckpointContents::Full {
-        let opt = tmp.join(OPTIMIZER);
-        write_optimizer(&opt, tensors)?;
-        files.push(opt);
-    }
-    let st = tmp.join(STATE);
-    let json = serde_json::to_string_pretty(state)
-        .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
-    std::fs::write(&st, json).map_err(io(&st))?;
-    files.push(st);
-    files.iter().try_for_each(|f| fsync(f))?;
-    let marker = tmp.join(MARKER);
-    std::fs::write(&marker, b"").map_err(io(&marker))?;
-    fsync(&marker)?;
-    fsync(tmp)
+/// A checkpoint being written into its temporary directory: every file created, the
+/// tensors' values to be written block by block, in any order ([`Files::write_block`]).
+pub struct Files<'a> {
+    dir: PathBuf,
+    layout: &'a Layout,
+    export: ExportFiles<'a>,
+    /// `optimizer.safetensors` (`Full` checkpoints): `exp_avg`, `exp_avg_sq`, `master`,
+    /// flat f32 in layout order, the bytes `safetensors::serialize` gives.
+    optimizer: Option<Positioned>,
 }
 
-/// Writes `optimizer.safetensors`: the bytes `safetensors::serialize` gives for the three
-/// flat f32 tensors, streamed a piece at a time (the master joined when split).
-fn write_optimizer(path: &Path, t: &Tensors) -> Result<()> {
-    let n = t.master.len();
-    assert!(t.m.len() == n && t.v.len() == n);
-    fn flat<'a>(name: &str, src: MasterRef<'a>) -> pieces::Entry<'a> {
-        pieces::Entry {
-            name: name.into(),
-            dtype: Dtype::F32,
-            shape: vec![src.len()],
-            fill: Box::new(move |r, out| append_f32(src.slice(r), out)),
-        }
+impl<'a> Files<'a> {
+    fn create(
+        dir: &Path,
+        layout: &'a Layout,
+        export: &'a ExportOptions,
+        contents: CheckpointContents,
+    ) -> Result<Files<'a>> {
+        let export = ExportFiles::create(dir, layout, export)?;
+        let optimizer = (contents == CheckpointContents::Full)
+            .then(|| optimizer_file(&dir.join(OPTIMIZER), layout.total))
+            .transpose()?;
+        Ok(Files {
+            dir: dir.into(),
+            layout,
+            export,
+            optimizer,
+        })
     }
-    let entries = vec![
-        flat("exp_avg", MasterRef::F32(t.m)),
-        flat("exp_avg_sq", MasterRef::F32(t.v)),
-        flat("master", t.master),
-    ];
-    pieces::write(path, entries, None)
+
+    /// Whether the checkpoint holds the Adam moments (else only the master is read).
+    pub fn holds_moments(&self) -> bool {
+        self.optimizer.is_some()
+    }
+
+    /// Writes every value of block `b`: its export tensors and, in a `Full` checkpoint,
+    /// its ranges of the optimizer file.
+    pub fn write_block(&self, b: usize, values: &dyn BlockValues) -> Result<()> {
+        self.export.write_block(b, values)?;
+        let Some(file) = &self.optimizer else {
+            return Ok(());
+        };
+        write_flat(file, self.layout.blocks[b].range(), values)
+    }
+
+    /// The export's other files, `trainer_state.json`, every file fsynced, the marker last.
+    fn finish(self, state: &TrainState) -> Result<()> {
+        let tmp = &self.dir;
+        let mut files = self.export.finish()?;
+        if let Some(opt) = &self.optimizer {
+            files.push(opt.path().into());
+        }
+        let st = tmp.join(STATE);
+        let json = serde_json::to_string_pretty(state)
+            .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
+        std::fs::write(&st, json).map_err(io(&st))?;
+        files.push(st);
+        files.iter().try_for_each(|f| fsync(f))?;
+        let marker = tmp.join(MARKER);
+        std::fs::write(&marker, b"").map_err(io(&marker))?;
+        fsync(&marker)?;
+        fsync(tmp)
+    }
 }
 
-/// Appends the little-endian bytes of `src`'s fp32 values to `out`.
-pub(super) fn append_f32(src: MasterRef<'_>, out: &mut Vec<u8>) {
-    match src {
-        MasterRef::F32(x) => out.extend_from_slice(f32_bytes(x)),
-        MasterRef::Split { .. } | MasterRef::Bf16(_) => {
-            let at = out.len();
-            out.resize(at + 4 * src.len(), 0);
-            for (d, x) in out[at..].chunks_exact_mut(4).zip(src.values().iter()) {
-                d.copy_from_slice(&x.to_le_bytes());
-            }
+/// The tensors of `optimizer.safetensors` and what each holds.
+const OPTIMIZER_TENSORS: [(&str, Field); 3] = [
+    ("exp_avg", Field::M),
+    ("exp_avg_sq", Field::V),
+    ("master", Field::Master),
+];
+
+/// Creates `optimizer.safetensors` for `n` parameters (values still to be written).
+fn optimizer_file(path: &Path, n: usize) -> Result<Positioned> {
+    let flat = |name: &str| pieces::Meta {
+        name: name.into(),
+        dtype: Dtype::F32,
+        shape: vec![n],
+    };
+    let names = OPTIMIZER_TENSORS.iter().map(|(n, _)| flat(n)).collect();
+    Positioned::create(path, names, None)
+}
+
+/// Writes elements `r` of the optimizer file's tensors from `values` (whose element 0 is
+/// element `r.start`).
+fn write_flat(file: &Positioned, r: Range<usize>, values: &dyn BlockValues) -> Result<()> {
+    for (name, field) in OPTIMIZER_TENSORS {
+        for lo in (0..r.len()).step_by(WRITE_CHUNK) {
+            let x = values.values(field, lo..(lo + WRITE_CHUNK).min(r.len()));
+            file.write(name, 4 * (r.start + lo), f32_bytes(&x))?;
         }
     }
+    Ok(())
 }
 
 /// Removes temporary directories under `root` left by writers that died mid-write (their
@@ -419,8 +530,8 @@ mod tests {
     use safetensors::SafeTensors;
     use safetensors::tensor::TensorView;
 
-    /// The streamed optimizer file has the bytes safetensors writes for the same tensors,
-    /// and a split master is stored joined and read back split as it was.
+    /// The optimizer file, written in ranges, has the bytes safetensors writes for the same
+    /// tensors, and a split master is stored joined and read back split as it was.
     #[test]
     fn optimizer_file_is_safetensors_own_bytes() {
         let dir = std::env::temp_dir().join(format!("mt-optfile-{}", std::process::id()));
@@ -448,7 +559,14 @@ mod tests {
             m: &m,
             v: &v,
         };
-        write_optimizer(&path, &live).unwrap();
+        let write = |t: &Tensors| {
+            let file = optimizer_file(&path, n).unwrap();
+            // Two ranges, the second first, neither on a chunk boundary.
+            let cut = WRITE_CHUNK / 2 + 3;
+            write_flat(&file, cut..n, &t.slice(cut..n)).unwrap();
+            write_flat(&file, 0..cut, &t.slice(0..cut)).unwrap();
+        };
+        write(&live);
         assert!(std::fs::read(&path).unwrap() == want, "bytes differ");
 
         let (mut hi, mut lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
@@ -458,7 +576,7 @@ mod tests {
             m: &m,
             v: &v,
         };
-        write_optimizer(&path, &split).unwrap();
+        write(&split);
         let bytes = std::fs::read(&path).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let joined = split.master.values();

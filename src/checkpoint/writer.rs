@@ -1,73 +1,69 @@
-//! Checkpoints written while training goes on. At a step boundary the trainer copies what
-//! a checkpoint holds (fp32 master, joined if it is split, Adam m and v: 12 bytes per
-//! parameter) into a snapshot buffer, in parallel, and a writer thread writes, fsyncs and renames the checkpoint from
-//! it; the step loop waits only for the copy. At most one write is in flight: the next
-//! snapshot first waits for the previous write, whose buffer it reuses. A failed write
-//! comes back as an error from the next `poll`, `start` or `finish`, after the writer has
-//! removed its partial files, so the previous complete checkpoint is untouched.
+//! Checkpoints written while training goes on, without a copy of the training state.
 //!
-//! The snapshot doubles the checkpointed state in host RAM (see [`snapshot_bytes`]);
-//! `checkpoint.background: false` writes from the live state instead, while training waits.
+//! At a step boundary the trainer starts a write ([`Writer::start`]) and goes on at once. A
+//! writer thread writes the checkpoint's files block by block at their offsets
+//! ([`super::state::Files`]), each block from the live state as long as the optimizer has
+//! not changed it, else from the copy the optimizer staged before changing it
+//! ([`super::staging`]): the checkpoint, HF export included, holds the state of its step
+//! exactly, and the host holds at most the staging area (`checkpoint.staging_size`) besides
+//! the training state. The optimizer waits only where the staging area is full, for the
+//! writer to free a page; that wait, and the staging copies, are the only stall, reported
+//! per step (`checkpoint_wait_s`) and per checkpoint.
+//!
+//! At most one write is in flight: the next one first waits for it. A failed write comes
+//! back as an error from the next `poll`, `start` or `finish`, after the writer has removed
+//! its temporary directory, so the previous complete checkpoint is untouched; a process
+//! killed mid-write leaves only a temporary directory, which no resume picks and the next
+//! run removes ([`super::state`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use rayon::prelude::*;
+use half::bf16;
 
+use super::staging::{self, Counts, Gate, Task};
 use super::state::{self, Tensors, TrainState};
 use super::{ExportOptions, MasterRef};
 use crate::config::CheckpointContents;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
+use crate::shm::lent::Lent;
 
-/// Host bytes of the snapshot buffer a background writer holds for `layout`: the fp32
-/// master, and the Adam moments where periodic checkpoints hold the optimizer state
-/// (`optimizer`).
-pub fn snapshot_bytes(layout: &Layout, optimizer: bool) -> u64 {
-    layout.total as u64 * if optimizer { 12 } else { 4 }
+/// The master weights as the writer thread reads them (see [`Lent`]).
+pub enum LentMaster {
+    F32(Lent<f32>),
+    Split { hi: Lent<bf16>, lo: Lent<u16> },
+    Bf16(Lent<bf16>),
 }
 
-/// A copy of the checkpointed host tensors.
-struct Snapshot {
-    master: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
+/// The trainer's host tensors lent to the writer thread: it reads a block only while the
+/// block's [`Gate`] state lets it (the trainer changes a block only after
+/// [`Gate::before_change`]).
+pub struct LentTensors {
+    pub master: LentMaster,
+    pub m: Lent<f32>,
+    pub v: Lent<f32>,
 }
 
-impl Snapshot {
-    /// Allocates and touches every page now, so that the first snapshot costs no page
-    /// faults and a host short of memory fails at start-up, not at the first checkpoint.
-    /// Without `optimizer` it holds the master only.
-    fn new(n: usize, optimizer: bool) -> Snapshot {
-        let touched = |n: usize| {
-            let mut x = vec![0.0f32; n];
-            x.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
-            x
-        };
-        let moments = if optimizer { n } else { 0 };
-        Snapshot {
-            master: touched(n),
-            m: touched(moments),
-            v: touched(moments),
+impl LentTensors {
+    /// Elements `r` of each (of the master only where the moments are not lent).
+    fn slice(&self, r: std::ops::Range<usize>) -> Tensors<'_> {
+        fn opt(x: &Lent<f32>, r: std::ops::Range<usize>) -> &[f32] {
+            if x.is_empty() { &[] } else { x.get(r) }
         }
-    }
-
-    /// Copies what a checkpoint of `contents` holds.
-    fn fill(&mut self, src: &Tensors, contents: CheckpointContents) {
-        src.master.read_into(&mut self.master);
-        if contents == CheckpointContents::Full {
-            MasterRef::F32(src.m).read_into(&mut self.m);
-            MasterRef::F32(src.v).read_into(&mut self.v);
-        }
-    }
-
-    fn tensors(&self) -> Tensors<'_> {
         Tensors {
-            master: MasterRef::F32(&self.master),
-            m: &self.m,
-            v: &self.v,
+            master: match &self.master {
+                LentMaster::F32(x) => MasterRef::F32(x.get(r.clone())),
+                LentMaster::Split { hi, lo } => MasterRef::Split {
+                    hi: hi.get(r.clone()),
+                    lo: lo.get(r.clone()),
+                },
+                LentMaster::Bf16(x) => MasterRef::Bf16(x.get(r.clone())),
+            },
+            m: opt(&self.m, r.clone()),
+            v: opt(&self.v, r),
         }
     }
 }
@@ -76,32 +72,42 @@ impl Snapshot {
 #[derive(Debug)]
 pub struct Written {
     pub dir: PathBuf,
-    /// Seconds from the start of the write (after the snapshot) to its rename.
+    /// Seconds from the start of the write to its rename.
     pub write_s: f64,
+    /// Bytes of its files.
+    pub bytes: u64,
+    /// Seconds the optimizer spent on it (staging blocks, waiting for the writer), and
+    /// the step loop waited for the write before it.
+    pub stall_s: f64,
+    /// How its blocks were written.
+    pub blocks: Counts,
+}
+
+struct InFlight {
+    handle: JoinHandle<Result<(PathBuf, f64)>>,
+    gate: Arc<Gate>,
+    /// Seconds the step loop waited for the previous write when this one started.
+    waited_s: f64,
 }
 
 /// Where and how checkpoints are written.
 pub struct Writer {
     job: Arc<Job>,
-    background: bool,
-    /// The snapshot buffer while no write is in flight.
-    idle: Option<Snapshot>,
-    in_flight: Option<JoinHandle<(Snapshot, Result<Written>)>>,
+    /// The staging pages while no write is in flight.
+    pages: Vec<Vec<f32>>,
+    in_flight: Option<InFlight>,
 }
 
 impl Writer {
-    /// A writer of checkpoints under `root`; with `background`, it allocates its snapshot
-    /// buffer ([`snapshot_bytes`]) now, with the moments if periodic checkpoints hold the
-    /// optimizer state (`optimizer`).
+    /// A writer of checkpoints under `root`, with a staging area of at most
+    /// `staging_bytes`, allocated now ([`staging::pages`]).
     pub fn new(
         root: PathBuf,
         keep_last: usize,
         layout: Layout,
         export: ExportOptions,
-        background: bool,
-        optimizer: bool,
+        staging_bytes: u64,
     ) -> Writer {
-        let idle = background.then(|| Snapshot::new(layout.total, optimizer));
         Writer {
             job: Arc::new(Job {
                 root,
@@ -109,97 +115,74 @@ impl Writer {
                 layout,
                 export,
             }),
-            background,
-            idle,
+            pages: staging::pages(staging_bytes),
             in_flight: None,
         }
     }
 
-    /// Starts checkpoint `state` of `live` holding `contents`: in the background from a
-    /// snapshot (after waiting for the previous write), or in place. Returns the seconds
-    /// the caller waited for the snapshot (or the whole write), and every write that
-    /// completed meanwhile.
+    /// Starts writing checkpoint `state` holding `contents` from `live` on the writer
+    /// thread, after waiting for the write in flight. Returns the seconds waited, every
+    /// write completed meanwhile, and the gate the trainer must pass before changing any
+    /// block ([`Gate::before_change`]) until the write is done.
     pub fn start(
         &mut self,
         state: TrainState,
-        live: &Tensors,
+        live: LentTensors,
         contents: CheckpointContents,
-    ) -> Result<(f64, Vec<Written>)> {
-        let mut done: Vec<Written> = self.finish()?.into_iter().collect();
+    ) -> Result<(f64, Vec<Written>, Arc<Gate>)> {
         let t = Instant::now();
-        if !self.background {
-            done.push(self.write_now(&state, live, contents)?);
-            return Ok((t.elapsed().as_secs_f64(), done));
-        }
-        let mut snap = self
-            .idle
-            .take()
-            .expect("the buffer is back once no write is in flight");
-        snap.fill(live, contents);
-        let snapshot_s = t.elapsed().as_secs_f64();
-        let job = Arc::clone(&self.job);
+        let done: Vec<Written> = self.finish()?.into_iter().collect();
+        let waited_s = t.elapsed().as_secs_f64();
+        let moments = contents == CheckpointContents::Full;
+        let pages = std::mem::take(&mut self.pages);
+        let gate = Arc::new(Gate::new(&self.job.layout, pages, moments));
+        let (job, g) = (Arc::clone(&self.job), Arc::clone(&gate));
         let handle = std::thread::Builder::new()
             .name("mt-checkpoint".into())
             .spawn(move || {
                 let t = Instant::now();
-                let r = job
-                    .write(&state, &snap.tensors(), contents)
-                    .map(|dir| Written {
-                        dir,
-                        write_s: t.elapsed().as_secs_f64(),
-                    });
-                (snap, r)
+                let dir = job.write(&state, &live, &g, contents)?;
+                Ok((dir, t.elapsed().as_secs_f64()))
             })
             .map_err(|e| Error::Other(format!("start the checkpoint writer thread: {e}")))?;
-        self.in_flight = Some(handle);
-        Ok((snapshot_s, done))
-    }
-
-    /// Writes checkpoint `state` from `live` now (after the write in flight), for the end
-    /// of a run when nothing runs alongside. Returns every write completed.
-    pub fn write_final(
-        &mut self,
-        state: TrainState,
-        live: &Tensors,
-        contents: CheckpointContents,
-    ) -> Result<Vec<Written>> {
-        let mut done: Vec<Written> = self.finish()?.into_iter().collect();
-        done.push(self.write_now(&state, live, contents)?);
-        Ok(done)
+        self.in_flight = Some(InFlight {
+            handle,
+            gate: Arc::clone(&gate),
+            waited_s,
+        });
+        Ok((waited_s, done, gate))
     }
 
     /// The write in flight, if it has completed (its error, if it failed).
     pub fn poll(&mut self) -> Result<Option<Written>> {
         match &self.in_flight {
-            Some(h) if h.is_finished() => self.finish(),
+            Some(f) if f.handle.is_finished() => self.finish(),
             _ => Ok(None),
         }
     }
 
     /// Waits for the write in flight, if any.
     pub fn finish(&mut self) -> Result<Option<Written>> {
-        let Some(handle) = self.in_flight.take() else {
+        let Some(f) = self.in_flight.take() else {
             return Ok(None);
         };
-        let (snap, r) = handle
-            .join()
-            .map_err(|_| Error::Other("the checkpoint writer thread panicked".into()))?;
-        self.idle = Some(snap);
-        r.map(Some)
-    }
-
-    fn write_now(
-        &self,
-        state: &TrainState,
-        live: &Tensors,
-        contents: CheckpointContents,
-    ) -> Result<Written> {
-        let t = Instant::now();
-        let dir = self.job.write(state, live, contents)?;
-        Ok(Written {
+        let r = f.handle.join();
+        // The thread closed the gate on its way out, panic included.
+        self.pages = f.gate.take_pages();
+        let (dir, write_s) =
+            r.map_err(|_| Error::Other("the checkpoint writer thread panicked".into()))??;
+        let bytes = std::fs::read_dir(&dir)
+            .map_err(|e| Error::io(&dir, e))?
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        Ok(Some(Written {
             dir,
-            write_s: t.elapsed().as_secs_f64(),
-        })
+            write_s,
+            bytes,
+            stall_s: f.waited_s + f.gate.owner_s(),
+            blocks: f.gate.counts(),
+        }))
     }
 
     pub fn root(&self) -> &Path {
@@ -220,6 +203,15 @@ impl Drop for Writer {
     }
 }
 
+/// Closes the gate when the writer stops, however it stops.
+struct Closing<'a>(&'a Gate);
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
 /// One checkpoint write: save, then prune.
 struct Job {
     root: PathBuf,
@@ -232,17 +224,32 @@ impl Job {
     fn write(
         &self,
         st: &TrainState,
-        tensors: &Tensors,
+        live: &LentTensors,
+        gate: &Gate,
         contents: CheckpointContents,
     ) -> Result<PathBuf> {
-        let dir = state::save(
-            &self.root,
-            st,
-            &self.layout,
-            tensors,
-            &self.export,
-            contents,
-        )?;
+        let _closing = Closing(gate);
+        let layout = &self.layout;
+        let dir = state::save_with(&self.root, st, layout, &self.export, contents, |files| {
+            while let Some(task) = gate.next() {
+                match task {
+                    Task::Write(b, staged) => {
+                        let r = files.write_block(b, &staged);
+                        gate.written(b, Some(staged));
+                        r?;
+                    }
+                    Task::Copy(b, pages) => {
+                        gate.copy(b, pages, &live.slice(layout.blocks[b].range()))
+                    }
+                    Task::Live(b) => {
+                        let r = files.write_block(b, &live.slice(layout.blocks[b].range()));
+                        gate.written(b, None);
+                        r?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
         state::prune(&self.root, self.keep_last)?;
         Ok(dir)
     }
@@ -254,11 +261,12 @@ mod tests {
     use crate::checkpoint::MasterMut;
     use crate::config::DType;
     use crate::config::hf::{HfConfig, ModelSpec};
+    use crate::shm::lent::Buf;
 
     fn layout() -> Layout {
         let hf: HfConfig = serde_json::from_str(
             r#"{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
-            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}"#,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2}"#,
         )
         .unwrap();
         Layout::new(&ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap())
@@ -275,107 +283,130 @@ mod tests {
         }
     }
 
-    #[test]
-    fn background_writes_hold_the_snapshot_not_the_live_state() {
-        let dir = std::env::temp_dir().join(format!("mt-writer-{}", std::process::id()));
+    fn scratch(name: &str) -> (PathBuf, ExportOptions) {
+        let dir = std::env::temp_dir().join(format!("mt-writer-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let src = dir.join("src");
         std::fs::create_dir_all(&src).unwrap();
         std::fs::write(src.join("config.json"), "{}").unwrap();
-        let l = layout();
         let export = ExportOptions {
             dtype: DType::Float32,
             source: src,
             max_shard_bytes: 1 << 30,
             carried: Default::default(),
         };
-        let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, true, true);
-        let n = l.total;
-        let (mut master, m, v) = (vec![1.0f32; n], vec![2.0f32; n], vec![3.0f32; n]);
-        for step in 1..=3u64 {
-            master.fill(step as f32);
-            let live = Tensors {
-                master: MasterRef::F32(&master),
-                m: &m,
-                v: &v,
-            };
-            w.start(state(step, &l), &live, CheckpointContents::Full)
-                .unwrap();
-            // Training goes on and changes the live state while the write runs.
-            master.fill(-1.0);
-        }
-        let last = w.finish().unwrap().expect("a write was in flight");
-        assert!(last.dir.ends_with("step-00000003"));
-        let (mut a, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        let st = state::load(&last.dir, &l, MasterMut::F32(&mut a), &mut b, &mut c).unwrap();
-        assert_eq!(st.step, 3);
-        assert!(a.iter().all(|&x| x == 3.0) && b == m && c == v);
-        let kept: Vec<u64> = state::complete(w.root())
-            .unwrap()
-            .iter()
-            .map(|c| c.0)
-            .collect();
-        assert_eq!(kept, [2, 3]);
+        (dir, export)
     }
 
+    fn lend(master: &Buf<f32>, m: &Buf<f32>, v: &Buf<f32>) -> LentTensors {
+        LentTensors {
+            master: LentMaster::F32(master.lend()),
+            m: m.lend(),
+            v: v.lend(),
+        }
+    }
+
+    fn buf(n: usize, f: impl Fn(usize) -> f32) -> Buf<f32> {
+        let mut b = Buf::zeroed(n);
+        b.as_mut_slice()
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = f(i));
+        b
+    }
+
+    /// While the writer writes the checkpoint of step 1, the "optimizer" changes every
+    /// block twice, each after `before_change`: without staging (it waits for each block),
+    /// with a staging area smaller than a block (the same), and with room for several
+    /// blocks. The checkpoint, export included, holds step 1's values, and the staging
+    /// pages all come back.
     #[test]
-    fn in_place_writes_are_done_when_start_returns() {
-        let dir = std::env::temp_dir().join(format!("mt-writer-sync-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let src = dir.join("src");
-        std::fs::create_dir_all(&src).unwrap();
-        std::fs::write(src.join("config.json"), "{}").unwrap();
+    fn staged_writes_hold_their_step_while_training_changes_the_state() {
         let l = layout();
-        let export = ExportOptions {
-            dtype: DType::Bfloat16,
-            source: src,
-            max_shard_bytes: 1 << 30,
-            carried: Default::default(),
-        };
-        let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, false, true);
-        let z = vec![0.25f32; l.total];
-        let live = Tensors {
-            master: MasterRef::F32(&z),
-            m: &z,
-            v: &z,
-        };
-        let (_, done) = w
-            .start(state(1, &l), &live, CheckpointContents::Full)
+        let n = l.total;
+        let val = |i: usize, k: u32| (i as f32 * 0.37 + k as f32).sin();
+        for staging in [0, 4 << 10, 1 << 20] {
+            let (dir, export) = scratch(&format!("staged-{staging}"));
+            let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, staging);
+            let pages = w.pages.len();
+            let mut master = buf(n, |i| val(i, 1));
+            let mut m = buf(n, |i| val(i, 2));
+            let mut v = buf(n, |i| val(i, 3).abs());
+            let want = (
+                master.as_slice().to_vec(),
+                m.as_slice().to_vec(),
+                v.as_slice().to_vec(),
+            );
+            // Every change below follows `before_change` of its block.
+            let lent = lend(&master, &m, &v);
+            let (_, _, gate) = w
+                .start(state(1, &l), lent, CheckpointContents::Full)
+                .unwrap();
+            for _ in 0..2 {
+                for (b, block) in l.blocks.iter().enumerate() {
+                    let live = Tensors {
+                        master: MasterRef::F32(master.as_slice()),
+                        m: m.as_slice(),
+                        v: v.as_slice(),
+                    };
+                    gate.before_change(b, &live);
+                    for x in [&mut master, &mut m, &mut v] {
+                        x.range_mut(block.range())
+                            .iter_mut()
+                            .for_each(|x| *x += 1.0);
+                    }
+                }
+            }
+            let written = w.finish().unwrap().expect("a write was in flight");
+            assert_eq!(w.pages.len(), pages, "every staging page is back");
+            // Without room for a block's copy, every block is written from the live state.
+            let c = written.blocks;
+            assert_eq!(c.staged + c.copied + c.live, l.blocks.len(), "{c:?}");
+            assert_eq!(c.live == l.blocks.len(), staging < 1 << 20, "{c:?}");
+            assert!(written.dir.ends_with("step-00000001"));
+            assert!(written.bytes as usize > 12 * n, "{written:?}");
+            let (mut a, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            state::load(&written.dir, &l, MasterMut::F32(&mut a), &mut b, &mut c).unwrap();
+            assert!(
+                (&a, &b, &c) == (&want.0, &want.1, &want.2),
+                "staging {staging}"
+            );
+            let mut exported = vec![0.0; n];
+            crate::checkpoint::load_pretrained(
+                &written.dir,
+                &l,
+                &mut MasterMut::F32(&mut exported),
+            )
             .unwrap();
-        assert_eq!(done.len(), 1);
-        assert!(done[0].dir.join("COMPLETE").is_file());
-        assert!(w.finish().unwrap().is_none(), "nothing in flight");
+            for (b, t) in l.tensors() {
+                let r = Layout::global_range(b, t);
+                assert!(
+                    exported[r.clone()] == want.0[r],
+                    "the export holds step 1's master"
+                );
+            }
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
     }
 
     #[test]
     fn a_failed_write_is_reported_and_leaves_the_previous_checkpoint() {
-        let dir = std::env::temp_dir().join(format!("mt-writer-fail-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let src = dir.join("src");
-        std::fs::create_dir_all(&src).unwrap();
-        std::fs::write(src.join("config.json"), "{}").unwrap();
+        let (dir, export) = scratch("fail");
+        let src = export.source.clone();
         let l = layout();
-        let export = ExportOptions {
-            dtype: DType::Float32,
-            source: src.clone(),
-            max_shard_bytes: 1 << 30,
-            carried: Default::default(),
-        };
         let root = dir.join("ck");
-        let mut w = Writer::new(root.clone(), 1, l.clone(), export, true, true);
-        let z = vec![0.5f32; l.total];
-        let live = Tensors {
-            master: MasterRef::F32(&z),
-            m: &z,
-            v: &z,
-        };
-        w.start(state(1, &l), &live, CheckpointContents::Full)
-            .unwrap();
-        w.finish().unwrap();
-        // The next write cannot read the source config: it fails after writing weights.
-        std::fs::remove_file(src.join("config.json")).unwrap();
-        w.start(state(2, &l), &live, CheckpointContents::Full)
-            .unwrap();
+        let mut w = Writer::new(root.clone(), 1, l.clone(), export, 1 << 20);
+        let z = buf(l.total, |_| 0.5);
+        for step in [1, 2] {
+            let lent = lend(&z, &z, &z);
+            w.start(state(step, &l), lent, CheckpointContents::Full)
+                .unwrap();
+            if step == 1 {
+                w.finish().unwrap();
+                // The next write cannot read the source config: it fails after the weights.
+                std::fs::remove_file(src.join("config.json")).unwrap();
+            }
+        }
         let e = w.finish().unwrap_err().to_string();
         assert!(e.contains("config.json"), "{e}");
         let left: Vec<String> = std::fs::read_dir(&root)
@@ -383,5 +414,6 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into())
             .collect();
         assert_eq!(left, ["step-00000001"], "nothing partial is left");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

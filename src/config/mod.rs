@@ -56,10 +56,16 @@ pub struct CheckpointSection {
     pub every_steps: u64,
     /// Complete checkpoints kept; older ones are deleted (the newest is always kept).
     pub keep_last: usize,
-    /// Write checkpoints from a snapshot on a background thread, so training waits only for
-    /// the snapshot copy; costs 12 bytes per parameter of host RAM (a copy of the fp32
-    /// master and Adam moments). `false` writes in place while training waits.
+    /// Write periodic checkpoints on a background thread while training goes on: each block
+    /// is written from the live state until the optimizer is about to change it, then from
+    /// a copy in the staging area (`staging_size`). `false` writes in place while training
+    /// waits.
     pub background: bool,
+    /// Host RAM for the blocks a background checkpoint has not written yet when the
+    /// optimizer changes them (bytes, or `8GB`, `512MiB`); training waits for the writer
+    /// only when it is full. Unset: two of the largest blocks (fp32 master, m and v: 12
+    /// bytes per parameter of a block). Larger hides a slower disk.
+    pub staging_size: Option<size::ByteSize>,
     /// Weight files larger than this are split into shards with
     /// `model.safetensors.index.json` (bytes, or `5GB`, `500MB`, `64KiB`).
     pub max_shard_size: size::ByteSize,
@@ -80,6 +86,7 @@ impl Default for CheckpointSection {
             every_steps: 0,
             keep_last: 2,
             background: true,
+            staging_size: None,
             max_shard_size: size::ByteSize(5_000_000_000),
             save_optimizer: true,
             full_state_every_steps: 0,
@@ -585,6 +592,12 @@ impl RunConfig {
             return Err(Error::invalid(
                 "checkpoint.full_state_every_steps",
                 "conflicts with checkpoint.save_optimizer: false (no checkpoint holds the optimizer state)",
+            ));
+        }
+        if self.checkpoint.staging_size.is_some() && !self.checkpoint.background {
+            return Err(Error::invalid(
+                "checkpoint.staging_size",
+                "conflicts with checkpoint.background: false (checkpoints are written in place, nothing is staged)",
             ));
         }
         if self.memory.checkpoint_interval != 1 {

@@ -4,10 +4,14 @@
 //! Soundness rests on the protocol (`crate::protocol`), which these types cannot check
 //! across processes: the store is written only while no step is in flight, and a slab slot
 //! is read only between the worker's `LayerGrads` for it and the launcher's `SlotFree`.
-//! Within the launcher, `&mut self` makes each write exclusive.
+//! Within the launcher, `&mut self` makes each write exclusive; the checkpoint writer's
+//! view of the store ([`Store::lend_bf16`]) follows the protocol of [`super::lent`].
 
 use half::bf16;
 
+use std::sync::Arc;
+
+use super::lent::Lent;
 use super::{Region, RegionHandle, RegionKind};
 use crate::config::DType;
 use crate::error::Result;
@@ -16,7 +20,8 @@ use crate::reduce::{self, GradAcc, GradElem};
 
 /// The shared copy of all weights in the compute dtype, laid out as `Layout` says.
 pub struct Store {
-    region: Region,
+    /// Shared with the views lent to the checkpoint writer ([`Store::lend_bf16`]).
+    region: Arc<Region>,
     dtype: DType,
     len: usize,
 }
@@ -25,7 +30,7 @@ impl Store {
     pub fn create(name: &str, elements: usize, dtype: DType) -> Result<Store> {
         let region = Region::create(name, RegionKind::Store, elements * dtype.size())?;
         Ok(Store {
-            region,
+            region: Arc::new(region),
             dtype,
             len: elements,
         })
@@ -53,6 +58,17 @@ impl Store {
         // SAFETY: launcher writes need `&mut self`, so none happens while this borrow
         // lives; workers only read the store.
         (self.dtype == DType::Bfloat16).then(|| unsafe { self.region.slice(0..self.len) })
+    }
+
+    /// A view of a bf16 store (the master's high halves, or the master) for the checkpoint
+    /// writer thread, which reads a block only while the launcher does not write it
+    /// ([`super::lent`]); `None` for another dtype.
+    pub fn lend_bf16(&self) -> Option<Lent<bf16>> {
+        let keep: Arc<dyn Send + Sync> = self.region.clone();
+        // SAFETY: the payload holds `len` bf16 values, mapped as long as the region lives,
+        // which `keep` ensures.
+        (self.dtype == DType::Bfloat16)
+            .then(|| unsafe { Lent::new(self.region.payload_ptr() as *const bf16, self.len, keep) })
     }
 
     /// Elements `range` of a bf16 store, writable (`None` for another dtype).

@@ -18,6 +18,7 @@
 
 pub mod host;
 pub mod huge;
+pub mod lent;
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};

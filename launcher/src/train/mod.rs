@@ -69,6 +69,9 @@ pub struct Trainer {
     plan: mt::plan::HostPlan,
     /// Seconds from launch to the workers' readiness, reported with the first step.
     startup_s: Option<f64>,
+    /// Seconds the step loop waited for a checkpoint write in flight before starting the
+    /// next one, reported with the next step.
+    checkpoint_wait_s: f64,
     /// How an update writes the Adam moments: `Keep` (the default) writes the weights
     /// first and the moments during the next step ([`Trainer::run`]); `Write` in the same
     /// pass (`MT_DEFER_MOMENTS=0`). Both give the same bits.
@@ -155,18 +158,16 @@ impl Trainer {
             max_shard_bytes: cfg.checkpoint.max_shard_size.0,
             carried: std::sync::Arc::new(carried),
         };
-        // Periodic checkpoints are written in the background where the plan holds a
-        // snapshot for them; the last one from the live state.
+        // Periodic checkpoints are written in the background through the staging area the
+        // plan holds (none: in place).
         let ck = &cfg.checkpoint;
-        let background = plan.snapshot > 0;
         let writer = ck.dir.clone().map(|root| {
             Writer::new(
                 root,
                 ck.keep_last,
                 layout.clone(),
                 export.clone(),
-                background,
-                plan.opts.snapshot_optimizer,
+                plan.staging,
             )
         });
         let t_prepared = Instant::now();
@@ -295,6 +296,7 @@ impl Trainer {
             start_step,
             plan,
             startup_s: Some(startup_s),
+            checkpoint_wait_s: 0.0,
             moments: match std::env::var("MT_DEFER_MOMENTS").as_deref() {
                 Ok("0") => Moments::Write,
                 _ => Moments::Keep,

@@ -13,8 +13,9 @@ use super::{StepOutcome, Trainer, schedule};
 
 impl Trainer {
     /// Checkpoints after `done` steps (with `checkpoint.dir`): every `checkpoint.every_steps`
-    /// in the background, and at the `last` step (end of the run, or a stop signal) at
-    /// once, after the write in flight. A write that failed meanwhile fails the run.
+    /// in the background (the step loop goes on while the writer writes), and at the `last`
+    /// step (end of the run, or a stop signal) or with `checkpoint.background: false` at
+    /// once. A write that failed meanwhile fails the run.
     pub(super) fn checkpoint(&mut self, done: u64, last: bool) -> Result<()> {
         let Some(writer) = self.writer.as_mut() else {
             return Ok(());
@@ -31,20 +32,18 @@ impl Trainer {
         let state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
-        let live = self.host.tensors();
-        let written = if last {
-            writer
-                .write_final(state, &live, contents)
-                .with_context(failed)?
+        let (waited, mut written) = self
+            .host
+            .start_checkpoint(writer, state, contents)
+            .with_context(failed)?;
+        self.checkpoint_wait_s += waited;
+        if last || self.plan.staging == 0 {
+            written.extend(writer.finish().with_context(failed)?);
         } else {
-            let (waited, written) = writer.start(state, &live, contents).with_context(failed)?;
-            if self.cfg.checkpoint.background {
-                self.progress.println(&format!(
-                    "checkpoint of step {done}: snapshot taken in {waited:.3}s, writing in the background"
-                ));
-            }
-            written
-        };
+            self.progress.println(&format!(
+                "checkpoint of step {done}: writing in the background"
+            ));
+        }
         self.report_written(written)
     }
 
@@ -52,9 +51,15 @@ impl Trainer {
     fn report_written(&mut self, written: Vec<mt::checkpoint::writer::Written>) -> Result<()> {
         for w in written {
             self.progress.println(&format!(
-                "checkpoint {} written in {:.3}s",
+                "checkpoint {} written: {:.2} GB in {:.3}s ({:.2} GB/s); training waited {:.3}s for it; blocks: {} staged, {} copied ahead, {} from the live state",
                 w.dir.display(),
-                w.write_s
+                w.bytes as f64 / 1e9,
+                w.write_s,
+                w.bytes as f64 / 1e9 / w.write_s.max(1e-9),
+                w.stall_s,
+                w.blocks.staged,
+                w.blocks.copied,
+                w.blocks.live,
             ));
         }
         Ok(())
@@ -153,6 +158,8 @@ impl Trainer {
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
             update_wait_s: out.slowest.update_wait_s,
+            checkpoint_wait_s: self.host.take_checkpoint_wait()
+                + std::mem::take(&mut self.checkpoint_wait_s),
             bound: Bound::of(
                 step_time_s,
                 out.slowest.update_wait_s,
