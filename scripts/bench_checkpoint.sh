@@ -18,7 +18,8 @@
 # Environment (defaults in brackets):
 #   CONFIG [configs/qwen_7b.yaml]  LAYERS (override num_hidden_layers)  GPUS [2]
 #   BATCH per GPU [16]  SEQ [1024]  EVERY [20]  WARMUP [3]
-#   STAGING (checkpoint.staging_size, e.g. 32GB; unset: the default, two of the largest blocks)
+#   STAGING (checkpoint.staging_size, e.g. 32GB; unset: the default, grown at launch into half
+#   the RAM left free, up to the whole checkpoint)
 #   CKDIR [target/bench-checkpoint: on the disk to measure]  DD_GB [16]
 #   BIN [target/release]  RESULTS [benches/results]  MACHINE [from nvidia-smi]  PYTHON [python3]
 #   EXTRA (more mt-launch flags)
@@ -140,6 +141,10 @@ pat = re.compile(r"checkpoint \S+/step-0*(\d+) written: ([0-9.]+) GB in ([0-9.]+
                  r"training waited ([0-9.]+)s for it; blocks: (\d+) staged, (\d+) copied ahead, (\d+) from the live state")
 writes = {int(g[0]): g for g in pat.findall(open(log).read())}
 staging = json.load(open(plan))["host"].get("checkpoint_staging", 0)
+# The launch's own plan line: unset, the area grows at launch into free RAM.
+line = re.search(r"^  checkpoint staging +([0-9.]+) GB", open(log).read(), re.M)
+if line:
+    staging = float(line.group(1)) * 1e9
 rows, ok = [], True
 for s, kind in ((every, "periodic (training goes on)"), (2 * every, "end of run (in place)")):
     if s not in writes:

@@ -186,6 +186,9 @@ fi
 
 # Failures that must reach the user as one line, and leave nothing behind.
 if part errors; then
+  # What a user sees by default: RUST_BACKTRACE (set on some machines, the GPU hosts among
+  # them) or debug logging asks for libtorch's full text and backtrace on purpose.
+  unset RUST_BACKTRACE RUST_LOG
   "$PYTHON" - configs/qwen2.5-7b/config.json "$work/q7b2" "$work/long.jsonl" "$ERRORS_SEQ" <<'PY'
 import json, os, random, sys
 c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 2

@@ -133,7 +133,18 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
     let avail = mt::plan::available_host_bytes();
     match (avail, prep.plan.fit(avail)) {
         (None, _) => println!("host RAM available: unknown (no /proc/meminfo)"),
-        (Some(a), Fit::Fits) => println!("host RAM available: {:.2} GB: fits", gb(a)),
+        (Some(a), Fit::Fits) => {
+            println!("host RAM available: {:.2} GB: fits", gb(a));
+            let grown = prep.plan.grow_staging(avail);
+            if grown.staging > prep.plan.staging {
+                println!(
+                    "a launch here grows the checkpoint staging area to {:.2} GB (half the RAM \
+                     left free, up to the whole checkpoint: {:.2} GB)",
+                    gb(grown.staging),
+                    gb(grown.staging_full)
+                );
+            }
+        }
         (Some(a), Fit::WithoutStaging) => println!(
             "host RAM available: {:.2} GB: fits without the checkpoint staging area (periodic \
              checkpoints would be written in place, training waiting for each)",

@@ -94,12 +94,13 @@ impl Prepared {
 
     /// Refuses a run whose host memory plan exceeds the RAM available now; one that fits
     /// only without its checkpoint staging area loses it (periodic checkpoints are then
-    /// written in place), with a warning.
+    /// written in place), with a warning; one that fits grows a default staging area into
+    /// half the RAM left free (`HostPlan::grow_staging`).
     pub fn check_host_ram(&mut self) -> Result<()> {
         let avail = mt::plan::available_host_bytes();
         let gb = |b: u64| b as f64 / 1e9;
         match self.plan.fit(avail) {
-            Fit::Fits => {}
+            Fit::Fits => self.plan = self.plan.grow_staging(avail),
             Fit::WithoutStaging => {
                 tracing::warn!(
                     "checkpoint.staging_size: the staging area ({:.2} GB) does not fit beside the \

@@ -92,12 +92,19 @@ fn resume_from_a_background_checkpoint_continues_exactly() {
     );
     ok(&out);
     let straight = column(&metrics(&straight), "loss");
-    for (tag, staging, how) in [
-        ("default", None, " 0 from the live state"),
+    // Unset, the staging area grows into free RAM: this model's whole checkpoint fits.
+    for (tag, staging, how, area) in [
+        (
+            "default",
+            None,
+            " 0 from the live state",
+            "(checkpoint.staging_size unset: the whole checkpoint",
+        ),
         (
             "tiny",
             Some("checkpoint.staging_size=4KiB"),
             "0 staged, 0 copied ahead",
+            "(checkpoint.staging_size;",
         ),
     ] {
         let ck = dir.join(format!("ck-{tag}"));
@@ -114,6 +121,12 @@ fn resume_from_a_background_checkpoint_continues_exactly() {
         let (out, first) = train("llama", &dir, &format!("first-{tag}"), &first_flags);
         ok(&out);
         let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with("  checkpoint staging") && l.contains(area)),
+            "{tag}: want a staging line with `{area}`:\n{stdout}"
+        );
         assert!(
             stdout.contains("checkpoint of step 3: writing in the background"),
             "{tag}: step 3 was checkpointed in the background:\n{stdout}"

@@ -39,18 +39,37 @@ pub fn default_bytes(layout: &Layout, moments: bool) -> u64 {
     2 * layout.max_block_len() as u64 * bytes_per_param(moments)
 }
 
+/// A staging area that holds every block at once, so that no checkpoint waits for the
+/// writer: each block's fields (master, and m and v with `moments`) start on a page of their
+/// own, so each may take up to one page more than its elements (the largest page, whatever
+/// the area's size picks).
+pub fn full_bytes(layout: &Layout, moments: bool) -> u64 {
+    let fields = bytes_per_param(moments) / 4;
+    let page = page_elems(u64::MAX) as u64;
+    layout
+        .blocks
+        .iter()
+        .map(|b| fields * 4 * (b.len as u64).div_ceil(page) * page)
+        .sum::<u64>()
+        .max(default_bytes(layout, moments))
+}
+
 /// Elements per page of a staging area of `bytes`: 4 MiB pages, smaller ones (down to 4
 /// KiB) for a small area, so that it holds at least 16.
 pub fn page_elems(bytes: u64) -> usize {
     ((bytes / 4 / 16) as usize).clamp(1 << 10, 1 << 20)
 }
 
+/// Whole pages in a staging area of `bytes`.
+pub fn page_count(bytes: u64) -> usize {
+    bytes as usize / (4 * page_elems(bytes))
+}
+
 /// The pages of a staging area of at most `bytes`, allocated and touched now, so that a
 /// checkpoint costs no page faults and a host short of memory fails at start-up.
 pub fn pages(bytes: u64) -> Vec<Vec<f32>> {
     let page = page_elems(bytes);
-    let n = bytes as usize / (4 * page);
-    (0..n)
+    (0..page_count(bytes))
         .into_par_iter()
         .map(|_| crate::shm::huge::zeroed(page))
         .collect()
@@ -331,6 +350,37 @@ impl Gate {
 mod tests {
     use super::*;
     use crate::checkpoint::MasterRef;
+
+    /// The area `full_bytes` sizes holds every block's copy at once (the pages `Gate`
+    /// asks for each), for a model whose blocks span many 4 MiB pages and for a tiny one
+    /// whose area has small pages, with and without the moments.
+    #[test]
+    fn the_full_area_stages_every_block_at_once() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        for model in ["qwen2.5-0.5b", "tiny"] {
+            let spec = crate::config::hf::ModelSpec::from_model_dir(&root.join(model)).unwrap();
+            let layout = Layout::new(&spec);
+            for moments in [true, false] {
+                let bytes = full_bytes(&layout, moments);
+                let page = page_elems(bytes);
+                let fields = if moments { 3 } else { 1 };
+                let needed: usize = layout
+                    .blocks
+                    .iter()
+                    .map(|b| b.len.div_ceil(page) * fields)
+                    .sum();
+                assert!(
+                    page_count(bytes) >= needed,
+                    "{model}: {} pages of {page} elements for {needed}",
+                    page_count(bytes)
+                );
+                // Not much more than the values themselves: a page per field per block.
+                let values = 4 * fields as u64 * layout.total as u64;
+                let slack = 4 * (fields * layout.blocks.len()) as u64 * (1 << 20);
+                assert!(bytes <= values.max(default_bytes(&layout, moments)) + slack);
+            }
+        }
+    }
 
     /// A staged copy gives back every range of each field, within a page or across pages,
     /// and a split master comes back joined (its fp32 values, which move exact bf16 ties by
