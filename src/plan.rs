@@ -301,6 +301,14 @@ pub fn oom_kills() -> Option<u64> {
 
 /// MemAvailable from /proc/meminfo, in bytes (None where it cannot be read).
 pub fn available_host_bytes() -> Option<u64> {
+    // Test hook: the RAM a test says is available, so host-memory decisions can be tested
+    // on any machine. Nothing else reads it.
+    if let Some(b) = std::env::var("MT_TEST_HOST_MEMORY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return Some(b);
+    }
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -96,6 +96,7 @@ pub fn dry_run(
     let mut prep = Prepared::new(cfg, placement)?;
     prep.check_host_ram()?;
     prep.check_device_memory(cfg, placement, force)?;
+    prep.plan = prep.grown_plan(cfg, placement, mt::plan::available_host_bytes());
     if let Some(r) = resume {
         let dir = mt::checkpoint::state::resolve(r, cfg.checkpoint.dir.as_deref())?;
         println!("would resume from {}", dir.display());
@@ -135,11 +136,11 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
         (None, _) => println!("host RAM available: unknown (no /proc/meminfo)"),
         (Some(a), Fit::Fits) => {
             println!("host RAM available: {:.2} GB: fits", gb(a));
-            let grown = prep.plan.grow_staging(avail);
+            let grown = prep.grown_plan(cfg, placement, avail);
             if grown.staging > prep.plan.staging {
                 println!(
                     "a launch here grows the checkpoint staging area to {:.2} GB (half the RAM \
-                     left free, up to the whole checkpoint: {:.2} GB)",
+                     left free beside the workers, up to the whole checkpoint: {:.2} GB)",
                     gb(grown.staging),
                     gb(grown.staging_full)
                 );

@@ -7,7 +7,7 @@ use mt::config::hf::{AttentionKind, ModelSpec};
 use mt::config::{Init, RunConfig};
 use mt::data::Dataset;
 use mt::layout::Layout;
-use mt::plan::{DeviceOpts, Fit};
+use mt::plan::{DeviceOpts, DevicePlan, Fit, HostPlan};
 
 use crate::cli::Placement;
 
@@ -94,13 +94,12 @@ impl Prepared {
 
     /// Refuses a run whose host memory plan exceeds the RAM available now; one that fits
     /// only without its checkpoint staging area loses it (periodic checkpoints are then
-    /// written in place), with a warning; one that fits grows a default staging area into
-    /// half the RAM left free (`HostPlan::grow_staging`).
+    /// written in place), with a warning.
     pub fn check_host_ram(&mut self) -> Result<()> {
         let avail = mt::plan::available_host_bytes();
         let gb = |b: u64| b as f64 / 1e9;
         match self.plan.fit(avail) {
-            Fit::Fits => self.plan = self.plan.grow_staging(avail),
+            Fit::Fits => {}
             Fit::WithoutStaging => {
                 tracing::warn!(
                     "checkpoint.staging_size: the staging area ({:.2} GB) does not fit beside the \
@@ -137,6 +136,30 @@ impl Prepared {
     /// Refuses a run whose micro-batch does not fit the memory a GPU it uses has free, by
     /// the device plan (`mt::plan::check_device_fit`); with `force`, warns and goes on.
     /// Skipped where that memory cannot be known (CPU workers, no CUDA driver).
+    /// The plan with a default checkpoint staging area grown into the RAM `avail` leaves
+    /// beside it and the workers (`HostPlan::grow_staging`). A CPU worker holds its
+    /// micro-batch's activations in host RAM (its device plan); a GPU worker holds
+    /// libtorch, its CUDA context and small pinned buffers, for which
+    /// [`GPU_WORKER_HOST_RESERVE`] is an allowance (a worker's RSS is not measured).
+    pub fn grown_plan(
+        &self,
+        cfg: &RunConfig,
+        placement: &Placement,
+        avail: Option<u64>,
+    ) -> HostPlan {
+        let per_worker = match placement.gpus {
+            0 => {
+                let (rows, seq_len) = self.micro_batch(cfg, placement.workers);
+                let opts = device_opts(cfg, placement);
+                DevicePlan::new(&self.spec, &self.layout, opts, rows, seq_len).total()
+            }
+            _ => GPU_WORKER_HOST_RESERVE,
+        };
+        let reserve = placement.workers as u64 * per_worker;
+        self.plan
+            .grow_staging(avail.map(|a| a.saturating_sub(reserve)))
+    }
+
     pub fn check_device_memory(
         &self,
         cfg: &RunConfig,
@@ -159,6 +182,10 @@ impl Prepared {
         }
     }
 }
+
+/// Host RAM kept free for each GPU worker when the staging area grows: libtorch's
+/// libraries and CPU allocator, the CUDA context's host side, pinned upload buffers.
+pub const GPU_WORKER_HOST_RESERVE: u64 = 4_000_000_000;
 
 /// The device plan's options for `cfg` on `placement`.
 pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {

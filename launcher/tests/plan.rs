@@ -244,3 +244,90 @@ fn plan_for_gpus_elsewhere_qwen3_5() {
         );
     }
 }
+
+/// Unset, the staging area grows at launch by half the RAM left free beside the plan and
+/// the workers (a CPU worker: its device plan), up to the whole checkpoint; a launch that
+/// leaves nothing beside the workers keeps two of the largest blocks. MemAvailable comes
+/// from `MT_TEST_HOST_MEMORY`, so the figures are exact on any machine.
+#[test]
+fn a_launch_grows_the_staging_area_into_free_ram() {
+    let dir = scratch("plan-grow-staging");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let data = dir.join("data.jsonl");
+    std::fs::write(&data, "{\"input_ids\": [151643, 20, 30, 40]}\n").unwrap();
+    let config = dir.join("run.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model: {{path: {}, init: random, dtype: bfloat16}}\n\
+             dataset: {{format: tokenized, path: {}, max_seq_len: 64}}\n\
+             training: {{batch_size: 2, num_steps: 1}}\n\
+             checkpoint: {{dir: {}, every_steps: 10}}\n",
+            root.join("configs/qwen2.5-0.5b").display(),
+            data.display(),
+            dir.join("ck").display()
+        ),
+    )
+    .unwrap();
+    let cfg = path_str(&config);
+    let out = run_ok(&[
+        "plan",
+        "--config",
+        cfg,
+        "--gpus",
+        "0",
+        "--workers",
+        "1",
+        "--json",
+    ]);
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let host = plan["host"]["total"].as_u64().unwrap();
+    let staging = plan["host"]["checkpoint_staging"].as_u64().unwrap();
+    let worker = plan["device"]["total"].as_u64().unwrap();
+    let spec =
+        mt::config::hf::ModelSpec::from_model_dir(&root.join("configs/qwen2.5-0.5b")).unwrap();
+    let layout = mt::layout::Layout::new(&spec);
+    let full = mt::checkpoint::staging::full_bytes(&layout, true);
+    let staging_line = |avail: u64| -> String {
+        let out = std::process::Command::new(launcher())
+            .args([
+                "--config",
+                cfg,
+                "--gpus",
+                "0",
+                "--workers",
+                "1",
+                "--dry-run",
+            ])
+            .env("MT_TEST_HOST_MEMORY", avail.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|l| l.starts_with("  checkpoint staging"))
+            .unwrap_or_else(|| panic!("no staging line"))
+            .to_string()
+    };
+    let gb = |b: u64| format!("{:.2} GB", b as f64 / 1e9);
+    // Nothing beside the workers: the default.
+    let line = staging_line(host + worker);
+    assert!(
+        line.contains(&gb(staging)) && line.contains("two of the largest blocks"),
+        "{line}"
+    );
+    // 2 GB beside them: 1 GB more.
+    let line = staging_line(host + worker + 2_000_000_000);
+    assert!(line.contains(&gb(staging + 1_000_000_000)), "{line}");
+    assert!(line.contains("half the RAM left free"), "{line}");
+    // Room for all of it: the whole checkpoint, no more.
+    let line = staging_line(host + worker + 4 * full);
+    assert!(
+        line.contains(&gb(full)) && line.contains("the whole checkpoint"),
+        "{line}"
+    );
+}

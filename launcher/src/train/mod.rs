@@ -106,6 +106,7 @@ impl Trainer {
         prepared.check_host_ram()?;
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
+        prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
         if let Some(dir) = &cfg.checkpoint.dir {
             checkpoint::check_writable(dir, "checkpoint.dir")?;
             checkpoint::state::remove_stale(dir)?;
