@@ -14,9 +14,9 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let cfg = RunConfig::load_for_plan(&p.config, &p.set)?;
     let placement = cli::plan_placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
     let prep = Prepared::for_plan(&cfg, &placement)?;
-    let (rows, seq_len) = prep.micro_batch(&cfg, placement.workers);
+    let device = prep.device_plan(&cfg, &placement);
+    let (rows, seq_len) = (device.rows, device.seq_len);
     let opts = crate::prepare::device_opts(&cfg, &placement);
-    let device = DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len);
     let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {
         placement
             .devices

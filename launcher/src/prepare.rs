@@ -133,9 +133,18 @@ impl Prepared {
         )
     }
 
-    /// Refuses a run whose micro-batch does not fit the memory a GPU it uses has free, by
-    /// the device plan (`mt::plan::check_device_fit`); with `force`, warns and goes on.
-    /// Skipped where that memory cannot be known (CPU workers, no CUDA driver).
+    /// Each worker's device plan for its configured micro-batch.
+    pub fn device_plan(&self, cfg: &RunConfig, placement: &Placement) -> DevicePlan {
+        let (rows, seq_len) = self.micro_batch(cfg, placement.workers);
+        DevicePlan::new(
+            &self.spec,
+            &self.layout,
+            device_opts(cfg, placement),
+            rows,
+            seq_len,
+        )
+    }
+
     /// The plan with a default checkpoint staging area grown into the RAM `avail` leaves
     /// beside it and the workers (`HostPlan::grow_staging`). A CPU worker holds its
     /// micro-batch's activations in host RAM (its device plan); a GPU worker holds
@@ -148,11 +157,7 @@ impl Prepared {
         avail: Option<u64>,
     ) -> HostPlan {
         let per_worker = match placement.gpus {
-            0 => {
-                let (rows, seq_len) = self.micro_batch(cfg, placement.workers);
-                let opts = device_opts(cfg, placement);
-                DevicePlan::new(&self.spec, &self.layout, opts, rows, seq_len).total()
-            }
+            0 => self.device_plan(cfg, placement).total(),
             _ => GPU_WORKER_HOST_RESERVE,
         };
         let reserve = placement.workers as u64 * per_worker;
@@ -160,6 +165,9 @@ impl Prepared {
             .grow_staging(avail.map(|a| a.saturating_sub(reserve)))
     }
 
+    /// Refuses a run whose micro-batch does not fit the memory a GPU it uses has free, by
+    /// the device plan (`mt::plan::check_device_fit`); with `force`, warns and goes on.
+    /// Skipped where that memory cannot be known (CPU workers, no CUDA driver).
     pub fn check_device_memory(
         &self,
         cfg: &RunConfig,

@@ -269,17 +269,15 @@ fn a_launch_grows_the_staging_area_into_free_ram() {
         ),
     )
     .unwrap();
-    let cfg = path_str(&config);
-    let out = run_ok(&[
-        "plan",
+    let on_cpu = [
         "--config",
-        cfg,
+        path_str(&config),
         "--gpus",
         "0",
         "--workers",
         "1",
-        "--json",
-    ]);
+    ];
+    let out = run_ok(&[&["plan"], &on_cpu[..], &["--json"]].concat());
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let host = plan["host"]["total"].as_u64().unwrap();
     let staging = plan["host"]["checkpoint_staging"].as_u64().unwrap();
@@ -288,25 +286,14 @@ fn a_launch_grows_the_staging_area_into_free_ram() {
         mt::config::hf::ModelSpec::from_model_dir(&root.join("configs/qwen2.5-0.5b")).unwrap();
     let layout = mt::layout::Layout::new(&spec);
     let full = mt::checkpoint::staging::full_bytes(&layout, true);
+    let dry_run = [&on_cpu[..], &["--dry-run"]].concat();
     let staging_line = |avail: u64| -> String {
         let out = std::process::Command::new(launcher())
-            .args([
-                "--config",
-                cfg,
-                "--gpus",
-                "0",
-                "--workers",
-                "1",
-                "--dry-run",
-            ])
+            .args(&dry_run)
             .env("MT_TEST_HOST_MEMORY", avail.to_string())
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_ok(&out, &dry_run);
         String::from_utf8_lossy(&out.stdout)
             .lines()
             .find(|l| l.starts_with("  checkpoint staging"))
