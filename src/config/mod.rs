@@ -414,6 +414,13 @@ pub struct MemorySection {
     /// (12 bytes per parameter with `grad_dtype: bfloat16`). `split` and `bfloat16` need
     /// `model.dtype: bfloat16`. Checkpoints hold fp32 master values either way.
     pub master_weights: MasterWeights,
+    /// Dtype of Adam's first and second moments: `float32` (8 bytes per parameter) or
+    /// `bfloat16` (4): each update computes them in f32 from the stored values and stores
+    /// them rounded stochastically (bits from `training.seed`, the update and the element;
+    /// [`crate::optim::adamw::adamw_update_bf16_moments`]). With `master_weights: split`
+    /// and `grad_dtype: bfloat16`, 10 bytes per parameter. Checkpoints hold fp32 moments
+    /// either way.
+    pub moments_dtype: DType,
 }
 
 /// How the fp32 master weights are held (`memory.master_weights`).
@@ -436,6 +443,7 @@ impl Default for MemorySection {
             checkpoint_interval: 1,
             grad_dtype: DType::Float32,
             master_weights: MasterWeights::Float32,
+            moments_dtype: DType::Float32,
         }
     }
 }

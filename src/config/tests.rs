@@ -98,6 +98,14 @@ fn megatrain_keys_are_accepted() {
     .unwrap();
     assert_eq!(c.memory.master_weights, MasterWeights::Bfloat16);
     assert_eq!(parse(OK).unwrap().memory.grad_dtype, DType::Float32);
+    assert_eq!(parse(OK).unwrap().memory.moments_dtype, DType::Float32);
+    let e = parse(&format!("{OK}memory: {{moments_dtype: float16}}\n")).unwrap_err();
+    assert!(e.to_string().contains("memory.moments_dtype"), "{e}");
+    let c = parse(&format!(
+        "{OK}memory: {{grad_dtype: bfloat16, master_weights: split, moments_dtype: bfloat16}}\n"
+    ))
+    .unwrap();
+    assert_eq!(c.memory.moments_dtype, DType::Bfloat16);
     let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
     assert!(e.to_string().contains("dataset.path"), "{e}");
 }
