@@ -118,7 +118,9 @@ mod tests {
 
     /// The step loss of one pair at policy log-probabilities `pc`, `pr`.
     fn loss(p: &DpoParams, pc: f64, pr: f64) -> f64 {
-        pair_terms(p, &[pc, pr], &[-7.0, -5.5], &[3, 8], 1.0).sums.loss
+        pair_terms(p, &[pc, pr], &[-7.0, -5.5], &[3, 8], 1.0)
+            .sums
+            .loss
     }
 
     #[test]
@@ -134,8 +136,14 @@ mod tests {
             let dc = (loss(&p, pc + h, pr) - loss(&p, pc - h, pr)) / (2.0 * h);
             let dr = (loss(&p, pc, pr + h) - loss(&p, pc, pr - h)) / (2.0 * h);
             // Central differences of smooth functions at h = 1e-6: error ~1e-10.
-            assert!((t.weights[0] - 0.25 * dc).abs() < 1e-8, "{p:?}: {t:?} vs {dc}");
-            assert!((t.weights[1] - 0.25 * dr).abs() < 1e-8, "{p:?}: {t:?} vs {dr}");
+            assert!(
+                (t.weights[0] - 0.25 * dc).abs() < 1e-8,
+                "{p:?}: {t:?} vs {dc}"
+            );
+            assert!(
+                (t.weights[1] - 0.25 * dr).abs() < 1e-8,
+                "{p:?}: {t:?} vs {dr}"
+            );
         }
     }
 
@@ -143,7 +151,13 @@ mod tests {
     fn losses_and_rewards_follow_trl() {
         let p = params(DpoLoss::Sigmoid, 0.5, 0.0);
         // At the reference, log 2; rewards 0, not accurate.
-        let t = pair_terms(&p, &[-3.0, -4.0, -1.0, -9.0], &[-3.0, -4.0, -2.0, -8.0], &[1; 4], 1.0);
+        let t = pair_terms(
+            &p,
+            &[-3.0, -4.0, -1.0, -9.0],
+            &[-3.0, -4.0, -2.0, -8.0],
+            &[1; 4],
+            1.0,
+        );
         let l1 = std::f64::consts::LN_2;
         // Pair 2: z = 1 - (-1) = 2, βz = 1: -log σ(1) = ln(1 + e^-1).
         let l2 = (1.0 + (-1.0f64).exp()).ln();

@@ -51,9 +51,9 @@
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
 
+use crate::config::hf::ModelSpec;
 use crate::config::{DType, DpoParams};
 use crate::dpo::DpoSums;
-use crate::config::hf::ModelSpec;
 use crate::layout::Layout;
 use crate::shm::RegionHandle;
 

@@ -59,7 +59,8 @@ impl Preference {
                 let rows = &data.rows;
                 let n = rows.len().div_ceil(rows_per_micro);
                 let make = |i: usize| {
-                    let chunk = &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
+                    let chunk =
+                        &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
                     pad_batch(&chunk.iter().collect::<Vec<_>>(), pad_id)
                 };
                 let out = forward_only(sup, n, &make, ForwardOnly::RowLogProbs, timeout)?;
@@ -78,7 +79,12 @@ impl Preference {
                     rows.len(),
                     tokens as f64 / secs.max(1e-9)
                 );
-                tracing::info!(pairs = data.samples, rows = rows.len(), reference_pass_s = format!("{secs:.3}"), "DPO reference pass");
+                tracing::info!(
+                    pairs = data.samples,
+                    rows = rows.len(),
+                    reference_pass_s = format!("{secs:.3}"),
+                    "DPO reference pass"
+                );
                 Reference {
                     logps,
                     data: fingerprint,

@@ -113,7 +113,9 @@ pub fn forward_only(
             ) => {
                 let known = index < n && index % world == rank;
                 if !known || results[index].replace((loss_sum, row_logps)).is_some() {
-                    bail!("worker rank {rank} sent the result of forward-only micro-batch {index} unasked");
+                    bail!(
+                        "worker rank {rank} sent the result of forward-only micro-batch {index} unasked"
+                    );
                 }
                 out[rank] -= 1;
                 left -= 1;

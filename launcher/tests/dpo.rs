@@ -60,10 +60,7 @@ fn dpo_matches_trl_loss_in_torch() {
 }
 
 fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
-    let name = format!(
-        "{} {workers}w",
-        case.file_name().unwrap().to_string_lossy()
-    );
+    let name = format!("{} {workers}w", case.file_name().unwrap().to_string_lossy());
     let dir = scratch(&format!("dpo-golden-{}", name.replace(' ', "-")));
     let (m, g) = (dir.join("m.jsonl"), dir.join("grads.safetensors"));
     run_cpu_ok(
@@ -88,7 +85,10 @@ fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
         let (a, b) = (column(&rows, key), f64_array(&want[key]));
         for (step, (x, y)) in a.iter().zip(&b).enumerate() {
             if (x - y).abs() > REWARD_TOL[step.min(1)] {
-                failures.push(format!("{name}: {key} {a:?} vs torch {b:?} at step {}", step + 1));
+                failures.push(format!(
+                    "{name}: {key} {a:?} vs torch {b:?} at step {}",
+                    step + 1
+                ));
             }
         }
     }
@@ -186,6 +186,66 @@ fn two_workers_equal_one_worker_accumulating_two() {
     assert_same(&train("w2", 2, 1, &[]), &train("w1ga2", 1, 2, &[]));
 }
 
+/// The rewards reach TensorBoard (TRL's tags under `train/`) as the metrics file has them,
+/// read back by TensorBoard's own EventAccumulator (scripts/read_tensorboard.py); the step
+/// lines show them too.
+#[test]
+fn rewards_reach_tensorboard_and_the_step_lines() {
+    let case = golden_dir().join("dpo/llama_sigmoid/run.yaml");
+    let dir = scratch("dpo-tensorboard");
+    let (tb, m) = (dir.join("tb"), dir.join("metrics.jsonl"));
+    let (out, args) = run_cpu(
+        &case,
+        1,
+        &m,
+        &[
+            "--set",
+            "logging.report_to=tensorboard",
+            "--set",
+            &format!("logging.logging_dir={}", tb.display()),
+        ],
+    );
+    assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(log.contains("rewards: accuracy"), "{log}");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let py = std::process::Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("scripts/read_tensorboard.py"))
+        .arg(&tb)
+        .output()
+        .expect("run .venv/bin/python (scripts/setup.sh installs tensorboard)");
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    let scalars: serde_json::Value = serde_json::from_slice(&py.stdout).unwrap();
+    let rows = metrics(&m);
+    for key in [
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+    ] {
+        let tag = format!("train/{key}");
+        let series = scalars[&tag]
+            .as_array()
+            .unwrap_or_else(|| panic!("no `{tag}`"));
+        assert_eq!(series.len(), rows.len(), "{tag}");
+        for (p, r) in series.iter().zip(&rows) {
+            assert_eq!(p[0], r["step"], "{tag}");
+            let want = r[key].as_f64().unwrap() as f32;
+            assert_eq!(
+                p[1].as_f64().unwrap() as f32,
+                want,
+                "{tag} at step {}",
+                p[0]
+            );
+        }
+    }
+}
+
 #[test]
 fn resume_continues_exactly_with_the_saved_reference() {
     let case = golden_dir().join("dpo/llama_sigmoid/run.yaml");
@@ -225,7 +285,14 @@ fn resume_continues_exactly_with_the_saved_reference() {
     assert_eq!(from2, straight[2..], "resumed from step 2");
     let (second, log) = run(
         "second",
-        &["--set", "training.num_steps=6", "--set", &ck, "--resume", "latest"],
+        &[
+            "--set",
+            "training.num_steps=6",
+            "--set",
+            &ck,
+            "--resume",
+            "latest",
+        ],
     );
     assert!(
         log.contains("DPO reference log-probabilities of 12 pairs: read from")
@@ -233,7 +300,10 @@ fn resume_continues_exactly_with_the_saved_reference() {
         "{log}"
     );
     let resumed: Vec<Vec<u64>> = first.into_iter().chain(second).collect();
-    assert_eq!(resumed, straight, "resumed loss and reward bits differ from the straight run's");
+    assert_eq!(
+        resumed, straight,
+        "resumed loss and reward bits differ from the straight run's"
+    );
 
     // Other data: the saved reference is refused by name.
     let data = dir.join("other.jsonl");
@@ -272,8 +342,16 @@ fn bad_dpo_settings_are_refused_naming_the_key() {
             "dataset.packing",
             "packing is off for training.stage: dpo",
         ),
-        (vec!["dpo.beta=-1"], "dpo.beta", "must be a finite number > 0"),
-        (vec!["dpo.loss_type=hinge"], "dpo.loss_type", "unknown variant"),
+        (
+            vec!["dpo.beta=-1"],
+            "dpo.beta",
+            "must be a finite number > 0",
+        ),
+        (
+            vec!["dpo.loss_type=hinge"],
+            "dpo.loss_type",
+            "unknown variant",
+        ),
         (
             vec!["training.pref_loss=ipo"],
             "dpo.loss_type",
@@ -284,8 +362,16 @@ fn bad_dpo_settings_are_refused_naming_the_key() {
             "dpo.label_smoothing",
             "[0, 0.5)",
         ),
-        (vec!["dataset.val_size=2"], "dataset.val_size", "not implemented for training.stage: dpo"),
-        (vec!["training.batch_size=3"], "training.batch_size", "not divisible"),
+        (
+            vec!["dataset.val_size=2"],
+            "dataset.val_size",
+            "not implemented for training.stage: dpo",
+        ),
+        (
+            vec!["training.batch_size=3"],
+            "training.batch_size",
+            "not divisible",
+        ),
     ] {
         let mut args = vec![
             "--config".to_string(),

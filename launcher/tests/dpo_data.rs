@@ -53,19 +53,25 @@ fn ranking_records_become_pairs_of_rows_equal_to_transformers() {
         assert_eq!(want.len(), 2 * pairs, "{what}: expected rows");
         assert_eq!(data.skipped.count, 0, "{what}: {:?}", data.skipped);
         assert!(data.pairs, "{what}");
-        assert_eq!((data.samples, data.rows.len()), (pairs, 2 * pairs), "{what}");
+        assert_eq!(
+            (data.samples, data.rows.len()),
+            (pairs, 2 * pairs),
+            "{what}"
+        );
         for (i, (row, (ids, labels))) in data.rows.iter().zip(&want).enumerate() {
             assert_eq!(&row.input_ids, ids, "{what} row {i}: input_ids");
             assert_eq!(&row.labels, labels, "{what} row {i}: labels");
         }
         // The two rows of a pair share their prompt and differ in the answer.
         for p in data.rows.chunks(2) {
-            let prompt = |r: &mt::data::Example| r.labels.iter().take_while(|&&l| l == -100).count();
+            let prompt =
+                |r: &mt::data::Example| r.labels.iter().take_while(|&&l| l == -100).count();
             assert_eq!(prompt(&p[0]), prompt(&p[1]), "{what}");
             assert_ne!(p[0].input_ids, p[1].input_ids, "{what}");
         }
         assert!(
-            data.summary().contains(&format!("{pairs} preference pairs ({} rows)", 2 * pairs)),
+            data.summary()
+                .contains(&format!("{pairs} preference pairs ({} rows)", 2 * pairs)),
             "{}",
             data.summary()
         );
@@ -90,7 +96,10 @@ fn bad_ranking_input_names_dataset_file_line_and_key() {
         "pairs.json",
         "[\n {\"instruction\": \"Add 2 and 3.\", \"chosen\": \"5\", \"rejected\": \"6\"},\n {\"instruction\": \"Add 1 and 1.\", \"chosen\": \"2\"}\n]\n",
     );
-    let e = err(&format!("{{path: {}, strict: true}}", p.display()), Stage::Dpo);
+    let e = err(
+        &format!("{{path: {}, strict: true}}", p.display()),
+        Stage::Dpo,
+    );
     assert!(
         e.contains("pairs.json")
             && e.contains("line 3")
@@ -101,7 +110,11 @@ fn bad_ranking_input_names_dataset_file_line_and_key() {
     // Without `strict` the pair is skipped and counted.
     let d = load(&format!("{{path: {}}}", p.display()), Stage::Dpo, "tiny").unwrap();
     assert_eq!((d.samples, d.rows.len(), d.skipped.count), (1, 2, 1));
-    assert!(d.skipped.first[0].contains(":3: field `rejected`"), "{:?}", d.skipped);
+    assert!(
+        d.skipped.first[0].contains(":3: field `rejected`"),
+        "{:?}",
+        d.skipped
+    );
     // A sharegpt ranking conversation must end with the prompt; an answer is the assistant's.
     let p = scratch_file(
         "pairs.jsonl",
@@ -136,7 +149,10 @@ fn bad_ranking_input_names_dataset_file_line_and_key() {
             .collect();
         let one = scratch_file(&format!("pair{line}.jsonl"), &only.join("\n"));
         let e = err(
-            &format!("{{path: {}, format: sharegpt, strict: true}}", one.display()),
+            &format!(
+                "{{path: {}, format: sharegpt, strict: true}}",
+                one.display()
+            ),
             Stage::Dpo,
         );
         assert!(

@@ -20,8 +20,8 @@ mod stage;
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
 pub use logging::{LoggingSection, ReportTo};
 pub use overrides::apply_override;
-pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 use overrides::did_you_mean;
+pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 
 use std::path::{Path, PathBuf};
 

@@ -74,7 +74,12 @@ impl RunConfig {
     /// checked; errors name the key.
     pub fn dpo_params(&self) -> Result<DpoParams> {
         let (d, t) = (&self.dpo, &self.training);
-        fn one<T: Copy>(ours: Option<T>, theirs: Option<T>, key: &str, alias: &str) -> Result<Option<T>> {
+        fn one<T: Copy>(
+            ours: Option<T>,
+            theirs: Option<T>,
+            key: &str,
+            alias: &str,
+        ) -> Result<Option<T>> {
             match (ours, theirs) {
                 (Some(_), Some(_)) => Err(Error::invalid(
                     key,
@@ -84,8 +89,13 @@ impl RunConfig {
             }
         }
         let beta = one(d.beta, t.pref_beta, "dpo.beta", "training.pref_beta")?.unwrap_or(0.1);
-        let loss = one(d.loss_type, t.pref_loss, "dpo.loss_type", "training.pref_loss")?
-            .unwrap_or_default();
+        let loss = one(
+            d.loss_type,
+            t.pref_loss,
+            "dpo.loss_type",
+            "training.pref_loss",
+        )?
+        .unwrap_or_default();
         let ls = one(
             d.label_smoothing,
             t.dpo_label_smoothing,
@@ -129,7 +139,10 @@ impl RunConfig {
             ("dpo.label_smoothing", self.dpo.label_smoothing.is_some()),
             ("training.pref_beta", t.pref_beta.is_some()),
             ("training.pref_loss", t.pref_loss.is_some()),
-            ("training.dpo_label_smoothing", t.dpo_label_smoothing.is_some()),
+            (
+                "training.dpo_label_smoothing",
+                t.dpo_label_smoothing.is_some(),
+            ),
         ];
         match t.stage {
             Stage::Grpo => Err(Error::invalid(

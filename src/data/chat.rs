@@ -252,7 +252,9 @@ impl ChatTokenizer {
     pub fn answer_example(&self, conv: &Conversation) -> std::result::Result<Example, String> {
         let n = conv.messages.len();
         assert!(
-            conv.messages.last().is_some_and(|m| m.role == Role::Assistant),
+            conv.messages
+                .last()
+                .is_some_and(|m| m.role == Role::Assistant),
             "a conversation ending in an answer"
         );
         let prompt = self.render(conv, n - 1, true)?;
@@ -260,7 +262,8 @@ impl ChatTokenizer {
         if !full.starts_with(&prompt) {
             return Err("the chat template does not render the prompt as a prefix of the conversation with its answer, so the answer cannot be located".into());
         }
-        self.labelled(&full, &[prompt.len()..full.len()], false)
+        let answer = prompt.len()..full.len();
+        self.labelled(&full, std::slice::from_ref(&answer), false)
     }
 
     /// `text` tokenized, a token labelled when it starts inside one of `spans` (every

@@ -255,7 +255,11 @@ impl Dataset {
     /// Lines for the log: rows, sources, skipped records and the first reasons, the eval set.
     pub fn summary(&self) -> String {
         let what = match self.pairs {
-            true => format!("{} preference pairs ({} rows)", self.samples, self.rows.len()),
+            true => format!(
+                "{} preference pairs ({} rows)",
+                self.samples,
+                self.rows.len()
+            ),
             false => format!("{} samples", self.samples),
         };
         let mut s = format!("dataset: {what} from {}", list(&self.files));

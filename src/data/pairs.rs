@@ -210,9 +210,8 @@ fn tokenized_pair(rec: &RawRecord, vocab: usize) -> std::result::Result<[Example
         )
     })?;
     let one = |prefix: &str, ids: Vec<i64>, labels: Option<Vec<i64>>| {
-        tokenized::from_ids(ids, labels, vocab).map_err(|(field, why)| {
-            BadRecord::new(rec.line, &format!("{prefix}_{field}"), why)
-        })
+        tokenized::from_ids(ids, labels, vocab)
+            .map_err(|(field, why)| BadRecord::new(rec.line, &format!("{prefix}_{field}"), why))
     };
     Ok([
         one("chosen", p.chosen_input_ids, p.chosen_labels)?,

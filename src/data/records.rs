@@ -361,7 +361,9 @@ fn push_turn(msgs: &mut Vec<Message>, user: String, assistant: String) {
 }
 
 /// The record as a JSON object.
-pub(super) fn object(rec: &RawRecord) -> std::result::Result<serde_json::Map<String, Value>, BadRecord> {
+pub(super) fn object(
+    rec: &RawRecord,
+) -> std::result::Result<serde_json::Map<String, Value>, BadRecord> {
     match serde_json::from_str(rec.json) {
         Ok(Value::Object(obj)) => Ok(obj),
         Ok(_) => Err(BadRecord::new(rec.line, "", "not a JSON object")),
@@ -393,7 +395,10 @@ pub(super) fn field_text(
 }
 
 /// A field's JSON text as written (serde_json's map would sort its keys).
-pub(super) fn raw_field(rec: &RawRecord, col: &str) -> std::result::Result<Box<RawValue>, BadRecord> {
+pub(super) fn raw_field(
+    rec: &RawRecord,
+    col: &str,
+) -> std::result::Result<Box<RawValue>, BadRecord> {
     let mut fields: std::collections::HashMap<String, Box<RawValue>> =
         serde_json::from_str(rec.json)
             .map_err(|e| BadRecord::new(rec.line, "", format!("not a JSON object: {e}")))?;

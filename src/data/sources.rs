@@ -112,7 +112,14 @@ fn sources(
         let name = path.display().to_string();
         // A file given by path is read as `dpo` reads it: its records are pairs.
         let ranking = stage == Stage::Dpo;
-        check_stage(stage, key, &name, format, ranking, std::slice::from_ref(path))?;
+        check_stage(
+            stage,
+            key,
+            &name,
+            format,
+            ranking,
+            std::slice::from_ref(path),
+        )?;
         return Ok(vec![Source {
             name,
             files: vec![path.clone()],

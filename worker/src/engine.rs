@@ -463,7 +463,13 @@ impl Engine {
         let (mut out, mut dy_bth) = match &self.dpo {
             None => {
                 let (loss_sum, dy) = h.ce_backward(batch, scale, x_bth);
-                (HeadOut { loss_sum, dpo: None }, dy)
+                (
+                    HeadOut {
+                        loss_sum,
+                        dpo: None,
+                    },
+                    dy,
+                )
             }
             Some(p) => {
                 let (sums, dy) = h.dpo_backward(batch, p, &mb.ref_logps, scale, x_bth);

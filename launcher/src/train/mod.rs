@@ -294,7 +294,11 @@ impl Trainer {
             .transpose()?;
         // A sample is a row, or under DPO a pair of rows.
         let sampler = Sampler::new(
-            if data.pairs { data.samples } else { data.rows.len() },
+            if data.pairs {
+                data.samples
+            } else {
+                data.rows.len()
+            },
             cfg.training.batch_size,
             cfg.dataset.shuffle,
             cfg.training.seed,
