@@ -17,10 +17,10 @@ For each case this writes, under OUT/<case>/:
   dequantized.safetensors  (MXFP4 cases) the expert weights as transformers dequantizes
                       the packed checkpoint in model/ (bf16), to compare bit for bit
 
-DPO cases (OUT/dpo/<case>/, training.stage: dpo): model/, pairs.jsonl (tokenized preference
-pairs: a shared prompt, labels on each answer only), run.yaml, and expected.json (per-step
-DPO loss, gradient norm and TRL's reward metrics) and grads0.safetensors from the same tiny
-model trained by TRL's DPO loss formula in torch (dpo_reference below).
+DPO cases (OUT/dpo/<case>/, training.stage: dpo; scripts/golden_dpo.py): model/, pairs.jsonl
+(tokenized preference pairs: a shared prompt, labels on each answer only), run.yaml, and
+expected.json (per-step DPO loss, gradient norm and TRL's reward metrics) and
+grads0.safetensors from the same tiny model trained by TRL's DPO loss formula in torch.
 
 The reference implements the contract of DESIGN.md "Numerics": loss = summed token
 cross-entropy / unmasked label tokens of the global batch, labels shifted inside,
@@ -533,136 +533,6 @@ def reference(model, rows, eval_rows, tr, grads_path, world=1, names=None):
     return losses, norms, eval_losses
 
 
-# DPO: TRL's DPOTrainer loss on pairs of rows (chosen, rejected) sharing a prompt, the
-# reference log-probabilities those of the initial weights (one no-grad pass over every row
-# before training, as TRL's precompute_ref_log_probs), the loss the mean over the step's pairs.
-DPO_CASES = {
-    "llama_sigmoid": dict(model_type="llama", config=dict(tie_word_embeddings=False), beta=0.1,
-                          loss="sigmoid", smoothing=0.0),
-    "qwen3_tied_ipo": dict(model_type="qwen3", config=dict(head_dim=10, tie_word_embeddings=True), beta=0.5,
-                           loss="ipo", smoothing=0.0),
-    "gemma2_softcap_smoothed": dict(
-        model_type="gemma2",
-        config=dict(head_dim=10, query_pre_attn_scalar=12, sliding_window=5, initializer_range=0.2,
-                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=0),
-        attn="eager", beta=0.3, loss="sigmoid", smoothing=0.2),
-}
-DPO_PAIRS = 12
-DPO_BATCH = 4  # pairs per step
-
-
-def make_pairs(gen, vocab):
-    """Each pair: a prompt (labels -100) and two answers of their own lengths."""
-    pairs = []
-    for _ in range(DPO_PAIRS):
-        prompt = torch.randint(0, vocab, (int(torch.randint(3, 10, (1,), generator=gen)),), generator=gen).tolist()
-        rec = {}
-        for side in ("chosen", "rejected"):
-            answer = torch.randint(0, vocab, (int(torch.randint(2, 11, (1,), generator=gen)),), generator=gen).tolist()
-            rec[f"{side}_input_ids"] = prompt + answer
-            rec[f"{side}_labels"] = [-100] * len(prompt) + answer
-        pairs.append(rec)
-    return pairs
-
-
-def pair_rows(pairs):
-    return [{"input_ids": p[f"{s}_input_ids"], "labels": p[f"{s}_labels"]} for p in pairs for s in ("chosen", "rejected")]
-
-
-def row_logps(model, rows):
-    """Each row's summed log-probability of its label tokens (TRL's selective log-softmax of
-    the shifted logits, masked, summed) and its label token count."""
-    ids, labels, mask = batch(rows)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    targets = labels[:, 1:]
-    valid = targets != -100
-    per_token = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (per_token * valid).sum(-1), valid.sum(-1)
-
-
-def dpo_loss(case, logps, ref, n):
-    """TRL's per-pair loss (rows alternate chosen, rejected) and rewards."""
-    beta, eps = case["beta"], case["smoothing"]
-    chosen, rejected = logps[0::2] - ref[0::2], logps[1::2] - ref[1::2]
-    if case["loss"] == "ipo":
-        delta = chosen / n[0::2].clamp(min=1) - rejected / n[1::2].clamp(min=1)
-        losses = (delta - 1 / (2 * beta)) ** 2
-    else:
-        z = chosen - rejected
-        losses = -F.logsigmoid(beta * z) * (1 - eps) - F.logsigmoid(-beta * z) * eps
-    return losses.mean(), beta * chosen.detach(), beta * rejected.detach()
-
-
-def dpo_reference(model, pairs, case, tr, grads_path):
-    rows = pair_rows(pairs)
-    with torch.no_grad():
-        ref, _ = row_logps(model, rows)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tr["learning_rate"], betas=(tr["beta1"], tr["beta2"]), eps=tr["eps"],
-    )
-    out = {k: [] for k in ("losses", "grad_norms", "rewards/chosen", "rewards/rejected",
-                           "rewards/accuracies", "rewards/margins")}
-    for step in range(STEPS):
-        sl = slice(2 * step * DPO_BATCH, 2 * (step + 1) * DPO_BATCH)
-        logps, n = row_logps(model, rows[sl])
-        loss, rc, rr = dpo_loss(case, logps, ref[sl], n)
-        loss.backward()
-        if step == 0:
-            grads = {name: p.grad.detach().clone().contiguous() for name, p in model.named_parameters()
-                     if p.grad is not None}
-            tmp = grads_path + ".tmp"
-            safetensors.torch.save_file(checkpoint_named(model, {n_: grads.get(n_) for n_, _ in model.named_parameters()}, tmp), grads_path)
-            shutil.rmtree(tmp)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
-        opt.step()
-        opt.zero_grad()
-        out["losses"].append(loss.item())
-        out["grad_norms"].append(norm.item())
-        out["rewards/chosen"].append(rc.mean().item())
-        out["rewards/rejected"].append(rr.mean().item())
-        out["rewards/accuracies"].append((rc > rr).float().mean().item())
-        out["rewards/margins"].append((rc - rr).mean().item())
-    return out
-
-
-def make_dpo_case(root, name, case):
-    out = os.path.join(root, "dpo", name)
-    os.makedirs(out, exist_ok=True)
-    torch.manual_seed(4321)
-    model, cfg = build(case)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    save_model(model, case, os.path.join(out, "model"))
-    pairs = make_pairs(torch.Generator().manual_seed(77), cfg.vocab_size)
-    with open(os.path.join(out, "pairs.jsonl"), "w") as f:
-        for p in pairs:
-            f.write(json.dumps(p) + "\n")
-    tr = TRAIN
-    expected = dpo_reference(model, pairs, case, tr, os.path.join(out, "grads0.safetensors"))
-    with open(os.path.join(out, "expected.json"), "w") as f:
-        json.dump(expected, f, indent=1)
-    with open(os.path.join(out, "run.yaml"), "w") as f:
-        f.write(f"""# generated by scripts/make_golden.py
-model: {{path: model, init: pretrained, dtype: float32}}
-dataset: {{format: tokenized, path: pairs.jsonl, shuffle: false}}
-training:
-  stage: dpo
-  batch_size: {DPO_BATCH}
-  num_steps: {STEPS}
-  learning_rate: {tr['learning_rate']}
-  weight_decay: {tr['weight_decay']}
-  max_grad_norm: {tr['max_grad_norm']}
-optimizer: {{beta1: {tr['beta1']}, beta2: {tr['beta2']}, eps: {tr['eps']}}}
-dpo: {{beta: {case['beta']}, loss_type: {case['loss']}, label_smoothing: {case['smoothing']}}}
-""")
-    print(f"dpo/{name}: losses {['%.5f' % l for l in expected['losses']]}")
-
-
 def build(case):
     """The case's tiny model (float32) and its text config."""
     overrides = case["config"]
@@ -703,13 +573,15 @@ def main():
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
-    only = set(args.cases.split(",")) if args.cases else set(CASES) | {f"dpo/{n}" for n in DPO_CASES}
-    known = set(CASES) | {f"dpo/{n}" for n in DPO_CASES}
-    if only - known:
-        raise SystemExit(f"unknown cases: {sorted(only - known)}")
-    for name, case in DPO_CASES.items():
+    import golden_dpo  # noqa: E402 (it imports this module's helpers)
+
+    dpo_names = {f"dpo/{n}" for n in golden_dpo.DPO_CASES}
+    only = set(args.cases.split(",")) if args.cases else set(CASES) | dpo_names
+    if only - set(CASES) - dpo_names:
+        raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - dpo_names)}")
+    for name, case in golden_dpo.DPO_CASES.items():
         if f"dpo/{name}" in only:
-            make_dpo_case(args.out, name, case)
+            golden_dpo.make_case(args.out, name, case)
     for name, case in CASES.items():
         if name not in only:
             continue
