@@ -239,6 +239,7 @@ impl HostState {
             nan_run,
             layout: state::fingerprint(&self.layout),
             schedule: Some(schedule),
+            extra: Vec::new(),
         }
     }
 

@@ -5,7 +5,8 @@
 //! (config, weights in the run's dtype, sharded when large, tokenizer files; loadable by
 //! transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
 //! f32 in layout order, whatever `memory.master_weights`; a split master is joined, a bf16
-//! one widened, a chunk at a time), `trainer_state.json`, and `COMPLETE`. Every file is
+//! one widened, a chunk at a time), `trainer_state.json`, the state's extra files (DPO's
+//! `dpo_reference.safetensors`), and `COMPLETE`. Every file is
 //! created with its header, then each block's values are written at their offsets
 //! ([`Files::write_block`]), so a block can be written from the live state or from a
 //! staged copy ([`super::writer`]). A checkpoint is written into
@@ -55,6 +56,10 @@ pub struct TrainState {
     /// earlier builds).
     #[serde(default)]
     pub schedule: Option<Schedule>,
+    /// Small files written beside `trainer_state.json` (name, bytes): DPO's reference
+    /// log-probabilities ([`super::reference`]).
+    #[serde(skip)]
+    pub extra: Vec<(String, std::sync::Arc<Vec<u8>>)>,
 }
 
 /// The settings that, with `step`, fix the data position and the schedule position: step
@@ -304,6 +309,11 @@ impl<'a> Files<'a> {
             .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
         std::fs::write(&st, json).map_err(io(&st))?;
         files.push(st);
+        for (name, bytes) in &state.extra {
+            let p = tmp.join(name);
+            std::fs::write(&p, bytes.as_slice()).map_err(io(&p))?;
+            files.push(p);
+        }
         files.iter().try_for_each(|f| fsync(f))?;
         let marker = tmp.join(MARKER);
         std::fs::write(&marker, b"").map_err(io(&marker))?;

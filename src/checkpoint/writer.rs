@@ -287,6 +287,7 @@ mod tests {
             nan_run: 0,
             layout: state::fingerprint(layout),
             schedule: None,
+            extra: Vec::new(),
         }
     }
 

@@ -15,11 +15,13 @@ mod logging;
 mod overrides;
 pub mod shipped;
 pub mod size;
+mod stage;
 
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
 pub use logging::{LoggingSection, ReportTo};
 pub use overrides::apply_override;
 use overrides::did_you_mean;
+pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 
 use std::path::{Path, PathBuf};
 
@@ -44,6 +46,9 @@ pub struct RunConfig {
     pub logging: LoggingSection,
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    /// `training.stage: dpo`'s settings.
+    #[serde(default)]
+    pub dpo: DpoSection,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -255,9 +260,11 @@ impl DType {
 pub struct TrainingSection {
     /// The training stage (LlamaFactory's key and names): `sft` (supervised fine-tuning on
     /// the assistant turns of alpaca / sharegpt data), `pt` (continued pretraining on plain
-    /// text, loss on every token), `dpo` and `grpo` (not implemented yet).
+    /// text, loss on every token), `dpo` (preference pairs, loss on the responses'
+    /// log-probability margin over the initial model's) and `grpo` (not implemented yet).
     pub stage: Stage,
-    /// Global sequences per optimizer step (all workers, all micro-batches).
+    /// Global sequences per optimizer step (all workers, all micro-batches); under `dpo`,
+    /// preference pairs (two sequences each).
     pub batch_size: usize,
     /// Micro-batches per worker per optimizer step.
     pub gradient_accumulation_steps: usize,
@@ -293,6 +300,12 @@ pub struct TrainingSection {
     /// Default: the training micro-batch, `batch_size / (workers x
     /// gradient_accumulation_steps)`.
     pub per_device_eval_batch_size: Option<usize>,
+    /// LlamaFactory's name for `dpo.beta`.
+    pub pref_beta: Option<f64>,
+    /// LlamaFactory's name for `dpo.loss_type` (`sigmoid`, `ipo`).
+    pub pref_loss: Option<DpoLoss>,
+    /// LlamaFactory's name for `dpo.label_smoothing`.
+    pub dpo_label_smoothing: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -301,32 +314,6 @@ pub enum NanPolicy {
     #[default]
     Skip,
     Abort,
-}
-
-/// `training.stage`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Stage {
-    /// Continued pretraining: documents + EOS, loss on every token.
-    Pt,
-    /// Supervised fine-tuning: loss on the assistant turns.
-    #[default]
-    Sft,
-    /// Direct preference optimization (not implemented yet).
-    Dpo,
-    /// Group relative policy optimization (not implemented yet).
-    Grpo,
-}
-
-impl Stage {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Stage::Pt => "pt",
-            Stage::Sft => "sft",
-            Stage::Dpo => "dpo",
-            Stage::Grpo => "grpo",
-        }
-    }
 }
 
 impl Default for TrainingSection {
@@ -348,6 +335,9 @@ impl Default for TrainingSection {
             worker_timeout_s: 600,
             eval_steps: None,
             per_device_eval_batch_size: None,
+            pref_beta: None,
+            pref_loss: None,
+            dpo_label_smoothing: None,
         }
     }
 }
@@ -581,15 +571,7 @@ impl RunConfig {
                 return Err(Error::invalid(key, msg));
             }
         }
-        if matches!(t.stage, Stage::Dpo | Stage::Grpo) {
-            return Err(Error::invalid(
-                "training.stage",
-                format!(
-                    "`{}` is not implemented yet (implemented: pt, sft)",
-                    t.stage.as_str()
-                ),
-            ));
-        }
+        self.validate_stage()?;
         if self.checkpoint.periodic() && self.checkpoint.dir.is_none() {
             return Err(Error::invalid(
                 "checkpoint.dir",
