@@ -12,6 +12,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod dpo;
+pub mod grpo;
 pub mod error;
 pub mod fault;
 pub mod layout;

@@ -89,6 +89,42 @@ pub struct StepMetrics {
     /// DPO loss over the step's pairs).
     #[serde(flatten)]
     pub dpo: Option<DpoMetrics>,
+    /// `training.stage: grpo`: the step's completions (TRL's names; `loss` is then the
+    /// step's GRPO loss).
+    #[serde(flatten)]
+    pub grpo: Option<GrpoMetrics>,
+}
+
+/// A GRPO step's completions as TRL logs them: their rewards' mean and (unbiased) standard
+/// deviation, their mean length, and the share of completion tokens whose ratio was
+/// clipped (below with a negative advantage, above with a positive one).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GrpoMetrics {
+    pub reward: f64,
+    pub reward_std: f64,
+    #[serde(rename = "completions/mean_length")]
+    pub mean_length: f64,
+    #[serde(rename = "clip_ratio/low_mean")]
+    pub clip_ratio_low: f64,
+    #[serde(rename = "clip_ratio/high_mean")]
+    pub clip_ratio_high: f64,
+}
+
+impl GrpoMetrics {
+    /// The step's metrics from its completions' sums and rewards.
+    pub fn of(s: &crate::grpo::GrpoSums, rewards: &[f64]) -> GrpoMetrics {
+        let n = rewards.len().max(1) as f64;
+        let mean = rewards.iter().sum::<f64>() / n;
+        let ss: f64 = rewards.iter().map(|r| (r - mean) * (r - mean)).sum();
+        let tokens = s.tokens.max(1) as f64;
+        GrpoMetrics {
+            reward: mean,
+            reward_std: (ss / (n - 1.0).max(1.0)).sqrt(),
+            mean_length: s.tokens as f64 / s.completions.max(1) as f64,
+            clip_ratio_low: s.clipped_low as f64 / tokens,
+            clip_ratio_high: s.clipped_high as f64 / tokens,
+        }
+    }
 }
 
 /// The rewards of a DPO step's pairs, means over its pairs as TRL logs them: a response's

@@ -40,6 +40,13 @@
 //! reference log-probabilities, `loss_scale` is 1 / pairs in the step, and `StepDone`
 //! carries the pairs' loss and reward sums.
 //!
+//! Under GRPO (`Init::grpo`) a micro-batch's rows are completions with their advantages
+//! and, past a batch's first step (`num_iterations` > 1), every completion token's old
+//! log-probability; `loss_scale` is 1 / completions in the step (1 / completion tokens
+//! under `dapo`); `StepDone` carries the completions' sums and, on a batch's first step,
+//! the log-probabilities of the worker's completion tokens, its micro-batches in order
+//! (the old ones of the batch's later steps).
+//!
 //! A slot holds `layout.grad_slot_len()` elements (the largest decoder layer), so a block
 //! larger than that (the embedding, an untied lm_head) is sent in parts: part p of block b
 //! is the element range `Layout::grad_parts(b, slot_len)` yields p-th, each part in a slot
@@ -52,8 +59,9 @@ use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
 
 use crate::config::hf::ModelSpec;
-use crate::config::{DType, DpoParams};
+use crate::config::{DType, DpoParams, GrpoParams};
 use crate::dpo::DpoSums;
+use crate::grpo::GrpoSums;
 use crate::layout::Layout;
 use crate::shm::RegionHandle;
 
@@ -113,6 +121,9 @@ pub struct Init {
     pub buffers: Vec<LayerBuffer>,
     /// `training.stage: dpo`: steps train on the DPO loss of their pairs ([`crate::dpo`]).
     pub dpo: Option<DpoParams>,
+    /// `training.stage: grpo`: steps train on the GRPO loss of their completions
+    /// ([`crate::grpo`]).
+    pub grpo: Option<GrpoParams>,
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.
@@ -136,6 +147,14 @@ pub struct MicroBatch {
     /// Empty otherwise.
     #[serde(default)]
     pub ref_logps: Vec<f64>,
+    /// `grpo`: each row's advantage. Empty otherwise.
+    #[serde(default)]
+    pub advantages: Vec<f64>,
+    /// `grpo` past a batch's first step: each completion token's log-probability under the
+    /// policy of the batch's first step, row after row. Empty: the batch's first step (the
+    /// ratio is 1, and the worker sends these values back when `num_iterations` > 1).
+    #[serde(default)]
+    pub old_logps: Vec<f32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -232,6 +251,13 @@ pub enum FromWorker {
         /// Under DPO, the pairs' sums for the metrics.
         #[serde(default)]
         dpo: Option<DpoSums>,
+        /// Under GRPO, the completions' sums for the metrics.
+        #[serde(default)]
+        grpo: Option<GrpoSums>,
+        /// Under GRPO, on a batch's first step with `num_iterations` > 1: every completion
+        /// token's log-probability, micro-batch after micro-batch, row after row.
+        #[serde(default)]
+        token_logps: Vec<f32>,
     },
     /// Forward-only micro-batch `index`: its summed token cross-entropy
     /// ([`ForwardOnly::Loss`]) or its rows' log-probabilities ([`ForwardOnly::RowLogProbs`]).

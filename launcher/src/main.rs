@@ -4,6 +4,7 @@
 
 mod cli;
 mod dpo;
+mod grpo;
 mod eval;
 mod gpu;
 mod host;

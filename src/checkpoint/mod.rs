@@ -5,6 +5,7 @@ pub mod carried;
 pub mod export;
 pub mod master;
 pub mod mxfp4;
+pub mod old_logps;
 pub mod pieces;
 pub mod reference;
 pub mod staging;

@@ -21,7 +21,9 @@ pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
 pub use logging::{LoggingSection, ReportTo};
 pub use overrides::apply_override;
 use overrides::did_you_mean;
-pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
+pub use stage::{
+    DpoLoss, DpoParams, DpoSection, GrpoLoss, GrpoParams, GrpoSection, ScaleRewards, Stage,
+};
 
 use std::path::{Path, PathBuf};
 
@@ -49,6 +51,9 @@ pub struct RunConfig {
     /// `training.stage: dpo`'s settings.
     #[serde(default)]
     pub dpo: DpoSection,
+    /// `training.stage: grpo`'s settings.
+    #[serde(default)]
+    pub grpo: GrpoSection,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -261,10 +266,11 @@ pub struct TrainingSection {
     /// The training stage (LlamaFactory's key and names): `sft` (supervised fine-tuning on
     /// the assistant turns of alpaca / sharegpt data), `pt` (continued pretraining on plain
     /// text, loss on every token), `dpo` (preference pairs, loss on the responses'
-    /// log-probability margin over the initial model's) and `grpo` (not implemented yet).
+    /// log-probability margin over the initial model's) and `grpo` (a rollouts file's
+    /// completions, weighted by their group-relative advantages).
     pub stage: Stage,
     /// Global sequences per optimizer step (all workers, all micro-batches); under `dpo`,
-    /// preference pairs (two sequences each).
+    /// preference pairs (two sequences each); under `grpo`, completions.
     pub batch_size: usize,
     /// Micro-batches per worker per optimizer step.
     pub gradient_accumulation_steps: usize,

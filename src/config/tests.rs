@@ -147,22 +147,57 @@ fn batch_must_divide() {
 }
 
 #[test]
-fn stage_defaults_to_sft_and_refuses_the_unbuilt_ones() {
+fn stage_defaults_to_sft_and_refuses_unknown_ones() {
     assert_eq!(parse(OK).unwrap().training.stage, Stage::Sft);
     let c = parse(&format!("{OK}training: {{stage: pt}}\n")).unwrap();
     assert_eq!(c.training.stage, Stage::Pt);
-    let e = parse(&format!("{OK}training: {{stage: grpo}}\n"))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("training.stage") && e.contains("`grpo` is not implemented yet"),
-        "{e}"
-    );
     let e = parse(&format!("{OK}training: {{stage: rm}}\n"))
         .unwrap_err()
         .to_string();
     assert!(
         e.contains("training.stage") && e.contains("`pt`, `sft`, `dpo`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn grpo_settings_default_to_trl_and_name_bad_values() {
+    let grpo = |extra: &str| parse(&format!("{OK}training: {{stage: grpo}}\n{extra}\n"));
+    let p = grpo("").unwrap().grpo_params().unwrap();
+    assert_eq!(
+        p,
+        GrpoParams {
+            loss: GrpoLoss::Dapo,
+            epsilon_low: 0.2,
+            epsilon_high: 0.2,
+            num_iterations: 1,
+            scale_rewards: ScaleRewards::Group,
+            max_completion_length: 256,
+        }
+    );
+    let p = grpo("grpo: {loss_type: dr_grpo, epsilon: 0.1, epsilon_high: 0.28, num_iterations: 2, scale_rewards: none}")
+        .unwrap()
+        .grpo_params()
+        .unwrap();
+    assert_eq!(
+        (p.loss, p.epsilon_low, p.epsilon_high, p.num_iterations, p.scale_rewards),
+        (GrpoLoss::DrGrpo, 0.1, 0.28, 2, ScaleRewards::None)
+    );
+    for (yaml, key, why) in [
+        ("grpo: {beta: 0.04}", "grpo.beta", "not implemented"),
+        ("grpo: {num_iterations: 0}", "grpo.num_iterations", ">= 1"),
+        ("grpo: {epsilon: -1}", "grpo.epsilon", ">= 0"),
+        ("grpo: {loss_type: bnpo}", "grpo.loss_type", "unknown variant"),
+        ("dpo: {beta: 0.1}", "dpo.beta", "training.stage: dpo"),
+    ] {
+        let e = grpo(yaml).unwrap_err().to_string();
+        assert!(e.contains(key) && e.contains(why), "{yaml}: {e}");
+    }
+    let e = parse(&format!("{OK}grpo: {{epsilon: 0.3}}\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("grpo.epsilon") && e.contains("applies to training.stage: grpo"),
         "{e}"
     );
 }

@@ -87,6 +87,8 @@ pub struct StepPlan {
     pub causal_pairs: u64,
     /// Preference pairs in the global batch (`dpo`); 0 otherwise.
     pub pairs: u64,
+    /// `grpo`: the rewards of the batch's completions; empty otherwise.
+    pub rewards: Vec<f64>,
 }
 
 impl StepPlan {
@@ -145,6 +147,7 @@ pub fn plan_step(
         real_tokens,
         causal_pairs,
         pairs: 0,
+        rewards: Vec::new(),
     }
 }
 
@@ -173,6 +176,40 @@ pub fn plan_pairs(
         mb.ref_logps = next.by_ref().take(mb.rows).map(|&r| refs[r]).collect();
     }
     plan.pairs = pairs.len() as u64;
+    plan
+}
+
+/// Splits a global batch of completions (of a `grpo` dataset) over ranks and
+/// micro-batches as [`plan_step`] does, each row with its advantage, and, past the batch's
+/// first step, each completion token with its old log-probability: `old` holds the
+/// batch's, row after row (the order the micro-batches keep), whatever the worker count.
+pub fn plan_rollouts(
+    ds: &Dataset,
+    rows: &[usize],
+    world: usize,
+    accum: usize,
+    pad_id: i32,
+    advantages: &[f64],
+    old: Option<&[f32]>,
+) -> StepPlan {
+    assert!(advantages.len() == ds.rows.len());
+    let mut plan = plan_step(ds, rows, world, accum, pad_id);
+    let (mut next, mut token) = (rows.iter(), 0);
+    for mb in plan.per_rank.iter_mut().flatten() {
+        let mine: Vec<usize> = next.by_ref().take(mb.rows).copied().collect();
+        mb.advantages = mine.iter().map(|&r| advantages[r]).collect();
+        if let Some(old) = old {
+            let n: usize = mine.iter().map(|&r| ds.rows[r].label_tokens()).sum();
+            mb.old_logps = old[token..token + n].to_vec();
+            token += n;
+        }
+    }
+    if let Some(old) = old {
+        assert_eq!(token, old.len(), "one old log-probability per completion token");
+    }
+    if let Some(r) = &ds.rollouts {
+        plan.rewards = rows.iter().map(|&i| r.rewards[i]).collect();
+    }
     plan
 }
 
@@ -212,6 +249,8 @@ pub fn pad_batch(rows: &[&Example], pad_id: i32) -> MicroBatch {
         position_ids,
         row_lens: rows.iter().map(|r| r.input_ids.len()).collect(),
         ref_logps: Vec::new(),
+        advantages: Vec::new(),
+        old_logps: Vec::new(),
     }
 }
 
@@ -245,6 +284,7 @@ mod tests {
             eval_source: String::new(),
             blocks: None,
             pairs: false,
+            rollouts: None,
         };
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);

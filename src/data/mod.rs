@@ -29,6 +29,7 @@ mod pretrain;
 mod pyjson;
 mod records;
 mod registry;
+mod rollouts;
 mod sources;
 mod split;
 mod table;
@@ -42,9 +43,10 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-pub use batch::{Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_step};
+pub use batch::{Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts, plan_step};
 pub use chat::ChatTokenizer;
 pub use records::{BadRecord, Conversation, Message, Role};
+pub use rollouts::Rollouts;
 pub use sources::needs_tokenizer;
 pub use split::held_out;
 
@@ -116,6 +118,8 @@ pub struct Dataset {
     /// `dpo`: the rows are preference pairs, rows 2i (prompt + chosen) and 2i + 1 (prompt
     /// + rejected) of sample i.
     pub pairs: bool,
+    /// `grpo`: the rows are completions, with their rewards and groups ([`rollouts`]).
+    pub rollouts: Option<Rollouts>,
 }
 
 /// What every record of a load is read with.
@@ -154,6 +158,16 @@ impl Dataset {
         vocab: usize,
         seed: u64,
     ) -> Result<Dataset> {
+        if let (Stage::Grpo, Some(path)) = (stage, &ds.path) {
+            let (rows, r) = rollouts::read(path, model_dir, vocab)?;
+            return Ok(Dataset {
+                files: vec![path.clone()],
+                samples: rows.len(),
+                rows,
+                rollouts: Some(r),
+                ..Dataset::default()
+            });
+        }
         let (train, eval) = train_and_eval_sources(ds, stage)?;
         let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
             true => Some(ChatTokenizer::from_model_dir(
@@ -210,6 +224,7 @@ impl Dataset {
             eval_source,
             blocks: None,
             pairs,
+            rollouts: None,
         };
         match (ds.packing, ds.max_seq_len) {
             (true, Some(len)) if reader.pt_blocks() => {
@@ -254,13 +269,19 @@ impl Dataset {
 
     /// Lines for the log: rows, sources, skipped records and the first reasons, the eval set.
     pub fn summary(&self) -> String {
-        let what = match self.pairs {
-            true => format!(
+        let what = match (self.pairs, &self.rollouts) {
+            (true, _) => format!(
                 "{} preference pairs ({} rows)",
                 self.samples,
                 self.rows.len()
             ),
-            false => format!("{} samples", self.samples),
+            (false, Some(r)) => format!(
+                "{} completions in {} groups, mean reward {:.4}",
+                self.samples,
+                r.groups.iter().max().map_or(0, |g| g + 1),
+                r.rewards.iter().sum::<f64>() / r.rewards.len().max(1) as f64
+            ),
+            (false, None) => format!("{} samples", self.samples),
         };
         let mut s = format!("dataset: {what} from {}", list(&self.files));
         match self.blocks {

@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use ipc_channel::TryRecvError;
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
-use mt::config::DpoParams;
+use mt::config::{DpoParams, GrpoParams};
 use mt::config::hf::ModelSpec;
 use mt::dpo::DpoSums;
+use mt::grpo::GrpoSums;
 use mt::fault::Phase;
 use mt::layout::Layout;
 use mt::protocol::{ForwardOnly, FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
@@ -49,13 +50,31 @@ pub struct Engine {
     buffers: Vec<Vec<(String, Tensor)>>,
     /// `training.stage: dpo`: steps train on the DPO loss.
     dpo: Option<DpoParams>,
+    /// `training.stage: grpo`: steps train on the GRPO loss.
+    grpo: Option<GrpoParams>,
 }
 
 /// What the head of one micro-batch's step gave: its summed loss (in `loss_scale` units
-/// of the step's loss) and, under DPO, its pairs' sums.
+/// of the step's loss), under DPO its pairs' sums, under GRPO its completions' sums and
+/// every completion token's log-probability.
+#[derive(Default)]
 struct HeadOut {
     loss_sum: f64,
     dpo: Option<DpoSums>,
+    grpo: Option<GrpoSums>,
+    token_logps: Vec<f32>,
+}
+
+/// What a worker's step gave ([`FromWorker::StepDone`]'s fields).
+pub struct StepOut {
+    pub loss_sum: f64,
+    pub tokens: u64,
+    pub timings: WorkerTimings,
+    pub dpo: Option<DpoSums>,
+    pub grpo: Option<GrpoSums>,
+    /// Under GRPO on a batch's first step with `num_iterations` > 1: the completion
+    /// tokens' log-probabilities, micro-batch after micro-batch.
+    pub token_logps: Vec<f32>,
 }
 
 /// What the launcher has told this worker between its own actions: which slab slots are
@@ -173,6 +192,7 @@ impl Engine {
             dump_logits: init.dump_logits.clone(),
             buffers: layer_buffers(init)?,
             dpo: init.dpo,
+            grpo: init.grpo,
         })
     }
 
@@ -183,18 +203,19 @@ impl Engine {
 
     /// One optimizer step's share of this worker: every micro-batch, forward and backward.
     /// With `weights_pending`, each store block is read only after the launcher says its
-    /// update for this step is done. Returns (summed loss, label tokens, timings, under DPO
-    /// the pairs' sums).
+    /// update for this step is done.
     pub fn step(
         &mut self,
         micro: &[MicroBatch],
         loss_scale: f64,
         weights_pending: bool,
         link: &Link,
-    ) -> Result<(f64, u64, WorkerTimings, Option<DpoSums>)> {
+    ) -> Result<StepOut> {
         let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
         let mut dpo = self.dpo.map(|_| DpoSums::default());
+        let mut grpo = self.grpo.map(|_| GrpoSums::default());
+        let mut token_logps = Vec::new();
         self.ctl.ready.fill(!weights_pending);
         self.ctl.update_wait_s = 0.0;
         for (mi, mb) in micro.iter().enumerate() {
@@ -212,10 +233,14 @@ impl Engine {
                 self.kind,
                 self.device,
             );
-            // The micro-batch's share of the step's loss: its label tokens, or its pairs.
-            let share = match self.dpo {
-                Some(_) => (mb.rows / 2) as f64 * loss_scale,
-                None => batch.valid_m.size()[0] as f64 * loss_scale,
+            // The micro-batch's share of the step's loss: its label tokens, its pairs, or
+            // its completions (its completion tokens under `dapo`).
+            let share = match (self.dpo, self.grpo) {
+                (Some(_), _) => (mb.rows / 2) as f64 * loss_scale,
+                (_, Some(p)) if p.loss != mt::config::GrpoLoss::Dapo => {
+                    mb.rows as f64 * loss_scale
+                }
+                _ => batch.valid_m.size()[0] as f64 * loss_scale,
             };
             ctx.router_aux =
                 RouterAux::new(&self.spec, &mb.row_lens, mb.seq_len, share, self.device);
@@ -230,6 +255,10 @@ impl Engine {
             if let (Some(sums), Some(d)) = (dpo.as_mut(), &out.dpo) {
                 sums.add(d);
             }
+            if let (Some(sums), Some(g)) = (grpo.as_mut(), &out.grpo) {
+                sums.add(g);
+            }
+            token_logps.extend(out.token_logps);
             tm.backward_s += t1.elapsed().as_secs_f64();
             self.streamer.end_micro()?;
             tokens += batch.valid_m.size()[0] as u64;
@@ -241,7 +270,14 @@ impl Engine {
         tm.d2h_s = stats.d2h_s;
         tm.peak_device_bytes = stats.peak_device_bytes;
         tm.context_device_bytes = stats.context_device_bytes;
-        Ok((loss_sum, tokens, tm, dpo))
+        Ok(StepOut {
+            loss_sum,
+            tokens,
+            timings: tm,
+            dpo,
+            grpo,
+            token_logps,
+        })
     }
 
     /// One forward-only micro-batch under the weights in the store: embed, every layer,
@@ -460,22 +496,34 @@ impl Engine {
         // The last hidden state lives only through the head: the gradient it hands on (dy)
         // is all the layers need.
         let h = self.head(&head_w, lm_head);
-        let (mut out, mut dy_bth) = match &self.dpo {
-            None => {
-                let (loss_sum, dy) = h.ce_backward(batch, scale, x_bth);
-                (
-                    HeadOut {
-                        loss_sum,
-                        dpo: None,
-                    },
-                    dy,
-                )
-            }
-            Some(p) => {
+        let (mut out, mut dy_bth) = match (&self.dpo, &self.grpo) {
+            (Some(p), _) => {
                 let (sums, dy) = h.dpo_backward(batch, p, &mb.ref_logps, scale, x_bth);
                 let out = HeadOut {
                     loss_sum: sums.loss,
                     dpo: Some(sums),
+                    ..HeadOut::default()
+                };
+                (out, dy)
+            }
+            (_, Some(p)) => {
+                let (sums, logps, dy) =
+                    h.grpo_backward(batch, p, &mb.advantages, &mb.old_logps, scale, x_bth);
+                // The launcher keeps them as the batch's old log-probabilities.
+                let keep = p.num_iterations > 1 && mb.old_logps.is_empty();
+                let out = HeadOut {
+                    loss_sum: sums.loss,
+                    grpo: Some(sums),
+                    token_logps: if keep { logps } else { Vec::new() },
+                    ..HeadOut::default()
+                };
+                (out, dy)
+            }
+            _ => {
+                let (loss_sum, dy) = h.ce_backward(batch, scale, x_bth);
+                let out = HeadOut {
+                    loss_sum,
+                    ..HeadOut::default()
                 };
                 (out, dy)
             }

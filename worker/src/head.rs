@@ -7,13 +7,17 @@
 //! tokens of the step; and DPO ([`mt::dpo`]): a no-grad chunked pass gives each row's
 //! summed label log-probability, [`mt::dpo::pair_terms`] turns the pairs (both rows of each
 //! in this micro-batch) into each row's weight ∂loss/∂logp_row, and the chunked backward
-//! of Σ_tokens w_row · logp_token (= −w_row · CE_token) hands the gradient on.
+//! of Σ_tokens w_row · logp_token (= −w_row · CE_token) hands the gradient on; and GRPO
+//! ([`mt::grpo`]): the same no-grad pass gives each completion token's log-probability,
+//! [`mt::grpo::token_terms`] each token's weight ∂loss/∂logp_token, and the chunked
+//! backward of Σ_tokens w_token · logp_token hands the gradient on.
 //!
 //! Shapes: B rows, T positions, H hidden, M labelled positions, C a chunk of them.
 
-use mt::config::DpoParams;
 use mt::config::hf::ModelSpec;
+use mt::config::{DpoParams, GrpoParams};
 use mt::dpo::{DpoSums, pair_terms};
+use mt::grpo::{GrpoSums, token_terms};
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{self, BlockWeights};
@@ -151,11 +155,75 @@ impl Head<'_> {
         let hn_leaf = hn_mh.detach().set_requires_grad(true);
         let logps = self.row_sums(batch, &hn_leaf);
         let terms = pair_terms(params, &logps, refs, &batch.row_tokens, scale);
-        // The objective Σ_tokens w_row · logp_token, with logp_token = −CE_token.
-        let coef: Vec<f32> = terms.weights.iter().map(|&w| -w as f32).collect();
-        let coef_m = Tensor::from_slice(&coef)
+        let coef_m = Tensor::from_slice(&terms.weights)
             .to_device(x_leaf.device())
             .index_select(0, &batch.rows_m);
+        self.weighted_backward(batch, &hn_leaf, &coef_m);
+        (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
+        (terms.sums, x_leaf.grad())
+    }
+
+    /// The GRPO loss of the micro-batch's completions (`advantages` per row, `old` the
+    /// old log-probability of every completion token, empty on a batch's first step) as a
+    /// share of the step's (`scale`: 1 / completions in the step, or 1 / completion tokens
+    /// under `dapo`), and its backward to `x_bth`: (the completions' sums, every completion
+    /// token's log-probability, dy).
+    pub fn grpo_backward(
+        &self,
+        batch: &DeviceBatch,
+        params: &GrpoParams,
+        advantages: &[f64],
+        old: &[f32],
+        scale: f64,
+        x_bth: Tensor,
+    ) -> (GrpoSums, Vec<f32>, Tensor) {
+        let x_leaf = x_bth.set_requires_grad(true);
+        let hn_mh = self.normed(batch, &x_leaf);
+        let hn_leaf = hn_mh.detach().set_requires_grad(true);
+        let logps = self.token_logps(batch, &hn_leaf);
+        let wide = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        let old_wide = (!old.is_empty()).then(|| wide(old));
+        let terms = token_terms(
+            params,
+            &wide(&logps),
+            old_wide.as_deref(),
+            advantages,
+            &batch.row_tokens,
+            scale,
+        );
+        let coef_m = Tensor::from_slice(&terms.weights).to_device(x_leaf.device());
+        self.weighted_backward(batch, &hn_leaf, &coef_m);
+        (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
+        (terms.sums, logps, x_leaf.grad())
+    }
+
+    /// Every labelled position's log-probability of its label, without grad (M,).
+    fn token_logps(&self, batch: &DeviceBatch, hn_mh: &Tensor) -> Vec<f32> {
+        let _guard = tch::no_grad_guard();
+        let parts: Vec<Tensor> = self
+            .chunks(hn_mh.size()[0])
+            .map(|(start, len)| {
+                model::chunk_token_losses(
+                    self.spec,
+                    &hn_mh.narrow(0, start, len),
+                    self.lm_head,
+                    &batch.targets_m.narrow(0, start, len),
+                )
+                .neg()
+                .to_kind(Kind::Float)
+            })
+            .collect();
+        if parts.is_empty() {
+            return Vec::new();
+        }
+        let all_m = Tensor::cat(&parts, 0).to_device(Device::Cpu);
+        Vec::<f32>::try_from(all_m).expect("a 1-d f32 tensor")
+    }
+
+    /// Backpropagates Σ_m w_m · logp_m (logp_m = −CE_m; `w_m` (M,) f64, the weight of each
+    /// labelled position) chunk by chunk to the normed positions `hn_leaf`.
+    fn weighted_backward(&self, batch: &DeviceBatch, hn_leaf: &Tensor, w_m: &Tensor) {
+        let coef_m = w_m.neg().to_kind(Kind::Float);
         for (start, len) in self.chunks(hn_leaf.size()[0]) {
             let ce_c = model::chunk_token_losses(
                 self.spec,
@@ -167,7 +235,5 @@ impl Head<'_> {
                 .sum(Kind::Float)
                 .backward();
         }
-        (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
-        (terms.sums, x_leaf.grad())
     }
 }

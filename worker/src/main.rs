@@ -150,13 +150,14 @@ fn serve(
                 ..
             } => {
                 let link = Link { tx, rx };
-                let (loss_sum, tokens, timings, dpo) =
-                    engine.step(&micro, loss_scale, weights_pending, &link)?;
+                let out = engine.step(&micro, loss_scale, weights_pending, &link)?;
                 tx.send(FromWorker::StepDone {
-                    loss_sum,
-                    tokens,
-                    timings,
-                    dpo,
+                    loss_sum: out.loss_sum,
+                    tokens: out.tokens,
+                    timings: out.timings,
+                    dpo: out.dpo,
+                    grpo: out.grpo,
+                    token_logps: out.token_logps,
                 })?;
             }
             ToWorker::Eval { index, micro, what } => {

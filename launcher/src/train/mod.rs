@@ -12,8 +12,9 @@ use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::ModelSpec;
 use mt::config::{Init as InitKind, RunConfig, Stage};
-use mt::data::{Dataset, Sampler, StepPlan, plan_pairs, plan_step};
+use mt::data::{Dataset, Sampler, StepPlan, plan_pairs, plan_rollouts, plan_step};
 use mt::dpo::DpoSums;
+use mt::grpo::GrpoSums;
 use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
 use mt::optim::Moments;
@@ -21,6 +22,7 @@ use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
 use crate::dpo::Preference;
+use crate::grpo::Policy;
 use crate::eval::EvalSet;
 use crate::host::HostState;
 use crate::prepare::Prepared;
@@ -63,6 +65,8 @@ pub struct Trainer {
     eval: Option<EvalSet>,
     /// `training.stage: dpo`: its settings and reference log-probabilities.
     dpo: Option<Preference>,
+    /// `training.stage: grpo`: its settings, advantages and old log-probabilities.
+    grpo: Option<Policy>,
     dump_grads: Option<PathBuf>,
     /// Non-finite steps in a row.
     nan_run: u64,
@@ -95,6 +99,10 @@ struct StepOutcome {
     skipped: bool,
     /// Under DPO, the pairs' sums over every worker.
     dpo: Option<DpoSums>,
+    /// Under GRPO, the completions' sums over every worker, and on a batch's first step the
+    /// completion tokens' log-probabilities, rank after rank.
+    grpo: Option<GrpoSums>,
+    token_logps: Vec<f32>,
 }
 
 impl Trainer {
@@ -127,6 +135,10 @@ impl Trainer {
         let micro_batch = prepared.micro_batch(&cfg, placement.workers);
         let dpo = match cfg.training.stage {
             Stage::Dpo => Some(cfg.dpo_params()?),
+            _ => None,
+        };
+        let grpo = match cfg.training.stage {
+            Stage::Grpo => Some(cfg.grpo_params()?),
             _ => None,
         };
         let Prepared {
@@ -248,6 +260,7 @@ impl Trainer {
                     warm_up,
                     buffers: buffers.clone(),
                     dpo,
+                    grpo,
                 }
             })
             .collect();
@@ -292,6 +305,9 @@ impl Trainer {
                 Preference::new(&data, &mut sup, rows, pad, timeout, resume.as_deref())
             })
             .transpose()?;
+        let grpo = grpo
+            .map(|p| Policy::new(p, &data, resume.as_deref(), start_step))
+            .transpose()?;
         // A sample is a row, or under DPO a pair of rows.
         let sampler = Sampler::new(
             if data.pairs {
@@ -318,6 +334,7 @@ impl Trainer {
             tensorboard,
             eval,
             dpo,
+            grpo,
             dump_grads,
             nan_run,
             start_step,
@@ -348,6 +365,9 @@ impl Trainer {
         let mut stopped = None;
         for step in first..steps {
             let mut out = self.collect_gradients()?;
+            if let Some(g) = self.grpo.as_mut() {
+                g.keep(step, &plan, std::mem::take(&mut out.token_logps))?;
+            }
             if let Some(path) = self.dump_grads.take() {
                 self.host.dump_grads(&path)?;
             }
@@ -463,7 +483,11 @@ impl Trainer {
 
     /// Sends every worker its micro-batches of step `step`.
     fn send_step(&mut self, step: u64, plan: &StepPlan, weights_pending: bool) -> Result<()> {
-        let loss_scale = 1.0 / plan.loss_units().max(1) as f64;
+        let units = match &self.grpo {
+            Some(g) => g.loss_units(plan),
+            None => plan.loss_units(),
+        };
+        let loss_scale = 1.0 / units.max(1) as f64;
         for (rank, micro) in plan.per_rank.iter().enumerate() {
             let micro = micro.clone();
             self.sup.send(
@@ -480,13 +504,19 @@ impl Trainer {
     }
 
     fn fetch_batch(&mut self, step: u64) -> StepPlan {
-        let rows = self.sampler.global_batch(step);
+        // Under GRPO, each batch serves `num_iterations` steps.
+        let batch = self.grpo.as_ref().map_or(step, |g| g.batch(step));
+        let rows = self.sampler.global_batch(batch);
         let t = &self.cfg.training;
         let (world, accum) = (self.sup.world(), t.gradient_accumulation_steps);
         let pad = self.spec.pad_token_id as i32;
-        match &self.dpo {
-            Some(p) => plan_pairs(&self.data, &rows, world, accum, pad, &p.refs),
-            None => plan_step(&self.data, &rows, world, accum, pad),
+        match (&self.dpo, &self.grpo) {
+            (Some(p), _) => plan_pairs(&self.data, &rows, world, accum, pad, &p.refs),
+            (_, Some(g)) => {
+                let (adv, old) = (&g.advantages, g.old_for(step));
+                plan_rollouts(&self.data, &rows, world, accum, pad, adv, old)
+            }
+            _ => plan_step(&self.data, &rows, world, accum, pad),
         }
     }
 
@@ -511,11 +541,14 @@ impl Trainer {
             grad_sum_sq: 0.0,
             skipped: false,
             dpo: None,
+            grpo: None,
+            token_logps: Vec::new(),
         };
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
         // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
         // loss does not depend on which worker finished first.
-        let mut step_done: Vec<Option<(f64, Option<DpoSums>)>> = vec![None; world];
+        type Done = (f64, Option<DpoSums>, Option<GrpoSums>, Vec<f32>);
+        let mut step_done: Vec<Option<Done>> = vec![None; world];
         while done < world || reduced < expected_parts {
             // The last update's moments pass fills the time the launcher would wait.
             let event = match self.host.moments_due() {
@@ -585,10 +618,12 @@ impl Trainer {
                         loss_sum,
                         timings,
                         dpo,
+                        grpo,
+                        token_logps,
                         ..
                     },
                 ) => {
-                    step_done[rank] = Some((loss_sum, dpo));
+                    step_done[rank] = Some((loss_sum, dpo, grpo, token_logps));
                     let s = &mut out.slowest;
                     s.forward_s = s.forward_s.max(timings.forward_s);
                     s.backward_s = s.backward_s.max(timings.backward_s);
@@ -609,11 +644,15 @@ impl Trainer {
         let t = Instant::now();
         self.host.settle_moments();
         out.moments_s += t.elapsed().as_secs_f64();
-        for (loss_sum, dpo) in step_done.into_iter().flatten() {
+        for (loss_sum, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
             out.loss_sum += loss_sum;
             if let Some(d) = dpo {
                 out.dpo.get_or_insert_default().add(&d);
             }
+            if let Some(g) = grpo {
+                out.grpo.get_or_insert_default().add(&g);
+            }
+            out.token_logps.extend(token_logps);
         }
         Ok(out)
     }

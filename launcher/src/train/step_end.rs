@@ -7,7 +7,7 @@ use mt::config::hf::AttentionKind;
 use mt::data::StepPlan;
 use mt::layout::Layout;
 use mt::metrics::{
-    Bound, DpoMetrics, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
+    Bound, DpoMetrics, EvalMetrics, GrpoMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
 };
 use mt::optim::{clip_coefficient, lr_at};
 
@@ -37,6 +37,9 @@ impl Trainer {
         if let Some(p) = &self.dpo {
             let file = mt::checkpoint::reference::FILE.to_string();
             state.extra.push((file, p.file.clone()));
+        }
+        if let Some(file) = self.grpo.as_ref().and_then(|g| g.file()) {
+            state.extra.push(file);
         }
         let (waited, mut written) = self
             .host
@@ -182,6 +185,7 @@ impl Trainer {
             skipped: out.skipped,
             eval,
             dpo: out.dpo.as_ref().map(DpoMetrics::of),
+            grpo: out.grpo.as_ref().map(|g| GrpoMetrics::of(g, &plan.rewards)),
         };
         if !m.loss.is_finite() {
             tracing::warn!(step = m.step, "non-finite loss");
