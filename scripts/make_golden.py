@@ -574,14 +574,18 @@ def main():
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
     import golden_dpo  # noqa: E402 (it imports this module's helpers)
+    import golden_grpo  # noqa: E402
 
-    dpo_names = {f"dpo/{n}" for n in golden_dpo.DPO_CASES}
-    only = set(args.cases.split(",")) if args.cases else set(CASES) | dpo_names
-    if only - set(CASES) - dpo_names:
-        raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - dpo_names)}")
+    staged = {f"dpo/{n}" for n in golden_dpo.DPO_CASES} | {f"grpo/{n}" for n in golden_grpo.GRPO_CASES}
+    only = set(args.cases.split(",")) if args.cases else set(CASES) | staged
+    if only - set(CASES) - staged:
+        raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - staged)}")
     for name, case in golden_dpo.DPO_CASES.items():
         if f"dpo/{name}" in only:
             golden_dpo.make_case(args.out, name, case)
+    for name, case in golden_grpo.GRPO_CASES.items():
+        if f"grpo/{name}" in only:
+            golden_grpo.make_case(args.out, name, case)
     for name, case in CASES.items():
         if name not in only:
             continue

@@ -190,7 +190,10 @@ mod tests {
                 down[i] -= h;
                 let d = (loss(&p, &up) - loss(&p, &down)) / (2.0 * h);
                 // Central differences of a function linear in e^logp near each point: ~1e-10.
-                assert!((t.weights[i] - d).abs() < 1e-8, "{loss_type:?} {i}: {t:?} vs {d}");
+                assert!(
+                    (t.weights[i] - d).abs() < 1e-8,
+                    "{loss_type:?} {i}: {t:?} vs {d}"
+                );
             }
             assert_eq!((t.sums.clipped_low, t.sums.clipped_high), (1, 1));
             assert!(t.weights[1] == 0.0 && t.weights[3] == 0.0, "{t:?}");
@@ -204,8 +207,21 @@ mod tests {
         // Σ over rows of (Σ_t −A) / n = −A each: −(0.5 − 1.5), a mean of 0.5 over 2 rows.
         assert!((t.sums.loss - 1.0).abs() < 1e-15, "{t:?}");
         let want = [-0.125, -0.125, 0.25, 0.25, 0.25];
-        assert!(t.weights.iter().zip(want).all(|(w, x)| (w - x).abs() < 1e-15), "{t:?}");
-        let t = token_terms(&params(GrpoLoss::DrGrpo), &[-1.0; 5], None, &a, &[2, 3], 0.5);
+        assert!(
+            t.weights
+                .iter()
+                .zip(want)
+                .all(|(w, x)| (w - x).abs() < 1e-15),
+            "{t:?}"
+        );
+        let t = token_terms(
+            &params(GrpoLoss::DrGrpo),
+            &[-1.0; 5],
+            None,
+            &a,
+            &[2, 3],
+            0.5,
+        );
         assert!((t.sums.loss - -(2.0 * 0.5 - 3.0 * 1.5) / 8.0).abs() < 1e-15);
     }
 

@@ -110,7 +110,10 @@ impl Policy {
 
     /// The checkpoint file of the old log-probabilities, when a batch has later steps.
     pub fn file(&self) -> Option<(String, Arc<Vec<u8>>)> {
-        let old = self.old.as_ref().filter(|_| self.params.num_iterations > 1)?;
+        let old = self
+            .old
+            .as_ref()
+            .filter(|_| self.params.num_iterations > 1)?;
         Some((old_logps::FILE.to_string(), Arc::new(old.to_bytes())))
     }
 }

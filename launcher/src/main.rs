@@ -4,9 +4,9 @@
 
 mod cli;
 mod dpo;
-mod grpo;
 mod eval;
 mod gpu;
+mod grpo;
 mod host;
 mod plan;
 mod prepare;

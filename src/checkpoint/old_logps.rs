@@ -56,7 +56,8 @@ impl OldLogps {
             }
             Err(e) => return Err(Error::io(&path, e)),
         };
-        let malformed = |e: safetensors::SafeTensorError| bad(format!("not a safetensors file: {e}"));
+        let malformed =
+            |e: safetensors::SafeTensorError| bad(format!("not a safetensors file: {e}"));
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(malformed)?;
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(malformed)?;
         let get = |k: &str| {

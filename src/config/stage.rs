@@ -195,7 +195,10 @@ impl RunConfig {
         let g = &self.grpo;
         let epsilon_low = g.epsilon.unwrap_or(0.2);
         let epsilon_high = g.epsilon_high.unwrap_or(epsilon_low);
-        for (key, v) in [("grpo.epsilon", epsilon_low), ("grpo.epsilon_high", epsilon_high)] {
+        for (key, v) in [
+            ("grpo.epsilon", epsilon_low),
+            ("grpo.epsilon_high", epsilon_high),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(Error::invalid(
                     key,

@@ -180,14 +180,24 @@ fn grpo_settings_default_to_trl_and_name_bad_values() {
         .grpo_params()
         .unwrap();
     assert_eq!(
-        (p.loss, p.epsilon_low, p.epsilon_high, p.num_iterations, p.scale_rewards),
+        (
+            p.loss,
+            p.epsilon_low,
+            p.epsilon_high,
+            p.num_iterations,
+            p.scale_rewards
+        ),
         (GrpoLoss::DrGrpo, 0.1, 0.28, 2, ScaleRewards::None)
     );
     for (yaml, key, why) in [
         ("grpo: {beta: 0.04}", "grpo.beta", "not implemented"),
         ("grpo: {num_iterations: 0}", "grpo.num_iterations", ">= 1"),
         ("grpo: {epsilon: -1}", "grpo.epsilon", ">= 0"),
-        ("grpo: {loss_type: bnpo}", "grpo.loss_type", "unknown variant"),
+        (
+            "grpo: {loss_type: bnpo}",
+            "grpo.loss_type",
+            "unknown variant",
+        ),
         ("dpo: {beta: 0.1}", "dpo.beta", "training.stage: dpo"),
     ] {
         let e = grpo(yaml).unwrap_err().to_string();

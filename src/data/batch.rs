@@ -205,7 +205,11 @@ pub fn plan_rollouts(
         }
     }
     if let Some(old) = old {
-        assert_eq!(token, old.len(), "one old log-probability per completion token");
+        assert_eq!(
+            token,
+            old.len(),
+            "one old log-probability per completion token"
+        );
     }
     if let Some(r) = &ds.rollouts {
         plan.rewards = rows.iter().map(|&i| r.rewards[i]).collect();

@@ -144,7 +144,11 @@ pub fn read(path: &Path, model_dir: &Path, vocab: usize) -> Result<(Vec<Example>
                 },
                 (Sample::Text(_), None) => unreachable!("a tokenizer is loaded for text"),
             };
-            match ex.input_ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
+            match ex
+                .input_ids
+                .iter()
+                .find(|&&id| id < 0 || id as usize >= vocab)
+            {
                 Some(id) => Err(bad(
                     line,
                     "",
@@ -200,7 +204,11 @@ fn sample(obj: &Map<String, Value>) -> std::result::Result<Sample, (&'static str
         None | Some(Value::Null) => return Err(("completion", "missing".into())),
         Some(_) => return Err(("completion", "not a string or a list of messages".into())),
     };
-    if conv.messages.last().is_none_or(|m| m.role == Role::Assistant) {
+    if conv
+        .messages
+        .last()
+        .is_none_or(|m| m.role == Role::Assistant)
+    {
         return Err(("prompt", "does not end with a user turn".into()));
     }
     conv.messages.push(answer);
@@ -217,7 +225,11 @@ fn messages(list: &[Value]) -> std::result::Result<Vec<Message>, String> {
                 Some("user") => Role::User,
                 Some("assistant") => Role::Assistant,
                 Some("tool") => Role::Tool,
-                other => return Err(format!("a message's role is {other:?}, not system, user, assistant or tool")),
+                other => {
+                    return Err(format!(
+                        "a message's role is {other:?}, not system, user, assistant or tool"
+                    ));
+                }
             };
             let content = field("content").ok_or("a message without a string `content`")?;
             Ok(Message::new(role, content))
@@ -264,18 +276,25 @@ mod tests {
                 "line 2: `reward`: missing",
             ),
             (
-                format!("{ok}{ok}{{\"prompt_ids\": [1], \"completion_ids\": [3], \"reward\": 1, \"group\": 9}}\n"),
+                format!(
+                    "{ok}{ok}{{\"prompt_ids\": [1], \"completion_ids\": [3], \"reward\": 1, \"group\": 9}}\n"
+                ),
                 "line 3: `group`: group 9 has one completion",
             ),
             (
-                format!("{ok}{{\"prompt_ids\": [1], \"completion_ids\": [300], \"reward\": 1, \"group\": 0}}\n"),
+                format!(
+                    "{ok}{{\"prompt_ids\": [1], \"completion_ids\": [300], \"reward\": 1, \"group\": 0}}\n"
+                ),
                 "line 2: token id 300 is outside",
             ),
             (
                 format!("{ok}{{\"completion\": \"x\", \"reward\": 1, \"group\": 0}}\n"),
                 "line 2: `prompt`: missing",
             ),
-            (format!("{ok}{{\"reward\": \"high\"}}\n"), "line 2: `reward`: not a finite"),
+            (
+                format!("{ok}{{\"reward\": \"high\"}}\n"),
+                "line 2: `reward`: not a finite",
+            ),
             (format!("{ok}[1]\n"), "line 2: not a JSON object"),
         ] {
             let e = read_text(&text).unwrap_err().to_string();

@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use ipc_channel::TryRecvError;
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
-use mt::config::{DpoParams, GrpoParams};
 use mt::config::hf::ModelSpec;
+use mt::config::{DpoParams, GrpoParams};
 use mt::dpo::DpoSums;
-use mt::grpo::GrpoSums;
 use mt::fault::Phase;
+use mt::grpo::GrpoSums;
 use mt::layout::Layout;
 use mt::protocol::{ForwardOnly, FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
@@ -237,9 +237,7 @@ impl Engine {
             // its completions (its completion tokens under `dapo`).
             let share = match (self.dpo, self.grpo) {
                 (Some(_), _) => (mb.rows / 2) as f64 * loss_scale,
-                (_, Some(p)) if p.loss != mt::config::GrpoLoss::Dapo => {
-                    mb.rows as f64 * loss_scale
-                }
+                (_, Some(p)) if p.loss != mt::config::GrpoLoss::Dapo => mb.rows as f64 * loss_scale,
                 _ => batch.valid_m.size()[0] as f64 * loss_scale,
             };
             ctx.router_aux =

@@ -22,8 +22,8 @@ use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
 use crate::dpo::Preference;
-use crate::grpo::Policy;
 use crate::eval::EvalSet;
+use crate::grpo::Policy;
 use crate::host::HostState;
 use crate::prepare::Prepared;
 use crate::progress::Progress;

@@ -129,6 +129,11 @@ impl Trainer {
         step_time_s: f64,
         eval: Option<EvalMetrics>,
     ) -> Result<()> {
+        // What the step's loss is a mean over (its label tokens, pairs or completions).
+        let units = match &self.grpo {
+            Some(g) => g.loss_units(plan),
+            None => plan.loss_units(),
+        };
         let layout = &self.host.layout;
         let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
         let params = layout.num_params() as u64;
@@ -153,7 +158,7 @@ impl Trainer {
         let per_device_tflops = |f: f64| f / step_time_s / self.sup.world() as f64 / 1e12;
         let m = StepMetrics {
             step: step + 1,
-            loss: out.loss_sum / plan.loss_units().max(1) as f64,
+            loss: out.loss_sum / units.max(1) as f64,
             lr,
             grad_norm,
             tokens: plan.tokens,

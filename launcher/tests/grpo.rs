@@ -1,0 +1,282 @@
+//! `training.stage: grpo` end to end, against TRL's GRPO loss formulas computed in torch
+//! (scripts/golden_grpo.py: tiny Llama with `dapo`, epsilon_high above epsilon and two
+//! iterations per batch; Qwen3 with tied embeddings, `grpo`, batch-scaled rewards and three
+//! iterations; Llama with `dr_grpo` and unscaled rewards; float32, with a learning rate
+//! that pushes ratios past the clip range): per-step loss, gradient norm and TRL's clip
+//! ratios, and every step-1 gradient, with 1 and 2 CPU workers; 2 workers equal 1 worker
+//! accumulating 2 bit for bit; a run checkpointed in the middle of a batch and resumed
+//! equals the straight one bit for bit; bad rollouts and settings are refused naming file,
+//! line and key.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+/// Step 1's loss, gradient norm and every gradient (‖ours − torch‖ / ‖torch‖). Both sides
+/// compute in float32 from the same weights; at step 1 the ratio is exactly 1 on both
+/// sides, so the loss is a weighted sum of the advantages (ours in f64 from the same f32
+/// rewards) and the gradients differ by the rounding of the per-token log-probabilities'
+/// backward, as DPO's (≤ 1e-6 relative measured there). A wrong normalisation (1/tokens
+/// for 1/completions, a missing max_completion_length) or advantage (biased std, no 1e-4)
+/// is O(1e-2) or more.
+const TOL: f64 = 1e-5;
+/// Later steps start from weights AdamW moved (elements whose gradient is at the rounding
+/// level may take either sign, so weights part by up to 2 lr in those elements), and a
+/// token whose ratio sits at the clip edge within rounding could fall on the other side in
+/// the two runs: as golden.rs and dpo.rs after step 1, 1e-4 of the step's scale (measured
+/// ≤ 1.4e-5 for the loss, 8e-6 for the norm; a wrong clip bound or old log-probability
+/// is O(1e-1)).
+const LATER_TOL: [f64; 2] = [1e-4, 1e-4];
+
+fn cases() -> Vec<PathBuf> {
+    let dir = golden_dir().join("grpo");
+    let mut cases: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/make_golden.py)", dir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("expected.json").is_file())
+        .collect();
+    cases.sort();
+    assert_eq!(cases.len(), 3, "the GRPO golden cases");
+    cases
+}
+
+#[test]
+fn grpo_matches_trl_loss_in_torch() {
+    let mut failures = Vec::new();
+    for case in &cases() {
+        for workers in [1, 2] {
+            check(case, workers, &mut failures);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
+    let name = format!("{} {workers}w", case.file_name().unwrap().to_string_lossy());
+    let dir = scratch(&format!("grpo-golden-{}", name.replace(' ', "-")));
+    let (m, g) = (dir.join("m.jsonl"), dir.join("grads.safetensors"));
+    run_cpu_ok(
+        &case.join("run.yaml"),
+        workers,
+        &m,
+        &["--dump-grads", path_str(&g)],
+    );
+    let want = json(&case.join("expected.json"));
+    let rows = metrics(&m);
+    for (i, (ours, theirs)) in [("loss", "losses"), ("grad_norm", "grad_norms")]
+        .into_iter()
+        .enumerate()
+    {
+        let (a, b) = (column(&rows, ours), f64_array(&want[theirs]));
+        // The loss can be ~0 (advantages sum to 0 in a group): relative to the step's scale.
+        let scale = b.iter().map(|x| x.abs()).fold(0.0, f64::max);
+        let err = |x: &f64, y: &f64| (x - y).abs() / scale.max(1e-30);
+        let first = err(&a[0], &b[0]);
+        let later = a[1..]
+            .iter()
+            .zip(&b[1..])
+            .map(|(x, y)| err(x, y))
+            .fold(0.0, f64::max);
+        eprintln!("grpo {name}: {ours} error {first:.2e} at step 1, {later:.2e} after");
+        if a.len() != b.len() || first > TOL || later > LATER_TOL[i] {
+            failures.push(format!(
+                "{name}: {ours} {a:?} vs torch {b:?} ({first:.2e}, {later:.2e})"
+            ));
+        }
+    }
+    // Clip ratios: none at step 1 (r = 1); after it, counts of tokens past the edge, the
+    // same tokens on both sides unless one sits at the edge within rounding (one token in
+    // a batch of ~30 is 0.04): held to 0.05.
+    for key in ["clip_ratio/low_mean", "clip_ratio/high_mean"] {
+        let (a, b) = (column(&rows, key), f64_array(&want[key]));
+        if a[0] != 0.0 || a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 0.05) {
+            failures.push(format!("{name}: {key} {a:?} vs torch {b:?}"));
+        }
+    }
+    let (ours, torch) = (tensors(&g), tensors(&case.join("grads0.safetensors")));
+    if ours.len() != torch.len() {
+        failures.push(format!(
+            "{name}: {} gradient tensors, torch has {}",
+            ours.len(),
+            torch.len()
+        ));
+    }
+    let mut worst = 0.0f64;
+    for (t, want) in &torch {
+        match ours.get(t) {
+            None => failures.push(format!("{name}: no gradient for `{t}`")),
+            Some(got) => {
+                let e = rel_l2(got, want);
+                worst = worst.max(e);
+                if e > TOL {
+                    failures.push(format!("{name}: gradient `{t}` rel error {e:.2e}"));
+                }
+            }
+        }
+    }
+    eprintln!("grpo {name}: worst step-1 gradient rel error {worst:.2e}");
+}
+
+type Run = (Vec<Vec<u64>>, std::collections::HashMap<String, Vec<f32>>);
+
+/// Per step: the bits of the loss, the gradient norm and the clip ratios.
+fn bits(m: &Path) -> Vec<Vec<u64>> {
+    metrics(m)
+        .iter()
+        .map(|r| {
+            [
+                "loss",
+                "grad_norm",
+                "clip_ratio/low_mean",
+                "clip_ratio/high_mean",
+            ]
+            .iter()
+            .map(|k| r[k].as_f64().unwrap().to_bits())
+            .collect()
+        })
+        .collect()
+}
+
+/// The Qwen3 case (three iterations per batch): bits per step and final weights.
+fn train(tag: &str, workers: usize, accum: usize) -> Run {
+    let case = golden_dir().join("grpo/qwen3_tied_grpo");
+    let dir = scratch(&format!("grpo-equiv-{tag}"));
+    let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
+    let args = [
+        "--set".to_string(),
+        format!("training.gradient_accumulation_steps={accum}"),
+        "--set".into(),
+        format!("training.output_dir={}", out.display()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_cpu_ok(&case.join("run.yaml"), workers, &m, &args);
+    (bits(&m), tensors(&out.join("model.safetensors")))
+}
+
+/// Bit for bit, as for SFT and DPO: single-threaded CPU workers, slabs summed in
+/// accumulation order, and the old log-probabilities kept in the batch's row order whatever
+/// the worker count.
+#[test]
+fn two_workers_equal_one_worker_accumulating_two() {
+    let (a, b) = (train("w2", 2, 1), train("w1ga2", 1, 2));
+    assert_eq!(a.0, b.0, "per-step loss, norm and clip bits differ");
+    assert_eq!(a.1.len(), b.1.len());
+    for (name, wa) in &a.1 {
+        let differ = wa
+            .iter()
+            .zip(&b.1[name])
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differ, 0, "final `{name}`: {differ} elements differ");
+    }
+}
+
+/// Checkpoints after steps 2 and 4 of the Qwen3 case (three iterations per batch: step 2
+/// is inside batch 0, whose old log-probabilities the checkpoint must carry).
+#[test]
+fn resume_in_the_middle_of_a_batch_continues_exactly() {
+    let case = golden_dir().join("grpo/qwen3_tied_grpo/run.yaml");
+    let dir = scratch("grpo-resume");
+    let ck = format!("checkpoint.dir={}", dir.join("ck").display());
+    let run = |tag: &str, extra: &[&str]| {
+        let m = dir.join(format!("{tag}.jsonl"));
+        let (out, args) = run_cpu(&case, 2, &m, extra);
+        assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        bits(&m)
+    };
+    let straight = run("straight", &["--set", "training.num_steps=5"]);
+    let first = run("first", &["--set", "training.num_steps=2", "--set", &ck]);
+    let saved = dir.join("ck/step-00000002/grpo_old_logps.safetensors");
+    assert!(saved.is_file(), "{} is written", saved.display());
+    let second = run(
+        "second",
+        &[
+            "--set",
+            "training.num_steps=5",
+            "--set",
+            &ck,
+            "--resume",
+            "latest",
+        ],
+    );
+    let resumed: Vec<Vec<u64>> = first.into_iter().chain(second).collect();
+    assert_eq!(
+        resumed, straight,
+        "resumed bits differ from the straight run's"
+    );
+}
+
+/// A bad rollouts file, or a setting GRPO does not train with: refused before any worker
+/// starts, naming the file, line and key.
+#[test]
+fn bad_rollouts_and_settings_are_refused_naming_file_line_and_key() {
+    let case = golden_dir().join("grpo/llama_dapo/run.yaml");
+    let dir = scratch("grpo-bad");
+    let good =
+        std::fs::read_to_string(golden_dir().join("grpo/llama_dapo/rollouts.jsonl")).unwrap();
+    let lines: Vec<&str> = good.lines().collect();
+    let no_reward = lines[4].replace("\"reward\"", "\"score\"");
+    let lonely = lines[2].replace("\"group\": \"g0\"", "\"group\": \"alone\"");
+    for (tag, text, words) in [
+        (
+            "no-reward",
+            [&lines[..4], &[no_reward.as_str()], &lines[5..]]
+                .concat()
+                .join("\n"),
+            vec!["no-reward.jsonl", "line 5", "`reward`: missing"],
+        ),
+        (
+            "group-of-one",
+            [&lines[..2], &[lonely.as_str()], &lines[3..]]
+                .concat()
+                .join("\n"),
+            vec![
+                "group-of-one.jsonl",
+                "line 3",
+                "`group`",
+                "group alone has one completion",
+            ],
+        ),
+    ] {
+        let path = dir.join(format!("{tag}.jsonl"));
+        std::fs::write(&path, text).unwrap();
+        let m = dir.join(format!("{tag}-metrics.jsonl"));
+        let set = format!("dataset.path={}", path.display());
+        let (out, _) = run_cpu(&case, 1, &m, &["--set", &set]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && words.iter().all(|w| err.contains(w)),
+            "{tag}: {words:?} in {err}"
+        );
+    }
+    for (set, words) in [
+        ("grpo.beta=0.04", vec!["grpo.beta", "not implemented"]),
+        (
+            "grpo.loss_type=bnpo",
+            vec!["grpo.loss_type", "unknown variant"],
+        ),
+        (
+            "dataset.packing=true",
+            vec!["dataset.packing", "packing is off for training.stage: grpo"],
+        ),
+    ] {
+        let m = dir.join("settings.jsonl");
+        let mut args = vec!["--set", set];
+        if set.starts_with("dataset.packing") {
+            args.extend(["--set", "dataset.max_seq_len=32"]);
+        }
+        let (out, _) = run_cpu(&case, 1, &m, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && words.iter().all(|w| err.contains(w)),
+            "{set}: {words:?} in {err}"
+        );
+    }
+}

@@ -1,0 +1,163 @@
+"""GRPO golden cases for scripts/make_golden.py (training.stage: grpo): a tiny model of a
+golden family trained a few steps on a rollouts file by TRL's GRPOTrainer loss formulas
+(`_compute_loss`, token-level importance sampling, beta = 0) in torch (float32), for
+launcher/tests/grpo.rs.
+
+Per case, under OUT/grpo/<case>/: model/ (save_pretrained), rollouts.jsonl (token-id
+rollouts: `prompt_ids`, `completion_ids`, `reward`, `group`; groups of three), run.yaml,
+expected.json (per step: the loss, the pre-clip gradient norm, TRL's clip_ratio/low_mean and
+clip_ratio/high_mean) and grads0.safetensors (every parameter's gradient at step 1).
+
+TRL's semantics written here as the test's reference: advantages = reward - group mean,
+divided by (unbiased std + 1e-4) of the group (`scale_rewards: group`) or of every reward
+(`batch`), or not (`none`); step s trains on batch s // num_iterations (file order); the old
+log-probabilities are the batch's first step's (ratio 1 there); per-token loss
+-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); `grpo` means over each completion's
+tokens then over completions, `dapo` divides the sum by the batch's completion tokens,
+`dr_grpo` by completions x max_completion_length.
+"""
+import json
+import os
+import shutil
+
+import safetensors.torch
+import torch
+
+import make_golden as g
+
+GRPO_CASES = {
+    "llama_dapo": dict(model_type="llama", config=dict(tie_word_embeddings=False), loss="dapo",
+                       epsilon=0.2, epsilon_high=0.28, iterations=2, scale="group", max_len=256),
+    "qwen3_tied_grpo": dict(model_type="qwen3", config=dict(head_dim=10, tie_word_embeddings=True), loss="grpo",
+                            epsilon=0.1, epsilon_high=0.1, iterations=3, scale="batch", max_len=256),
+    "llama_dr_grpo": dict(model_type="llama", config=dict(tie_word_embeddings=False), loss="dr_grpo",
+                          epsilon=0.2, epsilon_high=0.2, iterations=1, scale="none", max_len=12),
+}
+GROUP = 3
+GRPO_ROLLOUTS = 24
+GRPO_BATCH = 6  # completions per step
+GRPO_STEPS = 4
+# A learning rate that moves the ratio past the clip range within a batch.
+GRPO_LR = 2e-2
+
+
+def make_rollouts(gen, vocab):
+    """Groups of GROUP completions of one prompt, each with a reward in {0, 0.5, 1}."""
+    out = []
+    for k in range(GRPO_ROLLOUTS // GROUP):
+        prompt = torch.randint(0, vocab, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(GROUP):
+            completion = torch.randint(0, vocab, (int(torch.randint(2, 10, (1,), generator=gen)),), generator=gen).tolist()
+            reward = 0.5 * int(torch.randint(0, 3, (1,), generator=gen))
+            out.append({"prompt_ids": prompt, "completion_ids": completion, "reward": reward, "group": f"g{k}"})
+    return out
+
+
+def advantages(rollouts, scale):
+    rewards = torch.tensor([r["reward"] for r in rollouts], dtype=torch.float32)
+    grouped = rewards.view(-1, GROUP)
+    adv = rewards - grouped.mean(dim=1).repeat_interleave(GROUP)
+    if scale == "group":
+        adv = adv / (grouped.std(dim=1).repeat_interleave(GROUP) + 1e-4)
+    elif scale == "batch":
+        adv = adv / (rewards.std() + 1e-4)
+    return adv
+
+
+def token_logps(model, rows):
+    """Each completion token's log-probability (TRL's selective log-softmax of the shifted
+    logits) and the completion mask."""
+    ids, labels, mask = g.batch(rows)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    per_token = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return per_token, (targets != -100).float()
+
+
+def grpo_loss(case, logp, old, adv, mask):
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - case["epsilon"], 1 + case["epsilon_high"])
+    a = adv.unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
+    if case["loss"] == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif case["loss"] == "dapo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    else:
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * case["max_len"])
+    low = ((coef_1 < 1 - case["epsilon"]) & (a < 0)).float()
+    high = ((coef_1 > 1 + case["epsilon_high"]) & (a > 0)).float()
+    n = mask.sum()
+    return loss, ((low * mask).sum() / n).item(), ((high * mask).sum() / n).item()
+
+
+def grpo_reference(model, rollouts, case, tr, grads_path):
+    rows = [{"input_ids": r["prompt_ids"] + r["completion_ids"],
+             "labels": [-100] * len(r["prompt_ids"]) + r["completion_ids"]} for r in rollouts]
+    adv = advantages(rollouts, case["scale"])
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=GRPO_LR, betas=(tr["beta1"], tr["beta2"]), eps=tr["eps"],
+    )
+    out = {k: [] for k in ("losses", "grad_norms", "clip_ratio/low_mean", "clip_ratio/high_mean")}
+    old = None
+    for step in range(GRPO_STEPS):
+        b = step // case["iterations"]
+        sl = slice(b * GRPO_BATCH, (b + 1) * GRPO_BATCH)
+        logp, mask = token_logps(model, rows[sl])
+        if step % case["iterations"] == 0:
+            old = logp.detach()
+        loss, low, high = grpo_loss(case, logp, old, adv[sl], mask)
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.detach().clone().contiguous() for name, p in model.named_parameters()
+                     if p.grad is not None}
+            tmp = grads_path + ".tmp"
+            safetensors.torch.save_file(g.checkpoint_named(model, {n_: grads.get(n_) for n_, _ in model.named_parameters()}, tmp), grads_path)
+            shutil.rmtree(tmp)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tr["max_grad_norm"])
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["grad_norms"].append(norm.item())
+        out["clip_ratio/low_mean"].append(low)
+        out["clip_ratio/high_mean"].append(high)
+    return out
+
+
+def make_case(root, name, case):
+    out = os.path.join(root, "grpo", name)
+    os.makedirs(out, exist_ok=True)
+    torch.manual_seed(4321)
+    model, cfg = g.build(case)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    g.save_model(model, case, os.path.join(out, "model"))
+    rollouts = make_rollouts(torch.Generator().manual_seed(91), cfg.vocab_size)
+    with open(os.path.join(out, "rollouts.jsonl"), "w") as f:
+        for r in rollouts:
+            f.write(json.dumps(r) + "\n")
+    tr = g.TRAIN
+    expected = grpo_reference(model, rollouts, case, tr, os.path.join(out, "grads0.safetensors"))
+    with open(os.path.join(out, "expected.json"), "w") as f:
+        json.dump(expected, f, indent=1)
+    with open(os.path.join(out, "run.yaml"), "w") as f:
+        f.write(f"""# generated by scripts/make_golden.py
+model: {{path: model, init: pretrained, dtype: float32}}
+dataset: {{path: rollouts.jsonl, shuffle: false}}
+training:
+  stage: grpo
+  batch_size: {GRPO_BATCH}
+  num_steps: {GRPO_STEPS}
+  learning_rate: {GRPO_LR}
+  weight_decay: {tr['weight_decay']}
+  max_grad_norm: {tr['max_grad_norm']}
+optimizer: {{beta1: {tr['beta1']}, beta2: {tr['beta2']}, eps: {tr['eps']}}}
+grpo: {{loss_type: {case['loss']}, epsilon: {case['epsilon']}, epsilon_high: {case['epsilon_high']}, num_iterations: {case['iterations']}, scale_rewards: {case['scale']}, max_completion_length: {case['max_len']}}}
+""")
+    print(f"grpo/{name}: losses {['%.5f' % l for l in expected['losses']]} "
+          f"clip low {expected['clip_ratio/low_mean']} high {expected['clip_ratio/high_mean']}")
