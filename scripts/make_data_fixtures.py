@@ -515,3 +515,28 @@ for name, recs, t in (("dpo_alpaca", dpo_alpaca, tok), ("dpo_sharegpt", dpo_shar
 with open(os.path.join(out, "dataset_info.json"), "w") as f:
     json.dump(registry, f, indent=2)
 print(f"data fixtures: preference pairs, {len(dpo_alpaca)} alpaca and {len(dpo_sharegpt)} sharegpt")
+
+# Rollouts (training.stage: grpo) in text: the prompt as a string (a user turn) or as chat
+# messages, the completion as a string or as one assistant message; each row is rendered
+# with apply_chat_template and labelled on the completion alone, as a ranking answer is.
+rollouts = []
+for k, p in enumerate(dpo_alpaca[:12]):
+    prompt = "\n".join(s for s in (p["instruction"], p["input"]) if s)
+    for j, answer in enumerate((p["chosen"], p["rejected"], p["chosen"] + " ✓")):
+        rec = {"reward": float(j == 0) - 0.25 * j, "group": k}
+        if k % 2:
+            rec["prompt"] = [{"role": "system", "content": "Réponds brièvement"},
+                             {"role": "user", "content": prompt}]
+            rec["completion"] = [{"role": "assistant", "content": answer}]
+        else:
+            rec["prompt"], rec["completion"] = prompt, answer
+        rollouts.append(rec)
+with open(os.path.join(out, "rollouts_text.jsonl"), "w") as f:
+    for r in rollouts:
+        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+with open(os.path.join(out, "expected_rollouts_text.jsonl"), "w") as f:
+    for r in rollouts:
+        msgs = r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}]
+        answer = r["completion"][0]["content"] if isinstance(r["completion"], list) else r["completion"]
+        f.write(json.dumps(answer_row(msgs + [{"role": "assistant", "content": answer}])) + "\n")
+print(f"data fixtures: {len(rollouts)} text rollouts")
