@@ -16,6 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::TileTokens;
 use crate::protocol::Device;
 
 /// What a worker was doing (the engine's phases of a micro-batch, and the work around them).
@@ -181,6 +182,9 @@ pub struct PlanFigures {
 pub struct Settings {
     pub offload_activations: bool,
     pub ce_chunk_tokens: usize,
+    pub tile_tokens: TileTokens,
+    /// The tile the failing micro-batch ran its layers' MLP half in (None: whole).
+    pub tile: Option<usize>,
 }
 
 /// A worker's libtorch (or allocation) failure, located.
@@ -228,6 +232,17 @@ impl Fault {
             && self.device != Device::Cpu
         {
             out.push("memory.offload_activations: true".into());
+        }
+        let in_layer = matches!(
+            self.phase,
+            Phase::WarmUp | Phase::Forward | Phase::Backward | Phase::Eval
+        ) && self.layer.is_some();
+        match (self.settings.tile, self.settings.tile_tokens) {
+            (Some(t), _) if in_layer => {
+                out.push(format!("a smaller memory.tile_tokens (now {t})"))
+            }
+            (None, TileTokens::Off) if in_layer => out.push("memory.tile_tokens: auto".into()),
+            _ => {}
         }
         if self.phase == Phase::Head {
             out.push(format!(
@@ -338,6 +353,8 @@ mod tests {
             settings: Settings {
                 offload_activations: offload,
                 ce_chunk_tokens: 8192,
+                tile_tokens: TileTokens::Auto,
+                tile: None,
             },
         }
     }

@@ -18,10 +18,12 @@ use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use mt::config::hf::ModelSpec;
 use mt::fault::Phase;
 use mt::layout::Layout;
+use mt::plan::{DeviceOpts, DevicePlan};
 use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;
+use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Streamer, kind_of};
 
@@ -35,6 +37,8 @@ pub struct Engine {
     device: Device,
     kind: Kind,
     ce_chunk: i64,
+    /// The device plan's options, which resolve each micro-batch's tile.
+    plan_opts: DeviceOpts,
     /// Elements of a slab slot: blocks larger than this are sent in parts.
     slot_len: usize,
     streamer: Streamer,
@@ -149,6 +153,8 @@ struct DeviceBatch {
     pos_bt: Option<Tensor>,
     valid_m: Tensor,
     targets_m: Tensor,
+    /// Tokens per tile of the layers' MLP half (`layer.rs`); None: whole.
+    tile: Option<usize>,
 }
 
 impl Engine {
@@ -159,6 +165,7 @@ impl Engine {
             device: crate::stream::device_of(init.device),
             kind: kind_of(init.dtype),
             ce_chunk: init.ce_chunk_tokens as i64,
+            plan_opts: init.device_opts(false),
             slot_len: init.layout.grad_slot_len(),
             ctl: Control {
                 free_slots: (0..init.num_slots).rev().collect(),
@@ -262,7 +269,7 @@ impl Engine {
             let flat = self.streamer.layer(layout, l, ready)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            x_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
+            x_bth = layer::forward(&self.spec, l, &w, &x_bth, &ctx, batch.tile);
         }
         enter(Phase::Eval, None);
         let head = self.streamer.head(layout, ready)?;
@@ -345,11 +352,17 @@ impl Engine {
             Tensor::f_cat(&[labels_bt.f_narrow(1, 1, t - 1)?, pad], 1)?.f_reshape([-1])?;
         let valid_m = targets.f_ne(-100)?.f_nonzero()?.f_reshape([-1])?;
         let targets_m = targets.f_index_select(0, &valid_m)?.f_to_device(dev)?;
+        let o = DeviceOpts {
+            packed: pos_bt.is_some(),
+            ..self.plan_opts
+        };
+        let tile = DevicePlan::new(&self.spec, &self.layout, o, mb.rows, mb.seq_len).tile;
         Ok(DeviceBatch {
             ids_bt,
             pos_bt,
             valid_m: valid_m.f_to_device(dev)?,
             targets_m,
+            tile,
         })
     }
 
@@ -382,7 +395,7 @@ impl Engine {
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, ctx);
+            let y_bth = layer::forward(&self.spec, l, &w, &x_bth, ctx, batch.tile);
             self.streamer
                 .stash_input(l, std::mem::replace(&mut x_bth, y_bth))?;
         }
@@ -469,14 +482,8 @@ impl Engine {
                 .layer(&layout, l, &mut |b| ctl.wait_block(b, rx))?;
             let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            let x_in = self.streamer.stashed_input(l)?.set_requires_grad(true);
-            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, ctx);
-            let objective = (y_bth * &dy_bth).sum(Kind::Float);
-            match ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
-                Some(aux) => (objective + aux).backward(),
-                None => objective.backward(),
-            }
-            dy_bth = x_in.grad();
+            let x_bth = self.streamer.stashed_input(l)?;
+            dy_bth = layer::backward(&self.spec, l, &w, x_bth, dy_bth, ctx, batch.tile);
             self.send(mi, layout.layer_block(l), &w, link, tm)?;
         }
 
