@@ -238,9 +238,7 @@ impl Fault {
             Phase::WarmUp | Phase::Forward | Phase::Backward | Phase::Eval
         ) && self.layer.is_some();
         match (self.settings.tile, self.settings.tile_tokens) {
-            (Some(t), _) if in_layer => {
-                out.push(format!("a smaller memory.tile_tokens (now {t})"))
-            }
+            (Some(t), _) if in_layer => out.push(format!("a smaller memory.tile_tokens (now {t})")),
             (None, TileTokens::Off) if in_layer => out.push("memory.tile_tokens: auto".into()),
             _ => {}
         }

@@ -20,8 +20,8 @@ mod tile;
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
 pub use logging::{LoggingSection, ReportTo};
 pub use overrides::apply_override;
-pub use tile::TileTokens;
 use overrides::did_you_mean;
+pub use tile::TileTokens;
 
 use std::path::{Path, PathBuf};
 

@@ -156,6 +156,7 @@ impl DevicePlan {
                 .max();
             p.phase(MLP_TILES).map(Phase::total) <= bound
         };
+        // At `m`: the whole micro-batch as one tile, against the same bound.
         if fits(m) {
             return None;
         }
@@ -164,7 +165,8 @@ impl DevicePlan {
     }
 
     /// The plan with the token-wise halves of the tiled layers in tiles of `tile` tokens
-    /// (None, or at least the micro-batch: whole).
+    /// (None: whole; at most the micro-batch, which [`Self::auto_tile`] passes to weigh the
+    /// whole MLP as one tile).
     fn tiled(
         spec: &ModelSpec,
         layout: &Layout,
@@ -203,7 +205,7 @@ impl DevicePlan {
         // backward's graph with its temporaries, the no-grad forward's temporaries and, for
         // a tiled layer, the MLP tiles phase's (attention half's graph, one tile's graph
         // with its output and gradient).
-        let tile = tile.map(|t| t as u64).filter(|&t| t < m);
+        let tile = tile.map(|t| (t as u64).min(m));
         let roles: Vec<(u64, u64, Option<(u64, u64)>)> = (0..spec.num_layers)
             .map(|l| {
                 let attn = acts::attention_half(spec, l, &dims);
@@ -211,7 +213,11 @@ impl DevicePlan {
                     Some(t) => {
                         let mlp = acts::mlp_half(spec, l, t, &dims);
                         let forward = attn.forward.max(mlp.forward + t * h * s);
-                        (attn.graph(), forward, Some((attn.saved, mlp.graph() + t * h * s)))
+                        (
+                            attn.graph(),
+                            forward,
+                            Some((attn.saved, mlp.graph() + t * h * s)),
+                        )
                     }
                     None => {
                         let whole: LayerActs = attn + acts::mlp_half(spec, l, m, &dims);
@@ -445,7 +451,6 @@ impl std::fmt::Display for DevicePlan {
         )
     }
 }
-
 
 #[cfg(test)]
 mod tests;

@@ -174,8 +174,8 @@ impl std::fmt::Display for Short {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{DType, TileTokens};
     use crate::config::hf::HfConfig;
+    use crate::config::{DType, TileTokens};
 
     fn qwen_7b() -> (ModelSpec, Layout) {
         let path =

@@ -34,7 +34,9 @@ fn tile_of(spec: &ModelSpec, layer: usize, tile: Option<usize>, m: i64) -> Optio
 
 /// (start, len) of each tile of `t` tokens over `m`.
 fn tiles(m: i64, t: i64) -> impl Iterator<Item = (i64, i64)> {
-    (0..m).step_by(t as usize).map(move |start| (start, t.min(m - start)))
+    (0..m)
+        .step_by(t as usize)
+        .map(move |start| (start, t.min(m - start)))
 }
 
 /// Layer `layer` without grad: (B, T, H) -> (B, T, H).
@@ -76,22 +78,29 @@ pub fn backward(
     let x_bth = x_bth.set_requires_grad(true);
     let Some(tile) = tile_of(spec, layer, tile, b * t) else {
         let y_bth = model::decoder_layer(spec, layer, w, &x_bth, ctx);
-        backpropagate((y_bth * &dy_bth).sum(Kind::Float), ctx);
+        // (Bound first: the product is gone before the backward runs.)
+        let objective = (y_bth * &dy_bth).sum(Kind::Float);
+        backpropagate(objective, ctx);
         return x_bth.grad();
     };
     let h_bth = model::attention_half(spec, layer, w, &x_bth, ctx);
-    let h_1mh = h_bth.detach().view([1, b * t, h]);
     let dy_bth = dy_bth.contiguous();
-    let dy_1mh = dy_bth.view([1, b * t, h]);
-    for (start, len) in tiles(b * t, tile) {
-        let h_leaf_1th = h_1mh.narrow(1, start, len).detach().set_requires_grad(true);
-        let mut dy_1th = dy_1mh.narrow(1, start, len);
-        let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
-        (out_1th * &dy_1th).sum(Kind::Float).backward();
-        // The tile's graph is gone: its rows of dy are free for dh.
-        dy_1th.copy_(&h_leaf_1th.grad());
+    {
+        let h_1mh = h_bth.detach().view([1, b * t, h]);
+        let dy_1mh = dy_bth.view([1, b * t, h]);
+        for (start, len) in tiles(b * t, tile) {
+            let h_leaf_1th = h_1mh.narrow(1, start, len).detach().set_requires_grad(true);
+            let mut dy_1th = dy_1mh.narrow(1, start, len);
+            let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
+            let objective = (out_1th * &dy_1th).sum(Kind::Float);
+            objective.backward();
+            // The tile's graph is gone: its rows of dy are free for dh.
+            dy_1th.copy_(&h_leaf_1th.grad());
+        }
     }
-    backpropagate((h_bth * &dy_bth).sum(Kind::Float), ctx);
+    // h itself is not needed for the attention half's backward: gone with the product.
+    let objective = (h_bth * &dy_bth).sum(Kind::Float);
+    backpropagate(objective, ctx);
     x_bth.grad()
 }
 

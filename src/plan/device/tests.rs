@@ -1,6 +1,7 @@
 //! Unit tests of the device plan.
 
 use super::*;
+use crate::config::TileTokens;
 use crate::config::hf::HfConfig;
 
 fn model(dir: &str) -> (ModelSpec, Layout) {
@@ -111,4 +112,122 @@ fn largest_batch_is_the_edge_of_the_budget() {
     assert!(DevicePlan::new(&spec, &layout, OPTS, b, 1024).total() <= budget);
     assert!(DevicePlan::new(&spec, &layout, OPTS, b + 1, 1024).total() > budget);
     assert_eq!(DevicePlan::largest_batch(&spec, &layout, OPTS, 1024, 1), 0);
+}
+
+const H200: u64 = 141_000_000_000;
+
+fn with_tile(tile_tokens: TileTokens, offload_activations: bool) -> DeviceOpts {
+    DeviceOpts {
+        tile_tokens,
+        offload_activations,
+        ..OPTS
+    }
+}
+
+/// The target: one 512k-token sequence of the Qwen2.5-7B shape (all 28 layers) on
+/// one H200, layer inputs offloaded. Whole, one layer's MLP recompute alone is 4 (M, I)
+/// bf16 tensors saved and 2 more in its backward: 6 x 524288 x 18944 x 2 B = 119 GB.
+#[test]
+fn tiling_fits_512k_tokens_of_qwen2_5_7b_in_an_h200() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let whole = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Off, true), 1, 524288);
+    assert!(whole.total() > H200, "{whole}");
+    assert_eq!(whole.tile, None);
+    let auto = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Auto, true), 1, 524288);
+    assert!(auto.total() <= H200 / 2, "{auto}");
+    let tile = auto.tile.expect("auto tiles a 512k micro-batch");
+    assert_eq!(tile % TILE_ALIGN, 0);
+    assert!(auto.to_string().contains(&format!(
+        "in tiles of {tile} tokens, {} per layer (memory.tile_tokens: auto)",
+        524288usize.div_ceil(tile)
+    )));
+    // The largest aligned tile whose MLP phase stays within the others.
+    let bound = |p: &DevicePlan| {
+        [HEAD, LAYER_BACKWARD, EMBED_BACKWARD]
+            .map(|n| p.phase(n).unwrap().total())
+            .into_iter()
+            .max()
+            .unwrap()
+    };
+    let tiles = |p: &DevicePlan| p.phase(MLP_TILES).unwrap().total();
+    assert!(tiles(&auto) <= bound(&auto));
+    let next = with_tile(TileTokens::Tokens(tile + TILE_ALIGN), true);
+    let bigger = DevicePlan::new(&spec, &layout, next, 1, 524288);
+    assert!(tiles(&bigger) > bound(&bigger));
+    // Without offloading the 28 inputs (3.76 GB each) it fits no more.
+    let kept = DevicePlan::new(
+        &spec,
+        &layout,
+        with_tile(TileTokens::Auto, false),
+        1,
+        524288,
+    );
+    assert!(kept.total() > H200);
+}
+
+#[test]
+fn a_tile_bounds_the_mlp_and_leaves_the_attention_half_whole() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let (h, i, s) = (3584u64, 18944u64, 2u64);
+    let plan = |t| {
+        DevicePlan::new(
+            &spec,
+            &layout,
+            with_tile(TileTokens::Tokens(t), true),
+            1,
+            65536,
+        )
+    };
+    let (p1, p2) = (plan(4096), plan(8192));
+    assert_eq!((p1.tile, p2.tile), (Some(4096), Some(8192)));
+    let mlp = |p: &DevicePlan| {
+        part(
+            p.phase(MLP_TILES).unwrap(),
+            "one MLP tile's graph + gradients",
+        )
+    };
+    // Per token: the norm's f32 input and output, the MLP's 4 saved and 2 gradient (I)
+    // rows, the tile's gradient row.
+    assert_eq!(
+        mlp(&p2) - mlp(&p1),
+        4096 * (h * (4 + s) + 6 * i * s + h * s)
+    );
+    // The layer backward holds the attention half's graph only, whatever the tile.
+    let graph = |p: &DevicePlan| part(&p.phases[2], "one layer's recompute graph + gradients");
+    assert_eq!(graph(&p1), graph(&p2));
+    let whole = plan(65536);
+    assert_eq!(whole.tile, None);
+    assert!(whole.phase(MLP_TILES).is_none());
+    assert!(graph(&whole) > graph(&p1) + 6 * 65536 * i * s);
+    assert_eq!(
+        whole,
+        DevicePlan {
+            tile_setting: TileTokens::Tokens(65536),
+            ..DevicePlan::new(&spec, &layout, with_tile(TileTokens::Off, true), 1, 65536)
+        }
+    );
+}
+
+#[test]
+fn auto_leaves_whole_what_fits_and_the_experts() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let auto = with_tile(TileTokens::Auto, false);
+    // 16 x 1024: the whole MLP fits within the head's loss chunk.
+    assert_eq!(DevicePlan::new(&spec, &layout, auto, 16, 1024).tile, None);
+    assert_eq!(
+        DevicePlan::new(&spec, &layout, auto, 1, TILE_ALIGN).tile,
+        None
+    );
+    assert!(
+        DevicePlan::new(&spec, &layout, auto, 128, 1024)
+            .tile
+            .is_some()
+    );
+    // Every layer of Qwen3-30B-A3B is a mixture of experts: nothing to tile.
+    let (moe, moe_layout) = model("qwen3-30b-a3b");
+    for t in [TileTokens::Auto, TileTokens::Tokens(1024)] {
+        let p = DevicePlan::new(&moe, &moe_layout, with_tile(t, true), 1, 262144);
+        assert_eq!(p.tile, None);
+        assert!(p.phase(MLP_TILES).is_none());
+    }
 }

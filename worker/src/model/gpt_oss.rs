@@ -23,7 +23,11 @@ pub fn attention_half(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &L
 
 /// `out = h + moe(norm2(h))`: (B, T, H) -> (B, T, H).
 pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCtx) -> Tensor {
-    let mlp_in_bth = rms_norm(h_bth, w.get("post_attention_layernorm.weight"), spec.rms_norm_eps);
+    let mlp_in_bth = rms_norm(
+        h_bth,
+        w.get("post_attention_layernorm.weight"),
+        spec.rms_norm_eps,
+    );
     h_bth + moe::sparse_mlp(spec, w, &mlp_in_bth, lc)
 }
 

@@ -32,7 +32,11 @@ pub fn attention_half(
 
 /// `out = h + feed_forward(norm2(h))`: (B, T, H) -> (B, T, H).
 pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCtx) -> Tensor {
-    let ff_in_bth = rms_norm(h_bth, w.get("post_attention_layernorm.weight"), spec.rms_norm_eps);
+    let ff_in_bth = rms_norm(
+        h_bth,
+        w.get("post_attention_layernorm.weight"),
+        spec.rms_norm_eps,
+    );
     let ff_bth = match lc.sparse {
         true => moe::sparse_mlp(spec, w, &ff_in_bth, lc),
         false => gated_mlp_named(w, spec, &ff_in_bth, "feed_forward"),

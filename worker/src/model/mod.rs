@@ -261,9 +261,7 @@ pub fn mlp_half(
     let lc = ctx.layer(spec, layer);
     match spec.family {
         // Qwen3's and DeepSeek-V3's differ from Llama's in the attention only.
-        Family::Llama | Family::Qwen3 | Family::DeepseekV3 => {
-            llama::mlp_half(spec, w, h_bth, &lc)
-        }
+        Family::Llama | Family::Qwen3 | Family::DeepseekV3 => llama::mlp_half(spec, w, h_bth, &lc),
         Family::Qwen3Next => qwen3_next::mlp_half(spec, w, h_bth, &lc),
         Family::Gemma => gemma::mlp_half(spec, w, h_bth),
         Family::Phi3 => phi3::mlp_half(spec, w, h_bth),

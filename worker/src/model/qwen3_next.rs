@@ -38,7 +38,13 @@ pub fn attention_half(
 /// `out = h + mlp(norm2(h))`: (B, T, H) -> (B, T, H).
 pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     let norm_w = w.get("post_attention_layernorm.weight");
-    h_bth + mlp(w, spec, &rms_norm_plus_one(h_bth, norm_w, spec.rms_norm_eps), lc)
+    h_bth
+        + mlp(
+            w,
+            spec,
+            &rms_norm_plus_one(h_bth, norm_w, spec.rms_norm_eps),
+            lc,
+        )
 }
 
 /// Full attention with an output gate: q_proj yields, per head, D query dims then D gate
