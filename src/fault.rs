@@ -403,6 +403,42 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_fault_names_the_tile() {
+        let tiled = Fault {
+            settings: Settings {
+                tile: Some(38912),
+                ..fault(Phase::Backward, 1, PLAN, true).settings
+            },
+            ..fault(Phase::Backward, 1, PLAN, true)
+        };
+        let line = tiled.to_string();
+        assert!(
+            line.contains("a smaller memory.tile_tokens (now 38912)"),
+            "{line}"
+        );
+        let off = Fault {
+            settings: Settings {
+                tile_tokens: TileTokens::Off,
+                tile: None,
+                ..tiled.settings
+            },
+            ..tiled.clone()
+        };
+        assert!(
+            off.to_string()
+                .ends_with("To fit: memory.tile_tokens: auto"),
+            "{off}"
+        );
+        // The head's memory is not the layers'.
+        let head = Fault {
+            phase: Phase::Head,
+            layer: None,
+            ..tiled
+        };
+        assert!(!head.to_string().contains("tile_tokens"), "{head}");
+    }
+
+    #[test]
     fn other_libtorch_errors_carry_their_message() {
         let f = Fault {
             oom: None,
