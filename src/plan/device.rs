@@ -246,9 +246,10 @@ impl DevicePlan {
             forward.push(("tied embedding", tied_fwd));
         }
 
-        // Head: the last hidden state (and its gradient), the final norm of the labelled
-        // tokens (at most all M: their rows, the f32 input, the normed output and its
-        // gradient), the head block and its gradient, one loss chunk.
+        // Head (worker/src/head.rs): the last hidden state and its gradient, and one chunk
+        // of labelled tokens through the final norm (their rows, the f32 input, the normed
+        // output and its gradient), lm_head and the loss, with the head block and its
+        // gradient.
         let c = (o.ce_chunk_tokens as u64).min(m).max(1);
         // The head's gradient exists from the first chunk's lm_head backward on: beside
         // the peak of every later chunk, after the peak of a lone one.
@@ -259,7 +260,7 @@ impl DevicePlan {
         let mut head_phase: Parts = vec![
             ("layer inputs kept for the backward", inputs_bwd),
             ("last hidden state and its gradient", 2 * hidden),
-            ("final norm of the labelled tokens", m * h * (F32 + 3 * s)),
+            ("final norm of one loss chunk", c * h * (F32 + 3 * s)),
             ("head block", copy(head)),
             ("one loss chunk + the head's gradient", loss_chunk),
         ];

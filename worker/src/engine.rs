@@ -23,9 +23,9 @@ use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;
-use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Streamer, kind_of};
+use crate::{head, layer};
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -157,6 +157,17 @@ struct DeviceBatch {
     tile: Option<usize>,
 }
 
+impl DeviceBatch {
+    /// The labelled tokens, in chunks of `chunk`.
+    fn labels(&self, chunk: i64) -> head::Labels<'_> {
+        head::Labels {
+            valid_m: &self.valid_m,
+            targets_m: &self.targets_m,
+            chunk,
+        }
+    }
+}
+
 impl Engine {
     pub fn new(init: &Init, streamer: Streamer) -> Result<Engine> {
         Ok(Engine {
@@ -278,48 +289,18 @@ impl Engine {
             Some(embed_w) => embed_w.get("model.embed_tokens.weight"),
             None => head_w.get("lm_head.weight"),
         };
-        let loss_sum = self.head_loss(&batch, &head_w, lm_head, &x_bth);
+        let loss_sum = head::loss(
+            &self.spec,
+            &batch.labels(self.ce_chunk),
+            &head_w,
+            lm_head,
+            &x_bth,
+        );
         drop((head_w, head, tied));
         self.streamer.end_micro()?;
         // The eval's transfers and memory are not the next step's.
         self.streamer.take_stats()?;
         Ok(loss_sum)
-    }
-
-    /// Final norm and chunked lm_head + cross-entropy over the labelled tokens of `x_bth`
-    /// (B, T, H), without grad: the summed token loss.
-    fn head_loss(
-        &self,
-        batch: &DeviceBatch,
-        head_w: &BlockWeights,
-        lm_head: &Tensor,
-        x_bth: &Tensor,
-    ) -> f64 {
-        let n_valid = batch.valid_m.size()[0];
-        if n_valid == 0 {
-            return 0.0;
-        }
-        let h = self.spec.hidden_size as i64;
-        let hn_mh = model::final_norm(
-            &self.spec,
-            head_w,
-            &x_bth.view([-1, h]).index_select(0, &batch.valid_m),
-        );
-        let losses: Vec<Tensor> = (0..n_valid)
-            .step_by(self.ce_chunk as usize)
-            .map(|start| {
-                let len = self.ce_chunk.min(n_valid - start);
-                model::chunk_loss_sum(
-                    &self.spec,
-                    &hn_mh.narrow(0, start, len),
-                    lm_head,
-                    &batch.targets_m.narrow(0, start, len),
-                )
-            })
-            .collect();
-        Tensor::stack(&losses, 0)
-            .sum(Kind::Double)
-            .double_value(&[])
     }
 
     fn upload(&self, mi: usize, mb: &MicroBatch) -> Result<DeviceBatch> {
@@ -468,7 +449,10 @@ impl Engine {
         };
         // The last hidden state lives only through the head: the gradient it hands on (dy)
         // is all the layers need.
-        let (loss_sum, mut dy_bth) = self.head_backward(batch, &head_w, lm_head, scale, x_bth);
+        let labels = batch.labels(self.ce_chunk);
+        let (loss_sum, mut dy_bth) =
+            head::backward(&self.spec, &labels, &head_w, lm_head, scale, &x_bth);
+        drop(x_bth);
         self.send(mi, layout.head_block(), &head_w, link, tm)?;
         drop(head_w);
         self.streamer.release_head();
@@ -504,48 +488,6 @@ impl Engine {
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
         let aux = ctx.router_aux.as_ref().map_or(0.0, RouterAux::loss);
         Ok(loss_sum + aux / scale)
-    }
-
-    /// Final norm, chunked lm_head + cross-entropy over the labelled tokens, backward to
-    /// the last hidden state `x_bth` (computed without grad, so a leaf): returns (summed
-    /// token loss, dy (B, T, H)).
-    fn head_backward(
-        &self,
-        batch: &DeviceBatch,
-        head_w: &BlockWeights,
-        lm_head: &Tensor,
-        scale: f64,
-        x_bth: Tensor,
-    ) -> (f64, Tensor) {
-        let n_valid = batch.valid_m.size()[0];
-        if n_valid == 0 {
-            return (0.0, x_bth.zeros_like());
-        }
-        let h = self.spec.hidden_size as i64;
-        let x_leaf = x_bth.set_requires_grad(true);
-        let hn_mh = model::final_norm(
-            &self.spec,
-            head_w,
-            &x_leaf.view([-1, h]).index_select(0, &batch.valid_m),
-        );
-        let hn_leaf = hn_mh.detach().set_requires_grad(true);
-        let mut losses = Vec::new();
-        for start in (0..n_valid).step_by(self.ce_chunk as usize) {
-            let len = self.ce_chunk.min(n_valid - start);
-            let loss = model::chunk_loss_sum(
-                &self.spec,
-                &hn_leaf.narrow(0, start, len),
-                lm_head,
-                &batch.targets_m.narrow(0, start, len),
-            );
-            (&loss * scale).backward();
-            losses.push(loss.detach());
-        }
-        (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
-        let loss_sum = Tensor::stack(&losses, 0)
-            .sum(Kind::Double)
-            .double_value(&[]);
-        (loss_sum, x_leaf.grad())
     }
 
     /// Hands a block's gradients to free slab slots, one per part (`Layout::grad_parts`:

@@ -9,6 +9,7 @@
 
 mod engine;
 mod fault;
+mod head;
 mod layer;
 mod model;
 mod warmup;
