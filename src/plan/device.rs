@@ -107,6 +107,18 @@ pub struct DevicePlan {
     pub phases: Vec<Phase>,
 }
 
+/// What one layer holds in each phase, in bytes.
+struct Roles {
+    /// The layer backward: its recompute graph with the backward's temporaries (a tiled
+    /// layer's: the attention half's).
+    graph: u64,
+    /// The no-grad forward's temporaries.
+    forward: u64,
+    /// A tiled layer in its MLP tiles phase: the attention half's saved tensors, and one
+    /// tile's graph with its temporaries and the tile's output gradient.
+    tiles: Option<(u64, u64)>,
+}
+
 /// Whether layer `layer`'s token-wise half runs in tiles when the micro-batch is tiled: a
 /// dense MLP's tokens are independent; a mixture of experts stays whole (its router's
 /// load-balancing loss sums over the micro-batch).
@@ -201,36 +213,36 @@ impl DevicePlan {
             false => ((num_layers + 1) * hidden, num_layers * hidden),
         };
         let tied = layout.tied_embeddings;
-        // Per layer, in each role (layer kinds differ in mixed stacks): the layer
-        // backward's graph with its temporaries, the no-grad forward's temporaries and, for
-        // a tiled layer, the MLP tiles phase's (attention half's graph, one tile's graph
-        // with its output and gradient).
+        // Per layer (layer kinds differ in mixed stacks): what it holds in each phase.
         let tile = tile.map(|t| (t as u64).min(m));
-        let roles: Vec<(u64, u64, Option<(u64, u64)>)> = (0..spec.num_layers)
+        let roles: Vec<Roles> = (0..spec.num_layers)
             .map(|l| {
                 let attn = acts::attention_half(spec, l, &dims);
                 match tile.filter(|_| tiled_layer(spec, l)) {
                     Some(t) => {
                         let mlp = acts::mlp_half(spec, l, t, &dims);
-                        let forward = attn.forward.max(mlp.forward + t * h * s);
-                        (
-                            attn.graph(),
-                            forward,
-                            Some((attn.saved, mlp.graph() + t * h * s)),
-                        )
+                        Roles {
+                            graph: attn.graph(),
+                            forward: attn.forward.max(mlp.forward + t * h * s),
+                            tiles: Some((attn.saved, mlp.graph() + t * h * s)),
+                        }
                     }
                     None => {
                         let whole: LayerActs = attn + acts::mlp_half(spec, l, m, &dims);
-                        (whole.graph(), whole.forward, None)
+                        Roles {
+                            graph: whole.graph(),
+                            forward: whole.forward,
+                            tiles: None,
+                        }
                     }
                 }
             })
             .collect();
-        let graph = roles.iter().map(|r| r.0).max().unwrap_or(0);
-        let layer_forward = roles.iter().map(|r| r.1).max().unwrap_or(0);
+        let graph = roles.iter().map(|r| r.graph).max().unwrap_or(0);
+        let layer_forward = roles.iter().map(|r| r.forward).max().unwrap_or(0);
         let tile_parts = roles
             .iter()
-            .filter_map(|r| r.2)
+            .filter_map(|r| r.tiles)
             .max_by_key(|(attn, mlp)| attn + mlp);
 
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];

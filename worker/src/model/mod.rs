@@ -17,6 +17,11 @@
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
+//! Each family's decoder layer comes in two halves around the residual stream between
+//! them: the attention half (`h = x + attn(norm1(x))`, with the family's extra norms) and
+//! the MLP half (`out = h + mlp(norm2(h))`), which for a dense MLP reads each token's row
+//! alone; the engine runs the latter in tiles of tokens (worker/src/layer.rs).
+//!
 //! `common.rs` holds the pieces they share (norms, attention, embedding, loss),
 //! `moe.rs` the sparse mixture-of-experts MLP, `gated_delta.rs` the Gated DeltaNet linear
 //! attention and `rope.rs` the rotary embeddings.
