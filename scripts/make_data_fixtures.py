@@ -443,3 +443,75 @@ for model_name, (template, bos_text, eos_text, sets) in TOOL_MODELS.items():
 with open(os.path.join(out, "dataset_info.json"), "w") as f:
     json.dump(registry, f, indent=2)
 print(f"data fixtures: pt rows of {len(docs)} documents, tool-calling rows for {', '.join(TOOL_MODELS)}")
+
+# Preference pairs (training.stage: dpo): LlamaFactory's ranking records, alpaca form (the
+# demo set data/demo/dpo_demo.json, some records given a `history`) and sharegpt form
+# (multi-turn prompts ending with the user, `chosen` / `rejected` one message each). Each
+# pair is two rows, prompt + chosen then prompt + rejected, rendered with
+# apply_chat_template and labelled on the answer alone: the tokens starting between the
+# render of the prompt with the generation prompt and the end.
+with open(os.path.join(ROOT, "data/demo/dpo_demo.json")) as f:
+    dpo_alpaca = json.load(f)
+for k, r in enumerate(dpo_alpaca):
+    if k % 5 == 1:
+        t = alpaca[k]
+        r["history"] = [["\n".join(s for s in (t["instruction"], t["input"]) if s), t["output"]]]
+with open(os.path.join(out, "dpo_alpaca.json"), "w") as f:
+    json.dump(dpo_alpaca, f, ensure_ascii=False, indent=1)
+rng = random.Random(31)
+dpo_sharegpt = []
+for k, p in enumerate(dpo_alpaca[:30]):
+    conv = []
+    if k % 4 == 0:
+        conv.append({"from": "system", "value": "Réponds brièvement ✓"})
+    for t in rng.sample(alpaca, rng.randint(0, 2)):
+        conv.append({"from": "human", "value": "\n".join(s for s in (t["instruction"], t["input"]) if s)})
+        conv.append({"from": "gpt", "value": t["output"]})
+    conv.append({"from": "human", "value": "\n".join(s for s in (p["instruction"], p["input"]) if s)})
+    dpo_sharegpt.append({"conversations": conv, "chosen": {"from": "gpt", "value": p["chosen"]},
+                         "rejected": {"from": "gpt", "value": p["rejected"]}})
+with open(os.path.join(out, "dpo_sharegpt.jsonl"), "w") as f:
+    for r in dpo_sharegpt:
+        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+registry.update({
+    "dpo_alpaca": {"file_name": "dpo_alpaca.json", "ranking": True,
+                   "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
+                               "rejected": "rejected", "system": "system", "history": "history"}},
+    "dpo_sharegpt": {"file_name": "dpo_sharegpt.jsonl", "formatting": "sharegpt", "ranking": True,
+                     "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}},
+})
+
+
+def answer_row(msgs, tok=tok):
+    full = tok.apply_chat_template(msgs, tokenize=False)
+    prompt = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
+    assert full.startswith(prompt)
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [t if s >= len(prompt) else -100 for t, (s, _) in zip(enc["input_ids"], enc["offset_mapping"])]
+    return {"input_ids": enc["input_ids"], "labels": labels}
+
+
+def ranking_prompt(r):
+    if "conversations" in r:
+        roles = {"system": "system", "human": "user", "gpt": "assistant"}
+        return [{"role": roles[m["from"]], "content": m["value"]} for m in r["conversations"]]
+    msgs = [{"role": "system", "content": r["system"]}] if r.get("system") else []
+    for q, a in r.get("history", []):
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return msgs + [{"role": "user", "content": "\n".join(s for s in (r["instruction"], r["input"]) if s)}]
+
+
+def answer_text(v):
+    return v["value"] if isinstance(v, dict) else v
+
+
+for name, recs, t in (("dpo_alpaca", dpo_alpaca, tok), ("dpo_sharegpt", dpo_sharegpt, tok),
+                      ("dpo_sharegpt_template2", dpo_sharegpt, tok2)):
+    with open(os.path.join(out, f"expected_{name}.jsonl"), "w") as f:
+        for r in recs:
+            for side in ("chosen", "rejected"):
+                msgs = ranking_prompt(r) + [{"role": "assistant", "content": answer_text(r[side])}]
+                f.write(json.dumps(answer_row(msgs, t)) + "\n")
+with open(os.path.join(out, "dataset_info.json"), "w") as f:
+    json.dump(registry, f, indent=2)
+print(f"data fixtures: preference pairs, {len(dpo_alpaca)} alpaca and {len(dpo_sharegpt)} sharegpt")

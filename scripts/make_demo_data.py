@@ -133,3 +133,42 @@ for k in range(48):
     lines.append(" ".join(s))
 with open("data/demo/pt_demo.txt", "w") as f:
     f.write("\n".join(lines) + "\n")
+
+# data/demo/dpo_demo.json (the `dpo_demo` set, `ranking: true`): preference pairs in
+# LlamaFactory's alpaca ranking form for training.stage: dpo (configs/tiny_dpo.yaml): the demo
+# tasks with the right answer `chosen` and a plausible wrong one `rejected`.
+rng = random.Random(26)
+
+
+def pair():
+    kind = rng.randrange(6)
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    w = rng.choice(WORDS)
+    off = rng.choice([-2, -1, 1, 2, 10])
+    if kind == 0:
+        return {"instruction": f"Add {a} and {b}.", "input": "",
+                "chosen": f"{a} + {b} = {a + b}.", "rejected": f"{a} + {b} = {a + b + off}."}
+    if kind == 1:
+        a, b = max(a, b), min(a, b)
+        return {"instruction": f"Subtract {b} from {a}.", "input": "",
+                "chosen": f"{a} - {b} = {a - b}.", "rejected": f"{a} - {b} = {a + b}."}
+    if kind == 2:
+        return {"instruction": "Reverse the letters of the word.", "input": w,
+                "chosen": w[::-1], "rejected": w}
+    if kind == 3:
+        parity, other = ("even", "odd") if a % 2 == 0 else ("odd", "even")
+        return {"instruction": f"Is {a} even or odd?", "input": "",
+                "chosen": f"{a} is {parity}.", "rejected": f"{a} is {other}."}
+    if kind == 4:
+        return {"instruction": f"How many letters are in the word {w}?", "input": "",
+                "chosen": f"{w} has {len(w)} letters.", "rejected": f"{w} has {len(w) + abs(off)} letters."}
+    nums = rng.sample(range(1, 60), 4)
+    return {"instruction": "Sort these numbers from smallest to largest.", "input": ", ".join(map(str, nums)),
+            "chosen": ", ".join(map(str, sorted(nums))), "rejected": ", ".join(map(str, sorted(nums, reverse=True)))}
+
+
+pairs = [pair() for _ in range(48)]
+for p in pairs[::8]:
+    p["system"] = "Answer in one short sentence."
+with open("data/demo/dpo_demo.json", "w") as f:
+    f.write("[\n" + ",\n".join("  " + json.dumps(p) for p in pairs) + "\n]\n")

@@ -17,6 +17,11 @@ For each case this writes, under OUT/<case>/:
   dequantized.safetensors  (MXFP4 cases) the expert weights as transformers dequantizes
                       the packed checkpoint in model/ (bf16), to compare bit for bit
 
+DPO cases (OUT/dpo/<case>/, training.stage: dpo; scripts/golden_dpo.py): model/, pairs.jsonl
+(tokenized preference pairs: a shared prompt, labels on each answer only), run.yaml, and
+expected.json (per-step DPO loss, gradient norm and TRL's reward metrics) and
+grads0.safetensors from the same tiny model trained by TRL's DPO loss formula in torch.
+
 The reference implements the contract of DESIGN.md "Numerics": loss = summed token
 cross-entropy / unmasked label tokens of the global batch, labels shifted inside,
 torch.optim.AdamW with decay on >= 2-dim tensors only, torch clip_grad_norm_.
@@ -568,9 +573,15 @@ def main():
     ap.add_argument("--cases", help="comma-separated case names (default: all)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
-    only = set(args.cases.split(",")) if args.cases else set(CASES)
-    if only - set(CASES):
-        raise SystemExit(f"unknown cases: {sorted(only - set(CASES))}")
+    import golden_dpo  # noqa: E402 (it imports this module's helpers)
+
+    dpo_names = {f"dpo/{n}" for n in golden_dpo.DPO_CASES}
+    only = set(args.cases.split(",")) if args.cases else set(CASES) | dpo_names
+    if only - set(CASES) - dpo_names:
+        raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - dpo_names)}")
+    for name, case in golden_dpo.DPO_CASES.items():
+        if f"dpo/{name}" in only:
+            golden_dpo.make_case(args.out, name, case)
     for name, case in CASES.items():
         if name not in only:
             continue

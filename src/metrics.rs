@@ -85,6 +85,39 @@ pub struct StepMetrics {
     /// tokens, and the seconds it took.
     #[serde(flatten)]
     pub eval: Option<EvalMetrics>,
+    /// `training.stage: dpo`: the pairs' rewards (TRL's names; `loss` is then the mean
+    /// DPO loss over the step's pairs).
+    #[serde(flatten)]
+    pub dpo: Option<DpoMetrics>,
+}
+
+/// The rewards of a DPO step's pairs, means over its pairs as TRL logs them: a response's
+/// reward is β (log π − log π_ref) of its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DpoMetrics {
+    #[serde(rename = "rewards/chosen")]
+    pub chosen: f64,
+    #[serde(rename = "rewards/rejected")]
+    pub rejected: f64,
+    /// Share of pairs whose chosen reward is the larger.
+    #[serde(rename = "rewards/accuracies")]
+    pub accuracies: f64,
+    /// Mean of chosen − rejected.
+    #[serde(rename = "rewards/margins")]
+    pub margins: f64,
+}
+
+impl DpoMetrics {
+    /// The means of a step's sums.
+    pub fn of(s: &crate::dpo::DpoSums) -> DpoMetrics {
+        let n = s.pairs.max(1) as f64;
+        DpoMetrics {
+            chosen: s.chosen_reward / n,
+            rejected: s.rejected_reward / n,
+            accuracies: s.accurate as f64 / n,
+            margins: (s.chosen_reward - s.rejected_reward) / n,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]

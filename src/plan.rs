@@ -15,6 +15,8 @@ pub struct HostOpts {
     pub store: DType,
     /// `memory.grad_dtype`.
     pub grad: DType,
+    /// `memory.moments_dtype`.
+    pub moments: DType,
     /// `memory.master_weights`.
     pub master: MasterWeights,
     pub workers: usize,
@@ -41,6 +43,7 @@ impl HostOpts {
         HostOpts {
             store: cfg.model.dtype,
             grad: cfg.memory.grad_dtype,
+            moments: cfg.memory.moments_dtype,
             master: cfg.memory.master_weights,
             workers,
             slots: cfg.memory.num_grad_slabs,
@@ -84,7 +87,7 @@ pub struct HostPlan {
     /// fp32 master weights, or with a split master the residual low halves (the high
     /// halves are the store), or 0 with a bf16 master (the store is the master).
     pub master: u64,
-    /// fp32 Adam first and second moments.
+    /// Adam's first and second moments (`memory.moments_dtype`).
     pub adam: u64,
     /// Gradient accumulator (`memory.grad_dtype`).
     pub grad: u64,
@@ -122,7 +125,7 @@ impl HostPlan {
                 MasterWeights::Split => 2 * elems,
                 MasterWeights::Bfloat16 => 0,
             },
-            adam: 8 * elems,
+            adam: 2 * opts.moments.size() as u64 * elems,
             grad: opts.grad.size() as u64 * elems,
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
             slabs: opts.workers as u64 * slab,
@@ -234,11 +237,13 @@ impl std::fmt::Display for HostPlan {
                 gb(self.master)
             )?,
         }
-        writeln!(f, "  fp32 Adam m, v        {:>9.2} GB", gb(self.adam))?;
-        let grad = match self.opts.grad {
+        let short = |d: DType| match d {
             DType::Float32 => "fp32",
             DType::Bfloat16 => "bf16",
         };
+        let moments = short(self.opts.moments);
+        writeln!(f, "  {moments} Adam m, v        {:>9.2} GB", gb(self.adam))?;
+        let grad = short(self.opts.grad);
         writeln!(f, "  {grad} gradient         {:>9.2} GB", gb(self.grad))?;
         writeln!(f, "  shared weight store   {:>9.2} GB", gb(self.store))?;
         writeln!(f, "  = {:.2} bytes per parameter", self.bytes_per_param())?;
@@ -331,6 +336,7 @@ mod tests {
         let opts = HostOpts {
             store: DType::Bfloat16,
             grad: DType::Float32,
+            moments: DType::Float32,
             master: MasterWeights::Float32,
             workers: 2,
             slots: 4,
@@ -378,6 +384,21 @@ mod tests {
         let text = bf16_master.to_string();
         assert!(text.contains("the store is the master"), "{text}");
         assert!(bf16_master.bytes_per_param() < 12.01, "{text}");
+        // bf16 moments beside the split master save 4 more: 10 bytes per parameter.
+        let bf16_moments = HostPlan::new(
+            &layout,
+            HostOpts {
+                moments: DType::Bfloat16,
+                ..lean.opts
+            },
+        );
+        assert_eq!(
+            lean.per_param_state() - bf16_moments.per_param_state(),
+            4 * n
+        );
+        let text = bf16_moments.to_string();
+        assert!(text.contains("bf16 Adam m, v"), "{text}");
+        assert!(bf16_moments.bytes_per_param() < 10.01, "{text}");
 
         // The staging area of background checkpoints adds two of the largest blocks (the
         // head, with lm_head: 12 bytes per element of it) or the configured bound to the total; a

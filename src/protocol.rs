@@ -27,12 +27,18 @@
 //! `SlotFree`.
 //!
 //! Evaluation runs between steps, when no update is pending (every store block holds the
-//! weights being evaluated), forward only: no gradient slab is touched.
+//! weights being evaluated), forward only: no gradient slab is touched. So does DPO's
+//! reference pass, before the first step, which asks for each row's summed label
+//! log-probability instead of the loss.
 //!
 //! ```text
-//!   Eval{index, micro-batch}         ──▶   forward, chunked cross-entropy
-//!                                    ◀──   EvalDone{index, loss_sum}
+//!   Eval{index, micro-batch, what}   ──▶   forward, chunked cross-entropy
+//!                                    ◀──   EvalDone{index, loss_sum, row_logps}
 //! ```
+//!
+//! Under DPO (`Init::dpo`) a step's micro-batches hold whole preference pairs with their
+//! reference log-probabilities, `loss_scale` is 1 / pairs in the step, and `StepDone`
+//! carries the pairs' loss and reward sums.
 //!
 //! A slot holds `layout.grad_slot_len()` elements (the largest decoder layer), so a block
 //! larger than that (the embedding, an untied lm_head) is sent in parts: part p of block b
@@ -45,8 +51,9 @@
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
 
-use crate::config::DType;
 use crate::config::hf::ModelSpec;
+use crate::config::{DType, DpoParams};
+use crate::dpo::DpoSums;
 use crate::layout::Layout;
 use crate::shm::RegionHandle;
 
@@ -107,6 +114,8 @@ pub struct Init {
     pub warm_up: Option<(usize, usize)>,
     /// The layers' buffers (not trained; the store does not hold them).
     pub buffers: Vec<LayerBuffer>,
+    /// `training.stage: dpo`: steps train on the DPO loss of their pairs ([`crate::dpo`]).
+    pub dpo: Option<DpoParams>,
 }
 
 impl Init {
@@ -140,6 +149,11 @@ pub struct MicroBatch {
     /// plain causal attention.
     #[serde(default)]
     pub position_ids: Vec<i32>,
+    /// `dpo`: each row's reference log-probability (the initial model's summed
+    /// log-probability of its label tokens); rows 2i and 2i + 1 are a pair, chosen first.
+    /// Empty otherwise.
+    #[serde(default)]
+    pub ref_logps: Vec<f64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -148,7 +162,8 @@ pub enum ToWorker {
     Step {
         step: u64,
         micro: Vec<MicroBatch>,
-        /// 1 / (unmasked label tokens of the whole global batch).
+        /// 1 / (unmasked label tokens of the whole global batch); under DPO, 1 / (pairs of
+        /// the whole global batch).
         loss_scale: f64,
         /// The store is still being updated: block b may be read only after
         /// `BlockReady{block: b}`.
@@ -161,13 +176,24 @@ pub enum ToWorker {
     SlotFree {
         slot: usize,
     },
-    /// Eval micro-batch `index` (of the eval set's, in order): its summed token loss under
-    /// the weights in the store, forward only.
+    /// Forward-only micro-batch `index` (of the eval set's, or of the reference pass's, in
+    /// order) under the weights in the store: its summed token loss, or each row's summed
+    /// label log-probability.
     Eval {
         index: usize,
         micro: MicroBatch,
+        what: ForwardOnly,
     },
     Shutdown,
+}
+
+/// What a forward-only pass computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ForwardOnly {
+    /// The summed token cross-entropy (the eval loss).
+    Loss,
+    /// Each row's summed log-probability of its label tokens (DPO's reference).
+    RowLogProbs,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -216,14 +242,22 @@ pub enum FromWorker {
         slot: usize,
     },
     StepDone {
+        /// Summed token losses; under DPO, summed pair losses (both plus the router aux
+        /// loss / loss_scale).
         loss_sum: f64,
         tokens: u64,
         timings: WorkerTimings,
+        /// Under DPO, the pairs' sums for the metrics.
+        #[serde(default)]
+        dpo: Option<DpoSums>,
     },
-    /// The summed token cross-entropy of eval micro-batch `index`.
+    /// Forward-only micro-batch `index`: its summed token cross-entropy
+    /// ([`ForwardOnly::Loss`]) or its rows' log-probabilities ([`ForwardOnly::RowLogProbs`]).
     EvalDone {
         index: usize,
         loss_sum: f64,
+        #[serde(default)]
+        row_logps: Vec<f64>,
     },
     Fatal {
         msg: String,

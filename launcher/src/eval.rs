@@ -1,5 +1,6 @@
 //! Evaluation: the loss of the whole eval set under the current weights, computed by the
-//! workers forward only (`ToWorker::Eval`), between steps.
+//! workers forward only (`ToWorker::Eval`), between steps; and the forward-only runner it
+//! shares with DPO's reference pass ([`forward_only`]).
 //!
 //! The eval set is cut once into micro-batches of `training.per_device_eval_batch_size`
 //! rows (default: the training micro-batch), each right-padded. Worker r computes
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use mt::data::{Example, pad_batch};
 use mt::metrics::EvalMetrics;
-use mt::protocol::{FromWorker, MicroBatch, ToWorker};
+use mt::protocol::{ForwardOnly, FromWorker, MicroBatch, ToWorker};
 
 use crate::supervisor::{Event, Supervisor, fatal};
 
@@ -57,52 +58,75 @@ impl EvalSet {
     /// Runs the eval set through the workers; every store block must hold final weights.
     pub fn evaluate(&self, sup: &mut Supervisor, timeout: Duration) -> Result<EvalMetrics> {
         let t = Instant::now();
-        let (world, n) = (sup.world(), self.micro.len());
-        let mut sums: Vec<Option<f64>> = vec![None; n];
-        // Worker r computes micro-batches r, r + W, …; next[r] is the next one to send.
-        let mut next: Vec<usize> = (0..world).collect();
-        let mut out = vec![0usize; world];
-        let send = |sup: &mut Supervisor, next: &mut Vec<usize>, out: &mut Vec<usize>, r: usize| {
-            if next[r] < n {
-                let index = next[r];
-                let micro = self.micro[index].clone();
-                next[r] += world;
-                out[r] += 1;
-                sup.send(r, ToWorker::Eval { index, micro })?;
-            }
-            anyhow::Ok(())
-        };
-        for r in 0..world {
-            for _ in 0..IN_FLIGHT {
-                send(sup, &mut next, &mut out, r)?;
-            }
-        }
-        let mut left = n;
-        while left > 0 {
-            match sup.next_event(timeout, &|r| out[r] > 0)? {
-                Event::Msg(rank, FromWorker::EvalDone { index, loss_sum }) => {
-                    let known = index < n && index % world == rank;
-                    if !known || sums[index].replace(loss_sum).is_some() {
-                        bail!(
-                            "worker rank {rank} sent the loss of eval micro-batch {index} unasked"
-                        );
-                    }
-                    out[rank] -= 1;
-                    left -= 1;
-                    send(sup, &mut next, &mut out, rank)?;
-                }
-                Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
-                Event::Msg(rank, other) => bail!("worker rank {rank} sent {other:?} mid-eval"),
-                Event::Closed(rank) => return Err(sup.death(rank)),
-            }
-        }
-        let loss_sum: f64 = sums.into_iter().flatten().sum();
+        let make = |i: usize| self.micro[i].clone();
+        let sums = forward_only(sup, self.micro.len(), &make, ForwardOnly::Loss, timeout)?;
+        let loss_sum: f64 = sums.into_iter().map(|(loss, _)| loss).sum();
         Ok(EvalMetrics {
             eval_loss: loss_sum / self.tokens.max(1) as f64,
             eval_tokens: self.tokens,
             eval_time_s: t.elapsed().as_secs_f64(),
         })
     }
+}
+
+/// Runs `n` forward-only micro-batches (`make(i)` is the i-th) through the workers under
+/// the weights in the store: worker r computes i = r, r + W, …, with [`IN_FLIGHT`] sent
+/// ahead. Returns each micro-batch's (loss sum, row log-probabilities) in order, whichever
+/// worker computed it.
+pub fn forward_only(
+    sup: &mut Supervisor,
+    n: usize,
+    make: &dyn Fn(usize) -> MicroBatch,
+    what: ForwardOnly,
+    timeout: Duration,
+) -> Result<Vec<(f64, Vec<f64>)>> {
+    let world = sup.world();
+    let mut results: Vec<Option<(f64, Vec<f64>)>> = vec![None; n];
+    // Worker r computes micro-batches r, r + W, …; next[r] is the next one to send.
+    let mut next: Vec<usize> = (0..world).collect();
+    let mut out = vec![0usize; world];
+    let send = |sup: &mut Supervisor, next: &mut Vec<usize>, out: &mut Vec<usize>, r: usize| {
+        if next[r] < n {
+            let index = next[r];
+            next[r] += world;
+            out[r] += 1;
+            let micro = make(index);
+            sup.send(r, ToWorker::Eval { index, micro, what })?;
+        }
+        anyhow::Ok(())
+    };
+    for r in 0..world {
+        for _ in 0..IN_FLIGHT {
+            send(sup, &mut next, &mut out, r)?;
+        }
+    }
+    let mut left = n;
+    while left > 0 {
+        match sup.next_event(timeout, &|r| out[r] > 0)? {
+            Event::Msg(
+                rank,
+                FromWorker::EvalDone {
+                    index,
+                    loss_sum,
+                    row_logps,
+                },
+            ) => {
+                let known = index < n && index % world == rank;
+                if !known || results[index].replace((loss_sum, row_logps)).is_some() {
+                    bail!(
+                        "worker rank {rank} sent the result of forward-only micro-batch {index} unasked"
+                    );
+                }
+                out[rank] -= 1;
+                left -= 1;
+                send(sup, &mut next, &mut out, rank)?;
+            }
+            Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
+            Event::Msg(rank, other) => bail!("worker rank {rank} sent {other:?} mid-eval"),
+            Event::Closed(rank) => return Err(sup.death(rank)),
+        }
+    }
+    Ok(results.into_iter().flatten().collect())
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! Host-resident training state: the master weights (fp32, split into the store and a
-//! residual, or the bf16 store itself), fp32 Adam moments, the gradient accumulator (fp32 or bf16), the shared
-//! compute-dtype store and the workers' gradient slabs, all indexed by the one `Layout`.
+//! residual, or the bf16 store itself), Adam's moments (fp32 or bf16), the gradient
+//! accumulator (fp32 or bf16), the shared compute-dtype store and the workers' gradient
+//! slabs, all indexed by the one `Layout`.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -14,7 +15,8 @@ use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
 use mt::layout::{Block, Layout};
 use mt::optim::{
-    AdamWStep, Moments, adamw_moments, adamw_update, adamw_update_bf16_master, adamw_update_split,
+    AdamWStep, Moments, WeightsMut, adamw_moments, adamw_moments_bf16, adamw_update,
+    adamw_update_bf16_master, adamw_update_bf16_moments, adamw_update_split,
 };
 use mt::reduce::{GradAcc, GradElem};
 use mt::shm::host::{GradSlabs, Store};
@@ -33,6 +35,35 @@ enum Master {
     },
 }
 
+/// Adam's first and second moments (`memory.moments_dtype`).
+enum AdamMoments {
+    F32 {
+        m: Buf<f32>,
+        v: Buf<f32>,
+    },
+    /// Rounded stochastically with bits from `seed` (`training.seed`), the update count
+    /// and each element's layout index.
+    Bf16 {
+        m: Buf<bf16>,
+        v: Buf<bf16>,
+        seed: u64,
+    },
+}
+
+impl AdamMoments {
+    /// Read access to m and v.
+    fn refs(&self) -> (MasterRef<'_>, MasterRef<'_>) {
+        match self {
+            AdamMoments::F32 { m, v } => {
+                (MasterRef::F32(m.as_slice()), MasterRef::F32(v.as_slice()))
+            }
+            AdamMoments::Bf16 { m, v, .. } => {
+                (MasterRef::Bf16(m.as_slice()), MasterRef::Bf16(v.as_slice()))
+            }
+        }
+    }
+}
+
 /// The gradient accumulator (`memory.grad_dtype`).
 enum Grad {
     F32(Vec<f32>),
@@ -42,8 +73,7 @@ enum Grad {
 pub struct HostState {
     pub layout: Layout,
     master: Master,
-    m: Buf<f32>,
-    v: Buf<f32>,
+    moments: AdamMoments,
     grad: Grad,
     pub store: Store,
     pub slabs: GradSlabs,
@@ -101,11 +131,21 @@ impl HostState {
             DType::Float32 => Grad::F32(zeroed(n)),
             DType::Bfloat16 => Grad::Bf16(zeroed(n)),
         };
+        let moments = match cfg.memory.moments_dtype {
+            DType::Float32 => AdamMoments::F32 {
+                m: Buf::zeroed(n),
+                v: Buf::zeroed(n),
+            },
+            DType::Bfloat16 => AdamMoments::Bf16 {
+                m: Buf::zeroed(n),
+                v: Buf::zeroed(n),
+                seed: cfg.training.seed,
+            },
+        };
         Ok(HostState {
             layout,
             master,
-            m: Buf::zeroed(n),
-            v: Buf::zeroed(n),
+            moments,
             grad,
             store,
             slabs,
@@ -199,6 +239,7 @@ impl HostState {
             nan_run,
             layout: state::fingerprint(&self.layout),
             schedule: Some(schedule),
+            extra: Vec::new(),
         }
     }
 
@@ -218,10 +259,11 @@ impl HostState {
 
     /// The live tensors (whose moments may lag a due moments pass).
     fn live(&self) -> Tensors<'_> {
+        let (m, v) = self.moments.refs();
         Tensors {
             master: self.master(),
-            m: self.m.as_slice(),
-            v: self.v.as_slice(),
+            m,
+            v,
         }
     }
 
@@ -237,15 +279,36 @@ impl HostState {
             self.layout.total,
             &rounded,
         );
-        let st = state::load(
-            dir,
-            &self.layout,
-            master,
-            self.m.as_mut_slice(),
-            self.v.as_mut_slice(),
-        )?;
+        let moments_rounded = AtomicU64::new(0);
+        let (m, v) = match &mut self.moments {
+            AdamMoments::F32 { m, v } => (
+                MasterMut::F32(m.as_mut_slice()),
+                MasterMut::F32(v.as_mut_slice()),
+            ),
+            AdamMoments::Bf16 { m, v, .. } => (
+                MasterMut::Bf16 {
+                    p: m.as_mut_slice(),
+                    rounded: &moments_rounded,
+                },
+                MasterMut::Bf16 {
+                    p: v.as_mut_slice(),
+                    rounded: &moments_rounded,
+                },
+            ),
+        };
+        let st = state::load(dir, &self.layout, master, m, v)?;
         self.updates = st.updates;
         self.sync_store();
+        let moments_rounded = moments_rounded.into_inner();
+        if moments_rounded > 0 {
+            tracing::warn!(
+                rounded = moments_rounded,
+                of = 2 * self.layout.total,
+                "the checkpoint's Adam moments are not all bf16 values (saved with fp32 \
+                 moments?): memory.moments_dtype: bfloat16 rounded them to nearest even, so the \
+                 run does not continue exactly as the saved one would have"
+            );
+        }
         let rounded = rounded.into_inner();
         if rounded > 0 {
             tracing::warn!(
@@ -314,8 +377,14 @@ impl HostState {
                 },
                 Master::Bf16 { .. } => LentMaster::Bf16(store()),
             },
-            m: self.m.lend(),
-            v: self.v.lend(),
+            m: match &self.moments {
+                AdamMoments::F32 { m, .. } => LentMaster::F32(m.lend()),
+                AdamMoments::Bf16 { m, .. } => LentMaster::Bf16(m.lend()),
+            },
+            v: match &self.moments {
+                AdamMoments::F32 { v, .. } => LentMaster::F32(v.lend()),
+                AdamMoments::Bf16 { v, .. } => LentMaster::Bf16(v.lend()),
+            },
         };
         let (waited, done, gate) = writer.start(state, lent, contents)?;
         self.checkpoint = Some(gate);
@@ -364,12 +433,11 @@ impl HostState {
         let b = &self.layout.blocks[block];
         for t in &b.tensors {
             let r = Layout::global_range(b, t);
-            let (m, v) = (self.m.range_mut(r.clone()), self.v.range_mut(r.clone()));
-            let (master, store, at) = (&mut self.master, &mut self.store, r.start);
-            let decay = t.decays();
+            let (master, store, adam) = (&mut self.master, &mut self.store, &mut self.moments);
+            let (decay, at) = (t.decays(), r.start);
             match &self.grad {
-                Grad::F32(g) => update(master, store, &g[r], m, v, at, hp, decay, moments),
-                Grad::Bf16(g) => update(master, store, &g[r], m, v, at, hp, decay, moments),
+                Grad::F32(g) => update(master, store, adam, &g[r], at, hp, decay, moments),
+                Grad::Bf16(g) => update(master, store, adam, &g[r], at, hp, decay, moments),
             }
         }
     }
@@ -420,10 +488,9 @@ impl HostState {
             let b = &self.layout.blocks[i];
             for t in &b.tensors {
                 let r = Layout::global_range(b, t);
-                let (m, v) = (self.m.range_mut(r.clone()), self.v.range_mut(r.clone()));
                 match &self.grad {
-                    Grad::F32(g) => adamw_moments(&g[r], m, v, &hp),
-                    Grad::Bf16(g) => adamw_moments(&g[r], m, v, &hp),
+                    Grad::F32(g) => moments_pass(&mut self.moments, &g[r.clone()], r.start, &hp),
+                    Grad::Bf16(g) => moments_pass(&mut self.moments, &g[r.clone()], r.start, &hp),
                 }
             }
         }
@@ -477,32 +544,65 @@ fn reduce_tensors<D: GradAcc>(
         .sum()
 }
 
-/// AdamW on the elements `start..start + g.len()` of the master and the store.
+/// AdamW on the elements `start..start + g.len()` of the master, the store and the moments.
 #[allow(clippy::too_many_arguments)]
 fn update<G: GradElem>(
     master: &mut Master,
     store: &mut Store,
+    adam: &mut AdamMoments,
     g: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
     start: usize,
     hp: &AdamWStep,
     decay: bool,
     moments: Moments,
 ) {
     let r = start..start + g.len();
-    match master {
-        Master::F32(p) => {
-            let s = store.out_mut(r.clone());
-            adamw_update(p.range_mut(r.clone()), g, m, v, s, hp, decay, moments)
+    let (m, v, seed) = match adam {
+        AdamMoments::F32 { m, v } => {
+            let (m, v) = (m.range_mut(r.clone()), v.range_mut(r.clone()));
+            return match master {
+                Master::F32(p) => {
+                    let s = store.out_mut(r.clone());
+                    adamw_update(p.range_mut(r), g, m, v, s, hp, decay, moments)
+                }
+                Master::Split(lo) => {
+                    let hi = store_bf16(store, r.clone());
+                    adamw_update_split(hi, lo.range_mut(r), g, m, v, hp, decay, moments)
+                }
+                Master::Bf16 { seed } => {
+                    let p = store_bf16(store, r);
+                    let at = start as u64;
+                    adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, at, moments)
+                }
+            };
         }
-        Master::Split(lo) => {
-            let hi = store_bf16(store, r.clone());
-            adamw_update_split(hi, lo.range_mut(r), g, m, v, hp, decay, moments)
-        }
-        Master::Bf16 { seed } => {
-            let p = store_bf16(store, r);
-            adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, start as u64, moments)
+        AdamMoments::Bf16 { m, v, seed } => (m.range_mut(r.clone()), v.range_mut(r.clone()), *seed),
+    };
+    let w = match master {
+        Master::F32(p) => WeightsMut::F32 {
+            p: p.range_mut(r.clone()),
+            store: store.out_mut(r),
+        },
+        Master::Split(lo) => WeightsMut::Split {
+            hi: store_bf16(store, r.clone()),
+            lo: lo.range_mut(r),
+        },
+        Master::Bf16 { seed } => WeightsMut::Bf16 {
+            p: store_bf16(store, r),
+            seed: *seed,
+        },
+    };
+    adamw_update_bf16_moments(w, g, m, v, hp, decay, seed, start as u64, moments)
+}
+
+/// The moments pass of update `hp` on the elements `start..start + g.len()`.
+fn moments_pass<G: GradElem>(adam: &mut AdamMoments, g: &[G], start: usize, hp: &AdamWStep) {
+    let r = start..start + g.len();
+    match adam {
+        AdamMoments::F32 { m, v } => adamw_moments(g, m.range_mut(r.clone()), v.range_mut(r), hp),
+        AdamMoments::Bf16 { m, v, seed } => {
+            let (m, v) = (m.range_mut(r.clone()), v.range_mut(r));
+            adamw_moments_bf16(g, m, v, hp, *seed, start as u64)
         }
     }
 }

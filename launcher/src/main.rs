@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 mod cli;
+mod dpo;
 mod eval;
 mod gpu;
 mod host;

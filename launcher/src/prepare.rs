@@ -121,11 +121,12 @@ impl Prepared {
     }
 
     /// The shape of one worker's micro-batch: rows = training.batch_size / (workers x
-    /// gradient_accumulation_steps) (at least 1), tokens per row = dataset.max_seq_len, or
-    /// the longest row when that is unset (1 without data).
+    /// gradient_accumulation_steps) (at least 1; twice that under `dpo`, whose batch counts
+    /// pairs), tokens per row = dataset.max_seq_len, or the longest row when that is unset
+    /// (1 without data).
     pub fn micro_batch(&self, cfg: &RunConfig, workers: usize) -> (usize, usize) {
         let t = &cfg.training;
-        let rows = t.batch_size / (workers * t.gradient_accumulation_steps);
+        let rows = cfg.rows_per_step() / (workers * t.gradient_accumulation_steps);
         let longest = self.data.rows.iter().map(|r| r.input_ids.len()).max();
         (
             rows.max(1),

@@ -89,6 +89,12 @@ impl Progress {
             self.hinted.set(true);
             self.println(&hint);
         }
+        let dpo = m.dpo.map_or(String::new(), |d| {
+            format!(
+                "  rewards: accuracy {:.2} margin {:.4}",
+                d.accuracies, d.margins
+            )
+        });
         let eval = m.eval.map(|e| {
             format!(
                 "  eval_loss {:.4} ({} tokens, {:.2}s)",
@@ -101,7 +107,7 @@ impl Progress {
                     bar.println(format!("step {}/{total}{eval}", m.step));
                 }
                 bar.set_message(format!(
-                    "loss {:.4} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}{}",
+                    "loss {:.4}{dpo} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{}{}",
                     m.loss,
                     m.lr,
                     m.tokens_per_s,
@@ -114,7 +120,7 @@ impl Progress {
             Kind::Lines { every } => {
                 if m.step.is_multiple_of(*every) || m.step == total || eval.is_some() {
                     println!(
-                        "step {:>4}/{}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev{}{}",
+                        "step {:>4}/{}  loss {:.4}{dpo}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev{}{}",
                         m.step,
                         total,
                         m.loss,

@@ -6,6 +6,7 @@ pub mod export;
 pub mod master;
 pub mod mxfp4;
 pub mod pieces;
+pub mod reference;
 pub mod staging;
 pub mod state;
 pub mod writer;

@@ -99,8 +99,8 @@ impl Staged {
                 let out = &mut p[..r.len()];
                 match field {
                     Field::Master => live.master.slice(r).read_into(out),
-                    Field::M => out.copy_from_slice(&live.m[r]),
-                    Field::V => out.copy_from_slice(&live.v[r]),
+                    Field::M => live.m.slice(r).read_into(out),
+                    Field::V => live.v.slice(r).read_into(out),
                 }
             })
         });
@@ -401,8 +401,8 @@ mod tests {
             let want = src.values();
             let live = Tensors {
                 master: src,
-                m: &m,
-                v: &v,
+                m: MasterRef::F32(&m),
+                v: MasterRef::F32(&v),
             };
             let pages = (0..9).map(|_| vec![0.0f32; 1024]).collect();
             let s = Staged::copy(pages, &live, true);

@@ -5,7 +5,8 @@
 //! (config, weights in the run's dtype, sharded when large, tokenizer files; loadable by
 //! transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
 //! f32 in layout order, whatever `memory.master_weights`; a split master is joined, a bf16
-//! one widened, a chunk at a time), `trainer_state.json`, and `COMPLETE`. Every file is
+//! one widened, a chunk at a time), `trainer_state.json`, the state's extra files (DPO's
+//! `dpo_reference.safetensors`), and `COMPLETE`. Every file is
 //! created with its header, then each block's values are written at their offsets
 //! ([`Files::write_block`]), so a block can be written from the live state or from a
 //! staged copy ([`super::writer`]). A checkpoint is written into
@@ -55,6 +56,10 @@ pub struct TrainState {
     /// earlier builds).
     #[serde(default)]
     pub schedule: Option<Schedule>,
+    /// Small files written beside `trainer_state.json` (name, bytes): DPO's reference
+    /// log-probabilities ([`super::reference`]).
+    #[serde(skip)]
+    pub extra: Vec<(String, std::sync::Arc<Vec<u8>>)>,
 }
 
 /// The settings that, with `step`, fix the data position and the schedule position: step
@@ -109,12 +114,14 @@ impl Schedule {
     }
 }
 
-/// The host tensors a checkpoint holds, all in layout order.
+/// The host tensors a checkpoint holds, all in layout order. Adam's m and v are held as
+/// fp32 or bf16 (`memory.moments_dtype`), viewed as a master is ([`MasterRef::F32`] or
+/// [`MasterRef::Bf16`], widened exactly); empty where the checkpoint holds no moments.
 #[derive(Clone, Copy)]
 pub struct Tensors<'a> {
     pub master: MasterRef<'a>,
-    pub m: &'a [f32],
-    pub v: &'a [f32],
+    pub m: MasterRef<'a>,
+    pub v: MasterRef<'a>,
 }
 
 impl<'a> Tensors<'a> {
@@ -122,14 +129,14 @@ impl<'a> Tensors<'a> {
     pub fn master_only(master: MasterRef<'a>) -> Tensors<'a> {
         Tensors {
             master,
-            m: &[],
-            v: &[],
+            m: MasterRef::F32(&[]),
+            v: MasterRef::F32(&[]),
         }
     }
 
     /// Elements `r` of each.
     pub fn slice(&self, r: Range<usize>) -> Tensors<'a> {
-        let opt = |x: &'a [f32]| if x.is_empty() { x } else { &x[r.clone()] };
+        let opt = |x: MasterRef<'a>| if x.is_empty() { x } else { x.slice(r.clone()) };
         Tensors {
             master: self.master.slice(r.clone()),
             m: opt(self.m),
@@ -158,8 +165,8 @@ impl BlockValues for Tensors<'_> {
     fn values(&self, field: Field, r: Range<usize>) -> Cow<'_, [f32]> {
         match field {
             Field::Master => self.master.slice(r).values(),
-            Field::M => Cow::Borrowed(&self.m[r]),
-            Field::V => Cow::Borrowed(&self.v[r]),
+            Field::M => self.m.slice(r).values(),
+            Field::V => self.v.slice(r).values(),
         }
     }
 }
@@ -302,6 +309,11 @@ impl<'a> Files<'a> {
             .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
         std::fs::write(&st, json).map_err(io(&st))?;
         files.push(st);
+        for (name, bytes) in &state.extra {
+            let p = tmp.join(name);
+            std::fs::write(&p, bytes.as_slice()).map_err(io(&p))?;
+            files.push(p);
+        }
         files.iter().try_for_each(|f| fsync(f))?;
         let marker = tmp.join(MARKER);
         std::fs::write(&marker, b"").map_err(io(&marker))?;
@@ -455,13 +467,15 @@ pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Loads checkpoint `dir` into the host tensors, which must match `layout`.
+/// Loads checkpoint `dir` into the host tensors, which must match `layout` (bf16 moments
+/// are given as [`MasterMut::Bf16`]: rounded to nearest even, exact for a checkpoint saved
+/// with bf16 moments).
 pub fn load(
     dir: &Path,
     layout: &Layout,
     master: MasterMut<'_>,
-    m: &mut [f32],
-    v: &mut [f32],
+    m: MasterMut<'_>,
+    v: MasterMut<'_>,
 ) -> Result<TrainState> {
     let st = dir.join(STATE);
     let text = std::fs::read_to_string(&st).map_err(io(&st))?;
@@ -496,11 +510,7 @@ pub fn load(
     }
     let reader = pieces::Reader::open(&opt)?;
     let n = master.len();
-    let mut dsts = [
-        ("master", master),
-        ("exp_avg", MasterMut::F32(m)),
-        ("exp_avg_sq", MasterMut::F32(v)),
-    ];
+    let mut dsts = [("master", master), ("exp_avg", m), ("exp_avg_sq", v)];
     for (name, dst) in &mut dsts {
         let info = reader.tensor(name).ok_or_else(|| Error::Tensor {
             path: opt.clone(),
@@ -556,8 +566,8 @@ mod tests {
         let path = dir.join(OPTIMIZER);
         let live = Tensors {
             master: MasterRef::F32(&master),
-            m: &m,
-            v: &v,
+            m: MasterRef::F32(&m),
+            v: MasterRef::F32(&v),
         };
         let write = |t: &Tensors| {
             let file = optimizer_file(&path, n).unwrap();
@@ -573,8 +583,8 @@ mod tests {
         crate::optim::bits::split_slice(&master, &mut hi, &mut lo);
         let split = Tensors {
             master: MasterRef::Split { hi: &hi, lo: &lo },
-            m: &m,
-            v: &v,
+            m: MasterRef::F32(&m),
+            v: MasterRef::F32(&v),
         };
         write(&split);
         let bytes = std::fs::read(&path).unwrap();

@@ -31,11 +31,28 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::shm::lent::Lent;
 
-/// The master weights as the writer thread reads them (see [`Lent`]).
+/// The master weights as the writer thread reads them (see [`Lent`]); Adam's m and v too,
+/// as `F32` or `Bf16` (`memory.moments_dtype`).
 pub enum LentMaster {
     F32(Lent<f32>),
     Split { hi: Lent<bf16>, lo: Lent<u16> },
     Bf16(Lent<bf16>),
+}
+
+impl LentMaster {
+    /// Elements `r` (none of an empty one: the moments of a model-only checkpoint).
+    fn slice(&self, r: std::ops::Range<usize>) -> MasterRef<'_> {
+        match self {
+            LentMaster::F32(x) if x.is_empty() => MasterRef::F32(&[]),
+            LentMaster::F32(x) => MasterRef::F32(x.get(r)),
+            LentMaster::Split { hi, lo } => MasterRef::Split {
+                hi: hi.get(r.clone()),
+                lo: lo.get(r),
+            },
+            LentMaster::Bf16(x) if x.is_empty() => MasterRef::Bf16(&[]),
+            LentMaster::Bf16(x) => MasterRef::Bf16(x.get(r)),
+        }
+    }
 }
 
 /// The trainer's host tensors lent to the writer thread: it reads a block only while the
@@ -43,27 +60,17 @@ pub enum LentMaster {
 /// [`Gate::before_change`]).
 pub struct LentTensors {
     pub master: LentMaster,
-    pub m: Lent<f32>,
-    pub v: Lent<f32>,
+    pub m: LentMaster,
+    pub v: LentMaster,
 }
 
 impl LentTensors {
     /// Elements `r` of each (of the master only where the moments are not lent).
     fn slice(&self, r: std::ops::Range<usize>) -> Tensors<'_> {
-        fn opt(x: &Lent<f32>, r: std::ops::Range<usize>) -> &[f32] {
-            if x.is_empty() { &[] } else { x.get(r) }
-        }
         Tensors {
-            master: match &self.master {
-                LentMaster::F32(x) => MasterRef::F32(x.get(r.clone())),
-                LentMaster::Split { hi, lo } => MasterRef::Split {
-                    hi: hi.get(r.clone()),
-                    lo: lo.get(r.clone()),
-                },
-                LentMaster::Bf16(x) => MasterRef::Bf16(x.get(r.clone())),
-            },
-            m: opt(&self.m, r.clone()),
-            v: opt(&self.v, r),
+            master: self.master.slice(r.clone()),
+            m: self.m.slice(r.clone()),
+            v: self.v.slice(r),
         }
     }
 }
@@ -280,6 +287,7 @@ mod tests {
             nan_run: 0,
             layout: state::fingerprint(layout),
             schedule: None,
+            extra: Vec::new(),
         }
     }
 
@@ -301,8 +309,8 @@ mod tests {
     fn lend(master: &Buf<f32>, m: &Buf<f32>, v: &Buf<f32>) -> LentTensors {
         LentTensors {
             master: LentMaster::F32(master.lend()),
-            m: m.lend(),
-            v: v.lend(),
+            m: LentMaster::F32(m.lend()),
+            v: LentMaster::F32(v.lend()),
         }
     }
 
@@ -346,8 +354,8 @@ mod tests {
                 for (b, block) in l.blocks.iter().enumerate() {
                     let live = Tensors {
                         master: MasterRef::F32(master.as_slice()),
-                        m: m.as_slice(),
-                        v: v.as_slice(),
+                        m: MasterRef::F32(m.as_slice()),
+                        v: MasterRef::F32(v.as_slice()),
                     };
                     gate.before_change(b, &live);
                     for x in [&mut master, &mut m, &mut v] {
@@ -366,7 +374,8 @@ mod tests {
             assert!(written.dir.ends_with("step-00000001"));
             assert!(written.bytes as usize > 12 * n, "{written:?}");
             let (mut a, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-            state::load(&written.dir, &l, MasterMut::F32(&mut a), &mut b, &mut c).unwrap();
+            let (mb, mc) = (MasterMut::F32(&mut b), MasterMut::F32(&mut c));
+            state::load(&written.dir, &l, MasterMut::F32(&mut a), mb, mc).unwrap();
             assert!(
                 (&a, &b, &c) == (&want.0, &want.1, &want.2),
                 "staging {staging}"

@@ -15,12 +15,14 @@ mod logging;
 mod overrides;
 pub mod shipped;
 pub mod size;
+mod stage;
 mod tile;
 
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
 pub use logging::{LoggingSection, ReportTo};
 pub use overrides::apply_override;
 use overrides::did_you_mean;
+pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 pub use tile::TileTokens;
 
 use std::path::{Path, PathBuf};
@@ -46,6 +48,9 @@ pub struct RunConfig {
     pub logging: LoggingSection,
     #[serde(default)]
     pub checkpoint: CheckpointSection,
+    /// `training.stage: dpo`'s settings.
+    #[serde(default)]
+    pub dpo: DpoSection,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -257,9 +262,11 @@ impl DType {
 pub struct TrainingSection {
     /// The training stage (LlamaFactory's key and names): `sft` (supervised fine-tuning on
     /// the assistant turns of alpaca / sharegpt data), `pt` (continued pretraining on plain
-    /// text, loss on every token), `dpo` and `grpo` (not implemented yet).
+    /// text, loss on every token), `dpo` (preference pairs, loss on the responses'
+    /// log-probability margin over the initial model's) and `grpo` (not implemented yet).
     pub stage: Stage,
-    /// Global sequences per optimizer step (all workers, all micro-batches).
+    /// Global sequences per optimizer step (all workers, all micro-batches); under `dpo`,
+    /// preference pairs (two sequences each).
     pub batch_size: usize,
     /// Micro-batches per worker per optimizer step.
     pub gradient_accumulation_steps: usize,
@@ -295,6 +302,12 @@ pub struct TrainingSection {
     /// Default: the training micro-batch, `batch_size / (workers x
     /// gradient_accumulation_steps)`.
     pub per_device_eval_batch_size: Option<usize>,
+    /// LlamaFactory's name for `dpo.beta`.
+    pub pref_beta: Option<f64>,
+    /// LlamaFactory's name for `dpo.loss_type` (`sigmoid`, `ipo`).
+    pub pref_loss: Option<DpoLoss>,
+    /// LlamaFactory's name for `dpo.label_smoothing`.
+    pub dpo_label_smoothing: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -303,32 +316,6 @@ pub enum NanPolicy {
     #[default]
     Skip,
     Abort,
-}
-
-/// `training.stage`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Stage {
-    /// Continued pretraining: documents + EOS, loss on every token.
-    Pt,
-    /// Supervised fine-tuning: loss on the assistant turns.
-    #[default]
-    Sft,
-    /// Direct preference optimization (not implemented yet).
-    Dpo,
-    /// Group relative policy optimization (not implemented yet).
-    Grpo,
-}
-
-impl Stage {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Stage::Pt => "pt",
-            Stage::Sft => "sft",
-            Stage::Dpo => "dpo",
-            Stage::Grpo => "grpo",
-        }
-    }
 }
 
 impl Default for TrainingSection {
@@ -350,6 +337,9 @@ impl Default for TrainingSection {
             worker_timeout_s: 600,
             eval_steps: None,
             per_device_eval_batch_size: None,
+            pref_beta: None,
+            pref_loss: None,
+            dpo_label_smoothing: None,
         }
     }
 }
@@ -421,6 +411,13 @@ pub struct MemorySection {
     /// (12 bytes per parameter with `grad_dtype: bfloat16`). `split` and `bfloat16` need
     /// `model.dtype: bfloat16`. Checkpoints hold fp32 master values either way.
     pub master_weights: MasterWeights,
+    /// Dtype of Adam's first and second moments: `float32` (8 bytes per parameter) or
+    /// `bfloat16` (4): each update computes them in f32 from the stored values and stores
+    /// them rounded stochastically (bits from `training.seed`, the update and the element;
+    /// [`crate::optim::adamw::adamw_update_bf16_moments`]). With `master_weights: split`
+    /// and `grad_dtype: bfloat16`, 10 bytes per parameter. Checkpoints hold fp32 moments
+    /// either way.
+    pub moments_dtype: DType,
 }
 
 /// How the fp32 master weights are held (`memory.master_weights`).
@@ -444,6 +441,7 @@ impl Default for MemorySection {
             checkpoint_interval: 1,
             grad_dtype: DType::Float32,
             master_weights: MasterWeights::Float32,
+            moments_dtype: DType::Float32,
         }
     }
 }
@@ -581,15 +579,7 @@ impl RunConfig {
                 return Err(Error::invalid(key, msg));
             }
         }
-        if matches!(t.stage, Stage::Dpo | Stage::Grpo) {
-            return Err(Error::invalid(
-                "training.stage",
-                format!(
-                    "`{}` is not implemented yet (implemented: pt, sft)",
-                    t.stage.as_str()
-                ),
-            ));
-        }
+        self.validate_stage()?;
         if self.checkpoint.periodic() && self.checkpoint.dir.is_none() {
             return Err(Error::invalid(
                 "checkpoint.dir",

@@ -98,6 +98,14 @@ fn megatrain_keys_are_accepted() {
     .unwrap();
     assert_eq!(c.memory.master_weights, MasterWeights::Bfloat16);
     assert_eq!(parse(OK).unwrap().memory.grad_dtype, DType::Float32);
+    assert_eq!(parse(OK).unwrap().memory.moments_dtype, DType::Float32);
+    let e = parse(&format!("{OK}memory: {{moments_dtype: float16}}\n")).unwrap_err();
+    assert!(e.to_string().contains("memory.moments_dtype"), "{e}");
+    let c = parse(&format!(
+        "{OK}memory: {{grad_dtype: bfloat16, master_weights: split, moments_dtype: bfloat16}}\n"
+    ))
+    .unwrap();
+    assert_eq!(c.memory.moments_dtype, DType::Bfloat16);
     let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
     assert!(e.to_string().contains("dataset.path"), "{e}");
 }
@@ -143,16 +151,13 @@ fn stage_defaults_to_sft_and_refuses_the_unbuilt_ones() {
     assert_eq!(parse(OK).unwrap().training.stage, Stage::Sft);
     let c = parse(&format!("{OK}training: {{stage: pt}}\n")).unwrap();
     assert_eq!(c.training.stage, Stage::Pt);
-    for stage in ["dpo", "grpo"] {
-        let e = parse(&format!("{OK}training: {{stage: {stage}}}\n"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("training.stage")
-                && e.contains(&format!("`{stage}` is not implemented yet")),
-            "{e}"
-        );
-    }
+    let e = parse(&format!("{OK}training: {{stage: grpo}}\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("training.stage") && e.contains("`grpo` is not implemented yet"),
+        "{e}"
+    );
     let e = parse(&format!("{OK}training: {{stage: rm}}\n"))
         .unwrap_err()
         .to_string();
@@ -194,4 +199,90 @@ fn tile_tokens_is_auto_off_or_a_count_and_bad_values_name_the_key() {
     assert!(e.to_string().contains("memory.tile_tokens"), "{e}");
     let yaml = serde_yaml_ng::to_string(&c.memory).unwrap();
     assert!(yaml.contains("tile_tokens: off"), "{yaml}");
+}
+
+#[test]
+fn dpo_settings_default_resolve_llamafactory_names_and_name_bad_values() {
+    let dpo = |extra: &str| parse(&format!("{OK}training: {{stage: dpo{extra}}}\n"));
+    let c = dpo("").unwrap();
+    let p = c.dpo_params().unwrap();
+    assert_eq!(
+        (p.beta, p.loss, p.label_smoothing),
+        (0.1, DpoLoss::Sigmoid, 0.0)
+    );
+    assert_eq!(c.rows_per_step(), 16, "batch_size counts pairs");
+    let c = parse(&format!(
+        "{OK}training: {{stage: dpo}}\ndpo: {{beta: 0.5, loss_type: ipo}}\n"
+    ))
+    .unwrap();
+    let p = c.dpo_params().unwrap();
+    assert_eq!((p.beta, p.loss), (0.5, DpoLoss::Ipo));
+    let p = dpo(", pref_beta: 0.2, pref_loss: sigmoid, dpo_label_smoothing: 0.1")
+        .unwrap()
+        .dpo_params()
+        .unwrap();
+    assert_eq!((p.beta, p.label_smoothing), (0.2, 0.1));
+    let err = |yaml: String| parse(&yaml).unwrap_err().to_string();
+    let e = err(format!(
+        "{OK}training: {{stage: dpo, pref_beta: 0.2}}\ndpo: {{beta: 0.3}}\n"
+    ));
+    assert!(
+        e.contains("dpo.beta") && e.contains("training.pref_beta"),
+        "{e}"
+    );
+    for (yaml, key, what) in [
+        ("dpo: {beta: 0}", "dpo.beta", "> 0"),
+        ("dpo: {beta: .nan}", "dpo.beta", "> 0"),
+        (
+            "dpo: {label_smoothing: 0.5}",
+            "dpo.label_smoothing",
+            "[0, 0.5)",
+        ),
+        (
+            "dpo: {label_smoothing: -0.1}",
+            "dpo.label_smoothing",
+            "[0, 0.5)",
+        ),
+        (
+            "dpo: {loss_type: ipo, label_smoothing: 0.1}",
+            "dpo.label_smoothing",
+            "sigmoid",
+        ),
+        (
+            "dpo: {loss_type: hinge}",
+            "dpo.loss_type",
+            "expected `sigmoid` or `ipo`",
+        ),
+        ("dpo: {bta: 1}", "dpo.bta", "did you mean `beta`"),
+    ] {
+        let e = err(format!("{OK}training: {{stage: dpo}}\n{yaml}\n"));
+        assert!(e.contains(key) && e.contains(what), "{yaml}: {e}");
+    }
+    for (yaml, key) in [
+        (
+            "dataset: {format: tokenized, path: d.jsonl, packing: true, max_seq_len: 8}",
+            "dataset.packing",
+        ),
+        (
+            "dataset: {format: tokenized, path: d.jsonl, val_size: 0.1}",
+            "dataset.val_size",
+        ),
+        (
+            "dataset: {format: tokenized, path: d.jsonl, train_on_prompt: true}",
+            "dataset.train_on_prompt",
+        ),
+    ] {
+        let e = err(format!(
+            "model: {{path: m}}\n{yaml}\ntraining: {{stage: dpo}}\n"
+        ));
+        assert!(
+            e.contains(key) && e.contains("training.stage: dpo"),
+            "{yaml}: {e}"
+        );
+    }
+    let e = err(format!("{OK}dpo: {{beta: 0.2}}\n"));
+    assert!(
+        e.contains("dpo.beta") && e.contains("applies to training.stage: dpo"),
+        "{e}"
+    );
 }

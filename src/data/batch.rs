@@ -85,6 +85,19 @@ pub struct StepPlan {
     pub real_tokens: u64,
     /// Σ over rows of T(T+1)/2 for each row's real length T (causal attention pairs).
     pub causal_pairs: u64,
+    /// Preference pairs in the global batch (`dpo`); 0 otherwise.
+    pub pairs: u64,
+}
+
+impl StepPlan {
+    /// What the step's loss is a mean over: its preference pairs under `dpo`, else its
+    /// label tokens.
+    pub fn loss_units(&self) -> u64 {
+        match self.pairs {
+            0 => self.tokens,
+            n => n,
+        }
+    }
 }
 
 /// Splits a global batch over ranks and micro-batches.
@@ -131,7 +144,36 @@ pub fn plan_step(
         padded_tokens,
         real_tokens,
         causal_pairs,
+        pairs: 0,
     }
+}
+
+/// Splits a global batch of preference pairs (of a `dpo` dataset, [`Dataset::pairs`]) over
+/// ranks and micro-batches as [`plan_step`] splits rows: pair p is rows 2p and 2p + 1, side
+/// by side in one micro-batch (a rank's share and a micro-batch hold whole pairs, as the
+/// batch of pairs divides by world x accum). Each row carries its reference
+/// log-probability, `refs[row]`.
+pub fn plan_pairs(
+    ds: &Dataset,
+    pairs: &[usize],
+    world: usize,
+    accum: usize,
+    pad_id: i32,
+    refs: &[f64],
+) -> StepPlan {
+    assert!(ds.pairs && refs.len() == ds.rows.len());
+    assert!(
+        pairs.len().is_multiple_of(world * accum),
+        "pairs not divisible by world x accum"
+    );
+    let rows: Vec<usize> = pairs.iter().flat_map(|&p| [2 * p, 2 * p + 1]).collect();
+    let mut plan = plan_step(ds, &rows, world, accum, pad_id);
+    let mut next = rows.iter();
+    for mb in plan.per_rank.iter_mut().flatten() {
+        mb.ref_logps = next.by_ref().take(mb.rows).map(|&r| refs[r]).collect();
+    }
+    plan.pairs = pairs.len() as u64;
+    plan
 }
 
 /// Right-pads rows to the longest one; padded labels are ignored. When a row is packed,
@@ -169,6 +211,7 @@ pub fn pad_batch(rows: &[&Example], pad_id: i32) -> MicroBatch {
         labels,
         position_ids,
         row_lens: rows.iter().map(|r| r.input_ids.len()).collect(),
+        ref_logps: Vec::new(),
     }
 }
 
@@ -201,6 +244,7 @@ mod tests {
             eval: vec![],
             eval_source: String::new(),
             blocks: None,
+            pairs: false,
         };
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);
@@ -216,6 +260,26 @@ mod tests {
         assert_eq!((m.rows, m.seq_len), (2, 6));
         assert_eq!(&m.input_ids[..6], &[0, 1, 2, 3, 4, 0]);
         assert_eq!(m.labels[5], IGNORE_INDEX);
+    }
+
+    #[test]
+    fn pairs_stay_side_by_side_with_their_references() {
+        let ds = Dataset {
+            rows: (1..=8).map(|n| ex(n, 1)).collect(),
+            samples: 4,
+            pairs: true,
+            ..Dataset::default()
+        };
+        let refs: Vec<f64> = (0..8).map(|r| -(r as f64)).collect();
+        let plan = plan_pairs(&ds, &[3, 0, 2, 1], 2, 1, 0, &refs);
+        assert_eq!((plan.pairs, plan.loss_units()), (4, 4));
+        // Rank 0: pairs 3 and 0 (rows 6, 7, 0, 1); rank 1: pairs 2 and 1.
+        let m = &plan.per_rank[0][0];
+        assert_eq!(m.row_lens, [7, 8, 1, 2]);
+        assert_eq!(m.ref_logps, [-6.0, -7.0, -0.0, -1.0]);
+        assert_eq!(plan.per_rank[1][0].ref_logps, [-4.0, -5.0, -2.0, -3.0]);
+        let plan = plan_pairs(&ds, &[3, 0, 2, 1], 1, 2, 0, &refs);
+        assert_eq!(plan.per_rank[0][1].row_lens, [5, 6, 3, 4]);
     }
 
     #[test]

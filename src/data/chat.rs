@@ -243,12 +243,43 @@ impl ChatTokenizer {
             spans.push(start..start + answer.len());
             from = start + answer.len();
         }
-        let (ids, offsets) = self.encode(&full)?;
+        self.labelled(&full, &spans, train_on_prompt)
+    }
+
+    /// The token row of a conversation ending in an assistant answer, labelled on that
+    /// answer alone: what the render of the whole conversation adds to the render of the
+    /// turns before it with the generation prompt (a preference pair's row).
+    pub fn answer_example(&self, conv: &Conversation) -> std::result::Result<Example, String> {
+        let n = conv.messages.len();
+        assert!(
+            conv.messages
+                .last()
+                .is_some_and(|m| m.role == Role::Assistant),
+            "a conversation ending in an answer"
+        );
+        let prompt = self.render(conv, n - 1, true)?;
+        let full = self.render(conv, n, false)?;
+        if !full.starts_with(&prompt) {
+            return Err("the chat template does not render the prompt as a prefix of the conversation with its answer, so the answer cannot be located".into());
+        }
+        let answer = prompt.len()..full.len();
+        self.labelled(&full, std::slice::from_ref(&answer), false)
+    }
+
+    /// `text` tokenized, a token labelled when it starts inside one of `spans` (every
+    /// token with `all`).
+    fn labelled(
+        &self,
+        text: &str,
+        spans: &[std::ops::Range<usize>],
+        all: bool,
+    ) -> std::result::Result<Example, String> {
+        let (ids, offsets) = self.encode(text)?;
         let labels = ids
             .iter()
             .zip(&offsets)
             .map(|(&id, &(start, _))| {
-                if train_on_prompt || spans.iter().any(|s| s.contains(&start)) {
+                if all || spans.iter().any(|s| s.contains(&start)) {
                     id as i32
                 } else {
                     IGNORE_INDEX

@@ -24,6 +24,7 @@ mod batch;
 mod chat;
 mod files;
 mod hub;
+mod pairs;
 mod pretrain;
 mod pyjson;
 mod records;
@@ -41,7 +42,7 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-pub use batch::{Sampler, StepPlan, pack, pad_batch, plan_step};
+pub use batch::{Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_step};
 pub use chat::ChatTokenizer;
 pub use records::{BadRecord, Conversation, Message, Role};
 pub use sources::needs_tokenizer;
@@ -112,6 +113,9 @@ pub struct Dataset {
     pub eval_source: String,
     /// `pt` packing: the block length and the tokens dropped after the last full block.
     pub blocks: Option<(usize, usize)>,
+    /// `dpo`: the rows are preference pairs, rows 2i (prompt + chosen) and 2i + 1 (prompt
+    /// + rejected) of sample i.
+    pub pairs: bool,
 }
 
 /// What every record of a load is read with.
@@ -196,14 +200,16 @@ impl Dataset {
                 (e.rows, from)
             }
         };
+        let pairs = stage == Stage::Dpo;
         let mut data = Dataset {
             files,
-            samples: rows.len(),
+            samples: if pairs { rows.len() / 2 } else { rows.len() },
             rows,
             skipped,
             eval,
             eval_source,
             blocks: None,
+            pairs,
         };
         match (ds.packing, ds.max_seq_len) {
             (true, Some(len)) if reader.pt_blocks() => {
@@ -248,11 +254,15 @@ impl Dataset {
 
     /// Lines for the log: rows, sources, skipped records and the first reasons, the eval set.
     pub fn summary(&self) -> String {
-        let mut s = format!(
-            "dataset: {} samples from {}",
-            self.samples,
-            list(&self.files)
-        );
+        let what = match self.pairs {
+            true => format!(
+                "{} preference pairs ({} rows)",
+                self.samples,
+                self.rows.len()
+            ),
+            false => format!("{} samples", self.samples),
+        };
+        let mut s = format!("dataset: {what} from {}", list(&self.files));
         match self.blocks {
             Some((len, dropped)) => {
                 s += &format!(
@@ -260,7 +270,7 @@ impl Dataset {
                     self.rows.len()
                 )
             }
-            None if self.rows.len() != self.samples => {
+            None if !self.pairs && self.rows.len() != self.samples => {
                 s += &format!(", packed into {} rows", self.rows.len())
             }
             None => {}
@@ -306,11 +316,11 @@ fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
             let mut recs = contents.records()?;
             recs.truncate(left);
             left -= recs.len();
-            let rows: Vec<std::result::Result<Example, BadRecord>> =
-                recs.par_iter().map(|rec| row(src, rec, reader)).collect();
+            let rows: Vec<std::result::Result<Vec<Example>, BadRecord>> =
+                recs.par_iter().map(|rec| rows(src, rec, reader)).collect();
             for r in rows {
                 match r {
-                    Ok(ex) => out.rows.push(ex),
+                    Ok(ex) => out.rows.extend(ex),
                     Err(bad) if ds.strict => return Err(contents.error(bad)),
                     Err(bad) => {
                         let s = &mut out.skipped;
@@ -344,11 +354,23 @@ fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
     Ok(out)
 }
 
+/// One record's rows: one, or a preference pair's two under `dpo` ([`pairs`]).
+fn rows(
+    src: &Source,
+    rec: &RawRecord,
+    reader: &Reader,
+) -> std::result::Result<Vec<Example>, BadRecord> {
+    match reader.stage {
+        Stage::Dpo => pairs::pair(src, rec, reader).map(Vec::from),
+        _ => row(src, rec, reader).map(|r| vec![r]),
+    }
+}
+
 /// One record to a row, with `max_seq_len` applied (but to `pt` documents that are cut
 /// into blocks later).
 fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Example, BadRecord> {
-    let (ds, vocab) = (reader.ds, reader.vocab);
-    let mut ex = match (&src.schema, reader.chat) {
+    let ds = reader.ds;
+    let ex = match (&src.schema, reader.chat) {
         (Some(schema), Some(chat)) => {
             let ex = match reader.stage {
                 Stage::Pt => {
@@ -371,23 +393,39 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                 }
             }
             .map_err(|m| BadRecord::new(rec.line, "", m))?;
-            if let Some(&bad) = ex.input_ids.iter().find(|&&id| id as usize >= vocab) {
-                return Err(BadRecord::new(
-                    rec.line,
-                    "",
-                    format!("token id {bad} is outside the model's vocabulary 0..{vocab}"),
-                ));
-            }
-            ex
+            in_vocab(ex, reader.vocab, rec.line)?
         }
-        _ => tokenized::example(rec, vocab)?,
+        _ => tokenized::example(rec, reader.vocab)?,
     };
+    fit(ex, reader, rec.line, src.schema.is_some())
+}
+
+/// `ex` if every id is in the model's vocabulary.
+fn in_vocab(ex: Example, vocab: usize, line: usize) -> std::result::Result<Example, BadRecord> {
+    match ex.input_ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(&bad) => Err(BadRecord::new(
+            line,
+            "",
+            format!("token id {bad} is outside the model's vocabulary 0..{vocab}"),
+        )),
+        None => Ok(ex),
+    }
+}
+
+/// `dataset.max_seq_len` applied to a row (`overlong`); a text row must keep a trained
+/// token.
+fn fit(
+    mut ex: Example,
+    reader: &Reader,
+    line: usize,
+    text: bool,
+) -> std::result::Result<Example, BadRecord> {
     let len = ex.input_ids.len();
-    match ds.max_seq_len {
+    match reader.ds.max_seq_len {
         _ if reader.pt_blocks() => {}
-        Some(max) if len > max && ds.overlong == Overlong::Skip => {
+        Some(max) if len > max && reader.ds.overlong == Overlong::Skip => {
             return Err(BadRecord::new(
-                rec.line,
+                line,
                 "",
                 format!("{len} tokens, longer than dataset.max_seq_len ({max})"),
             ));
@@ -397,7 +435,7 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
             ex.labels.truncate(max);
             if ex.label_tokens() == 0 {
                 return Err(BadRecord::new(
-                    rec.line,
+                    line,
                     "",
                     format!(
                         "{len} tokens: no trained token left within dataset.max_seq_len ({max})"
@@ -407,8 +445,8 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
         }
         _ => {}
     }
-    if src.schema.is_some() && ex.label_tokens() == 0 {
-        return Err(BadRecord::new(rec.line, "", "no trained token"));
+    if text && ex.label_tokens() == 0 {
+        return Err(BadRecord::new(line, "", "no trained token"));
     }
     Ok(ex)
 }

@@ -138,6 +138,18 @@ impl Schema {
     /// The record's conversation: an optional system prompt and the turns in order, and
     /// its tools.
     pub fn conversation(&self, rec: &RawRecord) -> std::result::Result<Conversation, BadRecord> {
+        let (conv, _) = self.read(rec, true)?;
+        Ok(conv)
+    }
+
+    /// The record's conversation up to its answers (with `answered`, to its last one: an
+    /// alpaca record's `response`, a sharegpt record's assistant turns, which it must
+    /// have), and the call ids its tool calls took (for a ranking record's answers).
+    pub(super) fn read(
+        &self,
+        rec: &RawRecord,
+        answered: bool,
+    ) -> std::result::Result<(Conversation, CallIds), BadRecord> {
         let obj = object(rec)?;
         let text = |col: &str, required: bool| field_text(&obj, col, required, rec.line);
         let system = match &self.columns.system {
@@ -150,21 +162,36 @@ impl Schema {
             .map(|content| Message::new(Role::System, content))
             .into_iter()
             .collect();
-        match self.format {
-            DatasetFormat::Alpaca => self.alpaca(&obj, rec.line, &text, &mut msgs)?,
-            DatasetFormat::Sharegpt => self.sharegpt(&obj, rec.line, &mut msgs)?,
+        let ids = match self.format {
+            DatasetFormat::Alpaca => {
+                self.alpaca(&obj, rec.line, &text, &mut msgs, answered)?;
+                CallIds::default()
+            }
+            DatasetFormat::Sharegpt => {
+                let ids = self.sharegpt(&obj, rec.line, &mut msgs)?;
+                if answered && !msgs.iter().any(|m| m.role == Role::Assistant) {
+                    let empty = matches!(obj.get(&self.columns.messages), Some(Value::Array(t)) if t.is_empty());
+                    let why = match empty {
+                        true => "empty conversation",
+                        false => "no assistant message",
+                    };
+                    return Err(BadRecord::new(rec.line, &self.columns.messages, why));
+                }
+                ids
+            }
             DatasetFormat::Tokenized => unreachable!("tokenized files are not text records"),
-        }
+        };
         let tools = match &self.columns.tools {
             Some(col) if obj.contains_key(col) => {
                 tools::tools(&raw_field(rec, col)?, rec.line, col)?
             }
             _ => None,
         };
-        Ok(Conversation {
+        let conv = Conversation {
             messages: msgs,
             tools,
-        })
+        };
+        Ok((conv, ids))
     }
 
     /// A `pt` record's document: the `prompt` column, and the `query` column after a
@@ -199,6 +226,7 @@ impl Schema {
         line: usize,
         text: &dyn Fn(&str, bool) -> FieldText,
         msgs: &mut Vec<Message>,
+        answered: bool,
     ) -> std::result::Result<(), BadRecord> {
         let c = &self.columns;
         let prompt = text(&c.prompt, true)?.unwrap_or_default();
@@ -206,7 +234,10 @@ impl Schema {
             Some(col) => text(col, false)?.unwrap_or_default(),
             None => String::new(),
         };
-        let response = text(&c.response, true)?.unwrap_or_default();
+        let response = match answered {
+            true => text(&c.response, true)?.unwrap_or_default(),
+            false => String::new(),
+        };
         if let Some(col) = &c.history {
             match obj.get(col) {
                 None | Some(Value::Null) => {}
@@ -240,6 +271,10 @@ impl Schema {
         if user.is_empty() {
             return Err(BadRecord::new(line, &c.prompt, "empty prompt"));
         }
+        if !answered {
+            msgs.push(Message::new(Role::User, user.join("\n")));
+            return Ok(());
+        }
         if response.is_empty() {
             return Err(BadRecord::new(line, &c.response, "empty response"));
         }
@@ -252,7 +287,7 @@ impl Schema {
         obj: &serde_json::Map<String, Value>,
         line: usize,
         msgs: &mut Vec<Message>,
-    ) -> std::result::Result<(), BadRecord> {
+    ) -> std::result::Result<CallIds, BadRecord> {
         let col = &self.columns.messages;
         let turns = match obj.get(col) {
             None | Some(Value::Null) => return Err(BadRecord::new(line, col, "missing")),
@@ -316,15 +351,7 @@ impl Schema {
                 msgs.push(msg);
             }
         }
-        if !msgs.iter().any(|m| m.role == Role::Assistant) {
-            let why = if turns.is_empty() {
-                "empty conversation"
-            } else {
-                "no assistant message"
-            };
-            return Err(BadRecord::new(line, col, why));
-        }
-        Ok(())
+        Ok(ids)
     }
 }
 
@@ -334,7 +361,9 @@ fn push_turn(msgs: &mut Vec<Message>, user: String, assistant: String) {
 }
 
 /// The record as a JSON object.
-fn object(rec: &RawRecord) -> std::result::Result<serde_json::Map<String, Value>, BadRecord> {
+pub(super) fn object(
+    rec: &RawRecord,
+) -> std::result::Result<serde_json::Map<String, Value>, BadRecord> {
     match serde_json::from_str(rec.json) {
         Ok(Value::Object(obj)) => Ok(obj),
         Ok(_) => Err(BadRecord::new(rec.line, "", "not a JSON object")),
@@ -347,7 +376,7 @@ fn object(rec: &RawRecord) -> std::result::Result<serde_json::Map<String, Value>
 }
 
 /// A string field: absent or null (an error when `required`), or its text.
-fn field_text(
+pub(super) fn field_text(
     obj: &serde_json::Map<String, Value>,
     col: &str,
     required: bool,
@@ -366,7 +395,10 @@ fn field_text(
 }
 
 /// A field's JSON text as written (serde_json's map would sort its keys).
-fn raw_field(rec: &RawRecord, col: &str) -> std::result::Result<Box<RawValue>, BadRecord> {
+pub(super) fn raw_field(
+    rec: &RawRecord,
+    col: &str,
+) -> std::result::Result<Box<RawValue>, BadRecord> {
     let mut fields: std::collections::HashMap<String, Box<RawValue>> =
         serde_json::from_str(rec.json)
             .map_err(|e| BadRecord::new(rec.line, "", format!("not a JSON object: {e}")))?;
@@ -375,7 +407,7 @@ fn raw_field(rec: &RawRecord, col: &str) -> std::result::Result<Box<RawValue>, B
         .ok_or_else(|| BadRecord::new(rec.line, col, "missing"))
 }
 
-fn kind(v: &Value) -> &'static str {
+pub(super) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",

@@ -3,8 +3,9 @@
 //! with `subset`, `split` and `folder`, read from the HF cache: [`super::hub`]), its
 //! `formatting` (`alpaca`, the default, or `sharegpt`), the `columns` holding each part of
 //! a record (`prompt` alone for `training.stage: pt`; `tools` for tool-calling data) and,
-//! for sharegpt, the `tags` naming roles inside messages. `ranking` entries (preference
-//! pairs) are reported so that stages other than `dpo` can refuse them by name.
+//! for sharegpt, the `tags` naming roles inside messages. `ranking` entries hold preference
+//! pairs (`chosen` and `rejected` columns) for `training.stage: dpo`; other stages refuse
+//! them by name.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -59,6 +60,10 @@ pub struct Columns {
     /// The tool definitions a record's conversation may call (a JSON list, or a string
     /// holding one).
     pub tools: Option<String>,
+    /// Ranking data: the preferred answer (alpaca: a string; sharegpt: one message).
+    pub chosen: String,
+    /// Ranking data: the dispreferred answer.
+    pub rejected: String,
 }
 
 impl Columns {
@@ -72,6 +77,8 @@ impl Columns {
             messages: "conversations".into(),
             system: Some("system".into()),
             tools: None,
+            chosen: "chosen".into(),
+            rejected: "rejected".into(),
         }
     }
 
@@ -86,14 +93,16 @@ impl Columns {
                 "messages" => self.messages = v.clone(),
                 "system" => self.system = Some(v.clone()),
                 "tools" => self.tools = Some(v.clone()),
-                // Multimodal columns: the text model ignores them. Ranking columns are
-                // for `dpo`, which refuses the entry first.
-                "images" | "videos" | "audios" | "chosen" | "rejected" | "kto_tag" => {}
+                "chosen" => self.chosen = v.clone(),
+                "rejected" => self.rejected = v.clone(),
+                // Multimodal columns: the text model ignores them. KTO's tag has no stage
+                // here; stages refuse such entries by what they lack.
+                "images" | "videos" | "audios" | "kto_tag" => {}
                 other => {
                     return Err(Error::Config {
                         path: path.into(),
                         msg: format!(
-                            "dataset `{name}`: unknown column role `{other}` (expected prompt, query, response, history, messages, system, tools)"
+                            "dataset `{name}`: unknown column role `{other}` (expected prompt, query, response, history, messages, system, tools, chosen, rejected)"
                         ),
                     });
                 }

@@ -59,7 +59,7 @@ pub(super) fn check_tools<'a>(
 ) -> Result<()> {
     for src in srcs {
         let tools_col = src.schema.as_ref().and_then(|s| s.columns.tools.as_deref());
-        if let (Some(col), false, true) = (tools_col, chat.supports_tools(), stage == Stage::Sft) {
+        if let (Some(col), false, true) = (tools_col, chat.supports_tools(), stage != Stage::Pt) {
             return Err(Error::ModelConfig {
                 path: chat.template_path.clone(),
                 msg: format!(
@@ -110,7 +110,16 @@ fn sources(
             "dataset.eval_path"
         };
         let name = path.display().to_string();
-        check_stage(stage, key, &name, format, false, std::slice::from_ref(path))?;
+        // A file given by path is read as `dpo` reads it: its records are pairs.
+        let ranking = stage == Stage::Dpo;
+        check_stage(
+            stage,
+            key,
+            &name,
+            format,
+            ranking,
+            std::slice::from_ref(path),
+        )?;
         return Ok(vec![Source {
             name,
             files: vec![path.clone()],
@@ -151,6 +160,14 @@ fn check_stage(
             key,
             format!(
                 "dataset `{name}` is a ranking dataset (`ranking: true`: chosen/rejected preference pairs, for training.stage: dpo), which training.stage: {stage_name} cannot train on: give a supervised dataset"
+            ),
+        ));
+    }
+    if stage == Stage::Dpo && !ranking {
+        return Err(Error::invalid(
+            key,
+            format!(
+                "dataset `{name}` is not a ranking dataset: training.stage: dpo trains on chosen/rejected preference pairs, registered with `\"ranking\": true` in dataset_info.json (LlamaFactory's format; columns `chosen` and `rejected`)"
             ),
         ));
     }

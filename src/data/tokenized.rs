@@ -1,5 +1,6 @@
 //! The tokenized format: JSONL, one object per line with `input_ids` and optional `labels`
-//! (aligned with `input_ids`, -100 = ignored; absent = `input_ids`).
+//! (aligned with `input_ids`, -100 = ignored; absent = `input_ids`); preference pairs hold
+//! two such rows ([`super::pairs`]).
 
 use serde::Deserialize;
 
@@ -20,21 +21,30 @@ struct TokenizedRow {
 pub fn example(rec: &RawRecord, vocab: usize) -> Result<Example, BadRecord> {
     let row: TokenizedRow = serde_json::from_str(rec.json)
         .map_err(|e| BadRecord::new(rec.line, "", format!("not a tokenized record: {e}")))?;
-    if row.input_ids.is_empty() {
-        return Err(BadRecord::new(rec.line, "input_ids", "empty"));
+    from_ids(row.input_ids, row.labels, vocab)
+        .map_err(|(field, why)| BadRecord::new(rec.line, field, why))
+}
+
+/// A row of `ids` and `labels` (absent: the ids), checked; an error names the field
+/// (`input_ids` or `labels`) and why.
+pub fn from_ids(
+    ids: Vec<i64>,
+    labels: Option<Vec<i64>>,
+    vocab: usize,
+) -> Result<Example, (&'static str, String)> {
+    if ids.is_empty() {
+        return Err(("input_ids", "empty".into()));
     }
-    let ids = check_ids(&row.input_ids, vocab, false)
-        .map_err(|m| BadRecord::new(rec.line, "input_ids", m))?;
-    let labels = match row.labels {
+    let ids = check_ids(&ids, vocab, false).map_err(|m| ("input_ids", m))?;
+    let labels = match labels {
         None => ids.clone(),
         Some(l) if l.len() != ids.len() => {
-            return Err(BadRecord::new(
-                rec.line,
+            return Err((
                 "labels",
                 format!("has {} entries, `input_ids` has {}", l.len(), ids.len()),
             ));
         }
-        Some(l) => check_ids(&l, vocab, true).map_err(|m| BadRecord::new(rec.line, "labels", m))?,
+        Some(l) => check_ids(&l, vocab, true).map_err(|m| ("labels", m))?,
     };
     Ok(Example {
         input_ids: ids,

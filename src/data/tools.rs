@@ -36,7 +36,7 @@ pub struct ToolCall {
 }
 
 /// Numbers the calls of one conversation and pairs observations with them.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct CallIds {
     next: usize,
     pending: VecDeque<String>,

@@ -89,7 +89,7 @@ impl EventWriter {
 }
 
 /// TensorBoard tags and values of a step (memory in GB; eval only after an evaluation).
-/// The train and eval loss tags are HF Trainer's.
+/// The train and eval loss tags are HF Trainer's, DPO's rewards TRL's under `train/`.
 pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     let mut v = vec![
         ("train/loss", m.loss),
@@ -115,6 +115,12 @@ pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     if let Some(e) = &m.eval {
         v.push(("eval/loss", e.eval_loss));
         v.push(("eval/tokens", e.eval_tokens as f64));
+    }
+    if let Some(d) = &m.dpo {
+        v.push(("train/rewards/chosen", d.chosen));
+        v.push(("train/rewards/rejected", d.rejected));
+        v.push(("train/rewards/accuracies", d.accuracies));
+        v.push(("train/rewards/margins", d.margins));
     }
     v
 }

@@ -79,11 +79,25 @@ pub enum StoreOut<'a> {
     Bf16(&'a mut [bf16]),
 }
 
-impl StoreOut<'_> {
+impl<'a> StoreOut<'a> {
     fn len(&self) -> usize {
         match self {
             StoreOut::F32(s) => s.len(),
             StoreOut::Bf16(s) => s.len(),
+        }
+    }
+
+    /// Elements `..k` and `k..`.
+    fn split_at(self, k: usize) -> (StoreOut<'a>, StoreOut<'a>) {
+        match self {
+            StoreOut::F32(s) => {
+                let (a, b) = s.split_at_mut(k);
+                (StoreOut::F32(a), StoreOut::F32(b))
+            }
+            StoreOut::Bf16(s) => {
+                let (a, b) = s.split_at_mut(k);
+                (StoreOut::Bf16(a), StoreOut::Bf16(b))
+            }
         }
     }
 }
@@ -156,20 +170,36 @@ pub fn adamw_update_bf16_master<G: GradElem>(
     let n = p.len();
     assert!(grad.len() == n && m.len() == n && v.len() == n);
     let k = Consts::new(hp, decay).with(moments);
-    let chunk = |i: usize, p: &mut [bf16], g: &[G], m: &mut [f32], v: &mut [f32]| {
-        let base = first + (i * CHUNK) as u64;
-        for j in 0..p.len() {
-            let pj = adam1(p[j].to_f32(), g[j].to_f32(), &mut m[j], &mut v[j], &k);
-            let r = bits::rounding_bits(seed, hp.step, base + j as u64);
-            p[j] = bits::stochastic_round_bf16(pj, r);
-        }
-    };
     p.par_chunks_mut(CHUNK)
         .zip(grad.par_chunks(CHUNK))
         .zip(m.par_chunks_mut(CHUNK))
         .zip(v.par_chunks_mut(CHUNK))
         .enumerate()
-        .for_each(|(i, (((p, g), m), v))| chunk(i, p, g, m, v));
+        .for_each(|(i, (((p, g), m), v))| {
+            let first = first + (i * CHUNK) as u64;
+            update_bf16_master_chunk(p, g, m, v, &k, seed, hp.step, first)
+        });
+}
+
+/// [`adamw_update_bf16_master`] on one range whose element 0 is layout element `first`.
+#[allow(clippy::too_many_arguments)]
+fn update_bf16_master_chunk<G: GradElem>(
+    p: &mut [bf16],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    k: &Consts,
+    seed: u64,
+    step: u64,
+    first: u64,
+) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    for j in 0..n {
+        let pj = adam1(p[j].to_f32(), g[j].to_f32(), &mut m[j], &mut v[j], k);
+        let r = bits::rounding_bits(seed, step, first + j as u64);
+        p[j] = bits::stochastic_round_bf16(pj, r);
+    }
 }
 
 fn update_split_with<G: GradElem>(
@@ -390,6 +420,9 @@ pub(crate) fn update_split_portable<G: GradElem>(
         (hi[i], lo[i]) = bits::split(pi);
     }
 }
+
+mod bf16_moments;
+pub use bf16_moments::{WeightsMut, adamw_moments_bf16, adamw_update_bf16_moments};
 
 #[cfg(test)]
 mod tests;

@@ -57,11 +57,29 @@ pub fn stochastic_round_bf16(x: f32, r: u16) -> bf16 {
 /// rounding is the same whatever the thread count, chunking or machine.
 #[inline(always)]
 pub fn rounding_bits(seed: u64, step: u64, index: u64) -> u16 {
+    (mix(seed, step, index) >> 48) as u16
+}
+
+/// Two independent sets of 16 rounding bits for element `index` of update `step`, from one
+/// hash: for Adam's m and v (`memory.moments_dtype: bfloat16`). `seed` is salted, so that
+/// they are not a bf16 master's bits of the same run.
+#[inline(always)]
+pub fn rounding_bits_pair(seed: u64, step: u64, index: u64) -> (u16, u16) {
+    let z = mix(seed ^ MOMENTS_SALT, step, index);
+    ((z >> 48) as u16, (z >> 32) as u16)
+}
+
+/// Separates the moments' rounding bits from the master's ("moments" in ASCII).
+const MOMENTS_SALT: u64 = 0x006d_6f6d_656e_7473;
+
+/// splitmix64's finalizer over the three.
+#[inline(always)]
+fn mix(seed: u64, step: u64, index: u64) -> u64 {
     let mut z =
         seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) >> 48) as u16
+    z ^ (z >> 31)
 }
 
 /// The store's bf16 (`round_bf16(x)`) and the residual low half of `x`, ties nudged (see

@@ -7,25 +7,30 @@
 //! block larger than a slot) as soon as it exists and the launcher is told once it has
 //! landed, so the host reduce overlaps the rest of the backward.
 //!
-//! Evaluation is a separate, forward-only pass ([`Engine::evaluate`]): each layer streamed
-//! once, no input kept, the loss summed without a gradient, no slab touched.
+//! Evaluation (and DPO's reference pass) is a separate, forward-only pass
+//! ([`Engine::forward_only`]): each layer streamed once, no input kept, the loss (or each
+//! row's log-probability) summed without a gradient, no slab touched. The head's
+//! objectives are in [`crate::head`].
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use ipc_channel::TryRecvError;
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
+use mt::config::DpoParams;
 use mt::config::hf::ModelSpec;
+use mt::dpo::DpoSums;
 use mt::fault::Phase;
 use mt::layout::Layout;
 use mt::plan::{DeviceOpts, DevicePlan};
-use mt::protocol::{FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
+use mt::protocol::{ForwardOnly, FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;
+use crate::head::{DeviceBatch, Head};
+use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Streamer, kind_of};
-use crate::{head, layer};
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -46,6 +51,15 @@ pub struct Engine {
     dump_logits: Option<std::path::PathBuf>,
     /// Per layer: the buffers it reads (name inside the layer, f32 on the device).
     buffers: Vec<Vec<(String, Tensor)>>,
+    /// `training.stage: dpo`: steps train on the DPO loss.
+    dpo: Option<DpoParams>,
+}
+
+/// What the head of one micro-batch's step gave: its summed loss (in `loss_scale` units
+/// of the step's loss) and, under DPO, its pairs' sums.
+struct HeadOut {
+    loss_sum: f64,
+    dpo: Option<DpoSums>,
 }
 
 /// What the launcher has told this worker between its own actions: which slab slots are
@@ -145,29 +159,6 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
-/// One micro-batch on the device: ids, the targets of the unmasked positions, and where
-/// those positions are in the flattened (B*T) batch.
-struct DeviceBatch {
-    ids_bt: Tensor,
-    /// Packed rows' positions (B, T); None: 0..T.
-    pos_bt: Option<Tensor>,
-    valid_m: Tensor,
-    targets_m: Tensor,
-    /// Tokens per tile of the layers' MLP half (`layer.rs`); None: whole.
-    tile: Option<usize>,
-}
-
-impl DeviceBatch {
-    /// The labelled tokens, in chunks of `chunk`.
-    fn labels(&self, chunk: i64) -> head::Labels<'_> {
-        head::Labels {
-            valid_m: &self.valid_m,
-            targets_m: &self.targets_m,
-            chunk,
-        }
-    }
-}
-
 impl Engine {
     pub fn new(init: &Init, streamer: Streamer) -> Result<Engine> {
         Ok(Engine {
@@ -186,6 +177,7 @@ impl Engine {
             streamer,
             dump_logits: init.dump_logits.clone(),
             buffers: layer_buffers(init)?,
+            dpo: init.dpo,
         })
     }
 
@@ -196,16 +188,18 @@ impl Engine {
 
     /// One optimizer step's share of this worker: every micro-batch, forward and backward.
     /// With `weights_pending`, each store block is read only after the launcher says its
-    /// update for this step is done. Returns (summed token loss, label tokens, timings).
+    /// update for this step is done. Returns (summed loss, label tokens, timings, under DPO
+    /// the pairs' sums).
     pub fn step(
         &mut self,
         micro: &[MicroBatch],
         loss_scale: f64,
         weights_pending: bool,
         link: &Link,
-    ) -> Result<(f64, u64, WorkerTimings)> {
+    ) -> Result<(f64, u64, WorkerTimings, Option<DpoSums>)> {
         let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
+        let mut dpo = self.dpo.map(|_| DpoSums::default());
         self.ctl.ready.fill(!weights_pending);
         self.ctl.update_wait_s = 0.0;
         for (mi, mb) in micro.iter().enumerate() {
@@ -223,7 +217,11 @@ impl Engine {
                 self.kind,
                 self.device,
             );
-            let share = batch.valid_m.size()[0] as f64 * loss_scale;
+            // The micro-batch's share of the step's loss: its label tokens, or its pairs.
+            let share = match self.dpo {
+                Some(_) => (mb.rows / 2) as f64 * loss_scale,
+                None => batch.valid_m.size()[0] as f64 * loss_scale,
+            };
             ctx.router_aux =
                 RouterAux::new(&self.spec, &mb.row_lens, mb.seq_len, share, self.device);
             let x_bth = self.forward(&batch, &ctx, link)?;
@@ -232,7 +230,11 @@ impl Engine {
             }
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            loss_sum += self.backward(mi, &batch, &ctx, loss_scale, x_bth, link, &mut tm)?;
+            let out = self.backward(mi, mb, &batch, &ctx, loss_scale, x_bth, link, &mut tm)?;
+            loss_sum += out.loss_sum;
+            if let (Some(sums), Some(d)) = (dpo.as_mut(), &out.dpo) {
+                sums.add(d);
+            }
             tm.backward_s += t1.elapsed().as_secs_f64();
             self.streamer.end_micro()?;
             tokens += batch.valid_m.size()[0] as u64;
@@ -244,13 +246,15 @@ impl Engine {
         tm.d2h_s = stats.d2h_s;
         tm.peak_device_bytes = stats.peak_device_bytes;
         tm.context_device_bytes = stats.context_device_bytes;
-        Ok((loss_sum, tokens, tm))
+        Ok((loss_sum, tokens, tm, dpo))
     }
 
-    /// The summed token cross-entropy of one eval micro-batch under the weights in the
-    /// store: embed, every layer, the head's chunked loss, without grad or kept inputs. The
-    /// launcher sends an eval only when no update is pending, so every block is ready.
-    pub fn evaluate(&mut self, mb: &MicroBatch) -> Result<f64> {
+    /// One forward-only micro-batch under the weights in the store: embed, every layer,
+    /// the head, without grad or kept inputs; its summed token cross-entropy
+    /// ([`ForwardOnly::Loss`]) or each row's summed label log-probability
+    /// ([`ForwardOnly::RowLogProbs`], then the loss is 0). The launcher sends one only when
+    /// no update is pending, so every block is ready.
+    pub fn forward_only(&mut self, mb: &MicroBatch, what: ForwardOnly) -> Result<(f64, Vec<f64>)> {
         let _guard = tch::no_grad_guard();
         crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
         enter(Phase::Upload, None);
@@ -289,18 +293,25 @@ impl Engine {
             Some(embed_w) => embed_w.get("model.embed_tokens.weight"),
             None => head_w.get("lm_head.weight"),
         };
-        let loss_sum = head::loss(
-            &self.spec,
-            &batch.labels(self.ce_chunk),
-            &head_w,
-            lm_head,
-            &x_bth,
-        );
+        let h = self.head(&head_w, lm_head);
+        let out = match what {
+            ForwardOnly::Loss => (h.loss_sum(&batch, &x_bth), Vec::new()),
+            ForwardOnly::RowLogProbs => (0.0, h.row_logps(&batch, &x_bth)),
+        };
         drop((head_w, head, tied));
         self.streamer.end_micro()?;
         // The eval's transfers and memory are not the next step's.
         self.streamer.take_stats()?;
-        Ok(loss_sum)
+        Ok(out)
+    }
+
+    fn head<'a>(&'a self, w: &'a BlockWeights, lm_head: &'a Tensor) -> Head<'a> {
+        Head {
+            spec: &self.spec,
+            chunk: self.ce_chunk,
+            w,
+            lm_head,
+        }
     }
 
     fn upload(&self, mi: usize, mb: &MicroBatch) -> Result<DeviceBatch> {
@@ -333,6 +344,13 @@ impl Engine {
             Tensor::f_cat(&[labels_bt.f_narrow(1, 1, t - 1)?, pad], 1)?.f_reshape([-1])?;
         let valid_m = targets.f_ne(-100)?.f_nonzero()?.f_reshape([-1])?;
         let targets_m = targets.f_index_select(0, &valid_m)?.f_to_device(dev)?;
+        let rows_m = valid_m.f_divide_scalar_mode(t, "floor")?.f_to_device(dev)?;
+        // A row's label tokens: its labels after the shift that are not ignored.
+        let row_tokens = mb
+            .labels
+            .chunks(t as usize)
+            .map(|row| row[1..].iter().filter(|&&l| l != -100).count() as u64)
+            .collect();
         let o = DeviceOpts {
             packed: pos_bt.is_some(),
             ..self.plan_opts
@@ -343,6 +361,8 @@ impl Engine {
             pos_bt,
             valid_m: valid_m.f_to_device(dev)?,
             targets_m,
+            rows_m,
+            row_tokens,
             tile,
         })
     }
@@ -411,19 +431,20 @@ impl Engine {
     }
 
     /// Head loss and gradients, then every layer recomputed and backpropagated, then the
-    /// embedding; returns the summed token loss (plus the router aux loss, in the same
-    /// units: divided by `scale`).
+    /// embedding; returns the summed loss (plus the router aux loss, in the same units:
+    /// divided by `scale`).
     #[allow(clippy::too_many_arguments)]
     fn backward(
         &mut self,
         mi: usize,
+        mb: &MicroBatch,
         batch: &DeviceBatch,
         ctx: &model::Context,
         scale: f64,
         x_bth: Tensor,
         link: &Link,
         tm: &mut WorkerTimings,
-    ) -> Result<f64> {
+    ) -> Result<HeadOut> {
         let layout = self.layout.clone();
         let (embed_block, head_block) = (
             &layout.blocks[Layout::EMBED],
@@ -449,9 +470,27 @@ impl Engine {
         };
         // The last hidden state lives only through the head: the gradient it hands on (dy)
         // is all the layers need.
-        let labels = batch.labels(self.ce_chunk);
-        let (loss_sum, mut dy_bth) =
-            head::backward(&self.spec, &labels, &head_w, lm_head, scale, &x_bth);
+        let h = self.head(&head_w, lm_head);
+        let (mut out, mut dy_bth) = match &self.dpo {
+            None => {
+                let (loss_sum, dy) = h.ce_backward(batch, scale, &x_bth);
+                (
+                    HeadOut {
+                        loss_sum,
+                        dpo: None,
+                    },
+                    dy,
+                )
+            }
+            Some(p) => {
+                let (sums, dy) = h.dpo_backward(batch, p, &mb.ref_logps, scale, &x_bth);
+                let out = HeadOut {
+                    loss_sum: sums.loss,
+                    dpo: Some(sums),
+                };
+                (out, dy)
+            }
+        };
         drop(x_bth);
         self.send(mi, layout.head_block(), &head_w, link, tm)?;
         drop(head_w);
@@ -487,7 +526,8 @@ impl Engine {
         (e_bth * &dy_bth).sum(Kind::Float).backward();
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
         let aux = ctx.router_aux.as_ref().map_or(0.0, RouterAux::loss);
-        Ok(loss_sum + aux / scale)
+        out.loss_sum += aux / scale;
+        Ok(out)
     }
 
     /// Hands a block's gradients to free slab slots, one per part (`Layout::grad_parts`:

@@ -1,86 +1,182 @@
-//! The head of a micro-batch: final norm, lm_head and the cross-entropy over its labelled
-//! tokens, a chunk of `memory.ce_chunk_tokens` of them at a time. Each chunk normalizes
-//! only its own rows, so neither the logits nor the normed hidden states ever exist for
-//! more than one chunk: the head's memory beyond the last hidden state (and, training, its
-//! gradient) is one chunk's.
+//! The head of a micro-batch: the final norm, the lm_head and the objective over the
+//! labelled positions, chunk by chunk (never the whole batch's logits at once, DESIGN.md
+//! "Loss"; nor its normed hidden states: each chunk normalizes its own rows, so beyond the
+//! last hidden state and its gradient the head holds one chunk), forward only (the eval
+//! loss, DPO's reference log-probabilities) or with its backward to the last hidden state,
+//! each chunk's rows a leaf whose gradient is written into dy.
 //!
-//! Shapes: B batch rows, T sequence length, H hidden size, M = B*T tokens, C tokens in a
-//! chunk.
+//! Objectives: the summed token cross-entropy (SFT, pretraining), scaled by 1 / label
+//! tokens of the step; and DPO ([`mt::dpo`]): a no-grad chunked pass gives each row's
+//! summed label log-probability, [`mt::dpo::pair_terms`] turns the pairs (both rows of each
+//! in this micro-batch) into each row's weight ∂loss/∂logp_row, and the chunked backward
+//! of Σ_tokens w_row · logp_token (= −w_row · CE_token) hands the gradient on.
+//!
+//! Shapes: B rows, T positions, H hidden, M labelled positions, C a chunk of them.
 
+use mt::config::DpoParams;
 use mt::config::hf::ModelSpec;
-use tch::{Kind, Tensor};
+use mt::dpo::{DpoSums, pair_terms};
+use tch::{Device, Kind, Tensor};
 
 use crate::model::{self, BlockWeights};
 
-/// The labelled tokens of a micro-batch and how they are chunked.
-pub struct Labels<'a> {
-    /// Positions of the labelled tokens in the flattened (B*T) batch.
-    pub valid_m: &'a Tensor,
-    /// Their targets.
-    pub targets_m: &'a Tensor,
-    /// Tokens per chunk.
-    pub chunk: i64,
+/// One micro-batch on the device: ids, the targets of the labelled positions, where those
+/// positions are in the flattened (B*T) batch and which row each belongs to.
+pub struct DeviceBatch {
+    pub ids_bt: Tensor,
+    /// Packed rows' positions (B, T); None: 0..T.
+    pub pos_bt: Option<Tensor>,
+    pub valid_m: Tensor,
+    pub targets_m: Tensor,
+    /// The row of each labelled position (M,).
+    pub rows_m: Tensor,
+    /// Label tokens of each row.
+    pub row_tokens: Vec<u64>,
+    /// Tokens per tile of the layers' MLP half (worker/src/layer.rs); None: whole.
+    pub tile: Option<usize>,
 }
 
-impl Labels<'_> {
-    /// (start, len) of each chunk of the labelled tokens.
-    fn chunks(&self) -> impl Iterator<Item = (i64, i64)> + '_ {
-        let n = self.valid_m.size()[0];
+/// The head's weights: the final norm's block and the lm_head (the embedding when tied).
+pub struct Head<'a> {
+    pub spec: &'a ModelSpec,
+    /// Labelled positions per lm_head + loss chunk.
+    pub chunk: i64,
+    pub w: &'a BlockWeights,
+    pub lm_head: &'a Tensor,
+}
+
+impl Head<'_> {
+    /// The final norm of chunk `(start, len)` of the labelled positions of `x_mh` (B*T, H):
+    /// (C, H).
+    fn normed(&self, batch: &DeviceBatch, x_mh: &Tensor, (start, len): (i64, i64)) -> Tensor {
+        let x_ch = x_mh.index_select(0, &batch.valid_m.narrow(0, start, len));
+        model::final_norm(self.spec, self.w, &x_ch)
+    }
+
+    /// (start, length) of each chunk of the labelled positions.
+    fn chunks(&self, batch: &DeviceBatch) -> impl Iterator<Item = (i64, i64)> + '_ {
+        let n = batch.valid_m.size()[0];
         (0..n)
             .step_by(self.chunk as usize)
             .map(move |start| (start, self.chunk.min(n - start)))
     }
-}
 
-/// The summed token loss of `x_bth` (B, T, H), without grad.
-pub fn loss(
-    spec: &ModelSpec,
-    labels: &Labels,
-    head_w: &BlockWeights,
-    lm_head: &Tensor,
-    x_bth: &Tensor,
-) -> f64 {
-    let x_mh = x_bth.view([-1, spec.hidden_size as i64]);
-    let losses: Vec<Tensor> = labels
-        .chunks()
-        .map(|(start, len)| {
-            let rows_c = labels.valid_m.narrow(0, start, len);
-            let hn_ch = model::final_norm(spec, head_w, &x_mh.index_select(0, &rows_c));
-            let targets_c = labels.targets_m.narrow(0, start, len);
-            model::chunk_loss_sum(spec, &hn_ch, lm_head, &targets_c)
-        })
-        .collect();
-    sum(&losses)
-}
-
-/// The loss of `x_bth` (B, T, H; computed without grad) backpropagated with weight
-/// `scale` into the head's leaves (and lm_head's): returns (summed token loss, dy (B, T,
-/// H)), zero at the unlabelled tokens.
-pub fn backward(
-    spec: &ModelSpec,
-    labels: &Labels,
-    head_w: &BlockWeights,
-    lm_head: &Tensor,
-    scale: f64,
-    x_bth: &Tensor,
-) -> (f64, Tensor) {
-    let x_mh = x_bth.view([-1, spec.hidden_size as i64]);
-    let mut dy_mh = x_mh.zeros_like();
-    let mut losses = Vec::new();
-    for (start, len) in labels.chunks() {
-        let rows_c = labels.valid_m.narrow(0, start, len);
-        let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
-        let hn_ch = model::final_norm(spec, head_w, &x_ch);
-        let targets_c = labels.targets_m.narrow(0, start, len);
-        let loss = model::chunk_loss_sum(spec, &hn_ch, lm_head, &targets_c);
-        (&loss * scale).backward();
-        // Each labelled position is in one chunk only.
-        let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
-        losses.push(loss.detach());
+    /// `x_bth` (B, T, H) as (B*T, H).
+    fn flat(&self, x_bth: &Tensor) -> Tensor {
+        x_bth.view([-1, self.spec.hidden_size as i64])
     }
-    (sum(&losses), dy_mh.view_as(x_bth))
+
+    /// The summed token cross-entropy, without grad.
+    pub fn loss_sum(&self, batch: &DeviceBatch, x_bth: &Tensor) -> f64 {
+        let x_mh = self.flat(x_bth);
+        let losses: Vec<Tensor> = self
+            .chunks(batch)
+            .map(|(start, len)| {
+                model::chunk_loss_sum(
+                    self.spec,
+                    &self.normed(batch, &x_mh, (start, len)),
+                    self.lm_head,
+                    &batch.targets_m.narrow(0, start, len),
+                )
+            })
+            .collect();
+        sum(&losses)
+    }
+
+    /// Each row's summed log-probability of its label tokens, without grad, in f64 (each
+    /// row's tokens added in order).
+    pub fn row_logps(&self, batch: &DeviceBatch, x_bth: &Tensor) -> Vec<f64> {
+        let _guard = tch::no_grad_guard();
+        let x_mh = self.flat(x_bth);
+        let rows = batch.row_tokens.len() as i64;
+        let mut sums_b = Tensor::zeros([rows], (Kind::Double, x_bth.device()));
+        for (start, len) in self.chunks(batch) {
+            let ce_c = model::chunk_token_losses(
+                self.spec,
+                &self.normed(batch, &x_mh, (start, len)),
+                self.lm_head,
+                &batch.targets_m.narrow(0, start, len),
+            );
+            let _ = sums_b.index_add_(
+                0,
+                &batch.rows_m.narrow(0, start, len),
+                &ce_c.neg().to_kind(Kind::Double),
+            );
+        }
+        Vec::<f64>::try_from(sums_b.to_device(Device::Cpu)).expect("a 1-d f64 tensor")
+    }
+
+    /// Backpropagates `objective(chunk, its normed rows)` for each chunk, the chunk's rows
+    /// of `x_bth` (computed without grad) a leaf: returns dy (B, T, H), zero at the
+    /// unlabelled positions.
+    fn backward(
+        &self,
+        batch: &DeviceBatch,
+        x_bth: &Tensor,
+        mut objective: impl FnMut((i64, i64), &Tensor) -> Tensor,
+    ) -> Tensor {
+        let x_mh = self.flat(x_bth);
+        let mut dy_mh = x_mh.zeros_like();
+        for (start, len) in self.chunks(batch) {
+            let rows_c = batch.valid_m.narrow(0, start, len);
+            let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
+            let hn_ch = model::final_norm(self.spec, self.w, &x_ch);
+            objective((start, len), &hn_ch).backward();
+            // A labelled position is in one chunk only.
+            let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
+        }
+        dy_mh.view_as(x_bth)
+    }
+
+    /// The summed token cross-entropy and its backward, scaled by `scale`, to the last
+    /// hidden state `x_bth` (computed without grad): (loss sum, dy (B, T, H)).
+    pub fn ce_backward(&self, batch: &DeviceBatch, scale: f64, x_bth: &Tensor) -> (f64, Tensor) {
+        let mut losses = Vec::new();
+        let dy_bth = self.backward(batch, x_bth, |(start, len), hn_ch| {
+            let loss = model::chunk_loss_sum(
+                self.spec,
+                hn_ch,
+                self.lm_head,
+                &batch.targets_m.narrow(0, start, len),
+            );
+            losses.push(loss.detach());
+            loss * scale
+        });
+        (sum(&losses), dy_bth)
+    }
+
+    /// The DPO loss of the micro-batch's pairs (rows 2i, 2i + 1, chosen first; `refs` their
+    /// reference log-probabilities) as a share of the step's mean over pairs (`scale` =
+    /// 1 / pairs in the step), and its backward to `x_bth`: (the pairs' sums, dy).
+    pub fn dpo_backward(
+        &self,
+        batch: &DeviceBatch,
+        params: &DpoParams,
+        refs: &[f64],
+        scale: f64,
+        x_bth: &Tensor,
+    ) -> (DpoSums, Tensor) {
+        let logps = self.row_logps(batch, x_bth);
+        let terms = pair_terms(params, &logps, refs, &batch.row_tokens, scale);
+        // The objective Σ_tokens w_row · logp_token, with logp_token = −CE_token.
+        let coef: Vec<f32> = terms.weights.iter().map(|&w| -w as f32).collect();
+        let coef_m = Tensor::from_slice(&coef)
+            .to_device(x_bth.device())
+            .index_select(0, &batch.rows_m);
+        let dy_bth = self.backward(batch, x_bth, |(start, len), hn_ch| {
+            let ce_c = model::chunk_token_losses(
+                self.spec,
+                hn_ch,
+                self.lm_head,
+                &batch.targets_m.narrow(0, start, len),
+            );
+            (ce_c * coef_m.narrow(0, start, len)).sum(Kind::Float)
+        });
+        (terms.sums, dy_bth)
+    }
 }
 
+/// The sum of per-chunk losses, in f64.
 fn sum(losses: &[Tensor]) -> f64 {
     match losses.is_empty() {
         true => 0.0,

@@ -159,17 +159,22 @@ fn serve(
                 ..
             } => {
                 let link = Link { tx, rx };
-                let (loss_sum, tokens, timings) =
+                let (loss_sum, tokens, timings, dpo) =
                     engine.step(&micro, loss_scale, weights_pending, &link)?;
                 tx.send(FromWorker::StepDone {
                     loss_sum,
                     tokens,
                     timings,
+                    dpo,
                 })?;
             }
-            ToWorker::Eval { index, micro } => {
-                let loss_sum = engine.evaluate(&micro)?;
-                tx.send(FromWorker::EvalDone { index, loss_sum })?;
+            ToWorker::Eval { index, micro, what } => {
+                let (loss_sum, row_logps) = engine.forward_only(&micro, what)?;
+                tx.send(FromWorker::EvalDone {
+                    index,
+                    loss_sum,
+                    row_logps,
+                })?;
             }
             ToWorker::Shutdown => return Ok(()),
             ToWorker::Init(_) => bail!("Init received twice"),

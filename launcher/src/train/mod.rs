@@ -11,14 +11,16 @@ use anyhow::{Context, Result, anyhow, bail};
 use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::ModelSpec;
-use mt::config::{Init as InitKind, RunConfig};
-use mt::data::{Dataset, Sampler, StepPlan, plan_step};
+use mt::config::{Init as InitKind, RunConfig, Stage};
+use mt::data::{Dataset, Sampler, StepPlan, plan_pairs, plan_step};
+use mt::dpo::DpoSums;
 use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
 use mt::optim::Moments;
 use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 
 use crate::cli::Placement;
+use crate::dpo::Preference;
 use crate::eval::EvalSet;
 use crate::host::HostState;
 use crate::prepare::Prepared;
@@ -59,6 +61,8 @@ pub struct Trainer {
     tensorboard: Option<EventWriter>,
     /// The eval set, when the config gives one.
     eval: Option<EvalSet>,
+    /// `training.stage: dpo`: its settings and reference log-probabilities.
+    dpo: Option<Preference>,
     dump_grads: Option<PathBuf>,
     /// Non-finite steps in a row.
     nan_run: u64,
@@ -89,6 +93,8 @@ struct StepOutcome {
     grad_sum_sq: f64,
     /// The update was skipped (non-finite loss or norm).
     skipped: bool,
+    /// Under DPO, the pairs' sums over every worker.
+    dpo: Option<DpoSums>,
 }
 
 impl Trainer {
@@ -119,6 +125,10 @@ impl Trainer {
             checkpoint::check_writable(dir, "logging.logging_dir")?;
         }
         let micro_batch = prepared.micro_batch(&cfg, placement.workers);
+        let dpo = match cfg.training.stage {
+            Stage::Dpo => Some(cfg.dpo_params()?),
+            _ => None,
+        };
         let Prepared {
             spec,
             layout,
@@ -238,10 +248,11 @@ impl Trainer {
                     }),
                     warm_up,
                     buffers: buffers.clone(),
+                    dpo,
                 }
             })
             .collect();
-        let sup = Supervisor::start(&worker_binary()?, inits, plan.total())?;
+        let mut sup = Supervisor::start(&worker_binary()?, inits, plan.total())?;
         let t_workers = Instant::now();
         let s = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
         let startup_s = s(t_start, t_workers);
@@ -273,8 +284,22 @@ impl Trainer {
             let rows = std::mem::take(&mut data.eval);
             EvalSet::new(&rows, per_micro, spec.pad_token_id as i32, t.eval_steps)
         });
+        // Before step 1, under the initial weights (or from the checkpoint resumed).
+        let timeout = Duration::from_secs(cfg.training.worker_timeout_s);
+        let dpo = dpo
+            .map(|_| {
+                let rows = micro_batch.0;
+                let pad = spec.pad_token_id as i32;
+                Preference::new(&data, &mut sup, rows, pad, timeout, resume.as_deref())
+            })
+            .transpose()?;
+        // A sample is a row, or under DPO a pair of rows.
         let sampler = Sampler::new(
-            data.rows.len(),
+            if data.pairs {
+                data.samples
+            } else {
+                data.rows.len()
+            },
             cfg.training.batch_size,
             cfg.dataset.shuffle,
             cfg.training.seed,
@@ -293,6 +318,7 @@ impl Trainer {
             metrics,
             tensorboard,
             eval,
+            dpo,
             dump_grads,
             nan_run,
             start_step,
@@ -438,7 +464,7 @@ impl Trainer {
 
     /// Sends every worker its micro-batches of step `step`.
     fn send_step(&mut self, step: u64, plan: &StepPlan, weights_pending: bool) -> Result<()> {
-        let loss_scale = 1.0 / plan.tokens.max(1) as f64;
+        let loss_scale = 1.0 / plan.loss_units().max(1) as f64;
         for (rank, micro) in plan.per_rank.iter().enumerate() {
             let micro = micro.clone();
             self.sup.send(
@@ -457,13 +483,12 @@ impl Trainer {
     fn fetch_batch(&mut self, step: u64) -> StepPlan {
         let rows = self.sampler.global_batch(step);
         let t = &self.cfg.training;
-        plan_step(
-            &self.data,
-            &rows,
-            self.sup.world(),
-            t.gradient_accumulation_steps,
-            self.spec.pad_token_id as i32,
-        )
+        let (world, accum) = (self.sup.world(), t.gradient_accumulation_steps);
+        let pad = self.spec.pad_token_id as i32;
+        match &self.dpo {
+            Some(p) => plan_pairs(&self.data, &rows, world, accum, pad, &p.refs),
+            None => plan_step(&self.data, &rows, world, accum, pad),
+        }
     }
 
     /// Reduces gradient parts as every worker delivers them, until all workers report
@@ -486,11 +511,12 @@ impl Trainer {
             moments_s: 0.0,
             grad_sum_sq: 0.0,
             skipped: false,
+            dpo: None,
         };
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
-        // Each rank's loss sum, added in rank order at the end: the reported loss does not
-        // depend on which worker finished first.
-        let mut step_done: Vec<Option<f64>> = vec![None; world];
+        // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
+        // loss does not depend on which worker finished first.
+        let mut step_done: Vec<Option<(f64, Option<DpoSums>)>> = vec![None; world];
         while done < world || reduced < expected_parts {
             // The last update's moments pass fills the time the launcher would wait.
             let event = match self.host.moments_due() {
@@ -557,10 +583,13 @@ impl Trainer {
                 Event::Msg(
                     rank,
                     FromWorker::StepDone {
-                        loss_sum, timings, ..
+                        loss_sum,
+                        timings,
+                        dpo,
+                        ..
                     },
                 ) => {
-                    step_done[rank] = Some(loss_sum);
+                    step_done[rank] = Some((loss_sum, dpo));
                     let s = &mut out.slowest;
                     s.forward_s = s.forward_s.max(timings.forward_s);
                     s.backward_s = s.backward_s.max(timings.backward_s);
@@ -581,7 +610,12 @@ impl Trainer {
         let t = Instant::now();
         self.host.settle_moments();
         out.moments_s += t.elapsed().as_secs_f64();
-        out.loss_sum = step_done.into_iter().flatten().sum();
+        for (loss_sum, dpo) in step_done.into_iter().flatten() {
+            out.loss_sum += loss_sum;
+            if let Some(d) = dpo {
+                out.dpo.get_or_insert_default().add(&d);
+            }
+        }
         Ok(out)
     }
 }

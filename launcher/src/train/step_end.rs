@@ -6,7 +6,9 @@ use mt::config::NanPolicy;
 use mt::config::hf::AttentionKind;
 use mt::data::StepPlan;
 use mt::layout::Layout;
-use mt::metrics::{Bound, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
+use mt::metrics::{
+    Bound, DpoMetrics, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
+};
 use mt::optim::{clip_coefficient, lr_at};
 
 use super::{StepOutcome, Trainer, schedule};
@@ -29,9 +31,13 @@ impl Trainer {
         };
         // A checkpoint holds the moments of the update just made.
         self.host.settle_moments();
-        let state = self
+        let mut state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
+        if let Some(p) = &self.dpo {
+            let file = mt::checkpoint::reference::FILE.to_string();
+            state.extra.push((file, p.file.clone()));
+        }
         let (waited, mut written) = self
             .host
             .start_checkpoint(writer, state, contents)
@@ -144,7 +150,7 @@ impl Trainer {
         let per_device_tflops = |f: f64| f / step_time_s / self.sup.world() as f64 / 1e12;
         let m = StepMetrics {
             step: step + 1,
-            loss: out.loss_sum / plan.tokens.max(1) as f64,
+            loss: out.loss_sum / plan.loss_units().max(1) as f64,
             lr,
             grad_norm,
             tokens: plan.tokens,
@@ -175,6 +181,7 @@ impl Trainer {
             tflops_model: per_device_tflops(flops.model),
             skipped: out.skipped,
             eval,
+            dpo: out.dpo.as_ref().map(DpoMetrics::of),
         };
         if !m.loss.is_finite() {
             tracing::warn!(step = m.step, "non-finite loss");

@@ -201,6 +201,23 @@ pub fn chunk_loss_sum(
     )
 }
 
+/// Each token's cross-entropy (C,) f32 of one chunk of normed hidden states (C, H) against
+/// its targets: minus the log-probability of the target.
+pub fn chunk_token_losses(
+    spec: &ModelSpec,
+    h_ch: &Tensor,
+    lm_head_vh: &Tensor,
+    targets_c: &Tensor,
+) -> Tensor {
+    logits(spec, h_ch, lm_head_vh).cross_entropy_loss(
+        targets_c,
+        None::<Tensor>,
+        tch::Reduction::None,
+        -100,
+        0.0,
+    )
+}
+
 /// Logits of normed hidden states (M, H) -> (M, V) in f32: the lm_head in the compute
 /// dtype, soft-capped where the family caps them, then upcast as transformers does.
 pub fn logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {

@@ -305,6 +305,16 @@ pub fn chunk_loss_sum(
     common::chunk_loss_sum(spec, h_ch, lm_head_vh, targets_c)
 }
 
+/// Each token's cross-entropy (C,) of one chunk of normed hidden states (C, H).
+pub fn chunk_token_losses(
+    spec: &ModelSpec,
+    h_ch: &Tensor,
+    lm_head_vh: &Tensor,
+    targets_c: &Tensor,
+) -> Tensor {
+    common::chunk_token_losses(spec, h_ch, lm_head_vh, targets_c)
+}
+
 /// Logits of normed hidden states (M, H) -> (M, V), f32.
 pub fn logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
     common::logits(spec, h_mh, lm_head_vh)

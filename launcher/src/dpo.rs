@@ -1,0 +1,99 @@
+//! `training.stage: dpo` in the launcher: the reference log-probabilities and the pairs'
+//! metrics. The loss itself is the workers' ([`mt::dpo`], worker/src/head.rs).
+//!
+//! The reference model is the initial weights, so no second copy of the model is kept:
+//! before the first step, one forward-only pass over the training set (the eval path,
+//! [`crate::eval::forward_only`], cut into micro-batches of the training micro-batch's rows
+//! in dataset order, worker r taking r, r + W, …, so the values do not depend on the
+//! worker count) gives every row's summed label log-probability. They stay in host RAM (8
+//! bytes per row, two rows per pair), travel with each micro-batch to the worker that
+//! computes it, and go into every checkpoint ([`mt::checkpoint::reference`]); a resume
+//! reads them from there.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use mt::checkpoint::reference::{self, Reference};
+use mt::data::{Dataset, pad_batch};
+use mt::protocol::ForwardOnly;
+
+use crate::eval::forward_only;
+use crate::supervisor::Supervisor;
+
+/// A DPO run's reference log-probabilities (its settings go to the workers in `Init`).
+pub struct Preference {
+    /// The reference log-probability of every training row.
+    pub refs: Vec<f64>,
+    /// `dpo_reference.safetensors`, as every checkpoint holds it.
+    pub file: Arc<Vec<u8>>,
+}
+
+impl Preference {
+    /// The reference log-probabilities of `data`'s rows: read from the checkpoint `resume`
+    /// (which must hold them for these rows), or computed by the workers under the
+    /// weights in the store (the initial ones), `rows_per_micro` rows per micro-batch.
+    pub fn new(
+        data: &Dataset,
+        sup: &mut Supervisor,
+        rows_per_micro: usize,
+        pad_id: i32,
+        timeout: Duration,
+        resume: Option<&Path>,
+    ) -> Result<Preference> {
+        assert!(data.pairs && rows_per_micro > 0);
+        let fingerprint = reference::fingerprint(&data.rows);
+        let r = match resume {
+            Some(dir) => {
+                let r = Reference::read(dir, &fingerprint)?;
+                println!(
+                    "DPO reference log-probabilities of {} pairs: read from {}",
+                    data.samples,
+                    dir.join(reference::FILE).display()
+                );
+                r
+            }
+            None => {
+                let t = Instant::now();
+                let rows = &data.rows;
+                let n = rows.len().div_ceil(rows_per_micro);
+                let make = |i: usize| {
+                    let chunk =
+                        &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
+                    pad_batch(&chunk.iter().collect::<Vec<_>>(), pad_id)
+                };
+                let out = forward_only(sup, n, &make, ForwardOnly::RowLogProbs, timeout)?;
+                let logps: Vec<f64> = out.into_iter().flat_map(|(_, l)| l).collect();
+                anyhow::ensure!(
+                    logps.len() == rows.len(),
+                    "the reference pass gave {} log-probabilities for {} rows",
+                    logps.len(),
+                    rows.len()
+                );
+                let secs = t.elapsed().as_secs_f64();
+                let tokens: usize = rows.iter().map(|r| r.input_ids.len()).sum();
+                println!(
+                    "DPO reference pass: {} pairs ({} rows, {tokens} tokens) forward only in {secs:.2}s ({:.0} tokens/s)",
+                    data.samples,
+                    rows.len(),
+                    tokens as f64 / secs.max(1e-9)
+                );
+                tracing::info!(
+                    pairs = data.samples,
+                    rows = rows.len(),
+                    reference_pass_s = format!("{secs:.3}"),
+                    "DPO reference pass"
+                );
+                Reference {
+                    logps,
+                    data: fingerprint,
+                }
+            }
+        };
+        Ok(Preference {
+            file: Arc::new(r.to_bytes()),
+            refs: r.logps,
+        })
+    }
+}
