@@ -62,6 +62,37 @@ impl AdamMoments {
             }
         }
     }
+
+    /// m and v lent to a checkpoint writer.
+    fn lend(&self) -> (LentMaster, LentMaster) {
+        match self {
+            AdamMoments::F32 { m, v } => (LentMaster::F32(m.lend()), LentMaster::F32(v.lend())),
+            AdamMoments::Bf16 { m, v, .. } => {
+                (LentMaster::Bf16(m.lend()), LentMaster::Bf16(v.lend()))
+            }
+        }
+    }
+
+    /// Write access to m and v; bf16 moments count the values they had to round in
+    /// `rounded`.
+    fn muts<'a>(&'a mut self, rounded: &'a AtomicU64) -> (MasterMut<'a>, MasterMut<'a>) {
+        match self {
+            AdamMoments::F32 { m, v } => (
+                MasterMut::F32(m.as_mut_slice()),
+                MasterMut::F32(v.as_mut_slice()),
+            ),
+            AdamMoments::Bf16 { m, v, .. } => (
+                MasterMut::Bf16 {
+                    p: m.as_mut_slice(),
+                    rounded,
+                },
+                MasterMut::Bf16 {
+                    p: v.as_mut_slice(),
+                    rounded,
+                },
+            ),
+        }
+    }
 }
 
 /// The gradient accumulator (`memory.grad_dtype`).
@@ -280,22 +311,7 @@ impl HostState {
             &rounded,
         );
         let moments_rounded = AtomicU64::new(0);
-        let (m, v) = match &mut self.moments {
-            AdamMoments::F32 { m, v } => (
-                MasterMut::F32(m.as_mut_slice()),
-                MasterMut::F32(v.as_mut_slice()),
-            ),
-            AdamMoments::Bf16 { m, v, .. } => (
-                MasterMut::Bf16 {
-                    p: m.as_mut_slice(),
-                    rounded: &moments_rounded,
-                },
-                MasterMut::Bf16 {
-                    p: v.as_mut_slice(),
-                    rounded: &moments_rounded,
-                },
-            ),
-        };
+        let (m, v) = self.moments.muts(&moments_rounded);
         let st = state::load(dir, &self.layout, master, m, v)?;
         self.updates = st.updates;
         self.sync_store();
@@ -368,6 +384,7 @@ impl HostState {
                 .lend_bf16()
                 .expect("a split or bf16 master has a bf16 store")
         };
+        let (m, v) = self.moments.lend();
         let lent = LentTensors {
             master: match &self.master {
                 Master::F32(x) => LentMaster::F32(x.lend()),
@@ -377,14 +394,8 @@ impl HostState {
                 },
                 Master::Bf16 { .. } => LentMaster::Bf16(store()),
             },
-            m: match &self.moments {
-                AdamMoments::F32 { m, .. } => LentMaster::F32(m.lend()),
-                AdamMoments::Bf16 { m, .. } => LentMaster::Bf16(m.lend()),
-            },
-            v: match &self.moments {
-                AdamMoments::F32 { v, .. } => LentMaster::F32(v.lend()),
-                AdamMoments::Bf16 { v, .. } => LentMaster::Bf16(v.lend()),
-            },
+            m,
+            v,
         };
         let (waited, done, gate) = writer.start(state, lent, contents)?;
         self.checkpoint = Some(gate);

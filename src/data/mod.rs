@@ -366,6 +366,27 @@ fn rows(
     }
 }
 
+/// A conversation with tool calls needs a chat template that renders them; else the record
+/// is bad, named by its `column`.
+fn renders_tools(
+    chat: &ChatTokenizer,
+    conv: &Conversation,
+    rec: &RawRecord,
+    column: &str,
+) -> std::result::Result<(), BadRecord> {
+    if chat.supports_tools() || conv.messages.iter().all(|m| m.tool_calls.is_empty()) {
+        return Ok(());
+    }
+    Err(BadRecord::new(
+        rec.line,
+        column,
+        format!(
+            "a function_call turn, but the chat template ({}) does not render tool calls",
+            chat.template_path.display()
+        ),
+    ))
+}
+
 /// One record to a row, with `max_seq_len` applied (but to `pt` documents that are cut
 /// into blocks later).
 fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Example, BadRecord> {
@@ -379,16 +400,7 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                 }
                 _ => {
                     let conv = schema.conversation(rec)?;
-                    if !chat.supports_tools() && conv.messages.iter().any(|m| !m.tool_calls.is_empty()) {
-                        return Err(BadRecord::new(
-                            rec.line,
-                            &schema.columns.messages,
-                            format!(
-                                "a function_call turn, but the chat template ({}) does not render tool calls",
-                                chat.template_path.display()
-                            ),
-                        ));
-                    }
+                    renders_tools(chat, &conv, rec, &schema.columns.messages)?;
                     chat.example(&conv, ds.train_on_prompt)
                 }
             }

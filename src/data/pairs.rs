@@ -24,7 +24,7 @@ use super::records::{
 };
 use super::sources::Source;
 use super::tools::CallIds;
-use super::{Example, Reader, fit, in_vocab, tokenized};
+use super::{Example, Reader, fit, in_vocab, renders_tools, tokenized};
 use crate::config::DatasetFormat;
 
 /// A record's two rows, chosen first.
@@ -40,17 +40,7 @@ pub(super) fn pair(
             answers.map(|answer| {
                 let mut conv = prompt.clone();
                 conv.messages.push(answer);
-                if !chat.supports_tools() && conv.messages.iter().any(|m| !m.tool_calls.is_empty())
-                {
-                    return Err(BadRecord::new(
-                        rec.line,
-                        &schema.columns.messages,
-                        format!(
-                            "a function_call turn, but the chat template ({}) does not render tool calls",
-                            chat.template_path.display()
-                        ),
-                    ));
-                }
+                renders_tools(chat, &conv, rec, &schema.columns.messages)?;
                 let ex = chat
                     .answer_example(&conv)
                     .map_err(|m| BadRecord::new(rec.line, "", m))?;

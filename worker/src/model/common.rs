@@ -192,13 +192,7 @@ pub fn chunk_loss_sum(
     lm_head_vh: &Tensor,
     targets_c: &Tensor,
 ) -> Tensor {
-    logits(spec, h_ch, lm_head_vh).cross_entropy_loss(
-        targets_c,
-        None::<Tensor>,
-        tch::Reduction::Sum,
-        -100,
-        0.0,
-    )
+    chunk_cross_entropy(spec, h_ch, lm_head_vh, targets_c, tch::Reduction::Sum)
 }
 
 /// Each token's cross-entropy (C,) f32 of one chunk of normed hidden states (C, H) against
@@ -209,10 +203,21 @@ pub fn chunk_token_losses(
     lm_head_vh: &Tensor,
     targets_c: &Tensor,
 ) -> Tensor {
+    chunk_cross_entropy(spec, h_ch, lm_head_vh, targets_c, tch::Reduction::None)
+}
+
+/// The cross-entropy of one chunk's logits against its targets (-100 ignored), reduced.
+fn chunk_cross_entropy(
+    spec: &ModelSpec,
+    h_ch: &Tensor,
+    lm_head_vh: &Tensor,
+    targets_c: &Tensor,
+    reduction: tch::Reduction,
+) -> Tensor {
     logits(spec, h_ch, lm_head_vh).cross_entropy_loss(
         targets_c,
         None::<Tensor>,
-        tch::Reduction::None,
+        reduction,
         -100,
         0.0,
     )
