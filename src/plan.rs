@@ -73,9 +73,10 @@ pub enum Fit {
     Short,
 }
 
+mod acts;
 mod device;
 mod fit;
-pub use device::{DeviceOpts, DevicePlan, Phase};
+pub use device::{DeviceOpts, DevicePlan, Phase, TILE_ALIGN, tiled_layer};
 pub use fit::{DeviceMemory, Largest, Short, check as check_device_fit};
 
 /// Bytes of host RAM the launcher holds for training state.
