@@ -133,7 +133,7 @@ def main():
         nxt = os.path.join(args.work, f"model-{it + 1}")
         cmd = [args.launcher, "--config", args.config, "--gpus", "0", "--workers", "1",
                "--metrics-out", os.path.join(args.work, f"metrics-{it}.jsonl"),
-               "--set", f"model.path={os.path.join(args.work, 'model-0')}",
+               "--set", f"model.path={os.path.join(args.work, 'model-0')}", "--set", "model.init=pretrained",
                "--set", f"dataset.path={path}",
                "--set", f"training.batch_size={n // args.steps}",
                "--set", f"training.num_steps={(it + 1) * args.steps}",

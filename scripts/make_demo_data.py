@@ -172,3 +172,15 @@ for p in pairs[::8]:
     p["system"] = "Answer in one short sentence."
 with open("data/demo/dpo_demo.json", "w") as f:
     f.write("[\n" + ",\n".join("  " + json.dumps(p) for p in pairs) + "\n]\n")
+
+# data/demo/grpo_demo.jsonl (configs/tiny_grpo.yaml, training.stage: grpo): rollouts as a
+# generator would write them, in text: each "Add a and b." prompt with a group of four
+# completions, scored 1 when it states the sum and 0 otherwise (examples/grpo_loop.py
+# writes its own, as token ids, from the model it trains).
+rng = random.Random(27)
+with open("data/demo/grpo_demo.jsonl", "w") as f:
+    for g in range(16):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        for off in rng.sample([0, 0, -1, 1, 2, 10, -10], 4):
+            f.write(json.dumps({"prompt": f"Add {a} and {b}.", "completion": f"{a} + {b} = {a + b + off}.",
+                                "reward": float(off == 0), "group": g}) + "\n")

@@ -89,12 +89,19 @@ impl Progress {
             self.hinted.set(true);
             self.println(&hint);
         }
-        let dpo = m.dpo.map_or(String::new(), |d| {
-            format!(
+        let dpo = match (m.dpo, m.grpo) {
+            (Some(d), _) => format!(
                 "  rewards: accuracy {:.2} margin {:.4}",
                 d.accuracies, d.margins
-            )
-        });
+            ),
+            (_, Some(g)) => format!(
+                "  reward {:.4} (std {:.4})  clipped {:.3}",
+                g.reward,
+                g.reward_std,
+                g.clip_ratio_low + g.clip_ratio_high
+            ),
+            _ => String::new(),
+        };
         let eval = m.eval.map(|e| {
             format!(
                 "  eval_loss {:.4} ({} tokens, {:.2}s)",
