@@ -2,7 +2,8 @@
 the training step in `mt-launch` (training.stage: grpo). Each iteration:
 
   1. generate: G completions of each of P prompts with the current model (an HF directory):
-     vLLM or SGLang when installed (--engine), else transformers' `generate`;
+     vLLM when installed with a GPU (--engine vllm; not exercised on the CPU box this was
+     measured on), else transformers' `generate` (SGLang is not wired in yet);
   2. score each with `reward(prompt, completion, answer)` from a Python file (--reward);
   3. write the rollouts (token ids as generated, reward, group) as JSONL;
   4. train: `mt-launch --resume latest` runs the next `--steps` optimizer steps on them (the

@@ -5,8 +5,8 @@
 //! that pushes ratios past the clip range): per-step loss, gradient norm and TRL's clip
 //! ratios, and every step-1 gradient, with 1 and 2 CPU workers; 2 workers equal 1 worker
 //! accumulating 2 bit for bit; a run checkpointed in the middle of a batch and resumed
-//! equals the straight one bit for bit; bad rollouts and settings are refused naming file,
-//! line and key.
+//! equals the straight one bit for bit; the metrics reach TensorBoard; bad rollouts and
+//! settings are refused naming file, line and key.
 
 mod common;
 
@@ -278,5 +278,51 @@ fn bad_rollouts_and_settings_are_refused_naming_file_line_and_key() {
             !out.status.success() && words.iter().all(|w| err.contains(w)),
             "{set}: {words:?} in {err}"
         );
+    }
+}
+
+/// The reward and clip ratios reach TensorBoard (TRL's tags under `train/`) as the metrics
+/// file has them, read back by TensorBoard's own EventAccumulator
+/// (scripts/read_tensorboard.py); the step lines show the reward.
+#[test]
+fn reward_reaches_tensorboard_and_the_step_lines() {
+    let case = golden_dir().join("grpo/qwen3_tied_grpo/run.yaml");
+    let dir = scratch("grpo-tensorboard");
+    let (tb, m) = (dir.join("tb"), dir.join("metrics.jsonl"));
+    let dir_set = format!("logging.logging_dir={}", tb.display());
+    let extra = ["--set", "logging.report_to=tensorboard", "--set", &dir_set];
+    let (out, args) = run_cpu(&case, 1, &m, &extra);
+    assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        log.contains("  reward ") && log.contains("clipped"),
+        "{log}"
+    );
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let py = std::process::Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("scripts/read_tensorboard.py"))
+        .arg(&tb)
+        .output()
+        .expect("run .venv/bin/python (scripts/setup.sh installs tensorboard)");
+    let err = String::from_utf8_lossy(&py.stderr);
+    assert!(py.status.success(), "{err}");
+    let scalars: serde_json::Value = serde_json::from_slice(&py.stdout).unwrap();
+    let rows = metrics(&m);
+    for key in [
+        "reward",
+        "reward_std",
+        "completions/mean_length",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+    ] {
+        let tag = format!("train/{key}");
+        let series = scalars[&tag]
+            .as_array()
+            .unwrap_or_else(|| panic!("no `{tag}`"));
+        assert_eq!(series.len(), rows.len(), "{tag}");
+        for (p, r) in series.iter().zip(&rows) {
+            let want = r[key].as_f64().unwrap() as f32;
+            assert_eq!(p[1].as_f64().unwrap() as f32, want, "{tag} at {}", p[0]);
+        }
     }
 }

@@ -89,7 +89,8 @@ impl EventWriter {
 }
 
 /// TensorBoard tags and values of a step (memory in GB; eval only after an evaluation).
-/// The train and eval loss tags are HF Trainer's, DPO's rewards TRL's under `train/`.
+/// The train and eval loss tags are HF Trainer's, DPO's rewards and GRPO's reward and clip
+/// ratios TRL's under `train/`.
 pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     let mut v = vec![
         ("train/loss", m.loss),
@@ -121,6 +122,13 @@ pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
         v.push(("train/rewards/rejected", d.rejected));
         v.push(("train/rewards/accuracies", d.accuracies));
         v.push(("train/rewards/margins", d.margins));
+    }
+    if let Some(g) = &m.grpo {
+        v.push(("train/reward", g.reward));
+        v.push(("train/reward_std", g.reward_std));
+        v.push(("train/completions/mean_length", g.mean_length));
+        v.push(("train/clip_ratio/low_mean", g.clip_ratio_low));
+        v.push(("train/clip_ratio/high_mean", g.clip_ratio_high));
     }
     v
 }
