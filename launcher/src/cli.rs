@@ -80,6 +80,11 @@ pub struct PlanArgs {
     #[arg(long, value_name = "GB")]
     pub gpu_memory: Option<f64>,
 
+    /// Nodes (launchers under `mpirun -np N`): adds each node's host bytes per parameter
+    /// and the network traffic of a step.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nodes: usize,
+
     /// Print the plan as one JSON object (bytes) instead of the report.
     #[arg(long)]
     pub json: bool,
