@@ -16,6 +16,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::TileTokens;
 use crate::protocol::Device;
 
 /// What a worker was doing (the engine's phases of a micro-batch, and the work around them).
@@ -181,6 +182,9 @@ pub struct PlanFigures {
 pub struct Settings {
     pub offload_activations: bool,
     pub ce_chunk_tokens: usize,
+    pub tile_tokens: TileTokens,
+    /// The tile the failing micro-batch ran its layers' MLP half in (None: whole).
+    pub tile: Option<usize>,
 }
 
 /// A worker's libtorch (or allocation) failure, located.
@@ -228,6 +232,15 @@ impl Fault {
             && self.device != Device::Cpu
         {
             out.push("memory.offload_activations: true".into());
+        }
+        let in_layer = matches!(
+            self.phase,
+            Phase::WarmUp | Phase::Forward | Phase::Backward | Phase::Eval
+        ) && self.layer.is_some();
+        match (self.settings.tile, self.settings.tile_tokens) {
+            (Some(t), _) if in_layer => out.push(format!("a smaller memory.tile_tokens (now {t})")),
+            (None, TileTokens::Off) if in_layer => out.push("memory.tile_tokens: auto".into()),
+            _ => {}
         }
         if self.phase == Phase::Head {
             out.push(format!(
@@ -338,6 +351,8 @@ mod tests {
             settings: Settings {
                 offload_activations: offload,
                 ce_chunk_tokens: 8192,
+                tile_tokens: TileTokens::Auto,
+                tile: None,
             },
         }
     }
@@ -385,6 +400,42 @@ mod tests {
         };
         let frag = fault(Phase::Forward, 8, fits, true).to_string();
         assert!(frag.contains("allocator slack"), "{frag}");
+    }
+
+    #[test]
+    fn a_layer_fault_names_the_tile() {
+        let tiled = Fault {
+            settings: Settings {
+                tile: Some(38912),
+                ..fault(Phase::Backward, 1, PLAN, true).settings
+            },
+            ..fault(Phase::Backward, 1, PLAN, true)
+        };
+        let line = tiled.to_string();
+        assert!(
+            line.contains("a smaller memory.tile_tokens (now 38912)"),
+            "{line}"
+        );
+        let off = Fault {
+            settings: Settings {
+                tile_tokens: TileTokens::Off,
+                tile: None,
+                ..tiled.settings
+            },
+            ..tiled.clone()
+        };
+        assert!(
+            off.to_string()
+                .ends_with("To fit: memory.tile_tokens: auto"),
+            "{off}"
+        );
+        // The head's memory is not the layers'.
+        let head = Fault {
+            phase: Phase::Head,
+            layer: None,
+            ..tiled
+        };
+        assert!(!head.to_string().contains("tile_tokens"), "{head}");
     }
 
     #[test]

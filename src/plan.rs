@@ -73,10 +73,11 @@ pub enum Fit {
     Short,
 }
 
+mod acts;
 mod device;
 mod fit;
 mod nodes;
-pub use device::{DeviceOpts, DevicePlan, Phase};
+pub use device::{DeviceOpts, DevicePlan, Phase, TILE_ALIGN, tiled_layer};
 pub use fit::{DeviceMemory, Largest, Short, check as check_device_fit};
 pub use nodes::{LINKS_GBPS, NodesPlan};
 

@@ -103,6 +103,9 @@ pub struct Init {
     /// (one decoder layer, or one part of a larger block).
     pub num_slots: usize,
     pub ce_chunk_tokens: usize,
+    /// `memory.tile_tokens`: the worker resolves it per micro-batch shape through the
+    /// device plan (`DevicePlan::new(..).tile`).
+    pub tile_tokens: crate::config::TileTokens,
     /// Stash layer inputs in pinned host memory (CUDA only).
     pub offload_activations: bool,
     /// Write the logits of the first micro-batch of the first step here (parity checks).
@@ -113,6 +116,21 @@ pub struct Init {
     pub buffers: Vec<LayerBuffer>,
     /// `training.stage: dpo`: steps train on the DPO loss of their pairs ([`crate::dpo`]).
     pub dpo: Option<DpoParams>,
+}
+
+impl Init {
+    /// The device plan's options for this worker's micro-batches (`packed`: with position
+    /// ids), as the launcher planned them.
+    pub fn device_opts(&self, packed: bool) -> crate::plan::DeviceOpts {
+        crate::plan::DeviceOpts {
+            dtype: self.dtype,
+            ce_chunk_tokens: self.ce_chunk_tokens,
+            tile_tokens: self.tile_tokens,
+            packed,
+            offload_activations: self.offload_activations,
+            cpu: self.device == Device::Cpu,
+        }
+    }
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.

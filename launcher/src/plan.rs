@@ -91,6 +91,7 @@ fn json(
         "device": {
             "rows": device.rows,
             "seq_len": device.seq_len,
+            "tile_tokens": device.tile,
             "fixed": parts(&device.fixed),
             "phases": phases,
             "peak_phase": device.peak_phase().name,

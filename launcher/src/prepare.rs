@@ -205,6 +205,7 @@ pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
     DeviceOpts {
         dtype: cfg.model.dtype,
         ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+        tile_tokens: cfg.memory.tile_tokens,
         packed: cfg.dataset.packing,
         offload_activations: cfg.memory.offload_activations,
         cpu: placement.gpus == 0,

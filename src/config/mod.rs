@@ -16,12 +16,14 @@ mod overrides;
 pub mod shipped;
 pub mod size;
 mod stage;
+mod tile;
 
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
 pub use logging::{LoggingSection, ReportTo};
 pub use overrides::apply_override;
 use overrides::did_you_mean;
 pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
+pub use tile::TileTokens;
 
 use std::path::{Path, PathBuf};
 
@@ -387,6 +389,11 @@ pub struct MemorySection {
     pub num_grad_slabs: usize,
     /// Tokens per chunk of the lm_head + cross-entropy (bounds the logits memory).
     pub ce_chunk_tokens: usize,
+    /// Tokens per tile of each decoder layer's token-wise half (post-attention norm, MLP,
+    /// residual), which then holds one tile's MLP activations instead of the whole
+    /// micro-batch's: `auto` (or 0; the device plan's choice), `off`, or a number.
+    #[serde(with = "tile::human")]
+    pub tile_tokens: TileTokens,
     /// Keep each layer's input between forward and backward in pinned host memory
     /// instead of on the GPU (long sequences); ignored by CPU workers.
     pub offload_activations: bool,
@@ -429,6 +436,7 @@ impl Default for MemorySection {
         MemorySection {
             num_grad_slabs: 4,
             ce_chunk_tokens: 4096,
+            tile_tokens: TileTokens::Auto,
             offload_activations: false,
             checkpoint_interval: 1,
             grad_dtype: DType::Float32,

@@ -168,6 +168,40 @@ fn stage_defaults_to_sft_and_refuses_the_unbuilt_ones() {
 }
 
 #[test]
+fn tile_tokens_is_auto_off_or_a_count_and_bad_values_name_the_key() {
+    assert_eq!(parse(OK).unwrap().memory.tile_tokens, TileTokens::Auto);
+    for (yaml, want) in [
+        ("0", TileTokens::Auto),
+        ("auto", TileTokens::Auto),
+        ("off", TileTokens::Off),
+        ("8192", TileTokens::Tokens(8192)),
+    ] {
+        let c = parse(&format!("{OK}memory: {{tile_tokens: {yaml}}}\n")).unwrap();
+        assert_eq!(c.memory.tile_tokens, want, "{yaml}");
+    }
+    for bad in ["-1", "1.5", "true", "fast", "'4k'"] {
+        let e = parse(&format!("{OK}memory: {{tile_tokens: {bad}}}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("memory.tile_tokens") && e.contains("`auto`, `off` or a number of tokens"),
+            "{bad}: {e}"
+        );
+    }
+    // The override of the command line, and the round trip of a written config.
+    let dir = std::env::temp_dir().join(format!("mt-cfg-tile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("run.yaml");
+    std::fs::write(&p, OK).unwrap();
+    let c = RunConfig::load(&p, &["memory.tile_tokens=off".into()]).unwrap();
+    assert_eq!(c.memory.tile_tokens, TileTokens::Off);
+    let e = RunConfig::load(&p, &["memory.tile_tokens=-3".into()]).unwrap_err();
+    assert!(e.to_string().contains("memory.tile_tokens"), "{e}");
+    let yaml = serde_yaml_ng::to_string(&c.memory).unwrap();
+    assert!(yaml.contains("tile_tokens: off"), "{yaml}");
+}
+
+#[test]
 fn dpo_settings_default_resolve_llamafactory_names_and_name_bad_values() {
     let dpo = |extra: &str| parse(&format!("{OK}training: {{stage: dpo{extra}}}\n"));
     let c = dpo("").unwrap();

@@ -3,13 +3,15 @@
 //! The engine (worker/src/engine.rs) never holds everything at once: the embedding and
 //! head blocks are loaded only around the compute that reads them, layers stream through a
 //! ring of two buffers, and a layer's activations exist only while that layer is computed.
-//! So the peak is the largest of four phases, each the sum of what is alive in it:
+//! So the peak is the largest of the phases, each the sum of what is alive in it:
 //!
 //! | phase            | alive                                                          |
 //! |------------------|----------------------------------------------------------------|
 //! | forward          | every layer input so far, one layer's no-grad temporaries      |
 //! | head + loss      | every layer input, head block and gradient, one loss chunk     |
 //! | layer backward   | the inputs left, one layer's recompute graph, gradients moving |
+//! | MLP tiles        | as layer backward, with the attention half's graph and one     |
+//! |                  | tile's MLP graph in place of the layer's                       |
 //! | embed backward   | embedding block and gradient, the last gradients moving        |
 //!
 //! plus what the whole micro-batch holds: the ring, the masks and RoPE tables. With tied
@@ -17,15 +19,29 @@
 //! micro-batch. With `memory.offload_activations` the layer inputs live in host memory and
 //! only the copies in flight (at most three) are on the device.
 //!
+//! Tiling (`memory.tile_tokens`, worker/src/layer.rs): a layer whose token-wise half is
+//! tiled ([`tiled_layer`]) recomputes its attention half whole, then runs and
+//! backpropagates its post-attention norm and MLP one tile of the flattened (B*T) tokens at
+//! a time, then backpropagates the attention half. Its MLP activations, (tokens x
+//! intermediate) and the largest of a dense layer, are then one tile's: the layer backward
+//! phase holds the attention half's graph alone and the MLP tiles phase that graph, the
+//! half's output and one tile's graph. The no-grad forward tiles the same way. The
+//! automatic tile is the largest multiple of [`TILE_ALIGN`] tokens whose MLP tiles phase
+//! stays within the largest of the head, layer backward and embedding phases: tiling then
+//! lowers the peak to what the rest of the micro-batch needs anyway, with tiles as large
+//! (as efficient) as that allows. A micro-batch whose whole MLP fits within it runs untiled.
+//!
 //! Each figure counts the tensors the worker code creates or autograd saves, by shape and
-//! dtype (the comments name them). Not counted: the CUDA context and cuBLAS workspaces
-//! (fixed per process, measured by the worker at start), the allocator's rounding and
-//! fragmentation. Gated DeltaNet layers are counted from their main tensors only, for the
-//! path the worker takes (chunked on GPUs, the reference on CPU).
+//! dtype (the comments name them; `acts.rs` those of one layer). Not counted: the CUDA
+//! context and cuBLAS workspaces (fixed per process, measured by the worker at start), the
+//! allocator's rounding and fragmentation. Gated DeltaNet layers are counted from their
+//! main tensors only, for the path the worker takes (chunked on GPUs, the reference on CPU).
 
-use crate::config::DType;
-use crate::config::hf::{AttentionKind, ExpertNames, ModelSpec};
+use crate::config::hf::ModelSpec;
+use crate::config::{DType, TileTokens};
 use crate::layout::Layout;
+
+use super::acts::{self, Dims, F32, LayerActs};
 
 /// Gradient blocks whose device-to-host copy may be in flight at once
 /// (worker/src/stream/gpu.rs MAX_D2H_IN_FLIGHT).
@@ -33,16 +49,24 @@ const GRADS_IN_FLIGHT: u64 = 2;
 /// Layer inputs on the device with `offload_activations`: the one in use and at most two
 /// copies in flight (two leaving in the forward; one arriving ahead in the backward).
 const OFFLOADED_INPUTS: u64 = 3;
-/// Rows of a chunk of the Gated DeltaNet rule (worker/src/model/gated_delta/: the reference's
-/// CHUNK and the chunked path's default).
-const DELTA_CHUNK: u64 = 64;
-const F32: u64 = 4;
+/// The automatic tile is a multiple of this many tokens, and at least this many (whole
+/// GEMM tiles; a micro-batch of no more tokens runs untiled).
+pub const TILE_ALIGN: usize = 1024;
+
+/// The phases' names.
+const FORWARD: &str = "forward";
+const HEAD: &str = "head + loss";
+const LAYER_BACKWARD: &str = "layer backward";
+const MLP_TILES: &str = "layer backward, MLP tiles";
+const EMBED_BACKWARD: &str = "embedding backward";
 
 /// Options of the estimate that come from the run config.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceOpts {
     pub dtype: DType,
     pub ce_chunk_tokens: usize,
+    /// `memory.tile_tokens`.
+    pub tile_tokens: TileTokens,
     /// Packed rows: a (B, 1, T, T) mask and (B, T) positions per micro-batch.
     pub packed: bool,
     /// Layer inputs are stashed in pinned host memory.
@@ -74,51 +98,93 @@ impl Phase {
 pub struct DevicePlan {
     pub rows: usize,
     pub seq_len: usize,
+    /// Tokens per tile of the tiled layers' token-wise half; None: every layer whole.
+    pub tile: Option<usize>,
+    /// The `memory.tile_tokens` it comes from.
+    pub tile_setting: TileTokens,
     /// Held for the whole micro-batch.
     pub fixed: Parts,
     pub phases: Vec<Phase>,
 }
 
-/// What one decoder layer's compute allocates beyond its input, in bytes.
-#[derive(Debug, Clone, Copy, Default)]
-struct LayerActs {
-    /// Tensors autograd saves in the recompute, alive until their node's backward ran.
-    saved: u64,
-    /// Gradient temporaries alive at the worst moment of the backward, beyond `saved`.
-    backward: u64,
-    /// Temporaries of the no-grad forward at its worst moment.
+/// What one layer holds in each phase, in bytes.
+struct Roles {
+    /// The layer backward: its recompute graph with the backward's temporaries (a tiled
+    /// layer's: the attention half's).
+    graph: u64,
+    /// The no-grad forward's temporaries.
     forward: u64,
+    /// A tiled layer in its MLP tiles phase: the attention half's saved tensors, and one
+    /// tile's graph with its temporaries and the tile's output gradient.
+    tiles: Option<(u64, u64)>,
 }
 
-impl std::ops::Add for LayerActs {
-    type Output = LayerActs;
-    fn add(self, o: LayerActs) -> LayerActs {
-        LayerActs {
-            saved: self.saved + o.saved,
-            backward: self.backward.max(o.backward),
-            forward: self.forward.max(o.forward),
-        }
-    }
-}
-
-/// Sizes of one micro-batch: B rows, T tokens each, M = B*T tokens, `s` bytes per element
-/// of the compute dtype.
-struct Dims {
-    b: u64,
-    t: u64,
-    m: u64,
-    s: u64,
-    /// Gated DeltaNet runs its chunked path (GPU workers) rather than the reference one.
-    chunked_delta: bool,
+/// Whether layer `layer`'s token-wise half runs in tiles when the micro-batch is tiled: a
+/// dense MLP's tokens are independent; a mixture of experts stays whole (its router's
+/// load-balancing loss sums over the micro-batch).
+pub fn tiled_layer(spec: &ModelSpec, layer: usize) -> bool {
+    !spec.is_sparse(layer)
 }
 
 impl DevicePlan {
+    /// The plan of micro-batches of `rows` x `seq_len` tokens, with the tile
+    /// `o.tile_tokens` resolves to for them.
     pub fn new(
         spec: &ModelSpec,
         layout: &Layout,
         o: DeviceOpts,
         rows: usize,
         seq_len: usize,
+    ) -> DevicePlan {
+        let m = rows * seq_len;
+        let tiles = (0..spec.num_layers).any(|l| tiled_layer(spec, l));
+        let tile = match o.tile_tokens {
+            _ if !tiles => None,
+            TileTokens::Off => None,
+            TileTokens::Tokens(n) => Some(n),
+            TileTokens::Auto => Self::auto_tile(spec, layout, o, rows, seq_len),
+        };
+        Self::tiled(spec, layout, o, (rows, seq_len), tile.filter(|&t| t < m))
+    }
+
+    /// The automatic tile (module doc): None where the whole micro-batch's MLP already
+    /// stays within the other phases, or it has at most [`TILE_ALIGN`] tokens.
+    fn auto_tile(
+        spec: &ModelSpec,
+        layout: &Layout,
+        o: DeviceOpts,
+        rows: usize,
+        seq_len: usize,
+    ) -> Option<usize> {
+        let m = rows * seq_len;
+        if m <= TILE_ALIGN {
+            return None;
+        }
+        let fits = |tile: usize| {
+            let p = Self::tiled(spec, layout, o, (rows, seq_len), Some(tile));
+            let bound = [HEAD, LAYER_BACKWARD, EMBED_BACKWARD]
+                .map(|name| p.phase(name).map_or(0, Phase::total))
+                .into_iter()
+                .max();
+            p.phase(MLP_TILES).map(Phase::total) <= bound
+        };
+        // At `m`: the whole micro-batch as one tile, against the same bound.
+        if fits(m) {
+            return None;
+        }
+        let k = super::fit::largest(|k| fits(k * TILE_ALIGN), m / TILE_ALIGN);
+        Some(k.max(1) * TILE_ALIGN)
+    }
+
+    /// The plan with the token-wise halves of the tiled layers in tiles of `tile` tokens
+    /// (None: whole; at most the micro-batch, which [`Self::auto_tile`] passes to weigh the
+    /// whole MLP as one tile).
+    fn tiled(
+        spec: &ModelSpec,
+        layout: &Layout,
+        o: DeviceOpts,
+        (rows, seq_len): (usize, usize),
+        tile: Option<usize>,
     ) -> DevicePlan {
         let s = o.dtype.size() as u64;
         let (b, t) = (rows as u64, seq_len as u64);
@@ -147,13 +213,37 @@ impl DevicePlan {
             false => ((num_layers + 1) * hidden, num_layers * hidden),
         };
         let tied = layout.tied_embeddings;
-        // The largest layer in each role (layer kinds differ in mixed stacks): its
-        // recompute graph with the backward's temporaries, and its no-grad forward.
-        let acts: Vec<LayerActs> = (0..spec.num_layers)
-            .map(|l| layer_acts(spec, l, &dims))
+        // Per layer (layer kinds differ in mixed stacks): what it holds in each phase.
+        let tile = tile.map(|t| (t as u64).min(m));
+        let roles: Vec<Roles> = (0..spec.num_layers)
+            .map(|l| {
+                let attn = acts::attention_half(spec, l, &dims);
+                match tile.filter(|_| tiled_layer(spec, l)) {
+                    Some(t) => {
+                        let mlp = acts::mlp_half(spec, l, t, &dims);
+                        Roles {
+                            graph: attn.graph(),
+                            forward: attn.forward.max(mlp.forward + t * h * s),
+                            tiles: Some((attn.saved, mlp.graph() + t * h * s)),
+                        }
+                    }
+                    None => {
+                        let whole: LayerActs = attn + acts::mlp_half(spec, l, m, &dims);
+                        Roles {
+                            graph: whole.graph(),
+                            forward: whole.forward,
+                            tiles: None,
+                        }
+                    }
+                }
+            })
             .collect();
-        let graph = acts.iter().map(|a| a.saved + a.backward).max().unwrap_or(0);
-        let layer_forward = acts.iter().map(|a| a.forward).max().unwrap_or(0);
+        let graph = roles.iter().map(|r| r.graph).max().unwrap_or(0);
+        let layer_forward = roles.iter().map(|r| r.forward).max().unwrap_or(0);
+        let tile_parts = roles
+            .iter()
+            .filter_map(|r| r.tiles)
+            .max_by_key(|(attn, mlp)| attn + mlp);
 
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
@@ -168,10 +258,10 @@ impl DevicePlan {
             forward.push(("tied embedding", tied_fwd));
         }
 
-        // Head: the last hidden state (and its gradient), the final norm of the labelled
-        // tokens (at most all M: their rows, the f32 input, the normed output and its
-        // gradient), the
-        // head block and its gradient, one loss chunk.
+        // Head (worker/src/head.rs): the last hidden state and its gradient, and one chunk
+        // of labelled tokens through the final norm (their rows, the f32 input, the normed
+        // output and its gradient), lm_head and the loss, with the head block and its
+        // gradient.
         let c = (o.ce_chunk_tokens as u64).min(m).max(1);
         // The head's gradient exists from the first chunk's lm_head backward on: beside
         // the peak of every later chunk, after the peak of a lone one.
@@ -182,7 +272,7 @@ impl DevicePlan {
         let mut head_phase: Parts = vec![
             ("layer inputs kept for the backward", inputs_bwd),
             ("last hidden state and its gradient", 2 * hidden),
-            ("final norm of the labelled tokens", m * h * (F32 + 3 * s)),
+            ("final norm of one loss chunk", c * h * (F32 + 3 * s)),
             ("head block", copy(head)),
             ("one loss chunk + the head's gradient", loss_chunk),
         ];
@@ -192,16 +282,19 @@ impl DevicePlan {
 
         // Layer backward: the first layer backpropagated holds the most inputs, and the
         // head's gradient may still be in flight beside the one of the layer before.
-        let mut layer_phase: Parts = vec![
-            ("layer inputs kept for the backward", inputs_bwd),
-            ("dy and dx of the layer", 2 * hidden),
-            ("one layer's recompute graph + gradients", graph),
+        let weight_grads = [
             ("the layer's weight gradients", layer_max),
             (
                 "gradients in flight to the host",
                 copy(head.max(layer_max) + (GRADS_IN_FLIGHT - 1) * layer_max),
             ),
         ];
+        let mut layer_phase: Parts = vec![
+            ("layer inputs kept for the backward", inputs_bwd),
+            ("dy and dx of the layer", 2 * hidden),
+            ("one layer's recompute graph + gradients", graph),
+        ];
+        layer_phase.extend(weight_grads);
         if tied {
             layer_phase.push(("tied embedding and its gradient", tied_bwd));
         }
@@ -216,29 +309,56 @@ impl DevicePlan {
             ),
         ];
 
+        let mut phases = vec![
+            Phase {
+                name: FORWARD,
+                parts: forward,
+            },
+            Phase {
+                name: HEAD,
+                parts: head_phase,
+            },
+            Phase {
+                name: LAYER_BACKWARD,
+                parts: layer_phase,
+            },
+            Phase {
+                name: EMBED_BACKWARD,
+                parts: embed_phase,
+            },
+        ];
+        // MLP tiles: the tile's gradient lands in dy's rows (dy becomes the attention
+        // half's output gradient in place), beside that output.
+        if let Some((attn_saved, tile_graph)) = tile_parts {
+            let mut parts: Parts = vec![
+                ("layer inputs kept for the backward", inputs_bwd),
+                ("dy and the attention half's output", 2 * hidden),
+                ("the attention half's recompute graph", attn_saved),
+                ("one MLP tile's graph + gradients", tile_graph),
+            ];
+            parts.extend(weight_grads);
+            if tied {
+                parts.push(("tied embedding and its gradient", tied_bwd));
+            }
+            phases.push(Phase {
+                name: MLP_TILES,
+                parts,
+            });
+        }
+
         DevicePlan {
             rows,
             seq_len,
+            tile: tile.map(|t| t as usize),
+            tile_setting: o.tile_tokens,
             fixed,
-            phases: vec![
-                Phase {
-                    name: "forward",
-                    parts: forward,
-                },
-                Phase {
-                    name: "head + loss",
-                    parts: head_phase,
-                },
-                Phase {
-                    name: "layer backward",
-                    parts: layer_phase,
-                },
-                Phase {
-                    name: "embedding backward",
-                    parts: embed_phase,
-                },
-            ],
+            phases,
         }
+    }
+
+    /// The phase named `name`, where the plan has it.
+    pub fn phase(&self, name: &str) -> Option<&Phase> {
+        self.phases.iter().find(|p| p.name == name)
     }
 
     /// The phase with the most memory.
@@ -294,176 +414,6 @@ fn tables(spec: &ModelSpec, o: DeviceOpts, d: &Dims) -> u64 {
     rope + masks + 4 * 8 * d.m
 }
 
-/// Layer `l`'s activations: norms, the token mixer (attention or Gated DeltaNet) and the
-/// MLP (dense or mixture of experts).
-fn layer_acts(spec: &ModelSpec, l: usize, d: &Dims) -> LayerActs {
-    let (m, s) = (d.m, d.s);
-    let h = spec.hidden_size as u64;
-    // Each RMSNorm saves its f32 input and its normed output; Gemma and GPT-OSS-style
-    // sandwich norms double them.
-    let norms_per_layer = if spec.family.norm_adds_one() && spec.linear_attn.is_none() {
-        4
-    } else {
-        2
-    };
-    let norms = LayerActs {
-        saved: norms_per_layer * m * h * (F32 + s),
-        backward: m * h * F32,
-        forward: 2 * m * h * F32,
-    };
-    let mixer = match spec.layer_types[l] {
-        AttentionKind::Linear => delta_acts(spec, d),
-        AttentionKind::Full | AttentionKind::Sliding | AttentionKind::Chunked => {
-            attention_acts(spec, d)
-        }
-    };
-    let mlp = if spec.is_sparse(l) {
-        moe_acts(spec, d)
-    } else {
-        dense_mlp(m, spec.intermediate_size as u64, s)
-    };
-    norms + mixer + mlp
-}
-
-/// `down(act(gate(x)) * up(x))` over `m` tokens of intermediate size `i`: autograd keeps
-/// gate(x), act, up and their product; the backward holds two more (M, I) gradients; the
-/// forward peaks with act, up and the product alive.
-fn dense_mlp(m: u64, i: u64, s: u64) -> LayerActs {
-    LayerActs {
-        saved: 4 * m * i * s,
-        backward: 2 * m * i * s,
-        forward: 3 * m * i * s,
-    }
-}
-
-/// Attention: the rotated q and k and v, SDPA's output and log-sum-exp, the merged heads
-/// (o_proj's input); q/k norms, the output gate and materialized scores where the family
-/// has them.
-fn attention_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
-    let (b, t, m, s) = (d.b, d.t, d.m, d.s);
-    let (n, k, hd) = (
-        spec.num_heads as u64,
-        spec.num_kv_heads as u64,
-        spec.head_dim as u64,
-    );
-    // Multi-head latent attention: wider query/key heads, and the latents on the way.
-    let (qk_d, latent) = match &spec.mla {
-        Some(a) => {
-            let latent = a.kv_lora_rank + a.qk_rope_head_dim + a.q_lora_rank.unwrap_or(0);
-            (a.qk_head_dim() as u64, m * latent as u64 * (F32 + 2 * s))
-        }
-        None => (hd, 0),
-    };
-    let (q, kv) = (m * n * qk_d, m * k * qk_d);
-    let mut saved = (3 * q + 2 * kv) * s + b * n * t * F32 + latent;
-    let mut forward = 2 * (q + 2 * kv) * s + latent;
-    if spec.qk_norm {
-        saved += (q + kv) * (F32 + s);
-    }
-    if spec.attn_output_gate {
-        // The gate's sigmoid and the gated product.
-        saved += 2 * q * s;
-        forward += q * s;
-    }
-    let mut backward = (q + 2 * kv) * s;
-    if spec.attn_softcap.is_some() || spec.attn_sinks {
-        // Eager attention: (B, N, T, T) scores; tanh / softmax outputs are saved (the
-        // softmax in f32), and the backward holds two more score-sized gradients.
-        let scores = b * n * t * t;
-        saved += scores * (2 * s + F32);
-        backward += scores * (F32 + s);
-        forward += scores * (2 * s + F32);
-    }
-    LayerActs {
-        saved,
-        backward,
-        forward,
-    }
-}
-
-/// Mixture of experts over S = M * top_k routed (token, slot) pairs, as
-/// worker/src/model/experts.rs computes it on GPUs: grouped GEMMs over the pairs sorted by
-/// expert. Autograd keeps the router's f32 probabilities (and the aux loss's), the permuted
-/// tokens (S, H), the stacked expert activations (every expert's MLP over its rows: S rows
-/// of width I in all), the outputs back in (token, slot) order for the weighting, two int64
-/// permutations and, for GPT-OSS's biases, the rows' one-hot experts (S, E). The backward
-/// holds the weighting's and the un-permutation's (S, H) gradients, or the experts' (S, I)
-/// ones; the forward peaks at the weighting. The per-expert loop (CPU workers) holds the
-/// same tensors; its backward frees each expert's as it goes, so it needs a little less.
-/// Measured on CPU workers against this plan (tiny models, 16 x 1024 tokens, both ways):
-/// Qwen3-MoE within 0.5%, Mixtral-like widths grouped +4%, GPT-OSS +5%.
-fn moe_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
-    let (m, s) = (d.m, d.s);
-    let moe = spec.moe.as_ref().expect("sparse layers have a MoE spec");
-    let h = spec.hidden_size as u64;
-    let e = moe.num_experts as u64;
-    let slots = m * moe.top_k as u64;
-    let ie = moe.expert_intermediate_size as u64;
-    let experts = match moe.names {
-        // Fused gate_up, the clamped halves, sigmoid, the GLU and its product; the
-        // one-hot experts the biases are added through.
-        ExpertNames::GptOssFused => LayerActs {
-            saved: 7 * slots * ie * s + slots * e * s,
-            backward: 2 * slots * ie * s,
-            forward: 3 * slots * ie * s,
-        },
-        ExpertNames::Mixtral
-        | ExpertNames::Qwen
-        | ExpertNames::DeepSeek
-        | ExpertNames::Llama4Fused => dense_mlp(slots, ie, s),
-    };
-    let routing = LayerActs {
-        saved: m * e * (F32 + s) + 2 * slots * h * s + 2 * 8 * slots,
-        backward: slots * h * (F32 + s),
-        forward: slots * h * (F32 + 3 * s),
-    };
-    let shared = moe
-        .shared_expert_intermediate_size
-        .map(|i| dense_mlp(m, i as u64, s))
-        .unwrap_or_default();
-    experts + routing + shared
-}
-
-/// Gated DeltaNet (worker/src/model/gated_delta/), counted from its main tensors only.
-fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
-    let (m, s) = (d.m, d.s);
-    let la = spec
-        .linear_attn
-        .as_ref()
-        .expect("linear layers have a spec");
-    let (g, nv) = (la.num_k_heads as u64, la.num_v_heads as u64);
-    let (dk, dv) = (la.k_head_dim as u64, la.v_head_dim as u64);
-    let conv = 2 * g * dk + nv * dv;
-    let proj = m * (conv + nv * dv + 2 * nv) * s;
-    if d.chunked_delta {
-        // Per token: the projections, the conv's output and its SiLU; the normed [q; k]
-        // and its q.k / k.k; per value head the scaled k (three), beta v, w, v' and the
-        // gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy),
-        // A and the blocked inverse's pieces (f32, ~4 pair tensors), T and P; the state at
-        // each chunk start (f32 and a copy). The forward peaks with the projections, conv,
-        // the value-head tensors and three f32 pair tensors alive.
-        let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
-        let states = nv * dk * dv / DELTA_CHUNK;
-        let in_dtype = 2 * conv + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
-        return LayerActs {
-            saved: proj + m * (in_dtype + states) * s + m * (6 * pairs + states) * F32,
-            backward: 2 * m * conv * s + 4 * m * pairs * F32,
-            forward: proj + m * (2 * conv + 5 * vd) * s + 3 * m * pairs * F32,
-        };
-    }
-    // The reference path: f32 copies of q, k, v per value head (normalized, beta-scaled,
-    // chunked, solved), the chunk-pair matrices and the gated norm.
-    let conv_out = 2 * m * conv * s;
-    let per_head = m * nv * (2 * dk + dv) * F32;
-    let pairs = 3 * m * nv * DELTA_CHUNK * F32;
-    let norm = 3 * m * nv * dv * F32;
-    LayerActs {
-        saved: proj + conv_out + 6 * per_head + pairs + norm,
-        backward: 2 * per_head,
-        forward: proj + conv_out + 3 * per_head + pairs,
-    }
-}
-
 impl std::fmt::Display for DevicePlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gb = |b: u64| b as f64 / 1e9;
@@ -472,6 +422,21 @@ impl std::fmt::Display for DevicePlan {
             "device memory per worker, micro-batch {} x {} tokens:",
             self.rows, self.seq_len
         )?;
+        let m = self.rows * self.seq_len;
+        match self.tile {
+            Some(t) => writeln!(
+                f,
+                "  MLP half of each dense layer in tiles of {t} tokens, {} per layer \
+                 (memory.tile_tokens: {})",
+                m.div_ceil(t),
+                self.tile_setting
+            )?,
+            None => writeln!(
+                f,
+                "  MLP half of each layer whole (memory.tile_tokens: {})",
+                self.tile_setting
+            )?,
+        }
         for (name, bytes) in &self.fixed {
             writeln!(f, "  {name:<44} {:>8.2} GB", gb(*bytes))?;
         }
@@ -501,116 +466,4 @@ impl std::fmt::Display for DevicePlan {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::hf::HfConfig;
-
-    fn model(dir: &str) -> (ModelSpec, Layout) {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("configs")
-            .join(dir)
-            .join("config.json");
-        let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let spec = ModelSpec::from_hf(&hf, &path).unwrap();
-        let layout = Layout::new(&spec);
-        (spec, layout)
-    }
-
-    const OPTS: DeviceOpts = DeviceOpts {
-        dtype: DType::Bfloat16,
-        ce_chunk_tokens: 8192,
-        packed: false,
-        offload_activations: false,
-        cpu: false,
-    };
-
-    fn part(p: &Phase, name: &str) -> u64 {
-        p.parts.iter().find(|x| x.0 == name).unwrap().1
-    }
-
-    #[test]
-    fn phases_follow_the_layout() {
-        let (spec, layout) = model("qwen2.5-7b");
-        let p = DevicePlan::new(&spec, &layout, OPTS, 64, 1024);
-        let layer = layout.max_layer_len() as u64 * 2;
-        assert_eq!(p.fixed[0].1, 2 * layer);
-        let hidden = 64 * 1024 * 3584 * 2;
-        assert_eq!(
-            part(&p.phases[2], "layer inputs kept for the backward"),
-            28 * hidden
-        );
-        assert_eq!(
-            part(&p.phases[0], "layer inputs kept for the backward"),
-            29 * hidden
-        );
-        let embed = layout.blocks[Layout::EMBED].len as u64 * 2;
-        assert_eq!(
-            part(&p.phases[3], "embedding block and its gradient"),
-            2 * embed
-        );
-        // At a large batch the layer backward dominates; at batch 1 the head and its loss
-        // chunk do (Qwen2.5's 152k vocabulary).
-        assert_eq!(p.peak_phase().name, "layer backward");
-        let p1 = DevicePlan::new(&spec, &layout, OPTS, 1, 1024);
-        assert_eq!(p1.peak_phase().name, "head + loss");
-        assert!(p.to_string().contains("peak phase: layer backward"));
-    }
-
-    #[test]
-    fn activations_grow_with_the_batch_and_offload_removes_the_inputs() {
-        let (spec, layout) = model("qwen2.5-7b");
-        let p8 = DevicePlan::new(&spec, &layout, OPTS, 8, 1024);
-        let p16 = DevicePlan::new(&spec, &layout, OPTS, 16, 1024);
-        let graph = |p: &DevicePlan| part(&p.phases[2], "one layer's recompute graph + gradients");
-        assert_eq!(graph(&p16), 2 * graph(&p8));
-        let off = DeviceOpts {
-            offload_activations: true,
-            ..OPTS
-        };
-        let q = DevicePlan::new(&spec, &layout, off, 16, 1024);
-        let saved = part(&p16.phases[2], "layer inputs kept for the backward")
-            - part(&q.phases[2], "layer inputs kept for the backward");
-        assert_eq!(saved, (28 - 3) * 16 * 1024 * 3584 * 2);
-        assert!(q.total() < p16.total());
-    }
-
-    #[test]
-    fn tied_embeddings_stay_for_the_micro_batch() {
-        let (spec, layout) = model("qwen2.5-7b");
-        let mut tied = spec.clone();
-        tied.tie_word_embeddings = true;
-        let tied_layout = Layout::new(&tied);
-        let p = DevicePlan::new(&tied, &tied_layout, OPTS, 4, 1024);
-        let embed = tied_layout.blocks[Layout::EMBED].len as u64 * 2;
-        assert_eq!(part(&p.phases[0], "tied embedding"), embed);
-        assert_eq!(
-            part(&p.phases[2], "tied embedding and its gradient"),
-            2 * embed
-        );
-        let untied = DevicePlan::new(&spec, &layout, OPTS, 4, 1024);
-        assert!(untied.phases[2].parts.iter().all(|x| !x.0.contains("tied")));
-    }
-
-    #[test]
-    fn moe_layers_count_routed_slots() {
-        let (spec, layout) = model("qwen3-30b-a3b");
-        let moe = spec.moe.as_ref().unwrap();
-        let p = DevicePlan::new(&spec, &layout, OPTS, 4, 1024);
-        // The experts' MLP runs over top_k slots per token, so it outweighs a dense MLP
-        // of one expert's width over the tokens.
-        let graph = part(&p.phases[2], "one layer's recompute graph + gradients");
-        let m = 4 * 1024u64;
-        assert!(graph > 4 * m * moe.top_k as u64 * moe.expert_intermediate_size as u64 * 2);
-    }
-
-    #[test]
-    fn largest_batch_is_the_edge_of_the_budget() {
-        let (spec, layout) = model("qwen2.5-7b");
-        let budget = 80_000_000_000;
-        let b = DevicePlan::largest_batch(&spec, &layout, OPTS, 1024, budget);
-        assert!(b > 0);
-        assert!(DevicePlan::new(&spec, &layout, OPTS, b, 1024).total() <= budget);
-        assert!(DevicePlan::new(&spec, &layout, OPTS, b + 1, 1024).total() > budget);
-        assert_eq!(DevicePlan::largest_batch(&spec, &layout, OPTS, 1024, 1), 0);
-    }
-}
+mod tests;

@@ -174,8 +174,8 @@ impl std::fmt::Display for Short {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::DType;
     use crate::config::hf::HfConfig;
+    use crate::config::{DType, TileTokens};
 
     fn qwen_7b() -> (ModelSpec, Layout) {
         let path =
@@ -189,6 +189,7 @@ mod tests {
     const OPTS: DeviceOpts = DeviceOpts {
         dtype: DType::Bfloat16,
         ce_chunk_tokens: 8192,
+        tile_tokens: TileTokens::Off,
         packed: false,
         offload_activations: false,
         cpu: false,

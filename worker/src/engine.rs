@@ -22,11 +22,13 @@ use mt::config::hf::ModelSpec;
 use mt::dpo::DpoSums;
 use mt::fault::Phase;
 use mt::layout::Layout;
+use mt::plan::{DeviceOpts, DevicePlan};
 use mt::protocol::{ForwardOnly, FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;
 use crate::head::{DeviceBatch, Head};
+use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Streamer, kind_of};
 
@@ -40,6 +42,8 @@ pub struct Engine {
     device: Device,
     kind: Kind,
     ce_chunk: i64,
+    /// The device plan's options, which resolve each micro-batch's tile.
+    plan_opts: DeviceOpts,
     /// Elements of a slab slot: blocks larger than this are sent in parts.
     slot_len: usize,
     streamer: Streamer,
@@ -163,6 +167,7 @@ impl Engine {
             device: crate::stream::device_of(init.device),
             kind: kind_of(init.dtype),
             ce_chunk: init.ce_chunk_tokens as i64,
+            plan_opts: init.device_opts(false),
             slot_len: init.layout.grad_slot_len(),
             ctl: Control {
                 free_slots: (0..init.num_slots).rev().collect(),
@@ -279,7 +284,7 @@ impl Engine {
             let flat = self.streamer.layer(layout, l, ready)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            x_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, &ctx);
+            x_bth = layer::forward(&self.spec, l, &w, &x_bth, &ctx, batch.tile);
         }
         enter(Phase::Eval, None);
         let head = self.streamer.head(layout, ready)?;
@@ -346,6 +351,11 @@ impl Engine {
             .chunks(t as usize)
             .map(|row| row[1..].iter().filter(|&&l| l != -100).count() as u64)
             .collect();
+        let o = DeviceOpts {
+            packed: pos_bt.is_some(),
+            ..self.plan_opts
+        };
+        let tile = DevicePlan::new(&self.spec, &self.layout, o, mb.rows, mb.seq_len).tile;
         Ok(DeviceBatch {
             ids_bt,
             pos_bt,
@@ -353,6 +363,7 @@ impl Engine {
             targets_m,
             rows_m,
             row_tokens,
+            tile,
         })
     }
 
@@ -385,7 +396,7 @@ impl Engine {
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_bth, ctx);
+            let y_bth = layer::forward(&self.spec, l, &w, &x_bth, ctx, batch.tile);
             self.streamer
                 .stash_input(l, std::mem::replace(&mut x_bth, y_bth))?;
         }
@@ -462,7 +473,7 @@ impl Engine {
         let h = self.head(&head_w, lm_head);
         let (mut out, mut dy_bth) = match &self.dpo {
             None => {
-                let (loss_sum, dy) = h.ce_backward(batch, scale, x_bth);
+                let (loss_sum, dy) = h.ce_backward(batch, scale, &x_bth);
                 (
                     HeadOut {
                         loss_sum,
@@ -472,7 +483,7 @@ impl Engine {
                 )
             }
             Some(p) => {
-                let (sums, dy) = h.dpo_backward(batch, p, &mb.ref_logps, scale, x_bth);
+                let (sums, dy) = h.dpo_backward(batch, p, &mb.ref_logps, scale, &x_bth);
                 let out = HeadOut {
                     loss_sum: sums.loss,
                     dpo: Some(sums),
@@ -480,6 +491,7 @@ impl Engine {
                 (out, dy)
             }
         };
+        drop(x_bth);
         self.send(mi, layout.head_block(), &head_w, link, tm)?;
         drop(head_w);
         self.streamer.release_head();
@@ -493,14 +505,8 @@ impl Engine {
                 .layer(&layout, l, &mut |b| ctl.wait_block(b, rx))?;
             let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            let x_in = self.streamer.stashed_input(l)?.set_requires_grad(true);
-            let y_bth = model::decoder_layer(&self.spec, l, &w, &x_in, ctx);
-            let objective = (y_bth * &dy_bth).sum(Kind::Float);
-            match ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
-                Some(aux) => (objective + aux).backward(),
-                None => objective.backward(),
-            }
-            dy_bth = x_in.grad();
+            let x_bth = self.streamer.stashed_input(l)?;
+            dy_bth = layer::backward(&self.spec, l, &w, x_bth, dy_bth, ctx, batch.tile);
             self.send(mi, layout.layer_block(l), &w, link, tm)?;
         }
 

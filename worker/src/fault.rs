@@ -70,13 +70,7 @@ pub fn set_run(init: &Init) {
         device: init.device,
         spec: init.spec.clone(),
         layout: init.layout.clone(),
-        opts: DeviceOpts {
-            dtype: init.dtype,
-            ce_chunk_tokens: init.ce_chunk_tokens,
-            packed: false,
-            offload_activations: init.offload_activations,
-            cpu: init.device == Device::Cpu,
-        },
+        opts: init.device_opts(false),
         ce_chunk_tokens: init.ce_chunk_tokens,
         budget: OnceLock::new(),
     });
@@ -258,10 +252,13 @@ pub fn report(e: &anyhow::Error) -> String {
         let (free, total) = device_memory(run.device);
         (o.free, o.total) = (free, o.total.or(total));
     }
-    let plan = match (oom, here.micro_batch) {
-        (Some(_), Some((rows, seq, packed))) => {
-            let o = DeviceOpts { packed, ..run.opts };
-            let need = DevicePlan::new(&run.spec, &run.layout, o, rows, seq).total();
+    let device_plan = here.micro_batch.map(|(rows, seq, packed)| {
+        let o = DeviceOpts { packed, ..run.opts };
+        (o, DevicePlan::new(&run.spec, &run.layout, o, rows, seq))
+    });
+    let plan = match (oom, here.micro_batch, &device_plan) {
+        (Some(_), Some((rows, seq, _)), Some((o, p))) => {
+            let (o, need) = (*o, p.total());
             let budget = run.budget.get().copied();
             let largest = budget.map(|b| Largest::new(&run.spec, &run.layout, o, (rows, seq), b));
             Some(PlanFigures {
@@ -284,6 +281,8 @@ pub fn report(e: &anyhow::Error) -> String {
         settings: Settings {
             offload_activations: run.opts.offload_activations,
             ce_chunk_tokens: run.ce_chunk_tokens,
+            tile_tokens: run.opts.tile_tokens,
+            tile: device_plan.and_then(|(_, p)| p.tile),
         },
     }
     .to_string()

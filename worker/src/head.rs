@@ -1,7 +1,9 @@
-//! The head of a micro-batch: final norm over the labelled positions, then the lm_head and
-//! the objective chunk by chunk (never the whole batch's logits at once, DESIGN.md "Loss"),
-//! forward only (the eval loss, DPO's reference log-probabilities) or with its backward to
-//! the last hidden state.
+//! The head of a micro-batch: the final norm, the lm_head and the objective over the
+//! labelled positions, chunk by chunk (never the whole batch's logits at once, DESIGN.md
+//! "Loss"; nor its normed hidden states: each chunk normalizes its own rows, so beyond the
+//! last hidden state and its gradient the head holds one chunk), forward only (the eval
+//! loss, DPO's reference log-probabilities) or with its backward to the last hidden state,
+//! each chunk's rows a leaf whose gradient is written into dy.
 //!
 //! Objectives: the summed token cross-entropy (SFT, pretraining), scaled by 1 / label
 //! tokens of the step; and DPO ([`mt::dpo`]): a no-grad chunked pass gives each row's
@@ -30,6 +32,8 @@ pub struct DeviceBatch {
     pub rows_m: Tensor,
     /// Label tokens of each row.
     pub row_tokens: Vec<u64>,
+    /// Tokens per tile of the layers' MLP half (worker/src/layer.rs); None: whole.
+    pub tile: Option<usize>,
 }
 
 /// The head's weights: the final norm's block and the lm_head (the embedding when tied).
@@ -42,59 +46,54 @@ pub struct Head<'a> {
 }
 
 impl Head<'_> {
-    /// The final norm of the labelled positions of `x_bth` (B, T, H): (M, H).
-    fn normed(&self, batch: &DeviceBatch, x_bth: &Tensor) -> Tensor {
-        let h = self.spec.hidden_size as i64;
-        let x_mh = x_bth.view([-1, h]).index_select(0, &batch.valid_m);
-        model::final_norm(self.spec, self.w, &x_mh)
+    /// The final norm of chunk `(start, len)` of the labelled positions of `x_mh` (B*T, H):
+    /// (C, H).
+    fn normed(&self, batch: &DeviceBatch, x_mh: &Tensor, (start, len): (i64, i64)) -> Tensor {
+        let x_ch = x_mh.index_select(0, &batch.valid_m.narrow(0, start, len));
+        model::final_norm(self.spec, self.w, &x_ch)
     }
 
-    /// (start, length) of each chunk of `n` labelled positions.
-    fn chunks(&self, n: i64) -> impl Iterator<Item = (i64, i64)> + '_ {
+    /// (start, length) of each chunk of the labelled positions.
+    fn chunks(&self, batch: &DeviceBatch) -> impl Iterator<Item = (i64, i64)> + '_ {
+        let n = batch.valid_m.size()[0];
         (0..n)
             .step_by(self.chunk as usize)
             .map(move |start| (start, self.chunk.min(n - start)))
     }
 
+    /// `x_bth` (B, T, H) as (B*T, H).
+    fn flat(&self, x_bth: &Tensor) -> Tensor {
+        x_bth.view([-1, self.spec.hidden_size as i64])
+    }
+
     /// The summed token cross-entropy, without grad.
     pub fn loss_sum(&self, batch: &DeviceBatch, x_bth: &Tensor) -> f64 {
-        let n_valid = batch.valid_m.size()[0];
-        if n_valid == 0 {
-            return 0.0;
-        }
-        let hn_mh = self.normed(batch, x_bth);
+        let x_mh = self.flat(x_bth);
         let losses: Vec<Tensor> = self
-            .chunks(n_valid)
+            .chunks(batch)
             .map(|(start, len)| {
                 model::chunk_loss_sum(
                     self.spec,
-                    &hn_mh.narrow(0, start, len),
+                    &self.normed(batch, &x_mh, (start, len)),
                     self.lm_head,
                     &batch.targets_m.narrow(0, start, len),
                 )
             })
             .collect();
-        Tensor::stack(&losses, 0)
-            .sum(Kind::Double)
-            .double_value(&[])
+        sum(&losses)
     }
 
-    /// Each row's summed log-probability of its label tokens, without grad.
+    /// Each row's summed log-probability of its label tokens, without grad, in f64 (each
+    /// row's tokens added in order).
     pub fn row_logps(&self, batch: &DeviceBatch, x_bth: &Tensor) -> Vec<f64> {
-        let hn_mh = self.normed(batch, x_bth);
-        self.row_sums(batch, &hn_mh)
-    }
-
-    /// Per-row sums of the label log-probabilities of the normed positions `hn_mh` (M, H),
-    /// without grad, in f64 (each row's tokens added in order).
-    fn row_sums(&self, batch: &DeviceBatch, hn_mh: &Tensor) -> Vec<f64> {
         let _guard = tch::no_grad_guard();
+        let x_mh = self.flat(x_bth);
         let rows = batch.row_tokens.len() as i64;
-        let mut sums_b = Tensor::zeros([rows], (Kind::Double, hn_mh.device()));
-        for (start, len) in self.chunks(hn_mh.size()[0]) {
+        let mut sums_b = Tensor::zeros([rows], (Kind::Double, x_bth.device()));
+        for (start, len) in self.chunks(batch) {
             let ce_c = model::chunk_token_losses(
                 self.spec,
-                &hn_mh.narrow(0, start, len),
+                &self.normed(batch, &x_mh, (start, len)),
                 self.lm_head,
                 &batch.targets_m.narrow(0, start, len),
             );
@@ -107,32 +106,43 @@ impl Head<'_> {
         Vec::<f64>::try_from(sums_b.to_device(Device::Cpu)).expect("a 1-d f64 tensor")
     }
 
-    /// The summed token cross-entropy and its backward, scaled by `scale`, to the last
-    /// hidden state `x_bth` (computed without grad, so a leaf): (loss sum, dy (B, T, H)).
-    pub fn ce_backward(&self, batch: &DeviceBatch, scale: f64, x_bth: Tensor) -> (f64, Tensor) {
-        let n_valid = batch.valid_m.size()[0];
-        if n_valid == 0 {
-            return (0.0, x_bth.zeros_like());
+    /// Backpropagates `objective(chunk, its normed rows)` for each chunk, the chunk's rows
+    /// of `x_bth` (computed without grad) a leaf: returns dy (B, T, H), zero at the
+    /// unlabelled positions.
+    fn backward(
+        &self,
+        batch: &DeviceBatch,
+        x_bth: &Tensor,
+        mut objective: impl FnMut((i64, i64), &Tensor) -> Tensor,
+    ) -> Tensor {
+        let x_mh = self.flat(x_bth);
+        let mut dy_mh = x_mh.zeros_like();
+        for (start, len) in self.chunks(batch) {
+            let rows_c = batch.valid_m.narrow(0, start, len);
+            let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
+            let hn_ch = model::final_norm(self.spec, self.w, &x_ch);
+            objective((start, len), &hn_ch).backward();
+            // A labelled position is in one chunk only.
+            let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
         }
-        let x_leaf = x_bth.set_requires_grad(true);
-        let hn_mh = self.normed(batch, &x_leaf);
-        let hn_leaf = hn_mh.detach().set_requires_grad(true);
+        dy_mh.view_as(x_bth)
+    }
+
+    /// The summed token cross-entropy and its backward, scaled by `scale`, to the last
+    /// hidden state `x_bth` (computed without grad): (loss sum, dy (B, T, H)).
+    pub fn ce_backward(&self, batch: &DeviceBatch, scale: f64, x_bth: &Tensor) -> (f64, Tensor) {
         let mut losses = Vec::new();
-        for (start, len) in self.chunks(n_valid) {
+        let dy_bth = self.backward(batch, x_bth, |(start, len), hn_ch| {
             let loss = model::chunk_loss_sum(
                 self.spec,
-                &hn_leaf.narrow(0, start, len),
+                hn_ch,
                 self.lm_head,
                 &batch.targets_m.narrow(0, start, len),
             );
-            (&loss * scale).backward();
             losses.push(loss.detach());
-        }
-        (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
-        let loss_sum = Tensor::stack(&losses, 0)
-            .sum(Kind::Double)
-            .double_value(&[]);
-        (loss_sum, x_leaf.grad())
+            loss * scale
+        });
+        (sum(&losses), dy_bth)
     }
 
     /// The DPO loss of the micro-batch's pairs (rows 2i, 2i + 1, chosen first; `refs` their
@@ -144,30 +154,32 @@ impl Head<'_> {
         params: &DpoParams,
         refs: &[f64],
         scale: f64,
-        x_bth: Tensor,
+        x_bth: &Tensor,
     ) -> (DpoSums, Tensor) {
-        let x_leaf = x_bth.set_requires_grad(true);
-        let hn_mh = self.normed(batch, &x_leaf);
-        let hn_leaf = hn_mh.detach().set_requires_grad(true);
-        let logps = self.row_sums(batch, &hn_leaf);
+        let logps = self.row_logps(batch, x_bth);
         let terms = pair_terms(params, &logps, refs, &batch.row_tokens, scale);
         // The objective Σ_tokens w_row · logp_token, with logp_token = −CE_token.
         let coef: Vec<f32> = terms.weights.iter().map(|&w| -w as f32).collect();
         let coef_m = Tensor::from_slice(&coef)
-            .to_device(x_leaf.device())
+            .to_device(x_bth.device())
             .index_select(0, &batch.rows_m);
-        for (start, len) in self.chunks(hn_leaf.size()[0]) {
+        let dy_bth = self.backward(batch, x_bth, |(start, len), hn_ch| {
             let ce_c = model::chunk_token_losses(
                 self.spec,
-                &hn_leaf.narrow(0, start, len),
+                hn_ch,
                 self.lm_head,
                 &batch.targets_m.narrow(0, start, len),
             );
-            (ce_c * coef_m.narrow(0, start, len))
-                .sum(Kind::Float)
-                .backward();
-        }
-        (hn_mh * hn_leaf.grad()).sum(Kind::Float).backward();
-        (terms.sums, x_leaf.grad())
+            (ce_c * coef_m.narrow(0, start, len)).sum(Kind::Float)
+        });
+        (terms.sums, dy_bth)
+    }
+}
+
+/// The sum of per-chunk losses, in f64.
+fn sum(losses: &[Tensor]) -> f64 {
+    match losses.is_empty() {
+        true => 0.0,
+        false => Tensor::stack(losses, 0).sum(Kind::Double).double_value(&[]),
     }
 }

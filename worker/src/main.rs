@@ -10,6 +10,7 @@
 mod engine;
 mod fault;
 mod head;
+mod layer;
 mod model;
 mod warmup;
 // Shared memory adoption, host registration, CUDA driver calls: the one unsafe module.
@@ -96,6 +97,14 @@ fn run() -> Result<()> {
                 (stream::kind_of(init.dtype), device),
                 init.ce_chunk_tokens,
                 shape,
+                mt::plan::DevicePlan::new(
+                    &init.spec,
+                    &init.layout,
+                    init.device_opts(false),
+                    shape.0,
+                    shape.1,
+                )
+                .tile,
             )?,
             None => 0.0,
         };

@@ -16,11 +16,13 @@ use mt::layout::Layout;
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;
+use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
 
-/// Runs the warm-up on `device` for micro-batches of `rows` x `seq_len` tokens and loss
-/// chunks of `ce_chunk` tokens, with each layer's `buffers` (not trained, not random);
-/// returns its seconds (device work included).
+/// Runs the warm-up on `device` for micro-batches of `rows` x `seq_len` tokens, layers'
+/// MLP halves in tiles of `tile` tokens (`layer.rs`) and loss chunks of `ce_chunk` tokens,
+/// with each layer's `buffers` (not trained, not random); returns its seconds (device work
+/// included).
 pub fn warm_up(
     spec: &ModelSpec,
     layout: &Layout,
@@ -28,6 +30,7 @@ pub fn warm_up(
     (kind, device): (Kind, Device),
     ce_chunk: usize,
     (rows, seq_len): (usize, usize),
+    tile: Option<usize>,
 ) -> Result<f64> {
     let start = std::time::Instant::now();
     crate::fault::micro_batch(rows, seq_len, false);
@@ -42,13 +45,9 @@ pub fn warm_up(
         let block = &layout.blocks[layout.layer_block(l)];
         let flat = Tensor::randn([block.len as i64], opts) * 0.02;
         let w = BlockWeights::leaves(&flat, block).with(&buffers[l]);
-        let x_bth = Tensor::randn([b, t, h], opts).set_requires_grad(true);
-        let y_bth = model::decoder_layer(spec, l, &w, &x_bth, &ctx);
-        let objective = (&y_bth * y_bth.ones_like()).sum(Kind::Float);
-        match ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
-            Some(aux) => (objective + aux).backward(),
-            None => objective.backward(),
-        }
+        let x_bth = Tensor::randn([b, t, h], opts);
+        let dy_bth = Tensor::ones([b, t, h], opts);
+        let _dx_bth = layer::backward(spec, l, &w, x_bth, dy_bth, &ctx, tile);
     }
     // The head: final norm and one loss chunk, against the real vocabulary.
     enter(Phase::WarmUp, None);

@@ -251,6 +251,7 @@ impl Trainer {
                     slab: host.slabs.handle(rank),
                     num_slots: cfg.memory.num_grad_slabs,
                     ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
+                    tile_tokens: cfg.memory.tile_tokens,
                     offload_activations: cfg.memory.offload_activations,
                     dump_logits: dump_logits.as_ref().map(|p| match placement.workers {
                         1 => p.clone(),

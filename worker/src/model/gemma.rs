@@ -16,13 +16,20 @@ use tch::Tensor;
 use super::common::{attend, gated_mlp, linear, merge_heads, rms_norm_plus_one, split_heads};
 use super::{BlockWeights, LayerCtx};
 
-/// One decoder layer:
-/// `h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h)))`.
-pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+// One decoder layer:
+// `h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h)))`.
+
+/// `h = x + post_attn_norm(attn(input_norm(x)))`: (B, T, H) -> (B, T, H).
+pub fn attention_half(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     let norm = |x: &Tensor, name: &str| rms_norm_plus_one(x, w.get(name), spec.rms_norm_eps);
     let attn_bth = attention(spec, w, &norm(x_bth, "input_layernorm.weight"), lc);
-    let h_bth = x_bth + norm(&attn_bth, "post_attention_layernorm.weight");
-    let mlp_bth = gated_mlp(w, spec, &norm(&h_bth, "pre_feedforward_layernorm.weight"));
+    x_bth + norm(&attn_bth, "post_attention_layernorm.weight")
+}
+
+/// `out = h + post_ff_norm(mlp(pre_ff_norm(h)))`: (B, T, H) -> (B, T, H).
+pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor) -> Tensor {
+    let norm = |x: &Tensor, name: &str| rms_norm_plus_one(x, w.get(name), spec.rms_norm_eps);
+    let mlp_bth = gated_mlp(w, spec, &norm(h_bth, "pre_feedforward_layernorm.weight"));
     h_bth + norm(&mlp_bth, "post_feedforward_layernorm.weight")
 }
 

@@ -16,18 +16,27 @@ use tch::{Kind, Tensor};
 use super::common::{attend, gated_mlp_named, linear, merge_heads, rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx, moe};
 
-/// One decoder layer: `h = x + attn(norm1(x)); out = h + feed_forward(norm2(h))`.
-pub fn decoder_layer(
+// One decoder layer: `h = x + attn(norm1(x)); out = h + feed_forward(norm2(h))`.
+
+/// `h = x + attn(norm1(x))`: (B, T, H) -> (B, T, H).
+pub fn attention_half(
     spec: &ModelSpec,
     layer: usize,
     w: &BlockWeights,
     x_bth: &Tensor,
     lc: &LayerCtx,
 ) -> Tensor {
-    let eps = spec.rms_norm_eps;
-    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
-    let h_bth = x_bth + attention(spec, layer, w, &attn_in_bth, lc);
-    let ff_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
+    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), spec.rms_norm_eps);
+    x_bth + attention(spec, layer, w, &attn_in_bth, lc)
+}
+
+/// `out = h + feed_forward(norm2(h))`: (B, T, H) -> (B, T, H).
+pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let ff_in_bth = rms_norm(
+        h_bth,
+        w.get("post_attention_layernorm.weight"),
+        spec.rms_norm_eps,
+    );
     let ff_bth = match lc.sparse {
         true => moe::sparse_mlp(spec, w, &ff_in_bth, lc),
         false => gated_mlp_named(w, spec, &ff_in_bth, "feed_forward"),

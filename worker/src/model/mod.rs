@@ -17,6 +17,11 @@
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
+//! Each family's decoder layer comes in two halves around the residual stream between
+//! them: the attention half (`h = x + attn(norm1(x))`, with the family's extra norms) and
+//! the MLP half (`out = h + mlp(norm2(h))`), which for a dense MLP reads each token's row
+//! alone; the engine runs the latter in tiles of tokens (worker/src/layer.rs).
+//!
 //! `common.rs` holds the pieces they share (norms, attention, embedding, loss),
 //! `moe.rs` the sparse mixture-of-experts MLP, `gated_delta.rs` the Gated DeltaNet linear
 //! attention and `rope.rs` the rotary embeddings.
@@ -205,8 +210,23 @@ pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
     common::embed(spec, w, ids_bt)
 }
 
-/// Decoder layer `layer` (0-based): (B, T, H) -> (B, T, H).
+/// Decoder layer `layer` (0-based): (B, T, H) -> (B, T, H), its attention half then its
+/// MLP half.
 pub fn decoder_layer(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+    ctx: &Context,
+) -> Tensor {
+    let h_bth = attention_half(spec, layer, w, x_bth, ctx);
+    mlp_half(spec, layer, w, &h_bth, ctx)
+}
+
+/// The token-mixing half of decoder layer `layer`, up to the residual stream between the
+/// halves: `h = x + attn(norm1(x))` (with the family's extra norms; linear attention in a
+/// Gated DeltaNet layer): (B, T, H) -> (B, T, H).
+pub fn attention_half(
     spec: &ModelSpec,
     layer: usize,
     w: &BlockWeights,
@@ -215,19 +235,45 @@ pub fn decoder_layer(
 ) -> Tensor {
     let lc = ctx.layer(spec, layer);
     match spec.family {
-        Family::Llama => llama::decoder_layer(spec, w, x_bth, &lc),
-        Family::Qwen3 => qwen3::decoder_layer(spec, w, x_bth, &lc),
-        Family::Gemma => gemma::decoder_layer(spec, w, x_bth, &lc),
-        Family::Phi3 => phi3::decoder_layer(spec, w, x_bth, &lc),
-        Family::GptOss => gpt_oss::decoder_layer(spec, w, x_bth, &lc),
+        Family::Llama => llama::attention_half(spec, w, x_bth, &lc),
+        Family::Glm4 => glm4::attention_half(spec, w, x_bth, &lc),
+        Family::Qwen3 => qwen3::attention_half(spec, w, x_bth, &lc),
+        Family::Gemma => gemma::attention_half(spec, w, x_bth, &lc),
+        Family::Phi3 => phi3::attention_half(spec, w, x_bth, &lc),
+        Family::GptOss => gpt_oss::attention_half(spec, w, x_bth, &lc),
         Family::Qwen3Next => {
             let linear = spec.layer_types[layer] == AttentionKind::Linear;
-            qwen3_next::decoder_layer(spec, w, x_bth, &lc, linear)
+            qwen3_next::attention_half(spec, w, x_bth, &lc, linear)
         }
-        Family::Olmo2 => olmo2::decoder_layer(spec, w, x_bth, &lc),
-        Family::Glm4 => glm4::decoder_layer(spec, w, x_bth, &lc),
-        Family::DeepseekV3 => deepseek_v3::decoder_layer(spec, w, x_bth, &lc),
-        Family::Llama4 => llama4::decoder_layer(spec, layer, w, x_bth, &lc),
+        Family::Olmo2 => olmo2::attention_half(spec, w, x_bth, &lc),
+        Family::DeepseekV3 => deepseek_v3::attention_half(spec, w, x_bth, &lc),
+        Family::Llama4 => llama4::attention_half(spec, layer, w, x_bth, &lc),
+    }
+}
+
+/// The token-wise half of decoder layer `layer`: `out = h + mlp(norm2(h))` (with the
+/// family's extra norms): (B, T, H) -> (B, T, H). A dense layer computes each token's row
+/// from that token's row of `h` alone, so it may run on any subset of the tokens, as
+/// (1, tile, H) (`mt::plan::tiled_layer`); a mixture of experts needs the whole micro-batch
+/// (its router's load-balancing loss).
+pub fn mlp_half(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    h_bth: &Tensor,
+    ctx: &Context,
+) -> Tensor {
+    let lc = ctx.layer(spec, layer);
+    match spec.family {
+        // Qwen3's and DeepSeek-V3's differ from Llama's in the attention only.
+        Family::Llama | Family::Qwen3 | Family::DeepseekV3 => llama::mlp_half(spec, w, h_bth, &lc),
+        Family::Qwen3Next => qwen3_next::mlp_half(spec, w, h_bth, &lc),
+        Family::Gemma => gemma::mlp_half(spec, w, h_bth),
+        Family::Phi3 => phi3::mlp_half(spec, w, h_bth),
+        Family::GptOss => gpt_oss::mlp_half(spec, w, h_bth, &lc),
+        Family::Olmo2 => olmo2::mlp_half(spec, w, h_bth),
+        Family::Glm4 => glm4::mlp_half(spec, w, h_bth),
+        Family::Llama4 => llama4::mlp_half(spec, w, h_bth, &lc),
     }
 }
 

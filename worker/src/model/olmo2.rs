@@ -13,13 +13,20 @@ use tch::Tensor;
 use super::common::{attend, gated_mlp, linear, merge_heads, rms_norm_f32_scale, split_heads};
 use super::{BlockWeights, LayerCtx};
 
-/// One decoder layer: `h = x + norm1(attn(x)); out = h + norm2(mlp(h))`.
-pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
-    let norm = |x: &Tensor, name: &str| rms_norm_f32_scale(x, w.get(name), spec.rms_norm_eps);
+// One decoder layer: `h = x + norm1(attn(x)); out = h + norm2(mlp(h))`.
+
+/// `h = x + norm1(attn(x))`: (B, T, H) -> (B, T, H).
+pub fn attention_half(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     let attn_bth = attention(spec, w, x_bth, lc);
-    let h_bth = x_bth + norm(&attn_bth, "post_attention_layernorm.weight");
-    let mlp_bth = gated_mlp(w, spec, &h_bth);
-    h_bth + norm(&mlp_bth, "post_feedforward_layernorm.weight")
+    let norm_w = w.get("post_attention_layernorm.weight");
+    x_bth + rms_norm_f32_scale(&attn_bth, norm_w, spec.rms_norm_eps)
+}
+
+/// `out = h + norm2(mlp(h))`: (B, T, H) -> (B, T, H).
+pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor) -> Tensor {
+    let mlp_bth = gated_mlp(w, spec, h_bth);
+    let norm_w = w.get("post_feedforward_layernorm.weight");
+    h_bth + rms_norm_f32_scale(&mlp_bth, norm_w, spec.rms_norm_eps)
 }
 
 fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {

@@ -13,14 +13,22 @@ use tch::Tensor;
 use super::common::{attend, fused_gated_mlp, linear, merge_heads, rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx};
 
-/// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`.
-pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
-    let eps = spec.rms_norm_eps;
-    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
-    let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
-    let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
-    let mlp_bth = fused_gated_mlp(w, spec, &mlp_in_bth, "mlp");
-    h_bth + mlp_bth
+// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`.
+
+/// `h = x + attn(norm1(x))`: (B, T, H) -> (B, T, H).
+pub fn attention_half(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), spec.rms_norm_eps);
+    x_bth + attention(spec, w, &attn_in_bth, lc)
+}
+
+/// `out = h + mlp(norm2(h))`: (B, T, H) -> (B, T, H).
+pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor) -> Tensor {
+    let mlp_in_bth = rms_norm(
+        h_bth,
+        w.get("post_attention_layernorm.weight"),
+        spec.rms_norm_eps,
+    );
+    h_bth + fused_gated_mlp(w, spec, &mlp_in_bth, "mlp")
 }
 
 fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {

@@ -11,17 +11,16 @@
 use mt::config::hf::ModelSpec;
 use tch::Tensor;
 
-use super::common::{attend, linear, merge_heads, mlp, rms_norm, split_heads};
+use super::common::{attend, linear, merge_heads, rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx};
 
-/// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`.
-pub fn decoder_layer(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
-    let eps = spec.rms_norm_eps;
-    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), eps);
-    let h_bth = x_bth + attention(spec, w, &attn_in_bth, lc);
-    let mlp_in_bth = rms_norm(&h_bth, w.get("post_attention_layernorm.weight"), eps);
-    let mlp_bth = mlp(w, spec, &mlp_in_bth, lc);
-    h_bth + mlp_bth
+// One decoder layer: `h = x + attn(norm1(x)); out = h + mlp(norm2(h))`, the MLP half
+// being Llama's (`llama::mlp_half`).
+
+/// `h = x + attn(norm1(x))`: (B, T, H) -> (B, T, H).
+pub fn attention_half(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let attn_in_bth = rms_norm(x_bth, w.get("input_layernorm.weight"), spec.rms_norm_eps);
+    x_bth + attention(spec, w, &attn_in_bth, lc)
 }
 
 fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {

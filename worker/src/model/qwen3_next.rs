@@ -14,30 +14,37 @@ use tch::Tensor;
 use super::common::{attend, linear, merge_heads, mlp, rms_norm_plus_one, split_heads};
 use super::{BlockWeights, LayerCtx, gated_delta};
 
-/// One decoder layer: `h = x + mixer(norm1(x)); out = h + mlp(norm2(h))`, the mixer being
-/// Gated DeltaNet (`linear`) or gated full attention.
-pub fn decoder_layer(
+// One decoder layer: `h = x + mixer(norm1(x)); out = h + mlp(norm2(h))`, the mixer being
+// Gated DeltaNet (`linear`) or gated full attention.
+
+/// `h = x + mixer(norm1(x))`: (B, T, H) -> (B, T, H).
+pub fn attention_half(
     spec: &ModelSpec,
     w: &BlockWeights,
     x_bth: &Tensor,
     lc: &LayerCtx,
     linear_layer: bool,
 ) -> Tensor {
-    let norm = |x: &Tensor, name: &str| rms_norm_plus_one(x, w.get(name), spec.rms_norm_eps);
-    let mix_in_bth = norm(x_bth, "input_layernorm.weight");
+    let norm_w = w.get("input_layernorm.weight");
+    let mix_in_bth = rms_norm_plus_one(x_bth, norm_w, spec.rms_norm_eps);
     let mixed_bth = if linear_layer {
         gated_delta::forward(spec, w, &mix_in_bth)
     } else {
         attention(spec, w, &mix_in_bth, lc)
     };
-    let h_bth = x_bth + mixed_bth;
-    let mlp_bth = mlp(
-        w,
-        spec,
-        &norm(&h_bth, "post_attention_layernorm.weight"),
-        lc,
-    );
-    h_bth + mlp_bth
+    x_bth + mixed_bth
+}
+
+/// `out = h + mlp(norm2(h))`: (B, T, H) -> (B, T, H).
+pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCtx) -> Tensor {
+    let norm_w = w.get("post_attention_layernorm.weight");
+    h_bth
+        + mlp(
+            w,
+            spec,
+            &rms_norm_plus_one(h_bth, norm_w, spec.rms_norm_eps),
+            lc,
+        )
 }
 
 /// Full attention with an output gate: q_proj yields, per head, D query dims then D gate

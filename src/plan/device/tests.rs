@@ -1,0 +1,233 @@
+//! Unit tests of the device plan.
+
+use super::*;
+use crate::config::TileTokens;
+use crate::config::hf::HfConfig;
+
+fn model(dir: &str) -> (ModelSpec, Layout) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("configs")
+        .join(dir)
+        .join("config.json");
+    let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let spec = ModelSpec::from_hf(&hf, &path).unwrap();
+    let layout = Layout::new(&spec);
+    (spec, layout)
+}
+
+const OPTS: DeviceOpts = DeviceOpts {
+    dtype: DType::Bfloat16,
+    ce_chunk_tokens: 8192,
+    tile_tokens: TileTokens::Off,
+    packed: false,
+    offload_activations: false,
+    cpu: false,
+};
+
+fn part(p: &Phase, name: &str) -> u64 {
+    p.parts.iter().find(|x| x.0 == name).unwrap().1
+}
+
+#[test]
+fn phases_follow_the_layout() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let p = DevicePlan::new(&spec, &layout, OPTS, 64, 1024);
+    let layer = layout.max_layer_len() as u64 * 2;
+    assert_eq!(p.fixed[0].1, 2 * layer);
+    let hidden = 64 * 1024 * 3584 * 2;
+    assert_eq!(
+        part(&p.phases[2], "layer inputs kept for the backward"),
+        28 * hidden
+    );
+    assert_eq!(
+        part(&p.phases[0], "layer inputs kept for the backward"),
+        29 * hidden
+    );
+    let embed = layout.blocks[Layout::EMBED].len as u64 * 2;
+    assert_eq!(
+        part(&p.phases[3], "embedding block and its gradient"),
+        2 * embed
+    );
+    // At a large batch the layer backward dominates; at batch 1 the head and its loss
+    // chunk do (Qwen2.5's 152k vocabulary).
+    assert_eq!(p.peak_phase().name, "layer backward");
+    let p1 = DevicePlan::new(&spec, &layout, OPTS, 1, 1024);
+    assert_eq!(p1.peak_phase().name, "head + loss");
+    assert!(p.to_string().contains("peak phase: layer backward"));
+}
+
+#[test]
+fn activations_grow_with_the_batch_and_offload_removes_the_inputs() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let p8 = DevicePlan::new(&spec, &layout, OPTS, 8, 1024);
+    let p16 = DevicePlan::new(&spec, &layout, OPTS, 16, 1024);
+    let graph = |p: &DevicePlan| part(&p.phases[2], "one layer's recompute graph + gradients");
+    assert_eq!(graph(&p16), 2 * graph(&p8));
+    let off = DeviceOpts {
+        offload_activations: true,
+        ..OPTS
+    };
+    let q = DevicePlan::new(&spec, &layout, off, 16, 1024);
+    let saved = part(&p16.phases[2], "layer inputs kept for the backward")
+        - part(&q.phases[2], "layer inputs kept for the backward");
+    assert_eq!(saved, (28 - 3) * 16 * 1024 * 3584 * 2);
+    assert!(q.total() < p16.total());
+}
+
+#[test]
+fn tied_embeddings_stay_for_the_micro_batch() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let mut tied = spec.clone();
+    tied.tie_word_embeddings = true;
+    let tied_layout = Layout::new(&tied);
+    let p = DevicePlan::new(&tied, &tied_layout, OPTS, 4, 1024);
+    let embed = tied_layout.blocks[Layout::EMBED].len as u64 * 2;
+    assert_eq!(part(&p.phases[0], "tied embedding"), embed);
+    assert_eq!(
+        part(&p.phases[2], "tied embedding and its gradient"),
+        2 * embed
+    );
+    let untied = DevicePlan::new(&spec, &layout, OPTS, 4, 1024);
+    assert!(untied.phases[2].parts.iter().all(|x| !x.0.contains("tied")));
+}
+
+#[test]
+fn moe_layers_count_routed_slots() {
+    let (spec, layout) = model("qwen3-30b-a3b");
+    let moe = spec.moe.as_ref().unwrap();
+    let p = DevicePlan::new(&spec, &layout, OPTS, 4, 1024);
+    // The experts' MLP runs over top_k slots per token, so it outweighs a dense MLP
+    // of one expert's width over the tokens.
+    let graph = part(&p.phases[2], "one layer's recompute graph + gradients");
+    let m = 4 * 1024u64;
+    assert!(graph > 4 * m * moe.top_k as u64 * moe.expert_intermediate_size as u64 * 2);
+}
+
+#[test]
+fn largest_batch_is_the_edge_of_the_budget() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let budget = 80_000_000_000;
+    let b = DevicePlan::largest_batch(&spec, &layout, OPTS, 1024, budget);
+    assert!(b > 0);
+    assert!(DevicePlan::new(&spec, &layout, OPTS, b, 1024).total() <= budget);
+    assert!(DevicePlan::new(&spec, &layout, OPTS, b + 1, 1024).total() > budget);
+    assert_eq!(DevicePlan::largest_batch(&spec, &layout, OPTS, 1024, 1), 0);
+}
+
+const H200: u64 = 141_000_000_000;
+
+fn with_tile(tile_tokens: TileTokens, offload_activations: bool) -> DeviceOpts {
+    DeviceOpts {
+        tile_tokens,
+        offload_activations,
+        ..OPTS
+    }
+}
+
+/// The target: one 512k-token sequence of the Qwen2.5-7B shape (all 28 layers) on
+/// one H200, layer inputs offloaded. Whole, one layer's MLP recompute alone is 4 (M, I)
+/// bf16 tensors saved and 2 more in its backward: 6 x 524288 x 18944 x 2 B = 119 GB.
+#[test]
+fn tiling_fits_512k_tokens_of_qwen2_5_7b_in_an_h200() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let whole = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Off, true), 1, 524288);
+    assert!(whole.total() > H200, "{whole}");
+    assert_eq!(whole.tile, None);
+    let auto = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Auto, true), 1, 524288);
+    assert!(auto.total() <= H200 / 2, "{auto}");
+    let tile = auto.tile.expect("auto tiles a 512k micro-batch");
+    assert_eq!(tile % TILE_ALIGN, 0);
+    assert!(auto.to_string().contains(&format!(
+        "in tiles of {tile} tokens, {} per layer (memory.tile_tokens: auto)",
+        524288usize.div_ceil(tile)
+    )));
+    // The largest aligned tile whose MLP phase stays within the others.
+    let bound = |p: &DevicePlan| {
+        [HEAD, LAYER_BACKWARD, EMBED_BACKWARD]
+            .map(|n| p.phase(n).unwrap().total())
+            .into_iter()
+            .max()
+            .unwrap()
+    };
+    let tiles = |p: &DevicePlan| p.phase(MLP_TILES).unwrap().total();
+    assert!(tiles(&auto) <= bound(&auto));
+    let next = with_tile(TileTokens::Tokens(tile + TILE_ALIGN), true);
+    let bigger = DevicePlan::new(&spec, &layout, next, 1, 524288);
+    assert!(tiles(&bigger) > bound(&bigger));
+    // Without offloading the 28 inputs (3.76 GB each) it fits no more.
+    let kept = DevicePlan::new(
+        &spec,
+        &layout,
+        with_tile(TileTokens::Auto, false),
+        1,
+        524288,
+    );
+    assert!(kept.total() > H200);
+}
+
+#[test]
+fn a_tile_bounds_the_mlp_and_leaves_the_attention_half_whole() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let (h, i, s) = (3584u64, 18944u64, 2u64);
+    let plan = |t| {
+        DevicePlan::new(
+            &spec,
+            &layout,
+            with_tile(TileTokens::Tokens(t), true),
+            1,
+            65536,
+        )
+    };
+    let (p1, p2) = (plan(4096), plan(8192));
+    assert_eq!((p1.tile, p2.tile), (Some(4096), Some(8192)));
+    let mlp = |p: &DevicePlan| {
+        part(
+            p.phase(MLP_TILES).unwrap(),
+            "one MLP tile's graph + gradients",
+        )
+    };
+    // Per token: the norm's f32 input and output, the MLP's 4 saved and 2 gradient (I)
+    // rows, the tile's gradient row.
+    assert_eq!(
+        mlp(&p2) - mlp(&p1),
+        4096 * (h * (4 + s) + 6 * i * s + h * s)
+    );
+    // The layer backward holds the attention half's graph only, whatever the tile.
+    let graph = |p: &DevicePlan| part(&p.phases[2], "one layer's recompute graph + gradients");
+    assert_eq!(graph(&p1), graph(&p2));
+    let whole = plan(65536);
+    assert_eq!(whole.tile, None);
+    assert!(whole.phase(MLP_TILES).is_none());
+    assert!(graph(&whole) > graph(&p1) + 6 * 65536 * i * s);
+    assert_eq!(
+        whole,
+        DevicePlan {
+            tile_setting: TileTokens::Tokens(65536),
+            ..DevicePlan::new(&spec, &layout, with_tile(TileTokens::Off, true), 1, 65536)
+        }
+    );
+}
+
+#[test]
+fn auto_leaves_whole_what_fits_and_the_experts() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let auto = with_tile(TileTokens::Auto, false);
+    // 16 x 1024: the whole MLP fits within the head's loss chunk.
+    assert_eq!(DevicePlan::new(&spec, &layout, auto, 16, 1024).tile, None);
+    assert_eq!(
+        DevicePlan::new(&spec, &layout, auto, 1, TILE_ALIGN).tile,
+        None
+    );
+    assert!(
+        DevicePlan::new(&spec, &layout, auto, 128, 1024)
+            .tile
+            .is_some()
+    );
+    // Every layer of Qwen3-30B-A3B is a mixture of experts: nothing to tile.
+    let (moe, moe_layout) = model("qwen3-30b-a3b");
+    for t in [TileTokens::Auto, TileTokens::Tokens(1024)] {
+        let p = DevicePlan::new(&moe, &moe_layout, with_tile(t, true), 1, 262144);
+        assert_eq!(p.tile, None);
+        assert!(p.phase(MLP_TILES).is_none());
+    }
+}

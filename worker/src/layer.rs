@@ -1,0 +1,114 @@
+//! One decoder layer as the engine runs it: whole, or with its MLP half in tiles.
+//!
+//! The MLP half of a dense layer (post-attention norm, MLP, residual: `model::mlp_half`)
+//! computes each token's row from that token's row alone, so it can run over the
+//! flattened (B*T) tokens a tile at a time; its (tokens x intermediate) activations, the
+//! largest of the layer, are then one tile's instead of the micro-batch's (the tiled MLP of
+//! Arctic Long Sequence Training). The tile comes from `memory.tile_tokens` through the
+//! device plan (`mt::plan::DevicePlan::new(..).tile`), which counts exactly this schedule:
+//!
+//! - forward, without grad: the attention half whole, then each tile's MLP half written
+//!   over that tile's rows of the half's output;
+//! - backward: the attention half recomputed with grad; then per tile, that tile's rows of
+//!   its output as a leaf, the MLP half over them with grad, backpropagated at once with
+//!   the same rows of dy (the weight gradients accumulate in the block's leaves) and the
+//!   leaf's gradient written over those rows of dy, which then holds the gradient of the
+//!   attention half's output; then the attention half backpropagated with it.
+//!
+//! Each tile's graph is freed by its backward before the next tile's is built. A layer the
+//! plan keeps whole (`mt::plan::tiled_layer`: a mixture of experts), or a micro-batch no
+//! larger than a tile, runs as before: `model::decoder_layer`, one backward.
+//!
+//! Shapes: B batch rows, T sequence length, H hidden size, M = B*T tokens.
+
+use mt::config::hf::ModelSpec;
+use tch::{Kind, Tensor};
+
+use crate::model::{self, BlockWeights, Context, RouterAux};
+
+/// The tile layer `layer` runs its MLP half in for `m` tokens; None: whole.
+fn tile_of(spec: &ModelSpec, layer: usize, tile: Option<usize>, m: i64) -> Option<i64> {
+    let t = tile? as i64;
+    (t < m && mt::plan::tiled_layer(spec, layer)).then_some(t)
+}
+
+/// (start, len) of each tile of `t` tokens over `m`.
+fn tiles(m: i64, t: i64) -> impl Iterator<Item = (i64, i64)> {
+    (0..m)
+        .step_by(t as usize)
+        .map(move |start| (start, t.min(m - start)))
+}
+
+/// Layer `layer` without grad: (B, T, H) -> (B, T, H).
+pub fn forward(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+    ctx: &Context,
+    tile: Option<usize>,
+) -> Tensor {
+    let (b, t, h) = x_bth.size3().expect("a layer input is (B, T, H)");
+    let Some(tile) = tile_of(spec, layer, tile, b * t) else {
+        return model::decoder_layer(spec, layer, w, x_bth, ctx);
+    };
+    let h_bth = model::attention_half(spec, layer, w, x_bth, ctx);
+    let h_1mh = h_bth.view([1, b * t, h]);
+    for (start, len) in tiles(b * t, tile) {
+        let mut rows_1th = h_1mh.narrow(1, start, len);
+        let out_1th = model::mlp_half(spec, layer, w, &rows_1th, ctx);
+        rows_1th.copy_(&out_1th);
+    }
+    h_bth
+}
+
+/// Layer `layer` recomputed with grad from its input `x_bth` and backpropagated from
+/// `dy_bth`, the gradient of its output: the weight gradients accumulate in `w`'s leaves;
+/// returns the input's gradient (B, T, H). A tiled layer reuses dy's memory.
+pub fn backward(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    x_bth: Tensor,
+    dy_bth: Tensor,
+    ctx: &Context,
+    tile: Option<usize>,
+) -> Tensor {
+    let (b, t, h) = x_bth.size3().expect("a layer input is (B, T, H)");
+    let x_bth = x_bth.set_requires_grad(true);
+    let Some(tile) = tile_of(spec, layer, tile, b * t) else {
+        let y_bth = model::decoder_layer(spec, layer, w, &x_bth, ctx);
+        // (Bound first: the product is gone before the backward runs.)
+        let objective = (y_bth * &dy_bth).sum(Kind::Float);
+        backpropagate(objective, ctx);
+        return x_bth.grad();
+    };
+    let h_bth = model::attention_half(spec, layer, w, &x_bth, ctx);
+    let dy_bth = dy_bth.contiguous();
+    {
+        let h_1mh = h_bth.detach().view([1, b * t, h]);
+        let dy_1mh = dy_bth.view([1, b * t, h]);
+        for (start, len) in tiles(b * t, tile) {
+            let h_leaf_1th = h_1mh.narrow(1, start, len).detach().set_requires_grad(true);
+            let mut dy_1th = dy_1mh.narrow(1, start, len);
+            let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
+            let objective = (out_1th * &dy_1th).sum(Kind::Float);
+            objective.backward();
+            // The tile's graph is gone: its rows of dy are free for dh.
+            dy_1th.copy_(&h_leaf_1th.grad());
+        }
+    }
+    // h itself is not needed for the attention half's backward: gone with the product.
+    let objective = (h_bth * &dy_bth).sum(Kind::Float);
+    backpropagate(objective, ctx);
+    x_bth.grad()
+}
+
+/// Backpropagates `objective`, with the router load-balancing loss's term of the layer
+/// just recomputed where it has one.
+fn backpropagate(objective: Tensor, ctx: &Context) {
+    match ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
+        Some(aux) => (objective + aux).backward(),
+        None => objective.backward(),
+    }
+}
