@@ -37,9 +37,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let result = run(cli);
-    let nodes = mpi::world();
+    let nodes = mpi::job();
     // Under mpirun, who says it: `mt-launch (rank R of N on HOST)`.
-    let me = nodes.map_or("mt-launch".into(), |m| format!("mt-launch ({})", m.who()));
+    let me = mpi::world().map_or("mt-launch".into(), |m| format!("mt-launch ({})", m.who()));
     match result {
         Ok(()) => {
             nodes.inspect(|m| m.finalize());

@@ -86,7 +86,12 @@ pub fn init() -> Result<Option<&'static Mpi>> {
 
 /// The MPI job this launcher belongs to, when it has more than one rank.
 pub fn world() -> Option<&'static Mpi> {
-    WORLD.get().filter(|m| m.size > 1)
+    job().filter(|m| m.size > 1)
+}
+
+/// The MPI job this launcher joined, one rank or more (it must finalize it).
+pub fn job() -> Option<&'static Mpi> {
+    WORLD.get()
 }
 
 /// The shim: `$MT_MPI_SHIM`, beside this executable, or where the build left it.

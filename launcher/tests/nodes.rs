@@ -15,8 +15,14 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// `mpirun`, or `None` (with the reason printed) where the test may be skipped.
-fn mpirun() -> Option<PathBuf> {
+/// One multi-node test at a time: each starts several launchers and workers, and the fault
+/// tests time how fast every rank stops, which other runs competing for the cores would
+/// blur (CI's machine has 2 cores).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `mpirun` and the lock that serializes these tests, or `None` (with the reason printed)
+/// where the test may be skipped.
+fn mpirun() -> Option<(PathBuf, std::sync::MutexGuard<'static, ()>)> {
     let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
         .map(|d| d.join("mpirun"))
         .find(|p| p.is_file());
@@ -27,7 +33,8 @@ fn mpirun() -> Option<PathBuf> {
         );
         eprintln!("skipped: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)");
     }
-    found
+    let lock = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    found.map(|m| (m, lock))
 }
 
 /// `mpirun -np ranks mt-launch --gpus 0 --workers W <args>`, as root too, with more ranks
@@ -160,7 +167,9 @@ fn fixture_lr() -> f64 {
 
 #[test]
 fn two_nodes_of_two_workers_equal_one_node_of_four() {
-    let Some(mpi) = mpirun() else { return };
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
     let nodes = train(&mpi, "n2w2", 2, 2, 4);
     let one = train(&mpi, "n1w4", 1, 4, 4);
     assert_close(&nodes, &one, fixture_lr());
@@ -168,7 +177,9 @@ fn two_nodes_of_two_workers_equal_one_node_of_four() {
 
 #[test]
 fn three_nodes_equal_one_node_of_three_workers() {
-    let Some(mpi) = mpirun() else { return };
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
     let nodes = train(&mpi, "n3w1", 3, 1, 6);
     let one = train(&mpi, "n1w3", 1, 3, 6);
     assert_close(&nodes, &one, fixture_lr());
@@ -178,7 +189,9 @@ fn three_nodes_equal_one_node_of_three_workers() {
 /// as the run that went straight through.
 #[test]
 fn two_node_checkpoint_resumes_exactly() {
-    let Some(mpi) = mpirun() else { return };
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
     let config = golden_dir().join("llama/run.yaml");
     let run_to = |tag: &str, steps: u64, resume: Option<&Path>| {
         let dir = scratch(&format!("nodes-resume-{tag}"));
@@ -319,7 +332,9 @@ fn hostname() -> String {
 
 #[test]
 fn killing_one_rank_stops_every_rank_and_frees_everything() {
-    let Some(mpi) = mpirun() else { return };
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
     let before = shm_entries();
     let (child, log, pids) = start_long(&mpi, "kill", &[]);
     assert_all_stop(child, &pids, &before, Duration::from_secs(10), || {
@@ -335,7 +350,9 @@ fn killing_one_rank_stops_every_rank_and_frees_everything() {
 
 #[test]
 fn a_hung_rank_stops_every_rank_after_the_timeout() {
-    let Some(mpi) = mpirun() else { return };
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
     let before = shm_entries();
     let timeout = 3;
     let set = format!("training.worker_timeout_s={timeout}");
