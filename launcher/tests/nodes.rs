@@ -61,6 +61,18 @@ type Trained = (
 /// Trains the llama fixture 4 steps on `ranks` launchers of `workers` workers each (1 rank:
 /// no mpirun) with `batch` rows a step; losses, gradient norms and the final weights.
 fn train(mpirun: &Path, tag: &str, ranks: usize, workers: usize, batch: usize) -> Trained {
+    train_with(mpirun, tag, ranks, workers, batch, &[])
+}
+
+/// [`train`] with more flags.
+fn train_with(
+    mpirun: &Path,
+    tag: &str,
+    ranks: usize,
+    workers: usize,
+    batch: usize,
+    extra: &[&str],
+) -> Trained {
     let dir = scratch(&format!("nodes-{tag}"));
     let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
     let config = golden_dir().join("llama/run.yaml");
@@ -68,7 +80,7 @@ fn train(mpirun: &Path, tag: &str, ranks: usize, workers: usize, batch: usize) -
         format!("training.output_dir={}", out.display()),
         format!("training.batch_size={batch}"),
     );
-    let args = [
+    let mut args = vec![
         "--config",
         path_str(&config),
         "--metrics-out",
@@ -80,6 +92,7 @@ fn train(mpirun: &Path, tag: &str, ranks: usize, workers: usize, batch: usize) -
         "--set",
         &out_set,
     ];
+    args.extend(extra);
     let output = match ranks {
         1 => run(&[
             &["--gpus", "0", "--workers", &workers.to_string()],
@@ -183,6 +196,51 @@ fn three_nodes_equal_one_node_of_three_workers() {
     let nodes = train(&mpi, "n3w1", 3, 1, 6);
     let one = train(&mpi, "n1w3", 1, 3, 6);
     assert_close(&nodes, &one, fixture_lr());
+}
+
+/// In bfloat16 (store, slabs and gradient), two nodes of one worker equal one node of two
+/// workers bit for bit: each node's gradient is its worker's bf16 slab as it is, and the
+/// shim's bf16 sum widens both, adds in f32 and rounds once to nearest even, as the one
+/// node's reduce of the two slabs does. This covers the bf16 reduction operator.
+#[test]
+fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let bf16 = [
+        "--set",
+        "model.dtype=bfloat16",
+        "--set",
+        "memory.grad_dtype=bfloat16",
+        "--set",
+        "memory.master_weights=split",
+    ];
+    let nodes = train_with(&mpi, "bf16-n2w1", 2, 1, 4, &bf16);
+    let one = train_with(&mpi, "bf16-n1w2", 1, 2, 4, &bf16);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&nodes.0),
+        bits(&one.0),
+        "losses: {:?} vs {:?}",
+        nodes.0,
+        one.0
+    );
+    // The norm's Σ g² is summed per block after the exchange instead of within the reduce:
+    // f64 sums of up to 2^16 terms in another order, ~1e-16 relative each.
+    let w = worst_rel(&nodes.1, &one.1);
+    assert!(
+        w <= 1e-12,
+        "norms differ by {w:.2e}: {:?} vs {:?}",
+        nodes.1,
+        one.1
+    );
+    for (name, a) in &nodes.2 {
+        let differ = a
+            .iter()
+            .zip(&one.2[name])
+            .filter(|(x, y)| x.to_bits() != y.to_bits());
+        assert_eq!(differ.count(), 0, "final `{name}` differs");
+    }
 }
 
 /// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits
@@ -369,5 +427,24 @@ fn a_hung_rank_stops_every_rank_after_the_timeout() {
     assert!(
         text.contains("rank 0 of 2 on") && text.contains("waited more than 3 s"),
         "the output must say rank 0 timed out waiting for the others:\n{text}"
+    );
+}
+
+/// Under an MPI launcher, a shim that cannot be loaded is a clear error before anything
+/// starts (no mpirun needed: the environment says "MPI" as OpenMPI's would).
+#[test]
+fn a_missing_mpi_shim_is_a_clear_error() {
+    let config = golden_dir().join("llama/run.yaml");
+    let out = Command::new(launcher())
+        .args(["--config", path_str(&config), "--gpus", "0"])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("MT_MPI_SHIM", "/nonexistent/libmt_mpi.so")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("load the MPI shim /nonexistent/libmt_mpi.so"),
+        "the error must name the shim:\n{err}"
     );
 }
