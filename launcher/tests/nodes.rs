@@ -244,14 +244,17 @@ fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
 }
 
 /// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits
-/// as the run that went straight through.
+/// as the run that went straight through; so does the same checkpoint resumed on one node
+/// of two workers (the checkpoint holds the whole state, written by node 0, so any number
+/// of nodes resumes it; two one-worker nodes and one two-worker node add the same two
+/// slabs in the same order).
 #[test]
 fn two_node_checkpoint_resumes_exactly() {
     let Some((mpi, _one)) = mpirun() else {
         return;
     };
     let config = golden_dir().join("llama/run.yaml");
-    let run_to = |tag: &str, steps: u64, resume: Option<&Path>| {
+    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>| {
         let dir = scratch(&format!("nodes-resume-{tag}"));
         let (ck_set, out_set, steps_set) = (
             format!("checkpoint.dir={}", dir.join("ck").display()),
@@ -273,29 +276,32 @@ fn two_node_checkpoint_resumes_exactly() {
         if let Some(from) = resume {
             args.extend(["--resume", path_str(from)]);
         }
-        let out = mpi_command(&mpi, 2, 1, &args).output().unwrap();
+        let out = match ranks {
+            1 => run(&[&["--gpus", "0", "--workers", "2"], &args[..]].concat()),
+            _ => mpi_command(&mpi, ranks, 1, &args).output().unwrap(),
+        };
         assert_mpi_ok(&out, tag);
         (
             tensors(&dir.join("model/model.safetensors")),
             dir.join("ck"),
         )
     };
-    let (straight, _) = run_to("straight", 4, None);
-    let (_, ck) = run_to("first", 2, None);
+    let (straight, _) = run_to("straight", 2, 4, None);
+    let (_, ck) = run_to("first", 2, 2, None);
     let (newest, step2) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
     assert_eq!(newest, 2);
-    let (resumed, _) = run_to("resumed", 4, Some(&step2));
-    for (name, a) in &straight {
-        let b = &resumed[name];
-        let differ = a
-            .iter()
-            .zip(b)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(
-            differ, 0,
-            "`{name}`: {differ} elements differ after the resume"
-        );
+    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2));
+    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2));
+    for (other, how) in [(&resumed, "on two nodes"), (&on_one, "on one node")] {
+        for (name, a) in &straight {
+            let b = &other[name];
+            let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
+            let differ = differ.count();
+            assert_eq!(
+                differ, 0,
+                "`{name}`: {differ} elements differ, resumed {how}"
+            );
+        }
     }
 }
 
