@@ -15,6 +15,13 @@ fn main() {
     let mpicc = std::env::var_os("MPICC")
         .map(PathBuf::from)
         .or_else(|| find_in_path("mpicc"));
+    match &mpicc {
+        Some(cc) => println!("cargo:rerun-if-changed={}", cc.display()),
+        // Build again once an MPI is installed: installing one changes a PATH directory.
+        None => std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .filter(|d| d.is_dir())
+            .for_each(|d| println!("cargo:rerun-if-changed={}", d.display())),
+    }
     let built = mpicc.is_some_and(|cc| compile(&cc, &lib));
     // The fallback path compiled into mt-launch; empty when no shim was built.
     let shown = if built {
