@@ -16,6 +16,10 @@ enum { MT_F32 = 0, MT_BF16 = 1, MT_F64 = 2 };
 
 static MPI_Op bf16_sum_op = MPI_OP_NULL;
 
+/* The arrival messages' requests and buffers (mt_mpi_arrive_start). */
+static MPI_Request *arrive_recv, *arrive_send;
+static int *arrive_in, arrive_out;
+
 /* bf16 add: widen both (exact), add in f32, round to nearest even; NaN stays NaN. */
 static void bf16_sum(void *in, void *inout, int *len, MPI_Datatype *dt) {
   (void)dt;
@@ -63,6 +67,9 @@ int mt_mpi_init(int *rank, int *size, int *provided) {
 
 int mt_mpi_finalize(void) {
   if (bf16_sum_op != MPI_OP_NULL) MPI_Op_free(&bf16_sum_op);
+  free(arrive_recv);
+  free(arrive_send);
+  free(arrive_in);
   return MPI_Finalize();
 }
 
@@ -143,6 +150,63 @@ int mt_mpi_allgather_f64(const double *send, int n, double *recv) {
 /* The largest of every rank's value. */
 int mt_mpi_allreduce_max_i64(int64_t *value) {
   return MPI_Allreduce(MPI_IN_PLACE, value, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+}
+
+/* Every rank's processor name, NUL-padded to len bytes each, in rank order into all. */
+int mt_mpi_host_names(char *all, int len) {
+  char *mine = calloc(1, (size_t)len);
+  if (!mine) return MPI_ERR_NO_MEM;
+  mt_mpi_processor_name(mine, len);
+  int rc = MPI_Allgather(mine, len, MPI_CHAR, all, len, MPI_CHAR, MPI_COMM_WORLD);
+  free(mine);
+  return rc;
+}
+
+/* Arrival before a collective: each rank sends one int to every other and posts a receive
+ * from each; mt_mpi_arrive_test says which ranks have arrived. A rank that does not arrive
+ * can then be named, where a blocking collective would only wait. Messages between two
+ * ranks match in order (MPI's non-overtaking rule), and every rank makes the same sequence
+ * of collectives, so one tag serves. */
+#define ARRIVE_TAG 7
+
+int mt_mpi_arrive_start(void) {
+  int size, rank, rc;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (!arrive_recv) {
+    arrive_recv = malloc(sizeof(MPI_Request) * (size_t)size);
+    arrive_send = malloc(sizeof(MPI_Request) * (size_t)size);
+    arrive_in = malloc(sizeof(int) * (size_t)size);
+    if (!arrive_recv || !arrive_send || !arrive_in) return MPI_ERR_NO_MEM;
+  }
+  for (int r = 0; r < size; r++) {
+    arrive_recv[r] = arrive_send[r] = MPI_REQUEST_NULL;
+    if (r == rank) continue;
+    rc = MPI_Irecv(&arrive_in[r], 1, MPI_INT, r, ARRIVE_TAG, MPI_COMM_WORLD, &arrive_recv[r]);
+    if (rc != MPI_SUCCESS) return rc;
+    rc = MPI_Isend(&arrive_out, 1, MPI_INT, r, ARRIVE_TAG, MPI_COMM_WORLD, &arrive_send[r]);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+/* arrived[r] = 1 for each rank r heard from since mt_mpi_arrive_start (and this one);
+ * *all = 1 once every rank is, the sends then completed. */
+int mt_mpi_arrive_test(int *arrived, int *all) {
+  int size, rc;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  *all = 1;
+  for (int r = 0; r < size; r++) {
+    if (arrive_recv[r] != MPI_REQUEST_NULL) {
+      int flag = 0;
+      rc = MPI_Test(&arrive_recv[r], &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return rc;
+    }
+    arrived[r] = arrive_recv[r] == MPI_REQUEST_NULL;
+    if (!arrived[r]) *all = 0;
+  }
+  if (*all) return MPI_Waitall(size, arrive_send, MPI_STATUSES_IGNORE);
+  return MPI_SUCCESS;
 }
 
 /* The text of an MPI error code, NUL-terminated into buf of len bytes. */

@@ -80,7 +80,9 @@ fn run(cli: cli::Cli) -> Result<()> {
     if let Some(m) = mpi::init()? {
         placement.nodes = m.size;
         if m.size > 1 {
-            eprintln!("mt-launch: {} (pid {})", m.who(), std::process::id());
+            // One write, so that ranks sharing mpirun's output do not interleave it.
+            let line = format!("mt-launch: {} (pid {})\n", m.who(), std::process::id());
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
         }
     }
     if cli.dry_run {

@@ -6,11 +6,13 @@
 //! `PMIX_RANK`). So the binaries never link libmpi, and OpenMPI and MPICH (whose C ABIs
 //! differ) both work: the shim is compiled against the local `mpi.h`.
 //!
-//! Nothing waits forever: a collective is watched by a thread that ends the whole job
-//! (MPI_Abort) when it waits longer than `training.worker_timeout_s`, naming this rank,
-//! its host and the collective: a peer that hangs stops every rank. A peer that dies is
-//! seen by mpirun, which ends the others; a launcher that fails ends the job too
-//! ([`Mpi::abort`] from `main`), after stopping its own workers.
+//! Nothing waits forever. Before each collective every rank tells every other that it has
+//! arrived ([`Mpi::arrive`]); a rank that does not arrive within `training.worker_timeout_s`
+//! is named with its host, and the job ends: a peer that hangs stops every rank. A rank
+//! that stops inside a collective is caught by a watchdog thread, which ends the job
+//! (MPI_Abort) naming the collective. A peer that dies is seen by mpirun, which ends the
+//! others; a launcher that fails ends the job too ([`Mpi::abort`] from `main`), after
+//! stopping its own workers.
 
 use std::ffi::{c_char, c_int, c_long, c_void};
 use std::path::PathBuf;
@@ -57,6 +59,8 @@ struct Fns {
     reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, *const c_int, c_int) -> c_int,
     allgather_f64: unsafe extern "C" fn(*const f64, c_int, *mut f64) -> c_int,
     max_i64: unsafe extern "C" fn(*mut i64) -> c_int,
+    arrive_start: unsafe extern "C" fn() -> c_int,
+    arrive_test: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int,
     error_string: unsafe extern "C" fn(c_int, *mut c_char, c_int),
 }
 
@@ -65,6 +69,8 @@ pub struct Mpi {
     pub rank: usize,
     pub size: usize,
     pub host: String,
+    /// Every rank's host, by rank.
+    hosts: Vec<String>,
     fns: Fns,
     /// The collective in progress and when it started, for the watchdog.
     waiting: Arc<Mutex<Option<(String, Instant)>>>,
@@ -133,8 +139,8 @@ impl Mpi {
             }
             let init: unsafe extern "C" fn(*mut c_int, *mut c_int, *mut c_int) -> c_int =
                 get(&lib, b"mt_mpi_init")?;
-            let name: unsafe extern "C" fn(*mut c_char, c_int) -> c_int =
-                get(&lib, b"mt_mpi_processor_name")?;
+            let names: unsafe extern "C" fn(*mut c_char, c_int) -> c_int =
+                get(&lib, b"mt_mpi_host_names")?;
             let fns = Fns {
                 finalize: get(&lib, b"mt_mpi_finalize")?,
                 abort: get(&lib, b"mt_mpi_abort")?,
@@ -144,6 +150,8 @@ impl Mpi {
                 reduce_scatter: get(&lib, b"mt_mpi_reduce_scatter")?,
                 allgather_f64: get(&lib, b"mt_mpi_allgather_f64")?,
                 max_i64: get(&lib, b"mt_mpi_allreduce_max_i64")?,
+                arrive_start: get(&lib, b"mt_mpi_arrive_start")?,
+                arrive_test: get(&lib, b"mt_mpi_arrive_test")?,
                 error_string: get(&lib, b"mt_mpi_error_string")?,
             };
             let (mut rank, mut size, mut provided) = (0, 0, 0);
@@ -151,18 +159,28 @@ impl Mpi {
             if rc != 0 {
                 bail!("MPI_Init_thread failed (MPI error {rc})");
             }
-            let mut buf = [0 as c_char; 256];
-            name(buf.as_mut_ptr(), buf.len() as c_int);
-            let host = std::ffi::CStr::from_ptr(buf.as_ptr())
-                .to_string_lossy()
-                .into_owned();
-            (fns, rank as usize, size as usize, host)
+            const LEN: usize = 256;
+            let mut buf = vec![0 as c_char; LEN * size as usize];
+            let rc = names(buf.as_mut_ptr(), LEN as c_int);
+            if rc != 0 {
+                bail!("gathering the ranks' host names failed (MPI error {rc})");
+            }
+            let hosts: Vec<String> = buf
+                .chunks(LEN)
+                .map(|c| {
+                    let c = c.split(|&b| b == 0).next().unwrap_or(&[]);
+                    String::from_utf8_lossy(&c.iter().map(|&b| b as u8).collect::<Vec<_>>())
+                        .into_owned()
+                })
+                .collect();
+            (fns, rank as usize, size as usize, hosts)
         };
-        let (fns, rank, size, host) = fns;
+        let (fns, rank, size, hosts) = fns;
         let mpi = Mpi {
             rank,
             size,
-            host,
+            host: hosts[rank].clone(),
+            hosts,
             fns,
             waiting: Arc::new(Mutex::new(None)),
             timeout_s: Arc::new(AtomicU64::new(600)),
@@ -209,8 +227,8 @@ impl Mpi {
                 });
                 if let Some((what, limit)) = late {
                     eprintln!(
-                        "mt-launch ({who}): error: {what} waited more than {limit} s for the other \
-                         ranks (training.worker_timeout_s): one of them hangs or is gone; ending every rank"
+                        "mt-launch ({who}): error: {what} waited more than {limit} s after every \
+                         rank had reached it (training.worker_timeout_s): one of them hangs or is gone; ending every rank"
                     );
                     // SAFETY: MPI was initialized with MPI_THREAD_MULTIPLE (the watchdog may
                     // call in while the main thread waits in the collective).
@@ -221,11 +239,44 @@ impl Mpi {
         });
     }
 
-    /// Runs collective `what` under the watchdog and turns its error code into an error.
-    fn watched(&self, what: &str, call: impl FnOnce() -> c_int) -> Result<()> {
-        *self.waiting.lock().expect("watchdog lock") = Some((what.to_string(), Instant::now()));
-        let rc = call();
-        *self.waiting.lock().expect("watchdog lock") = None;
+    /// Waits until every rank has reached collective `what` (each sends every other a
+    /// message on arrival), for at most the timeout: a rank that does not arrive is named
+    /// with its host, where the collective itself could only wait.
+    fn arrive(&self, what: &str) -> Result<()> {
+        // SAFETY: no arguments; the shim keeps the requests until the test completes them.
+        self.check(what, unsafe { (self.fns.arrive_start)() })?;
+        let limit = Duration::from_secs(self.timeout_s.load(Ordering::Relaxed));
+        let t = Instant::now();
+        let mut arrived: Vec<c_int> = vec![0; self.size];
+        let mut pause = Duration::from_micros(1);
+        loop {
+            let mut all = 0;
+            // SAFETY: `arrived` has one entry per rank.
+            let rc = unsafe { (self.fns.arrive_test)(arrived.as_mut_ptr(), &mut all) };
+            self.check(what, rc)?;
+            if all == 1 {
+                return Ok(());
+            }
+            if t.elapsed() >= limit {
+                let missing: Vec<String> = (0..self.size)
+                    .filter(|&r| arrived[r] == 0)
+                    .map(|r| format!("rank {r} (on {})", self.hosts[r]))
+                    .collect();
+                bail!(
+                    "{} did not reach {what} within {} s (training.worker_timeout_s): it hangs or is gone; ending every rank",
+                    missing.join(", "),
+                    limit.as_secs()
+                );
+            }
+            // Spin briefly (the others are usually close behind), then back off to 1 ms so
+            // as not to take the cores the workers and the reduce use.
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// An MPI error code as an error naming this rank and the collective.
+    fn check(&self, what: &str, rc: c_int) -> Result<()> {
         if rc == 0 {
             return Ok(());
         }
@@ -236,6 +287,17 @@ impl Mpi {
             std::ffi::CStr::from_ptr(buf.as_ptr()).to_string_lossy()
         };
         bail!("{}: {what} failed: MPI error {rc} ({text})", self.who())
+    }
+
+    /// Runs collective `what` once every rank has reached it ([`Mpi::arrive`]), under the
+    /// watchdog (a rank that stops in the middle of it), and turns its error code into an
+    /// error.
+    fn watched(&self, what: &str, call: impl FnOnce() -> c_int) -> Result<()> {
+        self.arrive(what)?;
+        *self.waiting.lock().expect("watchdog lock") = Some((what.to_string(), Instant::now()));
+        let rc = call();
+        *self.waiting.lock().expect("watchdog lock") = None;
+        self.check(what, rc)
     }
 
     /// Sums `buf` over the ranks in place; every rank gets the same bits (a reduce-scatter
