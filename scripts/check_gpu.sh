@@ -27,8 +27,9 @@
 #    most 32 of the 64 experts used) and on 16 rows of 256 (about 128 pairs per expert).
 # 4. Gated DeltaNet one layer deep: scripts/check_gated_delta.sh.
 # 5. Errors (issue 23): the Qwen2.5-7B shape with 2 layers at 2 x 524288 tokens on 1 GPU
-#    (ERRORS_SEQ) must be refused before anything is loaded (the device plan exceeds any
-#    GPU's free memory); with --force it must run out of memory and the launcher must say so
+#    (ERRORS_SEQ) with `memory.tile_tokens: off` must be refused before anything is loaded
+#    (the untiled device plan exceeds any GPU's free memory; with the automatic tile it fits an
+#    H200 and trains); with --force it must run out of memory and the launcher must say so
 #    in one line (phase, layer, asked vs free, the plan's figure, what to change), with no
 #    backtrace, exit non-zero and leave no worker and no /dev/shm/mt-* behind. An allocation
 #    failure injected into the tiny model's backward of layer 1 (MT_TEST_FAIL_ALLOC) must
@@ -199,7 +200,7 @@ with open(sys.argv[3], "w") as f:
         f.write(json.dumps({"input_ids": [rng.randrange(c["vocab_size"]) for _ in range(int(sys.argv[4]))]}) + "\n")
 PY
   long=(--config configs/qwen_7b.yaml --gpus 1 --set "model.path=$work/q7b2" --set "dataset.path=$work/long.jsonl"
-        --set "dataset.max_seq_len=$ERRORS_SEQ" --set training.batch_size=2 --set training.num_steps=1)
+        --set "dataset.max_seq_len=$ERRORS_SEQ" --set training.batch_size=2 --set training.num_steps=1 --set memory.tile_tokens=off)
   shm_before=$(ls /dev/shm | grep '^mt' | sort || true)
   fail() { echo "errors: FAIL: $*" | tee -a "$work/errors.failed" >&2; }
   # Exit status, then the stderr of each case.

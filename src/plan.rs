@@ -107,6 +107,9 @@ pub struct HostPlan {
     pub staging_grown: bool,
     /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
     pub carried: u64,
+    /// GPU workers' layer inputs stashed in pinned host memory between forward and backward
+    /// (`memory.offload_activations`; [`offloaded_inputs`]), or 0.
+    pub offloaded: u64,
     /// Elements of one slab slot (`Layout::grad_slot_len`).
     pub slot_len: u64,
     pub workers: u64,
@@ -146,6 +149,7 @@ impl HostPlan {
             },
             staging_grown: false,
             carried: 0,
+            offloaded: 0,
             slot_len: slot_len as u64,
             workers: opts.workers as u64,
             slots: opts.slots as u64,
@@ -159,7 +163,15 @@ impl HostPlan {
 
     /// What the launcher holds at its peak, start-up and checkpoints included.
     pub fn total(&self) -> u64 {
-        self.per_param_state() + self.slabs + self.staging + self.carried
+        self.per_param_state() + self.slabs + self.staging + self.carried + self.offloaded
+    }
+
+    /// The plan with `bytes` of offloaded layer inputs held by the workers.
+    pub fn with_offloaded(self, bytes: u64) -> HostPlan {
+        HostPlan {
+            offloaded: bytes,
+            ..self
+        }
     }
 
     /// The plan holding `bytes` of carried tensors besides the training state.
@@ -285,8 +297,31 @@ impl std::fmt::Display for HostPlan {
                 gb(self.carried)
             )?;
         }
+        if self.offloaded > 0 {
+            writeln!(
+                f,
+                "  offloaded layer inputs{:>9.2} GB (memory.offload_activations: each GPU worker's micro-batch input to every layer, pinned)",
+                gb(self.offloaded)
+            )?;
+        }
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))
     }
+}
+
+/// Pinned host memory GPU workers hold with `memory.offload_activations`: one buffer per
+/// layer for its input, `rows` x `seq_len` x hidden in the compute dtype (worker/src/stream/
+/// gpu.rs), each rounded up to a power of two as torch's pinned (caching host) allocator
+/// sizes its blocks.
+pub fn offloaded_inputs(
+    layers: usize,
+    hidden: usize,
+    dtype: DType,
+    workers: usize,
+    rows: usize,
+    seq_len: usize,
+) -> u64 {
+    let one = (rows * seq_len * hidden * dtype.size()) as u64;
+    (workers * layers) as u64 * one.next_power_of_two()
 }
 
 /// Bytes for a reader: GB with two decimals, or MB / kB below a hundredth of a GB.

@@ -86,6 +86,7 @@ fn json(
             "slabs": h.slabs,
             "checkpoint_staging": h.staging,
             "carried": h.carried,
+            "offloaded_inputs": h.offloaded,
             "total": h.total(),
         },
         "device": {

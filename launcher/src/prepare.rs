@@ -84,12 +84,25 @@ impl Prepared {
         let plan =
             mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers))
                 .with_carried(carried);
-        Ok(Prepared {
+        let mut prepared = Prepared {
             spec,
             layout,
             data,
             plan,
-        })
+        };
+        if cfg.memory.offload_activations && placement.gpus > 0 {
+            let (rows, seq_len) = prepared.micro_batch(cfg, placement.workers);
+            let bytes = mt::plan::offloaded_inputs(
+                prepared.spec.num_layers,
+                prepared.spec.hidden_size,
+                cfg.model.dtype,
+                placement.workers,
+                rows,
+                seq_len,
+            );
+            prepared.plan = prepared.plan.with_offloaded(bytes);
+        }
+        Ok(prepared)
     }
 
     /// Refuses a run whose host memory plan exceeds the RAM available now; one that fits

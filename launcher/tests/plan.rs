@@ -393,4 +393,34 @@ fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
         text.contains("at 25 GB/s") && text.contains("at 50 GB/s"),
         "{text}"
     );
+
+/// With `memory.offload_activations` the GPU workers' pinned stash of layer inputs is host
+/// memory too: one buffer per layer of micro-batch tokens x hidden in bf16, each rounded up
+/// to a power of two as torch's pinned allocator does. Qwen2.5-7B, 2 GPUs, 2 rows of 65536
+/// tokens each: 2 x 28 x 2^30 bytes (65536 x 2 x 3584 x 2 = 0.94e9, rounded to 2^30).
+#[test]
+fn plan_counts_offloaded_layer_inputs_as_host_memory() {
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen_7b.yaml");
+    let plan = |offload: bool| {
+        let out = std::process::Command::new(launcher())
+            .args(["plan", "--config", config.to_str().unwrap()])
+            .args(["--gpus", "2", "--gpu-memory", "141", "--json"])
+            .args([
+                "--set",
+                "training.batch_size=4",
+                "--set",
+                "dataset.max_seq_len=65536",
+            ])
+            .args(["--set", &format!("memory.offload_activations={offload}")])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        json["host"]["total"].as_u64().unwrap()
+    };
+    assert_eq!(plan(true) - plan(false), 2 * 28 * (1u64 << 30));
 }

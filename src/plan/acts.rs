@@ -48,8 +48,9 @@ pub(super) struct Dims {
     pub t: u64,
     pub m: u64,
     pub s: u64,
-    /// Gated DeltaNet runs its chunked path (GPU workers) rather than the reference one.
-    pub chunked_delta: bool,
+    /// GPU workers: Gated DeltaNet runs its chunked path rather than the reference one, and
+    /// attention torch's fused SDPA kernels rather than CPU's.
+    pub gpu: bool,
 }
 
 /// The RMSNorms of one half of layer `l` over `m` tokens: each saves its f32 input and its
@@ -132,7 +133,18 @@ fn attention_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         forward += q * s;
     }
     let mut backward = (q + 2 * kv) * s;
-    if spec.attn_softcap.is_some() || spec.attn_sinks {
+    let eager = spec.attn_softcap.is_some() || spec.attn_sinks;
+    if d.gpu && !eager {
+        // The fused kernel's backward (cuDNN's, torch's default on Hopper, GQA included)
+        // and the gradients around it: measured with torch 2.11 on an H200 at 128k-512k
+        // tokens, the backward of the attention half peaks 9.0 query-sized tensors above its
+        // recompute graph, of which dx is 1 (counted by the phase) and dq, dk, dv are
+        // counted above: the kernel's own buffers, its contiguous copy of the output
+        // gradient and o_proj's output gradient are the other 6.7, counted as 7
+        // (benches/results/long_context_H200_2026-11-23.md).
+        backward += 7 * q * s;
+    }
+    if eager {
         // Eager attention: (B, N, T, T) scores; tanh / softmax outputs are saved (the
         // softmax in f32), and the backward holds two more score-sized gradients.
         let scores = b * n * t * t;
@@ -200,7 +212,7 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     let (dk, dv) = (la.k_head_dim as u64, la.v_head_dim as u64);
     let conv = 2 * g * dk + nv * dv;
     let proj = m * (conv + nv * dv + 2 * nv) * s;
-    if d.chunked_delta {
+    if d.gpu {
         // Per token: the projections, the conv's output and its SiLU; the normed [q; k]
         // and its q.k / k.k; per value head the scaled k (three), beta v, w, v' and the
         // gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy),

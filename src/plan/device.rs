@@ -193,7 +193,7 @@ impl DevicePlan {
             t,
             m: b * t,
             s,
-            chunked_delta: !o.cpu,
+            gpu: !o.cpu,
         };
         let m = dims.m;
         let h = spec.hidden_size as u64;

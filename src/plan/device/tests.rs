@@ -134,7 +134,9 @@ fn tiling_fits_512k_tokens_of_qwen2_5_7b_in_an_h200() {
     assert!(whole.total() > H200, "{whole}");
     assert_eq!(whole.tile, None);
     let auto = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Auto, true), 1, 524288);
-    assert!(auto.total() <= H200 / 2, "{auto}");
+    // With room for the CUDA context and the allocator's slack: measured 83.0 GB in all at
+    // 4 layers (benches/results/long_context_H200_2026-11-23.md).
+    assert!(auto.total() <= H200 * 6 / 10, "{auto}");
     let tile = auto.tile.expect("auto tiles a 512k micro-batch");
     assert_eq!(tile % TILE_ALIGN, 0);
     assert!(auto.to_string().contains(&format!(
@@ -198,7 +200,9 @@ fn a_tile_bounds_the_mlp_and_leaves_the_attention_half_whole() {
     let whole = plan(65536);
     assert_eq!(whole.tile, None);
     assert!(whole.phase(MLP_TILES).is_none());
-    assert!(graph(&whole) > graph(&p1) + 6 * 65536 * i * s);
+    // Whole, it also holds the MLP's 4 saved (M, I) tensors (their gradients overlap the
+    // attention kernel's backward buffers, the larger of the two counted).
+    assert!(graph(&whole) > graph(&p1) + 4 * 65536 * i * s);
     assert_eq!(
         whole,
         DevicePlan {
