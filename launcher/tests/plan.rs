@@ -393,6 +393,7 @@ fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
         text.contains("at 25 GB/s") && text.contains("at 50 GB/s"),
         "{text}"
     );
+}
 
 /// With `memory.offload_activations` the GPU workers' pinned stash of layer inputs is host
 /// memory too: one buffer per layer of micro-batch tokens x hidden in bf16, each rounded up
