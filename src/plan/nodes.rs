@@ -125,6 +125,7 @@ mod tests {
             staging_full: 0,
             staging_grown: false,
             carried: 0,
+            offloaded: 0,
             slot_len: 0,
             workers: 1,
             slots: 4,
