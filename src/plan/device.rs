@@ -207,7 +207,11 @@ impl DevicePlan {
         // One hidden state (B, T, H).
         let hidden = m * h * s;
         let (inputs_fwd, inputs_bwd) = match o.offload_activations {
-            true => (OFFLOADED_INPUTS * hidden, OFFLOADED_INPUTS * hidden),
+            // A model of fewer layers than copies that may be in flight holds no more.
+            true => (
+                OFFLOADED_INPUTS.min(num_layers + 1) * hidden,
+                OFFLOADED_INPUTS.min(num_layers) * hidden,
+            ),
             // The forward's last layer holds every earlier input, its own and its output;
             // the backward's first layer every input, its own included.
             false => ((num_layers + 1) * hidden, num_layers * hidden),
