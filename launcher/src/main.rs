@@ -47,12 +47,12 @@ fn main() -> ExitCode {
         }
         Err(e) if e.is::<train::Stopped>() => {
             let stopped = e.downcast_ref::<train::Stopped>().expect("checked");
-            eprintln!("{me}: {stopped}");
+            say(&format!("{me}: {stopped}"));
             nodes.inspect(|m| m.finalize());
             ExitCode::from(128 + stopped.0 as u8)
         }
         Err(e) => {
-            eprintln!("{me}: error: {e:#}");
+            say(&format!("{me}: error: {e:#}"));
             // Its workers are stopped (the trainer is dropped): end every rank now, as
             // the others would wait for this one in their next collective.
             if let Some(m) = nodes {
@@ -61,6 +61,12 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes `line` to stderr in one write: ranks under mpirun share one output, and a line
+/// written in pieces can be cut by another rank's (or this rank's stdout).
+fn say(line: &str) {
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{line}\n").as_bytes());
 }
 
 fn run(cli: cli::Cli) -> Result<()> {
@@ -81,8 +87,11 @@ fn run(cli: cli::Cli) -> Result<()> {
         placement.nodes = m.size;
         if m.size > 1 {
             // One write, so that ranks sharing mpirun's output do not interleave it.
-            let line = format!("mt-launch: {} (pid {})\n", m.who(), std::process::id());
-            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+            say(&format!(
+                "mt-launch: {} (pid {})",
+                m.who(),
+                std::process::id()
+            ));
         }
     }
     if cli.dry_run {
