@@ -27,3 +27,24 @@ torch_dir=$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch._
 # must not depend on where it was made from.
 ln -sfn "$(readlink -f "$torch_dir")" .venv/libtorch
 echo "setup: libtorch $(.venv/bin/python -c 'import torch; print(torch.__version__)') at .venv/libtorch"
+
+# OpenMPI for the multi-node tests (launcher/tests/nodes.rs: 2 and 3 ranks on this machine)
+# and the MPI shim (launcher/build.rs builds it with mpicc). Installed from the system's
+# packages where missing, in CI (which must run those tests) or when asked with MT_MPI=1;
+# elsewhere the tests say they are skipped and mt-launch works on one node without MPI.
+if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
+  if [ "${CI:-}" = "true" ] || [ "${MT_MPI:-}" = "1" ]; then
+    if command -v apt-get >/dev/null; then
+      echo "setup: installing OpenMPI (openmpi-bin libopenmpi-dev)"
+      sudo=""
+      [ "$(id -u)" = 0 ] || sudo="sudo"
+      $sudo apt-get update -qq
+      $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+    else
+      echo "setup: no apt-get: install OpenMPI (mpirun, mpicc) with the system's package manager" >&2
+      exit 1
+    fi
+  else
+    echo "setup: no mpirun/mpicc: multi-node tests will be skipped (MT_MPI=1 scripts/setup.sh installs OpenMPI)"
+  fi
+fi

@@ -76,8 +76,10 @@ pub enum Fit {
 mod acts;
 mod device;
 mod fit;
+mod nodes;
 pub use device::{DeviceOpts, DevicePlan, Phase, TILE_ALIGN, tiled_layer};
 pub use fit::{DeviceMemory, Largest, Short, check as check_device_fit};
+pub use nodes::{LINKS_GBPS, NodesPlan};
 
 /// Bytes of host RAM the launcher holds for training state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -30,6 +30,20 @@ pub enum Command {
     /// Draw the picture of a run from its metrics file (`--metrics-out`): an SVG with the
     /// training and eval loss, learning rate and tokens/s over the steps.
     Report(ReportArgs),
+    /// Measure the MPI collectives a multi-node step makes (run under mpirun).
+    #[command(hide = true)]
+    BenchMpi(BenchMpiArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchMpiArgs {
+    /// The largest buffer, in MiB (sizes 1, 4, 16, … up to it).
+    #[arg(long, default_value_t = 256)]
+    pub max_mib: usize,
+
+    /// Timed repetitions per size.
+    #[arg(long, default_value_t = 10)]
+    pub reps: usize,
 }
 
 #[derive(Debug, Args)]
@@ -65,6 +79,11 @@ pub struct PlanArgs {
     /// CUDA driver reports for the first GPU used).
     #[arg(long, value_name = "GB")]
     pub gpu_memory: Option<f64>,
+
+    /// Nodes (launchers under `mpirun -np N`): adds each node's host bytes per parameter
+    /// and the network traffic of a step.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub nodes: usize,
 
     /// Print the plan as one JSON object (bytes) instead of the report.
     #[arg(long)]
@@ -135,6 +154,15 @@ pub struct Placement {
     pub workers: usize,
     /// CUDA device of each rank (empty on CPU).
     pub devices: Vec<usize>,
+    /// Launchers (nodes) under mpirun, each with `workers` workers; 1 without MPI.
+    pub nodes: usize,
+}
+
+impl Placement {
+    /// Workers over every node: the global batch is split over this many ranks.
+    pub fn world(&self) -> usize {
+        self.workers * self.nodes
+    }
 }
 
 /// Where the workers run, from `--gpus` / `--workers` and the config's `model.devices`,
@@ -194,6 +222,7 @@ fn placement_on(
             gpus,
             workers: gpus,
             devices: devices.map_or_else(|| (0..gpus).collect(), <[usize]>::to_vec),
+            nodes: 1,
         });
     }
     let workers = workers.unwrap_or(1);
@@ -204,6 +233,7 @@ fn placement_on(
         gpus: 0,
         workers,
         devices: Vec::new(),
+        nodes: 1,
     })
 }
 

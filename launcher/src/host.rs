@@ -236,6 +236,24 @@ impl HostState {
         }
     }
 
+    /// Sums block `block`'s gradient, final on this node, over every node (the same bits
+    /// on each: [`crate::mpi::Mpi::allreduce_same`]), and returns its Σ g² for the global
+    /// norm. The block's gaps are zero on every node and stay so.
+    pub fn exchange_block(&mut self, block: usize, mpi: &crate::mpi::Mpi) -> Result<f64> {
+        let r = self.layout.blocks[block].range();
+        let what = format!("the gradient exchange of block {block}");
+        Ok(match &mut self.grad {
+            Grad::F32(g) => {
+                mpi.allreduce_same(&what, &mut g[r.clone()])?;
+                sum_sq(&g[r])
+            }
+            Grad::Bf16(g) => {
+                mpi.allreduce_same(&what, &mut g[r.clone()])?;
+                sum_sq(&g[r])
+            }
+        })
+    }
+
     /// Writes the gradient of every tensor to a safetensors file (HF names), in f32.
     pub fn dump_grads(&self, path: &std::path::Path) -> Result<()> {
         let values: Vec<(String, Vec<usize>, std::borrow::Cow<'_, [f32]>)> = self
@@ -533,6 +551,20 @@ fn master_mut<'a>(
             rounded,
         },
     }
+}
+
+/// Σ x² in f64, over fixed chunks added in order: the same bits for any thread count.
+fn sum_sq<G: GradElem + Sync>(x: &[G]) -> f64 {
+    use rayon::prelude::*;
+    let parts: Vec<f64> = x
+        .par_chunks(1 << 16)
+        .map(|c| {
+            c.iter()
+                .map(|&v| f64::from(v.to_f32()).powi(2))
+                .sum::<f64>()
+        })
+        .collect();
+    parts.iter().sum()
 }
 
 /// Reduces every tensor range of block `b` into `grad` (the whole model's accumulator).

@@ -2,12 +2,16 @@
 
 #![deny(unsafe_code)]
 
+mod bench_mpi;
 mod cli;
 mod dpo;
 mod eval;
 mod gpu;
 mod grpo;
 mod host;
+// MPI through a dlopen'd shim: FFI.
+#[allow(unsafe_code)]
+mod mpi;
 mod plan;
 mod prepare;
 mod progress;
@@ -33,18 +37,37 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+    let result = run(cli);
+    let nodes = mpi::job();
+    // Under mpirun, who says it: `mt-launch (rank R of N on HOST)`.
+    let me = mpi::world().map_or("mt-launch".into(), |m| format!("mt-launch ({})", m.who()));
+    match result {
+        Ok(()) => {
+            nodes.inspect(|m| m.finalize());
+            ExitCode::SUCCESS
+        }
         Err(e) if e.is::<train::Stopped>() => {
             let stopped = e.downcast_ref::<train::Stopped>().expect("checked");
-            eprintln!("mt-launch: {stopped}");
+            say(&format!("{me}: {stopped}"));
+            nodes.inspect(|m| m.finalize());
             ExitCode::from(128 + stopped.0 as u8)
         }
         Err(e) => {
-            eprintln!("mt-launch: error: {e:#}");
+            say(&format!("{me}: error: {e:#}"));
+            // Its workers are stopped (the trainer is dropped): end every rank now, as
+            // the others would wait for this one in their next collective.
+            if let Some(m) = nodes {
+                m.abort(1);
+            }
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes `line` to stderr in one write: ranks under mpirun share one output, and a line
+/// written in pieces can be cut by another rank's (or this rank's stdout).
+fn say(line: &str) {
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{line}\n").as_bytes());
 }
 
 fn run(cli: cli::Cli) -> Result<()> {
@@ -54,12 +77,24 @@ fn run(cli: cli::Cli) -> Result<()> {
             return plan::plan(p);
         }
         Some(cli::Command::Report(r)) => return report(&r.metrics, r.out.as_deref()),
+        Some(cli::Command::BenchMpi(b)) => return bench_mpi::bench(b),
         None => cli.run,
     };
     let config = cli.config.expect("clap requires --config");
     unix::install_stop_handlers()?;
     let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
-    let placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
+    let mut placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
+    if let Some(m) = mpi::init()? {
+        placement.nodes = m.size;
+        if m.size > 1 {
+            // One write, so that ranks sharing mpirun's output do not interleave it.
+            say(&format!(
+                "mt-launch: {} (pid {})",
+                m.who(),
+                std::process::id()
+            ));
+        }
+    }
     if cli.dry_run {
         return plan::dry_run(&cfg, &placement, cli.resume.as_deref(), cli.force);
     }
@@ -75,7 +110,9 @@ fn run(cli: cli::Cli) -> Result<()> {
     )?
     .run();
     // The picture of the run, whichever way it ended, as far as it went.
-    if let Some(m) = metrics.filter(|m| m.is_file()) {
+    // Node 0 writes the metrics (and so the picture) under mpirun.
+    let lead = mpi::world().is_none_or(|m| m.rank == 0);
+    if let Some(m) = metrics.filter(|m| lead && m.is_file()) {
         match mt::metrics::plot::write_beside(&m) {
             Ok(svg) => println!("picture of the run: {}", svg.display()),
             Err(e) => tracing::warn!("no picture of the run: {e}"),

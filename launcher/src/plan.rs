@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use mt::config::RunConfig;
-use mt::plan::{DevicePlan, Fit};
+use mt::plan::{DevicePlan, Fit, NodesPlan};
 
 use crate::cli::{self, Placement};
 use crate::prepare::Prepared;
@@ -12,7 +12,11 @@ use crate::prepare::Prepared;
 /// configured micro-batch, and the largest micro-batch that fits a GPU.
 pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let cfg = RunConfig::load_for_plan(&p.config, &p.set)?;
-    let placement = cli::plan_placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
+    let mut placement = cli::plan_placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
+    if p.nodes == 0 {
+        anyhow::bail!("--nodes must be at least 1");
+    }
+    placement.nodes = p.nodes;
     let prep = Prepared::for_plan(&cfg, &placement)?;
     let device = prep.device_plan(&cfg, &placement);
     let (rows, seq_len) = (device.rows, device.seq_len);
@@ -25,11 +29,23 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     });
     let best =
         budget.map(|b| DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b));
+    let nodes = NodesPlan::new(&prep.plan, p.nodes as u64);
     if p.json {
-        println!("{}", json(&prep, &device, budget, best));
+        let mut v = json(&prep, &device, budget, best);
+        v["nodes"] = serde_json::json!({
+            "nodes": nodes.nodes,
+            "replicated_bytes_per_param": nodes.replicated_per_param,
+            "sharded_bytes_per_param": nodes.sharded_per_param,
+            "replicated_step_bytes": nodes.replicated_step_bytes,
+            "sharded_step_bytes": nodes.sharded_step_bytes,
+        });
+        println!("{v}");
         return Ok(());
     }
     describe(&cfg, &placement, &prep);
+    if p.nodes > 1 {
+        print!("{nodes}");
+    }
     println!("{device}");
     match (budget, best) {
         (Some(b), Some(best)) => println!(

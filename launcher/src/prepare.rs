@@ -45,7 +45,7 @@ impl Prepared {
     }
 
     fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
-        cfg.validate_world(placement.workers)?;
+        cfg.validate_world(placement.world())?;
         let mut spec = cfg.model.spec()?;
         // What the weight files settle (a wrapper's names, a tied head stored untied) and
         // what they carry besides the trained tensors; a shipped architecture standing in
@@ -149,7 +149,7 @@ impl Prepared {
 
     /// Each worker's device plan for its configured micro-batch.
     pub fn device_plan(&self, cfg: &RunConfig, placement: &Placement) -> DevicePlan {
-        let (rows, seq_len) = self.micro_batch(cfg, placement.workers);
+        let (rows, seq_len) = self.micro_batch(cfg, placement.world());
         DevicePlan::new(
             &self.spec,
             &self.layout,
@@ -191,7 +191,7 @@ impl Prepared {
         let Some(memory) = crate::gpu::memory(&placement.devices, placement.workers) else {
             return Ok(());
         };
-        let shape = self.micro_batch(cfg, placement.workers);
+        let shape = self.micro_batch(cfg, placement.world());
         let opts = device_opts(cfg, placement);
         let source = crate::gpu::source();
         match mt::plan::check_device_fit(&self.spec, &self.layout, opts, shape, &memory, source) {

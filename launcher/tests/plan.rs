@@ -319,6 +319,82 @@ fn a_launch_grows_the_staging_area_into_free_ram() {
     );
 }
 
+/// `plan --nodes N`: each node's bytes per parameter, whole (as this build runs) and with
+/// the state sharded (store 2 + gradient + (master + moments)/N), and a step's traffic: (N-1)/N
+/// of the gradient twice (replicated) or of the gradient and the bf16 store (sharded).
+#[test]
+fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen_7b.yaml");
+    let plan = |nodes: &str, extra: &[&str]| -> serde_json::Value {
+        let args = [
+            &[
+                "plan",
+                "--config",
+                config.to_str().unwrap(),
+                "--gpus",
+                "0",
+                "--workers",
+                "2",
+                "--nodes",
+                nodes,
+                "--json",
+                "--set",
+                "training.batch_size=16",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let out = run_ok(&args);
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    // The store's header and the layout's alignment gaps: well under 1e-3 B/param.
+    let near = |v: &serde_json::Value, want: f64| (v.as_f64().unwrap() - want).abs() < 1e-3;
+    let p = plan("4", &[]);
+    let n = &p["nodes"];
+    assert!(near(&n["replicated_bytes_per_param"], 18.0), "{n}");
+    assert!(
+        near(&n["sharded_bytes_per_param"], 2.0 + 4.0 + 12.0 / 4.0),
+        "{n}"
+    );
+    let params = p["host"]["params"].as_f64().unwrap();
+    let per_param = |k: &str| n[k].as_f64().unwrap() / params;
+    // 3/4 of 4 + 4 bytes, and of 4 + 2 bytes, per parameter (layout gaps aside).
+    assert!(
+        (per_param("replicated_step_bytes") - 6.0).abs() < 1e-2,
+        "{n}"
+    );
+    assert!((per_param("sharded_step_bytes") - 4.5).abs() < 1e-2, "{n}");
+    let low = [
+        "--set",
+        "memory.grad_dtype=bfloat16",
+        "--set",
+        "memory.master_weights=split",
+    ];
+    let n = &plan("2", &low)["nodes"];
+    assert!(near(&n["replicated_bytes_per_param"], 14.0), "{n}");
+    assert!(
+        near(&n["sharded_bytes_per_param"], 2.0 + 2.0 + 10.0 / 2.0),
+        "{n}"
+    );
+    let text = run_ok(&[
+        "plan",
+        "--config",
+        config.to_str().unwrap(),
+        "--gpus",
+        "0",
+        "--workers",
+        "2",
+        "--nodes",
+        "2",
+    ]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("on 2 nodes, each node holds:"), "{text}");
+    assert!(
+        text.contains("at 25 GB/s") && text.contains("at 50 GB/s"),
+        "{text}"
+    );
+}
+
 /// With `memory.offload_activations` the GPU workers' pinned stash of layer inputs is host
 /// memory too: one buffer per layer of micro-batch tokens x hidden in bf16, each rounded up
 /// to a power of two as torch's pinned allocator does. Qwen2.5-7B, 2 GPUs, 2 rows of 65536

@@ -29,6 +29,7 @@ use crate::prepare::Prepared;
 use crate::progress::Progress;
 use crate::supervisor::{Event, Supervisor, fatal};
 
+mod nodes;
 mod step_end;
 
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
@@ -84,6 +85,8 @@ pub struct Trainer {
     /// first and the moments during the next step ([`Trainer::run`]); `Write` in the same
     /// pass (`MT_DEFER_MOMENTS=0`). Both give the same bits.
     moments: Moments,
+    /// The other nodes, under mpirun ([`nodes`]).
+    mpi: Option<&'static crate::mpi::Mpi>,
 }
 
 /// What the workers and the reduce reported for one step.
@@ -116,23 +119,26 @@ impl Trainer {
         force: bool,
     ) -> Result<Trainer> {
         let t_start = Instant::now();
+        let mpi = crate::mpi::world();
+        // Node 0 writes the run's files; the others hold the same state.
+        let lead = mpi.is_none_or(|m| m.rank == 0);
         let mut prepared = Prepared::new(&cfg, &placement)?;
         prepared.check_host_ram()?;
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
         prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
-        if let Some(dir) = &cfg.checkpoint.dir {
+        if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
             checkpoint::check_writable(dir, "checkpoint.dir")?;
             checkpoint::state::remove_stale(dir)?;
         }
-        if let Some(dir) = &cfg.training.output_dir {
+        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
             checkpoint::check_writable(dir, "training.output_dir")?;
         }
-        let tensorboard_dir = cfg.tensorboard_dir()?;
+        let tensorboard_dir = cfg.tensorboard_dir()?.filter(|_| lead);
         if let Some(dir) = &tensorboard_dir {
             checkpoint::check_writable(dir, "logging.logging_dir")?;
         }
-        let micro_batch = prepared.micro_batch(&cfg, placement.workers);
+        let micro_batch = prepared.micro_batch(&cfg, placement.world());
         let dpo = match cfg.training.stage {
             Stage::Dpo => Some(cfg.dpo_params()?),
             _ => None,
@@ -140,6 +146,11 @@ impl Trainer {
         let grpo = match cfg.training.stage {
             Stage::Grpo => Some(cfg.grpo_params()?),
             _ => None,
+        };
+        nodes::check_supported(mpi, cfg.training.stage)?;
+        let (metrics_out, dump_grads, dump_logits) = match lead {
+            true => (metrics_out, dump_grads, dump_logits),
+            false => (None, None, None),
         };
         let Prepared {
             spec,
@@ -184,7 +195,7 @@ impl Trainer {
         // Periodic checkpoints are written in the background through the staging area the
         // plan holds (none: in place).
         let ck = &cfg.checkpoint;
-        let writer = ck.dir.clone().map(|root| {
+        let writer = ck.dir.clone().filter(|_| lead).map(|root| {
             Writer::new(
                 root,
                 ck.keep_last,
@@ -293,12 +304,15 @@ impl Trainer {
             let t = &cfg.training;
             let per_micro = t
                 .per_device_eval_batch_size
-                .unwrap_or(t.batch_size / (placement.workers * t.gradient_accumulation_steps));
+                .unwrap_or(t.batch_size / (placement.world() * t.gradient_accumulation_steps));
             let rows = std::mem::take(&mut data.eval);
             EvalSet::new(&rows, per_micro, spec.pad_token_id as i32, t.eval_steps)
         });
         // Before step 1, under the initial weights (or from the checkpoint resumed).
         let timeout = Duration::from_secs(cfg.training.worker_timeout_s);
+        if let Some(m) = mpi {
+            m.set_timeout(timeout);
+        }
         let dpo = dpo
             .map(|_| {
                 let rows = micro_batch.0;
@@ -346,6 +360,7 @@ impl Trainer {
                 Ok("0") => Moments::Write,
                 _ => Moments::Keep,
             },
+            mpi,
         })
     }
 
@@ -385,7 +400,7 @@ impl Trainer {
                     coef,
                 )
             });
-            let stop = crate::unix::stop_requested();
+            let stop = self.stop_requested()?;
             let more = step + 1 < steps && stop.is_none();
             // An evaluation reads this step's updated weights: the next step waits for it.
             let evaluate =
@@ -441,6 +456,7 @@ impl Trainer {
             plan = next.unwrap_or(plan);
         }
         self.progress.finish();
+        let lead = self.lead();
         let Trainer {
             cfg,
             host,
@@ -453,7 +469,7 @@ impl Trainer {
         if let Some(sig) = stopped {
             return Err(Stopped(sig as i32).into());
         }
-        if let Some(out) = &cfg.training.output_dir {
+        if let Some(out) = cfg.training.output_dir.as_ref().filter(|_| lead) {
             checkpoint::save_hf(out, &host.layout, host.master(), &export)?;
             println!("model written to {}", out.display());
         }
@@ -509,16 +525,17 @@ impl Trainer {
         let batch = self.grpo.as_ref().map_or(step, |g| g.batch(step));
         let rows = self.sampler.global_batch(batch);
         let t = &self.cfg.training;
-        let (world, accum) = (self.sup.world(), t.gradient_accumulation_steps);
+        let (world, accum) = (self.global_world(), t.gradient_accumulation_steps);
         let pad = self.spec.pad_token_id as i32;
-        match (&self.dpo, &self.grpo) {
+        let plan = match (&self.dpo, &self.grpo) {
             (Some(p), _) => plan_pairs(&self.data, &rows, world, accum, pad, &p.refs),
             (_, Some(g)) => {
                 let (adv, old) = (&g.advantages, g.old_for(step));
                 plan_rollouts(&self.data, &rows, world, accum, pad, adv, old)
             }
             _ => plan_step(&self.data, &rows, world, accum, pad),
-        }
+        };
+        self.node_slice(plan)
     }
 
     /// Reduces gradient parts as every worker delivers them, until all workers report
@@ -533,6 +550,8 @@ impl Trainer {
             .collect();
         let expected_parts = accum * parts.iter().map(Vec::len).sum::<usize>();
         let mut pending: HashMap<(usize, usize, usize), Vec<Option<usize>>> = HashMap::new();
+        // Across nodes, each block's gradient once final here ([`nodes`]).
+        let mut exchange = self.nodes().map(|_| nodes::Exchange::new(&parts));
         let (mut reduced, mut done) = (0, 0);
         let mut out = StepOutcome {
             loss_sum: 0.0,
@@ -603,13 +622,22 @@ impl Trainer {
                         // The last micro-batch makes the part final: its share of the
                         // norm comes from the same pass, while the GPUs still work.
                         let (first, last) = (micro == 0, micro + 1 == accum);
-                        out.grad_sum_sq +=
+                        let sum_sq =
                             self.host
                                 .reduce_part(block, range.clone(), &slots, first, last);
-                        out.reduce_s += t.elapsed().as_secs_f64();
                         for (r, &s) in slots.iter().enumerate() {
                             self.sup.send(r, ToWorker::SlotFree { slot: s })?;
                         }
+                        match &mut exchange {
+                            None => out.grad_sum_sq += sum_sq,
+                            // The norm is over the sum across nodes.
+                            Some(x) if last => x.part_final(block),
+                            Some(_) => {}
+                        }
+                        while let Some(b) = exchange.as_mut().and_then(nodes::Exchange::due) {
+                            out.grad_sum_sq += self.exchange(b)?;
+                        }
+                        out.reduce_s += t.elapsed().as_secs_f64();
                         reduced += 1;
                     }
                 }
@@ -645,8 +673,9 @@ impl Trainer {
         let t = Instant::now();
         self.host.settle_moments();
         out.moments_s += t.elapsed().as_secs_f64();
-        for (loss_sum, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
-            out.loss_sum += loss_sum;
+        let losses: Vec<f64> = step_done.iter().flatten().map(|d| d.0).collect();
+        out.loss_sum = self.global_loss(&losses)?;
+        for (_, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
             if let Some(d) = dpo {
                 out.dpo.get_or_insert_default().add(&d);
             }

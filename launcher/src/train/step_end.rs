@@ -155,7 +155,8 @@ impl Trainer {
             plan.real_tokens,
             plan.causal_pairs,
         );
-        let per_device_tflops = |f: f64| f / step_time_s / self.sup.world() as f64 / 1e12;
+        let world = self.global_world() as f64;
+        let per_device_tflops = |f: f64| f / step_time_s / world / 1e12;
         let m = StepMetrics {
             step: step + 1,
             loss: out.loss_sum / units.max(1) as f64,

@@ -1,0 +1,463 @@
+//! Several nodes under mpirun (`mpirun -np N mt-launch …`), N launchers on this one machine
+//! with CPU workers: N nodes of W workers train as one node of N x W workers; a checkpoint
+//! of a multi-node run resumes exactly; a rank killed with `kill -9` or hung stops every
+//! rank, naming the rank and host, and leaves no process and no shared memory behind.
+//!
+//! These need OpenMPI's (or MPICH's) `mpirun` and a launcher built with its `mpicc`
+//! (launcher/build.rs). Where mpirun is absent they are skipped with a message, except in
+//! CI (`CI=true`), where scripts/setup.sh installs OpenMPI and they must run.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// One multi-node test at a time: each starts several launchers and workers, and the fault
+/// tests time how fast every rank stops, which other runs competing for the cores would
+/// blur (CI's machine has 2 cores).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `mpirun` and the lock that serializes these tests, or `None` (with the reason printed)
+/// where the test may be skipped.
+fn mpirun() -> Option<(PathBuf, std::sync::MutexGuard<'static, ()>)> {
+    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("mpirun"))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must run the multi-node tests: mpirun is missing (scripts/setup.sh installs OpenMPI)"
+        );
+        eprintln!("skipped: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)");
+    }
+    let lock = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    found.map(|m| (m, lock))
+}
+
+/// `mpirun -np ranks mt-launch --gpus 0 --workers W <args>`, as root too, with more ranks
+/// than cores.
+fn mpi_command(mpirun: &Path, ranks: usize, workers: usize, args: &[&str]) -> Command {
+    let mut cmd = Command::new(mpirun);
+    cmd.args(["--oversubscribe", "-np", &ranks.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // OpenMPI 4 over shared memory only: no network probing on a CI box.
+        .env("OMPI_MCA_btl", "self,vader")
+        .arg(launcher())
+        .args(["--gpus", "0", "--workers", &workers.to_string()])
+        .args(args);
+    cmd
+}
+
+type Trained = (
+    Vec<f64>,
+    Vec<f64>,
+    std::collections::HashMap<String, Vec<f32>>,
+);
+
+/// Trains the llama fixture 4 steps on `ranks` launchers of `workers` workers each (1 rank:
+/// no mpirun) with `batch` rows a step; losses, gradient norms and the final weights.
+fn train(mpirun: &Path, tag: &str, ranks: usize, workers: usize, batch: usize) -> Trained {
+    train_with(mpirun, tag, ranks, workers, batch, &[])
+}
+
+/// [`train`] with more flags.
+fn train_with(
+    mpirun: &Path,
+    tag: &str,
+    ranks: usize,
+    workers: usize,
+    batch: usize,
+    extra: &[&str],
+) -> Trained {
+    let dir = scratch(&format!("nodes-{tag}"));
+    let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
+    let config = golden_dir().join("llama/run.yaml");
+    let (out_set, batch_set) = (
+        format!("training.output_dir={}", out.display()),
+        format!("training.batch_size={batch}"),
+    );
+    let mut args = vec![
+        "--config",
+        path_str(&config),
+        "--metrics-out",
+        path_str(&m),
+        "--set",
+        "training.num_steps=4",
+        "--set",
+        &batch_set,
+        "--set",
+        &out_set,
+    ];
+    args.extend(extra);
+    let output = match ranks {
+        1 => run(&[
+            &["--gpus", "0", "--workers", &workers.to_string()],
+            &args[..],
+        ]
+        .concat()),
+        _ => mpi_command(mpirun, ranks, workers, &args).output().unwrap(),
+    };
+    assert_mpi_ok(&output, tag);
+    let rows = metrics(&m);
+    (
+        column(&rows, "loss"),
+        column(&rows, "grad_norm"),
+        tensors(&out.join("model.safetensors")),
+    )
+}
+
+fn assert_mpi_ok(out: &Output, tag: &str) {
+    assert!(
+        out.status.success(),
+        "{tag} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The multi-node run differs from one node only in the order of the gradient additions:
+/// node n sums its workers' slabs, MPI sums the nodes' partial sums, so an element is
+/// `(s0 + s1) + (s2 + s3)` instead of `((s0 + s1) + s2) + s3`, a relative difference of a
+/// few units of f32 rounding (2^-24 = 6e-8) of the gradient. The loss of step 1 is the same
+/// bits (the loss sums are added in global rank order); later losses and the norms move by
+/// that rounding carried through a few updates: 1e-5 relative leaves two orders of margin
+/// over the 2e-8 measured, while a wrong split of the batch (a node taking another's rows,
+/// a micro-batch counted twice) changes them by 1e-3 or more. The weights are compared in
+/// units of what training moves them: AdamW's normalized step m̂/(√v̂+ε) is ≤ ~1, so 4 steps
+/// move an element by ≤ ~4 lr; where a gradient element nearly cancels across ranks, its
+/// rounding difference is not small relative to it, and the element's step may differ by
+/// a visible fraction (measured: 1.3e-6 = 1e-4 of 4 lr). 1% of 4 lr bounds that, while a
+/// wrong gradient moves elements by the order of lr.
+fn assert_close(a: &Trained, b: &Trained, lr: f64) {
+    let rel = 1e-5;
+    assert_eq!(
+        a.0[0].to_bits(),
+        b.0[0].to_bits(),
+        "step 1 loss: {a:?} vs {b:?}",
+        a = a.0,
+        b = b.0
+    );
+    let w = worst_rel(&a.0, &b.0);
+    assert!(
+        w <= rel,
+        "losses differ by {w:.2e} relative: {:?} vs {:?}",
+        a.0,
+        b.0
+    );
+    let w = worst_rel(&a.1, &b.1);
+    assert!(
+        w <= rel,
+        "norms differ by {w:.2e} relative: {:?} vs {:?}",
+        a.1,
+        b.1
+    );
+    let tol = 0.01 * 4.0 * lr;
+    assert_eq!(a.2.len(), b.2.len());
+    for (name, wa) in &a.2 {
+        let worst = wa
+            .iter()
+            .zip(&b.2[name])
+            .map(|(x, y)| f64::from((x - y).abs()))
+            .fold(0.0, f64::max);
+        assert!(
+            worst <= tol,
+            "final `{name}`: max |Δ| {worst:.3e} > {tol:.1e}"
+        );
+    }
+}
+
+/// The fixture's learning rate (constant schedule).
+fn fixture_lr() -> f64 {
+    let text = std::fs::read_to_string(golden_dir().join("llama/run.yaml")).unwrap();
+    let v: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
+    v["training"]["learning_rate"].as_f64().unwrap()
+}
+
+#[test]
+fn two_nodes_of_two_workers_equal_one_node_of_four() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let nodes = train(&mpi, "n2w2", 2, 2, 4);
+    let one = train(&mpi, "n1w4", 1, 4, 4);
+    assert_close(&nodes, &one, fixture_lr());
+}
+
+#[test]
+fn three_nodes_equal_one_node_of_three_workers() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let nodes = train(&mpi, "n3w1", 3, 1, 6);
+    let one = train(&mpi, "n1w3", 1, 3, 6);
+    assert_close(&nodes, &one, fixture_lr());
+}
+
+/// In bfloat16 (store, slabs and gradient), two nodes of one worker equal one node of two
+/// workers bit for bit: each node's gradient is its worker's bf16 slab as it is, and the
+/// shim's bf16 sum widens both, adds in f32 and rounds once to nearest even, as the one
+/// node's reduce of the two slabs does. This covers the bf16 reduction operator.
+#[test]
+fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let bf16 = [
+        "--set",
+        "model.dtype=bfloat16",
+        "--set",
+        "memory.grad_dtype=bfloat16",
+        "--set",
+        "memory.master_weights=split",
+    ];
+    let nodes = train_with(&mpi, "bf16-n2w1", 2, 1, 4, &bf16);
+    let one = train_with(&mpi, "bf16-n1w2", 1, 2, 4, &bf16);
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&nodes.0),
+        bits(&one.0),
+        "losses: {:?} vs {:?}",
+        nodes.0,
+        one.0
+    );
+    // The norm's Σ g² is summed per block after the exchange instead of within the reduce:
+    // f64 sums of up to 2^16 terms in another order, ~1e-16 relative each.
+    let w = worst_rel(&nodes.1, &one.1);
+    assert!(
+        w <= 1e-12,
+        "norms differ by {w:.2e}: {:?} vs {:?}",
+        nodes.1,
+        one.1
+    );
+    for (name, a) in &nodes.2 {
+        let differ = a
+            .iter()
+            .zip(&one.2[name])
+            .filter(|(x, y)| x.to_bits() != y.to_bits());
+        assert_eq!(differ.count(), 0, "final `{name}` differs");
+    }
+}
+
+/// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits
+/// as the run that went straight through; so does the same checkpoint resumed on one node
+/// of two workers (the checkpoint holds the whole state, written by node 0, so any number
+/// of nodes resumes it; two one-worker nodes and one two-worker node add the same two
+/// slabs in the same order).
+#[test]
+fn two_node_checkpoint_resumes_exactly() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let config = golden_dir().join("llama/run.yaml");
+    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>| {
+        let dir = scratch(&format!("nodes-resume-{tag}"));
+        let (ck_set, out_set, steps_set) = (
+            format!("checkpoint.dir={}", dir.join("ck").display()),
+            format!("training.output_dir={}", dir.join("model").display()),
+            format!("training.num_steps={steps}"),
+        );
+        let mut args = vec![
+            "--config",
+            path_str(&config),
+            "--set",
+            &ck_set,
+            "--set",
+            "checkpoint.every_steps=2",
+            "--set",
+            &out_set,
+            "--set",
+            &steps_set,
+        ];
+        if let Some(from) = resume {
+            args.extend(["--resume", path_str(from)]);
+        }
+        let out = match ranks {
+            1 => run(&[&["--gpus", "0", "--workers", "2"], &args[..]].concat()),
+            _ => mpi_command(&mpi, ranks, 1, &args).output().unwrap(),
+        };
+        assert_mpi_ok(&out, tag);
+        (
+            tensors(&dir.join("model/model.safetensors")),
+            dir.join("ck"),
+        )
+    };
+    let (straight, _) = run_to("straight", 2, 4, None);
+    let (_, ck) = run_to("first", 2, 2, None);
+    let (newest, step2) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
+    assert_eq!(newest, 2);
+    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2));
+    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2));
+    for (other, how) in [(&resumed, "on two nodes"), (&on_one, "on one node")] {
+        for (name, a) in &straight {
+            let b = &other[name];
+            let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
+            let differ = differ.count();
+            assert_eq!(
+                differ, 0,
+                "`{name}`: {differ} elements differ, resumed {how}"
+            );
+        }
+    }
+}
+
+/// Starts a long two-rank run (one worker each), its output in `<scratch>/out.log`; waits
+/// until it has finished a step. Returns mpirun, the log, and each rank's launcher pid.
+fn start_long(mpi: &Path, tag: &str, extra: &[&str]) -> (Child, PathBuf, Vec<u32>) {
+    let dir = scratch(&format!("nodes-{tag}"));
+    let (log, m) = (dir.join("out.log"), dir.join("metrics.jsonl"));
+    let config = golden_dir().join("llama/run.yaml");
+    let mut args = vec![
+        "--config",
+        path_str(&config),
+        "--metrics-out",
+        path_str(&m),
+        "--set",
+        "training.num_steps=1000000",
+    ];
+    args.extend(extra);
+    let file = std::fs::File::create(&log).unwrap();
+    let child = mpi_command(mpi, 2, 1, &args)
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Each rank says `mt-launch: rank R of 2 on HOST (pid P)` (mpirun forwards it
+    // when it will: wait for both lines too).
+    let pid_of = |text: &str, r: usize| -> Option<u32> {
+        let (_, after) = text.split_once(&format!("rank {r} of 2 on "))?;
+        let (_, pid) = after.split_once("(pid ")?;
+        pid.split(')').next()?.parse().ok()
+    };
+    let mut pids = Vec::new();
+    wait_for(Duration::from_secs(60), || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        pids = (0..2).filter_map(|r| pid_of(&text, r)).collect();
+        pids.len() == 2 && std::fs::read_to_string(&m).is_ok_and(|s| s.lines().count() >= 1)
+    })
+    .unwrap_or_else(|| {
+        // Stop the run (mpirun passes SIGTERM on to every rank) before failing.
+        signal("TERM", child.id());
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        panic!("the two-node run finished no step, or its ranks said no pid, within 60 s:\n{text}")
+    });
+    (child, log, pids)
+}
+
+/// After `cause`, mpirun and every launcher end within `limit`; no worker outlives them,
+/// no process holds a region, /dev/shm gains no entry (ours or MPI's).
+fn assert_all_stop(
+    mut child: Child,
+    pids: &[u32],
+    shm_before: &[String],
+    limit: Duration,
+    cause: impl FnOnce(),
+) {
+    let workers: Vec<u32> = pids.iter().flat_map(|&p| children(p)).collect();
+    assert_eq!(workers.len(), 2, "one worker per rank: {workers:?}");
+    let t = Instant::now();
+    cause();
+    let exited = wait_for(limit, || matches!(child.try_wait(), Ok(Some(_))));
+    let waited = t.elapsed();
+    if exited.is_none() {
+        let _ = child.kill();
+    }
+    let status = child.wait().unwrap();
+    assert!(
+        exited.is_some(),
+        "mpirun still running {waited:?} after the fault"
+    );
+    assert!(!status.success(), "mpirun must exit non-zero");
+    for &p in pids {
+        assert_clean(p, &workers, shm_before);
+    }
+    let gone = wait_for(Duration::from_secs(5), || pids.iter().all(|&p| !alive(p)));
+    assert!(gone.is_some(), "a launcher outlived mpirun: {pids:?}");
+    let new: Vec<_> = shm_entries()
+        .into_iter()
+        .filter(|e| !shm_before.contains(e))
+        .collect();
+    assert!(new.is_empty(), "new /dev/shm entries: {new:?}");
+    eprintln!("every rank stopped {waited:?} after the fault");
+}
+
+fn hostname() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    name.trim().to_string()
+}
+
+#[test]
+fn killing_one_rank_stops_every_rank_and_frees_everything() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let before = shm_entries();
+    let (child, log, pids) = start_long(&mpi, "kill", &[]);
+    assert_all_stop(child, &pids, &before, Duration::from_secs(10), || {
+        signal("KILL", pids[1])
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    let host = hostname();
+    assert!(
+        text.contains("rank 1") && text.contains(&host) && text.contains("signal 9"),
+        "the output must name rank 1, its host {host} and the signal:\n{text}"
+    );
+}
+
+#[test]
+fn a_hung_rank_stops_every_rank_after_the_timeout() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let before = shm_entries();
+    let timeout = 3;
+    let set = format!("training.worker_timeout_s={timeout}");
+    let (child, log, pids) = start_long(&mpi, "hang", &["--set", &set]);
+    // Rank 1 stops answering; rank 0 waits for it at the next gradient exchange. (Were
+    // rank 1 stopped inside a collective, rank 0's watchdog would end the job instead,
+    // naming the collective: the launcher spends nearly all its time outside them.)
+    assert_all_stop(
+        child,
+        &pids,
+        &before,
+        Duration::from_secs(timeout + 10),
+        || signal("STOP", pids[1]),
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let host = hostname();
+    // Stopped outside a collective, rank 1 is named by rank 0 at the next one; stopped inside
+    // one (where a launcher of this tiny model spends some of its time), rank 0's watchdog
+    // names the collective, which every rank had reached.
+    let missing = format!("rank 0 of 2 on {host}): error: rank 1 (on {host}) did not reach");
+    let inside = format!("rank 0 of 2 on {host}): error: the gradient exchange");
+    assert!(
+        (text.contains(&missing) || text.contains(&inside))
+            && text.contains(&format!("{timeout} s")),
+        "the output must say rank 0 found rank 1 (and its host) missing at a collective, or \
+         stuck in one:\n{text}"
+    );
+}
+
+/// Under an MPI launcher, a shim that cannot be loaded is a clear error before anything
+/// starts (no mpirun needed: the environment says "MPI" as OpenMPI's would).
+#[test]
+fn a_missing_mpi_shim_is_a_clear_error() {
+    let config = golden_dir().join("llama/run.yaml");
+    let out = Command::new(launcher())
+        .args(["--config", path_str(&config), "--gpus", "0"])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("MT_MPI_SHIM", "/nonexistent/libmt_mpi.so")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("load the MPI shim /nonexistent/libmt_mpi.so"),
+        "the error must name the shim:\n{err}"
+    );
+}

@@ -1,0 +1,153 @@
+//! Several nodes (`mt-launch plan --nodes N`): each node's host bytes per parameter and the
+//! network traffic of a step.
+//!
+//! With the host state sharded across N nodes (issue #21, part 2: each node owns 1/N of
+//! every block's master weights and Adam moments), a node holds the whole store, the whole
+//! gradient accumulator, and 1/N of the master and moments: store + gradient + (master +
+//! moments)/N bytes per parameter, 2 + 4 + 12/N with an fp32 master and fp32 gradient. The
+//! step sends each block's gradient in a reduce-scatter and the updated store in an
+//! all-gather.
+//!
+//! This build keeps the state replicated (every node holds all of it, as one node does) and
+//! sums the gradient with a reduce-scatter and an all-gather of the gradient.
+//!
+//! Traffic per node and step, each way over its link, with ring algorithms: a reduce-scatter
+//! or an all-gather of B bytes moves (N-1)/N x B.
+
+use super::HostPlan;
+
+/// One node's share of an N-node run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NodesPlan {
+    pub nodes: u64,
+    pub params: u64,
+    /// Bytes per parameter on each node as this build runs (replicated state).
+    pub replicated_per_param: f64,
+    /// Bytes per parameter on each node with the sharded state.
+    pub sharded_per_param: f64,
+    /// Bytes each node sends (and receives) per step, replicated: reduce-scatter and
+    /// all-gather of the gradient.
+    pub replicated_step_bytes: u64,
+    /// The same with the sharded state: reduce-scatter of the gradient, all-gather of the
+    /// store.
+    pub sharded_step_bytes: u64,
+}
+
+/// Link rates the plan prints times for, GB/s (25 and 50 GB/s: 200 and 400 Gb/s).
+pub const LINKS_GBPS: [f64; 2] = [25.0, 50.0];
+
+impl NodesPlan {
+    pub fn new(host: &HostPlan, nodes: u64) -> NodesPlan {
+        assert!(nodes >= 1);
+        let p = host.params as f64;
+        let per = |b: u64| b as f64 / p;
+        let share = (nodes - 1) as f64 / nodes as f64;
+        let elems = host.grad / host.opts.grad.size() as u64;
+        let (grad, store) = (
+            host.opts.grad.size() as f64 * elems as f64,
+            host.opts.store.size() as f64 * elems as f64,
+        );
+        NodesPlan {
+            nodes,
+            params: host.params,
+            replicated_per_param: host.bytes_per_param(),
+            sharded_per_param: per(host.store + host.grad)
+                + per(host.master + host.adam) / nodes as f64,
+            replicated_step_bytes: (share * 2.0 * grad) as u64,
+            sharded_step_bytes: (share * (grad + store)) as u64,
+        }
+    }
+
+    /// Seconds `bytes` take on a link of `gbps` GB/s.
+    pub fn seconds(bytes: u64, gbps: f64) -> f64 {
+        bytes as f64 / (gbps * 1e9)
+    }
+}
+
+impl std::fmt::Display for NodesPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gb = |b: u64| b as f64 / 1e9;
+        writeln!(f, "on {} nodes, each node holds:", self.nodes)?;
+        writeln!(
+            f,
+            "  {:.2} bytes per parameter as this build runs (state replicated on every node)",
+            self.replicated_per_param
+        )?;
+        writeln!(
+            f,
+            "  {:.2} bytes per parameter with the state sharded (store + gradient + (master + moments)/{}; not in this build yet)",
+            self.sharded_per_param, self.nodes
+        )?;
+        for (name, bytes) in [
+            ("replicated", self.replicated_step_bytes),
+            ("sharded", self.sharded_step_bytes),
+        ] {
+            let times: Vec<String> = LINKS_GBPS
+                .iter()
+                .map(|&r| format!("{:.2} s at {r:.0} GB/s", Self::seconds(bytes, r)))
+                .collect();
+            writeln!(
+                f,
+                "  network per step ({name}): {:.2} GB each way per node: {}",
+                gb(bytes),
+                times.join(", ")
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{DType, MasterWeights};
+    use crate::plan::{HostOpts, Staging};
+
+    fn host(params: u64, grad: DType) -> HostPlan {
+        let opts = HostOpts {
+            store: DType::Bfloat16,
+            grad,
+            moments: DType::Float32,
+            master: MasterWeights::Float32,
+            workers: 1,
+            slots: 4,
+            staging: Staging::Off,
+        };
+        HostPlan {
+            params,
+            opts,
+            master: 4 * params,
+            adam: 8 * params,
+            grad: grad.size() as u64 * params,
+            store: 2 * params,
+            slabs: 0,
+            staging: 0,
+            staging_full: 0,
+            staging_grown: false,
+            carried: 0,
+            offloaded: 0,
+            slot_len: 0,
+            workers: 1,
+            slots: 4,
+        }
+    }
+
+    /// The design's figure: store 2 + gradient 4 + 12/N bytes per parameter.
+    #[test]
+    fn sharded_bytes_per_param_are_store_grad_and_a_share_of_the_state() {
+        let n = NodesPlan::new(&host(1_000_000_000, DType::Float32), 4);
+        assert!((n.sharded_per_param - (2.0 + 4.0 + 12.0 / 4.0)).abs() < 1e-9);
+        assert!((n.replicated_per_param - 18.0).abs() < 1e-9);
+        // (N-1)/N of the gradient (4 B) and the store (2 B) per parameter.
+        assert_eq!(n.sharded_step_bytes, 4_500_000_000);
+        assert_eq!(n.replicated_step_bytes, 6_000_000_000);
+        assert!((NodesPlan::seconds(n.sharded_step_bytes, 25.0) - 0.18).abs() < 1e-9);
+    }
+
+    #[test]
+    fn one_node_sends_nothing() {
+        let n = NodesPlan::new(&host(1000, DType::Bfloat16), 1);
+        assert_eq!((n.sharded_step_bytes, n.replicated_step_bytes), (0, 0));
+        assert!((n.sharded_per_param - n.replicated_per_param).abs() < 1e-9);
+    }
+}
