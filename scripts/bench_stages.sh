@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# SFT against DPO step speed on one GPU (issue #25 part 7): the Qwen2.5-7B shape with 8
-# layers, random init, 32 rows of 1024 tokens per step either way (SFT: 32 sequences; DPO:
-# 16 pairs sharing a 256-token prompt, answers labelled); 5 steps, the first left out.
+# SFT, DPO and GRPO step speed on one GPU (issue #25 part 7): the Qwen2.5-7B shape with 8
+# layers, random init, 32 rows of 1024 tokens per step each way (SFT: 32 sequences; DPO:
+# 16 pairs sharing a 256-token prompt, answers labelled; GRPO: 4 groups of 8 completions of
+# 768 tokens after a 256-token prompt, random rewards); 5 steps, the first left out.
 # Environment: BIN [target/release], OUT [a new temporary directory] for logs and metrics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,12 +23,18 @@ with open(f"{w}/dpo.jsonl", "w") as f:
         p = ids(P); a, b = ids(T - P), ids(T - P)
         f.write(json.dumps({"chosen_input_ids": p + a, "chosen_labels": [-100] * P + a,
                             "rejected_input_ids": p + b, "rejected_labels": [-100] * P + b}) + "\n")
+with open(f"{w}/grpo.jsonl", "w") as f:
+    for g in range(8):
+        p = ids(P)
+        for _ in range(8):
+            f.write(json.dumps({"prompt_ids": p, "completion_ids": ids(T - P), "reward": rng.random(), "group": g}) + "\n")
 PY
 common=(--config configs/qwen_7b.yaml --gpus 1 --set model.path=$w/model --set dataset.shuffle=false --set dataset.max_seq_len=1024 --set training.num_steps=5 --set logging.log_every=1)
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/sft.jsonl --set training.batch_size=32 --metrics-out $OUT/sft.jsonl > "$OUT/sft.log" 2>&1 || echo "sft run failed: $OUT/sft.log"
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/dpo.jsonl --set training.stage=dpo --set training.batch_size=16 --metrics-out $OUT/dpo.jsonl > "$OUT/dpo.log" 2>&1 || echo "dpo run failed: $OUT/dpo.log"
+"$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/grpo.jsonl --set training.stage=grpo --set training.batch_size=32 --metrics-out $OUT/grpo.jsonl > "$OUT/grpo.log" 2>&1 || echo "grpo run failed: $OUT/grpo.log"
 grep -i "reference pass" "$OUT/dpo.log" | tail -1 || true
-for r in sft dpo; do python3 - $OUT/$r.jsonl $r <<'PY'
+for r in sft dpo grpo; do python3 - $OUT/$r.jsonl $r <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
 t = [r for r in rows if r["step"] >= 2]
