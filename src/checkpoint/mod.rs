@@ -8,6 +8,7 @@ pub mod mxfp4;
 pub mod old_logps;
 pub mod pieces;
 pub mod reference;
+mod sidecar;
 pub mod staging;
 pub mod state;
 pub mod writer;

@@ -11,7 +11,8 @@ use std::path::Path;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-use crate::error::{Error, Result};
+use super::sidecar::Sidecar;
+use crate::error::Result;
 
 pub const FILE: &str = "grpo_old_logps.safetensors";
 const TENSOR: &str = "old_logps";
@@ -42,42 +43,20 @@ impl OldLogps {
     /// The old log-probabilities of checkpoint `dir`, which must be for batch `batch` of
     /// the rows of fingerprint `data`.
     pub fn read(dir: &Path, batch: u64, data: &str) -> Result<OldLogps> {
-        let path = dir.join(FILE);
-        let bad = |msg: String| Error::Weights {
-            path: path.clone(),
-            msg,
-        };
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(bad(format!(
-                    "missing: this checkpoint is in the middle of GRPO batch {batch} (grpo.num_iterations > 1) but holds no old log-probabilities for it (it was not written by a training.stage: grpo run with these settings)"
-                )));
-            }
-            Err(e) => return Err(Error::io(&path, e)),
-        };
-        let malformed =
-            |e: safetensors::SafeTensorError| bad(format!("not a safetensors file: {e}"));
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(malformed)?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(malformed)?;
-        let get = |k: &str| {
-            meta.metadata()
-                .as_ref()
-                .and_then(|m| m.get(k))
-                .cloned()
-                .unwrap_or_default()
-        };
-        let (saved_batch, saved_data) = (get("batch"), get("data"));
+        let file = Sidecar::read(dir.join(FILE), || {
+            format!(
+                "missing: this checkpoint is in the middle of GRPO batch {batch} (grpo.num_iterations > 1) but holds no old log-probabilities for it (it was not written by a training.stage: grpo run with these settings)"
+            )
+        })?;
+        let (saved_batch, saved_data) = (file.meta("batch"), file.meta("data"));
         if saved_batch != batch.to_string() || saved_data != data {
-            return Err(bad(format!(
+            return Err(file.bad(format!(
                 "for batch {saved_batch} of rows {saved_data}; this run resumes in batch {batch} of rows {data}: resume with the rollouts file and grpo.num_iterations of the run that wrote it"
             )));
         }
-        let t = st
-            .tensor(TENSOR)
-            .map_err(|_| bad(format!("no `{TENSOR}` tensor")))?;
+        let t = file.tensor(TENSOR)?;
         if t.dtype() != Dtype::F32 || t.shape().len() != 1 {
-            return Err(bad(format!(
+            return Err(file.bad(format!(
                 "`{TENSOR}` is {:?} {:?}, expected f32 [tokens]",
                 t.dtype(),
                 t.shape()

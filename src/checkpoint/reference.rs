@@ -10,8 +10,9 @@ use std::path::Path;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
+use super::sidecar::Sidecar;
 use crate::data::Example;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 pub const FILE: &str = "dpo_reference.safetensors";
 const TENSOR: &str = "ref_logps";
@@ -37,42 +38,20 @@ impl Reference {
 
     /// The reference of checkpoint `dir`, which must be for the rows of fingerprint `data`.
     pub fn read(dir: &Path, data: &str) -> Result<Reference> {
-        let path = dir.join(FILE);
-        let bad = |msg: String| Error::Weights {
-            path: path.clone(),
-            msg,
-        };
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(bad(
-                    "missing: this checkpoint holds no DPO reference log-probabilities (it was not written by a training.stage: dpo run), so a dpo run cannot resume from it".into(),
-                ));
-            }
-            Err(e) => return Err(Error::io(&path, e)),
-        };
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)
-            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let saved = meta
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(DATA_KEY))
-            .cloned()
-            .unwrap_or_default();
-        let t = st
-            .tensor(TENSOR)
-            .map_err(|_| bad(format!("no `{TENSOR}` tensor")))?;
+        let file = Sidecar::read(dir.join(FILE), || {
+            "missing: this checkpoint holds no DPO reference log-probabilities (it was not written by a training.stage: dpo run), so a dpo run cannot resume from it".into()
+        })?;
+        let saved = file.meta(DATA_KEY);
+        let t = file.tensor(TENSOR)?;
         if t.dtype() != Dtype::F64 || t.shape().len() != 2 || t.shape()[1] != 2 {
-            return Err(bad(format!(
+            return Err(file.bad(format!(
                 "`{TENSOR}` is {:?} {:?}, expected f64 [pairs, 2]",
                 t.dtype(),
                 t.shape()
             )));
         }
         if saved != data {
-            return Err(bad(format!(
+            return Err(file.bad(format!(
                 "computed for other data ({} pairs, rows {saved}); this run's dataset gives rows {data}: resume with the dataset, tokenizer and max_seq_len of the run that wrote it",
                 t.shape()[0]
             )));
