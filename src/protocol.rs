@@ -27,13 +27,14 @@
 //! `SlotFree`.
 //!
 //! Evaluation runs between steps, when no update is pending (every store block holds the
-//! weights being evaluated), forward only: no gradient slab is touched. So does DPO's
-//! reference pass, before the first step, which asks for each row's summed label
-//! log-probability instead of the loss.
+//! weights being evaluated), forward only: no gradient slab is touched. So do the
+//! reference passes before the first step: DPO's, which asks for each row's summed label
+//! log-probability instead of the loss, and GRPO's (`grpo.beta` > 0), which asks for each
+//! label token's.
 //!
 //! ```text
 //!   Eval{index, micro-batch, what}   ──▶   forward, chunked cross-entropy
-//!                                    ◀──   EvalDone{index, loss_sum, row_logps}
+//!                                    ◀──   EvalDone{index, loss_sum, logps}
 //! ```
 //!
 //! Under DPO (`Init::dpo`) a step's micro-batches hold whole preference pairs with their
@@ -173,6 +174,10 @@ pub struct MicroBatch {
     /// ratio is 1, and the worker sends these values back when `num_iterations` > 1).
     #[serde(default)]
     pub old_logps: Vec<f32>,
+    /// `grpo` with `grpo.beta` > 0: each completion token's log-probability under the
+    /// reference model (the run's initial one), row after row. Empty otherwise.
+    #[serde(default)]
+    pub ref_token_logps: Vec<f32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -213,6 +218,9 @@ pub enum ForwardOnly {
     Loss,
     /// Each row's summed log-probability of its label tokens (DPO's reference).
     RowLogProbs,
+    /// Each label token's log-probability, row after row (GRPO's reference, `grpo.beta` >
+    /// 0): the f32 values the training head computes, widened exactly.
+    TokenLogProbs,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -278,12 +286,13 @@ pub enum FromWorker {
         token_logps: Vec<f32>,
     },
     /// Forward-only micro-batch `index`: its summed token cross-entropy
-    /// ([`ForwardOnly::Loss`]) or its rows' log-probabilities ([`ForwardOnly::RowLogProbs`]).
+    /// ([`ForwardOnly::Loss`]), its rows' log-probabilities ([`ForwardOnly::RowLogProbs`])
+    /// or its label tokens' ([`ForwardOnly::TokenLogProbs`]).
     EvalDone {
         index: usize,
         loss_sum: f64,
         #[serde(default)]
-        row_logps: Vec<f64>,
+        logps: Vec<f64>,
     },
     Fatal {
         msg: String,

@@ -170,11 +170,11 @@ fn serve(
                 })?;
             }
             ToWorker::Eval { index, micro, what } => {
-                let (loss_sum, row_logps) = engine.forward_only(&micro, what)?;
+                let (loss_sum, logps) = engine.forward_only(&micro, what)?;
                 tx.send(FromWorker::EvalDone {
                     index,
                     loss_sum,
-                    row_logps,
+                    logps,
                 })?;
             }
             ToWorker::Shutdown => return Ok(()),
