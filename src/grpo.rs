@@ -244,7 +244,15 @@ mod tests {
         };
         let logps = [-1.0, -2.0, -0.5, -3.0, -1.5];
         let with = token_terms(&p, &logps, None, Some(&REFS), &[0.7, -1.1], &[2, 3], 0.2);
-        let without = token_terms(&params(GrpoLoss::Dapo), &logps, None, None, &[0.7, -1.1], &[2, 3], 0.2);
+        let without = token_terms(
+            &params(GrpoLoss::Dapo),
+            &logps,
+            None,
+            None,
+            &[0.7, -1.1],
+            &[2, 3],
+            0.2,
+        );
         // k3 of d = ref − logp: e^0.3 − 1.3, e^−0.5 − 0.5, 0, e^1 − 2, e^−0.4 − 0.6.
         let k3: f64 = [0.3f64, -0.5, 0.0, 1.0, -0.4]
             .iter()

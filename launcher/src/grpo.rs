@@ -59,7 +59,11 @@ impl Policy {
         start_step: u64,
         refs: Option<Vec<Vec<f32>>>,
     ) -> Result<Policy> {
-        assert_eq!(refs.is_some(), params.beta > 0.0, "a KL term has its reference");
+        assert_eq!(
+            refs.is_some(),
+            params.beta > 0.0,
+            "a KL term has its reference"
+        );
         let r = data
             .rollouts
             .as_ref()
