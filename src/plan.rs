@@ -397,6 +397,33 @@ mod tests {
     use crate::config::hf::{HfConfig, ModelSpec};
 
     #[test]
+    fn grpo_reference_counts_in_the_total_not_per_parameter() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
+        let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let layout = Layout::new(&ModelSpec::from_hf(&hf, &path).unwrap());
+        let opts = HostOpts {
+            store: DType::Bfloat16,
+            grad: DType::Float32,
+            moments: DType::Float32,
+            master: MasterWeights::Float32,
+            workers: 1,
+            slots: 4,
+            staging: Staging::Off,
+        };
+        let plan = HostPlan::new(&layout, opts);
+        // Two completions of 3 and 5 tokens: an f32 each, and a vector (24 bytes) per row.
+        let with = plan.with_grpo_reference(grpo_reference_bytes([3usize, 5].into_iter()));
+        assert_eq!(with.total() - plan.total(), 4 * 8 + 2 * 24);
+        assert_eq!(with.bytes_per_param(), plan.bytes_per_param());
+        assert!(
+            with.to_string().contains("GRPO reference        0.08 kB"),
+            "{with}"
+        );
+        assert!(!plan.to_string().contains("GRPO reference"));
+    }
+
+    #[test]
     fn qwen_7b_needs_18_bytes_per_parameter_in_bf16() {
         let path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
