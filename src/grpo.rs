@@ -8,9 +8,9 @@
 //! log-probability under the policy and under the policy that generated the batch (on a
 //! batch's first step, logp itself, detached: r = 1), r = exp(logp − old):
 //!
-//! - per-token loss ℓ = −min(r A, clip(r, 1 − ε_low, 1 + ε_high) A) + β k3, where with β
-//!   > 0 and ref the token's log-probability under the reference model (the run's initial
-//!   one), d = ref − logp and k3 = e^d − d − 1 (TRL's per-token KL estimator);
+//! - per-token loss ℓ = −min(r A, clip(r, 1 − ε_low, 1 + ε_high) A) + β k3, where (with a
+//!   KL term, β > 0) ref is the token's log-probability under the reference model (the
+//!   run's initial one), d = ref − logp and k3 = e^d − d − 1 (TRL's per-token KL estimator);
 //! - `grpo`: the step's loss is the mean over its completions of Σ_t ℓ / n (n the
 //!   completion's tokens); `dapo`: Σ ℓ / (completion tokens of the step); `dr_grpo`:
 //!   Σ ℓ / (completions of the step × `max_completion_length`). So each token's loss has a

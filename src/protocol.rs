@@ -41,9 +41,10 @@
 //! reference log-probabilities, `loss_scale` is 1 / pairs in the step, and `StepDone`
 //! carries the pairs' loss and reward sums.
 //!
-//! Under GRPO (`Init::grpo`) a micro-batch's rows are completions with their advantages
-//! and, past a batch's first step (`num_iterations` > 1), every completion token's old
-//! log-probability; `loss_scale` is 1 / completions in the step (1 / completion tokens
+//! Under GRPO (`Init::grpo`) a micro-batch's rows are completions with their advantages,
+//! past a batch's first step (`num_iterations` > 1) every completion token's old
+//! log-probability, and with `grpo.beta` > 0 every completion token's reference one (from
+//! the forward-only pass before the first step); `loss_scale` is 1 / completions in the step (1 / completion tokens
 //! under `dapo`); `StepDone` carries the completions' sums and, on a batch's first step,
 //! the log-probabilities of the worker's completion tokens, its micro-batches in order
 //! (the old ones of the batch's later steps).
@@ -277,9 +278,10 @@ pub enum FromWorker {
         /// Under DPO, the pairs' sums for the metrics.
         #[serde(default)]
         dpo: Option<DpoSums>,
-        /// Under GRPO, the completions' sums for the metrics.
+        /// Under GRPO, the completions' sums for the metrics (boxed: the supervisor's events
+        /// hold every message by value).
         #[serde(default)]
-        grpo: Option<GrpoSums>,
+        grpo: Option<Box<GrpoSums>>,
         /// Under GRPO, on a batch's first step with `num_iterations` > 1: every completion
         /// token's log-probability, micro-batch after micro-batch, row after row.
         #[serde(default)]

@@ -2,8 +2,8 @@
 //! (scripts/golden_grpo.py: tiny Llama with `dapo`, epsilon_high above epsilon and two
 //! iterations per batch; Qwen3 with tied embeddings, `grpo`, batch-scaled rewards and three
 //! iterations; Llama with `dr_grpo` and unscaled rewards; float32, with a learning rate
-//! that pushes ratios past the clip range; and the three again with a KL term, `grpo.beta`
-//! > 0, against the initial model): per-step loss, gradient norm, TRL's clip ratios and
+//! that pushes ratios past the clip range; and the three again with a KL term (a positive
+//! `grpo.beta`) against the initial model): per-step loss, gradient norm, TRL's clip ratios and
 //! KL, and every step-1 gradient, with 1 and 2 CPU workers; 2 workers equal 1 worker
 //! accumulating 2 bit for bit; a run checkpointed in the middle of a batch and resumed
 //! equals the straight one bit for bit (with a KL term too, whose reference a resume

@@ -87,10 +87,10 @@ pub struct GrpoSection {
     /// first step are the old policy's of the later ones. Default 1.
     pub num_iterations: Option<u64>,
     /// The KL coefficient against the reference model, the run's initial model (TRL's k3
-    /// estimator per completion token, added to the per-token loss). Default 0. With beta
-    /// > 0 the reference is the model the config starts from (`model.path`, or random init
-    /// from `training.seed`), rebuilt at every launch, resumes included: a loop that
-    /// resumes must keep `model.path` on its initial model.
+    /// estimator per completion token, added to the per-token loss). Default 0. With a
+    /// beta above 0 the reference is the model the config starts from (`model.path`, or
+    /// random init from `training.seed`), rebuilt at every launch, resumes included: a
+    /// loop that resumes must keep `model.path` on its initial model.
     pub beta: Option<f64>,
     /// How advantages are scaled: `group` (by each group's reward standard deviation,
     /// default), `batch` (by the whole rollouts file's) or `none`.

@@ -165,7 +165,7 @@ fn serve(
                     tokens: out.tokens,
                     timings: out.timings,
                     dpo: out.dpo,
-                    grpo: out.grpo,
+                    grpo: out.grpo.map(Box::new),
                     token_logps: out.token_logps,
                 })?;
             }

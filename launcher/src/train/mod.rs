@@ -557,7 +557,7 @@ impl Trainer {
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
         // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
         // loss does not depend on which worker finished first.
-        type Done = (f64, Option<DpoSums>, Option<GrpoSums>, Vec<f32>);
+        type Done = (f64, Option<DpoSums>, Option<Box<GrpoSums>>, Vec<f32>);
         let mut step_done: Vec<Option<Done>> = vec![None; world];
         while done < world || reduced < expected_parts {
             // The last update's moments pass fills the time the launcher would wait.
