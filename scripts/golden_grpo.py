@@ -1,21 +1,27 @@
 """GRPO golden cases for scripts/make_golden.py (training.stage: grpo): a tiny model of a
 golden family trained a few steps on a rollouts file by TRL's GRPOTrainer loss formulas
-(`_compute_loss`, token-level importance sampling, beta = 0) in torch (float32), for
-launcher/tests/grpo.rs.
+(`_compute_loss`, token-level importance sampling) in torch (float32), for
+launcher/tests/grpo.rs; the `*_kl` cases with a KL term (beta > 0) against the reference
+model, the initial one (a copy of the model before step 1, as TRL's `ref_model`).
 
 Per case, under OUT/grpo/<case>/: model/ (save_pretrained), rollouts.jsonl (token-id
 rollouts: `prompt_ids`, `completion_ids`, `reward`, `group`; groups of three), run.yaml,
 expected.json (per step: the loss, the pre-clip gradient norm, TRL's clip_ratio/low_mean and
-clip_ratio/high_mean) and grads0.safetensors (every parameter's gradient at step 1).
+clip_ratio/high_mean, and with beta > 0 TRL's kl) and grads0.safetensors (every parameter's
+gradient at step 1).
 
 TRL's semantics written here as the test's reference: advantages = reward - group mean,
 divided by (unbiased std + 1e-4) of the group (`scale_rewards: group`) or of every reward
 (`batch`), or not (`none`); step s trains on batch s // num_iterations (file order); the old
 log-probabilities are the batch's first step's (ratio 1 there); per-token loss
--min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A); `grpo` means over each completion's
-tokens then over completions, `dapo` divides the sum by the batch's completion tokens,
-`dr_grpo` by completions x max_completion_length.
+-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), plus with beta > 0 beta k3, where
+k3 = exp(ref - logp) - (ref - logp) - 1 and ref is the token's log-probability under the
+reference model (computed without grad, in a forward of its own); `grpo` means over each
+completion's tokens then over completions, `dapo` divides the sum by the batch's completion
+tokens, `dr_grpo` by completions x max_completion_length; TRL's `kl` is the mean k3 over the
+step's completion tokens.
 """
+import copy
 import json
 import os
 import shutil
@@ -32,6 +38,14 @@ GRPO_CASES = {
                             epsilon=0.1, epsilon_high=0.1, iterations=3, scale="batch", max_len=256),
     "llama_dr_grpo": dict(model_type="llama", config=dict(tie_word_embeddings=False), loss="dr_grpo",
                           epsilon=0.2, epsilon_high=0.2, iterations=1, scale="none", max_len=12),
+    # With a KL term, one per loss type. The policy leaves the reference from step 2 on; beta
+    # is large enough that the KL term's gradient is a few percent of the step's.
+    "llama_dapo_kl": dict(model_type="llama", config=dict(tie_word_embeddings=False), loss="dapo",
+                          epsilon=0.2, epsilon_high=0.28, iterations=2, scale="group", max_len=256, beta=0.5),
+    "qwen3_tied_grpo_kl": dict(model_type="qwen3", config=dict(head_dim=10, tie_word_embeddings=True), loss="grpo",
+                               epsilon=0.1, epsilon_high=0.1, iterations=3, scale="batch", max_len=256, beta=1.0),
+    "llama_dr_grpo_kl": dict(model_type="llama", config=dict(tie_word_embeddings=False), loss="dr_grpo",
+                             epsilon=0.2, epsilon_high=0.2, iterations=1, scale="none", max_len=12, beta=0.3),
 }
 GROUP = 3
 GRPO_ROLLOUTS = 24
@@ -74,11 +88,16 @@ def token_logps(model, rows):
     return per_token, (targets != -100).float()
 
 
-def grpo_loss(case, logp, old, adv, mask):
+def grpo_loss(case, logp, old, ref, adv, mask):
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - case["epsilon"], 1 + case["epsilon_high"])
     a = adv.unsqueeze(1)
     per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
+    kl = None
+    if ref is not None:
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        per_token_loss = per_token_loss + case["beta"] * per_token_kl
+        kl = ((per_token_kl * mask).sum() / mask.sum()).item()
     if case["loss"] == "grpo":
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif case["loss"] == "dapo":
@@ -88,13 +107,15 @@ def grpo_loss(case, logp, old, adv, mask):
     low = ((coef_1 < 1 - case["epsilon"]) & (a < 0)).float()
     high = ((coef_1 > 1 + case["epsilon_high"]) & (a > 0)).float()
     n = mask.sum()
-    return loss, ((low * mask).sum() / n).item(), ((high * mask).sum() / n).item()
+    return loss, ((low * mask).sum() / n).item(), ((high * mask).sum() / n).item(), kl
 
 
 def grpo_reference(model, rollouts, case, tr, grads_path):
     rows = [{"input_ids": r["prompt_ids"] + r["completion_ids"],
              "labels": [-100] * len(r["prompt_ids"]) + r["completion_ids"]} for r in rollouts]
     adv = advantages(rollouts, case["scale"])
+    # TRL's reference model: the initial one, frozen.
+    ref_model = copy.deepcopy(model).eval() if case.get("beta", 0) > 0 else None
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -102,6 +123,8 @@ def grpo_reference(model, rollouts, case, tr, grads_path):
         lr=GRPO_LR, betas=(tr["beta1"], tr["beta2"]), eps=tr["eps"],
     )
     out = {k: [] for k in ("losses", "grad_norms", "clip_ratio/low_mean", "clip_ratio/high_mean")}
+    if ref_model is not None:
+        out["kl"] = []
     old = None
     for step in range(GRPO_STEPS):
         b = step // case["iterations"]
@@ -109,7 +132,11 @@ def grpo_reference(model, rollouts, case, tr, grads_path):
         logp, mask = token_logps(model, rows[sl])
         if step % case["iterations"] == 0:
             old = logp.detach()
-        loss, low, high = grpo_loss(case, logp, old, adv[sl], mask)
+        ref = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref, _ = token_logps(ref_model, rows[sl])
+        loss, low, high, kl = grpo_loss(case, logp, old, ref, adv[sl], mask)
         loss.backward()
         if step == 0:
             grads = {name: p.grad.detach().clone().contiguous() for name, p in model.named_parameters()
@@ -124,6 +151,8 @@ def grpo_reference(model, rollouts, case, tr, grads_path):
         out["grad_norms"].append(norm.item())
         out["clip_ratio/low_mean"].append(low)
         out["clip_ratio/high_mean"].append(high)
+        if kl is not None:
+            out["kl"].append(kl)
     return out
 
 
@@ -157,7 +186,7 @@ training:
   weight_decay: {tr['weight_decay']}
   max_grad_norm: {tr['max_grad_norm']}
 optimizer: {{beta1: {tr['beta1']}, beta2: {tr['beta2']}, eps: {tr['eps']}}}
-grpo: {{loss_type: {case['loss']}, epsilon: {case['epsilon']}, epsilon_high: {case['epsilon_high']}, num_iterations: {case['iterations']}, scale_rewards: {case['scale']}, max_completion_length: {case['max_len']}}}
+grpo: {{loss_type: {case['loss']}, epsilon: {case['epsilon']}, epsilon_high: {case['epsilon_high']}, num_iterations: {case['iterations']}, scale_rewards: {case['scale']}, max_completion_length: {case['max_len']}, beta: {case.get('beta', 0.0)}}}
 """)
     print(f"grpo/{name}: losses {['%.5f' % l for l in expected['losses']]} "
-          f"clip low {expected['clip_ratio/low_mean']} high {expected['clip_ratio/high_mean']}")
+          f"clip low {expected['clip_ratio/low_mean']} high {expected['clip_ratio/high_mean']} kl {expected.get('kl')}")

@@ -1,21 +1,24 @@
 //! The GRPO objective (TRL's `GRPOTrainer._compute_loss`, `importance_sampling_level:
-//! token`, β = 0) of a micro-batch of completions, from each completion token's
-//! log-probability under the policy: the per-token losses, the clipping counts TRL logs,
-//! and the derivative of the step's loss with respect to each token's log-probability,
-//! which the worker's head backpropagates through that token.
+//! token`) of a micro-batch of completions, from each completion token's log-probability
+//! under the policy: the per-token losses, the clipping counts and KL TRL logs, and the
+//! derivative of the step's loss with respect to each token's log-probability, which the
+//! worker's head backpropagates through that token.
 //!
 //! With A the completion's advantage ([`advantages`]), logp and old the token's
 //! log-probability under the policy and under the policy that generated the batch (on a
 //! batch's first step, logp itself, detached: r = 1), r = exp(logp − old):
 //!
-//! - per-token loss ℓ = −min(r A, clip(r, 1 − ε_low, 1 + ε_high) A);
+//! - per-token loss ℓ = −min(r A, clip(r, 1 − ε_low, 1 + ε_high) A) + β k3, where (with a
+//!   KL term, β > 0) ref is the token's log-probability under the reference model (the
+//!   run's initial one), d = ref − logp and k3 = e^d − d − 1 (TRL's per-token KL estimator);
 //! - `grpo`: the step's loss is the mean over its completions of Σ_t ℓ / n (n the
 //!   completion's tokens); `dapo`: Σ ℓ / (completion tokens of the step); `dr_grpo`:
 //!   Σ ℓ / (completions of the step × `max_completion_length`). So each token's loss has a
 //!   weight: `scale` (1 / completions, or 1 / tokens under `dapo`, from the launcher) times
 //!   1 / n, 1 or 1 / `max_completion_length`.
 //! - ∂ℓ/∂logp = −A r where the unclipped term is the smaller (or they tie: torch's
-//!   `minimum` splits a tie's gradient, and both halves are −A r), else 0.
+//!   `minimum` splits a tie's gradient, and both halves are −A r), else 0; plus
+//!   β ∂k3/∂logp = β (1 − e^d).
 //!
 //! Computed in f64 from the worker's f32 log-probabilities.
 
@@ -35,6 +38,9 @@ pub struct GrpoSums {
     pub clipped_low: u64,
     /// Tokens whose ratio is above 1 + ε_high with A > 0 (TRL's `clip_ratio/high`).
     pub clipped_high: u64,
+    /// Σ k3 over the tokens (β > 0; TRL's `kl` is its mean per token).
+    #[serde(default)]
+    pub kl: f64,
 }
 
 impl GrpoSums {
@@ -44,6 +50,7 @@ impl GrpoSums {
         self.loss += o.loss;
         self.clipped_low += o.clipped_low;
         self.clipped_high += o.clipped_high;
+        self.kl += o.kl;
     }
 }
 
@@ -56,12 +63,13 @@ pub struct TokenTerms {
 
 /// `logps`: every completion token's log-probability, row after row (`row_tokens[i]` of
 /// row i); `old`: theirs under the generating policy (None: the batch's first step, r = 1);
-/// `advantages`: each row's; `scale`: 1 / completions in the step, or 1 / completion tokens
-/// under `dapo`.
+/// `refs`: theirs under the reference model (None: β = 0); `advantages`: each row's;
+/// `scale`: 1 / completions in the step, or 1 / completion tokens under `dapo`.
 pub fn token_terms(
     p: &GrpoParams,
     logps: &[f64],
     old: Option<&[f64]>,
+    refs: Option<&[f64]>,
     advantages: &[f64],
     row_tokens: &[u64],
     scale: f64,
@@ -69,8 +77,10 @@ pub fn token_terms(
     assert!(
         advantages.len() == row_tokens.len()
             && row_tokens.iter().sum::<u64>() as usize == logps.len()
-            && old.is_none_or(|o| o.len() == logps.len()),
-        "one advantage per row, one log-probability (and old one) per completion token"
+            && old.is_none_or(|o| o.len() == logps.len())
+            && refs.is_none_or(|o| o.len() == logps.len())
+            && (refs.is_some() == (p.beta > 0.0)),
+        "one advantage per row, one log-probability (and old and reference one) per completion token"
     );
     let (lo, hi) = (1.0 - p.epsilon_low, 1.0 + p.epsilon_high);
     let mut sums = GrpoSums::default();
@@ -87,10 +97,18 @@ pub fn token_terms(
             let r = old.map_or(1.0, |o| (logps[t] - o[t]).exp());
             let (unclipped, clipped) = (r * a, r.clamp(lo, hi) * a);
             sums.loss -= unclipped.min(clipped) * unit;
-            weights.push(match unclipped <= clipped {
+            let mut w = match unclipped <= clipped {
                 true => -a * r * norm,
                 false => 0.0,
-            });
+            };
+            if let Some(refs) = refs {
+                let d = refs[t] - logps[t];
+                let k3 = d.exp() - d - 1.0;
+                sums.loss += p.beta * k3 * unit;
+                sums.kl += k3;
+                w += p.beta * (1.0 - d.exp()) * norm;
+            }
+            weights.push(w);
             sums.clipped_low += u64::from(r < lo && a < 0.0);
             sums.clipped_high += u64::from(r > hi && a > 0.0);
             t += 1;
@@ -163,13 +181,21 @@ mod tests {
             num_iterations: 2,
             scale_rewards: ScaleRewards::Group,
             max_completion_length: 8,
+            beta: 0.0,
         }
+    }
+
+    /// Reference log-probabilities (β > 0): below and above the policy's.
+    const REFS: [f64; 5] = [-0.7, -2.5, -0.5, -2.0, -1.9];
+
+    fn refs(p: &GrpoParams) -> Option<&'static [f64]> {
+        (p.beta > 0.0).then_some(&REFS[..])
     }
 
     /// The step loss at log-probabilities `logps`.
     fn loss(p: &GrpoParams, logps: &[f64]) -> f64 {
         let old = [-1.0, -2.0, -0.5, -3.0, -1.5];
-        0.5 * token_terms(p, logps, Some(&old), &[0.7, -1.1], &[2, 3], 0.5)
+        0.5 * token_terms(p, logps, Some(&old), refs(p), &[0.7, -1.1], &[2, 3], 0.5)
             .sums
             .loss
     }
@@ -180,9 +206,15 @@ mod tests {
         let old: [f64; 5] = [-1.0, -2.0, -0.5, -3.0, -1.5];
         let r = [1.1f64, 1.5, 0.9, 0.5, 1.4];
         let logps: Vec<f64> = old.iter().zip(r).map(|(o, r)| o + r.ln()).collect();
-        for loss_type in [GrpoLoss::Grpo, GrpoLoss::Dapo, GrpoLoss::DrGrpo] {
-            let p = params(loss_type);
-            let t = token_terms(&p, &logps, Some(&old), &[0.7, -1.1], &[2, 3], 0.5);
+        for (loss_type, beta) in [GrpoLoss::Grpo, GrpoLoss::Dapo, GrpoLoss::DrGrpo]
+            .into_iter()
+            .flat_map(|l| [(l, 0.0), (l, 0.3)])
+        {
+            let p = GrpoParams {
+                beta,
+                ..params(loss_type)
+            };
+            let t = token_terms(&p, &logps, Some(&old), refs(&p), &[0.7, -1.1], &[2, 3], 0.5);
             for i in 0..5 {
                 let h = 1e-6;
                 let (mut up, mut down) = (logps.clone(), logps.clone());
@@ -196,14 +228,54 @@ mod tests {
                 );
             }
             assert_eq!((t.sums.clipped_low, t.sums.clipped_high), (1, 1));
-            assert!(t.weights[1] == 0.0 && t.weights[3] == 0.0, "{t:?}");
+            match beta > 0.0 {
+                // Clipped tokens keep the KL term's derivative β (1 − e^d).
+                true => assert!(t.weights[1] != 0.0 && t.weights[3] != 0.0, "{t:?}"),
+                false => assert!(t.weights[1] == 0.0 && t.weights[3] == 0.0, "{t:?}"),
+            }
         }
+    }
+
+    #[test]
+    fn kl_is_trl_k3_added_per_token() {
+        let p = GrpoParams {
+            beta: 0.3,
+            ..params(GrpoLoss::Dapo)
+        };
+        let logps = [-1.0, -2.0, -0.5, -3.0, -1.5];
+        let with = token_terms(&p, &logps, None, Some(&REFS), &[0.7, -1.1], &[2, 3], 0.2);
+        let without = token_terms(
+            &params(GrpoLoss::Dapo),
+            &logps,
+            None,
+            None,
+            &[0.7, -1.1],
+            &[2, 3],
+            0.2,
+        );
+        // k3 of d = ref − logp: e^0.3 − 1.3, e^−0.5 − 0.5, 0, e^1 − 2, e^−0.4 − 0.6.
+        let k3: f64 = [0.3f64, -0.5, 0.0, 1.0, -0.4]
+            .iter()
+            .map(|d| d.exp() - d - 1.0)
+            .sum();
+        assert!((with.sums.kl - k3).abs() < 1e-15, "{with:?}");
+        assert!((with.sums.loss - without.sums.loss - 0.3 * k3).abs() < 1e-15);
+        // The token whose reference equals its log-probability adds nothing.
+        assert_eq!(with.weights[2], without.weights[2]);
     }
 
     #[test]
     fn on_policy_loss_is_minus_the_normalised_advantage() {
         let a = [0.5, -1.5];
-        let t = token_terms(&params(GrpoLoss::Grpo), &[-1.0; 5], None, &a, &[2, 3], 0.5);
+        let t = token_terms(
+            &params(GrpoLoss::Grpo),
+            &[-1.0; 5],
+            None,
+            None,
+            &a,
+            &[2, 3],
+            0.5,
+        );
         // Σ over rows of (Σ_t −A) / n = −A each: −(0.5 − 1.5), a mean of 0.5 over 2 rows.
         assert!((t.sums.loss - 1.0).abs() < 1e-15, "{t:?}");
         let want = [-0.125, -0.125, 0.25, 0.25, 0.25];
@@ -217,6 +289,7 @@ mod tests {
         let t = token_terms(
             &params(GrpoLoss::DrGrpo),
             &[-1.0; 5],
+            None,
             None,
             &a,
             &[2, 3],

@@ -108,11 +108,16 @@ pub struct GrpoMetrics {
     pub clip_ratio_low: f64,
     #[serde(rename = "clip_ratio/high_mean")]
     pub clip_ratio_high: f64,
+    /// With `grpo.beta` > 0: the mean per-token KL (k3) to the reference model over the
+    /// step's completion tokens (TRL's `kl`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kl: Option<f64>,
 }
 
 impl GrpoMetrics {
-    /// The step's metrics from its completions' sums and rewards.
-    pub fn of(s: &crate::grpo::GrpoSums, rewards: &[f64]) -> GrpoMetrics {
+    /// The step's metrics from its completions' sums and rewards; `kl`: whether the run has
+    /// a KL term.
+    pub fn of(s: &crate::grpo::GrpoSums, rewards: &[f64], kl: bool) -> GrpoMetrics {
         let n = rewards.len().max(1) as f64;
         let mean = rewards.iter().sum::<f64>() / n;
         let ss: f64 = rewards.iter().map(|r| (r - mean) * (r - mean)).sum();
@@ -123,6 +128,7 @@ impl GrpoMetrics {
             mean_length: s.tokens as f64 / s.completions.max(1) as f64,
             clip_ratio_low: s.clipped_low as f64 / tokens,
             clip_ratio_high: s.clipped_high as f64 / tokens,
+            kl: kl.then(|| s.kl / tokens),
         }
     }
 }

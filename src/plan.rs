@@ -110,6 +110,10 @@ pub struct HostPlan {
     /// GPU workers' layer inputs stashed in pinned host memory between forward and backward
     /// (`memory.offload_activations`; [`offloaded_inputs`]), or 0.
     pub offloaded: u64,
+    /// GRPO's reference log-probabilities (`grpo.beta` > 0; [`grpo_reference_bytes`]), or 0.
+    /// The reference model itself is the initial one, loaded into the store and the master
+    /// before a resume restores them: it takes no memory of its own.
+    pub grpo_reference: u64,
     /// Elements of one slab slot (`Layout::grad_slot_len`).
     pub slot_len: u64,
     pub workers: u64,
@@ -150,6 +154,7 @@ impl HostPlan {
             staging_grown: false,
             carried: 0,
             offloaded: 0,
+            grpo_reference: 0,
             slot_len: slot_len as u64,
             workers: opts.workers as u64,
             slots: opts.slots as u64,
@@ -163,7 +168,20 @@ impl HostPlan {
 
     /// What the launcher holds at its peak, start-up and checkpoints included.
     pub fn total(&self) -> u64 {
-        self.per_param_state() + self.slabs + self.staging + self.carried + self.offloaded
+        self.per_param_state()
+            + self.slabs
+            + self.staging
+            + self.carried
+            + self.offloaded
+            + self.grpo_reference
+    }
+
+    /// The plan holding `bytes` of GRPO reference log-probabilities.
+    pub fn with_grpo_reference(self, bytes: u64) -> HostPlan {
+        HostPlan {
+            grpo_reference: bytes,
+            ..self
+        }
     }
 
     /// The plan with `bytes` of offloaded layer inputs held by the workers.
@@ -304,6 +322,13 @@ impl std::fmt::Display for HostPlan {
                 gb(self.offloaded)
             )?;
         }
+        if self.grpo_reference > 0 {
+            writeln!(
+                f,
+                "  GRPO reference        {} (grpo.beta > 0: 4 bytes per completion token; the reference model is the initial one, no second copy)",
+                human_bytes(self.grpo_reference)
+            )?;
+        }
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))
     }
 }
@@ -322,6 +347,14 @@ pub fn offloaded_inputs(
 ) -> u64 {
     let one = (rows * seq_len * hidden * dtype.size()) as u64;
     (workers * layers) as u64 * one.next_power_of_two()
+}
+
+/// Host bytes of GRPO's reference log-probabilities (`grpo.beta` > 0): an f32 per
+/// completion token of the rollouts, in a vector per row (`completion_tokens` of each).
+pub fn grpo_reference_bytes(completion_tokens: impl Iterator<Item = usize>) -> u64 {
+    completion_tokens
+        .map(|n| (4 * n + std::mem::size_of::<Vec<f32>>()) as u64)
+        .sum()
 }
 
 /// Bytes for a reader: GB with two decimals, or MB / kB below a hundredth of a GB.
@@ -362,6 +395,33 @@ pub fn available_host_bytes() -> Option<u64> {
 mod tests {
     use super::*;
     use crate::config::hf::{HfConfig, ModelSpec};
+
+    #[test]
+    fn grpo_reference_counts_in_the_total_not_per_parameter() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
+        let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let layout = Layout::new(&ModelSpec::from_hf(&hf, &path).unwrap());
+        let opts = HostOpts {
+            store: DType::Bfloat16,
+            grad: DType::Float32,
+            moments: DType::Float32,
+            master: MasterWeights::Float32,
+            workers: 1,
+            slots: 4,
+            staging: Staging::Off,
+        };
+        let plan = HostPlan::new(&layout, opts);
+        // Two completions of 3 and 5 tokens: an f32 each, and a vector (24 bytes) per row.
+        let with = plan.with_grpo_reference(grpo_reference_bytes([3usize, 5].into_iter()));
+        assert_eq!(with.total() - plan.total(), 4 * 8 + 2 * 24);
+        assert_eq!(with.bytes_per_param(), plan.bytes_per_param());
+        assert!(
+            with.to_string().contains("GRPO reference        0.08 kB"),
+            "{with}"
+        );
+        assert!(!plan.to_string().contains("GRPO reference"));
+    }
 
     #[test]
     fn qwen_7b_needs_18_bytes_per_parameter_in_bf16() {

@@ -27,22 +27,24 @@
 //! `SlotFree`.
 //!
 //! Evaluation runs between steps, when no update is pending (every store block holds the
-//! weights being evaluated), forward only: no gradient slab is touched. So does DPO's
-//! reference pass, before the first step, which asks for each row's summed label
-//! log-probability instead of the loss.
+//! weights being evaluated), forward only: no gradient slab is touched. So do the
+//! reference passes before the first step: DPO's, which asks for each row's summed label
+//! log-probability instead of the loss, and GRPO's (`grpo.beta` > 0), which asks for each
+//! label token's.
 //!
 //! ```text
 //!   Eval{index, micro-batch, what}   ──▶   forward, chunked cross-entropy
-//!                                    ◀──   EvalDone{index, loss_sum, row_logps}
+//!                                    ◀──   EvalDone{index, loss_sum, logps}
 //! ```
 //!
 //! Under DPO (`Init::dpo`) a step's micro-batches hold whole preference pairs with their
 //! reference log-probabilities, `loss_scale` is 1 / pairs in the step, and `StepDone`
 //! carries the pairs' loss and reward sums.
 //!
-//! Under GRPO (`Init::grpo`) a micro-batch's rows are completions with their advantages
-//! and, past a batch's first step (`num_iterations` > 1), every completion token's old
-//! log-probability; `loss_scale` is 1 / completions in the step (1 / completion tokens
+//! Under GRPO (`Init::grpo`) a micro-batch's rows are completions with their advantages,
+//! past a batch's first step (`num_iterations` > 1) every completion token's old
+//! log-probability, and with `grpo.beta` > 0 every completion token's reference one (from
+//! the forward-only pass before the first step); `loss_scale` is 1 / completions in the step (1 / completion tokens
 //! under `dapo`); `StepDone` carries the completions' sums and, on a batch's first step,
 //! the log-probabilities of the worker's completion tokens, its micro-batches in order
 //! (the old ones of the batch's later steps).
@@ -173,6 +175,10 @@ pub struct MicroBatch {
     /// ratio is 1, and the worker sends these values back when `num_iterations` > 1).
     #[serde(default)]
     pub old_logps: Vec<f32>,
+    /// `grpo` with `grpo.beta` > 0: each completion token's log-probability under the
+    /// reference model (the run's initial one), row after row. Empty otherwise.
+    #[serde(default)]
+    pub ref_token_logps: Vec<f32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -213,6 +219,9 @@ pub enum ForwardOnly {
     Loss,
     /// Each row's summed log-probability of its label tokens (DPO's reference).
     RowLogProbs,
+    /// Each label token's log-probability, row after row (GRPO's reference, `grpo.beta` >
+    /// 0): the f32 values the training head computes, widened exactly.
+    TokenLogProbs,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -269,21 +278,23 @@ pub enum FromWorker {
         /// Under DPO, the pairs' sums for the metrics.
         #[serde(default)]
         dpo: Option<DpoSums>,
-        /// Under GRPO, the completions' sums for the metrics.
+        /// Under GRPO, the completions' sums for the metrics (boxed: the supervisor's events
+        /// hold every message by value).
         #[serde(default)]
-        grpo: Option<GrpoSums>,
+        grpo: Option<Box<GrpoSums>>,
         /// Under GRPO, on a batch's first step with `num_iterations` > 1: every completion
         /// token's log-probability, micro-batch after micro-batch, row after row.
         #[serde(default)]
         token_logps: Vec<f32>,
     },
     /// Forward-only micro-batch `index`: its summed token cross-entropy
-    /// ([`ForwardOnly::Loss`]) or its rows' log-probabilities ([`ForwardOnly::RowLogProbs`]).
+    /// ([`ForwardOnly::Loss`]), its rows' log-probabilities ([`ForwardOnly::RowLogProbs`])
+    /// or its label tokens' ([`ForwardOnly::TokenLogProbs`]).
     EvalDone {
         index: usize,
         loss_sum: f64,
         #[serde(default)]
-        row_logps: Vec<f64>,
+        logps: Vec<f64>,
     },
     Fatal {
         msg: String,

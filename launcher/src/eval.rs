@@ -71,8 +71,8 @@ impl EvalSet {
 
 /// Runs `n` forward-only micro-batches (`make(i)` is the i-th) through the workers under
 /// the weights in the store: worker r computes i = r, r + W, …, with [`IN_FLIGHT`] sent
-/// ahead. Returns each micro-batch's (loss sum, row log-probabilities) in order, whichever
-/// worker computed it.
+/// ahead. Returns each micro-batch's (loss sum, row or token log-probabilities) in order,
+/// whichever worker computed it.
 pub fn forward_only(
     sup: &mut Supervisor,
     n: usize,
@@ -108,11 +108,11 @@ pub fn forward_only(
                 FromWorker::EvalDone {
                     index,
                     loss_sum,
-                    row_logps,
+                    logps,
                 },
             ) => {
                 let known = index < n && index % world == rank;
-                if !known || results[index].replace((loss_sum, row_logps)).is_some() {
+                if !known || results[index].replace((loss_sum, logps)).is_some() {
                     bail!(
                         "worker rank {rank} sent the result of forward-only micro-batch {index} unasked"
                     );

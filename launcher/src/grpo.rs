@@ -9,15 +9,31 @@
 //! RAM (4 bytes per completion token of one batch), in the batch's row order (so they do not
 //! depend on the worker count), and go into every checkpoint
 //! ([`mt::checkpoint::old_logps`]); a resume in the middle of a batch reads them from there.
+//!
+//! With `grpo.beta` > 0, the KL term's reference log-probabilities: the reference is the
+//! run's initial model (TRL's initial policy), and no second copy of the model is kept.
+//! Before the first step, with the initial model in the store (also on a resume, see
+//! train/weights.rs), one forward-only pass over the rollouts (the eval path, cut into
+//! micro-batches of the training micro-batch's rows in file order, worker r taking r, r +
+//! W, …) gives every completion token's log-probability under it ([`reference_logps`]).
+//! They stay in host RAM (4 bytes per completion token of the file) and travel with each
+//! micro-batch. A launch's rollouts are fixed and its initial model is a function of the
+//! config, so the pass gives the same values at every launch: nothing goes into
+//! checkpoints but the name of the reference.
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use mt::checkpoint::old_logps::{self, OldLogps};
 use mt::checkpoint::reference::fingerprint;
 use mt::config::{GrpoLoss, GrpoParams};
-use mt::data::{Dataset, StepPlan};
+use mt::data::{Dataset, RolloutTerms, StepPlan, pad_batch};
+use mt::protocol::ForwardOnly;
+
+use crate::eval::forward_only;
+use crate::supervisor::Supervisor;
 
 /// A GRPO run's advantages and old log-probabilities (its settings go to the workers in
 /// `Init`).
@@ -27,18 +43,27 @@ pub struct Policy {
     pub advantages: Vec<f64>,
     /// The old log-probabilities of the batch being trained on.
     old: Option<OldLogps>,
+    /// With `grpo.beta` > 0: every row's completion tokens' reference log-probabilities.
+    refs: Option<Vec<Vec<f32>>>,
     data: String,
 }
 
 impl Policy {
     /// The advantages of `data`'s rollouts; when the run resumes at `start_step` in the
-    /// middle of a batch, that batch's old log-probabilities from the checkpoint `resume`.
+    /// middle of a batch, that batch's old log-probabilities from the checkpoint `resume`;
+    /// `refs`: the reference log-probabilities ([`reference_logps`]) when `params.beta` > 0.
     pub fn new(
         params: GrpoParams,
         data: &Dataset,
         resume: Option<&Path>,
         start_step: u64,
+        refs: Option<Vec<Vec<f32>>>,
     ) -> Result<Policy> {
+        assert_eq!(
+            refs.is_some(),
+            params.beta > 0.0,
+            "a KL term has its reference"
+        );
         let r = data
             .rollouts
             .as_ref()
@@ -56,8 +81,18 @@ impl Policy {
             params,
             advantages,
             old,
+            refs,
             data: fp,
         })
+    }
+
+    /// What step `step`'s rows carry: advantages, old and reference log-probabilities.
+    pub fn terms(&self, step: u64) -> RolloutTerms<'_> {
+        RolloutTerms {
+            advantages: &self.advantages,
+            old: self.old_for(step),
+            refs: self.refs.as_deref(),
+        }
     }
 
     /// The index of the batch step `step` trains on.
@@ -116,4 +151,52 @@ impl Policy {
             .filter(|_| self.params.num_iterations > 1)?;
         Some((old_logps::FILE.to_string(), Arc::new(old.to_bytes())))
     }
+}
+
+/// Every row's completion tokens' log-probabilities under the weights in the store (the
+/// initial model: the reference of `grpo.beta` > 0), computed by the workers forward only,
+/// `rows_per_micro` rows per micro-batch in file order.
+pub fn reference_logps(
+    data: &Dataset,
+    sup: &mut Supervisor,
+    rows_per_micro: usize,
+    pad_id: i32,
+    timeout: Duration,
+) -> Result<Vec<Vec<f32>>> {
+    assert!(rows_per_micro > 0);
+    let t = Instant::now();
+    let rows = &data.rows;
+    let chunk = |i: usize| &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
+    let n = rows.len().div_ceil(rows_per_micro);
+    let make = |i: usize| pad_batch(&chunk(i).iter().collect::<Vec<_>>(), pad_id);
+    let out = forward_only(sup, n, &make, ForwardOnly::TokenLogProbs, timeout)?;
+    let mut refs = Vec::with_capacity(rows.len());
+    for (i, (_, logps)) in out.iter().enumerate() {
+        let want: usize = chunk(i).iter().map(|r| r.label_tokens()).sum();
+        ensure!(
+            logps.len() == want,
+            "the GRPO reference pass gave {} log-probabilities for the {want} completion tokens of micro-batch {i}",
+            logps.len()
+        );
+        let mut at = 0;
+        for r in chunk(i) {
+            let k = r.label_tokens();
+            // The worker's f32 values, widened exactly for the trip: narrowing is exact.
+            refs.push(logps[at..at + k].iter().map(|&x| x as f32).collect());
+            at += k;
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let tokens: usize = rows.iter().map(|r| r.input_ids.len()).sum();
+    println!(
+        "GRPO reference pass (grpo.beta > 0, the initial model): {} completions ({tokens} tokens) forward only in {secs:.2}s ({:.0} tokens/s)",
+        rows.len(),
+        tokens as f64 / secs.max(1e-9)
+    );
+    tracing::info!(
+        completions = rows.len(),
+        reference_pass_s = format!("{secs:.3}"),
+        "GRPO reference pass"
+    );
+    Ok(refs)
 }

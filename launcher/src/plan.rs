@@ -87,6 +87,7 @@ fn json(
             "checkpoint_staging": h.staging,
             "carried": h.carried,
             "offloaded_inputs": h.offloaded,
+            "grpo_reference": h.grpo_reference,
             "total": h.total(),
         },
         "device": {

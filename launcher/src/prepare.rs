@@ -4,7 +4,7 @@
 use anyhow::{Result, anyhow, bail};
 use mt::checkpoint;
 use mt::config::hf::{AttentionKind, ModelSpec};
-use mt::config::{Init, RunConfig};
+use mt::config::{Init, RunConfig, Stage};
 use mt::data::Dataset;
 use mt::layout::Layout;
 use mt::plan::{DeviceOpts, DevicePlan, Fit, HostPlan};
@@ -81,9 +81,15 @@ impl Prepared {
             Init::Pretrained => carried,
             Init::Random => checkpoint::carried::Carried::init(&layout).bytes(),
         };
+        let kl = cfg.training.stage == Stage::Grpo && cfg.grpo.beta.unwrap_or(0.0) > 0.0;
+        let reference = match kl {
+            true => mt::plan::grpo_reference_bytes(data.rows.iter().map(|r| r.label_tokens())),
+            false => 0,
+        };
         let plan =
             mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers))
-                .with_carried(carried);
+                .with_carried(carried)
+                .with_grpo_reference(reference);
         let mut prepared = Prepared {
             spec,
             layout,

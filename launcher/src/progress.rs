@@ -95,10 +95,11 @@ impl Progress {
                 d.accuracies, d.margins
             ),
             (_, Some(g)) => format!(
-                "  reward {:.4} (std {:.4})  clipped {:.3}",
+                "  reward {:.4} (std {:.4})  clipped {:.3}{}",
                 g.reward,
                 g.reward_std,
-                g.clip_ratio_low + g.clip_ratio_high
+                g.clip_ratio_low + g.clip_ratio_high,
+                g.kl.map_or(String::new(), |kl| format!("  kl {kl:.4}"))
             ),
             _ => String::new(),
         };

@@ -2,11 +2,13 @@
 //! (scripts/golden_grpo.py: tiny Llama with `dapo`, epsilon_high above epsilon and two
 //! iterations per batch; Qwen3 with tied embeddings, `grpo`, batch-scaled rewards and three
 //! iterations; Llama with `dr_grpo` and unscaled rewards; float32, with a learning rate
-//! that pushes ratios past the clip range): per-step loss, gradient norm and TRL's clip
-//! ratios, and every step-1 gradient, with 1 and 2 CPU workers; 2 workers equal 1 worker
+//! that pushes ratios past the clip range; and the three again with a KL term (a positive
+//! `grpo.beta`) against the initial model): per-step loss, gradient norm, TRL's clip ratios and
+//! KL, and every step-1 gradient, with 1 and 2 CPU workers; 2 workers equal 1 worker
 //! accumulating 2 bit for bit; a run checkpointed in the middle of a batch and resumed
-//! equals the straight one bit for bit; the metrics reach TensorBoard; bad rollouts and
-//! settings are refused naming file, line and key.
+//! equals the straight one bit for bit (with a KL term too, whose reference a resume
+//! rebuilds from the initial model, and refuses to take from another); the metrics reach
+//! TensorBoard; bad rollouts and settings are refused naming file, line and key.
 
 mod common;
 
@@ -29,6 +31,13 @@ const TOL: f64 = 1e-5;
 /// ≤ 1.4e-5 for the loss, 8e-6 for the norm; a wrong clip bound or old log-probability
 /// is O(1e-1)).
 const LATER_TOL: [f64; 2] = [1e-4, 1e-4];
+/// TRL's `kl` (mean k3 per completion token). At step 1 the policy is the reference: torch
+/// gets 0 exactly (one forward for both); ours takes the reference from a forward-only pass
+/// over micro-batches of other rows, whose rounding (~1e-7 per log-probability) gives k3 ≈
+/// d²/2 ~ 1e-14 (measured: 0, the same bits): held to 1e-9. After it, relative to the step's KL, with the later steps'
+/// 1e-4 (the KL is a smooth function of the same log-probabilities as the loss); a missing
+/// or sign-flipped KL gradient moves the policy away by O(1e-2) in the KL.
+const KL_TOL: [f64; 2] = [1e-9, 1e-4];
 
 fn cases() -> Vec<PathBuf> {
     let dir = golden_dir().join("grpo");
@@ -38,7 +47,7 @@ fn cases() -> Vec<PathBuf> {
         .filter(|p| p.join("expected.json").is_file())
         .collect();
     cases.sort();
-    assert_eq!(cases.len(), 3, "the GRPO golden cases");
+    assert_eq!(cases.len(), 6, "the GRPO golden cases");
     cases
 }
 
@@ -100,6 +109,21 @@ fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
             failures.push(format!("{name}: {key} {a:?} vs torch {b:?}"));
         }
     }
+    if let Some(kl) = want.get("kl") {
+        let (a, b) = (column(&rows, "kl"), f64_array(kl));
+        let first = a[0].abs();
+        let later = a[1..]
+            .iter()
+            .zip(&b[1..])
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1e-30))
+            .fold(0.0, f64::max);
+        eprintln!("grpo {name}: kl {first:.2e} at step 1 (torch 0), rel error {later:.2e} after");
+        if a.len() != b.len() || b[0] != 0.0 || first > KL_TOL[0] || later > KL_TOL[1] {
+            failures.push(format!("{name}: kl {a:?} vs torch {b:?}"));
+        }
+    } else if rows.iter().any(|r| r.get("kl").is_some()) {
+        failures.push(format!("{name}: a kl without grpo.beta"));
+    }
     let (ours, torch) = (tensors(&g), tensors(&case.join("grads0.safetensors")));
     if ours.len() != torch.len() {
         failures.push(format!(
@@ -126,7 +150,8 @@ fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
 
 type Run = (Vec<Vec<u64>>, std::collections::HashMap<String, Vec<f32>>);
 
-/// Per step: the bits of the loss, the gradient norm and the clip ratios.
+/// Per step: the bits of the loss, the gradient norm, the clip ratios and the KL (when the
+/// run has one).
 fn bits(m: &Path) -> Vec<Vec<u64>> {
     metrics(m)
         .iter()
@@ -136,17 +161,18 @@ fn bits(m: &Path) -> Vec<Vec<u64>> {
                 "grad_norm",
                 "clip_ratio/low_mean",
                 "clip_ratio/high_mean",
+                "kl",
             ]
             .iter()
-            .map(|k| r[k].as_f64().unwrap().to_bits())
+            .filter_map(|k| r.get(*k).map(|v| v.as_f64().unwrap().to_bits()))
             .collect()
         })
         .collect()
 }
 
-/// The Qwen3 case (three iterations per batch): bits per step and final weights.
-fn train(tag: &str, workers: usize, accum: usize) -> Run {
-    let case = golden_dir().join("grpo/qwen3_tied_grpo");
+/// A Qwen3 case (three iterations per batch): bits per step and final weights.
+fn train(case: &str, tag: &str, workers: usize, accum: usize) -> Run {
+    let case = golden_dir().join("grpo").join(case);
     let dir = scratch(&format!("grpo-equiv-{tag}"));
     let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
     let args = [
@@ -161,29 +187,51 @@ fn train(tag: &str, workers: usize, accum: usize) -> Run {
 }
 
 /// Bit for bit, as for SFT and DPO: single-threaded CPU workers, slabs summed in
-/// accumulation order, and the old log-probabilities kept in the batch's row order whatever
-/// the worker count.
+/// accumulation order, the old log-probabilities kept in the batch's row order whatever
+/// the worker count, and the reference pass cut into micro-batches of the same rows.
 #[test]
 fn two_workers_equal_one_worker_accumulating_two() {
-    let (a, b) = (train("w2", 2, 1), train("w1ga2", 1, 2));
-    assert_eq!(a.0, b.0, "per-step loss, norm and clip bits differ");
-    assert_eq!(a.1.len(), b.1.len());
-    for (name, wa) in &a.1 {
-        let differ = wa
-            .iter()
-            .zip(&b.1[name])
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(differ, 0, "final `{name}`: {differ} elements differ");
+    for case in ["qwen3_tied_grpo", "qwen3_tied_grpo_kl"] {
+        let (a, b) = (train(case, "w2", 2, 1), train(case, "w1ga2", 1, 2));
+        assert_eq!(
+            a.0, b.0,
+            "{case}: per-step loss, norm, clip and kl bits differ"
+        );
+        assert_eq!(
+            a.0[0].len(),
+            4 + usize::from(case.ends_with("_kl")),
+            "{case}"
+        );
+        assert_eq!(a.1.len(), b.1.len());
+        for (name, wa) in &a.1 {
+            let differ = wa
+                .iter()
+                .zip(&b.1[name])
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "{case}: final `{name}`: {differ} elements differ"
+            );
+        }
     }
 }
 
-/// Checkpoints after steps 2 and 4 of the Qwen3 case (three iterations per batch: step 2
-/// is inside batch 0, whose old log-probabilities the checkpoint must carry).
+/// Checkpoints after steps 2 and 4 of the Qwen3 cases (three iterations per batch: step 2
+/// is inside batch 0, whose old log-probabilities the checkpoint must carry). With a KL
+/// term, the resumed launch takes its reference from the initial model again, not from the
+/// weights it resumes (those would give other bits from step 3 on); a resume whose
+/// initial model differs from the run's is refused.
 #[test]
 fn resume_in_the_middle_of_a_batch_continues_exactly() {
-    let case = golden_dir().join("grpo/qwen3_tied_grpo/run.yaml");
-    let dir = scratch("grpo-resume");
+    for name in ["qwen3_tied_grpo", "qwen3_tied_grpo_kl"] {
+        resume_continues_exactly(name);
+    }
+}
+
+fn resume_continues_exactly(name: &str) {
+    let case = golden_dir().join("grpo").join(name).join("run.yaml");
+    let dir = scratch(&format!("grpo-resume-{name}"));
     let ck = format!("checkpoint.dir={}", dir.join("ck").display());
     let run = |tag: &str, extra: &[&str]| {
         let m = dir.join(format!("{tag}.jsonl"));
@@ -209,8 +257,30 @@ fn resume_in_the_middle_of_a_batch_continues_exactly() {
     let resumed: Vec<Vec<u64>> = first.into_iter().chain(second).collect();
     assert_eq!(
         resumed, straight,
-        "resumed bits differ from the straight run's"
+        "{name}: resumed bits differ from the straight run's"
     );
+    if name.ends_with("_kl") {
+        let m = dir.join("other-reference.jsonl");
+        let extra = [
+            "--set",
+            "training.num_steps=6",
+            "--set",
+            &ck,
+            "--set",
+            "model.init=random",
+            "--resume",
+            "latest",
+        ];
+        let (out, _) = run_cpu(&case, 1, &m, &extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && ["grpo.beta", "the random init of", "model.path"]
+                    .iter()
+                    .all(|w| err.contains(w)),
+            "{err}"
+        );
+    }
 }
 
 /// A bad rollouts file, or a setting GRPO does not train with: refused before any worker
@@ -257,7 +327,7 @@ fn bad_rollouts_and_settings_are_refused_naming_file_line_and_key() {
         );
     }
     for (set, words) in [
-        ("grpo.beta=0.04", vec!["grpo.beta", "not implemented"]),
+        ("grpo.beta=-0.04", vec!["grpo.beta", "finite number >= 0"]),
         (
             "grpo.loss_type=bnpo",
             vec!["grpo.loss_type", "unknown variant"],
@@ -281,12 +351,12 @@ fn bad_rollouts_and_settings_are_refused_naming_file_line_and_key() {
     }
 }
 
-/// The reward and clip ratios reach TensorBoard (TRL's tags under `train/`) as the metrics
-/// file has them, read back by TensorBoard's own EventAccumulator
-/// (scripts/read_tensorboard.py); the step lines show the reward.
+/// The reward, clip ratios and KL reach TensorBoard (TRL's tags under `train/`) as the
+/// metrics file has them, read back by TensorBoard's own EventAccumulator
+/// (scripts/read_tensorboard.py); the step lines show the reward and the KL.
 #[test]
 fn reward_reaches_tensorboard_and_the_step_lines() {
-    let case = golden_dir().join("grpo/qwen3_tied_grpo/run.yaml");
+    let case = golden_dir().join("grpo/qwen3_tied_grpo_kl/run.yaml");
     let dir = scratch("grpo-tensorboard");
     let (tb, m) = (dir.join("tb"), dir.join("metrics.jsonl"));
     let dir_set = format!("logging.logging_dir={}", tb.display());
@@ -295,7 +365,7 @@ fn reward_reaches_tensorboard_and_the_step_lines() {
     assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
     let log = String::from_utf8_lossy(&out.stdout);
     assert!(
-        log.contains("  reward ") && log.contains("clipped"),
+        log.contains("  reward ") && log.contains("clipped") && log.contains("  kl "),
         "{log}"
     );
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -314,6 +384,7 @@ fn reward_reaches_tensorboard_and_the_step_lines() {
         "completions/mean_length",
         "clip_ratio/low_mean",
         "clip_ratio/high_mean",
+        "kl",
     ] {
         let tag = format!("train/{key}");
         let series = scalars[&tag]
@@ -325,4 +396,37 @@ fn reward_reaches_tensorboard_and_the_step_lines() {
             assert_eq!(p[1].as_f64().unwrap() as f32, want, "{tag} at {}", p[0]);
         }
     }
+}
+
+/// A launch's host plan (`--dry-run` prints the plan the launch holds itself to; `mt-launch
+/// plan` reads a rollouts file only with a tokenizer beside the model) counts the reference
+/// log-probabilities of `grpo.beta` > 0 (an f32 per completion token, a vector per row:
+/// counted here from the rollouts file itself) and nothing for a reference model, which is
+/// the initial one in the same buffers.
+#[test]
+fn plan_counts_the_reference_log_probabilities() {
+    let plan = |case: &str| {
+        let config = golden_dir().join("grpo").join(case).join("run.yaml");
+        let args = ["--config", path_str(&config), "--gpus", "0", "--dry-run"];
+        String::from_utf8_lossy(&run_ok(&args).stdout).into_owned()
+    };
+    let rollouts =
+        std::fs::read_to_string(golden_dir().join("grpo/llama_dapo_kl/rollouts.jsonl")).unwrap();
+    let want: u64 = rollouts
+        .lines()
+        .map(|l| {
+            let r: serde_json::Value = serde_json::from_str(l).unwrap();
+            4 * r["completion_ids"].as_array().unwrap().len() as u64 + 24
+        })
+        .sum();
+    let line = format!("GRPO reference        {:.2} kB", want as f64 / 1e3);
+    let (with, without) = (plan("llama_dapo_kl"), plan("llama_dapo"));
+    assert!(with.contains(&line), "{line} in {with}");
+    assert!(!without.contains("GRPO reference"), "{without}");
+    let per_param = |s: &str| {
+        s.lines()
+            .find(|l| l.contains("bytes per parameter"))
+            .map(String::from)
+    };
+    assert_eq!(per_param(&with), per_param(&without));
 }

@@ -72,6 +72,10 @@ pub struct Schedule {
     pub shuffle: bool,
     /// `training.num_steps` when the learning rate decays over it (None: constant).
     pub decay_steps: Option<u64>,
+    /// With `grpo.beta` > 0, the reference model the run's KL term is against (its initial
+    /// model, rebuilt at every launch): a resume must name the same one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpo_reference: Option<String>,
 }
 
 impl Schedule {

@@ -86,7 +86,11 @@ pub struct GrpoSection {
     /// Optimizer steps on each batch of rollouts (μ); the log-probabilities of the batch's
     /// first step are the old policy's of the later ones. Default 1.
     pub num_iterations: Option<u64>,
-    /// The KL coefficient against the reference model. Default 0; only 0 is implemented.
+    /// The KL coefficient against the reference model, the run's initial model (TRL's k3
+    /// estimator per completion token, added to the per-token loss). Default 0. With a
+    /// beta above 0 the reference is the model the config starts from (`model.path`, or
+    /// random init from `training.seed`), rebuilt at every launch, resumes included: a
+    /// loop that resumes must keep `model.path` on its initial model.
     pub beta: Option<f64>,
     /// How advantages are scaled: `group` (by each group's reward standard deviation,
     /// default), `batch` (by the whole rollouts file's) or `none`.
@@ -124,6 +128,9 @@ pub struct GrpoParams {
     pub num_iterations: u64,
     pub scale_rewards: ScaleRewards,
     pub max_completion_length: usize,
+    /// The KL coefficient (0: no reference model).
+    #[serde(default)]
+    pub beta: f64,
 }
 
 const NO_EVAL: &str = "an eval set is not implemented for training.stage: dpo (leave out dataset.val_size, eval_name and eval_path)";
@@ -210,16 +217,14 @@ impl RunConfig {
         if num_iterations == 0 {
             return Err(Error::invalid("grpo.num_iterations", "must be >= 1, got 0"));
         }
-        match g.beta.unwrap_or(0.0) {
-            0.0 => {}
-            b => {
-                return Err(Error::invalid(
-                    "grpo.beta",
-                    format!(
-                        "{b}: a KL term against a reference model is not implemented yet (it needs a second, bf16 copy of the model); leave beta at 0, TRL's default"
-                    ),
-                ));
-            }
+        let beta = g.beta.unwrap_or(0.0);
+        if !(beta.is_finite() && beta >= 0.0) {
+            return Err(Error::invalid(
+                "grpo.beta",
+                format!(
+                    "must be a finite number >= 0 (the KL coefficient; 0 trains without a reference model), got {beta}"
+                ),
+            ));
         }
         let max_completion_length = g.max_completion_length.unwrap_or(256);
         if max_completion_length == 0 {
@@ -235,6 +240,7 @@ impl RunConfig {
             num_iterations,
             scale_rewards: g.scale_rewards.unwrap_or_default(),
             max_completion_length,
+            beta,
         })
     }
 

@@ -173,8 +173,11 @@ fn grpo_settings_default_to_trl_and_name_bad_values() {
             num_iterations: 1,
             scale_rewards: ScaleRewards::Group,
             max_completion_length: 256,
+            beta: 0.0,
         }
     );
+    let p = grpo("grpo: {beta: 0.04}").unwrap().grpo_params().unwrap();
+    assert_eq!(p.beta, 0.04);
     let p = grpo("grpo: {loss_type: dr_grpo, epsilon: 0.1, epsilon_high: 0.28, num_iterations: 2, scale_rewards: none}")
         .unwrap()
         .grpo_params()
@@ -190,7 +193,8 @@ fn grpo_settings_default_to_trl_and_name_bad_values() {
         (GrpoLoss::DrGrpo, 0.1, 0.28, 2, ScaleRewards::None)
     );
     for (yaml, key, why) in [
-        ("grpo: {beta: 0.04}", "grpo.beta", "not implemented"),
+        ("grpo: {beta: -0.04}", "grpo.beta", "finite number >= 0"),
+        ("grpo: {beta: .nan}", "grpo.beta", "finite number >= 0"),
         ("grpo: {num_iterations: 0}", "grpo.num_iterations", ">= 1"),
         ("grpo: {epsilon: -1}", "grpo.epsilon", ">= 0"),
         (

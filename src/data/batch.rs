@@ -179,25 +179,45 @@ pub fn plan_pairs(
     plan
 }
 
+/// What a GRPO step's rows carry besides their tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct RolloutTerms<'a> {
+    /// Every dataset row's advantage.
+    pub advantages: &'a [f64],
+    /// Past the batch's first step, the batch's old log-probabilities, row after row (the
+    /// order the micro-batches keep), whatever the worker count.
+    pub old: Option<&'a [f32]>,
+    /// With `grpo.beta` > 0, every dataset row's completion tokens' reference
+    /// log-probabilities.
+    pub refs: Option<&'a [Vec<f32>]>,
+}
+
 /// Splits a global batch of completions (of a `grpo` dataset) over ranks and
-/// micro-batches as [`plan_step`] does, each row with its advantage, and, past the batch's
-/// first step, each completion token with its old log-probability: `old` holds the
-/// batch's, row after row (the order the micro-batches keep), whatever the worker count.
+/// micro-batches as [`plan_step`] does, each row with its advantage, and each completion
+/// token, past the batch's first step, with its old log-probability and, with a KL term,
+/// its reference one.
 pub fn plan_rollouts(
     ds: &Dataset,
     rows: &[usize],
     world: usize,
     accum: usize,
     pad_id: i32,
-    advantages: &[f64],
-    old: Option<&[f32]>,
+    terms: RolloutTerms,
 ) -> StepPlan {
-    assert!(advantages.len() == ds.rows.len());
+    let RolloutTerms {
+        advantages,
+        old,
+        refs,
+    } = terms;
+    assert!(advantages.len() == ds.rows.len() && refs.is_none_or(|r| r.len() == ds.rows.len()));
     let mut plan = plan_step(ds, rows, world, accum, pad_id);
     let (mut next, mut token) = (rows.iter(), 0);
     for mb in plan.per_rank.iter_mut().flatten() {
         let mine: Vec<usize> = next.by_ref().take(mb.rows).copied().collect();
         mb.advantages = mine.iter().map(|&r| advantages[r]).collect();
+        if let Some(refs) = refs {
+            mb.ref_token_logps = mine.iter().flat_map(|&r| refs[r].iter().copied()).collect();
+        }
         if let Some(old) = old {
             let n: usize = mine.iter().map(|&r| ds.rows[r].label_tokens()).sum();
             mb.old_logps = old[token..token + n].to_vec();
@@ -255,6 +275,7 @@ pub fn pad_batch(rows: &[&Example], pad_id: i32) -> MicroBatch {
         ref_logps: Vec::new(),
         advantages: Vec::new(),
         old_logps: Vec::new(),
+        ref_token_logps: Vec::new(),
     }
 }
 

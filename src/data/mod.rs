@@ -43,7 +43,9 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-pub use batch::{Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts, plan_step};
+pub use batch::{
+    RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts, plan_step,
+};
 pub use chat::ChatTokenizer;
 pub use records::{BadRecord, Conversation, Message, Role};
 pub use rollouts::Rollouts;

@@ -129,6 +129,9 @@ pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
         v.push(("train/completions/mean_length", g.mean_length));
         v.push(("train/clip_ratio/low_mean", g.clip_ratio_low));
         v.push(("train/clip_ratio/high_mean", g.clip_ratio_high));
+        if let Some(kl) = g.kl {
+            v.push(("train/kl", kl));
+        }
     }
     v
 }

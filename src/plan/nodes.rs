@@ -126,6 +126,7 @@ mod tests {
             staging_grown: false,
             carried: 0,
             offloaded: 0,
+            grpo_reference: 0,
             slot_len: 0,
             workers: 1,
             slots: 4,

@@ -286,7 +286,8 @@ impl Engine {
     /// One forward-only micro-batch under the weights in the store: embed, every layer,
     /// the head, without grad or kept inputs; its summed token cross-entropy
     /// ([`ForwardOnly::Loss`]) or each row's summed label log-probability
-    /// ([`ForwardOnly::RowLogProbs`], then the loss is 0). The launcher sends one only when
+    /// ([`ForwardOnly::RowLogProbs`]) or label token's ([`ForwardOnly::TokenLogProbs`]; then
+    /// the loss is 0). The launcher sends one only when
     /// no update is pending, so every block is ready.
     pub fn forward_only(&mut self, mb: &MicroBatch, what: ForwardOnly) -> Result<(f64, Vec<f64>)> {
         let _guard = tch::no_grad_guard();
@@ -331,6 +332,10 @@ impl Engine {
         let out = match what {
             ForwardOnly::Loss => (h.loss_sum(&batch, &x_bth), Vec::new()),
             ForwardOnly::RowLogProbs => (0.0, h.row_logps(&batch, &x_bth)),
+            ForwardOnly::TokenLogProbs => {
+                let logps = h.token_logps(&batch, &x_bth);
+                (0.0, logps.into_iter().map(f64::from).collect())
+            }
         };
         drop((head_w, head, tied));
         self.streamer.end_micro()?;
@@ -516,8 +521,7 @@ impl Engine {
                 (out, dy)
             }
             (_, Some(p)) => {
-                let (sums, logps, dy) =
-                    h.grpo_backward(batch, p, &mb.advantages, &mb.old_logps, scale, &x_bth);
+                let (sums, logps, dy) = h.grpo_backward(batch, p, mb, scale, &x_bth);
                 // The launcher keeps them as the batch's old log-probabilities.
                 let keep = p.num_iterations > 1 && mb.old_logps.is_empty();
                 let out = HeadOut {

@@ -11,8 +11,10 @@
 //! in this micro-batch) into each row's weight ∂loss/∂logp_row, and the chunked backward
 //! of Σ_tokens w_row · logp_token (= −w_row · CE_token) hands the gradient on; and GRPO
 //! ([`mt::grpo`]): the same no-grad pass gives each completion token's log-probability,
-//! [`mt::grpo::token_terms`] each token's weight ∂loss/∂logp_token, and the chunked
-//! backward of Σ_tokens w_token · logp_token hands the gradient on.
+//! [`mt::grpo::token_terms`] each token's weight ∂loss/∂logp_token (with `grpo.beta` > 0
+//! its KL term against the reference log-probabilities the micro-batch carries, which a
+//! forward-only pass gave, [`Head::token_logps`]), and the chunked backward of
+//! Σ_tokens w_token · logp_token hands the gradient on.
 //!
 //! Shapes: B rows, T positions, H hidden, M labelled positions, C a chunk of them.
 
@@ -20,6 +22,7 @@ use mt::config::hf::ModelSpec;
 use mt::config::{DpoParams, GrpoParams};
 use mt::dpo::{DpoSums, pair_terms};
 use mt::grpo::{GrpoSums, token_terms};
+use mt::protocol::MicroBatch;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{self, BlockWeights};
@@ -179,28 +182,29 @@ impl Head<'_> {
         (terms.sums, dy_bth)
     }
 
-    /// The GRPO loss of the micro-batch's completions (`advantages` per row, `old` the
-    /// old log-probability of every completion token, empty on a batch's first step) as a
-    /// share of the step's (`scale`: 1 / completions in the step, or 1 / completion tokens
-    /// under `dapo`), and its backward to `x_bth`: (the completions' sums, every completion
-    /// token's log-probability, dy).
+    /// The GRPO loss of the micro-batch `mb`'s completions (its advantages per row; the
+    /// old log-probability of every completion token, none on a batch's first step; with
+    /// β > 0 the reference one) as a share of the step's (`scale`: 1 / completions in the
+    /// step, or 1 / completion tokens under `dapo`), and its backward to `x_bth`: (the
+    /// completions' sums, every completion token's log-probability, dy).
     pub fn grpo_backward(
         &self,
         batch: &DeviceBatch,
         params: &GrpoParams,
-        advantages: &[f64],
-        old: &[f32],
+        mb: &MicroBatch,
         scale: f64,
         x_bth: &Tensor,
     ) -> (GrpoSums, Vec<f32>, Tensor) {
         let logps = self.token_logps(batch, x_bth);
         let wide = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-        let old_wide = (!old.is_empty()).then(|| wide(old));
+        let old = (!mb.old_logps.is_empty()).then(|| wide(&mb.old_logps));
+        let refs = (params.beta > 0.0).then(|| wide(&mb.ref_token_logps));
         let terms = token_terms(
             params,
             &wide(&logps),
-            old_wide.as_deref(),
-            advantages,
+            old.as_deref(),
+            refs.as_deref(),
+            &mb.advantages,
             &batch.row_tokens,
             scale,
         );
@@ -220,8 +224,8 @@ impl Head<'_> {
     }
 
     /// Every labelled position's log-probability of its label, without grad, in f32, row
-    /// after row (M,).
-    fn token_logps(&self, batch: &DeviceBatch, x_bth: &Tensor) -> Vec<f32> {
+    /// after row (M,): the policy's in a GRPO step, the reference's in its forward-only pass.
+    pub fn token_logps(&self, batch: &DeviceBatch, x_bth: &Tensor) -> Vec<f32> {
         let _guard = tch::no_grad_guard();
         let x_mh = self.flat(x_bth);
         let parts: Vec<Tensor> = self

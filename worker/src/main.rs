@@ -165,16 +165,16 @@ fn serve(
                     tokens: out.tokens,
                     timings: out.timings,
                     dpo: out.dpo,
-                    grpo: out.grpo,
+                    grpo: out.grpo.map(Box::new),
                     token_logps: out.token_logps,
                 })?;
             }
             ToWorker::Eval { index, micro, what } => {
-                let (loss_sum, row_logps) = engine.forward_only(&micro, what)?;
+                let (loss_sum, logps) = engine.forward_only(&micro, what)?;
                 tx.send(FromWorker::EvalDone {
                     index,
                     loss_sum,
-                    row_logps,
+                    logps,
                 })?;
             }
             ToWorker::Shutdown => return Ok(()),

@@ -23,7 +23,7 @@ use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
 use crate::cli::Placement;
 use crate::dpo::Preference;
 use crate::eval::EvalSet;
-use crate::grpo::Policy;
+use crate::grpo::{Policy, reference_logps};
 use crate::host::HostState;
 use crate::prepare::Prepared;
 use crate::progress::Progress;
@@ -31,6 +31,7 @@ use crate::supervisor::{Event, Supervisor, fatal};
 
 mod nodes;
 mod step_end;
+mod weights;
 
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
 #[derive(Debug)]
@@ -207,40 +208,21 @@ impl Trainer {
         let t_prepared = Instant::now();
         let mut host = HostState::new(&cfg, layout, placement.workers)?;
         let t_allocated = Instant::now();
+        // A GRPO reference (`grpo.beta` > 0) is the initial model: a resume restores the
+        // checkpoint after the reference pass ([`weights`]).
+        let reference = grpo.is_some_and(|p| p.beta > 0.0);
         let weights = match (&resume, cfg.model.init) {
+            (Some(_), _) if reference => "the initial model first, as the GRPO reference",
             (Some(_), _) => "resumed",
             (None, InitKind::Pretrained) => "loaded",
             (None, InitKind::Random) => "random init",
         };
-        match cfg.model.init {
-            _ if resume.is_some() => {}
-            InitKind::Pretrained => host.init_master(|layout, master| {
-                checkpoint::load_pretrained(&cfg.model.path, layout, master)
-            })?,
-            InitKind::Random => host.init_master(|layout, master| {
-                checkpoint::init_random(layout, &spec, cfg.training.seed, master);
-                Ok(())
-            })?,
+        if resume.is_none() || reference {
+            weights::load_initial(&mut host, &cfg, &spec)?;
         }
         let (mut start_step, mut nan_run) = (0, 0);
-        if let Some(dir) = &resume {
-            let state = host.restore(dir)?;
-            let steps = cfg.training.num_steps;
-            if state.step >= steps {
-                bail!(
-                    "{}: the checkpoint is at step {}, training.num_steps is {steps}: nothing left to run",
-                    dir.display(),
-                    state.step
-                );
-            }
-            let saved = state.schedule.as_ref();
-            for d in saved.map_or(vec![], |saved| schedule(&cfg).differences(saved)) {
-                tracing::warn!(
-                    "resuming with other settings ({d}): the run does not continue as it would have"
-                );
-            }
-            println!("resumed from {} at step {}", dir.display(), state.step);
-            (start_step, nan_run) = (state.step, state.nan_run);
+        if let Some(dir) = resume.as_ref().filter(|_| !reference) {
+            (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
         }
         let t_weights = Instant::now();
         // CUDA workers warm up at the configured micro-batch shape.
@@ -320,8 +302,19 @@ impl Trainer {
                 Preference::new(&data, &mut sup, rows, pad, timeout, resume.as_deref())
             })
             .transpose()?;
+        let refs = match reference {
+            true => {
+                let pad = spec.pad_token_id as i32;
+                let refs = reference_logps(&data, &mut sup, micro_batch.0, pad, timeout)?;
+                if let Some(dir) = &resume {
+                    (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
+                }
+                Some(refs)
+            }
+            false => None,
+        };
         let grpo = grpo
-            .map(|p| Policy::new(p, &data, resume.as_deref(), start_step))
+            .map(|p| Policy::new(p, &data, resume.as_deref(), start_step, refs))
             .transpose()?;
         // A sample is a row, or under DPO a pair of rows.
         let sampler = Sampler::new(
@@ -529,10 +522,7 @@ impl Trainer {
         let pad = self.spec.pad_token_id as i32;
         let plan = match (&self.dpo, &self.grpo) {
             (Some(p), _) => plan_pairs(&self.data, &rows, world, accum, pad, &p.refs),
-            (_, Some(g)) => {
-                let (adv, old) = (&g.advantages, g.old_for(step));
-                plan_rollouts(&self.data, &rows, world, accum, pad, adv, old)
-            }
+            (_, Some(g)) => plan_rollouts(&self.data, &rows, world, accum, pad, g.terms(step)),
             _ => plan_step(&self.data, &rows, world, accum, pad),
         };
         self.node_slice(plan)
@@ -567,7 +557,7 @@ impl Trainer {
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
         // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
         // loss does not depend on which worker finished first.
-        type Done = (f64, Option<DpoSums>, Option<GrpoSums>, Vec<f32>);
+        type Done = (f64, Option<DpoSums>, Option<Box<GrpoSums>>, Vec<f32>);
         let mut step_done: Vec<Option<Done>> = vec![None; world];
         while done < world || reduced < expected_parts {
             // The last update's moments pass fills the time the launcher would wait.
@@ -685,17 +675,6 @@ impl Trainer {
             out.token_logps.extend(token_logps);
         }
         Ok(out)
-    }
-}
-
-/// The settings a checkpoint records to tell whether a resume continues the same run.
-fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
-    checkpoint::state::Schedule {
-        seed: cfg.training.seed,
-        batch_size: cfg.training.batch_size,
-        shuffle: cfg.dataset.shuffle,
-        decay_steps: (cfg.training.lr_scheduler != mt::config::LrScheduler::Constant)
-            .then_some(cfg.training.num_steps),
     }
 }
 

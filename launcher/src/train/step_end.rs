@@ -11,7 +11,8 @@ use mt::metrics::{
 };
 use mt::optim::{clip_coefficient, lr_at};
 
-use super::{StepOutcome, Trainer, schedule};
+use super::weights::schedule;
+use super::{StepOutcome, Trainer};
 
 impl Trainer {
     /// Checkpoints after `done` steps (with `checkpoint.dir`): every `checkpoint.every_steps`
@@ -191,7 +192,10 @@ impl Trainer {
             skipped: out.skipped,
             eval,
             dpo: out.dpo.as_ref().map(DpoMetrics::of),
-            grpo: out.grpo.as_ref().map(|g| GrpoMetrics::of(g, &plan.rewards)),
+            grpo: out.grpo.as_ref().map(|g| {
+                let kl = self.grpo.as_ref().is_some_and(|p| p.params.beta > 0.0);
+                GrpoMetrics::of(g, &plan.rewards, kl)
+            }),
         };
         if !m.loss.is_finite() {
             tracing::warn!(step = m.step, "non-finite loss");

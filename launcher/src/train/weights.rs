@@ -1,0 +1,95 @@
+//! Where a run's weights come from: its initial model (`model.path`'s weights, or random
+//! init from `training.seed`) or the checkpoint it resumes; and what checkpoints record to
+//! tell whether a resume continues the same run ([`schedule`]).
+//!
+//! Under `training.stage: grpo` with `grpo.beta` > 0 the initial model is also the
+//! reference of the KL term (TRL's reference: the initial policy). A loop resumes once per
+//! batch of rollouts (examples/grpo_loop.py), so the reference is never the weights a launch
+//! resumes: such a launch first loads the initial model, as a fresh run does, lets the
+//! workers compute the reference log-probabilities under it ([`crate::grpo::reference_logps`])
+//! and only then restores the checkpoint into the same buffers (no second copy of the
+//! model). The initial model is a function of the config, so the reference is the same at
+//! every launch; checkpoints record which it was, and a resume naming another is refused.
+
+use std::path::Path;
+
+use anyhow::{Result, bail};
+use mt::checkpoint;
+use mt::config::hf::ModelSpec;
+use mt::config::{Init as InitKind, RunConfig, Stage};
+
+use crate::host::HostState;
+
+/// Fills the master weights and the store with the run's initial model.
+pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSpec) -> Result<()> {
+    match cfg.model.init {
+        InitKind::Pretrained => host.init_master(|layout, master| {
+            checkpoint::load_pretrained(&cfg.model.path, layout, master)
+        }),
+        InitKind::Random => host.init_master(|layout, master| {
+            checkpoint::init_random(layout, spec, cfg.training.seed, master);
+            Ok(())
+        }),
+    }
+}
+
+/// Restores the checkpoint `dir` (weights, Adam state, step): (its step, its count of
+/// non-finite steps in a row).
+pub(super) fn restore(host: &mut HostState, dir: &Path, cfg: &RunConfig) -> Result<(u64, u64)> {
+    let state = host.restore(dir)?;
+    let steps = cfg.training.num_steps;
+    if state.step >= steps {
+        bail!(
+            "{}: the checkpoint is at step {}, training.num_steps is {steps}: nothing left to run",
+            dir.display(),
+            state.step
+        );
+    }
+    let ours = schedule(cfg);
+    if let Some(saved) = state.schedule.as_ref() {
+        for d in ours.differences(saved) {
+            tracing::warn!(
+                "resuming with other settings ({d}): the run does not continue as it would have"
+            );
+        }
+        if let (Some(a), Some(b)) = (&ours.grpo_reference, &saved.grpo_reference)
+            && a != b
+        {
+            bail!(
+                "{}: the run's grpo.beta KL term is against {b}, this launch's initial model is {a}: the reference is the run's initial model, keep model.path and model.init (and training.seed at random init) as the run started",
+                dir.display()
+            );
+        }
+    }
+    println!("resumed from {} at step {}", dir.display(), state.step);
+    Ok((state.step, state.nan_run))
+}
+
+/// The settings a checkpoint records to tell whether a resume continues the same run.
+pub(super) fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
+    checkpoint::state::Schedule {
+        seed: cfg.training.seed,
+        batch_size: cfg.training.batch_size,
+        shuffle: cfg.dataset.shuffle,
+        decay_steps: (cfg.training.lr_scheduler != mt::config::LrScheduler::Constant)
+            .then_some(cfg.training.num_steps),
+        grpo_reference: grpo_reference(cfg),
+    }
+}
+
+/// With `grpo.beta` > 0, the initial model the KL term is against, in words.
+fn grpo_reference(cfg: &RunConfig) -> Option<String> {
+    let beta = cfg.grpo.beta.unwrap_or(0.0);
+    if cfg.training.stage != Stage::Grpo || beta <= 0.0 {
+        return None;
+    }
+    let path = std::fs::canonicalize(&cfg.model.path).unwrap_or(cfg.model.path.clone());
+    Some(match cfg.model.init {
+        InitKind::Pretrained => format!("the weights of {}", path.display()),
+        InitKind::Random => format!(
+            "the random init of {} with training.seed {}",
+            path.display(),
+            cfg.training.seed
+        ),
+    })
+}
