@@ -2,7 +2,8 @@
 # SFT, DPO and GRPO step speed on one GPU (issue #25 part 7): the Qwen2.5-7B shape with 8
 # layers, random init, 32 rows of 1024 tokens per step each way (SFT: 32 sequences; DPO:
 # 16 pairs sharing a 256-token prompt, answers labelled; GRPO: 4 groups of 8 completions of
-# 768 tokens after a 256-token prompt, random rewards); 5 steps, the first left out.
+# 768 tokens after a 256-token prompt, random rewards; GRPO again with grpo.beta 0.04, whose
+# KL term needs the reference pass over the rollouts); 5 steps, the first left out.
 # Environment: BIN [target/release], OUT [a new temporary directory] for logs and metrics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,8 +34,9 @@ common=(--config configs/qwen_7b.yaml --gpus 1 --set model.path=$w/model --set d
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/sft.jsonl --set training.batch_size=32 --metrics-out $OUT/sft.jsonl > "$OUT/sft.log" 2>&1 || echo "sft run failed: $OUT/sft.log"
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/dpo.jsonl --set training.stage=dpo --set training.batch_size=16 --metrics-out $OUT/dpo.jsonl > "$OUT/dpo.log" 2>&1 || echo "dpo run failed: $OUT/dpo.log"
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/grpo.jsonl --set training.stage=grpo --set training.batch_size=32 --metrics-out $OUT/grpo.jsonl > "$OUT/grpo.log" 2>&1 || echo "grpo run failed: $OUT/grpo.log"
-grep -i "reference pass" "$OUT/dpo.log" | tail -1 || true
-for r in sft dpo grpo; do python3 - $OUT/$r.jsonl $r <<'PY'
+"$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/grpo.jsonl --set training.stage=grpo --set training.batch_size=32 --set grpo.beta=0.04 --metrics-out $OUT/grpo-kl.jsonl > "$OUT/grpo-kl.log" 2>&1 || echo "grpo-kl run failed: $OUT/grpo-kl.log"
+grep -i "reference pass" "$OUT/dpo.log" "$OUT/grpo-kl.log" || true
+for r in sft dpo grpo grpo-kl; do python3 - $OUT/$r.jsonl $r <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
 t = [r for r in rows if r["step"] >= 2]
