@@ -46,6 +46,10 @@ impl Elem for bf16 {
 impl Elem for f64 {
     const KIND: c_int = 2;
 }
+/// A split master's low halves: moved, never summed (their kind is bf16's, 16 bits).
+impl Elem for u16 {
+    const KIND: c_int = 1;
+}
 
 type AllreduceFn = unsafe extern "C" fn(*mut c_void, c_long, c_int) -> c_int;
 
@@ -58,6 +62,14 @@ struct Fns {
     allreduce_sum: AllreduceFn,
     reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, *const c_int, c_int) -> c_int,
     allgather_f64: unsafe extern "C" fn(*const f64, c_int, *mut f64) -> c_int,
+    allgather_inplace: unsafe extern "C" fn(*mut c_void, *const c_int, *const c_int, c_int) -> c_int,
+    gather_root: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        *const c_int,
+        *const c_int,
+        c_int,
+    ) -> c_int,
     max_i64: unsafe extern "C" fn(*mut i64) -> c_int,
     arrive_start: unsafe extern "C" fn() -> c_int,
     arrive_test: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int,
@@ -149,6 +161,8 @@ impl Mpi {
                 allreduce_sum: get(&lib, b"mt_mpi_allreduce_sum")?,
                 reduce_scatter: get(&lib, b"mt_mpi_reduce_scatter")?,
                 allgather_f64: get(&lib, b"mt_mpi_allgather_f64")?,
+                allgather_inplace: get(&lib, b"mt_mpi_allgather_inplace")?,
+                gather_root: get(&lib, b"mt_mpi_gather_root")?,
                 max_i64: get(&lib, b"mt_mpi_allreduce_max_i64")?,
                 arrive_start: get(&lib, b"mt_mpi_arrive_start")?,
                 arrive_test: get(&lib, b"mt_mpi_arrive_test")?,
@@ -335,6 +349,89 @@ impl Mpi {
                 T::KIND,
             )
         })
+    }
+
+    /// Reduce-scatter by sum over pieces of `buf`: `pieces[r]` (contiguous, in rank order,
+    /// covering `buf`) is summed over the ranks into this rank's `recv`, the length of its
+    /// piece. Every rank passes the same pieces.
+    pub fn reduce_scatter_pieces<T: Elem>(
+        &self,
+        what: &str,
+        buf: &[T],
+        pieces: &[std::ops::Range<usize>],
+        recv: &mut [T],
+    ) -> Result<()> {
+        let counts = self.counts(buf.len(), pieces);
+        assert_eq!(recv.len(), pieces[self.rank].len(), "this rank's piece");
+        // SAFETY: buf holds Σ counts elements, recv counts[rank].
+        self.watched(what, || unsafe {
+            (self.fns.reduce_scatter)(
+                buf.as_ptr().cast(),
+                recv.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                T::KIND,
+            )
+        })
+    }
+
+    /// All-gather in place: every rank's piece `pieces[r]` of `buf` (contiguous, in rank
+    /// order, covering `buf`) goes to every rank.
+    pub fn allgather_pieces<T: Elem>(
+        &self,
+        what: &str,
+        buf: &mut [T],
+        pieces: &[std::ops::Range<usize>],
+    ) -> Result<()> {
+        let counts = self.counts(buf.len(), pieces);
+        let displs: Vec<c_int> = pieces.iter().map(|p| p.start as c_int).collect();
+        // SAFETY: every piece lies within buf (checked by `counts`).
+        self.watched(what, || unsafe {
+            (self.fns.allgather_inplace)(
+                buf.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                displs.as_ptr(),
+                T::KIND,
+            )
+        })
+    }
+
+    /// Gathers every rank's piece `pieces[r]` (this rank's is `mine`) into `all` on rank 0,
+    /// which must then cover the pieces; `all` is not used on other ranks.
+    pub fn gather_pieces<T: Elem>(
+        &self,
+        what: &str,
+        mine: &[T],
+        all: &mut [T],
+        pieces: &[std::ops::Range<usize>],
+    ) -> Result<()> {
+        let len = pieces.last().map_or(0, |p| p.end);
+        let counts = self.counts(len, pieces);
+        assert_eq!(mine.len(), pieces[self.rank].len(), "this rank's piece");
+        assert!(self.rank != 0 || all.len() == len, "rank 0 receives every piece");
+        let displs: Vec<c_int> = pieces.iter().map(|p| p.start as c_int).collect();
+        // SAFETY: mine holds counts[rank] elements; on rank 0 all holds Σ counts.
+        self.watched(what, || unsafe {
+            (self.fns.gather_root)(
+                mine.as_ptr().cast(),
+                all.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                displs.as_ptr(),
+                T::KIND,
+            )
+        })
+    }
+
+    /// The C counts of `pieces`, which must tile `0..len` in rank order.
+    fn counts(&self, len: usize, pieces: &[std::ops::Range<usize>]) -> Vec<c_int> {
+        assert_eq!(pieces.len(), self.size, "one piece per rank");
+        assert!(len <= MAX_COUNT, "a block's count fits a C int");
+        let mut at = 0;
+        for p in pieces {
+            assert_eq!(p.start, at, "pieces tile the buffer in rank order");
+            at = p.end;
+        }
+        assert_eq!(at, len, "pieces cover the buffer");
+        pieces.iter().map(|p| p.len() as c_int).collect()
     }
 
     /// Every rank's `send` (all of one length), in rank order.

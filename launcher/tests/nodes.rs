@@ -243,18 +243,59 @@ fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
     }
 }
 
+/// With the state sharded (the default: each node updates its pieces of the master and
+/// moments, and the updated store is gathered) the run is the same bits as with it
+/// replicated (`nodes.shard_state: false`, every node updating everything): both sum each
+/// gradient piece once, by the same rank, in the same reduce-scatter; AdamW is elementwise,
+/// its rounding seeds are layout indices; the norm adds the same per-piece sums in the same
+/// order. Three nodes, where a sum of three partial gradients depends on its order; in
+/// float32, and in bfloat16 with a split master and bf16 moments (rounded stochastically).
+#[test]
+fn sharded_state_equals_replicated_bit_for_bit() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let low = [
+        "--set",
+        "model.dtype=bfloat16",
+        "--set",
+        "memory.grad_dtype=bfloat16",
+        "--set",
+        "memory.master_weights=split",
+        "--set",
+        "memory.moments_dtype=bfloat16",
+    ];
+    for (tag, extra) in [("f32", &[][..]), ("bf16", &low[..])] {
+        let replicated = [extra, &["--set", "nodes.shard_state=false"]].concat();
+        let sharded = train_with(&mpi, &format!("shard-{tag}"), 3, 1, 6, extra);
+        let whole = train_with(&mpi, &format!("whole-{tag}"), 3, 1, 6, &replicated);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&sharded.0), bits(&whole.0), "{tag} losses");
+        assert_eq!(bits(&sharded.1), bits(&whole.1), "{tag} gradient norms");
+        assert_eq!(sharded.2.len(), whole.2.len());
+        for (name, a) in &sharded.2 {
+            let differ = a
+                .iter()
+                .zip(&whole.2[name])
+                .filter(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(differ.count(), 0, "{tag}: final `{name}` differs");
+        }
+    }
+}
+
 /// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits
 /// as the run that went straight through; so does the same checkpoint resumed on one node
-/// of two workers (the checkpoint holds the whole state, written by node 0, so any number
-/// of nodes resumes it; two one-worker nodes and one two-worker node add the same two
-/// slabs in the same order).
+/// of two workers, or on two nodes with the state replicated (the checkpoint holds the
+/// whole state, gathered and written by node 0, so any number of nodes, sharded or not,
+/// resumes it, each node reading its pieces; two one-worker nodes and one two-worker node
+/// add the same two slabs in the same order).
 #[test]
 fn two_node_checkpoint_resumes_exactly() {
     let Some((mpi, _one)) = mpirun() else {
         return;
     };
     let config = golden_dir().join("llama/run.yaml");
-    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>| {
+    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>, extra: &[&str]| {
         let dir = scratch(&format!("nodes-resume-{tag}"));
         let (ck_set, out_set, steps_set) = (
             format!("checkpoint.dir={}", dir.join("ck").display()),
@@ -276,6 +317,7 @@ fn two_node_checkpoint_resumes_exactly() {
         if let Some(from) = resume {
             args.extend(["--resume", path_str(from)]);
         }
+        args.extend(extra);
         let out = match ranks {
             1 => run(&[&["--gpus", "0", "--workers", "2"], &args[..]].concat()),
             _ => mpi_command(&mpi, ranks, 1, &args).output().unwrap(),
@@ -286,13 +328,19 @@ fn two_node_checkpoint_resumes_exactly() {
             dir.join("ck"),
         )
     };
-    let (straight, _) = run_to("straight", 2, 4, None);
-    let (_, ck) = run_to("first", 2, 2, None);
+    let (straight, _) = run_to("straight", 2, 4, None, &[]);
+    let (_, ck) = run_to("first", 2, 2, None, &[]);
     let (newest, step2) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
     assert_eq!(newest, 2);
-    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2));
-    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2));
-    for (other, how) in [(&resumed, "on two nodes"), (&on_one, "on one node")] {
+    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2), &[]);
+    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2), &[]);
+    let replicated = ["--set", "nodes.shard_state=false"];
+    let (whole, _) = run_to("resumed-replicated", 2, 4, Some(&step2), &replicated);
+    for (other, how) in [
+        (&resumed, "on two nodes"),
+        (&on_one, "on one node"),
+        (&whole, "on two nodes, replicated"),
+    ] {
         for (name, a) in &straight {
             let b = &other[name];
             let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());

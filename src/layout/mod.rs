@@ -25,6 +25,7 @@ use crate::config::hf::{AttentionKind, ModelSpec, TextNames};
 
 mod carry;
 mod tensors;
+pub mod shards;
 pub use carry::CarryRule;
 use tensors::{layer_tensors, unrouted_params};
 

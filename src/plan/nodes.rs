@@ -8,20 +8,42 @@
 //! step sends each block's gradient in a reduce-scatter and the updated store in an
 //! all-gather.
 //!
-//! This build keeps the state replicated (every node holds all of it, as one node does) and
-//! sums the gradient with a reduce-scatter and an all-gather of the gradient.
+//! That is the default under mpirun (`nodes.shard_state: true`); with `false` every node
+//! holds all of the state, as one node does, and the gradient is summed with a
+//! reduce-scatter and an all-gather of the gradient.
 //!
 //! Traffic per node and step, each way over its link, with ring algorithms: a reduce-scatter
 //! or an all-gather of B bytes moves (N-1)/N x B.
 
 use super::HostPlan;
+use crate::config::MasterWeights;
+use crate::layout::Layout;
+use crate::layout::shards::Shards;
+
+impl HostPlan {
+    /// The plan of one node of `nodes` holding its shard of the master weights and moments
+    /// (the most any node owns: pieces are rounded up to whole SIMD runs,
+    /// [`crate::layout::shards`]).
+    pub fn sharded(self, layout: &Layout, nodes: usize) -> HostPlan {
+        let elems = Shards::most(layout, nodes) as u64;
+        HostPlan {
+            master: match self.opts.master {
+                MasterWeights::Float32 => 4 * elems,
+                MasterWeights::Split => 2 * elems,
+                MasterWeights::Bfloat16 => 0,
+            },
+            adam: 2 * self.opts.moments.size() as u64 * elems,
+            ..self
+        }
+    }
+}
 
 /// One node's share of an N-node run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NodesPlan {
     pub nodes: u64,
     pub params: u64,
-    /// Bytes per parameter on each node as this build runs (replicated state).
+    /// Bytes per parameter on each node with the state replicated (`nodes.shard_state: false`).
     pub replicated_per_param: f64,
     /// Bytes per parameter on each node with the sharded state.
     pub sharded_per_param: f64,
@@ -70,12 +92,12 @@ impl std::fmt::Display for NodesPlan {
         writeln!(f, "on {} nodes, each node holds:", self.nodes)?;
         writeln!(
             f,
-            "  {:.2} bytes per parameter as this build runs (state replicated on every node)",
+            "  {:.2} bytes per parameter with the state replicated (nodes.shard_state: false)",
             self.replicated_per_param
         )?;
         writeln!(
             f,
-            "  {:.2} bytes per parameter with the state sharded (store + gradient + (master + moments)/{}; not in this build yet)",
+            "  {:.2} bytes per parameter with the state sharded (store + gradient + (master + moments)/{}; the default)",
             self.sharded_per_param, self.nodes
         )?;
         for (name, bytes) in [

@@ -7,13 +7,23 @@
 //!
 //! N nodes of W workers train as one node of N x W workers does, up to the order of the
 //! gradient additions (`(s0 + s1) + (s2 + s3)` instead of `((s0 + s1) + s2) + s3`).
+//!
+//! With `nodes.shard_state` (the default) each node holds and updates its pieces of the
+//! master and moments only, and the updated store is gathered block by block before the
+//! next forward reads it ([`crate::host`]'s `shard`); replicated or sharded, the gradient,
+//! its norm and so the training are the same bits.
 
-use anyhow::{Result, bail};
-use mt::config::Stage;
+use anyhow::{Context, Result, bail};
+use mt::config::{CheckpointContents, RunConfig, Stage};
 use mt::data::StepPlan;
+use mt::layout::Layout;
+use mt::layout::shards::Shards;
+use mt::optim::AdamWStep;
 
-use super::Trainer;
+use super::{Trainer, schedule};
+use crate::host::HostState;
 use crate::mpi::Mpi;
+use crate::prepare::Prepared;
 
 /// Which blocks are final on this node, and the next one to exchange. Blocks are exchanged
 /// in one fixed order on every node (collectives must match): from the last block down,
@@ -23,6 +33,9 @@ pub(super) struct Exchange {
     parts_left: Vec<usize>,
     /// The next block to exchange (counting down); `None` once all are.
     next: Option<usize>,
+    /// By block, Σ g² of each piece this node holds summed over the nodes (every piece,
+    /// or sharded, its own).
+    sums: Vec<Vec<f64>>,
 }
 
 impl Exchange {
@@ -30,7 +43,33 @@ impl Exchange {
         Exchange {
             parts_left: parts.iter().map(Vec::len).collect(),
             next: parts.len().checked_sub(1),
+            sums: vec![Vec::new(); parts.len()],
         }
+    }
+
+    /// Exchanges every block now final on this node.
+    pub(super) fn run_due(&mut self, host: &mut HostState, mpi: &Mpi) -> Result<()> {
+        while let Some(b) = self.due() {
+            self.sums[b] = host.exchange_block(b, mpi)?;
+        }
+        Ok(())
+    }
+
+    /// Σ g² over every parameter: each block's pieces in rank order, block after block
+    /// from the last (sharded, every node's own pieces gathered first). The same bits on
+    /// every node, replicated or sharded.
+    pub(super) fn sum_sq(self, mpi: &Mpi) -> Result<f64> {
+        assert!(self.next.is_none(), "every block is exchanged");
+        let blocks = self.sums.len();
+        let mut sums = self.sums;
+        if sums.iter().all(|s| s.len() == 1) && mpi.size > 1 {
+            let mine: Vec<f64> = sums.iter().map(|s| s[0]).collect();
+            let all = mpi.allgather_f64("the gradient norm gather", &mine)?;
+            for (b, s) in sums.iter_mut().enumerate() {
+                *s = (0..mpi.size).map(|r| all[r * blocks + b]).collect();
+            }
+        }
+        Ok(sums.iter().rev().flatten().fold(0.0, |a, b| a + b))
     }
 
     /// Records that one part of `block`'s last micro-batch is reduced.
@@ -85,10 +124,37 @@ impl Trainer {
         Ok(all.iter().fold(0.0, |a, b| a + b))
     }
 
-    /// Sums block `block`'s gradient over the nodes; its Σ g².
-    pub(super) fn exchange(&mut self, block: usize) -> Result<f64> {
-        let m = self.mpi.expect("exchanges happen across nodes");
-        self.host.exchange_block(block, m)
+    /// Applies update `hp` to block `block` (this node's pieces, where sharded) and gives
+    /// every node the updated weights of the block.
+    pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
+        self.host.update_block(block, hp, self.moments);
+        self.host.gather_store(block)
+    }
+
+    /// [`Trainer::checkpoint`] of a sharded state: node 0 gathers the whole master (and
+    /// moments) and writes it as one node would, before the step loop goes on; the other
+    /// nodes send their pieces.
+    pub(super) fn checkpoint_sharded(&mut self, done: u64, last: bool) -> Result<()> {
+        let ck = &self.cfg.checkpoint;
+        let Some(contents) = ck.dir.as_ref().and(ck.due(done, last)) else {
+            return Ok(());
+        };
+        let Some(whole) = self.host.gather_state(contents == CheckpointContents::Full)? else {
+            return Ok(());
+        };
+        let writer = self.writer.as_mut().expect("node 0 writes the checkpoints");
+        let root = writer.root().display().to_string();
+        let failed =
+            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
+        let state = self
+            .host
+            .train_state(done, self.nan_run, schedule(&self.cfg));
+        let lent = self.host.lend_gathered(&whole);
+        let (waited, mut written, _gate) =
+            writer.start(state, lent, contents).with_context(failed)?;
+        written.extend(writer.finish().with_context(failed)?);
+        self.checkpoint_wait_s += waited;
+        self.report_written(written)
     }
 
     /// The stop signal any node received (all stop at the same step boundary).
@@ -110,5 +176,45 @@ pub(super) fn check_supported(mpi: Option<&Mpi>, stage: Stage) -> Result<()> {
             stage.as_str()
         );
     }
+    Ok(())
+}
+
+/// This node's pieces of the master and moments, when they are sharded: under mpirun with
+/// `nodes.shard_state` (the default).
+pub(super) fn shards(cfg: &RunConfig, mpi: Option<&'static Mpi>, layout: &Layout) -> Option<(Shards, &'static Mpi)> {
+    let m = mpi.filter(|_| cfg.nodes.shard_state)?;
+    Some((Shards::new(layout, m.size, m.rank), m))
+}
+
+/// The host plan of one node of a sharded run: 1/N of the master and moments, and no
+/// staging area (node 0 writes a checkpoint from a gathered copy, before training goes
+/// on).
+pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
+    if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
+        prepared.plan = prepared.plan.sharded(&prepared.layout, m.size).without_staging();
+    }
+}
+
+/// Writes the trained model to `training.output_dir` (node 0); a sharded master is gathered
+/// on node 0 first, every node sending its pieces.
+pub(super) fn export(
+    cfg: &RunConfig,
+    host: &mut HostState,
+    export: &mt::checkpoint::ExportOptions,
+    lead: bool,
+) -> Result<()> {
+    let Some(out) = &cfg.training.output_dir else {
+        return Ok(());
+    };
+    let whole = host.gather_state(false)?;
+    if !lead {
+        return Ok(());
+    }
+    let master = match &whole {
+        Some(w) => host.gathered_master(w),
+        None => host.master(),
+    };
+    mt::checkpoint::save_hf(out, &host.layout, master, export)?;
+    println!("model written to {}", out.display());
     Ok(())
 }
