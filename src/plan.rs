@@ -384,6 +384,14 @@ mod tests {
             plan.params, 7_615_616_512,
             "Qwen2.5-7B's published parameter count"
         );
+        // One node of 4 with the state sharded: 2 + 4 + 12/4; the pieces' rounding to 64
+        // elements adds at most 64 x 4 x 12 bytes per block.
+        let sharded = plan.sharded(&layout, 4);
+        let blocks = layout.blocks.len() as f64;
+        let slack = 64.0 * 4.0 * 12.0 * blocks / plan.params as f64;
+        let per = sharded.bytes_per_param();
+        assert!(per >= 9.0 && per < 9.01 + slack, "{per}");
+        assert_eq!((sharded.grad, sharded.store), (plan.grad, plan.store));
         // Alignment gaps add a little over 18 B/param; the bound is 18 + slabs.
         assert!(plan.bytes_per_param() < 18.01, "{}", plan.bytes_per_param());
         // Slots hold one decoder layer; the embedding and lm_head travel in parts.

@@ -62,7 +62,8 @@ struct Fns {
     allreduce_sum: AllreduceFn,
     reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, *const c_int, c_int) -> c_int,
     allgather_f64: unsafe extern "C" fn(*const f64, c_int, *mut f64) -> c_int,
-    allgather_inplace: unsafe extern "C" fn(*mut c_void, *const c_int, *const c_int, c_int) -> c_int,
+    allgather_inplace:
+        unsafe extern "C" fn(*mut c_void, *const c_int, *const c_int, c_int) -> c_int,
     gather_root: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -407,7 +408,10 @@ impl Mpi {
         let len = pieces.last().map_or(0, |p| p.end);
         let counts = self.counts(len, pieces);
         assert_eq!(mine.len(), pieces[self.rank].len(), "this rank's piece");
-        assert!(self.rank != 0 || all.len() == len, "rank 0 receives every piece");
+        assert!(
+            self.rank != 0 || all.len() == len,
+            "rank 0 receives every piece"
+        );
         let displs: Vec<c_int> = pieces.iter().map(|p| p.start as c_int).collect();
         // SAFETY: mine holds counts[rank] elements; on rank 0 all holds Σ counts.
         self.watched(what, || unsafe {

@@ -319,7 +319,7 @@ fn a_launch_grows_the_staging_area_into_free_ram() {
     );
 }
 
-/// `plan --nodes N`: each node's bytes per parameter, whole (as this build runs) and with
+/// `plan --nodes N`: each node's bytes per parameter, replicated and with
 /// the state sharded (store 2 + gradient + (master + moments)/N), and a step's traffic: (N-1)/N
 /// of the gradient twice (replicated) or of the gradient and the bf16 store (sharded).
 #[test]
@@ -389,6 +389,10 @@ fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
     ]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("on 2 nodes, each node holds:"), "{text}");
+    assert!(
+        text.contains("with the state sharded") && !text.contains("not in this build"),
+        "{text}"
+    );
     assert!(
         text.contains("at 25 GB/s") && text.contains("at 50 GB/s"),
         "{text}"

@@ -570,7 +570,11 @@ impl Saved {
     /// Fills `dst` with `field`'s elements `at..at + dst.len()`.
     pub fn read(&self, field: Field, at: usize, dst: &mut MasterMut<'_>) -> Result<()> {
         let info = self.reader.tensor(field.name()).expect("checked by open");
-        assert!(at + dst.len() <= self.total, "within {}", self.path.display());
+        assert!(
+            at + dst.len() <= self.total,
+            "within {}",
+            self.path.display()
+        );
         dst.try_fill(0..dst.len(), |first, out| {
             let from = at + first;
             self.reader.read_f32(info, from..from + out.len(), out)

@@ -24,8 +24,8 @@ use serde::{Deserialize, Serialize};
 use crate::config::hf::{AttentionKind, ModelSpec, TextNames};
 
 mod carry;
-mod tensors;
 pub mod shards;
+mod tensors;
 pub use carry::CarryRule;
 use tensors::{layer_tensors, unrouted_params};
 

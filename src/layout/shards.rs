@@ -80,7 +80,10 @@ impl Shards {
     /// Where global index `at`, in this rank's piece of `block`, sits in the local buffers.
     pub fn local(&self, block: usize, at: usize) -> usize {
         let mine = self.mine(block);
-        assert!(mine.contains(&at), "{at} is not in this rank's piece {mine:?}");
+        assert!(
+            mine.contains(&at),
+            "{at} is not in this rank's piece {mine:?}"
+        );
         self.local[block] + at - mine.start
     }
 

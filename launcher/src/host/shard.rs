@@ -115,7 +115,13 @@ impl HostState {
             }
             Master::Bf16 { .. } => {
                 let p = store_bf16(&mut self.store, 0..n);
-                fill(&self.layout, &mut MasterMut::Bf16 { p, rounded: &rounded })?;
+                fill(
+                    &self.layout,
+                    &mut MasterMut::Bf16 {
+                        p,
+                        rounded: &rounded,
+                    },
+                )?;
             }
         }
         Ok(())
@@ -262,7 +268,11 @@ impl HostState {
 
     /// The whole master of `g` (node 0's gathered copy), as the export reads it.
     pub fn gathered_master<'a>(&'a self, g: &'a Gathered) -> MasterRef<'a> {
-        let store = || self.store.bf16().expect("a split or bf16 master has a bf16 store");
+        let store = || {
+            self.store
+                .bf16()
+                .expect("a split or bf16 master has a bf16 store")
+        };
         match &g.master {
             Some(Whole::F32(x)) => MasterRef::F32(x.as_slice()),
             Some(Whole::U16(lo)) => MasterRef::Split {

@@ -139,7 +139,10 @@ impl Trainer {
         let Some(contents) = ck.dir.as_ref().and(ck.due(done, last)) else {
             return Ok(());
         };
-        let Some(whole) = self.host.gather_state(contents == CheckpointContents::Full)? else {
+        let Some(whole) = self
+            .host
+            .gather_state(contents == CheckpointContents::Full)?
+        else {
             return Ok(());
         };
         let writer = self.writer.as_mut().expect("node 0 writes the checkpoints");
@@ -181,7 +184,11 @@ pub(super) fn check_supported(mpi: Option<&Mpi>, stage: Stage) -> Result<()> {
 
 /// This node's pieces of the master and moments, when they are sharded: under mpirun with
 /// `nodes.shard_state` (the default).
-pub(super) fn shards(cfg: &RunConfig, mpi: Option<&'static Mpi>, layout: &Layout) -> Option<(Shards, &'static Mpi)> {
+pub(super) fn shards(
+    cfg: &RunConfig,
+    mpi: Option<&'static Mpi>,
+    layout: &Layout,
+) -> Option<(Shards, &'static Mpi)> {
     let m = mpi.filter(|_| cfg.nodes.shard_state)?;
     Some((Shards::new(layout, m.size, m.rank), m))
 }
@@ -191,7 +198,10 @@ pub(super) fn shards(cfg: &RunConfig, mpi: Option<&'static Mpi>, layout: &Layout
 /// on).
 pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
-        prepared.plan = prepared.plan.sharded(&prepared.layout, m.size).without_staging();
+        prepared.plan = prepared
+            .plan
+            .sharded(&prepared.layout, m.size)
+            .without_staging();
     }
 }
 

@@ -60,7 +60,10 @@ impl Trainer {
     }
 
     /// Says where the checkpoints completed meanwhile were written.
-    pub(super) fn report_written(&mut self, written: Vec<mt::checkpoint::writer::Written>) -> Result<()> {
+    pub(super) fn report_written(
+        &mut self,
+        written: Vec<mt::checkpoint::writer::Written>,
+    ) -> Result<()> {
         for w in written {
             self.progress.println(&format!(
                 "checkpoint {} written: {:.2} GB in {:.3}s ({:.2} GB/s); training waited {:.3}s for it; blocks: {} staged, {} copied ahead, {} from the live state",
