@@ -107,6 +107,10 @@ pub struct HostPlan {
     pub staging_grown: bool,
     /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
     pub carried: u64,
+    /// With the state sharded across nodes, node 0's buffers to gather one block (the
+    /// largest) of the master and moments for a checkpoint or the export; 0 otherwise
+    /// ([`HostPlan::sharded`]).
+    pub gather: u64,
     /// GPU workers' layer inputs stashed in pinned host memory between forward and backward
     /// (`memory.offload_activations`; [`offloaded_inputs`]), or 0.
     pub offloaded: u64,
@@ -149,6 +153,7 @@ impl HostPlan {
             },
             staging_grown: false,
             carried: 0,
+            gather: 0,
             offloaded: 0,
             slot_len: slot_len as u64,
             workers: opts.workers as u64,
@@ -163,7 +168,12 @@ impl HostPlan {
 
     /// What the launcher holds at its peak, start-up and checkpoints included.
     pub fn total(&self) -> u64 {
-        self.per_param_state() + self.slabs + self.staging + self.carried + self.offloaded
+        self.per_param_state()
+            + self.slabs
+            + self.staging
+            + self.carried
+            + self.gather
+            + self.offloaded
     }
 
     /// The plan with `bytes` of offloaded layer inputs held by the workers.
@@ -297,6 +307,13 @@ impl std::fmt::Display for HostPlan {
                 gb(self.carried)
             )?;
         }
+        if self.gather > 0 {
+            writeln!(
+                f,
+                "  checkpoint gather     {:>9.2} GB (node 0: the largest block's master and moments, gathered one block at a time)",
+                gb(self.gather)
+            )?;
+        }
         if self.offloaded > 0 {
             writeln!(
                 f,
@@ -392,6 +409,10 @@ mod tests {
         let per = sharded.bytes_per_param();
         assert!(per >= 9.0 && per < 9.01 + slack, "{per}");
         assert_eq!((sharded.grad, sharded.store), (plan.grad, plan.store));
+        // Node 0 gathers a checkpoint one block at a time: the largest block (the
+        // embedding, 152064 x 3584) x 12 bytes of master and moments, no whole copy.
+        assert_eq!(sharded.gather, 12 * layout.max_block_len() as u64);
+        assert!(layout.max_block_len() >= 152064 * 3584);
         // Alignment gaps add a little over 18 B/param; the bound is 18 + slabs.
         assert!(plan.bytes_per_param() < 18.01, "{}", plan.bytes_per_param());
         // Slots hold one decoder layer; the embedding and lm_head travel in parts.

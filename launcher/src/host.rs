@@ -295,7 +295,7 @@ impl HostState {
     }
 
     /// The master weights, whichever way they are held (all of them: not with a sharded
-    /// state, see [`HostState::gather_state`]).
+    /// state, see [`HostState::gather_blocks`]).
     pub fn master(&self) -> MasterRef<'_> {
         assert!(self.shards.is_none(), "a sharded master is gathered first");
         match &self.master {

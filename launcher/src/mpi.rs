@@ -15,6 +15,7 @@
 //! stopping its own workers.
 
 use std::ffi::{c_char, c_int, c_long, c_void};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use half::bf16;
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
+use mt::layout::shards::{Window, windows};
 
 /// Environment variables that say the process was started by an MPI launcher.
 const MPI_ENV: [&str; 4] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"];
@@ -32,6 +34,9 @@ const ENV_SHIM: &str = "MT_MPI_SHIM";
 
 /// Elements per MPI call: counts are C ints.
 const MAX_COUNT: usize = 1 << 30;
+
+/// Test hook: fewer elements per MPI call ([`max_count`]).
+const ENV_MAX_COUNT: &str = "MT_MPI_MAX_COUNT";
 
 /// An element type a collective sums (the shim's numbering).
 pub trait Elem: Copy {
@@ -89,6 +94,8 @@ pub struct Mpi {
     waiting: Arc<Mutex<Option<(String, Instant)>>>,
     /// Seconds a collective may wait (`training.worker_timeout_s`).
     timeout_s: Arc<AtomicU64>,
+    /// Elements per MPI call ([`max_count`]).
+    max_count: usize,
     _lib: Library,
 }
 
@@ -137,6 +144,7 @@ fn shim_path(var: &str) -> Result<PathBuf> {
 
 impl Mpi {
     fn load(var: &str) -> Result<Mpi> {
+        let max_count = max_count()?;
         let path = shim_path(var)?;
         // SAFETY: loading the shim runs libmpi's initializers, which are sound to run at
         // any time; RTLD_GLOBAL lets MPI's own plugins see libmpi's symbols.
@@ -199,6 +207,7 @@ impl Mpi {
             fns,
             waiting: Arc::new(Mutex::new(None)),
             timeout_s: Arc::new(AtomicU64::new(600)),
+            max_count,
             _lib: lib,
         };
         mpi.start_watchdog();
@@ -327,7 +336,7 @@ impl Mpi {
     }
 
     fn allreduce_with<T: Elem>(&self, f: AllreduceFn, what: &str, buf: &mut [T]) -> Result<()> {
-        for chunk in buf.chunks_mut(MAX_COUNT) {
+        for chunk in buf.chunks_mut(self.max_count) {
             let (ptr, n) = (chunk.as_mut_ptr().cast(), chunk.len() as c_long);
             // SAFETY: the shim reads and writes exactly `n` elements of type T at `ptr`.
             self.watched(what, || unsafe { f(ptr, n, T::KIND) })?;
@@ -354,88 +363,108 @@ impl Mpi {
 
     /// Reduce-scatter by sum over pieces of `buf`: `pieces[r]` (contiguous, in rank order,
     /// covering `buf`) is summed over the ranks into this rank's `recv`, the length of its
-    /// piece. Every rank passes the same pieces.
+    /// piece. Every rank passes the same pieces. One MPI call per window of the buffer
+    /// ([`windows`]).
     pub fn reduce_scatter_pieces<T: Elem>(
         &self,
         what: &str,
         buf: &[T],
-        pieces: &[std::ops::Range<usize>],
+        pieces: &[Range<usize>],
         recv: &mut [T],
     ) -> Result<()> {
-        let counts = self.counts(buf.len(), pieces);
-        assert_eq!(recv.len(), pieces[self.rank].len(), "this rank's piece");
-        // SAFETY: buf holds Σ counts elements, recv counts[rank].
-        self.watched(what, || unsafe {
-            (self.fns.reduce_scatter)(
-                buf.as_ptr().cast(),
-                recv.as_mut_ptr().cast(),
-                counts.as_ptr(),
-                T::KIND,
-            )
-        })
+        self.check_pieces(buf.len(), pieces);
+        let mine = pieces[self.rank].clone();
+        assert_eq!(recv.len(), mine.len(), "this rank's piece");
+        for w in windows(pieces, self.max_count) {
+            let (counts, _) = counts(&w);
+            let send = &buf[w.range.clone()];
+            let recv = &mut recv[w.within(self.rank, &mine)];
+            // SAFETY: send holds Σ counts elements, recv counts[rank].
+            self.watched(what, || unsafe {
+                (self.fns.reduce_scatter)(
+                    send.as_ptr().cast(),
+                    recv.as_mut_ptr().cast(),
+                    counts.as_ptr(),
+                    T::KIND,
+                )
+            })?;
+        }
+        Ok(())
     }
 
     /// All-gather in place: every rank's piece `pieces[r]` of `buf` (contiguous, in rank
-    /// order, covering `buf`) goes to every rank.
+    /// order, covering `buf`) goes to every rank. One MPI call per window of the buffer.
     pub fn allgather_pieces<T: Elem>(
         &self,
         what: &str,
         buf: &mut [T],
-        pieces: &[std::ops::Range<usize>],
+        pieces: &[Range<usize>],
     ) -> Result<()> {
-        let counts = self.counts(buf.len(), pieces);
-        let displs: Vec<c_int> = pieces.iter().map(|p| p.start as c_int).collect();
-        // SAFETY: every piece lies within buf (checked by `counts`).
-        self.watched(what, || unsafe {
-            (self.fns.allgather_inplace)(
-                buf.as_mut_ptr().cast(),
-                counts.as_ptr(),
-                displs.as_ptr(),
-                T::KIND,
-            )
-        })
+        self.check_pieces(buf.len(), pieces);
+        for w in windows(pieces, self.max_count) {
+            let (counts, displs) = counts(&w);
+            let buf = &mut buf[w.range.clone()];
+            // SAFETY: every part lies within the window `buf` (displacements relative to it).
+            self.watched(what, || unsafe {
+                (self.fns.allgather_inplace)(
+                    buf.as_mut_ptr().cast(),
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                    T::KIND,
+                )
+            })?;
+        }
+        Ok(())
     }
 
     /// Gathers every rank's piece `pieces[r]` (this rank's is `mine`) into `all` on rank 0,
-    /// which must then cover the pieces; `all` is not used on other ranks.
+    /// which must then cover the pieces; `all` is not used on other ranks. One MPI call per
+    /// window of the pieces.
     pub fn gather_pieces<T: Elem>(
         &self,
         what: &str,
         mine: &[T],
         all: &mut [T],
-        pieces: &[std::ops::Range<usize>],
+        pieces: &[Range<usize>],
     ) -> Result<()> {
         let len = pieces.last().map_or(0, |p| p.end);
-        let counts = self.counts(len, pieces);
-        assert_eq!(mine.len(), pieces[self.rank].len(), "this rank's piece");
+        self.check_pieces(len, pieces);
+        let piece = pieces[self.rank].clone();
+        assert_eq!(mine.len(), piece.len(), "this rank's piece");
         assert!(
             self.rank != 0 || all.len() == len,
             "rank 0 receives every piece"
         );
-        let displs: Vec<c_int> = pieces.iter().map(|p| p.start as c_int).collect();
-        // SAFETY: mine holds counts[rank] elements; on rank 0 all holds Σ counts.
-        self.watched(what, || unsafe {
-            (self.fns.gather_root)(
-                mine.as_ptr().cast(),
-                all.as_mut_ptr().cast(),
-                counts.as_ptr(),
-                displs.as_ptr(),
-                T::KIND,
-            )
-        })
+        for w in windows(pieces, self.max_count) {
+            let (counts, displs) = counts(&w);
+            let send = &mine[w.within(self.rank, &piece)];
+            let recv = match self.rank {
+                0 => all[w.range.clone()].as_mut_ptr(),
+                _ => all.as_mut_ptr(),
+            };
+            // SAFETY: send holds counts[rank] elements; on rank 0 recv holds Σ counts.
+            self.watched(what, || unsafe {
+                (self.fns.gather_root)(
+                    send.as_ptr().cast(),
+                    recv.cast(),
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                    T::KIND,
+                )
+            })?;
+        }
+        Ok(())
     }
 
-    /// The C counts of `pieces`, which must tile `0..len` in rank order.
-    fn counts(&self, len: usize, pieces: &[std::ops::Range<usize>]) -> Vec<c_int> {
+    /// Checks that `pieces` tile `0..len` in rank order, one per rank.
+    fn check_pieces(&self, len: usize, pieces: &[Range<usize>]) {
         assert_eq!(pieces.len(), self.size, "one piece per rank");
-        assert!(len <= MAX_COUNT, "a block's count fits a C int");
         let mut at = 0;
         for p in pieces {
             assert_eq!(p.start, at, "pieces tile the buffer in rank order");
             at = p.end;
         }
         assert_eq!(at, len, "pieces cover the buffer");
-        pieces.iter().map(|p| p.len() as c_int).collect()
     }
 
     /// Every rank's `send` (all of one length), in rank order.
@@ -461,5 +490,27 @@ impl Mpi {
     pub fn barrier(&self, what: &str) -> Result<()> {
         // SAFETY: no arguments.
         self.watched(what, || unsafe { (self.fns.barrier)() })
+    }
+}
+
+/// A window's C counts and displacements (relative to the window), by rank.
+fn counts(w: &Window) -> (Vec<c_int>, Vec<c_int>) {
+    let c = |x: usize| c_int::try_from(x).expect("a window's count fits a C int");
+    w.parts
+        .iter()
+        .map(|p| (c(p.len()), c(p.start - w.range.start)))
+        .unzip()
+}
+
+/// Elements per MPI call: [`MAX_COUNT`], or `$MT_MPI_MAX_COUNT` where a test sets a smaller
+/// window (a test hook: the tiny test models' blocks are far below 2^30 elements, so only
+/// this makes their collectives run over several windows). Read once, at start-up.
+fn max_count() -> Result<usize> {
+    let Ok(v) = std::env::var(ENV_MAX_COUNT) else {
+        return Ok(MAX_COUNT);
+    };
+    match v.parse::<usize>() {
+        Ok(n) if (1..=MAX_COUNT).contains(&n) => Ok(n),
+        _ => bail!("{ENV_MAX_COUNT}={v}: expected a count of elements from 1 to {MAX_COUNT}"),
     }
 }

@@ -73,6 +73,19 @@ fn train_with(
     batch: usize,
     extra: &[&str],
 ) -> Trained {
+    train_env(mpirun, tag, ranks, workers, batch, extra, &[])
+}
+
+/// [`train_with`] with environment variables for the launchers under mpirun.
+fn train_env(
+    mpirun: &Path,
+    tag: &str,
+    ranks: usize,
+    workers: usize,
+    batch: usize,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Trained {
     let dir = scratch(&format!("nodes-{tag}"));
     let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
     let config = golden_dir().join("llama/run.yaml");
@@ -99,7 +112,10 @@ fn train_with(
             &args[..],
         ]
         .concat()),
-        _ => mpi_command(mpirun, ranks, workers, &args).output().unwrap(),
+        _ => mpi_command(mpirun, ranks, workers, &args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap(),
     };
     assert_mpi_ok(&output, tag);
     let rows = metrics(&m);
@@ -281,6 +297,74 @@ fn sharded_state_equals_replicated_bit_for_bit() {
             assert_eq!(differ.count(), 0, "{tag}: final `{name}` differs");
         }
     }
+}
+
+/// Collectives over blocks longer than one MPI call may count (2^30 elements: a 27B
+/// model's embedding has 1.27e9) run over windows of the block, the same on every node.
+/// With `MT_MPI_MAX_COUNT=1000` (the test hook: smaller than the fixture's blocks and not
+/// dividing them, so pieces straddle windows and some windows hold no piece of a rank) three
+/// nodes train the same bits as with the default window, sharded (the gradient
+/// reduce-scatter, the store all-gather, and the gathers of the checkpoint and export) and
+/// replicated (the gradient all-gather too); the final checkpoint holds the same bytes.
+#[test]
+fn collectives_in_small_windows_train_the_same_bits() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let small = [("MT_MPI_MAX_COUNT", "1000")];
+    let run = |tag: &str, extra: &[&str], env: &[(&str, &str)]| {
+        let ck = scratch(&format!("nodes-window-ck-{tag}"));
+        let ck_set = format!("checkpoint.dir={}", ck.display());
+        let args = [extra, &["--set", &ck_set]].concat();
+        let trained = train_env(&mpi, &format!("window-{tag}"), 3, 1, 6, &args, env);
+        let (_, dir) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
+        let opt = std::fs::read(dir.join("optimizer.safetensors")).unwrap();
+        (trained, opt)
+    };
+    let replicated = ["--set", "nodes.shard_state=false"];
+    let default = run("default", &[], &[]);
+    for (tag, extra) in [("sharded", &[][..]), ("replicated", &replicated[..])] {
+        let (small, opt) = run(tag, extra, &small);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&small.0), bits(&default.0.0), "{tag} losses");
+        assert_eq!(bits(&small.1), bits(&default.0.1), "{tag} gradient norms");
+        assert_eq!(small.2.len(), default.0.2.len());
+        for (name, a) in &small.2 {
+            let b = &default.0.2[name];
+            let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(differ.count(), 0, "{tag}: final `{name}` differs");
+        }
+        assert!(
+            opt == default.1,
+            "{tag}: the checkpoint's optimizer state differs"
+        );
+    }
+}
+
+/// `--dump-grads` with the state sharded is refused up front, naming the flag and
+/// `nodes.shard_state`: each node ends a step with the summed gradient of its pieces only.
+#[test]
+fn dump_grads_with_a_sharded_state_is_refused() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let dir = scratch("nodes-dump-grads");
+    let config = golden_dir().join("llama/run.yaml");
+    let dump = dir.join("grads.safetensors");
+    let args = [
+        "--config",
+        path_str(&config),
+        "--dump-grads",
+        path_str(&dump),
+    ];
+    let out = mpi_command(&mpi, 2, 1, &args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--dump-grads") && err.contains("nodes.shard_state"),
+        "{err}"
+    );
+    assert!(!dump.exists());
 }
 
 /// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits

@@ -12,42 +12,90 @@
 //! order), piece after piece in rank order.
 //!
 //! A checkpoint or the exported model needs the whole master: node 0 gathers it (and the
-//! moments) block by block into a whole copy, written in the format one node writes, so a
-//! checkpoint of a sharded run resumes on any number of nodes (each node reads its pieces of
-//! the whole state: [`HostState::restore_sharded`]).
+//! moments) one block at a time into buffers of the largest block's size and writes each
+//! block before gathering the next ([`HostState::gather_blocks`]), in the format one node
+//! writes, so a checkpoint of a sharded run resumes on any number of nodes (each node reads
+//! its pieces of the whole state: [`HostState::restore_sharded`]). Node 0 holds one block of
+//! the master and moments beyond its share, never a whole copy.
 
 use std::ops::Range;
 use std::sync::atomic::AtomicU64;
 
 use anyhow::Result;
 use half::bf16;
-use mt::checkpoint::state::{Field, Saved, TrainState};
-use mt::checkpoint::writer::{LentMaster, LentTensors};
+use mt::checkpoint::state::{BlockValues, Field, Saved, Tensors, TrainState};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::layout::Layout;
 use mt::layout::shards::{Shards, piece};
 use mt::optim::StoreOut;
 use mt::reduce::GradElem;
 use mt::shm::huge::zeroed;
-use mt::shm::lent::Buf;
 
 use super::{AdamMoments, Grad, HostState, Master, store_bf16, sum_sq};
 use crate::mpi::{Elem, Mpi};
 
-/// Node 0's whole copy of a sharded master and moments ([`HostState::gather_state`]).
-pub struct Gathered {
-    /// The fp32 master, or a split master's low halves; none for a bf16 master (the store).
-    master: Option<Whole>,
-    /// Empty where not gathered (a model-only checkpoint, the export).
-    m: Whole,
-    v: Whole,
+/// One block of the master or a moment, gathered on node 0 (the largest block's size,
+/// reused block after block; empty on the other nodes).
+enum Whole {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+    Bf16(Vec<bf16>),
 }
 
-enum Whole {
-    F32(Buf<f32>),
-    U16(Buf<u16>),
-    Bf16(Buf<bf16>),
+/// A node's local buffer of pieces (the master or a moment), by dtype.
+enum Local<'a> {
+    F32(&'a [f32]),
+    U16(&'a [u16]),
+    Bf16(&'a [bf16]),
 }
+
+impl Whole {
+    /// A buffer of `n` elements of `local`'s dtype.
+    fn like(local: &Local, n: usize) -> Whole {
+        match local {
+            Local::F32(_) => Whole::F32(zeroed(n)),
+            Local::U16(_) => Whole::U16(zeroed(n)),
+            Local::Bf16(_) => Whole::Bf16(zeroed(n)),
+        }
+    }
+
+    /// Gathers each rank's piece of a block (this rank's: elements `l` of `local`) into
+    /// the first `keep` elements (the block on node 0, none elsewhere).
+    fn gather(
+        &mut self,
+        mpi: &Mpi,
+        what: &str,
+        local: &Local,
+        l: Range<usize>,
+        keep: usize,
+        pieces: &[Range<usize>],
+    ) -> Result<()> {
+        match (local, self) {
+            (Local::F32(x), Whole::F32(a)) => {
+                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
+            }
+            (Local::U16(x), Whole::U16(a)) => {
+                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
+            }
+            (Local::Bf16(x), Whole::Bf16(a)) => {
+                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
+            }
+            _ => unreachable!("a gathered block has its pieces' dtype"),
+        }
+    }
+
+    /// The first `n` elements, as a checkpoint reads a moment.
+    fn moment(&self, n: usize) -> MasterRef<'_> {
+        match self {
+            Whole::F32(x) => MasterRef::F32(&x[..n]),
+            Whole::Bf16(x) => MasterRef::Bf16(&x[..n]),
+            Whole::U16(_) => unreachable!("moments are f32 or bf16"),
+        }
+    }
+}
+
+/// Where [`HostState::gather_blocks`] hands node 0 each block's values.
+pub type WriteBlock<'a> = &'a mut dyn FnMut(usize, &dyn BlockValues) -> mt::Result<()>;
 
 impl HostState {
     /// Whether the master and moments hold this node's pieces only.
@@ -193,120 +241,79 @@ impl HostState {
         Ok(saved.state)
     }
 
-    /// Gathers the sharded master (and with `moments`, the moments) into a whole copy on
-    /// node 0, block by block; `None` on the other nodes, and without a sharded state.
-    pub fn gather_state(&mut self, moments: bool) -> Result<Option<Gathered>> {
-        let Some((shards, mpi)) = self.shards.clone() else {
-            return Ok(None);
-        };
+    /// Gathers every block's master (and with `moments`, m and v) on node 0, one block
+    /// after another in layout order, into buffers of the largest block's size, and hands
+    /// each block's values to `write` there (`None` on the other nodes, which send their
+    /// pieces). Every node makes every block's gathers whatever `write` returns: after its
+    /// first error node 0 only gathers, so no node waits in a gather node 0 skipped. The
+    /// outer error is a failed gather (every node fails); the inner one `write`'s first.
+    pub fn gather_blocks(
+        &mut self,
+        moments: bool,
+        mut write: Option<WriteBlock>,
+    ) -> Result<mt::Result<()>> {
         self.settle_moments();
-        let n = match mpi.rank {
-            0 => self.layout.total,
-            _ => 0,
+        let (shards, mpi) = self.shards.as_ref().expect("sharded");
+        let lead = mpi.rank == 0;
+        let n = if lead { self.layout.max_block_len() } else { 0 };
+        let store = self.store.bf16();
+        let master = match &self.master {
+            Master::F32(x) => Some(Local::F32(x.as_slice())),
+            Master::Split(lo) => Some(Local::U16(lo.as_slice())),
+            Master::Bf16 { .. } => None,
         };
-        let mut out = Gathered {
-            master: match &self.master {
-                Master::F32(_) => Some(Whole::F32(Buf::zeroed(n))),
-                Master::Split(_) => Some(Whole::U16(Buf::zeroed(n))),
-                Master::Bf16 { .. } => None,
-            },
-            m: Whole::F32(Buf::zeroed(0)),
-            v: Whole::F32(Buf::zeroed(0)),
+        let (m, v) = match &self.moments {
+            _ if !moments => (None, None),
+            AdamMoments::F32 { m, v } => (
+                Some(Local::F32(m.as_slice())),
+                Some(Local::F32(v.as_slice())),
+            ),
+            AdamMoments::Bf16 { m, v, .. } => (
+                Some(Local::Bf16(m.as_slice())),
+                Some(Local::Bf16(v.as_slice())),
+            ),
         };
-        let moments_n = if moments { n } else { 0 };
-        if moments {
-            (out.m, out.v) = match &self.moments {
-                AdamMoments::F32 { .. } => (
-                    Whole::F32(Buf::zeroed(moments_n)),
-                    Whole::F32(Buf::zeroed(moments_n)),
-                ),
-                AdamMoments::Bf16 { .. } => (
-                    Whole::Bf16(Buf::zeroed(moments_n)),
-                    Whole::Bf16(Buf::zeroed(moments_n)),
-                ),
-            };
-        }
+        let fields: Vec<Local> = [master, m, v].into_iter().flatten().collect();
+        let mut bufs: Vec<Whole> = fields.iter().map(|f| Whole::like(f, n)).collect();
+        let mut written = Ok(());
         for b in 0..self.layout.blocks.len() {
-            let pieces = self.pieces(b, mpi.size);
-            let (l, whole) = (shards.local_range(b), self.layout.blocks[b].range());
-            let whole = if mpi.rank == 0 { whole } else { 0..0 };
+            let (pieces, l) = (self.pieces(b, mpi.size), shards.local_range(b));
+            let (range, len) = (self.layout.blocks[b].range(), self.layout.blocks[b].len);
+            let keep = if lead { len } else { 0 };
             let what = format!("the state gather of block {b}");
-            let gather = |mine: Whole2, all: &mut Whole| -> Result<()> {
-                match (mine, all) {
-                    (Whole2::F32(x), Whole::F32(a)) => {
-                        mpi.gather_pieces(&what, &x[l.clone()], a.range_mut(whole.clone()), &pieces)
-                    }
-                    (Whole2::U16(x), Whole::U16(a)) => {
-                        mpi.gather_pieces(&what, &x[l.clone()], a.range_mut(whole.clone()), &pieces)
-                    }
-                    (Whole2::Bf16(x), Whole::Bf16(a)) => {
-                        mpi.gather_pieces(&what, &x[l.clone()], a.range_mut(whole.clone()), &pieces)
-                    }
-                    _ => unreachable!("a whole copy has its piece's dtype"),
-                }
+            for (f, buf) in fields.iter().zip(&mut bufs) {
+                buf.gather(mpi, &what, f, l.clone(), keep, &pieces)?;
+            }
+            let Some(write) = write.as_mut().filter(|_| written.is_ok()) else {
+                continue;
             };
-            match (&self.master, &mut out.master) {
-                (Master::F32(x), Some(all)) => gather(Whole2::F32(x.as_slice()), all)?,
-                (Master::Split(x), Some(all)) => gather(Whole2::U16(x.as_slice()), all)?,
-                _ => {}
-            }
-            if moments {
-                match &self.moments {
-                    AdamMoments::F32 { m, v } => {
-                        gather(Whole2::F32(m.as_slice()), &mut out.m)?;
-                        gather(Whole2::F32(v.as_slice()), &mut out.v)?;
-                    }
-                    AdamMoments::Bf16 { m, v, .. } => {
-                        gather(Whole2::Bf16(m.as_slice()), &mut out.m)?;
-                        gather(Whole2::Bf16(v.as_slice()), &mut out.v)?;
-                    }
-                }
-            }
-        }
-        Ok((mpi.rank == 0).then_some(out))
-    }
-
-    /// The whole master of `g` (node 0's gathered copy), as the export reads it.
-    pub fn gathered_master<'a>(&'a self, g: &'a Gathered) -> MasterRef<'a> {
-        let store = || {
-            self.store
-                .bf16()
-                .expect("a split or bf16 master has a bf16 store")
-        };
-        match &g.master {
-            Some(Whole::F32(x)) => MasterRef::F32(x.as_slice()),
-            Some(Whole::U16(lo)) => MasterRef::Split {
-                hi: store(),
-                lo: lo.as_slice(),
-            },
-            _ => MasterRef::Bf16(store()),
-        }
-    }
-
-    /// `g` lent to the checkpoint writer (which must finish before the store changes).
-    pub fn lend_gathered(&self, g: &Gathered) -> LentTensors {
-        let store = || {
-            self.store
-                .lend_bf16()
-                .expect("a split or bf16 master has a bf16 store")
-        };
-        let lend = |w: &Whole| match w {
-            Whole::F32(x) => LentMaster::F32(x.lend()),
-            Whole::Bf16(x) => LentMaster::Bf16(x.lend()),
-            Whole::U16(_) => unreachable!("moments are f32 or bf16"),
-        };
-        LentTensors {
-            master: match &g.master {
-                Some(Whole::F32(x)) => LentMaster::F32(x.lend()),
-                Some(Whole::U16(lo)) => LentMaster::Split {
-                    hi: store(),
-                    lo: lo.lend(),
+            let mut got = bufs.iter();
+            let hi = || &store.expect("a split or bf16 master has a bf16 store")[range.clone()];
+            let master = match &self.master {
+                Master::F32(_) => match got.next() {
+                    Some(Whole::F32(x)) => MasterRef::F32(&x[..len]),
+                    _ => unreachable!("an fp32 master is gathered in fp32"),
                 },
-                _ => LentMaster::Bf16(store()),
-            },
-            m: lend(&g.m),
-            v: lend(&g.v),
+                Master::Split(_) => match got.next() {
+                    Some(Whole::U16(lo)) => MasterRef::Split {
+                        hi: hi(),
+                        lo: &lo[..len],
+                    },
+                    _ => unreachable!("a split master's low halves are gathered"),
+                },
+                Master::Bf16 { .. } => MasterRef::Bf16(hi()),
+            };
+            let values = match (got.next(), got.next()) {
+                (Some(m), Some(v)) => Tensors {
+                    master,
+                    m: m.moment(len),
+                    v: v.moment(len),
+                },
+                _ => Tensors::master_only(master),
+            };
+            written = write(b, &values);
         }
+        Ok(written)
     }
 }
 
@@ -315,13 +322,6 @@ fn keep_pieces<T: Copy>(shards: &Shards, whole: &[T], local: &mut [T]) {
     for b in 0..shards.blocks() {
         local[shards.local_range(b)].copy_from_slice(&whole[shards.mine(b)]);
     }
-}
-
-/// A node's local piece buffer, by dtype.
-enum Whole2<'a> {
-    F32(&'a [f32]),
-    U16(&'a [u16]),
-    Bf16(&'a [bf16]),
 }
 
 /// [`HostState::exchange_block`] on the block's gradient `g`.

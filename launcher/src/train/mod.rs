@@ -148,7 +148,7 @@ impl Trainer {
             Stage::Grpo => Some(cfg.grpo_params()?),
             _ => None,
         };
-        nodes::check_supported(mpi, cfg.training.stage)?;
+        nodes::check_supported(mpi, &cfg, dump_grads.is_some())?;
         let (metrics_out, dump_grads, dump_logits) = match lead {
             true => (metrics_out, dump_grads, dump_logits),
             false => (None, None, None),

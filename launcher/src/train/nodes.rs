@@ -14,6 +14,7 @@
 //! its norm and so the training are the same bits.
 
 use anyhow::{Context, Result, bail};
+use mt::checkpoint::export::ExportFiles;
 use mt::config::{CheckpointContents, RunConfig, Stage};
 use mt::data::StepPlan;
 use mt::layout::Layout;
@@ -131,31 +132,47 @@ impl Trainer {
         self.host.gather_store(block)
     }
 
-    /// [`Trainer::checkpoint`] of a sharded state: node 0 gathers the whole master (and
-    /// moments) and writes it as one node would, before the step loop goes on; the other
-    /// nodes send their pieces.
+    /// [`Trainer::checkpoint`] of a sharded state, before the step loop goes on: node 0
+    /// gathers the master (and moments) one block at a time and writes each block as one
+    /// node would; the other nodes send their pieces. Every node runs every block's gather,
+    /// even where node 0 could not create or write the files (it reports that after).
     pub(super) fn checkpoint_sharded(&mut self, done: u64, last: bool) -> Result<()> {
         let ck = &self.cfg.checkpoint;
         let Some(contents) = ck.dir.as_ref().and(ck.due(done, last)) else {
             return Ok(());
         };
-        let Some(whole) = self
-            .host
-            .gather_state(contents == CheckpointContents::Full)?
-        else {
-            return Ok(());
+        let moments = contents == CheckpointContents::Full;
+        let Some(writer) = self.writer.as_mut() else {
+            return self.host.gather_blocks(moments, None)?.map_err(Into::into);
         };
-        let writer = self.writer.as_mut().expect("node 0 writes the checkpoints");
         let root = writer.root().display().to_string();
         let failed =
             || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
         let state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
-        let lent = self.host.lend_gathered(&whole);
-        let (waited, mut written, _gate) =
-            writer.start(state, lent, contents).with_context(failed)?;
-        written.extend(writer.finish().with_context(failed)?);
+        let host = &mut self.host;
+        // A failed gather, and whether the files were created (else the gathers still run).
+        let (mut gather_err, mut gathered) = (None, false);
+        let written = writer.write_now(&state, contents, |files| {
+            gathered = true;
+            let mut write =
+                |b: usize, v: &dyn mt::checkpoint::state::BlockValues| files.write_block(b, v);
+            host.gather_blocks(moments, Some(&mut write))
+                .unwrap_or_else(|e| {
+                    let msg = format!("{e:#}");
+                    gather_err = Some(e);
+                    Err(mt::Error::Other(msg))
+                })
+        });
+        if let Some(e) = gather_err {
+            return Err(e);
+        }
+        if !gathered {
+            host.gather_blocks(moments, None)??;
+        }
+        let written = written.with_context(failed)?;
+        let waited: f64 = written.iter().map(|w| w.stall_s).sum();
         self.checkpoint_wait_s += waited;
         self.report_written(written)
     }
@@ -171,12 +188,24 @@ impl Trainer {
     }
 }
 
-/// Refuses what several nodes do not support yet.
-pub(super) fn check_supported(mpi: Option<&Mpi>, stage: Stage) -> Result<()> {
-    if mpi.is_some() && matches!(stage, Stage::Dpo | Stage::Grpo) {
+/// Refuses what several nodes do not support yet: DPO and GRPO; `--dump-grads` with the
+/// state sharded, where each node ends the step with the summed gradient of its own pieces
+/// only (node 0 would write a gradient that is partly its own workers' alone).
+pub(super) fn check_supported(mpi: Option<&Mpi>, cfg: &RunConfig, dump_grads: bool) -> Result<()> {
+    let Some(m) = mpi else {
+        return Ok(());
+    };
+    let stage = cfg.training.stage;
+    if matches!(stage, Stage::Dpo | Stage::Grpo) {
         bail!(
             "training.stage: {} is not supported on several nodes yet (run it on one node)",
             stage.as_str()
+        );
+    }
+    if dump_grads && cfg.nodes.shard_state {
+        bail!(
+            "--dump-grads is not supported on several nodes ({} under mpirun) with the state sharded (nodes.shard_state: true, the default): each node holds the summed gradient of its own pieces only; pass --set nodes.shard_state=false, or run on one node",
+            m.size
         );
     }
     Ok(())
@@ -193,9 +222,9 @@ pub(super) fn shards(
     Some((Shards::new(layout, m.size, m.rank), m))
 }
 
-/// The host plan of one node of a sharded run: 1/N of the master and moments, and no
-/// staging area (node 0 writes a checkpoint from a gathered copy, before training goes
-/// on).
+/// The host plan of one node of a sharded run: 1/N of the master and moments, node 0's
+/// buffers to gather one block of them for a checkpoint or the export, and no staging area
+/// (node 0 writes a checkpoint block by block as it gathers it, before training goes on).
 pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
         prepared.plan = prepared
@@ -206,7 +235,8 @@ pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&
 }
 
 /// Writes the trained model to `training.output_dir` (node 0); a sharded master is gathered
-/// on node 0 first, every node sending its pieces.
+/// on node 0 one block at a time, each written before the next, every node sending its
+/// pieces of every block (even where node 0 could not create or write the files).
 pub(super) fn export(
     cfg: &RunConfig,
     host: &mut HostState,
@@ -216,15 +246,25 @@ pub(super) fn export(
     let Some(out) = &cfg.training.output_dir else {
         return Ok(());
     };
-    let whole = host.gather_state(false)?;
-    if !lead {
+    if !host.sharded() {
+        if lead {
+            mt::checkpoint::save_hf(out, &host.layout, host.master(), export)?;
+            println!("model written to {}", out.display());
+        }
         return Ok(());
     }
-    let master = match &whole {
-        Some(w) => host.gathered_master(w),
-        None => host.master(),
+    if !lead {
+        return host.gather_blocks(false, None)?.map_err(Into::into);
+    }
+    let layout = host.layout.clone();
+    let files = ExportFiles::create(out, &layout, export);
+    let mut write = |b: usize, v: &dyn mt::checkpoint::state::BlockValues| match &files {
+        Ok(f) => f.write_block(b, v),
+        // Reported below; the gathers go on.
+        Err(_) => Ok(()),
     };
-    mt::checkpoint::save_hf(out, &host.layout, master, export)?;
+    host.gather_blocks(false, Some(&mut write))??;
+    files?.finish()?;
     println!("model written to {}", out.display());
     Ok(())
 }
