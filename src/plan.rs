@@ -107,6 +107,10 @@ pub struct HostPlan {
     pub staging_grown: bool,
     /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
     pub carried: u64,
+    /// With the state sharded across nodes, node 0's buffers to gather one block (the
+    /// largest) of the master and moments for a checkpoint or the export; 0 otherwise
+    /// ([`HostPlan::sharded`]).
+    pub gather: u64,
     /// GPU workers' layer inputs stashed in pinned host memory between forward and backward
     /// (`memory.offload_activations`; [`offloaded_inputs`]), or 0.
     pub offloaded: u64,
@@ -153,6 +157,7 @@ impl HostPlan {
             },
             staging_grown: false,
             carried: 0,
+            gather: 0,
             offloaded: 0,
             grpo_reference: 0,
             slot_len: slot_len as u64,
@@ -172,6 +177,7 @@ impl HostPlan {
             + self.slabs
             + self.staging
             + self.carried
+            + self.gather
             + self.offloaded
             + self.grpo_reference
     }
@@ -315,6 +321,13 @@ impl std::fmt::Display for HostPlan {
                 gb(self.carried)
             )?;
         }
+        if self.gather > 0 {
+            writeln!(
+                f,
+                "  checkpoint gather     {:>9.2} GB (node 0: the largest block's master and moments, gathered one block at a time)",
+                gb(self.gather)
+            )?;
+        }
         if self.offloaded > 0 {
             writeln!(
                 f,
@@ -444,6 +457,18 @@ mod tests {
             plan.params, 7_615_616_512,
             "Qwen2.5-7B's published parameter count"
         );
+        // One node of 4 with the state sharded: 2 + 4 + 12/4; the pieces' rounding to 64
+        // elements adds at most 64 x 4 x 12 bytes per block.
+        let sharded = plan.sharded(&layout, 4);
+        let blocks = layout.blocks.len() as f64;
+        let slack = 64.0 * 4.0 * 12.0 * blocks / plan.params as f64;
+        let per = sharded.bytes_per_param();
+        assert!(per >= 9.0 && per < 9.01 + slack, "{per}");
+        assert_eq!((sharded.grad, sharded.store), (plan.grad, plan.store));
+        // Node 0 gathers a checkpoint one block at a time: the largest block (the
+        // embedding, 152064 x 3584) x 12 bytes of master and moments, no whole copy.
+        assert_eq!(sharded.gather, 12 * layout.max_block_len() as u64);
+        assert!(layout.max_block_len() >= 152064 * 3584);
         // Alignment gaps add a little over 18 B/param; the bound is 18 + slabs.
         assert!(plan.bytes_per_param() < 18.01, "{}", plan.bytes_per_param());
         // Slots hold one decoder layer; the embedding and lm_head travel in parts.

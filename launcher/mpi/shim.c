@@ -136,6 +136,16 @@ int mt_mpi_allreduce_same(void *buf, long count, int kind) {
   return rc;
 }
 
+/* Gather to rank 0: each rank's `mine` (counts[rank] elements) lands in rank 0's `all` at
+ * displs[r]; `all` is used on rank 0 only. */
+int mt_mpi_gather_root(const void *mine, void *all, const int *counts, const int *displs,
+                       int kind) {
+  int rank;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return MPI_Gatherv(mine, counts[rank], type_of(kind), all, counts, displs, type_of(kind), 0,
+                     MPI_COMM_WORLD);
+}
+
 /* MPI's own all-reduce (sum), for the bandwidth figure beside ours. */
 int mt_mpi_allreduce_sum(void *buf, long count, int kind) {
   return MPI_Allreduce(MPI_IN_PLACE, buf, (int)count, type_of(kind), sum_of(kind),

@@ -2,6 +2,11 @@
 //! residual, or the bf16 store itself), Adam's moments (fp32 or bf16), the gradient
 //! accumulator (fp32 or bf16), the shared compute-dtype store and the workers' gradient
 //! slabs, all indexed by the one `Layout`.
+//!
+//! On several nodes with `nodes.shard_state` the master weights and moments hold this
+//! node's pieces of every block only ([`mt::layout::shards`]; [`shard`]).
+
+mod shard;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -13,7 +18,8 @@ use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
-use mt::layout::{Block, Layout};
+use mt::layout::shards::Shards;
+use mt::layout::{Block, Layout, TensorSpec};
 use mt::optim::{
     AdamWStep, Moments, WeightsMut, adamw_moments, adamw_moments_bf16, adamw_update,
     adamw_update_bf16_master, adamw_update_bf16_moments, adamw_update_split,
@@ -117,6 +123,9 @@ pub struct HostState {
     checkpoint_wait_s: f64,
     /// The moments pass of the last update where it is still due ([`HostState::defer_moments`]).
     deferred: Option<Deferred>,
+    /// This node's pieces and the nodes, where the master and moments are sharded across
+    /// nodes.
+    shards: Option<(Shards, &'static crate::mpi::Mpi)>,
 }
 
 /// The second pass of an update whose weights pass ran on every block: blocks
@@ -140,13 +149,20 @@ impl HostState {
     /// host short of memory fails here, at start-up); the master is filled in place by
     /// [`HostState::init_master`] or [`HostState::restore`], a piece at a time, so the
     /// start-up peak is the plan.
-    pub fn new(cfg: &RunConfig, layout: Layout, workers: usize) -> Result<HostState> {
+    pub fn new(
+        cfg: &RunConfig,
+        layout: Layout,
+        workers: usize,
+        shards: Option<(Shards, &'static crate::mpi::Mpi)>,
+    ) -> Result<HostState> {
         let n = layout.total;
+        // The master and moments: this node's pieces, or every element.
+        let own = shards.as_ref().map_or(n, |s| s.0.len);
         let tag = format!("mt-{}", std::process::id());
         let store = Store::create(&format!("{tag}-store"), n, cfg.model.dtype)?;
         let master = match cfg.memory.master_weights {
-            MasterWeights::Float32 => Master::F32(Buf::zeroed(n)),
-            MasterWeights::Split => Master::Split(Buf::zeroed(n)),
+            MasterWeights::Float32 => Master::F32(Buf::zeroed(own)),
+            MasterWeights::Split => Master::Split(Buf::zeroed(own)),
             MasterWeights::Bfloat16 => Master::Bf16 {
                 seed: cfg.training.seed,
             },
@@ -164,12 +180,12 @@ impl HostState {
         };
         let moments = match cfg.memory.moments_dtype {
             DType::Float32 => AdamMoments::F32 {
-                m: Buf::zeroed(n),
-                v: Buf::zeroed(n),
+                m: Buf::zeroed(own),
+                v: Buf::zeroed(own),
             },
             DType::Bfloat16 => AdamMoments::Bf16 {
-                m: Buf::zeroed(n),
-                v: Buf::zeroed(n),
+                m: Buf::zeroed(own),
+                v: Buf::zeroed(own),
                 seed: cfg.training.seed,
             },
         };
@@ -184,6 +200,7 @@ impl HostState {
             checkpoint: None,
             checkpoint_wait_s: 0.0,
             deferred: None,
+            shards,
         })
     }
 
@@ -194,6 +211,9 @@ impl HostState {
         fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
     ) -> Result<()> {
         assert!(self.checkpoint.is_none(), "no checkpoint is being written");
+        if self.shards.is_some() {
+            return self.init_master_sharded(fill);
+        }
         let rounded = AtomicU64::new(0);
         let mut master = master_mut(
             &mut self.master,
@@ -236,24 +256,6 @@ impl HostState {
         }
     }
 
-    /// Sums block `block`'s gradient, final on this node, over every node (the same bits
-    /// on each: [`crate::mpi::Mpi::allreduce_same`]), and returns its Σ g² for the global
-    /// norm. The block's gaps are zero on every node and stay so.
-    pub fn exchange_block(&mut self, block: usize, mpi: &crate::mpi::Mpi) -> Result<f64> {
-        let r = self.layout.blocks[block].range();
-        let what = format!("the gradient exchange of block {block}");
-        Ok(match &mut self.grad {
-            Grad::F32(g) => {
-                mpi.allreduce_same(&what, &mut g[r.clone()])?;
-                sum_sq(&g[r])
-            }
-            Grad::Bf16(g) => {
-                mpi.allreduce_same(&what, &mut g[r.clone()])?;
-                sum_sq(&g[r])
-            }
-        })
-    }
-
     /// Writes the gradient of every tensor to a safetensors file (HF names), in f32.
     pub fn dump_grads(&self, path: &std::path::Path) -> Result<()> {
         let values: Vec<(String, Vec<usize>, std::borrow::Cow<'_, [f32]>)> = self
@@ -292,8 +294,10 @@ impl HostState {
         }
     }
 
-    /// The master weights, whichever way they are held.
+    /// The master weights, whichever way they are held (all of them: not with a sharded
+    /// state, see [`HostState::gather_blocks`]).
     pub fn master(&self) -> MasterRef<'_> {
+        assert!(self.shards.is_none(), "a sharded master is gathered first");
         match &self.master {
             Master::F32(x) => MasterRef::F32(x.as_slice()),
             Master::Split(lo) => MasterRef::Split {
@@ -321,6 +325,9 @@ impl HostState {
     /// rounded to nearest even, and the log says so.
     pub fn restore(&mut self, dir: &std::path::Path) -> Result<TrainState> {
         assert!(self.checkpoint.is_none(), "no checkpoint is being written");
+        if self.shards.is_some() {
+            return self.restore_sharded(dir);
+        }
         let rounded = AtomicU64::new(0);
         let master = master_mut(
             &mut self.master,
@@ -461,9 +468,15 @@ impl HostState {
         self.before_block_changes(block);
         let b = &self.layout.blocks[block];
         for t in &b.tensors {
-            let r = Layout::global_range(b, t);
+            let Some((r, local)) = owned(self.shards.as_ref().map(|s| &s.0), block, b, t) else {
+                continue;
+            };
             let (master, store, adam) = (&mut self.master, &mut self.store, &mut self.moments);
-            let (decay, at) = (t.decays(), r.start);
+            let at = Place {
+                global: r.start,
+                local,
+            };
+            let decay = t.decays();
             match &self.grad {
                 Grad::F32(g) => update(master, store, adam, &g[r], at, hp, decay, moments),
                 Grad::Bf16(g) => update(master, store, adam, &g[r], at, hp, decay, moments),
@@ -516,10 +529,16 @@ impl HostState {
             self.before_block_changes(i);
             let b = &self.layout.blocks[i];
             for t in &b.tensors {
-                let r = Layout::global_range(b, t);
+                let Some((r, local)) = owned(self.shards.as_ref().map(|s| &s.0), i, b, t) else {
+                    continue;
+                };
+                let at = Place {
+                    global: r.start,
+                    local,
+                };
                 match &self.grad {
-                    Grad::F32(g) => moments_pass(&mut self.moments, &g[r.clone()], r.start, &hp),
-                    Grad::Bf16(g) => moments_pass(&mut self.moments, &g[r.clone()], r.start, &hp),
+                    Grad::F32(g) => moments_pass(&mut self.moments, &g[r], at, &hp),
+                    Grad::Bf16(g) => moments_pass(&mut self.moments, &g[r], at, &hp),
                 }
             }
         }
@@ -587,30 +606,57 @@ fn reduce_tensors<D: GradAcc>(
         .sum()
 }
 
-/// AdamW on the elements `start..start + g.len()` of the master, the store and the moments.
+/// Where a run of elements is: its layout index (the store, the gradient, the bits of
+/// stochastic rounding) and its index in the master and moments (the same, unless they
+/// hold this node's pieces only).
+#[derive(Clone, Copy)]
+struct Place {
+    global: usize,
+    local: usize,
+}
+
+/// Tensor `t` of block `b` (number `block`) as far as this node updates it: its layout range
+/// and where that starts in the master and moments; `None` where this node owns none of it.
+fn owned(
+    shards: Option<&Shards>,
+    block: usize,
+    b: &Block,
+    t: &TensorSpec,
+) -> Option<(std::ops::Range<usize>, usize)> {
+    let r = Layout::global_range(b, t);
+    let Some(s) = shards else {
+        return Some((r.clone(), r.start));
+    };
+    let mine = s.mine(block);
+    let r = r.start.max(mine.start)..r.end.min(mine.end);
+    (r.start < r.end).then(|| (r.clone(), s.local(block, r.start)))
+}
+
+/// AdamW on `g.len()` elements at `at` of the master, the store and the moments.
 #[allow(clippy::too_many_arguments)]
 fn update<G: GradElem>(
     master: &mut Master,
     store: &mut Store,
     adam: &mut AdamMoments,
     g: &[G],
-    start: usize,
+    at: Place,
     hp: &AdamWStep,
     decay: bool,
     moments: Moments,
 ) {
-    let r = start..start + g.len();
+    let (start, r) = (at.global, at.global..at.global + g.len());
+    let l = at.local..at.local + g.len();
     let (m, v, seed) = match adam {
         AdamMoments::F32 { m, v } => {
-            let (m, v) = (m.range_mut(r.clone()), v.range_mut(r.clone()));
+            let (m, v) = (m.range_mut(l.clone()), v.range_mut(l.clone()));
             return match master {
                 Master::F32(p) => {
                     let s = store.out_mut(r.clone());
-                    adamw_update(p.range_mut(r), g, m, v, s, hp, decay, moments)
+                    adamw_update(p.range_mut(l), g, m, v, s, hp, decay, moments)
                 }
                 Master::Split(lo) => {
                     let hi = store_bf16(store, r.clone());
-                    adamw_update_split(hi, lo.range_mut(r), g, m, v, hp, decay, moments)
+                    adamw_update_split(hi, lo.range_mut(l), g, m, v, hp, decay, moments)
                 }
                 Master::Bf16 { seed } => {
                     let p = store_bf16(store, r);
@@ -619,16 +665,16 @@ fn update<G: GradElem>(
                 }
             };
         }
-        AdamMoments::Bf16 { m, v, seed } => (m.range_mut(r.clone()), v.range_mut(r.clone()), *seed),
+        AdamMoments::Bf16 { m, v, seed } => (m.range_mut(l.clone()), v.range_mut(l.clone()), *seed),
     };
     let w = match master {
         Master::F32(p) => WeightsMut::F32 {
-            p: p.range_mut(r.clone()),
+            p: p.range_mut(l),
             store: store.out_mut(r),
         },
         Master::Split(lo) => WeightsMut::Split {
             hi: store_bf16(store, r.clone()),
-            lo: lo.range_mut(r),
+            lo: lo.range_mut(l),
         },
         Master::Bf16 { seed } => WeightsMut::Bf16 {
             p: store_bf16(store, r),
@@ -638,9 +684,9 @@ fn update<G: GradElem>(
     adamw_update_bf16_moments(w, g, m, v, hp, decay, seed, start as u64, moments)
 }
 
-/// The moments pass of update `hp` on the elements `start..start + g.len()`.
-fn moments_pass<G: GradElem>(adam: &mut AdamMoments, g: &[G], start: usize, hp: &AdamWStep) {
-    let r = start..start + g.len();
+/// The moments pass of update `hp` on `g.len()` elements at `at`.
+fn moments_pass<G: GradElem>(adam: &mut AdamMoments, g: &[G], at: Place, hp: &AdamWStep) {
+    let (start, r) = (at.global, at.local..at.local + g.len());
     match adam {
         AdamMoments::F32 { m, v } => adamw_moments(g, m.range_mut(r.clone()), v.range_mut(r), hp),
         AdamMoments::Bf16 { m, v, seed } => {

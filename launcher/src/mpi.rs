@@ -15,6 +15,7 @@
 //! stopping its own workers.
 
 use std::ffi::{c_char, c_int, c_long, c_void};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use half::bf16;
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
+use mt::layout::shards::{Window, windows};
 
 /// Environment variables that say the process was started by an MPI launcher.
 const MPI_ENV: [&str; 4] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"];
@@ -32,6 +34,9 @@ const ENV_SHIM: &str = "MT_MPI_SHIM";
 
 /// Elements per MPI call: counts are C ints.
 const MAX_COUNT: usize = 1 << 30;
+
+/// Test hook: fewer elements per MPI call ([`max_count`]).
+const ENV_MAX_COUNT: &str = "MT_MPI_MAX_COUNT";
 
 /// An element type a collective sums (the shim's numbering).
 pub trait Elem: Copy {
@@ -46,6 +51,10 @@ impl Elem for bf16 {
 impl Elem for f64 {
     const KIND: c_int = 2;
 }
+/// A split master's low halves: moved, never summed (their kind is bf16's, 16 bits).
+impl Elem for u16 {
+    const KIND: c_int = 1;
+}
 
 type AllreduceFn = unsafe extern "C" fn(*mut c_void, c_long, c_int) -> c_int;
 
@@ -58,6 +67,15 @@ struct Fns {
     allreduce_sum: AllreduceFn,
     reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, *const c_int, c_int) -> c_int,
     allgather_f64: unsafe extern "C" fn(*const f64, c_int, *mut f64) -> c_int,
+    allgather_inplace:
+        unsafe extern "C" fn(*mut c_void, *const c_int, *const c_int, c_int) -> c_int,
+    gather_root: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        *const c_int,
+        *const c_int,
+        c_int,
+    ) -> c_int,
     max_i64: unsafe extern "C" fn(*mut i64) -> c_int,
     arrive_start: unsafe extern "C" fn() -> c_int,
     arrive_test: unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int,
@@ -76,6 +94,8 @@ pub struct Mpi {
     waiting: Arc<Mutex<Option<(String, Instant)>>>,
     /// Seconds a collective may wait (`training.worker_timeout_s`).
     timeout_s: Arc<AtomicU64>,
+    /// Elements per MPI call ([`max_count`]).
+    max_count: usize,
     _lib: Library,
 }
 
@@ -124,6 +144,7 @@ fn shim_path(var: &str) -> Result<PathBuf> {
 
 impl Mpi {
     fn load(var: &str) -> Result<Mpi> {
+        let max_count = max_count()?;
         let path = shim_path(var)?;
         // SAFETY: loading the shim runs libmpi's initializers, which are sound to run at
         // any time; RTLD_GLOBAL lets MPI's own plugins see libmpi's symbols.
@@ -149,6 +170,8 @@ impl Mpi {
                 allreduce_sum: get(&lib, b"mt_mpi_allreduce_sum")?,
                 reduce_scatter: get(&lib, b"mt_mpi_reduce_scatter")?,
                 allgather_f64: get(&lib, b"mt_mpi_allgather_f64")?,
+                allgather_inplace: get(&lib, b"mt_mpi_allgather_inplace")?,
+                gather_root: get(&lib, b"mt_mpi_gather_root")?,
                 max_i64: get(&lib, b"mt_mpi_allreduce_max_i64")?,
                 arrive_start: get(&lib, b"mt_mpi_arrive_start")?,
                 arrive_test: get(&lib, b"mt_mpi_arrive_test")?,
@@ -184,6 +207,7 @@ impl Mpi {
             fns,
             waiting: Arc::new(Mutex::new(None)),
             timeout_s: Arc::new(AtomicU64::new(600)),
+            max_count,
             _lib: lib,
         };
         mpi.start_watchdog();
@@ -312,7 +336,7 @@ impl Mpi {
     }
 
     fn allreduce_with<T: Elem>(&self, f: AllreduceFn, what: &str, buf: &mut [T]) -> Result<()> {
-        for chunk in buf.chunks_mut(MAX_COUNT) {
+        for chunk in buf.chunks_mut(self.max_count) {
             let (ptr, n) = (chunk.as_mut_ptr().cast(), chunk.len() as c_long);
             // SAFETY: the shim reads and writes exactly `n` elements of type T at `ptr`.
             self.watched(what, || unsafe { f(ptr, n, T::KIND) })?;
@@ -335,6 +359,112 @@ impl Mpi {
                 T::KIND,
             )
         })
+    }
+
+    /// Reduce-scatter by sum over pieces of `buf`: `pieces[r]` (contiguous, in rank order,
+    /// covering `buf`) is summed over the ranks into this rank's `recv`, the length of its
+    /// piece. Every rank passes the same pieces. One MPI call per window of the buffer
+    /// ([`windows`]).
+    pub fn reduce_scatter_pieces<T: Elem>(
+        &self,
+        what: &str,
+        buf: &[T],
+        pieces: &[Range<usize>],
+        recv: &mut [T],
+    ) -> Result<()> {
+        self.check_pieces(buf.len(), pieces);
+        let mine = pieces[self.rank].clone();
+        assert_eq!(recv.len(), mine.len(), "this rank's piece");
+        for w in windows(pieces, self.max_count) {
+            let (counts, _) = counts(&w);
+            let send = &buf[w.range.clone()];
+            let recv = &mut recv[w.within(self.rank, &mine)];
+            // SAFETY: send holds Σ counts elements, recv counts[rank].
+            self.watched(what, || unsafe {
+                (self.fns.reduce_scatter)(
+                    send.as_ptr().cast(),
+                    recv.as_mut_ptr().cast(),
+                    counts.as_ptr(),
+                    T::KIND,
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// All-gather in place: every rank's piece `pieces[r]` of `buf` (contiguous, in rank
+    /// order, covering `buf`) goes to every rank. One MPI call per window of the buffer.
+    pub fn allgather_pieces<T: Elem>(
+        &self,
+        what: &str,
+        buf: &mut [T],
+        pieces: &[Range<usize>],
+    ) -> Result<()> {
+        self.check_pieces(buf.len(), pieces);
+        for w in windows(pieces, self.max_count) {
+            let (counts, displs) = counts(&w);
+            let buf = &mut buf[w.range.clone()];
+            // SAFETY: every part lies within the window `buf` (displacements relative to it).
+            self.watched(what, || unsafe {
+                (self.fns.allgather_inplace)(
+                    buf.as_mut_ptr().cast(),
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                    T::KIND,
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Gathers every rank's piece `pieces[r]` (this rank's is `mine`) into `all` on rank 0,
+    /// which must then cover the pieces; `all` is not used on other ranks. One MPI call per
+    /// window of the pieces.
+    pub fn gather_pieces<T: Elem>(
+        &self,
+        what: &str,
+        mine: &[T],
+        all: &mut [T],
+        pieces: &[Range<usize>],
+    ) -> Result<()> {
+        let len = pieces.last().map_or(0, |p| p.end);
+        self.check_pieces(len, pieces);
+        let piece = pieces[self.rank].clone();
+        assert_eq!(mine.len(), piece.len(), "this rank's piece");
+        assert!(
+            self.rank != 0 || all.len() == len,
+            "rank 0 receives every piece"
+        );
+        for w in windows(pieces, self.max_count) {
+            let (counts, displs) = counts(&w);
+            let send = &mine[w.within(self.rank, &piece)];
+            let recv = match self.rank {
+                0 => all[w.range.clone()].as_mut_ptr(),
+                _ => all.as_mut_ptr(),
+            };
+            // SAFETY: send holds counts[rank] elements; on rank 0 recv holds Σ counts.
+            self.watched(what, || unsafe {
+                (self.fns.gather_root)(
+                    send.as_ptr().cast(),
+                    recv.cast(),
+                    counts.as_ptr(),
+                    displs.as_ptr(),
+                    T::KIND,
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Checks that `pieces` tile `0..len` in rank order, one per rank.
+    fn check_pieces(&self, len: usize, pieces: &[Range<usize>]) {
+        assert_eq!(pieces.len(), self.size, "one piece per rank");
+        let mut at = 0;
+        for p in pieces {
+            assert_eq!(p.start, at, "pieces tile the buffer in rank order");
+            at = p.end;
+        }
+        assert_eq!(at, len, "pieces cover the buffer");
     }
 
     /// Every rank's `send` (all of one length), in rank order.
@@ -360,5 +490,27 @@ impl Mpi {
     pub fn barrier(&self, what: &str) -> Result<()> {
         // SAFETY: no arguments.
         self.watched(what, || unsafe { (self.fns.barrier)() })
+    }
+}
+
+/// A window's C counts and displacements (relative to the window), by rank.
+fn counts(w: &Window) -> (Vec<c_int>, Vec<c_int>) {
+    let c = |x: usize| c_int::try_from(x).expect("a window's count fits a C int");
+    w.parts
+        .iter()
+        .map(|p| (c(p.len()), c(p.start - w.range.start)))
+        .unzip()
+}
+
+/// Elements per MPI call: [`MAX_COUNT`], or `$MT_MPI_MAX_COUNT` where a test sets a smaller
+/// window (a test hook: the tiny test models' blocks are far below 2^30 elements, so only
+/// this makes their collectives run over several windows). Read once, at start-up.
+fn max_count() -> Result<usize> {
+    let Ok(v) = std::env::var(ENV_MAX_COUNT) else {
+        return Ok(MAX_COUNT);
+    };
+    match v.parse::<usize>() {
+        Ok(n) if (1..=MAX_COUNT).contains(&n) => Ok(n),
+        _ => bail!("{ENV_MAX_COUNT}={v}: expected a count of elements from 1 to {MAX_COUNT}"),
     }
 }

@@ -29,7 +29,8 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     });
     let best =
         budget.map(|b| DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b));
-    let nodes = NodesPlan::new(&prep.plan, p.nodes as u64);
+    let sharded = prep.plan.sharded(&prep.layout, p.nodes);
+    let nodes = NodesPlan::new(&prep.plan, &sharded, p.nodes as u64);
     if p.json {
         let mut v = json(&prep, &device, budget, best);
         v["nodes"] = serde_json::json!({
@@ -38,6 +39,8 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
             "sharded_bytes_per_param": nodes.sharded_per_param,
             "replicated_step_bytes": nodes.replicated_step_bytes,
             "sharded_step_bytes": nodes.sharded_step_bytes,
+            "sharded_node0_bytes": nodes.sharded_node_bytes,
+            "sharded_gather_bytes": nodes.sharded_gather_bytes,
         });
         println!("{v}");
         return Ok(());

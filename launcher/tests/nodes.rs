@@ -73,6 +73,19 @@ fn train_with(
     batch: usize,
     extra: &[&str],
 ) -> Trained {
+    train_env(mpirun, tag, ranks, workers, batch, extra, &[])
+}
+
+/// [`train_with`] with environment variables for the launchers under mpirun.
+fn train_env(
+    mpirun: &Path,
+    tag: &str,
+    ranks: usize,
+    workers: usize,
+    batch: usize,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Trained {
     let dir = scratch(&format!("nodes-{tag}"));
     let (m, out) = (dir.join("metrics.jsonl"), dir.join("model"));
     let config = golden_dir().join("llama/run.yaml");
@@ -99,7 +112,10 @@ fn train_with(
             &args[..],
         ]
         .concat()),
-        _ => mpi_command(mpirun, ranks, workers, &args).output().unwrap(),
+        _ => mpi_command(mpirun, ranks, workers, &args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap(),
     };
     assert_mpi_ok(&output, tag);
     let rows = metrics(&m);
@@ -243,18 +259,136 @@ fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
     }
 }
 
+/// With the state sharded (the default: each node updates its pieces of the master and
+/// moments, and the updated store is gathered) the run is the same bits as with it
+/// replicated (`nodes.shard_state: false`, every node updating everything): both sum each
+/// gradient piece once, by the same rank, in the same reduce-scatter; AdamW is elementwise,
+/// its rounding seeds are layout indices; the norm adds the same per-piece sums in the same
+/// order. Three nodes, where a sum of three partial gradients depends on its order; in
+/// float32, and in bfloat16 with a split master and bf16 moments (rounded stochastically).
+#[test]
+fn sharded_state_equals_replicated_bit_for_bit() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let low = [
+        "--set",
+        "model.dtype=bfloat16",
+        "--set",
+        "memory.grad_dtype=bfloat16",
+        "--set",
+        "memory.master_weights=split",
+        "--set",
+        "memory.moments_dtype=bfloat16",
+    ];
+    for (tag, extra) in [("f32", &[][..]), ("bf16", &low[..])] {
+        let replicated = [extra, &["--set", "nodes.shard_state=false"]].concat();
+        let sharded = train_with(&mpi, &format!("shard-{tag}"), 3, 1, 6, extra);
+        let whole = train_with(&mpi, &format!("whole-{tag}"), 3, 1, 6, &replicated);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&sharded.0), bits(&whole.0), "{tag} losses");
+        assert_eq!(bits(&sharded.1), bits(&whole.1), "{tag} gradient norms");
+        assert_eq!(sharded.2.len(), whole.2.len());
+        for (name, a) in &sharded.2 {
+            let differ = a
+                .iter()
+                .zip(&whole.2[name])
+                .filter(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(differ.count(), 0, "{tag}: final `{name}` differs");
+        }
+    }
+}
+
+/// Collectives over blocks longer than one MPI call may count (2^30 elements: a 27B
+/// model's embedding has 1.27e9) run over windows of the block, the same on every node.
+/// With `MT_MPI_MAX_COUNT=1000` (the test hook: smaller than the fixture's blocks and not
+/// dividing them, so pieces straddle windows and some windows hold no piece of a rank) three
+/// nodes train the same bits as with the default window, sharded (the gradient
+/// reduce-scatter, the store all-gather, and the gathers of the checkpoint and export) and
+/// replicated (the gradient all-gather too); the final checkpoint holds the same bytes.
+/// OpenMPI picks its reduce-scatter algorithm by message size, and some (recursive
+/// halving) add three ranks' values in an order that depends on it, so every run here pins
+/// the ring, whose order of additions depends only on the element's owner: what is tested
+/// is our windowing, not MPI's choice (a run uses one window size on every rank, so its
+/// replicas agree whichever algorithm MPI picks).
+#[test]
+fn collectives_in_small_windows_train_the_same_bits() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let ring = [
+        ("OMPI_MCA_coll_tuned_use_dynamic_rules", "1"),
+        ("OMPI_MCA_coll_tuned_reduce_scatter_algorithm", "3"),
+    ];
+    let small = [&ring[..], &[("MT_MPI_MAX_COUNT", "1000")]].concat();
+    let run = |tag: &str, extra: &[&str], env: &[(&str, &str)]| {
+        let ck = scratch(&format!("nodes-window-ck-{tag}"));
+        let ck_set = format!("checkpoint.dir={}", ck.display());
+        let args = [extra, &["--set", &ck_set]].concat();
+        let trained = train_env(&mpi, &format!("window-{tag}"), 3, 1, 6, &args, env);
+        let (_, dir) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
+        let opt = std::fs::read(dir.join("optimizer.safetensors")).unwrap();
+        (trained, opt)
+    };
+    let replicated = ["--set", "nodes.shard_state=false"];
+    let default = run("default", &[], &ring);
+    for (tag, extra) in [("sharded", &[][..]), ("replicated", &replicated[..])] {
+        let (small, opt) = run(tag, extra, &small);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&small.0), bits(&default.0.0), "{tag} losses");
+        assert_eq!(bits(&small.1), bits(&default.0.1), "{tag} gradient norms");
+        assert_eq!(small.2.len(), default.0.2.len());
+        for (name, a) in &small.2 {
+            let b = &default.0.2[name];
+            let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(differ.count(), 0, "{tag}: final `{name}` differs");
+        }
+        assert!(
+            opt == default.1,
+            "{tag}: the checkpoint's optimizer state differs"
+        );
+    }
+}
+
+/// `--dump-grads` with the state sharded is refused up front, naming the flag and
+/// `nodes.shard_state`: each node ends a step with the summed gradient of its pieces only.
+#[test]
+fn dump_grads_with_a_sharded_state_is_refused() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let dir = scratch("nodes-dump-grads");
+    let config = golden_dir().join("llama/run.yaml");
+    let dump = dir.join("grads.safetensors");
+    let args = [
+        "--config",
+        path_str(&config),
+        "--dump-grads",
+        path_str(&dump),
+    ];
+    let out = mpi_command(&mpi, 2, 1, &args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--dump-grads") && err.contains("nodes.shard_state"),
+        "{err}"
+    );
+    assert!(!dump.exists());
+}
+
 /// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits
 /// as the run that went straight through; so does the same checkpoint resumed on one node
-/// of two workers (the checkpoint holds the whole state, written by node 0, so any number
-/// of nodes resumes it; two one-worker nodes and one two-worker node add the same two
-/// slabs in the same order).
+/// of two workers, or on two nodes with the state replicated (the checkpoint holds the
+/// whole state, gathered and written by node 0, so any number of nodes, sharded or not,
+/// resumes it, each node reading its pieces; two one-worker nodes and one two-worker node
+/// add the same two slabs in the same order).
 #[test]
 fn two_node_checkpoint_resumes_exactly() {
     let Some((mpi, _one)) = mpirun() else {
         return;
     };
     let config = golden_dir().join("llama/run.yaml");
-    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>| {
+    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>, extra: &[&str]| {
         let dir = scratch(&format!("nodes-resume-{tag}"));
         let (ck_set, out_set, steps_set) = (
             format!("checkpoint.dir={}", dir.join("ck").display()),
@@ -276,6 +410,7 @@ fn two_node_checkpoint_resumes_exactly() {
         if let Some(from) = resume {
             args.extend(["--resume", path_str(from)]);
         }
+        args.extend(extra);
         let out = match ranks {
             1 => run(&[&["--gpus", "0", "--workers", "2"], &args[..]].concat()),
             _ => mpi_command(&mpi, ranks, 1, &args).output().unwrap(),
@@ -286,13 +421,19 @@ fn two_node_checkpoint_resumes_exactly() {
             dir.join("ck"),
         )
     };
-    let (straight, _) = run_to("straight", 2, 4, None);
-    let (_, ck) = run_to("first", 2, 2, None);
+    let (straight, _) = run_to("straight", 2, 4, None, &[]);
+    let (_, ck) = run_to("first", 2, 2, None, &[]);
     let (newest, step2) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
     assert_eq!(newest, 2);
-    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2));
-    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2));
-    for (other, how) in [(&resumed, "on two nodes"), (&on_one, "on one node")] {
+    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2), &[]);
+    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2), &[]);
+    let replicated = ["--set", "nodes.shard_state=false"];
+    let (whole, _) = run_to("resumed-replicated", 2, 4, Some(&step2), &replicated);
+    for (other, how) in [
+        (&resumed, "on two nodes"),
+        (&on_one, "on one node"),
+        (&whole, "on two nodes, replicated"),
+    ] {
         for (name, a) in &straight {
             let b = &other[name];
             let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());

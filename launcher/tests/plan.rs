@@ -319,7 +319,7 @@ fn a_launch_grows_the_staging_area_into_free_ram() {
     );
 }
 
-/// `plan --nodes N`: each node's bytes per parameter, whole (as this build runs) and with
+/// `plan --nodes N`: each node's bytes per parameter, replicated and with
 /// the state sharded (store 2 + gradient + (master + moments)/N), and a step's traffic: (N-1)/N
 /// of the gradient twice (replicated) or of the gradient and the bf16 store (sharded).
 #[test]
@@ -364,6 +364,14 @@ fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
         "{n}"
     );
     assert!((per_param("sharded_step_bytes") - 4.5).abs() < 1e-2, "{n}");
+    // Node 0 gathers a checkpoint one block at a time: the largest block (the embedding,
+    // 152064 x 3584) of the fp32 master and moments, 12 bytes each, counted in its total.
+    let gather = n["sharded_gather_bytes"].as_f64().unwrap();
+    assert!(
+        (gather / (12.0 * 152064.0 * 3584.0) - 1.0).abs() < 1e-3,
+        "{n}"
+    );
+    assert!(n["sharded_node0_bytes"].as_f64().unwrap() > gather, "{n}");
     let low = [
         "--set",
         "memory.grad_dtype=bfloat16",
@@ -389,6 +397,14 @@ fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
     ]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("on 2 nodes, each node holds:"), "{text}");
+    assert!(
+        text.contains("with the state sharded") && !text.contains("not in this build"),
+        "{text}"
+    );
+    assert!(
+        text.contains("to gather a checkpoint one block at a time"),
+        "{text}"
+    );
     assert!(
         text.contains("at 25 GB/s") && text.contains("at 50 GB/s"),
         "{text}"

@@ -157,6 +157,17 @@ pub enum Field {
     V,
 }
 
+impl Field {
+    /// Its tensor in `optimizer.safetensors`.
+    pub fn name(self) -> &'static str {
+        let (name, _) = OPTIMIZER_TENSORS
+            .iter()
+            .find(|(_, f)| *f == self)
+            .expect("every field is saved");
+        name
+    }
+}
+
 /// One block's checkpointed values, wherever they are held (the live state, or a staged
 /// copy: [`super::staging`]).
 pub trait BlockValues: Sync {
@@ -481,60 +492,98 @@ pub fn load(
     m: MasterMut<'_>,
     v: MasterMut<'_>,
 ) -> Result<TrainState> {
-    let st = dir.join(STATE);
-    let text = std::fs::read_to_string(&st).map_err(io(&st))?;
-    let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Weights {
-        path: st.clone(),
-        msg: format!("malformed trainer state: {e}"),
-    })?;
-    if state.format != FORMAT {
-        return Err(Error::Weights {
-            path: st,
-            msg: format!("format {} is not {FORMAT}", state.format),
-        });
+    let saved = Saved::open(dir, layout)?;
+    let n = layout.total;
+    for (field, mut dst) in [(Field::Master, master), (Field::M, m), (Field::V, v)] {
+        assert_eq!(dst.len(), n, "the host holds every element");
+        saved.read(field, 0, &mut dst)?;
     }
-    let ours = fingerprint(layout);
-    if state.layout != ours {
-        return Err(Error::Weights {
-            path: st,
-            msg: format!(
-                "saved for another model: layout {} does not match this model's {ours} (different architecture or config)",
-                state.layout
-            ),
-        });
-    }
-    let opt = dir.join(OPTIMIZER);
-    if !resumable(dir) {
-        return Err(Error::Weights {
-            path: dir.into(),
-            msg: format!(
-                "a model-only checkpoint (no {OPTIMIZER}): it cannot be resumed; start a new run from its weights with model.path"
-            ),
-        });
-    }
-    let reader = pieces::Reader::open(&opt)?;
-    let n = master.len();
-    let mut dsts = [("master", master), ("exp_avg", m), ("exp_avg_sq", v)];
-    for (name, dst) in &mut dsts {
-        let info = reader.tensor(name).ok_or_else(|| Error::Tensor {
-            path: opt.clone(),
-            tensor: name.to_string(),
-            expected: format!("f32 [{}]", layout.total),
-            got: "missing".into(),
+    Ok(saved.state)
+}
+
+/// A resumable checkpoint opened for reading: its state, and its optimizer tensors read a
+/// range at a time (a node of a sharded run reads its pieces only).
+pub struct Saved {
+    pub state: TrainState,
+    reader: pieces::Reader,
+    path: PathBuf,
+    total: usize,
+}
+
+impl Saved {
+    /// Opens checkpoint `dir`, which must be resumable and saved for `layout`.
+    pub fn open(dir: &Path, layout: &Layout) -> Result<Saved> {
+        let st = dir.join(STATE);
+        let text = std::fs::read_to_string(&st).map_err(io(&st))?;
+        let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Weights {
+            path: st.clone(),
+            msg: format!("malformed trainer state: {e}"),
         })?;
-        if info.dtype != Dtype::F32 || info.shape != [n] || dst.len() != n {
-            return Err(Error::Tensor {
+        if state.format != FORMAT {
+            return Err(Error::Weights {
+                path: st,
+                msg: format!("format {} is not {FORMAT}", state.format),
+            });
+        }
+        let ours = fingerprint(layout);
+        if state.layout != ours {
+            return Err(Error::Weights {
+                path: st,
+                msg: format!(
+                    "saved for another model: layout {} does not match this model's {ours} (different architecture or config)",
+                    state.layout
+                ),
+            });
+        }
+        let opt = dir.join(OPTIMIZER);
+        if !resumable(dir) {
+            return Err(Error::Weights {
+                path: dir.into(),
+                msg: format!(
+                    "a model-only checkpoint (no {OPTIMIZER}): it cannot be resumed; start a new run from its weights with model.path"
+                ),
+            });
+        }
+        let reader = pieces::Reader::open(&opt)?;
+        let n = layout.total;
+        for field in [Field::Master, Field::M, Field::V] {
+            let name = field.name();
+            let info = reader.tensor(name).ok_or_else(|| Error::Tensor {
                 path: opt.clone(),
                 tensor: name.to_string(),
                 expected: format!("f32 [{n}]"),
-                got: format!("{:?} {:?}", info.dtype, info.shape),
-            });
+                got: "missing".into(),
+            })?;
+            if info.dtype != Dtype::F32 || info.shape != [n] {
+                return Err(Error::Tensor {
+                    path: opt.clone(),
+                    tensor: name.to_string(),
+                    expected: format!("f32 [{n}]"),
+                    got: format!("{:?} {:?}", info.dtype, info.shape),
+                });
+            }
         }
-        dst.try_fill(0..n, |first, out| {
-            reader.read_f32(info, first..first + out.len(), out)
-        })?;
+        Ok(Saved {
+            state,
+            reader,
+            path: opt,
+            total: n,
+        })
     }
-    Ok(state)
+
+    /// Fills `dst` with `field`'s elements `at..at + dst.len()`.
+    pub fn read(&self, field: Field, at: usize, dst: &mut MasterMut<'_>) -> Result<()> {
+        let info = self.reader.tensor(field.name()).expect("checked by open");
+        assert!(
+            at + dst.len() <= self.total,
+            "within {}",
+            self.path.display()
+        );
+        dst.try_fill(0..dst.len(), |first, out| {
+            let from = at + first;
+            self.reader.read_f32(info, from..from + out.len(), out)
+        })
+    }
 }
 
 #[cfg(test)]

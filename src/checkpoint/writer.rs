@@ -178,23 +178,56 @@ impl Writer {
         self.pages = f.gate.take_pages();
         let (dir, write_s) =
             r.map_err(|_| Error::Other("the checkpoint writer thread panicked".into()))??;
-        let bytes = std::fs::read_dir(&dir)
-            .map_err(|e| Error::io(&dir, e))?
-            .filter_map(|e| e.ok()?.metadata().ok())
-            .map(|m| m.len())
-            .sum();
         Ok(Some(Written {
+            bytes: dir_bytes(&dir)?,
             dir,
             write_s,
-            bytes,
             stall_s: f.waited_s + f.gate.owner_s(),
             blocks: f.gate.counts(),
         }))
     }
 
+    /// Writes checkpoint `state` holding `contents` now, on this thread, after waiting for
+    /// the write in flight: `fill` writes every block ([`state::save_with`]), for a state
+    /// not held whole on this host (gathered block by block across nodes); then prunes as a
+    /// background write does. Returns the writes completed meanwhile, this one last.
+    pub fn write_now(
+        &mut self,
+        state: &TrainState,
+        contents: CheckpointContents,
+        fill: impl FnOnce(&state::Files) -> Result<()>,
+    ) -> Result<Vec<Written>> {
+        let t = Instant::now();
+        let mut done: Vec<Written> = self.finish()?.into_iter().collect();
+        let job = &self.job;
+        let dir = state::save_with(&job.root, state, &job.layout, &job.export, contents, fill)?;
+        state::prune(&job.root, job.keep_last)?;
+        let write_s = t.elapsed().as_secs_f64();
+        done.push(Written {
+            bytes: dir_bytes(&dir)?,
+            dir,
+            write_s,
+            stall_s: write_s,
+            blocks: Counts {
+                live: job.layout.blocks.len(),
+                ..Counts::default()
+            },
+        });
+        Ok(done)
+    }
+
     pub fn root(&self) -> &Path {
         &self.job.root
     }
+}
+
+/// Bytes of the files in `dir`.
+fn dir_bytes(dir: &Path) -> Result<u64> {
+    Ok(std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum())
 }
 
 impl Drop for Writer {

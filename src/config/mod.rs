@@ -56,6 +56,26 @@ pub struct RunConfig {
     /// `training.stage: grpo`'s settings.
     #[serde(default)]
     pub grpo: GrpoSection,
+    /// Several nodes (`mpirun -np N mt-launch …`).
+    #[serde(default)]
+    pub nodes: NodesSection,
+}
+
+/// How several nodes share the host state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodesSection {
+    /// Each node holds 1/N of the master weights and Adam moments and updates only its
+    /// share, the updated store gathered into every node (true, the default); false: every
+    /// node holds and updates all of it (the replicated state, 12/N more bytes per parameter
+    /// less the exchange of the store). Both train the same bits.
+    pub shard_state: bool,
+}
+
+impl Default for NodesSection {
+    fn default() -> Self {
+        NodesSection { shard_state: true }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -8,20 +8,55 @@
 //! step sends each block's gradient in a reduce-scatter and the updated store in an
 //! all-gather.
 //!
-//! This build keeps the state replicated (every node holds all of it, as one node does) and
-//! sums the gradient with a reduce-scatter and an all-gather of the gradient.
+//! That is the default under mpirun (`nodes.shard_state: true`); with `false` every node
+//! holds all of the state, as one node does, and the gradient is summed with a
+//! reduce-scatter and an all-gather of the gradient.
+//!
+//! A checkpoint or the export of a sharded state is gathered on node 0 one block at a time:
+//! node 0 holds one block of the master and moments more, the largest block x (master +
+//! moments) bytes per element ([`HostPlan::sharded`]'s `gather`).
 //!
 //! Traffic per node and step, each way over its link, with ring algorithms: a reduce-scatter
 //! or an all-gather of B bytes moves (N-1)/N x B.
 
 use super::HostPlan;
+use crate::config::MasterWeights;
+use crate::layout::Layout;
+use crate::layout::shards::Shards;
+
+impl HostPlan {
+    /// The plan of node 0 of `nodes` (the largest): its shard of the master weights and
+    /// moments (the most any node owns: pieces are rounded up to whole SIMD runs,
+    /// [`crate::layout::shards`]), and its buffers to gather one block of them, the
+    /// largest, for a checkpoint or the export.
+    pub fn sharded(self, layout: &Layout, nodes: usize) -> HostPlan {
+        let elems = Shards::most(layout, nodes) as u64;
+        let per_elem = self.master_bytes_per_elem() + 2 * self.opts.moments.size() as u64;
+        HostPlan {
+            master: self.master_bytes_per_elem() * elems,
+            adam: 2 * self.opts.moments.size() as u64 * elems,
+            gather: per_elem * layout.max_block_len() as u64,
+            ..self
+        }
+    }
+
+    /// Bytes per element of the master beside the store (fp32, a split master's low
+    /// halves, or none).
+    fn master_bytes_per_elem(&self) -> u64 {
+        match self.opts.master {
+            MasterWeights::Float32 => 4,
+            MasterWeights::Split => 2,
+            MasterWeights::Bfloat16 => 0,
+        }
+    }
+}
 
 /// One node's share of an N-node run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct NodesPlan {
     pub nodes: u64,
     pub params: u64,
-    /// Bytes per parameter on each node as this build runs (replicated state).
+    /// Bytes per parameter on each node with the state replicated (`nodes.shard_state: false`).
     pub replicated_per_param: f64,
     /// Bytes per parameter on each node with the sharded state.
     pub sharded_per_param: f64,
@@ -31,13 +66,18 @@ pub struct NodesPlan {
     /// The same with the sharded state: reduce-scatter of the gradient, all-gather of the
     /// store.
     pub sharded_step_bytes: u64,
+    /// Node 0's host bytes with the sharded state, all told ([`HostPlan::sharded`]).
+    pub sharded_node_bytes: u64,
+    /// Of which node 0's buffers to gather one block of the master and moments.
+    pub sharded_gather_bytes: u64,
 }
 
 /// Link rates the plan prints times for, GB/s (25 and 50 GB/s: 200 and 400 Gb/s).
 pub const LINKS_GBPS: [f64; 2] = [25.0, 50.0];
 
 impl NodesPlan {
-    pub fn new(host: &HostPlan, nodes: u64) -> NodesPlan {
+    /// The plan of `nodes` nodes from one node's `host` plan and node 0's `sharded` one.
+    pub fn new(host: &HostPlan, sharded: &HostPlan, nodes: u64) -> NodesPlan {
         assert!(nodes >= 1);
         let p = host.params as f64;
         let per = |b: u64| b as f64 / p;
@@ -55,6 +95,8 @@ impl NodesPlan {
                 + per(host.master + host.adam) / nodes as f64,
             replicated_step_bytes: (share * 2.0 * grad) as u64,
             sharded_step_bytes: (share * (grad + store)) as u64,
+            sharded_node_bytes: sharded.total(),
+            sharded_gather_bytes: sharded.gather,
         }
     }
 
@@ -70,13 +112,19 @@ impl std::fmt::Display for NodesPlan {
         writeln!(f, "on {} nodes, each node holds:", self.nodes)?;
         writeln!(
             f,
-            "  {:.2} bytes per parameter as this build runs (state replicated on every node)",
+            "  {:.2} bytes per parameter with the state replicated (nodes.shard_state: false)",
             self.replicated_per_param
         )?;
         writeln!(
             f,
-            "  {:.2} bytes per parameter with the state sharded (store + gradient + (master + moments)/{}; not in this build yet)",
+            "  {:.2} bytes per parameter with the state sharded (store + gradient + (master + moments)/{}; the default)",
             self.sharded_per_param, self.nodes
+        )?;
+        writeln!(
+            f,
+            "  node 0 with the state sharded: {:.2} GB of host memory, of which {:.2} GB to gather a checkpoint one block at a time (the largest block's master and moments)",
+            gb(self.sharded_node_bytes),
+            gb(self.sharded_gather_bytes)
         )?;
         for (name, bytes) in [
             ("replicated", self.replicated_step_bytes),
@@ -125,6 +173,7 @@ mod tests {
             staging_full: 0,
             staging_grown: false,
             carried: 0,
+            gather: 0,
             offloaded: 0,
             grpo_reference: 0,
             slot_len: 0,
@@ -136,7 +185,8 @@ mod tests {
     /// The design's figure: store 2 + gradient 4 + 12/N bytes per parameter.
     #[test]
     fn sharded_bytes_per_param_are_store_grad_and_a_share_of_the_state() {
-        let n = NodesPlan::new(&host(1_000_000_000, DType::Float32), 4);
+        let h = host(1_000_000_000, DType::Float32);
+        let n = NodesPlan::new(&h, &h, 4);
         assert!((n.sharded_per_param - (2.0 + 4.0 + 12.0 / 4.0)).abs() < 1e-9);
         assert!((n.replicated_per_param - 18.0).abs() < 1e-9);
         // (N-1)/N of the gradient (4 B) and the store (2 B) per parameter.
@@ -147,7 +197,8 @@ mod tests {
 
     #[test]
     fn one_node_sends_nothing() {
-        let n = NodesPlan::new(&host(1000, DType::Bfloat16), 1);
+        let h = host(1000, DType::Bfloat16);
+        let n = NodesPlan::new(&h, &h, 1);
         assert_eq!((n.sharded_step_bytes, n.replicated_step_bytes), (0, 0));
         assert!((n.sharded_per_param - n.replicated_per_param).abs() < 1e-9);
     }

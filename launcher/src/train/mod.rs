@@ -124,6 +124,7 @@ impl Trainer {
         // Node 0 writes the run's files; the others hold the same state.
         let lead = mpi.is_none_or(|m| m.rank == 0);
         let mut prepared = Prepared::new(&cfg, &placement)?;
+        nodes::shard_plan(&mut prepared, &cfg, mpi);
         prepared.check_host_ram()?;
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
@@ -148,7 +149,7 @@ impl Trainer {
             Stage::Grpo => Some(cfg.grpo_params()?),
             _ => None,
         };
-        nodes::check_supported(mpi, cfg.training.stage)?;
+        nodes::check_supported(mpi, &cfg, dump_grads.is_some())?;
         let (metrics_out, dump_grads, dump_logits) = match lead {
             true => (metrics_out, dump_grads, dump_logits),
             false => (None, None, None),
@@ -206,7 +207,8 @@ impl Trainer {
             )
         });
         let t_prepared = Instant::now();
-        let mut host = HostState::new(&cfg, layout, placement.workers)?;
+        let shards = nodes::shards(&cfg, mpi, &layout);
+        let mut host = HostState::new(&cfg, layout, placement.workers, shards)?;
         let t_allocated = Instant::now();
         // A GRPO reference (`grpo.beta` > 0) is the initial model: a resume restores the
         // checkpoint after the reference pass ([`weights`]).
@@ -407,7 +409,7 @@ impl Trainer {
             };
             for block in 0..self.host.layout.blocks.len() {
                 if let Some(hp) = &hp {
-                    self.host.update_block(block, hp, self.moments);
+                    self.update_block(block, hp)?;
                 }
                 if next.is_some() {
                     self.sup.broadcast(|| ToWorker::BlockReady { block })?;
@@ -452,7 +454,7 @@ impl Trainer {
         let lead = self.lead();
         let Trainer {
             cfg,
-            host,
+            mut host,
             sup,
             export,
             plan,
@@ -462,10 +464,7 @@ impl Trainer {
         if let Some(sig) = stopped {
             return Err(Stopped(sig as i32).into());
         }
-        if let Some(out) = cfg.training.output_dir.as_ref().filter(|_| lead) {
-            checkpoint::save_hf(out, &host.layout, host.master(), &export)?;
-            println!("model written to {}", out.display());
-        }
+        nodes::export(&cfg, &mut host, &export, lead)?;
         println!(
             "host memory: launcher peak {:.3} GB resident (VmHWM), plan {:.3} GB",
             peak_rss_bytes() as f64 / 1e9,
@@ -618,14 +617,15 @@ impl Trainer {
                         for (r, &s) in slots.iter().enumerate() {
                             self.sup.send(r, ToWorker::SlotFree { slot: s })?;
                         }
-                        match &mut exchange {
-                            None => out.grad_sum_sq += sum_sq,
-                            // The norm is over the sum across nodes.
-                            Some(x) if last => x.part_final(block),
-                            Some(_) => {}
-                        }
-                        while let Some(b) = exchange.as_mut().and_then(nodes::Exchange::due) {
-                            out.grad_sum_sq += self.exchange(b)?;
+                        match (&mut exchange, self.mpi) {
+                            (Some(x), Some(m)) => {
+                                // The norm is over the sum across nodes.
+                                if last {
+                                    x.part_final(block);
+                                }
+                                x.run_due(&mut self.host, m)?;
+                            }
+                            _ => out.grad_sum_sq += sum_sq,
                         }
                         out.reduce_s += t.elapsed().as_secs_f64();
                         reduced += 1;
@@ -663,6 +663,9 @@ impl Trainer {
         let t = Instant::now();
         self.host.settle_moments();
         out.moments_s += t.elapsed().as_secs_f64();
+        if let (Some(x), Some(m)) = (exchange, self.mpi) {
+            out.grad_sum_sq = x.sum_sq(m)?;
+        }
         let losses: Vec<f64> = step_done.iter().flatten().map(|d| d.0).collect();
         out.loss_sum = self.global_loss(&losses)?;
         for (_, dpo, grpo, token_logps) in step_done.into_iter().flatten() {

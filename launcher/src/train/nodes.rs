@@ -7,13 +7,24 @@
 //!
 //! N nodes of W workers train as one node of N x W workers does, up to the order of the
 //! gradient additions (`(s0 + s1) + (s2 + s3)` instead of `((s0 + s1) + s2) + s3`).
+//!
+//! With `nodes.shard_state` (the default) each node holds and updates its pieces of the
+//! master and moments only, and the updated store is gathered block by block before the
+//! next forward reads it ([`crate::host`]'s `shard`); replicated or sharded, the gradient,
+//! its norm and so the training are the same bits.
 
-use anyhow::{Result, bail};
-use mt::config::Stage;
+use anyhow::{Context, Result, bail};
+use mt::checkpoint::export::ExportFiles;
+use mt::config::{CheckpointContents, RunConfig, Stage};
 use mt::data::StepPlan;
+use mt::layout::Layout;
+use mt::layout::shards::Shards;
+use mt::optim::AdamWStep;
 
-use super::Trainer;
+use super::{Trainer, schedule};
+use crate::host::HostState;
 use crate::mpi::Mpi;
+use crate::prepare::Prepared;
 
 /// Which blocks are final on this node, and the next one to exchange. Blocks are exchanged
 /// in one fixed order on every node (collectives must match): from the last block down,
@@ -23,6 +34,9 @@ pub(super) struct Exchange {
     parts_left: Vec<usize>,
     /// The next block to exchange (counting down); `None` once all are.
     next: Option<usize>,
+    /// By block, Σ g² of each piece this node holds summed over the nodes (every piece,
+    /// or sharded, its own).
+    sums: Vec<Vec<f64>>,
 }
 
 impl Exchange {
@@ -30,7 +44,33 @@ impl Exchange {
         Exchange {
             parts_left: parts.iter().map(Vec::len).collect(),
             next: parts.len().checked_sub(1),
+            sums: vec![Vec::new(); parts.len()],
         }
+    }
+
+    /// Exchanges every block now final on this node.
+    pub(super) fn run_due(&mut self, host: &mut HostState, mpi: &Mpi) -> Result<()> {
+        while let Some(b) = self.due() {
+            self.sums[b] = host.exchange_block(b, mpi)?;
+        }
+        Ok(())
+    }
+
+    /// Σ g² over every parameter: each block's pieces in rank order, block after block
+    /// from the last (sharded, every node's own pieces gathered first). The same bits on
+    /// every node, replicated or sharded.
+    pub(super) fn sum_sq(self, mpi: &Mpi) -> Result<f64> {
+        assert!(self.next.is_none(), "every block is exchanged");
+        let blocks = self.sums.len();
+        let mut sums = self.sums;
+        if sums.iter().all(|s| s.len() == 1) && mpi.size > 1 {
+            let mine: Vec<f64> = sums.iter().map(|s| s[0]).collect();
+            let all = mpi.allgather_f64("the gradient norm gather", &mine)?;
+            for (b, s) in sums.iter_mut().enumerate() {
+                *s = (0..mpi.size).map(|r| all[r * blocks + b]).collect();
+            }
+        }
+        Ok(sums.iter().rev().flatten().fold(0.0, |a, b| a + b))
     }
 
     /// Records that one part of `block`'s last micro-batch is reduced.
@@ -85,10 +125,56 @@ impl Trainer {
         Ok(all.iter().fold(0.0, |a, b| a + b))
     }
 
-    /// Sums block `block`'s gradient over the nodes; its Σ g².
-    pub(super) fn exchange(&mut self, block: usize) -> Result<f64> {
-        let m = self.mpi.expect("exchanges happen across nodes");
-        self.host.exchange_block(block, m)
+    /// Applies update `hp` to block `block` (this node's pieces, where sharded) and gives
+    /// every node the updated weights of the block.
+    pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
+        self.host.update_block(block, hp, self.moments);
+        self.host.gather_store(block)
+    }
+
+    /// [`Trainer::checkpoint`] of a sharded state, before the step loop goes on: node 0
+    /// gathers the master (and moments) one block at a time and writes each block as one
+    /// node would; the other nodes send their pieces. Every node runs every block's gather,
+    /// even where node 0 could not create or write the files (it reports that after).
+    pub(super) fn checkpoint_sharded(&mut self, done: u64, last: bool) -> Result<()> {
+        let ck = &self.cfg.checkpoint;
+        let Some(contents) = ck.dir.as_ref().and(ck.due(done, last)) else {
+            return Ok(());
+        };
+        let moments = contents == CheckpointContents::Full;
+        let Some(writer) = self.writer.as_mut() else {
+            return self.host.gather_blocks(moments, None)?.map_err(Into::into);
+        };
+        let root = writer.root().display().to_string();
+        let failed =
+            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
+        let state = self
+            .host
+            .train_state(done, self.nan_run, schedule(&self.cfg));
+        let host = &mut self.host;
+        // A failed gather, and whether the files were created (else the gathers still run).
+        let (mut gather_err, mut gathered) = (None, false);
+        let written = writer.write_now(&state, contents, |files| {
+            gathered = true;
+            let mut write =
+                |b: usize, v: &dyn mt::checkpoint::state::BlockValues| files.write_block(b, v);
+            host.gather_blocks(moments, Some(&mut write))
+                .unwrap_or_else(|e| {
+                    let msg = format!("{e:#}");
+                    gather_err = Some(e);
+                    Err(mt::Error::Other(msg))
+                })
+        });
+        if let Some(e) = gather_err {
+            return Err(e);
+        }
+        if !gathered {
+            host.gather_blocks(moments, None)??;
+        }
+        let written = written.with_context(failed)?;
+        let waited: f64 = written.iter().map(|w| w.stall_s).sum();
+        self.checkpoint_wait_s += waited;
+        self.report_written(written)
     }
 
     /// The stop signal any node received (all stop at the same step boundary).
@@ -102,13 +188,83 @@ impl Trainer {
     }
 }
 
-/// Refuses what several nodes do not support yet.
-pub(super) fn check_supported(mpi: Option<&Mpi>, stage: Stage) -> Result<()> {
-    if mpi.is_some() && matches!(stage, Stage::Dpo | Stage::Grpo) {
+/// Refuses what several nodes do not support yet: DPO and GRPO; `--dump-grads` with the
+/// state sharded, where each node ends the step with the summed gradient of its own pieces
+/// only (node 0 would write a gradient that is partly its own workers' alone).
+pub(super) fn check_supported(mpi: Option<&Mpi>, cfg: &RunConfig, dump_grads: bool) -> Result<()> {
+    let Some(m) = mpi else {
+        return Ok(());
+    };
+    let stage = cfg.training.stage;
+    if matches!(stage, Stage::Dpo | Stage::Grpo) {
         bail!(
             "training.stage: {} is not supported on several nodes yet (run it on one node)",
             stage.as_str()
         );
     }
+    if dump_grads && cfg.nodes.shard_state {
+        bail!(
+            "--dump-grads is not supported on several nodes ({} under mpirun) with the state sharded (nodes.shard_state: true, the default): each node holds the summed gradient of its own pieces only; pass --set nodes.shard_state=false, or run on one node",
+            m.size
+        );
+    }
+    Ok(())
+}
+
+/// This node's pieces of the master and moments, when they are sharded: under mpirun with
+/// `nodes.shard_state` (the default).
+pub(super) fn shards(
+    cfg: &RunConfig,
+    mpi: Option<&'static Mpi>,
+    layout: &Layout,
+) -> Option<(Shards, &'static Mpi)> {
+    let m = mpi.filter(|_| cfg.nodes.shard_state)?;
+    Some((Shards::new(layout, m.size, m.rank), m))
+}
+
+/// The host plan of one node of a sharded run: 1/N of the master and moments, node 0's
+/// buffers to gather one block of them for a checkpoint or the export, and no staging area
+/// (node 0 writes a checkpoint block by block as it gathers it, before training goes on).
+pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
+    if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
+        prepared.plan = prepared
+            .plan
+            .sharded(&prepared.layout, m.size)
+            .without_staging();
+    }
+}
+
+/// Writes the trained model to `training.output_dir` (node 0); a sharded master is gathered
+/// on node 0 one block at a time, each written before the next, every node sending its
+/// pieces of every block (even where node 0 could not create or write the files).
+pub(super) fn export(
+    cfg: &RunConfig,
+    host: &mut HostState,
+    export: &mt::checkpoint::ExportOptions,
+    lead: bool,
+) -> Result<()> {
+    let Some(out) = &cfg.training.output_dir else {
+        return Ok(());
+    };
+    if !host.sharded() {
+        if lead {
+            mt::checkpoint::save_hf(out, &host.layout, host.master(), export)?;
+            println!("model written to {}", out.display());
+        }
+        return Ok(());
+    }
+    if !lead {
+        return host.gather_blocks(false, None)?.map_err(Into::into);
+    }
+    let layout = host.layout.clone();
+    let files = ExportFiles::create(out, &layout, export);
+    let mut write = |b: usize, v: &dyn mt::checkpoint::state::BlockValues| match &files {
+        Ok(f) => f.write_block(b, v),
+        // Reported below; the gathers go on.
+        Err(_) => Ok(()),
+    };
+    host.gather_blocks(false, Some(&mut write))??;
+    files?.finish()?;
+    println!("model written to {}", out.display());
     Ok(())
 }

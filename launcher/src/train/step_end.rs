@@ -20,6 +20,9 @@ impl Trainer {
     /// step (end of the run, or a stop signal) or with `checkpoint.background: false` at
     /// once. A write that failed meanwhile fails the run.
     pub(super) fn checkpoint(&mut self, done: u64, last: bool) -> Result<()> {
+        if self.host.sharded() {
+            return self.checkpoint_sharded(done, last);
+        }
         let Some(writer) = self.writer.as_mut() else {
             return Ok(());
         };
@@ -58,7 +61,10 @@ impl Trainer {
     }
 
     /// Says where the checkpoints completed meanwhile were written.
-    fn report_written(&mut self, written: Vec<mt::checkpoint::writer::Written>) -> Result<()> {
+    pub(super) fn report_written(
+        &mut self,
+        written: Vec<mt::checkpoint::writer::Written>,
+    ) -> Result<()> {
         for w in written {
             self.progress.println(&format!(
                 "checkpoint {} written: {:.2} GB in {:.3}s ({:.2} GB/s); training waited {:.3}s for it; blocks: {} staged, {} copied ahead, {} from the live state",

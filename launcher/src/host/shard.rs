@@ -1,0 +1,344 @@
+//! The host state across nodes: the gradient exchange, and with `nodes.shard_state` the
+//! master weights and moments held as this node's pieces of every block
+//! ([`mt::layout::shards`]).
+//!
+//! Each block's gradient, once final on the node, is summed over the nodes by a
+//! reduce-scatter over the block's pieces: node r gets the sum of piece r, each piece summed
+//! once, by one rank. Replicated, an all-gather then gives every node the whole sum; sharded,
+//! node r updates piece r only and the updated store pieces are all-gathered into every
+//! node's store, block by block, before the next forward reads the block. Both use the same
+//! pieces and the same collectives, so both hold the same gradient bits and compute the
+//! same norm: Σ g² of each piece, added block after block (from the last, in exchange
+//! order), piece after piece in rank order.
+//!
+//! A checkpoint or the exported model needs the whole master: node 0 gathers it (and the
+//! moments) one block at a time into buffers of the largest block's size and writes each
+//! block before gathering the next ([`HostState::gather_blocks`]), in the format one node
+//! writes, so a checkpoint of a sharded run resumes on any number of nodes (each node reads
+//! its pieces of the whole state: [`HostState::restore_sharded`]). Node 0 holds one block of
+//! the master and moments beyond its share, never a whole copy.
+
+use std::ops::Range;
+use std::sync::atomic::AtomicU64;
+
+use anyhow::Result;
+use half::bf16;
+use mt::checkpoint::state::{BlockValues, Field, Saved, Tensors, TrainState};
+use mt::checkpoint::{MasterMut, MasterRef};
+use mt::layout::Layout;
+use mt::layout::shards::{Shards, piece};
+use mt::optim::StoreOut;
+use mt::reduce::GradElem;
+use mt::shm::huge::zeroed;
+
+use super::{AdamMoments, Grad, HostState, Master, store_bf16, sum_sq};
+use crate::mpi::{Elem, Mpi};
+
+/// One block of the master or a moment, gathered on node 0 (the largest block's size,
+/// reused block after block; empty on the other nodes).
+enum Whole {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+    Bf16(Vec<bf16>),
+}
+
+/// A node's local buffer of pieces (the master or a moment), by dtype.
+enum Local<'a> {
+    F32(&'a [f32]),
+    U16(&'a [u16]),
+    Bf16(&'a [bf16]),
+}
+
+impl Whole {
+    /// A buffer of `n` elements of `local`'s dtype.
+    fn like(local: &Local, n: usize) -> Whole {
+        match local {
+            Local::F32(_) => Whole::F32(zeroed(n)),
+            Local::U16(_) => Whole::U16(zeroed(n)),
+            Local::Bf16(_) => Whole::Bf16(zeroed(n)),
+        }
+    }
+
+    /// Gathers each rank's piece of a block (this rank's: elements `l` of `local`) into
+    /// the first `keep` elements (the block on node 0, none elsewhere).
+    fn gather(
+        &mut self,
+        mpi: &Mpi,
+        what: &str,
+        local: &Local,
+        l: Range<usize>,
+        keep: usize,
+        pieces: &[Range<usize>],
+    ) -> Result<()> {
+        match (local, self) {
+            (Local::F32(x), Whole::F32(a)) => {
+                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
+            }
+            (Local::U16(x), Whole::U16(a)) => {
+                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
+            }
+            (Local::Bf16(x), Whole::Bf16(a)) => {
+                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
+            }
+            _ => unreachable!("a gathered block has its pieces' dtype"),
+        }
+    }
+
+    /// The first `n` elements, as a checkpoint reads a moment.
+    fn moment(&self, n: usize) -> MasterRef<'_> {
+        match self {
+            Whole::F32(x) => MasterRef::F32(&x[..n]),
+            Whole::Bf16(x) => MasterRef::Bf16(&x[..n]),
+            Whole::U16(_) => unreachable!("moments are f32 or bf16"),
+        }
+    }
+}
+
+/// Where [`HostState::gather_blocks`] hands node 0 each block's values.
+pub type WriteBlock<'a> = &'a mut dyn FnMut(usize, &dyn BlockValues) -> mt::Result<()>;
+
+impl HostState {
+    /// Whether the master and moments hold this node's pieces only.
+    pub fn sharded(&self) -> bool {
+        self.shards.is_some()
+    }
+
+    /// Every rank's piece of block `block` (within the block) on `nodes` nodes.
+    fn pieces(&self, block: usize, nodes: usize) -> Vec<Range<usize>> {
+        let len = self.layout.blocks[block].len;
+        (0..nodes).map(|r| piece(len, nodes, r)).collect()
+    }
+
+    /// Sums block `block`'s gradient, final on this node, over every node (a reduce-scatter
+    /// of its pieces, each summed by one rank: the same bits on every node; replicated, then
+    /// an all-gather) and returns Σ g² of each piece this node holds summed: every piece,
+    /// or sharded, its own. The block's gaps are zero on every node and stay so.
+    pub fn exchange_block(&mut self, block: usize, mpi: &Mpi) -> Result<Vec<f64>> {
+        let pieces = self.pieces(block, mpi.size);
+        let r = self.layout.blocks[block].range();
+        let what = format!("the gradient exchange of block {block}");
+        let sharded = self.shards.is_some();
+        match &mut self.grad {
+            Grad::F32(g) => exchange(mpi, &what, &mut g[r], &pieces, sharded),
+            Grad::Bf16(g) => exchange(mpi, &what, &mut g[r], &pieces, sharded),
+        }
+    }
+
+    /// Gives every node the store pieces of block `block` the others updated.
+    pub fn gather_store(&mut self, block: usize) -> Result<()> {
+        let Some((_, mpi)) = &self.shards else {
+            return Ok(());
+        };
+        let mpi: &Mpi = mpi;
+        let pieces = self.pieces(block, mpi.size);
+        let what = format!("the weights exchange of block {block}");
+        match self.store.out_mut(self.layout.blocks[block].range()) {
+            StoreOut::F32(s) => mpi.allgather_pieces(&what, s, &pieces),
+            StoreOut::Bf16(s) => mpi.allgather_pieces(&what, s, &pieces),
+        }
+    }
+
+    /// [`HostState::init_master`] of a sharded master: `fill` writes a whole master (and
+    /// the store from it), of which this node keeps its pieces. The whole fp32 master (or
+    /// a split one's low halves) is held only meanwhile, at start-up.
+    pub(super) fn init_master_sharded(
+        &mut self,
+        fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
+    ) -> Result<()> {
+        let n = self.layout.total;
+        let rounded = AtomicU64::new(0);
+        let shards = &self.shards.as_ref().expect("sharded").0;
+        match &mut self.master {
+            Master::F32(local) => {
+                let mut whole: Vec<f32> = zeroed(n);
+                fill(&self.layout, &mut MasterMut::F32(&mut whole))?;
+                self.store.write_all(&whole);
+                keep_pieces(shards, &whole, local.as_mut_slice());
+            }
+            Master::Split(local) => {
+                let mut lo: Vec<u16> = zeroed(n);
+                let hi = store_bf16(&mut self.store, 0..n);
+                fill(&self.layout, &mut MasterMut::Split { hi, lo: &mut lo })?;
+                keep_pieces(shards, &lo, local.as_mut_slice());
+            }
+            Master::Bf16 { .. } => {
+                let p = store_bf16(&mut self.store, 0..n);
+                fill(
+                    &self.layout,
+                    &mut MasterMut::Bf16 {
+                        p,
+                        rounded: &rounded,
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`HostState::restore`] of a sharded state: this node reads its pieces of the
+    /// checkpoint's whole master and moments (written by any number of nodes), writes its
+    /// pieces of the store, and gathers the others'.
+    pub(super) fn restore_sharded(&mut self, dir: &std::path::Path) -> Result<TrainState> {
+        let saved = Saved::open(dir, &self.layout)?;
+        let (shards, mpi) = self.shards.clone().expect("sharded");
+        let (rounded, moments_rounded) = (AtomicU64::new(0), AtomicU64::new(0));
+        for b in 0..self.layout.blocks.len() {
+            let (g, l) = (shards.mine(b), shards.local_range(b));
+            let mut master = match &mut self.master {
+                Master::F32(x) => MasterMut::F32(x.range_mut(l.clone())),
+                Master::Split(lo) => MasterMut::Split {
+                    hi: store_bf16(&mut self.store, g.clone()),
+                    lo: lo.range_mut(l.clone()),
+                },
+                Master::Bf16 { .. } => MasterMut::Bf16 {
+                    p: store_bf16(&mut self.store, g.clone()),
+                    rounded: &rounded,
+                },
+            };
+            saved.read(Field::Master, g.start, &mut master)?;
+            if let Master::F32(x) = &self.master {
+                let x = &x.as_slice()[l.clone()];
+                match self.store.out_mut(g.clone()) {
+                    StoreOut::F32(s) => s.copy_from_slice(x),
+                    StoreOut::Bf16(s) => s.iter_mut().zip(x).for_each(|(d, x)| {
+                        *d = bf16::from_f32(*x);
+                    }),
+                }
+            }
+            let (mut m, mut v) = match &mut self.moments {
+                AdamMoments::F32 { m, v } => (
+                    MasterMut::F32(m.range_mut(l.clone())),
+                    MasterMut::F32(v.range_mut(l)),
+                ),
+                AdamMoments::Bf16 { m, v, .. } => (
+                    MasterMut::Bf16 {
+                        p: m.range_mut(l.clone()),
+                        rounded: &moments_rounded,
+                    },
+                    MasterMut::Bf16 {
+                        p: v.range_mut(l),
+                        rounded: &moments_rounded,
+                    },
+                ),
+            };
+            saved.read(Field::M, g.start, &mut m)?;
+            saved.read(Field::V, g.start, &mut v)?;
+        }
+        for b in 0..self.layout.blocks.len() {
+            self.gather_store(b)?;
+        }
+        let rounded = (rounded.into_inner(), moments_rounded.into_inner());
+        if rounded != (0, 0) {
+            tracing::warn!(
+                master = rounded.0,
+                moments = rounded.1,
+                "{}: values of the checkpoint (rank {}) are not bf16 values and were rounded to nearest even for the bfloat16 master or moments: the run does not continue exactly as the saved one would have",
+                dir.display(),
+                mpi.rank
+            );
+        }
+        self.updates = saved.state.updates;
+        Ok(saved.state)
+    }
+
+    /// Gathers every block's master (and with `moments`, m and v) on node 0, one block
+    /// after another in layout order, into buffers of the largest block's size, and hands
+    /// each block's values to `write` there (`None` on the other nodes, which send their
+    /// pieces). Every node makes every block's gathers whatever `write` returns: after its
+    /// first error node 0 only gathers, so no node waits in a gather node 0 skipped. The
+    /// outer error is a failed gather (every node fails); the inner one `write`'s first.
+    pub fn gather_blocks(
+        &mut self,
+        moments: bool,
+        mut write: Option<WriteBlock>,
+    ) -> Result<mt::Result<()>> {
+        self.settle_moments();
+        let (shards, mpi) = self.shards.as_ref().expect("sharded");
+        let lead = mpi.rank == 0;
+        let n = if lead { self.layout.max_block_len() } else { 0 };
+        let store = self.store.bf16();
+        let master = match &self.master {
+            Master::F32(x) => Some(Local::F32(x.as_slice())),
+            Master::Split(lo) => Some(Local::U16(lo.as_slice())),
+            Master::Bf16 { .. } => None,
+        };
+        let (m, v) = match &self.moments {
+            _ if !moments => (None, None),
+            AdamMoments::F32 { m, v } => (
+                Some(Local::F32(m.as_slice())),
+                Some(Local::F32(v.as_slice())),
+            ),
+            AdamMoments::Bf16 { m, v, .. } => (
+                Some(Local::Bf16(m.as_slice())),
+                Some(Local::Bf16(v.as_slice())),
+            ),
+        };
+        let fields: Vec<Local> = [master, m, v].into_iter().flatten().collect();
+        let mut bufs: Vec<Whole> = fields.iter().map(|f| Whole::like(f, n)).collect();
+        let mut written = Ok(());
+        for b in 0..self.layout.blocks.len() {
+            let (pieces, l) = (self.pieces(b, mpi.size), shards.local_range(b));
+            let (range, len) = (self.layout.blocks[b].range(), self.layout.blocks[b].len);
+            let keep = if lead { len } else { 0 };
+            let what = format!("the state gather of block {b}");
+            for (f, buf) in fields.iter().zip(&mut bufs) {
+                buf.gather(mpi, &what, f, l.clone(), keep, &pieces)?;
+            }
+            let Some(write) = write.as_mut().filter(|_| written.is_ok()) else {
+                continue;
+            };
+            let mut got = bufs.iter();
+            let hi = || &store.expect("a split or bf16 master has a bf16 store")[range.clone()];
+            let master = match &self.master {
+                Master::F32(_) => match got.next() {
+                    Some(Whole::F32(x)) => MasterRef::F32(&x[..len]),
+                    _ => unreachable!("an fp32 master is gathered in fp32"),
+                },
+                Master::Split(_) => match got.next() {
+                    Some(Whole::U16(lo)) => MasterRef::Split {
+                        hi: hi(),
+                        lo: &lo[..len],
+                    },
+                    _ => unreachable!("a split master's low halves are gathered"),
+                },
+                Master::Bf16 { .. } => MasterRef::Bf16(hi()),
+            };
+            let values = match (got.next(), got.next()) {
+                (Some(m), Some(v)) => Tensors {
+                    master,
+                    m: m.moment(len),
+                    v: v.moment(len),
+                },
+                _ => Tensors::master_only(master),
+            };
+            written = write(b, &values);
+        }
+        Ok(written)
+    }
+}
+
+/// Copies this node's pieces of `whole` into `local`.
+fn keep_pieces<T: Copy>(shards: &Shards, whole: &[T], local: &mut [T]) {
+    for b in 0..shards.blocks() {
+        local[shards.local_range(b)].copy_from_slice(&whole[shards.mine(b)]);
+    }
+}
+
+/// [`HostState::exchange_block`] on the block's gradient `g`.
+fn exchange<G: Elem + GradElem + Sync>(
+    mpi: &Mpi,
+    what: &str,
+    g: &mut [G],
+    pieces: &[Range<usize>],
+    sharded: bool,
+) -> Result<Vec<f64>> {
+    let mine = pieces[mpi.rank].clone();
+    let mut sum = g[mine.clone()].to_vec();
+    mpi.reduce_scatter_pieces(what, g, pieces, &mut sum)?;
+    g[mine.clone()].copy_from_slice(&sum);
+    if sharded {
+        return Ok(vec![sum_sq(&g[mine])]);
+    }
+    mpi.allgather_pieces(what, g, pieces)?;
+    Ok(pieces.iter().map(|p| sum_sq(&g[p.clone()])).collect())
+}
