@@ -37,7 +37,7 @@
 //! allocator's rounding and fragmentation. Gated DeltaNet layers are counted from their
 //! main tensors only, for the path the worker takes (chunked on GPUs, the reference on CPU).
 
-use crate::config::hf::ModelSpec;
+use crate::config::hf::{AttentionKind, ModelSpec};
 use crate::config::{DType, TileTokens};
 use crate::layout::Layout;
 
@@ -126,6 +126,21 @@ pub fn tiled_layer(spec: &ModelSpec, layer: usize) -> bool {
     !spec.is_sparse(layer)
 }
 
+/// Whether layer `layer` runs its delta rule in sequence segments when the micro-batch is
+/// tiled (worker/src/segments.rs): a Gated DeltaNet layer, whose state carries the rule
+/// from one segment to the next (its MLP half tiles or not by [`tiled_layer`]).
+pub fn segmented_layer(spec: &ModelSpec, layer: usize) -> bool {
+    spec.layer_types[layer] == AttentionKind::Linear
+}
+
+/// Tokens per row of one segment of a Gated DeltaNet layer's delta rule, for a micro-batch
+/// of `rows` rows in tiles of `tile` tokens and the rule's chunks of `chunk` tokens: the
+/// tile's share of a row in whole chunks, at least one (the B rows run together, so a
+/// segment's graph spans B x segment tokens, about one tile's).
+pub fn delta_segment(tile: usize, rows: usize, chunk: usize) -> usize {
+    (tile / rows.max(1) / chunk).max(1) * chunk
+}
+
 impl DevicePlan {
     /// The plan of micro-batches of `rows` x `seq_len` tokens, with the tile
     /// `o.tile_tokens` resolves to for them.
@@ -137,7 +152,7 @@ impl DevicePlan {
         seq_len: usize,
     ) -> DevicePlan {
         let m = rows * seq_len;
-        let tiles = (0..spec.num_layers).any(|l| tiled_layer(spec, l));
+        let tiles = (0..spec.num_layers).any(|l| tiled_layer(spec, l) || segmented_layer(spec, l));
         let tile = match o.tile_tokens {
             _ if !tiles => None,
             TileTokens::Off => None,
