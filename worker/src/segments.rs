@@ -141,9 +141,14 @@ pub fn backward(
 
     // (4): the segments, last first, each from its starting state and the gradient of
     // the state it hands on.
+    let all = segments(detached.chunks(), per_segment);
+    tracing::debug!(
+        "layer {layer}: delta rule in {} segments of up to {per_segment} chunks",
+        all.len()
+    );
     let grads: Vec<Tensor> = detached.rule_in.iter().map(Tensor::zeros_like).collect();
     let mut d_state: Option<Tensor> = None;
-    for (i, &(start, len)) in segments(detached.chunks(), per_segment).iter().enumerate().rev() {
+    for (i, &(start, len)) in all.iter().enumerate().rev() {
         let leaves: Vec<Tensor> = slices(&detached.rule_in, (start, len))
             .into_iter()
             .map(|x| x.set_requires_grad(true))
