@@ -77,7 +77,8 @@ fn core_in_segments(pre: &DeltaPre, per_segment: i64) -> (Tensor, Vec<Option<Ten
     for (i, &(start, len)) in all.iter().enumerate() {
         let more = i + 1 < all.len();
         let state_in = starts[i].as_ref();
-        let (o_i, state_out) = model::delta_core(&slices(&pre.rule_in, (start, len)), state_in, more);
+        let (o_i, state_out) =
+            model::delta_core(&slices(&pre.rule_in, (start, len)), state_in, more);
         // o over the sequence, allocated once the first segment says its dtype.
         let o = o_bvucd.get_or_insert_with(|| {
             let mut shape = o_i.size();
@@ -153,7 +154,9 @@ pub fn backward(
             .into_iter()
             .map(|x| x.set_requires_grad(true))
             .collect();
-        let state_in = starts[i].as_ref().map(|s| s.detach().set_requires_grad(true));
+        let state_in = starts[i]
+            .as_ref()
+            .map(|s| s.detach().set_requires_grad(true));
         let (o_i, state_out) = model::delta_core(&leaves, state_in.as_ref(), d_state.is_some());
         let mut objective = (o_i * do_bvucd.narrow(2, start, len)).sum(Kind::Float);
         if let (Some(s), Some(ds)) = (state_out, &d_state) {

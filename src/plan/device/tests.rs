@@ -259,7 +259,10 @@ fn segments_bound_the_delta_rule_of_linear_layers() {
     // Twice T at the same segment: the whole-sequence parts double, the segment's not.
     let seg_long = graph(2 * t, TileTokens::Tokens(32768));
     let whole_long = graph(2 * t, TileTokens::Off);
-    assert!(seg2 > seg, "the segment's graph grows with it: {seg2} vs {seg}");
+    assert!(
+        seg2 > seg,
+        "the segment's graph grows with it: {seg2} vs {seg}"
+    );
     assert!(
         (seg_long - seg) * 2 < whole_long - whole,
         "segmented grows by {} from T to 2T, whole by {}",

@@ -169,7 +169,12 @@ pub(super) fn core(
 /// The gated RMSNorm per value head, then out_proj: o (B, V, U, C, Dv) and z (B, T, V,
 /// Dv) -> (B, T, H). silu(z) comes first in the product, which so takes its (B, T, V, Dv)
 /// layout, out_proj's input.
-pub(super) fn post(spec: &ModelSpec, w: &BlockWeights, o_bvucd: &Tensor, z_btvd: &Tensor) -> Tensor {
+pub(super) fn post(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    o_bvucd: &Tensor,
+    z_btvd: &Tensor,
+) -> Tensor {
     let &[b, nv, u, c, dv] = o_bvucd.size().as_slice() else {
         panic!("o is (B, V, U, C, Dv)")
     };

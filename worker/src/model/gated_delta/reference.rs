@@ -72,7 +72,12 @@ pub(super) fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Pre {
 
 /// The gated RMSNorm per value head, then out_proj: o (B, V, U, C, Dv) f32 and z (B, T,
 /// V, Dv) -> (B, T, H).
-pub(super) fn post(spec: &ModelSpec, w: &BlockWeights, o_bvucd: &Tensor, z_btvd: &Tensor) -> Tensor {
+pub(super) fn post(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    o_bvucd: &Tensor,
+    z_btvd: &Tensor,
+) -> Tensor {
     let &[b, v, u, c, dv] = o_bvucd.size().as_slice() else {
         panic!("o is (B, V, U, C, Dv)")
     };

@@ -297,8 +297,11 @@ fn core_in_segments_chains_its_state() {
                 }
                 let (mut start, mut state, mut outs) = (0, None::<Tensor>, Vec::new());
                 for len in &split {
-                    let part: Vec<Tensor> =
-                        pre.rule_in.iter().map(|x| x.narrow(2, start, *len)).collect();
+                    let part: Vec<Tensor> = pre
+                        .rule_in
+                        .iter()
+                        .map(|x| x.narrow(2, start, *len))
+                        .collect();
                     let (o, s) = core(&part, state.as_ref(), true);
                     outs.push(o);
                     state = s;
@@ -316,7 +319,10 @@ fn core_in_segments_chains_its_state() {
                 };
                 let (d_o, d_s) = (rel(&o_seg, &o_all), rel(&state, &s_all));
                 eprintln!("{what}: o {d_o:.1e}, state {d_s:.1e}");
-                assert!(d_o <= 1e-5 && d_s <= 1e-5, "{what}: o {d_o:.1e}, state {d_s:.1e}");
+                assert!(
+                    d_o <= 1e-5 && d_s <= 1e-5,
+                    "{what}: o {d_o:.1e}, state {d_s:.1e}"
+                );
             }
         }
     }
