@@ -77,7 +77,9 @@ mod acts;
 mod device;
 mod fit;
 mod nodes;
-pub use device::{DeviceOpts, DevicePlan, Phase, TILE_ALIGN, tiled_layer};
+pub use device::{
+    DeviceOpts, DevicePlan, Phase, TILE_ALIGN, delta_segment, segmented_layer, tiled_layer,
+};
 pub use fit::{DeviceMemory, Largest, Short, check as check_device_fit};
 pub use nodes::{LINKS_GBPS, NodesPlan};
 

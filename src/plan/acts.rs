@@ -9,7 +9,7 @@ use crate::config::hf::{AttentionKind, ExpertNames, ModelSpec};
 
 /// Rows of a chunk of the Gated DeltaNet rule (worker/src/model/gated_delta/: the reference's
 /// CHUNK and the chunked path's default).
-const DELTA_CHUNK: u64 = 64;
+pub(super) const DELTA_CHUNK: u64 = 64;
 pub(super) const F32: u64 = 4;
 
 /// What one half layer's compute allocates beyond its input, in bytes.
@@ -238,5 +238,97 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         saved: proj + conv_out + 6 * per_head + pairs + norm,
         backward: 2 * per_head,
         forward: proj + conv_out + 3 * per_head + pairs,
+    }
+}
+
+/// A Gated DeltaNet layer's attention half with its delta rule in segments of `seg` tokens
+/// per row (worker/src/segments.rs), over the whole micro-batch. Whole-sequence: the norm,
+/// the pre part's graph (projections, conv, q/k norms, gates) with its outputs, o, the
+/// post part's graph (gated norm) and the state at each segment's start; through the
+/// backward also the pre outputs' gradients, o's and z's. Per segment (B x `seg` tokens):
+/// the rule's graph with its backward's temporaries. The post graph is counted beside the
+/// segments although its backward frees it before them (a little over).
+pub(super) fn delta_half_segmented(spec: &ModelSpec, d: &Dims, seg: u64) -> LayerActs {
+    let la = spec
+        .linear_attn
+        .as_ref()
+        .expect("linear layers have a spec");
+    let (nv, dk, dv) = (
+        la.num_v_heads as u64,
+        la.k_head_dim as u64,
+        la.v_head_dim as u64,
+    );
+    let whole = delta_parts(spec, d, d.m);
+    let one = delta_parts(spec, d, d.b * seg);
+    let states = d.t.div_ceil(seg) * d.b * nv * dk * dv * F32;
+    let z = d.m * nv * dv * d.s;
+    LayerActs {
+        saved: whole.pre_saved + whole.o + whole.post_saved + states,
+        backward: whole.pre_out + whole.o + z + (one.core_graph).max(whole.pre_backward),
+        forward: whole.pre_saved + whole.o + one.core_forward,
+    } + norms(spec, d.m, d)
+}
+
+/// Gated DeltaNet over `m` tokens in its three parts (worker/src/model/gated_delta/), from
+/// the same terms as [`delta_acts`].
+struct DeltaParts {
+    /// pre's saved tensors, its outputs included.
+    pre_saved: u64,
+    /// pre's outputs (the size of their gradients).
+    pre_out: u64,
+    /// pre's backward temporaries.
+    pre_backward: u64,
+    /// The rule's graph with its backward's temporaries.
+    core_graph: u64,
+    /// The rule's no-grad temporaries.
+    core_forward: u64,
+    /// The rule's output o.
+    o: u64,
+    /// post's saved tensors.
+    post_saved: u64,
+}
+
+fn delta_parts(spec: &ModelSpec, d: &Dims, m: u64) -> DeltaParts {
+    let s = d.s;
+    let la = spec
+        .linear_attn
+        .as_ref()
+        .expect("linear layers have a spec");
+    let (g, nv) = (la.num_k_heads as u64, la.num_v_heads as u64);
+    let (dk, dv) = (la.k_head_dim as u64, la.v_head_dim as u64);
+    let conv = 2 * g * dk + nv * dv;
+    let proj = m * (conv + nv * dv + 2 * nv) * s;
+    let gates = 2 * m * nv * F32;
+    if d.gpu {
+        // As `delta_acts`: pre holds the projections, the conv's output and its SiLU, the
+        // normed [q; k]; the rule q.k and k.k, the scaled k (five value-head tensors with
+        // w), beta v and v', the pair tensors and the states at chunk starts; post the gated
+        // norm's four (B, T, V, Dv) tensors.
+        let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
+        let states = nv * dk * dv / DELTA_CHUNK;
+        let core_in_dtype = 2 * g * DELTA_CHUNK + 5 * kd + 2 * vd + 3 * pairs + states;
+        return DeltaParts {
+            pre_saved: proj + m * (2 * conv + 2 * g * dk) * s + gates,
+            pre_out: m * (2 * g * dk + vd) * s + gates,
+            pre_backward: 2 * m * conv * s,
+            core_graph: m * core_in_dtype * s + m * (10 * pairs + states) * F32,
+            core_forward: m * 5 * vd * s + 3 * m * pairs * F32,
+            o: m * vd * s,
+            post_saved: 4 * m * vd * s,
+        };
+    }
+    // The reference path: f32 q, k, v per value head out of pre; the rule's copies of them
+    // (beta-scaled, solved, decayed) and the chunk-pair matrices; the gated norm.
+    let conv_out = 2 * m * conv * s;
+    let per_head = m * nv * (2 * dk + dv) * F32;
+    let pairs = 3 * m * nv * DELTA_CHUNK * F32;
+    DeltaParts {
+        pre_saved: proj + conv_out + 2 * per_head + gates,
+        pre_out: per_head + gates,
+        pre_backward: 2 * per_head,
+        core_graph: 6 * per_head + pairs,
+        core_forward: 3 * per_head + pairs,
+        o: m * nv * dv * F32,
+        post_saved: 3 * m * nv * dv * F32,
     }
 }

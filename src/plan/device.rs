@@ -37,7 +37,7 @@
 //! allocator's rounding and fragmentation. Gated DeltaNet layers are counted from their
 //! main tensors only, for the path the worker takes (chunked on GPUs, the reference on CPU).
 
-use crate::config::hf::ModelSpec;
+use crate::config::hf::{AttentionKind, ModelSpec};
 use crate::config::{DType, TileTokens};
 use crate::layout::Layout;
 
@@ -102,6 +102,9 @@ pub struct DevicePlan {
     pub tile: Option<usize>,
     /// The `memory.tile_tokens` it comes from.
     pub tile_setting: TileTokens,
+    /// The model has linear-attention layers, whose delta rule runs in segments when the
+    /// micro-batch is tiled ([`segmented_layer`], [`delta_segment`]).
+    pub segmented: bool,
     /// Held for the whole micro-batch.
     pub fixed: Parts,
     pub phases: Vec<Phase>,
@@ -126,6 +129,21 @@ pub fn tiled_layer(spec: &ModelSpec, layer: usize) -> bool {
     !spec.is_sparse(layer)
 }
 
+/// Whether layer `layer` runs its delta rule in sequence segments when the micro-batch is
+/// tiled (worker/src/segments.rs): a Gated DeltaNet layer, whose state carries the rule
+/// from one segment to the next (its MLP half tiles or not by [`tiled_layer`]).
+pub fn segmented_layer(spec: &ModelSpec, layer: usize) -> bool {
+    spec.layer_types[layer] == AttentionKind::Linear
+}
+
+/// Tokens per row of one segment of a Gated DeltaNet layer's delta rule, for a micro-batch
+/// of `rows` rows in tiles of `tile` tokens and the rule's chunks of `chunk` tokens: the
+/// tile's share of a row in whole chunks, at least one (the B rows run together, so a
+/// segment's graph spans B x segment tokens, about one tile's).
+pub fn delta_segment(tile: usize, rows: usize, chunk: usize) -> usize {
+    (tile / rows.max(1) / chunk).max(1) * chunk
+}
+
 impl DevicePlan {
     /// The plan of micro-batches of `rows` x `seq_len` tokens, with the tile
     /// `o.tile_tokens` resolves to for them.
@@ -137,7 +155,7 @@ impl DevicePlan {
         seq_len: usize,
     ) -> DevicePlan {
         let m = rows * seq_len;
-        let tiles = (0..spec.num_layers).any(|l| tiled_layer(spec, l));
+        let tiles = (0..spec.num_layers).any(|l| tiled_layer(spec, l) || segmented_layer(spec, l));
         let tile = match o.tile_tokens {
             _ if !tiles => None,
             TileTokens::Off => None,
@@ -169,10 +187,28 @@ impl DevicePlan {
             p.phase(MLP_TILES).map(Phase::total) <= bound
         };
         // At `m`: the whole micro-batch as one tile, against the same bound.
-        if fits(m) {
-            return None;
+        let mlp_tile = match fits(m) {
+            true => None,
+            false => {
+                let k = super::fit::largest(|k| fits(k * TILE_ALIGN), m / TILE_ALIGN);
+                Some(k.max(1) * TILE_ALIGN)
+            }
+        };
+        if !(0..spec.num_layers).any(|l| segmented_layer(spec, l)) {
+            return mlp_tile;
         }
-        let k = super::fit::largest(|k| fits(k * TILE_ALIGN), m / TILE_ALIGN);
+        // Linear layers: the tile also sets their delta rule's segments, which bound the
+        // layer backward. The largest tile whose peak stays within a tenth of the smallest
+        // tile's: segments as long (as efficient) as that allows, none where the whole
+        // rule already keeps the peak there (short sequences).
+        let total = |tile: usize| Self::tiled(spec, layout, o, (rows, seq_len), Some(tile)).total();
+        let floor = total(TILE_ALIGN);
+        let near = |tile: usize| total(tile) <= floor + floor / 10;
+        let cap = mlp_tile.unwrap_or(m);
+        if near(cap) {
+            return mlp_tile;
+        }
+        let k = super::fit::largest(|k| near(k * TILE_ALIGN), cap / TILE_ALIGN);
         Some(k.max(1) * TILE_ALIGN)
     }
 
@@ -221,7 +257,15 @@ impl DevicePlan {
         let tile = tile.map(|t| (t as u64).min(m));
         let roles: Vec<Roles> = (0..spec.num_layers)
             .map(|l| {
-                let attn = acts::attention_half(spec, l, &dims);
+                // A linear layer in a tiled micro-batch runs its delta rule in segments.
+                let segment = tile
+                    .filter(|_| segmented_layer(spec, l))
+                    .map(|t| delta_segment(t as usize, rows, acts::DELTA_CHUNK as usize) as u64)
+                    .filter(|&seg| seg < dims.t);
+                let attn = match segment {
+                    Some(seg) => acts::delta_half_segmented(spec, &dims, seg),
+                    None => acts::attention_half(spec, l, &dims),
+                };
                 match tile.filter(|_| tiled_layer(spec, l)) {
                     Some(t) => {
                         let mlp = acts::mlp_half(spec, l, t, &dims);
@@ -355,6 +399,7 @@ impl DevicePlan {
             seq_len,
             tile: tile.map(|t| t as usize),
             tile_setting: o.tile_tokens,
+            segmented: (0..spec.num_layers).any(|l| segmented_layer(spec, l)),
             fixed,
             phases,
         }
@@ -428,13 +473,24 @@ impl std::fmt::Display for DevicePlan {
         )?;
         let m = self.rows * self.seq_len;
         match self.tile {
-            Some(t) => writeln!(
-                f,
-                "  MLP half of each dense layer in tiles of {t} tokens, {} per layer \
-                 (memory.tile_tokens: {})",
-                m.div_ceil(t),
-                self.tile_setting
-            )?,
+            Some(t) => {
+                writeln!(
+                    f,
+                    "  MLP half of each dense layer in tiles of {t} tokens, {} per layer \
+                     (memory.tile_tokens: {})",
+                    m.div_ceil(t),
+                    self.tile_setting
+                )?;
+                let seg = delta_segment(t, self.rows, acts::DELTA_CHUNK as usize);
+                if self.segmented && seg < self.seq_len {
+                    writeln!(
+                        f,
+                        "  delta rule of each linear-attention layer in segments of {seg} \
+                         tokens per row, {} per row",
+                        self.seq_len.div_ceil(seg)
+                    )?;
+                }
+            }
             None => writeln!(
                 f,
                 "  MLP half of each layer whole (memory.tile_tokens: {})",

@@ -19,12 +19,17 @@
 //! plan keeps whole (`mt::plan::tiled_layer`: a mixture of experts), or a micro-batch no
 //! larger than a tile, runs as before: `model::decoder_layer`, one backward.
 //!
+//! In a tiled micro-batch a Gated DeltaNet layer also runs its delta rule in segments of
+//! the sequence, carrying its state from one to the next (`segments.rs`; its MLP half as
+//! above, in tiles or, for a mixture of experts, whole).
+//!
 //! Shapes: B batch rows, T sequence length, H hidden size, M = B*T tokens.
 
 use mt::config::hf::ModelSpec;
 use tch::{Kind, Tensor};
 
 use crate::model::{self, BlockWeights, Context, RouterAux};
+use crate::segments;
 
 /// The tile layer `layer` runs its MLP half in for `m` tokens; None: whole.
 fn tile_of(spec: &ModelSpec, layer: usize, tile: Option<usize>, m: i64) -> Option<i64> {
@@ -49,10 +54,16 @@ pub fn forward(
     tile: Option<usize>,
 ) -> Tensor {
     let (b, t, h) = x_bth.size3().expect("a layer input is (B, T, H)");
-    let Some(tile) = tile_of(spec, layer, tile, b * t) else {
-        return model::decoder_layer(spec, layer, w, x_bth, ctx);
+    let segment = segments::segment_chunks(spec, layer, tile, (b, t), x_bth.device());
+    let tile = tile_of(spec, layer, tile, b * t);
+    let h_bth = match (segment, tile) {
+        (None, None) => return model::decoder_layer(spec, layer, w, x_bth, ctx),
+        (Some(chunks), _) => segments::attention_half(spec, layer, w, x_bth, chunks),
+        (None, Some(_)) => model::attention_half(spec, layer, w, x_bth, ctx),
     };
-    let h_bth = model::attention_half(spec, layer, w, x_bth, ctx);
+    let Some(tile) = tile else {
+        return model::mlp_half(spec, layer, w, &h_bth, ctx);
+    };
     let h_1mh = h_bth.view([1, b * t, h]);
     for (start, len) in tiles(b * t, tile) {
         let mut rows_1th = h_1mh.narrow(1, start, len);
@@ -64,7 +75,8 @@ pub fn forward(
 
 /// Layer `layer` recomputed with grad from its input `x_bth` and backpropagated from
 /// `dy_bth`, the gradient of its output: the weight gradients accumulate in `w`'s leaves;
-/// returns the input's gradient (B, T, H). A tiled layer reuses dy's memory.
+/// returns the input's gradient (B, T, H). A tiled layer reuses dy's memory; a linear
+/// layer in a tiled micro-batch runs its delta rule in segments (`segments.rs`).
 pub fn backward(
     spec: &ModelSpec,
     layer: usize,
@@ -74,34 +86,61 @@ pub fn backward(
     ctx: &Context,
     tile: Option<usize>,
 ) -> Tensor {
-    let (b, t, h) = x_bth.size3().expect("a layer input is (B, T, H)");
+    let (b, t, _) = x_bth.size3().expect("a layer input is (B, T, H)");
     let x_bth = x_bth.set_requires_grad(true);
-    let Some(tile) = tile_of(spec, layer, tile, b * t) else {
+    let segment = segments::segment_chunks(spec, layer, tile, (b, t), x_bth.device());
+    let tile = tile_of(spec, layer, tile, b * t);
+    if let Some(chunks) = segment {
+        return segments::backward(spec, layer, w, &x_bth, dy_bth, ctx, chunks, tile);
+    }
+    if tile.is_none() {
         let y_bth = model::decoder_layer(spec, layer, w, &x_bth, ctx);
         // (Bound first: the product is gone before the backward runs.)
         let objective = (y_bth * &dy_bth).sum(Kind::Float);
         backpropagate(objective, ctx);
         return x_bth.grad();
-    };
-    let h_bth = model::attention_half(spec, layer, w, &x_bth, ctx);
-    let dy_bth = dy_bth.contiguous();
-    {
-        let h_1mh = h_bth.detach().view([1, b * t, h]);
-        let dy_1mh = dy_bth.view([1, b * t, h]);
-        for (start, len) in tiles(b * t, tile) {
-            let h_leaf_1th = h_1mh.narrow(1, start, len).detach().set_requires_grad(true);
-            let mut dy_1th = dy_1mh.narrow(1, start, len);
-            let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
-            let objective = (out_1th * &dy_1th).sum(Kind::Float);
-            objective.backward();
-            // The tile's graph is gone: its rows of dy are free for dh.
-            dy_1th.copy_(&h_leaf_1th.grad());
-        }
     }
+    let h_bth = model::attention_half(spec, layer, w, &x_bth, ctx);
+    let dh_bth = mlp_backward(spec, layer, w, &h_bth.detach(), dy_bth, ctx, tile);
     // h itself is not needed for the attention half's backward: gone with the product.
-    let objective = (h_bth * &dy_bth).sum(Kind::Float);
+    let objective = (h_bth * &dh_bth).sum(Kind::Float);
     backpropagate(objective, ctx);
     x_bth.grad()
+}
+
+/// Layer `layer`'s MLP half recomputed with grad from `h_bth` (the attention half's output,
+/// detached) and backpropagated from `dy_bth`, in tiles of `tile` tokens (None: whole):
+/// the weight gradients accumulate in `w`'s leaves; returns h's gradient, in dy's memory
+/// when tiled.
+pub fn mlp_backward(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    h_bth: &Tensor,
+    dy_bth: Tensor,
+    ctx: &Context,
+    tile: Option<i64>,
+) -> Tensor {
+    let Some(tile) = tile else {
+        let h_leaf_bth = h_bth.detach().set_requires_grad(true);
+        let out_bth = model::mlp_half(spec, layer, w, &h_leaf_bth, ctx);
+        backpropagate((out_bth * &dy_bth).sum(Kind::Float), ctx);
+        return h_leaf_bth.grad();
+    };
+    let (b, t, h) = h_bth.size3().expect("a half layer's output is (B, T, H)");
+    let dy_bth = dy_bth.contiguous();
+    let h_1mh = h_bth.view([1, b * t, h]);
+    let dy_1mh = dy_bth.view([1, b * t, h]);
+    for (start, len) in tiles(b * t, tile) {
+        let h_leaf_1th = h_1mh.narrow(1, start, len).detach().set_requires_grad(true);
+        let mut dy_1th = dy_1mh.narrow(1, start, len);
+        let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
+        let objective = (out_1th * &dy_1th).sum(Kind::Float);
+        objective.backward();
+        // The tile's graph is gone: its rows of dy are free for dh.
+        dy_1th.copy_(&h_leaf_1th.grad());
+    }
+    dy_bth
 }
 
 /// Backpropagates `objective`, with the router load-balancing loss's term of the layer

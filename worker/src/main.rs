@@ -12,6 +12,7 @@ mod fault;
 mod head;
 mod layer;
 mod model;
+mod segments;
 mod warmup;
 // Shared memory adoption, host registration, CUDA driver calls: the one unsafe module.
 #[allow(unsafe_code)]

@@ -235,3 +235,41 @@ fn auto_leaves_whole_what_fits_and_the_experts() {
         assert!(p.phase(MLP_TILES).is_none());
     }
 }
+
+/// A linear-attention layer in a tiled micro-batch runs its delta rule in segments: its
+/// layer backward is smaller than the whole rule's, and grows with the segment, not with
+/// the sequence (what stays whole, pre's graph, o, the states, is a few tokens' worth).
+#[test]
+fn segments_bound_the_delta_rule_of_linear_layers() {
+    let (spec, layout) = model("qwen3.5-27b");
+    let graph = |t: usize, tile: TileTokens| {
+        let p = DevicePlan::new(&spec, &layout, with_tile(tile, true), 1, t);
+        part(
+            p.phase(LAYER_BACKWARD).unwrap(),
+            "one layer's recompute graph + gradients",
+        )
+    };
+    let t = 262144;
+    let whole = graph(t, TileTokens::Off);
+    let seg = graph(t, TileTokens::Tokens(32768));
+    assert!(seg * 2 < whole, "segmented {seg}, whole {whole}");
+    // A larger segment at the same T: the segment's graph grows (short segments leave the
+    // peak to the full-attention layers or pre's backward, which do not).
+    let seg2 = graph(t, TileTokens::Tokens(131072));
+    // Twice T at the same segment: the whole-sequence parts double, the segment's not.
+    let seg_long = graph(2 * t, TileTokens::Tokens(32768));
+    let whole_long = graph(2 * t, TileTokens::Off);
+    assert!(
+        seg2 > seg,
+        "the segment's graph grows with it: {seg2} vs {seg}"
+    );
+    assert!(
+        (seg_long - seg) * 2 < whole_long - whole,
+        "segmented grows by {} from T to 2T, whole by {}",
+        seg_long - seg,
+        whole_long - whole
+    );
+    // Not tiled: whole, as before.
+    let plan = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Auto, true), 16, 1024);
+    assert_eq!(plan.tile, None, "{plan}");
+}

@@ -251,6 +251,36 @@ pub fn attention_half(
     }
 }
 
+pub use gated_delta::{Pre as DeltaPre, chunk_tokens as delta_chunk, core as delta_core};
+
+/// Linear-attention layer `layer`'s attention half up to its delta rule (the norm, the
+/// projections, the causal conv, the q/k norms and gates): (B, T, H) -> the rule's inputs
+/// and z. With [`delta_core`] and [`delta_post`], [`attention_half`] in three parts
+/// (worker/src/segments.rs).
+pub fn delta_pre(spec: &ModelSpec, layer: usize, w: &BlockWeights, x_bth: &Tensor) -> DeltaPre {
+    assert!(delta_layer(spec, layer), "layer {layer} has no delta rule");
+    qwen3_next::linear_pre(spec, w, x_bth)
+}
+
+/// Linear-attention layer `layer`'s attention half from its delta rule's output o (B, V,
+/// U, C, Dv) and z: `h = x + post(o, z)` (B, T, H).
+pub fn delta_post(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+    o_bvucd: &Tensor,
+    z_btvd: &Tensor,
+) -> Tensor {
+    assert!(delta_layer(spec, layer), "layer {layer} has no delta rule");
+    qwen3_next::linear_post(spec, w, x_bth, o_bvucd, z_btvd)
+}
+
+/// Whether layer `layer` mixes tokens with Gated DeltaNet (a state carried across chunks).
+pub fn delta_layer(spec: &ModelSpec, layer: usize) -> bool {
+    spec.family == Family::Qwen3Next && spec.layer_types[layer] == AttentionKind::Linear
+}
+
 /// The token-wise half of decoder layer `layer`: `out = h + mlp(norm2(h))` (with the
 /// family's extra norms): (B, T, H) -> (B, T, H). A dense layer computes each token's row
 /// from that token's row of `h` alone, so it may run on any subset of the tokens, as

@@ -35,6 +35,26 @@ pub fn attention_half(
     x_bth + mixed_bth
 }
 
+/// A linear layer's attention half up to the delta rule: norm1, then the Gated DeltaNet's
+/// `pre` (B, T, H) -> its rule's inputs and z.
+pub fn linear_pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> gated_delta::Pre {
+    let norm_w = w.get("input_layernorm.weight");
+    let mix_in_bth = rms_norm_plus_one(x_bth, norm_w, spec.rms_norm_eps);
+    gated_delta::pre(spec, w, &mix_in_bth)
+}
+
+/// A linear layer's attention half from the delta rule's output o (B, V, U, C, Dv) and z
+/// (B, T, V, Dv): `h = x + post(o, z)`, (B, T, H).
+pub fn linear_post(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+    o_bvucd: &Tensor,
+    z_btvd: &Tensor,
+) -> Tensor {
+    x_bth + gated_delta::post(spec, w, o_bvucd, z_btvd)
+}
+
 /// `out = h + mlp(norm2(h))`: (B, T, H) -> (B, T, H).
 pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     let norm_w = w.get("post_attention_layernorm.weight");

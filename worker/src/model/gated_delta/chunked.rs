@@ -32,7 +32,7 @@
 use mt::config::hf::{LinearAttnSpec, ModelSpec};
 use tch::{Kind, Tensor};
 
-use super::{gates, short_conv};
+use super::{Pre, gates, short_conv};
 use crate::model::BlockWeights;
 use crate::model::common::linear;
 
@@ -46,38 +46,11 @@ pub(super) fn chunk_ok(c: i64) -> bool {
     (BLOCK..=256).contains(&c) && c % BLOCK == 0 && (c / BLOCK).count_ones() == 1
 }
 
-/// The sizes the steps share.
-#[derive(Clone, Copy)]
-struct Dims {
-    b: i64,
-    t: i64,
-    g: i64,
-    /// Value heads per key head.
-    r: i64,
-    u: i64,
-    c: i64,
-}
-
-impl Dims {
-    fn v(&self) -> i64 {
-        self.g * self.r
-    }
-
-    fn p(&self) -> i64 {
-        self.u * self.c
-    }
-
-    /// (B, T, V) -> (B, V, U, C), zeros past T.
-    fn chunks(&self, x_btv: &Tensor) -> Tensor {
-        x_btv
-            .constant_pad_nd([0, 0, 0, self.p() - self.t])
-            .transpose(1, 2)
-            .reshape([self.b, self.v(), self.u, self.c])
-    }
-}
-
-/// (B, T, H) -> (B, T, H), in chunks of `chunk` tokens (`chunk_ok`).
-pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk: i64) -> Tensor {
+/// (B, T, H) -> the delta rule's inputs in chunks of `chunk` tokens (`chunk_ok`), each
+/// with its chunks along dim 2: [q; k] per key head, L2-normed (q also by Dk^-1/2), as one
+/// (2C, Dk) matrix per chunk (B, G, U, 2C, Dk); v (B, V, U, C, Dv), a view of the conv's
+/// output; beta and the log decay g, f32 (B, V, U, C), zeros past T; and z.
+pub(super) fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk: i64) -> Pre {
     assert!(chunk_ok(chunk), "chunk length {chunk}");
     let la = spec
         .linear_attn
@@ -86,25 +59,17 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
     let (b, t) = (x_bth.size()[0], x_bth.size()[1]);
     let (g, nv) = (la.num_k_heads as i64, la.num_v_heads as i64);
     let (dk, dv) = (la.k_head_dim as i64, la.v_head_dim as i64);
-    let d = Dims {
-        b,
-        t,
-        g,
-        r: nv / g,
-        u: (t + chunk - 1) / chunk,
-        c: chunk,
-    };
-    let (u, c) = (d.u, d.c);
+    let (u, c) = ((t + chunk - 1) / chunk, chunk);
+    let p = u * c;
     let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, x_bth);
     // Padded to whole chunks by the convolution itself: what lies past T is read by no
-    // earlier position, and its outputs are dropped.
-    let qkv_bfp = short_conv(la, w, &qkv_btf, d.p());
+    // earlier position (beta and g are 0 there, so it writes nothing to the state), and
+    // its outputs are dropped.
+    let qkv_bfp = short_conv(la, w, &qkv_btf, p);
     let kind = qkv_bfp.kind();
 
     // [q; k] and v as one split (its backward writes the conv's gradient once).
     let qkv = qkv_bfp.split_with_sizes([2 * g * dk, nv * dv], 1);
-    // q and k per key head, L2-normed (q also by Dk^-1/2), as one (2C, Dk) matrix [q; k]
-    // per chunk: (B, G, U, 2, C, Dk).
     let qk_bgu2cd = qkv[0].view([b, 2, g, dk, u, c]).permute([0, 2, 4, 1, 5, 3]);
     let norm_bgu2c1 = qk_bgu2cd.linalg_norm(2.0, [-1i64].as_slice(), true, Kind::Float);
     let [inv_q, inv_k] = halves(&(norm_bgu2c1.square() + 1e-6).rsqrt(), 3);
@@ -112,39 +77,69 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
     // The scale first: the product takes its layout, and so comes out chunk-major.
     let qk_bgu2cd = (inv_bgu2c1.to_kind(kind) * qk_bgu2cd).contiguous();
     let qk_bgu2cd = qk_bgu2cd.view([b, g, u, 2 * c, dk]);
-    let [q_bgucd, k_bgucd] = halves(&qk_bgu2cd, -2);
+    let v_bvucd = qkv[1].view([b, nv, dv, u, c]).permute([0, 1, 3, 4, 2]);
+
+    let (beta_btv, g_btv) = gates(w, &b_btv, &a_btv);
+    // (B, T, V) -> (B, V, U, C), zeros past T.
+    let chunks = |x_btv: &Tensor| {
+        x_btv
+            .constant_pad_nd([0, 0, 0, p - t])
+            .transpose(1, 2)
+            .reshape([b, nv, u, c])
+    };
+    Pre {
+        rule_in: vec![qk_bgu2cd, v_bvucd, chunks(&beta_btv), chunks(&g_btv)],
+        z_btvd,
+    }
+}
+
+/// The delta rule over the U chunks of `rule_in` (as [`pre`] makes them, or a range of
+/// their chunks) from the state S (B, V, Dk, Dv) f32 at the first chunk's start (None:
+/// zero) -> o (B, V, U, C, Dv) and, if `want_state`, the state after the last chunk.
+pub(super) fn core(
+    rule_in: &[Tensor],
+    state_bvkd: Option<&Tensor>,
+    want_state: bool,
+) -> (Tensor, Option<Tensor>) {
+    let [qk_bgu2cd, v_bvucd, beta_bvuc, g_bvuc] = rule_in else {
+        panic!("the chunked rule takes [qk, v, beta, g]")
+    };
+    let &[b, g, u, c2, dk] = qk_bgu2cd.size().as_slice() else {
+        panic!("qk is (B, G, U, 2C, Dk)")
+    };
+    let (c, nv, dv) = (c2 / 2, beta_bvuc.size()[1], v_bvucd.size()[4]);
+    let r = nv / g;
+    let kind = qk_bgu2cd.kind();
+    let [q_bgucd, k_bgucd] = halves(qk_bgu2cd, -2);
     // [q; k] k^T: q.k and k.k of every chunk in one matmul, (B, G, U, 2C, C).
     let [qk_bgucc, kk_bgucc] = halves(&qk_bgu2cd.matmul(&k_bgucd.transpose(-1, -2)), -2);
 
-    let (beta_btv, g_btv) = gates(w, &b_btv, &a_btv);
-    let beta_bvuc = d.chunks(&beta_btv);
-    let gamma_bvuc = d.chunks(&g_btv).cumsum(-1, Kind::Float);
+    let gamma_bvuc = g_bvuc.cumsum(-1, Kind::Float);
     let gamma_last_bvu1 = gamma_bvuc.narrow(-1, c - 1, 1);
     let exp_gamma_bvuc = gamma_bvuc.exp();
 
     // Key-head rows scaled per value head: coef (B, V, U, C) * x (B, G, U, C, Dk).
     let per_value_head = |coef_bvuc: &Tensor, x_bgucd: &Tensor| {
-        (coef_bvuc.to_kind(kind).view([b, g, d.r, u, c, 1]) * x_bgucd.unsqueeze(2))
+        (coef_bvuc.to_kind(kind).view([b, g, r, u, c, 1]) * x_bgucd.unsqueeze(2))
             .view([b, nv, u, c, dk])
     };
     // -beta exp(gamma) k: w comes out negated, so that v' = u + (-w) S needs no scaling
     // (baddbmm's alpha would cost a multiply per chunk in the backward).
-    let neg_kbeta_bvucd = per_value_head(&(-&beta_bvuc * &exp_gamma_bvuc), &k_bgucd);
+    let neg_kbeta_bvucd = per_value_head(&(-beta_bvuc * &exp_gamma_bvuc), &k_bgucd);
     let kdecay_bvucd = per_value_head(&(&gamma_last_bvu1 - &gamma_bvuc).exp(), &k_bgucd);
     let qdecay_bvucd = per_value_head(&exp_gamma_bvuc, &q_bgucd);
-    let v_bvucd = qkv[1].view([b, nv, dv, u, c]).permute([0, 1, 3, 4, 2]);
     let vbeta_bvucd = (beta_bvuc.to_kind(kind).unsqueeze(-1) * v_bvucd).contiguous();
 
     // exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal: (B, V, U, C, C), f32.
-    let upper_cc = Tensor::ones([c, c], (Kind::Bool, x_bth.device())).triu(1);
+    let upper_cc = Tensor::ones([c, c], (Kind::Bool, qk_bgu2cd.device())).triu(1);
     let decay_bvucc = (gamma_bvuc.unsqueeze(-1) - gamma_bvuc.unsqueeze(-2))
         .masked_fill_(&upper_cc, f64::NEG_INFINITY)
         .exp();
-    let a_bvucc = ((&decay_bvucc * beta_bvuc.unsqueeze(-1)).view([b, g, d.r, u, c, c])
+    let a_bvucc = ((&decay_bvucc * beta_bvuc.unsqueeze(-1)).view([b, g, r, u, c, c])
         * kk_bgucc.unsqueeze(2))
     .view([b, nv, u, c, c]);
     let t_bvucc = unit_lower_inverse(&a_bvucc).to_kind(kind);
-    let p_bvucc = (decay_bvucc.to_kind(kind).view([b, g, d.r, u, c, c]) * qk_bgucc.unsqueeze(2))
+    let p_bvucc = (decay_bvucc.to_kind(kind).view([b, g, r, u, c, c]) * qk_bgucc.unsqueeze(2))
         .view([b, nv, u, c, c]);
     let u_bvucd = t_bvucc.matmul(&vbeta_bvucd);
     let neg_w_bvucd = t_bvucc.matmul(&neg_kbeta_bvucd);
@@ -155,18 +150,36 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk:
         s.splice(0..2, [b * nv]);
         x.view(s.as_slice())
     };
-    let o_bvucd = state_recurrence(
+    let (o_nucd, state_nkd) = state_recurrence(
         &flat(&u_bvucd),
         &flat(&neg_w_bvucd),
         &flat(&qdecay_bvucd),
         &flat(&kdecay_bvucd),
         &flat(&p_bvucc),
         &flat(&gamma_last_bvu1.exp().unsqueeze(-1)),
+        state_bvkd.map(|s| s.view([b * nv, dk, dv])),
+        want_state,
     );
+    (
+        o_nucd.view([b, nv, u, c, dv]),
+        state_nkd.map(|s| s.view([b, nv, dk, dv])),
+    )
+}
 
-    // Gated RMSNorm per value head, then out_proj. silu(z) comes first in the product,
-    // which so takes its (B, T, V, Dv) layout, out_proj's input.
-    let o_bvtd = o_bvucd.view([b, nv, d.p(), dv]).narrow(2, 0, t);
+/// The gated RMSNorm per value head, then out_proj: o (B, V, U, C, Dv) and z (B, T, V,
+/// Dv) -> (B, T, H). silu(z) comes first in the product, which so takes its (B, T, V, Dv)
+/// layout, out_proj's input.
+pub(super) fn post(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    o_bvucd: &Tensor,
+    z_btvd: &Tensor,
+) -> Tensor {
+    let &[b, nv, u, c, dv] = o_bvucd.size().as_slice() else {
+        panic!("o is (B, V, U, C, Dv)")
+    };
+    let t = z_btvd.size()[1];
+    let o_bvtd = o_bvucd.view([b, nv, u * c, dv]).narrow(2, 0, t);
     let normed_bvtd = o_bvtd.rms_norm(
         [dv],
         Some(w.get("linear_attn.norm.weight")),
@@ -237,10 +250,11 @@ fn halves(x: &Tensor, dim: i64) -> [Tensor; 2] {
     [parts.pop().expect("two halves"), second]
 }
 
-/// The recurrence across chunks. Per chunk, from the state S (Dk, Dv) at its start (0 for
-/// the first): v' = u - w S, o = q S + P v', and, for the next chunk, S <- d S + k^T v'.
-/// u, -w, q, k (N, U, C, D) and p (N, U, C, C) in the compute dtype, d (N, U, 1, 1) f32, for
-/// N = B V independent heads -> o (N, U, C, Dv). The state stays f32; its products run in
+/// The recurrence across chunks. Per chunk, from the state S (Dk, Dv) at its start
+/// (`state_nkd` for the first, None: 0): v' = u - w S, o = q S + P v', and, for the next
+/// chunk, S <- d S + k^T v'. u, -w, q, k (N, U, C, D) and p (N, U, C, C) in the compute
+/// dtype, d (N, U, 1, 1) f32, for N = B V independent heads -> o (N, U, C, Dv), and the
+/// state after the last chunk if `want_state`. The state stays f32; its products run in
 /// the compute dtype.
 fn state_recurrence(
     u_nucd: &Tensor,
@@ -249,11 +263,13 @@ fn state_recurrence(
     k_nucd: &Tensor,
     p_nucc: &Tensor,
     d_nu11: &Tensor,
-) -> Tensor {
+    state_nkd: Option<Tensor>,
+    want_state: bool,
+) -> (Tensor, Option<Tensor>) {
     let kind = u_nucd.kind();
     let (us, neg_ws, qs) = (u_nucd.unbind(1), neg_w_nucd.unbind(1), q_nucd.unbind(1));
     let (ks, ps, ds) = (k_nucd.unbind(1), p_nucc.unbind(1), d_nu11.unbind(1));
-    let mut state: Option<Tensor> = None; // (N, Dk, Dv) f32
+    let mut state = state_nkd; // (N, Dk, Dv) f32
     let mut outs = Vec::with_capacity(us.len());
     for n in 0..us.len() {
         let (v_new, o) = match &state {
@@ -265,7 +281,7 @@ fn state_recurrence(
                 (v_new, o)
             }
         };
-        if n + 1 < us.len() {
+        if n + 1 < us.len() || want_state {
             let kv = ks[n].transpose(-1, -2).matmul(&v_new);
             state = Some(match state {
                 None => kv.to_kind(Kind::Float),
@@ -274,7 +290,7 @@ fn state_recurrence(
         }
         outs.push(o);
     }
-    Tensor::stack(&outs, 1)
+    (Tensor::stack(&outs, 1), state.filter(|_| want_state))
 }
 
 /// (I + A)^-1 for A strictly lower triangular (what is on and above the diagonal is

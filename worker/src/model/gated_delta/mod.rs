@@ -15,6 +15,13 @@
 //! `MT_GATED_DELTA=reference|chunked` overrides the choice (parity checks, benchmarks) and
 //! `MT_GATED_DELTA_CHUNK` (default 64) sets the chunked path's chunk length.
 //!
+//! Either comes in three parts, [`pre`] (token-local but for the causal conv), [`core`]
+//! (the delta rule over a range of chunks, from the state at its start to the state at its
+//! end) and [`post`] (gated norm, out_proj); [`forward`] composes them over the whole
+//! sequence, and worker/src/segments.rs runs the core in segments of chunks, so that the
+//! rule's recompute graph (its (C, C) pair tensors, its per-value-head copies) is one
+//! segment's at a time.
+//!
 //! Shapes: B batch rows, T sequence length, H hidden size, G key heads, V value heads,
 //! Dk / Dv their head dims, F conv channels (2 G Dk + V Dv).
 
@@ -30,12 +37,72 @@ use tch::{Device, Kind, Tensor};
 
 use super::BlockWeights;
 
-/// (B, T, H) -> (B, T, H), by the implementation for the input's device.
+/// (B, T, H) -> (B, T, H), by the implementation for the input's device: [`pre`], [`core`]
+/// over every chunk from a zero state, [`post`].
 pub fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
+    let pre = pre(spec, w, x_bth);
+    let (o_bvucd, _) = core(&pre.rule_in, None, false);
+    post(spec, w, &o_bvucd, &pre.z_btvd)
+}
+
+/// What the mixer computes before the delta rule, token by token (but for the causal
+/// conv): the rule's inputs and the output gate.
+pub struct Pre {
+    /// The delta rule's inputs in its implementation's layout and dtype, each (B, heads,
+    /// U, ...) with the U chunks along dim 2, so that a range of chunks is a `narrow` of
+    /// each (`reference::pre`, `chunked::pre` name them).
+    pub rule_in: Vec<Tensor>,
+    /// The output gate z (B, T, V, Dv).
+    pub z_btvd: Tensor,
+}
+
+impl Pre {
+    /// The number of chunks U.
+    pub fn chunks(&self) -> i64 {
+        self.rule_in[0].size()[2]
+    }
+}
+
+/// Tokens per chunk of the delta rule on `device`.
+pub fn chunk_tokens(device: Device) -> i64 {
+    let settings = Settings::get();
+    match settings.path(device) {
+        Rule::Reference => reference::CHUNK,
+        Rule::Chunked => settings.chunk,
+    }
+}
+
+/// The input projections, the causal conv + SiLU, q/k L2 norms, beta and the log decay:
+/// (B, T, H) -> the delta rule's inputs and z.
+pub fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Pre {
     let settings = Settings::get();
     match settings.path(x_bth.device()) {
-        Rule::Reference => reference::forward(spec, w, x_bth),
-        Rule::Chunked => chunked::forward(spec, w, x_bth, settings.chunk),
+        Rule::Reference => reference::pre(spec, w, x_bth),
+        Rule::Chunked => chunked::pre(spec, w, x_bth, settings.chunk),
+    }
+}
+
+/// The delta rule over the chunks of `rule_in` ([`Pre::rule_in`], or the same `narrow` of
+/// each: a range of chunks), from the state S (B, V, Dk, Dv) f32 at their start (None:
+/// zero) -> o (B, V, U, C, Dv) and, if `want_state`, the state S after their last chunk,
+/// from which the next range of chunks goes on.
+pub fn core(
+    rule_in: &[Tensor],
+    state_bvkd: Option<&Tensor>,
+    want_state: bool,
+) -> (Tensor, Option<Tensor>) {
+    match Settings::get().path(rule_in[0].device()) {
+        Rule::Reference => reference::core(rule_in, state_bvkd, want_state),
+        Rule::Chunked => chunked::core(rule_in, state_bvkd, want_state),
+    }
+}
+
+/// The gated RMSNorm per value head and out_proj: o (B, V, U, C, Dv) over every chunk and
+/// z (B, T, V, Dv) -> (B, T, H).
+pub fn post(spec: &ModelSpec, w: &BlockWeights, o_bvucd: &Tensor, z_btvd: &Tensor) -> Tensor {
+    match Settings::get().path(o_bvucd.device()) {
+        Rule::Reference => reference::post(spec, w, o_bvucd, z_btvd),
+        Rule::Chunked => chunked::post(spec, w, o_bvucd, z_btvd),
     }
 }
 

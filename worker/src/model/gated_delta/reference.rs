@@ -1,8 +1,8 @@
 //! The reference Gated DeltaNet, as transformers computes it without the
 //! flash-linear-attention kernels: q, k, v in f32, each key head repeated for its value
-//! heads, and `torch_chunk_gated_delta_rule` (zero initial state) evaluated chunk by chunk:
-//! within a chunk by a unit-triangular solve, across chunks through the (Dk, Dv) state. The
-//! CPU path, and what the chunked path is checked against.
+//! heads, and `torch_chunk_gated_delta_rule` (from a given state, zero by default) evaluated
+//! chunk by chunk: within a chunk by a unit-triangular solve, across chunks through the
+//! (Dk, Dv) state. The CPU path, and what the chunked path is checked against.
 //!
 //! Shapes: B batch rows, T sequence length (P padded to whole chunks), H hidden size, G key
 //! heads, V value heads, Dk / Dv their head dims, C chunk length, U chunks, F conv channels.
@@ -10,15 +10,18 @@
 use mt::config::hf::{LinearAttnSpec, ModelSpec};
 use tch::{Kind, Tensor};
 
-use super::{gates, short_conv};
+use super::{Pre, gates, short_conv};
 use crate::model::BlockWeights;
 use crate::model::common::linear;
 
 /// Chunk length of transformers' chunked delta rule.
-const CHUNK: i64 = 64;
+pub(super) const CHUNK: i64 = 64;
 
-/// (B, T, H) -> (B, T, H).
-pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Tensor {
+/// (B, T, H) -> the delta rule's inputs, f32, in chunks of 64 tokens along dim 2, each key
+/// head repeated for its value heads: q (L2-normed and scaled by Dk^-1/2) and k
+/// (L2-normed) (B, V, U, C, Dk), v (B, V, U, C, Dv), beta and the log decay (B, V, U, C),
+/// zeros past T; and z.
+pub(super) fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Pre {
     let la = spec
         .linear_attn
         .as_ref()
@@ -43,11 +46,51 @@ pub(super) fn forward(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Ten
     } else {
         (q_btgd, k_btgd)
     };
-    let o_btvd = chunk_gated_delta_rule(&q_btvd, &k_btvd, &v_btvd, &decay_btv, &beta_btv);
+    // As `torch_chunk_gated_delta_rule` prepares them: f32 (B, V, T, D), q and k L2-normed,
+    // padded to whole chunks.
+    let f32 = |x: &Tensor| x.transpose(1, 2).to_kind(Kind::Float).contiguous();
+    let q = l2norm(&f32(&q_btvd)) * (dk as f64).powf(-0.5);
+    let k = l2norm(&f32(&k_btvd));
+    let pad = (CHUNK - t % CHUNK) % CHUNK;
+    let u = (t + pad) / CHUNK;
+    let chunks = |x: &Tensor, d: i64| {
+        x.constant_pad_nd([0, 0, 0, pad])
+            .reshape([b, v, u, CHUNK, d])
+    };
+    let gate = |x: &Tensor| f32(x).constant_pad_nd([0, pad]).reshape([b, v, u, CHUNK]);
+    Pre {
+        rule_in: vec![
+            chunks(&q, dk),
+            chunks(&k, dk),
+            chunks(&f32(&v_btvd), dv),
+            gate(&beta_btv),
+            gate(&decay_btv),
+        ],
+        z_btvd,
+    }
+}
 
+/// The gated RMSNorm per value head, then out_proj: o (B, V, U, C, Dv) f32 and z (B, T,
+/// V, Dv) -> (B, T, H).
+pub(super) fn post(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    o_bvucd: &Tensor,
+    z_btvd: &Tensor,
+) -> Tensor {
+    let &[b, v, u, c, dv] = o_bvucd.size().as_slice() else {
+        panic!("o is (B, V, U, C, Dv)")
+    };
+    let t = z_btvd.size()[1];
+    let o_btvd = o_bvucd
+        .reshape([b, v, u * c, dv])
+        .narrow(2, 0, t)
+        .transpose(1, 2)
+        .to_kind(z_btvd.kind())
+        .contiguous();
     let o_btvd = gated_rms_norm(
         &o_btvd,
-        &z_btvd,
+        z_btvd,
         w.get("linear_attn.norm.weight"),
         spec.rms_norm_eps,
     );
@@ -99,44 +142,28 @@ fn l2norm(x: &Tensor) -> Tensor {
     x * ((x * x).sum_dim_intlist(-1, true, Kind::Float) + 1e-6).rsqrt()
 }
 
-/// The gated delta rule over whole chunks, as `torch_chunk_gated_delta_rule` (zero initial
-/// state, q and k L2-normed): q, k (B, T, V, Dk), v (B, T, V, Dv), decay and beta (B, T, V)
-/// -> (B, T, V, Dv).
-fn chunk_gated_delta_rule(
-    q_btvd: &Tensor,
-    k_btvd: &Tensor,
-    v_btvd: &Tensor,
-    decay_btv: &Tensor,
-    beta_btv: &Tensor,
-) -> Tensor {
-    let dtype = q_btvd.kind();
-    let f32 = |x: &Tensor| x.transpose(1, 2).to_kind(Kind::Float).contiguous();
-    let (q, k, v) = (f32(q_btvd), f32(k_btvd), f32(v_btvd)); // (B, V, T, D)
-    let (beta_bvt, decay_bvt) = (f32(beta_btv), f32(decay_btv));
-    let (b, nv, t, dk) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
-    let dv = v.size()[3];
-    let q = l2norm(&q) * (dk as f64).powf(-0.5);
-    let k = l2norm(&k);
-
-    let pad = (CHUNK - t % CHUNK) % CHUNK;
-    let (q, k, v) = (
-        q.constant_pad_nd([0, 0, 0, pad]),
-        k.constant_pad_nd([0, 0, 0, pad]),
-        v.constant_pad_nd([0, 0, 0, pad]),
-    );
-    let (beta_bvp, decay_bvp) = (
-        beta_bvt.constant_pad_nd([0, pad]),
-        decay_bvt.constant_pad_nd([0, pad]),
-    );
-    let u = (t + pad) / CHUNK;
-    let chunks = |x: &Tensor, d: i64| x.reshape([b, nv, u, CHUNK, d]);
-    let v_beta = chunks(&(&v * beta_bvp.unsqueeze(-1)), dv);
-    let k_beta = chunks(&(&k * beta_bvp.unsqueeze(-1)), dk);
-    let (q, k) = (chunks(&q, dk), chunks(&k, dk));
-    let cum_bvuc = decay_bvp.reshape([b, nv, u, CHUNK]).cumsum(-1, Kind::Float);
+/// The gated delta rule over the U chunks of `rule_in` ([`pre`]'s q, k, v, beta, decay, or
+/// a range of their chunks), as `torch_chunk_gated_delta_rule` evaluates it, from the state
+/// S (B, V, Dk, Dv) f32 at the first chunk's start (None: zero) -> o (B, V, U, C, Dv) f32
+/// and, if `want_state`, the state after the last chunk.
+pub(super) fn core(
+    rule_in: &[Tensor],
+    state_bvkd: Option<&Tensor>,
+    want_state: bool,
+) -> (Tensor, Option<Tensor>) {
+    let [q, k, v, beta_bvuc, decay_bvuc] = rule_in else {
+        panic!("the reference rule takes [q, k, v, beta, decay]")
+    };
+    let &[b, nv, u, c, dk] = q.size().as_slice() else {
+        panic!("q is (B, V, U, C, Dk)")
+    };
+    let dv = v.size()[4];
+    let v_beta = v * beta_bvuc.unsqueeze(-1);
+    let k_beta = k * beta_bvuc.unsqueeze(-1);
+    let cum_bvuc = decay_bvuc.cumsum(-1, Kind::Float);
 
     // exp(cum_i - cum_j) for j <= i, 0 above the diagonal: (B, V, U, C, C).
-    let upper_cc = Tensor::ones([CHUNK, CHUNK], (Kind::Bool, q.device())).triu(1);
+    let upper_cc = Tensor::ones([c, c], (Kind::Bool, q.device())).triu(1);
     let pair = (cum_bvuc.unsqueeze(-1) - cum_bvuc.unsqueeze(-2))
         .masked_fill(&upper_cc, f64::NEG_INFINITY)
         .exp();
@@ -148,21 +175,22 @@ fn chunk_gated_delta_rule(
     let k_cumdecay = ut_system.linalg_solve_triangular(&decayed_k_beta, false, true, true);
 
     let q = q * cum_bvuc.exp().unsqueeze(-1);
-    let last = cum_bvuc.narrow(-1, CHUNK - 1, 1);
+    let last = cum_bvuc.narrow(-1, c - 1, 1);
     let k = k * (&last - &cum_bvuc).exp().unsqueeze(-1);
     let chunk_decay = last.exp().unsqueeze(-1); // (B, V, U, 1, 1)
-    let mut state = Tensor::zeros([b, nv, dk, dv], (Kind::Float, q.device()));
+    let mut state = match state_bvkd {
+        Some(s) => s.shallow_clone(),
+        None => Tensor::zeros([b, nv, dk, dv], (Kind::Float, q.device())),
+    };
     let mut outs = Vec::with_capacity(u as usize);
     for i in 0..u {
         let v_new = new_values.select(2, i) - k_cumdecay.select(2, i).matmul(&state);
         let inter = q.select(2, i).matmul(&state);
         outs.push(inter + intra.select(2, i).matmul(&v_new));
-        state = state * chunk_decay.select(2, i) + k.select(2, i).transpose(-1, -2).matmul(&v_new);
+        if i + 1 < u || want_state {
+            state =
+                state * chunk_decay.select(2, i) + k.select(2, i).transpose(-1, -2).matmul(&v_new);
+        }
     }
-    Tensor::stack(&outs, 2)
-        .reshape([b, nv, u * CHUNK, dv])
-        .narrow(2, 0, t)
-        .transpose(1, 2)
-        .to_kind(dtype)
-        .contiguous()
+    (Tensor::stack(&outs, 2), want_state.then_some(state))
 }

@@ -12,7 +12,7 @@ use mt::config::hf::{HfConfig, ModelSpec};
 use mt::layout::{Block, Layout};
 use tch::{Device, Kind, Tensor};
 
-use super::{chunked, reference};
+use super::{Pre, chunked, reference};
 use crate::model::BlockWeights;
 
 /// Rows of the test batch: their lengths (the rest is padding, which gets no gradient).
@@ -138,7 +138,17 @@ impl Case {
 }
 
 fn chunked_by(chunk: i64) -> impl Fn(&ModelSpec, &BlockWeights, &Tensor) -> Tensor {
-    move |s, w, x| chunked::forward(s, w, x, chunk)
+    move |s, w, x| {
+        let pre = chunked::pre(s, w, x, chunk);
+        let (o_bvucd, _) = chunked::core(&pre.rule_in, None, false);
+        chunked::post(s, w, &o_bvucd, &pre.z_btvd)
+    }
+}
+
+fn reference_forward(s: &ModelSpec, w: &BlockWeights, x: &Tensor) -> Tensor {
+    let pre = reference::pre(s, w, x);
+    let (o_bvucd, _) = reference::core(&pre.rule_in, None, false);
+    reference::post(s, w, &o_bvucd, &pre.z_btvd)
 }
 
 /// Norm-wise relative difference of every tensor of `got` from `want`, by name.
@@ -179,7 +189,7 @@ fn f32_bound(name: &str) -> f64 {
 
 fn f32_case(model_type: &str, t: i64, chunks: &[i64]) {
     let case = Case::new(model_type, t, 0);
-    let want = case.run(Kind::Float, &reference::forward);
+    let want = case.run(Kind::Float, &reference_forward);
     for &chunk in chunks {
         let got = case.run(Kind::Float, &chunked_by(chunk));
         let what = format!("{model_type} T={t} chunk {chunk}");
@@ -226,9 +236,9 @@ fn within_reference_error(got: &Run, reference: &Run, want: &Run, what: &str) {
 fn chunked_in_bf16_is_as_close_to_f32_as_the_reference() {
     for model_type in ["qwen3_5_text", "qwen3_next"] {
         let case = Case::new(model_type, 100, 1);
-        let want = case.run(Kind::Float, &reference::forward);
+        let want = case.run(Kind::Float, &reference_forward);
         let chunked16 = case.run(Kind::BFloat16, &chunked_by(chunked::CHUNK));
-        let reference16 = case.run(Kind::BFloat16, &reference::forward);
+        let reference16 = case.run(Kind::BFloat16, &reference_forward);
         within_reference_error(&chunked16, &reference16, &want, model_type);
     }
 }
@@ -254,3 +264,69 @@ fn unit_lower_inverse_inverts() {
         assert!(d < 1e-12, "n {n}: {d:e}");
     }
 }
+
+/// The delta rule from a state: over chunks [0, U) at once, and over segments of them
+/// (sizes that do not divide U, one chunk, the rest) each from the state the previous one
+/// ended with, give the same output and final state, for both rules.
+#[test]
+fn core_in_segments_chains_its_state() {
+    for model_type in ["qwen3_5_text", "qwen3_next"] {
+        // T = 150: chunks of 64 (3, the last padded) for the reference; of 16 (10) chunked.
+        let case = Case::new(model_type, 150, 2);
+        let block = &case.layout.blocks[case.layout.layer_block(0)];
+        let w = BlockWeights::views(&case.flat, block);
+        let _guard = tch::no_grad_guard();
+        let rules: [(&str, Pre, CoreFn); 2] = [
+            (
+                "reference",
+                reference::pre(&case.spec, &w, &case.x_bth),
+                reference::core,
+            ),
+            (
+                "chunked",
+                chunked::pre(&case.spec, &w, &case.x_bth, 16),
+                chunked::core,
+            ),
+        ];
+        for (rule, pre, core) in rules {
+            let (o_all, s_all) = core(&pre.rule_in, None, true);
+            let s_all = s_all.expect("asked for");
+            for split in [vec![1, 2], vec![2, 1], vec![3, 3, 4], vec![1, 4, 5]] {
+                if split.iter().sum::<i64>() != pre.chunks() {
+                    continue;
+                }
+                let (mut start, mut state, mut outs) = (0, None::<Tensor>, Vec::new());
+                for len in &split {
+                    let part: Vec<Tensor> = pre
+                        .rule_in
+                        .iter()
+                        .map(|x| x.narrow(2, start, *len))
+                        .collect();
+                    let (o, s) = core(&part, state.as_ref(), true);
+                    outs.push(o);
+                    state = s;
+                    start += len;
+                }
+                let o_seg = Tensor::cat(&outs, 2);
+                let state = state.expect("asked for");
+                // The same operations on the same values, regrouped: a segment's batched
+                // products cover fewer chunks, which may round differently (f32, u = 6e-8,
+                // amplified ~1e2 through the state as in `f32_bound`): 1e-5 relative.
+                // Chaining without the state (a zero state per segment) is off by O(1).
+                let what = format!("{model_type} {rule} segments {split:?}");
+                let rel = |a: &Tensor, b: &Tensor| {
+                    (a - b).norm().double_value(&[]) / b.norm().double_value(&[])
+                };
+                let (d_o, d_s) = (rel(&o_seg, &o_all), rel(&state, &s_all));
+                eprintln!("{what}: o {d_o:.1e}, state {d_s:.1e}");
+                assert!(
+                    d_o <= 1e-5 && d_s <= 1e-5,
+                    "{what}: o {d_o:.1e}, state {d_s:.1e}"
+                );
+            }
+        }
+    }
+}
+
+/// One rule's core, as both have it.
+type CoreFn = fn(&[Tensor], Option<&Tensor>, bool) -> (Tensor, Option<Tensor>);
