@@ -21,7 +21,8 @@ use mt::layout::Layout;
 use mt::layout::shards::Shards;
 use mt::optim::AdamWStep;
 
-use super::{Trainer, schedule};
+use super::Trainer;
+use super::weights::schedule;
 use crate::host::HostState;
 use crate::mpi::Mpi;
 use crate::prepare::Prepared;
