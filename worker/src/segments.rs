@@ -111,6 +111,7 @@ pub fn attention_half(
 /// grad) and backpropagated from `dy_bth`, its delta rule in segments of `per_segment`
 /// chunks and its MLP half in tiles of `mlp_tile` tokens (None: whole): the weight
 /// gradients accumulate in `w`'s leaves; returns the input's gradient (B, T, H).
+#[allow(clippy::too_many_arguments)]
 pub fn backward(
     spec: &ModelSpec,
     layer: usize,
@@ -160,7 +161,7 @@ pub fn backward(
         let (o_i, state_out) = model::delta_core(&leaves, state_in.as_ref(), d_state.is_some());
         let mut objective = (o_i * do_bvucd.narrow(2, start, len)).sum(Kind::Float);
         if let (Some(s), Some(ds)) = (state_out, &d_state) {
-            objective = objective + (s * ds).sum(Kind::Float);
+            objective += (s * ds).sum(Kind::Float);
         }
         objective.backward();
         for (g, leaf) in grads.iter().zip(&leaves) {
@@ -175,7 +176,7 @@ pub fn backward(
     // (5): pre from its outputs' gradients, into the layer input and the weights.
     let mut objective = (&pre.z_btvd * dz_btvd).sum(Kind::Float);
     for (out, g) in pre.rule_in.iter().zip(&grads) {
-        objective = objective + (out * g).sum(Kind::Float);
+        objective += (out * g).sum(Kind::Float);
     }
     objective.backward();
     x_bth.grad()

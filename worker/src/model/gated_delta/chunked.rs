@@ -256,6 +256,7 @@ fn halves(x: &Tensor, dim: i64) -> [Tensor; 2] {
 /// dtype, d (N, U, 1, 1) f32, for N = B V independent heads -> o (N, U, C, Dv), and the
 /// state after the last chunk if `want_state`. The state stays f32; its products run in
 /// the compute dtype.
+#[allow(clippy::too_many_arguments)]
 fn state_recurrence(
     u_nucd: &Tensor,
     neg_w_nucd: &Tensor,
