@@ -194,11 +194,14 @@ impl DevicePlan {
                 Some(k.max(1) * TILE_ALIGN)
             }
         };
-        if !(0..spec.num_layers).any(|l| segmented_layer(spec, l)) {
+        // CPU workers keep the rule whole: their memory is host RAM, where segments would
+        // cost time for no launch they make possible (and the plan of the reference rule's
+        // segments is 13% high on the hybrid of launcher/tests/plan_measured.rs).
+        if o.cpu || !(0..spec.num_layers).any(|l| segmented_layer(spec, l)) {
             return mlp_tile;
         }
-        // Linear layers: the tile also sets their delta rule's segments, which bound the
-        // layer backward. The largest tile whose peak stays within a tenth of the smallest
+        // Linear layers on GPUs: the tile also sets their delta rule's segments, which
+        // bound the layer backward. The largest tile whose peak stays within a tenth of the smallest
         // tile's: segments as long (as efficient) as that allows, none where the whole
         // rule already keeps the peak there (short sequences).
         let total = |tile: usize| Self::tiled(spec, layout, o, (rows, seq_len), Some(tile)).total();
