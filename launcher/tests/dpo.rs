@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
 
@@ -31,22 +31,10 @@ const LATER_TOL: f64 = 1e-4;
 /// 0 up to rounding); after it, by the same argument as [`LATER_TOL`], 1e-4.
 const REWARD_TOL: [f64; 2] = [1e-5, 1e-4];
 
-fn cases() -> Vec<PathBuf> {
-    let dir = golden_dir().join("dpo");
-    let mut cases: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/make_golden.py)", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("expected.json").is_file())
-        .collect();
-    cases.sort();
-    assert_eq!(cases.len(), 3, "the DPO golden cases");
-    cases
-}
-
 #[test]
 fn dpo_matches_trl_loss_in_torch() {
     let mut failures = Vec::new();
-    for case in &cases() {
+    for case in &stage_cases("dpo", 3) {
         for workers in [1, 2] {
             check(case, workers, &mut failures);
         }
@@ -60,19 +48,10 @@ fn dpo_matches_trl_loss_in_torch() {
 }
 
 fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
-    let name = format!("{} {workers}w", case.file_name().unwrap().to_string_lossy());
-    let dir = scratch(&format!("dpo-golden-{}", name.replace(' ', "-")));
-    let (m, g) = (dir.join("m.jsonl"), dir.join("grads.safetensors"));
-    run_cpu_ok(
-        &case.join("run.yaml"),
-        workers,
-        &m,
-        &["--dump-grads", path_str(&g)],
-    );
-    let want = json(&case.join("expected.json"));
-    let rows = metrics(&m);
+    let run = run_stage_case("dpo", case, workers);
+    let (name, rows, want) = (&run.name, &run.rows, &run.want);
     for (ours, theirs) in [("loss", "losses"), ("grad_norm", "grad_norms")] {
-        let (a, b) = (column(&rows, ours), f64_array(&want[theirs]));
+        let (a, b) = (column(rows, ours), f64_array(&want[theirs]));
         let (first, later) = (worst_rel(&a[..1], &b[..1]), worst_rel(&a[1..], &b[1..]));
         eprintln!("dpo {name}: {ours} rel error {first:.2e} at step 1, {later:.2e} after");
         if first > TOL || later > LATER_TOL {
@@ -82,7 +61,7 @@ fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
         }
     }
     for key in ["rewards/chosen", "rewards/rejected", "rewards/margins"] {
-        let (a, b) = (column(&rows, key), f64_array(&want[key]));
+        let (a, b) = (column(rows, key), f64_array(&want[key]));
         for (step, (x, y)) in a.iter().zip(&b).enumerate() {
             if (x - y).abs() > REWARD_TOL[step.min(1)] {
                 failures.push(format!(
@@ -95,37 +74,17 @@ fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
     // At step 1 every pair sits at the reference (chosen and rejected rewards 0 up to
     // rounding), so whether it counts as accurate is rounding; after that, exactly.
     let (a, b) = (
-        column(&rows, "rewards/accuracies"),
+        column(rows, "rewards/accuracies"),
         f64_array(&want["rewards/accuracies"]),
     );
     if a[1..] != b[1..] {
         failures.push(format!("{name}: rewards/accuracies {a:?} vs torch {b:?}"));
     }
-    let (ours, torch) = (tensors(&g), tensors(&case.join("grads0.safetensors")));
-    if ours.len() != torch.len() {
-        failures.push(format!(
-            "{name}: {} gradient tensors, torch has {}",
-            ours.len(),
-            torch.len()
-        ));
-    }
-    let mut worst = 0.0f64;
-    for (t, want) in &torch {
-        match ours.get(t) {
-            None => failures.push(format!("{name}: no gradient for `{t}`")),
-            Some(got) => {
-                let e = rel_l2(got, want);
-                worst = worst.max(e);
-                if e > TOL {
-                    failures.push(format!("{name}: gradient `{t}` rel error {e:.2e}"));
-                }
-            }
-        }
-    }
+    let worst = run.check_grads(case, TOL, failures);
     eprintln!("dpo {name}: worst step-1 gradient rel error {worst:.2e}");
 }
 
-type Run = (Vec<Vec<u64>>, std::collections::HashMap<String, Vec<f32>>);
+type Run = (Vec<Vec<u64>>, Tensors);
 
 /// The per-step loss and reward bits and the final weights of the Llama DPO case.
 fn train(tag: &str, workers: usize, accum: usize, extra: &[&str]) -> Run {
@@ -168,14 +127,7 @@ fn bits(m: &Path) -> Vec<Vec<u64>> {
 fn assert_same(a: &Run, b: &Run) {
     assert_eq!(a.0, b.0, "per-step loss and reward bits differ");
     assert_eq!(a.1.len(), b.1.len());
-    for (name, wa) in &a.1 {
-        let differ = wa
-            .iter()
-            .zip(&b.1[name])
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(differ, 0, "final `{name}`: {differ} elements differ");
-    }
+    assert_same_bits(&a.1, &b.1, "");
 }
 
 /// Bit for bit, as launcher/tests/equivalence.rs for SFT: single-threaded CPU workers,
@@ -194,7 +146,7 @@ fn rewards_reach_tensorboard_and_the_step_lines() {
     let case = golden_dir().join("dpo/llama_sigmoid/run.yaml");
     let dir = scratch("dpo-tensorboard");
     let (tb, m) = (dir.join("tb"), dir.join("metrics.jsonl"));
-    let (out, args) = run_cpu(
+    let out = run_cpu_ok(
         &case,
         1,
         &m,
@@ -205,21 +157,9 @@ fn rewards_reach_tensorboard_and_the_step_lines() {
             &format!("logging.logging_dir={}", tb.display()),
         ],
     );
-    assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
     let log = String::from_utf8_lossy(&out.stdout);
     assert!(log.contains("rewards: accuracy"), "{log}");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let py = std::process::Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("scripts/read_tensorboard.py"))
-        .arg(&tb)
-        .output()
-        .expect("run .venv/bin/python (scripts/setup.sh installs tensorboard)");
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
-    let scalars: serde_json::Value = serde_json::from_slice(&py.stdout).unwrap();
+    let scalars = read_tensorboard(&tb);
     let rows = metrics(&m);
     for key in [
         "loss",
@@ -229,9 +169,7 @@ fn rewards_reach_tensorboard_and_the_step_lines() {
         "rewards/margins",
     ] {
         let tag = format!("train/{key}");
-        let series = scalars[&tag]
-            .as_array()
-            .unwrap_or_else(|| panic!("no `{tag}`"));
+        let series = tensorboard_series(&scalars, &tag);
         assert_eq!(series.len(), rows.len(), "{tag}");
         for (p, r) in series.iter().zip(&rows) {
             assert_eq!(p[0], r["step"], "{tag}");
@@ -253,8 +191,7 @@ fn resume_continues_exactly_with_the_saved_reference() {
     let ck = format!("checkpoint.dir={}", dir.join("ck").display());
     let run = |tag: &str, extra: &[&str]| {
         let m = dir.join(format!("{tag}.jsonl"));
-        let (out, args) = run_cpu(&case, 2, &m, extra);
-        assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        let out = run_cpu_ok(&case, 2, &m, extra);
         (bits(&m), String::from_utf8_lossy(&out.stdout).to_string())
     };
     let (straight, _) = run("straight", &["--set", "training.num_steps=6"]);

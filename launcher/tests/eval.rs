@@ -90,23 +90,6 @@ fn two_workers_evaluate_as_one_worker_accumulating_two() {
     assert_eq!(bits(&two, "loss"), bits(&one, "loss"));
 }
 
-/// What TensorBoard's EventAccumulator reads from `dir`: tag -> [(step, value)].
-fn read_tensorboard(dir: &Path) -> serde_json::Map<String, serde_json::Value> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("scripts/read_tensorboard.py"))
-        .arg(dir)
-        .output()
-        .expect("run .venv/bin/python (scripts/setup.sh installs tensorboard)");
-    assert!(
-        out.status.success(),
-        "read_tensorboard.py failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v.as_object().unwrap().clone()
-}
-
 #[test]
 fn hub_dataset_with_val_size_and_tensorboard() {
     let fx = data_fixtures("row_losses_alpaca_demo.json");

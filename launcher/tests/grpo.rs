@@ -12,7 +12,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::*;
 
@@ -39,22 +39,10 @@ const LATER_TOL: [f64; 2] = [1e-4, 1e-4];
 /// or sign-flipped KL gradient moves the policy away by O(1e-2) in the KL.
 const KL_TOL: [f64; 2] = [1e-9, 1e-4];
 
-fn cases() -> Vec<PathBuf> {
-    let dir = golden_dir().join("grpo");
-    let mut cases: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/make_golden.py)", dir.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("expected.json").is_file())
-        .collect();
-    cases.sort();
-    assert_eq!(cases.len(), 6, "the GRPO golden cases");
-    cases
-}
-
 #[test]
 fn grpo_matches_trl_loss_in_torch() {
     let mut failures = Vec::new();
-    for case in &cases() {
+    for case in &stage_cases("grpo", 6) {
         for workers in [1, 2] {
             check(case, workers, &mut failures);
         }
@@ -68,22 +56,13 @@ fn grpo_matches_trl_loss_in_torch() {
 }
 
 fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
-    let name = format!("{} {workers}w", case.file_name().unwrap().to_string_lossy());
-    let dir = scratch(&format!("grpo-golden-{}", name.replace(' ', "-")));
-    let (m, g) = (dir.join("m.jsonl"), dir.join("grads.safetensors"));
-    run_cpu_ok(
-        &case.join("run.yaml"),
-        workers,
-        &m,
-        &["--dump-grads", path_str(&g)],
-    );
-    let want = json(&case.join("expected.json"));
-    let rows = metrics(&m);
+    let run = run_stage_case("grpo", case, workers);
+    let (name, rows, want) = (&run.name, &run.rows, &run.want);
     for (i, (ours, theirs)) in [("loss", "losses"), ("grad_norm", "grad_norms")]
         .into_iter()
         .enumerate()
     {
-        let (a, b) = (column(&rows, ours), f64_array(&want[theirs]));
+        let (a, b) = (column(rows, ours), f64_array(&want[theirs]));
         // The loss can be ~0 (advantages sum to 0 in a group): relative to the step's scale.
         let scale = b.iter().map(|x| x.abs()).fold(0.0, f64::max);
         let err = |x: &f64, y: &f64| (x - y).abs() / scale.max(1e-30);
@@ -104,13 +83,13 @@ fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
     // same tokens on both sides unless one sits at the edge within rounding (one token in
     // a batch of ~30 is 0.04): held to 0.05.
     for key in ["clip_ratio/low_mean", "clip_ratio/high_mean"] {
-        let (a, b) = (column(&rows, key), f64_array(&want[key]));
+        let (a, b) = (column(rows, key), f64_array(&want[key]));
         if a[0] != 0.0 || a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 0.05) {
             failures.push(format!("{name}: {key} {a:?} vs torch {b:?}"));
         }
     }
     if let Some(kl) = want.get("kl") {
-        let (a, b) = (column(&rows, "kl"), f64_array(kl));
+        let (a, b) = (column(rows, "kl"), f64_array(kl));
         let first = a[0].abs();
         let later = a[1..]
             .iter()
@@ -124,31 +103,11 @@ fn check(case: &Path, workers: usize, failures: &mut Vec<String>) {
     } else if rows.iter().any(|r| r.get("kl").is_some()) {
         failures.push(format!("{name}: a kl without grpo.beta"));
     }
-    let (ours, torch) = (tensors(&g), tensors(&case.join("grads0.safetensors")));
-    if ours.len() != torch.len() {
-        failures.push(format!(
-            "{name}: {} gradient tensors, torch has {}",
-            ours.len(),
-            torch.len()
-        ));
-    }
-    let mut worst = 0.0f64;
-    for (t, want) in &torch {
-        match ours.get(t) {
-            None => failures.push(format!("{name}: no gradient for `{t}`")),
-            Some(got) => {
-                let e = rel_l2(got, want);
-                worst = worst.max(e);
-                if e > TOL {
-                    failures.push(format!("{name}: gradient `{t}` rel error {e:.2e}"));
-                }
-            }
-        }
-    }
+    let worst = run.check_grads(case, TOL, failures);
     eprintln!("grpo {name}: worst step-1 gradient rel error {worst:.2e}");
 }
 
-type Run = (Vec<Vec<u64>>, std::collections::HashMap<String, Vec<f32>>);
+type Run = (Vec<Vec<u64>>, Tensors);
 
 /// Per step: the bits of the loss, the gradient norm, the clip ratios and the KL (when the
 /// run has one).
@@ -203,17 +162,7 @@ fn two_workers_equal_one_worker_accumulating_two() {
             "{case}"
         );
         assert_eq!(a.1.len(), b.1.len());
-        for (name, wa) in &a.1 {
-            let differ = wa
-                .iter()
-                .zip(&b.1[name])
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count();
-            assert_eq!(
-                differ, 0,
-                "{case}: final `{name}`: {differ} elements differ"
-            );
-        }
+        assert_same_bits(&a.1, &b.1, &format!("{case}: "));
     }
 }
 
@@ -235,8 +184,7 @@ fn resume_continues_exactly(name: &str) {
     let ck = format!("checkpoint.dir={}", dir.join("ck").display());
     let run = |tag: &str, extra: &[&str]| {
         let m = dir.join(format!("{tag}.jsonl"));
-        let (out, args) = run_cpu(&case, 2, &m, extra);
-        assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+        run_cpu_ok(&case, 2, &m, extra);
         bits(&m)
     };
     let straight = run("straight", &["--set", "training.num_steps=5"]);
@@ -361,22 +309,13 @@ fn reward_reaches_tensorboard_and_the_step_lines() {
     let (tb, m) = (dir.join("tb"), dir.join("metrics.jsonl"));
     let dir_set = format!("logging.logging_dir={}", tb.display());
     let extra = ["--set", "logging.report_to=tensorboard", "--set", &dir_set];
-    let (out, args) = run_cpu(&case, 1, &m, &extra);
-    assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = run_cpu_ok(&case, 1, &m, &extra);
     let log = String::from_utf8_lossy(&out.stdout);
     assert!(
         log.contains("  reward ") && log.contains("clipped") && log.contains("  kl "),
         "{log}"
     );
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let py = std::process::Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("scripts/read_tensorboard.py"))
-        .arg(&tb)
-        .output()
-        .expect("run .venv/bin/python (scripts/setup.sh installs tensorboard)");
-    let err = String::from_utf8_lossy(&py.stderr);
-    assert!(py.status.success(), "{err}");
-    let scalars: serde_json::Value = serde_json::from_slice(&py.stdout).unwrap();
+    let scalars = read_tensorboard(&tb);
     let rows = metrics(&m);
     for key in [
         "reward",
@@ -387,9 +326,7 @@ fn reward_reaches_tensorboard_and_the_step_lines() {
         "kl",
     ] {
         let tag = format!("train/{key}");
-        let series = scalars[&tag]
-            .as_array()
-            .unwrap_or_else(|| panic!("no `{tag}`"));
+        let series = tensorboard_series(&scalars, &tag);
         assert_eq!(series.len(), rows.len(), "{tag}");
         for (p, r) in series.iter().zip(&rows) {
             let want = r[key].as_f64().unwrap() as f32;

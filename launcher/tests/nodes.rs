@@ -52,6 +52,25 @@ fn mpi_command(mpirun: &Path, ranks: usize, workers: usize, args: &[&str]) -> Co
     cmd
 }
 
+/// Runs `ranks` launchers of `workers` CPU workers each with `args` to completion: one
+/// directly (`env` is then ignored, as the one-node baselines need none), several under
+/// mpirun with `env` set.
+fn launch(
+    mpirun: &Path,
+    ranks: usize,
+    workers: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Output {
+    match ranks {
+        1 => run(&[&["--gpus", "0", "--workers", &workers.to_string()], args].concat()),
+        _ => mpi_command(mpirun, ranks, workers, args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap(),
+    }
+}
+
 type Trained = (
     Vec<f64>,
     Vec<f64>,
@@ -106,17 +125,7 @@ fn train_env(
         &out_set,
     ];
     args.extend(extra);
-    let output = match ranks {
-        1 => run(&[
-            &["--gpus", "0", "--workers", &workers.to_string()],
-            &args[..],
-        ]
-        .concat()),
-        _ => mpi_command(mpirun, ranks, workers, &args)
-            .envs(env.iter().copied())
-            .output()
-            .unwrap(),
-    };
+    let output = launch(mpirun, ranks, workers, &args, env);
     assert_mpi_ok(&output, tag);
     let rows = metrics(&m);
     (
@@ -187,6 +196,15 @@ fn assert_close(a: &Trained, b: &Trained, lr: f64) {
     }
 }
 
+/// `a` and `b` are the same bits: losses, gradient norms and every final weight; `tag`
+/// names the comparison in failures.
+fn assert_same_trained(a: &Trained, b: &Trained, tag: &str) {
+    assert_eq!(f64_bits(&a.0), f64_bits(&b.0), "{tag} losses");
+    assert_eq!(f64_bits(&a.1), f64_bits(&b.1), "{tag} gradient norms");
+    assert_eq!(a.2.len(), b.2.len());
+    assert_same_bits(&a.2, &b.2, &format!("{tag}: "));
+}
+
 /// The fixture's learning rate (constant schedule).
 fn fixture_lr() -> f64 {
     let text = std::fs::read_to_string(golden_dir().join("llama/run.yaml")).unwrap();
@@ -214,6 +232,17 @@ fn three_nodes_equal_one_node_of_three_workers() {
     assert_close(&nodes, &one, fixture_lr());
 }
 
+/// bfloat16 store, slabs and gradient, with the master split between the store (its high
+/// half) and the host.
+const BF16: [&str; 6] = [
+    "--set",
+    "model.dtype=bfloat16",
+    "--set",
+    "memory.grad_dtype=bfloat16",
+    "--set",
+    "memory.master_weights=split",
+];
+
 /// In bfloat16 (store, slabs and gradient), two nodes of one worker equal one node of two
 /// workers bit for bit: each node's gradient is its worker's bf16 slab as it is, and the
 /// shim's bf16 sum widens both, adds in f32 and rounds once to nearest even, as the one
@@ -223,20 +252,11 @@ fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
     let Some((mpi, _one)) = mpirun() else {
         return;
     };
-    let bf16 = [
-        "--set",
-        "model.dtype=bfloat16",
-        "--set",
-        "memory.grad_dtype=bfloat16",
-        "--set",
-        "memory.master_weights=split",
-    ];
-    let nodes = train_with(&mpi, "bf16-n2w1", 2, 1, 4, &bf16);
-    let one = train_with(&mpi, "bf16-n1w2", 1, 2, 4, &bf16);
-    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let nodes = train_with(&mpi, "bf16-n2w1", 2, 1, 4, &BF16);
+    let one = train_with(&mpi, "bf16-n1w2", 1, 2, 4, &BF16);
     assert_eq!(
-        bits(&nodes.0),
-        bits(&one.0),
+        f64_bits(&nodes.0),
+        f64_bits(&one.0),
         "losses: {:?} vs {:?}",
         nodes.0,
         one.0
@@ -250,13 +270,7 @@ fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
         nodes.1,
         one.1
     );
-    for (name, a) in &nodes.2 {
-        let differ = a
-            .iter()
-            .zip(&one.2[name])
-            .filter(|(x, y)| x.to_bits() != y.to_bits());
-        assert_eq!(differ.count(), 0, "final `{name}` differs");
-    }
+    assert_same_bits(&nodes.2, &one.2, "");
 }
 
 /// With the state sharded (the default: each node updates its pieces of the master and
@@ -271,31 +285,12 @@ fn sharded_state_equals_replicated_bit_for_bit() {
     let Some((mpi, _one)) = mpirun() else {
         return;
     };
-    let low = [
-        "--set",
-        "model.dtype=bfloat16",
-        "--set",
-        "memory.grad_dtype=bfloat16",
-        "--set",
-        "memory.master_weights=split",
-        "--set",
-        "memory.moments_dtype=bfloat16",
-    ];
+    let low = [&BF16[..], &["--set", "memory.moments_dtype=bfloat16"]].concat();
     for (tag, extra) in [("f32", &[][..]), ("bf16", &low[..])] {
         let replicated = [extra, &["--set", "nodes.shard_state=false"]].concat();
         let sharded = train_with(&mpi, &format!("shard-{tag}"), 3, 1, 6, extra);
         let whole = train_with(&mpi, &format!("whole-{tag}"), 3, 1, 6, &replicated);
-        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&sharded.0), bits(&whole.0), "{tag} losses");
-        assert_eq!(bits(&sharded.1), bits(&whole.1), "{tag} gradient norms");
-        assert_eq!(sharded.2.len(), whole.2.len());
-        for (name, a) in &sharded.2 {
-            let differ = a
-                .iter()
-                .zip(&whole.2[name])
-                .filter(|(x, y)| x.to_bits() != y.to_bits());
-            assert_eq!(differ.count(), 0, "{tag}: final `{name}` differs");
-        }
+        assert_same_trained(&sharded, &whole, tag);
     }
 }
 
@@ -334,15 +329,7 @@ fn collectives_in_small_windows_train_the_same_bits() {
     let default = run("default", &[], &ring);
     for (tag, extra) in [("sharded", &[][..]), ("replicated", &replicated[..])] {
         let (small, opt) = run(tag, extra, &small);
-        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&small.0), bits(&default.0.0), "{tag} losses");
-        assert_eq!(bits(&small.1), bits(&default.0.1), "{tag} gradient norms");
-        assert_eq!(small.2.len(), default.0.2.len());
-        for (name, a) in &small.2 {
-            let b = &default.0.2[name];
-            let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
-            assert_eq!(differ.count(), 0, "{tag}: final `{name}` differs");
-        }
+        assert_same_trained(&small, &default.0, tag);
         assert!(
             opt == default.1,
             "{tag}: the checkpoint's optimizer state differs"
@@ -411,10 +398,8 @@ fn two_node_checkpoint_resumes_exactly() {
             args.extend(["--resume", path_str(from)]);
         }
         args.extend(extra);
-        let out = match ranks {
-            1 => run(&[&["--gpus", "0", "--workers", "2"], &args[..]].concat()),
-            _ => mpi_command(&mpi, ranks, 1, &args).output().unwrap(),
-        };
+        let workers = if ranks == 1 { 2 } else { 1 };
+        let out = launch(&mpi, ranks, workers, &args, &[]);
         assert_mpi_ok(&out, tag);
         (
             tensors(&dir.join("model/model.safetensors")),
@@ -434,15 +419,7 @@ fn two_node_checkpoint_resumes_exactly() {
         (&on_one, "on one node"),
         (&whole, "on two nodes, replicated"),
     ] {
-        for (name, a) in &straight {
-            let b = &other[name];
-            let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits());
-            let differ = differ.count();
-            assert_eq!(
-                differ, 0,
-                "`{name}`: {differ} elements differ, resumed {how}"
-            );
-        }
+        assert_same_bits(&straight, other, &format!("resumed {how}: "));
     }
 }
 

@@ -11,64 +11,24 @@ use std::path::Path;
 
 use common::*;
 
-/// 8 samples of 5..=15 tokens (ids below the fixtures' vocabulary of 67, the first two
-/// labels ignored); packed greedily into rows of at most 30 tokens: 3 rows.
-fn write_samples(path: &Path) {
-    let lens = [7, 12, 5, 15, 9, 11, 6, 13];
-    let mut text = String::new();
-    let mut x: u64 = 12345;
-    for n in lens {
-        let ids: Vec<u64> = (0..n)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (x >> 33) % 67
-            })
-            .collect();
-        let labels: Vec<i64> = ids
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| if i < 2 { -100 } else { t as i64 })
-            .collect();
-        text += &format!("{{\"input_ids\": {ids:?}, \"labels\": {labels:?}}}\n");
-    }
-    std::fs::write(path, text).unwrap();
-}
-
-fn step1(
-    case: &str,
-    dir: &Path,
-    packed: bool,
-) -> (f64, std::collections::HashMap<String, Vec<f32>>) {
+/// Step-1 loss and gradients of golden case `case` on the samples in `dir`, packed into
+/// rows of 30 tokens (3 rows) or one per row (8 rows).
+fn step1(case: &str, dir: &Path, packed: bool) -> Step {
     let tag = if packed { "packed" } else { "unpacked" };
-    let (m, g) = (
-        dir.join(format!("{tag}.jsonl")),
-        dir.join(format!("{tag}.safetensors")),
-    );
     let data = format!("dataset.path={}", dir.join("samples.jsonl").display());
     let batch = format!("training.batch_size={}", if packed { 3 } else { 8 });
     let packing = format!("dataset.packing={packed}");
-    run_cpu_ok(
-        &golden_dir().join(case).join("run.yaml"),
-        1,
-        &m,
-        &[
-            "--set",
-            &data,
-            "--set",
-            "dataset.max_seq_len=30",
-            "--set",
-            &packing,
-            "--set",
-            &batch,
-            "--set",
-            "training.num_steps=1",
-            "--dump-grads",
-            path_str(&g),
-        ],
-    );
-    (column(&metrics(&m), "loss")[0], tensors(&g))
+    let args = [
+        "--set",
+        &data,
+        "--set",
+        "dataset.max_seq_len=30",
+        "--set",
+        &packing,
+        "--set",
+        &batch,
+    ];
+    golden_step1(case, dir, tag, &args, &[]).0
 }
 
 #[test]
@@ -87,7 +47,7 @@ fn packed_rows_equal_unpacked_samples() {
         "qwen3_moe_norm_topk",
     ] {
         let dir = scratch(&format!("packing-{case}"));
-        write_samples(&dir.join("samples.jsonl"));
+        write_samples(&dir.join("samples.jsonl"), &SHORT_SAMPLES);
         let (loss_u, grads_u) = step1(case, &dir, false);
         let (loss_p, grads_p) = step1(case, &dir, true);
         assert!(

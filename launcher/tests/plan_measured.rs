@@ -18,17 +18,10 @@ use common::*;
 
 /// `rows` rows of 1024 random ids below the tiny vocabulary (512).
 fn write_data(path: &Path, rows: usize) {
-    let mut x: u64 = 7;
+    let mut rng = Lcg(7);
     let mut text = String::new();
     for _ in 0..rows {
-        let ids: Vec<u64> = (0..1024)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (x >> 33) % 512
-            })
-            .collect();
+        let ids: Vec<u64> = (0..1024).map(|_| rng.below(512)).collect();
         text += &format!("{{\"input_ids\": {ids:?}}}\n");
     }
     std::fs::write(path, text).unwrap();

@@ -25,70 +25,18 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use common::*;
-use mt::config::hf::ModelSpec;
-use mt::layout::Layout;
 
 const TOL: f64 = 1e-6;
-
-/// Step-1 loss and gradients by tensor name.
-type Step = (f64, HashMap<String, Vec<f32>>);
 
 /// Step-1 loss and gradients of golden case `case` with `memory.tile_tokens` = `tile`,
 /// plus `extra` flags.
 fn step1(case: &str, dir: &Path, tile: &str, extra: &[&str]) -> Step {
-    let (m, g) = (
-        dir.join(format!("tile-{tile}.jsonl")),
-        dir.join(format!("tile-{tile}.safetensors")),
-    );
     let tile_set = format!("memory.tile_tokens={tile}");
-    let mut args = vec![
-        "--set",
-        &tile_set,
-        "--set",
-        "training.num_steps=1",
-        "--dump-grads",
-        path_str(&g),
-    ];
-    args.extend(extra);
-    run_cpu_ok(&golden_dir().join(case).join("run.yaml"), 1, &m, &args);
-    (column(&metrics(&m), "loss")[0], tensors(&g))
-}
-
-/// The loss's relative error and the worst gradient error, each tensor's against the
-/// gradient norm of its layout block (the module doc's tolerance).
-fn worst(case: &str, a: &Step, b: &Step) -> (f64, f64) {
-    let spec = ModelSpec::from_model_dir(&golden_dir().join(case).join("model")).unwrap();
-    let layout = Layout::new(&spec);
-    assert_eq!(a.1.len(), b.1.len());
-    let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    let mut grads: f64 = 0.0;
-    for block in &layout.blocks {
-        let names: Vec<String> = block.tensors.iter().map(|t| block.hf_name(t)).collect();
-        let block_norm = names
-            .iter()
-            .map(|n| norm(&b.1[n]).powi(2))
-            .sum::<f64>()
-            .sqrt();
-        for n in &names {
-            let diff: Vec<f32> = a.1[n].iter().zip(&b.1[n]).map(|(x, y)| x - y).collect();
-            grads = grads.max(norm(&diff) / block_norm.max(1e-30));
-        }
-    }
-    ((a.0 - b.0).abs() / b.0.abs(), grads)
-}
-
-fn bit_identical(
-    a: &(f64, HashMap<String, Vec<f32>>),
-    b: &(f64, HashMap<String, Vec<f32>>),
-) -> bool {
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    a.0.to_bits() == b.0.to_bits()
-        && a.1.len() == b.1.len()
-        && a.1.iter().all(|(n, g)| bits(g) == bits(&b.1[n]))
+    let args = [&["--set", tile_set.as_str()][..], extra].concat();
+    golden_step1(case, dir, &format!("tile-{tile}"), &args, &[]).0
 }
 
 /// Tiles of `tiles` tokens against the untiled step: within [`TOL`], and not bit for bit
@@ -100,7 +48,7 @@ fn check(case: &str, extra: &[&str], tiles: &[&str]) {
     let mut errors = Vec::new();
     for tile in tiles {
         let tiled = step1(case, &dir, tile, extra);
-        let (loss, grads) = worst(case, &tiled, &off);
+        let (loss, grads) = block_relative_errors(case, &tiled, &off);
         errors.push(format!(
             "tile {tile}: loss {loss:.1e}, gradients {grads:.1e}"
         ));
@@ -178,7 +126,7 @@ fn packed_rows_tiles_equal_untiled() {
     for case in ["llama", "qwen3_qk_norm", "gemma3_text_local_rope"] {
         let dir = scratch(&format!("tiling-packed-{case}"));
         let samples = dir.join("samples.jsonl");
-        write_samples(&samples);
+        write_samples(&samples, &SHORT_SAMPLES);
         let data = format!("dataset.path={}", samples.display());
         let extra = [
             "--set",
@@ -192,29 +140,4 @@ fn packed_rows_tiles_equal_untiled() {
         ];
         check(case, &extra, &["1", "7", "32"]);
     }
-}
-
-/// 8 samples of 5..=15 tokens (ids below the fixtures' vocabulary of 67, the first two
-/// labels ignored), as packing.rs writes them.
-fn write_samples(path: &Path) {
-    let lens = [7, 12, 5, 15, 9, 11, 6, 13];
-    let mut text = String::new();
-    let mut x: u64 = 12345;
-    for n in lens {
-        let ids: Vec<u64> = (0..n)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (x >> 33) % 67
-            })
-            .collect();
-        let labels: Vec<i64> = ids
-            .iter()
-            .enumerate()
-            .map(|(i, &t)| if i < 2 { -100 } else { t as i64 })
-            .collect();
-        text += &format!("{{\"input_ids\": {ids:?}, \"labels\": {labels:?}}}\n");
-    }
-    std::fs::write(path, text).unwrap();
 }

@@ -2,10 +2,19 @@
 //! real `mt-worker` processes) exactly as a user does.
 #![allow(dead_code)]
 
+mod compare;
 pub mod fixture;
 mod leftovers;
+mod samples;
+mod stages;
+#[allow(unused_imports)]
+pub use compare::*;
 #[allow(unused_imports)]
 pub use leftovers::*;
+#[allow(unused_imports)]
+pub use samples::*;
+#[allow(unused_imports)]
+pub use stages::*;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -137,21 +146,22 @@ pub fn run_cpu_env(
     (out, args)
 }
 
-/// [`run_cpu`] that must succeed.
-pub fn run_cpu_ok(config: &Path, workers: usize, metrics: &Path, extra: &[&str]) {
-    run_cpu_env_ok(config, workers, metrics, extra, &[]);
+/// [`run_cpu`] that must succeed; its output.
+pub fn run_cpu_ok(config: &Path, workers: usize, metrics: &Path, extra: &[&str]) -> Output {
+    run_cpu_env_ok(config, workers, metrics, extra, &[])
 }
 
-/// [`run_cpu_env`] that must succeed.
+/// [`run_cpu_env`] that must succeed; its output.
 pub fn run_cpu_env_ok(
     config: &Path,
     workers: usize,
     metrics: &Path,
     extra: &[&str],
     env: &[(&str, &str)],
-) {
+) -> Output {
     let (out, args) = run_cpu_env(config, workers, metrics, extra, env);
     assert_ok(&out, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    out
 }
 
 pub fn path_str(p: &Path) -> &str {
