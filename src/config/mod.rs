@@ -8,23 +8,27 @@
 //! Relative paths in a config are resolved against the directory of the config file, so a
 //! config runs the same from any working directory.
 
+mod checkpoint;
 mod dataset;
+mod grpo;
 pub mod hf;
 pub mod hub;
 mod logging;
+mod nodes;
 mod overrides;
 pub mod shipped;
 pub mod size;
 mod stage;
 mod tile;
 
+pub use checkpoint::{CheckpointContents, CheckpointSection};
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
+pub use grpo::{GrpoLoss, GrpoParams, GrpoSection, ScaleRewards};
 pub use logging::{LoggingSection, ReportTo};
+pub use nodes::NodesSection;
 pub use overrides::apply_override;
 use overrides::did_you_mean;
-pub use stage::{
-    DpoLoss, DpoParams, DpoSection, GrpoLoss, GrpoParams, GrpoSection, ScaleRewards, Stage,
-};
+pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 pub use tile::TileTokens;
 
 use std::path::{Path, PathBuf};
@@ -59,110 +63,6 @@ pub struct RunConfig {
     /// Several nodes (`mpirun -np N mt-launch …`).
     #[serde(default)]
     pub nodes: NodesSection,
-}
-
-/// How several nodes share the host state.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct NodesSection {
-    /// Each node holds 1/N of the master weights and Adam moments and updates only its
-    /// share, the updated store gathered into every node (true, the default); false: every
-    /// node holds and updates all of it (the replicated state, 12/N more bytes per parameter
-    /// less the exchange of the store). Both train the same bits.
-    pub shard_state: bool,
-}
-
-impl Default for NodesSection {
-    fn default() -> Self {
-        NodesSection { shard_state: true }
-    }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct CheckpointSection {
-    /// Where checkpoints go (`step-NNNNNNNN/` each); needed for `every_steps` and
-    /// `--resume latest`.
-    pub dir: Option<PathBuf>,
-    /// Write a checkpoint every this many optimizer steps (0: never).
-    pub every_steps: u64,
-    /// Complete checkpoints kept; older ones are deleted (the newest is always kept).
-    pub keep_last: usize,
-    /// Write periodic checkpoints on a background thread while training goes on: each block
-    /// is written from the live state until the optimizer is about to change it, then from
-    /// a copy in the staging area (`staging_size`). `false` writes in place while training
-    /// waits.
-    pub background: bool,
-    /// Host RAM for the blocks a background checkpoint has not written yet when the
-    /// optimizer changes them (bytes, or `8GB`, `512MiB`); training waits for the writer
-    /// only when it is full. Unset: two of the largest blocks (fp32 master, m and v: 12
-    /// bytes per parameter of a block). Larger hides a slower disk.
-    pub staging_size: Option<size::ByteSize>,
-    /// Weight files larger than this are split into shards with
-    /// `model.safetensors.index.json` (bytes, or `5GB`, `500MB`, `64KiB`).
-    pub max_shard_size: size::ByteSize,
-    /// Write the optimizer state (fp32 master, Adam moments: 12 bytes per parameter) into
-    /// checkpoints so that they resume exactly. `false` writes model-only checkpoints (the
-    /// HF model directory alone, HF Trainer's `save_only_model`), which cannot be resumed.
-    pub save_optimizer: bool,
-    /// With `save_optimizer`, the optimizer state goes into every this many steps'
-    /// checkpoint only; the other checkpoints of `every_steps` are model-only (0: every
-    /// checkpoint holds it). The end of a run and a stop signal always write it.
-    pub full_state_every_steps: u64,
-}
-
-impl Default for CheckpointSection {
-    fn default() -> Self {
-        CheckpointSection {
-            dir: None,
-            every_steps: 0,
-            keep_last: 2,
-            background: true,
-            staging_size: None,
-            max_shard_size: size::ByteSize(5_000_000_000),
-            save_optimizer: true,
-            full_state_every_steps: 0,
-        }
-    }
-}
-
-/// What a checkpoint holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CheckpointContents {
-    /// The HF model directory and the optimizer state: a resume point.
-    Full,
-    /// The HF model directory alone.
-    ModelOnly,
-}
-
-impl CheckpointSection {
-    /// What the checkpoint after `step` steps holds, if one is due; `last` is the end of
-    /// the run or a stop signal, always checkpointed.
-    pub fn due(&self, step: u64, last: bool) -> Option<CheckpointContents> {
-        let at = |every: u64| every > 0 && step.is_multiple_of(every);
-        let full = self.save_optimizer
-            && (last
-                || match self.full_state_every_steps {
-                    0 => at(self.every_steps),
-                    n => at(n),
-                });
-        match (self.dir.is_some(), full) {
-            (false, _) => None,
-            (true, true) => Some(CheckpointContents::Full),
-            (true, false) if last || at(self.every_steps) => Some(CheckpointContents::ModelOnly),
-            (true, false) => None,
-        }
-    }
-
-    /// Whether any checkpoint before the last holds the optimizer state.
-    pub fn periodic_full_state(&self) -> bool {
-        self.save_optimizer && (self.full_state_every_steps > 0 || self.every_steps > 0)
-    }
-
-    /// Whether checkpoints are written before the last one.
-    pub fn periodic(&self) -> bool {
-        self.every_steps > 0 || self.full_state_every_steps > 0
-    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -606,24 +506,7 @@ impl RunConfig {
             }
         }
         self.validate_stage()?;
-        if self.checkpoint.periodic() && self.checkpoint.dir.is_none() {
-            return Err(Error::invalid(
-                "checkpoint.dir",
-                "is required when checkpoint.every_steps or checkpoint.full_state_every_steps > 0",
-            ));
-        }
-        if !self.checkpoint.save_optimizer && self.checkpoint.full_state_every_steps > 0 {
-            return Err(Error::invalid(
-                "checkpoint.full_state_every_steps",
-                "conflicts with checkpoint.save_optimizer: false (no checkpoint holds the optimizer state)",
-            ));
-        }
-        if self.checkpoint.staging_size.is_some() && !self.checkpoint.background {
-            return Err(Error::invalid(
-                "checkpoint.staging_size",
-                "conflicts with checkpoint.background: false (checkpoints are written in place, nothing is staged)",
-            ));
-        }
+        self.checkpoint.validate()?;
         if self.memory.checkpoint_interval != 1 {
             return Err(Error::invalid(
                 "memory.checkpoint_interval",

@@ -3,22 +3,19 @@
 //! After the steps `training.eval_steps` names (and the last), the eval set's loss under
 //! the updated weights ([`crate::eval`]); the next step starts after it.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::ModelSpec;
 use mt::config::{Init as InitKind, RunConfig, Stage};
 use mt::data::{Dataset, Sampler, StepPlan, plan_pairs, plan_rollouts, plan_step};
-use mt::dpo::DpoSums;
-use mt::grpo::GrpoSums;
 use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
 use mt::optim::Moments;
-use mt::protocol::{Device, FromWorker, Init, ToWorker, WorkerTimings};
+use mt::protocol::{Device, Init, ToWorker};
 
 use crate::cli::Placement;
 use crate::dpo::Preference;
@@ -27,11 +24,14 @@ use crate::grpo::{Policy, reference_logps};
 use crate::host::HostState;
 use crate::prepare::Prepared;
 use crate::progress::Progress;
-use crate::supervisor::{Event, Supervisor, fatal};
+use crate::supervisor::Supervisor;
 
+mod gradients;
 mod nodes;
 mod step_end;
 mod weights;
+
+use gradients::StepOutcome;
 
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
 #[derive(Debug)]
@@ -88,25 +88,6 @@ pub struct Trainer {
     moments: Moments,
     /// The other nodes, under mpirun ([`nodes`]).
     mpi: Option<&'static crate::mpi::Mpi>,
-}
-
-/// What the workers and the reduce reported for one step.
-struct StepOutcome {
-    loss_sum: f64,
-    slowest: WorkerTimings,
-    reduce_s: f64,
-    /// Seconds of the previous update's moments pass run during this step.
-    moments_s: f64,
-    /// Σ g² over every parameter.
-    grad_sum_sq: f64,
-    /// The update was skipped (non-finite loss or norm).
-    skipped: bool,
-    /// Under DPO, the pairs' sums over every worker.
-    dpo: Option<DpoSums>,
-    /// Under GRPO, the completions' sums over every worker, and on a batch's first step the
-    /// completion tokens' log-probabilities, rank after rank.
-    grpo: Option<GrpoSums>,
-    token_logps: Vec<f32>,
 }
 
 impl Trainer {
@@ -525,159 +506,6 @@ impl Trainer {
             _ => plan_step(&self.data, &rows, world, accum, pad),
         };
         self.node_slice(plan)
-    }
-
-    /// Reduces gradient parts as every worker delivers them, until all workers report
-    /// the step done.
-    fn collect_gradients(&mut self) -> Result<StepOutcome> {
-        let world = self.sup.world();
-        let accum = self.cfg.training.gradient_accumulation_steps;
-        let layout = &self.host.layout;
-        // The element ranges each block's gradient travels in, by block.
-        let parts: Vec<Vec<std::ops::Range<usize>>> = (0..layout.blocks.len())
-            .map(|b| layout.grad_parts(b, self.host.slabs.slot_len()).collect())
-            .collect();
-        let expected_parts = accum * parts.iter().map(Vec::len).sum::<usize>();
-        let mut pending: HashMap<(usize, usize, usize), Vec<Option<usize>>> = HashMap::new();
-        // Across nodes, each block's gradient once final here ([`nodes`]).
-        let mut exchange = self.nodes().map(|_| nodes::Exchange::new(&parts));
-        let (mut reduced, mut done) = (0, 0);
-        let mut out = StepOutcome {
-            loss_sum: 0.0,
-            slowest: WorkerTimings::default(),
-            reduce_s: 0.0,
-            moments_s: 0.0,
-            grad_sum_sq: 0.0,
-            skipped: false,
-            dpo: None,
-            grpo: None,
-            token_logps: Vec::new(),
-        };
-        let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
-        // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
-        // loss does not depend on which worker finished first.
-        type Done = (f64, Option<DpoSums>, Option<Box<GrpoSums>>, Vec<f32>);
-        let mut step_done: Vec<Option<Done>> = vec![None; world];
-        while done < world || reduced < expected_parts {
-            // The last update's moments pass fills the time the launcher would wait.
-            let event = match self.host.moments_due() {
-                true => match self.sup.try_event() {
-                    Some(event) => event,
-                    None => {
-                        let t = Instant::now();
-                        self.host.settle_next_moments();
-                        out.moments_s += t.elapsed().as_secs_f64();
-                        continue;
-                    }
-                },
-                false => self.sup.next_event(timeout, &|r| step_done[r].is_none())?,
-            };
-            match event {
-                Event::Msg(
-                    rank,
-                    FromWorker::LayerGrads {
-                        micro,
-                        block,
-                        part,
-                        slot,
-                    },
-                ) => {
-                    let Some(range) = parts.get(block).and_then(|p| p.get(part)) else {
-                        bail!(
-                            "worker rank {rank} sent part {part} of block {block}; the layout has {} blocks, in {:?} parts",
-                            parts.len(),
-                            parts.iter().map(Vec::len).collect::<Vec<_>>()
-                        );
-                    };
-                    let slots = pending
-                        .entry((micro, block, part))
-                        .or_insert_with(|| vec![None; world]);
-                    if slots[rank].replace(slot).is_some() {
-                        bail!(
-                            "worker rank {rank} sent part {part} of block {block} of micro-batch {micro} twice"
-                        );
-                    }
-                    if slots.iter().all(Option::is_some) {
-                        let slots: Vec<usize> = pending
-                            .remove(&(micro, block, part))
-                            .into_iter()
-                            .flatten()
-                            .flatten()
-                            .collect();
-                        let t = Instant::now();
-                        self.host.settle_moments_down_to(block);
-                        out.moments_s += t.elapsed().as_secs_f64();
-                        let t = Instant::now();
-                        // The last micro-batch makes the part final: its share of the
-                        // norm comes from the same pass, while the GPUs still work.
-                        let (first, last) = (micro == 0, micro + 1 == accum);
-                        let sum_sq =
-                            self.host
-                                .reduce_part(block, range.clone(), &slots, first, last);
-                        for (r, &s) in slots.iter().enumerate() {
-                            self.sup.send(r, ToWorker::SlotFree { slot: s })?;
-                        }
-                        match (&mut exchange, self.mpi) {
-                            (Some(x), Some(m)) => {
-                                // The norm is over the sum across nodes.
-                                if last {
-                                    x.part_final(block);
-                                }
-                                x.run_due(&mut self.host, m)?;
-                            }
-                            _ => out.grad_sum_sq += sum_sq,
-                        }
-                        out.reduce_s += t.elapsed().as_secs_f64();
-                        reduced += 1;
-                    }
-                }
-                Event::Msg(
-                    rank,
-                    FromWorker::StepDone {
-                        loss_sum,
-                        timings,
-                        dpo,
-                        grpo,
-                        token_logps,
-                        ..
-                    },
-                ) => {
-                    step_done[rank] = Some((loss_sum, dpo, grpo, token_logps));
-                    let s = &mut out.slowest;
-                    s.forward_s = s.forward_s.max(timings.forward_s);
-                    s.backward_s = s.backward_s.max(timings.backward_s);
-                    s.slot_wait_s = s.slot_wait_s.max(timings.slot_wait_s);
-                    s.update_wait_s = s.update_wait_s.max(timings.update_wait_s);
-                    s.h2d_wait_s = s.h2d_wait_s.max(timings.h2d_wait_s);
-                    s.d2h_s = s.d2h_s.max(timings.d2h_s);
-                    s.peak_device_bytes = s.peak_device_bytes.max(timings.peak_device_bytes);
-                    s.context_device_bytes =
-                        s.context_device_bytes.max(timings.context_device_bytes);
-                    done += 1;
-                }
-                Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
-                Event::Msg(rank, other) => bail!("worker rank {rank} sent {other:?} mid-step"),
-                Event::Closed(rank) => return Err(self.sup.death(rank)),
-            }
-        }
-        let t = Instant::now();
-        self.host.settle_moments();
-        out.moments_s += t.elapsed().as_secs_f64();
-        if let (Some(x), Some(m)) = (exchange, self.mpi) {
-            out.grad_sum_sq = x.sum_sq(m)?;
-        }
-        let losses: Vec<f64> = step_done.iter().flatten().map(|d| d.0).collect();
-        out.loss_sum = self.global_loss(&losses)?;
-        for (_, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
-            if let Some(d) = dpo {
-                out.dpo.get_or_insert_default().add(&d);
-            }
-            if let Some(g) = grpo {
-                out.grpo.get_or_insert_default().add(&g);
-            }
-            out.token_logps.extend(token_logps);
-        }
-        Ok(out)
     }
 }
 
