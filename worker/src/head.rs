@@ -53,13 +53,6 @@ pub struct Head<'a> {
 }
 
 impl Head<'_> {
-    /// The final norm of chunk `(start, len)` of the labelled positions of `x_mh` (B*T, H):
-    /// (C, H).
-    fn normed(&self, batch: &DeviceBatch, x_mh: &Tensor, (start, len): (i64, i64)) -> Tensor {
-        let x_ch = x_mh.index_select(0, &batch.valid_m.narrow(0, start, len));
-        model::final_norm(self.spec, self.w, &x_ch)
-    }
-
     /// (start, length) of each chunk of the labelled positions.
     fn chunks(&self, batch: &DeviceBatch) -> impl Iterator<Item = (i64, i64)> + '_ {
         let n = batch.valid_m.size()[0];
@@ -73,20 +66,32 @@ impl Head<'_> {
         x_bth.view([-1, self.spec.hidden_size as i64])
     }
 
+    /// `f((start, len), hn_ch, targets_c)` for each chunk of the labelled positions of
+    /// `x_bth` (B, T, H), in order: the chunk's rows after the final norm (C, H) and their
+    /// targets (C,); the results in chunk order. Forward only: the caller decides on grad.
+    fn map_chunks<T>(
+        &self,
+        batch: &DeviceBatch,
+        x_bth: &Tensor,
+        mut f: impl FnMut((i64, i64), &Tensor, &Tensor) -> T,
+    ) -> Vec<T> {
+        let x_mh = self.flat(x_bth);
+        self.chunks(batch)
+            .map(|(start, len)| {
+                // The selected rows are a temporary, freed once normed: beside the chunk's
+                // logits, only its normed rows are held.
+                let rows_c = batch.valid_m.narrow(0, start, len);
+                let hn_ch = model::final_norm(self.spec, self.w, &x_mh.index_select(0, &rows_c));
+                f((start, len), &hn_ch, &batch.targets_m.narrow(0, start, len))
+            })
+            .collect()
+    }
+
     /// The summed token cross-entropy, without grad.
     pub fn loss_sum(&self, batch: &DeviceBatch, x_bth: &Tensor) -> f64 {
-        let x_mh = self.flat(x_bth);
-        let losses: Vec<Tensor> = self
-            .chunks(batch)
-            .map(|(start, len)| {
-                model::chunk_loss_sum(
-                    self.spec,
-                    &self.normed(batch, &x_mh, (start, len)),
-                    self.lm_head,
-                    &batch.targets_m.narrow(0, start, len),
-                )
-            })
-            .collect();
+        let losses = self.map_chunks(batch, x_bth, |_, hn_ch, targets_c| {
+            model::chunk_loss_sum(self.spec, hn_ch, self.lm_head, targets_c)
+        });
         sum(&losses)
     }
 
@@ -94,33 +99,27 @@ impl Head<'_> {
     /// row's tokens added in order).
     pub fn row_logps(&self, batch: &DeviceBatch, x_bth: &Tensor) -> Vec<f64> {
         let _guard = tch::no_grad_guard();
-        let x_mh = self.flat(x_bth);
         let rows = batch.row_tokens.len() as i64;
         let mut sums_b = Tensor::zeros([rows], (Kind::Double, x_bth.device()));
-        for (start, len) in self.chunks(batch) {
-            let ce_c = model::chunk_token_losses(
-                self.spec,
-                &self.normed(batch, &x_mh, (start, len)),
-                self.lm_head,
-                &batch.targets_m.narrow(0, start, len),
-            );
+        self.map_chunks(batch, x_bth, |(start, len), hn_ch, targets_c| {
+            let ce_c = model::chunk_token_losses(self.spec, hn_ch, self.lm_head, targets_c);
             let _ = sums_b.index_add_(
                 0,
                 &batch.rows_m.narrow(0, start, len),
                 &ce_c.neg().to_kind(Kind::Double),
             );
-        }
+        });
         Vec::<f64>::try_from(sums_b.to_device(Device::Cpu)).expect("a 1-d f64 tensor")
     }
 
-    /// Backpropagates `objective(chunk, its normed rows)` for each chunk, the chunk's rows
-    /// of `x_bth` (computed without grad) a leaf: returns dy (B, T, H), zero at the
-    /// unlabelled positions.
+    /// Backpropagates `objective(chunk, its normed rows, their targets)` for each chunk,
+    /// as [`Self::map_chunks`] gives them but the chunk's rows of `x_bth` (computed without
+    /// grad) a leaf: returns dy (B, T, H), zero at the unlabelled positions.
     fn backward(
         &self,
         batch: &DeviceBatch,
         x_bth: &Tensor,
-        mut objective: impl FnMut((i64, i64), &Tensor) -> Tensor,
+        mut objective: impl FnMut((i64, i64), &Tensor, &Tensor) -> Tensor,
     ) -> Tensor {
         let x_mh = self.flat(x_bth);
         let mut dy_mh = x_mh.zeros_like();
@@ -128,7 +127,7 @@ impl Head<'_> {
             let rows_c = batch.valid_m.narrow(0, start, len);
             let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
             let hn_ch = model::final_norm(self.spec, self.w, &x_ch);
-            objective((start, len), &hn_ch).backward();
+            objective((start, len), &hn_ch, &batch.targets_m.narrow(0, start, len)).backward();
             // A labelled position is in one chunk only.
             let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
         }
@@ -139,17 +138,21 @@ impl Head<'_> {
     /// hidden state `x_bth` (computed without grad): (loss sum, dy (B, T, H)).
     pub fn ce_backward(&self, batch: &DeviceBatch, scale: f64, x_bth: &Tensor) -> (f64, Tensor) {
         let mut losses = Vec::new();
-        let dy_bth = self.backward(batch, x_bth, |(start, len), hn_ch| {
-            let loss = model::chunk_loss_sum(
-                self.spec,
-                hn_ch,
-                self.lm_head,
-                &batch.targets_m.narrow(0, start, len),
-            );
+        let dy_bth = self.backward(batch, x_bth, |_, hn_ch, targets_c| {
+            let loss = model::chunk_loss_sum(self.spec, hn_ch, self.lm_head, targets_c);
             losses.push(loss.detach());
             loss * scale
         });
         (sum(&losses), dy_bth)
+    }
+
+    /// The backward of Σ_tokens w_token · logp_token to `x_bth`, given `coef_m` = −w per
+    /// labelled position (M,) (logp_token = −CE_token): dy (B, T, H).
+    fn logp_backward(&self, batch: &DeviceBatch, x_bth: &Tensor, coef_m: &Tensor) -> Tensor {
+        self.backward(batch, x_bth, |(start, len), hn_ch, targets_c| {
+            let ce_c = model::chunk_token_losses(self.spec, hn_ch, self.lm_head, targets_c);
+            (ce_c * coef_m.narrow(0, start, len)).sum(Kind::Float)
+        })
     }
 
     /// The DPO loss of the micro-batch's pairs (rows 2i, 2i + 1, chosen first; `refs` their
@@ -170,15 +173,7 @@ impl Head<'_> {
         let coef_m = Tensor::from_slice(&coef)
             .to_device(x_bth.device())
             .index_select(0, &batch.rows_m);
-        let dy_bth = self.backward(batch, x_bth, |(start, len), hn_ch| {
-            let ce_c = model::chunk_token_losses(
-                self.spec,
-                hn_ch,
-                self.lm_head,
-                &batch.targets_m.narrow(0, start, len),
-            );
-            (ce_c * coef_m.narrow(0, start, len)).sum(Kind::Float)
-        });
+        let dy_bth = self.logp_backward(batch, x_bth, &coef_m);
         (terms.sums, dy_bth)
     }
 
@@ -211,15 +206,7 @@ impl Head<'_> {
         // The objective Σ_tokens w_token · logp_token, with logp_token = −CE_token.
         let coef: Vec<f32> = terms.weights.iter().map(|&w| -w as f32).collect();
         let coef_m = Tensor::from_slice(&coef).to_device(x_bth.device());
-        let dy_bth = self.backward(batch, x_bth, |(start, len), hn_ch| {
-            let ce_c = model::chunk_token_losses(
-                self.spec,
-                hn_ch,
-                self.lm_head,
-                &batch.targets_m.narrow(0, start, len),
-            );
-            (ce_c * coef_m.narrow(0, start, len)).sum(Kind::Float)
-        });
+        let dy_bth = self.logp_backward(batch, x_bth, &coef_m);
         (terms.sums, logps, dy_bth)
     }
 
@@ -227,20 +214,11 @@ impl Head<'_> {
     /// after row (M,): the policy's in a GRPO step, the reference's in its forward-only pass.
     pub fn token_logps(&self, batch: &DeviceBatch, x_bth: &Tensor) -> Vec<f32> {
         let _guard = tch::no_grad_guard();
-        let x_mh = self.flat(x_bth);
-        let parts: Vec<Tensor> = self
-            .chunks(batch)
-            .map(|(start, len)| {
-                model::chunk_token_losses(
-                    self.spec,
-                    &self.normed(batch, &x_mh, (start, len)),
-                    self.lm_head,
-                    &batch.targets_m.narrow(0, start, len),
-                )
+        let parts = self.map_chunks(batch, x_bth, |_, hn_ch, targets_c| {
+            model::chunk_token_losses(self.spec, hn_ch, self.lm_head, targets_c)
                 .neg()
                 .to_kind(Kind::Float)
-            })
-            .collect();
+        });
         match parts.is_empty() {
             true => Vec::new(),
             false => Vec::<f32>::try_from(Tensor::cat(&parts, 0).to_device(Device::Cpu))
