@@ -4,7 +4,19 @@
 //! The S = N*K pairs are sorted by expert once (a stable sort: an expert's rows keep token
 //! order) and their tokens gathered once, so each expert's rows are contiguous. After the
 //! experts, the inverse permutation puts the outputs back in (token, slot) order and one
-//! reduction over the K slots sums them: deterministic, where a scatter-add would race.
+//! reduction over the K slots sums them, weighted.
+//!
+//! Each of these steps is written so that its backward is a gather or a reduction, never an
+//! atomic scatter-add (which races, and ran at a fraction of copy speed on H200: with the
+//! plain index_select forms the glue took as long as the grouped GEMMs themselves,
+//! benches/results/moe_glue_profile_H200_2026-11-24.md):
+//! - the token gather is an embedding lookup (backward: the sorted indices' segment sums);
+//! - under grad, the un-permutation writes the sorted rows to their pairs (`index_copy`,
+//!   backward: an index_select); without grad it is the cheaper gather, equal bit for bit.
+//!
+//! The backward is deterministic. (A batched (1, K) x (K, H) product for the weighted sum
+//! was faster still, but rounds Mixtral's f32 router weights to bf16 first, and the bf16 vs
+//! f32 check drifted further from the CPU run with it.)
 //!
 //! Two ways run the experts over the sorted rows, chosen per block by [`grouped`]:
 //! - **grouped** (the default on CUDA in bf16): one grouped GEMM per projection over all
@@ -97,7 +109,8 @@ pub fn routed(
     let device = x_nh.device();
     // Pair p = token * K + slot; pair_s lists the pairs in expert order.
     let (expert_s, pair_s) = experts_nk.reshape([-1]).sort_stable(true, 0, false);
-    let x_sh = x_nh.index_select(0, &pair_s.divide_scalar_mode(k, "floor"));
+    let token_s = pair_s.divide_scalar_mode(k, "floor");
+    let x_sh = Tensor::embedding(x_nh, &token_s, -1, false, false);
     // Llama 4's router scores scale what enters each expert; the others' what leaves it.
     let scales_input = m.router == Router::TopKSigmoidInput;
     let x_sh = match scales_input {
@@ -114,9 +127,16 @@ pub fn routed(
         false => per_expert(spec, m, w, &x_sh, &expert_s),
     };
     // Row r of y_sh is pair pair_s[r]: the inverse permutation restores (token, slot) order.
-    let arange_s = Tensor::arange(n * k, (Kind::Int64, device));
-    let unsort_s = pair_s.zeros_like().scatter(0, &pair_s, &arange_s);
-    let y_nkh = y_sh.index_select(0, &unsort_s).view([n, k, -1]);
+    let y_nkh = match y_sh.requires_grad() {
+        // In place: `index_copy` would first clone the empty rows, one more (S, H) buffer.
+        true => y_sh.empty_like().index_copy_(0, &pair_s, &y_sh),
+        false => {
+            let arange_s = Tensor::arange(n * k, (Kind::Int64, device));
+            let unsort_s = pair_s.zeros_like().scatter(0, &pair_s, &arange_s);
+            y_sh.index_select(0, &unsort_s)
+        }
+    }
+    .view([n, k, -1]);
     // Weighted in the router weights' dtype (f32 for Mixtral), then cast, as transformers.
     let weighted_nkh = match scales_input {
         true => y_nkh.to_kind(x_nh.kind()),
