@@ -169,13 +169,8 @@ print(f"  check: y {y.float().double().sum().item():.6e} |y| {y.float().norm().i
 sys.stdout.flush()
 if os.environ.get("PROFILE", "1") == "1":
     from torch.profiler import profile, ProfilerActivity
+    from profile_common import aten_rows, print_rows
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
         run(mixer, x, gy); torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages(group_by_input_shape=True):
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if t > 0 and e.key.startswith("aten::"):
-            rows.append((t, e.key, str(e.input_shapes)[:150], e.count))
-    rows.sort(reverse=True)
-    for t, k, sh, n in rows[:70]:
-        print(f"{t/1e3:8.2f} ms {n:4d}x {k:28s} {sh}")
+    rows = aten_rows(prof)
+    print_rows(rows, 70)

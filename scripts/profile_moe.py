@@ -150,18 +150,13 @@ for name, kw in variants:
     sys.stdout.flush()
 if os.environ.get("PROFILE", "1") == "1":
     from torch.profiler import profile, ProfilerActivity
+    from profile_common import aten_rows, print_rows
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
         block(x, **dict(variants)[os.environ.get("PROFILE_VARIANT", "as experts.rs")]).backward(gy); sync()
-    rows = []
-    for e in prof.key_averages(group_by_input_shape=True):
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if t > 0 and e.key.startswith("aten::"):
-            rows.append((t, e.key, str(e.input_shapes)[:150], e.count))
-    rows.sort(reverse=True)
+    rows = aten_rows(prof)
     total = sum(r[0] for r in rows)
     print(f"own GPU time of aten ops, one forward + backward: {total/1e3:.1f} ms")
-    for t, k, sh, n in rows[:40]:
-        print(f"{t/1e3:8.2f} ms {n:4d}x {k:28s} {sh}")
+    print_rows(rows, 40)
     kern = sorted(((e.self_device_time_total, e.key) for e in prof.key_averages()
                    if not e.key.startswith("aten::") and e.self_device_time_total > 0), reverse=True)
     print("top kernels:")
