@@ -19,7 +19,7 @@ use mt::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
 use mt::layout::shards::Shards;
-use mt::layout::{Block, Layout, TensorSpec};
+use mt::layout::{Block, Layout};
 use mt::optim::{
     AdamWStep, Moments, WeightsMut, adamw_moments, adamw_moments_bf16, adamw_update,
     adamw_update_bf16_master, adamw_update_bf16_moments, adamw_update_split,
@@ -466,17 +466,17 @@ impl HostState {
             "an update starts before the last one's moments are written"
         );
         self.before_block_changes(block);
-        let b = &self.layout.blocks[block];
-        for t in &b.tensors {
-            let Some((r, local)) = owned(self.shards.as_ref().map(|s| &s.0), block, b, t) else {
-                continue;
-            };
+        for Run {
+            range: r,
+            local,
+            decay,
+        } in self.runs(block)
+        {
             let (master, store, adam) = (&mut self.master, &mut self.store, &mut self.moments);
             let at = Place {
                 global: r.start,
                 local,
             };
-            let decay = t.decays();
             match &self.grad {
                 Grad::F32(g) => update(master, store, adam, &g[r], at, hp, decay, moments),
                 Grad::Bf16(g) => update(master, store, adam, &g[r], at, hp, decay, moments),
@@ -527,11 +527,10 @@ impl HostState {
                 self.deferred = None;
             }
             self.before_block_changes(i);
-            let b = &self.layout.blocks[i];
-            for t in &b.tensors {
-                let Some((r, local)) = owned(self.shards.as_ref().map(|s| &s.0), i, b, t) else {
-                    continue;
-                };
+            for Run {
+                range: r, local, ..
+            } in self.runs(i)
+            {
                 let at = Place {
                     global: r.start,
                     local,
@@ -543,6 +542,36 @@ impl HostState {
             }
         }
     }
+}
+
+impl HostState {
+    /// The runs of block `block` ([`Block::runs`]) as far as this node owns them. AdamW
+    /// is elementwise (a bf16 master or moments round by layout index), so a run gives the
+    /// bits its tensors give one by one, in one parallel pass instead of one per tensor.
+    fn runs(&self, block: usize) -> Vec<Run> {
+        let shards = self.shards.as_ref().map(|s| &s.0);
+        let runs = self.layout.blocks[block].runs();
+        runs.into_iter()
+            .filter_map(|(r, decay)| {
+                let (range, local) = owned(shards, block, r)?;
+                Some(Run {
+                    range,
+                    local,
+                    decay,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Adjacent elements of a block that one AdamW call updates ([`HostState::runs`]).
+#[derive(Debug, Clone, PartialEq)]
+struct Run {
+    /// Layout indices.
+    range: std::ops::Range<usize>,
+    /// Where they start in the master and moments.
+    local: usize,
+    decay: bool,
 }
 
 impl Drop for HostState {
@@ -615,15 +644,13 @@ struct Place {
     local: usize,
 }
 
-/// Tensor `t` of block `b` (number `block`) as far as this node updates it: its layout range
-/// and where that starts in the master and moments; `None` where this node owns none of it.
+/// Layout range `r` of block `block` as far as this node updates it, and where that
+/// starts in the master and moments; `None` where this node owns none of it.
 fn owned(
     shards: Option<&Shards>,
     block: usize,
-    b: &Block,
-    t: &TensorSpec,
+    r: std::ops::Range<usize>,
 ) -> Option<(std::ops::Range<usize>, usize)> {
-    let r = Layout::global_range(b, t);
     let Some(s) = shards else {
         return Some((r.clone(), r.start));
     };

@@ -137,6 +137,25 @@ impl Block {
         stacks
     }
 
+    /// The block's tensors as maximal runs of adjacent tensors (no gap between them) that
+    /// share their weight decay, in layout order: each run's layout range and whether it
+    /// decays. The host's AdamW passes take a run in one parallel call: a MoE layer's
+    /// 3 x E expert tensors form one run, where one call per tensor (1.5M elements, 24
+    /// chunks, at Qwen3-30B-A3B's shape) left most threads waiting at each tensor's join.
+    pub fn runs(&self) -> Vec<(Range<usize>, bool)> {
+        let mut runs: Vec<(Range<usize>, bool)> = Vec::new();
+        for t in &self.tensors {
+            let r = Layout::global_range(self, t);
+            match runs.last_mut() {
+                Some((last, decay)) if *decay == t.decays() && last.end == r.start => {
+                    last.end = r.end
+                }
+                _ => runs.push((r, t.decays())),
+            }
+        }
+        runs
+    }
+
     /// The tensors that overlap `part` (a range of the block's elements, see
     /// [`Layout::grad_parts`]), each with the range of its own flat elements inside the
     /// part; the gaps between tensors belong to no tensor.

@@ -467,3 +467,44 @@ fn wrapped_text_models_keep_their_checkpoint_names() {
     assert!(l.carry.carries("mtp.layers.0.input_layernorm.weight"));
     assert!(!l.carry.carries("model.layers.9.extra.weight"));
 }
+
+/// A block's runs hold each tensor once, with its decay, in order; two runs in a row are
+/// split by a gap or a change of decay; a MoE layer's expert tensors (adjacent, all
+/// matrices) form one run.
+#[test]
+fn runs_join_adjacent_tensors_of_one_decay() {
+    let mixtral = spec(
+        "mixtral",
+        r#","num_local_experts":3,"num_experts_per_tok":2"#,
+    );
+    let l = Layout::new(&mixtral);
+    for b in &l.blocks {
+        let runs = b.runs();
+        for w in runs.windows(2) {
+            let ((a, da), (c, dc)) = (&w[0], &w[1]);
+            assert!(
+                a.end < c.start || (a.end == c.start && da != dc),
+                "{runs:?}"
+            );
+        }
+        for t in &b.tensors {
+            let r = Layout::global_range(b, t);
+            let holding: Vec<_> = runs
+                .iter()
+                .filter(|(run, _)| run.start < r.end && r.start < run.end)
+                .collect();
+            assert_eq!(holding.len(), 1, "{} in {runs:?}", t.name);
+            let (run, decay) = holding[0];
+            assert!(run.start <= r.start && r.end <= run.end && *decay == t.decays());
+        }
+        let covered: usize = runs.iter().map(|(r, _)| r.len()).sum();
+        assert_eq!(covered, b.tensors.iter().map(|t| t.numel()).sum::<usize>());
+    }
+    let b = &l.blocks[l.layer_block(1)];
+    let at = |name: &str| Layout::global_range(b, b.tensor(name).unwrap()).start;
+    let first = at("block_sparse_moe.experts.0.w1.weight");
+    let last = at("block_sparse_moe.experts.2.w3.weight");
+    let runs = b.runs();
+    let run = runs.iter().find(|(r, _)| r.contains(&first)).unwrap();
+    assert!(run.0.contains(&last), "{runs:?}");
+}

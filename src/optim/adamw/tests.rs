@@ -637,3 +637,80 @@ fn stochastic_rounding_keeps_v_moving() {
         "round to nearest did not stall: {v_rne} {v32}"
     );
 }
+
+/// An update over a range in one call leaves the bits of calls over its pieces (the
+/// launcher updates runs of adjacent tensors in one call): for every way the master and
+/// the moments are held, both passes, with pieces that start off the chunk grid.
+#[test]
+fn one_call_over_a_range_equals_calls_over_its_pieces() {
+    let n = 2 * CHUNK + 901;
+    let cuts = [0, CHUNK / 3 + 7, CHUNK / 3 + 8, 2 * CHUNK - 5, n];
+    let (base, seed, hp) = (4_099u64, 3u64, hp7());
+    let g = spread(n, 31);
+    let (x0, hi0, lo0, b0) = weights_cases(n);
+    let m0 = spread(n, 32);
+    let v0: Vec<f32> = spread(n, 33).iter().map(|x| x * x).collect();
+    let (mb0, vb0): (Vec<bf16>, Vec<bf16>) = (
+        m0.iter().map(|&x| bf16::from_f32(x)).collect(),
+        v0.iter().map(|&x| bf16::from_f32(x)).collect(),
+    );
+    type Bits = (Vec<u32>, Vec<bf16>, Vec<bf16>, Vec<u16>, Vec<bf16>);
+    // Case `case` over elements `r` of fresh copies, piece by piece; every output's bits.
+    let run = |case: usize, pieces: &[std::ops::Range<usize>]| -> (Bits, Vec<u32>, Vec<bf16>) {
+        let (mut p, mut s) = (x0.clone(), vec![bf16::ZERO; n]);
+        let (mut hi, mut lo, mut b) = (hi0.clone(), lo0.clone(), b0.clone());
+        let (mut m, mut v, mut mb, mut vb) = (m0.clone(), v0.clone(), mb0.clone(), vb0.clone());
+        for r in pieces {
+            let (g, first) = (&g[r.clone()], base + r.start as u64);
+            let (m, v) = (&mut m[r.clone()], &mut v[r.clone()]);
+            let (mb, vb) = (&mut mb[r.clone()], &mut vb[r.clone()]);
+            match case {
+                0 => adamw_update(
+                    &mut p[r.clone()],
+                    g,
+                    m,
+                    v,
+                    StoreOut::Bf16(&mut s[r.clone()]),
+                    &hp,
+                    true,
+                    Moments::Write,
+                ),
+                1 => {
+                    let (hi, lo) = (&mut hi[r.clone()], &mut lo[r.clone()]);
+                    adamw_update_split(hi, lo, g, m, v, &hp, true, Moments::Keep);
+                    adamw_moments(g, m, v, &hp);
+                }
+                2 => adamw_update_bf16_master(
+                    &mut b[r.clone()],
+                    g,
+                    m,
+                    v,
+                    &hp,
+                    true,
+                    seed,
+                    first,
+                    Moments::Write,
+                ),
+                _ => {
+                    let w = WeightsMut::Split {
+                        hi: &mut hi[r.clone()],
+                        lo: &mut lo[r.clone()],
+                    };
+                    adamw_update_bf16_moments(w, g, mb, vb, &hp, false, seed, first, Moments::Keep);
+                    adamw_moments_bf16(g, mb, vb, &hp, seed, first);
+                }
+            }
+        }
+        let mut mv = bits32(&m);
+        mv.extend(bits32(&v));
+        mb.extend(vb);
+        ((bits32(&p), s, hi, lo, b), mv, mb)
+    };
+    let pieces: Vec<_> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
+    for case in 0..4 {
+        assert!(
+            run(case, &[0..n]) == run(case, &pieces),
+            "case {case}: one call and its pieces differ"
+        );
+    }
+}
