@@ -121,6 +121,36 @@ fn reduce<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
     dst: &mut [D],
     srcs: &[&[T]],
 ) -> f64 {
+    let n = dst.len();
+    reduce_segments::<T, D, ASSIGN, SQ>(dst, srcs, &[n])[0]
+}
+
+/// [`assign`] / [`accumulate`] (`assign`), with Σ dst² (`sum_sq`), over consecutive
+/// segments of `dst` of lengths `segs` in one parallel pass: the bits of one call per
+/// segment, each segment's Σ dst² returned (zeros without `sum_sq`). Each segment is
+/// chunked from its own start and its chunk sums added in chunk order, as a call of its
+/// own would; the launcher passes the tensors of a gradient part this way, so that many
+/// small tensors (a MoE layer's experts) do not each pay a fork-join.
+pub fn reduce_segments_into<T: GradElem, D: GradAcc>(
+    dst: &mut [D],
+    srcs: &[&[T]],
+    segs: &[usize],
+    assign: bool,
+    sum_sq: bool,
+) -> Vec<f64> {
+    match (assign, sum_sq) {
+        (true, true) => reduce_segments::<T, D, true, true>(dst, srcs, segs),
+        (false, true) => reduce_segments::<T, D, false, true>(dst, srcs, segs),
+        (true, false) => reduce_segments::<T, D, true, false>(dst, srcs, segs),
+        (false, false) => reduce_segments::<T, D, false, false>(dst, srcs, segs),
+    }
+}
+
+fn reduce_segments<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
+    dst: &mut [D],
+    srcs: &[&[T]],
+    segs: &[usize],
+) -> Vec<f64> {
     for s in srcs {
         assert_eq!(
             s.len(),
@@ -128,25 +158,41 @@ fn reduce<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
             "gradient source length differs from destination"
         );
     }
+    assert_eq!(segs.iter().sum::<usize>(), dst.len(), "segments cover dst");
     let simd = Simd::get();
-    if dst.len() <= CHUNK {
-        return reduce_chunk::<T, D, ASSIGN, SQ>(simd, dst, srcs);
+    // Every chunk of every segment: (segment, first element, its part of dst).
+    let mut chunks: Vec<(usize, usize, &mut [D])> = Vec::new();
+    let (mut rest, mut at) = (dst, 0);
+    for (i, &len) in segs.iter().enumerate() {
+        let (seg, tail) = std::mem::take(&mut rest).split_at_mut(len);
+        rest = tail;
+        for (c, d) in seg.chunks_mut(CHUNK).enumerate() {
+            chunks.push((i, at + c * CHUNK, d));
+        }
+        at += len;
     }
-    let per_chunk = |(c, d): (usize, &mut [D])| {
-        let base = c * CHUNK;
-        let parts: Vec<&[T]> = srcs.iter().map(|s| &s[base..base + d.len()]).collect();
-        reduce_chunk::<T, D, ASSIGN, SQ>(simd, d, &parts)
+    let per_chunk = |(i, start, d): (usize, usize, &mut [D])| {
+        let parts: Vec<&[T]> = srcs.iter().map(|s| &s[start..start + d.len()]).collect();
+        (i, reduce_chunk::<T, D, ASSIGN, SQ>(simd, d, &parts))
     };
-    let chunks = dst.par_chunks_mut(CHUNK).enumerate();
-    if !SQ {
-        chunks.for_each(|c| {
-            per_chunk(c);
-        });
-        return 0.0;
+    let sums: Vec<(usize, f64)> = match chunks.len() {
+        1 => chunks.into_iter().map(per_chunk).collect(),
+        _ => chunks.into_par_iter().map(per_chunk).collect(),
+    };
+    // Chunk sums added in chunk order, so the result does not depend on scheduling; a
+    // segment of one chunk is that chunk's sum.
+    let mut out = vec![0.0; segs.len()];
+    let mut i = 0;
+    while i < sums.len() {
+        let seg = sums[i].0;
+        let end = i + sums[i..].iter().take_while(|(s, _)| *s == seg).count();
+        out[seg] = match end - i {
+            1 => sums[i].1,
+            _ => sums[i..end].iter().map(|(_, x)| x).sum(),
+        };
+        i = end;
     }
-    // Chunk sums added in chunk order, so the result does not depend on scheduling.
-    let sums: Vec<f64> = chunks.map(per_chunk).collect();
-    sums.iter().sum()
+    out
 }
 
 fn reduce_chunk<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(

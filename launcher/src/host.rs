@@ -615,7 +615,10 @@ fn sum_sq<G: GradElem + Sync>(x: &[G]) -> f64 {
     parts.iter().sum()
 }
 
-/// Reduces every tensor range of block `b` into `grad` (the whole model's accumulator).
+/// Reduces every tensor range of block `b` in `part` into `grad` (the whole model's
+/// accumulator): adjacent tensors in one parallel pass each, with the bits of one pass per
+/// tensor ([`GradSlabs::reduce_segments_into`]). Returns Σ g² over them, tensor by tensor
+/// in layout order.
 fn reduce_tensors<D: GradAcc>(
     slabs: &GradSlabs,
     b: &Block,
@@ -625,14 +628,27 @@ fn reduce_tensors<D: GradAcc>(
     first: bool,
     last: bool,
 ) -> f64 {
-    b.part_tensors(part.clone())
-        .map(|(t, within)| {
-            let start = b.offset + t.offset + within.start;
-            let dst = &mut grad[start..start + within.len()];
-            let in_slot = t.offset + within.start - part.start;
-            slabs.reduce_into(dst, slots, in_slot, first, last)
+    // (start in the block, tensor lengths) of each stretch of adjacent tensors.
+    let mut runs: Vec<(usize, Vec<usize>)> = Vec::new();
+    for (t, within) in b.part_tensors(part.clone()) {
+        let start = t.offset + within.start;
+        match runs.last_mut() {
+            Some((at, lens)) if *at + lens.iter().sum::<usize>() == start => {
+                lens.push(within.len())
+            }
+            _ => runs.push((start, vec![within.len()])),
+        }
+    }
+    let sums: Vec<f64> = runs
+        .into_iter()
+        .flat_map(|(start, lens)| {
+            let n: usize = lens.iter().sum();
+            let dst = &mut grad[b.offset + start..b.offset + start + n];
+            let in_slot = start - part.start;
+            slabs.reduce_segments_into(dst, slots, in_slot, &lens, first, last)
         })
-        .sum()
+        .collect();
+    sums.iter().sum()
 }
 
 /// Where a run of elements is: its layout index (the store, the gradient, the bits of

@@ -207,3 +207,54 @@ fn bf16_sources_widen_exactly() {
         );
     }
 }
+
+/// Segments reduced in one pass give each segment's call of its own: the same dst bits
+/// and the same Σ dst², for both accumulator dtypes, assign and accumulate, segments that
+/// end off the chunk grid, one of them empty.
+#[test]
+fn segments_in_one_pass_equal_one_call_each() {
+    let segs = [CHUNK + 5, 3, 0, 2 * CHUNK - 1, 700];
+    let n: usize = segs.iter().sum();
+    let val = |i: usize, salt: usize| ((i * 7919 + salt * 104_729) % 2003) as f32 * 1e-3 - 1.0;
+    let srcs: Vec<Vec<bf16>> = (0..3)
+        .map(|r| (0..n).map(|i| bf16::from_f32(val(i, r))).collect())
+        .collect();
+    let refs: Vec<&[bf16]> = srcs.iter().map(|s| s.as_slice()).collect();
+    fn check<D: GradAcc + PartialEq + std::fmt::Debug>(
+        dst0: Vec<D>,
+        refs: &[&[bf16]],
+        segs: &[usize],
+    ) {
+        for assign in [true, false] {
+            let mut one = dst0.clone();
+            let got = reduce_segments_into(&mut one, refs, segs, assign, true);
+            let (mut each, mut want, mut at) = (dst0.clone(), Vec::new(), 0);
+            for &len in segs {
+                let d = &mut each[at..at + len];
+                let s: Vec<&[bf16]> = refs.iter().map(|r| &r[at..at + len]).collect();
+                want.push(match assign {
+                    true => assign_sum_sq(d, &s),
+                    false => accumulate_sum_sq(d, &s),
+                });
+                at += len;
+            }
+            assert!(one == each, "dst differs (assign {assign})");
+            let bits = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "sums differ (assign {assign})");
+            let plain = reduce_segments_into(&mut dst0.clone(), refs, segs, assign, false);
+            assert!(plain.iter().all(|&x| x == 0.0));
+        }
+    }
+    check(
+        (0..n).map(|i| val(i, 9)).collect::<Vec<f32>>(),
+        &refs,
+        &segs,
+    );
+    check(
+        (0..n)
+            .map(|i| bf16::from_f32(val(i, 9)))
+            .collect::<Vec<bf16>>(),
+        &refs,
+        &segs,
+    );
+}

@@ -146,15 +146,33 @@ impl GradSlabs {
         first: bool,
         sum_sq: bool,
     ) -> f64 {
+        let n = dst.len();
+        self.reduce_segments_into(dst, slots, offset, &[n], first, sum_sq)[0]
+    }
+
+    /// [`GradSlabs::reduce_into`] over consecutive segments of `dst` (adjacent tensors),
+    /// in one parallel pass with the bits of one call per segment; each segment's Σ dst²
+    /// ([`reduce::reduce_segments_into`]).
+    pub fn reduce_segments_into<D: GradAcc>(
+        &self,
+        dst: &mut [D],
+        slots: &[usize],
+        offset: usize,
+        segs: &[usize],
+        first: bool,
+        sum_sq: bool,
+    ) -> Vec<f64> {
         assert_eq!(slots.len(), self.regions.len(), "one slot per worker");
         let n = dst.len();
         assert!(offset + n <= self.slot_len);
         match self.dtype {
             DType::Float32 => {
-                combine::<f32, D>(dst, &self.sources(slots, offset, n), first, sum_sq)
+                let srcs = self.sources::<f32>(slots, offset, n);
+                reduce::reduce_segments_into(dst, &srcs, segs, first, sum_sq)
             }
             DType::Bfloat16 => {
-                combine::<bf16, D>(dst, &self.sources(slots, offset, n), first, sum_sq)
+                let srcs = self.sources::<bf16>(slots, offset, n);
+                reduce::reduce_segments_into(dst, &srcs, segs, first, sum_sq)
             }
         }
     }
@@ -173,25 +191,5 @@ impl GradSlabs {
             .zip(slots)
             .map(|(r, &s)| unsafe { r.slice(range(s)) })
             .collect()
-    }
-}
-
-fn combine<T: GradElem, D: GradAcc>(
-    dst: &mut [D],
-    srcs: &[&[T]],
-    first: bool,
-    sum_sq: bool,
-) -> f64 {
-    match (first, sum_sq) {
-        (true, true) => reduce::assign_sum_sq(dst, srcs),
-        (false, true) => reduce::accumulate_sum_sq(dst, srcs),
-        (true, false) => {
-            reduce::assign(dst, srcs);
-            0.0
-        }
-        (false, false) => {
-            reduce::accumulate(dst, srcs);
-            0.0
-        }
     }
 }
