@@ -1,8 +1,9 @@
 //! Numerics against PyTorch: every case scripts/make_golden.py wrote (a tiny HF model
 //! trained 3 steps by transformers + torch.optim.AdamW) must be reproduced by mt-launch
 //! with 1 and 2 CPU workers: per-step losses and gradient norms to 1e-4 relative, every
-//! step-1 gradient and the step-1 logits of every real (non-padding) position to 1e-4
-//! (‖ours − torch‖ / ‖torch‖) in float32, and the loss of a separate eval set after the
+//! step-1 gradient (1e-3 on Gated DeltaNet's decay path: [`grad_tol`]) and the step-1
+//! logits of every real (non-padding) position to 1e-4 (‖ours − torch‖ / ‖torch‖) in
+//! float32, and the loss of a separate eval set after the
 //! last step to 1e-4; per-step losses within 2e-2 relative when
 //! computing in bfloat16. Cases whose loss depends on how the batch is split (the MoE router
 //! aux loss is per micro-batch) carry their N-worker reference in `expected_wN.json` and
@@ -19,13 +20,28 @@ use common::*;
 const F32_TOL: f64 = 1e-4;
 const BF16_TOL: f64 = 2e-2;
 
+/// The f32 bound for step-1 gradient `t`. Gated DeltaNet's decay path (A_log, dt_bias and
+/// the projections feeding a) sums terms over every pair of positions that cancel ~1e3-fold
+/// (worker/src/model/gated_delta/tests.rs), so there the f32 rounding of two correct
+/// computations in different orders shows as up to several 1e-4: ours against the
+/// chunked torch fallback transformers runs, both on one libtorch, whose CPU kernels sum in
+/// an order that depends on the CPU (on an AMD EPYC: A_log 6.6e-4 for the Qwen3.5 wrapper
+/// case, where the machine of the previous CI stayed under 1e-4). 1e-3 bounds the rounding;
+/// a wrong term is O(1e-2). Every other tensor keeps 1e-4.
+fn grad_tol(t: &str) -> f64 {
+    let decay_path = ["A_log", "dt_bias", "in_proj_a.", "in_proj_ba."]
+        .iter()
+        .any(|n| t.contains(n));
+    if decay_path { 1e-3 } else { F32_TOL }
+}
+
 #[test]
 fn every_golden_case_matches_pytorch() {
     let mut failures = Vec::new();
     for case in &cases() {
         let name = case.file_name().unwrap().to_string_lossy().to_string();
         for workers in [1, 2] {
-            check_f32(case, workers, &[], &|_| F32_TOL, &mut failures);
+            check_f32(case, workers, &[], &grad_tol, &mut failures);
         }
         // The MoE cases once more with their experts as grouped GEMMs (torch's CPU grouped
         // GEMM; the GPU default).
@@ -38,7 +54,7 @@ fn every_golden_case_matches_pytorch() {
                 case,
                 1,
                 &[("MT_MOE_EXPERTS", "grouped")],
-                &|_| F32_TOL,
+                &grad_tol,
                 &mut failures,
             );
         }
@@ -69,11 +85,8 @@ fn every_golden_case_matches_pytorch() {
 }
 
 /// The chunked Gated DeltaNet (the GPU's path, `MT_GATED_DELTA=chunked`) on CPU against the
-/// same PyTorch runs, for the cases with linear-attention layers. It computes the reference's
-/// function with other rounding, so the same 1e-4 holds, except for the decay path's
-/// gradients (A_log, dt_bias and the projections feeding a): they sum terms over every
-/// pair of positions that cancel ~1e3-fold (worker/src/model/gated_delta/tests.rs), so f32
-/// rounding shows there as up to ~2e-4; 1e-3 bounds it, and a wrong term is O(1e-2).
+/// same PyTorch runs, for the cases with linear-attention layers: the same bounds
+/// ([`grad_tol`]).
 #[test]
 fn chunked_gated_delta_matches_pytorch() {
     let mut failures = Vec::new();
@@ -82,12 +95,7 @@ fn chunked_gated_delta_matches_pytorch() {
             .unwrap()
             .contains("linear_attention")
     });
-    let decay_path = |t: &str| {
-        ["A_log", "dt_bias", "in_proj_a.", "in_proj_ba."]
-            .iter()
-            .any(|n| t.contains(n))
-    };
-    let tol = |t: &str| if decay_path(t) { 1e-3 } else { F32_TOL };
+    let tol = grad_tol;
     let mut checked = 0;
     for case in hybrid {
         check_f32(
