@@ -1,5 +1,6 @@
-//! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA) when stdout is a
-//! terminal, plain log lines every `logging.log_every` steps otherwise (files, pipes, CI).
+//! Step reporting: a progress bar (step, loss, lr, tokens/s, TFLOPS, ETA) when stdout and
+//! stderr are terminals, plain log lines every `logging.log_every` steps otherwise (files,
+//! pipes, CI, mpirun).
 //! A step after which the eval set was evaluated always gets a line with its eval loss.
 
 use std::io::IsTerminal;
@@ -44,6 +45,13 @@ fn bound_hint(m: &StepMetrics) -> Option<String> {
     ))
 }
 
+/// Whether the progress bar can be seen: its lines go to stdout, the bar itself to stderr
+/// (indicatif draws nothing where stderr is not a terminal). Under mpirun a rank's stdout
+/// may be a terminal while its stderr is a pipe: there the bar showed nothing at all.
+fn draws_bar(stdout_terminal: bool, stderr_terminal: bool) -> bool {
+    stdout_terminal && stderr_terminal
+}
+
 pub struct Progress {
     kind: Kind,
     /// Whether the bound hint was printed.
@@ -59,7 +67,10 @@ impl Progress {
     /// A bar over steps `first..total` on a terminal, else lines every `every` steps.
     pub fn new(first: u64, total: u64, every: u64) -> Progress {
         let hinted = std::cell::Cell::new(false);
-        if !std::io::stdout().is_terminal() {
+        if !draws_bar(
+            std::io::stdout().is_terminal(),
+            std::io::stderr().is_terminal(),
+        ) {
             let kind = Kind::Lines {
                 every: every.max(1),
             };
@@ -158,5 +169,19 @@ impl Progress {
         if let Kind::Bar(bar) = &self.kind {
             bar.finish();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines unless both streams are terminals (mpirun: stdout a terminal, stderr a pipe).
+    #[test]
+    fn bar_only_where_both_streams_are_terminals() {
+        assert!(draws_bar(true, true));
+        assert!(!draws_bar(true, false));
+        assert!(!draws_bar(false, true));
+        assert!(!draws_bar(false, false));
     }
 }
