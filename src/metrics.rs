@@ -34,6 +34,11 @@ pub struct StepMetrics {
     /// Launcher time in the slab reduce and in clip + AdamW.
     pub reduce_s: f64,
     pub optimizer_s: f64,
+    /// Under mpirun, launcher time in the exchanges between nodes: the gradient
+    /// reduce-scatter (or all-gather), the norm and loss gathers and the all-gather of the
+    /// updated store; `reduce_s` and `optimizer_s` leave it out. Absent on one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exchange_s: Option<f64>,
     /// Slowest worker's stall on host-to-device layer copies, and its device-to-host
     /// gradient copy time (GPU only).
     pub h2d_wait_s: f64,

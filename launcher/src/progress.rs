@@ -138,8 +138,12 @@ impl Progress {
             }
             Kind::Lines { every } => {
                 if m.step.is_multiple_of(*every) || m.step == total || eval.is_some() {
+                    // Under mpirun: how much of the step went to the exchanges between nodes.
+                    let exchange = m
+                        .exchange_s
+                        .map_or(String::new(), |x| format!("  exchange {x:.2}s"));
                     println!(
-                        "step {:>4}/{}  loss {:.4}{dpo}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s  {:.0} tok/s  {:.1} TFLOPS/dev{}{}",
+                        "step {:>4}/{}  loss {:.4}{dpo}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s{exchange}  {:.0} tok/s  {:.1} TFLOPS/dev{}{}",
                         m.step,
                         total,
                         m.loss,

@@ -128,6 +128,15 @@ fn train_env(
     let output = launch(mpirun, ranks, workers, &args, env);
     assert_mpi_ok(&output, tag);
     let rows = metrics(&m);
+    // Several nodes report their exchanges, within the step, and on the step lines.
+    if ranks > 1 {
+        for r in &rows {
+            let (x, step) = (r["exchange_s"].as_f64(), r["step_time_s"].as_f64().unwrap());
+            assert!(x.is_some_and(|x| (0.0..=step).contains(&x)), "{tag}: {r}");
+        }
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.contains("  exchange "), "{tag}: {stdout}");
+    }
     (
         column(&rows, "loss"),
         column(&rows, "grad_norm"),

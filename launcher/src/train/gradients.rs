@@ -19,6 +19,8 @@ pub(super) struct StepOutcome {
     pub(super) loss_sum: f64,
     pub(super) slowest: WorkerTimings,
     pub(super) reduce_s: f64,
+    /// Seconds in exchanges with the other nodes (the gradient's, the norm's, the loss's).
+    pub(super) exchange_s: f64,
     /// Seconds of the previous update's moments pass run during this step.
     pub(super) moments_s: f64,
     /// Σ g² over every parameter.
@@ -53,6 +55,7 @@ impl Trainer {
             loss_sum: 0.0,
             slowest: WorkerTimings::default(),
             reduce_s: 0.0,
+            exchange_s: 0.0,
             moments_s: 0.0,
             grad_sum_sq: 0.0,
             skipped: false,
@@ -124,17 +127,21 @@ impl Trainer {
                         for (r, &s) in slots.iter().enumerate() {
                             self.sup.send(r, ToWorker::SlotFree { slot: s })?;
                         }
+                        let mut exchanged = Duration::ZERO;
                         match (&mut exchange, self.mpi) {
                             (Some(x), Some(m)) => {
                                 // The norm is over the sum across nodes.
                                 if last {
                                     x.part_final(block);
                                 }
+                                let t = Instant::now();
                                 x.run_due(&mut self.host, m)?;
+                                exchanged = t.elapsed();
                             }
                             _ => out.grad_sum_sq += sum_sq,
                         }
-                        out.reduce_s += t.elapsed().as_secs_f64();
+                        out.exchange_s += exchanged.as_secs_f64();
+                        out.reduce_s += (t.elapsed() - exchanged).as_secs_f64();
                         reduced += 1;
                     }
                 }
@@ -170,11 +177,13 @@ impl Trainer {
         let t = Instant::now();
         self.host.settle_moments();
         out.moments_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
         if let (Some(x), Some(m)) = (exchange, self.mpi) {
             out.grad_sum_sq = x.sum_sq(m)?;
         }
         let losses: Vec<f64> = step_done.iter().flatten().map(|d| d.0).collect();
         out.loss_sum = self.global_loss(&losses)?;
+        out.exchange_s += t.elapsed().as_secs_f64();
         for (_, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
             if let Some(d) = dpo {
                 out.dpo.get_or_insert_default().add(&d);

@@ -88,6 +88,9 @@ pub struct Trainer {
     moments: Moments,
     /// The other nodes, under mpirun ([`nodes`]).
     mpi: Option<&'static crate::mpi::Mpi>,
+    /// Seconds the current update spent gathering the store from the other nodes
+    /// (reported in `exchange_s`, left out of `optimizer_s`).
+    update_exchange_s: f64,
 }
 
 impl Trainer {
@@ -337,6 +340,7 @@ impl Trainer {
                 _ => Moments::Keep,
             },
             mpi,
+            update_exchange_s: 0.0,
         })
     }
 
@@ -399,7 +403,7 @@ impl Trainer {
             if let (Some(hp), Moments::Keep) = (hp, self.moments) {
                 self.host.defer_moments(hp);
             }
-            let optimizer_s = t.elapsed().as_secs_f64() + out.moments_s;
+            let optimizer_s = t.elapsed().as_secs_f64() + out.moments_s - self.update_exchange_s;
             let now = Instant::now();
             let step_time_s = now.duration_since(last_report).as_secs_f64();
             last_report = now;

@@ -130,7 +130,10 @@ impl Trainer {
     /// every node the updated weights of the block.
     pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
         self.host.update_block(block, hp, self.moments);
-        self.host.gather_store(block)
+        let t = std::time::Instant::now();
+        self.host.gather_store(block)?;
+        self.update_exchange_s += t.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// [`Trainer::checkpoint`] of a sharded state, before the step loop goes on: node 0

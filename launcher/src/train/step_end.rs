@@ -177,6 +177,9 @@ impl Trainer {
             slot_wait_s: out.slowest.slot_wait_s,
             reduce_s: out.reduce_s,
             optimizer_s,
+            exchange_s: self
+                .mpi
+                .map(|_| out.exchange_s + std::mem::take(&mut self.update_exchange_s)),
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
             update_wait_s: out.slowest.update_wait_s,

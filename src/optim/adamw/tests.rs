@@ -709,7 +709,7 @@ fn one_call_over_a_range_equals_calls_over_its_pieces() {
     let pieces: Vec<_> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
     for case in 0..4 {
         assert!(
-            run(case, &[0..n]) == run(case, &pieces),
+            run(case, std::slice::from_ref(&(0..n))) == run(case, &pieces),
             "case {case}: one call and its pieces differ"
         );
     }
