@@ -1,0 +1,113 @@
+//! Bad input of chat datasets (the tiny demo model's tokenizer and chat template, alpaca
+//! records) and of packing, as tests/bad_input.rs does for the rest: each fails before
+//! anything starts with an error naming the file, key or model type.
+
+mod common;
+
+use std::process::Command;
+
+use common::fixture::{Stage, fixture};
+use common::*;
+
+/// A fixture whose model is the tiny demo (random init, its tokenizer and chat template)
+/// and whose dataset is `records` in alpaca format.
+fn chat_fixture(name: &str, records: &str) -> common::fixture::Fixture {
+    let f = fixture(name);
+    std::fs::remove_dir_all(&f.model).unwrap();
+    std::fs::create_dir_all(&f.model).unwrap();
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny");
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny.join(file), f.model.join(file)).unwrap();
+    }
+    let data = f.dir.join("alpaca.json");
+    std::fs::write(&data, records).unwrap();
+    f.write_config(&format!(
+        "model: {{path: {}, init: random, dtype: float32}}\n\
+         dataset: {{format: alpaca, path: {}, shuffle: false, max_seq_len: 64}}\n\
+         training:\n  batch_size: 2\n  num_steps: 1\n  output_dir: {}\n\
+         checkpoint:\n  dir: {}\n",
+        f.model.display(),
+        data.display(),
+        f.out.display(),
+        f.ck.display()
+    ));
+    f
+}
+
+const ALPACA: &str = r#"[{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
+ {"instruction": "Say hi.", "input": "", "output": "hi"}]"#;
+
+#[test]
+fn missing_tokenizer() {
+    let f = chat_fixture("no-tokenizer", ALPACA);
+    std::fs::remove_file(f.model.join("tokenizer.json")).unwrap();
+    f.fails(&[], Stage::Start, &["tokenizer.json"]);
+}
+
+#[test]
+fn strict_alpaca_record_missing_its_output() {
+    let f = chat_fixture(
+        "alpaca-field",
+        r#"[{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
+ {"instruction": "Say hi.", "input": ""}]"#,
+    );
+    f.fails(
+        &["--set", "dataset.strict=true"],
+        Stage::Start,
+        &["alpaca.json", "output"],
+    );
+}
+
+#[test]
+fn unknown_dataset_name() {
+    let f = chat_fixture("dataset-name", ALPACA);
+    let yaml = std::fs::read_to_string(&f.config).unwrap();
+    let dir = f.dir.display().to_string();
+    std::fs::write(
+        f.dir.join("dataset_info.json"),
+        r#"{"alpaca_local": {"file_name": "alpaca.json", "formatting": "alpaca"}}"#,
+    )
+    .unwrap();
+    let yaml = yaml.replace(
+        &format!(
+            "format: alpaca, path: {}",
+            f.dir.join("alpaca.json").display()
+        ),
+        &format!("name: alpaca_locla, dataset_dir: {dir}"),
+    );
+    f.write_config(&yaml);
+    f.fails(&[], Stage::Start, &["alpaca_locla", "dataset_info.json"]);
+}
+
+#[test]
+fn sanity_the_chat_fixture_trains() {
+    let f = chat_fixture("chat-ok", ALPACA);
+    let out = Command::new(common::launcher())
+        .args(f.args(&[]))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn packing_a_linear_attention_model() {
+    let f = fixture("pack-linear");
+    let hybrid = golden_dir().join("qwen3_next_hybrid_moe/model");
+    for e in std::fs::read_dir(&hybrid).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, f.model.join(p.file_name().unwrap())).unwrap();
+    }
+    f.write_config(&f.yaml().replace(
+        "shuffle: false}",
+        "shuffle: false, packing: true, max_seq_len: 16}",
+    ));
+    f.fails(
+        &[],
+        Stage::Start,
+        &["dataset.packing", "qwen3_next", "linear-attention"],
+    );
+}
