@@ -13,8 +13,11 @@
 //! next forward reads it ([`crate::host`]'s `shard`); replicated or sharded, the gradient,
 //! its norm and so the training are the same bits.
 
+use std::ops::Range;
+
 use anyhow::{Context, Result, bail};
 use mt::checkpoint::export::ExportFiles;
+use mt::checkpoint::state::BlockValues;
 use mt::config::{CheckpointContents, RunConfig, Stage};
 use mt::data::StepPlan;
 use mt::layout::Layout;
@@ -137,8 +140,9 @@ impl Trainer {
     }
 
     /// [`Trainer::checkpoint`] of a sharded state, before the step loop goes on: node 0
-    /// gathers the master (and moments) one block at a time and writes each block as one
-    /// node would; the other nodes send their pieces. Every node runs every block's gather,
+    /// gathers the master (and moments) a window of a block at a time and writes each
+    /// window at its offsets, the files one node would write; the other nodes send their
+    /// parts. Every node runs every block's gather,
     /// even where node 0 could not create or write the files (it reports that after).
     pub(super) fn checkpoint_sharded(&mut self, done: u64, last: bool) -> Result<()> {
         let ck = &self.cfg.checkpoint;
@@ -161,7 +165,7 @@ impl Trainer {
         let written = writer.write_now(&state, contents, |files| {
             gathered = true;
             let mut write =
-                |b: usize, v: &dyn mt::checkpoint::state::BlockValues| files.write_block(b, v);
+                |b: usize, w: Range<usize>, v: &dyn BlockValues| files.write_window(b, w, v);
             host.gather_blocks(moments, Some(&mut write))
                 .unwrap_or_else(|e| {
                     let msg = format!("{e:#}");
@@ -227,8 +231,9 @@ pub(super) fn shards(
 }
 
 /// The host plan of one node of a sharded run: 1/N of the master and moments, node 0's
-/// buffers to gather one block of them for a checkpoint or the export, and no staging area
-/// (node 0 writes a checkpoint block by block as it gathers it, before training goes on).
+/// buffers to gather a window of a block of them for a checkpoint or the export, and no
+/// staging area (node 0 writes a checkpoint window by window as it gathers it, before
+/// training goes on).
 pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
         prepared.plan = prepared
@@ -239,8 +244,9 @@ pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&
 }
 
 /// Writes the trained model to `training.output_dir` (node 0); a sharded master is gathered
-/// on node 0 one block at a time, each written before the next, every node sending its
-/// pieces of every block (even where node 0 could not create or write the files).
+/// on node 0 a window of a block at a time, each written before the next, every node
+/// sending its parts of every window (even where node 0 could not create or write the
+/// files).
 pub(super) fn export(
     cfg: &RunConfig,
     host: &mut HostState,
@@ -262,8 +268,8 @@ pub(super) fn export(
     }
     let layout = host.layout.clone();
     let files = ExportFiles::create(out, &layout, export);
-    let mut write = |b: usize, v: &dyn mt::checkpoint::state::BlockValues| match &files {
-        Ok(f) => f.write_block(b, v),
+    let mut write = |b: usize, w: Range<usize>, v: &dyn BlockValues| match &files {
+        Ok(f) => f.write_window(b, w, v),
         // Reported below; the gathers go on.
         Err(_) => Ok(()),
     };
