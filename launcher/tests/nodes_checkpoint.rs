@@ -28,6 +28,20 @@ fn run_to(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> PathBuf {
+    run_on(mpi, 3, tag, steps, resume, extra, env).0
+}
+
+/// [`run_to`] on `ranks` nodes of one worker each (one rank: one node of two workers, no
+/// mpirun); also returns the run's stdout.
+fn run_on(
+    mpi: &Path,
+    ranks: usize,
+    tag: &str,
+    steps: u64,
+    resume: Option<&Path>,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (PathBuf, String) {
     let dir = scratch(&format!("nodes-ck-{tag}"));
     let config = golden_dir().join("llama/run.yaml");
     let (ck_set, out_set, steps_set) = (
@@ -53,9 +67,10 @@ fn run_to(
         args.extend(["--resume", path_str(from)]);
     }
     args.extend(extra);
-    let out = launch(mpi, 3, 1, &args, env);
+    let workers = if ranks == 1 { 2 } else { 1 };
+    let out = launch(mpi, ranks, workers, &args, env);
     assert_mpi_ok(&out, tag);
-    dir
+    (dir, String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Every file of directory `b` has the bytes of the same file in `a`, and both hold the
@@ -150,6 +165,71 @@ fn checkpoints_gathered_in_small_windows_are_the_same_bytes_and_resume_exactly()
             assert_eq!(last.0, 4);
             assert_same_files(&a[1].1, &last.1);
         }
+    }
+}
+
+/// A periodic checkpoint of a sharded state is gathered into node 0's staging area at the
+/// step boundary and written by its writer thread while training goes on; node 0's plan
+/// holds the staging area, node 1's none. Its files have the bytes of the same checkpoint
+/// written before training goes on (`checkpoint.background: false`), with the default
+/// staging area and with one of 4 pages of 1024 elements and windows of 1000
+/// (`MT_GATHER_WINDOW`), where every window waits for the writer to free the last one's;
+/// the last checkpoint and the export are the same bytes too. The background checkpoint of
+/// step 2 resumed on two nodes and on one node of two workers ends with the bytes of the
+/// run that went straight through.
+#[test]
+fn background_checkpoints_of_a_sharded_state_are_the_synchronous_bytes_and_resume_exactly() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let (sync, _) = run_on(
+        &mpi,
+        2,
+        "sync",
+        4,
+        None,
+        &["--set", "checkpoint.background=false"],
+        &[],
+    );
+    let tiny = ["--set", "checkpoint.staging_size=16KiB"];
+    let small = [("MT_GATHER_WINDOW", SMALL)];
+    let runs = [("bg", &[][..], &[][..]), ("bg-tiny", &tiny[..], &small[..])];
+    let mut straight = None;
+    for (tag, extra, env) in runs {
+        let (dir, out) = run_on(&mpi, 2, tag, 4, None, extra, env);
+        assert!(
+            out.contains("checkpoint of step 2: gathered in")
+                && out.contains("writing in the background"),
+            "{tag}: step 2 is written in the background:\n{out}"
+        );
+        assert_eq!(
+            out.matches("host memory for").count(),
+            2,
+            "{tag}: a plan per node:\n{out}"
+        );
+        assert_eq!(
+            out.matches("checkpoint staging").count(),
+            1,
+            "{tag}: node 0 alone holds a staging area:\n{out}"
+        );
+        let (a, b) = (checkpoints(&sync.join("ck")), checkpoints(&dir.join("ck")));
+        assert_eq!(a.len(), 2, "{tag}");
+        assert_eq!(
+            b.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+            [2, 4],
+            "{tag}"
+        );
+        for ((_, x), (_, y)) in a.iter().zip(&b) {
+            assert_same_files(x, y);
+        }
+        assert_same_files(&sync.join("model"), &dir.join("model"));
+        straight.get_or_insert((dir, b[0].1.clone()));
+    }
+    let (dir, step2) = straight.unwrap();
+    for ranks in [2, 1] {
+        let tag = format!("bg-resumed-on-{ranks}");
+        let (resumed, _) = run_on(&mpi, ranks, &tag, 4, Some(&step2), &[], &[]);
+        assert_same_files(&dir.join("model"), &resumed.join("model"));
     }
 }
 

@@ -261,6 +261,12 @@ impl HostState {
         Ok(saved.state)
     }
 
+    /// The longest window [`HostState::gather_blocks`] gathers: the gather window, or the
+    /// largest block where that is shorter.
+    pub fn gather_window_len(&self) -> Result<usize> {
+        Ok(self.layout.max_block_len().min(gather_window()?))
+    }
+
     /// Gathers every block's master (and with `moments`, m and v) on node 0, block after
     /// block in layout order, each in windows of at most [`gather_window`] elements into
     /// buffers of that size, and hands each window's values to `write` there before the
