@@ -305,13 +305,16 @@ pub(super) fn shards(
 /// The host plan of one node of a sharded run: 1/N of the master and moments, and on node
 /// 0 its buffers to gather a window of a block of them for a checkpoint or the export and
 /// the staging area background checkpoints are gathered into; the other nodes only send,
-/// and hold no staging area.
+/// and hold neither.
 pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
         let sharded = prepared.plan.sharded(&prepared.layout, m.size);
         prepared.plan = match m.rank {
             0 => sharded,
-            _ => sharded.without_staging(),
+            _ => mt::plan::HostPlan {
+                gather: 0,
+                ..sharded.without_staging()
+            },
         };
     }
 }
