@@ -109,9 +109,9 @@ pub struct HostPlan {
     pub staging_grown: bool,
     /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
     pub carried: u64,
-    /// With the state sharded across nodes, node 0's buffers to gather one block (the
-    /// largest) of the master and moments for a checkpoint or the export; 0 otherwise
-    /// ([`HostPlan::sharded`]).
+    /// With the state sharded across nodes, node 0's buffers to gather a window of a block
+    /// of the master and moments for a checkpoint or the export (at most
+    /// [`crate::layout::shards::GATHER_WINDOW`] elements); 0 otherwise ([`HostPlan::sharded`]).
     pub gather: u64,
     /// GPU workers' layer inputs stashed in pinned host memory between forward and backward
     /// (`memory.offload_activations`; [`offloaded_inputs`]), or 0.
@@ -326,7 +326,7 @@ impl std::fmt::Display for HostPlan {
         if self.gather > 0 {
             writeln!(
                 f,
-                "  checkpoint gather     {:>9.2} GB (node 0: the largest block's master and moments, gathered one block at a time)",
+                "  checkpoint gather     {:>9.2} GB (node 0: a window of up to 2^24 elements of a block's master and moments, written before the next is gathered)",
                 gb(self.gather)
             )?;
         }
@@ -467,10 +467,20 @@ mod tests {
         let per = sharded.bytes_per_param();
         assert!(per >= 9.0 && per < 9.01 + slack, "{per}");
         assert_eq!((sharded.grad, sharded.store), (plan.grad, plan.store));
-        // Node 0 gathers a checkpoint one block at a time: the largest block (the
-        // embedding, 152064 x 3584) x 12 bytes of master and moments, no whole copy.
-        assert_eq!(sharded.gather, 12 * layout.max_block_len() as u64);
+        // Node 0 gathers a checkpoint a window at a time: 2^24 elements x 12 bytes of master
+        // and moments (0.2 GB), not the largest block (the embedding, 152064 x 3584: 6.5 GB).
+        assert_eq!(sharded.gather, 12 << 24);
         assert!(layout.max_block_len() >= 152064 * 3584);
+        // A model whose blocks are all shorter than the window gathers its largest block.
+        let hf_tiny: HfConfig = serde_json::from_str(
+            r#"{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}"#,
+        )
+        .unwrap();
+        let tiny = Layout::new(&ModelSpec::from_hf(&hf_tiny, &path).unwrap());
+        let tiny_plan = HostPlan::new(&tiny, opts).sharded(&tiny, 4);
+        assert!(tiny.max_block_len() < 1 << 24);
+        assert_eq!(tiny_plan.gather, 12 * tiny.max_block_len() as u64);
         // Alignment gaps add a little over 18 B/param; the issue's bound is 18 + slabs.
         assert!(plan.bytes_per_param() < 18.01, "{}", plan.bytes_per_param());
         // Slots hold one decoder layer; the embedding and lm_head travel in parts.

@@ -14,6 +14,7 @@
 //! for byte as read.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use half::bf16;
@@ -240,15 +241,36 @@ impl<'a> ExportFiles<'a> {
     /// Writes the tensors of block `b` from `values` (its master, fp32), converted to the
     /// export dtype a chunk at a time.
     pub fn write_block(&self, b: usize, values: &dyn BlockValues) -> Result<()> {
+        self.write_window(b, 0..self.layout.blocks[b].len, values)
+    }
+
+    /// Writes elements `window` of block `b` (within the block) from `values`, whose
+    /// element 0 is element `window.start`: each tensor's part in the window, at its
+    /// offsets. Node 0 of a sharded run writes a large block this way as it gathers it, a
+    /// window at a time, so that it never holds the whole block ([`super::state`]).
+    pub fn write_window(
+        &self,
+        b: usize,
+        window: Range<usize>,
+        values: &dyn BlockValues,
+    ) -> Result<()> {
         let block = &self.layout.blocks[b];
+        assert!(window.end <= block.len, "the window lies within block {b}");
         for (t, (name, shard)) in block.tensors.iter().zip(&self.names[b]) {
             let file = &self.shards[*shard];
-            let n = t.numel();
-            for lo in (0..n).step_by(WRITE_CHUNK) {
-                let r = t.offset + lo..t.offset + (lo + WRITE_CHUNK).min(n);
-                let x = values.values(Field::Master, r);
+            // The tensor's elements in the window, within the tensor.
+            let (lo, hi) = (
+                window.start.max(t.offset) - t.offset,
+                window
+                    .end
+                    .min(t.offset + t.numel())
+                    .saturating_sub(t.offset),
+            );
+            for at in (lo..hi).step_by(WRITE_CHUNK) {
+                let first = t.offset + at - window.start;
+                let x = values.values(Field::Master, first..first + (hi - at).min(WRITE_CHUNK));
                 match self.opts.dtype {
-                    DType::Float32 => file.write(name, 4 * lo, f32_bytes(&x))?,
+                    DType::Float32 => file.write(name, 4 * at, f32_bytes(&x))?,
                     DType::Bfloat16 => pieces::with_bytes(|buf| {
                         buf.resize(2 * x.len(), 0);
                         buf.par_chunks_mut(2 * CONVERT_CHUNK)
@@ -258,7 +280,7 @@ impl<'a> ExportFiles<'a> {
                                     d.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
                                 }
                             });
-                        file.write(name, 2 * lo, buf)
+                        file.write(name, 2 * at, buf)
                     })?,
                 }
             }

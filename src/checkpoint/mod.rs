@@ -3,6 +3,7 @@
 
 pub mod carried;
 pub mod export;
+pub mod fed;
 pub mod master;
 pub mod mxfp4;
 pub mod old_logps;

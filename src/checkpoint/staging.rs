@@ -107,7 +107,30 @@ impl Staged {
         Staged { page, fields }
     }
 
-    fn into_pages(self) -> impl Iterator<Item = Vec<f32>> {
+    /// Copies elements `0..n` of `values` (a window of a block, wherever it is held) into
+    /// `pages` (in parallel): the master, and the moments if `moments`.
+    pub(super) fn from_values(
+        mut pages: Vec<Vec<f32>>,
+        values: &dyn BlockValues,
+        n: usize,
+        moments: bool,
+    ) -> Staged {
+        let page = pages.first().map_or(1, Vec::len);
+        let per_field = n.div_ceil(page);
+        let mut fields: Vec<Vec<Vec<f32>>> = (0..if moments { 3 } else { 1 })
+            .map(|_| pages.drain(..per_field).collect())
+            .collect();
+        let of = [Field::Master, Field::M, Field::V];
+        fields.par_iter_mut().zip(of).for_each(|(f, field)| {
+            f.par_iter_mut().enumerate().for_each(|(i, p)| {
+                let r = i * page..((i + 1) * page).min(n);
+                p[..r.len()].copy_from_slice(&values.values(field, r));
+            })
+        });
+        Staged { page, fields }
+    }
+
+    pub(super) fn into_pages(self) -> impl Iterator<Item = Vec<f32>> {
         self.fields.into_iter().flatten()
     }
 }

@@ -308,11 +308,25 @@ impl<'a> Files<'a> {
     /// Writes every value of block `b`: its export tensors and, in a `Full` checkpoint,
     /// its ranges of the optimizer file.
     pub fn write_block(&self, b: usize, values: &dyn BlockValues) -> Result<()> {
-        self.export.write_block(b, values)?;
+        self.write_window(b, 0..self.layout.blocks[b].len, values)
+    }
+
+    /// Writes elements `window` of block `b` (within the block) from `values`, whose
+    /// element 0 is element `window.start` ([`ExportFiles::write_window`]): the same bytes
+    /// at the same offsets as [`Files::write_block`] writes them, so a block written window
+    /// by window (node 0 of a sharded run, which gathers it so) gives the same files.
+    pub fn write_window(
+        &self,
+        b: usize,
+        window: Range<usize>,
+        values: &dyn BlockValues,
+    ) -> Result<()> {
+        self.export.write_window(b, window.clone(), values)?;
         let Some(file) = &self.optimizer else {
             return Ok(());
         };
-        write_flat(file, self.layout.blocks[b].range(), values)
+        let at = self.layout.blocks[b].offset;
+        write_flat(file, at + window.start..at + window.end, values)
     }
 
     /// The export's other files, `trainer_state.json`, every file fsynced, the marker last.
@@ -549,6 +563,83 @@ mod tests {
         .unwrap();
         let bits = |h: &[bf16]| h.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert!(bits(&hi2) == bits(&hi) && lo2 == lo);
+    }
+
+    /// Blocks written window by window (windows of 7 elements, which divide no tensor nor
+    /// block, last window first) give every file the bytes whole blocks give, in a `Full`
+    /// checkpoint with a bf16 export: each window lands at its tensors' and the optimizer
+    /// file's offsets.
+    #[test]
+    fn windows_write_the_bytes_of_whole_blocks() {
+        let hf: crate::config::hf::HfConfig = serde_json::from_str(
+            r#"{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}"#,
+        )
+        .unwrap();
+        let spec = crate::config::hf::ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap();
+        let layout = Layout::new(&spec);
+        let dir = std::env::temp_dir().join(format!("mt-windows-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let src = dir.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("config.json"), "{}").unwrap();
+        let export = ExportOptions {
+            dtype: crate::config::DType::Bfloat16,
+            source: src,
+            max_shard_bytes: 1 << 30,
+            carried: Default::default(),
+        };
+        let n = layout.total;
+        let val = |i: usize, k: usize| ((i * 7 + k) as f32 * 0.37).sin();
+        let (master, m, v): (Vec<f32>, Vec<f32>, Vec<f32>) = (
+            (0..n).map(|i| val(i, 1)).collect(),
+            (0..n).map(|i| val(i, 2)).collect(),
+            (0..n).map(|i| val(i, 3)).collect(),
+        );
+        let live = Tensors {
+            master: MasterRef::F32(&master),
+            m: MasterRef::F32(&m),
+            v: MasterRef::F32(&v),
+        };
+        let state = TrainState {
+            format: FORMAT,
+            step: 1,
+            updates: 1,
+            nan_run: 0,
+            layout: fingerprint(&layout),
+            schedule: None,
+            extra: Vec::new(),
+        };
+        let full = CheckpointContents::Full;
+        let whole = save(&dir.join("whole"), &state, &layout, &live, &export, full).unwrap();
+        let windowed = save_with(&dir.join("windowed"), &state, &layout, &export, full, |f| {
+            for (b, block) in layout.blocks.iter().enumerate() {
+                let ws: Vec<_> = (0..block.len).step_by(7).collect();
+                for &lo in ws.iter().rev() {
+                    let w = lo..(lo + 7).min(block.len);
+                    let at = block.offset;
+                    f.write_window(b, w.clone(), &live.slice(at + w.start..at + w.end))?;
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+        let mut names: Vec<_> = std::fs::read_dir(&whole)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert!(names.iter().any(|f| f == "model.safetensors"), "{names:?}");
+        assert!(names.iter().any(|f| f == OPTIMIZER), "{names:?}");
+        for f in &names {
+            let (a, b) = (whole.join(f), windowed.join(f));
+            assert!(
+                std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+                "{} differs",
+                b.display()
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// `keep_last` counts every complete checkpoint, but the newest one that can be resumed

@@ -10,6 +10,11 @@
 //! writer to free a page; that wait, and the staging copies, are the only stall, reported
 //! per step (`checkpoint_wait_s`) and per checkpoint.
 //!
+//! A state not held whole on this host (node 0 of a run with the state sharded across
+//! nodes) is written from windows the step loop gathers and stages itself
+//! ([`Writer::start_fed`], [`super::fed`]): training waits for the gathers, and for the
+//! writer only where the staging area is full.
+//!
 //! At most one write is in flight: the next one first waits for it. A failed write comes
 //! back as an error from the next `poll`, `start` or `finish`, after the writer has removed
 //! its temporary directory, so the previous complete checkpoint is untouched; a process
@@ -23,6 +28,7 @@ use std::time::Instant;
 
 use half::bf16;
 
+use super::fed::Feed;
 use super::staging::{self, Counts, Gate, Task};
 use super::state::{self, Tensors, TrainState};
 use super::{ExportOptions, MasterRef};
@@ -92,9 +98,43 @@ pub struct Written {
 
 struct InFlight {
     handle: JoinHandle<Result<(PathBuf, f64)>>,
-    gate: Arc<Gate>,
+    source: Source,
     /// Seconds the step loop waited for the previous write when this one started.
     waited_s: f64,
+}
+
+/// Where a write in flight takes its values and its staging pages are.
+enum Source {
+    /// The live state, or the copies the optimizer staged ([`Writer::start`]).
+    Gate(Arc<Gate>),
+    /// The windows the step loop staged ([`Writer::start_fed`]).
+    Fed(Arc<Feed>),
+}
+
+impl Source {
+    fn take_pages(&self) -> Vec<Vec<f32>> {
+        match self {
+            Source::Gate(g) => g.take_pages(),
+            Source::Fed(f) => f.take_pages(),
+        }
+    }
+
+    fn owner_s(&self) -> f64 {
+        match self {
+            Source::Gate(g) => g.owner_s(),
+            Source::Fed(f) => f.owner_s(),
+        }
+    }
+
+    fn counts(&self) -> Counts {
+        match self {
+            Source::Gate(g) => g.counts(),
+            Source::Fed(f) => Counts {
+                staged: f.blocks(),
+                ..Counts::default()
+            },
+        }
+    }
 }
 
 /// Where and how checkpoints are written.
@@ -102,6 +142,9 @@ pub struct Writer {
     job: Arc<Job>,
     /// The staging pages while no write is in flight.
     pages: Vec<Vec<f32>>,
+    /// Elements per staging page, and pages.
+    page: usize,
+    page_count: usize,
     in_flight: Option<InFlight>,
 }
 
@@ -123,6 +166,8 @@ impl Writer {
                 export,
             }),
             pages: staging::pages(staging_bytes),
+            page: staging::page_elems(staging_bytes),
+            page_count: staging::page_count(staging_bytes),
             in_flight: None,
         }
     }
@@ -154,10 +199,59 @@ impl Writer {
             .map_err(|e| Error::Other(format!("start the checkpoint writer thread: {e}")))?;
         self.in_flight = Some(InFlight {
             handle,
-            gate: Arc::clone(&gate),
+            source: Source::Gate(Arc::clone(&gate)),
             waited_s,
         });
         Ok((waited_s, done, gate))
+    }
+
+    /// Whether the staging area holds a window of `n` elements of a checkpoint (with
+    /// `moments`, m and v too), as [`Writer::start_fed`] needs.
+    pub fn can_feed(&self, n: usize, moments: bool) -> bool {
+        self.page_count > 0 && Feed::pages_for(self.page, n, moments) <= self.page_count
+    }
+
+    /// Starts writing checkpoint `state` holding `contents` on the writer thread from the
+    /// windows the caller stages in the returned [`Feed`] ([`Feed::stage`], then
+    /// [`Feed::end`]), after waiting for the write in flight: for a state not held whole on
+    /// this host (node 0 of a sharded run gathers it window by window). Returns the seconds
+    /// waited and every write completed meanwhile. Windows must fit
+    /// ([`Writer::can_feed`]).
+    pub fn start_fed(
+        &mut self,
+        state: TrainState,
+        contents: CheckpointContents,
+    ) -> Result<(f64, Vec<Written>, Arc<Feed>)> {
+        let t = Instant::now();
+        let done: Vec<Written> = self.finish()?.into_iter().collect();
+        let waited_s = t.elapsed().as_secs_f64();
+        let moments = contents == CheckpointContents::Full;
+        let feed = Arc::new(Feed::new(std::mem::take(&mut self.pages), moments));
+        let (job, f) = (Arc::clone(&self.job), Arc::clone(&feed));
+        let spawned = std::thread::Builder::new()
+            .name("mt-checkpoint".into())
+            .spawn(move || {
+                let t = Instant::now();
+                let dir = job.write_fed(&state, &f, contents)?;
+                Ok((dir, t.elapsed().as_secs_f64()))
+            });
+        let handle = match spawned {
+            Ok(h) => h,
+            Err(e) => {
+                feed.close();
+                feed.end(false, 0.0);
+                self.pages = feed.take_pages();
+                return Err(Error::Other(format!(
+                    "start the checkpoint writer thread: {e}"
+                )));
+            }
+        };
+        self.in_flight = Some(InFlight {
+            handle,
+            source: Source::Fed(Arc::clone(&feed)),
+            waited_s,
+        });
+        Ok((waited_s, done, feed))
     }
 
     /// The write in flight, if it has completed (its error, if it failed).
@@ -175,15 +269,15 @@ impl Writer {
         };
         let r = f.handle.join();
         // The thread closed the gate on its way out, panic included.
-        self.pages = f.gate.take_pages();
+        self.pages = f.source.take_pages();
         let (dir, write_s) =
             r.map_err(|_| Error::Other("the checkpoint writer thread panicked".into()))??;
         Ok(Some(Written {
             bytes: dir_bytes(&dir)?,
             dir,
             write_s,
-            stall_s: f.waited_s + f.gate.owner_s(),
-            blocks: f.gate.counts(),
+            stall_s: f.waited_s + f.source.owner_s(),
+            blocks: f.source.counts(),
         }))
     }
 
@@ -252,6 +346,15 @@ impl Drop for Closing<'_> {
     }
 }
 
+/// Closes the feed when the writer stops, however it stops.
+struct ClosingFeed<'a>(&'a Feed);
+
+impl Drop for ClosingFeed<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
 /// One checkpoint write: save, then prune.
 struct Job {
     root: PathBuf,
@@ -287,6 +390,27 @@ impl Job {
                         r?;
                     }
                 }
+            }
+            Ok(())
+        })?;
+        state::prune(&self.root, self.keep_last)?;
+        Ok(dir)
+    }
+
+    /// Writes checkpoint `st` from the windows staged in `feed`, in their order.
+    fn write_fed(
+        &self,
+        st: &TrainState,
+        feed: &Feed,
+        contents: CheckpointContents,
+    ) -> Result<PathBuf> {
+        let _closing = ClosingFeed(feed);
+        let layout = &self.layout;
+        let dir = state::save_with(&self.root, st, layout, &self.export, contents, |files| {
+            while let Some((b, window, staged)) = feed.next()? {
+                let r = files.write_window(b, window, &staged);
+                feed.written(staged);
+                r?;
             }
             Ok(())
         })?;
@@ -429,6 +553,71 @@ mod tests {
             }
             std::fs::remove_dir_all(&dir).unwrap();
         }
+    }
+
+    /// A checkpoint staged window by window (1000 elements, dividing no block) through a
+    /// staging area of 4 pages, so that each window waits for the writer to free the last
+    /// one's, has every file's bytes of one written from the whole state at once; its pages
+    /// all come back, and a gather that stops short leaves no checkpoint.
+    #[test]
+    fn fed_windows_write_the_bytes_of_a_whole_state() {
+        let l = layout();
+        let n = l.total;
+        let (dir, export) = scratch("fed");
+        let val = |i: usize, k: u32| (i as f32 * 0.37 + k as f32).sin();
+        let master: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
+        let m: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
+        let v: Vec<f32> = (0..n).map(|i| val(i, 3).abs()).collect();
+        let live = Tensors {
+            master: MasterRef::F32(&master),
+            m: MasterRef::F32(&m),
+            v: MasterRef::F32(&v),
+        };
+        let full = CheckpointContents::Full;
+        let want =
+            state::save(&dir.join("whole"), &state(1, &l), &l, &live, &export, full).unwrap();
+        let mut w = Writer::new(dir.join("fed"), 2, l.clone(), export, 16 << 10);
+        assert_eq!((w.page, w.page_count), (1024, 4));
+        assert!(w.can_feed(1000, true) && !w.can_feed(2000, true));
+        for complete in [true, false] {
+            let (_, _, feed) = w.start_fed(state(1, &l), full).unwrap();
+            for (b, block) in l.blocks.iter().enumerate() {
+                for lo in (0..block.len)
+                    .step_by(1000)
+                    .take(if complete { usize::MAX } else { 1 })
+                {
+                    let r = lo..(lo + 1000).min(block.len);
+                    let at = block.offset;
+                    feed.stage(b, r.clone(), &live.slice(at + r.start..at + r.end))
+                        .unwrap();
+                }
+            }
+            feed.end(complete, 0.0);
+            match w.finish() {
+                Ok(written) => {
+                    assert!(complete);
+                    let written = written.expect("a write was in flight");
+                    assert_eq!(written.blocks.staged, l.blocks.len());
+                    for f in std::fs::read_dir(&want).unwrap() {
+                        let name = f.unwrap().file_name();
+                        let (a, b) = (want.join(&name), written.dir.join(&name));
+                        assert!(
+                            std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+                            "{} differs",
+                            b.display()
+                        );
+                    }
+                }
+                Err(e) => {
+                    assert!(!complete, "{e}");
+                    assert!(e.to_string().contains("stopped before every block"), "{e}");
+                }
+            }
+            assert_eq!(w.pages.len(), 4, "every staging page is back");
+        }
+        let left = state::complete(&dir.join("fed")).unwrap();
+        assert_eq!(left.len(), 1, "the incomplete one left nothing: {left:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

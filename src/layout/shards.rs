@@ -15,6 +15,12 @@ use super::Layout;
 /// Elements a piece is a multiple of (64 f32 = 256 bytes, 64 bf16 = 128 bytes).
 pub const ALIGN: usize = 64;
 
+/// Elements of a block node 0 gathers at a time for a checkpoint or the export of a sharded
+/// state (master and moments: 12 bytes each in float32, 0.2 GB): its gather buffers are
+/// this long whatever the block (Qwen3.5-27B's embedding has 1.27e9 elements, 15 GB at 12
+/// bytes), and each window is written at its offsets before the next is gathered.
+pub const GATHER_WINDOW: usize = 1 << 24;
+
 /// The pieces of every block for N nodes, and where node `rank`'s pieces sit in its local
 /// buffers.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -12,9 +12,9 @@
 //! holds all of the state, as one node does, and the gradient is summed with a
 //! reduce-scatter and an all-gather of the gradient.
 //!
-//! A checkpoint or the export of a sharded state is gathered on node 0 one block at a time:
-//! node 0 holds one block of the master and moments more, the largest block x (master +
-//! moments) bytes per element ([`HostPlan::sharded`]'s `gather`).
+//! A checkpoint or the export of a sharded state is gathered on node 0 a window of a block
+//! at a time ([`GATHER_WINDOW`] elements at most): node 0 holds that much of the master and
+//! moments more, (master + moments) bytes per element ([`HostPlan::sharded`]'s `gather`).
 //!
 //! Traffic per node and step, each way over its link, with ring algorithms: a reduce-scatter
 //! or an all-gather of B bytes moves (N-1)/N x B.
@@ -22,20 +22,21 @@
 use super::HostPlan;
 use crate::config::MasterWeights;
 use crate::layout::Layout;
-use crate::layout::shards::Shards;
+use crate::layout::shards::{GATHER_WINDOW, Shards};
 
 impl HostPlan {
     /// The plan of node 0 of `nodes` (the largest): its shard of the master weights and
     /// moments (the most any node owns: pieces are rounded up to whole SIMD runs,
-    /// [`crate::layout::shards`]), and its buffers to gather one block of them, the
-    /// largest, for a checkpoint or the export.
+    /// [`crate::layout::shards`]), and its buffers to gather a window of a block of them
+    /// for a checkpoint or the export: [`GATHER_WINDOW`] elements, or the largest block
+    /// where that is shorter.
     pub fn sharded(self, layout: &Layout, nodes: usize) -> HostPlan {
         let elems = Shards::most(layout, nodes) as u64;
         let per_elem = self.master_bytes_per_elem() + 2 * self.opts.moments.size() as u64;
         HostPlan {
             master: self.master_bytes_per_elem() * elems,
             adam: 2 * self.opts.moments.size() as u64 * elems,
-            gather: per_elem * layout.max_block_len() as u64,
+            gather: per_elem * layout.max_block_len().min(GATHER_WINDOW) as u64,
             ..self
         }
     }
@@ -68,7 +69,7 @@ pub struct NodesPlan {
     pub sharded_step_bytes: u64,
     /// Node 0's host bytes with the sharded state, all told ([`HostPlan::sharded`]).
     pub sharded_node_bytes: u64,
-    /// Of which node 0's buffers to gather one block of the master and moments.
+    /// Of which node 0's buffers to gather a window of a block of the master and moments.
     pub sharded_gather_bytes: u64,
 }
 
@@ -122,7 +123,7 @@ impl std::fmt::Display for NodesPlan {
         )?;
         writeln!(
             f,
-            "  node 0 with the state sharded: {:.2} GB of host memory, of which {:.2} GB to gather a checkpoint one block at a time (the largest block's master and moments)",
+            "  node 0 with the state sharded: {:.2} GB of host memory, of which {:.2} GB to gather a checkpoint a window at a time (up to 2^24 elements of a block's master and moments)",
             gb(self.sharded_node_bytes),
             gb(self.sharded_gather_bytes)
         )?;

@@ -12,11 +12,14 @@
 //! order), piece after piece in rank order.
 //!
 //! A checkpoint or the exported model needs the whole master: node 0 gathers it (and the
-//! moments) one block at a time into buffers of the largest block's size and writes each
-//! block before gathering the next ([`HostState::gather_blocks`]), in the format one node
-//! writes, so a checkpoint of a sharded run resumes on any number of nodes (each node reads
-//! its pieces of the whole state: [`HostState::restore_sharded`]). Node 0 holds one block of
-//! the master and moments beyond its share, never a whole copy.
+//! moments) block by block, each block in windows of at most [`GATHER_WINDOW`] elements
+//! (`$MT_GATHER_WINDOW` in tests), and writes each window at its offsets before gathering
+//! the next ([`HostState::gather_blocks`]), in the format one node writes, so a checkpoint
+//! of a sharded run resumes on any number of nodes (each node reads its pieces of the whole
+//! state: [`HostState::restore_sharded`]). Node 0 holds one window of the master and
+//! moments beyond its share (0.2 GB in float32), never a whole block: the largest blocks
+//! (a 27B model's embedding: 1.27e9 elements, 15 GB at 12 bytes) would otherwise set its
+//! peak.
 
 use std::ops::Range;
 use std::sync::atomic::AtomicU64;
@@ -26,7 +29,7 @@ use half::bf16;
 use mt::checkpoint::state::{BlockValues, Field, Saved, Tensors, TrainState};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::layout::Layout;
-use mt::layout::shards::{Shards, piece};
+use mt::layout::shards::{GATHER_WINDOW, Shards, piece, windows};
 use mt::optim::StoreOut;
 use mt::reduce::GradElem;
 use mt::shm::huge::zeroed;
@@ -34,8 +37,8 @@ use mt::shm::huge::zeroed;
 use super::{AdamMoments, Grad, HostState, Master, store_bf16, sum_sq};
 use crate::mpi::{Elem, Mpi};
 
-/// One block of the master or a moment, gathered on node 0 (the largest block's size,
-/// reused block after block; empty on the other nodes).
+/// One window of a block of the master or a moment, gathered on node 0 (the largest
+/// window's size, reused window after window; empty on the other nodes).
 enum Whole {
     F32(Vec<f32>),
     U16(Vec<u16>),
@@ -59,8 +62,9 @@ impl Whole {
         }
     }
 
-    /// Gathers each rank's piece of a block (this rank's: elements `l` of `local`) into
-    /// the first `keep` elements (the block on node 0, none elsewhere).
+    /// Gathers each rank's part of a window (this rank's: elements `l` of `local`; `parts`
+    /// within the window) into the first `keep` elements (the window on node 0, none
+    /// elsewhere).
     fn gather(
         &mut self,
         mpi: &Mpi,
@@ -68,17 +72,13 @@ impl Whole {
         local: &Local,
         l: Range<usize>,
         keep: usize,
-        pieces: &[Range<usize>],
+        parts: &[Range<usize>],
     ) -> Result<()> {
         match (local, self) {
-            (Local::F32(x), Whole::F32(a)) => {
-                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
-            }
-            (Local::U16(x), Whole::U16(a)) => {
-                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
-            }
+            (Local::F32(x), Whole::F32(a)) => mpi.gather_pieces(what, &x[l], &mut a[..keep], parts),
+            (Local::U16(x), Whole::U16(a)) => mpi.gather_pieces(what, &x[l], &mut a[..keep], parts),
             (Local::Bf16(x), Whole::Bf16(a)) => {
-                mpi.gather_pieces(what, &x[l], &mut a[..keep], pieces)
+                mpi.gather_pieces(what, &x[l], &mut a[..keep], parts)
             }
             _ => unreachable!("a gathered block has its pieces' dtype"),
         }
@@ -94,8 +94,28 @@ impl Whole {
     }
 }
 
-/// Where [`HostState::gather_blocks`] hands node 0 each block's values.
-pub type WriteBlock<'a> = &'a mut dyn FnMut(usize, &dyn BlockValues) -> mt::Result<()>;
+/// Where [`HostState::gather_blocks`] hands node 0 each window's values: the block, the
+/// window's elements within it, and their values (element 0 is the window's first).
+pub type WriteWindow<'a> =
+    &'a mut dyn FnMut(usize, Range<usize>, &dyn BlockValues) -> mt::Result<()>;
+
+/// Test hook: a gather window shorter than [`GATHER_WINDOW`] ([`gather_window`]).
+const ENV_GATHER_WINDOW: &str = "MT_GATHER_WINDOW";
+
+/// Elements node 0 gathers at a time: [`GATHER_WINDOW`], or `$MT_GATHER_WINDOW` where a
+/// test sets a shorter one (the test models' blocks are far below 2^24 elements, so only
+/// this makes their blocks gather in several windows). Every rank must read the same.
+fn gather_window() -> Result<usize> {
+    let Ok(v) = std::env::var(ENV_GATHER_WINDOW) else {
+        return Ok(GATHER_WINDOW);
+    };
+    match v.parse::<usize>() {
+        Ok(n) if (1..=GATHER_WINDOW).contains(&n) => Ok(n),
+        _ => anyhow::bail!(
+            "{ENV_GATHER_WINDOW}={v}: expected a count of elements from 1 to {GATHER_WINDOW}"
+        ),
+    }
+}
 
 impl HostState {
     /// Whether the master and moments hold this node's pieces only.
@@ -241,21 +261,33 @@ impl HostState {
         Ok(saved.state)
     }
 
-    /// Gathers every block's master (and with `moments`, m and v) on node 0, one block
-    /// after another in layout order, into buffers of the largest block's size, and hands
-    /// each block's values to `write` there (`None` on the other nodes, which send their
-    /// pieces). Every node makes every block's gathers whatever `write` returns: after its
-    /// first error node 0 only gathers, so no node waits in a gather node 0 skipped. The
-    /// outer error is a failed gather (every node fails); the inner one `write`'s first.
+    /// The longest window [`HostState::gather_blocks`] gathers: the gather window, or the
+    /// largest block where that is shorter.
+    pub fn gather_window_len(&self) -> Result<usize> {
+        Ok(self.layout.max_block_len().min(gather_window()?))
+    }
+
+    /// Gathers every block's master (and with `moments`, m and v) on node 0, block after
+    /// block in layout order, each in windows of at most [`gather_window`] elements into
+    /// buffers of that size, and hands each window's values to `write` there before the
+    /// next window is gathered (`None` on the other nodes, which send their parts). Every
+    /// node makes every window's gathers whatever `write` returns: after its first error
+    /// node 0 only gathers, so no node waits in a gather node 0 skipped. The outer error is
+    /// a failed gather (every node fails); the inner one `write`'s first.
     pub fn gather_blocks(
         &mut self,
         moments: bool,
-        mut write: Option<WriteBlock>,
+        mut write: Option<WriteWindow>,
     ) -> Result<mt::Result<()>> {
         self.settle_moments();
+        let window = gather_window()?;
         let (shards, mpi) = self.shards.as_ref().expect("sharded");
         let lead = mpi.rank == 0;
-        let n = if lead { self.layout.max_block_len() } else { 0 };
+        let n = if lead {
+            self.layout.max_block_len().min(window)
+        } else {
+            0
+        };
         let store = self.store.bf16();
         let master = match &self.master {
             Master::F32(x) => Some(Local::F32(x.as_slice())),
@@ -278,40 +310,55 @@ impl HostState {
         let mut written = Ok(());
         for b in 0..self.layout.blocks.len() {
             let (pieces, l) = (self.pieces(b, mpi.size), shards.local_range(b));
-            let (range, len) = (self.layout.blocks[b].range(), self.layout.blocks[b].len);
-            let keep = if lead { len } else { 0 };
-            let what = format!("the state gather of block {b}");
-            for (f, buf) in fields.iter().zip(&mut bufs) {
-                buf.gather(mpi, &what, f, l.clone(), keep, &pieces)?;
-            }
-            let Some(write) = write.as_mut().filter(|_| written.is_ok()) else {
-                continue;
-            };
-            let mut got = bufs.iter();
-            let hi = || &store.expect("a split or bf16 master has a bf16 store")[range.clone()];
-            let master = match &self.master {
-                Master::F32(_) => match got.next() {
-                    Some(Whole::F32(x)) => MasterRef::F32(&x[..len]),
-                    _ => unreachable!("an fp32 master is gathered in fp32"),
-                },
-                Master::Split(_) => match got.next() {
-                    Some(Whole::U16(lo)) => MasterRef::Split {
-                        hi: hi(),
-                        lo: &lo[..len],
+            let at = self.layout.blocks[b].offset;
+            for w in windows(&pieces, window) {
+                // Each rank's part within the window, and this rank's in its local buffers.
+                let parts: Vec<Range<usize>> = w
+                    .parts
+                    .iter()
+                    .map(|p| p.start - w.range.start..p.end - w.range.start)
+                    .collect();
+                let mine = w.within(mpi.rank, &pieces[mpi.rank]);
+                let local = l.start + mine.start..l.start + mine.end;
+                let (len, keep) = (w.range.len(), if lead { w.range.len() } else { 0 });
+                let what = format!(
+                    "the state gather of block {b} (elements {}..{})",
+                    w.range.start, w.range.end
+                );
+                for (f, buf) in fields.iter().zip(&mut bufs) {
+                    buf.gather(mpi, &what, f, local.clone(), keep, &parts)?;
+                }
+                let Some(write) = write.as_mut().filter(|_| written.is_ok()) else {
+                    continue;
+                };
+                let mut got = bufs.iter();
+                let global = at + w.range.start..at + w.range.end;
+                let hi =
+                    || &store.expect("a split or bf16 master has a bf16 store")[global.clone()];
+                let master = match &self.master {
+                    Master::F32(_) => match got.next() {
+                        Some(Whole::F32(x)) => MasterRef::F32(&x[..len]),
+                        _ => unreachable!("an fp32 master is gathered in fp32"),
                     },
-                    _ => unreachable!("a split master's low halves are gathered"),
-                },
-                Master::Bf16 { .. } => MasterRef::Bf16(hi()),
-            };
-            let values = match (got.next(), got.next()) {
-                (Some(m), Some(v)) => Tensors {
-                    master,
-                    m: m.moment(len),
-                    v: v.moment(len),
-                },
-                _ => Tensors::master_only(master),
-            };
-            written = write(b, &values);
+                    Master::Split(_) => match got.next() {
+                        Some(Whole::U16(lo)) => MasterRef::Split {
+                            hi: hi(),
+                            lo: &lo[..len],
+                        },
+                        _ => unreachable!("a split master's low halves are gathered"),
+                    },
+                    Master::Bf16 { .. } => MasterRef::Bf16(hi()),
+                };
+                let values = match (got.next(), got.next()) {
+                    (Some(m), Some(v)) => Tensors {
+                        master,
+                        m: m.moment(len),
+                        v: v.moment(len),
+                    },
+                    _ => Tensors::master_only(master),
+                };
+                written = write(b, w.range.clone(), &values);
+            }
         }
         Ok(written)
     }

@@ -13,8 +13,13 @@
 //! next forward reads it ([`crate::host`]'s `shard`); replicated or sharded, the gradient,
 //! its norm and so the training are the same bits.
 
+use std::ops::Range;
+use std::time::Instant;
+
 use anyhow::{Context, Result, bail};
 use mt::checkpoint::export::ExportFiles;
+use mt::checkpoint::fed::Feed;
+use mt::checkpoint::state::BlockValues;
 use mt::config::{CheckpointContents, RunConfig, Stage};
 use mt::data::StepPlan;
 use mt::layout::Layout;
@@ -136,22 +141,32 @@ impl Trainer {
         Ok(())
     }
 
-    /// [`Trainer::checkpoint`] of a sharded state, before the step loop goes on: node 0
-    /// gathers the master (and moments) one block at a time and writes each block as one
-    /// node would; the other nodes send their pieces. Every node runs every block's gather,
-    /// even where node 0 could not create or write the files (it reports that after).
+    /// [`Trainer::checkpoint`] of a sharded state: node 0 gathers the master (and moments) a
+    /// window of a block at a time, the other nodes send their parts. A periodic checkpoint
+    /// whose windows fit node 0's staging area is written from there in the background
+    /// ([`Trainer::checkpoint_in_background`]); the last one (or any, without a staging
+    /// area) is written window by window before the step loop goes on, the files one node
+    /// would write. Every node runs every window's gather, even where node 0 could not
+    /// create or write the files (it reports that after).
     pub(super) fn checkpoint_sharded(&mut self, done: u64, last: bool) -> Result<()> {
         let ck = &self.cfg.checkpoint;
         let Some(contents) = ck.dir.as_ref().and(ck.due(done, last)) else {
-            return Ok(());
+            // Node 0: a background write completed (or failed) meanwhile.
+            let Some(writer) = self.writer.as_mut() else {
+                return Ok(());
+            };
+            let root = writer.root().display().to_string();
+            let written = writer.poll().with_context(|| failed(&root))?;
+            return self.report_written(written.into_iter().collect());
         };
         let moments = contents == CheckpointContents::Full;
         let Some(writer) = self.writer.as_mut() else {
             return self.host.gather_blocks(moments, None)?.map_err(Into::into);
         };
+        if !last && writer.can_feed(self.host.gather_window_len()?, moments) {
+            return self.checkpoint_in_background(done, contents);
+        }
         let root = writer.root().display().to_string();
-        let failed =
-            || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
         let state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
@@ -161,7 +176,7 @@ impl Trainer {
         let written = writer.write_now(&state, contents, |files| {
             gathered = true;
             let mut write =
-                |b: usize, v: &dyn mt::checkpoint::state::BlockValues| files.write_block(b, v);
+                |b: usize, w: Range<usize>, v: &dyn BlockValues| files.write_window(b, w, v);
             host.gather_blocks(moments, Some(&mut write))
                 .unwrap_or_else(|e| {
                     let msg = format!("{e:#}");
@@ -175,9 +190,50 @@ impl Trainer {
         if !gathered {
             host.gather_blocks(moments, None)??;
         }
-        let written = written.with_context(failed)?;
+        let written = written.with_context(|| failed(&root))?;
         let waited: f64 = written.iter().map(|w| w.stall_s).sum();
         self.checkpoint_wait_s += waited;
+        self.report_written(written)
+    }
+
+    /// [`Trainer::checkpoint_sharded`] in the background (node 0): every window is gathered
+    /// into the writer's staging area (waiting for the writer only while it is full), and
+    /// the writer thread writes them while training goes on. The step loop waits for the
+    /// gathers, which every node must make before any block changes, not for the disk.
+    fn checkpoint_in_background(&mut self, done: u64, contents: CheckpointContents) -> Result<()> {
+        let moments = contents == CheckpointContents::Full;
+        let state = self
+            .host
+            .train_state(done, self.nan_run, schedule(&self.cfg));
+        let writer = self.writer.as_mut().expect("node 0 writes checkpoints");
+        let root = writer.root().display().to_string();
+        let (waited, written, feed) = match writer.start_fed(state, contents) {
+            Ok(started) => started,
+            Err(e) => {
+                // The other nodes gather every window all the same.
+                self.host.gather_blocks(moments, None)??;
+                return Err(anyhow::Error::from(e).context(failed(&root)));
+            }
+        };
+        let mut ending = Ending {
+            feed: &feed,
+            since: Instant::now(),
+            complete: false,
+        };
+        let mut stage = |b: usize, w: Range<usize>, v: &dyn BlockValues| feed.stage(b, w, v);
+        let staged = self.host.gather_blocks(moments, Some(&mut stage))?;
+        ending.complete = staged.is_ok();
+        let spent = ending.since.elapsed().as_secs_f64();
+        drop(ending);
+        if let Err(e) = staged {
+            // The writer stopped: its own error says why.
+            writer.finish().with_context(|| failed(&root))?;
+            return Err(anyhow::Error::from(e).context(failed(&root)));
+        }
+        self.checkpoint_wait_s += waited + spent;
+        self.progress.println(&format!(
+            "checkpoint of step {done}: gathered in {spent:.3}s, writing in the background"
+        ));
         self.report_written(written)
     }
 
@@ -190,6 +246,26 @@ impl Trainer {
         let any = m.max_i64("the stop check", mine.map_or(0, |s| s as i64))?;
         Ok(nix::sys::signal::Signal::try_from(any as i32).ok())
     }
+}
+
+/// Ends a checkpoint's feed when the step loop is done with it, however it is: complete
+/// only where every window was staged, else the writer fails the checkpoint.
+struct Ending<'a> {
+    feed: &'a Feed,
+    since: Instant,
+    complete: bool,
+}
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        let spent = self.since.elapsed().as_secs_f64();
+        self.feed.end(self.complete, spent);
+    }
+}
+
+/// What a failed checkpoint under `root` says.
+fn failed(root: &str) -> String {
+    format!("checkpoint under {root} failed (complete checkpoints there are kept)")
 }
 
 /// Refuses what several nodes do not support yet: DPO and GRPO; `--dump-grads` with the
@@ -226,21 +302,27 @@ pub(super) fn shards(
     Some((Shards::new(layout, m.size, m.rank), m))
 }
 
-/// The host plan of one node of a sharded run: 1/N of the master and moments, node 0's
-/// buffers to gather one block of them for a checkpoint or the export, and no staging area
-/// (node 0 writes a checkpoint block by block as it gathers it, before training goes on).
+/// The host plan of one node of a sharded run: 1/N of the master and moments, and on node
+/// 0 its buffers to gather a window of a block of them for a checkpoint or the export and
+/// the staging area background checkpoints are gathered into; the other nodes only send,
+/// and hold neither.
 pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
-        prepared.plan = prepared
-            .plan
-            .sharded(&prepared.layout, m.size)
-            .without_staging();
+        let sharded = prepared.plan.sharded(&prepared.layout, m.size);
+        prepared.plan = match m.rank {
+            0 => sharded,
+            _ => mt::plan::HostPlan {
+                gather: 0,
+                ..sharded.without_staging()
+            },
+        };
     }
 }
 
 /// Writes the trained model to `training.output_dir` (node 0); a sharded master is gathered
-/// on node 0 one block at a time, each written before the next, every node sending its
-/// pieces of every block (even where node 0 could not create or write the files).
+/// on node 0 a window of a block at a time, each written before the next, every node
+/// sending its parts of every window (even where node 0 could not create or write the
+/// files).
 pub(super) fn export(
     cfg: &RunConfig,
     host: &mut HostState,
@@ -262,8 +344,8 @@ pub(super) fn export(
     }
     let layout = host.layout.clone();
     let files = ExportFiles::create(out, &layout, export);
-    let mut write = |b: usize, v: &dyn mt::checkpoint::state::BlockValues| match &files {
-        Ok(f) => f.write_block(b, v),
+    let mut write = |b: usize, w: Range<usize>, v: &dyn BlockValues| match &files {
+        Ok(f) => f.write_window(b, w, v),
         // Reported below; the gathers go on.
         Err(_) => Ok(()),
     };

@@ -5,6 +5,7 @@
 mod compare;
 pub mod fixture;
 mod leftovers;
+pub mod mpi;
 mod samples;
 mod stages;
 #[allow(unused_imports)]

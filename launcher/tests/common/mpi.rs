@@ -1,0 +1,75 @@
+//! Running launchers under mpirun for the multi-node tests (`nodes.rs`,
+//! `nodes_checkpoint.rs`): where mpirun is absent they are skipped with a message, except in
+//! CI (`CI=true`), where scripts/setup.sh installs OpenMPI and they must run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use super::{launcher, run};
+
+/// One multi-node test at a time: each starts several launchers and workers, and the fault
+/// tests time how fast every rank stops, which other runs competing for the cores would
+/// blur (CI's machine has 2 cores).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// `mpirun` and the lock that serializes these tests, or `None` (with the reason printed)
+/// where the test may be skipped.
+pub fn mpirun() -> Option<(PathBuf, std::sync::MutexGuard<'static, ()>)> {
+    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join("mpirun"))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI must run the multi-node tests: mpirun is missing (scripts/setup.sh installs OpenMPI)"
+        );
+        eprintln!("skipped: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)");
+    }
+    let lock = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    found.map(|m| (m, lock))
+}
+
+/// `mpirun -np ranks mt-launch --gpus 0 --workers W <args>`, as root too, with more ranks
+/// than cores.
+pub fn mpi_command(mpirun: &Path, ranks: usize, workers: usize, args: &[&str]) -> Command {
+    let mut cmd = Command::new(mpirun);
+    cmd.args(["--oversubscribe", "-np", &ranks.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        // OpenMPI 4 over shared memory only: no network probing on a CI box.
+        .env("OMPI_MCA_btl", "self,vader")
+        .arg(launcher())
+        .args(["--gpus", "0", "--workers", &workers.to_string()])
+        .args(args);
+    cmd
+}
+
+/// Runs `ranks` launchers of `workers` CPU workers each with `args` to completion: one
+/// directly (`env` is then ignored, as the one-node baselines need none), several under
+/// mpirun with `env` set.
+pub fn launch(
+    mpirun: &Path,
+    ranks: usize,
+    workers: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Output {
+    match ranks {
+        1 => run(&[&["--gpus", "0", "--workers", &workers.to_string()], args].concat()),
+        _ => mpi_command(mpirun, ranks, workers, args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap(),
+    }
+}
+
+/// Fails with every output of the run `tag` unless it succeeded.
+pub fn assert_mpi_ok(out: &Output, tag: &str) {
+    assert!(
+        out.status.success(),
+        "{tag} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
