@@ -6,7 +6,10 @@
 //! On several nodes with `nodes.shard_state` the master weights and moments hold this
 //! node's pieces of every block only ([`mt::layout::shards`]; [`shard`]).
 
+mod passes;
 mod shard;
+
+use passes::{Place, Run, moments_pass, reduce_tensors, update};
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -18,13 +21,10 @@ use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use mt::checkpoint::{MasterMut, MasterRef};
 use mt::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
+use mt::layout::Layout;
 use mt::layout::shards::Shards;
-use mt::layout::{Block, Layout};
-use mt::optim::{
-    AdamWStep, Moments, WeightsMut, adamw_moments, adamw_moments_bf16, adamw_update,
-    adamw_update_bf16_master, adamw_update_bf16_moments, adamw_update_split,
-};
-use mt::reduce::{GradAcc, GradElem};
+use mt::optim::{AdamWStep, Moments};
+use mt::reduce::GradElem;
 use mt::shm::host::{GradSlabs, Store};
 use mt::shm::huge::zeroed;
 use mt::shm::lent::Buf;
@@ -544,36 +544,6 @@ impl HostState {
     }
 }
 
-impl HostState {
-    /// The runs of block `block` ([`Block::runs`]) as far as this node owns them. AdamW
-    /// is elementwise (a bf16 master or moments round by layout index), so a run gives the
-    /// bits its tensors give one by one, in one parallel pass instead of one per tensor.
-    fn runs(&self, block: usize) -> Vec<Run> {
-        let shards = self.shards.as_ref().map(|s| &s.0);
-        let runs = self.layout.blocks[block].runs();
-        runs.into_iter()
-            .filter_map(|(r, decay)| {
-                let (range, local) = owned(shards, block, r)?;
-                Some(Run {
-                    range,
-                    local,
-                    decay,
-                })
-            })
-            .collect()
-    }
-}
-
-/// Adjacent elements of a block that one AdamW call updates ([`HostState::runs`]).
-#[derive(Debug, Clone, PartialEq)]
-struct Run {
-    /// Layout indices.
-    range: std::ops::Range<usize>,
-    /// Where they start in the master and moments.
-    local: usize,
-    decay: bool,
-}
-
 impl Drop for HostState {
     fn drop(&mut self) {
         self.release_checkpoint();
@@ -613,128 +583,4 @@ fn sum_sq<G: GradElem + Sync>(x: &[G]) -> f64 {
         })
         .collect();
     parts.iter().sum()
-}
-
-/// Reduces every tensor range of block `b` in `part` into `grad` (the whole model's
-/// accumulator): adjacent tensors in one parallel pass each, with the bits of one pass per
-/// tensor ([`GradSlabs::reduce_segments_into`]). Returns Σ g² over them, tensor by tensor
-/// in layout order.
-fn reduce_tensors<D: GradAcc>(
-    slabs: &GradSlabs,
-    b: &Block,
-    part: std::ops::Range<usize>,
-    grad: &mut [D],
-    slots: &[usize],
-    first: bool,
-    last: bool,
-) -> f64 {
-    // (start in the block, tensor lengths) of each stretch of adjacent tensors.
-    let mut runs: Vec<(usize, Vec<usize>)> = Vec::new();
-    for (t, within) in b.part_tensors(part.clone()) {
-        let start = t.offset + within.start;
-        match runs.last_mut() {
-            Some((at, lens)) if *at + lens.iter().sum::<usize>() == start => {
-                lens.push(within.len())
-            }
-            _ => runs.push((start, vec![within.len()])),
-        }
-    }
-    let sums: Vec<f64> = runs
-        .into_iter()
-        .flat_map(|(start, lens)| {
-            let n: usize = lens.iter().sum();
-            let dst = &mut grad[b.offset + start..b.offset + start + n];
-            let in_slot = start - part.start;
-            slabs.reduce_segments_into(dst, slots, in_slot, &lens, first, last)
-        })
-        .collect();
-    sums.iter().sum()
-}
-
-/// Where a run of elements is: its layout index (the store, the gradient, the bits of
-/// stochastic rounding) and its index in the master and moments (the same, unless they
-/// hold this node's pieces only).
-#[derive(Clone, Copy)]
-struct Place {
-    global: usize,
-    local: usize,
-}
-
-/// Layout range `r` of block `block` as far as this node updates it, and where that
-/// starts in the master and moments; `None` where this node owns none of it.
-fn owned(
-    shards: Option<&Shards>,
-    block: usize,
-    r: std::ops::Range<usize>,
-) -> Option<(std::ops::Range<usize>, usize)> {
-    let Some(s) = shards else {
-        return Some((r.clone(), r.start));
-    };
-    let mine = s.mine(block);
-    let r = r.start.max(mine.start)..r.end.min(mine.end);
-    (r.start < r.end).then(|| (r.clone(), s.local(block, r.start)))
-}
-
-/// AdamW on `g.len()` elements at `at` of the master, the store and the moments.
-#[allow(clippy::too_many_arguments)]
-fn update<G: GradElem>(
-    master: &mut Master,
-    store: &mut Store,
-    adam: &mut AdamMoments,
-    g: &[G],
-    at: Place,
-    hp: &AdamWStep,
-    decay: bool,
-    moments: Moments,
-) {
-    let (start, r) = (at.global, at.global..at.global + g.len());
-    let l = at.local..at.local + g.len();
-    let (m, v, seed) = match adam {
-        AdamMoments::F32 { m, v } => {
-            let (m, v) = (m.range_mut(l.clone()), v.range_mut(l.clone()));
-            return match master {
-                Master::F32(p) => {
-                    let s = store.out_mut(r.clone());
-                    adamw_update(p.range_mut(l), g, m, v, s, hp, decay, moments)
-                }
-                Master::Split(lo) => {
-                    let hi = store_bf16(store, r.clone());
-                    adamw_update_split(hi, lo.range_mut(l), g, m, v, hp, decay, moments)
-                }
-                Master::Bf16 { seed } => {
-                    let p = store_bf16(store, r);
-                    let at = start as u64;
-                    adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, at, moments)
-                }
-            };
-        }
-        AdamMoments::Bf16 { m, v, seed } => (m.range_mut(l.clone()), v.range_mut(l.clone()), *seed),
-    };
-    let w = match master {
-        Master::F32(p) => WeightsMut::F32 {
-            p: p.range_mut(l),
-            store: store.out_mut(r),
-        },
-        Master::Split(lo) => WeightsMut::Split {
-            hi: store_bf16(store, r.clone()),
-            lo: lo.range_mut(l),
-        },
-        Master::Bf16 { seed } => WeightsMut::Bf16 {
-            p: store_bf16(store, r),
-            seed: *seed,
-        },
-    };
-    adamw_update_bf16_moments(w, g, m, v, hp, decay, seed, start as u64, moments)
-}
-
-/// The moments pass of update `hp` on `g.len()` elements at `at`.
-fn moments_pass<G: GradElem>(adam: &mut AdamMoments, g: &[G], at: Place, hp: &AdamWStep) {
-    let (start, r) = (at.global, at.local..at.local + g.len());
-    match adam {
-        AdamMoments::F32 { m, v } => adamw_moments(g, m.range_mut(r.clone()), v.range_mut(r), hp),
-        AdamMoments::Bf16 { m, v, seed } => {
-            let (m, v) = (m.range_mut(r.clone()), v.range_mut(r));
-            adamw_moments_bf16(g, m, v, hp, *seed, start as u64)
-        }
-    }
 }
