@@ -494,11 +494,13 @@ fn a_hung_rank_stops_every_rank_after_the_timeout() {
     let host = hostname();
     // Stopped outside a collective, rank 1 is named by rank 0 at the next one; stopped inside
     // one (where a launcher of this tiny model spends some of its time), rank 0's watchdog
-    // names the collective, which every rank had reached.
+    // names the collective, which every rank had reached: the gradient exchange of a block,
+    // or the weights exchange (the store's all-gather), the norm or the loss gather.
     let missing = format!("rank 0 of 2 on {host}): error: rank 1 (on {host}) did not reach");
-    let inside = format!("rank 0 of 2 on {host}): error: the gradient exchange");
+    let inside = format!("rank 0 of 2 on {host}): error: the ");
+    let reached = format!("waited more than {timeout} s after every rank had reached it");
     assert!(
-        (text.contains(&missing) || text.contains(&inside))
+        (text.contains(&missing) || (text.contains(&inside) && text.contains(&reached)))
             && text.contains(&format!("{timeout} s")),
         "the output must say rank 0 found rank 1 (and its host) missing at a collective, or \
          stuck in one:\n{text}"
