@@ -307,66 +307,6 @@ fn dump_grads_with_a_sharded_state_is_refused() {
     assert!(!dump.exists());
 }
 
-/// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits
-/// as the run that went straight through; so does the same checkpoint resumed on one node
-/// of two workers, or on two nodes with the state replicated (the checkpoint holds the
-/// whole state, gathered and written by node 0, so any number of nodes, sharded or not,
-/// resumes it, each node reading its pieces; two one-worker nodes and one two-worker node
-/// add the same two slabs in the same order).
-#[test]
-fn two_node_checkpoint_resumes_exactly() {
-    let Some((mpi, _one)) = mpirun() else {
-        return;
-    };
-    let config = golden_dir().join("llama/run.yaml");
-    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>, extra: &[&str]| {
-        let dir = scratch(&format!("nodes-resume-{tag}"));
-        let (ck_set, out_set, steps_set) = (
-            format!("checkpoint.dir={}", dir.join("ck").display()),
-            format!("training.output_dir={}", dir.join("model").display()),
-            format!("training.num_steps={steps}"),
-        );
-        let mut args = vec![
-            "--config",
-            path_str(&config),
-            "--set",
-            &ck_set,
-            "--set",
-            "checkpoint.every_steps=2",
-            "--set",
-            &out_set,
-            "--set",
-            &steps_set,
-        ];
-        if let Some(from) = resume {
-            args.extend(["--resume", path_str(from)]);
-        }
-        args.extend(extra);
-        let workers = if ranks == 1 { 2 } else { 1 };
-        let out = launch(&mpi, ranks, workers, &args, &[]);
-        assert_mpi_ok(&out, tag);
-        (
-            tensors(&dir.join("model/model.safetensors")),
-            dir.join("ck"),
-        )
-    };
-    let (straight, _) = run_to("straight", 2, 4, None, &[]);
-    let (_, ck) = run_to("first", 2, 2, None, &[]);
-    let (newest, step2) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
-    assert_eq!(newest, 2);
-    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2), &[]);
-    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2), &[]);
-    let replicated = ["--set", "nodes.shard_state=false"];
-    let (whole, _) = run_to("resumed-replicated", 2, 4, Some(&step2), &replicated);
-    for (other, how) in [
-        (&resumed, "on two nodes"),
-        (&on_one, "on one node"),
-        (&whole, "on two nodes, replicated"),
-    ] {
-        assert_same_bits(&straight, other, &format!("resumed {how}: "));
-    }
-}
-
 /// Starts a long two-rank run (one worker each), its output in `<scratch>/out.log`; waits
 /// until it has finished a step. Returns mpirun, the log, and each rank's launcher pid.
 fn start_long(mpi: &Path, tag: &str, extra: &[&str]) -> (Child, PathBuf, Vec<u32>) {

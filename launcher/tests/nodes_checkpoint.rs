@@ -266,3 +266,46 @@ fn a_bad_gather_window_is_named() {
         "{err}"
     );
 }
+
+/// A two-node run checkpointed after step 2 and resumed to step 4 ends with the same bits
+/// as the run that went straight through; so does the same checkpoint resumed on one node
+/// of two workers, or on two nodes with the state replicated (the checkpoint holds the
+/// whole state, gathered and written by node 0, so any number of nodes, sharded or not,
+/// resumes it, each node reading its pieces; two one-worker nodes and one two-worker node
+/// add the same two slabs in the same order).
+#[test]
+fn two_node_checkpoint_resumes_exactly() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let run_to = |tag: &str, ranks: usize, steps: u64, resume: Option<&Path>, extra: &[&str]| {
+        let (dir, _) = run_on(
+            &mpi,
+            ranks,
+            &format!("resume-{tag}"),
+            steps,
+            resume,
+            extra,
+            &[],
+        );
+        (
+            tensors(&dir.join("model/model.safetensors")),
+            dir.join("ck"),
+        )
+    };
+    let (straight, _) = run_to("straight", 2, 4, None, &[]);
+    let (_, ck) = run_to("first", 2, 2, None, &[]);
+    let (newest, step2) = mt::checkpoint::state::complete(&ck).unwrap().pop().unwrap();
+    assert_eq!(newest, 2);
+    let (resumed, _) = run_to("resumed", 2, 4, Some(&step2), &[]);
+    let (on_one, _) = run_to("resumed-on-one", 1, 4, Some(&step2), &[]);
+    let replicated = ["--set", "nodes.shard_state=false"];
+    let (whole, _) = run_to("resumed-replicated", 2, 4, Some(&step2), &replicated);
+    for (other, how) in [
+        (&resumed, "on two nodes"),
+        (&on_one, "on one node"),
+        (&whole, "on two nodes, replicated"),
+    ] {
+        assert_same_bits(&straight, other, &format!("resumed {how}: "));
+    }
+}

@@ -85,35 +85,40 @@ pub struct Staged {
 impl Staged {
     /// Copies `live` (one block's elements) into `pages` (in parallel): the master, and the
     /// moments if `moments`.
-    fn copy(mut pages: Vec<Vec<f32>>, live: &Tensors, moments: bool) -> Staged {
-        let n = live.master.len();
-        let page = pages.first().map_or(1, Vec::len);
-        let per_field = n.div_ceil(page);
-        let mut fields: Vec<Vec<Vec<f32>>> = (0..if moments { 3 } else { 1 })
-            .map(|_| pages.drain(..per_field).collect())
-            .collect();
-        let of = [Field::Master, Field::M, Field::V];
-        fields.par_iter_mut().zip(of).for_each(|(f, field)| {
-            f.par_iter_mut().enumerate().for_each(|(i, p)| {
-                let r = i * page..((i + 1) * page).min(n);
-                let out = &mut p[..r.len()];
-                match field {
-                    Field::Master => live.master.slice(r).read_into(out),
-                    Field::M => live.m.slice(r).read_into(out),
-                    Field::V => live.v.slice(r).read_into(out),
-                }
-            })
-        });
-        Staged { page, fields }
+    fn copy(pages: Vec<Vec<f32>>, live: &Tensors, moments: bool) -> Staged {
+        Staged::fill(
+            pages,
+            live.master.len(),
+            moments,
+            |field, r, out| match field {
+                Field::Master => live.master.slice(r).read_into(out),
+                Field::M => live.m.slice(r).read_into(out),
+                Field::V => live.v.slice(r).read_into(out),
+            },
+        )
     }
 
     /// Copies elements `0..n` of `values` (a window of a block, wherever it is held) into
     /// `pages` (in parallel): the master, and the moments if `moments`.
     pub(super) fn from_values(
-        mut pages: Vec<Vec<f32>>,
+        pages: Vec<Vec<f32>>,
         values: &dyn BlockValues,
         n: usize,
         moments: bool,
+    ) -> Staged {
+        Staged::fill(pages, n, moments, |field, r, out| {
+            out.copy_from_slice(&values.values(field, r))
+        })
+    }
+
+    /// `n` elements of each field (the master, and m and v if `moments`) into `pages`, each
+    /// field from a page of its own, the pages in parallel: `read(field, r, out)` fills
+    /// `out` with elements `r` of `field`.
+    fn fill(
+        mut pages: Vec<Vec<f32>>,
+        n: usize,
+        moments: bool,
+        read: impl Fn(Field, Range<usize>, &mut [f32]) + Sync,
     ) -> Staged {
         let page = pages.first().map_or(1, Vec::len);
         let per_field = n.div_ceil(page);
@@ -124,7 +129,8 @@ impl Staged {
         fields.par_iter_mut().zip(of).for_each(|(f, field)| {
             f.par_iter_mut().enumerate().for_each(|(i, p)| {
                 let r = i * page..((i + 1) * page).min(n);
-                p[..r.len()].copy_from_slice(&values.values(field, r));
+                let len = r.len();
+                read(field, r, &mut p[..len]);
             })
         });
         Staged { page, fields }
