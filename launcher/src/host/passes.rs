@@ -56,23 +56,23 @@ pub(super) fn reduce_tensors<D: GradAcc>(
     first: bool,
     last: bool,
 ) -> f64 {
-    // (start in the block, tensor lengths) of each stretch of adjacent tensors.
-    let mut runs: Vec<(usize, Vec<usize>)> = Vec::new();
+    // (elements of the block, tensor lengths) of each stretch of adjacent tensors.
+    let mut runs: Vec<(std::ops::Range<usize>, Vec<usize>)> = Vec::new();
     for (t, within) in b.part_tensors(part.clone()) {
-        let start = t.offset + within.start;
+        let r = t.offset + within.start..t.offset + within.end;
         match runs.last_mut() {
-            Some((at, lens)) if *at + lens.iter().sum::<usize>() == start => {
-                lens.push(within.len())
+            Some((run, lens)) if run.end == r.start => {
+                run.end = r.end;
+                lens.push(r.len());
             }
-            _ => runs.push((start, vec![within.len()])),
+            _ => runs.push((r.clone(), vec![r.len()])),
         }
     }
     let sums: Vec<f64> = runs
         .into_iter()
-        .flat_map(|(start, lens)| {
-            let n: usize = lens.iter().sum();
-            let dst = &mut grad[b.offset + start..b.offset + start + n];
-            let in_slot = start - part.start;
+        .flat_map(|(run, lens)| {
+            let dst = &mut grad[b.offset + run.start..b.offset + run.end];
+            let in_slot = run.start - part.start;
             slabs.reduce_segments_into(dst, slots, in_slot, &lens, first, last)
         })
         .collect();

@@ -135,7 +135,7 @@ impl Trainer {
     /// every node the updated weights of the block.
     pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
         self.host.update_block(block, hp, self.moments);
-        let t = std::time::Instant::now();
+        let t = Instant::now();
         self.host.gather_store(block)?;
         self.update_exchange_s += t.elapsed().as_secs_f64();
         Ok(())
