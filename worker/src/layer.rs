@@ -19,6 +19,9 @@
 //! plan keeps whole (`mt::plan::tiled_layer`: a mixture of experts), or a micro-batch no
 //! larger than a tile, runs as before: `model::decoder_layer`, one backward.
 //!
+//! Either way, the fused ops the attention half ran outside autograd (`crate::kernels`)
+//! are backpropagated from the tape once autograd's pass has reached their outputs.
+//!
 //! In a tiled micro-batch a Gated DeltaNet layer also runs its delta rule in segments of
 //! the sequence, carrying its state from one to the next (`segments.rs`; its MLP half as
 //! above, in tiles or, for a mixture of experts, whole).
@@ -28,6 +31,7 @@
 use mt::config::hf::ModelSpec;
 use tch::{Kind, Tensor};
 
+use crate::kernels;
 use crate::model::{self, BlockWeights, Context, RouterAux};
 use crate::segments;
 
@@ -98,6 +102,7 @@ pub fn backward(
         // (Bound first: the product is gone before the backward runs.)
         let objective = (y_bth * &dy_bth).sum(Kind::Float);
         backpropagate(objective, ctx);
+        kernels::tape::backward();
         return x_bth.grad();
     }
     let h_bth = model::attention_half(spec, layer, w, &x_bth, ctx);
@@ -105,6 +110,7 @@ pub fn backward(
     // h itself is not needed for the attention half's backward: gone with the product.
     let objective = (h_bth * &dh_bth).sum(Kind::Float);
     backpropagate(objective, ctx);
+    kernels::tape::backward();
     x_bth.grad()
 }
 

@@ -10,11 +10,14 @@
 mod engine;
 mod fault;
 mod head;
+// Kernel handles, launches and NVRTC's loading (worker/src/kernels/cuda.rs).
+#[allow(unsafe_code)]
+mod kernels;
 mod layer;
 mod model;
 mod segments;
 mod warmup;
-// Shared memory adoption, host registration, CUDA driver calls: the one unsafe module.
+// Shared memory adoption, host registration, CUDA driver calls.
 #[allow(unsafe_code)]
 mod stream;
 

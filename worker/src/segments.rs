@@ -31,6 +31,7 @@
 use mt::config::hf::ModelSpec;
 use tch::{Kind, Tensor};
 
+use crate::kernels;
 use crate::layer;
 use crate::model::{self, BlockWeights, Context, DeltaPre};
 
@@ -179,5 +180,6 @@ pub fn backward(
         objective += (out * g).sum(Kind::Float);
     }
     objective.backward();
+    kernels::tape::backward();
     x_bth.grad()
 }

@@ -33,6 +33,7 @@ use mt::config::hf::{LinearAttnSpec, ModelSpec};
 use tch::{Kind, Tensor};
 
 use super::{Pre, gates, short_conv};
+use crate::kernels;
 use crate::model::BlockWeights;
 use crate::model::common::linear;
 
@@ -48,9 +49,16 @@ pub(super) fn chunk_ok(c: i64) -> bool {
 
 /// (B, T, H) -> the delta rule's inputs in chunks of `chunk` tokens (`chunk_ok`), each
 /// with its chunks along dim 2: [q; k] per key head, L2-normed (q also by Dk^-1/2), as one
-/// (2C, Dk) matrix per chunk (B, G, U, 2C, Dk); v (B, V, U, C, Dv), a view of the conv's
-/// output; beta and the log decay g, f32 (B, V, U, C), zeros past T; and z.
-pub(super) fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk: i64) -> Pre {
+/// (2C, Dk) matrix per chunk (B, G, U, 2C, Dk); v (B, V, U, C, Dv); beta and the log decay
+/// g, f32 (B, V, U, C), zeros past T; and z. With `fused`, the conv, SiLU and norms run as
+/// one fused op (`kernels::conv_qkv`) where it runs for this shape, device and dtype.
+pub(super) fn pre(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    x_bth: &Tensor,
+    chunk: i64,
+    fused: bool,
+) -> Pre {
     assert!(chunk_ok(chunk), "chunk length {chunk}");
     let la = spec
         .linear_attn
@@ -61,23 +69,28 @@ pub(super) fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk: i64
     let (dk, dv) = (la.k_head_dim as i64, la.v_head_dim as i64);
     let (u, c) = ((t + chunk - 1) / chunk, chunk);
     let p = u * c;
-    let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, x_bth);
-    // Padded to whole chunks by the convolution itself: what lies past T is read by no
-    // earlier position (beta and g are 0 there, so it writes nothing to the state), and
-    // its outputs are dropped.
-    let qkv_bfp = short_conv(la, w, &qkv_btf, p);
-    let kind = qkv_bfp.kind();
-
-    // [q; k] and v as one split (its backward writes the conv's gradient once).
-    let qkv = qkv_bfp.split_with_sizes([2 * g * dk, nv * dv], 1);
-    let qk_bgu2cd = qkv[0].view([b, 2, g, dk, u, c]).permute([0, 2, 4, 1, 5, 3]);
-    let norm_bgu2c1 = qk_bgu2cd.linalg_norm(2.0, [-1i64].as_slice(), true, Kind::Float);
-    let [inv_q, inv_k] = halves(&(norm_bgu2c1.square() + 1e-6).rsqrt(), 3);
-    let inv_bgu2c1 = Tensor::cat(&[inv_q * (dk as f64).powf(-0.5), inv_k], 3);
-    // The scale first: the product takes its layout, and so comes out chunk-major.
-    let qk_bgu2cd = (inv_bgu2c1.to_kind(kind) * qk_bgu2cd).contiguous();
-    let qk_bgu2cd = qk_bgu2cd.view([b, g, u, 2 * c, dk]);
-    let v_bvucd = qkv[1].view([b, nv, dv, u, c]).permute([0, 1, 3, 4, 2]);
+    let conv = kernels::ConvQkv {
+        g,
+        v: nv,
+        dk,
+        dv,
+        taps: la.conv_kernel as i64,
+        chunk: c,
+        chunks: u,
+    };
+    let fused = fused && kernels::conv_qkv_supported(&conv, x_bth.kind(), x_bth.device());
+    let (qk_bgu2cd, v_bvucd, z_btvd, b_btv, a_btv) = if fused {
+        // The fused conv's backward reaches x through the tape, after autograd's pass.
+        let x_bth = kernels::tape::boundary(x_bth);
+        let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, &x_bth);
+        let conv_w = w.get("linear_attn.conv1d.weight");
+        let (qk_bgu2cd, v_bvucd) = kernels::conv_qkv(&conv, &qkv_btf, conv_w);
+        (qk_bgu2cd, v_bvucd, z_btvd, b_btv, a_btv)
+    } else {
+        let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, x_bth);
+        let (qk_bgu2cd, v_bvucd) = conv_qkv(la, w, &qkv_btf, &conv);
+        (qk_bgu2cd, v_bvucd, z_btvd, b_btv, a_btv)
+    };
 
     let (beta_btv, g_btv) = gates(w, &b_btv, &a_btv);
     // (B, T, V) -> (B, V, U, C), zeros past T.
@@ -91,6 +104,35 @@ pub(super) fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, chunk: i64
         rule_in: vec![qk_bgu2cd, v_bvucd, chunks(&beta_btv), chunks(&g_btv)],
         z_btvd,
     }
+}
+
+/// What `kernels::conv_qkv` computes, in tch ops (autograd differentiates them): the
+/// causal conv + SiLU, q and k L2-normed (q also by Dk^-1/2) -> [q; k] (B, G, U, 2C, Dk)
+/// and v (B, V, U, C, Dv), a view of the conv's output. Past T, the conv's outputs are
+/// those of zeros beyond the input's end (the kernel writes zeros); no real position reads
+/// them (beta and g are 0 there, so they write nothing to the state, and their outputs are
+/// dropped).
+fn conv_qkv(
+    la: &LinearAttnSpec,
+    w: &BlockWeights,
+    qkv_btf: &Tensor,
+    s: &kernels::ConvQkv,
+) -> (Tensor, Tensor) {
+    let b = qkv_btf.size()[0];
+    let (g, nv, dk, dv, u, c) = (s.g, s.v, s.dk, s.dv, s.chunks, s.chunk);
+    let qkv_bfp = short_conv(la, w, qkv_btf, u * c);
+    let kind = qkv_bfp.kind();
+    // [q; k] and v as one split (its backward writes the conv's gradient once).
+    let qkv = qkv_bfp.split_with_sizes([2 * g * dk, nv * dv], 1);
+    let qk_bgu2cd = qkv[0].view([b, 2, g, dk, u, c]).permute([0, 2, 4, 1, 5, 3]);
+    let norm_bgu2c1 = qk_bgu2cd.linalg_norm(2.0, [-1i64].as_slice(), true, Kind::Float);
+    let [inv_q, inv_k] = halves(&(norm_bgu2c1.square() + 1e-6).rsqrt(), 3);
+    let inv_bgu2c1 = Tensor::cat(&[inv_q * (dk as f64).powf(-0.5), inv_k], 3);
+    // The scale first: the product takes its layout, and so comes out chunk-major.
+    let qk_bgu2cd = (inv_bgu2c1.to_kind(kind) * qk_bgu2cd).contiguous();
+    let qk_bgu2cd = qk_bgu2cd.view([b, g, u, 2 * c, dk]);
+    let v_bvucd = qkv[1].view([b, nv, dv, u, c]).permute([0, 1, 3, 4, 2]);
+    (qk_bgu2cd, v_bvucd)
 }
 
 /// The delta rule over the U chunks of `rule_in` (as [`pre`] makes them, or a range of

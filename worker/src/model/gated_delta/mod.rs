@@ -12,8 +12,11 @@
 //! | `reference.rs`| as transformers' `torch_chunk_gated_delta_rule`: f32, chunk by chunk | CPU     |
 //! | `chunked.rs`  | as flash-linear-attention's chunked kernels: WY / UT transform batched over all chunks, bf16 matmuls, one short loop for the state | CUDA    |
 //!
-//! `MT_GATED_DELTA=reference|chunked` overrides the choice (parity checks, benchmarks) and
-//! `MT_GATED_DELTA_CHUNK` (default 64) sets the chunked path's chunk length.
+//! `MT_GATED_DELTA=reference|chunked` overrides the choice (parity checks, benchmarks),
+//! `MT_GATED_DELTA_CHUNK` (default 64) sets the chunked path's chunk length, and
+//! `MT_GATED_DELTA_FUSED=0` keeps the chunked path's causal conv, SiLU and q/k norms in tch
+//! ops on CUDA instead of the fused kernel (`crate::kernels::conv_qkv`, whose backward runs
+//! from the tape: `crate::kernels::tape`).
 //!
 //! Either comes in three parts, [`pre`] (token-local but for the causal conv), [`core`]
 //! (the delta rule over a range of chunks, from the state at its start to the state at its
@@ -78,7 +81,10 @@ pub fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Pre {
     let settings = Settings::get();
     match settings.path(x_bth.device()) {
         Rule::Reference => reference::pre(spec, w, x_bth),
-        Rule::Chunked => chunked::pre(spec, w, x_bth, settings.chunk),
+        Rule::Chunked => {
+            let fused = settings.fused && x_bth.device().is_cuda();
+            chunked::pre(spec, w, x_bth, settings.chunk, fused)
+        }
     }
 }
 
@@ -119,6 +125,8 @@ struct Settings {
     rule: Option<Rule>,
     /// `MT_GATED_DELTA_CHUNK`: the chunked path's chunk length.
     chunk: i64,
+    /// Not `MT_GATED_DELTA_FUSED=0`: the chunked path fuses its conv on CUDA.
+    fused: bool,
 }
 
 impl Settings {
@@ -143,7 +151,12 @@ impl Settings {
                         panic!("MT_GATED_DELTA_CHUNK must be 16, 32, 64, 128 or 256, got `{s}`")
                     }),
             };
-            Settings { rule, chunk }
+            let fused = match std::env::var("MT_GATED_DELTA_FUSED").as_deref() {
+                Err(_) | Ok("1") => true,
+                Ok("0") => false,
+                Ok(other) => panic!("MT_GATED_DELTA_FUSED must be 0 or 1, got `{other}`"),
+            };
+            Settings { rule, chunk, fused }
         })
     }
 

@@ -1,0 +1,336 @@
+//! The CUDA path of the fused ops: kernels compiled at run time by NVRTC (cudarc, loaded
+//! from torch's own install), loaded into torch's context and launched on torch's stream.
+//!
+//! NVRTC comes with torch's wheel (`nvidia/cu13/lib/libnvrtc.so.13`, beside
+//! `torch/lib/libtorch_cuda.so`), not on the library path; it is loaded by its full path
+//! first (`MT_NVRTC` names another), so that cudarc's own lookup by soname finds it. The
+//! kernels are compiled once per process for the device's architecture, on first use.
+
+use std::ffi::{CString, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::{Context as _, Result, bail};
+use cudarc::driver::sys::{self, CUfunction, CUmodule, CUresult};
+use tch::{Kind, Tensor};
+
+use super::ConvQkv;
+use crate::stream::cuda::torch_stream;
+
+const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
+/// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
+/// block (its SPAN).
+const THREADS: u32 = 128;
+const SPAN: i64 = 256;
+/// conv_qkv.cu's instances: lanes' channel counts N, for head dims 32 N.
+const LANE_CHANNELS: [i64; 4] = [1, 2, 4, 8];
+
+struct Kernels {
+    _module: CUmodule,
+    /// By N's index in `LANE_CHANNELS`.
+    conv_fwd: [CUfunction; 4],
+    conv_bwd: [CUfunction; 4],
+}
+
+// SAFETY: module and function handles are plain driver handles, valid in every thread of
+// the process while the context lives (the process's life).
+unsafe impl Send for Kernels {}
+unsafe impl Sync for Kernels {}
+
+fn check(r: CUresult, what: &str) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        bail!("{what} failed: {r:?}")
+    }
+}
+
+/// The compiled kernels, or why there are none (said once, by the caller).
+fn kernels() -> Result<&'static Kernels, &'static str> {
+    static KERNELS: OnceLock<Result<Kernels, String>> = OnceLock::new();
+    KERNELS
+        .get_or_init(|| build().map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .map_err(String::as_str)
+}
+
+/// Whether the fused kernels can run here; the first failure is logged with its cause.
+pub fn available() -> bool {
+    static SAID: OnceLock<()> = OnceLock::new();
+    match kernels() {
+        Ok(_) => true,
+        Err(e) => {
+            SAID.get_or_init(|| {
+                tracing::warn!("fused GPU kernels unavailable, using tch ops instead: {e}")
+            });
+            false
+        }
+    }
+}
+
+fn build() -> Result<Kernels> {
+    let start = std::time::Instant::now();
+    load_nvrtc()?;
+    let mut dev = 0;
+    // SAFETY: writes one device handle; torch made its context current on this thread.
+    check(unsafe { sys::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    let attr = |a| {
+        let mut v = 0;
+        // SAFETY: writes one integer for a valid device.
+        check(
+            unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) },
+            "cuDeviceGetAttribute",
+        )
+        .map(|_| v)
+    };
+    use sys::CUdevice_attribute::*;
+    let (major, minor) = (
+        attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    );
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![
+            format!("--gpu-architecture=compute_{major}{minor}"),
+            "--std=c++17".into(),
+        ],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(CONV_QKV_SRC, opts)
+        .map_err(|e| anyhow::anyhow!("NVRTC could not compile conv_qkv.cu: {e:?}"))?;
+    let image = CString::new(ptx.to_src()).context("PTX with a NUL")?;
+    let mut module = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated PTX image; writes one module handle.
+    check(
+        unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) },
+        "cuModuleLoadData (conv_qkv.cu)",
+    )?;
+    let function = |name: String| -> Result<CUfunction> {
+        let c = CString::new(name.clone()).expect("no NUL");
+        let mut f = std::ptr::null_mut();
+        // SAFETY: writes one function handle of a loaded module.
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
+            &format!("cuModuleGetFunction({name})"),
+        )?;
+        Ok(f)
+    };
+    let by_n = |prefix: &str| -> Result<[CUfunction; 4]> {
+        let f: Vec<CUfunction> = LANE_CHANNELS
+            .iter()
+            .map(|n| function(format!("{prefix}_{n}")))
+            .collect::<Result<_>>()?;
+        Ok([f[0], f[1], f[2], f[3]])
+    };
+    let kernels = Kernels {
+        conv_fwd: by_n("conv_qkv_fwd")?,
+        conv_bwd: by_n("conv_qkv_bwd")?,
+        _module: module,
+    };
+    tracing::debug!(
+        "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(kernels)
+}
+
+/// Loads torch's NVRTC (and its builtins) globally by full path, unless one is loaded.
+fn load_nvrtc() -> Result<()> {
+    let dir = match std::env::var_os("MT_NVRTC") {
+        Some(p) => PathBuf::from(p),
+        None => nvrtc_dir()?,
+    };
+    // The builtins first: NVRTC opens them by name at its first compile.
+    for prefix in ["libnvrtc-builtins.so", "libnvrtc.so"] {
+        let Some(path) = newest(&dir, prefix)? else {
+            bail!(
+                "no {prefix}* in {} (MT_NVRTC names the folder)",
+                dir.display()
+            );
+        };
+        let c = CString::new(path.as_os_str().as_encoded_bytes()).context("path with a NUL")?;
+        // SAFETY: dlopen with a valid C string; the handle is kept for the process's life.
+        if unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) }.is_null() {
+            bail!("cannot load {}", path.display());
+        }
+    }
+    // SAFETY: only probes the library names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        bail!(
+            "NVRTC loaded from {} but not found by soname",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// torch's CUDA libraries' folder: `nvidia/cu*/lib` beside the folder that holds the
+/// loaded libtorch_cuda.so's `torch/lib`.
+fn nvrtc_dir() -> Result<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").context("reading /proc/self/maps")?;
+    let torch_cuda = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| p.ends_with("/libtorch_cuda.so"))
+        .map(PathBuf::from)
+        .context("libtorch_cuda.so is not loaded")?;
+    // .../site-packages/torch/lib/libtorch_cuda.so -> .../site-packages/nvidia
+    let nvidia = torch_cuda
+        .ancestors()
+        .nth(3)
+        .map(|p| p.join("nvidia"))
+        .context("libtorch_cuda.so's path")?;
+    for entry in std::fs::read_dir(&nvidia).with_context(|| {
+        format!(
+            "reading {} (MT_NVRTC names NVRTC's folder)",
+            nvidia.display()
+        )
+    })? {
+        let lib = entry?.path().join("lib");
+        if newest(&lib, "libnvrtc.so")?.is_some() {
+            return Ok(lib);
+        }
+    }
+    bail!("no libnvrtc.so* under {}/*/lib", nvidia.display())
+}
+
+/// The file in `dir` named `prefix` or `prefix.<version>` with the longest name (the most
+/// specific version); an `.alt` variant is not taken.
+fn newest(dir: &Path, prefix: &str) -> Result<Option<PathBuf>> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(None);
+    };
+    let mut best: Option<PathBuf> = None;
+    for entry in entries {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let ok = name == prefix || name.starts_with(&format!("{prefix}."));
+        if ok
+            && best
+                .as_ref()
+                .is_none_or(|b| b.as_os_str().len() < path.as_os_str().len())
+        {
+            best = Some(path);
+        }
+    }
+    Ok(best)
+}
+
+fn lane_index(d: i64) -> Option<usize> {
+    LANE_CHANNELS.iter().position(|&n| 32 * n == d)
+}
+
+/// Whether the kernels take this shape and dtype (head dim 32, 64, 128 or 256 for q, k and
+/// v alike; 4 taps; bf16).
+pub fn supports(s: &ConvQkv, kind: Kind) -> bool {
+    kind == Kind::BFloat16 && s.taps == 4 && s.dk == s.dv && lane_index(s.dk).is_some()
+}
+
+/// A kernel argument: a pointer to the value.
+fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+fn launch(f: CUfunction, blocks: i64, args: &mut [*mut c_void]) -> Result<()> {
+    // SAFETY: the arguments match the kernel's signature (the callers below); the grid is
+    // within limits (blocks < 2^31, checked by the caller's shapes).
+    check(
+        unsafe {
+            sys::cuLaunchKernel(
+                f,
+                blocks as u32,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                torch_stream(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernel",
+    )
+}
+
+fn ptr(t: &Tensor) -> u64 {
+    t.data_ptr() as u64
+}
+
+/// See `super::conv_qkv`: qkv (B, T, F) bf16 contiguous, w (F, 1, 4) -> (qk, v).
+pub fn conv_qkv_fwd(s: &ConvQkv, qkv_btf: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
+    let k = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let n = lane_index(s.dk).context("head dim")?;
+    let (b, t) = (qkv_btf.size()[0], qkv_btf.size()[1]);
+    let p = s.chunks * s.chunk;
+    let opts = (qkv_btf.kind(), qkv_btf.device());
+    let qk = Tensor::empty([b, s.g, s.chunks, 2 * s.chunk, s.dk], opts);
+    let v = Tensor::empty([b, s.v, s.chunks, s.chunk, s.dv], opts);
+    let w = w.contiguous();
+    let (mut x_p, mut w_p, mut qk_p, mut v_p) = (ptr(qkv_btf), ptr(&w), ptr(&qk), ptr(&v));
+    let (mut t_, mut p_, mut c_) = (t as i32, p as i32, s.chunk as i32);
+    let (mut g_, mut v_) = (s.g as i32, s.v as i32);
+    let mut scale = (s.dk as f32).powf(-0.5);
+    let blocks = b * (2 * s.g + s.v) * ((p + SPAN - 1) / SPAN);
+    launch(
+        k.conv_fwd[n],
+        blocks,
+        &mut [
+            arg(&mut x_p),
+            arg(&mut w_p),
+            arg(&mut qk_p),
+            arg(&mut v_p),
+            arg(&mut t_),
+            arg(&mut p_),
+            arg(&mut c_),
+            arg(&mut g_),
+            arg(&mut v_),
+            arg(&mut scale),
+        ],
+    )?;
+    Ok((qk, v))
+}
+
+/// The backward of [`conv_qkv_fwd`]: the gradients of qk and v (bf16, contiguous) -> the
+/// gradients of qkv (B, T, F) and of w (F, 1, 4) in w's dtype.
+pub fn conv_qkv_bwd(
+    s: &ConvQkv,
+    qkv_btf: &Tensor,
+    w: &Tensor,
+    dqk: &Tensor,
+    dv: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let k = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let n = lane_index(s.dk).context("head dim")?;
+    let (b, t, f) = qkv_btf.size3().context("qkv is (B, T, F)")?;
+    let p = s.chunks * s.chunk;
+    let nblk = (t + SPAN - 1) / SPAN;
+    let dx = Tensor::empty([b, t, f], (qkv_btf.kind(), qkv_btf.device()));
+    let dw_part = Tensor::empty([b * nblk, f, 4], (Kind::Float, qkv_btf.device()));
+    let wc = w.contiguous();
+    let (mut x_p, mut w_p) = (ptr(qkv_btf), ptr(&wc));
+    let (mut dqk_p, mut dv_p, mut dx_p, mut dw_p) = (ptr(dqk), ptr(dv), ptr(&dx), ptr(&dw_part));
+    let (mut t_, mut p_, mut c_) = (t as i32, p as i32, s.chunk as i32);
+    let (mut g_, mut v_) = (s.g as i32, s.v as i32);
+    let mut scale = (s.dk as f32).powf(-0.5);
+    launch(
+        k.conv_bwd[n],
+        b * (2 * s.g + s.v) * nblk,
+        &mut [
+            arg(&mut x_p),
+            arg(&mut w_p),
+            arg(&mut dqk_p),
+            arg(&mut dv_p),
+            arg(&mut dx_p),
+            arg(&mut dw_p),
+            arg(&mut t_),
+            arg(&mut p_),
+            arg(&mut c_),
+            arg(&mut g_),
+            arg(&mut v_),
+            arg(&mut scale),
+        ],
+    )?;
+    let dw = dw_part.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+    Ok((dx, dw.view([f, 1, 4]).to_kind(w.kind())))
+}
