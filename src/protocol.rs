@@ -116,6 +116,9 @@ pub struct Init {
     /// `memory.tile_tokens`: the worker resolves it per micro-batch shape through the
     /// device plan (`DevicePlan::new(..).tile`).
     pub tile_tokens: crate::config::TileTokens,
+    /// The device plan's `device_free` (`crate::plan::DeviceOpts`), as the launcher
+    /// planned with it.
+    pub device_free: Option<u64>,
     /// Stash layer inputs in pinned host memory (CUDA only).
     pub offload_activations: bool,
     /// Write the logits of the first micro-batch of the first step here (parity checks).
@@ -142,6 +145,7 @@ impl Init {
             packed,
             offload_activations: self.offload_activations,
             cpu: self.device == Device::Cpu,
+            device_free: self.device_free,
         }
     }
 }

@@ -11,8 +11,13 @@
 //! and total), CPU workers included, so that a test on a machine without GPUs can see the
 //! refusal of a micro-batch that does not fit.
 
+use std::sync::Mutex;
+
 use mt::plan::DeviceMemory;
 use mt::protocol::Device;
+
+/// The devices read and what the driver said of them.
+type Reading = (Vec<usize>, Option<Vec<DeviceMemory>>);
 
 /// The test hook's variable.
 const ENV_TEST_MEMORY: &str = "MT_TEST_DEVICE_MEMORY";
@@ -44,6 +49,19 @@ pub fn memory(devices: &[usize], workers: usize) -> Option<Vec<DeviceMemory>> {
     if devices.is_empty() || !driver_present() {
         return None;
     }
+    // Read once per process: before the workers start, their contexts not yet counted,
+    // and every later plan of this run (the workers' tile included) sees the same figures.
+    static READ: Mutex<Option<Reading>> = Mutex::new(None);
+    let mut read = READ.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, m)) = read.as_ref().filter(|(seen, _)| seen == devices) {
+        return m.clone();
+    }
+    let m = read_driver(devices);
+    *read = Some((devices.to_vec(), m.clone()));
+    m
+}
+
+fn read_driver(devices: &[usize]) -> Option<Vec<DeviceMemory>> {
     let read = |d: usize| -> Result<DeviceMemory, cudarc::driver::DriverError> {
         let ctx = cudarc::driver::CudaContext::new(d)?;
         let (free, total) = ctx.mem_get_info()?;

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use mt::config::RunConfig;
-use mt::plan::{DevicePlan, Fit, NodesPlan};
+use mt::plan::{DeviceOpts, DevicePlan, Fit, NodesPlan};
 
 use crate::cli::{self, Placement};
 use crate::prepare::Prepared;
@@ -18,9 +18,16 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     }
     placement.nodes = p.nodes;
     let prep = Prepared::for_plan(&cfg, &placement)?;
-    let device = prep.device_plan(&cfg, &placement);
-    let (rows, seq_len) = (device.rows, device.seq_len);
-    let opts = crate::prepare::device_opts(&cfg, &placement);
+    // As the run plans, but with --gpu-memory for the GPUs' free memory where given.
+    let opts = DeviceOpts {
+        device_free: p
+            .gpu_memory
+            .map(|gb| (gb * 1e9) as u64)
+            .or(crate::prepare::device_opts(&cfg, &placement).device_free),
+        ..crate::prepare::device_opts(&cfg, &placement)
+    };
+    let (rows, seq_len) = prep.micro_batch(&cfg, placement.world());
+    let device = DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len);
     let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {
         placement
             .devices

@@ -8,6 +8,7 @@ use mt::config::{Init, RunConfig, Stage};
 use mt::data::Dataset;
 use mt::layout::Layout;
 use mt::plan::{DeviceOpts, DevicePlan, Fit, HostPlan};
+use mt::protocol::Device;
 
 use crate::cli::Placement;
 
@@ -228,5 +229,11 @@ pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
         packed: cfg.dataset.packing,
         offload_activations: cfg.memory.offload_activations,
         cpu: placement.gpus == 0,
+        device_free: crate::gpu::memory(&placement.devices, placement.workers).and_then(|m| {
+            m.iter()
+                .filter(|d| d.device != Device::Cpu)
+                .map(|d| d.free)
+                .min()
+        }),
     }
 }

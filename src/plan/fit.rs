@@ -193,6 +193,7 @@ mod tests {
         packed: false,
         offload_activations: false,
         cpu: false,
+        device_free: None,
     };
 
     fn gpu(free: u64) -> DeviceMemory {

@@ -213,6 +213,7 @@ impl Trainer {
         let t_weights = Instant::now();
         // CUDA workers warm up at the configured micro-batch shape.
         let warm_up = (placement.gpus > 0).then_some(micro_batch);
+        let opts = crate::prepare::device_opts(&cfg, &placement);
         let inits = (0..placement.workers)
             .map(|rank| {
                 let device = match placement.devices.get(rank) {
@@ -232,6 +233,7 @@ impl Trainer {
                     num_slots: cfg.memory.num_grad_slabs,
                     ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
                     tile_tokens: cfg.memory.tile_tokens,
+                    device_free: opts.device_free,
                     offload_activations: cfg.memory.offload_activations,
                     dump_logits: dump_logits.as_ref().map(|p| match placement.workers {
                         1 => p.clone(),

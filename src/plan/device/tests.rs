@@ -22,6 +22,7 @@ const OPTS: DeviceOpts = DeviceOpts {
     packed: false,
     offload_activations: false,
     cpu: false,
+    device_free: None,
 };
 
 fn part(p: &Phase, name: &str) -> u64 {
@@ -272,4 +273,37 @@ fn segments_bound_the_delta_rule_of_linear_layers() {
     // Not tiled: whole, as before.
     let plan = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Auto, true), 16, 1024);
     assert_eq!(plan.tile, None, "{plan}");
+}
+
+/// The automatic tile of a model with linear-attention layers on a GPU: segments (which
+/// cost a second run of the delta rule in the backward) only where the whole micro-batch
+/// does not fit the GPU's free memory with the margin `WHOLE_FIT` leaves.
+#[test]
+fn auto_keeps_the_delta_rule_whole_where_the_gpu_has_room() {
+    let (spec, layout) = model("qwen3.5-27b");
+    let (rows, t) = (128, 1024);
+    let whole = DevicePlan::new(&spec, &layout, with_tile(TileTokens::Off, false), rows, t).total();
+    let tile = |device_free: Option<u64>| {
+        let o = DeviceOpts {
+            device_free,
+            ..with_tile(TileTokens::Auto, false)
+        };
+        DevicePlan::new(&spec, &layout, o, rows, t).tile
+    };
+    // Unknown free memory: as small a peak as segments allow, as before.
+    assert!(tile(None).is_some(), "segments without a known GPU");
+    let room = (whole as f64 / super::WHOLE_FIT) as u64;
+    assert_eq!(
+        tile(Some(room + room / 100)),
+        None,
+        "whole within the margin"
+    );
+    assert!(
+        tile(Some(room - room / 100)).is_some(),
+        "segments just past it"
+    );
+    assert!(
+        tile(Some(whole)).is_some(),
+        "segments where only the bare plan fits"
+    );
 }
