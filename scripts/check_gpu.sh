@@ -70,16 +70,18 @@ variants = {
                     num_local_experts=8, num_experts_per_tok=2, intermediate_size=96, attention_bias=True,
                     sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
                     swiglu_limit=7.0, **aux),
+    # Linear heads of 32: the smallest the fused conv kernel takes (worker/src/kernels), so
+    # the GPU side of the 12 steps runs it.
     "hybrid": dict(base, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", head_dim=16,
                    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
-                   linear_key_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=16,
+                   linear_key_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=32,
                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, decoder_sparse_step=1,
                    mlp_only_layers=[], norm_topk_prob=True, shared_expert_intermediate_size=128,
                    partial_rotary_factor=0.25, **aux),
     "hybrid35": dict(base, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", head_dim=16,
                      layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
-                     linear_key_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                     linear_value_head_dim=16, partial_rotary_factor=0.25),
+                     linear_key_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_value_head_dim=32, partial_rotary_factor=0.25),
 }
 # One MoE layer, 64 experts: the grouped-against-per-expert check.
 one = dict(num_hidden_layers=1, num_local_experts=64, num_experts=64)
