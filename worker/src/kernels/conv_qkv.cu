@@ -111,6 +111,30 @@ __device__ Job job(int len, int P, int C, int G, int V, int D, float q_scale) {
   return j;
 }
 
+// This lane's taps: w[f0 + n][k].
+template <int N>
+__device__ __forceinline__ void load_taps(const u16* w, int f0, float (&wk)[N][TAPS]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int k = 0; k < TAPS; ++k) wk[n][k] = bf2f(w[(f0 + n) * TAPS + k]);
+}
+
+// The inputs before position t0, x[t0-3..t0-1] (zero before the row's start), from this
+// lane's column xr of a row of T positions and F channels.
+template <int N>
+__device__ __forceinline__ void load_history(const u16* xr, int t0, int T, int F,
+                                             float (&hist)[TAPS - 1][N]) {
+#pragma unroll
+  for (int k = 0; k < TAPS - 1; ++k) {
+    int t = t0 - (TAPS - 1) + k;
+    if (t >= 0 && t < T) load<N>(xr + (size_t)t * F, hist[k]);
+    else
+#pragma unroll
+      for (int n = 0; n < N; ++n) hist[k][n] = 0.0f;
+  }
+}
+
 template <int N>
 __device__ void conv_qkv_fwd(const u16* __restrict__ x, const u16* __restrict__ w,
                              u16* __restrict__ qk, u16* __restrict__ v, int T, int P, int C,
@@ -120,20 +144,10 @@ __device__ void conv_qkv_fwd(const u16* __restrict__ x, const u16* __restrict__ 
   if (j.t0 >= P) return;
   const int f0 = j.gi * D + j.lane * N;
   float wk[N][TAPS];
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int k = 0; k < TAPS; ++k) wk[n][k] = bf2f(w[(f0 + n) * TAPS + k]);
+  load_taps<N>(w, f0, wk);
   const u16* xr = x + (size_t)j.b * T * F + f0;
   float hist[TAPS - 1][N];
-#pragma unroll
-  for (int k = 0; k < TAPS - 1; ++k) {
-    int t = j.t0 - (TAPS - 1) + k;
-    if (t >= 0 && t < T) load<N>(xr + (size_t)t * F, hist[k]);
-    else
-#pragma unroll
-      for (int n = 0; n < N; ++n) hist[k][n] = 0.0f;
-  }
+  load_history<N>(xr, j.t0, T, F, hist);
   u16* dst = j.out.qk ? qk : v;
   for (int t = j.t0; t < j.t1; ++t) {
     float s[N];
@@ -184,25 +198,17 @@ __device__ void conv_qkv_bwd(const u16* __restrict__ x, const u16* __restrict__ 
 
   if (j.t0 < T) {  // uniform over the warp; every warp reaches the block's reduction
     float wk[N][TAPS];
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-      for (int k = 0; k < TAPS; ++k) wk[n][k] = bf2f(w[(f0 + n) * TAPS + k]);
+    load_taps<N>(w, f0, wk);
     const u16* xr = x + (size_t)j.b * T * F + f0;
     u16* dxr = dx + (size_t)j.b * T * F + f0;
     const u16* dy = j.out.qk ? dqk : dv;
     // x[tp-3..tp-1] and the pre-activation gradients da[tp-3..tp-1].
     float hist[TAPS - 1][N], dwin[TAPS - 1][N];
+    load_history<N>(xr, j.t0, T, F, hist);
 #pragma unroll
-    for (int k = 0; k < TAPS - 1; ++k) {
-      int t = j.t0 - (TAPS - 1) + k;
-      if (t >= 0) load<N>(xr + (size_t)t * F, hist[k]);
-      else
-#pragma unroll
-        for (int n = 0; n < N; ++n) hist[k][n] = 0.0f;
+    for (int k = 0; k < TAPS - 1; ++k)
 #pragma unroll
       for (int n = 0; n < N; ++n) dwin[k][n] = 0.0f;
-    }
     // da at tp for tp < t1 + 3: the last 3 are the next tile's, read for dx only.
     for (int tp = j.t0; tp < j.t1 + TAPS - 1; ++tp) {
       float cur[N], da[N];

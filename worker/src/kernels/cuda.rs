@@ -257,6 +257,31 @@ fn ptr(t: &Tensor) -> u64 {
     t.data_ptr() as u64
 }
 
+/// The arguments every conv_qkv kernel ends with: T, P, C, G, V, then Dk^-1/2.
+struct Shape {
+    ints: [i32; 5],
+    scale: f32,
+}
+
+impl Shape {
+    fn new(s: &ConvQkv, t: i64) -> Shape {
+        let p = s.chunks * s.chunk;
+        Shape {
+            ints: [t, p, s.chunk, s.g, s.v].map(|x| x as i32),
+            scale: (s.dk as f32).powf(-0.5),
+        }
+    }
+}
+
+/// Launches conv_qkv kernel `f` with device pointers `ptrs`, then `shape`.
+fn launch_conv(f: CUfunction, blocks: i64, ptrs: &[u64], mut shape: Shape) -> Result<()> {
+    let mut ptrs = ptrs.to_vec();
+    let mut args: Vec<*mut c_void> = ptrs.iter_mut().map(arg).collect();
+    args.extend(shape.ints.iter_mut().map(arg));
+    args.push(arg(&mut shape.scale));
+    launch(f, blocks, &mut args)
+}
+
 /// See `super::conv_qkv`: qkv (B, T, F) bf16 contiguous, w (F, 1, 4) -> (qk, v).
 pub fn conv_qkv_fwd(s: &ConvQkv, qkv_btf: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
     let k = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -267,27 +292,9 @@ pub fn conv_qkv_fwd(s: &ConvQkv, qkv_btf: &Tensor, w: &Tensor) -> Result<(Tensor
     let qk = Tensor::empty([b, s.g, s.chunks, 2 * s.chunk, s.dk], opts);
     let v = Tensor::empty([b, s.v, s.chunks, s.chunk, s.dv], opts);
     let w = w.contiguous();
-    let (mut x_p, mut w_p, mut qk_p, mut v_p) = (ptr(qkv_btf), ptr(&w), ptr(&qk), ptr(&v));
-    let (mut t_, mut p_, mut c_) = (t as i32, p as i32, s.chunk as i32);
-    let (mut g_, mut v_) = (s.g as i32, s.v as i32);
-    let mut scale = (s.dk as f32).powf(-0.5);
     let blocks = b * (2 * s.g + s.v) * ((p + SPAN - 1) / SPAN);
-    launch(
-        k.conv_fwd[n],
-        blocks,
-        &mut [
-            arg(&mut x_p),
-            arg(&mut w_p),
-            arg(&mut qk_p),
-            arg(&mut v_p),
-            arg(&mut t_),
-            arg(&mut p_),
-            arg(&mut c_),
-            arg(&mut g_),
-            arg(&mut v_),
-            arg(&mut scale),
-        ],
-    )?;
+    let ptrs = [ptr(qkv_btf), ptr(&w), ptr(&qk), ptr(&v)];
+    launch_conv(k.conv_fwd[n], blocks, &ptrs, Shape::new(s, t))?;
     Ok((qk, v))
 }
 
@@ -303,34 +310,20 @@ pub fn conv_qkv_bwd(
     let k = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
     let n = lane_index(s.dk).context("head dim")?;
     let (b, t, f) = qkv_btf.size3().context("qkv is (B, T, F)")?;
-    let p = s.chunks * s.chunk;
     let nblk = (t + SPAN - 1) / SPAN;
     let dx = Tensor::empty([b, t, f], (qkv_btf.kind(), qkv_btf.device()));
     let dw_part = Tensor::empty([b * nblk, f, 4], (Kind::Float, qkv_btf.device()));
     let wc = w.contiguous();
-    let (mut x_p, mut w_p) = (ptr(qkv_btf), ptr(&wc));
-    let (mut dqk_p, mut dv_p, mut dx_p, mut dw_p) = (ptr(dqk), ptr(dv), ptr(&dx), ptr(&dw_part));
-    let (mut t_, mut p_, mut c_) = (t as i32, p as i32, s.chunk as i32);
-    let (mut g_, mut v_) = (s.g as i32, s.v as i32);
-    let mut scale = (s.dk as f32).powf(-0.5);
-    launch(
-        k.conv_bwd[n],
-        b * (2 * s.g + s.v) * nblk,
-        &mut [
-            arg(&mut x_p),
-            arg(&mut w_p),
-            arg(&mut dqk_p),
-            arg(&mut dv_p),
-            arg(&mut dx_p),
-            arg(&mut dw_p),
-            arg(&mut t_),
-            arg(&mut p_),
-            arg(&mut c_),
-            arg(&mut g_),
-            arg(&mut v_),
-            arg(&mut scale),
-        ],
-    )?;
+    let ptrs = [
+        ptr(qkv_btf),
+        ptr(&wc),
+        ptr(dqk),
+        ptr(dv),
+        ptr(&dx),
+        ptr(&dw_part),
+    ];
+    let blocks = b * (2 * s.g + s.v) * nblk;
+    launch_conv(k.conv_bwd[n], blocks, &ptrs, Shape::new(s, t))?;
     let dw = dw_part.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
     Ok((dx, dw.view([f, 1, 4]).to_kind(w.kind())))
 }
