@@ -245,6 +245,53 @@ fn plan_for_gpus_elsewhere_qwen3_5() {
     }
 }
 
+/// The GPUs' free memory reaches the automatic tile of a model with linear attention:
+/// Qwen3.5-27B at batch 128 runs its delta rule whole where the GPU has room for the whole
+/// micro-batch (the driver's reading, here `MT_TEST_DEVICE_MEMORY`, or `--gpu-memory`), and
+/// in segments where it has not.
+#[test]
+fn plan_keeps_the_delta_rule_whole_on_a_gpu_with_room() {
+    let config =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen3_5_27b.yaml");
+    let tile = |env: Option<&str>, extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "1",
+            "--set",
+            "training.batch_size=128",
+            "--json",
+        ];
+        args.extend(extra);
+        let mut cmd = std::process::Command::new(launcher());
+        cmd.args(&args);
+        if let Some(bytes) = env {
+            cmd.env("MT_TEST_DEVICE_MEMORY", bytes);
+        }
+        let out = cmd.output().unwrap();
+        assert_ok(&out, &args);
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        plan["device"]["tile_tokens"].as_u64()
+    };
+    // The whole micro-batch plans at 183 GB (64 layers' inputs and the whole rule's graph).
+    assert_eq!(tile(Some("400000000000"), &[]), None, "whole on 400 GB");
+    assert!(
+        tile(Some("141000000000"), &[]).is_some(),
+        "segments on 141 GB"
+    );
+    assert_eq!(
+        tile(None, &["--gpu-memory", "400"]),
+        None,
+        "--gpu-memory 400"
+    );
+    assert!(
+        tile(None, &["--gpu-memory", "141"]).is_some(),
+        "--gpu-memory 141"
+    );
+}
+
 /// Unset, the staging area grows at launch by half the RAM left free beside the plan and
 /// the workers (a CPU worker: its device plan), up to the whole checkpoint; a launch that
 /// leaves nothing beside the workers keeps two of the largest blocks. MemAvailable comes
