@@ -81,11 +81,6 @@ fn read_driver(devices: &[usize]) -> Option<Vec<DeviceMemory>> {
     }
 }
 
-/// Total memory of CUDA device `index` in bytes (None without a driver or that device).
-pub fn total_memory(index: usize) -> Option<u64> {
-    memory(&[index], 1)?.first().map(|m| m.total)
-}
-
 /// Whether the CUDA driver library can be loaded (cudarc panics on first use otherwise).
 #[allow(unsafe_code)]
 fn driver_present() -> bool {

@@ -18,21 +18,21 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     }
     placement.nodes = p.nodes;
     let prep = Prepared::for_plan(&cfg, &placement)?;
+    let given = p.gpu_memory.map(|gb| (gb * 1e9) as u64);
     // As the run plans, but with --gpu-memory for the GPUs' free memory where given.
+    let run_opts = crate::prepare::device_opts(&cfg, &placement);
     let opts = DeviceOpts {
-        device_free: p
-            .gpu_memory
-            .map(|gb| (gb * 1e9) as u64)
-            .or(crate::prepare::device_opts(&cfg, &placement).device_free),
-        ..crate::prepare::device_opts(&cfg, &placement)
+        device_free: given.or(run_opts.device_free),
+        ..run_opts
     };
     let (rows, seq_len) = prep.micro_batch(&cfg, placement.world());
     let device = DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len);
-    let budget = p.gpu_memory.map(|gb| (gb * 1e9) as u64).or_else(|| {
-        placement
-            .devices
+    // The first GPU's total memory, from the same reading as the run's free memory.
+    let budget = given.or_else(|| match placement.devices.is_empty() {
+        true => None,
+        false => crate::gpu::memory(&placement.devices, placement.workers)?
             .first()
-            .and_then(|&d| crate::gpu::total_memory(d))
+            .map(|d| d.total),
     });
     let best =
         budget.map(|b| DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b));

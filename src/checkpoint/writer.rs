@@ -182,26 +182,14 @@ impl Writer {
         live: LentTensors,
         contents: CheckpointContents,
     ) -> Result<(f64, Vec<Written>, Arc<Gate>)> {
-        let t = Instant::now();
-        let done: Vec<Written> = self.finish()?.into_iter().collect();
-        let waited_s = t.elapsed().as_secs_f64();
+        let (waited_s, done) = self.wait_previous()?;
         let moments = contents == CheckpointContents::Full;
         let pages = std::mem::take(&mut self.pages);
         let gate = Arc::new(Gate::new(&self.job.layout, pages, moments));
         let (job, g) = (Arc::clone(&self.job), Arc::clone(&gate));
-        let handle = std::thread::Builder::new()
-            .name("mt-checkpoint".into())
-            .spawn(move || {
-                let t = Instant::now();
-                let dir = job.write(&state, &live, &g, contents)?;
-                Ok((dir, t.elapsed().as_secs_f64()))
-            })
-            .map_err(|e| Error::Other(format!("start the checkpoint writer thread: {e}")))?;
-        self.in_flight = Some(InFlight {
-            handle,
-            source: Source::Gate(Arc::clone(&gate)),
-            waited_s,
-        });
+        let write = move || job.write(&state, &live, &g, contents);
+        self.spawn(write, Source::Gate(Arc::clone(&gate)), waited_s)
+            .map_err(spawn_error)?;
         Ok((waited_s, done, gate))
     }
 
@@ -222,36 +210,47 @@ impl Writer {
         state: TrainState,
         contents: CheckpointContents,
     ) -> Result<(f64, Vec<Written>, Arc<Feed>)> {
-        let t = Instant::now();
-        let done: Vec<Written> = self.finish()?.into_iter().collect();
-        let waited_s = t.elapsed().as_secs_f64();
+        let (waited_s, done) = self.wait_previous()?;
         let moments = contents == CheckpointContents::Full;
         let feed = Arc::new(Feed::new(std::mem::take(&mut self.pages), moments));
         let (job, f) = (Arc::clone(&self.job), Arc::clone(&feed));
-        let spawned = std::thread::Builder::new()
+        let write = move || job.write_fed(&state, &f, contents);
+        if let Err(e) = self.spawn(write, Source::Fed(Arc::clone(&feed)), waited_s) {
+            feed.close();
+            feed.end(false, 0.0);
+            self.pages = feed.take_pages();
+            return Err(spawn_error(e));
+        }
+        Ok((waited_s, done, feed))
+    }
+
+    /// Waits for the write in flight: the seconds waited and what completed meanwhile.
+    fn wait_previous(&mut self) -> Result<(f64, Vec<Written>)> {
+        let t = Instant::now();
+        let done: Vec<Written> = self.finish()?.into_iter().collect();
+        Ok((t.elapsed().as_secs_f64(), done))
+    }
+
+    /// Starts `write` (timed) on the writer thread as the write in flight from `source`.
+    fn spawn(
+        &mut self,
+        write: impl FnOnce() -> Result<PathBuf> + Send + 'static,
+        source: Source,
+        waited_s: f64,
+    ) -> std::io::Result<()> {
+        let handle = std::thread::Builder::new()
             .name("mt-checkpoint".into())
             .spawn(move || {
                 let t = Instant::now();
-                let dir = job.write_fed(&state, &f, contents)?;
+                let dir = write()?;
                 Ok((dir, t.elapsed().as_secs_f64()))
-            });
-        let handle = match spawned {
-            Ok(h) => h,
-            Err(e) => {
-                feed.close();
-                feed.end(false, 0.0);
-                self.pages = feed.take_pages();
-                return Err(Error::Other(format!(
-                    "start the checkpoint writer thread: {e}"
-                )));
-            }
-        };
+            })?;
         self.in_flight = Some(InFlight {
             handle,
-            source: Source::Fed(Arc::clone(&feed)),
+            source,
             waited_s,
         });
-        Ok((waited_s, done, feed))
+        Ok(())
     }
 
     /// The write in flight, if it has completed (its error, if it failed).
@@ -353,6 +352,10 @@ impl Drop for ClosingFeed<'_> {
     fn drop(&mut self) {
         self.0.close();
     }
+}
+
+fn spawn_error(e: std::io::Error) -> Error {
+    Error::Other(format!("start the checkpoint writer thread: {e}"))
 }
 
 /// One checkpoint write: save, then prune.

@@ -79,17 +79,15 @@ pub(super) fn pre(
         chunks: u,
     };
     let fused = fused && kernels::conv_qkv_supported(&conv, x_bth.kind(), x_bth.device());
-    let (qk_bgu2cd, v_bvucd, z_btvd, b_btv, a_btv) = if fused {
-        // The fused conv's backward reaches x through the tape, after autograd's pass.
-        let x_bth = kernels::tape::boundary(x_bth);
-        let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, &x_bth);
-        let conv_w = w.get("linear_attn.conv1d.weight");
-        let (qk_bgu2cd, v_bvucd) = kernels::conv_qkv(&conv, &qkv_btf, conv_w);
-        (qk_bgu2cd, v_bvucd, z_btvd, b_btv, a_btv)
-    } else {
-        let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, x_bth);
-        let (qk_bgu2cd, v_bvucd) = conv_qkv(la, w, &qkv_btf, &conv);
-        (qk_bgu2cd, v_bvucd, z_btvd, b_btv, a_btv)
+    // The fused conv's backward reaches x through the tape, after autograd's pass.
+    let x_bth = match fused {
+        true => kernels::tape::boundary(x_bth),
+        false => x_bth.shallow_clone(),
+    };
+    let (qkv_btf, z_btvd, b_btv, a_btv) = project(la, w, &x_bth);
+    let (qk_bgu2cd, v_bvucd) = match fused {
+        true => kernels::conv_qkv(&conv, &qkv_btf, w.get("linear_attn.conv1d.weight")),
+        false => conv_qkv(la, w, &qkv_btf, &conv),
     };
 
     let (beta_btv, g_btv) = gates(w, &b_btv, &a_btv);
