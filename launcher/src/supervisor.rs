@@ -97,13 +97,17 @@ impl Supervisor {
         self.workers.len()
     }
 
-    /// Sends `msg` to worker `rank`; if it cannot be reached, says how it died.
+    /// Sends `msg` to worker `rank`; if it cannot be reached, says why it stopped: its own
+    /// report if it sent one (the broken pipe then adds nothing), else how it died.
     pub fn send(&mut self, rank: usize, msg: ToWorker) -> Result<()> {
         match self.workers[rank].tx.send(msg) {
             Ok(()) => Ok(()),
-            Err(e) => Err(self
-                .exit_report(rank)
-                .context(format!("cannot reach worker rank {rank} ({e:?})"))),
+            Err(e) => Err(match self.reported_failure(rank) {
+                Some(report) => report,
+                None => self
+                    .death(rank)
+                    .context(format!("cannot reach worker rank {rank} ({e:?})")),
+            }),
         }
     }
 
@@ -172,15 +176,24 @@ impl Supervisor {
     /// close, stopped: the `Fatal` it sent just before, if it is still on its way (a worker
     /// that fails reports, then exits), else how it died.
     fn exit_report(&mut self, rank: usize) -> anyhow::Error {
+        self.reported_failure(rank)
+            .unwrap_or_else(|| self.death(rank))
+    }
+
+    /// The `Fatal` worker `rank` sent before it stopped, waiting up to a second for it to
+    /// arrive; `None` if its channel closed without one.
+    fn reported_failure(&mut self, rank: usize) -> Option<anyhow::Error> {
         let deadline = Instant::now() + Duration::from_secs(1);
         while let Ok(ev) = self.events.recv_deadline(deadline) {
             match ev {
-                Event::Msg(r, FromWorker::Fatal { msg }) if r == rank => return fatal(rank, &msg),
+                Event::Msg(r, FromWorker::Fatal { msg }) if r == rank => {
+                    return Some(fatal(rank, &msg));
+                }
                 Event::Closed(r) if r == rank => break,
                 _ => {}
             }
         }
-        self.death(rank)
+        None
     }
 
     /// Describes how worker `rank` died (waiting briefly for its exit status).
