@@ -7,7 +7,9 @@
 # baseline step time, after WARMUP), the full-state checkpoint of step EVERY is written in
 # the background during steps EVERY+1.., and the end of the run writes one more in place
 # (nothing runs beside it: the writer's bandwidth alone). Beside it, `dd oflag=direct` into
-# the same directory measures the disk's sequential write bandwidth. Each checkpoint is
+# the same directory measures the disk's sequential write bandwidth: DD_RUNS times, before
+# and after the run, and the median is the reference (one reading of a cloud volume varied
+# 1.20-1.60 GB/s minutes apart, which alone moved a write from 73% to 93% of it). Each checkpoint is
 # deleted as soon as it is complete, so the disk needs room for about one (14 bytes per
 # parameter: 12 of optimizer state, 2 of bf16 export); use LAYERS to fit a smaller disk.
 #
@@ -20,7 +22,8 @@
 #   BATCH per GPU [16]  SEQ [1024]  EVERY [20]  WARMUP [3]
 #   STAGING (checkpoint.staging_size, e.g. 32GB; unset: the default, grown at launch into half
 #   the RAM left free, up to the whole checkpoint)
-#   CKDIR [target/bench-checkpoint: on the disk to measure]  DD_GB [16]
+#   CKDIR [target/bench-checkpoint: on the disk to measure]  DD_GB [16]  DD_RUNS [3: 2 before the
+#   run, the rest after]
 #   BIN [target/release]  RESULTS [benches/results]  MACHINE [from nvidia-smi]  PYTHON [python3]
 #   EXTRA (more mt-launch flags)
 set -euo pipefail
@@ -34,12 +37,14 @@ EVERY=${EVERY:-20}
 WARMUP=${WARMUP:-3}
 CKDIR=${CKDIR:-target/bench-checkpoint}
 DD_GB=${DD_GB:-16}
+DD_RUNS=${DD_RUNS:-3}
 BIN=${BIN:-target/release}
 RESULTS=${RESULTS:-benches/results}
 PYTHON=${PYTHON:-python3}
 EXTRA=${EXTRA:-}
 MACHINE=${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-' || echo unknown)}
 DATE=$(date +%Y-%m-%d)
+[ "$DD_RUNS" -ge 1 ] || { echo "DD_RUNS ($DD_RUNS) must be at least 1" >&2; exit 2; }
 [ "$EVERY" -gt "$WARMUP" ] || { echo "EVERY ($EVERY) must exceed WARMUP ($WARMUP)" >&2; exit 2; }
 work=$(mktemp -d)
 mkdir -p "$CKDIR"
@@ -95,10 +100,16 @@ if [ "$free" -lt "$need" ]; then
   exit 1
 fi
 
-echo "== dd: $DD_GB GiB into $CKDIR (oflag=direct)" >&2
-dd if=/dev/zero of="$CKDIR/dd-$$.bin" bs=64M count=$(( DD_GB * 16 )) oflag=direct conv=fsync 2> "$work/dd.log"
-rm -f "$CKDIR/dd-$$.bin"
-tail -1 "$work/dd.log" >&2
+# One dd reading, its summary line appended to dd.log.
+dd_once() {
+  echo "== dd: $DD_GB GiB into $CKDIR (oflag=direct), $1" >&2
+  dd if=/dev/zero of="$CKDIR/dd-$$.bin" bs=64M count=$(( DD_GB * 16 )) oflag=direct conv=fsync 2> "$work/dd.one"
+  rm -f "$CKDIR/dd-$$.bin"
+  tail -1 "$work/dd.one" | tee -a "$work/dd.log" >&2
+}
+: > "$work/dd.log"
+before=$(( DD_RUNS > 1 ? 2 : DD_RUNS ))
+for i in $(seq 1 "$before"); do dd_once "before the run ($i)"; done
 
 echo "== $model: $GPUS GPU(s), batch $BATCH x $SEQ per GPU, checkpoint every $EVERY steps${STAGING:+, staging $STAGING}" >&2
 mkdir -p "$RESULTS/metrics"
@@ -119,10 +130,11 @@ wait "$launcher_pid" && status=0 || status=$?
 launcher_pid=
 cat "$work/run.log" >&2
 [ "$status" -eq 0 ] || { echo "the run failed ($status)" >&2; exit "$status"; }
+for i in $(seq $(( before + 1 )) "$DD_RUNS"); do dd_once "after the run ($i)"; done
 
 mkdir -p "$RESULTS"
 out="$RESULTS/checkpoint_${model}_${MACHINE}_${DATE}.md"
-cmd="CONFIG=$CONFIG ${LAYERS:+LAYERS=$LAYERS }GPUS=$GPUS BATCH=$BATCH SEQ=$SEQ EVERY=$EVERY WARMUP=$WARMUP ${STAGING:+STAGING=$STAGING }DD_GB=$DD_GB CKDIR=$CKDIR ${EXTRA:+EXTRA=\"$EXTRA\" }scripts/bench_checkpoint.sh"
+cmd="CONFIG=$CONFIG ${LAYERS:+LAYERS=$LAYERS }GPUS=$GPUS BATCH=$BATCH SEQ=$SEQ EVERY=$EVERY WARMUP=$WARMUP ${STAGING:+STAGING=$STAGING }DD_GB=$DD_GB DD_RUNS=$DD_RUNS CKDIR=$CKDIR ${EXTRA:+EXTRA=\"$EXTRA\" }scripts/bench_checkpoint.sh"
 "$PYTHON" - "$metrics" "$work/run.log" "$work/dd.log" "$work/plan.json" "$EVERY" "$WARMUP" "$model" "$MACHINE" "$DATE" "$out" "$cmd" <<'PY'
 import json, re, sys
 metrics, log, dd, plan, every, warmup, model, machine, date, out, cmd = sys.argv[1:]
@@ -134,9 +146,12 @@ base = sum(base_steps) / len(base_steps)
 after = [step[s] for s in range(every + 1, 2 * every + 1) if s in step]
 excess = sum(max(0.0, m["step_time_s"] - base) for m in after)
 hook = sum(m.get("checkpoint_wait_s", 0.0) for m in after)
-text = open(dd).read().strip().splitlines()[-1]
-rate = re.search(r"([0-9.]+) ([GM])B/s", text)
-dd_gbs = float(rate.group(1)) / (1000 if rate.group(2) == "M" else 1)
+readings = []
+for text in open(dd).read().strip().splitlines():
+    rate = re.search(r"([0-9.]+) ([GM])B/s", text)
+    readings.append(float(rate.group(1)) / (1000 if rate.group(2) == "M" else 1))
+# The median reading is the reference; every reading is shown.
+dd_gbs = sorted(readings)[len(readings) // 2]
 pat = re.compile(r"checkpoint \S+/step-0*(\d+) written: ([0-9.]+) GB in ([0-9.]+)s \(([0-9.]+) GB/s\); "
                  r"training waited ([0-9.]+)s for it; blocks: (\d+) staged, (\d+) copied ahead, (\d+) from the live state")
 writes = {int(g[0]): g for g in pat.findall(open(log).read())}
@@ -169,7 +184,8 @@ head = ("| step | checkpoint | GB | write s | GB/s | training waited s (launcher
 body = (f"# Checkpoints while training: {model} on {machine}, {date}\n\n"
         f"Command: `{cmd}`\n\n"
         f"Baseline step (steps {warmup + 1}-{every}, no checkpoint in flight): {base:.2f} s. "
-        f"Disk (dd oflag=direct, same directory): {dd_gbs:.2f} GB/s. Staging area: {staging / 1e9:.1f} GB. "
+        f"Disk (dd oflag=direct, same directory): {dd_gbs:.2f} GB/s, the median of "
+        f"{', '.join(f'{r:.2f}' for r in readings)} GB/s (in order: before the run, then after). Staging area: {staging / 1e9:.1f} GB. "
         f"Optimizer time in the checkpoint hook over steps {every + 1}-{2 * every}: {hook:.2f} s.\n\n"
         f"{head}\n" + "\n".join(rows) + "\n\n"
         f"Staging that would hold the stall under one step at this bandwidth: about {need:.0f} GB "
