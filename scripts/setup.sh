@@ -28,23 +28,32 @@ torch_dir=$(.venv/bin/python -c 'import os, torch; print(os.path.dirname(torch._
 ln -sfn "$(readlink -f "$torch_dir")" .venv/libtorch
 echo "setup: libtorch $(.venv/bin/python -c 'import torch; print(torch.__version__)') at .venv/libtorch"
 
-# OpenMPI for the multi-node tests (launcher/tests/nodes.rs: 2 and 3 ranks on this machine)
-# and the MPI shim (launcher/build.rs builds it with mpicc). Installed from the system's
-# packages where missing, in CI (which must run those tests) or when asked with MT_MPI=1;
-# elsewhere the tests say they are skipped and mt-launch works on one node without MPI.
+# OpenMPI and MPICH for the multi-node tests (launcher/tests/nodes.rs: 2 and 3 ranks on this
+# machine, under each) and the MPI shim (launcher/build.rs builds it with mpicc, OpenMPI's
+# where both are installed: Debian ranks it first; the MPICH tests build their own with
+# mpicc.mpich). Installed from the system's packages where missing, in CI (which must run
+# those tests) or when asked with MT_MPI=1; elsewhere the tests say they are skipped and
+# mt-launch works on one node without MPI.
+mpi_packages=()
 if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null; then
+  mpi_packages+=(openmpi-bin libopenmpi-dev)
+fi
+if ! command -v mpiexec.mpich >/dev/null || ! command -v mpicc.mpich >/dev/null; then
+  mpi_packages+=(mpich libmpich-dev)
+fi
+if [ ${#mpi_packages[@]} -gt 0 ]; then
   if [ "${CI:-}" = "true" ] || [ "${MT_MPI:-}" = "1" ]; then
     if command -v apt-get >/dev/null; then
-      echo "setup: installing OpenMPI (openmpi-bin libopenmpi-dev)"
+      echo "setup: installing ${mpi_packages[*]}"
       sudo=""
       [ "$(id -u)" = 0 ] || sudo="sudo"
       $sudo apt-get update -qq
-      $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+      $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${mpi_packages[@]}" >/dev/null
     else
-      echo "setup: no apt-get: install OpenMPI (mpirun, mpicc) with the system's package manager" >&2
+      echo "setup: no apt-get: install ${mpi_packages[*]} (OpenMPI's mpirun and mpicc, MPICH's mpiexec.mpich and mpicc.mpich) with the system's package manager" >&2
       exit 1
     fi
   else
-    echo "setup: no mpirun/mpicc: multi-node tests will be skipped (MT_MPI=1 scripts/setup.sh installs OpenMPI)"
+    echo "setup: missing ${mpi_packages[*]}: those multi-node tests will be skipped (MT_MPI=1 scripts/setup.sh installs them)"
   fi
 fi

@@ -39,6 +39,11 @@ pub struct StepMetrics {
     /// updated store; `reduce_s` and `optimizer_s` leave it out. Absent on one node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exchange_s: Option<f64>,
+    /// Of `exchange_s`, the time this node waited for the others to reach the exchanges
+    /// (their lateness: a slower node, or its workers); the rest is the transfer itself.
+    /// Absent on one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exchange_wait_s: Option<f64>,
     /// Slowest worker's stall on host-to-device layer copies, and its device-to-host
     /// gradient copy time (GPU only).
     pub h2d_wait_s: f64,

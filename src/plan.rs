@@ -33,8 +33,30 @@ pub enum Staging {
     Off,
     /// The default for the layout; `moments`: periodic checkpoints hold the optimizer state.
     Default { moments: bool },
+    /// The default of node 0 of a run whose state is sharded across nodes: two gather
+    /// windows ([`crate::checkpoint::staging::window_bytes`]), since it stages a checkpoint
+    /// a window at a time.
+    Windows { moments: bool },
     /// `checkpoint.staging_size`.
     Bytes(u64),
+}
+
+impl Staging {
+    /// The staging area's size for `layout`.
+    pub fn bytes(self, layout: &Layout) -> u64 {
+        use crate::checkpoint::staging::{default_bytes, window_bytes};
+        match self {
+            Staging::Off => 0,
+            Staging::Default { moments } => default_bytes(layout, moments),
+            Staging::Windows { moments } => {
+                let window = layout
+                    .max_block_len()
+                    .min(crate::layout::shards::GATHER_WINDOW);
+                window_bytes(window, moments)
+            }
+            Staging::Bytes(b) => b,
+        }
+    }
 }
 
 impl HostOpts {
@@ -144,15 +166,9 @@ impl HostPlan {
             grad: opts.grad.size() as u64 * elems,
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
             slabs: opts.workers as u64 * slab,
-            staging: match opts.staging {
-                Staging::Off => 0,
-                Staging::Default { moments } => {
-                    crate::checkpoint::staging::default_bytes(layout, moments)
-                }
-                Staging::Bytes(b) => b,
-            },
+            staging: opts.staging.bytes(layout),
             staging_full: match opts.staging {
-                Staging::Default { moments } => {
+                Staging::Default { moments } | Staging::Windows { moments } => {
                     crate::checkpoint::staging::full_bytes(layout, moments)
                 }
                 _ => 0,
@@ -228,7 +244,11 @@ impl HostPlan {
     /// `checkpoint.staging_size` is taken as is.
     pub fn grow_staging(self, avail: Option<u64>) -> HostPlan {
         let Some(avail) = avail else { return self };
-        if !matches!(self.opts.staging, Staging::Default { .. }) || self.total() > avail {
+        let default = matches!(
+            self.opts.staging,
+            Staging::Default { .. } | Staging::Windows { .. }
+        );
+        if !default || self.total() > avail {
             return self;
         }
         let grow = ((avail - self.total()) / 2).min(self.staging_full.saturating_sub(self.staging));
@@ -308,11 +328,24 @@ impl std::fmt::Display for HostPlan {
                         gb(self.staging_full)
                     )
                 }
+                Staging::Windows { .. } => {
+                    "checkpoint.staging_size unset: two windows of node 0's gathers (up to 2^24 \
+                     elements each), one gathered while the other is written"
+                        .to_string()
+                }
                 _ => "checkpoint.staging_size unset: two of the largest blocks".to_string(),
+            };
+            // Node 0 of a sharded state (the one with gather buffers) fills it with gathered
+            // windows; one node, with blocks the optimizer is about to change.
+            let what = match self.gather > 0 {
+                true => {
+                    "checkpoints gathered into it at the step boundary, written while training goes on"
+                }
+                false => "blocks copied before the optimizer changes them mid-write",
             };
             writeln!(
                 f,
-                "  checkpoint staging    {:>9.2} GB ({how}; blocks copied before the optimizer changes them mid-write)",
+                "  checkpoint staging    {:>9.2} GB ({how}; {what})",
                 gb(self.staging),
             )?;
         }

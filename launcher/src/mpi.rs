@@ -96,6 +96,9 @@ pub struct Mpi {
     timeout_s: Arc<AtomicU64>,
     /// Elements per MPI call ([`max_count`]).
     max_count: usize,
+    /// Nanoseconds spent so far waiting for the other ranks to reach a collective
+    /// ([`Mpi::arrive`]), as against moving its data ([`Mpi::waited`]).
+    arrival_wait_ns: AtomicU64,
     _lib: Library,
 }
 
@@ -207,6 +210,7 @@ impl Mpi {
             fns,
             waiting: Arc::new(Mutex::new(None)),
             timeout_s: Arc::new(AtomicU64::new(600)),
+            arrival_wait_ns: AtomicU64::new(0),
             max_count,
             _lib: lib,
         };
@@ -217,6 +221,12 @@ impl Mpi {
     /// `rank R of N on HOST`, for messages.
     pub fn who(&self) -> String {
         format!("rank {} of {} on {}", self.rank, self.size, self.host)
+    }
+
+    /// The time this rank has spent so far waiting for the others to reach a collective:
+    /// the part of an exchange's time that is another rank's lateness, not the transfer.
+    pub fn waited(&self) -> Duration {
+        Duration::from_nanos(self.arrival_wait_ns.load(Ordering::Relaxed))
     }
 
     /// How long a collective may wait for the other ranks.
@@ -267,10 +277,18 @@ impl Mpi {
     /// message on arrival), for at most the timeout: a rank that does not arrive is named
     /// with its host, where the collective itself could only wait.
     fn arrive(&self, what: &str) -> Result<()> {
+        let t = Instant::now();
+        let arrived = self.arrive_within(what, t);
+        let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.arrival_wait_ns.fetch_add(ns, Ordering::Relaxed);
+        arrived
+    }
+
+    /// [`Mpi::arrive`] from `t`, when this rank reached collective `what`.
+    fn arrive_within(&self, what: &str, t: Instant) -> Result<()> {
         // SAFETY: no arguments; the shim keeps the requests until the test completes them.
         self.check(what, unsafe { (self.fns.arrive_start)() })?;
         let limit = Duration::from_secs(self.timeout_s.load(Ordering::Relaxed));
-        let t = Instant::now();
         let mut arrived: Vec<c_int> = vec![0; self.size];
         let mut pause = Duration::from_micros(1);
         loop {

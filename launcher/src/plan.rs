@@ -48,6 +48,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
             "sharded_step_bytes": nodes.sharded_step_bytes,
             "sharded_node0_bytes": nodes.sharded_node_bytes,
             "sharded_gather_bytes": nodes.sharded_gather_bytes,
+            "sharded_staging_bytes": nodes.sharded_staging_bytes,
         });
         println!("{v}");
         return Ok(());
@@ -123,6 +124,8 @@ pub fn dry_run(
     force: bool,
 ) -> Result<()> {
     let mut prep = Prepared::new(cfg, placement)?;
+    // Under mpirun, this node's share, as the run would hold it.
+    crate::train::shard_plan(&mut prep, cfg, crate::mpi::world());
     prep.check_host_ram()?;
     prep.check_device_memory(cfg, placement, force)?;
     prep.plan = prep.grown_plan(cfg, placement, mt::plan::available_host_bytes());

@@ -139,9 +139,11 @@ impl Progress {
             Kind::Lines { every } => {
                 if m.step.is_multiple_of(*every) || m.step == total || eval.is_some() {
                     // Under mpirun: how much of the step went to the exchanges between nodes.
-                    let exchange = m
-                        .exchange_s
-                        .map_or(String::new(), |x| format!("  exchange {x:.2}s"));
+                    let exchange = match (m.exchange_s, m.exchange_wait_s) {
+                        (Some(x), Some(w)) => format!("  exchange {x:.2}s (waiting {w:.2}s)"),
+                        (Some(x), None) => format!("  exchange {x:.2}s"),
+                        _ => String::new(),
+                    };
                     println!(
                         "step {:>4}/{}  loss {:.4}{dpo}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s{exchange}  {:.0} tok/s  {:.1} TFLOPS/dev{}{}",
                         m.step,

@@ -78,6 +78,12 @@ fn train_env(
         for r in &rows {
             let (x, step) = (r["exchange_s"].as_f64(), r["step_time_s"].as_f64().unwrap());
             assert!(x.is_some_and(|x| (0.0..=step).contains(&x)), "{tag}: {r}");
+            // The wait for the other nodes is a part of the exchanges' time.
+            let wait = r["exchange_wait_s"].as_f64();
+            assert!(
+                wait.is_some_and(|w| (0.0..=x.unwrap()).contains(&w)),
+                "{tag}: {r}"
+            );
         }
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(stdout.contains("  exchange "), "{tag}: {stdout}");
@@ -196,8 +202,24 @@ fn two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
     let Some((mpi, _one)) = mpirun() else {
         return;
     };
-    let nodes = train_with(&mpi, "bf16-n2w1", 2, 1, 4, &BF16);
-    let one = train_with(&mpi, "bf16-n1w2", 1, 2, 4, &BF16);
+    assert_bf16_nodes_equal_one_node(&mpi, "bf16");
+}
+
+/// The same under MPICH (Hydra's `mpiexec.mpich`, the shim built against MPICH's `mpi.h`):
+/// its collectives give the bits OpenMPI's do, through the same shim calls.
+#[test]
+fn under_mpich_two_nodes_in_bfloat16_equal_one_node_of_two_workers_bit_for_bit() {
+    let Some((mpich, _one)) = mpich() else {
+        return;
+    };
+    assert_bf16_nodes_equal_one_node(&mpich, "mpich-bf16");
+}
+
+/// Two nodes of one worker under `mpi` against one node of two workers, in bfloat16: the
+/// same bits (see the test above).
+fn assert_bf16_nodes_equal_one_node(mpi: &Path, tag: &str) {
+    let nodes = train_with(mpi, &format!("{tag}-n2w1"), 2, 1, 4, &BF16);
+    let one = train_with(mpi, &format!("{tag}-n1w2"), 1, 2, 4, &BF16);
     assert_eq!(
         f64_bits(&nodes.0),
         f64_bits(&one.0),
@@ -411,15 +433,51 @@ fn killing_one_rank_stops_every_rank_and_frees_everything() {
     );
 }
 
+/// The same under MPICH: Hydra ends the job when a rank dies, and the launchers take their
+/// workers and shared memory with them.
+#[test]
+fn under_mpich_killing_one_rank_stops_every_rank_and_frees_everything() {
+    let Some((mpich, _one)) = mpich() else {
+        return;
+    };
+    let before = shm_entries();
+    let (child, log, pids) = start_long(&mpich, "mpich-kill", &[]);
+    assert_all_stop(child, &pids, &before, Duration::from_secs(10), || {
+        signal("KILL", pids[1])
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    // Hydra's report names the process (`PID P RUNNING AT HOST`) and the signal.
+    let host = hostname();
+    assert!(
+        text.contains(&format!("PID {} RUNNING AT {host}", pids[1])) && text.contains("signal 9"),
+        "the output must name the killed rank's process, its host and the signal:\n{text}"
+    );
+}
+
 #[test]
 fn a_hung_rank_stops_every_rank_after_the_timeout() {
     let Some((mpi, _one)) = mpirun() else {
         return;
     };
+    assert_hung_rank_stops_every_rank(&mpi, "hang");
+}
+
+/// The same under MPICH: the launchers' own timeout and watchdog (`MPI_Abort`) end the job.
+#[test]
+fn under_mpich_a_hung_rank_stops_every_rank_after_the_timeout() {
+    let Some((mpich, _one)) = mpich() else {
+        return;
+    };
+    assert_hung_rank_stops_every_rank(&mpich, "mpich-hang");
+}
+
+/// Stops rank 1 of a two-rank run under `mpi` (SIGSTOP) and checks that every rank ends
+/// within the timeout + 10 s, rank 0 naming rank 1 or the collective it hangs in.
+fn assert_hung_rank_stops_every_rank(mpi: &Path, tag: &str) {
     let before = shm_entries();
     let timeout = 3;
     let set = format!("training.worker_timeout_s={timeout}");
-    let (child, log, pids) = start_long(&mpi, "hang", &["--set", &set]);
+    let (child, log, pids) = start_long(mpi, tag, &["--set", &set]);
     // Rank 1 stops answering; rank 0 waits for it at the next gradient exchange. (Were
     // rank 1 stopped inside a collective, rank 0's watchdog would end the job instead,
     // naming the collective: the launcher spends nearly all its time outside them.)
@@ -445,6 +503,90 @@ fn a_hung_rank_stops_every_rank_after_the_timeout() {
         "the output must say rank 0 found rank 1 (and its host) missing at a collective, or \
          stuck in one:\n{text}"
     );
+}
+
+/// `--dry-run` under mpirun plans as the run would hold it: node 0 with its share of the
+/// sharded state, gather buffers and a staging area for background checkpoints that it
+/// fills a window at a time (two windows by default, in its node-0 words), the other node
+/// with neither.
+#[test]
+fn a_dry_run_under_mpirun_plans_each_nodes_share() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let dir = scratch("nodes-dry-run");
+    let config = golden_dir().join("llama/run.yaml");
+    let ck = format!("checkpoint.dir={}", dir.join("ck").display());
+    let args = [
+        "--config",
+        path_str(&config),
+        "--dry-run",
+        "--set",
+        &ck,
+        "--set",
+        "checkpoint.every_steps=2",
+    ];
+    let out = mpi_command(&mpi, 2, 1, &args).output().unwrap();
+    assert_mpi_ok(&out, "dry run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines = |needle: &str| text.lines().filter(|l| l.contains(needle)).count();
+    // One node's plan has them, the other's not (the ranks' output may interleave).
+    assert_eq!(lines("checkpoint gather"), 1, "{text}");
+    assert_eq!(lines("  checkpoint staging"), 1, "{text}");
+    assert_eq!(
+        lines("checkpoints gathered into it at the step boundary"),
+        1,
+        "{text}"
+    );
+    assert_eq!(
+        lines("blocks copied before the optimizer changes them"),
+        0,
+        "{text}"
+    );
+}
+
+/// A node that starts each step late (`MT_TEST_LATE_NODE`) shows as node 0's wait in the
+/// exchanges, not as transfer. Node 1 sleeps 400 ms before it sends a step to its worker:
+/// for step 1 at the start, so node 0 waits at step 1's first gradient exchange; for step
+/// s + 1 as soon as step s's norm is known, so node 0 waits at the store's all-gather of
+/// step s's update. Every step but the last is followed by one, so each of those rows
+/// holds a 400 ms wait; 300 ms leaves 100 ms to node 0's own compute (milliseconds for
+/// this tiny model) and the scheduling of a 2-core machine, while a wait not counted (or
+/// counted as transfer) reads near 0.
+#[test]
+fn a_late_node_shows_as_waiting_in_the_exchanges() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let dir = scratch("nodes-late");
+    let m = dir.join("metrics.jsonl");
+    let config = golden_dir().join("llama/run.yaml");
+    let args = [
+        "--config",
+        path_str(&config),
+        "--metrics-out",
+        path_str(&m),
+        "--set",
+        "training.num_steps=3",
+        "--set",
+        "training.batch_size=4",
+    ];
+    let out = launch(&mpi, 2, 1, &args, &[("MT_TEST_LATE_NODE", "1:400")]);
+    assert_mpi_ok(&out, "late");
+    let rows = metrics(&m);
+    assert_eq!(rows.len(), 3);
+    for r in &rows[..2] {
+        let (x, wait) = (
+            r["exchange_s"].as_f64().unwrap(),
+            r["exchange_wait_s"].as_f64().unwrap(),
+        );
+        assert!(
+            (0.3..=x).contains(&wait),
+            "node 0 waited {wait} s of {x} s: {r}"
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains(" (waiting "), "{stdout}");
 }
 
 /// Under an MPI launcher, a shim that cannot be loaded is a clear error before anything

@@ -417,6 +417,21 @@ fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
     let gather = n["sharded_gather_bytes"].as_f64().unwrap();
     assert_eq!(gather, 12.0 * (1u64 << 24) as f64, "{n}");
     assert!(n["sharded_node0_bytes"].as_f64().unwrap() > gather, "{n}");
+    // With periodic background checkpoints, node 0 stages them a window at a time: its
+    // default staging area is two windows, not the one-node default of two whole blocks
+    // (the embedding's 545M elements x 12 B, twice: 13 GB).
+    let ck = scratch("plan-nodes-staging").join("ck");
+    let ck_dir = format!("checkpoint.dir={}", ck.display());
+    let periodic = ["--set", &ck_dir, "--set", "checkpoint.every_steps=10"];
+    let one = plan("1", &periodic);
+    let one_staging = one["host"]["checkpoint_staging"].as_f64().unwrap();
+    assert!(one_staging > 13e9, "{}", one["host"]);
+    let staged = plan("4", &periodic);
+    let n0 = staged["nodes"]["sharded_node0_bytes"].as_f64().unwrap();
+    let windows = 2.0 * gather;
+    let staging = staged["nodes"]["sharded_staging_bytes"].as_f64().unwrap();
+    assert_eq!(staging, windows, "{}", staged["nodes"]);
+    assert_eq!(n0 - n["sharded_node0_bytes"].as_f64().unwrap(), windows);
     let low = [
         "--set",
         "memory.grad_dtype=bfloat16",

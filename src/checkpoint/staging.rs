@@ -39,6 +39,19 @@ pub fn default_bytes(layout: &Layout, moments: bool) -> u64 {
     2 * layout.max_block_len() as u64 * bytes_per_param(moments)
 }
 
+/// The default staging area of node 0 of a run whose state is sharded across nodes, which
+/// gathers a checkpoint a window of `window` elements at a time and stages each window
+/// ([`super::fed`]): two windows, so that it can gather one while the writer writes the
+/// other, with each window's fields rounded up to whole pages.
+pub fn window_bytes(window: usize, moments: bool) -> u64 {
+    let mut bytes = 2 * window as u64 * bytes_per_param(moments);
+    while page_count(bytes) < 2 * super::fed::Feed::pages_for(page_elems(bytes), window, moments) {
+        // A page more; pages grow with the area, so fewer are needed per window.
+        bytes += 4 * page_elems(bytes) as u64;
+    }
+    bytes
+}
+
 /// A staging area that holds every block at once, so that no checkpoint waits for the
 /// writer: each block's fields (master, and m and v with `moments`) start on a page of their
 /// own, so each may take up to one page more than its elements (the largest page, whatever
@@ -407,6 +420,33 @@ mod tests {
                 let values = 4 * fields as u64 * layout.total as u64;
                 let slack = 4 * (fields * layout.blocks.len()) as u64 * (1 << 20);
                 assert!(bytes <= values.max(default_bytes(&layout, moments)) + slack);
+            }
+        }
+    }
+
+    /// Node 0's default area holds two windows however the pages round them (`Feed`
+    /// asks for each field's pages), for windows from one page's worth to the full 2^24, with
+    /// and without the moments; and it costs at most a page per field per window more than
+    /// the values.
+    #[test]
+    fn the_window_area_holds_two_windows() {
+        use super::super::fed::Feed;
+        for window in [1, 1000, 1024, 1025, 70_000, 3_000_000, 5_555_555, 1 << 24] {
+            for moments in [true, false] {
+                let bytes = window_bytes(window, moments);
+                let page = page_elems(bytes);
+                let per = Feed::pages_for(page, window, moments);
+                assert!(
+                    page_count(bytes) >= 2 * per,
+                    "window {window}: {} pages of {page} for 2 x {per}",
+                    page_count(bytes)
+                );
+                let fields = if moments { 3 } else { 1 };
+                let values = 2 * bytes_per_param(moments) * window as u64;
+                // The pages of the smallest areas are 1024 elements at least; the area
+                // holds at least 16 of them.
+                let slack = (2 * fields * 4 * page as u64).max(16 * 4 * 1024);
+                assert!(bytes <= values + slack, "window {window}: {bytes} B");
             }
         }
     }

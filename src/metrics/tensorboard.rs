@@ -116,6 +116,9 @@ pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     if let Some(x) = m.exchange_s {
         v.push(("time/exchange_s", x));
     }
+    if let Some(x) = m.exchange_wait_s {
+        v.push(("time/exchange_wait_s", x));
+    }
     if let Some(e) = &m.eval {
         v.push(("eval/loss", e.eval_loss));
         v.push(("eval/tokens", e.eval_tokens as f64));

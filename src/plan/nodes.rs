@@ -19,7 +19,7 @@
 //! Traffic per node and step, each way over its link, with ring algorithms: a reduce-scatter
 //! or an all-gather of B bytes moves (N-1)/N x B.
 
-use super::HostPlan;
+use super::{HostOpts, HostPlan, Staging};
 use crate::config::MasterWeights;
 use crate::layout::Layout;
 use crate::layout::shards::{GATHER_WINDOW, Shards};
@@ -30,13 +30,29 @@ impl HostPlan {
     /// [`crate::layout::shards`]), and its buffers to gather a window of a block of them
     /// for a checkpoint or the export: [`GATHER_WINDOW`] elements, or the largest block
     /// where that is shorter.
+    ///
+    /// Its default staging area is two windows ([`Staging::Windows`]): node 0 stages a
+    /// background checkpoint window by window, so the one-node default of two whole blocks
+    /// (30 GB for Qwen3.5-27B's embedding) would hold the memory sharding saves. It still
+    /// grows into free RAM at launch ([`HostPlan::grow_staging`]).
     pub fn sharded(self, layout: &Layout, nodes: usize) -> HostPlan {
+        debug_assert!(!self.staging_grown, "sharded before the staging area grows");
         let elems = Shards::most(layout, nodes) as u64;
         let per_elem = self.master_bytes_per_elem() + 2 * self.opts.moments.size() as u64;
+        let window = layout.max_block_len().min(GATHER_WINDOW);
+        let staging = match self.opts.staging {
+            Staging::Default { moments } => Staging::Windows { moments },
+            other => other,
+        };
         HostPlan {
             master: self.master_bytes_per_elem() * elems,
             adam: 2 * self.opts.moments.size() as u64 * elems,
-            gather: per_elem * layout.max_block_len().min(GATHER_WINDOW) as u64,
+            gather: per_elem * window as u64,
+            staging: staging.bytes(layout),
+            opts: HostOpts {
+                staging,
+                ..self.opts
+            },
             ..self
         }
     }
@@ -69,8 +85,10 @@ pub struct NodesPlan {
     pub sharded_step_bytes: u64,
     /// Node 0's host bytes with the sharded state, all told ([`HostPlan::sharded`]).
     pub sharded_node_bytes: u64,
-    /// Of which node 0's buffers to gather a window of a block of the master and moments.
+    /// Of which node 0's buffers to gather a window of a block of the master and moments,
+    /// and its staging area for background checkpoints (before it grows at launch).
     pub sharded_gather_bytes: u64,
+    pub sharded_staging_bytes: u64,
 }
 
 /// Link rates the plan prints times for, GB/s (25 and 50 GB/s: 200 and 400 Gb/s).
@@ -98,6 +116,7 @@ impl NodesPlan {
             sharded_step_bytes: (share * (grad + store)) as u64,
             sharded_node_bytes: sharded.total(),
             sharded_gather_bytes: sharded.gather,
+            sharded_staging_bytes: sharded.staging,
         }
     }
 
@@ -121,9 +140,16 @@ impl std::fmt::Display for NodesPlan {
             "  {:.2} bytes per parameter with the state sharded (store + gradient + (master + moments)/{}; the default)",
             self.sharded_per_param, self.nodes
         )?;
+        let staging = match self.sharded_staging_bytes {
+            0 => String::new(),
+            b => format!(
+                " and {:.2} GB to stage background checkpoints (two windows, unless checkpoint.staging_size; grown into free RAM at launch)",
+                gb(b)
+            ),
+        };
         writeln!(
             f,
-            "  node 0 with the state sharded: {:.2} GB of host memory, of which {:.2} GB to gather a checkpoint a window at a time (up to 2^24 elements of a block's master and moments)",
+            "  node 0 with the state sharded: {:.2} GB of host memory, of which {:.2} GB to gather a checkpoint a window at a time (up to 2^24 elements of a block's master and moments){staging}",
             gb(self.sharded_node_bytes),
             gb(self.sharded_gather_bytes)
         )?;

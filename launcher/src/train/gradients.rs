@@ -19,8 +19,10 @@ pub(super) struct StepOutcome {
     pub(super) loss_sum: f64,
     pub(super) slowest: WorkerTimings,
     pub(super) reduce_s: f64,
-    /// Seconds in exchanges with the other nodes (the gradient's, the norm's, the loss's).
+    /// Seconds in exchanges with the other nodes (the gradient's, the norm's, the loss's),
+    /// and of those, the seconds spent waiting for the other nodes to reach them.
     pub(super) exchange_s: f64,
+    pub(super) exchange_wait_s: f64,
     /// Seconds of the previous update's moments pass run during this step.
     pub(super) moments_s: f64,
     /// Σ g² over every parameter.
@@ -56,6 +58,7 @@ impl Trainer {
             slowest: WorkerTimings::default(),
             reduce_s: 0.0,
             exchange_s: 0.0,
+            exchange_wait_s: 0.0,
             moments_s: 0.0,
             grad_sum_sq: 0.0,
             skipped: false,
@@ -64,6 +67,7 @@ impl Trainer {
             token_logps: Vec::new(),
         };
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
+        let waited_before = self.mpi.map(|m| m.waited());
         // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
         // loss does not depend on which worker finished first.
         type Done = (f64, Option<DpoSums>, Option<Box<GrpoSums>>, Vec<f32>);
@@ -184,6 +188,9 @@ impl Trainer {
         let losses: Vec<f64> = step_done.iter().flatten().map(|d| d.0).collect();
         out.loss_sum = self.global_loss(&losses)?;
         out.exchange_s += t.elapsed().as_secs_f64();
+        if let (Some(m), Some(before)) = (self.mpi, waited_before) {
+            out.exchange_wait_s = (m.waited() - before).as_secs_f64();
+        }
         for (_, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
             if let Some(d) = dpo {
                 out.dpo.get_or_insert_default().add(&d);

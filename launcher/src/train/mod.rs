@@ -30,6 +30,7 @@ mod gradients;
 mod nodes;
 mod step_end;
 mod weights;
+pub(crate) use nodes::shard_plan;
 
 use gradients::StepOutcome;
 
@@ -91,6 +92,8 @@ pub struct Trainer {
     /// Seconds the current update spent gathering the store from the other nodes
     /// (reported in `exchange_s`, left out of `optimizer_s`).
     update_exchange_s: f64,
+    /// Of which, the seconds spent waiting for the other nodes to reach those exchanges.
+    update_exchange_wait_s: f64,
 }
 
 impl Trainer {
@@ -343,6 +346,7 @@ impl Trainer {
             },
             mpi,
             update_exchange_s: 0.0,
+            update_exchange_wait_s: 0.0,
         })
     }
 
@@ -479,6 +483,7 @@ impl Trainer {
 
     /// Sends every worker its micro-batches of step `step`.
     fn send_step(&mut self, step: u64, plan: &StepPlan, weights_pending: bool) -> Result<()> {
+        late_node_hook(self.mpi);
         let units = match &self.grpo {
             Some(g) => g.loss_units(plan),
             None => plan.loss_units(),
@@ -512,6 +517,27 @@ impl Trainer {
             _ => plan_step(&self.data, &rows, world, accum, pad),
         };
         self.node_slice(plan)
+    }
+}
+
+/// Test hook: `MT_TEST_LATE_NODE=<rank>:<ms>` makes node `rank` send each step to its
+/// workers `ms` late, so that the other nodes wait for it at every exchange (tests/nodes.rs
+/// checks that `exchange_wait_s` says so). Nothing else reads it.
+fn late_node_hook(mpi: Option<&crate::mpi::Mpi>) {
+    let Some(m) = mpi else { return };
+    let Ok(v) = std::env::var("MT_TEST_LATE_NODE") else {
+        return;
+    };
+    let late = v
+        .split_once(':')
+        .and_then(|(r, ms)| Some((r.parse::<usize>().ok()?, ms.parse::<u64>().ok()?)));
+    if let Some((rank, ms)) = late.filter(|&(r, _)| r == m.rank) {
+        tracing::debug!(
+            rank,
+            ms,
+            "MT_TEST_LATE_NODE: this node starts the step late"
+        );
+        std::thread::sleep(Duration::from_millis(ms));
     }
 }
 

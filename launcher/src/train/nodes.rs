@@ -135,9 +135,12 @@ impl Trainer {
     /// every node the updated weights of the block.
     pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
         self.host.update_block(block, hp, self.moments);
-        let t = Instant::now();
+        let (t, waited) = (Instant::now(), self.mpi.map(|m| m.waited()));
         self.host.gather_store(block)?;
         self.update_exchange_s += t.elapsed().as_secs_f64();
+        if let (Some(m), Some(before)) = (self.mpi, waited) {
+            self.update_exchange_wait_s += (m.waited() - before).as_secs_f64();
+        }
         Ok(())
     }
 
@@ -306,7 +309,7 @@ pub(super) fn shards(
 /// 0 its buffers to gather a window of a block of them for a checkpoint or the export and
 /// the staging area background checkpoints are gathered into; the other nodes only send,
 /// and hold neither.
-pub(super) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
+pub(crate) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
         let sharded = prepared.plan.sharded(&prepared.layout, m.size);
         prepared.plan = match m.rank {

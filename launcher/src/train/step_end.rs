@@ -180,6 +180,9 @@ impl Trainer {
             exchange_s: self
                 .mpi
                 .map(|_| out.exchange_s + std::mem::take(&mut self.update_exchange_s)),
+            exchange_wait_s: self
+                .mpi
+                .map(|_| out.exchange_wait_s + std::mem::take(&mut self.update_exchange_wait_s)),
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
             update_wait_s: out.slowest.update_wait_s,
