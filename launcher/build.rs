@@ -1,7 +1,8 @@
 //! Builds `libmt_mpi.so` (mpi/shim.c) with the machine's `mpicc` (or `$MPICC`) when there is
 //! one, and puts it beside the binaries, where `mt-launch` looks for it under mpirun. Without
 //! an MPI compiler nothing is built and `mt-launch` runs as before on one node: the binaries
-//! never link libmpi (the GPU machines have none).
+//! never link libmpi: they run as they are where there is no MPI. (The GPU machines' image
+//! has OpenMPI 4.1.6 with mpirun and mpicc; a shim built here against 4.1.4 loads there.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -195,6 +195,11 @@ pub enum Bound {
     /// Workers waited for the launcher to free gradient slab slots (`slot_wait_s`): the
     /// host reduce lags the backward; more `memory.num_grad_slabs` or a larger batch help.
     Reduce,
+    /// Under mpirun, workers waited for the update or for slots while their launcher moved
+    /// gradients and weights between nodes, and that transfer took longer than its own
+    /// reduce and update ([`Bound::with_exchange`]): a faster link, or a larger batch per
+    /// node, helps.
+    Exchange,
 }
 
 impl Bound {
@@ -217,12 +222,24 @@ impl Bound {
         }
     }
 
+    /// A wait for the launcher ([`Bound::Optimizer`] or [`Bound::Reduce`]) named as the
+    /// exchange between nodes where the launcher spent longer moving data (`transfer_s`:
+    /// `exchange_s` less its wait for the other nodes) than reducing and updating
+    /// (`host_s`: `reduce_s` + `optimizer_s`, which leave the exchanges out).
+    pub fn with_exchange(self, transfer_s: f64, host_s: f64) -> Bound {
+        match self {
+            Bound::Optimizer | Bound::Reduce if transfer_s > host_s => Bound::Exchange,
+            other => other,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Bound::Compute => "compute",
             Bound::Optimizer => "optimizer",
             Bound::H2d => "h2d",
             Bound::Reduce => "reduce",
+            Bound::Exchange => "exchange",
         }
     }
 }
@@ -331,5 +348,22 @@ mod tests {
         assert_eq!(Bound::of(10.0, 0.5, 1.5, 1.0), Bound::H2d);
         assert_eq!(Bound::of(10.0, 0.0, 0.0, 1.0), Bound::Reduce);
         assert_eq!(Bound::of(10.0, 0.0, 0.0, 0.0), Bound::Compute);
+        // A launcher-side wait whose launcher mostly moved data between nodes.
+        let slots = Bound::of(20.0, 2.0, 0.0, 9.0);
+        assert_eq!(slots.with_exchange(16.0, 4.0), Bound::Exchange);
+        assert_eq!(slots.with_exchange(3.0, 4.0), Bound::Reduce);
+        assert_eq!(
+            Bound::of(10.0, 4.0, 1.5, 0.2).with_exchange(5.0, 1.0),
+            Bound::Exchange
+        );
+        // Not a wait for the launcher: left as it is.
+        assert_eq!(
+            Bound::of(10.0, 0.5, 1.5, 1.0).with_exchange(9.0, 0.1),
+            Bound::H2d
+        );
+        assert_eq!(
+            Bound::of(10.0, 0.0, 0.0, 0.0).with_exchange(9.0, 0.1),
+            Bound::Compute
+        );
     }
 }

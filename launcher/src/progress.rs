@@ -15,6 +15,7 @@ fn bound_note(m: &StepMetrics) -> String {
         Bound::Optimizer => m.update_wait_s,
         Bound::H2d => m.h2d_wait_s,
         Bound::Reduce => m.slot_wait_s,
+        Bound::Exchange => m.update_wait_s.max(m.slot_wait_s),
     };
     format!(
         "  {}-bound ({:.0}% waiting)",
@@ -33,6 +34,9 @@ fn bound_hint(m: &StepMetrics) -> Option<String> {
         }
         Bound::H2d => "the workers waited for layer weights to cross PCIe",
         Bound::Reduce => "the workers waited for free gradient slab slots",
+        Bound::Exchange => {
+            "the workers waited while their launcher exchanged gradients and weights with the other nodes (exchange_s), longer than it reduced and updated"
+        }
     };
     Some(format!(
         "note: step {} was {}-bound: {what}; a larger per-GPU batch (or gradient_accumulation_steps) spreads that over more tokens{}",
@@ -40,6 +44,7 @@ fn bound_hint(m: &StepMetrics) -> Option<String> {
         m.bound.name(),
         match m.bound {
             Bound::Reduce => ", as does a larger memory.num_grad_slabs",
+            Bound::Exchange => ", as does a faster link between the nodes",
             _ => "",
         }
     ))

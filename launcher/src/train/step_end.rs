@@ -164,6 +164,19 @@ impl Trainer {
         );
         let world = self.global_world() as f64;
         let per_device_tflops = |f: f64| f / step_time_s / world / 1e12;
+        // Under mpirun: the step's exchanges with the other nodes, and the wait in them.
+        let exchange = self.mpi.map(|_| {
+            (
+                out.exchange_s + std::mem::take(&mut self.update_exchange_s),
+                out.exchange_wait_s + std::mem::take(&mut self.update_exchange_wait_s),
+            )
+        });
+        let bound = Bound::of(
+            step_time_s,
+            out.slowest.update_wait_s,
+            out.slowest.h2d_wait_s,
+            out.slowest.slot_wait_s,
+        );
         let m = StepMetrics {
             step: step + 1,
             loss: out.loss_sum / units.max(1) as f64,
@@ -177,23 +190,17 @@ impl Trainer {
             slot_wait_s: out.slowest.slot_wait_s,
             reduce_s: out.reduce_s,
             optimizer_s,
-            exchange_s: self
-                .mpi
-                .map(|_| out.exchange_s + std::mem::take(&mut self.update_exchange_s)),
-            exchange_wait_s: self
-                .mpi
-                .map(|_| out.exchange_wait_s + std::mem::take(&mut self.update_exchange_wait_s)),
+            exchange_s: exchange.map(|e| e.0),
+            exchange_wait_s: exchange.map(|e| e.1),
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
             update_wait_s: out.slowest.update_wait_s,
             checkpoint_wait_s: self.host.take_checkpoint_wait()
                 + std::mem::take(&mut self.checkpoint_wait_s),
-            bound: Bound::of(
-                step_time_s,
-                out.slowest.update_wait_s,
-                out.slowest.h2d_wait_s,
-                out.slowest.slot_wait_s,
-            ),
+            bound: match exchange {
+                Some((x, wait)) => bound.with_exchange(x - wait, out.reduce_s + optimizer_s),
+                None => bound,
+            },
             peak_gpu_bytes: out.slowest.peak_device_bytes,
             gpu_context_bytes: out.slowest.context_device_bytes,
             launcher_rss_bytes: rss_bytes(),
