@@ -123,10 +123,17 @@ static long ring_chunk(void) {
   return chunk;
 }
 
-/* Whether the reduce-scatter runs over the ring below (the default) or as MPI's own
- * MPI_Reduce_scatter (MT_MPI_RING=0, for comparison): OpenMPI 4.1's moves about 0.7 GB/s
- * over shared memory, a third of its own all-reduce, where the ring's messages are plain
- * transfers and the sums are a pass of this library's. */
+/* Elements of a part of `count` in the ring's chunk at `off` (0 past its end). */
+static int chunk_len(long count, long off, long chunk) {
+  long rest = count - off;
+  return rest <= 0 ? 0 : (int)(rest < chunk ? rest : chunk);
+}
+
+/* Whether the reduce-scatter and the all-gather run over the rings below (the default) or
+ * as MPI's own MPI_Reduce_scatter and MPI_Allgatherv (MT_MPI_RING=0, for comparison):
+ * OpenMPI 4.1's reduce-scatter moves about 0.7 GB/s over shared memory, a third of its own
+ * all-reduce, where the ring's messages are plain transfers and the sums are a pass of
+ * this library's. */
 static int use_ring(void) {
   static int ring = -1;
   if (ring < 0) {
@@ -169,24 +176,23 @@ static int ring_reduce_scatter(const char *send, char *recv, const int *counts, 
   MPI_Datatype t = type_of(kind);
   rc = MPI_SUCCESS;
   for (long off = 0; off < longest && rc == MPI_SUCCESS; off += chunk) {
-    /* This chunk's length in part p. */
-#define LEN(p) ((int)(counts[p] > off ? (counts[p] - off < chunk ? counts[p] - off : chunk) : 0))
     int p_send = (rank + size - 1) % size;
-    const char *out = send + es * (size_t)(displ[p_send] + (counts[p_send] > off ? off : 0));
+    int n_send = chunk_len(counts[p_send], off, chunk);
+    const char *out = send + es * (size_t)(displ[p_send] + (n_send ? off : 0));
     for (int s = 0; s < size - 1 && rc == MPI_SUCCESS; s++) {
       int p_recv = ((rank - s - 2) % size + size) % size;
+      int n_recv = chunk_len(counts[p_recv], off, chunk);
       char *in = bufs[s % 2];
-      rc = MPI_Sendrecv(out, LEN(p_send), t, right, RING_TAG, in, LEN(p_recv), t, left,
-                        RING_TAG, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      rc = MPI_Sendrecv(out, n_send, t, right, RING_TAG, in, n_recv, t, left, RING_TAG,
+                        MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       if (rc != MPI_SUCCESS) break;
-      add_into(in, send + es * (size_t)(displ[p_recv] + off), LEN(p_recv), kind);
+      add_into(in, send + es * (size_t)(displ[p_recv] + (n_recv ? off : 0)), n_recv, kind);
       /* The last step's sum is part r: into recv, which may be send's own part r (read
        * just above, so an in-place reduce-scatter needs no copy of the buffer). */
-      if (s == size - 2) memcpy(recv + es * (size_t)off, in, es * (size_t)LEN(p_recv));
+      if (s == size - 2 && n_recv) memcpy(recv + es * (size_t)off, in, es * (size_t)n_recv);
       out = in;
-      p_send = p_recv;
+      n_send = n_recv;
     }
-#undef LEN
   }
   free(displ);
   return rc;
@@ -215,11 +221,12 @@ static int ring_allgather(char *buf, const int *counts, const int *displs, int k
     for (int s = 0; s < size - 1 && rc == MPI_SUCCESS; s++) {
       int p_send = ((rank - s) % size + size) % size;
       int p_recv = ((rank - s - 1) % size + size) % size;
-      int n_send = counts[p_send] > off ? (int)(counts[p_send] - off < chunk ? counts[p_send] - off : chunk) : 0;
-      int n_recv = counts[p_recv] > off ? (int)(counts[p_recv] - off < chunk ? counts[p_recv] - off : chunk) : 0;
-      rc = MPI_Sendrecv(buf + es * (size_t)(displs[p_send] + (n_send ? off : 0)), n_send,
-                        type_of(kind), right, RING_TAG, buf + es * (size_t)(displs[p_recv] + (n_recv ? off : 0)),
-                        n_recv, type_of(kind), left, RING_TAG, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+      int n_send = chunk_len(counts[p_send], off, chunk);
+      int n_recv = chunk_len(counts[p_recv], off, chunk);
+      char *out = buf + es * (size_t)(displs[p_send] + (n_send ? off : 0));
+      char *in = buf + es * (size_t)(displs[p_recv] + (n_recv ? off : 0));
+      rc = MPI_Sendrecv(out, n_send, type_of(kind), right, RING_TAG, in, n_recv, type_of(kind),
+                        left, RING_TAG, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
     }
   }
   return rc;
