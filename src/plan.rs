@@ -135,6 +135,8 @@ pub struct HostPlan {
     /// of the master and moments for a checkpoint or the export (at most
     /// [`crate::layout::shards::GATHER_WINDOW`] elements); 0 otherwise ([`HostPlan::sharded`]).
     pub gather: u64,
+    /// Under mpirun, the MPI shim's two ring messages ([`nodes::RING_BYTES`]); 0 on one node.
+    pub exchange: u64,
     /// GPU workers' layer inputs stashed in pinned host memory between forward and backward
     /// (`memory.offload_activations`; [`offloaded_inputs`]), or 0.
     pub offloaded: u64,
@@ -176,6 +178,7 @@ impl HostPlan {
             staging_grown: false,
             carried: 0,
             gather: 0,
+            exchange: 0,
             offloaded: 0,
             grpo_reference: 0,
             slot_len: slot_len as u64,
@@ -196,6 +199,7 @@ impl HostPlan {
             + self.staging
             + self.carried
             + self.gather
+            + self.exchange
             + self.offloaded
             + self.grpo_reference
     }
@@ -361,6 +365,13 @@ impl std::fmt::Display for HostPlan {
                 f,
                 "  checkpoint gather     {:>9.2} GB (node 0: a window of up to 2^24 elements of a block's master and moments, written before the next is gathered)",
                 gb(self.gather)
+            )?;
+        }
+        if self.exchange > 0 {
+            writeln!(
+                f,
+                "  exchange buffers      {:>9.2} GB (the MPI shim's rings: two messages of 2^20 elements)",
+                gb(self.exchange)
             )?;
         }
         if self.offloaded > 0 {

@@ -98,6 +98,7 @@ fn json(
             "checkpoint_staging": h.staging,
             "carried": h.carried,
             "offloaded_inputs": h.offloaded,
+            "exchange_buffers": h.exchange,
             "grpo_reference": h.grpo_reference,
             "total": h.total(),
         },

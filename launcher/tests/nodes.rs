@@ -524,7 +524,7 @@ fn assert_hung_rank_stops_every_rank(mpi: &Path, tag: &str) {
 /// `--dry-run` under mpirun plans as the run would hold it: node 0 with its share of the
 /// sharded state, gather buffers and a staging area for background checkpoints that it
 /// fills a window at a time (two windows by default, in its node-0 words), the other node
-/// with neither.
+/// with neither; both with the MPI shim's ring buffers.
 #[test]
 fn a_dry_run_under_mpirun_plans_each_nodes_share() {
     let Some((mpi, _one)) = mpirun() else {
@@ -559,6 +559,8 @@ fn a_dry_run_under_mpirun_plans_each_nodes_share() {
         0,
         "{text}"
     );
+    // Both hold the MPI shim's ring buffers.
+    assert_eq!(lines("  exchange buffers"), 2, "{text}");
 }
 
 /// A node that starts each step late (`MT_TEST_LATE_NODE`) shows as node 0's wait in the

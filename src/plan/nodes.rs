@@ -20,6 +20,10 @@
 //! or an all-gather of B bytes moves (N-1)/N x B.
 
 use super::{HostOpts, HostPlan, Staging};
+
+/// The MPI shim's ring buffers on every node of a multi-node run (launcher/mpi/shim.c,
+/// `ring_chunk`): two messages of 2^20 elements of up to 8 bytes.
+pub const RING_BYTES: u64 = 2 * (1 << 20) * 8;
 use crate::config::MasterWeights;
 use crate::layout::Layout;
 use crate::layout::shards::{GATHER_WINDOW, Shards};
@@ -34,7 +38,8 @@ impl HostPlan {
     /// Its default staging area is two windows ([`Staging::Windows`]): node 0 stages a
     /// background checkpoint window by window, so the one-node default of two whole blocks
     /// (30 GB for Qwen3.5-27B's embedding) would hold the memory sharding saves. It still
-    /// grows into free RAM at launch ([`HostPlan::grow_staging`]).
+    /// grows into free RAM at launch ([`HostPlan::grow_staging`]). Like every node's, its
+    /// plan holds the shim's ring buffers ([`HostPlan::on_nodes`]).
     pub fn sharded(self, layout: &Layout, nodes: usize) -> HostPlan {
         debug_assert!(!self.staging_grown, "sharded before the staging area grows");
         let elems = Shards::most(layout, nodes) as u64;
@@ -53,6 +58,15 @@ impl HostPlan {
                 staging,
                 ..self.opts
             },
+            ..self.on_nodes()
+        }
+    }
+
+    /// The plan of a node of a multi-node run, sharded or not: it holds the MPI shim's
+    /// ring buffers besides ([`RING_BYTES`]).
+    pub fn on_nodes(self) -> HostPlan {
+        HostPlan {
+            exchange: RING_BYTES,
             ..self
         }
     }
@@ -201,6 +215,7 @@ mod tests {
             staging_grown: false,
             carried: 0,
             gather: 0,
+            exchange: 0,
             offloaded: 0,
             grpo_reference: 0,
             slot_len: 0,

@@ -305,11 +305,14 @@ pub(super) fn shards(
     Some((Shards::new(layout, m.size, m.rank), m))
 }
 
-/// The host plan of one node of a sharded run: 1/N of the master and moments, and on node
-/// 0 its buffers to gather a window of a block of them for a checkpoint or the export and
-/// the staging area background checkpoints are gathered into; the other nodes only send,
-/// and hold neither.
+/// The host plan of one node of a multi-node run: the MPI shim's ring buffers; with the
+/// state sharded, 1/N of the master and moments, and on node 0 its buffers to gather a
+/// window of a block of them for a checkpoint or the export and the staging area background
+/// checkpoints are gathered into (the other nodes only send, and hold neither).
 pub(crate) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
+    if mpi.is_some() {
+        prepared.plan = prepared.plan.on_nodes();
+    }
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
         let sharded = prepared.plan.sharded(&prepared.layout, m.size);
         prepared.plan = match m.rank {
