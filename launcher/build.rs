@@ -41,7 +41,7 @@ fn main() {
 
 fn compile(cc: &Path, lib: &Path) -> bool {
     let status = Command::new(cc)
-        .args(["-shared", "-fPIC", "-O2", "-Wall", "-o"])
+        .args(["-shared", "-fPIC", "-O3", "-Wall", "-o"])
         .arg(lib)
         .arg("mpi/shim.c")
         .status();

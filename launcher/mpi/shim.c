@@ -94,17 +94,18 @@ int mt_mpi_processor_name(char *buf, int len) {
   return MPI_SUCCESS;
 }
 
-/* acc[i] += own[i] for n elements of `kind`, as the MPI op of that kind sums them. */
+/* acc[i] += own[i] for n elements of `kind`, as the MPI op of that kind sums them (the two
+ * never overlap: acc is a ring buffer). */
 static void add_into(void *acc, const void *own, int n, int kind) {
   if (kind == MT_BF16) {
     bf16_sum((void *)own, acc, &n, NULL);
   } else if (kind == MT_F32) {
-    float *a = (float *)acc;
-    const float *b = (const float *)own;
+    float *restrict a = (float *)acc;
+    const float *restrict b = (const float *)own;
     for (int i = 0; i < n; i++) a[i] += b[i];
   } else {
-    double *a = (double *)acc;
-    const double *b = (const double *)own;
+    double *restrict a = (double *)acc;
+    const double *restrict b = (const double *)own;
     for (int i = 0; i < n; i++) a[i] += b[i];
   }
 }

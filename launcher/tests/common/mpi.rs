@@ -67,7 +67,7 @@ fn mpich_shim() -> &'static Path {
         let lib = dir.join("libmt_mpi.so");
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("mpi/shim.c");
         let out = Command::new("mpicc.mpich")
-            .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o"])
+            .args(["-shared", "-fPIC", "-O3", "-Wall", "-Werror", "-o"])
             .arg(&lib)
             .arg(&src)
             .output()
