@@ -200,10 +200,25 @@ static int ring_reduce_scatter(const char *send, char *recv, const int *counts, 
 }
 
 /* Reduce-scatter by sum: rank r receives, in recv, the sum over ranks of
- * send[displ(r) .. displ(r) + counts[r]], where displ(r) = Σ counts[..r]. */
+ * send[displ(r) .. displ(r) + counts[r]], where displ(r) = Σ counts[..r]. recv may be
+ * that part of send itself (in place): the ring sums into it directly; MPI's
+ * MPI_Reduce_scatter, which takes no such buffer, goes through a copy. */
 int mt_mpi_reduce_scatter(const void *send, void *recv, const int *counts, int kind) {
   if (use_ring()) return ring_reduce_scatter(send, recv, counts, kind);
-  return MPI_Reduce_scatter(send, recv, counts, type_of(kind), sum_of(kind), MPI_COMM_WORLD);
+  int size, rank;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  size_t es = (size_t)elem_size(kind), total = 0;
+  for (int p = 0; p < size; p++) total += (size_t)counts[p];
+  const char *lo = send, *hi = lo + es * total, *at = recv;
+  if (!(at >= lo && at < hi))
+    return MPI_Reduce_scatter(send, recv, counts, type_of(kind), sum_of(kind), MPI_COMM_WORLD);
+  void *sum = malloc(es * (size_t)(counts[rank] > 0 ? counts[rank] : 1));
+  if (!sum) return MPI_ERR_NO_MEM;
+  int rc = MPI_Reduce_scatter(send, sum, counts, type_of(kind), sum_of(kind), MPI_COMM_WORLD);
+  if (rc == MPI_SUCCESS) memcpy(recv, sum, es * (size_t)counts[rank]);
+  free(sum);
+  return rc;
 }
 
 /* All-gather in place over a ring, a chunk of every part at a time: in step s of
@@ -259,25 +274,9 @@ int mt_mpi_allreduce_same(void *buf, long count, int kind) {
     at += c;
   }
   size_t es = (size_t)elem_size(kind);
-  if (use_ring()) {
-    /* The ring sums each part into its place in buf. */
-    char *own = (char *)buf + es * (size_t)displs[rank];
-    rc = ring_reduce_scatter(buf, own, counts, kind);
-    if (rc == MPI_SUCCESS) rc = mt_mpi_allgather_inplace(buf, counts, displs, kind);
-    free(counts);
-    return rc;
-  }
-  void *mine = malloc(es * (size_t)(counts[rank] > 0 ? counts[rank] : 1));
-  if (!mine) {
-    free(counts);
-    return MPI_ERR_NO_MEM;
-  }
-  rc = mt_mpi_reduce_scatter(buf, mine, counts, kind);
-  if (rc == MPI_SUCCESS) {
-    memcpy((char *)buf + es * (size_t)displs[rank], mine, es * (size_t)counts[rank]);
-    rc = mt_mpi_allgather_inplace(buf, counts, displs, kind);
-  }
-  free(mine);
+  /* Each part summed into its place in buf (through a copy where MPI's own runs). */
+  rc = mt_mpi_reduce_scatter(buf, (char *)buf + es * (size_t)displs[rank], counts, kind);
+  if (rc == MPI_SUCCESS) rc = mt_mpi_allgather_inplace(buf, counts, displs, kind);
   free(counts);
   return rc;
 }

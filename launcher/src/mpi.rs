@@ -379,29 +379,27 @@ impl Mpi {
         })
     }
 
-    /// Reduce-scatter by sum over pieces of `buf`: `pieces[r]` (contiguous, in rank order,
-    /// covering `buf`) is summed over the ranks into this rank's `recv`, the length of its
-    /// piece. Every rank passes the same pieces. One MPI call per window of the buffer
-    /// ([`windows`]).
+    /// Reduce-scatter by sum over pieces of `buf`, in place: `pieces[r]` (contiguous, in
+    /// rank order, covering `buf`) is summed over the ranks into this rank's own piece of
+    /// `buf` (the others' pieces keep this rank's values). Every rank passes the same
+    /// pieces. One MPI call per window of the buffer ([`windows`]); no copy of the buffer.
     pub fn reduce_scatter_pieces<T: Elem>(
         &self,
         what: &str,
-        buf: &[T],
+        buf: &mut [T],
         pieces: &[Range<usize>],
-        recv: &mut [T],
     ) -> Result<()> {
         self.check_pieces(buf.len(), pieces);
-        let mine = pieces[self.rank].clone();
-        assert_eq!(recv.len(), mine.len(), "this rank's piece");
+        let base = buf.as_mut_ptr();
         for w in windows(pieces, self.max_count) {
             let (counts, _) = counts(&w);
-            let send = &buf[w.range.clone()];
-            let recv = &mut recv[w.within(self.rank, &mine)];
-            // SAFETY: send holds Σ counts elements, recv counts[rank].
+            // SAFETY: the window's parts lie within `buf`: send is the window (Σ counts
+            // elements), recv this rank's part of it (counts[rank]), which the shim reads
+            // before it writes each chunk of it.
             self.watched(what, || unsafe {
                 (self.fns.reduce_scatter)(
-                    send.as_ptr().cast(),
-                    recv.as_mut_ptr().cast(),
+                    base.add(w.range.start).cast_const().cast(),
+                    base.add(w.parts[self.rank].start).cast(),
                     counts.as_ptr(),
                     T::KIND,
                 )

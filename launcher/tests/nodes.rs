@@ -313,6 +313,22 @@ fn the_reduce_scatter_ring_in_small_chunks_trains_the_same_bits() {
     assert_same_trained(&chunked, &whole, "chunks of 1000");
 }
 
+/// `MT_MPI_RING=0` puts MPI's own `MPI_Reduce_scatter` and `MPI_Allgatherv` behind the
+/// same shim calls (for comparison); the reduce-scatter sums each piece in place, through a
+/// copy there. On two nodes each sum has two terms, the same bits in either order, so the
+/// run is the ring's bit for bit: a piece summed into the wrong place, or left unsummed,
+/// moves the weights.
+#[test]
+fn mpis_own_collectives_on_two_nodes_train_the_rings_bits() {
+    let Some((mpi, _one)) = mpirun() else {
+        return;
+    };
+    let ring = train_env(&mpi, "ring-two", 2, 1, 4, &[], &[]);
+    let own = [("MT_MPI_RING", "0")];
+    let mpis = train_env(&mpi, "mpi-own-two", 2, 1, 4, &[], &own);
+    assert_same_trained(&mpis, &ring, "MPI's collectives");
+}
+
 /// `--dump-grads` with the state sharded is refused up front, naming the flag and
 /// `nodes.shard_state`: each node ends a step with the summed gradient of its pieces only.
 #[test]

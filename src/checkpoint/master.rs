@@ -103,6 +103,14 @@ pub enum MasterMut<'a> {
         p: &'a mut [bf16],
         rounded: &'a AtomicU64,
     },
+    /// `len` elements handed on as they are made, a piece at a time: `put(first, values)`
+    /// for elements `first..first + values.len()`, from any thread, each element once. A
+    /// sharded run starts so: every element goes into the store, the node's own into its
+    /// master, and no whole copy is held.
+    Sink {
+        len: usize,
+        put: &'a (dyn Fn(usize, &[f32]) + Sync),
+    },
 }
 
 impl MasterMut<'_> {
@@ -110,6 +118,7 @@ impl MasterMut<'_> {
         match self {
             MasterMut::F32(x) => x.len(),
             MasterMut::Split { hi, .. } | MasterMut::Bf16 { p: hi, .. } => hi.len(),
+            MasterMut::Sink { len, .. } => *len,
         }
     }
 
@@ -120,7 +129,8 @@ impl MasterMut<'_> {
     /// Writes elements `r`, a piece of at most [`PIECE`] elements at a time (pieces start
     /// at `r.start`), in parallel: `f(first, out)` puts the fp32 values of elements
     /// `first..first + out.len()` into `out`. An fp32 master is written in place; a split or
-    /// bf16 one through a buffer of one piece per task, so no fp32 copy of the range exists.
+    /// bf16 one, or a sink, through a buffer of one piece per task, so no fp32 copy of the
+    /// range exists.
     pub fn try_fill<E: Send>(
         &mut self,
         r: Range<usize>,
@@ -162,6 +172,20 @@ impl MasterMut<'_> {
                     SPLIT.set(buf);
                     r
                 }),
+            MasterMut::Sink { len, put } => {
+                assert!(r.end <= *len, "elements {r:?} of {len}");
+                let firsts: Vec<usize> = r.clone().step_by(PIECE).collect();
+                firsts.into_par_iter().try_for_each(|first| {
+                    let mut buf = SPLIT.take();
+                    buf.resize((r.end - first).min(PIECE), 0.0);
+                    let done = f(first, &mut buf);
+                    if done.is_ok() {
+                        put(first, &buf);
+                    }
+                    SPLIT.set(buf);
+                    done
+                })
+            }
         }
     }
 }

@@ -22,6 +22,7 @@
 //! peak.
 
 use std::ops::Range;
+use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 
 use anyhow::Result;
@@ -31,6 +32,7 @@ use mt::checkpoint::{MasterMut, MasterRef};
 use mt::layout::Layout;
 use mt::layout::shards::{GATHER_WINDOW, Shards, piece, windows};
 use mt::optim::StoreOut;
+use mt::optim::bits;
 use mt::reduce::GradElem;
 use mt::shm::huge::zeroed;
 
@@ -158,9 +160,10 @@ impl HostState {
         }
     }
 
-    /// [`HostState::init_master`] of a sharded master: `fill` writes a whole master (and
-    /// the store from it), of which this node keeps its pieces. The whole fp32 master (or
-    /// a split one's low halves) is held only meanwhile, at start-up.
+    /// [`HostState::init_master`] of a sharded master: `fill` makes the whole master a
+    /// piece at a time ([`MasterMut::Sink`]); each piece goes into the store, and its
+    /// elements in this node's pieces of the blocks into the node's master (a split one's
+    /// low halves). No whole copy is held, so the start-up peak is the plan's.
     pub(super) fn init_master_sharded(
         &mut self,
         fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
@@ -170,16 +173,48 @@ impl HostState {
         let shards = &self.shards.as_ref().expect("sharded").0;
         match &mut self.master {
             Master::F32(local) => {
-                let mut whole: Vec<f32> = zeroed(n);
-                fill(&self.layout, &mut MasterMut::F32(&mut whole))?;
-                self.store.write_all(&whole);
-                keep_pieces(shards, &whole, local.as_mut_slice());
+                let local = Striped::new(local.as_mut_slice());
+                let store = match self.store.out_mut(0..n) {
+                    StoreOut::F32(s) => Store::F32(Striped::new(s)),
+                    StoreOut::Bf16(s) => Store::Bf16(Striped::new(s)),
+                };
+                let put = |first: usize, x: &[f32]| {
+                    let r = first..first + x.len();
+                    match &store {
+                        Store::F32(s) => s.write(r.clone(), |d, i| d.copy_from_slice(&x[i])),
+                        Store::Bf16(s) => s.write(r.clone(), |d, i| {
+                            d.iter_mut()
+                                .zip(&x[i])
+                                .for_each(|(d, x)| *d = bf16::from_f32(*x))
+                        }),
+                    }
+                    for (to, from) in kept(shards, r) {
+                        let x = &x[from];
+                        local.write(to, |d, i| d.copy_from_slice(&x[i]));
+                    }
+                };
+                fill(&self.layout, &mut MasterMut::Sink { len: n, put: &put })?;
             }
             Master::Split(local) => {
-                let mut lo: Vec<u16> = zeroed(n);
-                let hi = store_bf16(&mut self.store, 0..n);
-                fill(&self.layout, &mut MasterMut::Split { hi, lo: &mut lo })?;
-                keep_pieces(shards, &lo, local.as_mut_slice());
+                let local = Striped::new(local.as_mut_slice());
+                let hi = Striped::new(store_bf16(&mut self.store, 0..n));
+                let put = |first: usize, x: &[f32]| {
+                    let r = first..first + x.len();
+                    hi.write(r.clone(), |d, i| {
+                        d.iter_mut()
+                            .zip(&x[i])
+                            .for_each(|(h, x)| *h = bits::split(*x).0)
+                    });
+                    for (to, from) in kept(shards, r) {
+                        let x = &x[from];
+                        local.write(to, |d, i| {
+                            d.iter_mut()
+                                .zip(&x[i])
+                                .for_each(|(l, x)| *l = bits::split(*x).1)
+                        });
+                    }
+                };
+                fill(&self.layout, &mut MasterMut::Sink { len: n, put: &put })?;
             }
             Master::Bf16 { .. } => {
                 let p = store_bf16(&mut self.store, 0..n);
@@ -365,10 +400,65 @@ impl HostState {
 }
 
 /// Copies this node's pieces of `whole` into `local`.
-fn keep_pieces<T: Copy>(shards: &Shards, whole: &[T], local: &mut [T]) {
-    for b in 0..shards.blocks() {
-        local[shards.local_range(b)].copy_from_slice(&whole[shards.mine(b)]);
+/// Where the elements of global range `r` that this node keeps go: (range of the node's
+/// local buffers, range within `r`), one pair per block whose piece `r` meets.
+fn kept(shards: &Shards, r: Range<usize>) -> impl Iterator<Item = (Range<usize>, Range<usize>)> {
+    // The first block whose piece ends past r.start (the pieces run in block order).
+    let (mut first, mut past) = (0, shards.blocks());
+    while first < past {
+        let mid = (first + past) / 2;
+        match shards.mine(mid).end <= r.start {
+            true => first = mid + 1,
+            false => past = mid,
+        }
     }
+    (first..shards.blocks())
+        .map(move |b| (b, shards.mine(b)))
+        .take_while(move |(_, mine)| mine.start < r.end)
+        .filter_map(move |(b, mine)| {
+            let (lo, hi) = (mine.start.max(r.start), mine.end.min(r.end));
+            (lo < hi).then(|| {
+                let at = shards.local(b, lo);
+                (at..at + (hi - lo), lo - r.start..hi - r.start)
+            })
+        })
+}
+
+/// Elements per lock of a [`Striped`] slice: a piece of the fill ([`mt::checkpoint::master::PIECE`]
+/// elements) meets at most two stripes.
+const STRIPE: usize = mt::checkpoint::master::PIECE;
+
+/// A slice written from several threads at once, each element by one of them, through one
+/// lock per stripe of [`STRIPE`] elements (uncontended but at a shared stripe's edge).
+struct Striped<'a, T> {
+    stripes: Vec<Mutex<&'a mut [T]>>,
+}
+
+impl<'a, T> Striped<'a, T> {
+    fn new(x: &'a mut [T]) -> Self {
+        Striped {
+            stripes: x.chunks_mut(STRIPE).map(Mutex::new).collect(),
+        }
+    }
+
+    /// Writes elements `r`: `f(dst, within)` for each stripe's share, `dst` its elements and
+    /// `within` their place in `r` (from 0).
+    fn write(&self, r: Range<usize>, mut f: impl FnMut(&mut [T], Range<usize>)) {
+        let mut at = r.start;
+        while at < r.end {
+            let (s, off) = (at / STRIPE, at % STRIPE);
+            let n = (STRIPE - off).min(r.end - at);
+            let mut stripe = self.stripes[s].lock().expect("a writer panicked");
+            f(&mut stripe[off..off + n], at - r.start..at - r.start + n);
+            at += n;
+        }
+    }
+}
+
+/// The store as [`HostState::init_master_sharded`] writes it.
+enum Store<'a> {
+    F32(Striped<'a, f32>),
+    Bf16(Striped<'a, bf16>),
 }
 
 /// [`HostState::exchange_block`] on the block's gradient `g`.
@@ -380,12 +470,58 @@ fn exchange<G: Elem + GradElem + Sync>(
     sharded: bool,
 ) -> Result<Vec<f64>> {
     let mine = pieces[mpi.rank].clone();
-    let mut sum = g[mine.clone()].to_vec();
-    mpi.reduce_scatter_pieces(what, g, pieces, &mut sum)?;
-    g[mine.clone()].copy_from_slice(&sum);
+    mpi.reduce_scatter_pieces(what, g, pieces)?;
     if sharded {
         return Ok(vec![sum_sq(&g[mine])]);
     }
     mpi.allgather_pieces(what, g, pieces)?;
     Ok(pieces.iter().map(|p| sum_sq(&g[p.clone()])).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use mt::config::hf::{HfConfig, ModelSpec};
+
+    use super::*;
+
+    /// [`kept`] sends each element of any range that this node keeps to the place
+    /// [`Shards`] gives it, once, and no other: the whole layout cut into ranges of many
+    /// lengths (one element, odd lengths that straddle pieces and blocks, all of it), on
+    /// every rank of three, fills the local buffer as copying each block's piece does.
+    #[test]
+    fn kept_routes_each_kept_element_to_its_local_place_once() {
+        let hf: HfConfig = serde_json::from_str(
+            r#"{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2}"#,
+        )
+        .unwrap();
+        let layout = Layout::new(&ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap());
+        let n = layout.total;
+        for rank in 0..3 {
+            let shards = Shards::new(&layout, 3, rank);
+            let mut want = vec![usize::MAX; shards.len];
+            for b in 0..shards.blocks() {
+                want[shards.local_range(b)]
+                    .iter_mut()
+                    .zip(shards.mine(b))
+                    .for_each(|(w, g)| *w = g);
+            }
+            for len in [1, 7, 1000, 4099, n] {
+                let mut got = vec![usize::MAX; shards.len];
+                for start in (0..n).step_by(len) {
+                    let r = start..(start + len).min(n);
+                    for (to, from) in kept(&shards, r.clone()) {
+                        assert_eq!(to.len(), from.len());
+                        for (t, f) in to.zip(from) {
+                            assert_eq!(got[t], usize::MAX, "local {t} written twice");
+                            got[t] = r.start + f;
+                        }
+                    }
+                }
+                assert!(got == want, "rank {rank}, ranges of {len}");
+            }
+        }
+    }
 }
