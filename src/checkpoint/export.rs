@@ -25,6 +25,7 @@ use super::MasterRef;
 use super::carried::SharedCarried;
 use super::pieces::{self, Meta, Positioned};
 use super::state::{BlockValues, Field, Tensors, WRITE_CHUNK};
+use super::streams::{self, Shifted};
 use crate::config::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -45,8 +46,6 @@ pub const COPIED_FILES: &[&str] = &[
 ];
 
 const SINGLE: &str = "model.safetensors";
-/// Elements per rayon task of a conversion to bf16.
-const CONVERT_CHUNK: usize = 64 * 1024;
 const INDEX: &str = "model.safetensors.index.json";
 
 /// What an export writes besides the tensors.
@@ -254,6 +253,19 @@ impl<'a> ExportFiles<'a> {
         window: Range<usize>,
         values: &dyn BlockValues,
     ) -> Result<()> {
+        streams::in_streams(window.clone(), |part| {
+            let by = part.start - window.start;
+            self.write_range(b, part, &Shifted { values, by })
+        })
+    }
+
+    /// [`ExportFiles::write_window`] on this thread alone.
+    pub(super) fn write_range(
+        &self,
+        b: usize,
+        window: Range<usize>,
+        values: &dyn BlockValues,
+    ) -> Result<()> {
         let block = &self.layout.blocks[b];
         assert!(window.end <= block.len, "the window lies within block {b}");
         for (t, (name, shard)) in block.tensors.iter().zip(&self.names[b]) {
@@ -273,13 +285,9 @@ impl<'a> ExportFiles<'a> {
                     DType::Float32 => file.write(name, 4 * at, f32_bytes(&x))?,
                     DType::Bfloat16 => pieces::with_bytes(|buf| {
                         buf.resize(2 * x.len(), 0);
-                        buf.par_chunks_mut(2 * CONVERT_CHUNK)
-                            .zip(x.par_chunks(CONVERT_CHUNK))
-                            .for_each(|(d, s)| {
-                                for (d, s) in d.chunks_exact_mut(2).zip(s) {
-                                    d.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
-                                }
-                            });
+                        for (d, s) in buf.chunks_exact_mut(2).zip(x.iter()) {
+                            d.copy_from_slice(&bf16::from_f32(*s).to_le_bytes());
+                        }
                         file.write(name, 2 * at, buf)
                     })?,
                 }

@@ -2,6 +2,7 @@
 //! shape and dtype), transformers-style random init, and export of an HF model directory.
 
 pub mod carried;
+pub mod direct;
 pub mod export;
 pub mod fed;
 pub mod master;
@@ -12,6 +13,7 @@ pub mod reference;
 mod sidecar;
 pub mod staging;
 pub mod state;
+pub mod streams;
 pub mod writer;
 
 pub use export::{ExportOptions, save_hf};

@@ -20,6 +20,7 @@ use half::{bf16, f16};
 use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
 
+use super::direct::Direct;
 use crate::error::{Error, Result};
 
 /// Elements per piece (256 KiB of f32): small enough that one buffer per thread is
@@ -188,10 +189,12 @@ impl Meta {
 /// writes for the same tensors (ordered by descending alignment, then name; the header
 /// padded with spaces to 8 bytes); the tensors' bytes are then written at their offsets
 /// ([`Positioned::write`], `pwrite`), in any order and from any thread, so a checkpoint can
-/// be written block by block as its blocks become available. Not fsynced.
+/// be written block by block as its blocks become available; past the page cache where
+/// the filesystem allows ([`super::direct`]). Not fsynced.
 pub struct Positioned {
     path: PathBuf,
     file: File,
+    direct: Direct,
     /// File offset of each tensor's data.
     at: HashMap<String, u64>,
 }
@@ -241,6 +244,7 @@ impl Positioned {
             .collect();
         Ok(Positioned {
             path: path.into(),
+            direct: Direct::open(path),
             file,
             at,
         })
@@ -253,8 +257,8 @@ impl Positioned {
     /// Writes `bytes` at byte `offset` of tensor `name`'s data.
     pub fn write(&self, name: &str, offset: usize, bytes: &[u8]) -> Result<()> {
         let at = self.at[name] + offset as u64;
-        self.file
-            .write_all_at(bytes, at)
+        self.direct
+            .write_at(&self.file, bytes, at)
             .map_err(|e| Error::Weights {
                 path: self.path.clone(),
                 msg: format!("write failed: {e}"),

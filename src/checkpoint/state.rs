@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::export::ExportFiles;
 use super::pieces::{self, Positioned};
+use super::streams::{self, Shifted};
 use super::{ExportOptions, MasterMut, MasterRef};
 use crate::config::CheckpointContents;
 use crate::error::{Error, Result};
@@ -321,12 +322,18 @@ impl<'a> Files<'a> {
         window: Range<usize>,
         values: &dyn BlockValues,
     ) -> Result<()> {
-        self.export.write_window(b, window.clone(), values)?;
-        let Some(file) = &self.optimizer else {
-            return Ok(());
-        };
         let at = self.layout.blocks[b].offset;
-        write_flat(file, at + window.start..at + window.end, values)
+        streams::in_streams(window.clone(), |part| {
+            let values = &Shifted {
+                values,
+                by: part.start - window.start,
+            };
+            self.export.write_range(b, part.clone(), values)?;
+            match &self.optimizer {
+                Some(file) => write_flat(file, at + part.start..at + part.end, values),
+                None => Ok(()),
+            }
+        })
     }
 
     /// The export's other files, `trainer_state.json`, every file fsynced, the marker last.
