@@ -51,6 +51,8 @@ pub(super) struct Dims {
     /// GPU workers: Gated DeltaNet runs its chunked path rather than the reference one, and
     /// attention torch's fused SDPA kernels rather than CPU's.
     pub gpu: bool,
+    /// The compute dtype is bfloat16.
+    pub bf16: bool,
 }
 
 /// The RMSNorms of one half of layer `l` over `m` tokens: each saves its f32 input and its
@@ -201,6 +203,22 @@ fn moe_acts(spec: &ModelSpec, m: u64, s: u64) -> LayerActs {
     experts + routing + shared
 }
 
+/// Whether a GPU worker runs Gated DeltaNet's causal conv, SiLU and q/k norms as its fused
+/// kernel (worker/src/kernels/cuda.rs `supports`: bf16, 4 taps, q, k and v heads alike of
+/// 32, 64, 128 or 256), which keeps no conv output or SiLU for the backward. The worker's
+/// `MT_GATED_DELTA_FUSED=0` (a comparison hook) runs the tch ops, which keep both.
+fn conv_fused(spec: &ModelSpec, d: &Dims) -> bool {
+    let la = spec
+        .linear_attn
+        .as_ref()
+        .expect("linear layers have a spec");
+    d.gpu
+        && d.bf16
+        && la.conv_kernel == 4
+        && la.k_head_dim == la.v_head_dim
+        && [32, 64, 128, 256].contains(&la.k_head_dim)
+}
+
 /// Gated DeltaNet (worker/src/model/gated_delta/), counted from its main tensors only.
 fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     let (m, s) = (d.m, d.s);
@@ -213,19 +231,24 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     let conv = 2 * g * dk + nv * dv;
     let proj = m * (conv + nv * dv + 2 * nv) * s;
     if d.gpu {
-        // Per token: the projections, the conv's output and its SiLU; the normed [q; k]
-        // and its q.k / k.k; per value head the scaled k (three), beta v, w, v' and the
-        // gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy),
-        // A and the blocked inverse's pieces (f32, ~4 pair tensors), T and P; the state at
+        // Per token: the projections, the conv's output and its SiLU (the fused conv keeps
+        // neither: its outputs, v and the normed [q; k], are counted below); the normed
+        // [q; k] and its q.k / k.k; per value head the scaled k (three), beta v, w, v' and
+        // the gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy), A
+        // and the blocked inverse's pieces (f32, ~4 pair tensors), T and P; the state at
         // each chunk start (f32 and a copy). The forward peaks with the projections, conv,
         // the value-head tensors and three f32 pair tensors alive.
         let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
         let states = nv * dk * dv / DELTA_CHUNK;
-        let in_dtype = 2 * conv + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
+        let conv_kept = match conv_fused(spec, d) {
+            true => vd,
+            false => 2 * conv,
+        };
+        let in_dtype = conv_kept + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
         return LayerActs {
             saved: proj + m * (in_dtype + states) * s + m * (6 * pairs + states) * F32,
             backward: 2 * m * conv * s + 4 * m * pairs * F32,
-            forward: proj + m * (2 * conv + 5 * vd) * s + 3 * m * pairs * F32,
+            forward: proj + m * (conv_kept.max(conv) + 5 * vd) * s + 3 * m * pairs * F32,
         };
     }
     // The reference path: f32 copies of q, k, v per value head (normalized, beta-scaled,
@@ -307,8 +330,12 @@ fn delta_parts(spec: &ModelSpec, d: &Dims, m: u64) -> DeltaParts {
         let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
         let states = nv * dk * dv / DELTA_CHUNK;
         let core_in_dtype = 2 * g * DELTA_CHUNK + 5 * kd + 2 * vd + 3 * pairs + states;
+        let conv_kept = match conv_fused(spec, d) {
+            true => vd,
+            false => 2 * conv,
+        };
         return DeltaParts {
-            pre_saved: proj + m * (2 * conv + 2 * g * dk) * s + gates,
+            pre_saved: proj + m * (conv_kept + 2 * g * dk) * s + gates,
             pre_out: m * (2 * g * dk + vd) * s + gates,
             pre_backward: 2 * m * conv * s,
             core_graph: m * core_in_dtype * s + m * (10 * pairs + states) * F32,
