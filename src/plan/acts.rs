@@ -234,10 +234,11 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         // Per token: the projections, the conv's output and its SiLU (the fused conv keeps
         // neither: its outputs, v and the normed [q; k], are counted below); the normed
         // [q; k] and its q.k / k.k; per value head the scaled k (three), beta v, w, v' and
-        // the gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy), A
-        // and the blocked inverse's pieces (f32, ~4 pair tensors), T and P; the state at
-        // each chunk start (f32 and a copy). The forward peaks with the projections, conv,
-        // the value-head tensors and three f32 pair tensors alive.
+        // the gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy),
+        // the inverse T and T (A - A') (f32: the inverse runs without grad, its gradient
+        // through those two products), T and P in the compute dtype; the state at each
+        // chunk start (f32 and a copy). The forward peaks with the projections, conv, the
+        // value-head tensors and three f32 pair tensors alive.
         let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
         let states = nv * dk * dv / DELTA_CHUNK;
         let conv_kept = match conv_fused(spec, d) {
@@ -246,7 +247,7 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         };
         let in_dtype = conv_kept + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
         return LayerActs {
-            saved: proj + m * (in_dtype + states) * s + m * (6 * pairs + states) * F32,
+            saved: proj + m * (in_dtype + states) * s + m * (4 * pairs + states) * F32,
             backward: 2 * m * conv * s + 4 * m * pairs * F32,
             forward: proj + m * (conv_kept.max(conv) + 5 * vd) * s + 3 * m * pairs * F32,
         };
@@ -338,7 +339,7 @@ fn delta_parts(spec: &ModelSpec, d: &Dims, m: u64) -> DeltaParts {
             pre_saved: proj + m * (conv_kept + 2 * g * dk) * s + gates,
             pre_out: m * (2 * g * dk + vd) * s + gates,
             pre_backward: 2 * m * conv * s,
-            core_graph: m * core_in_dtype * s + m * (10 * pairs + states) * F32,
+            core_graph: m * core_in_dtype * s + m * (8 * pairs + states) * F32,
             core_forward: m * 5 * vd * s + 3 * m * pairs * F32,
             o: m * vd * s,
             post_saved: 4 * m * vd * s,

@@ -178,7 +178,7 @@ pub(super) fn core(
     let a_bvucc = ((&decay_bvucc * beta_bvuc.unsqueeze(-1)).view([b, g, r, u, c, c])
         * kk_bgucc.unsqueeze(2))
     .view([b, nv, u, c, c]);
-    let t_bvucc = unit_lower_inverse(&a_bvucc).to_kind(kind);
+    let t_bvucc = inverse_with_its_gradient(&a_bvucc).to_kind(kind);
     let p_bvucc = (decay_bvucc.to_kind(kind).view([b, g, r, u, c, c]) * qk_bgucc.unsqueeze(2))
         .view([b, nv, u, c, c]);
     let u_bvucd = t_bvucc.matmul(&vbeta_bvucd);
@@ -332,6 +332,22 @@ fn state_recurrence(
         outs.push(o);
     }
     (Tensor::stack(&outs, 1), state.filter(|_| want_state))
+}
+
+/// [`unit_lower_inverse`] with its gradient written out: T = (I + A)^-1 is computed without
+/// grad, and returned as `T - T (A - A') T` for A' a detached copy of A's strictly lower part:
+/// the same value (the bracket is zero), and the gradient of the product,
+/// `dA = -T^T dT T^T` (strictly lower part), is exactly that of the inverse. Two (C, C)
+/// matmuls each way replace autograd through the blocked inverse (its products of 16 x 16
+/// blocks, stacks and pads, and the pieces it keeps for the backward).
+pub(super) fn inverse_with_its_gradient(a: &Tensor) -> Tensor {
+    let t = tch::no_grad(|| unit_lower_inverse(a));
+    if !a.requires_grad() {
+        return t;
+    }
+    let strict = a.tril(-1);
+    let zero = &strict - strict.detach();
+    &t - t.matmul(&zero).matmul(&t)
 }
 
 /// (I + A)^-1 for A strictly lower triangular (what is on and above the diagonal is

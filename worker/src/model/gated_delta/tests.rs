@@ -277,6 +277,43 @@ fn unit_lower_inverse_inverts() {
     }
 }
 
+/// The inverse whose gradient is written out has the blocked inverse's value, and A's
+/// gradient (diagonal and upper part included, which both ignore) is autograd's through the
+/// blocked inverse, for any output gradient: f64, A like the rule's (|A_ij| <= 1/2), with
+/// junk on and above the diagonal.
+#[test]
+fn the_inverses_written_gradient_is_autograds() {
+    for n in [16, 64, 128] {
+        let opts = (Kind::Double, Device::Cpu);
+        let a0 = Tensor::linspace(-0.5, 0.5, 3 * n * n, opts)
+            .view([3, n, n])
+            .sin()
+            * 0.5;
+        let g = Tensor::linspace(1.0, -2.0, 3 * n * n, opts)
+            .view([3, n, n])
+            .cos();
+        let run = |f: fn(&Tensor) -> Tensor| {
+            let a = a0.detach().set_requires_grad(true);
+            let t = f(&a);
+            (&t * &g).sum(Kind::Double).backward();
+            (t.detach(), a.grad())
+        };
+        let (want_t, want_da) = run(chunked::unit_lower_inverse);
+        let (got_t, got_da) = run(chunked::inverse_with_its_gradient);
+        let rel = |x: &Tensor, y: &Tensor| {
+            (x - y).norm().double_value(&[]) / y.norm().double_value(&[]).max(1e-300)
+        };
+        assert!(rel(&got_t, &want_t) == 0.0, "n {n}: the values differ");
+        let d = rel(&got_da, &want_da);
+        assert!(d < 1e-12, "n {n}: dA off by {d:e}");
+        let above = got_da.triu(0).abs().max().double_value(&[]);
+        assert!(
+            above == 0.0,
+            "n {n}: dA on or above the diagonal: {above:e}"
+        );
+    }
+}
+
 /// The delta rule from a state: over chunks [0, U) at once, and over segments of them
 /// (sizes that do not divide U, one chunk, the rest) each from the state the previous one
 /// ended with, give the same output and final state, for both rules.
