@@ -10,6 +10,7 @@ pub mod mxfp4;
 pub mod old_logps;
 pub mod pieces;
 pub mod reference;
+mod schedule;
 mod sidecar;
 pub mod staging;
 pub mod state;

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::export::ExportFiles;
 use super::pieces::{self, Positioned};
+pub use super::schedule::Schedule;
 use super::streams::{self, Shifted};
 use super::{ExportOptions, MasterMut, MasterRef};
 use crate::config::CheckpointContents;
@@ -64,62 +65,6 @@ pub struct TrainState {
     /// log-probabilities ([`super::reference`]).
     #[serde(skip)]
     pub extra: Vec<(String, std::sync::Arc<Vec<u8>>)>,
-}
-
-/// The settings that, with `step`, fix the data position and the schedule position: step
-/// k reads global batch k of the order `seed` and `shuffle` give, and a decaying learning
-/// rate depends on `num_steps`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Schedule {
-    pub seed: u64,
-    pub batch_size: usize,
-    pub shuffle: bool,
-    /// `training.num_steps` when the learning rate decays over it (None: constant).
-    pub decay_steps: Option<u64>,
-    /// With `grpo.beta` > 0, the reference model the run's KL term is against (its initial
-    /// model, rebuilt at every launch): a resume must name the same one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub grpo_reference: Option<String>,
-}
-
-impl Schedule {
-    /// How `self` (the resumed run's settings) differs from `saved`, in config keys.
-    pub fn differences(&self, saved: &Schedule) -> Vec<String> {
-        let mut d = Vec::new();
-        let mut cmp = |key: &str, ours: String, theirs: String| {
-            if ours != theirs {
-                d.push(format!(
-                    "{key} is {ours}, the checkpoint's run had {theirs}"
-                ));
-            }
-        };
-        cmp(
-            "training.seed",
-            self.seed.to_string(),
-            saved.seed.to_string(),
-        );
-        cmp(
-            "training.batch_size",
-            self.batch_size.to_string(),
-            saved.batch_size.to_string(),
-        );
-        cmp(
-            "dataset.shuffle",
-            self.shuffle.to_string(),
-            saved.shuffle.to_string(),
-        );
-        let steps = |s: Option<u64>| {
-            s.map_or("a constant rate".into(), |n| {
-                format!("a rate decaying over {n} steps")
-            })
-        };
-        cmp(
-            "training.lr_scheduler / num_steps",
-            steps(self.decay_steps),
-            steps(saved.decay_steps),
-        );
-        d
-    }
 }
 
 /// The host tensors a checkpoint holds, all in layout order. Adam's m and v are held as
@@ -316,24 +261,42 @@ impl<'a> Files<'a> {
     /// element 0 is element `window.start` ([`ExportFiles::write_window`]): the same bytes
     /// at the same offsets as [`Files::write_block`] writes them, so a block written window
     /// by window (node 0 of a sharded run, which gathers it so) gives the same files.
+    /// Several threads write parts of the window at once ([`streams`]).
     pub fn write_window(
         &self,
         b: usize,
         window: Range<usize>,
         values: &dyn BlockValues,
     ) -> Result<()> {
-        let at = self.layout.blocks[b].offset;
         streams::in_streams(window.clone(), |part| {
-            let values = &Shifted {
-                values,
-                by: part.start - window.start,
-            };
-            self.export.write_range(b, part.clone(), values)?;
-            match &self.optimizer {
-                Some(file) => write_flat(file, at + part.start..at + part.end, values),
-                None => Ok(()),
-            }
+            let by = part.start - window.start;
+            self.write_part(b, part, &Shifted { values, by })
         })
+    }
+
+    /// [`Files::write_window`] on this thread alone: node 0 of a sharded run writes its
+    /// background checkpoint so while it gathers the next windows, which training waits
+    /// for and more writing threads slowed (gathers of a 7B model's 4 layers: 16.6 s beside
+    /// one thread, 26.6 s beside four; benches/results/checkpoint_qwen2.5-7b-4L_H200-16c_2026-11-24_streams.md).
+    pub fn write_window_alone(
+        &self,
+        b: usize,
+        window: Range<usize>,
+        values: &dyn BlockValues,
+    ) -> Result<()> {
+        self.write_part(b, window, values)
+    }
+
+    /// Elements `part` of block `b` from `values` (element 0 is element `part.start`).
+    fn write_part(&self, b: usize, part: Range<usize>, values: &dyn BlockValues) -> Result<()> {
+        self.export.write_range(b, part.clone(), values)?;
+        match &self.optimizer {
+            Some(file) => {
+                let at = self.layout.blocks[b].offset;
+                write_flat(file, at + part.start..at + part.end, values)
+            }
+            None => Ok(()),
+        }
     }
 
     /// The export's other files, `trainer_state.json`, every file fsynced, the marker last.

@@ -14,16 +14,35 @@ use std::ops::Range;
 use super::state::{BlockValues, Field, WRITE_CHUNK};
 use crate::error::Result;
 
-/// Threads writing one window at once.
+/// Threads writing one window at once, unless `MT_CHECKPOINT_STREAMS` sets another count
+/// (1 writes as one thread did; for comparisons, and for disks that want one stream).
 pub const STREAMS: usize = 4;
 
+/// [`STREAMS`], or `MT_CHECKPOINT_STREAMS` where it holds a count of at least 1 (read once).
+fn streams() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MT_CHECKPOINT_STREAMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n >= 1)
+            .unwrap_or(STREAMS)
+    })
+}
+
 /// Runs `write(part)` for parts that tile `window` (runs of whole [`WRITE_CHUNK`]s, the
-/// last maybe shorter), on up to [`STREAMS`] threads at once; the first error, if any.
+/// last maybe shorter), on up to [`STREAMS`] threads at once (`MT_CHECKPOINT_STREAMS`); the
+/// first error, if any.
 pub fn in_streams(
     window: Range<usize>,
     write: impl Fn(Range<usize>) -> Result<()> + Sync,
 ) -> Result<()> {
-    let per = window.len().div_ceil(WRITE_CHUNK).div_ceil(STREAMS).max(1) * WRITE_CHUNK;
+    let per = window
+        .len()
+        .div_ceil(WRITE_CHUNK)
+        .div_ceil(streams())
+        .max(1)
+        * WRITE_CHUNK;
     let parts: Vec<Range<usize>> = window
         .clone()
         .step_by(per)

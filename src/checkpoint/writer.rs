@@ -411,7 +411,7 @@ impl Job {
         let layout = &self.layout;
         let dir = state::save_with(&self.root, st, layout, &self.export, contents, |files| {
             while let Some((b, window, staged)) = feed.next()? {
-                let r = files.write_window(b, window, &staged);
+                let r = files.write_window_alone(b, window, &staged);
                 feed.written(staged);
                 r?;
             }
