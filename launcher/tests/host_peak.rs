@@ -18,25 +18,8 @@ mod common;
 
 use std::path::Path;
 
+use common::peak::{assert_peak_is_plan, plans_and_peaks, qwen_0_5b_config};
 use common::*;
-
-/// The run's printed (plan total, launcher peak), in bytes.
-fn plan_and_peak(stdout: &str) -> (f64, f64) {
-    let gb = |line: &str, key: &str| -> f64 {
-        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
-        rest.split_whitespace()
-            .next()
-            .unwrap()
-            .parse::<f64>()
-            .unwrap()
-            * 1e9
-    };
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("host memory: launcher peak"))
-        .unwrap_or_else(|| panic!("no peak line in:\n{stdout}"));
-    (gb(line, "plan "), gb(line, "launcher peak "))
-}
 
 fn run_case(config: &Path, name: &str, extra: &[String]) {
     let mut args: Vec<String> = [
@@ -54,41 +37,15 @@ fn run_case(config: &Path, name: &str, extra: &[String]) {
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = run_ok(&refs);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let (plan, peak) = plan_and_peak(&stdout);
-    let ratio = peak / plan;
-    println!(
-        "{name}: launcher peak {:.3} GB, plan {:.3} GB ({ratio:.4}x)",
-        peak / 1e9,
-        plan / 1e9
-    );
-    assert!(
-        (0.97..=1.03).contains(&ratio),
-        "{name}: launcher peak {:.3} GB is {ratio:.4}x the plan's {:.3} GB\n{stdout}",
-        peak / 1e9,
-        plan / 1e9
-    );
+    let pairs = plans_and_peaks(&stdout);
+    assert_eq!(pairs.len(), 1, "{name}: one peak line in:\n{stdout}");
+    assert_peak_is_plan(name, pairs[0].0, pairs[0].1, &stdout);
 }
 
 #[test]
 fn launcher_peak_is_the_plan_for_every_host_mode_and_start() {
     let dir = scratch("host-peak");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let model = root.join("configs/qwen2.5-0.5b");
-    // One row of two tokens: one label, so the bf16 step on CPU stays short.
-    let data = dir.join("data.jsonl");
-    std::fs::write(&data, "{\"input_ids\": [151643, 20]}\n").unwrap();
-    let config = dir.join("run.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "model: {{path: {}, init: random, dtype: bfloat16}}\n\
-             dataset: {{format: tokenized, path: {}, shuffle: false}}\n\
-             training: {{batch_size: 1, num_steps: 1, learning_rate: 1.0e-5}}\n",
-            model.display(),
-            data.display()
-        ),
-    )
-    .unwrap();
+    let config = qwen_0_5b_config(&dir, 1, 1);
     let set = |kv: String| vec!["--set".to_string(), kv];
     // A pretrained load fills the master (the moments start at zero): 10 B/param loads as
     // 14 does, so it skips it (CI's time).

@@ -14,28 +14,9 @@
 
 mod common;
 
-use std::path::Path;
-
 use common::mpi::{assert_mpi_ok, launch, mpirun};
+use common::peak::{assert_peak_is_plan, plans_and_peaks, qwen_0_5b_config};
 use common::*;
-
-/// Every (plan, peak) pair the run printed, in bytes: one per node.
-fn plans_and_peaks(stdout: &str) -> Vec<(f64, f64)> {
-    let gb = |line: &str, key: &str| -> f64 {
-        let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
-        rest.split_whitespace()
-            .next()
-            .unwrap()
-            .parse::<f64>()
-            .unwrap()
-            * 1e9
-    };
-    stdout
-        .lines()
-        .filter(|l| l.starts_with("host memory: launcher peak"))
-        .map(|l| (gb(l, "plan "), gb(l, "launcher peak ")))
-        .collect()
-}
 
 #[test]
 fn each_nodes_launcher_peak_is_its_plan() {
@@ -43,28 +24,10 @@ fn each_nodes_launcher_peak_is_its_plan() {
         return;
     };
     let dir = scratch("nodes-memory");
-    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen2.5-0.5b");
-    // Two rows of two tokens, one per node: the bf16 step on CPU stays short.
-    let data = dir.join("data.jsonl");
-    std::fs::write(
-        &data,
-        "{\"input_ids\": [151643, 20]}\n{\"input_ids\": [151643, 21]}\n",
-    )
-    .unwrap();
-    let config = dir.join("run.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "model: {{path: {}, init: random, dtype: bfloat16}}\n\
-             dataset: {{format: tokenized, path: {}, shuffle: false}}\n\
-             training: {{batch_size: 2, num_steps: 1, learning_rate: 1.0e-5}}\n",
-            model.display(),
-            data.display()
-        ),
-    )
-    .unwrap();
+    // Two rows, one per node.
+    let config = qwen_0_5b_config(&dir, 2, 2);
     let config = path_str(&config).to_string();
-    // The first case's last checkpoint is the third's pretrained model.
+    // The first case's last checkpoint is the second's pretrained model.
     let pretrained = dir.join("ck-0/step-00000001");
     let cases = [
         ("fp32 master, random init", "float32", None),
@@ -103,18 +66,7 @@ fn each_nodes_launcher_peak_is_its_plan() {
             "{name}: one peak line per node in:\n{stdout}"
         );
         for (plan, peak) in pairs {
-            let ratio = peak / plan;
-            println!(
-                "{name}: launcher peak {:.3} GB, plan {:.3} GB ({ratio:.4}x)",
-                peak / 1e9,
-                plan / 1e9
-            );
-            assert!(
-                (0.97..=1.03).contains(&ratio),
-                "{name}: a node's launcher peak {:.3} GB is {ratio:.4}x its plan's {:.3} GB\n{stdout}",
-                peak / 1e9,
-                plan / 1e9
-            );
+            assert_peak_is_plan(name, plan, peak, &stdout);
         }
         match i {
             0 => assert!(

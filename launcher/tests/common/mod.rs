@@ -6,6 +6,7 @@ mod compare;
 pub mod fixture;
 mod leftovers;
 pub mod mpi;
+pub mod peak;
 mod samples;
 mod stages;
 #[allow(unused_imports)]
