@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Alignment of a direct write's file offset, length and memory: 4 KiB, the largest
 /// logical block size of common devices.
-pub const ALIGN: usize = 4096;
+const ALIGN: usize = 4096;
 /// Bytes per direct write through the aligned buffer.
 const BOUNCE: usize = 8 << 20;
 /// Writes with fewer aligned bytes than this go buffered whole (not worth a syscall more).
@@ -64,11 +64,6 @@ impl Direct {
         }
     }
 
-    /// Whether direct writes run for this file.
-    pub fn active(&self) -> bool {
-        self.file.is_some() && !self.off.load(Ordering::Relaxed)
-    }
-
     /// Bytes written direct so far.
     pub fn direct_bytes(&self) -> u64 {
         self.direct.load(Ordering::Relaxed)
@@ -79,7 +74,8 @@ impl Direct {
     pub fn write_at(&self, buffered: &File, bytes: &[u8], at: u64) -> std::io::Result<()> {
         let (start, end) = (at as usize, at as usize + bytes.len());
         let (lo, hi) = (start.next_multiple_of(ALIGN), end / ALIGN * ALIGN);
-        let Some(direct) = self.file.as_ref().filter(|_| self.active()) else {
+        let on = !self.off.load(Ordering::Relaxed);
+        let Some(direct) = self.file.as_ref().filter(|_| on) else {
             return buffered.write_all_at(bytes, at);
         };
         if hi < lo + MIN_DIRECT {
@@ -108,18 +104,10 @@ impl Direct {
             let buf = own.get_or_insert_with(|| vec![0u8; BOUNCE + ALIGN]);
             let skip = buf.as_ptr().align_offset(ALIGN);
             let aligned = &mut buf[skip..skip + BOUNCE];
-            let mut done = 0;
-            let result = loop {
-                if done == bytes.len() {
-                    break Ok(());
-                }
-                let n = (bytes.len() - done).min(BOUNCE);
-                aligned[..n].copy_from_slice(&bytes[done..done + n]);
-                if let Err(e) = direct.write_all_at(&aligned[..n], at + done as u64) {
-                    break Err(e);
-                }
-                done += n;
-            };
+            let result = bytes.chunks(BOUNCE).enumerate().try_for_each(|(i, piece)| {
+                aligned[..piece.len()].copy_from_slice(piece);
+                direct.write_all_at(&aligned[..piece.len()], at + (i * BOUNCE) as u64)
+            });
             self.bounce.lock().expect("a writer panicked").extend(own);
             result?;
         }

@@ -174,17 +174,19 @@ impl MasterMut<'_> {
                 }),
             MasterMut::Sink { len, put } => {
                 assert!(r.end <= *len, "elements {r:?} of {len}");
-                let firsts: Vec<usize> = r.clone().step_by(PIECE).collect();
-                firsts.into_par_iter().try_for_each(|first| {
-                    let mut buf = SPLIT.take();
-                    buf.resize((r.end - first).min(PIECE), 0.0);
-                    let done = f(first, &mut buf);
-                    if done.is_ok() {
-                        put(first, &buf);
-                    }
-                    SPLIT.set(buf);
-                    done
-                })
+                r.clone()
+                    .into_par_iter()
+                    .step_by(PIECE)
+                    .try_for_each(|first| {
+                        let mut buf = SPLIT.take();
+                        buf.resize((r.end - first).min(PIECE), 0.0);
+                        let done = f(first, &mut buf);
+                        if done.is_ok() {
+                            put(first, &buf);
+                        }
+                        SPLIT.set(buf);
+                        done
+                    })
             }
         }
     }

@@ -203,20 +203,25 @@ fn moe_acts(spec: &ModelSpec, m: u64, s: u64) -> LayerActs {
     experts + routing + shared
 }
 
-/// Whether a GPU worker runs Gated DeltaNet's causal conv, SiLU and q/k norms as its fused
-/// kernel (worker/src/kernels/cuda.rs `supports`: bf16, 4 taps, q, k and v heads alike of
-/// 32, 64, 128 or 256), which keeps no conv output or SiLU for the backward. The worker's
-/// `MT_GATED_DELTA_FUSED=0` (a comparison hook) runs the tch ops, which keep both.
-fn conv_fused(spec: &ModelSpec, d: &Dims) -> bool {
+/// Elements per token a GPU worker's Gated DeltaNet keeps of its causal conv for the
+/// backward: the conv's output and its SiLU in tch ops; neither with the fused kernel
+/// (worker/src/kernels/cuda.rs `supports`: bf16, 4 taps, q, k and v heads alike of 32, 64,
+/// 128 or 256), whose outputs, v and the normed [q; k], are all it leaves (the normed
+/// [q; k] is counted with the rule's inputs). The worker's `MT_GATED_DELTA_FUSED=0` (a
+/// comparison hook) runs the tch ops.
+fn conv_kept(spec: &ModelSpec, d: &Dims) -> u64 {
     let la = spec
         .linear_attn
         .as_ref()
         .expect("linear layers have a spec");
-    d.gpu
-        && d.bf16
-        && la.conv_kernel == 4
-        && la.k_head_dim == la.v_head_dim
-        && [32, 64, 128, 256].contains(&la.k_head_dim)
+    let (g, nv) = (la.num_k_heads as u64, la.num_v_heads as u64);
+    let (dk, dv) = (la.k_head_dim as u64, la.v_head_dim as u64);
+    let fused =
+        d.gpu && d.bf16 && la.conv_kernel == 4 && dk == dv && [32, 64, 128, 256].contains(&dk);
+    match fused {
+        true => nv * dv,
+        false => 2 * (2 * g * dk + nv * dv),
+    }
 }
 
 /// Gated DeltaNet (worker/src/model/gated_delta/), counted from its main tensors only.
@@ -241,10 +246,7 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         // value-head tensors and three f32 pair tensors alive.
         let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
         let states = nv * dk * dv / DELTA_CHUNK;
-        let conv_kept = match conv_fused(spec, d) {
-            true => vd,
-            false => 2 * conv,
-        };
+        let conv_kept = conv_kept(spec, d);
         let in_dtype = conv_kept + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
         return LayerActs {
             saved: proj + m * (in_dtype + states) * s + m * (4 * pairs + states) * F32,
@@ -331,10 +333,7 @@ fn delta_parts(spec: &ModelSpec, d: &Dims, m: u64) -> DeltaParts {
         let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
         let states = nv * dk * dv / DELTA_CHUNK;
         let core_in_dtype = 2 * g * DELTA_CHUNK + 5 * kd + 2 * vd + 3 * pairs + states;
-        let conv_kept = match conv_fused(spec, d) {
-            true => vd,
-            false => 2 * conv,
-        };
+        let conv_kept = conv_kept(spec, d);
         return DeltaParts {
             pre_saved: proj + m * (conv_kept + 2 * g * dk) * s + gates,
             pre_out: m * (2 * g * dk + vd) * s + gates,

@@ -178,19 +178,10 @@ impl HostState {
                     StoreOut::F32(s) => Store::F32(Striped::new(s)),
                     StoreOut::Bf16(s) => Store::Bf16(Striped::new(s)),
                 };
-                let put = |first: usize, x: &[f32]| {
-                    let r = first..first + x.len();
-                    match &store {
-                        Store::F32(s) => s.write(r.clone(), |d, i| d.copy_from_slice(&x[i])),
-                        Store::Bf16(s) => s.write(r.clone(), |d, i| {
-                            d.iter_mut()
-                                .zip(&x[i])
-                                .for_each(|(d, x)| *d = bf16::from_f32(*x))
-                        }),
-                    }
-                    for (to, from) in kept(shards, r) {
-                        let x = &x[from];
-                        local.write(to, |d, i| d.copy_from_slice(&x[i]));
+                let put = |first: usize, x: &[f32]| match &store {
+                    Store::F32(s) => put_piece(shards, first, x, (s, |v| v), (&local, |v| v)),
+                    Store::Bf16(s) => {
+                        put_piece(shards, first, x, (s, bf16::from_f32), (&local, |v| v))
                     }
                 };
                 fill(&self.layout, &mut MasterMut::Sink { len: n, put: &put })?;
@@ -199,20 +190,8 @@ impl HostState {
                 let local = Striped::new(local.as_mut_slice());
                 let hi = Striped::new(store_bf16(&mut self.store, 0..n));
                 let put = |first: usize, x: &[f32]| {
-                    let r = first..first + x.len();
-                    hi.write(r.clone(), |d, i| {
-                        d.iter_mut()
-                            .zip(&x[i])
-                            .for_each(|(h, x)| *h = bits::split(*x).0)
-                    });
-                    for (to, from) in kept(shards, r) {
-                        let x = &x[from];
-                        local.write(to, |d, i| {
-                            d.iter_mut()
-                                .zip(&x[i])
-                                .for_each(|(l, x)| *l = bits::split(*x).1)
-                        });
-                    }
+                    let hi = (&hi, |v| bits::split(v).0);
+                    put_piece(shards, first, x, hi, (&local, |v| bits::split(v).1))
                 };
                 fill(&self.layout, &mut MasterMut::Sink { len: n, put: &put })?;
             }
@@ -399,7 +378,6 @@ impl HostState {
     }
 }
 
-/// Copies this node's pieces of `whole` into `local`.
 /// Where the elements of global range `r` that this node keeps go: (range of the node's
 /// local buffers, range within `r`), one pair per block whose piece `r` meets.
 fn kept(shards: &Shards, r: Range<usize>) -> impl Iterator<Item = (Range<usize>, Range<usize>)> {
@@ -422,6 +400,26 @@ fn kept(shards: &Shards, r: Range<usize>) -> impl Iterator<Item = (Range<usize>,
                 (at..at + (hi - lo), lo - r.start..hi - r.start)
             })
         })
+}
+
+/// Piece `x` of a fresh master (elements `first..`) written into the store whole and into
+/// the node's master where this node keeps it, each value converted by the pair's function.
+fn put_piece<S, L>(
+    shards: &Shards,
+    first: usize,
+    x: &[f32],
+    (store, to_store): (&Striped<S>, impl Fn(f32) -> S),
+    (local, to_local): (&Striped<L>, impl Fn(f32) -> L),
+) {
+    fn convert<T>(d: &mut [T], x: &[f32], f: &impl Fn(f32) -> T) {
+        d.iter_mut().zip(x).for_each(|(d, x)| *d = f(*x))
+    }
+    let r = first..first + x.len();
+    store.write(r.clone(), |d, i| convert(d, &x[i], &to_store));
+    for (to, from) in kept(shards, r) {
+        let x = &x[from];
+        local.write(to, |d, i| convert(d, &x[i], &to_local));
+    }
 }
 
 /// Elements per lock of a [`Striped`] slice: a piece of the fill ([`mt::checkpoint::master::PIECE`]
