@@ -17,7 +17,7 @@
 //! plus what the whole micro-batch holds: the ring, the masks and RoPE tables. With tied
 //! embeddings the embedding (and, from the head on, its gradient) stays for the whole
 //! micro-batch. With `memory.offload_activations` the layer inputs live in host memory and
-//! only the copies in flight (at most three) are on the device.
+//! only the ones in use or in flight (at most three) are on the device.
 //!
 //! Tiling (`memory.tile_tokens`, worker/src/layer.rs): a layer whose token-wise half is
 //! tiled ([`tiled_layer`]) recomputes its attention half whole, then runs and
@@ -49,9 +49,12 @@ use super::acts::{self, Dims, F32, LayerActs};
 /// Gradient blocks whose device-to-host copy may be in flight at once
 /// (worker/src/stream/gpu.rs MAX_D2H_IN_FLIGHT).
 const GRADS_IN_FLIGHT: u64 = 2;
-/// Layer inputs on the device with `offload_activations`: the one in use and at most two
-/// copies in flight (two leaving in the forward; one arriving ahead in the backward).
-const OFFLOADED_INPUTS: u64 = 3;
+/// Layer inputs on the device with `offload_activations` in the forward: the one in use and
+/// the copies to the host in flight (worker/src/stream/gpu.rs MAX_STASH_IN_FLIGHT).
+const OFFLOADED_INPUTS_FWD: u64 = 3;
+/// ... from the head on: the forward's last copies out (until the first layer's backward
+/// drops them), then the input in use and the one arriving ahead.
+const OFFLOADED_INPUTS_BWD: u64 = 2;
 /// The automatic tile is a multiple of this many tokens, and at least this many (whole
 /// GEMM tiles; a micro-batch of no more tokens runs untiled).
 pub const TILE_ALIGN: usize = 1024;
@@ -274,8 +277,8 @@ impl DevicePlan {
         let (inputs_fwd, inputs_bwd) = match o.offload_activations {
             // A model of fewer layers than copies that may be in flight holds no more.
             true => (
-                OFFLOADED_INPUTS.min(num_layers + 1) * hidden,
-                OFFLOADED_INPUTS.min(num_layers) * hidden,
+                OFFLOADED_INPUTS_FWD.min(num_layers + 1) * hidden,
+                OFFLOADED_INPUTS_BWD.min(num_layers) * hidden,
             ),
             // The forward's last layer holds every earlier input, its own and its output;
             // the backward's first layer every input, its own included.

@@ -8,7 +8,8 @@
 //! not fit is refused with the figures and the largest micro-batch (for one row, the
 //! longest sequence) that fits; `--force` launches it anyway.
 //!
-//! The plan runs up to ~10% under the measured peak (allocator slack, benches/results/),
+//! The plan runs up to ~10-14% under the measured peak (allocator slack; at long rows the
+//! most, benches/results/long_context_plan_offload_2026-11-26.md),
 //! so a run the plan barely fits may still run out of memory: the check refuses what
 //! certainly cannot run and leaves the rest to the worker's out-of-memory report
 //! ([`crate::fault`]).

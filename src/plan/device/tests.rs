@@ -71,7 +71,8 @@ fn activations_grow_with_the_batch_and_offload_removes_the_inputs() {
     let q = DevicePlan::new(&spec, &layout, off, 16, 1024);
     let saved = part(&p16.phases[2], "layer inputs kept for the backward")
         - part(&q.phases[2], "layer inputs kept for the backward");
-    assert_eq!(saved, (28 - 3) * 16 * 1024 * 3584 * 2);
+    // The backward holds the input in use and the one arriving ahead (worker/src/stream/gpu.rs).
+    assert_eq!(saved, (28 - 2) * 16 * 1024 * 3584 * 2);
     assert!(q.total() < p16.total());
 }
 

@@ -548,7 +548,9 @@ impl HostStash {
         if self.host[l].numel() < numel || self.host[l].kind() != x.kind() {
             let bytes = numel * x.kind().elt_size_in_bytes();
             self.host[l] = Tensor::f_empty([numel as i64], (x.kind(), Device::Cpu))
-                .and_then(|t| t.f_pin_memory(self.device))
+                // `_pin_memory`: `pin_memory` with a device argument warns (deprecated) on
+                // every call, and tch always passes one.
+                .and_then(|t| t.f_internal_pin_memory(self.device))
                 .with_context(|| {
                     format!(
                         "allocate {:.2} GB of pinned host memory for layer {l}'s input \
@@ -592,13 +594,10 @@ impl HostStash {
         let allocated = Event::new(false)?;
         allocated.record(torch_stream())?;
         cuda::wait(copy.raw(), &allocated)?;
-        // Every copy to the host must have landed before it is read back.
-        for (done, _) in &self.leaving {
-            cuda::wait(copy.raw(), done)?;
-        }
         let bytes = x.numel() * x.kind().elt_size_in_bytes();
         // SAFETY: `x` was just allocated with `bytes` bytes and is read only after `ready`;
-        // the pinned source stays alive in `self.host` and is not rewritten before the next
+        // the pinned source holds its input (`pop` waited for every copy out before the
+        // first fetch), stays alive in `self.host` and is not rewritten before the next
         // forward, which follows this backward on torch's stream.
         unsafe {
             cuda::copy_h2d(
@@ -618,6 +617,13 @@ impl HostStash {
     /// the next one down is prefetched.
     fn pop(&mut self, l: usize, copy: &Stream) -> Result<(Event, Tensor)> {
         if self.arriving.is_empty() {
+            // The backward's first input: the forward's last copies out landed during the
+            // head's work, so their device tensors (up to MAX_STASH_IN_FLIGHT inputs) go now
+            // rather than after the whole backward, which they would outlive idle.
+            for (done, x) in self.leaving.drain(..) {
+                done.synchronize()?;
+                drop(x);
+            }
             if l + 1 != self.shapes.len() {
                 bail!(
                     "input of layer {l} asked for first, {} were stashed",
@@ -632,10 +638,6 @@ impl HostStash {
         let (got, ready, x) = self.arriving.pop_front().expect("fetched");
         if got != l {
             bail!("input of layer {l} asked for, layer {got} is next");
-        }
-        if l == 0 {
-            // Torch's stream waited for the first copy back, which followed every copy out.
-            self.leaving.clear();
         }
         Ok((ready, x))
     }
