@@ -153,7 +153,7 @@ for text in open(dd).read().strip().splitlines():
 # The median reading is the reference; every reading is shown.
 dd_gbs = sorted(readings)[len(readings) // 2]
 pat = re.compile(r"checkpoint \S+/step-0*(\d+) written: ([0-9.]+) GB in ([0-9.]+)s \(([0-9.]+) GB/s\); "
-                 r"training waited ([0-9.]+)s for it; blocks: (\d+) staged, (\d+) copied ahead, (\d+) from the live state")
+                 r"training waited ([0-9.]+)s for it; (?:blocks|parts): (\d+) staged, (\d+) copied ahead, (\d+) from the live state")
 writes = {int(g[0]): g for g in pat.findall(open(log).read())}
 staging = json.load(open(plan))["host"].get("checkpoint_staging", 0)
 # The launch's own plan line: unset, the area grows at launch into free RAM.
@@ -179,7 +179,7 @@ for s, kind in ((every, "periodic (training goes on)"), (2 * every, "end of run 
 # cannot write in the two steps before the optimizer's first pass ends.
 size = float(writes[every][1]) if every in writes else 0.0
 need = max(0.0, size - 2 * base * float(writes[every][3])) if every in writes else 0.0
-head = ("| step | checkpoint | GB | write s | GB/s | training waited s (launcher) | extra step time s | blocks staged / copied ahead / live |\n"
+head = ("| step | checkpoint | GB | write s | GB/s | training waited s (launcher) | extra step time s | parts (weights, moments of a block) staged / copied ahead / live |\n"
         "|---|---|---|---|---|---|---|---|")
 body = (f"# Checkpoints while training: {model} on {machine}, {date}\n\n"
         f"Command: `{cmd}`\n\n"

@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicU64;
 
 use anyhow::{Context, Result};
 use half::bf16;
-use mt::checkpoint::staging::Gate;
+use mt::checkpoint::staging::{Gate, Part};
 use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use mt::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use mt::checkpoint::{MasterMut, MasterRef};
@@ -384,26 +384,24 @@ impl HostState {
     }
 
     /// Starts writing checkpoint `state` holding `contents` with `writer`, which reads the
-    /// live state until [`HostState::before_block_changes`] stages a block. Returns the
-    /// seconds waited for the previous write and every write completed meanwhile. Call
-    /// [`HostState::settle_moments`] first: a checkpoint holds the last update's moments.
+    /// live state until [`HostState::before_block_changes`] stages a part of a block.
+    /// Returns the seconds waited for the previous write and every write completed
+    /// meanwhile. The last update's moments pass may still be due on some blocks: the
+    /// writer takes their moments once it has run ([`HostState::settle_moments_down_to`]).
     pub fn start_checkpoint(
         &mut self,
         writer: &mut Writer,
         state: TrainState,
         contents: CheckpointContents,
     ) -> mt::Result<(f64, Vec<Written>)> {
-        assert!(
-            self.deferred.is_none(),
-            "the moments of the last update are not all written yet"
-        );
-        // The writer reads a block only while its gate state lets it, and every change of
-        // a block's master (the store too, where it holds the master), m or v goes through
-        // `update_block` or `settle_moments_down_to`, whose first step for a block is
-        // `before_block_changes`: it stages the block,
-        // or waits until the writer is done reading it (mt::shm::lent's protocol).
-        // `restore` and `init_master`, which change everything, run before any checkpoint
-        // (asserted).
+        // The writer reads a part of a block only while its gate state lets it, and every
+        // change of a block's master (the store too, where it holds the master), m or v
+        // goes through `update_block` or `settle_moments_down_to`, whose first step for a
+        // part is `before_block_changes`: it stages the part, or waits until the writer is
+        // done reading it (mt::shm::lent's protocol); the moments pass due at the start
+        // makes the checkpoint's moments and tells the gate so. `restore` and
+        // `init_master`, which change everything, run before any checkpoint (asserted).
+        let due_below = self.deferred.as_ref().map_or(0, |d| d.below);
         let store = || {
             self.store
                 .lend_bf16()
@@ -422,23 +420,21 @@ impl HostState {
             m,
             v,
         };
-        let (waited, done, gate) = writer.start(state, lent, contents)?;
+        let (waited, done, gate) = writer.start(state, lent, contents, due_below)?;
         self.checkpoint = Some(gate);
         Ok((waited, done))
     }
 
-    /// Must precede any change of block `block`'s master, m or v (the store too, where it
-    /// holds the master): while a checkpoint is being written, a block it has not written
-    /// yet is copied into its staging area first (or the optimizer waits for the writer,
-    /// where the area is full), so that the checkpoint holds the values of its step. Both
-    /// passes of an update call it first: the weights pass (`update_block`) and the moments
-    /// pass (`settle_moments_down_to`).
-    pub fn before_block_changes(&mut self, block: usize) {
+    /// Must precede any change of `part` of block `block` (the master, the store too where
+    /// it holds the master; or m and v): while a checkpoint is being written, a part it has
+    /// not written yet is copied into its staging area first (or the optimizer waits for
+    /// the writer, where the area is full), so that the checkpoint holds the values of its
+    /// step. The weights pass (`update_block`) calls it for the weights, the moments pass
+    /// (`settle_moments_down_to`) for the moments: the pass the GPUs wait for copies the
+    /// master alone.
+    pub fn before_block_changes(&mut self, block: usize, part: Part) {
         if let Some(gate) = &self.checkpoint {
-            // A moments pass may be due: every block gets this call in the weights pass
-            // before its moments pass, so none is staged with a master and moments of
-            // different steps.
-            let s = gate.before_change(block, &self.live());
+            let s = gate.before_change(block, part, &self.live());
             self.checkpoint_wait_s += s;
         }
     }
@@ -449,10 +445,16 @@ impl HostState {
     }
 
     /// Makes the writer of the checkpoint in flight read nothing more from the live state
-    /// (stages or waits for every block it has not written).
+    /// (runs the moments pass it waits for, then stages or waits for every part it has not
+    /// written).
     fn release_checkpoint(&mut self) {
+        if self.checkpoint.is_none() {
+            return;
+        }
+        self.settle_moments();
         for b in 0..self.layout.blocks.len() {
-            self.before_block_changes(b);
+            self.before_block_changes(b, Part::Weights);
+            self.before_block_changes(b, Part::Moments);
         }
         self.checkpoint = None;
     }
@@ -465,7 +467,10 @@ impl HostState {
             self.deferred.is_none(),
             "an update starts before the last one's moments are written"
         );
-        self.before_block_changes(block);
+        self.before_block_changes(block, Part::Weights);
+        if moments == Moments::Write {
+            self.before_block_changes(block, Part::Moments);
+        }
         for Run {
             range: r,
             local,
@@ -526,7 +531,12 @@ impl HostState {
             if i == 0 {
                 self.deferred = None;
             }
-            self.before_block_changes(i);
+            // The pass that makes a checkpoint's moments (one started before it) has
+            // nothing to keep: the writer waits for it instead.
+            let making = self.checkpoint.as_ref().is_some_and(|g| g.waiting(i));
+            if !making {
+                self.before_block_changes(i, Part::Moments);
+            }
             for Run {
                 range: r, local, ..
             } in self.runs(i)
@@ -539,6 +549,9 @@ impl HostState {
                     Grad::F32(g) => moments_pass(&mut self.moments, &g[r], at, &hp),
                     Grad::Bf16(g) => moments_pass(&mut self.moments, &g[r], at, &hp),
                 }
+            }
+            if let Some(gate) = self.checkpoint.as_ref().filter(|_| making) {
+                gate.ready(i);
             }
         }
     }

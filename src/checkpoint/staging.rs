@@ -1,20 +1,30 @@
 //! The hand-over between a checkpoint written while training goes on and the optimizer.
 //!
-//! The writer thread writes checkpoint N block by block, each from the live state while the
-//! optimizer has not changed it since step N. Before the optimizer changes a block the
-//! writer has not written yet, [`Gate::before_change`] copies it (fp32 master, with m and v
-//! where the checkpoint holds them) into the staging area, and the writer writes that copy
-//! instead; where the staging area has no room for it, the optimizer waits for the writer.
+//! The writer thread writes checkpoint N a part of a block at a time ([`Part`]: a block's
+//! weights, the fp32 master with its export; or its Adam moments, m and v), each from the
+//! live state while the optimizer has not changed it since step N. The two parts change at
+//! different times: an update's weights pass changes the master as the next forward needs
+//! it, its moments pass changes m and v during the following backward (`launcher`'s
+//! `HostState::defer_moments`). Before the optimizer changes a part the writer has not
+//! written yet, [`Gate::before_change`] copies it into the staging area, and the writer
+//! writes that copy instead; where the staging area has no room for it, the optimizer waits
+//! for the writer. So the weights pass, which the GPUs wait for, copies 4 bytes per
+//! parameter at most, and m and v wait for the writer until the moments pass a step later.
 //! The staging area is a fixed set of pages allocated once (`checkpoint.staging_size`), so
 //! the host peak is the training state plus that bound, not a second copy of the state.
 //!
-//! A block's state: `Pending` (its checkpoint values are the live ones), `Reading` (the
-//! writer reads it from the live state: the optimizer must not change it), `Staging` (the
-//! optimizer copies it), `Staged` (its copy awaits the writer), `Done` (written). The writer
-//! takes staged blocks first, oldest first, which frees pages soonest; then the pending
-//! blocks in the order the optimizer updates them, copying each into free pages before
-//! writing it when there is room, so that a slow disk holds up the optimizer only when the
-//! staging area is full.
+//! A checkpoint may start before its step's moments pass has run on every block: those
+//! blocks' moments parts wait (`Waiting`: their checkpoint values do not exist yet) until
+//! the pass marks them [`Gate::ready`].
+//!
+//! A part's state: `Waiting`, `Pending` (its checkpoint values are the live ones),
+//! `Reading` (the writer reads it from the live state: the optimizer must not change it),
+//! `Staging` (the optimizer copies it), `Staged` (its copy awaits the writer), `Done`
+//! (written). The writer takes staged parts first, oldest first, which frees pages soonest;
+//! then the pending weights in the order the optimizer updates them, then the pending
+//! moments in the order the next moments pass changes them (last block first), copying each
+//! into free pages before writing it when there is room, so that a slow disk holds up the
+//! optimizer only when the staging area is full.
 
 use std::borrow::Cow;
 use std::collections::VecDeque;
@@ -31,6 +41,34 @@ use crate::layout::Layout;
 /// it holds the optimizer state (`moments`).
 pub fn bytes_per_param(moments: bool) -> u64 {
     if moments { 12 } else { 4 }
+}
+
+/// What of a block the writer writes, and the optimizer stages, as one unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The fp32 master (and the export made from it).
+    Weights,
+    /// Adam's m and v.
+    Moments,
+}
+
+impl Part {
+    /// The checkpoint fields it holds.
+    pub fn fields(self) -> &'static [Field] {
+        match self {
+            Part::Weights => &[Field::Master],
+            Part::Moments => &[Field::M, Field::V],
+        }
+    }
+}
+
+/// The fields a checkpoint holds: the master, and m and v with `moments`.
+pub fn fields(moments: bool) -> &'static [Field] {
+    if moments {
+        &[Field::Master, Field::M, Field::V]
+    } else {
+        &[Field::Master]
+    }
 }
 
 /// The default staging area: two of the largest blocks, so that the optimizer can stage
@@ -88,21 +126,21 @@ pub fn pages(bytes: u64) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// A block's checkpoint values copied into staging pages: the master, then m and v where
-/// held, each starting on a page of its own.
+/// Checkpoint values of a block (or of a window of one) copied into staging pages: some of
+/// its fields (a [`Part`]'s, or all a checkpoint holds), each starting on a page of its own.
 pub struct Staged {
     page: usize,
-    fields: Vec<Vec<Vec<f32>>>,
+    /// By field (`Field as usize`): its pages, where staged.
+    fields: [Option<Vec<Vec<f32>>>; 3],
 }
 
 impl Staged {
-    /// Copies `live` (one block's elements) into `pages` (in parallel): the master, and the
-    /// moments if `moments`.
-    fn copy(pages: Vec<Vec<f32>>, live: &Tensors, moments: bool) -> Staged {
+    /// Copies `fields` of `live` (one block's elements) into `pages` (in parallel).
+    fn copy(pages: Vec<Vec<f32>>, live: &Tensors, fields: &[Field]) -> Staged {
         Staged::fill(
             pages,
             live.master.len(),
-            moments,
+            fields,
             |field, r, out| match field {
                 Field::Master => live.master.slice(r).read_into(out),
                 Field::M => live.m.slice(r).read_into(out),
@@ -119,44 +157,53 @@ impl Staged {
         n: usize,
         moments: bool,
     ) -> Staged {
-        Staged::fill(pages, n, moments, |field, r, out| {
+        Staged::fill(pages, n, fields(moments), |field, r, out| {
             out.copy_from_slice(&values.values(field, r))
         })
     }
 
-    /// `n` elements of each field (the master, and m and v if `moments`) into `pages`, each
-    /// field from a page of its own, the pages in parallel: `read(field, r, out)` fills
-    /// `out` with elements `r` of `field`.
+    /// `n` elements of each of `fields` into `pages`, each field from a page of its own,
+    /// the pages in parallel: `read(field, r, out)` fills `out` with elements `r` of
+    /// `field`.
     fn fill(
         mut pages: Vec<Vec<f32>>,
         n: usize,
-        moments: bool,
+        fields: &[Field],
         read: impl Fn(Field, Range<usize>, &mut [f32]) + Sync,
     ) -> Staged {
         let page = pages.first().map_or(1, Vec::len);
         let per_field = n.div_ceil(page);
-        let mut fields: Vec<Vec<Vec<f32>>> = (0..if moments { 3 } else { 1 })
-            .map(|_| pages.drain(..per_field).collect())
+        let mut staged: Vec<(Field, Vec<Vec<f32>>)> = fields
+            .iter()
+            .map(|&f| (f, pages.drain(..per_field).collect()))
             .collect();
-        let of = [Field::Master, Field::M, Field::V];
-        fields.par_iter_mut().zip(of).for_each(|(f, field)| {
+        staged.par_iter_mut().for_each(|(field, f)| {
             f.par_iter_mut().enumerate().for_each(|(i, p)| {
                 let r = i * page..((i + 1) * page).min(n);
                 let len = r.len();
-                read(field, r, &mut p[..len]);
+                read(*field, r, &mut p[..len]);
             })
         });
-        Staged { page, fields }
+        let mut out = Staged {
+            page,
+            fields: [None, None, None],
+        };
+        for (field, f) in staged {
+            out.fields[field as usize] = Some(f);
+        }
+        out
     }
 
     pub(super) fn into_pages(self) -> impl Iterator<Item = Vec<f32>> {
-        self.fields.into_iter().flatten()
+        self.fields.into_iter().flatten().flatten()
     }
 }
 
 impl BlockValues for Staged {
     fn values(&self, field: Field, r: Range<usize>) -> Cow<'_, [f32]> {
-        let pages = &self.fields[field as usize];
+        let pages = self.fields[field as usize]
+            .as_ref()
+            .expect("only the staged fields are read");
         let (first, last) = (r.start / self.page, r.end.saturating_sub(1) / self.page);
         let at = r.start % self.page;
         if r.is_empty() || first == last {
@@ -174,6 +221,7 @@ impl BlockValues for Staged {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Status {
+    Waiting,
     Pending,
     Reading,
     Staging,
@@ -181,15 +229,28 @@ enum Status {
     Done,
 }
 
+/// A part of a block: what the writer writes and the optimizer stages as one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unit {
+    pub block: usize,
+    pub part: Part,
+}
+
+impl Unit {
+    /// Its index in [`Inner::status`].
+    fn index(self) -> usize {
+        2 * self.block + self.part as usize
+    }
+}
+
 struct Inner {
+    /// By [`Unit::index`].
     status: Vec<Status>,
-    /// Staged blocks, oldest first, with their copies.
-    queue: VecDeque<(usize, Staged)>,
+    /// Staged parts, oldest first, with their copies.
+    queue: VecDeque<(Unit, Staged)>,
     free: Vec<Vec<f32>>,
-    /// Blocks not written yet.
+    /// Parts not written yet.
     left: usize,
-    /// No block before this one is pending.
-    cursor: usize,
     /// The writer has stopped (done or failed): nothing is read from the live state.
     closed: bool,
     /// Seconds the optimizer spent in [`Gate::before_change`] (staging and waiting).
@@ -197,12 +258,40 @@ struct Inner {
     counts: Counts,
 }
 
-/// How the blocks of a checkpoint were written.
+impl Inner {
+    fn status(&self, u: Unit) -> Status {
+        self.status[u.index()]
+    }
+
+    fn set(&mut self, u: Unit, s: Status) {
+        self.status[u.index()] = s;
+    }
+
+    /// The next part the writer takes from the live state: the weights in the order the
+    /// weights pass changes them (first block first), then the moments in the order the
+    /// moments pass does (last block first).
+    fn next_pending(&self) -> Option<Unit> {
+        let n = self.status.len() / 2;
+        let weights = (0..n).map(|block| Unit {
+            block,
+            part: Part::Weights,
+        });
+        let moments = (0..n).rev().map(|block| Unit {
+            block,
+            part: Part::Moments,
+        });
+        weights
+            .chain(moments)
+            .find(|&u| self.status(u) == Status::Pending)
+    }
+}
+
+/// How the parts of a checkpoint were written.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
-    /// From a copy the optimizer staged before changing the block.
+    /// From a copy the optimizer staged before changing the part.
     pub staged: usize,
-    /// From a copy the writer took (it had staging room) before writing the block.
+    /// From a copy the writer took (it had staging room) before writing the part.
     pub copied: usize,
     /// From the live state (no staging room).
     pub live: usize,
@@ -210,44 +299,51 @@ pub struct Counts {
 
 /// What the writer does next.
 pub enum Task {
-    /// Write a staged block and give its pages back ([`Gate::written`]).
-    Write(usize, Staged),
-    /// Copy a block from the live state into these pages ([`Gate::copy`]).
-    Copy(usize, Vec<Vec<f32>>),
-    /// Write a block from the live state (no room to stage it) ([`Gate::written`]).
-    Live(usize),
+    /// Write a staged part and give its pages back ([`Gate::written`]).
+    Write(Unit, Staged),
+    /// Copy a part from the live state into these pages ([`Gate::copy`]).
+    Copy(Unit, Vec<Vec<f32>>),
+    /// Write a part from the live state (no room to stage it) ([`Gate::written`]).
+    Live(Unit),
 }
 
-/// The state of every block of one checkpoint in flight, shared by the writer thread and
+/// The state of every part of one checkpoint in flight, shared by the writer thread and
 /// the optimizer.
 pub struct Gate {
     inner: Mutex<Inner>,
     cv: Condvar,
     ranges: Vec<Range<usize>>,
     page: usize,
-    moments: bool,
 }
 
 impl Gate {
-    /// A checkpoint of `layout`'s blocks, all pending, with staging `pages` (of equal
-    /// length); `moments`: it holds m and v.
-    pub fn new(layout: &Layout, pages: Vec<Vec<f32>>, moments: bool) -> Gate {
+    /// A checkpoint of `layout`'s blocks with staging `pages` (of equal length): their
+    /// weights pending; with `moments` (it holds m and v) their moments pending too, except
+    /// on blocks `..waiting_below`, whose moments pass of the checkpoint's step is still to
+    /// run ([`Gate::ready`]).
+    pub fn new(layout: &Layout, pages: Vec<Vec<f32>>, moments: bool, waiting_below: usize) -> Gate {
         let n = layout.blocks.len();
+        let moments_status = |b: usize| match (moments, b < waiting_below) {
+            (false, _) => Status::Done,
+            (true, true) => Status::Waiting,
+            (true, false) => Status::Pending,
+        };
+        let status = (0..n)
+            .flat_map(|b| [Status::Pending, moments_status(b)])
+            .collect();
         Gate {
             page: pages.first().map_or(1, Vec::len),
             inner: Mutex::new(Inner {
-                status: vec![Status::Pending; n],
+                status,
                 queue: VecDeque::new(),
                 free: pages,
-                left: n,
-                cursor: 0,
+                left: if moments { 2 * n } else { n },
                 closed: false,
                 owner_s: 0.0,
                 counts: Counts::default(),
             }),
             cv: Condvar::new(),
             ranges: layout.blocks.iter().map(|b| b.range()).collect(),
-            moments,
         }
     }
 
@@ -261,40 +357,42 @@ impl Gate {
         self.cv.wait(g).unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Pages a staged copy of block `b` takes.
-    fn pages_for(&self, b: usize) -> usize {
-        self.ranges[b].len().div_ceil(self.page) * if self.moments { 3 } else { 1 }
+    /// Pages a staged copy of `u` takes.
+    fn pages_for(&self, u: Unit) -> usize {
+        self.ranges[u.block].len().div_ceil(self.page) * u.part.fields().len()
     }
 
-    /// Must precede every change of block `b`'s master, m or v while this checkpoint is in
-    /// flight: unless the writer is done with the block, stages it from `live` (the whole
-    /// model's live tensors), waiting for the writer while the staging area has no room or
-    /// the writer reads the block. Returns the seconds this took.
-    pub fn before_change(&self, b: usize, live: &Tensors) -> f64 {
+    /// Must precede every change of `part` of block `b` while this checkpoint is in flight:
+    /// unless the writer is done with it (or its checkpoint values are still to be made:
+    /// `Waiting`), stages it from `live` (the whole model's live tensors), waiting for the
+    /// writer while the staging area has no room or the writer reads it. Returns the
+    /// seconds this took.
+    pub fn before_change(&self, b: usize, part: Part, live: &Tensors) -> f64 {
+        let u = Unit { block: b, part };
         let t = Instant::now();
         let mut g = self.lock();
         loop {
             if g.closed {
                 break;
             }
-            match g.status[b] {
-                Status::Done | Status::Staged => break,
-                Status::Staging => unreachable!("only the optimizer stages, one block at a time"),
+            match g.status(u) {
+                Status::Done | Status::Staged | Status::Waiting => break,
+                Status::Staging => unreachable!("only the optimizer stages, one part at a time"),
                 Status::Reading => g = self.wait(g),
-                Status::Pending if self.pages_for(b) <= g.free.len() => {
-                    let at = g.free.len() - self.pages_for(b);
+                Status::Pending if self.pages_for(u) <= g.free.len() => {
+                    let at = g.free.len() - self.pages_for(u);
                     let pages = g.free.split_off(at);
-                    g.status[b] = Status::Staging;
+                    g.set(u, Status::Staging);
                     drop(g);
-                    let staged =
-                        Staged::copy(pages, &live.slice(self.ranges[b].clone()), self.moments);
+                    let block = live.slice(self.ranges[b].clone());
+                    let staged = Staged::copy(pages, &block, part.fields());
                     g = self.lock();
-                    g.status[b] = Status::Staged;
+                    g.set(u, Status::Staged);
                     g.counts.staged += 1;
                     if g.closed {
                         g.free.extend(staged.into_pages());
                     } else {
-                        g.queue.push_back((b, staged));
+                        g.queue.push_back((u, staged));
                     }
                     self.cv.notify_all();
                     break;
@@ -307,51 +405,69 @@ impl Gate {
         s
     }
 
-    /// The writer's next task; None once every block is written.
+    /// Whether block `b`'s moments wait for the moments pass of the checkpoint's step.
+    pub fn waiting(&self, b: usize) -> bool {
+        let u = Unit {
+            block: b,
+            part: Part::Moments,
+        };
+        self.lock().status(u) == Status::Waiting
+    }
+
+    /// Block `b`'s moments pass of the checkpoint's step has run: its live m and v are the
+    /// checkpoint's values.
+    pub fn ready(&self, b: usize) {
+        let u = Unit {
+            block: b,
+            part: Part::Moments,
+        };
+        let mut g = self.lock();
+        if g.status(u) == Status::Waiting {
+            g.set(u, Status::Pending);
+            self.cv.notify_all();
+        }
+    }
+
+    /// The writer's next task; None once every part is written.
     pub fn next(&self) -> Option<Task> {
         let mut g = self.lock();
         loop {
-            if let Some((b, staged)) = g.queue.pop_front() {
-                return Some(Task::Write(b, staged));
+            if let Some((u, staged)) = g.queue.pop_front() {
+                return Some(Task::Write(u, staged));
             }
-            let n = g.status.len();
-            while g.cursor < n && g.status[g.cursor] != Status::Pending {
-                g.cursor += 1;
-            }
-            if g.cursor < n {
-                let b = g.cursor;
-                g.status[b] = Status::Reading;
-                let need = self.pages_for(b);
+            if let Some(u) = g.next_pending() {
+                g.set(u, Status::Reading);
+                let need = self.pages_for(u);
                 if need <= g.free.len() {
                     let at = g.free.len() - need;
                     g.counts.copied += 1;
-                    return Some(Task::Copy(b, g.free.split_off(at)));
+                    return Some(Task::Copy(u, g.free.split_off(at)));
                 }
                 g.counts.live += 1;
-                return Some(Task::Live(b));
+                return Some(Task::Live(u));
             }
             if g.left == 0 {
                 return None;
             }
-            // The optimizer is staging a block.
+            // The optimizer is staging a part, or moments wait for their pass.
             g = self.wait(g);
         }
     }
 
-    /// The writer copies block `b` (marked `Reading`) from `live` (the block's elements of
+    /// The writer copies part `u` (marked `Reading`) from `live` (the block's elements of
     /// the live tensors) into `pages`; it is written next.
-    pub fn copy(&self, b: usize, pages: Vec<Vec<f32>>, live: &Tensors) {
-        let staged = Staged::copy(pages, live, self.moments);
+    pub fn copy(&self, u: Unit, pages: Vec<Vec<f32>>, live: &Tensors) {
+        let staged = Staged::copy(pages, live, u.part.fields());
         let mut g = self.lock();
-        g.status[b] = Status::Staged;
-        g.queue.push_front((b, staged));
+        g.set(u, Status::Staged);
+        g.queue.push_front((u, staged));
         self.cv.notify_all();
     }
 
-    /// Block `b` is written (from `staged`, whose pages come back, or from the live state).
-    pub fn written(&self, b: usize, staged: Option<Staged>) {
+    /// Part `u` is written (from `staged`, whose pages come back, or from the live state).
+    pub fn written(&self, u: Unit, staged: Option<Staged>) {
         let mut g = self.lock();
-        g.status[b] = Status::Done;
+        g.set(u, Status::Done);
         g.left -= 1;
         if let Some(s) = staged {
             g.free.extend(s.into_pages());
@@ -382,7 +498,7 @@ impl Gate {
         self.lock().owner_s
     }
 
-    /// How its blocks were written.
+    /// How its parts were written.
     pub fn counts(&self) -> Counts {
         self.lock().counts
     }
@@ -474,7 +590,7 @@ mod tests {
                 v: MasterRef::F32(&v),
             };
             let pages = (0..9).map(|_| vec![0.0f32; 1024]).collect();
-            let s = Staged::copy(pages, &live, true);
+            let s = Staged::copy(pages, &live, fields(true));
             for r in [0..10, 1000..1030, 500..2900, 2990..3000, 0..3000, 7..7] {
                 assert_eq!(*s.values(Field::Master, r.clone()), want[r.clone()]);
                 assert_eq!(*s.values(Field::M, r.clone()), m[r.clone()]);

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use super::export::ExportFiles;
 use super::pieces::{self, Positioned};
 pub use super::schedule::Schedule;
+use super::staging;
 use super::streams::{self, Shifted};
 use super::{ExportOptions, MasterMut, MasterRef};
 use crate::config::CheckpointContents;
@@ -287,13 +288,36 @@ impl<'a> Files<'a> {
         self.write_part(b, window, values)
     }
 
+    /// Writes one part of block `b` from `values` (the block's elements): the weights (the
+    /// export and the optimizer file's master) or the moments ([`staging::Part`]), as
+    /// [`Files::write_block`] writes them, several threads at once ([`streams`]).
+    pub fn write_unit(&self, u: staging::Unit, values: &dyn BlockValues) -> Result<()> {
+        let b = u.block;
+        streams::in_streams(0..self.layout.blocks[b].len, |part| {
+            self.write_fields(b, part, values, u.part.fields())
+        })
+    }
+
     /// Elements `part` of block `b` from `values` (element 0 is element `part.start`).
     fn write_part(&self, b: usize, part: Range<usize>, values: &dyn BlockValues) -> Result<()> {
-        self.export.write_range(b, part.clone(), values)?;
+        self.write_fields(b, part, values, staging::fields(true))
+    }
+
+    /// [`Files::write_part`] of `fields` only (the export with the master).
+    fn write_fields(
+        &self,
+        b: usize,
+        part: Range<usize>,
+        values: &dyn BlockValues,
+        fields: &[Field],
+    ) -> Result<()> {
+        if fields.contains(&Field::Master) {
+            self.export.write_range(b, part.clone(), values)?;
+        }
         match &self.optimizer {
             Some(file) => {
                 let at = self.layout.blocks[b].offset;
-                write_flat(file, at + part.start..at + part.end, values)
+                write_flat(file, at + part.start..at + part.end, values, fields)
             }
             None => Ok(()),
         }
@@ -342,10 +366,18 @@ fn optimizer_file(path: &Path, n: usize) -> Result<Positioned> {
     Positioned::create(path, names, None)
 }
 
-/// Writes elements `r` of the optimizer file's tensors from `values` (whose element 0 is
-/// element `r.start`).
-fn write_flat(file: &Positioned, r: Range<usize>, values: &dyn BlockValues) -> Result<()> {
-    for (name, field) in OPTIMIZER_TENSORS {
+/// Writes elements `r` of the optimizer file's tensors of `fields` from `values` (whose
+/// element 0 is element `r.start`).
+fn write_flat(
+    file: &Positioned,
+    r: Range<usize>,
+    values: &dyn BlockValues,
+    fields: &[Field],
+) -> Result<()> {
+    for (name, field) in OPTIMIZER_TENSORS
+        .into_iter()
+        .filter(|(_, f)| fields.contains(f))
+    {
         for lo in (0..r.len()).step_by(WRITE_CHUNK) {
             let x = values.values(field, lo..(lo + WRITE_CHUNK).min(r.len()));
             file.write(name, 4 * (r.start + lo), f32_bytes(&x))?;
@@ -498,8 +530,9 @@ mod tests {
             let file = optimizer_file(&path, n).unwrap();
             // Two ranges, the second first, neither on a chunk boundary.
             let cut = WRITE_CHUNK / 2 + 3;
-            write_flat(&file, cut..n, &t.slice(cut..n)).unwrap();
-            write_flat(&file, 0..cut, &t.slice(0..cut)).unwrap();
+            let all = staging::fields(true);
+            write_flat(&file, cut..n, &t.slice(cut..n), all).unwrap();
+            write_flat(&file, 0..cut, &t.slice(0..cut), all).unwrap();
         };
         write(&live);
         assert!(std::fs::read(&path).unwrap() == want, "bytes differ");

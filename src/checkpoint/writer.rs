@@ -29,7 +29,7 @@ use std::time::Instant;
 use half::bf16;
 
 use super::fed::Feed;
-use super::staging::{self, Counts, Gate, Task};
+use super::staging::{self, Counts, Gate, Task, Unit};
 use super::state::{self, Tensors, TrainState};
 use super::{ExportOptions, MasterRef};
 use crate::config::CheckpointContents;
@@ -173,19 +173,27 @@ impl Writer {
     }
 
     /// Starts writing checkpoint `state` holding `contents` from `live` on the writer
-    /// thread, after waiting for the write in flight. Returns the seconds waited, every
-    /// write completed meanwhile, and the gate the trainer must pass before changing any
-    /// block ([`Gate::before_change`]) until the write is done.
+    /// thread, after waiting for the write in flight. Blocks `..moments_due_below` have
+    /// their moments pass of this step still to run: the writer waits for each
+    /// ([`Gate::ready`]). Returns the seconds waited, every write completed meanwhile, and
+    /// the gate the trainer must pass before changing any block ([`Gate::before_change`])
+    /// until the write is done.
     pub fn start(
         &mut self,
         state: TrainState,
         live: LentTensors,
         contents: CheckpointContents,
+        moments_due_below: usize,
     ) -> Result<(f64, Vec<Written>, Arc<Gate>)> {
         let (waited_s, done) = self.wait_previous()?;
         let moments = contents == CheckpointContents::Full;
         let pages = std::mem::take(&mut self.pages);
-        let gate = Arc::new(Gate::new(&self.job.layout, pages, moments));
+        let gate = Arc::new(Gate::new(
+            &self.job.layout,
+            pages,
+            moments,
+            moments_due_below,
+        ));
         let (job, g) = (Arc::clone(&self.job), Arc::clone(&gate));
         let write = move || job.write(&state, &live, &g, contents);
         self.spawn(write, Source::Gate(Arc::clone(&gate)), waited_s)
@@ -377,19 +385,18 @@ impl Job {
         let _closing = Closing(gate);
         let layout = &self.layout;
         let dir = state::save_with(&self.root, st, layout, &self.export, contents, |files| {
+            let block = |u: Unit| live.slice(layout.blocks[u.block].range());
             while let Some(task) = gate.next() {
                 match task {
-                    Task::Write(b, staged) => {
-                        let r = files.write_block(b, &staged);
-                        gate.written(b, Some(staged));
+                    Task::Write(u, staged) => {
+                        let r = files.write_unit(u, &staged);
+                        gate.written(u, Some(staged));
                         r?;
                     }
-                    Task::Copy(b, pages) => {
-                        gate.copy(b, pages, &live.slice(layout.blocks[b].range()))
-                    }
-                    Task::Live(b) => {
-                        let r = files.write_block(b, &live.slice(layout.blocks[b].range()));
-                        gate.written(b, None);
+                    Task::Copy(u, pages) => gate.copy(u, pages, &block(u)),
+                    Task::Live(u) => {
+                        let r = files.write_unit(u, &block(u));
+                        gate.written(u, None);
                         r?;
                     }
                 }
@@ -426,6 +433,7 @@ impl Job {
 mod tests {
     use super::*;
     use crate::checkpoint::MasterMut;
+    use crate::checkpoint::staging::Part;
     use crate::config::DType;
     use crate::config::hf::{HfConfig, ModelSpec};
     use crate::shm::lent::Buf;
@@ -484,77 +492,103 @@ mod tests {
     }
 
     /// While the writer writes the checkpoint of step 1, the "optimizer" changes every
-    /// block twice, each after `before_change`: without staging (it waits for each block),
-    /// with a staging area smaller than a block (the same), and with room for several
-    /// blocks. The checkpoint, export included, holds step 1's values, and the staging
-    /// pages all come back.
+    /// block twice as training does, each part after its `before_change`: a weights pass
+    /// over the blocks first to last, then a moments pass last to first. Without staging (it
+    /// waits for each part), with a staging area smaller than a part (the same), and with
+    /// room for several; and with the checkpoint started before step 1's own moments pass
+    /// (every block's moments `Waiting` until that pass makes them ready). The checkpoint,
+    /// export included, holds step 1's values, and the staging pages all come back.
     #[test]
     fn staged_writes_hold_their_step_while_training_changes_the_state() {
         let l = layout();
-        let n = l.total;
+        let (n, blocks) = (l.total, l.blocks.len());
         let val = |i: usize, k: u32| (i as f32 * 0.37 + k as f32).sin();
         for staging in [0, 4 << 10, 1 << 20] {
-            let (dir, export) = scratch(&format!("staged-{staging}"));
-            let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, staging);
-            let pages = w.pages.len();
-            let mut master = buf(n, |i| val(i, 1));
-            let mut m = buf(n, |i| val(i, 2));
-            let mut v = buf(n, |i| val(i, 3).abs());
-            let want = (
-                master.as_slice().to_vec(),
-                m.as_slice().to_vec(),
-                v.as_slice().to_vec(),
-            );
-            // Every change below follows `before_change` of its block.
-            let lent = lend(&master, &m, &v);
-            let (_, _, gate) = w
-                .start(state(1, &l), lent, CheckpointContents::Full)
-                .unwrap();
-            for _ in 0..2 {
-                for (b, block) in l.blocks.iter().enumerate() {
-                    let live = Tensors {
-                        master: MasterRef::F32(master.as_slice()),
-                        m: MasterRef::F32(m.as_slice()),
-                        v: MasterRef::F32(v.as_slice()),
-                    };
-                    gate.before_change(b, &live);
-                    for x in [&mut master, &mut m, &mut v] {
-                        x.range_mut(block.range())
+            for due in [0, blocks] {
+                let (dir, export) = scratch(&format!("staged-{staging}-{due}"));
+                let mut w = Writer::new(dir.join("ck"), 2, l.clone(), export, staging);
+                let pages = w.pages.len();
+                let mut master = buf(n, |i| val(i, 1));
+                // Step 1's moments; before its moments pass, other values.
+                let (m1, v1) = (buf(n, |i| val(i, 2)), buf(n, |i| val(i, 3).abs()));
+                let before = |x: &Buf<f32>| buf(n, |i| x.as_slice()[i] - 5.0);
+                let (mut m, mut v) = match due {
+                    0 => (buf(n, |i| m1.as_slice()[i]), buf(n, |i| v1.as_slice()[i])),
+                    _ => (before(&m1), before(&v1)),
+                };
+                let want = (master.as_slice().to_vec(), m1.as_slice().to_vec());
+                let want_v = v1.as_slice().to_vec();
+                // Every change below follows `before_change` of its part (or, for step 1's
+                // moments pass, precedes `ready`).
+                let lent = lend(&master, &m, &v);
+                let (_, _, gate) = w
+                    .start(state(1, &l), lent, CheckpointContents::Full, due)
+                    .unwrap();
+                for b in (0..due).rev() {
+                    assert!(gate.waiting(b));
+                    for (x, x1) in [(&mut m, &m1), (&mut v, &v1)] {
+                        let r = l.blocks[b].range();
+                        x.range_mut(r.clone()).copy_from_slice(&x1.as_slice()[r]);
+                    }
+                    gate.ready(b);
+                }
+                for _ in 0..2 {
+                    for (b, block) in l.blocks.iter().enumerate() {
+                        let t = Tensors {
+                            master: MasterRef::F32(master.as_slice()),
+                            m: MasterRef::F32(m.as_slice()),
+                            v: MasterRef::F32(v.as_slice()),
+                        };
+                        gate.before_change(b, Part::Weights, &t);
+                        master
+                            .range_mut(block.range())
                             .iter_mut()
                             .for_each(|x| *x += 1.0);
                     }
+                    for (b, block) in l.blocks.iter().enumerate().rev() {
+                        let t = Tensors {
+                            master: MasterRef::F32(master.as_slice()),
+                            m: MasterRef::F32(m.as_slice()),
+                            v: MasterRef::F32(v.as_slice()),
+                        };
+                        gate.before_change(b, Part::Moments, &t);
+                        for x in [&mut m, &mut v] {
+                            x.range_mut(block.range())
+                                .iter_mut()
+                                .for_each(|x| *x += 1.0);
+                        }
+                    }
                 }
+                let written = w.finish().unwrap().expect("a write was in flight");
+                assert_eq!(w.pages.len(), pages, "every staging page is back");
+                // Without room for a part's copy, every part is written from the live state.
+                let c = written.blocks;
+                assert_eq!(c.staged + c.copied + c.live, 2 * blocks, "{c:?}");
+                assert_eq!(c.live == 2 * blocks, staging < 1 << 20, "{c:?}");
+                assert!(written.dir.ends_with("step-00000001"));
+                assert!(written.bytes as usize > 12 * n, "{written:?}");
+                let (mut a, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+                let (mb, mc) = (MasterMut::F32(&mut b), MasterMut::F32(&mut c));
+                state::load(&written.dir, &l, MasterMut::F32(&mut a), mb, mc).unwrap();
+                assert!(a == want.0, "staging {staging}, due {due}: master");
+                assert!(b == want.1, "staging {staging}, due {due}: m");
+                assert!(c == want_v, "staging {staging}, due {due}: v");
+                let mut exported = vec![0.0; n];
+                crate::checkpoint::load_pretrained(
+                    &written.dir,
+                    &l,
+                    &mut MasterMut::F32(&mut exported),
+                )
+                .unwrap();
+                for (b, t) in l.tensors() {
+                    let r = Layout::global_range(b, t);
+                    assert!(
+                        exported[r.clone()] == want.0[r],
+                        "the export holds step 1's master"
+                    );
+                }
+                std::fs::remove_dir_all(&dir).unwrap();
             }
-            let written = w.finish().unwrap().expect("a write was in flight");
-            assert_eq!(w.pages.len(), pages, "every staging page is back");
-            // Without room for a block's copy, every block is written from the live state.
-            let c = written.blocks;
-            assert_eq!(c.staged + c.copied + c.live, l.blocks.len(), "{c:?}");
-            assert_eq!(c.live == l.blocks.len(), staging < 1 << 20, "{c:?}");
-            assert!(written.dir.ends_with("step-00000001"));
-            assert!(written.bytes as usize > 12 * n, "{written:?}");
-            let (mut a, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-            let (mb, mc) = (MasterMut::F32(&mut b), MasterMut::F32(&mut c));
-            state::load(&written.dir, &l, MasterMut::F32(&mut a), mb, mc).unwrap();
-            assert!(
-                (&a, &b, &c) == (&want.0, &want.1, &want.2),
-                "staging {staging}"
-            );
-            let mut exported = vec![0.0; n];
-            crate::checkpoint::load_pretrained(
-                &written.dir,
-                &l,
-                &mut MasterMut::F32(&mut exported),
-            )
-            .unwrap();
-            for (b, t) in l.tensors() {
-                let r = Layout::global_range(b, t);
-                assert!(
-                    exported[r.clone()] == want.0[r],
-                    "the export holds step 1's master"
-                );
-            }
-            std::fs::remove_dir_all(&dir).unwrap();
         }
     }
 
@@ -633,7 +667,7 @@ mod tests {
         let z = buf(l.total, |_| 0.5);
         for step in [1, 2] {
             let lent = lend(&z, &z, &z);
-            w.start(state(step, &l), lent, CheckpointContents::Full)
+            w.start(state(step, &l), lent, CheckpointContents::Full, 0)
                 .unwrap();
             if step == 1 {
                 w.finish().unwrap();

@@ -18,10 +18,10 @@ pub struct CheckpointSection {
     pub every_steps: u64,
     /// Complete checkpoints kept; older ones are deleted (the newest is always kept).
     pub keep_last: usize,
-    /// Write periodic checkpoints on a background thread while training goes on: each block
-    /// is written from the live state until the optimizer is about to change it, then from
-    /// a copy in the staging area (`staging_size`). `false` writes in place while training
-    /// waits.
+    /// Write periodic checkpoints on a background thread while training goes on: each
+    /// block's weights and moments are written from the live state until the optimizer is
+    /// about to change them, then from a copy in the staging area (`staging_size`). `false`
+    /// writes in place while training waits.
     pub background: bool,
     /// Host RAM for the blocks a background checkpoint has not written yet when the
     /// optimizer changes them (bytes, or `8GB`, `512MiB`); training waits for the writer

@@ -33,8 +33,13 @@ impl Trainer {
             let written = writer.poll().with_context(failed)?;
             return self.report_written(written.into_iter().collect());
         };
-        // A checkpoint holds the moments of the update just made.
-        self.host.settle_moments();
+        // A checkpoint holds the moments of the update just made. One written at once
+        // runs their pass first; in the background the writer waits for the pass, which
+        // runs during the next backward as in any step.
+        let at_once = last || self.plan.staging == 0;
+        if at_once {
+            self.host.settle_moments();
+        }
         let mut state = self
             .host
             .train_state(done, self.nan_run, schedule(&self.cfg));
@@ -50,7 +55,7 @@ impl Trainer {
             .start_checkpoint(writer, state, contents)
             .with_context(failed)?;
         self.checkpoint_wait_s += waited;
-        if last || self.plan.staging == 0 {
+        if at_once {
             written.extend(writer.finish().with_context(failed)?);
         } else {
             self.progress.println(&format!(
@@ -67,7 +72,7 @@ impl Trainer {
     ) -> Result<()> {
         for w in written {
             self.progress.println(&format!(
-                "checkpoint {} written: {:.2} GB in {:.3}s ({:.2} GB/s); training waited {:.3}s for it; blocks: {} staged, {} copied ahead, {} from the live state",
+                "checkpoint {} written: {:.2} GB in {:.3}s ({:.2} GB/s); training waited {:.3}s for it; parts: {} staged, {} copied ahead, {} from the live state",
                 w.dir.display(),
                 w.bytes as f64 / 1e9,
                 w.write_s,
