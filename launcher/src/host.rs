@@ -101,6 +101,15 @@ impl AdamMoments {
     }
 }
 
+/// What [`HostState::idle_work`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleWork {
+    /// A block's due moments pass.
+    Moments,
+    /// A block's weights copied for the checkpoint in flight.
+    Staged,
+}
+
 /// The gradient accumulator (`memory.grad_dtype`).
 enum Grad {
     F32(Vec<f32>),
@@ -498,18 +507,26 @@ impl HostState {
         self.deferred = Some(Deferred { hp, below });
     }
 
-    /// Whether a moments pass is due on some block.
-    pub fn moments_due(&self) -> bool {
-        self.deferred.is_some()
-    }
-
     /// Runs the due moments pass on the highest block still lacking it; false if none was.
-    pub fn settle_next_moments(&mut self) -> bool {
+    fn settle_next_moments(&mut self) -> bool {
         let Some(d) = &self.deferred else {
             return false;
         };
         self.settle_moments_down_to(d.below - 1);
         true
+    }
+
+    /// Work that fills the time the launcher would wait for its workers, a piece at a time:
+    /// the due moments pass on the highest block still lacking it, else the weights of the
+    /// next block the checkpoint in flight has not written, copied into its staging area
+    /// ([`Gate::stage_ahead`]), so that the next weights pass, which the GPUs wait for,
+    /// needs no copy there. `None` where there is none; else whether it was the moments pass.
+    pub fn idle_work(&mut self) -> Option<IdleWork> {
+        if self.settle_next_moments() {
+            return Some(IdleWork::Moments);
+        }
+        let gate = self.checkpoint.as_ref()?;
+        gate.stage_ahead(&self.live()).then_some(IdleWork::Staged)
     }
 
     /// Runs the due moments pass on every block.

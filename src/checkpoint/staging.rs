@@ -380,21 +380,7 @@ impl Gate {
                 Status::Staging => unreachable!("only the optimizer stages, one part at a time"),
                 Status::Reading => g = self.wait(g),
                 Status::Pending if self.pages_for(u) <= g.free.len() => {
-                    let at = g.free.len() - self.pages_for(u);
-                    let pages = g.free.split_off(at);
-                    g.set(u, Status::Staging);
-                    drop(g);
-                    let block = live.slice(self.ranges[b].clone());
-                    let staged = Staged::copy(pages, &block, part.fields());
-                    g = self.lock();
-                    g.set(u, Status::Staged);
-                    g.counts.staged += 1;
-                    if g.closed {
-                        g.free.extend(staged.into_pages());
-                    } else {
-                        g.queue.push_back((u, staged));
-                    }
-                    self.cv.notify_all();
+                    g = self.stage(g, u, live);
                     break;
                 }
                 Status::Pending => g = self.wait(g),
@@ -403,6 +389,53 @@ impl Gate {
         let s = t.elapsed().as_secs_f64();
         g.owner_s += s;
         s
+    }
+
+    /// Stages the weights of the first block whose weights the next weights pass would
+    /// stage, where they fit the free pages now (the optimizer calls it while it has nothing
+    /// else to do, so that the pass the GPUs wait for finds them staged); false where there
+    /// was none to stage or no room.
+    pub fn stage_ahead(&self, live: &Tensors) -> bool {
+        let g = self.lock();
+        let n = self.ranges.len();
+        let mut weights = (0..n).map(|block| Unit {
+            block,
+            part: Part::Weights,
+        });
+        let Some(u) = weights.find(|&u| g.status(u) == Status::Pending) else {
+            return false;
+        };
+        if g.closed || self.pages_for(u) > g.free.len() {
+            return false;
+        }
+        drop(self.stage(g, u, live));
+        true
+    }
+
+    /// Copies pending part `u` from `live` into free pages (there is room), the lock
+    /// released meanwhile, and queues the copy for the writer.
+    fn stage<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Inner>,
+        u: Unit,
+        live: &Tensors,
+    ) -> MutexGuard<'a, Inner> {
+        let at = g.free.len() - self.pages_for(u);
+        let pages = g.free.split_off(at);
+        g.set(u, Status::Staging);
+        drop(g);
+        let block = live.slice(self.ranges[u.block].clone());
+        let staged = Staged::copy(pages, &block, u.part.fields());
+        let mut g = self.lock();
+        g.set(u, Status::Staged);
+        g.counts.staged += 1;
+        if g.closed {
+            g.free.extend(staged.into_pages());
+        } else {
+            g.queue.push_back((u, staged));
+        }
+        self.cv.notify_all();
+        g
     }
 
     /// Whether block `b`'s moments wait for the moments pass of the checkpoint's step.
@@ -598,5 +631,59 @@ mod tests {
             }
             assert_eq!(s.into_pages().count(), 9);
         }
+    }
+
+    /// Staging ahead takes the weights only, first block first, while pages are free, and
+    /// keeps the values they had: the weights pass then finds them staged and copies
+    /// nothing; the writer gets them first, oldest first.
+    #[test]
+    fn staging_ahead_copies_the_next_weights_while_there_is_room() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let spec = crate::config::hf::ModelSpec::from_model_dir(&root.join("tiny")).unwrap();
+        let layout = Layout::new(&spec);
+        let n = layout.total;
+        let mut master: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let (m, v) = (vec![1.0f32; n], vec![2.0f32; n]);
+        fn live<'a>(master: &'a [f32], m: &'a [f32], v: &'a [f32]) -> Tensors<'a> {
+            Tensors {
+                master: MasterRef::F32(master),
+                m: MasterRef::F32(m),
+                v: MasterRef::F32(v),
+            }
+        }
+        // Room for the first two blocks' weights, not the third's.
+        let page = 1 << 10;
+        let need = |b: usize| layout.blocks[b].len.div_ceil(page);
+        let pages = (0..need(0) + need(1)).map(|_| vec![0.0f32; page]).collect();
+        let gate = Gate::new(&layout, pages, true, 0);
+        let want = master.clone();
+        assert!(gate.stage_ahead(&live(&master, &m, &v)));
+        assert!(gate.stage_ahead(&live(&master, &m, &v)));
+        assert!(
+            !gate.stage_ahead(&live(&master, &m, &v)),
+            "no room for block 2"
+        );
+        // The training state changes: the staged copies keep the values they had, and the
+        // weights pass of blocks 0 and 1 waits for nothing.
+        master.iter_mut().for_each(|x| *x += 1.0);
+        for b in 0..2 {
+            gate.before_change(b, Part::Weights, &live(&master, &m, &v));
+        }
+        assert_eq!(
+            gate.counts().staged,
+            2,
+            "nothing staged twice, no moments staged"
+        );
+        for b in 0..2 {
+            let Some(Task::Write(u, staged)) = gate.next() else {
+                panic!("block {b}'s staged weights are written first");
+            };
+            assert_eq!((u.block, u.part), (b, Part::Weights));
+            let r = layout.blocks[b].range();
+            assert_eq!(*staged.values(Field::Master, 0..r.len()), want[r]);
+            gate.written(u, Some(staged));
+        }
+        gate.close();
+        assert_eq!(gate.take_pages().len(), need(0) + need(1));
     }
 }

@@ -12,6 +12,7 @@ use mt::grpo::GrpoSums;
 use mt::protocol::{FromWorker, ToWorker, WorkerTimings};
 
 use super::{Trainer, nodes};
+use crate::host::IdleWork;
 use crate::supervisor::{Event, fatal};
 
 /// What the workers and the reduce reported for one step.
@@ -73,18 +74,21 @@ impl Trainer {
         type Done = (f64, Option<DpoSums>, Option<Box<GrpoSums>>, Vec<f32>);
         let mut step_done: Vec<Option<Done>> = vec![None; world];
         while done < world || reduced < expected_parts {
-            // The last update's moments pass fills the time the launcher would wait.
-            let event = match self.host.moments_due() {
-                true => match self.sup.try_event() {
-                    Some(event) => event,
-                    None => {
-                        let t = Instant::now();
-                        self.host.settle_next_moments();
-                        out.moments_s += t.elapsed().as_secs_f64();
-                        continue;
+            // The last update's moments pass, then copies for the checkpoint in flight, fill
+            // the time the launcher would wait.
+            let event = match self.sup.try_event() {
+                Some(event) => event,
+                None => {
+                    let t = Instant::now();
+                    match self.host.idle_work() {
+                        Some(IdleWork::Moments) => {
+                            out.moments_s += t.elapsed().as_secs_f64();
+                            continue;
+                        }
+                        Some(IdleWork::Staged) => continue,
+                        None => self.sup.next_event(timeout, &|r| step_done[r].is_none())?,
                     }
-                },
-                false => self.sup.next_event(timeout, &|r| step_done[r].is_none())?,
+                }
             };
             match event {
                 Event::Msg(
