@@ -267,22 +267,23 @@ impl Inner {
         self.status[u.index()] = s;
     }
 
-    /// The next part the writer takes from the live state: the weights in the order the
-    /// weights pass changes them (first block first), then the moments in the order the
-    /// moments pass does (last block first).
-    fn next_pending(&self) -> Option<Unit> {
+    /// The first pending `part` in the order its pass changes them: weights first block
+    /// first, moments last block first.
+    fn first_pending(&self, part: Part) -> Option<Unit> {
         let n = self.status.len() / 2;
-        let weights = (0..n).map(|block| Unit {
-            block,
-            part: Part::Weights,
-        });
-        let moments = (0..n).rev().map(|block| Unit {
-            block,
-            part: Part::Moments,
-        });
-        weights
-            .chain(moments)
-            .find(|&u| self.status(u) == Status::Pending)
+        let unit = |block| Unit { block, part };
+        let pending = |u: &Unit| self.status(*u) == Status::Pending;
+        match part {
+            Part::Weights => (0..n).map(unit).find(pending),
+            Part::Moments => (0..n).rev().map(unit).find(pending),
+        }
+    }
+
+    /// The next part the writer takes from the live state: the weights before the moments,
+    /// as the passes change them.
+    fn next_pending(&self) -> Option<Unit> {
+        self.first_pending(Part::Weights)
+            .or_else(|| self.first_pending(Part::Moments))
     }
 }
 
@@ -397,12 +398,7 @@ impl Gate {
     /// was none to stage or no room.
     pub fn stage_ahead(&self, live: &Tensors) -> bool {
         let g = self.lock();
-        let n = self.ranges.len();
-        let mut weights = (0..n).map(|block| Unit {
-            block,
-            part: Part::Weights,
-        });
-        let Some(u) = weights.find(|&u| g.status(u) == Status::Pending) else {
+        let Some(u) = g.first_pending(Part::Weights) else {
             return false;
         };
         if g.closed || self.pages_for(u) > g.free.len() {
