@@ -25,6 +25,7 @@ use mt::layout::{Block, Layout};
 use tch::{Device, Kind, Tensor};
 
 use super::cuda::{self, Event, HostRegistration, Stream, torch_stream};
+use super::stash::{HostStash, Stash};
 use super::{Delivered, Gate, Regions, TransferStats, kind_of};
 use crate::model::BlockWeights;
 
@@ -33,9 +34,6 @@ const RING: usize = 2;
 
 /// Blocks of gradients allowed to wait on the device for their copy to the slab.
 const MAX_D2H_IN_FLIGHT: usize = 2;
-
-/// Stashed layer inputs allowed to wait on the device for their copy to the host.
-const MAX_STASH_IN_FLIGHT: usize = 2;
 
 /// A device buffer with the events that order its reuse.
 struct DeviceBuf {
@@ -82,27 +80,6 @@ struct InFlight {
     /// Gradient tensors kept alive until their copy completes (torch would otherwise
     /// recycle the memory while the copy stream still reads it).
     _keep: Vec<Tensor>,
-}
-
-/// Where the per-layer inputs of a micro-batch wait for the backward.
-enum Stash {
-    /// On the device (the default).
-    Device(Vec<Tensor>),
-    /// In pinned host buffers, one per layer, reused across micro-batches and steps.
-    Host(HostStash),
-}
-
-struct HostStash {
-    device: Device,
-    /// Pinned host buffers by layer, grown to the largest input seen.
-    host: Vec<Tensor>,
-    /// Shapes of the inputs stashed this micro-batch, by layer.
-    shapes: Vec<Vec<i64>>,
-    /// Device inputs whose copy to the host is in flight, with its completion event.
-    leaving: VecDeque<(Event, Tensor)>,
-    /// Inputs copied back for the backward (layer, arrival event, tensor), in the order
-    /// it takes them.
-    arriving: VecDeque<(usize, Event, Tensor)>,
 }
 
 /// CUDA: pinned regions, transient embed/head buffers, a ring of layer buffers.
@@ -174,13 +151,7 @@ impl CudaStreamer {
             .collect::<Result<_>>()?;
         let stash = match offload_activations {
             false => Stash::Device(Vec::new()),
-            true => Stash::Host(HostStash {
-                device,
-                host: Vec::new(),
-                shapes: Vec::new(),
-                leaving: VecDeque::new(),
-                arriving: VecDeque::new(),
-            }),
+            true => Stash::Host(HostStash::new(device)),
         };
         Ok(CudaStreamer {
             kind,
@@ -531,115 +502,6 @@ impl CudaStreamer {
                 ..TransferStats::default()
             },
         ))
-    }
-}
-
-impl HostStash {
-    /// Enqueues the copy of `x` to layer `l`'s pinned buffer on `offload`.
-    fn push(&mut self, l: usize, x: Tensor, offload: &Stream) -> Result<()> {
-        if l == 0 {
-            self.shapes.clear();
-            self.arriving.clear();
-        }
-        let numel = x.numel();
-        if self.host.len() <= l {
-            self.host.push(Tensor::empty([0], (x.kind(), Device::Cpu)));
-        }
-        if self.host[l].numel() < numel || self.host[l].kind() != x.kind() {
-            let bytes = numel * x.kind().elt_size_in_bytes();
-            self.host[l] = Tensor::f_empty([numel as i64], (x.kind(), Device::Cpu))
-                // `_pin_memory`: `pin_memory` with a device argument warns (deprecated) on
-                // every call, and tch always passes one.
-                .and_then(|t| t.f_internal_pin_memory(self.device))
-                .with_context(|| {
-                    format!(
-                        "allocate {:.2} GB of pinned host memory for layer {l}'s input \
-                         (memory.offload_activations)",
-                        bytes as f64 / 1e9
-                    )
-                })?;
-        }
-        while self.leaving.len() >= MAX_STASH_IN_FLIGHT {
-            let (done, _x) = self.leaving.pop_front().expect("non-empty");
-            done.synchronize()?;
-        }
-        let x = x.f_contiguous()?;
-        let produced = Event::new(false)?;
-        produced.record(torch_stream())?;
-        cuda::wait(offload.raw(), &produced)?;
-        let bytes = numel * x.kind().elt_size_in_bytes();
-        // SAFETY: the host buffer is pinned and holds `numel` elements; no copy back from it
-        // is pending (the previous micro-batch's backward consumed it before this forward
-        // ran on torch's stream, which `produced` follows); `x` stays alive in `leaving`
-        // until the copy completes.
-        unsafe {
-            cuda::copy_d2h(
-                self.host[l].data_ptr().cast(),
-                x.data_ptr() as u64,
-                bytes,
-                offload.raw(),
-            )?
-        };
-        let done = Event::new(false)?;
-        done.record(offload.raw())?;
-        self.shapes.push(x.size());
-        self.leaving.push_back((done, x));
-        Ok(())
-    }
-
-    /// Enqueues the copy back of layer `l`'s input to a fresh device tensor.
-    fn fetch(&mut self, l: usize, copy: &Stream) -> Result<()> {
-        let shape = &self.shapes[l];
-        let x = Tensor::f_empty(shape.as_slice(), (self.host[l].kind(), self.device))?;
-        let allocated = Event::new(false)?;
-        allocated.record(torch_stream())?;
-        cuda::wait(copy.raw(), &allocated)?;
-        let bytes = x.numel() * x.kind().elt_size_in_bytes();
-        // SAFETY: `x` was just allocated with `bytes` bytes and is read only after `ready`;
-        // the pinned source holds its input (`pop` waited for every copy out before the
-        // first fetch), stays alive in `self.host` and is not rewritten before the next
-        // forward, which follows this backward on torch's stream.
-        unsafe {
-            cuda::copy_h2d(
-                x.data_ptr() as u64,
-                self.host[l].data_ptr().cast::<u8>(),
-                bytes,
-                copy.raw(),
-            )?
-        };
-        let ready = Event::new(false)?;
-        ready.record(copy.raw())?;
-        self.arriving.push_back((l, ready, x));
-        Ok(())
-    }
-
-    /// Layer `l`'s input back on the device, with the event that marks its arrival;
-    /// the next one down is prefetched.
-    fn pop(&mut self, l: usize, copy: &Stream) -> Result<(Event, Tensor)> {
-        if self.arriving.is_empty() {
-            // The backward's first input: the forward's last copies out landed during the
-            // head's work, so their device tensors (up to MAX_STASH_IN_FLIGHT inputs) go now
-            // rather than after the whole backward, which they would outlive idle.
-            for (done, x) in self.leaving.drain(..) {
-                done.synchronize()?;
-                drop(x);
-            }
-            if l + 1 != self.shapes.len() {
-                bail!(
-                    "input of layer {l} asked for first, {} were stashed",
-                    self.shapes.len()
-                );
-            }
-            self.fetch(l, copy)?;
-        }
-        if l > 0 {
-            self.fetch(l - 1, copy)?;
-        }
-        let (got, ready, x) = self.arriving.pop_front().expect("fetched");
-        if got != l {
-            bail!("input of layer {l} asked for, layer {got} is next");
-        }
-        Ok((ready, x))
     }
 }
 

@@ -19,6 +19,7 @@
 
 pub mod cuda;
 mod gpu;
+mod stash;
 
 use std::collections::VecDeque;
 use std::ffi::CString;
