@@ -9,8 +9,8 @@
 //! before the worker reports ready: the same kernels and shapes as a step, none of its data.
 //! Start-up pays instead, and the launcher's log shows it. Without the no-grad forward the
 //! first step's forward of Qwen2.5-7B at batch 16 took 1.01 s in the first process on a fresh
-//! 2xH100 host against 0.29 s in the next one (the forward's kernels loaded on first use from
-//! a cold page cache).
+//! 2xH100 host against 0.29 s in the next one (the forward's kernels loaded on first use, on a
+//! fresh host most likely from a cold page cache).
 
 use anyhow::Result;
 use mt::config::hf::ModelSpec;
