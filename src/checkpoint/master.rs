@@ -73,21 +73,38 @@ impl<'a> MasterRef<'a> {
         }
     }
 
-    /// Writes the fp32 values into `out` (in parallel).
+    /// Writes the fp32 values into `out` (in parallel), with non-temporal stores where the
+    /// CPU has them: `out` is a checkpoint's staging page, read next by the writer's direct
+    /// I/O, not by this CPU, and its lines need not be read into the cache first (a third of
+    /// the copy's memory traffic).
     pub fn read_into(&self, out: &mut [f32]) {
         assert_eq!(out.len(), self.len());
         match *self {
             MasterRef::F32(x) => out
                 .par_chunks_mut(CHUNK)
                 .zip(x.par_chunks(CHUNK))
-                .for_each(|(d, s)| d.copy_from_slice(s)),
-            MasterRef::Split { hi, lo } => bits::join_slice(hi, lo, out),
-            MasterRef::Bf16(x) => out
-                .par_chunks_mut(CHUNK)
-                .zip(x.par_chunks(CHUNK))
-                .for_each(|(d, s)| d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32())),
+                .for_each(|(d, s)| crate::simd::copy_streaming(d, s)),
+            MasterRef::Split { hi, lo } => fill_streaming(out, |i| bits::join(hi[i], lo[i])),
+            MasterRef::Bf16(x) => fill_streaming(out, |i| x[i].to_f32()),
         }
     }
+}
+
+/// `out[i] = value(i)` for every element, in parallel, through a small buffer written out with
+/// [`crate::simd::copy_streaming`].
+fn fill_streaming(out: &mut [f32], value: impl Fn(usize) -> f32 + Sync) {
+    const LINE_RUN: usize = 1024;
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+        let mut buf = [0.0f32; LINE_RUN];
+        for (r, out) in out.chunks_mut(LINE_RUN).enumerate() {
+            let first = c * CHUNK + r * LINE_RUN;
+            let buf = &mut buf[..out.len()];
+            for (j, b) in buf.iter_mut().enumerate() {
+                *b = value(first + j);
+            }
+            crate::simd::copy_streaming(out, buf);
+        }
+    });
 }
 
 /// Write access to master weights, in layout order.

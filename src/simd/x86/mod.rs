@@ -6,4 +6,4 @@ mod adamw;
 mod reduce;
 
 pub(crate) use adamw::{update_bf16, update_f32, update_split};
-pub(crate) use reduce::{sum_avx2, sum_avx512};
+pub(crate) use reduce::{copy_streaming, sum_avx2, sum_avx512};

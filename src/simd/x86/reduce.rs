@@ -90,3 +90,48 @@ unsafe fn stream256(d: &mut [f32], s: &[f32]) {
         unsafe { _mm256_stream_ps(d.as_mut_ptr().add(i), _mm256_loadu_ps(s.as_ptr().add(i))) }
     }
 }
+
+/// `d.copy_from_slice(s)`, the whole aligned lines of `d` written by non-temporal stores
+/// (for a destination read next by a device or the disk, not by this CPU). Panics if the
+/// CPU lacks `simd`'s features or the lengths differ.
+pub(crate) fn copy_streaming(simd: Simd, d: &mut [f32], s: &[f32]) {
+    assert!(d.len() == s.len() && simd != Simd::Portable && simd.supported());
+    // Elements before `d`'s first 64-byte line, then whole lines, then the rest.
+    let head = d.as_ptr().addr().wrapping_neg() % 64 / 4;
+    let head = head.min(d.len());
+    let body = (d.len() - head) / 16 * 16;
+    let (d_head, rest) = d.split_at_mut(head);
+    let (d_body, d_tail) = rest.split_at_mut(body);
+    let (s_head, rest) = s.split_at(head);
+    let (s_body, s_tail) = rest.split_at(body);
+    d_head.copy_from_slice(s_head);
+    match simd {
+        _ if body == 0 => {}
+        // SAFETY: the CPU has AVX-512 F (asserted above); `d_body` starts on a 64-byte line
+        // and holds whole lines of 16 elements, as `stream512` asserts.
+        Simd::Avx512 => unsafe { copy512(d_body, s_body) },
+        // SAFETY: the CPU has AVX2 (asserted above); a 64-byte line start is 32-byte aligned
+        // and 16 elements are two 8-element stores, as `stream256` asserts.
+        _ => unsafe { copy256(d_body, s_body) },
+    }
+    d_tail.copy_from_slice(s_tail);
+}
+
+/// # Safety
+/// The CPU has AVX-512 F.
+#[target_feature(enable = "avx512f")]
+unsafe fn copy512(d: &mut [f32], s: &[f32]) {
+    // SAFETY: AVX-512 F by this function's contract; `stream512` checks the rest.
+    unsafe { stream512(d, s) };
+    // Non-temporal stores are weakly ordered: fence before the caller publishes `d`.
+    _mm_sfence();
+}
+
+/// # Safety
+/// The CPU has AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn copy256(d: &mut [f32], s: &[f32]) {
+    // SAFETY: AVX2 by this function's contract; `stream256` checks the rest.
+    unsafe { stream256(d, s) };
+    _mm_sfence();
+}
