@@ -116,14 +116,17 @@ impl HostStash {
             self.fetched.push(Tensor::empty([0], (kind, self.device)));
         }
         if self.fetched[slot].numel() < numel as usize || self.fetched[slot].kind() != kind {
-            self.fetched[slot] = Tensor::f_empty([numel], (kind, self.device)).with_context(|| {
-                format!(
-                    "allocate {:.2} GB on the device for layer {l}'s offloaded input",
-                    (numel as usize * kind.elt_size_in_bytes()) as f64 / 1e9
-                )
-            })?;
+            self.fetched[slot] =
+                Tensor::f_empty([numel], (kind, self.device)).with_context(|| {
+                    format!(
+                        "allocate {:.2} GB on the device for layer {l}'s offloaded input",
+                        (numel as usize * kind.elt_size_in_bytes()) as f64 / 1e9
+                    )
+                })?;
         }
-        let x = self.fetched[slot].f_narrow(0, 0, numel)?.f_view(shape.as_slice())?;
+        let x = self.fetched[slot]
+            .f_narrow(0, 0, numel)?
+            .f_view(shape.as_slice())?;
         // The buffer's last reader, layer l + 2's backward, is enqueued on torch's stream
         // before this event (the engine asks for layer l + 1's input after it).
         let free = Event::new(false)?;
@@ -183,4 +186,3 @@ impl HostStash {
         Ok((ready, x))
     }
 }
-
