@@ -74,9 +74,10 @@ impl<'a> MasterRef<'a> {
     }
 
     /// Writes the fp32 values into `out` (in parallel), with non-temporal stores where the
-    /// CPU has them: `out` is a checkpoint's staging page, read next by the writer's direct
-    /// I/O, not by this CPU, and its lines need not be read into the cache first (a third of
-    /// the copy's memory traffic).
+    /// CPU has them: `out` is a checkpoint's staging page or a window on its way to the
+    /// disk, read next by the writer's direct I/O (or once more, from memory, by its
+    /// bounce buffer and export), so its lines need not be read into the cache before they
+    /// are overwritten (a third of a staging copy's memory traffic).
     pub fn read_into(&self, out: &mut [f32]) {
         assert_eq!(out.len(), self.len());
         match *self {
