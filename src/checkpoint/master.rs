@@ -209,3 +209,42 @@ impl MasterMut<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every way of holding the master reads out its own values, element for element, over
+    /// several parallel chunks and a last run of lines that is not whole.
+    #[test]
+    fn read_into_gives_every_element_its_value() {
+        let n = 3 * CHUNK + 1500;
+        let x: Vec<f32> = (0..n as u32)
+            .map(|i| f32::from_bits(0x3f80_0000 ^ i.wrapping_mul(2_654_435_761) >> 9))
+            .collect();
+        let (mut hi, mut lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
+        bits::split_slice(&x, &mut hi, &mut lo);
+        let widened: Vec<f32> = hi.iter().map(|h| h.to_f32()).collect();
+        // A split master holds ties one ulp off (`bits::split`): its values are the joins.
+        let joined: Vec<f32> = hi
+            .iter()
+            .zip(&lo)
+            .map(|(&h, &l)| bits::join(h, l))
+            .collect();
+        let cases = [
+            ("f32", MasterRef::F32(&x), x.clone()),
+            ("split", MasterRef::Split { hi: &hi, lo: &lo }, joined),
+            ("bf16", MasterRef::Bf16(&hi), widened),
+        ];
+        for (name, master, want) in cases {
+            // Offsets into the destination: aligned and not, for the non-temporal body.
+            for at in [0, 3] {
+                let mut out = vec![0.0f32; n + at];
+                master.read_into(&mut out[at..]);
+                for (i, (o, w)) in out[at..].iter().zip(&want).enumerate() {
+                    assert_eq!(o.to_bits(), w.to_bits(), "{name}, offset {at}, element {i}");
+                }
+            }
+        }
+    }
+}

@@ -119,19 +119,6 @@ pub fn split_slice(x: &[f32], hi: &mut [bf16], lo: &mut [u16]) {
         });
 }
 
-/// [`join`] of every element, in parallel.
-pub fn join_slice(hi: &[bf16], lo: &[u16], out: &mut [f32]) {
-    assert!(hi.len() == out.len() && lo.len() == out.len());
-    out.par_chunks_mut(CHUNK)
-        .zip(hi.par_chunks(CHUNK))
-        .zip(lo.par_chunks(CHUNK))
-        .for_each(|((out, hi), lo)| {
-            for i in 0..out.len() {
-                out[i] = join(hi[i], lo[i]);
-            }
-        });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,12 +200,9 @@ mod tests {
         let n = x.len();
         let (mut hi, mut lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
         split_slice(&x, &mut hi, &mut lo);
-        let mut y = vec![0.0f32; n];
-        join_slice(&hi, &lo, &mut y);
         for i in 0..n {
             let (h, l) = split(x[i]);
             assert_eq!((hi[i].to_bits(), lo[i]), (h.to_bits(), l));
-            assert_eq!(y[i].to_bits(), join(hi[i], lo[i]).to_bits());
         }
     }
 

@@ -244,8 +244,11 @@ fn split_update_is_the_fp32_update_split() {
     let v0: Vec<f32> = spread(n, 8).iter().map(|x| x * x).collect();
     let (mut hi0, mut lo0) = (vec![bf16::ZERO; n], vec![0u16; n]);
     bits::split_slice(&x0, &mut hi0, &mut lo0);
-    let mut joined = vec![0.0f32; n];
-    bits::join_slice(&hi0, &lo0, &mut joined);
+    let joined: Vec<f32> = hi0
+        .iter()
+        .zip(&lo0)
+        .map(|(&h, &l)| bits::join(h, l))
+        .collect();
     // The fp32 reference, from the joined master.
     let reference = |bf: bool| {
         let (mut p, mut m, mut v) = (joined.clone(), m0.clone(), v0.clone());
