@@ -640,30 +640,23 @@ mod tests {
         let n = layout.total;
         let mut master: Vec<f32> = (0..n).map(|i| i as f32).collect();
         let (m, v) = (vec![1.0f32; n], vec![2.0f32; n]);
-        fn live<'a>(master: &'a [f32], m: &'a [f32], v: &'a [f32]) -> Tensors<'a> {
-            Tensors {
-                master: MasterRef::F32(master),
-                m: MasterRef::F32(m),
-                v: MasterRef::F32(v),
-            }
-        }
         // Room for the first two blocks' weights, not the third's.
         let page = 1 << 10;
         let need = |b: usize| layout.blocks[b].len.div_ceil(page);
         let pages = (0..need(0) + need(1)).map(|_| vec![0.0f32; page]).collect();
         let gate = Gate::new(&layout, pages, true, 0);
         let want = master.clone();
-        assert!(gate.stage_ahead(&live(&master, &m, &v)));
-        assert!(gate.stage_ahead(&live(&master, &m, &v)));
+        assert!(gate.stage_ahead(&Tensors::f32(&master, &m, &v)));
+        assert!(gate.stage_ahead(&Tensors::f32(&master, &m, &v)));
         assert!(
-            !gate.stage_ahead(&live(&master, &m, &v)),
+            !gate.stage_ahead(&Tensors::f32(&master, &m, &v)),
             "no room for block 2"
         );
         // The training state changes: the staged copies keep the values they had, and the
         // weights pass of blocks 0 and 1 waits for nothing.
         master.iter_mut().for_each(|x| *x += 1.0);
         for b in 0..2 {
-            gate.before_change(b, Part::Weights, &live(&master, &m, &v));
+            gate.before_change(b, Part::Weights, &Tensors::f32(&master, &m, &v));
         }
         assert_eq!(
             gate.counts().staged,

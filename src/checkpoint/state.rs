@@ -88,6 +88,16 @@ impl<'a> Tensors<'a> {
         }
     }
 
+    /// An fp32 master and moments held as plain slices (the tests' live state).
+    #[cfg(test)]
+    pub(crate) fn f32(master: &'a [f32], m: &'a [f32], v: &'a [f32]) -> Tensors<'a> {
+        Tensors {
+            master: MasterRef::F32(master),
+            m: MasterRef::F32(m),
+            v: MasterRef::F32(v),
+        }
+    }
+
     /// Elements `r` of each.
     pub fn slice(&self, r: Range<usize>) -> Tensors<'a> {
         let opt = |x: MasterRef<'a>| if x.is_empty() { x } else { x.slice(r.clone()) };

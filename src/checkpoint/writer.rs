@@ -534,11 +534,7 @@ mod tests {
                 }
                 for _ in 0..2 {
                     for (b, block) in l.blocks.iter().enumerate() {
-                        let t = Tensors {
-                            master: MasterRef::F32(master.as_slice()),
-                            m: MasterRef::F32(m.as_slice()),
-                            v: MasterRef::F32(v.as_slice()),
-                        };
+                        let t = Tensors::f32(master.as_slice(), m.as_slice(), v.as_slice());
                         gate.before_change(b, Part::Weights, &t);
                         master
                             .range_mut(block.range())
@@ -546,11 +542,7 @@ mod tests {
                             .for_each(|x| *x += 1.0);
                     }
                     for (b, block) in l.blocks.iter().enumerate().rev() {
-                        let t = Tensors {
-                            master: MasterRef::F32(master.as_slice()),
-                            m: MasterRef::F32(m.as_slice()),
-                            v: MasterRef::F32(v.as_slice()),
-                        };
+                        let t = Tensors::f32(master.as_slice(), m.as_slice(), v.as_slice());
                         gate.before_change(b, Part::Moments, &t);
                         for x in [&mut m, &mut v] {
                             x.range_mut(block.range())
@@ -605,11 +597,7 @@ mod tests {
         let master: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
         let m: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
         let v: Vec<f32> = (0..n).map(|i| val(i, 3).abs()).collect();
-        let live = Tensors {
-            master: MasterRef::F32(&master),
-            m: MasterRef::F32(&m),
-            v: MasterRef::F32(&v),
-        };
+        let live = Tensors::f32(&master, &m, &v);
         let full = CheckpointContents::Full;
         let want =
             state::save(&dir.join("whole"), &state(1, &l), &l, &live, &export, full).unwrap();

@@ -27,11 +27,7 @@ fn optimizer_file_is_safetensors_own_bytes() {
     )
     .unwrap();
     let path = dir.join(OPTIMIZER);
-    let live = Tensors {
-        master: MasterRef::F32(&master),
-        m: MasterRef::F32(&m),
-        v: MasterRef::F32(&v),
-    };
+    let live = Tensors::f32(&master, &m, &v);
     let write = |t: &Tensors| {
         let file = optimizer_file(&path, n).unwrap();
         // Two ranges, the second first, neither on a chunk boundary.
@@ -103,11 +99,7 @@ fn fills_give_the_bytes_of_whole_blocks(
         (0..n).map(|i| val(i, 2)).collect(),
         (0..n).map(|i| val(i, 3)).collect(),
     );
-    let live = Tensors {
-        master: MasterRef::F32(&master),
-        m: MasterRef::F32(&m),
-        v: MasterRef::F32(&v),
-    };
+    let live = Tensors::f32(&master, &m, &v);
     let state = TrainState {
         format: FORMAT,
         step: 1,
