@@ -536,3 +536,108 @@ fn one_call_over_a_range_equals_calls_over_its_pieces() {
         );
     }
 }
+
+/// A speculative update ([`Speculative`]): the store pass changes nothing but the store and
+/// writes there what the whole update writes; the commit then leaves the master, m and v as
+/// the whole update does and does not touch the store. At every SIMD level, both store
+/// dtypes and both gradient dtypes, at an offset that leaves an unaligned head and a tail.
+#[test]
+fn store_then_commit_equal_one_update() {
+    let n = 2 * CHUNK + 45;
+    let g32 = spread(n, 21);
+    let g16: Vec<bf16> = g32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let (p0, m0) = (spread(n, 22), spread(n, 23));
+    let v0: Vec<f32> = spread(n, 24).iter().map(|x| x * x).collect();
+    // A store value no update writes, to see what a pass leaves alone.
+    let (sb0, sf0) = (bf16::from_f32(-7.0), -7.0f32);
+    for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+        if !simd.supported() {
+            continue;
+        }
+        for (off, bf, decay) in [(0, false, true), (3, true, true), (5, false, false)] {
+            let k = Consts::new(&hp7(), decay);
+            let pass = |pass: Option<Speculative>,
+                        p: &mut [f32],
+                        m: &mut [f32],
+                        v: &mut [f32],
+                        sb: &mut [bf16],
+                        sf: &mut [f32]| {
+                let k = match pass {
+                    None => Consts { ..k },
+                    Some(Speculative::Store) => Consts {
+                        write_param: false,
+                        write_moments: false,
+                        ..k
+                    },
+                    Some(Speculative::Commit) => Consts {
+                        write_store: false,
+                        ..k
+                    },
+                };
+                let (p2, m2, v2) = (&mut p.to_vec(), &mut m.to_vec(), &mut v.to_vec());
+                match bf {
+                    true => {
+                        update_with(simd, p, &g16[off..], m, v, StoreOut::Bf16(sb), &k);
+                        update_with(simd, p2, &g16[off..], m2, v2, StoreOut::F32(sf), &k);
+                    }
+                    false => {
+                        update_with(simd, p, &g32[off..], m, v, StoreOut::Bf16(sb), &k);
+                        update_with(simd, p2, &g32[off..], m2, v2, StoreOut::F32(sf), &k);
+                    }
+                }
+                assert!(bits32(p) == bits32(p2) && bits32(m) == bits32(m2));
+            };
+            let fresh = || {
+                (
+                    p0[off..].to_vec(),
+                    m0[off..].to_vec(),
+                    v0[off..].to_vec(),
+                    vec![sb0; n - off],
+                    vec![sf0; n - off],
+                )
+            };
+            let (mut p, mut m, mut v, mut sb, mut sf) = fresh();
+            pass(None, &mut p, &mut m, &mut v, &mut sb, &mut sf);
+            let whole = (bits32(&p), bits32(&m), bits32(&v), sb.clone(), bits32(&sf));
+
+            let (mut p, mut m, mut v, mut sb, mut sf) = fresh();
+            pass(
+                Some(Speculative::Store),
+                &mut p,
+                &mut m,
+                &mut v,
+                &mut sb,
+                &mut sf,
+            );
+            let what = format!("{simd:?}, offset {off}, bf16 grad {bf}, decay {decay}");
+            assert!(
+                bits32(&p) == bits32(&p0[off..])
+                    && bits32(&m) == bits32(&m0[off..])
+                    && bits32(&v) == bits32(&v0[off..]),
+                "the store pass changed the master or the moments ({what})"
+            );
+            assert!(
+                sb == whole.3 && bits32(&sf) == whole.4,
+                "the store pass's store ({what})"
+            );
+            let (mut sb2, mut sf2) = (vec![sb0; n - off], vec![sf0; n - off]);
+            pass(
+                Some(Speculative::Commit),
+                &mut p,
+                &mut m,
+                &mut v,
+                &mut sb2,
+                &mut sf2,
+            );
+            assert!(
+                sb2.iter().all(|&x| x == sb0) && sf2.iter().all(|&x| x == sf0),
+                "the commit wrote the store ({what})"
+            );
+            assert!(
+                (bits32(&p), bits32(&m), bits32(&v))
+                    == (whole.0.clone(), whole.1.clone(), whole.2.clone()),
+                "store + commit differ from one update ({what})"
+            );
+        }
+    }
+}
