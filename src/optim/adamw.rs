@@ -50,7 +50,7 @@ use crate::simd::x86;
 const CHUNK: usize = 64 * 1024;
 
 /// The scalars of one AdamW update.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {
     pub lr: f64,
     pub beta1: f64,

@@ -87,6 +87,9 @@ pub struct Trainer {
     /// first and the moments during the next step ([`Trainer::run`]); `Write` in the same
     /// pass (`MT_DEFER_MOMENTS=0`). Both give the same bits.
     moments: Moments,
+    /// Updates are made during the backward where the state allows it (the default;
+    /// `MT_SPECULATE=0` turns it off): [`crate::host`]'s `speculate`. Both give the same bits.
+    speculate: bool,
     /// The other nodes, under mpirun ([`nodes`]).
     mpi: Option<&'static crate::mpi::Mpi>,
     /// Seconds the current update spent gathering the store from the other nodes
@@ -344,6 +347,11 @@ impl Trainer {
                 Ok("0") => Moments::Write,
                 _ => Moments::Keep,
             },
+            speculate: match std::env::var("MT_SPECULATE").as_deref() {
+                Ok("0") => false,
+                Ok("1") | Err(_) => true,
+                Ok(other) => return Err(anyhow!("MT_SPECULATE must be 0 or 1, got `{other}`")),
+            },
             mpi,
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
@@ -366,6 +374,18 @@ impl Trainer {
         let mut last_report = Instant::now();
         let mut stopped = None;
         for step in first..steps {
+            // The update made during the backward, on the guess that clipping will not bind.
+            let guess = self.speculative(step).then(|| {
+                self.host.update_scalars(
+                    &self.cfg.optimizer,
+                    mt::optim::lr_at(&self.cfg.training, step),
+                    self.cfg.training.weight_decay,
+                    1.0,
+                )
+            });
+            if let Some(hp) = guess {
+                self.host.speculate(hp);
+            }
             let mut out = self.collect_gradients()?;
             if let Some(g) = self.grpo.as_mut() {
                 g.keep(step, &plan, std::mem::take(&mut out.token_logps))?;
@@ -399,14 +419,18 @@ impl Trainer {
                 None
             };
             for block in 0..self.host.layout.blocks.len() {
-                if let Some(hp) = &hp {
+                if guess.is_some() {
+                    self.host.settle_speculation(block, hp.as_ref());
+                } else if let Some(hp) = &hp {
                     self.update_block(block, hp)?;
                 }
                 if next.is_some() {
                     self.sup.broadcast(|| ToWorker::BlockReady { block })?;
                 }
             }
-            if let (Some(hp), Moments::Keep) = (hp, self.moments) {
+            if guess.is_some() {
+                self.host.end_speculation(hp);
+            } else if let (Some(hp), Moments::Keep) = (hp, self.moments) {
                 self.host.defer_moments(hp);
             }
             let optimizer_s = t.elapsed().as_secs_f64() + out.moments_s - self.update_exchange_s;
@@ -414,6 +438,7 @@ impl Trainer {
             let step_time_s = now.duration_since(last_report).as_secs_f64();
             last_report = now;
             out.skipped = !finite;
+            out.speculated = guess.map(|g| hp == Some(g));
             let eval = evaluate.then(|| self.evaluate()).transpose()?;
             self.report(
                 step,
@@ -462,6 +487,21 @@ impl Trainer {
             plan.total() as f64 / 1e9
         );
         Ok(())
+    }
+
+    /// Whether step `step`'s update is made during its backward ([`crate::host`]'s
+    /// `speculate`): where the state allows it, on one node, with the moments deferred, and
+    /// not before a checkpoint (which reads the master its update has written) or at the
+    /// last step (no forward waits for it).
+    fn speculative(&self, step: u64) -> bool {
+        let checkpoint =
+            self.writer.is_some() && self.cfg.checkpoint.due(step + 1, false).is_some();
+        self.speculate
+            && self.moments == Moments::Keep
+            && self.mpi.is_none()
+            && self.host.can_speculate()
+            && step + 1 < self.cfg.training.num_steps
+            && !checkpoint
     }
 
     /// The eval set's loss under the weights in the store (no update pending).
