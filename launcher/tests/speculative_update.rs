@@ -19,7 +19,7 @@ fn train(
     dir: &Path,
     tag: &str,
     max_grad_norm: &str,
-    speculate: bool,
+    speculate: &str,
     extra: &[&str],
 ) -> Vec<serde_json::Value> {
     let run = dir.join(tag);
@@ -35,7 +35,7 @@ fn train(
     ];
     let mut args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
     args.extend(extra.iter().flat_map(|s| ["--set", s]));
-    let env: &[(&str, &str)] = &[("MT_SPECULATE", if speculate { "1" } else { "0" })];
+    let env: &[(&str, &str)] = &[("MT_SPECULATE", speculate)];
     let config = golden_dir().join("llama").join("run.yaml");
     run_cpu_env_ok(&config, 2, &metrics_path, &args, env);
     metrics(&metrics_path)
@@ -46,12 +46,19 @@ fn speculated(rows: &[serde_json::Value]) -> Vec<Option<bool>> {
     rows.iter().map(|r| r["speculated"].as_bool()).collect()
 }
 
-/// Runs both ways and compares them; `held` is what the speculative run's steps must say
-/// of their guess.
-fn compare(dir: &Path, max_grad_norm: &str, extra: &[&str], held: &[Option<bool>], keys: &[&str]) {
-    let tag = |s: bool| format!("norm-{max_grad_norm}-{}", if s { "spec" } else { "after" });
-    let after = train(dir, &tag(false), max_grad_norm, false, extra);
-    let spec = train(dir, &tag(true), max_grad_norm, true, extra);
+/// Runs with `MT_SPECULATE=0` and `mode` and compares them; `held` is what the second
+/// run's steps must say of their guess.
+fn compare(
+    dir: &Path,
+    mode: &str,
+    max_grad_norm: &str,
+    extra: &[&str],
+    held: &[Option<bool>],
+    keys: &[&str],
+) {
+    let tag = |s: bool| format!("norm-{max_grad_norm}-{}", if s { mode } else { "0" });
+    let after = train(dir, &tag(false), max_grad_norm, "0", extra);
+    let spec = train(dir, &tag(true), max_grad_norm, mode, extra);
     assert!(
         speculated(&after).iter().all(Option::is_none),
         "MT_SPECULATE=0 makes no update during the backward"
@@ -83,6 +90,7 @@ fn speculation_that_holds_gives_the_same_bits() {
     let held = [s, s, None, s, s, None];
     compare(
         &scratch("speculative-held"),
+        "1",
         "1e9",
         &[],
         &held,
@@ -96,6 +104,7 @@ fn speculation_that_fails_gives_the_same_bits() {
     let held = [f, f, None, f, f, None];
     compare(
         &scratch("speculative-failed"),
+        "1",
         "1e-3",
         &[],
         &held,
@@ -114,9 +123,34 @@ fn a_skipped_update_undoes_its_store_pass() {
     let held = [Some(true), f, None, f, f, None];
     compare(
         &scratch("speculative-skipped"),
+        "1",
         "1e9",
         &extra,
         &held,
+        &["loss"],
+    );
+}
+
+/// By default (`auto`) a step speculates only after a step whose update was not clipped:
+/// not at the first step, not while clipping binds.
+#[test]
+fn auto_speculates_after_an_unclipped_step() {
+    let s = Some(true);
+    let held = [None, s, None, s, s, None];
+    compare(
+        &scratch("speculative-auto"),
+        "auto",
+        "1e9",
+        &[],
+        &held,
+        &["loss"],
+    );
+    compare(
+        &scratch("speculative-auto"),
+        "auto",
+        "1e-3",
+        &[],
+        &[None; 6],
         &["loss"],
     );
 }

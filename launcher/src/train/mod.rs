@@ -34,6 +34,20 @@ pub(crate) use nodes::shard_plan;
 
 use gradients::StepOutcome;
 
+/// When a step's update is made during its backward (`MT_SPECULATE`), where the state
+/// allows it. A guess that fails costs the host a store pass more than the update after
+/// the backward would, so by default it is made only where it is likely to hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Speculate {
+    /// `0`: never.
+    Off,
+    /// `1`: at every step.
+    Always,
+    /// `auto` (the default): where clipping is off (`training.max_grad_norm: 0`) or did
+    /// not bind at the last step.
+    Auto,
+}
+
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
 #[derive(Debug)]
 pub struct Stopped(pub i32);
@@ -87,9 +101,11 @@ pub struct Trainer {
     /// first and the moments during the next step ([`Trainer::run`]); `Write` in the same
     /// pass (`MT_DEFER_MOMENTS=0`). Both give the same bits.
     moments: Moments,
-    /// Updates are made during the backward where the state allows it (the default;
-    /// `MT_SPECULATE=0` turns it off): [`crate::host`]'s `speculate`. Both give the same bits.
-    speculate: bool,
+    /// When updates are made during the backward, where the state allows it ([`Speculate`]).
+    speculate: Speculate,
+    /// The last step's update ran unclipped and finite (what [`Speculate::Auto`] expects of
+    /// the next).
+    last_unclipped: bool,
     /// The other nodes, under mpirun ([`nodes`]).
     mpi: Option<&'static crate::mpi::Mpi>,
     /// Seconds the current update spent gathering the store from the other nodes
@@ -348,10 +364,14 @@ impl Trainer {
                 _ => Moments::Keep,
             },
             speculate: match std::env::var("MT_SPECULATE").as_deref() {
-                Ok("0") => false,
-                Ok("1") | Err(_) => true,
-                Ok(other) => return Err(anyhow!("MT_SPECULATE must be 0 or 1, got `{other}`")),
+                Ok("0") => Speculate::Off,
+                Ok("1") => Speculate::Always,
+                Ok("auto") | Err(_) => Speculate::Auto,
+                Ok(other) => {
+                    return Err(anyhow!("MT_SPECULATE must be 0, 1 or auto, got `{other}`"));
+                }
             },
+            last_unclipped: false,
             mpi,
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
@@ -439,6 +459,7 @@ impl Trainer {
             last_report = now;
             out.skipped = !finite;
             out.speculated = guess.map(|g| hp == Some(g));
+            self.last_unclipped = finite && coef == 1.0;
             let eval = evaluate.then(|| self.evaluate()).transpose()?;
             self.report(
                 step,
@@ -496,7 +517,12 @@ impl Trainer {
     fn speculative(&self, step: u64) -> bool {
         let checkpoint =
             self.writer.is_some() && self.cfg.checkpoint.due(step + 1, false).is_some();
-        self.speculate
+        let expected = match self.speculate {
+            Speculate::Off => false,
+            Speculate::Always => true,
+            Speculate::Auto => self.cfg.training.max_grad_norm <= 0.0 || self.last_unclipped,
+        };
+        expected
             && self.moments == Moments::Keep
             && self.mpi.is_none()
             && self.host.can_speculate()
