@@ -1,5 +1,6 @@
-//! The update made during the backward on the guess that clipping will not bind (the
-//! default with an fp32 master) against the update made after it (`MT_SPECULATE=0`): the
+//! The update made during the backward on the guess that clipping will not bind
+//! (`MT_SPECULATE=1` or `auto`, with an fp32 master) against the update made after it (the
+//! default, `MT_SPECULATE=0`): the
 //! same losses, gradient norms, checkpoints and exported weights, bit for bit, in float32
 //! on CPU, whether the guess holds (clipping never binds) or fails on every step (the store
 //! pass made again with the true coefficient), with gradient accumulation, across a
@@ -131,7 +132,7 @@ fn a_skipped_update_undoes_its_store_pass() {
     );
 }
 
-/// By default (`auto`) a step speculates only after a step whose update was not clipped:
+/// With `auto` a step speculates only after a step whose update was not clipped:
 /// not at the first step, not while clipping binds.
 #[test]
 fn auto_speculates_after_an_unclipped_step() {

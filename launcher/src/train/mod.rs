@@ -35,16 +35,19 @@ pub(crate) use nodes::shard_plan;
 use gradients::StepOutcome;
 
 /// When a step's update is made during its backward (`MT_SPECULATE`), where the state
-/// allows it. A guess that fails costs the host a store pass more than the update after
-/// the backward would, so by default it is made only where it is likely to hold.
+/// allows it. Off by default: it takes the update off the next forward's path, but moves
+/// more bytes (the store and commit passes read the master, m and v twice), and on the
+/// hosts measured the host's memory traffic, not the forward's wait, bounds the step
+/// (benches/results/speculative_update_2026-11-26.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Speculate {
-    /// `0`: never.
+    /// `0` (the default): never.
     Off,
     /// `1`: at every step.
     Always,
-    /// `auto` (the default): where clipping is off (`training.max_grad_norm: 0`) or did
-    /// not bind at the last step.
+    /// `auto`: where clipping is off (`training.max_grad_norm: 0`) or did not bind at the
+    /// last step (a failed guess costs a store pass more than the update after the
+    /// backward).
     Auto,
 }
 
@@ -364,9 +367,9 @@ impl Trainer {
                 _ => Moments::Keep,
             },
             speculate: match std::env::var("MT_SPECULATE").as_deref() {
-                Ok("0") => Speculate::Off,
+                Ok("0") | Err(_) => Speculate::Off,
                 Ok("1") => Speculate::Always,
-                Ok("auto") | Err(_) => Speculate::Auto,
+                Ok("auto") => Speculate::Auto,
                 Ok(other) => {
                     return Err(anyhow!("MT_SPECULATE must be 0, 1 or auto, got `{other}`"));
                 }
