@@ -34,12 +34,6 @@ pub struct StepMetrics {
     /// Launcher time in the slab reduce and in clip + AdamW.
     pub reduce_s: f64,
     pub optimizer_s: f64,
-    /// Whether this step's update was made during its backward and held (true: the clip
-    /// coefficient was 1, the next forward read it at once) or was made again once the norm
-    /// was known (false); absent where it was made after the backward (the launcher's
-    /// speculative update: an fp32 master and moments, one node, no checkpoint after the step).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub speculated: Option<bool>,
     /// Under mpirun, launcher time in the exchanges between nodes: the gradient
     /// reduce-scatter (or all-gather), the norm and loss gathers and the all-gather of the
     /// updated store; `reduce_s` and `optimizer_s` leave it out. Absent on one node.

@@ -8,7 +8,6 @@
 
 mod passes;
 mod shard;
-mod speculate;
 
 use passes::{Place, Run, moments_pass, reduce_tensors, update};
 
@@ -109,8 +108,6 @@ pub enum IdleWork {
     Moments,
     /// A block's weights copied for the checkpoint in flight.
     Staged,
-    /// A block's store pass of the speculative update ([`speculate`]).
-    Store,
 }
 
 /// The gradient accumulator (`memory.grad_dtype`).
@@ -135,8 +132,6 @@ pub struct HostState {
     checkpoint_wait_s: f64,
     /// The moments pass of the last update where it is still due ([`HostState::defer_moments`]).
     deferred: Option<Deferred>,
-    /// The speculative update of the step in flight ([`speculate`]).
-    speculation: Option<speculate::Speculation>,
     /// This node's pieces and the nodes, where the master and moments are sharded across
     /// nodes.
     shards: Option<(Shards, &'static crate::mpi::Mpi)>,
@@ -144,12 +139,10 @@ pub struct HostState {
 
 /// The second pass of an update whose weights pass ran on every block: blocks
 /// `..below` still lack it. It runs from the last block down, the order in which the next
-/// backward delivers (and so overwrites) the gradients it reads. With `commit` the update
-/// was speculative: its store pass ran, and this pass writes the master too ([`speculate`]).
+/// backward delivers (and so overwrites) the gradients it reads.
 struct Deferred {
     hp: AdamWStep,
     below: usize,
-    commit: bool,
 }
 
 /// The bf16 store elements `r`; `memory.master_weights: split` and `bfloat16` are
@@ -216,7 +209,6 @@ impl HostState {
             checkpoint: None,
             checkpoint_wait_s: 0.0,
             deferred: None,
-            speculation: None,
             shards,
         })
     }
@@ -388,26 +380,14 @@ impl HostState {
         weight_decay: f64,
         grad_scale: f32,
     ) -> AdamWStep {
-        let hp = self.update_scalars(opt, lr, weight_decay, grad_scale);
         self.updates += 1;
-        hp
-    }
-
-    /// The scalars the next AdamW update will have with `grad_scale` (not counted).
-    pub fn update_scalars(
-        &self,
-        opt: &OptimizerSection,
-        lr: f64,
-        weight_decay: f64,
-        grad_scale: f32,
-    ) -> AdamWStep {
         AdamWStep {
             lr,
             beta1: opt.beta1,
             beta2: opt.beta2,
             eps: opt.eps,
             weight_decay,
-            step: self.updates + 1,
+            step: self.updates,
             grad_scale,
         }
     }
@@ -430,10 +410,6 @@ impl HostState {
         // done reading it (mt::shm::lent's protocol); the moments pass due at the start
         // makes the checkpoint's moments and tells the gate so. `restore` and
         // `init_master`, which change everything, run before any checkpoint (asserted).
-        assert!(
-            !self.deferred.as_ref().is_some_and(|d| d.commit),
-            "a checkpoint starts after an update whose master is written (not speculative)"
-        );
         let due_below = self.deferred.as_ref().map_or(0, |d| d.below);
         let store = || {
             self.store
@@ -497,7 +473,7 @@ impl HostState {
     /// [`HostState::defer_moments`] once every block's weights are updated.
     pub fn update_block(&mut self, block: usize, hp: &AdamWStep, moments: Moments) {
         assert!(
-            self.deferred.is_none() && self.speculation.is_none(),
+            self.deferred.is_none(),
             "an update starts before the last one's moments are written"
         );
         self.before_block_changes(block, Part::Weights);
@@ -527,17 +503,8 @@ impl HostState {
     /// changed ([`HostState::reduce_part`] and [`HostState::tensors`] see to it), and may
     /// run earlier, while the workers compute ([`HostState::settle_next_moments`]).
     pub fn defer_moments(&mut self, hp: AdamWStep) {
-        self.defer(hp, false);
-    }
-
-    /// Makes the second pass of update `hp` due on every block (`commit`: see [`Deferred`]).
-    fn defer(&mut self, hp: AdamWStep, commit: bool) {
-        assert!(
-            self.deferred.is_none(),
-            "the last update's second pass has run"
-        );
         let below = self.layout.blocks.len();
-        self.deferred = Some(Deferred { hp, below, commit });
+        self.deferred = Some(Deferred { hp, below });
     }
 
     /// Runs the due moments pass on the highest block still lacking it; false if none was.
@@ -550,17 +517,13 @@ impl HostState {
     }
 
     /// Work that fills the time the launcher would wait for its workers, a piece at a time:
-    /// the due moments pass on the highest block still lacking it, else the store pass of
-    /// the speculative update on the oldest block whose gradient is final, else the weights of the
+    /// the due moments pass on the highest block still lacking it, else the weights of the
     /// next block the checkpoint in flight has not written, copied into its staging area
     /// ([`Gate::stage_ahead`]), so that the next weights pass, which the GPUs wait for,
-    /// needs no copy there. `None` where there is none; else which it was.
+    /// needs no copy there. `None` where there is none; else whether it was the moments pass.
     pub fn idle_work(&mut self) -> Option<IdleWork> {
         if self.settle_next_moments() {
             return Some(IdleWork::Moments);
-        }
-        if self.store_next() {
-            return Some(IdleWork::Store);
         }
         let gate = self.checkpoint.as_ref()?;
         gate.stage_ahead(&self.live()).then_some(IdleWork::Staged)
@@ -581,16 +544,9 @@ impl HostState {
                 return;
             }
             d.below -= 1;
-            let (i, hp, commit) = (d.below, d.hp, d.commit);
+            let (i, hp) = (d.below, d.hp);
             if i == 0 {
                 self.deferred = None;
-            }
-            if commit {
-                // A checkpoint in flight started before this update (asserted at its start).
-                self.before_block_changes(i, Part::Weights);
-                self.before_block_changes(i, Part::Moments);
-                self.speculative_pass(i, &hp, mt::optim::Speculative::Commit);
-                continue;
             }
             // The pass that makes a checkpoint's moments (one started before it) has
             // nothing to keep: the writer waits for it instead.

@@ -50,7 +50,7 @@ use crate::simd::x86;
 const CHUNK: usize = 64 * 1024;
 
 /// The scalars of one AdamW update.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 pub struct AdamWStep {
     pub lr: f64,
     pub beta1: f64,
@@ -116,47 +116,6 @@ pub fn adamw_update<G: GradElem>(
 ) {
     let k = &Consts::new(hp, decay).with(moments);
     update_with(Simd::get(), param, grad, m, v, store, k);
-}
-
-/// The two passes of a speculative update of an fp32 master, made before the step's clip
-/// coefficient is known on the guess that it is 1 (the launcher's `speculate`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Speculative {
-    /// The new weights into the store only: the master, m and v are read, not changed, so
-    /// the pass can be made again with another coefficient, and its store undone from the
-    /// master.
-    Store,
-    /// The master, m and v, not the store: completes a `Store` pass of the same update (the
-    /// two give the bits of one [`Moments::Write`] update, the store's included).
-    Commit,
-}
-
-/// One pass of a speculative update ([`Speculative`]) of one tensor of an fp32 master; the
-/// arithmetic is [`adamw_update`]'s, only what is written back differs.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_speculative<G: GradElem>(
-    param: &mut [f32],
-    grad: &[G],
-    m: &mut [f32],
-    v: &mut [f32],
-    store: StoreOut<'_>,
-    hp: &AdamWStep,
-    decay: bool,
-    pass: Speculative,
-) {
-    let k = Consts::new(hp, decay);
-    let k = match pass {
-        Speculative::Store => Consts {
-            write_param: false,
-            write_moments: false,
-            ..k
-        },
-        Speculative::Commit => Consts {
-            write_store: false,
-            ..k
-        },
-    };
-    update_with(Simd::get(), param, grad, m, v, store, &k);
 }
 
 /// Updates one tensor of a split master: `hi` is its bf16 store, `lo` the residual
@@ -358,10 +317,6 @@ pub(crate) struct Consts {
     pub(crate) grad_scale: f32,
     /// Whether m and v are written back (`Moments::Write`); read only otherwise.
     pub(crate) write_moments: bool,
-    /// Whether the fp32 master is written back (not by a [`Speculative::Store`] pass).
-    pub(crate) write_param: bool,
-    /// Whether the store is written (not by a [`Speculative::Commit`] pass).
-    pub(crate) write_store: bool,
 }
 
 impl Consts {
@@ -390,8 +345,6 @@ impl Consts {
             eps: hp.eps as f32,
             grad_scale: hp.grad_scale,
             write_moments: true,
-            write_param: true,
-            write_store: true,
         }
     }
 }
@@ -444,12 +397,8 @@ pub(crate) fn update_portable<G: GradElem, S>(
     let (g, m, v, s) = (&g[..n], &mut m[..n], &mut v[..n], &mut s[..n]);
     for i in 0..n {
         let pi = adam1(p[i], g[i].to_f32(), &mut m[i], &mut v[i], k);
-        if k.write_param {
-            p[i] = pi;
-        }
-        if k.write_store {
-            s[i] = to_store(pi);
-        }
+        p[i] = pi;
+        s[i] = to_store(pi);
     }
 }
 

@@ -7,9 +7,8 @@ pub mod bits;
 pub mod schedule;
 
 pub use adamw::{
-    AdamWStep, Moments, Speculative, StoreOut, WeightsMut, adamw_moments, adamw_moments_bf16,
-    adamw_speculative, adamw_update, adamw_update_bf16_master, adamw_update_bf16_moments,
-    adamw_update_split,
+    AdamWStep, Moments, StoreOut, WeightsMut, adamw_moments, adamw_moments_bf16, adamw_update,
+    adamw_update_bf16_master, adamw_update_bf16_moments, adamw_update_split,
 };
 pub use schedule::lr_at;
 

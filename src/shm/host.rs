@@ -81,13 +81,8 @@ impl Store {
 
     /// Writes all of `master` (fp32) into the store.
     pub fn write_all(&mut self, master: &[f32]) {
-        self.write_range(0, master);
-    }
-
-    /// Rewrites elements `at..at + master.len()` from those master weights.
-    pub fn write_range(&mut self, at: usize, master: &[f32]) {
         use rayon::prelude::*;
-        match self.out_mut(at..at + master.len()) {
+        match self.out_mut(0..master.len()) {
             StoreOut::F32(s) => s.par_iter_mut().zip(master).for_each(|(d, x)| *d = *x),
             StoreOut::Bf16(s) => s
                 .par_iter_mut()

@@ -24,15 +24,12 @@ pub(super) struct StepOutcome {
     /// and of those, the seconds spent waiting for the other nodes to reach them.
     pub(super) exchange_s: f64,
     pub(super) exchange_wait_s: f64,
-    /// Seconds of optimizer work run during this step: the previous update's moments (or
-    /// commit) pass, this update's speculative store passes.
+    /// Seconds of the previous update's moments pass run during this step.
     pub(super) moments_s: f64,
     /// Σ g² over every parameter.
     pub(super) grad_sum_sq: f64,
     /// The update was skipped (non-finite loss or norm).
     pub(super) skipped: bool,
-    /// Where the update was speculative: whether it held ([`crate::host`]'s `speculate`).
-    pub(super) speculated: Option<bool>,
     /// Under DPO, the pairs' sums over every worker.
     pub(super) dpo: Option<DpoSums>,
     /// Under GRPO, the completions' sums over every worker, and on a batch's first step the
@@ -54,8 +51,6 @@ impl Trainer {
             .collect();
         let expected_parts = accum * parts.iter().map(Vec::len).sum::<usize>();
         let mut pending: HashMap<(usize, usize, usize), Vec<Option<usize>>> = HashMap::new();
-        // By block: its parts reduced for the last micro-batch (final).
-        let mut final_parts = vec![0; parts.len()];
         // Across nodes, each block's gradient once final here ([`nodes`]).
         let mut exchange = self.nodes().map(|_| nodes::Exchange::new(&parts));
         let (mut reduced, mut done) = (0, 0);
@@ -68,7 +63,6 @@ impl Trainer {
             moments_s: 0.0,
             grad_sum_sq: 0.0,
             skipped: false,
-            speculated: None,
             dpo: None,
             grpo: None,
             token_logps: Vec::new(),
@@ -87,7 +81,7 @@ impl Trainer {
                 None => {
                     let t = Instant::now();
                     match self.host.idle_work() {
-                        Some(IdleWork::Moments | IdleWork::Store) => {
+                        Some(IdleWork::Moments) => {
                             out.moments_s += t.elapsed().as_secs_f64();
                             continue;
                         }
@@ -152,13 +146,7 @@ impl Trainer {
                                 x.run_due(&mut self.host, m)?;
                                 exchanged = t.elapsed();
                             }
-                            _ => {
-                                out.grad_sum_sq += sum_sq;
-                                final_parts[block] += usize::from(last);
-                                if last && final_parts[block] == parts[block].len() {
-                                    self.host.gradient_final(block);
-                                }
-                            }
+                            _ => out.grad_sum_sq += sum_sq,
                         }
                         out.exchange_s += exchanged.as_secs_f64();
                         out.reduce_s += (t.elapsed() - exchanged).as_secs_f64();

@@ -34,23 +34,6 @@ pub(crate) use nodes::shard_plan;
 
 use gradients::StepOutcome;
 
-/// When a step's update is made during its backward (`MT_SPECULATE`), where the state
-/// allows it. Off by default: it takes the update off the next forward's path, but moves
-/// more bytes (the store and commit passes read the master, m and v twice), and on the
-/// hosts measured the host's memory traffic, not the forward's wait, bounds the step
-/// (benches/results/speculative_update_2026-11-26.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Speculate {
-    /// `0` (the default): never.
-    Off,
-    /// `1`: at every step.
-    Always,
-    /// `auto`: where clipping is off (`training.max_grad_norm: 0`) or did not bind at the
-    /// last step (a failed guess costs a store pass more than the update after the
-    /// backward).
-    Auto,
-}
-
 /// The run stopped at a step boundary because of this signal (after its checkpoint).
 #[derive(Debug)]
 pub struct Stopped(pub i32);
@@ -104,11 +87,6 @@ pub struct Trainer {
     /// first and the moments during the next step ([`Trainer::run`]); `Write` in the same
     /// pass (`MT_DEFER_MOMENTS=0`). Both give the same bits.
     moments: Moments,
-    /// When updates are made during the backward, where the state allows it ([`Speculate`]).
-    speculate: Speculate,
-    /// The last step's update ran unclipped and finite (what [`Speculate::Auto`] expects of
-    /// the next).
-    last_unclipped: bool,
     /// The other nodes, under mpirun ([`nodes`]).
     mpi: Option<&'static crate::mpi::Mpi>,
     /// Seconds the current update spent gathering the store from the other nodes
@@ -366,15 +344,6 @@ impl Trainer {
                 Ok("0") => Moments::Write,
                 _ => Moments::Keep,
             },
-            speculate: match std::env::var("MT_SPECULATE").as_deref() {
-                Ok("0") | Err(_) => Speculate::Off,
-                Ok("1") => Speculate::Always,
-                Ok("auto") => Speculate::Auto,
-                Ok(other) => {
-                    return Err(anyhow!("MT_SPECULATE must be 0, 1 or auto, got `{other}`"));
-                }
-            },
-            last_unclipped: false,
             mpi,
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
@@ -397,18 +366,6 @@ impl Trainer {
         let mut last_report = Instant::now();
         let mut stopped = None;
         for step in first..steps {
-            // The update made during the backward, on the guess that clipping will not bind.
-            let guess = self.speculative(step).then(|| {
-                self.host.update_scalars(
-                    &self.cfg.optimizer,
-                    mt::optim::lr_at(&self.cfg.training, step),
-                    self.cfg.training.weight_decay,
-                    1.0,
-                )
-            });
-            if let Some(hp) = guess {
-                self.host.speculate(hp);
-            }
             let mut out = self.collect_gradients()?;
             if let Some(g) = self.grpo.as_mut() {
                 g.keep(step, &plan, std::mem::take(&mut out.token_logps))?;
@@ -442,18 +399,14 @@ impl Trainer {
                 None
             };
             for block in 0..self.host.layout.blocks.len() {
-                if guess.is_some() {
-                    self.host.settle_speculation(block, hp.as_ref());
-                } else if let Some(hp) = &hp {
+                if let Some(hp) = &hp {
                     self.update_block(block, hp)?;
                 }
                 if next.is_some() {
                     self.sup.broadcast(|| ToWorker::BlockReady { block })?;
                 }
             }
-            if guess.is_some() {
-                self.host.end_speculation(hp);
-            } else if let (Some(hp), Moments::Keep) = (hp, self.moments) {
+            if let (Some(hp), Moments::Keep) = (hp, self.moments) {
                 self.host.defer_moments(hp);
             }
             let optimizer_s = t.elapsed().as_secs_f64() + out.moments_s - self.update_exchange_s;
@@ -461,8 +414,6 @@ impl Trainer {
             let step_time_s = now.duration_since(last_report).as_secs_f64();
             last_report = now;
             out.skipped = !finite;
-            out.speculated = guess.map(|g| hp == Some(g));
-            self.last_unclipped = finite && coef == 1.0;
             let eval = evaluate.then(|| self.evaluate()).transpose()?;
             self.report(
                 step,
@@ -511,26 +462,6 @@ impl Trainer {
             plan.total() as f64 / 1e9
         );
         Ok(())
-    }
-
-    /// Whether step `step`'s update is made during its backward ([`crate::host`]'s
-    /// `speculate`): where the state allows it, on one node, with the moments deferred, and
-    /// not before a checkpoint (which reads the master its update has written) or at the
-    /// last step (no forward waits for it).
-    fn speculative(&self, step: u64) -> bool {
-        let checkpoint =
-            self.writer.is_some() && self.cfg.checkpoint.due(step + 1, false).is_some();
-        let expected = match self.speculate {
-            Speculate::Off => false,
-            Speculate::Always => true,
-            Speculate::Auto => self.cfg.training.max_grad_norm <= 0.0 || self.last_unclipped,
-        };
-        expected
-            && self.moments == Moments::Keep
-            && self.mpi.is_none()
-            && self.host.can_speculate()
-            && step + 1 < self.cfg.training.num_steps
-            && !checkpoint
     }
 
     /// The eval set's loss under the weights in the store (no update pending).

@@ -340,8 +340,6 @@ pub(super) fn export(
     };
     if !host.sharded() {
         if lead {
-            // A speculative update's master is written by its commit pass.
-            host.settle_moments();
             mt::checkpoint::save_hf(out, &host.layout, host.master(), export)?;
             println!("model written to {}", out.display());
         }

@@ -195,7 +195,6 @@ impl Trainer {
             slot_wait_s: out.slowest.slot_wait_s,
             reduce_s: out.reduce_s,
             optimizer_s,
-            speculated: out.speculated,
             exchange_s: exchange.map(|e| e.0),
             exchange_wait_s: exchange.map(|e| e.1),
             h2d_wait_s: out.slowest.h2d_wait_s,

@@ -114,8 +114,6 @@ struct K512 {
     inv_bc2_sqrt: __m512,
     eps: __m512,
     write_moments: bool,
-    write_param: bool,
-    write_store: bool,
 }
 
 #[target_feature(enable = "avx512f")]
@@ -130,8 +128,6 @@ fn k512(k: &Consts) -> K512 {
         inv_bc2_sqrt: _mm512_set1_ps(k.inv_bc2_sqrt),
         eps: _mm512_set1_ps(k.eps),
         write_moments: k.write_moments,
-        write_param: k.write_param,
-        write_store: k.write_store,
     }
 }
 
@@ -154,8 +150,7 @@ unsafe fn load_g16<G: GradElem>(g: *const G, i: usize) -> __m512 {
     }
 }
 
-/// Updates 16 elements at `i` of an fp32 master (written back with `write_param`); returns
-/// the new parameters.
+/// Updates 16 elements at `i` of an fp32 master; returns the new parameters.
 ///
 /// # Safety
 /// The CPU has AVX-512 F; `i + 16` is within every slice.
@@ -173,9 +168,7 @@ unsafe fn step16<G: GradElem>(
     // same contract (what `adam16` requires too); unaligned loads and stores.
     unsafe {
         let pn = adam16(c, _mm512_loadu_ps(p.add(i)), g, m, v, i);
-        if c.write_param {
-            _mm512_storeu_ps(p.add(i), pn);
-        }
+        _mm512_storeu_ps(p.add(i), pn);
         pn
     }
 }
@@ -256,10 +249,8 @@ unsafe fn bf16_avx512<G: GradElem>(
         unsafe {
             let a = bf16x16(step16(&c, pp, gp, mp, vp, i));
             let b = bf16x16(step16(&c, pp, gp, mp, vp, i + 16));
-            if c.write_store {
-                let line = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
-                _mm512_stream_si512(sp.add(i) as *mut __m512i, line);
-            }
+            let line = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b);
+            _mm512_stream_si512(sp.add(i) as *mut __m512i, line);
         }
         i += 32;
     }
@@ -297,14 +288,8 @@ unsafe fn f32_avx512<G: GradElem>(
         // SAFETY: AVX-512 F by this function's contract; i + 32 <= n and every slice has n
         // elements (contract), so both 16-element steps and stores are in bounds.
         unsafe {
-            let (a, b) = (
-                step16(&c, pp, gp, mp, vp, i),
-                step16(&c, pp, gp, mp, vp, i + 16),
-            );
-            if c.write_store {
-                _mm512_storeu_ps(sp.add(i), a);
-                _mm512_storeu_ps(sp.add(i + 16), b);
-            }
+            _mm512_storeu_ps(sp.add(i), step16(&c, pp, gp, mp, vp, i));
+            _mm512_storeu_ps(sp.add(i + 16), step16(&c, pp, gp, mp, vp, i + 16));
         }
         i += 32;
     }
@@ -325,8 +310,6 @@ struct K256 {
     inv_bc2_sqrt: __m256,
     eps: __m256,
     write_moments: bool,
-    write_param: bool,
-    write_store: bool,
 }
 
 #[target_feature(enable = "avx2")]
@@ -341,8 +324,6 @@ fn k256(k: &Consts) -> K256 {
         inv_bc2_sqrt: _mm256_set1_ps(k.inv_bc2_sqrt),
         eps: _mm256_set1_ps(k.eps),
         write_moments: k.write_moments,
-        write_param: k.write_param,
-        write_store: k.write_store,
     }
 }
 
@@ -365,8 +346,7 @@ unsafe fn load_g8<G: GradElem>(g: *const G, i: usize) -> __m256 {
     }
 }
 
-/// Updates 8 elements at `i` of an fp32 master (written back with `write_param`); returns
-/// the new parameters.
+/// Updates 8 elements at `i` of an fp32 master; returns the new parameters.
 ///
 /// # Safety
 /// The CPU has AVX2; `i + 8` is within every slice.
@@ -384,9 +364,7 @@ unsafe fn step8<G: GradElem>(
     // contract (what `adam8` requires too); unaligned loads and stores.
     unsafe {
         let pn = adam8(c, _mm256_loadu_ps(p.add(i)), g, m, v, i);
-        if c.write_param {
-            _mm256_storeu_ps(p.add(i), pn);
-        }
+        _mm256_storeu_ps(p.add(i), pn);
         pn
     }
 }
@@ -476,9 +454,7 @@ unsafe fn bf16_avx2<G: GradElem>(
             unsafe {
                 let a = bf16x8_lanes(step8(&c, pp, gp, mp, vp, h));
                 let b = bf16x8_lanes(step8(&c, pp, gp, mp, vp, h + 8));
-                if c.write_store {
-                    _mm256_stream_si256(sp.add(h) as *mut __m256i, pack16(a, b));
-                }
+                _mm256_stream_si256(sp.add(h) as *mut __m256i, pack16(a, b));
             }
         }
         i += 32;
@@ -516,12 +492,7 @@ unsafe fn f32_avx2<G: GradElem>(
         for h in [i, i + 8, i + 16, i + 24] {
             // SAFETY: AVX2 by this function's contract; h + 8 <= n and every slice has n
             // elements (contract), so the step and the store are in bounds.
-            unsafe {
-                let x = step8(&c, pp, gp, mp, vp, h);
-                if c.write_store {
-                    _mm256_storeu_ps(sp.add(h), x);
-                }
-            }
+            unsafe { _mm256_storeu_ps(sp.add(h), step8(&c, pp, gp, mp, vp, h)) };
         }
         i += 32;
     }
