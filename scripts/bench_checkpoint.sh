@@ -10,10 +10,10 @@
 # the same directory measures the disk's sequential write bandwidth: DD_RUNS times, before
 # and after the run, and the median is the reference (one reading of a cloud volume varied
 # 1.20-1.60 GB/s minutes apart, which alone moved a write from 73% to 93% of it). Each checkpoint is
-# deleted as soon as it is complete, but a periodic checkpoint still being written when the
-# run ends is reported complete only with the end-of-run one, so the disk needs room for two
-# (14 bytes per parameter each: 12 of optimizer state, 2 of bf16 export); use LAYERS to fit
-# a smaller disk.
+# deleted as soon as the launcher reports it complete, which it does for the periodic one
+# before it writes the end-of-run one, so the disk needs room for one checkpoint (14 bytes per
+# parameter: 12 of optimizer state, 2 of bf16 export) and a tenth, and dd's file; use LAYERS
+# to fit a smaller disk.
 #
 # Pass: the periodic checkpoint stalls the GPUs at most one baseline step (launcher-measured
 # `training waited`, and the extra step time of the steps it overlapped), and both writes
@@ -94,13 +94,12 @@ args=(--config "$CONFIG" --gpus "$GPUS"
 # shellcheck disable=SC2086
 "$BIN/mt-launch" plan "${args[@]}" $EXTRA | sed -n '/^host memory/,/total/p' >&2
 
-# Room for two checkpoints (about 14 bytes per parameter each: the periodic one may still be
-# on disk when the end-of-run one is written; a 7B run on a 128 GB disk failed so) and dd's
-# file.
-need=$("$PYTHON" -c "import json,sys; print(int(json.load(open(sys.argv[1]))['host']['params'] * 2 * 14.1 + $DD_GB * 2**30))" "$work/plan.json")
+# Room for a checkpoint (about 14 bytes per parameter), a tenth more (the end-of-run one
+# starts while the loop below deletes the periodic one, polled every second) and dd's file.
+need=$("$PYTHON" -c "import json,sys; print(int(json.load(open(sys.argv[1]))['host']['params'] * 1.1 * 14.1 + $DD_GB * 2**30))" "$work/plan.json")
 free=$(df -B1 --output=avail "$CKDIR" | tail -1 | tr -d ' ')
 if [ "$free" -lt "$need" ]; then
-  echo "$CKDIR has $((free / 10**9)) GB free, two checkpoints and dd need $((need / 10**9)) GB: use fewer LAYERS or another CKDIR" >&2
+  echo "$CKDIR has $((free / 10**9)) GB free, a checkpoint and dd need $((need / 10**9)) GB: use fewer LAYERS or another CKDIR" >&2
   exit 1
 fi
 

@@ -505,6 +505,52 @@ fn write_error_while_checkpointing() {
     );
 }
 
+/// A periodic checkpoint that completed before the end-of-run one is reported as written
+/// before that one is written, so a failure of the last write (here at its end: a file in
+/// the way of the directory it replaces) still leaves the run's log saying where the
+/// complete one is.
+#[test]
+fn a_failed_last_write_still_reports_the_periodic_checkpoint() {
+    let f = fixture("last-write-fails");
+    std::fs::create_dir_all(&f.ck).unwrap();
+    std::fs::write(f.ck.join("step-00000003"), "in the way").unwrap();
+    let out = Command::new(launcher())
+        .args(f.args(&[
+            "--set",
+            "training.num_steps=3",
+            "--set",
+            "checkpoint.every_steps=2",
+        ]))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "the last write fails: {stderr}");
+    assert!(
+        stderr.contains("step-00000003") || stderr.contains("checkpoint under"),
+        "the error names the checkpoint: {stderr}"
+    );
+    let periodic = format!(
+        "checkpoint {} written",
+        f.ck.join("step-00000002").display()
+    );
+    assert!(
+        stdout.contains(&periodic),
+        "the log reports the periodic checkpoint: {stdout}"
+    );
+    let complete: Vec<u64> = mt::checkpoint::state::complete(&f.ck)
+        .unwrap()
+        .iter()
+        .map(|c| c.0)
+        .collect();
+    assert!(
+        complete.contains(&2),
+        "the periodic checkpoint is kept: {complete:?}"
+    );
+}
+
 // ---- resume ----
 
 #[test]

@@ -50,19 +50,25 @@ impl Trainer {
         if let Some(file) = self.grpo.as_ref().and_then(|g| g.file()) {
             state.extra.push(file);
         }
-        let (waited, mut written) = self
+        let (waited, written) = self
             .host
             .start_checkpoint(writer, state, contents)
             .with_context(failed)?;
         self.checkpoint_wait_s += waited;
-        if at_once {
-            written.extend(writer.finish().with_context(failed)?);
-        } else {
+        // The writes completed before this one are reported before it is written: one
+        // written at once can take minutes, and whoever reads the log (a user, or
+        // scripts/bench_checkpoint.sh, which deletes each checkpoint once complete) should
+        // know meanwhile that the last periodic one is on disk.
+        self.report_written(written)?;
+        if !at_once {
             self.progress.println(&format!(
                 "checkpoint of step {done}: writing in the background"
             ));
+            return Ok(());
         }
-        self.report_written(written)
+        let writer = self.writer.as_mut().expect("checked above");
+        let this = writer.finish().with_context(failed)?;
+        self.report_written(this.into_iter().collect())
     }
 
     /// Says where the checkpoints completed meanwhile were written.
