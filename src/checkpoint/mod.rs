@@ -1,6 +1,7 @@
 //! Weights in and out: HF safetensors into the fp32 master (every tensor checked by name,
 //! shape and dtype), transformers-style random init, and export of an HF model directory.
 
+pub mod area;
 pub mod carried;
 pub mod direct;
 pub mod export;

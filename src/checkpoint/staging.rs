@@ -116,16 +116,6 @@ pub fn page_count(bytes: u64) -> usize {
     bytes as usize / (4 * page_elems(bytes))
 }
 
-/// The pages of a staging area of at most `bytes`, allocated and touched now, so that a
-/// checkpoint costs no page faults and a host short of memory fails at start-up.
-pub fn pages(bytes: u64) -> Vec<Vec<f32>> {
-    let page = page_elems(bytes);
-    (0..page_count(bytes))
-        .into_par_iter()
-        .map(|_| crate::shm::huge::zeroed(page))
-        .collect()
-}
-
 /// Checkpoint values of a block (or of a window of one) copied into staging pages: some of
 /// its fields (a [`Part`]'s, or all a checkpoint holds), each starting on a page of its own.
 pub struct Staged {

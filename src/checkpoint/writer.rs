@@ -28,6 +28,7 @@ use std::time::Instant;
 
 use half::bf16;
 
+use super::area::Area;
 use super::fed::Feed;
 use super::staging::{self, Counts, Gate, Task, Unit};
 use super::state::{self, Tensors, TrainState};
@@ -140,8 +141,8 @@ impl Source {
 /// Where and how checkpoints are written.
 pub struct Writer {
     job: Arc<Job>,
-    /// The staging pages while no write is in flight.
-    pages: Vec<Vec<f32>>,
+    /// The staging pages while no write is in flight (touched in the background).
+    pages: Area,
     /// Elements per staging page, and pages.
     page: usize,
     page_count: usize,
@@ -150,7 +151,7 @@ pub struct Writer {
 
 impl Writer {
     /// A writer of checkpoints under `root`, with a staging area of at most
-    /// `staging_bytes`, allocated now ([`staging::pages`]).
+    /// `staging_bytes`, touched in the background from now on ([`Area`]).
     pub fn new(
         root: PathBuf,
         keep_last: usize,
@@ -165,7 +166,10 @@ impl Writer {
                 layout,
                 export,
             }),
-            pages: staging::pages(staging_bytes),
+            pages: Area::touch_in_background(
+                staging::page_count(staging_bytes),
+                staging::page_elems(staging_bytes),
+            ),
             page: staging::page_elems(staging_bytes),
             page_count: staging::page_count(staging_bytes),
             in_flight: None,
@@ -185,9 +189,8 @@ impl Writer {
         contents: CheckpointContents,
         moments_due_below: usize,
     ) -> Result<(f64, Vec<Written>, Arc<Gate>)> {
-        let (waited_s, done) = self.wait_previous()?;
+        let (waited_s, done, pages) = self.wait_previous()?;
         let moments = contents == CheckpointContents::Full;
-        let pages = std::mem::take(&mut self.pages);
         let gate = Arc::new(Gate::new(
             &self.job.layout,
             pages,
@@ -218,25 +221,27 @@ impl Writer {
         state: TrainState,
         contents: CheckpointContents,
     ) -> Result<(f64, Vec<Written>, Arc<Feed>)> {
-        let (waited_s, done) = self.wait_previous()?;
+        let (waited_s, done, pages) = self.wait_previous()?;
         let moments = contents == CheckpointContents::Full;
-        let feed = Arc::new(Feed::new(std::mem::take(&mut self.pages), moments));
+        let feed = Arc::new(Feed::new(pages, moments));
         let (job, f) = (Arc::clone(&self.job), Arc::clone(&feed));
         let write = move || job.write_fed(&state, &f, contents);
         if let Err(e) = self.spawn(write, Source::Fed(Arc::clone(&feed)), waited_s) {
             feed.close();
             feed.end(false, 0.0);
-            self.pages = feed.take_pages();
+            self.pages.put(feed.take_pages());
             return Err(spawn_error(e));
         }
         Ok((waited_s, done, feed))
     }
 
-    /// Waits for the write in flight: the seconds waited and what completed meanwhile.
-    fn wait_previous(&mut self) -> Result<(f64, Vec<Written>)> {
+    /// Waits for the write in flight and for the staging area to be touched: the seconds
+    /// waited, what completed meanwhile, and the staging pages.
+    fn wait_previous(&mut self) -> Result<(f64, Vec<Written>, Vec<Vec<f32>>)> {
         let t = Instant::now();
         let done: Vec<Written> = self.finish()?.into_iter().collect();
-        Ok((t.elapsed().as_secs_f64(), done))
+        let pages = self.pages.take();
+        Ok((t.elapsed().as_secs_f64(), done, pages))
     }
 
     /// Starts `write` (timed) on the writer thread as the write in flight from `source`.
@@ -276,7 +281,7 @@ impl Writer {
         };
         let r = f.handle.join();
         // The thread closed the gate on its way out, panic included.
-        self.pages = f.source.take_pages();
+        self.pages.put(f.source.take_pages());
         let (dir, write_s) =
             r.map_err(|_| Error::Other("the checkpoint writer thread panicked".into()))??;
         Ok(Some(Written {
