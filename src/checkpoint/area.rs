@@ -152,7 +152,11 @@ mod tests {
     fn a_stopped_touch_ends_early() {
         // 2048 pages of 1 MiB: stopped at once, it touches a few of them, not 2 GiB.
         let mut area = Area::touch_in_background(2048, 1 << 18);
-        area.touching.as_ref().unwrap().stop.store(true, Ordering::Relaxed);
+        area.touching
+            .as_ref()
+            .unwrap()
+            .stop
+            .store(true, Ordering::Relaxed);
         assert!(area.len() < 2048, "touched {} pages", area.len());
     }
 }
