@@ -164,6 +164,9 @@ writes = {int(g[0]): g for g in pat.findall(open(log).read())}
 staging = json.load(open(plan))["host"].get("checkpoint_staging", 0)
 # The launch's own plan line: unset, the area grows at launch into free RAM.
 line = re.search(r"^  checkpoint staging +([0-9.]+) GB", open(log).read(), re.M)
+# The launch's start-up phases (the staging area is touched in the background, after them).
+startup = re.search(r"^start-up [^\n]*", open(log).read(), re.M)
+touched = re.search(r"checkpoint staging area touched: [^\n]*", open(log).read())
 if line:
     staging = float(line.group(1)) * 1e9
 rows, ok = [], True
@@ -196,7 +199,10 @@ body = (f"# Checkpoints while training: {model} on {machine}, {date}\n\n"
         f"{head}\n" + "\n".join(rows) + "\n\n"
         f"Staging that would hold the stall under one step at this bandwidth: about {need:.0f} GB "
         f"(checkpoint size minus what the writer writes in two steps).\n\n"
-        f"Pass (stall <= one step, writes >= 80% of dd): {'yes' if ok else 'NO'}\n")
+        f"Pass (stall <= one step, writes >= 80% of dd): {'yes' if ok else 'NO'}\n"
+        + (f"\nThe launch's {startup.group(0)}; step 1 {step[1]['step_time_s']:.2f} s "
+           f"({step[1]['step_time_s'] / base:.2f}x the baseline step).\n" if startup and 1 in step else "")
+        + (f"The {touched.group(0)}, after the start-up.\n" if touched else ""))
 open(out, "w").write(body)
 print(body)
 PY

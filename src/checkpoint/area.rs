@@ -56,10 +56,9 @@ impl Area {
                 Err(_) => (0..count).map(one).collect(),
             };
             tracing::info!(
-                gb = format!("{:.1}", (pages.len() * page * 4) as f64 / 1e9),
-                secs = format!("{:.1}", t.elapsed().as_secs_f64()),
-                threads,
-                "checkpoint staging area touched"
+                "checkpoint staging area touched: {:.1} GB in {:.1}s on {threads} thread(s)",
+                (pages.len() * page * 4) as f64 / 1e9,
+                t.elapsed().as_secs_f64(),
             );
             pages
         };
