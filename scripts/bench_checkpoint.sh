@@ -160,13 +160,14 @@ for text in open(dd).read().strip().splitlines():
 dd_gbs = sorted(readings)[len(readings) // 2]
 pat = re.compile(r"checkpoint \S+/step-0*(\d+) written: ([0-9.]+) GB in ([0-9.]+)s \(([0-9.]+) GB/s\); "
                  r"training waited ([0-9.]+)s for it; (?:blocks|parts): (\d+) staged, (\d+) copied ahead, (\d+) from the live state")
-writes = {int(g[0]): g for g in pat.findall(open(log).read())}
+run_log = open(log).read()
+writes = {int(g[0]): g for g in pat.findall(run_log)}
 staging = json.load(open(plan))["host"].get("checkpoint_staging", 0)
 # The launch's own plan line: unset, the area grows at launch into free RAM.
-line = re.search(r"^  checkpoint staging +([0-9.]+) GB", open(log).read(), re.M)
+line = re.search(r"^  checkpoint staging +([0-9.]+) GB", run_log, re.M)
 # The launch's start-up phases (the staging area is touched in the background, after them).
-startup = re.search(r"^start-up [^\n]*", open(log).read(), re.M)
-touched = re.search(r"checkpoint staging area touched: [^\n]*", open(log).read())
+startup = re.search(r"^start-up [^\n]*", run_log, re.M)
+touched = re.search(r"checkpoint staging area touched: [^\n]*", run_log)
 if line:
     staging = float(line.group(1)) * 1e9
 rows, ok = [], True

@@ -108,9 +108,10 @@ impl Area {
 
     fn wait(&mut self) {
         if let Some(t) = self.touching.take() {
-            // A panicking touch (out of memory aborts instead) leaves no staging: writes
-            // then go from the live state, the optimizer waiting for the writer.
-            self.ready = t.handle.join().unwrap_or_default();
+            self.ready = t
+                .handle
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
         }
     }
 }
