@@ -102,7 +102,9 @@ mod nodes;
 pub use device::{
     DeviceOpts, DevicePlan, Phase, TILE_ALIGN, delta_segment, segmented_layer, tiled_layer,
 };
-pub use fit::{DeviceMemory, Largest, Short, check as check_device_fit};
+pub use fit::{
+    DeviceMemory, Largest, Short, check as check_device_fit, resident_block_bytes, resident_fit,
+};
 pub use nodes::{LINKS_GBPS, NodesPlan};
 
 /// Bytes of host RAM the launcher holds for training state.

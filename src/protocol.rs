@@ -132,6 +132,43 @@ pub struct Init {
     /// `training.stage: grpo`: steps train on the GRPO loss of their completions
     /// ([`crate::grpo`]).
     pub grpo: Option<GrpoParams>,
+    /// `memory.resident_blocks`: the leading blocks this worker keeps and updates itself.
+    #[serde(default)]
+    pub resident: Option<ResidentInit>,
+}
+
+/// The leading blocks a worker keeps on its device, master weights, moments and compute
+/// weights, and updates there (`memory.resident_blocks`; see [`ToWorker::ResidentUpdate`]).
+///
+/// Their gradients still reach the slab and the host reduce, and take their part in the
+/// norm; the reduced gradient is read back from the host's accumulator, shared for that:
+/// once the launcher frees the slot of a block's final part (the step's last micro-batch),
+/// that part of the accumulator holds its final value and the launcher does not write it
+/// again before this worker's next `LayerGrads` for it, so the worker copies it then.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ResidentInit {
+    /// Blocks `0..blocks`.
+    pub blocks: usize,
+    /// The launcher's gradient accumulator (every layout element, in `grad_dtype`).
+    pub grad: RegionHandle,
+    pub grad_dtype: DType,
+    /// Where a [`ToWorker::ResidentCopy`] moves its f32 values: `layout.grad_slot_len()`
+    /// of them at most.
+    pub transfer: RegionHandle,
+    /// `memory.master_weights: split`: the copy follows the split master's values
+    /// ([`crate::optim::adamw::adamw_update_resident`]).
+    pub split: bool,
+}
+
+/// Which state of a resident block a [`ToWorker::ResidentCopy`] moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ResidentPart {
+    /// The f32 master weights (a split master joined).
+    Master,
+    /// Adam's first moment.
+    M,
+    /// Adam's second moment.
+    V,
 }
 
 impl Init {
@@ -204,6 +241,21 @@ pub enum ToWorker {
     },
     SlotFree {
         slot: usize,
+    },
+    /// Apply the step's update to the resident blocks (`Init::resident`), from the reduced
+    /// gradient copied back as their slots were freed. Sent between steps, before the next
+    /// `Step` or `Eval` that reads the updated weights.
+    ResidentUpdate {
+        hp: crate::optim::AdamWStep,
+    },
+    /// Between steps: `load`, copy elements `range` of resident block `block`'s `part`
+    /// from the transfer region (where the launcher wrote them, f32) to the device; else
+    /// copy them from the device to the transfer region. Answered by `ResidentCopied`.
+    ResidentCopy {
+        load: bool,
+        block: usize,
+        range: std::ops::Range<usize>,
+        part: ResidentPart,
     },
     /// Forward-only micro-batch `index` (of the eval set's, or of the reference pass's, in
     /// order) under the weights in the store: its summed token loss, or each row's summed
@@ -300,6 +352,8 @@ pub enum FromWorker {
         #[serde(default)]
         logps: Vec<f64>,
     },
+    /// The `ResidentCopy` asked for is done.
+    ResidentCopied,
     Fatal {
         msg: String,
     },

@@ -7,6 +7,7 @@
 //! node's pieces of every block only ([`mt::layout::shards`]; [`shard`]).
 
 mod passes;
+mod resident;
 mod shard;
 
 use passes::{Place, Run, moments_pass, reduce_tensors, update};
@@ -25,7 +26,8 @@ use mt::layout::Layout;
 use mt::layout::shards::Shards;
 use mt::optim::{AdamWStep, Moments};
 use mt::reduce::GradElem;
-use mt::shm::host::{GradSlabs, Store};
+use mt::shm::RegionKind;
+use mt::shm::host::{GradSlabs, SharedVec, Store};
 use mt::shm::huge::zeroed;
 use mt::shm::lent::Buf;
 
@@ -112,8 +114,43 @@ pub enum IdleWork {
 
 /// The gradient accumulator (`memory.grad_dtype`).
 enum Grad {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
+    F32(Acc<f32>),
+    Bf16(Acc<bf16>),
+}
+
+/// Where the accumulator lives: private memory, or a shared region that workers holding
+/// resident blocks read their reduced gradient from (`memory.resident_blocks`).
+enum Acc<T> {
+    Private(Vec<T>),
+    Shared(SharedVec<T>),
+}
+
+impl<T: mt::shm::Pod + mt::shm::huge::Zeroable + Default> Acc<T> {
+    fn new(n: usize, shared: Option<&str>) -> Result<Acc<T>> {
+        Ok(match shared {
+            None => Acc::Private(zeroed(n)),
+            Some(name) => Acc::Shared(SharedVec::create(name, RegionKind::GradAcc, n)?),
+        })
+    }
+}
+
+impl<T: mt::shm::Pod> std::ops::Deref for Acc<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Acc::Private(v) => v,
+            Acc::Shared(v) => v,
+        }
+    }
+}
+
+impl<T: mt::shm::Pod> std::ops::DerefMut for Acc<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Acc::Private(v) => v,
+            Acc::Shared(v) => v,
+        }
+    }
 }
 
 pub struct HostState {
@@ -135,6 +172,12 @@ pub struct HostState {
     /// This node's pieces and the nodes, where the master and moments are sharded across
     /// nodes.
     shards: Option<(Shards, &'static crate::mpi::Mpi)>,
+    /// Blocks `..resident` are updated by the workers, which hold them
+    /// (`memory.resident_blocks`); the host's copy of their master and moments is brought
+    /// up to date by [`HostState::pull_resident`].
+    resident: usize,
+    /// Where their state travels to and from the workers ([`resident`]).
+    transfer: Option<SharedVec<f32>>,
 }
 
 /// The second pass of an update whose weights pass ran on every block: blocks
@@ -163,6 +206,7 @@ impl HostState {
         layout: Layout,
         workers: usize,
         shards: Option<(Shards, &'static crate::mpi::Mpi)>,
+        resident: usize,
     ) -> Result<HostState> {
         let n = layout.total;
         // The master and moments: this node's pieces, or every element.
@@ -183,10 +227,20 @@ impl HostState {
             layout.grad_slot_len(),
             cfg.model.dtype,
         )?;
+        let shared = (resident > 0).then(|| format!("{tag}-grad"));
         let grad = match cfg.memory.grad_dtype {
-            DType::Float32 => Grad::F32(zeroed(n)),
-            DType::Bfloat16 => Grad::Bf16(zeroed(n)),
+            DType::Float32 => Grad::F32(Acc::new(n, shared.as_deref())?),
+            DType::Bfloat16 => Grad::Bf16(Acc::new(n, shared.as_deref())?),
         };
+        let transfer = (resident > 0)
+            .then(|| {
+                SharedVec::create(
+                    &format!("{tag}-transfer"),
+                    RegionKind::Transfer,
+                    layout.grad_slot_len(),
+                )
+            })
+            .transpose()?;
         let moments = match cfg.memory.moments_dtype {
             DType::Float32 => AdamMoments::F32 {
                 m: Buf::zeroed(own),
@@ -210,6 +264,8 @@ impl HostState {
             checkpoint_wait_s: 0.0,
             deferred: None,
             shards,
+            resident,
+            transfer,
         })
     }
 
@@ -260,8 +316,8 @@ impl HostState {
         self.settle_moments_down_to(block);
         let b = &self.layout.blocks[block];
         match &mut self.grad {
-            Grad::F32(g) => reduce_tensors(&self.slabs, b, part, g, slots, first, last),
-            Grad::Bf16(g) => reduce_tensors(&self.slabs, b, part, g, slots, first, last),
+            Grad::F32(g) => reduce_tensors(&self.slabs, b, part, &mut g[..], slots, first, last),
+            Grad::Bf16(g) => reduce_tensors(&self.slabs, b, part, &mut g[..], slots, first, last),
         }
     }
 
@@ -476,6 +532,9 @@ impl HostState {
             self.deferred.is_none(),
             "an update starts before the last one's moments are written"
         );
+        if block < self.resident {
+            return;
+        }
         self.before_block_changes(block, Part::Weights);
         if moments == Moments::Write {
             self.before_block_changes(block, Part::Moments);
@@ -551,6 +610,13 @@ impl HostState {
             // The pass that makes a checkpoint's moments (one started before it) has
             // nothing to keep: the writer waits for it instead.
             let making = self.checkpoint.as_ref().is_some_and(|g| g.waiting(i));
+            if i < self.resident {
+                // The workers updated it; its host copy is as `pull_resident` left it.
+                if let Some(gate) = self.checkpoint.as_ref().filter(|_| making) {
+                    gate.ready(i);
+                }
+                continue;
+            }
             if !making {
                 self.before_block_changes(i, Part::Moments);
             }

@@ -328,7 +328,11 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
         // segments keep torch's cache from fragmenting into more memory than it holds.
         cmd.env(ENV_TORCH_ALLOC, "expandable_segments:True");
     }
-    mt::shm::keep_fds_across_exec(&mut cmd, vec![init.store.fd, init.slab.fd]);
+    let mut fds = vec![init.store.fd, init.slab.fd];
+        if let Some(r) = &init.resident {
+            fds.extend([r.grad.fd, r.transfer.fd]);
+        }
+        mt::shm::keep_fds_across_exec(&mut cmd, fds);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("start worker rank {rank} ({})", bin.display()))?;

@@ -18,6 +18,7 @@ mod nodes;
 mod overrides;
 pub mod shipped;
 pub mod size;
+mod resident;
 mod stage;
 mod tile;
 
@@ -29,6 +30,7 @@ pub use nodes::NodesSection;
 pub use overrides::apply_override;
 use overrides::did_you_mean;
 pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
+pub use resident::ResidentBlocks;
 pub use tile::TileTokens;
 
 use std::path::{Path, PathBuf};
@@ -344,6 +346,10 @@ pub struct MemorySection {
     /// and `grad_dtype: bfloat16`, 10 bytes per parameter. Checkpoints hold fp32 moments
     /// either way.
     pub moments_dtype: DType,
+    /// Leading blocks whose master weights, moments and compute weights stay on every GPU
+    /// and are updated there ([`ResidentBlocks`]): `off` (the default), `auto`, `all` or a
+    /// number. Needs `master_weights: float32` or `split` and `moments_dtype: float32`.
+    pub resident_blocks: ResidentBlocks,
 }
 
 /// How the fp32 master weights are held (`memory.master_weights`).
@@ -368,6 +374,7 @@ impl Default for MemorySection {
             grad_dtype: DType::Float32,
             master_weights: MasterWeights::Float32,
             moments_dtype: DType::Float32,
+            resident_blocks: ResidentBlocks::Off,
         }
     }
 }
@@ -529,6 +536,7 @@ impl RunConfig {
                 format!("{why}: it needs model.dtype: bfloat16"),
             ));
         }
+        self.validate_resident()?;
         if let Some(d) = &self.model.devices {
             let mut seen = d.clone();
             seen.sort_unstable();
@@ -543,6 +551,28 @@ impl RunConfig {
         self.validate_eval()?;
         self.tensorboard_dir()?;
         self.dataset.validate()
+    }
+
+    /// `memory.resident_blocks` is updated on the GPUs with the host's own arithmetic: an
+    /// fp32 or split master and fp32 moments, under SFT or continued pretraining.
+    fn validate_resident(&self) -> Result<()> {
+        let m = &self.memory;
+        if m.resident_blocks == ResidentBlocks::Off {
+            return Ok(());
+        }
+        let why = if m.master_weights == MasterWeights::Bfloat16 {
+            Some("memory.master_weights: bfloat16 (stochastic rounding) is updated on the host only; use float32 or split")
+        } else if m.moments_dtype != DType::Float32 {
+            Some("memory.moments_dtype: bfloat16 is updated on the host only; use float32")
+        } else if matches!(self.training.stage, Stage::Dpo | Stage::Grpo) {
+            Some("training.stage dpo and grpo run reference passes on the initial weights, which resident blocks do not keep yet; use off")
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(Error::invalid("memory.resident_blocks", why)),
+            None => Ok(()),
+        }
     }
 
     /// The evaluation keys: `training.eval_steps` and `per_device_eval_batch_size` need an

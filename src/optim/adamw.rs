@@ -50,7 +50,7 @@ use crate::simd::x86;
 const CHUNK: usize = 64 * 1024;
 
 /// The scalars of one AdamW update.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct AdamWStep {
     pub lr: f64,
     pub beta1: f64,
@@ -148,6 +148,58 @@ pub fn adamw_moments<G: GradElem>(grad: &[G], m: &mut [f32], v: &mut [f32], hp: 
         .zip(m.par_chunks_mut(CHUNK))
         .zip(v.par_chunks_mut(CHUNK))
         .for_each(|((g, m), v)| moments_portable(g, m, v, k));
+}
+
+/// The f32 constants every element of an update uses, as the host's kernels derive them
+/// from `hp` (a device kernel takes these, so that it performs the same operations on the
+/// same values): `[decay_mul, 1 - beta1, beta2, 1 - beta2, step_size, 1 / sqrt(bc2), eps,
+/// grad_scale]`, in [`adam1`]'s order of use.
+pub fn element_constants(hp: &AdamWStep, decay: bool) -> [f32; 8] {
+    let k = Consts::new(hp, decay);
+    [
+        k.decay_mul,
+        k.one_minus_b1,
+        k.b2,
+        k.one_minus_b2,
+        k.step_size,
+        k.inv_bc2_sqrt,
+        k.eps,
+        k.grad_scale,
+    ]
+}
+
+/// The update of one tensor of a block kept on a device (`memory.resident_blocks`), in the
+/// worker's own copy: an f32 master `p` (a split master joined: [`bits::join`]), and its
+/// compute copy `w` written as the store would hold it. With `split`, `p` is left as
+/// joining its [`bits::split`] gives back (ties nudged) and `w` is the split's high half, so
+/// that the copy stays what the host's split master holds. The bits of [`adamw_update`]
+/// (and [`adamw_update_split`]) on the same values; CPU workers run it, GPU workers a
+/// kernel that performs the same operations.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_update_resident<G: GradElem>(
+    p: &mut [f32],
+    grad: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    w: StoreOut<'_>,
+    hp: &AdamWStep,
+    decay: bool,
+    split: bool,
+) {
+    if !split {
+        return adamw_update(p, grad, m, v, w, hp, decay, Moments::Write);
+    }
+    let StoreOut::Bf16(w) = w else {
+        panic!("a split master has a bf16 compute copy")
+    };
+    let n = p.len();
+    assert!(grad.len() == n && m.len() == n && v.len() == n && w.len() == n);
+    let k = &Consts::new(hp, decay);
+    for i in 0..n {
+        let pi = adam1(p[i], grad[i].to_f32(), &mut m[i], &mut v[i], k);
+        let (hi, lo) = bits::split(pi);
+        (p[i], w[i]) = (bits::join(hi, lo), hi);
+    }
 }
 
 /// Updates one tensor of a bf16 master (`memory.master_weights: bfloat16`): `p` is its bf16

@@ -14,6 +14,7 @@
 //! certainly cannot run and leaves the rest to the worker's out-of-memory report
 //! ([`crate::fault`]).
 
+use crate::config::DType;
 use crate::config::hf::ModelSpec;
 use crate::layout::Layout;
 use crate::protocol::Device;
@@ -274,4 +275,23 @@ mod tests {
         }
         assert_eq!(largest(|_| true, 100), 100);
     }
+}
+
+/// Device bytes of one resident block of `len` elements (`memory.resident_blocks`): its
+/// f32 master, m and v, its compute-dtype weights and its reduced gradient.
+pub fn resident_block_bytes(len: usize, dtype: DType, grad_dtype: DType) -> u64 {
+    (len * (12 + dtype.size() + grad_dtype.size())) as u64
+}
+
+/// How many leading blocks of `layout` fit `budget` device bytes as resident blocks.
+pub fn resident_fit(layout: &Layout, dtype: DType, grad_dtype: DType, budget: u64) -> usize {
+    let mut used = 0;
+    layout
+        .blocks
+        .iter()
+        .take_while(|b| {
+            used += resident_block_bytes(b.len, dtype, grad_dtype);
+            used <= budget
+        })
+        .count()
 }

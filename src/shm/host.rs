@@ -79,6 +79,17 @@ impl Store {
         }
     }
 
+    /// Writes `values` (fp32 master values) into the store from element `start` on.
+    pub fn write_range(&mut self, start: usize, values: &[f32]) {
+        match self.out_mut(start..start + values.len()) {
+            StoreOut::F32(s) => s.copy_from_slice(values),
+            StoreOut::Bf16(s) => s
+                .iter_mut()
+                .zip(values)
+                .for_each(|(d, x)| *d = bf16::from_f32(*x)),
+        }
+    }
+
     /// Writes all of `master` (fp32) into the store.
     pub fn write_all(&mut self, master: &[f32]) {
         use rayon::prelude::*;
@@ -191,5 +202,55 @@ impl GradSlabs {
             .zip(slots)
             .map(|(r, &s)| unsafe { r.slice(range(s)) })
             .collect()
+    }
+}
+
+/// `len` elements of `T` in a shared region that the launcher alone writes: its gradient
+/// accumulator where workers hold resident blocks (they read a block's part of it once the
+/// protocol says it is final, see `crate::protocol::ResidentInit`), and the transfer
+/// buffer of those blocks' state. Its pages are backed at creation, so that a host short of
+/// memory fails at start-up.
+pub struct SharedVec<T> {
+    region: Region,
+    kind: RegionKind,
+    len: usize,
+    _elem: std::marker::PhantomData<T>,
+}
+
+impl<T: crate::shm::Pod + Default> SharedVec<T> {
+    pub fn create(name: &str, kind: RegionKind, len: usize) -> Result<SharedVec<T>> {
+        use rayon::prelude::*;
+        let region = Region::create(name, kind, len * std::mem::size_of::<T>())?;
+        let v = SharedVec {
+            region,
+            kind,
+            len,
+            _elem: std::marker::PhantomData,
+        };
+        // SAFETY: no worker has the region yet; this is the only view.
+        let all: &mut [T] = unsafe { v.region.slice_mut(0..len) };
+        all.par_chunks_mut(1 << 20)
+            .for_each(|c| c.fill(T::default()));
+        Ok(v)
+    }
+
+    pub fn handle(&self) -> RegionHandle {
+        self.region.handle(self.kind)
+    }
+}
+
+impl<T: crate::shm::Pod> std::ops::Deref for SharedVec<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: workers only read the region (protocol); launcher writes need `&mut self`.
+        unsafe { self.region.slice(0..self.len) }
+    }
+}
+
+impl<T: crate::shm::Pod> std::ops::DerefMut for SharedVec<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: `&mut self` excludes other launcher views; a worker reads a range only
+        // while the protocol keeps the launcher from writing it.
+        unsafe { self.region.slice_mut(0..self.len) }
     }
 }

@@ -40,6 +40,10 @@ const VERSION: u32 = 1;
 pub enum RegionKind {
     Store = 1,
     GradSlab = 2,
+    /// The launcher's gradient accumulator, read by workers holding resident blocks.
+    GradAcc = 3,
+    /// Resident blocks' state on its way between the launcher and a worker.
+    Transfer = 4,
 }
 
 #[repr(C)]

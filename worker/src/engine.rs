@@ -31,7 +31,7 @@ use crate::fault::enter;
 use crate::head::{DeviceBatch, Head};
 use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
-use crate::stream::{Delivered, Gate, Streamer, kind_of};
+use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -56,6 +56,8 @@ pub struct Engine {
     dpo: Option<DpoParams>,
     /// `training.stage: grpo`: steps train on the GRPO loss.
     grpo: Option<GrpoParams>,
+    /// `memory.resident_blocks`: the leading blocks kept and updated here.
+    resident: Option<Resident>,
 }
 
 /// What the head of one micro-batch's step gave: its summed loss (in `loss_scale` units
@@ -88,6 +90,14 @@ struct Control {
     ready: Vec<bool>,
     /// Seconds spent in [`Control::wait_block`] waiting for an update, this step.
     update_wait_s: f64,
+    /// Blocks `..resident` are resident: what each announced slot holds (slot -> micro,
+    /// block, part), so that freeing it tells which part of a resident block's reduced
+    /// gradient is final (that of the step's last micro-batch, `last_micro`).
+    resident: usize,
+    sent: std::collections::HashMap<usize, (usize, usize, usize)>,
+    last_micro: usize,
+    /// (block, part) of resident blocks whose reduced gradient is final, not yet copied.
+    final_parts: Vec<(usize, usize)>,
 }
 
 impl Control {
@@ -96,6 +106,12 @@ impl Control {
             ToWorker::SlotFree { slot } => {
                 debug_assert!(!self.free_slots.contains(&slot));
                 self.free_slots.push(slot);
+                if let Some((micro, block, part)) = self.sent.remove(&slot)
+                    && block < self.resident
+                    && micro == self.last_micro
+                {
+                    self.final_parts.push((block, part));
+                }
             }
             ToWorker::BlockReady { block } => match self.ready.get_mut(block) {
                 Some(r) => *r = true,
@@ -179,7 +195,16 @@ impl std::fmt::Display for Interrupted {
 impl std::error::Error for Interrupted {}
 
 impl Engine {
-    pub fn new(init: &Init, streamer: Streamer) -> Result<Engine> {
+    pub fn new(init: &Init, mut streamer: Streamer) -> Result<Engine> {
+        let device = crate::stream::device_of(init.device);
+        let resident = init
+            .resident
+            .as_ref()
+            .map(|r| Resident::new(r, &init.layout, init.dtype, device))
+            .transpose()?;
+        if let Some(r) = &resident {
+            streamer.set_resident(r.weights());
+        }
         Ok(Engine {
             spec: init.spec.clone(),
             layout: init.layout.clone(),
@@ -192,18 +217,67 @@ impl Engine {
                 free_slots: (0..init.num_slots).rev().collect(),
                 ready: vec![true; init.layout.blocks.len()],
                 update_wait_s: 0.0,
+                resident: resident.as_ref().map_or(0, Resident::blocks),
+                sent: Default::default(),
+                last_micro: 0,
+                final_parts: Vec::new(),
             },
             streamer,
             dump_logits: init.dump_logits.clone(),
             buffers: layer_buffers(init)?,
             dpo: init.dpo,
             grpo: init.grpo,
+            resident,
         })
     }
 
     /// Handles a message that arrived between steps.
     pub fn handle(&mut self, msg: ToWorker) -> Result<()> {
-        self.ctl.handle(msg)
+        match msg {
+            ToWorker::ResidentUpdate { hp } => {
+                self.copy_final_gradients()?;
+                match self.resident.as_mut() {
+                    Some(r) => r.update(&hp),
+                    None => bail!("ResidentUpdate without resident blocks"),
+                }
+            }
+            msg => {
+                self.ctl.handle(msg)?;
+                self.copy_final_gradients()
+            }
+        }
+    }
+
+    /// Between steps: elements `range` of resident block `block`'s `part`, loaded from the
+    /// transfer region or saved into it.
+    pub fn resident_copy(
+        &mut self,
+        load: bool,
+        block: usize,
+        range: std::ops::Range<usize>,
+        part: mt::protocol::ResidentPart,
+    ) -> Result<()> {
+        match self.resident.as_mut() {
+            Some(r) => r.copy(load, block, range, part),
+            None => bail!("ResidentCopy without resident blocks"),
+        }
+    }
+
+    /// Copies back the reduced gradient of the resident blocks' parts found final since
+    /// the last call.
+    fn copy_final_gradients(&mut self) -> Result<()> {
+        let Some(r) = self.resident.as_mut() else {
+            return Ok(());
+        };
+        for (block, part) in std::mem::take(&mut self.ctl.final_parts) {
+            let range = self
+                .layout
+                .grad_parts(block, self.slot_len)
+                .nth(part)
+                .context("a final part of a resident block")?;
+            r.gradient_final(block, range)?;
+        }
+        Ok(())
     }
 
     /// One optimizer step's share of this worker: every micro-batch, forward and backward.
@@ -223,6 +297,7 @@ impl Engine {
         let mut token_logps = Vec::new();
         self.ctl.ready.fill(!weights_pending);
         self.ctl.update_wait_s = 0.0;
+        self.ctl.last_micro = micro.len().saturating_sub(1);
         for (mi, mb) in micro.iter().enumerate() {
             crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
             enter(Phase::Upload, None);
@@ -601,6 +676,7 @@ impl Engine {
             self.streamer
                 .offload(to, range, &self.layout.blocks[index], w)?;
             self.announce(link, false)?;
+            self.copy_final_gradients()?;
         }
         Ok(())
     }
@@ -608,6 +684,9 @@ impl Engine {
     /// Tells the launcher about every offload that has landed (all of them with `wait`).
     fn announce(&mut self, link: &Link, wait: bool) -> Result<()> {
         for d in self.streamer.delivered(wait)? {
+            if d.block < self.ctl.resident {
+                self.ctl.sent.insert(d.slot, (d.micro, d.block, d.part));
+            }
             link.tx
                 .send(FromWorker::LayerGrads {
                     micro: d.micro,

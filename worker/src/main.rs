@@ -181,6 +181,15 @@ fn serve(
                     logps,
                 })?;
             }
+            ToWorker::ResidentCopy {
+                load,
+                block,
+                range,
+                part,
+            } => {
+                engine.resident_copy(load, block, range, part)?;
+                tx.send(FromWorker::ResidentCopied)?;
+            }
             ToWorker::Shutdown => return Ok(()),
             ToWorker::Init(_) => bail!("Init received twice"),
             other => engine.handle(other)?,

@@ -28,6 +28,7 @@ use crate::supervisor::Supervisor;
 
 mod gradients;
 mod nodes;
+mod resident;
 mod step_end;
 mod weights;
 pub(crate) use nodes::shard_plan;
@@ -141,6 +142,7 @@ impl Trainer {
             true => (metrics_out, dump_grads, dump_logits),
             false => (None, None, None),
         };
+        let resident = crate::prepare::resident_blocks(&prepared, &cfg, &placement);
         let Prepared {
             spec,
             layout,
@@ -195,7 +197,24 @@ impl Trainer {
         });
         let t_prepared = Instant::now();
         let shards = nodes::shards(&cfg, mpi, &layout);
-        let mut host = HostState::new(&cfg, layout, placement.workers, shards)?;
+        if resident > 0 && mpi.is_some() {
+            return Err(anyhow!(
+                "memory.resident_blocks needs one node: several nodes shard the optimizer state instead (set it to off)"
+            ));
+        }
+        let mut host = HostState::new(&cfg, layout, placement.workers, shards, resident)?;
+        if resident > 0 {
+            let l = &host.layout;
+            let bytes: u64 = l.blocks[..resident]
+                .iter()
+                .map(|b| mt::plan::resident_block_bytes(b.len, cfg.model.dtype, cfg.memory.grad_dtype))
+                .sum();
+            println!(
+                "resident blocks: {resident} of {} ({:.2} GB on each worker's device): updated there, not streamed",
+                l.blocks.len(),
+                bytes as f64 / 1e9
+            );
+        }
         let t_allocated = Instant::now();
         // A GRPO reference (`grpo.beta` > 0) is the initial model: a resume restores the
         // checkpoint after the reference pass ([`weights`]).
@@ -246,6 +265,8 @@ impl Trainer {
                     buffers: buffers.clone(),
                     dpo,
                     grpo,
+                    resident: host
+                        .resident_init(cfg.memory.master_weights == mt::config::MasterWeights::Split),
                 }
             })
             .collect();
@@ -319,7 +340,7 @@ impl Trainer {
             cfg.training.seed,
         );
         let progress = Progress::new(start_step, cfg.training.num_steps, cfg.logging.log_every);
-        Ok(Trainer {
+        let mut trainer = Trainer {
             progress,
             cfg,
             spec,
@@ -347,7 +368,9 @@ impl Trainer {
             mpi,
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
-        })
+        };
+        trainer.push_resident()?;
+        Ok(trainer)
     }
 
     /// Runs every step, then stops the workers and writes the model if asked.
@@ -391,6 +414,18 @@ impl Trainer {
             // An evaluation reads this step's updated weights: the next step waits for it.
             let evaluate =
                 stop.is_none() && self.eval.as_ref().is_some_and(|e| e.due(step + 1, steps));
+            // Resident blocks: the workers update their copies before anything reads them,
+            // and the host's copy is brought up to date where a checkpoint or the export
+            // is about to read it.
+            if let Some(hp) = &hp {
+                self.update_resident(hp)?;
+            }
+            let checkpoint_due =
+                self.writer.is_some() && self.cfg.checkpoint.due(step + 1, !more).is_some();
+            let export_due = !more && self.cfg.training.output_dir.is_some();
+            if checkpoint_due || export_due {
+                self.pull_resident()?;
+            }
             let next = if more && !evaluate {
                 let next = self.fetch_batch(step + 1);
                 self.send_step(step + 1, &next, true)?;

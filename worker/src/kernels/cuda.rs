@@ -18,6 +18,7 @@ use super::ConvQkv;
 use crate::stream::cuda::torch_stream;
 
 const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
+const ADAMW_SRC: &str = include_str!("adamw.cu");
 /// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
 /// block (its SPAN).
 const THREADS: u32 = 128;
@@ -26,10 +27,12 @@ const SPAN: i64 = 256;
 const LANE_CHANNELS: [i64; 4] = [1, 2, 4, 8];
 
 struct Kernels {
-    _module: CUmodule,
+    _modules: [CUmodule; 2],
     /// By N's index in `LANE_CHANNELS`.
     conv_fwd: [CUfunction; 4],
     conv_bwd: [CUfunction; 4],
+    /// adamw.cu's, by [`adamw_index`].
+    adamw: [CUfunction; 4],
 }
 
 // SAFETY: module and function handles are plain driver handles, valid in every thread of
@@ -88,49 +91,63 @@ fn build() -> Result<Kernels> {
         attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
         attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
     );
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![
-            format!("--gpu-architecture=compute_{major}{minor}"),
-            "--std=c++17".into(),
-        ],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(CONV_QKV_SRC, opts)
-        .map_err(|e| anyhow::anyhow!("NVRTC could not compile conv_qkv.cu: {e:?}"))?;
-    let image = CString::new(ptx.to_src()).context("PTX with a NUL")?;
-    let mut module = std::ptr::null_mut();
-    // SAFETY: a NUL-terminated PTX image; writes one module handle.
-    check(
-        unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) },
-        "cuModuleLoadData (conv_qkv.cu)",
-    )?;
-    let function = |name: String| -> Result<CUfunction> {
-        let c = CString::new(name.clone()).expect("no NUL");
-        let mut f = std::ptr::null_mut();
-        // SAFETY: writes one function handle of a loaded module.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
-            &format!("cuModuleGetFunction({name})"),
-        )?;
-        Ok(f)
-    };
+    let arch = format!("--gpu-architecture=compute_{major}{minor}");
+    let conv = load_module(CONV_QKV_SRC, "conv_qkv.cu", vec![arch.clone(), "--std=c++17".into()])?;
+    // The host's arithmetic, operation for operation: no contracted multiply-adds.
+    let adamw = load_module(ADAMW_SRC, "adamw.cu", vec![arch, "--std=c++17".into(), "--fmad=false".into()])?;
     let by_n = |prefix: &str| -> Result<[CUfunction; 4]> {
         let f: Vec<CUfunction> = LANE_CHANNELS
             .iter()
-            .map(|n| function(format!("{prefix}_{n}")))
+            .map(|n| function(conv, format!("{prefix}_{n}")))
             .collect::<Result<_>>()?;
         Ok([f[0], f[1], f[2], f[3]])
     };
     let kernels = Kernels {
         conv_fwd: by_n("conv_qkv_fwd")?,
         conv_bwd: by_n("conv_qkv_bwd")?,
-        _module: module,
+        adamw: [
+            function(adamw, "adamw_g32_w32".into())?,
+            function(adamw, "adamw_g32_w16".into())?,
+            function(adamw, "adamw_g16_w32".into())?,
+            function(adamw, "adamw_g16_w16".into())?,
+        ],
+        _modules: [conv, adamw],
     };
     tracing::debug!(
         "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
         start.elapsed().as_secs_f64()
     );
     Ok(kernels)
+}
+
+/// `src` (file `name`) compiled by NVRTC with `options` and loaded into the current context.
+fn load_module(src: &str, name: &str, options: Vec<String>) -> Result<CUmodule> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        options,
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
+        .map_err(|e| anyhow::anyhow!("NVRTC could not compile {name}: {e:?}"))?;
+    let image = CString::new(ptx.to_src()).context("PTX with a NUL")?;
+    let mut module = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated PTX image; writes one module handle.
+    check(
+        unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) },
+        &format!("cuModuleLoadData ({name})"),
+    )?;
+    Ok(module)
+}
+
+/// Function `name` of a loaded module.
+fn function(module: CUmodule, name: String) -> Result<CUfunction> {
+    let c = CString::new(name.clone()).expect("no NUL");
+    let mut f = std::ptr::null_mut();
+    // SAFETY: writes one function handle of a loaded module.
+    check(
+        unsafe { sys::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
+        &format!("cuModuleGetFunction({name})"),
+    )?;
+    Ok(f)
 }
 
 /// Loads torch's NVRTC (and its builtins) globally by full path, unless one is loaded.
@@ -326,4 +343,71 @@ pub fn conv_qkv_bwd(
     launch_conv(k.conv_bwd[n], blocks, &ptrs, Shape::new(s, t))?;
     let dw = dw_part.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
     Ok((dx, dw.view([f, 1, 4]).to_kind(w.kind())))
+}
+
+/// adamw.cu's kernel for a gradient in bf16 or not, a compute copy in bf16 or not.
+fn adamw_index(g_bf16: bool, w_bf16: bool) -> usize {
+    2 * usize::from(g_bf16) + usize::from(w_bf16)
+}
+
+/// AdamW on elements of a resident block's copy (flat, contiguous, one length): master `p`,
+/// moments `m` and `v` (f32), the reduced gradient `g` (f32 or bf16) and the compute copy
+/// `w` (bf16 or f32), on torch's stream, with the host's constants `k`
+/// (`mt::optim::adamw::element_constants`); `split` as `adamw_update_resident`.
+pub fn adamw_resident(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    w: &Tensor,
+    k: [f32; 8],
+    split: bool,
+) -> Result<()> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let n = p.numel();
+    for (t, what) in [(g, "g"), (m, "m"), (v, "v"), (w, "w")] {
+        if t.numel() != n || !t.is_contiguous() {
+            bail!("adamw_resident: {what} has {} elements, p {n}", t.numel());
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let f = kernels.adamw[adamw_index(g.kind() == Kind::BFloat16, w.kind() == Kind::BFloat16)];
+    const THREADS: u32 = 256;
+    let blocks = (n as u64).div_ceil(u64::from(THREADS)).min(16 * 1024) as u32;
+    let (mut pp, mut gp, mut mp, mut vp, mut wp) = (ptr(p), ptr(g), ptr(m), ptr(v), ptr(w));
+    let mut n = n as i64;
+    let mut k = k;
+    let mut split = i32::from(split);
+    let mut args = [
+        arg(&mut pp),
+        arg(&mut gp),
+        arg(&mut mp),
+        arg(&mut vp),
+        arg(&mut wp),
+        arg(&mut n),
+        arg(&mut k),
+        arg(&mut split),
+    ];
+    // SAFETY: the arguments match adamw.cu's signature (five device pointers to `n`
+    // elements each, checked above, a count, the constants by value, a flag).
+    check(
+        unsafe {
+            sys::cuLaunchKernel(
+                f,
+                blocks,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                torch_stream(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        },
+        "cuLaunchKernel (adamw)",
+    )
 }

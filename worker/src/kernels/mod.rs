@@ -14,6 +14,8 @@
 mod cuda;
 pub mod tape;
 
+pub use cuda::adamw_resident;
+
 use tch::{Device, Kind, Tensor};
 
 /// The shapes of [`conv_qkv`]: G key heads of Dk, V value heads of Dv, the conv's taps,

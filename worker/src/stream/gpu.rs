@@ -62,6 +62,14 @@ impl DeviceBuf {
     fn ptr(&self) -> u64 {
         self.data.data_ptr() as u64
     }
+
+    /// A resident block's weights as a buffer already loaded.
+    fn resident(data: Tensor) -> Result<DeviceBuf> {
+        let (ready, free) = (Event::new(false)?, Event::new(false)?);
+        ready.record(torch_stream())?;
+        free.record(torch_stream())?;
+        Ok(DeviceBuf { data, ready, free })
+    }
 }
 
 impl Drop for DeviceBuf {
@@ -100,6 +108,8 @@ pub struct CudaStreamer {
     stash: Stash,
     waits: WaitTimer,
     stats: TransferStats,
+    /// The resident blocks' compute weights, by block index: handed out, never copied.
+    resident: Vec<Tensor>,
     /// MT_MEMORY_TRACE set: print each new high-water mark of device memory with where
     /// in the micro-batch it was seen (for checking the memory plan).
     trace_memory: bool,
@@ -172,10 +182,15 @@ impl CudaStreamer {
                 context_device_bytes,
                 ..TransferStats::default()
             },
+            resident: Vec::new(),
             trace_memory: std::env::var_os("MT_MEMORY_TRACE").is_some(),
             _pinned: pinned,
             regions,
         })
+    }
+
+    pub fn set_resident(&mut self, weights: Vec<Tensor>) {
+        self.resident = weights;
     }
 
     /// Enqueues the copy of `block` into `buf` on the copy stream, after `buf`'s readers.
@@ -194,6 +209,9 @@ impl CudaStreamer {
 
     /// Allocates a transient buffer for block `index` and enqueues its copy.
     fn load(&self, layout: &Layout, index: usize, gate: Gate) -> Result<DeviceBuf> {
+        if let Some(w) = self.resident.get(index) {
+            return DeviceBuf::resident(w.shallow_clone());
+        }
         gate(index)?;
         let block = &layout.blocks[index];
         crate::fault::within(Phase::HostToDevice, None, || {
@@ -232,6 +250,10 @@ impl CudaStreamer {
         while self.issued < self.schedule.len() && self.issued <= last {
             let k = self.issued;
             let index = layout.layer_block(self.schedule[k]);
+            if index < self.resident.len() {
+                self.issued += 1;
+                continue;
+            }
             gate(index)?;
             Self::fill(
                 &self.copy,
@@ -345,6 +367,9 @@ impl CudaStreamer {
             self.prefetch(layout, Layout::EMBED, gate)?;
         }
         self.next += 1;
+        if let Some(w) = self.resident.get(layout.layer_block(l)) {
+            return Ok(w.shallow_clone());
+        }
         let len = layout.blocks[layout.layer_block(l)].len as i64;
         self.waits.wait(&self.ring[k % RING].ready)?;
         self.sample_memory(|| match k < n {

@@ -19,7 +19,10 @@
 
 pub mod cuda;
 mod gpu;
+mod resident;
 mod stash;
+
+pub use resident::Resident;
 
 use std::collections::VecDeque;
 use std::ffi::CString;
@@ -220,8 +223,18 @@ impl Streamer {
                 delivered: VecDeque::new(),
                 inputs: Vec::new(),
                 rss_base: rss::reset_peak(),
+                resident: Vec::new(),
             })),
         })
+    }
+
+    /// Blocks `..weights.len()` are resident ([`Resident`]): these are their compute
+    /// weights, handed out instead of copies of the store's.
+    pub fn set_resident(&mut self, weights: Vec<Tensor>) {
+        match self {
+            Streamer::Cpu(c) => c.resident = weights,
+            Streamer::Cuda(c) => c.set_resident(weights),
+        }
     }
 
     /// Starts a micro-batch: the embedding, then layers 0..L-1, the head, layers L-1..0
@@ -363,6 +376,8 @@ pub struct CpuStreamer {
     /// Resident bytes when the step began (the peak was reset then); None where /proc
     /// does not allow it.
     rss_base: Option<u64>,
+    /// The resident blocks' compute weights, by block index.
+    resident: Vec<Tensor>,
 }
 
 impl CpuStreamer {
@@ -382,6 +397,9 @@ impl CpuStreamer {
     }
 
     fn view(&self, layout: &Layout, index: usize, gate: Gate) -> Result<Tensor> {
+        if let Some(w) = self.resident.get(index) {
+            return Ok(w.shallow_clone());
+        }
         gate(index)?;
         let block = &layout.blocks[index];
         // SAFETY: the store stays mapped while `self` lives, and the gate returned, so the

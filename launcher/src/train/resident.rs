@@ -1,0 +1,104 @@
+//! Resident blocks (`memory.resident_blocks`) between the launcher and its workers: their
+//! state loaded into every worker before the first step, each update sent to the workers
+//! as soon as its scalars are known, and their state saved back from rank 0 before a
+//! checkpoint or the export reads the host's copy.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use mt::optim::AdamWStep;
+use mt::protocol::{FromWorker, ResidentPart, ToWorker};
+
+use super::Trainer;
+use crate::supervisor::{Event, fatal};
+
+const PARTS: [ResidentPart; 3] = [ResidentPart::Master, ResidentPart::M, ResidentPart::V];
+
+impl Trainer {
+    /// Every worker loads the resident blocks' state from the host's copy.
+    pub(super) fn push_resident(&mut self) -> Result<()> {
+        let n = self.host.resident_blocks();
+        if n == 0 {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let world = self.sup.world();
+        for block in 0..n {
+            for range in self.host.resident_pieces(block) {
+                for part in PARTS {
+                    self.host.stage_resident(block, range.clone(), part);
+                    let msg = || ToWorker::ResidentCopy {
+                        load: true,
+                        block,
+                        range: range.clone(),
+                        part,
+                    };
+                    self.sup.broadcast(msg)?;
+                    self.await_copies(world)?;
+                }
+            }
+        }
+        tracing::info!(
+            blocks = n,
+            seconds = format!("{:.2}", t.elapsed().as_secs_f64()),
+            "resident blocks loaded into the workers"
+        );
+        Ok(())
+    }
+
+    /// Brings the host's copy of the resident blocks' state up to date from rank 0 (every
+    /// worker holds the same bits). Runs between steps, after the last `ResidentUpdate`.
+    pub(super) fn pull_resident(&mut self) -> Result<()> {
+        let n = self.host.resident_blocks();
+        if n == 0 {
+            return Ok(());
+        }
+        let t = Instant::now();
+        for block in 0..n {
+            for range in self.host.resident_pieces(block) {
+                for part in PARTS {
+                    let msg = ToWorker::ResidentCopy {
+                        load: false,
+                        block,
+                        range: range.clone(),
+                        part,
+                    };
+                    self.sup.send(0, msg)?;
+                    self.await_copies(1)?;
+                    self.host.take_resident(block, range.clone(), part);
+                }
+            }
+        }
+        tracing::info!(
+            blocks = n,
+            seconds = format!("{:.2}", t.elapsed().as_secs_f64()),
+            "resident blocks saved to the host"
+        );
+        Ok(())
+    }
+
+    /// Sends the workers the update of their resident blocks.
+    pub(super) fn update_resident(&mut self, hp: &AdamWStep) -> Result<()> {
+        if self.host.resident_blocks() == 0 {
+            return Ok(());
+        }
+        self.sup.broadcast(|| ToWorker::ResidentUpdate { hp: *hp })
+    }
+
+    /// Waits for `n` workers' `ResidentCopied`.
+    fn await_copies(&mut self, n: usize) -> Result<()> {
+        let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
+        let mut left = n;
+        while left > 0 {
+            match self.sup.next_event(timeout, &|_| true)? {
+                Event::Msg(_, FromWorker::ResidentCopied) => left -= 1,
+                Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
+                Event::Msg(rank, other) => {
+                    bail!("worker rank {rank} sent {other:?} while copying resident blocks")
+                }
+                Event::Closed(rank) => return Err(self.sup.death(rank)),
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,291 @@
+//! Resident blocks (`memory.resident_blocks`, `mt::protocol::ResidentInit`): the leading
+//! blocks whose master weights, Adam moments and compute weights this worker keeps on its
+//! device, updating them itself; the streamer hands their compute weights out instead of
+//! copying them from the store.
+//!
+//! Per step: each block's gradient reaches the slab and the host reduce as any other's;
+//! once the launcher frees the slot of a part that the step's last micro-batch made final,
+//! that part of the host's accumulator is copied back here ([`Resident::gradient_final`],
+//! on a copy stream of its own, CUDA); `ResidentUpdate` then runs AdamW over every block
+//! with the host's arithmetic (adamw.cu on CUDA, `mt::optim::adamw::adamw_update_resident`
+//! on CPU), so the copy holds the bits the host's own update would have written.
+
+use std::ops::Range;
+
+use anyhow::{Context, Result, bail};
+use half::bf16;
+use mt::config::DType;
+use mt::layout::Layout;
+use mt::optim::AdamWStep;
+use mt::optim::adamw::{StoreOut, adamw_update_resident, element_constants};
+use mt::protocol::{ResidentInit, ResidentPart};
+use mt::shm::Region;
+use tch::{Device, Kind, Tensor};
+
+use super::cuda::{self, Event, HostRegistration, Stream, torch_stream};
+use super::{kind_of, region_view};
+
+/// One block's copy, every tensor flat over the block's elements (gaps included).
+struct Held {
+    /// Compute dtype: what the layers read.
+    w: Tensor,
+    p: Tensor,
+    m: Tensor,
+    v: Tensor,
+    /// The reduced gradient, in the accumulator's dtype.
+    g: Tensor,
+    /// The block's tensors as runs of one weight decay, in block-local elements.
+    runs: Vec<(Range<usize>, bool)>,
+    /// Where the block starts in the layout.
+    offset: usize,
+}
+
+/// The CUDA side: the regions pinned and a stream for the gradients' copies.
+struct Dma {
+    copy: Stream,
+    /// The last gradient copy enqueued has landed.
+    landed: Event,
+    /// The last update has read the gradients (recorded on torch's stream): the next
+    /// step's copies wait for it before overwriting them.
+    updated: Event,
+    // Declared before the regions they pin (dropped first).
+    _pinned: Vec<HostRegistration>,
+}
+
+pub struct Resident {
+    held: Vec<Held>,
+    split: bool,
+    grad_kind: Kind,
+    device: Device,
+    dma: Option<Dma>,
+    grad: Region,
+    transfer: Region,
+}
+
+impl Resident {
+    /// Adopts the accumulator and transfer regions whose fds this worker inherited (once, at
+    /// start-up), and allocates the blocks' copies (zeros until loaded).
+    pub fn new(init: &ResidentInit, layout: &Layout, dtype: DType, device: Device) -> Result<Resident> {
+        // SAFETY: the launcher cleared close-on-exec on exactly these fds for this process
+        // (mt::shm::keep_fds_across_exec), and nothing else here uses them.
+        let grad = unsafe { Region::from_inherited_fd(&init.grad) }?;
+        // SAFETY: as above.
+        let transfer = unsafe { Region::from_inherited_fd(&init.transfer) }?;
+        let grad_kind = kind_of(init.grad_dtype);
+        if init.blocks > layout.blocks.len()
+            || grad.payload_len() < layout.total * init.grad_dtype.size()
+            || transfer.payload_len() < layout.grad_slot_len() * 4
+        {
+            bail!(
+                "resident blocks: {} of {} blocks, accumulator of {} bytes, transfer of {} bytes do not match the layout",
+                init.blocks,
+                layout.blocks.len(),
+                grad.payload_len(),
+                transfer.payload_len()
+            );
+        }
+        let kind = kind_of(dtype);
+        let mut held = Vec::with_capacity(init.blocks);
+        for b in &layout.blocks[..init.blocks] {
+            let n = b.len as i64;
+            let alloc = |k: Kind| {
+                Tensor::f_zeros([n], (k, device)).with_context(|| {
+                    format!(
+                        "allocate resident block `{}` ({} elements) on {device:?}: lower memory.resident_blocks",
+                        b.prefix, b.len
+                    )
+                })
+            };
+            held.push(Held {
+                w: alloc(kind)?,
+                p: alloc(Kind::Float)?,
+                m: alloc(Kind::Float)?,
+                v: alloc(Kind::Float)?,
+                g: alloc(grad_kind)?,
+                runs: b
+                    .runs()
+                    .into_iter()
+                    .map(|(r, d)| (r.start - b.offset..r.end - b.offset, d))
+                    .collect(),
+                offset: b.offset,
+            });
+        }
+        let dma = match device {
+            Device::Cuda(_) => {
+                let end = held.last().map_or(0, |h| h.offset + h.g.numel() as usize);
+                let bytes = (end * init.grad_dtype.size()).next_multiple_of(4096);
+                // SAFETY: both regions stay mapped while `self` lives (the registrations
+                // are dropped first); the accumulator's pages past its payload up to the
+                // page boundary are mapped too.
+                let pinned = unsafe {
+                    vec![
+                        HostRegistration::new(
+                            grad.payload_ptr(),
+                            bytes.min(grad.payload_len().next_multiple_of(4096)),
+                            grad.name(),
+                        )?,
+                        HostRegistration::new(
+                            transfer.payload_ptr(),
+                            transfer.payload_len(),
+                            transfer.name(),
+                        )?,
+                    ]
+                };
+                let (landed, updated) = (Event::new(false)?, Event::new(false)?);
+                let copy = Stream::non_blocking()?;
+                landed.record(copy.raw())?;
+                updated.record(torch_stream())?;
+                Some(Dma {
+                    copy,
+                    landed,
+                    updated,
+                    _pinned: pinned,
+                })
+            }
+            _ => None,
+        };
+        Ok(Resident {
+            held,
+            split: init.split,
+            grad_kind,
+            device,
+            dma,
+            grad,
+            transfer,
+        })
+    }
+
+    /// Blocks `..n` are held here.
+    pub fn blocks(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The compute weights of every held block, by block index (views of the copies the
+    /// update writes in place).
+    pub fn weights(&self) -> Vec<Tensor> {
+        self.held.iter().map(|h| h.w.shallow_clone()).collect()
+    }
+
+    /// Elements `range` of block `block`'s `part`, between the device and the transfer
+    /// region: loaded from it (`load`; a master also gives the compute weights), or saved
+    /// into it. Completes before returning.
+    pub fn copy(&mut self, load: bool, block: usize, range: Range<usize>, part: ResidentPart) -> Result<()> {
+        let Some(h) = self.held.get(block) else {
+            bail!("ResidentCopy of block {block}: {} blocks are resident", self.held.len());
+        };
+        if range.end > h.p.numel() as usize || range.len() * 4 > self.transfer.payload_len() {
+            bail!("ResidentCopy of block {block}: elements {range:?} out of bounds");
+        }
+        let dst = match part {
+            ResidentPart::Master => &h.p,
+            ResidentPart::M => &h.m,
+            ResidentPart::V => &h.v,
+        };
+        let mut on_device = dst.narrow(0, range.start as i64, range.len() as i64);
+        // SAFETY: the transfer region stays mapped while `self` lives; between steps the
+        // launcher leaves it alone from sending a `ResidentCopy` until it has the answer.
+        let mut host = unsafe { region_view(&self.transfer, 0, range.len(), Kind::Float) };
+        match load {
+            true => {
+                on_device.f_copy_(&host)?;
+                if part == ResidentPart::Master {
+                    let mut w = h.w.narrow(0, range.start as i64, range.len() as i64);
+                    w.f_copy_(&on_device.f_to_kind(w.kind())?)?;
+                }
+            }
+            false => host.f_copy_(&on_device)?,
+        }
+        if let Device::Cuda(i) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
+        Ok(())
+    }
+
+    /// Elements `range` of block `block`'s reduced gradient are final in the host's
+    /// accumulator: copies them here (CUDA: enqueued on the copy stream).
+    pub fn gradient_final(&mut self, block: usize, range: Range<usize>) -> Result<()> {
+        let h = &self.held[block];
+        let elem = self.grad_kind.elt_size_in_bytes();
+        match &self.dma {
+            Some(dma) => {
+                // SAFETY: the source lies inside the pinned accumulator, which the launcher
+                // does not write again before this worker's next `LayerGrads` of the block
+                // (protocol); the destination lies inside `h.g`, which lives as long as
+                // `self`, and is read only after `landed`.
+                cuda::wait(dma.copy.raw(), &dma.updated)?;
+                unsafe {
+                    let src = self.grad.payload_ptr().add((h.offset + range.start) * elem);
+                    let dst = h.g.data_ptr() as u64 + (range.start * elem) as u64;
+                    cuda::copy_h2d(dst, src, range.len() * elem, dma.copy.raw())?;
+                }
+                dma.landed.record(dma.copy.raw())
+            }
+            None => {
+                // SAFETY: as above; the copy completes here.
+                let src = unsafe {
+                    region_view(&self.grad, h.offset + range.start, range.len(), self.grad_kind)
+                };
+                h.g.narrow(0, range.start as i64, range.len() as i64)
+                    .f_copy_(&src)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// AdamW over every held block from its reduced gradient, enqueued on torch's stream
+    /// after the gradients' copies (CUDA) or run here (CPU).
+    pub fn update(&mut self, hp: &AdamWStep) -> Result<()> {
+        if let Some(dma) = &self.dma {
+            cuda::wait(torch_stream(), &dma.landed)?;
+        }
+        for h in &self.held {
+            for (r, decay) in &h.runs {
+                let part = |t: &Tensor| t.narrow(0, r.start as i64, r.len() as i64);
+                let (p, g, m, v, w) = (part(&h.p), part(&h.g), part(&h.m), part(&h.v), part(&h.w));
+                match self.device {
+                    Device::Cuda(_) => crate::kernels::adamw_resident(
+                        &p,
+                        &g,
+                        &m,
+                        &v,
+                        &w,
+                        element_constants(hp, *decay),
+                        self.split,
+                    )?,
+                    _ => update_on_cpu(&p, &g, &m, &v, &w, hp, *decay, self.split),
+                }
+            }
+        }
+        match &self.dma {
+            Some(dma) => dma.updated.record(torch_stream()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `adamw_update_resident` over CPU tensors (contiguous views).
+#[allow(clippy::too_many_arguments)]
+fn update_on_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, w: &Tensor, hp: &AdamWStep, decay: bool, split: bool) {
+    let n = p.numel();
+    // SAFETY: the five tensors are contiguous CPU views of `n` elements of distinct
+    // buffers, of the kinds matched below; nothing else touches them meanwhile (the worker
+    // computes on one thread, between steps here).
+    unsafe {
+        let f32s = |t: &Tensor| std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n);
+        let (p, m, v) = (f32s(p), f32s(m), f32s(v));
+        let out = match w.kind() {
+            Kind::BFloat16 => StoreOut::Bf16(std::slice::from_raw_parts_mut(w.data_ptr() as *mut bf16, n)),
+            _ => StoreOut::F32(f32s(w)),
+        };
+        match g.kind() {
+            Kind::BFloat16 => {
+                let g = std::slice::from_raw_parts(g.data_ptr() as *const bf16, n);
+                adamw_update_resident(p, g, m, v, out, hp, decay, split)
+            }
+            _ => {
+                let g = std::slice::from_raw_parts(g.data_ptr() as *const f32, n);
+                adamw_update_resident(p, g, m, v, out, hp, decay, split)
+            }
+        }
+    }
+}
