@@ -27,6 +27,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     };
     let (rows, seq_len) = prep.micro_batch(&cfg, placement.world());
     let device = DevicePlan::new(&prep.spec, &prep.layout, opts, rows, seq_len);
+    let resident = crate::prepare::resident_blocks(&prep, &cfg, &placement, opts.device_free);
     // The first GPU's total memory, from the same reading as the run's free memory.
     let budget = given.or_else(|| match placement.devices.is_empty() {
         true => None,
@@ -40,6 +41,10 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let nodes = NodesPlan::new(&prep.plan, &sharded, p.nodes as u64);
     if p.json {
         let mut v = json(&prep, &device, budget, best);
+        // Resident blocks sit beside the step for the whole run.
+        v["device"]["resident_blocks"] = serde_json::json!(resident.0);
+        v["device"]["resident_bytes"] = serde_json::json!(resident.1);
+        v["device"]["total"] = serde_json::json!(device.total() + resident.1);
         v["nodes"] = serde_json::json!({
             "nodes": nodes.nodes,
             "replicated_bytes_per_param": nodes.replicated_per_param,
@@ -58,6 +63,14 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         print!("{nodes}");
     }
     println!("{device}");
+    if resident.0 > 0 {
+        println!(
+            "resident blocks: {} of {}, {:.2} GB more per worker for the whole run",
+            resident.0,
+            prep.layout.blocks.len(),
+            resident.1 as f64 / 1e9
+        );
+    }
     match (budget, best) {
         (Some(b), Some(best)) => println!(
             "largest micro-batch on a {:.1} GB GPU: {best} x {seq_len} tokens (configured: {rows}; \

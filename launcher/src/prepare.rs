@@ -238,21 +238,35 @@ pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
     }
 }
 
-/// Leading blocks kept and updated on every GPU (`memory.resident_blocks`), `auto`
-/// resolved against the device memory the step's plan leaves free: that plan with a
-/// seventh on top (the largest error measured against it, 2026-11-23, was 11%) and 2 GB for
-/// torch's allocator. CPU workers resolve `auto` to none.
-pub fn resident_blocks(prepared: &Prepared, cfg: &RunConfig, placement: &Placement) -> usize {
+/// Leading blocks kept and updated on every GPU (`memory.resident_blocks`) and the device
+/// bytes they take, `auto` resolved against `device_free` (the run's reading of the GPUs'
+/// free memory) less the step's device plan with a seventh on top (the largest error
+/// measured against it, 2026-11-23, was 11%) and 2 GB for torch's allocator. CPU workers
+/// resolve `auto` to none.
+pub fn resident_blocks(
+    prepared: &Prepared,
+    cfg: &RunConfig,
+    placement: &Placement,
+    device_free: Option<u64>,
+) -> (usize, u64) {
     let layout = &prepared.layout;
     let fit = || {
-        let opts = device_opts(cfg, placement);
-        let Some(free) = opts.device_free.filter(|_| placement.gpus > 0) else {
+        let Some(free) = device_free.filter(|_| placement.gpus > 0) else {
             return 0;
+        };
+        let opts = DeviceOpts {
+            device_free: Some(free),
+            ..device_opts(cfg, placement)
         };
         let shape = prepared.micro_batch(cfg, placement.world());
         let step = DevicePlan::new(&prepared.spec, layout, opts, shape.0, shape.1).total();
         let budget = free.saturating_sub(step + step / 7 + 2_000_000_000);
         mt::plan::resident_fit(layout, cfg.model.dtype, cfg.memory.grad_dtype, budget)
     };
-    cfg.memory.resident_blocks.count(layout.blocks.len(), fit)
+    let n = cfg.memory.resident_blocks.count(layout.blocks.len(), fit);
+    let bytes = layout.blocks[..n]
+        .iter()
+        .map(|b| mt::plan::resident_block_bytes(b.len, cfg.model.dtype, cfg.memory.grad_dtype))
+        .sum();
+    (n, bytes)
 }

@@ -51,6 +51,16 @@ fn main() -> ExitCode {
 }
 
 fn run() -> Result<()> {
+    if std::env::args().nth(1).as_deref() == Some("--check-resident-update") {
+        stream::load_torch_cuda()?;
+        let ok = stream::check_resident_update(tch::Device::Cuda(0))?;
+        println!("{}", if ok { "PASS" } else { "FAIL" });
+        return if ok {
+            Ok(())
+        } else {
+            bail!("adamw.cu differs from the host's update")
+        };
+    }
     // Die with the launcher, and do not start if it is already gone.
     nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
         .context("prctl(PR_SET_PDEATHSIG)")?;

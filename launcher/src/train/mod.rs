@@ -142,7 +142,9 @@ impl Trainer {
             true => (metrics_out, dump_grads, dump_logits),
             false => (None, None, None),
         };
-        let resident = crate::prepare::resident_blocks(&prepared, &cfg, &placement);
+        let free = crate::prepare::device_opts(&cfg, &placement).device_free;
+        let (resident, resident_bytes) =
+            crate::prepare::resident_blocks(&prepared, &cfg, &placement, free);
         let Prepared {
             spec,
             layout,
@@ -204,15 +206,10 @@ impl Trainer {
         }
         let mut host = HostState::new(&cfg, layout, placement.workers, shards, resident)?;
         if resident > 0 {
-            let l = &host.layout;
-            let bytes: u64 = l.blocks[..resident]
-                .iter()
-                .map(|b| mt::plan::resident_block_bytes(b.len, cfg.model.dtype, cfg.memory.grad_dtype))
-                .sum();
             println!(
                 "resident blocks: {resident} of {} ({:.2} GB on each worker's device): updated there, not streamed",
-                l.blocks.len(),
-                bytes as f64 / 1e9
+                host.layout.blocks.len(),
+                resident_bytes as f64 / 1e9
             );
         }
         let t_allocated = Instant::now();

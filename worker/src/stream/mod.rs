@@ -22,7 +22,7 @@ mod gpu;
 mod resident;
 mod stash;
 
-pub use resident::Resident;
+pub use resident::{Resident, check_update as check_resident_update};
 
 use std::collections::VecDeque;
 use std::ffi::CString;

@@ -289,3 +289,91 @@ fn update_on_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, w: &Tensor, hp:
         }
     }
 }
+
+/// GPU check of adamw.cu against the host's update (`mt-worker --check-resident-update`,
+/// scripts/check_gpu.sh part `resident`): on about a million elements of random bits
+/// (magnitudes over the whole f32 range, zeros of both signs, the gradient also in bf16),
+/// for each gradient dtype, compute dtype, weight decay and split master, every bit of
+/// p, m, v and w must equal `adamw_update_resident`'s. Prints one line per case; returns
+/// whether all agree.
+pub fn check_update(device: Device) -> Result<bool> {
+    let n = (1 << 20) + 37;
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    // A value of random sign, mantissa and exponent in 2^-40 .. 2^8 (and a few zeros).
+    let mut value = |scale: i32| -> f32 {
+        let r = next();
+        if r % 97 == 0 {
+            return if r & 1 == 0 { 0.0 } else { -0.0 };
+        }
+        let mant = 1.0 + (r >> 40) as f32 / (1u64 << 24) as f32;
+        let exp = ((r >> 8) % 48) as i32 - 40 + scale;
+        let sign = if r & 2 == 0 { 1.0 } else { -1.0 };
+        sign * mant * 2f32.powi(exp)
+    };
+    let p: Vec<f32> = (0..n).map(|_| value(0)).collect();
+    let g: Vec<f32> = (0..n).map(|_| value(0)).collect();
+    let m: Vec<f32> = (0..n).map(|_| value(-4)).collect();
+    let v: Vec<f32> = (0..n).map(|_| value(-10).abs()).collect();
+    let hp = AdamWStep {
+        lr: 3e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 7,
+        grad_scale: 0.37,
+    };
+    let mut ok = true;
+    for (g_kind, w_kind, split, decay) in [
+        (Kind::Float, Kind::BFloat16, false, true),
+        (Kind::BFloat16, Kind::BFloat16, false, false),
+        (Kind::BFloat16, Kind::BFloat16, true, true),
+        (Kind::Float, Kind::BFloat16, true, false),
+        (Kind::Float, Kind::Float, false, true),
+        (Kind::BFloat16, Kind::Float, false, false),
+    ] {
+        let cpu = |x: &[f32], k: Kind| Tensor::from_slice(x).to_kind(k);
+        // A split master holds what joining its split gives (bits::join of bits::split).
+        let p0: Vec<f32> = match split {
+            true => p
+                .iter()
+                .map(|&x| {
+                    let (hi, lo) = mt::optim::bits::split(x);
+                    mt::optim::bits::join(hi, lo)
+                })
+                .collect(),
+            false => p.clone(),
+        };
+        let host = [cpu(&p0, Kind::Float), cpu(&g, g_kind), cpu(&m, Kind::Float), cpu(&v, Kind::Float), cpu(&p0, w_kind)];
+        let dev: Vec<Tensor> = host.iter().map(|t| t.to_device(device)).collect();
+        update_on_cpu(&host[0], &host[1], &host[2], &host[3], &host[4], &hp, decay, split);
+        crate::kernels::adamw_resident(
+            &dev[0],
+            &dev[1],
+            &dev[2],
+            &dev[3],
+            &dev[4],
+            element_constants(&hp, decay),
+            split,
+        )?;
+        let mut line = format!("g {g_kind:?}, w {w_kind:?}, split {split}, decay {decay}:");
+        for (i, name) in [(0, "p"), (2, "m"), (3, "v"), (4, "w")] {
+            let (a, b) = (&host[i], dev[i].to_device(Device::Cpu));
+            let bits = |t: &Tensor| match t.kind() {
+                Kind::BFloat16 => t.view_dtype(Kind::Int16).to_kind(Kind::Int64),
+                _ => t.view_dtype(Kind::Int).to_kind(Kind::Int64),
+            };
+            let differ = bits(a).ne_tensor(&bits(&b)).sum(Kind::Int64).int64_value(&[]);
+            ok &= differ == 0;
+            line += &format!(" {name} {differ} of {n} differ;");
+        }
+        println!("{line}");
+    }
+    Ok(ok)
+}

@@ -1,0 +1,164 @@
+//! `memory.resident_blocks`: the leading blocks kept and updated by the workers give the
+//! same losses, gradient norms, checkpoints and exported weights, bit for bit, as the
+//! host's update of every block (float32 on CPU, whether or not clipping binds, with
+//! gradient accumulation and two workers; and with a split master, bf16 weights and
+//! gradients on one worker), and a run resumed from a checkpoint of a run with resident
+//! blocks ends where the uninterrupted one did.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+
+/// Trains the golden `llama` case for 5 steps (2 micro-batches per worker), checkpoints at
+/// step 3 and at the end, with `resident` blocks and the `extra` settings; returns the
+/// metrics rows.
+fn train(
+    dir: &Path,
+    tag: &str,
+    resident: &str,
+    workers: usize,
+    extra: &[String],
+    resume: bool,
+) -> Vec<serde_json::Value> {
+    let run = dir.join(tag);
+    let metrics_path = run.join("metrics.jsonl");
+    std::fs::create_dir_all(&run).unwrap();
+    let mut sets = vec![
+        "training.num_steps=5".to_string(),
+        "training.gradient_accumulation_steps=2".to_string(),
+        format!("memory.resident_blocks={resident}"),
+        format!("training.output_dir={}", run.join("out").display()),
+        format!("checkpoint.dir={}", run.join("ck").display()),
+        "checkpoint.every_steps=3".to_string(),
+    ];
+    sets.extend(extra.iter().cloned());
+    let mut args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+    if resume {
+        args.extend(["--resume", "latest"]);
+    }
+    let config = golden_dir().join("llama").join("run.yaml");
+    run_cpu_env_ok(&config, workers, &metrics_path, &args, &[]);
+    metrics(&metrics_path)
+}
+
+/// Every file of `dir` (recursively), by relative path, with its bytes.
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().display().to_string();
+                out.push((rel, std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn same_files(a: &Path, b: &Path) {
+    let (x, y) = (files(a), files(b));
+    let names = |f: &[(String, Vec<u8>)]| f.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&x), names(&y), "{} and {}: the same files", a.display(), b.display());
+    assert!(!x.is_empty(), "{} holds the written files", a.display());
+    for ((name, p), (_, q)) in x.iter().zip(&y) {
+        assert!(p == q, "{name} differs between {} and {}", a.display(), b.display());
+    }
+}
+
+fn same_columns(a: &[serde_json::Value], b: &[serde_json::Value], what: &str) {
+    for key in ["loss", "grad_norm"] {
+        let (x, y) = (column(a, key), column(b, key));
+        let bits = |v: &[f64]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&x), bits(&y), "{what}, {key}: {x:?} vs {y:?}");
+    }
+}
+
+/// `resident` blocks against none, on `workers` workers with `extra`; both must train.
+fn compare(dir: &Path, resident: &str, workers: usize, extra: &[String]) {
+    let host = train(dir, "host", "off", workers, extra, false);
+    let held = train(dir, "held", resident, workers, extra, false);
+    assert_eq!(host.len(), 5, "five steps reported");
+    same_columns(&host, &held, &format!("resident_blocks={resident}"));
+    for sub in ["out", "ck"] {
+        same_files(&dir.join("host").join(sub), &dir.join("held").join(sub));
+    }
+}
+
+#[test]
+fn every_block_resident_gives_the_hosts_bits_when_clipping_binds() {
+    let dir = scratch("resident-all-clipped");
+    compare(&dir, "all", 2, &["training.max_grad_norm=1e-3".into()]);
+}
+
+#[test]
+fn every_block_resident_gives_the_hosts_bits_without_clipping() {
+    let dir = scratch("resident-all-unclipped");
+    compare(&dir, "all", 2, &["training.max_grad_norm=1e9".into()]);
+}
+
+/// Two of the golden model's five blocks resident (the embedding and layer 0), a split
+/// master with bf16 weights and gradients; then a resume from the step-3 checkpoint of the
+/// run with resident blocks ends on the uninterrupted run's files.
+#[test]
+fn some_blocks_resident_with_a_split_master_and_a_resume() {
+    let dir = scratch("resident-split");
+    let extra: Vec<String> = [
+        "model.dtype=bfloat16",
+        "memory.master_weights=split",
+        "memory.grad_dtype=bfloat16",
+    ]
+    .map(String::from)
+    .to_vec();
+    compare(&dir, "2", 1, &extra);
+    let resumed = dir.join("resumed");
+    std::fs::create_dir_all(resumed.join("ck")).unwrap();
+    let from = dir.join("held").join("ck").join("step-00000003");
+    let status = std::process::Command::new("cp")
+        .args(["-r", path_str(&from), path_str(&resumed.join("ck"))])
+        .status()
+        .unwrap();
+    assert!(status.success(), "copy the step-3 checkpoint");
+    let rows = train(&dir, "resumed", "2", 1, &extra, true);
+    assert_eq!(column(&rows, "loss").len(), 2, "steps 4 and 5 run after the resume");
+    let held = metrics(&dir.join("held").join("metrics.jsonl"));
+    same_columns(&held[3..], &rows, "resumed at step 3");
+    same_files(&dir.join("held").join("out"), &resumed.join("out"));
+}
+
+/// The modes the workers cannot update with the host's arithmetic are refused by name.
+#[test]
+fn modes_updated_on_the_host_only_are_refused() {
+    let dir = scratch("resident-refused");
+    let config = golden_dir().join("llama").join("run.yaml");
+    for (set, says) in [
+        ("memory.master_weights=bfloat16", "memory.master_weights: bfloat16"),
+        ("memory.moments_dtype=bfloat16", "memory.moments_dtype: bfloat16"),
+    ] {
+        let args = [
+            "--set",
+            "memory.resident_blocks=all",
+            "--set",
+            "model.dtype=bfloat16",
+            "--set",
+            "memory.grad_dtype=bfloat16",
+            "--set",
+            "memory.master_weights=split",
+            "--set",
+            set,
+        ];
+        let (out, _) = run_cpu_env(&config, 1, &dir.join("m.jsonl"), &args, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set} with resident blocks must fail");
+        assert!(
+            err.contains("memory.resident_blocks") && err.contains(says),
+            "{set}: the error names the key and the mode: {err}"
+        );
+    }
+}
