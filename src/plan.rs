@@ -146,6 +146,9 @@ pub struct HostPlan {
     /// The reference model itself is the initial one, loaded into the store and the master
     /// before a resume restores them: it takes no memory of its own.
     pub grpo_reference: u64,
+    /// With `memory.resident_blocks`, the buffer their state travels through between the
+    /// launcher and the workers (one slab slot of f32); 0 otherwise.
+    pub resident_transfer: u64,
     /// Elements of one slab slot (`Layout::grad_slot_len`).
     pub slot_len: u64,
     pub workers: u64,
@@ -183,6 +186,7 @@ impl HostPlan {
             exchange: 0,
             offloaded: 0,
             grpo_reference: 0,
+            resident_transfer: 0,
             slot_len: slot_len as u64,
             workers: opts.workers as u64,
             slots: opts.slots as u64,
@@ -204,6 +208,18 @@ impl HostPlan {
             + self.exchange
             + self.offloaded
             + self.grpo_reference
+            + self.resident_transfer
+    }
+
+    /// The plan with the resident blocks' transfer buffer (`memory.resident_blocks` set).
+    pub fn with_resident_transfer(self, on: bool) -> HostPlan {
+        HostPlan {
+            resident_transfer: match on {
+                true => 4 * self.slot_len + HEADER_LEN as u64,
+                false => 0,
+            },
+            ..self
+        }
     }
 
     /// The plan holding `bytes` of GRPO reference log-probabilities.
@@ -388,6 +404,13 @@ impl std::fmt::Display for HostPlan {
                 f,
                 "  GRPO reference        {} (grpo.beta > 0: 4 bytes per completion token; the reference model is the initial one, no second copy)",
                 human_bytes(self.grpo_reference)
+            )?;
+        }
+        if self.resident_transfer > 0 {
+            writeln!(
+                f,
+                "  resident transfer     {:>9.2} GB (memory.resident_blocks: one slot of f32, their state's way to and from the workers)",
+                gb(self.resident_transfer)
             )?;
         }
         write!(f, "  total                 {:>9.2} GB", gb(self.total()))

@@ -90,7 +90,10 @@ impl Prepared {
         let plan =
             mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers))
                 .with_carried(carried)
-                .with_grpo_reference(reference);
+                .with_grpo_reference(reference)
+                .with_resident_transfer(
+                    cfg.memory.resident_blocks != mt::config::ResidentBlocks::Off,
+                );
         let mut prepared = Prepared {
             spec,
             layout,

@@ -329,10 +329,10 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
         cmd.env(ENV_TORCH_ALLOC, "expandable_segments:True");
     }
     let mut fds = vec![init.store.fd, init.slab.fd];
-        if let Some(r) = &init.resident {
-            fds.extend([r.grad.fd, r.transfer.fd]);
-        }
-        mt::shm::keep_fds_across_exec(&mut cmd, fds);
+    if let Some(r) = &init.resident {
+        fds.extend([r.grad.fd, r.transfer.fd]);
+    }
+    mt::shm::keep_fds_across_exec(&mut cmd, fds);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("start worker rank {rank} ({})", bin.display()))?;

@@ -65,10 +65,21 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn same_files(a: &Path, b: &Path) {
     let (x, y) = (files(a), files(b));
     let names = |f: &[(String, Vec<u8>)]| f.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
-    assert_eq!(names(&x), names(&y), "{} and {}: the same files", a.display(), b.display());
+    assert_eq!(
+        names(&x),
+        names(&y),
+        "{} and {}: the same files",
+        a.display(),
+        b.display()
+    );
     assert!(!x.is_empty(), "{} holds the written files", a.display());
     for ((name, p), (_, q)) in x.iter().zip(&y) {
-        assert!(p == q, "{name} differs between {} and {}", a.display(), b.display());
+        assert!(
+            p == q,
+            "{name} differs between {} and {}",
+            a.display(),
+            b.display()
+        );
     }
 }
 
@@ -126,7 +137,11 @@ fn some_blocks_resident_with_a_split_master_and_a_resume() {
         .unwrap();
     assert!(status.success(), "copy the step-3 checkpoint");
     let rows = train(&dir, "resumed", "2", 1, &extra, true);
-    assert_eq!(column(&rows, "loss").len(), 2, "steps 4 and 5 run after the resume");
+    assert_eq!(
+        column(&rows, "loss").len(),
+        2,
+        "steps 4 and 5 run after the resume"
+    );
     let held = metrics(&dir.join("held").join("metrics.jsonl"));
     same_columns(&held[3..], &rows, "resumed at step 3");
     same_files(&dir.join("held").join("out"), &resumed.join("out"));
@@ -138,8 +153,14 @@ fn modes_updated_on_the_host_only_are_refused() {
     let dir = scratch("resident-refused");
     let config = golden_dir().join("llama").join("run.yaml");
     for (set, says) in [
-        ("memory.master_weights=bfloat16", "memory.master_weights: bfloat16"),
-        ("memory.moments_dtype=bfloat16", "memory.moments_dtype: bfloat16"),
+        (
+            "memory.master_weights=bfloat16",
+            "memory.master_weights: bfloat16",
+        ),
+        (
+            "memory.moments_dtype=bfloat16",
+            "memory.moments_dtype: bfloat16",
+        ),
     ] {
         let args = [
             "--set",
@@ -155,10 +176,21 @@ fn modes_updated_on_the_host_only_are_refused() {
         ];
         let (out, _) = run_cpu_env(&config, 1, &dir.join("m.jsonl"), &args, &[]);
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{set} with resident blocks must fail");
+        assert!(
+            !out.status.success(),
+            "{set} with resident blocks must fail"
+        );
         assert!(
             err.contains("memory.resident_blocks") && err.contains(says),
             "{set}: the error names the key and the mode: {err}"
         );
     }
+}
+
+/// Checkpoints of the weights alone (`checkpoint.save_optimizer: false`) bring back only
+/// the resident blocks' master weights: they and the export are still the host's bits.
+#[test]
+fn weights_only_checkpoints_hold_the_hosts_bits() {
+    let dir = scratch("resident-weights-only");
+    compare(&dir, "all", 1, &["checkpoint.save_optimizer=false".into()]);
 }

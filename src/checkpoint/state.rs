@@ -20,7 +20,6 @@ use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
@@ -170,7 +169,7 @@ fn fsync(path: &Path) -> Result<()> {
         .map_err(io(path))
 }
 
-/// Writes checkpoint `state.step` of `tensors` under `root` (blocks in parallel) and
+/// Writes checkpoint `state.step` of `tensors` under `root` (block after block) and
 /// returns its directory, as [`save_with`] does.
 pub fn save(
     root: &Path,
@@ -180,9 +179,9 @@ pub fn save(
     export: &ExportOptions,
     contents: CheckpointContents,
 ) -> Result<PathBuf> {
+    // Blocks one after another, as `super::export::save_hf` writes them (why there).
     save_with(root, state, layout, export, contents, |files| {
         (0..layout.blocks.len())
-            .into_par_iter()
             .try_for_each(|b| files.write_block(b, &tensors.slice(layout.blocks[b].range())))
     })
 }

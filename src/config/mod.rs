@@ -16,9 +16,9 @@ pub mod hub;
 mod logging;
 mod nodes;
 mod overrides;
+mod resident;
 pub mod shipped;
 pub mod size;
-mod resident;
 mod stage;
 mod tile;
 
@@ -29,8 +29,8 @@ pub use logging::{LoggingSection, ReportTo};
 pub use nodes::NodesSection;
 pub use overrides::apply_override;
 use overrides::did_you_mean;
-pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 pub use resident::ResidentBlocks;
+pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 pub use tile::TileTokens;
 
 use std::path::{Path, PathBuf};
@@ -561,11 +561,15 @@ impl RunConfig {
             return Ok(());
         }
         let why = if m.master_weights == MasterWeights::Bfloat16 {
-            Some("memory.master_weights: bfloat16 (stochastic rounding) is updated on the host only; use float32 or split")
+            Some(
+                "memory.master_weights: bfloat16 (stochastic rounding) is updated on the host only; use float32 or split",
+            )
         } else if m.moments_dtype != DType::Float32 {
             Some("memory.moments_dtype: bfloat16 is updated on the host only; use float32")
         } else if matches!(self.training.stage, Stage::Dpo | Stage::Grpo) {
-            Some("training.stage dpo and grpo run reference passes on the initial weights, which resident blocks do not keep yet; use off")
+            Some(
+                "training.stage dpo and grpo run reference passes on the initial weights, which resident blocks do not keep yet; use off",
+            )
         } else {
             None
         };

@@ -81,10 +81,14 @@ impl Store {
 
     /// Writes `values` (fp32 master values) into the store from element `start` on.
     pub fn write_range(&mut self, start: usize, values: &[f32]) {
+        use rayon::prelude::*;
         match self.out_mut(start..start + values.len()) {
-            StoreOut::F32(s) => s.copy_from_slice(values),
+            StoreOut::F32(s) => s
+                .par_chunks_mut(1 << 20)
+                .zip(values.par_chunks(1 << 20))
+                .for_each(|(d, x)| d.copy_from_slice(x)),
             StoreOut::Bf16(s) => s
-                .iter_mut()
+                .par_iter_mut()
                 .zip(values)
                 .for_each(|(d, x)| *d = bf16::from_f32(*x)),
         }

@@ -11,6 +11,7 @@ use half::bf16;
 use mt::checkpoint::staging::Part;
 use mt::optim::bits;
 use mt::protocol::{ResidentInit, ResidentPart};
+use rayon::prelude::*;
 
 use super::{AdamMoments, Grad, HostState, Master, store_bf16};
 
@@ -46,17 +47,28 @@ impl HostState {
 
     /// Writes `part` of block `block`'s elements `range` (f32) into the transfer buffer,
     /// for the workers to load.
-    pub fn stage_resident(&mut self, block: usize, range: std::ops::Range<usize>, part: ResidentPart) {
-        let r = self.layout.blocks[block].offset + range.start..self.layout.blocks[block].offset + range.end;
+    pub fn stage_resident(
+        &mut self,
+        block: usize,
+        range: std::ops::Range<usize>,
+        part: ResidentPart,
+    ) {
+        let r = self.layout.blocks[block].offset + range.start
+            ..self.layout.blocks[block].offset + range.end;
         let out = &mut self.transfer.as_mut().expect("resident blocks")[..r.len()];
         match part {
             ResidentPart::Master => match &self.master {
-                Master::F32(x) => out.copy_from_slice(&x.as_slice()[r]),
+                Master::F32(x) => copy(out, &x.as_slice()[r]),
                 Master::Split(lo) => {
                     let hi = self.store.bf16().expect("a split master has a bf16 store");
-                    for ((o, &h), &l) in out.iter_mut().zip(&hi[r.clone()]).zip(&lo.as_slice()[r]) {
-                        *o = bits::join(h, l);
-                    }
+                    out.par_chunks_mut(CHUNK)
+                        .zip(hi[r.clone()].par_chunks(CHUNK))
+                        .zip(lo.as_slice()[r].par_chunks(CHUNK))
+                        .for_each(|((o, h), l)| {
+                            for ((o, &h), &l) in o.iter_mut().zip(h).zip(l) {
+                                *o = bits::join(h, l);
+                            }
+                        });
                 }
                 Master::Bf16 { .. } => unreachable!("validated: no resident blocks"),
             },
@@ -65,7 +77,7 @@ impl HostState {
                     unreachable!("validated: fp32 moments")
                 };
                 let src = if part == ResidentPart::M { m } else { v };
-                out.copy_from_slice(&src.as_slice()[r]);
+                copy(out, &src.as_slice()[r]);
             }
         }
     }
@@ -73,7 +85,12 @@ impl HostState {
     /// Reads `part` of block `block`'s elements `range` from the transfer buffer, where a
     /// worker saved it, into the host's state (a checkpoint in flight keeps what it has not
     /// written yet first).
-    pub fn take_resident(&mut self, block: usize, range: std::ops::Range<usize>, part: ResidentPart) {
+    pub fn take_resident(
+        &mut self,
+        block: usize,
+        range: std::ops::Range<usize>,
+        part: ResidentPart,
+    ) {
         self.before_block_changes(
             block,
             match part {
@@ -81,20 +98,19 @@ impl HostState {
                 _ => Part::Moments,
             },
         );
-        let r = self.layout.blocks[block].offset + range.start..self.layout.blocks[block].offset + range.end;
+        let r = self.layout.blocks[block].offset + range.start
+            ..self.layout.blocks[block].offset + range.end;
         let from = &self.transfer.as_ref().expect("resident blocks")[..r.len()];
         match part {
             ResidentPart::Master => match &mut self.master {
                 Master::F32(x) => {
-                    x.as_mut_slice()[r.clone()].copy_from_slice(from);
+                    copy(&mut x.as_mut_slice()[r.clone()], from);
                     self.store.write_range(r.start, from);
                 }
                 Master::Split(lo) => {
                     let lo = &mut lo.as_mut_slice()[r.clone()];
                     let hi: &mut [bf16] = store_bf16(&mut self.store, r);
-                    for ((x, h), l) in from.iter().zip(hi).zip(lo) {
-                        (*h, *l) = bits::split(*x);
-                    }
+                    bits::split_slice(from, hi, lo);
                 }
                 Master::Bf16 { .. } => unreachable!("validated: no resident blocks"),
             },
@@ -103,8 +119,18 @@ impl HostState {
                     unreachable!("validated: fp32 moments")
                 };
                 let dst = if part == ResidentPart::M { m } else { v };
-                dst.as_mut_slice()[r].copy_from_slice(from);
+                copy(&mut dst.as_mut_slice()[r], from);
             }
         }
     }
+}
+
+/// Elements per parallel task of the copies (4 MB of f32).
+const CHUNK: usize = 1 << 20;
+
+/// `dst = src`, in parallel: a piece is a gigabyte at the 7B shape.
+fn copy(dst: &mut [f32], src: &[f32]) {
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| d.copy_from_slice(s));
 }

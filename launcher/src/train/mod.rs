@@ -10,7 +10,7 @@ use anyhow::{Context, Result, anyhow};
 use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::ModelSpec;
-use mt::config::{Init as InitKind, RunConfig, Stage};
+use mt::config::{CheckpointContents, Init as InitKind, RunConfig, Stage};
 use mt::data::{Dataset, Sampler, StepPlan, plan_pairs, plan_rollouts, plan_step};
 use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
@@ -262,8 +262,9 @@ impl Trainer {
                     buffers: buffers.clone(),
                     dpo,
                     grpo,
-                    resident: host
-                        .resident_init(cfg.memory.master_weights == mt::config::MasterWeights::Split),
+                    resident: host.resident_init(
+                        cfg.memory.master_weights == mt::config::MasterWeights::Split,
+                    ),
                 }
             })
             .collect();
@@ -417,11 +418,14 @@ impl Trainer {
             if let Some(hp) = &hp {
                 self.update_resident(hp)?;
             }
-            let checkpoint_due =
-                self.writer.is_some() && self.cfg.checkpoint.due(step + 1, !more).is_some();
-            let export_due = !more && self.cfg.training.output_dir.is_some();
-            if checkpoint_due || export_due {
-                self.pull_resident()?;
+            let checkpoint = self
+                .cfg
+                .checkpoint
+                .due(step + 1, !more)
+                .filter(|_| self.writer.is_some());
+            let export = !more && self.cfg.training.output_dir.is_some();
+            if checkpoint.is_some() || export {
+                self.pull_resident(checkpoint == Some(CheckpointContents::Full))?;
             }
             let next = if more && !evaluate {
                 let next = self.fetch_batch(step + 1);

@@ -46,17 +46,19 @@ impl Trainer {
         Ok(())
     }
 
-    /// Brings the host's copy of the resident blocks' state up to date from rank 0 (every
-    /// worker holds the same bits). Runs between steps, after the last `ResidentUpdate`.
-    pub(super) fn pull_resident(&mut self) -> Result<()> {
+    /// Brings the host's copy of the resident blocks' master weights, and with `moments`
+    /// their Adam moments, up to date from rank 0 (every worker holds the same bits). Runs
+    /// between steps, after the last `ResidentUpdate`.
+    pub(super) fn pull_resident(&mut self, moments: bool) -> Result<()> {
         let n = self.host.resident_blocks();
         if n == 0 {
             return Ok(());
         }
         let t = Instant::now();
+        let parts = if moments { &PARTS[..] } else { &PARTS[..1] };
         for block in 0..n {
             for range in self.host.resident_pieces(block) {
-                for part in PARTS {
+                for &part in parts {
                     let msg = ToWorker::ResidentCopy {
                         load: false,
                         block,
@@ -71,6 +73,7 @@ impl Trainer {
         }
         tracing::info!(
             blocks = n,
+            moments,
             seconds = format!("{:.2}", t.elapsed().as_secs_f64()),
             "resident blocks saved to the host"
         );

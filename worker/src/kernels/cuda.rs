@@ -92,9 +92,17 @@ fn build() -> Result<Kernels> {
         attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
     );
     let arch = format!("--gpu-architecture=compute_{major}{minor}");
-    let conv = load_module(CONV_QKV_SRC, "conv_qkv.cu", vec![arch.clone(), "--std=c++17".into()])?;
+    let conv = load_module(
+        CONV_QKV_SRC,
+        "conv_qkv.cu",
+        vec![arch.clone(), "--std=c++17".into()],
+    )?;
     // The host's arithmetic, operation for operation: no contracted multiply-adds.
-    let adamw = load_module(ADAMW_SRC, "adamw.cu", vec![arch, "--std=c++17".into(), "--fmad=false".into()])?;
+    let adamw = load_module(
+        ADAMW_SRC,
+        "adamw.cu",
+        vec![arch, "--std=c++17".into(), "--fmad=false".into()],
+    )?;
     let by_n = |prefix: &str| -> Result<[CUfunction; 4]> {
         let f: Vec<CUfunction> = LANE_CHANNELS
             .iter()

@@ -65,7 +65,12 @@ pub struct Resident {
 impl Resident {
     /// Adopts the accumulator and transfer regions whose fds this worker inherited (once, at
     /// start-up), and allocates the blocks' copies (zeros until loaded).
-    pub fn new(init: &ResidentInit, layout: &Layout, dtype: DType, device: Device) -> Result<Resident> {
+    pub fn new(
+        init: &ResidentInit,
+        layout: &Layout,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Resident> {
         // SAFETY: the launcher cleared close-on-exec on exactly these fds for this process
         // (mt::shm::keep_fds_across_exec), and nothing else here uses them.
         let grad = unsafe { Region::from_inherited_fd(&init.grad) }?;
@@ -169,9 +174,18 @@ impl Resident {
     /// Elements `range` of block `block`'s `part`, between the device and the transfer
     /// region: loaded from it (`load`; a master also gives the compute weights), or saved
     /// into it. Completes before returning.
-    pub fn copy(&mut self, load: bool, block: usize, range: Range<usize>, part: ResidentPart) -> Result<()> {
+    pub fn copy(
+        &mut self,
+        load: bool,
+        block: usize,
+        range: Range<usize>,
+        part: ResidentPart,
+    ) -> Result<()> {
         let Some(h) = self.held.get(block) else {
-            bail!("ResidentCopy of block {block}: {} blocks are resident", self.held.len());
+            bail!(
+                "ResidentCopy of block {block}: {} blocks are resident",
+                self.held.len()
+            );
         };
         if range.end > h.p.numel() as usize || range.len() * 4 > self.transfer.payload_len() {
             bail!("ResidentCopy of block {block}: elements {range:?} out of bounds");
@@ -182,18 +196,33 @@ impl Resident {
             ResidentPart::V => &h.v,
         };
         let mut on_device = dst.narrow(0, range.start as i64, range.len() as i64);
-        // SAFETY: the transfer region stays mapped while `self` lives; between steps the
-        // launcher leaves it alone from sending a `ResidentCopy` until it has the answer.
-        let mut host = unsafe { region_view(&self.transfer, 0, range.len(), Kind::Float) };
-        match load {
-            true => {
-                on_device.f_copy_(&host)?;
-                if part == ResidentPart::Master {
-                    let mut w = h.w.narrow(0, range.start as i64, range.len() as i64);
-                    w.f_copy_(&on_device.f_to_kind(w.kind())?)?;
+        let bytes = range.len() * 4;
+        match &self.dma {
+            // The transfer region is pinned: one DMA on torch's stream, waited for.
+            Some(_) => {
+                let (dev, host) = (on_device.data_ptr() as u64, self.transfer.payload_ptr());
+                // SAFETY: `bytes` lie inside the pinned transfer region (checked above) and
+                // inside `on_device`; the launcher leaves the region alone between sending
+                // the `ResidentCopy` and receiving its answer, sent after the copy completed.
+                unsafe {
+                    match load {
+                        true => cuda::copy_h2d(dev, host, bytes, torch_stream())?,
+                        false => cuda::copy_d2h(host, dev, bytes, torch_stream())?,
+                    }
                 }
             }
-            false => host.f_copy_(&on_device)?,
+            None => {
+                // SAFETY: as above, the view lives only here.
+                let mut host = unsafe { region_view(&self.transfer, 0, range.len(), Kind::Float) };
+                match load {
+                    true => on_device.f_copy_(&host)?,
+                    false => host.f_copy_(&on_device)?,
+                };
+            }
+        }
+        if load && part == ResidentPart::Master {
+            let mut w = h.w.narrow(0, range.start as i64, range.len() as i64);
+            w.f_copy_(&on_device.f_to_kind(w.kind())?)?;
         }
         if let Device::Cuda(i) = self.device {
             tch::Cuda::synchronize(i as i64);
@@ -223,7 +252,12 @@ impl Resident {
             None => {
                 // SAFETY: as above; the copy completes here.
                 let src = unsafe {
-                    region_view(&self.grad, h.offset + range.start, range.len(), self.grad_kind)
+                    region_view(
+                        &self.grad,
+                        h.offset + range.start,
+                        range.len(),
+                        self.grad_kind,
+                    )
                 };
                 h.g.narrow(0, range.start as i64, range.len() as i64)
                     .f_copy_(&src)?;
@@ -265,7 +299,16 @@ impl Resident {
 
 /// `adamw_update_resident` over CPU tensors (contiguous views).
 #[allow(clippy::too_many_arguments)]
-fn update_on_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, w: &Tensor, hp: &AdamWStep, decay: bool, split: bool) {
+fn update_on_cpu(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    w: &Tensor,
+    hp: &AdamWStep,
+    decay: bool,
+    split: bool,
+) {
     let n = p.numel();
     // SAFETY: the five tensors are contiguous CPU views of `n` elements of distinct
     // buffers, of the kinds matched below; nothing else touches them meanwhile (the worker
@@ -274,7 +317,9 @@ fn update_on_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, w: &Tensor, hp:
         let f32s = |t: &Tensor| std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, n);
         let (p, m, v) = (f32s(p), f32s(m), f32s(v));
         let out = match w.kind() {
-            Kind::BFloat16 => StoreOut::Bf16(std::slice::from_raw_parts_mut(w.data_ptr() as *mut bf16, n)),
+            Kind::BFloat16 => {
+                StoreOut::Bf16(std::slice::from_raw_parts_mut(w.data_ptr() as *mut bf16, n))
+            }
             _ => StoreOut::F32(f32s(w)),
         };
         match g.kind() {
@@ -350,9 +395,17 @@ pub fn check_update(device: Device) -> Result<bool> {
                 .collect(),
             false => p.clone(),
         };
-        let host = [cpu(&p0, Kind::Float), cpu(&g, g_kind), cpu(&m, Kind::Float), cpu(&v, Kind::Float), cpu(&p0, w_kind)];
+        let host = [
+            cpu(&p0, Kind::Float),
+            cpu(&g, g_kind),
+            cpu(&m, Kind::Float),
+            cpu(&v, Kind::Float),
+            cpu(&p0, w_kind),
+        ];
         let dev: Vec<Tensor> = host.iter().map(|t| t.to_device(device)).collect();
-        update_on_cpu(&host[0], &host[1], &host[2], &host[3], &host[4], &hp, decay, split);
+        update_on_cpu(
+            &host[0], &host[1], &host[2], &host[3], &host[4], &hp, decay, split,
+        );
         crate::kernels::adamw_resident(
             &dev[0],
             &dev[1],
@@ -369,7 +422,10 @@ pub fn check_update(device: Device) -> Result<bool> {
                 Kind::BFloat16 => t.view_dtype(Kind::Int16).to_kind(Kind::Int64),
                 _ => t.view_dtype(Kind::Int).to_kind(Kind::Int64),
             };
-            let differ = bits(a).ne_tensor(&bits(&b)).sum(Kind::Int64).int64_value(&[]);
+            let differ = bits(a)
+                .ne_tensor(&bits(&b))
+                .sum(Kind::Int64)
+                .int64_value(&[]);
             ok &= differ == 0;
             line += &format!(" {name} {differ} of {n} differ;");
         }
