@@ -26,6 +26,8 @@
 #    token must get exactly zero gradient from both; each model is run on 16 tokens (at
 #    most 32 of the 64 experts used) and on 16 rows of 256 (about 128 pairs per expert).
 # 4. Gated DeltaNet one layer deep: scripts/check_gated_delta.sh.
+# 6. Resident blocks (memory.resident_blocks): scripts/check_resident.sh (adamw.cu against
+#    the host's update bit for bit; the tiny model with every block, two and none resident).
 # 5. Errors (issue 23): the Qwen2.5-7B shape with 2 layers at 2 x 524288 tokens on 1 GPU
 #    (ERRORS_SEQ) with `memory.tile_tokens: off` must be refused before anything is loaded
 #    (the untiled device plan exceeds any GPU's free memory; with the automatic tile it fits an
@@ -35,7 +37,7 @@
 #    failure injected into the tiny model's backward of layer 1 (MT_TEST_FAIL_ALLOC) must
 #    give the same one line with CUDA's figures.
 #
-# PARTS ["train families experts delta errors"] picks the parts to run (each fits in a few
+# PARTS ["train families experts delta errors resident"] picks the parts to run (each fits in a few
 # minutes). Runs needing
 # 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
 # Needs the built binaries (BIN, default target/release) and a GPU machine; Python (no
@@ -45,7 +47,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-12}
-PARTS=${PARTS:-"train families experts delta errors"}
+PARTS=${PARTS:-"train families experts delta errors resident"}
 ERRORS_SEQ=${ERRORS_SEQ:-524288}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
@@ -329,5 +331,8 @@ sys.exit(0 if ok else 1)
 PY
 if part delta; then
   BIN=$BIN PYTHON=$PYTHON scripts/check_gated_delta.sh || status=1
+fi
+if part resident; then
+  BIN=$BIN PYTHON=$PYTHON scripts/check_resident.sh || status=1
 fi
 exit $status

@@ -26,6 +26,16 @@
 //! `LayerGrads` for it; the launcher reads slot s only between that `LayerGrads` and its
 //! `SlotFree`.
 //!
+//! With resident blocks (`Init::resident`, `memory.resident_blocks`) the workers update the
+//! leading blocks themselves: once the norm is known the launcher sends
+//! `ResidentUpdate{hp}` ahead of the next `Step` (and of any `Eval`), and between steps it
+//! moves their state with `ResidentCopy` / `ResidentCopied` through the transfer region,
+//! which it writes only before sending a load and reads only after the answer to a save.
+//! A worker reads a resident block's part of the launcher's gradient accumulator only
+//! after the `SlotFree` of that part's slot for the step's last micro-batch, and before its
+//! own next `LayerGrads` of the block: the launcher writes that part only in the reduce
+//! that such a `LayerGrads` starts.
+//!
 //! Evaluation runs between steps, when no update is pending (every store block holds the
 //! weights being evaluated), forward only: no gradient slab is touched. So do the
 //! reference passes before the first step: DPO's, which asks for each row's summed label

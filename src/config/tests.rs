@@ -335,3 +335,33 @@ fn dpo_settings_default_resolve_llamafactory_names_and_name_bad_values() {
         "{e}"
     );
 }
+
+/// `memory.resident_blocks`: `off` (the default, and 0), `auto`, `all` or a count; anything
+/// else, and the modes the workers cannot update with the host's arithmetic, are refused
+/// by the key's name.
+#[test]
+fn resident_blocks_parse_and_are_refused_where_unsupported() {
+    use crate::config::ResidentBlocks;
+    assert_eq!(parse(OK).unwrap().memory.resident_blocks, ResidentBlocks::Off);
+    for (v, want) in [
+        ("off", ResidentBlocks::Off),
+        ("0", ResidentBlocks::Off),
+        ("auto", ResidentBlocks::Auto),
+        ("all", ResidentBlocks::All),
+        ("12", ResidentBlocks::Blocks(12)),
+    ] {
+        let c = parse(&format!("{OK}memory: {{resident_blocks: {v}}}\n")).unwrap();
+        assert_eq!(c.memory.resident_blocks, want, "{v}");
+    }
+    for bad in ["some", "1.5", "-2", "true"] {
+        let e = parse(&format!("{OK}memory: {{resident_blocks: {bad}}}\n")).unwrap_err();
+        assert!(e.to_string().contains("memory.resident_blocks"), "{bad}: {e}");
+    }
+    assert_eq!(ResidentBlocks::Auto.count(30, || 14), 14);
+    assert_eq!(ResidentBlocks::Auto.count(30, || 99), 30);
+    assert_eq!(ResidentBlocks::Blocks(40).count(30, || 0), 30);
+    assert_eq!(ResidentBlocks::Off.count(30, || 30), 0);
+    let dpo = format!("{OK}memory: {{resident_blocks: all}}\ntraining: {{stage: dpo}}\n");
+    let e = parse(&dpo).unwrap_err().to_string();
+    assert!(e.contains("memory.resident_blocks") && e.contains("dpo"), "{e}");
+}

@@ -173,11 +173,30 @@ impl std::fmt::Display for Short {
     }
 }
 
+/// Device bytes of one resident block of `len` elements (`memory.resident_blocks`): its
+/// f32 master, m and v, its compute-dtype weights and its reduced gradient.
+pub fn resident_block_bytes(len: usize, dtype: DType, grad_dtype: DType) -> u64 {
+    (len * (12 + dtype.size() + grad_dtype.size())) as u64
+}
+
+/// How many leading blocks of `layout` fit `budget` device bytes as resident blocks.
+pub fn resident_fit(layout: &Layout, dtype: DType, grad_dtype: DType, budget: u64) -> usize {
+    let mut used = 0;
+    layout
+        .blocks
+        .iter()
+        .take_while(|b| {
+            used += resident_block_bytes(b.len, dtype, grad_dtype);
+            used <= budget
+        })
+        .count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TileTokens;
     use crate::config::hf::HfConfig;
-    use crate::config::{DType, TileTokens};
 
     fn qwen_7b() -> (ModelSpec, Layout) {
         let path =
@@ -275,23 +294,21 @@ mod tests {
         }
         assert_eq!(largest(|_| true, 100), 100);
     }
-}
 
-/// Device bytes of one resident block of `len` elements (`memory.resident_blocks`): its
-/// f32 master, m and v, its compute-dtype weights and its reduced gradient.
-pub fn resident_block_bytes(len: usize, dtype: DType, grad_dtype: DType) -> u64 {
-    (len * (12 + dtype.size() + grad_dtype.size())) as u64
-}
-
-/// How many leading blocks of `layout` fit `budget` device bytes as resident blocks.
-pub fn resident_fit(layout: &Layout, dtype: DType, grad_dtype: DType, budget: u64) -> usize {
-    let mut used = 0;
-    layout
-        .blocks
-        .iter()
-        .take_while(|b| {
-            used += resident_block_bytes(b.len, dtype, grad_dtype);
-            used <= budget
-        })
-        .count()
+    /// Resident blocks are taken from the first while their bytes (16 per element with a
+    /// bf16 copy and gradient) fit the budget.
+    #[test]
+    fn resident_blocks_are_the_leading_ones_that_fit() {
+        let (_, layout) = qwen_7b();
+        let per = |b: &crate::layout::Block| {
+            resident_block_bytes(b.len, DType::Bfloat16, DType::Bfloat16)
+        };
+        assert_eq!(per(&layout.blocks[0]), 16 * layout.blocks[0].len as u64);
+        let first_two = per(&layout.blocks[0]) + per(&layout.blocks[1]);
+        let fit = |budget| resident_fit(&layout, DType::Bfloat16, DType::Bfloat16, budget);
+        assert_eq!(fit(first_two), 2);
+        assert_eq!(fit(first_two - 1), 1);
+        assert_eq!(fit(0), 0);
+        assert_eq!(fit(u64::MAX), layout.blocks.len());
+    }
 }

@@ -218,6 +218,7 @@ mod tests {
             exchange: 0,
             offloaded: 0,
             grpo_reference: 0,
+            resident_transfer: 0,
             slot_len: 0,
             workers: 1,
             slots: 4,

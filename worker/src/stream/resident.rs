@@ -117,7 +117,7 @@ impl Resident {
         }
         let dma = match device {
             Device::Cuda(_) => {
-                let end = held.last().map_or(0, |h| h.offset + h.g.numel() as usize);
+                let end = held.last().map_or(0, |h| h.offset + h.g.numel());
                 let bytes = (end * init.grad_dtype.size()).next_multiple_of(4096);
                 // SAFETY: both regions stay mapped while `self` lives (the registrations
                 // are dropped first); the accumulator's pages past its payload up to the
@@ -187,7 +187,7 @@ impl Resident {
                 self.held.len()
             );
         };
-        if range.end > h.p.numel() as usize || range.len() * 4 > self.transfer.payload_len() {
+        if range.end > h.p.numel() || range.len() * 4 > self.transfer.payload_len() {
             bail!("ResidentCopy of block {block}: elements {range:?} out of bounds");
         }
         let dst = match part {
