@@ -342,7 +342,10 @@ fn dpo_settings_default_resolve_llamafactory_names_and_name_bad_values() {
 #[test]
 fn resident_blocks_parse_and_are_refused_where_unsupported() {
     use crate::config::ResidentBlocks;
-    assert_eq!(parse(OK).unwrap().memory.resident_blocks, ResidentBlocks::Off);
+    assert_eq!(
+        parse(OK).unwrap().memory.resident_blocks,
+        ResidentBlocks::Off
+    );
     for (v, want) in [
         ("off", ResidentBlocks::Off),
         ("0", ResidentBlocks::Off),
@@ -355,7 +358,10 @@ fn resident_blocks_parse_and_are_refused_where_unsupported() {
     }
     for bad in ["some", "1.5", "-2", "true"] {
         let e = parse(&format!("{OK}memory: {{resident_blocks: {bad}}}\n")).unwrap_err();
-        assert!(e.to_string().contains("memory.resident_blocks"), "{bad}: {e}");
+        assert!(
+            e.to_string().contains("memory.resident_blocks"),
+            "{bad}: {e}"
+        );
     }
     assert_eq!(ResidentBlocks::Auto.count(30, || 14), 14);
     assert_eq!(ResidentBlocks::Auto.count(30, || 99), 30);
@@ -363,5 +369,8 @@ fn resident_blocks_parse_and_are_refused_where_unsupported() {
     assert_eq!(ResidentBlocks::Off.count(30, || 30), 0);
     let dpo = format!("{OK}memory: {{resident_blocks: all}}\ntraining: {{stage: dpo}}\n");
     let e = parse(&dpo).unwrap_err().to_string();
-    assert!(e.contains("memory.resident_blocks") && e.contains("dpo"), "{e}");
+    assert!(
+        e.contains("memory.resident_blocks") && e.contains("dpo"),
+        "{e}"
+    );
 }
