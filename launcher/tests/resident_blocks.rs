@@ -2,8 +2,9 @@
 //! same losses, gradient norms, checkpoints and exported weights, bit for bit, as the
 //! host's update of every block (float32 on CPU, whether or not clipping binds, with
 //! gradient accumulation and two workers; and with a split master, bf16 weights and
-//! gradients on one worker), and a run resumed from a checkpoint of a run with resident
-//! blocks ends where the uninterrupted one did.
+//! gradients on one worker; under DPO and GRPO, whose reference passes read the loaded
+//! blocks), and a run resumed from a checkpoint of a run with resident blocks ends where the
+//! uninterrupted one did.
 
 mod common;
 
@@ -193,4 +194,73 @@ fn modes_updated_on_the_host_only_are_refused() {
 fn weights_only_checkpoints_hold_the_hosts_bits() {
     let dir = scratch("resident-weights-only");
     compare(&dir, "all", 1, &["checkpoint.save_optimizer=false".into()]);
+}
+
+/// Every numeric field of every metrics row, as bits, but the timings and memory figures.
+fn numbers(rows: &[serde_json::Value]) -> Vec<(String, u64)> {
+    let timed = |k: &str| {
+        k.ends_with("_s")
+            || k.ends_with("_bytes")
+            || k.starts_with("tflops")
+            || k.contains("per_s")
+            || k == "bound"
+    };
+    rows.iter()
+        .flat_map(|r| r.as_object().unwrap().iter())
+        .filter(|(k, v)| !timed(k) && v.is_f64())
+        .map(|(k, v)| (k.clone(), v.as_f64().unwrap().to_bits()))
+        .collect()
+}
+
+/// The post-training stages, whose reference passes read the initial weights, give the
+/// host's bits with every block resident: DPO (its reference log-probabilities), and GRPO
+/// with a KL term, trained through and resumed from a checkpoint taken after its reference
+/// pass (which a resume runs on the initial model before it restores the checkpoint).
+#[test]
+fn post_training_stages_give_the_hosts_bits() {
+    let dir = scratch("resident-post-training");
+    for (case, steps) in [("dpo/llama_sigmoid", 4), ("grpo/llama_dapo_kl", 4)] {
+        let config = golden_dir().join(case).join("run.yaml");
+        let run = |tag: &str, resident: &str, resume: bool| {
+            let d = dir.join(case.replace('/', "-")).join(tag);
+            std::fs::create_dir_all(&d).unwrap();
+            let m = d.join("metrics.jsonl");
+            let sets = [
+                format!("training.num_steps={steps}"),
+                format!("memory.resident_blocks={resident}"),
+                format!("training.output_dir={}", d.join("out").display()),
+                format!("checkpoint.dir={}", d.join("ck").display()),
+                "checkpoint.every_steps=2".to_string(),
+            ];
+            let mut args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+            if resume {
+                args.extend(["--resume", "latest"]);
+            }
+            run_cpu_env_ok(&config, 1, &m, &args, &[]);
+            (metrics(&m), d)
+        };
+        let (host, host_dir) = run("host", "off", false);
+        let (held, held_dir) = run("held", "all", false);
+        assert_eq!(numbers(&host), numbers(&held), "{case}: metrics");
+        same_files(&host_dir.join("out"), &held_dir.join("out"));
+        // Resume the run with resident blocks from its step-2 checkpoint.
+        let resumed = dir.join(case.replace('/', "-")).join("resumed");
+        std::fs::create_dir_all(resumed.join("ck")).unwrap();
+        let status = std::process::Command::new("cp")
+            .args([
+                "-r",
+                path_str(&held_dir.join("ck").join("step-00000002")),
+                path_str(&resumed.join("ck")),
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success(), "copy the step-2 checkpoint");
+        let (rows, _) = run("resumed", "all", true);
+        assert_eq!(
+            numbers(&held[2..]),
+            numbers(&rows),
+            "{case}: steps 3 and 4 after the resume"
+        );
+        same_files(&held_dir.join("out"), &resumed.join("out"));
+    }
 }

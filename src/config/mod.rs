@@ -554,7 +554,7 @@ impl RunConfig {
     }
 
     /// `memory.resident_blocks` is updated on the GPUs with the host's own arithmetic: an
-    /// fp32 or split master and fp32 moments, under SFT or continued pretraining.
+    /// fp32 or split master and fp32 moments.
     fn validate_resident(&self) -> Result<()> {
         let m = &self.memory;
         if m.resident_blocks == ResidentBlocks::Off {
@@ -566,10 +566,6 @@ impl RunConfig {
             )
         } else if m.moments_dtype != DType::Float32 {
             Some("memory.moments_dtype: bfloat16 is updated on the host only; use float32")
-        } else if matches!(self.training.stage, Stage::Dpo | Stage::Grpo) {
-            Some(
-                "training.stage dpo and grpo run reference passes on the initial weights, which resident blocks do not keep yet; use off",
-            )
         } else {
             None
         };

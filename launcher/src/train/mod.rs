@@ -305,6 +305,7 @@ impl Trainer {
         if let Some(m) = mpi {
             m.set_timeout(timeout);
         }
+        resident::push_resident(&mut host, &mut sup, timeout)?;
         let dpo = dpo
             .map(|_| {
                 let rows = micro_batch.0;
@@ -318,6 +319,7 @@ impl Trainer {
                 let refs = reference_logps(&data, &mut sup, micro_batch.0, pad, timeout)?;
                 if let Some(dir) = &resume {
                     (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
+                    resident::push_resident(&mut host, &mut sup, timeout)?;
                 }
                 Some(refs)
             }
@@ -338,7 +340,7 @@ impl Trainer {
             cfg.training.seed,
         );
         let progress = Progress::new(start_step, cfg.training.num_steps, cfg.logging.log_every);
-        let mut trainer = Trainer {
+        let trainer = Trainer {
             progress,
             cfg,
             spec,
@@ -367,7 +369,6 @@ impl Trainer {
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
         };
-        trainer.push_resident()?;
         Ok(trainer)
     }
 

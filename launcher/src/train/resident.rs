@@ -10,42 +10,65 @@ use mt::optim::AdamWStep;
 use mt::protocol::{FromWorker, ResidentPart, ToWorker};
 
 use super::Trainer;
-use crate::supervisor::{Event, fatal};
+use crate::host::HostState;
+use crate::supervisor::{Event, Supervisor, fatal};
 
 const PARTS: [ResidentPart; 3] = [ResidentPart::Master, ResidentPart::M, ResidentPart::V];
 
-impl Trainer {
-    /// Every worker loads the resident blocks' state from the host's copy.
-    pub(super) fn push_resident(&mut self) -> Result<()> {
-        let n = self.host.resident_blocks();
-        if n == 0 {
-            return Ok(());
-        }
-        let t = Instant::now();
-        let world = self.sup.world();
-        for block in 0..n {
-            for range in self.host.resident_pieces(block) {
-                for part in PARTS {
-                    self.host.stage_resident(block, range.clone(), part);
-                    let msg = || ToWorker::ResidentCopy {
-                        load: true,
-                        block,
-                        range: range.clone(),
-                        part,
-                    };
-                    self.sup.broadcast(msg)?;
-                    self.await_copies(world)?;
-                }
+/// Every worker loads the resident blocks' state from the host's copy: before anything
+/// reads them (a reference pass included), and again where the host's state was replaced
+/// since (a resume after GRPO's reference pass).
+pub(super) fn push_resident(
+    host: &mut HostState,
+    sup: &mut Supervisor,
+    timeout: Duration,
+) -> Result<()> {
+    let n = host.resident_blocks();
+    if n == 0 {
+        return Ok(());
+    }
+    let t = Instant::now();
+    let world = sup.world();
+    for block in 0..n {
+        for range in host.resident_pieces(block) {
+            for part in PARTS {
+                host.stage_resident(block, range.clone(), part);
+                let msg = || ToWorker::ResidentCopy {
+                    load: true,
+                    block,
+                    range: range.clone(),
+                    part,
+                };
+                sup.broadcast(msg)?;
+                await_copies(sup, world, timeout)?;
             }
         }
-        tracing::info!(
-            blocks = n,
-            seconds = format!("{:.2}", t.elapsed().as_secs_f64()),
-            "resident blocks loaded into the workers"
-        );
-        Ok(())
     }
+    tracing::info!(
+        blocks = n,
+        seconds = format!("{:.2}", t.elapsed().as_secs_f64()),
+        "resident blocks loaded into the workers"
+    );
+    Ok(())
+}
 
+/// Waits for `n` workers' `ResidentCopied`.
+fn await_copies(sup: &mut Supervisor, n: usize, timeout: Duration) -> Result<()> {
+    let mut left = n;
+    while left > 0 {
+        match sup.next_event(timeout, &|_| true)? {
+            Event::Msg(_, FromWorker::ResidentCopied) => left -= 1,
+            Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
+            Event::Msg(rank, other) => {
+                bail!("worker rank {rank} sent {other:?} while copying resident blocks")
+            }
+            Event::Closed(rank) => return Err(sup.death(rank)),
+        }
+    }
+    Ok(())
+}
+
+impl Trainer {
     /// Brings the host's copy of the resident blocks' master weights, and with `moments`
     /// their Adam moments, up to date from rank 0 (every worker holds the same bits). Runs
     /// between steps, after the last `ResidentUpdate`.
@@ -66,7 +89,8 @@ impl Trainer {
                         part,
                     };
                     self.sup.send(0, msg)?;
-                    self.await_copies(1)?;
+                    let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
+                    await_copies(&mut self.sup, 1, timeout)?;
                     self.host.take_resident(block, range.clone(), part);
                 }
             }
@@ -86,22 +110,5 @@ impl Trainer {
             return Ok(());
         }
         self.sup.broadcast(|| ToWorker::ResidentUpdate { hp: *hp })
-    }
-
-    /// Waits for `n` workers' `ResidentCopied`.
-    fn await_copies(&mut self, n: usize) -> Result<()> {
-        let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
-        let mut left = n;
-        while left > 0 {
-            match self.sup.next_event(timeout, &|_| true)? {
-                Event::Msg(_, FromWorker::ResidentCopied) => left -= 1,
-                Event::Msg(rank, FromWorker::Fatal { msg }) => return Err(fatal(rank, &msg)),
-                Event::Msg(rank, other) => {
-                    bail!("worker rank {rank} sent {other:?} while copying resident blocks")
-                }
-                Event::Closed(rank) => return Err(self.sup.death(rank)),
-            }
-        }
-        Ok(())
     }
 }
