@@ -367,11 +367,9 @@ fn resident_blocks_parse_and_are_refused_where_unsupported() {
     assert_eq!(ResidentBlocks::Auto.count(30, || 99), 30);
     assert_eq!(ResidentBlocks::Blocks(40).count(30, || 0), 30);
     assert_eq!(ResidentBlocks::Off.count(30, || 30), 0);
-    let bf16_master = format!(
-        "model: {{path: m, dtype: bfloat16}}\ndataset: {{format: tokenized, path: d.jsonl}}\n\
-         memory: {{resident_blocks: all, master_weights: bfloat16}}\n"
-    );
-    let e = parse(&bf16_master).unwrap_err().to_string();
+    let bf16_master = "model: {path: m, dtype: bfloat16}\ndataset: {format: tokenized, path: d.jsonl}\n\
+                       memory: {resident_blocks: all, master_weights: bfloat16}\n";
+    let e = parse(bf16_master).unwrap_err().to_string();
     assert!(
         e.contains("memory.resident_blocks") && e.contains("bfloat16"),
         "{e}"
