@@ -36,25 +36,6 @@ fn train(dir: &Path, tag: &str, max_grad_norm: &str, one_pass: bool) -> Vec<serd
     metrics(&metrics_path)
 }
 
-/// Every file of `dir` (recursively), by relative path, with its bytes.
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let rel = p.strip_prefix(dir).unwrap().display().to_string();
-                out.push((rel, std::fs::read(&p).unwrap()));
-            }
-        }
-    }
-    out.sort();
-    out
-}
-
 fn compare(dir: &Path, max_grad_norm: &str, expect_clipped: bool) {
     let tag = |one: bool| format!("norm-{max_grad_norm}-{}", if one { "one" } else { "two" });
     let one = train(dir, &tag(true), max_grad_norm, true);

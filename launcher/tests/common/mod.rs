@@ -240,3 +240,22 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (diff / norm.max(1e-30)).sqrt()
 }
+
+/// Every file of `dir` (recursively), by relative path, with its bytes.
+pub fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().display().to_string();
+                out.push((rel, std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
