@@ -174,7 +174,7 @@ pub struct HostState {
     shards: Option<(Shards, &'static crate::mpi::Mpi)>,
     /// Blocks `..resident` are updated by the workers, which hold them
     /// (`memory.resident_blocks`); the host's copy of their master and moments is brought
-    /// up to date by [`HostState::pull_resident`].
+    /// up to date piece by piece through [`HostState::take_resident`].
     resident: usize,
     /// Where their state travels to and from the workers ([`resident`]).
     transfer: Option<SharedVec<f32>>,

@@ -15,7 +15,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use ipc_channel::TryRecvError;
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use mt::config::hf::ModelSpec;
 use mt::config::{DpoParams, GrpoParams};
@@ -32,6 +31,9 @@ use crate::head::{DeviceBatch, Head};
 use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
+
+mod control;
+use control::Control;
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -81,79 +83,6 @@ pub struct StepOut {
     /// Under GRPO on a batch's first step with `num_iterations` > 1: the completion
     /// tokens' log-probabilities, micro-batch after micro-batch.
     pub token_logps: Vec<f32>,
-}
-
-/// What the launcher has told this worker between its own actions: which slab slots are
-/// free and which store blocks hold this step's weights.
-struct Control {
-    free_slots: Vec<usize>,
-    ready: Vec<bool>,
-    /// Seconds spent in [`Control::wait_block`] waiting for an update, this step.
-    update_wait_s: f64,
-    /// Blocks `..resident` are resident: what each announced slot holds (slot -> micro,
-    /// block, part), so that freeing it tells which part of a resident block's reduced
-    /// gradient is final (that of the step's last micro-batch, `last_micro`).
-    resident: usize,
-    sent: std::collections::HashMap<usize, (usize, usize, usize)>,
-    last_micro: usize,
-    /// (block, part) of resident blocks whose reduced gradient is final, not yet copied.
-    final_parts: Vec<(usize, usize)>,
-}
-
-impl Control {
-    fn handle(&mut self, msg: ToWorker) -> Result<()> {
-        match msg {
-            ToWorker::SlotFree { slot } => {
-                debug_assert!(!self.free_slots.contains(&slot));
-                self.free_slots.push(slot);
-                if let Some((micro, block, part)) = self.sent.remove(&slot)
-                    && block < self.resident
-                    && micro == self.last_micro
-                {
-                    self.final_parts.push((block, part));
-                }
-            }
-            ToWorker::BlockReady { block } => match self.ready.get_mut(block) {
-                Some(r) => *r = true,
-                None => bail!(
-                    "BlockReady for block {block}, the layout has {}",
-                    self.ready.len()
-                ),
-            },
-            ToWorker::Shutdown => return Err(Interrupted.into()),
-            other => bail!("unexpected message mid-step: {other:?}"),
-        }
-        Ok(())
-    }
-
-    /// Waits for (and handles) the launcher's next message.
-    fn receive(
-        &mut self,
-        rx: &IpcReceiver<ToWorker>,
-        deadline: Instant,
-        waiting_for: &str,
-    ) -> Result<()> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.try_recv_timeout(left) {
-            Ok(msg) => self.handle(msg),
-            Err(TryRecvError::Empty) => bail!("waited {WAIT_TIMEOUT:?} for {waiting_for}"),
-            Err(TryRecvError::IpcError(e)) => bail!("launcher channel closed: {e:?}"),
-        }
-    }
-
-    /// Returns once store block `block` holds this step's weights.
-    fn wait_block(&mut self, block: usize, rx: &IpcReceiver<ToWorker>) -> Result<()> {
-        if self.ready[block] {
-            return Ok(());
-        }
-        let start = Instant::now();
-        let deadline = start + WAIT_TIMEOUT;
-        while !self.ready[block] {
-            self.receive(rx, deadline, &format!("the update of block {block}"))?;
-        }
-        self.update_wait_s += start.elapsed().as_secs_f64();
-        Ok(())
-    }
 }
 
 /// `init.buffers` on the device, grouped by layer.
@@ -208,7 +137,7 @@ impl Engine {
         Ok(Engine {
             spec: init.spec.clone(),
             layout: init.layout.clone(),
-            device: crate::stream::device_of(init.device),
+            device,
             kind: kind_of(init.dtype),
             ce_chunk: init.ce_chunk_tokens as i64,
             plan_opts: init.device_opts(false),

@@ -142,7 +142,10 @@ impl Trainer {
             true => (metrics_out, dump_grads, dump_logits),
             false => (None, None, None),
         };
-        let free = crate::prepare::device_opts(&cfg, &placement).device_free;
+        // Several nodes shard the optimizer state instead: `auto` keeps none there.
+        let free = crate::prepare::device_opts(&cfg, &placement)
+            .device_free
+            .filter(|_| mpi.is_none());
         let (resident, resident_bytes) =
             crate::prepare::resident_blocks(&prepared, &cfg, &placement, free);
         let Prepared {
@@ -201,7 +204,8 @@ impl Trainer {
         let shards = nodes::shards(&cfg, mpi, &layout);
         if resident > 0 && mpi.is_some() {
             return Err(anyhow!(
-                "memory.resident_blocks needs one node: several nodes shard the optimizer state instead (set it to off)"
+                "memory.resident_blocks: {} needs one node: several nodes shard the optimizer state instead (set it to off or auto)",
+                cfg.memory.resident_blocks
             ));
         }
         let mut host = HostState::new(&cfg, layout, placement.workers, shards, resident)?;
@@ -340,7 +344,7 @@ impl Trainer {
             cfg.training.seed,
         );
         let progress = Progress::new(start_step, cfg.training.num_steps, cfg.logging.log_every);
-        let trainer = Trainer {
+        Ok(Trainer {
             progress,
             cfg,
             spec,
@@ -368,8 +372,7 @@ impl Trainer {
             mpi,
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
-        };
-        Ok(trainer)
+        })
     }
 
     /// Runs every step, then stops the workers and writes the model if asked.
