@@ -44,6 +44,18 @@ fn train(
     metrics(&metrics_path)
 }
 
+/// Copies run `from`'s checkpoint of step `step` into run `to`'s checkpoint directory, for
+/// `to` to resume from.
+fn copy_checkpoint(from: &Path, step: u64, to: &Path) {
+    std::fs::create_dir_all(to.join("ck")).unwrap();
+    let src = from.join("ck").join(format!("step-{step:08}"));
+    let status = std::process::Command::new("cp")
+        .args(["-r", path_str(&src), path_str(&to.join("ck"))])
+        .status()
+        .unwrap();
+    assert!(status.success(), "copy {}", src.display());
+}
+
 fn same_files(a: &Path, b: &Path) {
     let (x, y) = (files(a), files(b));
     let names = |f: &[(String, Vec<u8>)]| f.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
@@ -111,13 +123,7 @@ fn some_blocks_resident_with_a_split_master_and_a_resume() {
     .to_vec();
     compare(&dir, "2", 1, &extra);
     let resumed = dir.join("resumed");
-    std::fs::create_dir_all(resumed.join("ck")).unwrap();
-    let from = dir.join("held").join("ck").join("step-00000003");
-    let status = std::process::Command::new("cp")
-        .args(["-r", path_str(&from), path_str(&resumed.join("ck"))])
-        .status()
-        .unwrap();
-    assert!(status.success(), "copy the step-3 checkpoint");
+    copy_checkpoint(&dir.join("held"), 3, &resumed);
     let rows = train(&dir, "resumed", "2", 1, &extra, true);
     assert_eq!(
         column(&rows, "loss").len(),
@@ -226,16 +232,7 @@ fn post_training_stages_give_the_hosts_bits() {
         same_files(&host_dir.join("out"), &held_dir.join("out"));
         // Resume the run with resident blocks from its step-2 checkpoint.
         let resumed = dir.join(case.replace('/', "-")).join("resumed");
-        std::fs::create_dir_all(resumed.join("ck")).unwrap();
-        let status = std::process::Command::new("cp")
-            .args([
-                "-r",
-                path_str(&held_dir.join("ck").join("step-00000002")),
-                path_str(&resumed.join("ck")),
-            ])
-            .status()
-            .unwrap();
-        assert!(status.success(), "copy the step-2 checkpoint");
+        copy_checkpoint(&held_dir, 2, &resumed);
         let (rows, _) = run("resumed", "all", true);
         assert_eq!(
             numbers(&held[2..]),
