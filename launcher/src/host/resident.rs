@@ -55,23 +55,10 @@ impl HostState {
     ) {
         let r = self.layout.blocks[block].offset + range.start
             ..self.layout.blocks[block].offset + range.end;
-        let out = &mut self.transfer.as_mut().expect("resident blocks")[..r.len()];
+        let mut transfer = self.transfer.take().expect("resident blocks");
+        let out = &mut transfer[..r.len()];
         match part {
-            ResidentPart::Master => match &self.master {
-                Master::F32(x) => copy(out, &x.as_slice()[r]),
-                Master::Split(lo) => {
-                    let hi = self.store.bf16().expect("a split master has a bf16 store");
-                    out.par_chunks_mut(CHUNK)
-                        .zip(hi[r.clone()].par_chunks(CHUNK))
-                        .zip(lo.as_slice()[r].par_chunks(CHUNK))
-                        .for_each(|((o, h), l)| {
-                            for ((o, &h), &l) in o.iter_mut().zip(h).zip(l) {
-                                *o = bits::join(h, l);
-                            }
-                        });
-                }
-                Master::Bf16 { .. } => unreachable!("validated: no resident blocks"),
-            },
+            ResidentPart::Master => self.master().slice(r).read_into(out),
             ResidentPart::M | ResidentPart::V => {
                 let AdamMoments::F32 { m, v } = &self.moments else {
                     unreachable!("validated: fp32 moments")
@@ -80,6 +67,7 @@ impl HostState {
                 copy(out, &src.as_slice()[r]);
             }
         }
+        self.transfer = Some(transfer);
     }
 
     /// Reads `part` of block `block`'s elements `range` from the transfer buffer, where a
