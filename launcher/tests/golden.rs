@@ -7,8 +7,10 @@
 //! last step to 1e-4; per-step losses within 2e-2 relative when
 //! computing in bfloat16. Cases whose loss depends on how the batch is split (the MoE router
 //! aux loss is per micro-batch) carry their N-worker reference in `expected_wN.json` and
-//! `grads0_wN.safetensors`. Mixture-of-experts cases run once more with their experts as
-//! grouped GEMMs (`MT_MOE_EXPERTS=grouped`, the path GPUs take), 1 worker, f32, same
+//! `grads0_wN.safetensors`. Mixture-of-experts cases run once more the way GPUs run them:
+//! their experts as grouped GEMMs (`MT_MOE_EXPERTS=grouped`) and their outputs combined by
+//! the fused op (`MT_MOE_COMBINE=fused`: its tch mirror, its backward from the kernels'
+//! tape, the layer's halves backpropagated one after the other), 1 worker, f32, same
 //! tolerances.
 
 mod common;
@@ -44,7 +46,7 @@ fn every_golden_case_matches_pytorch() {
             check_f32(case, workers, &[], &grad_tol, &mut failures);
         }
         // The MoE cases once more with their experts as grouped GEMMs (torch's CPU grouped
-        // GEMM; the GPU default).
+        // GEMM) and the fused combine: the GPU default.
         if mt::config::hf::ModelSpec::from_model_dir(&case.join("model"))
             .unwrap()
             .moe
@@ -53,7 +55,7 @@ fn every_golden_case_matches_pytorch() {
             check_f32(
                 case,
                 1,
-                &[("MT_MOE_EXPERTS", "grouped")],
+                &[("MT_MOE_EXPERTS", "grouped"), ("MT_MOE_COMBINE", "fused")],
                 &grad_tol,
                 &mut failures,
             );

@@ -17,10 +17,13 @@
 //!
 //! Each tile's graph is freed by its backward before the next tile's is built. A layer the
 //! plan keeps whole (`mt::plan::tiled_layer`: a mixture of experts), or a micro-batch no
-//! larger than a tile, runs as before: `model::decoder_layer`, one backward.
+//! larger than a tile, runs as before: `model::decoder_layer`, one backward; but a layer
+//! whose MLP half records fused ops (`model::mlp_on_tape`: the experts' fused combine)
+//! backpropagates its halves one after the other as above, with the MLP half whole.
 //!
-//! Either way, the fused ops the attention half ran outside autograd (`crate::kernels`)
-//! are backpropagated from the tape once autograd's pass has reached their outputs.
+//! Either way, the fused ops each half ran outside autograd (`crate::kernels`) are
+//! backpropagated from the tape once autograd's pass has reached their outputs: the MLP
+//! half's by [`mlp_backward`], before the attention half's.
 //!
 //! In a tiled micro-batch a Gated DeltaNet layer also runs its delta rule in segments of
 //! the sequence, carrying its state from one to the next (`segments.rs`; its MLP half as
@@ -97,7 +100,7 @@ pub fn backward(
     if let Some(chunks) = segment {
         return segments::backward(spec, layer, w, &x_bth, dy_bth, ctx, chunks, tile);
     }
-    if tile.is_none() {
+    if tile.is_none() && !model::mlp_on_tape(spec, layer, x_bth.kind(), x_bth.device()) {
         let y_bth = model::decoder_layer(spec, layer, w, &x_bth, ctx);
         // (Bound first: the product is gone before the backward runs.)
         let objective = (y_bth * &dy_bth).sum(Kind::Float);
@@ -115,9 +118,10 @@ pub fn backward(
 }
 
 /// Layer `layer`'s MLP half recomputed with grad from `h_bth` (the attention half's output,
-/// detached) and backpropagated from `dy_bth`, in tiles of `tile` tokens (None: whole):
-/// the weight gradients accumulate in `w`'s leaves; returns h's gradient, in dy's memory
-/// when tiled.
+/// detached) and backpropagated from `dy_bth`, in tiles of `tile` tokens (None: whole),
+/// with the fused ops it records (those recorded before, the attention half's, stay on the
+/// tape): the weight gradients accumulate in `w`'s leaves; returns h's gradient, in dy's
+/// memory when tiled.
 pub fn mlp_backward(
     spec: &ModelSpec,
     layer: usize,
@@ -127,10 +131,12 @@ pub fn mlp_backward(
     ctx: &Context,
     tile: Option<i64>,
 ) -> Tensor {
+    let mark = kernels::tape::depth();
     let Some(tile) = tile else {
         let h_leaf_bth = h_bth.detach().set_requires_grad(true);
         let out_bth = model::mlp_half(spec, layer, w, &h_leaf_bth, ctx);
         backpropagate((out_bth * &dy_bth).sum(Kind::Float), ctx);
+        kernels::tape::backward_to(mark);
         return h_leaf_bth.grad();
     };
     let (b, t, h) = h_bth.size3().expect("a half layer's output is (B, T, H)");
@@ -143,6 +149,7 @@ pub fn mlp_backward(
         let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
         let objective = (out_1th * &dy_1th).sum(Kind::Float);
         objective.backward();
+        kernels::tape::backward_to(mark);
         // The tile's graph is gone: its rows of dy are free for dh.
         dy_1th.copy_(&h_leaf_1th.grad());
     }

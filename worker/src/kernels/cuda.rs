@@ -19,6 +19,7 @@ use crate::stream::cuda::torch_stream;
 
 const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
 const ADAMW_SRC: &str = include_str!("adamw.cu");
+const MOE_COMBINE_SRC: &str = include_str!("moe_combine.cu");
 /// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
 /// block (its SPAN).
 const THREADS: u32 = 128;
@@ -27,12 +28,15 @@ const SPAN: i64 = 256;
 const LANE_CHANNELS: [i64; 4] = [1, 2, 4, 8];
 
 struct Kernels {
-    _modules: [CUmodule; 2],
+    _modules: [CUmodule; 3],
     /// By N's index in `LANE_CHANNELS`.
     conv_fwd: [CUfunction; 4],
     conv_bwd: [CUfunction; 4],
     /// adamw.cu's, by [`adamw_index`].
     adamw: [CUfunction; 4],
+    /// moe_combine.cu's forward and backward, for f32 and bf16 router weights.
+    combine_fwd: [CUfunction; 2],
+    combine_bwd: [CUfunction; 2],
 }
 
 // SAFETY: module and function handles are plain driver handles, valid in every thread of
@@ -101,7 +105,12 @@ fn build() -> Result<Kernels> {
     let adamw = load_module(
         ADAMW_SRC,
         "adamw.cu",
-        vec![arch, "--std=c++17".into(), "--fmad=false".into()],
+        vec![arch.clone(), "--std=c++17".into(), "--fmad=false".into()],
+    )?;
+    let combine = load_module(
+        MOE_COMBINE_SRC,
+        "moe_combine.cu",
+        vec![arch, "--std=c++17".into()],
     )?;
     let by_n = |prefix: &str| -> Result<[CUfunction; 4]> {
         let f: Vec<CUfunction> = LANE_CHANNELS
@@ -119,7 +128,15 @@ fn build() -> Result<Kernels> {
             function(adamw, "adamw_g16_w32".into())?,
             function(adamw, "adamw_g16_w16".into())?,
         ],
-        _modules: [conv, adamw],
+        combine_fwd: [
+            function(combine, "moe_combine_fwd_w32".into())?,
+            function(combine, "moe_combine_fwd_w16".into())?,
+        ],
+        combine_bwd: [
+            function(combine, "moe_combine_bwd_w32".into())?,
+            function(combine, "moe_combine_bwd_w16".into())?,
+        ],
+        _modules: [conv, adamw, combine],
     };
     tracing::debug!(
         "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
@@ -256,16 +273,31 @@ fn arg<T>(v: &mut T) -> *mut c_void {
 }
 
 fn launch(f: CUfunction, blocks: i64, args: &mut [*mut c_void]) -> Result<()> {
+    launch_with(f, blocks, THREADS, args, "cuLaunchKernel")
+}
+
+/// Launches `f` on torch's stream: `blocks` blocks of `threads`, no dynamic shared memory.
+fn launch_with(
+    f: CUfunction,
+    blocks: i64,
+    threads: u32,
+    args: &mut [*mut c_void],
+    what: &str,
+) -> Result<()> {
+    let blocks = u32::try_from(blocks)
+        .ok()
+        .filter(|&b| b < 1 << 31)
+        .with_context(|| format!("{what}: {blocks} blocks"))?;
     // SAFETY: the arguments match the kernel's signature (the callers below); the grid is
-    // within limits (blocks < 2^31, checked by the caller's shapes).
+    // within limits (checked above).
     check(
         unsafe {
             sys::cuLaunchKernel(
                 f,
-                blocks as u32,
+                blocks,
                 1,
                 1,
-                THREADS,
+                threads,
                 1,
                 1,
                 0,
@@ -274,7 +306,7 @@ fn launch(f: CUfunction, blocks: i64, args: &mut [*mut c_void]) -> Result<()> {
                 std::ptr::null_mut(),
             )
         },
-        "cuLaunchKernel",
+        what,
     )
 }
 
@@ -383,7 +415,7 @@ pub fn adamw_resident(
     }
     let f = kernels.adamw[adamw_index(g.kind() == Kind::BFloat16, w.kind() == Kind::BFloat16)];
     const THREADS: u32 = 256;
-    let blocks = (n as u64).div_ceil(u64::from(THREADS)).min(16 * 1024) as u32;
+    let blocks = (n as u64).div_ceil(u64::from(THREADS)).min(16 * 1024) as i64;
     let (mut pp, mut gp, mut mp, mut vp, mut wp) = (ptr(p), ptr(g), ptr(m), ptr(v), ptr(w));
     let mut n = n as i64;
     let mut k = k;
@@ -398,24 +430,91 @@ pub fn adamw_resident(
         arg(&mut k),
         arg(&mut split),
     ];
-    // SAFETY: the arguments match adamw.cu's signature (five device pointers to `n`
-    // elements each, checked above, a count, the constants by value, a flag).
-    check(
-        unsafe {
-            sys::cuLaunchKernel(
-                f,
-                blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                torch_stream(),
-                args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        },
-        "cuLaunchKernel (adamw)",
-    )
+    // The arguments match adamw.cu's signature (five device pointers to `n` elements
+    // each, checked above, a count, the constants by value, a flag).
+    launch_with(f, blocks, THREADS, &mut args, "cuLaunchKernel (adamw)")
+}
+
+/// moe_combine.cu's block: 8 warps, a token or a sorted row each.
+const COMBINE_WARPS: i64 = 8;
+
+/// Whether moe_combine.cu takes experts' outputs of `kind` and width `h` and router
+/// weights of `weights`: bf16 outputs in rows of whole 16-byte packs, f32 or bf16 weights.
+pub fn combine_supports(kind: Kind, h: i64, weights: Kind) -> bool {
+    kind == Kind::BFloat16 && h % 8 == 0 && matches!(weights, Kind::Float | Kind::BFloat16)
+}
+
+/// See `super::moe_combine`: y (S, H) bf16 contiguous, unsort (S) int64, weights (N, K)
+/// contiguous -> out (N, H).
+pub fn moe_combine_fwd(y_sh: &Tensor, unsort_s: &Tensor, weights_nk: &Tensor) -> Result<Tensor> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (n, k) = weights_nk.size2().context("weights are (N, K)")?;
+    let h = y_sh.size()[1];
+    let out = Tensor::empty([n, h], (y_sh.kind(), y_sh.device()));
+    let f = kernels.combine_fwd[usize::from(weights_nk.kind() == Kind::BFloat16)];
+    let (mut yp, mut up, mut wp, mut op) = (ptr(y_sh), ptr(unsort_s), ptr(weights_nk), ptr(&out));
+    let (mut n64, mut k32, mut h32) = (n, k as i32, h as i32);
+    let mut args = [
+        arg(&mut yp),
+        arg(&mut up),
+        arg(&mut wp),
+        arg(&mut op),
+        arg(&mut n64),
+        arg(&mut k32),
+        arg(&mut h32),
+    ];
+    let blocks = (n + COMBINE_WARPS - 1) / COMBINE_WARPS;
+    let threads = (32 * COMBINE_WARPS) as u32;
+    launch_with(
+        f,
+        blocks,
+        threads,
+        &mut args,
+        "cuLaunchKernel (moe_combine_fwd)",
+    )?;
+    Ok(out)
+}
+
+/// The backward of [`moe_combine_fwd`]: from the output's gradient dout (N, H) bf16
+/// contiguous, the gradients of y (S, H) and of the weights (N, K) in their dtype; `pair_s`
+/// (S) int64 is the pair of each sorted row.
+pub fn moe_combine_bwd(
+    dout_nh: &Tensor,
+    y_sh: &Tensor,
+    pair_s: &Tensor,
+    weights_nk: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (_, k) = weights_nk.size2().context("weights are (N, K)")?;
+    let (s, h) = y_sh.size2().context("y is (S, H)")?;
+    let dy = Tensor::empty([s, h], (y_sh.kind(), y_sh.device()));
+    let dw = Tensor::empty(
+        weights_nk.size().as_slice(),
+        (weights_nk.kind(), y_sh.device()),
+    );
+    let f = kernels.combine_bwd[usize::from(weights_nk.kind() == Kind::BFloat16)];
+    let (mut gp, mut yp, mut pp, mut wp) = (ptr(dout_nh), ptr(y_sh), ptr(pair_s), ptr(weights_nk));
+    let (mut dyp, mut dwp) = (ptr(&dy), ptr(&dw));
+    let (mut s64, mut k32, mut h32) = (s, k as i32, h as i32);
+    let mut args = [
+        arg(&mut gp),
+        arg(&mut yp),
+        arg(&mut pp),
+        arg(&mut wp),
+        arg(&mut dyp),
+        arg(&mut dwp),
+        arg(&mut s64),
+        arg(&mut k32),
+        arg(&mut h32),
+    ];
+    let blocks = (s + COMBINE_WARPS - 1) / COMBINE_WARPS;
+    let threads = (32 * COMBINE_WARPS) as u32;
+    launch_with(
+        f,
+        blocks,
+        threads,
+        &mut args,
+        "cuLaunchKernel (moe_combine_bwd)",
+    )?;
+    Ok((dy, dw))
 }

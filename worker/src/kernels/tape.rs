@@ -41,10 +41,25 @@ pub fn record(outputs: &[Tensor], backward: Backward) {
     TAPE.with(|t| t.borrow_mut().push(Entry { outputs, backward }));
 }
 
+/// How many ops the tape holds: a mark for [`backward_to`].
+pub fn depth() -> usize {
+    TAPE.with(|t| t.borrow().len())
+}
+
 /// Runs every recorded op's backward, last first, once the backward through their
 /// consumers has left its gradients in their output leaves.
 pub fn backward() {
-    while let Some(entry) = TAPE.with(|t| t.borrow_mut().pop()) {
+    backward_to(0);
+}
+
+/// [`backward`] for the ops recorded since the tape held `depth` ([`depth`]): a part of a
+/// layer backpropagated on its own (the MLP half from a leaf) runs its ops and leaves
+/// those of the part before it (the attention half's), whose outputs have no gradient yet.
+pub fn backward_to(depth: usize) {
+    while let Some(entry) = TAPE.with(|t| {
+        let mut t = t.borrow_mut();
+        (t.len() > depth).then(|| t.pop()).flatten()
+    }) {
         let grads: Vec<Tensor> = entry.outputs.iter().map(Tensor::grad).collect();
         drop(entry.outputs);
         let pairs = (entry.backward)(&grads);

@@ -18,6 +18,13 @@
 //! was faster still, but rounds Mixtral's f32 router weights to bf16 first, and the bf16 vs
 //! f32 check drifted further from the CPU run with it.)
 //!
+//! On CUDA in bf16 the un-permutation, the weighting and the sum are one fused op instead
+//! (`kernels::moe_combine`, [`fused_combine`]): a warp per token gathers its K rows, and the
+//! backward a warp per sorted row, with no (S, H) intermediate in token order. Its backward
+//! runs from the kernels' tape, so the block's input and, where the aux loss reads them, the
+//! router logits enter it through tape boundaries (worker/src/model/moe.rs), and the layer's
+//! backward runs its MLP half on its own (worker/src/layer.rs).
+//!
 //! Two ways run the experts over the sorted rows, chosen per block by [`grouped`]:
 //! - **grouped** (the default on CUDA in bf16): one grouped GEMM per projection over all
 //!   experts (`torch._grouped_mm`), the weights read in place as (E, out, in) stacks of the
@@ -30,7 +37,9 @@
 //!
 //! `MT_MOE_EXPERTS=grouped|loop` forces one way (the grouped path also runs on CPU in f32,
 //! where launcher/tests/golden.rs checks it against transformers; scripts/check_gpu.sh
-//! compares the two on CUDA).
+//! compares the two on CUDA). `MT_MOE_COMBINE=fused|plain` likewise forces the fused combine
+//! (its tch mirror on CPU, which the golden test drives with the grouped experts) or the
+//! plain ops.
 //!
 //! Shapes: N tokens, H hidden size, E experts, K experts per token, S = N*K routed pairs,
 //! M one expert's rows, I expert intermediate size.
@@ -43,9 +52,33 @@ use tch::{Device, Kind, Tensor};
 
 use super::BlockWeights;
 use super::common::{activation, gated_mlp_named, linear};
+use crate::kernels;
 
 /// The variable that forces a way to run the experts.
 const ENV_EXPERTS: &str = "MT_MOE_EXPERTS";
+/// The variable that forces a way to combine their outputs.
+const ENV_COMBINE: &str = "MT_MOE_COMBINE";
+
+/// Whether `m`'s routed outputs of width `h` and dtype `kind` on `device` are combined by
+/// the fused op (`kernels::moe_combine`): by default where its kernels take them (CUDA,
+/// bf16); `MT_MOE_COMBINE` forces it (`fused`: the mirror on CPU) or the plain ops
+/// (`plain`). Never for Llama 4's experts, whose router weights scale what enters them.
+pub fn fused_combine(m: &MoeSpec, h: i64, kind: Kind, device: Device) -> bool {
+    static FORCED: OnceLock<Option<bool>> = OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var(ENV_COMBINE).as_deref() {
+        Err(_) | Ok("") => None,
+        Ok("fused") => Some(true),
+        Ok("plain") => Some(false),
+        Ok(other) => panic!("{ENV_COMBINE}={other}: expected `fused` or `plain`"),
+    });
+    if m.router == Router::TopKSigmoidInput {
+        return false;
+    }
+    // Router weights are f32, or in the compute dtype: the kernels take both.
+    let supported = kernels::moe_combine_supported(kind, h, Kind::Float, device)
+        && kernels::moe_combine_supported(kind, h, kind, device);
+    forced.unwrap_or(device.is_cuda()) && supported
+}
 
 /// Whether `block`'s experts run as grouped GEMMs over weights of `kind` on `device`
 /// (`stacks` are the block's `Block::expert_stacks`). False for a block without experts.
@@ -126,6 +159,9 @@ pub fn routed(
         true => grouped_experts(spec, m, w, &x_sh, &expert_s),
         false => per_expert(spec, m, w, &x_sh, &expert_s),
     };
+    if fused_combine(m, x_nh.size()[1], x_nh.kind(), device) {
+        return kernels::moe_combine(&y_sh, &pair_s, weights_nk);
+    }
     // Row r of y_sh is pair pair_s[r]: the inverse permutation restores (token, slot) order.
     let y_nkh = match y_sh.requires_grad() {
         // In place: `index_copy` would first clone the empty rows, one more (S, H) buffer.

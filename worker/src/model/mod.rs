@@ -281,6 +281,18 @@ pub fn delta_layer(spec: &ModelSpec, layer: usize) -> bool {
     spec.family == Family::Qwen3Next && spec.layer_types[layer] == AttentionKind::Linear
 }
 
+/// Whether layer `layer`'s MLP half over activations of `kind` on `device` records ops on
+/// the kernels' tape (a mixture of experts with the fused combine,
+/// `experts::fused_combine`): its backward must then run on its own, from a leaf, before
+/// the attention half's (worker/src/layer.rs).
+pub fn mlp_on_tape(spec: &ModelSpec, layer: usize, kind: Kind, device: Device) -> bool {
+    let h = spec.hidden_size as i64;
+    match &spec.moe {
+        Some(m) if spec.is_sparse(layer) => experts::fused_combine(m, h, kind, device),
+        _ => false,
+    }
+}
+
 /// The token-wise half of decoder layer `layer`: `out = h + mlp(norm2(h))` (with the
 /// family's extra norms): (B, T, H) -> (B, T, H). A dense layer computes each token's row
 /// from that token's row of `h` alone, so it may run on any subset of the tokens, as

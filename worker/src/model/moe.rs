@@ -5,7 +5,10 @@
 //! This file holds the router and the block around the experts; `experts.rs` runs the
 //! experts themselves (grouped GEMMs over all experts on GPUs, one matmul chain per expert
 //! as the reference). Autograd gives the backward (the worker recomputes each layer under
-//! grad).
+//! grad), but for the fused combine of the experts' outputs (`experts::fused_combine`),
+//! whose backward runs from the kernels' tape: the block's input, and the router logits
+//! where the aux loss reads them too, then enter it through tape boundaries, so that the
+//! tape's second pass into them does not meet a node autograd's first pass has run.
 //!
 //! The router load-balancing loss ([`RouterAux`]) is transformers' `load_balancing_loss_func`
 //! over one micro-batch: with f_e the share of (unpadded token, slot) assignments that went
@@ -24,6 +27,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::common::{gated_mlp_named, linear};
 use super::{BlockWeights, LayerCtx, experts};
+use crate::kernels;
 
 /// The router load-balancing loss of one micro-batch, added to the training loss with
 /// weight `router_aux_loss_coef * (this micro-batch's label tokens / the global batch's)`:
@@ -127,7 +131,12 @@ pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &Layer
     let m = spec.moe.as_ref().expect("sparse layers have a MoE spec");
     let size = x_bth.size();
     let x_nh = x_bth.reshape([-1, size[2]]);
-    let (weights_nk, experts_nk) = route(m, w, &x_nh, lc.aux);
+    let fused = experts::fused_combine(m, size[2], x_bth.kind(), x_bth.device());
+    let x_nh = match fused {
+        true => kernels::tape::boundary(&x_nh),
+        false => x_nh,
+    };
+    let (weights_nk, experts_nk) = route(m, w, &x_nh, lc.aux, fused);
     let routed_nh = experts::routed(spec, m, w, &x_nh, &weights_nk, &experts_nk);
     let out_nh = match (m.shared_expert_intermediate_size, m.names) {
         (None, _) => routed_nh,
@@ -152,6 +161,7 @@ fn route(
     w: &BlockWeights,
     x_nh: &Tensor,
     aux: Option<&RouterAux>,
+    fused: bool,
 ) -> (Tensor, Tensor) {
     let router = match m.names {
         ExpertNames::Mixtral => "block_sparse_moe.gate",
@@ -175,10 +185,21 @@ fn route(
         return group.route(m, w, x_nh, router);
     }
     let logits_ne = linear(x_nh, w, router);
-    let k = m.top_k as i64;
+    // With the fused combine, the aux loss's gradient reaches the logits in autograd's
+    // pass, the router weights' in the tape's.
+    let logits_ne = match (aux, fused) {
+        (Some(_), true) => kernels::tape::boundary(&logits_ne),
+        _ => logits_ne,
+    };
     if let Some(aux) = aux {
-        aux.observe(&logits_ne, k);
+        aux.observe(&logits_ne, m.top_k as i64);
     }
+    weights(m, x_nh, &logits_ne)
+}
+
+/// The top-k router weights (N, K) and expert indices (N, K) from the logits (N, E).
+fn weights(m: &MoeSpec, x_nh: &Tensor, logits_ne: &Tensor) -> (Tensor, Tensor) {
+    let k = m.top_k as i64;
     match m.router {
         Router::SoftmaxTopK { renormalize } => {
             let probs_ne = logits_ne.softmax(-1, Kind::Float);
