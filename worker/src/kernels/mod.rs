@@ -3,7 +3,7 @@
 //! | module    | computes                                                              |
 //! |-----------|-----------------------------------------------------------------------|
 //! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MoE combine ([`moe_combine`]), resident blocks' AdamW |
-//! | this file | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape) |
+//! | this file, `moe.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `moe.rs` the mixture of experts' |
 //! | `tape.rs` | the ops' backward passes, run by hand after autograd's               |
 //!
 //! An op computes outside autograd. With grad, its outputs are leaves, and its backward is
@@ -12,9 +12,11 @@
 //! attention half).
 
 mod cuda;
+mod moe;
 pub mod tape;
 
 pub use cuda::adamw_resident;
+pub use moe::{Pairs, moe_combine, moe_combine_supported, moe_gather};
 
 use tch::{Device, Kind, Tensor};
 
@@ -164,103 +166,4 @@ fn mirror_backward(
         panic!("two inputs")
     };
     (dx.shallow_clone(), dw.shallow_clone())
-}
-
-/// Whether [`moe_combine`] runs for experts' outputs of `kind` and width `h`, router
-/// weights of `weights`, on `device`: on CUDA where the kernels compiled and take them
-/// (bf16 outputs, H a multiple of 8, f32 or bf16 weights); on CPU always (the mirror).
-pub fn moe_combine_supported(kind: Kind, h: i64, weights: Kind, device: Device) -> bool {
-    match device {
-        Device::Cuda(_) => cuda::combine_supports(kind, h, weights) && cuda::available(),
-        _ => true,
-    }
-}
-
-/// A mixture of experts' outputs combined: `y_sh` (S, H), the experts' outputs for the S =
-/// N K (token, slot) pairs with their rows sorted by expert, row r being pair `pair_s[r]`
-/// = t K + k; returns (N, H), each token's K outputs times its router weights
-/// `weights_nk` (N, K), summed over the slots. Each product is rounded to y's dtype and
-/// the K of a token summed in f32 and rounded once (as torch's un-permutation by a gather,
-/// product with the weights, cast and sum: the mirror). The backward is a gather of the
-/// output's gradient scaled by the weights, and one dot product per pair for the weights.
-///
-/// With grad (`y_sh` or the weights require it), the output is a leaf and the backward
-/// waits on the tape.
-pub fn moe_combine(y_sh: &Tensor, pair_s: &Tensor, weights_nk: &Tensor) -> Tensor {
-    let y = y_sh.detach().contiguous();
-    let w = weights_nk.detach().contiguous();
-    // The sorted row of each pair.
-    let arange_s = Tensor::arange(pair_s.size()[0], (Kind::Int64, pair_s.device()));
-    let unsort_s = pair_s.zeros_like().scatter(0, pair_s, &arange_s);
-    let out = match y.device() {
-        Device::Cuda(_) if y.size()[0] > 0 => cuda::moe_combine_fwd(&y, &unsort_s, &w)
-            .unwrap_or_else(|e| panic!("fused moe_combine forward: {e:#}")),
-        _ => {
-            let _guard = tch::no_grad_guard();
-            combine_mirror(&y, &unsort_s, &w)
-        }
-    };
-    if !y_sh.requires_grad() && !weights_nk.requires_grad() {
-        return out;
-    }
-    let out = out.set_requires_grad(true);
-    let (y_in, w_in, pair_s) = (
-        y_sh.shallow_clone(),
-        weights_nk.shallow_clone(),
-        pair_s.shallow_clone(),
-    );
-    tape::record(
-        &[out.shallow_clone()],
-        Box::new(move |grads| {
-            let [dout] = grads else {
-                panic!("moe_combine has one output")
-            };
-            if !dout.defined() {
-                return Vec::new();
-            }
-            let dout = dout.contiguous();
-            let (dy, dw) = match y.device() {
-                Device::Cuda(_) if y.size()[0] > 0 => cuda::moe_combine_bwd(&dout, &y, &pair_s, &w)
-                    .unwrap_or_else(|e| panic!("fused moe_combine backward: {e:#}")),
-                _ => combine_mirror_backward(&y, &unsort_s, &w, &dout),
-            };
-            let mut pairs = Vec::with_capacity(2);
-            if y_in.requires_grad() {
-                pairs.push((y_in, dy));
-            }
-            if w_in.requires_grad() {
-                pairs.push((w_in, dw));
-            }
-            pairs
-        }),
-    );
-    out
-}
-
-/// [`moe_combine`] in tch ops, given the sorted row of each pair: the un-permutation, the
-/// product with the weights in their dtype (f32 for Mixtral's), the cast and the sum.
-fn combine_mirror(y_sh: &Tensor, unsort_s: &Tensor, weights_nk: &Tensor) -> Tensor {
-    let (n, k) = weights_nk.size2().expect("router weights are (N, K)");
-    let kind = y_sh.kind();
-    let y_nkh = y_sh.index_select(0, unsort_s).view([n, k, -1]);
-    (y_nkh * weights_nk.unsqueeze(-1))
-        .to_kind(kind)
-        .sum_dim_intlist(1, false, kind)
-}
-
-/// The mirror's backward by autograd over a recompute: (dy, dweights) in the inputs' dtypes.
-fn combine_mirror_backward(
-    y_sh: &Tensor,
-    unsort_s: &Tensor,
-    weights_nk: &Tensor,
-    dout_nh: &Tensor,
-) -> (Tensor, Tensor) {
-    let y = y_sh.detach().set_requires_grad(true);
-    let w = weights_nk.detach().set_requires_grad(true);
-    let objective = (combine_mirror(&y, unsort_s, &w) * dout_nh).sum(Kind::Float);
-    let grads = Tensor::run_backward(&[objective], &[&y, &w], false, false);
-    let [dy, dw] = grads.as_slice() else {
-        panic!("two inputs")
-    };
-    (dy.shallow_clone(), dw.shallow_clone())
 }

@@ -20,8 +20,10 @@
 //!
 //! On CUDA in bf16 the un-permutation, the weighting and the sum are one fused op instead
 //! (`kernels::moe_combine`, [`fused_combine`]): a warp per token gathers its K rows, and the
-//! backward a warp per sorted row, with no (S, H) intermediate in token order. Its backward
-//! runs from the kernels' tape, so the block's input and, where the aux loss reads them, the
+//! backward a warp per sorted row, with no (S, H) intermediate in token order; the token
+//! gather's backward is the same kernel with unit weights (`kernels::moe_gather`), a sum
+//! of each token's K rows in place of the embedding's sort and segment sums. Their
+//! backwards run from the kernels' tape, so the block's input and, where the aux loss reads them, the
 //! router logits enter it through tape boundaries (worker/src/model/moe.rs), and the layer's
 //! backward runs its MLP half on its own (worker/src/layer.rs).
 //!
@@ -142,8 +144,15 @@ pub fn routed(
     let device = x_nh.device();
     // Pair p = token * K + slot; pair_s lists the pairs in expert order.
     let (expert_s, pair_s) = experts_nk.reshape([-1]).sort_stable(true, 0, false);
-    let token_s = pair_s.divide_scalar_mode(k, "floor");
-    let x_sh = Tensor::embedding(x_nh, &token_s, -1, false, false);
+    let fused = fused_combine(m, x_nh.size()[1], x_nh.kind(), device);
+    let pairs = fused.then(|| kernels::Pairs::new(&pair_s, k));
+    let x_sh = match &pairs {
+        Some(pairs) => kernels::moe_gather(x_nh, pairs),
+        None => {
+            let token_s = pair_s.divide_scalar_mode(k, "floor");
+            Tensor::embedding(x_nh, &token_s, -1, false, false)
+        }
+    };
     // Llama 4's router scores scale what enters each expert; the others' what leaves it.
     let scales_input = m.router == Router::TopKSigmoidInput;
     let x_sh = match scales_input {
@@ -159,8 +168,8 @@ pub fn routed(
         true => grouped_experts(spec, m, w, &x_sh, &expert_s),
         false => per_expert(spec, m, w, &x_sh, &expert_s),
     };
-    if fused_combine(m, x_nh.size()[1], x_nh.kind(), device) {
-        return kernels::moe_combine(&y_sh, &pair_s, weights_nk);
+    if let Some(pairs) = &pairs {
+        return kernels::moe_combine(&y_sh, pairs, weights_nk);
     }
     // Row r of y_sh is pair pair_s[r]: the inverse permutation restores (token, slot) order.
     let y_nkh = match y_sh.requires_grad() {

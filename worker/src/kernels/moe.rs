@@ -1,0 +1,168 @@
+//! The mixture of experts' fused ops around the expert GEMMs (worker/src/model/experts.rs):
+//! the (token, slot) pairs' rows gathered in expert order ([`moe_gather`]) and the experts'
+//! outputs brought back, weighted and summed per token ([`moe_combine`]). Both backwards
+//! are gathers and per-row reductions (no atomic scatter-add), from the tape.
+//!
+//! Shapes: N tokens, H hidden size, K experts per token, S = N K pairs, the pair of token t
+//! and slot k being p = t K + k.
+
+use tch::{Device, Kind, Tensor};
+
+use super::{cuda, tape};
+
+/// Whether [`moe_combine`] runs for experts' outputs of `kind` and width `h`, router
+/// weights of `weights`, on `device`: on CUDA where the kernels compiled and take them
+/// (bf16 outputs, H a multiple of 8, f32 or bf16 weights); on CPU always (the mirror).
+pub fn moe_combine_supported(kind: Kind, h: i64, weights: Kind, device: Device) -> bool {
+    match device {
+        Device::Cuda(_) => cuda::combine_supports(kind, h, weights) && cuda::available(),
+        _ => true,
+    }
+}
+
+/// The S pairs in expert order: `pair_s[r]` is the pair of sorted row r, `unsort_s[p]` the
+/// sorted row of pair p (its inverse), int64 on the activations' device.
+pub struct Pairs {
+    pub pair_s: Tensor,
+    unsort_s: Tensor,
+    k: i64,
+}
+
+impl Pairs {
+    /// From the pair of each sorted row, for `k` slots per token.
+    pub fn new(pair_s: &Tensor, k: i64) -> Pairs {
+        let arange_s = Tensor::arange(pair_s.size()[0], (Kind::Int64, pair_s.device()));
+        Pairs {
+            pair_s: pair_s.shallow_clone(),
+            unsort_s: pair_s.zeros_like().scatter(0, pair_s, &arange_s),
+            k,
+        }
+    }
+
+    fn shallow_clone(&self) -> Pairs {
+        Pairs {
+            pair_s: self.pair_s.shallow_clone(),
+            unsort_s: self.unsort_s.shallow_clone(),
+            k: self.k,
+        }
+    }
+}
+
+/// Each pair's token row in expert order: `x_nh` (N, H) -> (S, H), row r being token
+/// `pair_s[r] / K`. The backward sums each token's K rows of the gradient in f32 and rounds
+/// once (as the embedding lookup's backward does), through [`moe_combine`]'s kernel with
+/// unit weights. With grad, the output is a leaf and the backward waits on the tape.
+pub fn moe_gather(x_nh: &Tensor, pairs: &Pairs) -> Tensor {
+    let token_s = pairs.pair_s.divide_scalar_mode(pairs.k, "floor");
+    let x_sh = x_nh.detach().index_select(0, &token_s);
+    if !x_nh.requires_grad() {
+        return x_sh;
+    }
+    let x_sh = x_sh.set_requires_grad(true);
+    let (input, pairs) = (x_nh.shallow_clone(), pairs.shallow_clone());
+    tape::record(
+        &[x_sh.shallow_clone()],
+        Box::new(move |grads| {
+            let [dx_sh] = grads else {
+                panic!("moe_gather has one output")
+            };
+            if !dx_sh.defined() {
+                return Vec::new();
+            }
+            let n = input.size()[0];
+            let ones_nk = Tensor::ones([n, pairs.k], (Kind::Float, dx_sh.device()));
+            let dx = combine(&dx_sh.contiguous(), &pairs.unsort_s, &ones_nk);
+            vec![(input, dx)]
+        }),
+    );
+    x_sh
+}
+
+/// A mixture of experts' outputs combined: `y_sh` (S, H), the experts' outputs for the
+/// pairs in expert order; returns (N, H), each token's K outputs times its router weights
+/// `weights_nk` (N, K), summed over the slots. Each product is rounded to y's dtype and
+/// the K of a token summed in f32 and rounded once (as torch's un-permutation by a gather,
+/// product with the weights, cast and sum: the mirror). The backward is a gather of the
+/// output's gradient scaled by the weights, and one dot product per pair for the weights.
+///
+/// With grad (`y_sh` or the weights require it), the output is a leaf and the backward
+/// waits on the tape.
+pub fn moe_combine(y_sh: &Tensor, pairs: &Pairs, weights_nk: &Tensor) -> Tensor {
+    let y = y_sh.detach().contiguous();
+    let w = weights_nk.detach().contiguous();
+    let out = combine(&y, &pairs.unsort_s, &w);
+    if !y_sh.requires_grad() && !weights_nk.requires_grad() {
+        return out;
+    }
+    let out = out.set_requires_grad(true);
+    let (y_in, w_in) = (y_sh.shallow_clone(), weights_nk.shallow_clone());
+    let pairs = pairs.shallow_clone();
+    tape::record(
+        &[out.shallow_clone()],
+        Box::new(move |grads| {
+            let [dout] = grads else {
+                panic!("moe_combine has one output")
+            };
+            if !dout.defined() {
+                return Vec::new();
+            }
+            let dout = dout.contiguous();
+            let (dy, dw) = match y.device() {
+                Device::Cuda(_) if y.size()[0] > 0 => {
+                    cuda::moe_combine_bwd(&dout, &y, &pairs.pair_s, &w)
+                        .unwrap_or_else(|e| panic!("fused moe_combine backward: {e:#}"))
+                }
+                _ => mirror_backward(&y, &pairs.unsort_s, &w, &dout),
+            };
+            let mut grads = Vec::with_capacity(2);
+            if y_in.requires_grad() {
+                grads.push((y_in, dy));
+            }
+            if w_in.requires_grad() {
+                grads.push((w_in, dw));
+            }
+            grads
+        }),
+    );
+    out
+}
+
+/// The combine's forward on plain tensors: the kernel on CUDA, the mirror elsewhere.
+fn combine(y_sh: &Tensor, unsort_s: &Tensor, weights_nk: &Tensor) -> Tensor {
+    match y_sh.device() {
+        Device::Cuda(_) if y_sh.size()[0] > 0 => cuda::moe_combine_fwd(y_sh, unsort_s, weights_nk)
+            .unwrap_or_else(|e| panic!("fused moe_combine forward: {e:#}")),
+        _ => {
+            let _guard = tch::no_grad_guard();
+            mirror(y_sh, unsort_s, weights_nk)
+        }
+    }
+}
+
+/// [`moe_combine`] in tch ops, given the sorted row of each pair: the un-permutation, the
+/// product with the weights in their dtype (f32 for Mixtral's), the cast and the sum.
+fn mirror(y_sh: &Tensor, unsort_s: &Tensor, weights_nk: &Tensor) -> Tensor {
+    let (n, k) = weights_nk.size2().expect("router weights are (N, K)");
+    let kind = y_sh.kind();
+    let y_nkh = y_sh.index_select(0, unsort_s).view([n, k, -1]);
+    (y_nkh * weights_nk.unsqueeze(-1))
+        .to_kind(kind)
+        .sum_dim_intlist(1, false, kind)
+}
+
+/// The mirror's backward by autograd over a recompute: (dy, dweights) in the inputs' dtypes.
+fn mirror_backward(
+    y_sh: &Tensor,
+    unsort_s: &Tensor,
+    weights_nk: &Tensor,
+    dout_nh: &Tensor,
+) -> (Tensor, Tensor) {
+    let y = y_sh.detach().set_requires_grad(true);
+    let w = weights_nk.detach().set_requires_grad(true);
+    let objective = (mirror(&y, unsort_s, &w) * dout_nh).sum(Kind::Float);
+    let grads = Tensor::run_backward(&[objective], &[&y, &w], false, false);
+    let [dy, dw] = grads.as_slice() else {
+        panic!("two inputs")
+    };
+    (dy.shallow_clone(), dw.shallow_clone())
+}
