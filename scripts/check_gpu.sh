@@ -25,6 +25,12 @@
 #    rounding, compounded over a few steps of the backward. An expert that receives no
 #    token must get exactly zero gradient from both; each model is run on 16 tokens (at
 #    most 32 of the 64 experts used) and on 16 rows of 256 (about 128 pairs per expert).
+#    The same models once more with the grouped experts' outputs combined by tch ops
+#    (MT_MOE_COMBINE=plain) instead of the fused combine and gather kernels
+#    (worker/src/kernels/moe_combine.cu, the default): logits and gradients within the same
+#    2e-2 (the kernels round each weighted term to bf16 and sum in f32 as the ops do, up
+#    to the order of that sum; their router-weight gradient is an f32 dot product where
+#    the ops round each product to bf16 first).
 # 4. Gated DeltaNet one layer deep: scripts/check_gated_delta.sh.
 # 6. Resident blocks (memory.resident_blocks): scripts/check_resident.sh (adamw.cu against
 #    the host's update bit for bit; the tiny model with every block, two and none resident).
@@ -179,8 +185,9 @@ if part experts; then
   for m in moe mixtral gpt_oss; do
     for shape in "sparse 1 16" "full 16 256"; do
       set -- $shape
-      for path in grouped loop; do
-        MT_MOE_EXPERTS=$path run "layer_${m}_$1_$path" --gpus 1 "${gpu[@]}" --set "model.path=$work/layer_$m" \
+      for path in grouped loop plain; do
+        experts=${path/plain/grouped}; combine=fused; [ "$path" = plain ] && combine=plain
+        MT_MOE_EXPERTS=$experts MT_MOE_COMBINE=$combine run "layer_${m}_$1_$path" --gpus 1 "${gpu[@]}" --set "model.path=$work/layer_$m" \
           --set dataset.name=null --set dataset.format=tokenized --set "dataset.path=$work/ids.jsonl" \
           --set training.num_steps=1 --set "training.batch_size=$2" --set "dataset.max_seq_len=$3" \
           --dump-grads "$work/layer_${m}_$1_$path.grads" --dump-logits "$work/layer_${m}_$1_$path.logits"
@@ -300,17 +307,22 @@ def experts(grads, e_total):
     return per
 
 bound = 2e-2
+def worst_of(a, b):
+    """The worst relative L2 over the step-1 logits and every gradient of runs a and b."""
+    worst, what = rel_l2(tensors(f"{a}.logits")["logits"][1], tensors(f"{b}.logits")["logits"][1]), "logits"
+    ga, gb = tensors(f"{a}.grads"), tensors(f"{b}.grads")
+    assert ga.keys() == gb.keys()
+    for name in gb:
+        e = rel_l2(ga[name][1], gb[name][1])
+        if e > worst:
+            worst, what = e, name
+    return worst, what
+
 for m in ("moe", "mixtral", "gpt_oss") if "experts" in parts else ():
     for shape in ("sparse", "full"):
         stem = f"{work}/layer_{m}_{shape}"
-        worst = rel_l2(tensors(f"{stem}_grouped.logits")["logits"][1], tensors(f"{stem}_loop.logits")["logits"][1])
-        what = "logits"
+        worst, what = worst_of(f"{stem}_grouped", f"{stem}_loop")
         g, r = tensors(f"{stem}_grouped.grads"), tensors(f"{stem}_loop.grads")
-        assert g.keys() == r.keys()
-        for name in r:
-            e = rel_l2(g[name][1], r[name][1])
-            if e > worst:
-                worst, what = e, name
         per_grouped, per_loop = experts(g, 64), experts(r, 64)
         idle = [e for e, parts in per_loop.items() if all(x == 0.0 for p in parts for x in p)]
         leaked = [e for e in idle if any(x != 0.0 for p in per_grouped[e] for x in p)]
@@ -321,6 +333,9 @@ for m in ("moe", "mixtral", "gpt_oss") if "experts" in parts else ():
         print(f"grouped vs per-expert, {m} {shape}: worst relative L2 {worst:.2e} ({what}; bound {bound:.0e}); "
               f"{len(idle)} of 64 experts without tokens, {len(leaked)} of them with a nonzero grouped gradient"
               + ("" if covered else " (FAIL: the run does not cover the case it is for)"))
+        fused, fwhat = worst_of(f"{stem}_grouped", f"{stem}_plain")
+        ok &= fused <= bound
+        print(f"fused combine vs tch ops, {m} {shape}: worst relative L2 {fused:.2e} ({fwhat}; bound {bound:.0e})")
 if "errors" in parts:
     failed = f"{work}/errors.failed"
     ok &= not os.path.exists(failed)
