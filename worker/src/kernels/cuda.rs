@@ -19,7 +19,7 @@ use crate::stream::cuda::torch_stream;
 
 const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
 const ADAMW_SRC: &str = include_str!("adamw.cu");
-const MOE_COMBINE_SRC: &str = include_str!("moe_combine.cu");
+const MOE_SRC: &str = include_str!("moe.cu");
 /// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
 /// block (its SPAN).
 const THREADS: u32 = 128;
@@ -34,9 +34,11 @@ struct Kernels {
     conv_bwd: [CUfunction; 4],
     /// adamw.cu's, by [`adamw_index`].
     adamw: [CUfunction; 4],
-    /// moe_combine.cu's forward and backward, for f32 and bf16 router weights.
+    /// moe.cu's combine forward and backward, for f32 and bf16 router weights.
     combine_fwd: [CUfunction; 2],
     combine_bwd: [CUfunction; 2],
+    /// moe.cu's SwiGLU forward and backward.
+    swiglu: [CUfunction; 2],
 }
 
 // SAFETY: module and function handles are plain driver handles, valid in every thread of
@@ -107,11 +109,7 @@ fn build() -> Result<Kernels> {
         "adamw.cu",
         vec![arch.clone(), "--std=c++17".into(), "--fmad=false".into()],
     )?;
-    let combine = load_module(
-        MOE_COMBINE_SRC,
-        "moe_combine.cu",
-        vec![arch, "--std=c++17".into()],
-    )?;
+    let moe = load_module(MOE_SRC, "moe.cu", vec![arch, "--std=c++17".into()])?;
     let by_n = |prefix: &str| -> Result<[CUfunction; 4]> {
         let f: Vec<CUfunction> = LANE_CHANNELS
             .iter()
@@ -129,14 +127,18 @@ fn build() -> Result<Kernels> {
             function(adamw, "adamw_g16_w16".into())?,
         ],
         combine_fwd: [
-            function(combine, "moe_combine_fwd_w32".into())?,
-            function(combine, "moe_combine_fwd_w16".into())?,
+            function(moe, "moe_combine_fwd_w32".into())?,
+            function(moe, "moe_combine_fwd_w16".into())?,
         ],
         combine_bwd: [
-            function(combine, "moe_combine_bwd_w32".into())?,
-            function(combine, "moe_combine_bwd_w16".into())?,
+            function(moe, "moe_combine_bwd_w32".into())?,
+            function(moe, "moe_combine_bwd_w16".into())?,
         ],
-        _modules: [conv, adamw, combine],
+        swiglu: [
+            function(moe, "swiglu_fwd".into())?,
+            function(moe, "swiglu_bwd".into())?,
+        ],
+        _modules: [conv, adamw, moe],
     };
     tracing::debug!(
         "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
@@ -435,10 +437,10 @@ pub fn adamw_resident(
     launch_with(f, blocks, THREADS, &mut args, "cuLaunchKernel (adamw)")
 }
 
-/// moe_combine.cu's block: 8 warps, a token or a sorted row each.
+/// moe.cu's block: 8 warps, a token or a sorted row each.
 const COMBINE_WARPS: i64 = 8;
 
-/// Whether moe_combine.cu takes experts' outputs of `kind` and width `h` and router
+/// Whether moe.cu's combine takes experts' outputs of `kind` and width `h` and router
 /// weights of `weights`: bf16 outputs in rows of whole 16-byte packs, f32 or bf16 weights.
 pub fn combine_supports(kind: Kind, h: i64, weights: Kind) -> bool {
     kind == Kind::BFloat16 && h % 8 == 0 && matches!(weights, Kind::Float | Kind::BFloat16)
@@ -517,4 +519,58 @@ pub fn moe_combine_bwd(
         "cuLaunchKernel (moe_combine_bwd)",
     )?;
     Ok((dy, dw))
+}
+
+/// Whether moe.cu's SwiGLU takes (.., I) tensors of `kind`: bf16, I a multiple of 8.
+pub fn swiglu_supports(kind: Kind, i: i64) -> bool {
+    kind == Kind::BFloat16 && i % 8 == 0
+}
+
+/// Blocks for a grid-stride loop over `packs` 8-element packs: enough to fill any GPU.
+fn stride_blocks(packs: i64) -> i64 {
+    ((packs + 255) / 256).clamp(1, 16 * 1024)
+}
+
+/// See `super::swiglu`: gate and up (.., I) bf16 contiguous -> silu(gate) up.
+pub fn swiglu_fwd(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let h = gate.empty_like();
+    let mut packs = gate.numel() as i64 / 8;
+    let (mut gp, mut up_, mut hp) = (ptr(gate), ptr(up), ptr(&h));
+    let mut args = [arg(&mut gp), arg(&mut up_), arg(&mut hp), arg(&mut packs)];
+    let blocks = stride_blocks(packs);
+    launch_with(
+        kernels.swiglu[0],
+        blocks,
+        256,
+        &mut args,
+        "cuLaunchKernel (swiglu_fwd)",
+    )?;
+    Ok(h)
+}
+
+/// The backward of [`swiglu_fwd`]: from dh (contiguous, as gate), (dgate, dup).
+pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dh: &Tensor) -> Result<(Tensor, Tensor)> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (dg, du) = (gate.empty_like(), up.empty_like());
+    let mut packs = gate.numel() as i64 / 8;
+    let (mut gp, mut up_, mut dp) = (ptr(gate), ptr(up), ptr(dh));
+    let (mut dgp, mut dup) = (ptr(&dg), ptr(&du));
+    let mut args = [
+        arg(&mut gp),
+        arg(&mut up_),
+        arg(&mut dp),
+        arg(&mut dgp),
+        arg(&mut dup),
+        arg(&mut packs),
+    ];
+    let blocks = stride_blocks(packs);
+    launch_with(
+        kernels.swiglu[1],
+        blocks,
+        256,
+        &mut args,
+        "cuLaunchKernel (swiglu_bwd)",
+    )?;
+    Ok((dg, du))
 }

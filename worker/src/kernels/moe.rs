@@ -1,7 +1,8 @@
 //! The mixture of experts' fused ops around the expert GEMMs (worker/src/model/experts.rs):
-//! the (token, slot) pairs' rows gathered in expert order ([`moe_gather`]) and the experts'
-//! outputs brought back, weighted and summed per token ([`moe_combine`]). Both backwards
-//! are gathers and per-row reductions (no atomic scatter-add), from the tape.
+//! the (token, slot) pairs' rows gathered in expert order ([`moe_gather`]), the SwiGLU
+//! between the GEMMs ([`swiglu`]) and the experts' outputs brought back, weighted and
+//! summed per token ([`moe_combine`]). The backwards are elementwise, gathers and per-row
+//! reductions (no atomic scatter-add), from the tape.
 //!
 //! Shapes: N tokens, H hidden size, K experts per token, S = N K pairs, the pair of token t
 //! and slot k being p = t K + k.
@@ -165,4 +166,63 @@ fn mirror_backward(
         panic!("two inputs")
     };
     (dy.shallow_clone(), dw.shallow_clone())
+}
+
+/// Whether [`swiglu`] runs for (.., I) tensors of `kind` on `device`: on CUDA where the
+/// kernels compiled and take them (bf16, I a multiple of 8); on CPU always (the mirror).
+pub fn swiglu_supported(kind: Kind, i: i64, device: Device) -> bool {
+    match device {
+        Device::Cuda(_) => cuda::swiglu_supports(kind, i) && cuda::available(),
+        _ => true,
+    }
+}
+
+/// `silu(gate) * up` for `gate` and `up` of one shape (.., I): on CUDA in f32 from the
+/// inputs and rounded once (torch's ops, the mirror, round silu's output first); the
+/// backward from the tape (the kernels keep gate and up, autograd also silu's output).
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    let (g, u) = (gate.detach().contiguous(), up.detach().contiguous());
+    let h = match g.device() {
+        Device::Cuda(_) if g.numel() > 0 => {
+            cuda::swiglu_fwd(&g, &u).unwrap_or_else(|e| panic!("fused swiglu forward: {e:#}"))
+        }
+        _ => {
+            let _guard = tch::no_grad_guard();
+            g.silu() * &u
+        }
+    };
+    if !gate.requires_grad() && !up.requires_grad() {
+        return h;
+    }
+    let h = h.set_requires_grad(true);
+    let (g_in, u_in) = (gate.shallow_clone(), up.shallow_clone());
+    tape::record(
+        &[h.shallow_clone()],
+        Box::new(move |grads| {
+            let [dh] = grads else {
+                panic!("swiglu has one output")
+            };
+            if !dh.defined() {
+                return Vec::new();
+            }
+            let (dg, du) = match g.device() {
+                Device::Cuda(_) if g.numel() > 0 => cuda::swiglu_bwd(&g, &u, &dh.contiguous())
+                    .unwrap_or_else(|e| panic!("fused swiglu backward: {e:#}")),
+                _ => {
+                    let (gl, ul) = (
+                        g.detach().set_requires_grad(true),
+                        u.detach().set_requires_grad(true),
+                    );
+                    let objective = (gl.silu() * &ul * dh).sum(Kind::Float);
+                    let grads = Tensor::run_backward(&[objective], &[&gl, &ul], false, false);
+                    (grads[0].shallow_clone(), grads[1].shallow_clone())
+                }
+            };
+            [(g_in, dg), (u_in, du)]
+                .into_iter()
+                .filter(|(input, _)| input.requires_grad())
+                .collect()
+        }),
+    );
+    h
 }

@@ -22,7 +22,8 @@
 //! (`kernels::moe_combine`, [`fused_combine`]): a warp per token gathers its K rows, and the
 //! backward a warp per sorted row, with no (S, H) intermediate in token order; the token
 //! gather's backward is the same kernel with unit weights (`kernels::moe_gather`), a sum
-//! of each token's K rows in place of the embedding's sort and segment sums. Their
+//! of each token's K rows in place of the embedding's sort and segment sums; and a SiLU
+//! gate times up between the grouped GEMMs is one elementwise op (`kernels::swiglu`). Their
 //! backwards run from the kernels' tape, so the block's input and, where the aux loss reads them, the
 //! router logits enter it through tape boundaries (worker/src/model/moe.rs), and the layer's
 //! backward runs its MLP half on its own (worker/src/layer.rs).
@@ -48,7 +49,7 @@
 
 use std::sync::OnceLock;
 
-use mt::config::hf::{ExpertAct, ExpertNames, ModelSpec, MoeSpec, Router};
+use mt::config::hf::{Activation, ExpertAct, ExpertNames, ModelSpec, MoeSpec, Router};
 use mt::layout::{Block, ExpertStack};
 use tch::{Device, Kind, Tensor};
 
@@ -165,7 +166,7 @@ pub fn routed(
         false => x_sh,
     };
     let y_sh = match w.grouped_experts() {
-        true => grouped_experts(spec, m, w, &x_sh, &expert_s),
+        true => grouped_experts(spec, m, w, &x_sh, &expert_s, fused),
         false => per_expert(spec, m, w, &x_sh, &expert_s),
     };
     if let Some(pairs) = &pairs {
@@ -197,6 +198,7 @@ fn grouped_experts(
     w: &BlockWeights,
     x_sh: &Tensor,
     expert_s: &Tensor,
+    fused: bool,
 ) -> Tensor {
     let experts_e = Tensor::arange(m.num_experts as i64, (Kind::Int64, x_sh.device()));
     // Where each expert's rows end: the rows of experts <= e (int32, on the device).
@@ -207,6 +209,17 @@ fn grouped_experts(
     };
     // x W^T per expert, for the stack of one per-expert nn.Linear weight (E, out, in).
     let linear = |x: &Tensor, stack: &str| mm(x, &w.get(stack).transpose(1, 2));
+    // act(gate) * up: one fused op with the fused combine, for SiLU.
+    let glu = |gate_si: Tensor, up_si: Tensor| {
+        let i = gate_si.size()[1];
+        let kernel = fused
+            && spec.hidden_act == Activation::Silu
+            && kernels::swiglu_supported(gate_si.kind(), i, gate_si.device());
+        match kernel {
+            true => kernels::swiglu(&gate_si, &up_si),
+            false => activation(&gate_si, spec.hidden_act) * up_si,
+        }
+    };
     match m.names {
         ExpertNames::GptOssFused => {
             let ExpertAct::ClampedSwiglu { alpha, limit } = m.act else {
@@ -227,9 +240,9 @@ fn grouped_experts(
         }
         ExpertNames::Mixtral => {
             let p = "block_sparse_moe.experts";
-            let gate_si = activation(&linear(x_sh, &format!("{p}.w1.weight")), spec.hidden_act);
+            let gate_si = linear(x_sh, &format!("{p}.w1.weight"));
             let up_si = linear(x_sh, &format!("{p}.w3.weight"));
-            linear(&(gate_si * up_si), &format!("{p}.w2.weight"))
+            linear(&glu(gate_si, up_si), &format!("{p}.w2.weight"))
         }
         ExpertNames::Llama4Fused => {
             // Gate and up side by side along the last dim: the first half gates.
@@ -241,12 +254,9 @@ fn grouped_experts(
         }
         ExpertNames::Qwen | ExpertNames::DeepSeek => {
             let p = "mlp.experts";
-            let gate_si = activation(
-                &linear(x_sh, &format!("{p}.gate_proj.weight")),
-                spec.hidden_act,
-            );
+            let gate_si = linear(x_sh, &format!("{p}.gate_proj.weight"));
             let up_si = linear(x_sh, &format!("{p}.up_proj.weight"));
-            linear(&(gate_si * up_si), &format!("{p}.down_proj.weight"))
+            linear(&glu(gate_si, up_si), &format!("{p}.down_proj.weight"))
         }
     }
 }

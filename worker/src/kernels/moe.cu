@@ -1,3 +1,6 @@
+// The mixture of experts' fused ops around the expert GEMMs (worker/src/kernels/moe.rs):
+// the SwiGLU between them, and the combine of their outputs.
+//
 // The routed experts' outputs back in token order, weighted and summed over each token's K
 // slots, in one pass: what the un-permutation (a gather), the product with the router
 // weights and the sum over the slots compute in three (worker/src/model/experts.rs), and
@@ -17,6 +20,11 @@
 //
 // Work split: a warp per token (forward) or per sorted row (backward), 8 warps a block; a
 // lane takes 8 adjacent channels (16 bytes) at a time, H a multiple of 8.
+//
+// The SwiGLU h = silu(gate) up over (S, I) elements, I a multiple of 8: computed in f32
+// from the bf16 inputs and rounded once (torch rounds silu(gate) to bf16 first); its
+// backward dgate = dh up sigmoid(gate) (1 + gate (1 - sigmoid(gate))), dup = dh silu(gate),
+// each rounded once. 8 elements a thread at a time, a grid-stride loop.
 
 typedef unsigned short u16;
 typedef long long i64;
@@ -127,4 +135,50 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     moe_combine_bwd_w16(const u16* dout, const u16* y, const i64* pair, const u16* w, u16* dy,
                         u16* dw, i64 rows, int k, int h) {
   combine_bwd(dout, y, pair, w, dy, dw, rows, k, h);
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    swiglu_fwd(const u16* __restrict__ gate, const u16* __restrict__ up, u16* __restrict__ h,
+               i64 packs) {
+  const Pack8* g = (const Pack8*)gate;
+  const Pack8* u = (const Pack8*)up;
+  Pack8* o = (Pack8*)h;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < packs;
+       i += (i64)gridDim.x * blockDim.x) {
+    const Pack8 gv = g[i], uv = u[i];
+    Pack8 hv;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const float x = bf2f(gv.v[e]);
+      hv.v[e] = f2bf(x * sigmoid(x) * bf2f(uv.v[e]));
+    }
+    o[i] = hv;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    swiglu_bwd(const u16* __restrict__ gate, const u16* __restrict__ up,
+               const u16* __restrict__ dh, u16* __restrict__ dgate, u16* __restrict__ dup,
+               i64 packs) {
+  const Pack8* g = (const Pack8*)gate;
+  const Pack8* u = (const Pack8*)up;
+  const Pack8* d = (const Pack8*)dh;
+  Pack8* dg = (Pack8*)dgate;
+  Pack8* du = (Pack8*)dup;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < packs;
+       i += (i64)gridDim.x * blockDim.x) {
+    const Pack8 gv = g[i], uv = u[i], dv = d[i];
+    Pack8 a, b;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const float x = bf2f(gv.v[e]), y = bf2f(uv.v[e]), dy = bf2f(dv.v[e]);
+      const float s = sigmoid(x);
+      a.v[e] = f2bf(dy * y * s * (1.0f + x * (1.0f - s)));
+      b.v[e] = f2bf(dy * x * s);
+    }
+    dg[i] = a;
+    du[i] = b;
+  }
 }
