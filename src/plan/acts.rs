@@ -221,7 +221,7 @@ fn moe_acts(spec: &ModelSpec, m: u64, d: &Dims) -> LayerActs {
 /// can choose otherwise.
 fn fused_combine(spec: &ModelSpec, d: &Dims) -> bool {
     let moe = spec.moe.as_ref().expect("sparse layers have a MoE spec");
-    d.gpu && d.bf16 && spec.hidden_size % 8 == 0 && moe.router != Router::TopKSigmoidInput
+    d.gpu && d.bf16 && spec.hidden_size.is_multiple_of(8) && moe.router != Router::TopKSigmoidInput
 }
 
 /// Elements per token a GPU worker's Gated DeltaNet keeps of its causal conv for the
