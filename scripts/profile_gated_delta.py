@@ -5,8 +5,12 @@
 # model TFLOPS count), then one forward + backward under torch.profiler, every aten op's
 # own GPU time grouped by op and input shapes. A profiling aid: it mirrors the Rust code and
 # must follow it when that changes; the numerics are checked by scripts/check_gated_delta.sh.
+# The causal conv, SiLU and q/k norms run as torch ops here (the worker's
+# MT_GATED_DELTA_FUSED=0); on CUDA the worker runs them as one kernel (worker/src/kernels).
 #
-# Environment: B [32] rows, T [1024] tokens, C [64] chunk, PROFILE [1], DEV [cuda].
+# Environment: B [32] rows, T [1024] tokens, C [64] chunk, DEV [cuda], PROFILE [1]: 1
+# profiles one forward + backward, fwd one forward without grad (the engine's first pass
+# over each layer), 0 neither.
 # Run on a GPU machine: python3 scripts/profile_gated_delta.py
 import os, sys, time
 import torch
@@ -55,6 +59,16 @@ def unit_lower_inverse(a):
     t11, t22 = diag
     t21 = -(t22 @ (a21 @ t11))
     return torch.cat([F.pad(t11, (0, h)), torch.cat([t21, t22], -1)], -2)
+
+
+def inverse_with_its_gradient(a):
+    """As chunked.rs: the inverse without grad, its gradient -T^T dT T^T through T - T (A - A') T."""
+    with torch.no_grad():
+        t = unit_lower_inverse(a)
+    if not a.requires_grad:
+        return t
+    strict = a.tril(-1)
+    return t - t @ (strict - strict.detach()) @ t
 
 
 def state_recurrence(u, nw, q, k, p, d):
@@ -108,7 +122,7 @@ def mixer(x):
     upper = torch.ones(c, c, dtype=torch.bool, device=x.device).triu(1)
     decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp()
     a_ = ((decay * beta_c.unsqueeze(-1)).view(b, G, r, u, c, c) * kk_cc.unsqueeze(2)).view(b, V, u, c, c)
-    t_ = unit_lower_inverse(a_).to(kind)
+    t_ = inverse_with_its_gradient(a_).to(kind)
     p_cc = (decay.to(kind).view(b, G, r, u, c, c) * qk_cc.unsqueeze(2)).view(b, V, u, c, c)
     uu = t_ @ vb; nw = t_ @ nkb
     fl = lambda xx: xx.reshape(b * V, *xx.shape[2:])
@@ -148,10 +162,10 @@ def timefwd(fn, x, n=3):
     with torch.no_grad():
         for _ in range(2):
             fn(x)
-        torch.cuda.synchronize(); t0 = time.time()
+        (torch.cuda.synchronize() if dev == "cuda" else None); t0 = time.time()
         for _ in range(n):
             fn(x)
-        torch.cuda.synchronize()
+        (torch.cuda.synchronize() if dev == "cuda" else None)
     return (time.time() - t0) / n
 
 
@@ -167,10 +181,16 @@ x.grad = None; conv_w.grad = None
 y = mixer(x); y.backward(gy)
 print(f"  check: y {y.float().double().sum().item():.6e} |y| {y.float().norm().item():.6e} |dx| {x.grad.float().norm().item():.6e} |dconv| {conv_w.grad.float().norm().item():.6e}")
 sys.stdout.flush()
-if os.environ.get("PROFILE", "1") == "1":
+mode = os.environ.get("PROFILE", "1")
+if mode in ("1", "fwd"):
     from torch.profiler import profile, ProfilerActivity
     from profile_common import aten_rows, print_rows
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
-        run(mixer, x, gy); torch.cuda.synchronize()
+        if mode == "fwd":
+            with torch.no_grad():
+                mixer(x)
+        else:
+            run(mixer, x, gy)
+        torch.cuda.synchronize()
     rows = aten_rows(prof)
     print_rows(rows, 70)
