@@ -37,8 +37,8 @@ struct Kernels {
     /// moe.cu's combine forward and backward, for f32 and bf16 router weights.
     combine_fwd: [CUfunction; 2],
     combine_bwd: [CUfunction; 2],
-    /// moe.cu's SwiGLU forward and backward.
-    swiglu: [CUfunction; 2],
+    /// moe.cu's SwiGLU forward and backward, then the clamped SwiGLU's.
+    swiglu: [CUfunction; 4],
 }
 
 // SAFETY: module and function handles are plain driver handles, valid in every thread of
@@ -137,6 +137,8 @@ fn build() -> Result<Kernels> {
         swiglu: [
             function(moe, "swiglu_fwd".into())?,
             function(moe, "swiglu_bwd".into())?,
+            function(moe, "clamped_swiglu_fwd".into())?,
+            function(moe, "clamped_swiglu_bwd".into())?,
         ],
         _modules: [conv, adamw, moe],
     };
@@ -573,4 +575,47 @@ pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dh: &Tensor) -> Result<(Tensor, Te
         "cuLaunchKernel (swiglu_bwd)",
     )?;
     Ok((dg, du))
+}
+
+/// See `super::clamped_swiglu`: gate_up (.., 2I) bf16 contiguous, gate and up interleaved ->
+/// (.., I).
+pub fn clamped_swiglu_fwd(gate_up: &Tensor, alpha: f32, limit: f32) -> Result<Tensor> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut shape = gate_up.size();
+    *shape.last_mut().context("gate_up has a last dim")? /= 2;
+    let h = Tensor::empty(shape.as_slice(), (gate_up.kind(), gate_up.device()));
+    let mut packs = h.numel() as i64 / 8;
+    let (mut gp, mut hp, mut a, mut l) = (ptr(gate_up), ptr(&h), alpha, limit);
+    let mut args = [
+        arg(&mut gp),
+        arg(&mut hp),
+        arg(&mut packs),
+        arg(&mut a),
+        arg(&mut l),
+    ];
+    let blocks = stride_blocks(packs);
+    let what = "cuLaunchKernel (clamped_swiglu_fwd)";
+    launch_with(kernels.swiglu[2], blocks, 256, &mut args, what)?;
+    Ok(h)
+}
+
+/// The backward of [`clamped_swiglu_fwd`]: from dh (.., I) contiguous, d gate_up (.., 2I).
+pub fn clamped_swiglu_bwd(gate_up: &Tensor, dh: &Tensor, alpha: f32, limit: f32) -> Result<Tensor> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let dgu = gate_up.empty_like();
+    let mut packs = dh.numel() as i64 / 8;
+    let (mut gp, mut dp, mut op) = (ptr(gate_up), ptr(dh), ptr(&dgu));
+    let (mut a, mut l) = (alpha, limit);
+    let mut args = [
+        arg(&mut gp),
+        arg(&mut dp),
+        arg(&mut op),
+        arg(&mut packs),
+        arg(&mut a),
+        arg(&mut l),
+    ];
+    let blocks = stride_blocks(packs);
+    let what = "cuLaunchKernel (clamped_swiglu_bwd)";
+    launch_with(kernels.swiglu[3], blocks, 256, &mut args, what)?;
+    Ok(dgu)
 }

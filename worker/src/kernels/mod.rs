@@ -16,7 +16,9 @@ mod moe;
 pub mod tape;
 
 pub use cuda::adamw_resident;
-pub use moe::{Pairs, moe_combine, moe_combine_supported, moe_gather, swiglu, swiglu_supported};
+pub use moe::{
+    Pairs, clamped_swiglu, moe_combine, moe_combine_supported, moe_gather, swiglu, swiglu_supported,
+};
 
 use tch::{Device, Kind, Tensor};
 

@@ -25,6 +25,12 @@
 // from the bf16 inputs and rounded once (torch rounds silu(gate) to bf16 first); its
 // backward dgate = dh up sigmoid(gate) (1 + gate (1 - sigmoid(gate))), dup = dh silu(gate),
 // each rounded once. 8 elements a thread at a time, a grid-stride loop.
+//
+// GPT-OSS's clamped SwiGLU over gate_up (S, 2I), gate and up interleaved (even columns
+// gate, odd up): h = (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g) for g =
+// min(gate, limit), (S, I); its backward passes each clamp's gradient where the input lies
+// within its bounds, inclusive (as torch's clamp does), into the interleaved (S, 2I)
+// gradient. Computed in f32, each output rounded once (torch rounds after each op).
 
 typedef unsigned short u16;
 typedef long long i64;
@@ -180,5 +186,63 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
     }
     dg[i] = a;
     du[i] = b;
+  }
+}
+
+// torch's clamps: NaN stays NaN (fminf / fmaxf would drop it).
+__device__ __forceinline__ float clamp_max(float x, float hi) { return x > hi ? hi : x; }
+__device__ __forceinline__ float clamp(float x, float lim) {
+  return x < -lim ? -lim : (x > lim ? lim : x);
+}
+
+// 8 interleaved (gate, up) pairs: 16 bf16, 32 bytes.
+struct __align__(16) Pack16 {
+  u16 v[16];
+};
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    clamped_swiglu_fwd(const u16* __restrict__ gate_up, u16* __restrict__ h, i64 packs,
+                       float alpha, float limit) {
+  const Pack16* gu = (const Pack16*)gate_up;
+  Pack8* o = (Pack8*)h;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < packs;
+       i += (i64)gridDim.x * blockDim.x) {
+    const Pack16 x = gu[i];
+    Pack8 hv;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const float g = clamp_max(bf2f(x.v[2 * e]), limit);
+      const float u = clamp(bf2f(x.v[2 * e + 1]), limit);
+      hv.v[e] = f2bf((u + 1.0f) * (g * sigmoid(alpha * g)));
+    }
+    o[i] = hv;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+    clamped_swiglu_bwd(const u16* __restrict__ gate_up, const u16* __restrict__ dh,
+                       u16* __restrict__ dgate_up, i64 packs, float alpha, float limit) {
+  const Pack16* gu = (const Pack16*)gate_up;
+  const Pack8* d = (const Pack8*)dh;
+  Pack16* dgu = (Pack16*)dgate_up;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < packs;
+       i += (i64)gridDim.x * blockDim.x) {
+    const Pack16 x = gu[i];
+    const Pack8 dv = d[i];
+    Pack16 out;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+      const float g_in = bf2f(x.v[2 * e]), u_in = bf2f(x.v[2 * e + 1]);
+      const float g = clamp_max(g_in, limit);
+      const float u = clamp(u_in, limit);
+      const float s = sigmoid(alpha * g);
+      const float dy = bf2f(dv.v[e]);
+      const float dglu = dy * (u + 1.0f);
+      const float dg = (g_in <= limit) ? dglu * (s + g * alpha * s * (1.0f - s)) : 0.0f;
+      const float du = (u_in >= -limit && u_in <= limit) ? dy * g * s : 0.0f;
+      out.v[2 * e] = f2bf(dg);
+      out.v[2 * e + 1] = f2bf(du);
+    }
+    dgu[i] = out;
   }
 }

@@ -226,3 +226,56 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
     );
     h
 }
+
+/// GPT-OSS's clamped SwiGLU of `gate_up` (.., 2I), gate and up interleaved along the last
+/// dim (even columns gate, odd up): `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)`
+/// for `g = min(gate, limit)`, (.., I). On CUDA ([`swiglu_supported`] for I) in f32 and
+/// rounded once; the mirror is torch's ops (worker/src/model/experts.rs `clamped_swiglu`,
+/// passed in as `ops`). The backward from the tape; the kernels keep gate_up alone.
+pub fn clamped_swiglu(
+    gate_up: &Tensor,
+    alpha: f64,
+    limit: f64,
+    ops: fn(&Tensor, f64, f64) -> Tensor,
+) -> Tensor {
+    let gu = gate_up.detach().contiguous();
+    let (a32, l32) = (alpha as f32, limit as f32);
+    let h = match gu.device() {
+        Device::Cuda(_) if gu.numel() > 0 => cuda::clamped_swiglu_fwd(&gu, a32, l32)
+            .unwrap_or_else(|e| panic!("fused clamped swiglu forward: {e:#}")),
+        _ => {
+            let _guard = tch::no_grad_guard();
+            ops(&gu, alpha, limit)
+        }
+    };
+    if !gate_up.requires_grad() {
+        return h;
+    }
+    let h = h.set_requires_grad(true);
+    let input = gate_up.shallow_clone();
+    tape::record(
+        &[h.shallow_clone()],
+        Box::new(move |grads| {
+            let [dh] = grads else {
+                panic!("clamped swiglu has one output")
+            };
+            if !dh.defined() {
+                return Vec::new();
+            }
+            let dgu = match gu.device() {
+                Device::Cuda(_) if gu.numel() > 0 => {
+                    cuda::clamped_swiglu_bwd(&gu, &dh.contiguous(), a32, l32)
+                        .unwrap_or_else(|e| panic!("fused clamped swiglu backward: {e:#}"))
+                }
+                _ => {
+                    let leaf = gu.detach().set_requires_grad(true);
+                    let objective = (ops(&leaf, alpha, limit) * dh).sum(Kind::Float);
+                    let grads = Tensor::run_backward(&[objective], &[&leaf], false, false);
+                    grads[0].shallow_clone()
+                }
+            };
+            vec![(input, dgu)]
+        }),
+    );
+    h
+}

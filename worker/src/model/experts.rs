@@ -23,7 +23,8 @@
 //! backward a warp per sorted row, with no (S, H) intermediate in token order; the token
 //! gather's backward is the same kernel with unit weights (`kernels::moe_gather`), a sum
 //! of each token's K rows in place of the embedding's sort and segment sums; and a SiLU
-//! gate times up between the grouped GEMMs is one elementwise op (`kernels::swiglu`). Their
+//! gate times up between the grouped GEMMs (GPT-OSS's clamped one likewise) is one
+//! elementwise op (`kernels::swiglu`, `kernels::clamped_swiglu`). Their
 //! backwards run from the kernels' tape, so the block's input and, where the aux loss reads them, the
 //! router logits enter it through tape boundaries (worker/src/model/moe.rs), and the layer's
 //! backward runs its MLP half on its own (worker/src/layer.rs).
@@ -235,7 +236,11 @@ fn grouped_experts(
             let bias = |name: &str| onehot_se.matmul(w.get(name));
             let gate_up_s2i =
                 mm(x_sh, w.get("mlp.experts.gate_up_proj")) + bias("mlp.experts.gate_up_proj_bias");
-            let h_si = clamped_swiglu(&gate_up_s2i, alpha, limit);
+            let i = gate_up_s2i.size()[1] / 2;
+            let h_si = match fused && kernels::swiglu_supported(x_sh.kind(), i, x_sh.device()) {
+                true => kernels::clamped_swiglu(&gate_up_s2i, alpha, limit, clamped_swiglu),
+                false => clamped_swiglu(&gate_up_s2i, alpha, limit),
+            };
             mm(&h_si, w.get("mlp.experts.down_proj")) + bias("mlp.experts.down_proj_bias")
         }
         ExpertNames::Mixtral => {
