@@ -10,19 +10,9 @@
 //   split: leave p as the split master holds it (a tie in its low half nudged away from
 //   even, src/optim/bits.rs `split`), w its high half.
 
-typedef unsigned short u16;
-
 struct K {
   float v[8];
 };
-
-__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((unsigned int)h) << 16); }
-
-// Round to nearest even; NaN stays NaN with the quiet bit set (bits::round_bf16).
-__device__ __forceinline__ u16 round_bits(unsigned int u) {
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
-  return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 template <bool G_BF16, bool W_BF16>
 __device__ __forceinline__ void adamw_body(float* __restrict__ p, const void* __restrict__ g,

@@ -17,22 +17,10 @@
 // warp 64 of them in order, with the conv's inputs in a sliding window of registers. A
 // lane holds N = D / 32 adjacent channels, so a head's norm is a warp reduction.
 
-typedef unsigned short u16;
-
 #define TAPS 4
 #define WARPS 4
 #define TILE 64
 #define SPAN (WARPS * TILE)
-
-__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((unsigned int)h) << 16); }
-
-// Round to nearest even, as torch casts; NaN stays NaN.
-__device__ __forceinline__ u16 f2bf(float f) {
-  unsigned int u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (u16)(u >> 16);
-}
 
 template <int N>
 struct __align__(2 * N) Pack {

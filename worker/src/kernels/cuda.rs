@@ -17,6 +17,8 @@ use tch::{Kind, Tensor};
 use super::ConvQkv;
 use crate::stream::cuda::torch_stream;
 
+/// What every kernel file reads first (bf16 words).
+const BF16_H: &str = include_str!("bf16.cuh");
 const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
 const ADAMW_SRC: &str = include_str!("adamw.cu");
 const MOE_SRC: &str = include_str!("moe.cu");
@@ -34,11 +36,50 @@ struct Kernels {
     conv_bwd: [CUfunction; 4],
     /// adamw.cu's, by [`adamw_index`].
     adamw: [CUfunction; 4],
-    /// moe.cu's combine forward and backward, for f32 and bf16 router weights.
-    combine_fwd: [CUfunction; 2],
-    combine_bwd: [CUfunction; 2],
-    /// moe.cu's SwiGLU forward and backward, then the clamped SwiGLU's.
-    swiglu: [CUfunction; 4],
+    /// moe.cu's, as [`MOE_ENTRIES`].
+    moe: [CUfunction; 8],
+}
+
+/// adamw.cu's entry points, by [`adamw_index`].
+const ADAMW_ENTRIES: [&str; 4] = [
+    "adamw_g32_w32",
+    "adamw_g32_w16",
+    "adamw_g16_w32",
+    "adamw_g16_w16",
+];
+/// moe.cu's entry points: the combine's forward and backward for f32 and bf16 router
+/// weights ([`COMBINE_FWD`], [`COMBINE_BWD`], + 1 for bf16), the SwiGLU's forward and
+/// backward ([`SWIGLU`]) and the clamped SwiGLU's ([`CLAMPED_SWIGLU`]).
+const MOE_ENTRIES: [&str; 8] = [
+    "moe_combine_fwd_w32",
+    "moe_combine_fwd_w16",
+    "moe_combine_bwd_w32",
+    "moe_combine_bwd_w16",
+    "swiglu_fwd",
+    "swiglu_bwd",
+    "clamped_swiglu_fwd",
+    "clamped_swiglu_bwd",
+];
+const COMBINE_FWD: usize = 0;
+const COMBINE_BWD: usize = 2;
+const SWIGLU: usize = 4;
+const CLAMPED_SWIGLU: usize = 6;
+
+/// conv_qkv.cu's entry points `{prefix}_{N}`, by N's index in [`LANE_CHANNELS`].
+fn conv_entries(prefix: &str) -> [String; 4] {
+    LANE_CHANNELS.map(|n| format!("{prefix}_{n}"))
+}
+
+/// The functions `names` of a loaded module.
+fn functions<const N: usize, S: AsRef<str>>(
+    module: CUmodule,
+    names: &[S; N],
+) -> Result<[CUfunction; N]> {
+    let mut out = [std::ptr::null_mut(); N];
+    for (f, name) in out.iter_mut().zip(names) {
+        *f = function(module, name.as_ref().to_string())?;
+    }
+    Ok(out)
 }
 
 // SAFETY: module and function handles are plain driver handles, valid in every thread of
@@ -110,36 +151,11 @@ fn build() -> Result<Kernels> {
         vec![arch.clone(), "--std=c++17".into(), "--fmad=false".into()],
     )?;
     let moe = load_module(MOE_SRC, "moe.cu", vec![arch, "--std=c++17".into()])?;
-    let by_n = |prefix: &str| -> Result<[CUfunction; 4]> {
-        let f: Vec<CUfunction> = LANE_CHANNELS
-            .iter()
-            .map(|n| function(conv, format!("{prefix}_{n}")))
-            .collect::<Result<_>>()?;
-        Ok([f[0], f[1], f[2], f[3]])
-    };
     let kernels = Kernels {
-        conv_fwd: by_n("conv_qkv_fwd")?,
-        conv_bwd: by_n("conv_qkv_bwd")?,
-        adamw: [
-            function(adamw, "adamw_g32_w32".into())?,
-            function(adamw, "adamw_g32_w16".into())?,
-            function(adamw, "adamw_g16_w32".into())?,
-            function(adamw, "adamw_g16_w16".into())?,
-        ],
-        combine_fwd: [
-            function(moe, "moe_combine_fwd_w32".into())?,
-            function(moe, "moe_combine_fwd_w16".into())?,
-        ],
-        combine_bwd: [
-            function(moe, "moe_combine_bwd_w32".into())?,
-            function(moe, "moe_combine_bwd_w16".into())?,
-        ],
-        swiglu: [
-            function(moe, "swiglu_fwd".into())?,
-            function(moe, "swiglu_bwd".into())?,
-            function(moe, "clamped_swiglu_fwd".into())?,
-            function(moe, "clamped_swiglu_bwd".into())?,
-        ],
+        conv_fwd: functions(conv, &conv_entries("conv_qkv_fwd"))?,
+        conv_bwd: functions(conv, &conv_entries("conv_qkv_bwd"))?,
+        adamw: functions(adamw, &ADAMW_ENTRIES)?,
+        moe: functions(moe, &MOE_ENTRIES)?,
         _modules: [conv, adamw, moe],
     };
     tracing::debug!(
@@ -149,15 +165,20 @@ fn build() -> Result<Kernels> {
     Ok(kernels)
 }
 
-/// `src` (file `name`) compiled by NVRTC with `options` and loaded into the current context.
-fn load_module(src: &str, name: &str, options: Vec<String>) -> Result<CUmodule> {
+/// `src` (file `name`) after [`BF16_H`], compiled by NVRTC with `options`: its PTX.
+fn compile(src: &str, name: &str, options: Vec<String>) -> Result<String> {
     let opts = cudarc::nvrtc::CompileOptions {
         options,
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(format!("{BF16_H}\n{src}"), opts)
         .map_err(|e| anyhow::anyhow!("NVRTC could not compile {name}: {e:?}"))?;
-    let image = CString::new(ptx.to_src()).context("PTX with a NUL")?;
+    Ok(ptx.to_src())
+}
+
+/// [`compile`]d and loaded into the current context.
+fn load_module(src: &str, name: &str, options: Vec<String>) -> Result<CUmodule> {
+    let image = CString::new(compile(src, name, options)?).context("PTX with a NUL")?;
     let mut module = std::ptr::null_mut();
     // SAFETY: a NUL-terminated PTX image; writes one module handle.
     check(
@@ -185,9 +206,14 @@ fn load_nvrtc() -> Result<()> {
         Some(p) => PathBuf::from(p),
         None => nvrtc_dir()?,
     };
+    load_nvrtc_from(&dir)
+}
+
+/// Loads NVRTC and its builtins from `dir` (no GPU needed).
+fn load_nvrtc_from(dir: &Path) -> Result<()> {
     // The builtins first: NVRTC opens them by name at its first compile.
     for prefix in ["libnvrtc-builtins.so", "libnvrtc.so"] {
-        let Some(path) = newest(&dir, prefix)? else {
+        let Some(path) = newest(dir, prefix)? else {
             bail!(
                 "no {prefix}* in {} (MT_NVRTC names the folder)",
                 dir.display()
@@ -455,7 +481,7 @@ pub fn moe_combine_fwd(y_sh: &Tensor, unsort_s: &Tensor, weights_nk: &Tensor) ->
     let (n, k) = weights_nk.size2().context("weights are (N, K)")?;
     let h = y_sh.size()[1];
     let out = Tensor::empty([n, h], (y_sh.kind(), y_sh.device()));
-    let f = kernels.combine_fwd[usize::from(weights_nk.kind() == Kind::BFloat16)];
+    let f = kernels.moe[COMBINE_FWD + usize::from(weights_nk.kind() == Kind::BFloat16)];
     let (mut yp, mut up, mut wp, mut op) = (ptr(y_sh), ptr(unsort_s), ptr(weights_nk), ptr(&out));
     let (mut n64, mut k32, mut h32) = (n, k as i32, h as i32);
     let mut args = [
@@ -496,7 +522,7 @@ pub fn moe_combine_bwd(
         weights_nk.size().as_slice(),
         (weights_nk.kind(), y_sh.device()),
     );
-    let f = kernels.combine_bwd[usize::from(weights_nk.kind() == Kind::BFloat16)];
+    let f = kernels.moe[COMBINE_BWD + usize::from(weights_nk.kind() == Kind::BFloat16)];
     let (mut gp, mut yp, mut pp, mut wp) = (ptr(dout_nh), ptr(y_sh), ptr(pair_s), ptr(weights_nk));
     let (mut dyp, mut dwp) = (ptr(&dy), ptr(&dw));
     let (mut s64, mut k32, mut h32) = (s, k as i32, h as i32);
@@ -542,7 +568,7 @@ pub fn swiglu_fwd(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let mut args = [arg(&mut gp), arg(&mut up_), arg(&mut hp), arg(&mut packs)];
     let blocks = stride_blocks(packs);
     launch_with(
-        kernels.swiglu[0],
+        kernels.moe[SWIGLU],
         blocks,
         256,
         &mut args,
@@ -568,7 +594,7 @@ pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dh: &Tensor) -> Result<(Tensor, Te
     ];
     let blocks = stride_blocks(packs);
     launch_with(
-        kernels.swiglu[1],
+        kernels.moe[SWIGLU + 1],
         blocks,
         256,
         &mut args,
@@ -595,7 +621,7 @@ pub fn clamped_swiglu_fwd(gate_up: &Tensor, alpha: f32, limit: f32) -> Result<Te
     ];
     let blocks = stride_blocks(packs);
     let what = "cuLaunchKernel (clamped_swiglu_fwd)";
-    launch_with(kernels.swiglu[2], blocks, 256, &mut args, what)?;
+    launch_with(kernels.moe[CLAMPED_SWIGLU], blocks, 256, &mut args, what)?;
     Ok(h)
 }
 
@@ -616,6 +642,67 @@ pub fn clamped_swiglu_bwd(gate_up: &Tensor, dh: &Tensor, alpha: f32, limit: f32)
     ];
     let blocks = stride_blocks(packs);
     let what = "cuLaunchKernel (clamped_swiglu_bwd)";
-    launch_with(kernels.swiglu[3], blocks, 256, &mut args, what)?;
+    launch_with(
+        kernels.moe[CLAMPED_SWIGLU + 1],
+        blocks,
+        256,
+        &mut args,
+        what,
+    )?;
     Ok(dgu)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel file compiles with NVRTC for Hopper (no GPU needed: NVRTC comes with
+    /// torch's wheel in .venv), with each entry point `build` loads: a kernel that stops
+    /// compiling fails here, on CPU, not on the GPU machine.
+    #[test]
+    fn every_kernel_file_compiles_with_its_entry_points() {
+        let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/lib");
+        let dir = std::fs::read_dir(&lib)
+            .unwrap_or_else(|e| panic!("{}: {e} (scripts/setup.sh makes .venv)", lib.display()))
+            .filter_map(|e| e.ok().map(|e| e.path().join("site-packages/nvidia")))
+            .filter_map(|nvidia| std::fs::read_dir(nvidia).ok())
+            .flatten()
+            .filter_map(|e| e.ok().map(|e| e.path().join("lib")))
+            .find(|l| newest(l, "libnvrtc.so").is_ok_and(|n| n.is_some()))
+            .unwrap_or_else(|| panic!("no nvidia/*/lib/libnvrtc.so* under {}", lib.display()));
+        load_nvrtc_from(&dir).unwrap();
+        let arch = "--gpu-architecture=compute_90".to_string();
+        let conv: Vec<String> = ["conv_qkv_fwd", "conv_qkv_bwd"]
+            .iter()
+            .flat_map(|p| conv_entries(p))
+            .collect();
+        let files = [
+            ("conv_qkv.cu", CONV_QKV_SRC, conv, false),
+            (
+                "adamw.cu",
+                ADAMW_SRC,
+                ADAMW_ENTRIES.map(String::from).to_vec(),
+                true,
+            ),
+            (
+                "moe.cu",
+                MOE_SRC,
+                MOE_ENTRIES.map(String::from).to_vec(),
+                false,
+            ),
+        ];
+        for (name, src, entries, no_fma) in files {
+            let mut opts = vec![arch.clone(), "--std=c++17".into()];
+            if no_fma {
+                opts.push("--fmad=false".into());
+            }
+            let ptx = compile(src, name, opts).unwrap_or_else(|e| panic!("{e:#}"));
+            for e in entries {
+                assert!(
+                    ptx.contains(&format!(".entry {e}(")),
+                    "{name} has no entry point {e}"
+                );
+            }
+        }
+    }
 }

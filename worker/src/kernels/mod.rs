@@ -159,13 +159,21 @@ fn mirror_backward(
     dqk: &Tensor,
     dv: &Tensor,
 ) -> (Tensor, Tensor) {
-    let x = qkv_btf.detach().set_requires_grad(true);
-    let w_leaf = w.detach().set_requires_grad(true);
-    let (qk, v) = mirror(s, &x, &w_leaf);
-    let objective = (qk * dqk).sum(Kind::Float) + (v * dv).sum(Kind::Float);
-    let grads = Tensor::run_backward(&[objective], &[&x, &w_leaf], false, false);
-    let [dx, dw] = grads.as_slice() else {
-        panic!("two inputs")
-    };
-    (dx.shallow_clone(), dw.shallow_clone())
+    let [dx, dw] = vjp([qkv_btf, w], |[x, w]| {
+        let (qk, v) = mirror(s, x, w);
+        (qk * dqk).sum(Kind::Float) + (v * dv).sum(Kind::Float)
+    });
+    (dx, dw)
+}
+
+/// A mirror's backward by autograd over a recompute: the gradients of `objective` (a
+/// scalar: the mirror's outputs dotted with their gradients) at `inputs`, taken as leaves.
+fn vjp<const N: usize>(
+    inputs: [&Tensor; N],
+    objective: impl FnOnce(&[Tensor; N]) -> Tensor,
+) -> [Tensor; N] {
+    let leaves = inputs.map(|x| x.detach().set_requires_grad(true));
+    let o = objective(&leaves);
+    let grads = Tensor::run_backward(&[o], &leaves.each_ref(), false, false);
+    std::array::from_fn(|i| grads[i].shallow_clone())
 }

@@ -32,20 +32,9 @@
 // within its bounds, inclusive (as torch's clamp does), into the interleaved (S, 2I)
 // gradient. Computed in f32, each output rounded once (torch rounds after each op).
 
-typedef unsigned short u16;
 typedef long long i64;
 
 #define WARPS 8
-
-__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((unsigned int)h) << 16); }
-
-// Round to nearest even, as torch casts; NaN stays NaN.
-__device__ __forceinline__ u16 f2bf(float f) {
-  unsigned int u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (u16)(u >> 16);
-}
 
 __device__ __forceinline__ float load_w(const float* w, i64 i) { return w[i]; }
 __device__ __forceinline__ float load_w(const u16* w, i64 i) { return bf2f(w[i]); }

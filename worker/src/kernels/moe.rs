@@ -9,7 +9,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{cuda, tape};
+use super::{cuda, tape, vjp};
 
 /// Whether [`moe_combine`] runs for experts' outputs of `kind` and width `h`, router
 /// weights of `weights`, on `device`: on CUDA where the kernels compiled and take them
@@ -158,14 +158,10 @@ fn mirror_backward(
     weights_nk: &Tensor,
     dout_nh: &Tensor,
 ) -> (Tensor, Tensor) {
-    let y = y_sh.detach().set_requires_grad(true);
-    let w = weights_nk.detach().set_requires_grad(true);
-    let objective = (mirror(&y, unsort_s, &w) * dout_nh).sum(Kind::Float);
-    let grads = Tensor::run_backward(&[objective], &[&y, &w], false, false);
-    let [dy, dw] = grads.as_slice() else {
-        panic!("two inputs")
-    };
-    (dy.shallow_clone(), dw.shallow_clone())
+    let [dy, dw] = vjp([y_sh, weights_nk], |[y, w]| {
+        (mirror(y, unsort_s, w) * dout_nh).sum(Kind::Float)
+    });
+    (dy, dw)
 }
 
 /// Whether [`swiglu`] runs for (.., I) tensors of `kind` on `device`: on CUDA where the
@@ -209,13 +205,8 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
                 Device::Cuda(_) if g.numel() > 0 => cuda::swiglu_bwd(&g, &u, &dh.contiguous())
                     .unwrap_or_else(|e| panic!("fused swiglu backward: {e:#}")),
                 _ => {
-                    let (gl, ul) = (
-                        g.detach().set_requires_grad(true),
-                        u.detach().set_requires_grad(true),
-                    );
-                    let objective = (gl.silu() * &ul * dh).sum(Kind::Float);
-                    let grads = Tensor::run_backward(&[objective], &[&gl, &ul], false, false);
-                    (grads[0].shallow_clone(), grads[1].shallow_clone())
+                    let [dg, du] = vjp([&g, &u], |[g, u]| (g.silu() * u * dh).sum(Kind::Float));
+                    (dg, du)
                 }
             };
             [(g_in, dg), (u_in, du)]
@@ -268,10 +259,8 @@ pub fn clamped_swiglu(
                         .unwrap_or_else(|e| panic!("fused clamped swiglu backward: {e:#}"))
                 }
                 _ => {
-                    let leaf = gu.detach().set_requires_grad(true);
-                    let objective = (ops(&leaf, alpha, limit) * dh).sum(Kind::Float);
-                    let grads = Tensor::run_backward(&[objective], &[&leaf], false, false);
-                    grads[0].shallow_clone()
+                    let [dgu] = vjp([&gu], |[gu]| (ops(gu, alpha, limit) * dh).sum(Kind::Float));
+                    dgu
                 }
             };
             vec![(input, dgu)]
