@@ -59,24 +59,13 @@ pub fn moe_gather(x_nh: &Tensor, pairs: &Pairs) -> Tensor {
     if !x_nh.requires_grad() {
         return x_sh;
     }
-    let x_sh = x_sh.set_requires_grad(true);
     let (input, pairs) = (x_nh.shallow_clone(), pairs.shallow_clone());
-    tape::record(
-        &[x_sh.shallow_clone()],
-        Box::new(move |grads| {
-            let [dx_sh] = grads else {
-                panic!("moe_gather has one output")
-            };
-            if !dx_sh.defined() {
-                return Vec::new();
-            }
-            let n = input.size()[0];
-            let ones_nk = Tensor::ones([n, pairs.k], (Kind::Float, dx_sh.device()));
-            let dx = combine(&dx_sh.contiguous(), &pairs.unsort_s, &ones_nk);
-            vec![(input, dx)]
-        }),
-    );
-    x_sh
+    tape::record_one(x_sh, move |dx_sh| {
+        let n = input.size()[0];
+        let ones_nk = Tensor::ones([n, pairs.k], (Kind::Float, dx_sh.device()));
+        let dx = combine(&dx_sh.contiguous(), &pairs.unsort_s, &ones_nk);
+        vec![(input, dx)]
+    })
 }
 
 /// A mixture of experts' outputs combined: `y_sh` (S, H), the experts' outputs for the
@@ -95,37 +84,27 @@ pub fn moe_combine(y_sh: &Tensor, pairs: &Pairs, weights_nk: &Tensor) -> Tensor 
     if !y_sh.requires_grad() && !weights_nk.requires_grad() {
         return out;
     }
-    let out = out.set_requires_grad(true);
     let (y_in, w_in) = (y_sh.shallow_clone(), weights_nk.shallow_clone());
     let pairs = pairs.shallow_clone();
-    tape::record(
-        &[out.shallow_clone()],
-        Box::new(move |grads| {
-            let [dout] = grads else {
-                panic!("moe_combine has one output")
-            };
-            if !dout.defined() {
-                return Vec::new();
+    tape::record_one(out, move |dout| {
+        let dout = dout.contiguous();
+        let (dy, dw) = match y.device() {
+            Device::Cuda(_) if y.size()[0] > 0 => {
+                cuda::moe_combine_bwd(&dout, &y, &pairs.pair_s, &w)
+                    .unwrap_or_else(|e| panic!("fused moe_combine backward: {e:#}"))
             }
-            let dout = dout.contiguous();
-            let (dy, dw) = match y.device() {
-                Device::Cuda(_) if y.size()[0] > 0 => {
-                    cuda::moe_combine_bwd(&dout, &y, &pairs.pair_s, &w)
-                        .unwrap_or_else(|e| panic!("fused moe_combine backward: {e:#}"))
-                }
-                _ => mirror_backward(&y, &pairs.unsort_s, &w, &dout),
-            };
-            let mut grads = Vec::with_capacity(2);
-            if y_in.requires_grad() {
-                grads.push((y_in, dy));
-            }
-            if w_in.requires_grad() {
-                grads.push((w_in, dw));
-            }
-            grads
-        }),
-    );
-    out
+            _ => mirror_backward(&y, &pairs.unsort_s, &w, &dout),
+        };
+        needing_grad([(y_in, dy), (w_in, dw)])
+    })
+}
+
+/// The (input, gradient) pairs whose input requires grad.
+fn needing_grad<const N: usize>(pairs: [(Tensor, Tensor); N]) -> Vec<(Tensor, Tensor)> {
+    pairs
+        .into_iter()
+        .filter(|(input, _)| input.requires_grad())
+        .collect()
 }
 
 /// The combine's forward on plain tensors: the kernel on CUDA, the mirror elsewhere.
@@ -190,32 +169,18 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
     if !gate.requires_grad() && !up.requires_grad() {
         return h;
     }
-    let h = h.set_requires_grad(true);
     let (g_in, u_in) = (gate.shallow_clone(), up.shallow_clone());
-    tape::record(
-        &[h.shallow_clone()],
-        Box::new(move |grads| {
-            let [dh] = grads else {
-                panic!("swiglu has one output")
-            };
-            if !dh.defined() {
-                return Vec::new();
+    tape::record_one(h, move |dh| {
+        let (dg, du) = match g.device() {
+            Device::Cuda(_) if g.numel() > 0 => cuda::swiglu_bwd(&g, &u, &dh.contiguous())
+                .unwrap_or_else(|e| panic!("fused swiglu backward: {e:#}")),
+            _ => {
+                let [dg, du] = vjp([&g, &u], |[g, u]| (g.silu() * u * dh).sum(Kind::Float));
+                (dg, du)
             }
-            let (dg, du) = match g.device() {
-                Device::Cuda(_) if g.numel() > 0 => cuda::swiglu_bwd(&g, &u, &dh.contiguous())
-                    .unwrap_or_else(|e| panic!("fused swiglu backward: {e:#}")),
-                _ => {
-                    let [dg, du] = vjp([&g, &u], |[g, u]| (g.silu() * u * dh).sum(Kind::Float));
-                    (dg, du)
-                }
-            };
-            [(g_in, dg), (u_in, du)]
-                .into_iter()
-                .filter(|(input, _)| input.requires_grad())
-                .collect()
-        }),
-    );
-    h
+        };
+        needing_grad([(g_in, dg), (u_in, du)])
+    })
 }
 
 /// GPT-OSS's clamped SwiGLU of `gate_up` (.., 2I), gate and up interleaved along the last
@@ -242,29 +207,18 @@ pub fn clamped_swiglu(
     if !gate_up.requires_grad() {
         return h;
     }
-    let h = h.set_requires_grad(true);
     let input = gate_up.shallow_clone();
-    tape::record(
-        &[h.shallow_clone()],
-        Box::new(move |grads| {
-            let [dh] = grads else {
-                panic!("clamped swiglu has one output")
-            };
-            if !dh.defined() {
-                return Vec::new();
+    tape::record_one(h, move |dh| {
+        let dgu = match gu.device() {
+            Device::Cuda(_) if gu.numel() > 0 => {
+                cuda::clamped_swiglu_bwd(&gu, &dh.contiguous(), a32, l32)
+                    .unwrap_or_else(|e| panic!("fused clamped swiglu backward: {e:#}"))
             }
-            let dgu = match gu.device() {
-                Device::Cuda(_) if gu.numel() > 0 => {
-                    cuda::clamped_swiglu_bwd(&gu, &dh.contiguous(), a32, l32)
-                        .unwrap_or_else(|e| panic!("fused clamped swiglu backward: {e:#}"))
-                }
-                _ => {
-                    let [dgu] = vjp([&gu], |[gu]| (ops(gu, alpha, limit) * dh).sum(Kind::Float));
-                    dgu
-                }
-            };
-            vec![(input, dgu)]
-        }),
-    );
-    h
+            _ => {
+                let [dgu] = vjp([&gu], |[gu]| (ops(gu, alpha, limit) * dh).sum(Kind::Float));
+                dgu
+            }
+        };
+        vec![(input, dgu)]
+    })
 }

@@ -41,6 +41,24 @@ pub fn record(outputs: &[Tensor], backward: Backward) {
     TAPE.with(|t| t.borrow_mut().push(Entry { outputs, backward }));
 }
 
+/// Records an op of one output: `out` becomes a leaf that requires grad (returned), and
+/// `backward` turns its gradient into (input, gradient) pairs; it does not run where no
+/// gradient reached `out`.
+pub fn record_one(
+    out: Tensor,
+    backward: impl FnOnce(&Tensor) -> Vec<(Tensor, Tensor)> + 'static,
+) -> Tensor {
+    let out = out.set_requires_grad(true);
+    record(
+        &[out.shallow_clone()],
+        Box::new(move |grads| match grads {
+            [g] if g.defined() => backward(g),
+            _ => Vec::new(),
+        }),
+    );
+    out
+}
+
 /// How many ops the tape holds: a mark for [`backward_to`].
 pub fn depth() -> usize {
     TAPE.with(|t| t.borrow().len())
