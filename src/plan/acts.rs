@@ -5,7 +5,7 @@
 //! tokens, the whole micro-batch or one tile of it. The device plan (`device.rs`) adds them
 //! up per phase.
 
-use crate::config::hf::{Activation, AttentionKind, ExpertNames, ModelSpec, Router};
+use crate::config::hf::{Activation, AttentionKind, ExpertNames, ModelSpec};
 
 /// Rows of a chunk of the Gated DeltaNet rule (worker/src/model/gated_delta/: the reference's
 /// CHUNK and the chunked path's default).
@@ -237,12 +237,10 @@ fn moe_acts(spec: &ModelSpec, m: u64, d: &Dims) -> LayerActs {
 }
 
 /// Whether GPU workers combine the experts' outputs with the fused kernels
-/// (worker/src/model/experts.rs `fused_combine`: bf16, H a multiple of 8, a router whose
-/// weights scale the experts' outputs). The worker's `MT_MOE_COMBINE` (a comparison hook)
-/// can choose otherwise.
+/// (worker/src/model/experts.rs `fused_combine`: bf16, H a multiple of 8). The worker's
+/// `MT_MOE_COMBINE` (a comparison hook) can choose otherwise.
 fn fused_combine(spec: &ModelSpec, d: &Dims) -> bool {
-    let moe = spec.moe.as_ref().expect("sparse layers have a MoE spec");
-    d.gpu && d.bf16 && spec.hidden_size.is_multiple_of(8) && moe.router != Router::TopKSigmoidInput
+    d.gpu && d.bf16 && spec.hidden_size.is_multiple_of(8)
 }
 
 /// Elements per token a GPU worker's Gated DeltaNet keeps of its causal conv for the

@@ -63,11 +63,11 @@ const ENV_EXPERTS: &str = "MT_MOE_EXPERTS";
 /// The variable that forces a way to combine their outputs.
 const ENV_COMBINE: &str = "MT_MOE_COMBINE";
 
-/// Whether `m`'s routed outputs of width `h` and dtype `kind` on `device` are combined by
+/// Whether routed outputs of width `h` and dtype `kind` on `device` are combined by
 /// the fused op (`kernels::moe_combine`): by default where its kernels take them (CUDA,
 /// bf16); `MT_MOE_COMBINE` forces it (`fused`: the mirror on CPU) or the plain ops
-/// (`plain`). Never for Llama 4's experts, whose router weights scale what enters them.
-pub fn fused_combine(m: &MoeSpec, h: i64, kind: Kind, device: Device) -> bool {
+/// (`plain`).
+pub fn fused_combine(h: i64, kind: Kind, device: Device) -> bool {
     static FORCED: OnceLock<Option<bool>> = OnceLock::new();
     let forced = *FORCED.get_or_init(|| match std::env::var(ENV_COMBINE).as_deref() {
         Err(_) | Ok("") => None,
@@ -75,9 +75,6 @@ pub fn fused_combine(m: &MoeSpec, h: i64, kind: Kind, device: Device) -> bool {
         Ok("plain") => Some(false),
         Ok(other) => panic!("{ENV_COMBINE}={other}: expected `fused` or `plain`"),
     });
-    if m.router == Router::TopKSigmoidInput {
-        return false;
-    }
     // Router weights are f32, or in the compute dtype: the kernels take both.
     let supported = kernels::moe_combine_supported(kind, h, Kind::Float, device)
         && kernels::moe_combine_supported(kind, h, kind, device);
@@ -146,7 +143,7 @@ pub fn routed(
     let device = x_nh.device();
     // Pair p = token * K + slot; pair_s lists the pairs in expert order.
     let (expert_s, pair_s) = experts_nk.reshape([-1]).sort_stable(true, 0, false);
-    let fused = fused_combine(m, x_nh.size()[1], x_nh.kind(), device);
+    let fused = fused_combine(x_nh.size()[1], x_nh.kind(), device);
     let pairs = fused.then(|| kernels::Pairs::new(&pair_s, k));
     let x_sh = match &pairs {
         Some(pairs) => kernels::moe_gather(x_nh, pairs),
@@ -171,7 +168,12 @@ pub fn routed(
         false => per_expert(spec, m, w, &x_sh, &expert_s),
     };
     if let Some(pairs) = &pairs {
-        return kernels::moe_combine(&y_sh, pairs, weights_nk);
+        // Llama 4's outputs are summed unweighted: the combine with unit weights.
+        let weights_nk = match scales_input {
+            true => weights_nk.ones_like(),
+            false => weights_nk.shallow_clone(),
+        };
+        return kernels::moe_combine(&y_sh, pairs, &weights_nk);
     }
     // Row r of y_sh is pair pair_s[r]: the inverse permutation restores (token, slot) order.
     let y_nkh = match y_sh.requires_grad() {

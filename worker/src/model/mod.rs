@@ -287,10 +287,7 @@ pub fn delta_layer(spec: &ModelSpec, layer: usize) -> bool {
 /// the attention half's (worker/src/layer.rs).
 pub fn mlp_on_tape(spec: &ModelSpec, layer: usize, kind: Kind, device: Device) -> bool {
     let h = spec.hidden_size as i64;
-    match &spec.moe {
-        Some(m) if spec.is_sparse(layer) => experts::fused_combine(m, h, kind, device),
-        _ => false,
-    }
+    spec.moe.is_some() && spec.is_sparse(layer) && experts::fused_combine(h, kind, device)
 }
 
 /// The token-wise half of decoder layer `layer`: `out = h + mlp(norm2(h))` (with the

@@ -131,7 +131,7 @@ pub fn sparse_mlp(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &Layer
     let m = spec.moe.as_ref().expect("sparse layers have a MoE spec");
     let size = x_bth.size();
     let x_nh = x_bth.reshape([-1, size[2]]);
-    let fused = experts::fused_combine(m, size[2], x_bth.kind(), x_bth.device());
+    let fused = experts::fused_combine(size[2], x_bth.kind(), x_bth.device());
     let x_nh = match fused {
         true => kernels::tape::boundary(&x_nh),
         false => x_nh,
