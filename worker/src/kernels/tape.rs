@@ -4,9 +4,10 @@
 //! outside the graph: its outputs are fresh leaves, and when its input needs a gradient it
 //! records here how to turn its outputs' gradients into its inputs'. The caller that
 //! backpropagates through the op's consumers then calls [`backward`], which, last op
-//! first, reads each op's leaf gradients, runs its backward and backpropagates
-//! `sum(input * d_input)` into the graph that made the input (so the gradient reaches the
-//! layer input and the weights as if autograd had run the op).
+//! first, reads each op's leaf gradients, runs its backward and hands each input's
+//! gradient to the graph that made the input ([`backward_with_grads`]: autograd's backward
+//! from given gradients, through a small C++ shim), so the gradient reaches the layer input
+//! and the weights as if autograd had run the op.
 //!
 //! A second backward into a graph must not pass nodes the first one already ran (their
 //! saved tensors are gone): where the op's input and autograd's own path share a graph
@@ -18,8 +19,9 @@
 //! The tape is per thread: the engine runs one layer's backward at a time on its thread.
 
 use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void};
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// An op's backward: from its outputs' gradients (undefined where none flowed) to pairs
 /// (input, gradient of that input), each input part of a graph or a weight leaf; a pair
@@ -59,6 +61,36 @@ pub fn record_one(
     out
 }
 
+unsafe extern "C" {
+    /// worker/src/kernels/backward.cpp: `torch::autograd::backward(outputs, grads)` over
+    /// tch's tensors (at::Tensor pointers); null, or the error's text (malloc'd).
+    fn mt_backward_with_grads(
+        outputs: *const *const c_void,
+        grads: *const *const c_void,
+        n: c_int,
+    ) -> *mut c_char;
+}
+
+/// Autograd's backward from each `input` with its gradient, into the graphs that made them
+/// (their leaves' gradients accumulate), as `input.backward(grad)` would in Python: no
+/// scalar objective, so no pass over the inputs beyond autograd's own.
+pub fn backward_with_grads(pairs: &[(Tensor, Tensor)]) {
+    let outputs: Vec<*const c_void> = pairs.iter().map(|(i, _)| i.as_ptr().cast()).collect();
+    let grads: Vec<*const c_void> = pairs.iter().map(|(_, g)| g.as_ptr().cast()).collect();
+    // SAFETY: `pairs` holds valid tch tensors (at::Tensor pointers) for the call's length;
+    // the C++ side copies them into its own vectors and returns an owned C string or null.
+    let err =
+        unsafe { mt_backward_with_grads(outputs.as_ptr(), grads.as_ptr(), pairs.len() as c_int) };
+    if !err.is_null() {
+        // SAFETY: a NUL-terminated string from strdup, freed once here.
+        let msg = unsafe { std::ffi::CStr::from_ptr(err) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { libc::free(err.cast()) };
+        panic!("autograd's backward from the tape: {msg}");
+    }
+}
+
 /// How many ops the tape holds: a mark for [`backward_to`].
 pub fn depth() -> usize {
     TAPE.with(|t| t.borrow().len())
@@ -82,16 +114,9 @@ pub fn backward_to(depth: usize) {
         drop(entry.outputs);
         let pairs = (entry.backward)(&grads);
         drop(grads);
-        let mut objective: Option<Tensor> = None;
-        for (input, grad) in pairs.into_iter().filter(|(_, g)| g.defined()) {
-            let term = (input * grad).sum(Kind::Float);
-            objective = Some(match objective {
-                Some(o) => o + term,
-                None => term,
-            });
-        }
-        if let Some(o) = objective {
-            o.backward();
+        let pairs: Vec<_> = pairs.into_iter().filter(|(_, g)| g.defined()).collect();
+        if !pairs.is_empty() {
+            backward_with_grads(&pairs);
         }
     }
 }
