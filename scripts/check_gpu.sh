@@ -27,7 +27,7 @@
 #    most 32 of the 64 experts used) and on 16 rows of 256 (about 128 pairs per expert).
 #    The same models once more with the grouped experts' outputs combined by tch ops
 #    (MT_MOE_COMBINE=plain) instead of the fused combine and gather kernels
-#    (worker/src/kernels/moe_combine.cu, the default): logits and gradients within the same
+#    (worker/src/kernels/mlp.cu, the default): logits and gradients within the same
 #    2e-2 (the kernels round each weighted term to bf16 and sum in f32 as the ops do, up
 #    to the order of that sum; their router-weight gradient is an f32 dot product where
 #    the ops round each product to bf16 first).

@@ -5,7 +5,7 @@
 //! tokens, the whole micro-batch or one tile of it. The device plan (`device.rs`) adds them
 //! up per phase.
 
-use crate::config::hf::{Activation, AttentionKind, ExpertNames, ModelSpec};
+use crate::config::hf::{Activation, AttentionKind, ExpertNames, Family, ModelSpec};
 
 /// Rows of a chunk of the Gated DeltaNet rule (worker/src/model/gated_delta/: the reference's
 /// CHUNK and the chunked path's default).
@@ -86,12 +86,38 @@ pub(super) fn attention_half(spec: &ModelSpec, l: usize, d: &Dims) -> LayerActs 
 /// Layer `l`'s token-wise half over `tokens` tokens: its norm(s) and the MLP (dense, or
 /// the mixture of experts, which runs over the whole micro-batch only).
 pub(super) fn mlp_half(spec: &ModelSpec, l: usize, tokens: u64, d: &Dims) -> LayerActs {
+    let i = spec.intermediate_size as u64;
     let mlp = if spec.is_sparse(l) {
         moe_acts(spec, tokens, d)
+    } else if fused_dense_glu(spec, d) {
+        fused_glu_mlp(tokens, i, d.s)
     } else {
-        dense_mlp(tokens, spec.intermediate_size as u64, d.s)
+        dense_mlp(tokens, i, d.s)
     };
     norms(spec, tokens, d) + mlp
+}
+
+/// Whether GPU workers run a dense MLP's SiLU(gate) * up as one fused op
+/// (worker/src/model/common.rs `dense_mlp_named`: bf16, SiLU, I a multiple of 8, the
+/// families with separate gate and up projections). The worker's `MT_SWIGLU` (a comparison
+/// hook) can choose otherwise.
+fn fused_dense_glu(spec: &ModelSpec, d: &Dims) -> bool {
+    d.gpu
+        && d.bf16
+        && spec.hidden_act == Activation::Silu
+        && spec.intermediate_size.is_multiple_of(8)
+        && !matches!(spec.family, Family::Phi3 | Family::Glm4)
+}
+
+/// [`dense_mlp`] with SiLU(gate) * up fused: gate(x), up(x) and their product kept (the
+/// fused op keeps its inputs, the down projection its input); the forward holds the
+/// product alone.
+fn fused_glu_mlp(m: u64, i: u64, s: u64) -> LayerActs {
+    LayerActs {
+        saved: 3 * m * i * s,
+        backward: 2 * m * i * s,
+        forward: m * i * s,
+    }
 }
 
 /// `down(act(gate(x)) * up(x))` over `m` tokens of intermediate size `i`: autograd keeps
@@ -205,12 +231,7 @@ fn moe_acts(spec: &ModelSpec, m: u64, d: &Dims) -> LayerActs {
         ExpertNames::Mixtral | ExpertNames::Qwen | ExpertNames::DeepSeek
             if fused_glu && spec.hidden_act == Activation::Silu =>
         {
-            // gate(x), up(x) and the product (the down projection's input).
-            LayerActs {
-                saved: 3 * slots * ie * s,
-                backward: 2 * slots * ie * s,
-                forward: slots * ie * s,
-            }
+            fused_glu_mlp(slots, ie, s)
         }
         ExpertNames::Mixtral
         | ExpertNames::Qwen

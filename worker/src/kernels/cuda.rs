@@ -21,7 +21,7 @@ use crate::stream::cuda::torch_stream;
 const BF16_H: &str = include_str!("bf16.cuh");
 const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
 const ADAMW_SRC: &str = include_str!("adamw.cu");
-const MOE_SRC: &str = include_str!("moe.cu");
+const MLP_SRC: &str = include_str!("mlp.cu");
 /// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
 /// block (its SPAN).
 const THREADS: u32 = 128;
@@ -36,8 +36,8 @@ struct Kernels {
     conv_bwd: [CUfunction; 4],
     /// adamw.cu's, by [`adamw_index`].
     adamw: [CUfunction; 4],
-    /// moe.cu's, as [`MOE_ENTRIES`].
-    moe: [CUfunction; 8],
+    /// mlp.cu's, as [`MLP_ENTRIES`].
+    mlp: [CUfunction; 8],
 }
 
 /// adamw.cu's entry points, by [`adamw_index`].
@@ -47,10 +47,10 @@ const ADAMW_ENTRIES: [&str; 4] = [
     "adamw_g16_w32",
     "adamw_g16_w16",
 ];
-/// moe.cu's entry points: the combine's forward and backward for f32 and bf16 router
+/// mlp.cu's entry points: the combine's forward and backward for f32 and bf16 router
 /// weights ([`COMBINE_FWD`], [`COMBINE_BWD`], + 1 for bf16), the SwiGLU's forward and
 /// backward ([`SWIGLU`]) and the clamped SwiGLU's ([`CLAMPED_SWIGLU`]).
-const MOE_ENTRIES: [&str; 8] = [
+const MLP_ENTRIES: [&str; 8] = [
     "moe_combine_fwd_w32",
     "moe_combine_fwd_w16",
     "moe_combine_bwd_w32",
@@ -150,13 +150,13 @@ fn build() -> Result<Kernels> {
         "adamw.cu",
         vec![arch.clone(), "--std=c++17".into(), "--fmad=false".into()],
     )?;
-    let moe = load_module(MOE_SRC, "moe.cu", vec![arch, "--std=c++17".into()])?;
+    let mlp = load_module(MLP_SRC, "mlp.cu", vec![arch, "--std=c++17".into()])?;
     let kernels = Kernels {
         conv_fwd: functions(conv, &conv_entries("conv_qkv_fwd"))?,
         conv_bwd: functions(conv, &conv_entries("conv_qkv_bwd"))?,
         adamw: functions(adamw, &ADAMW_ENTRIES)?,
-        moe: functions(moe, &MOE_ENTRIES)?,
-        _modules: [conv, adamw, moe],
+        mlp: functions(mlp, &MLP_ENTRIES)?,
+        _modules: [conv, adamw, mlp],
     };
     tracing::debug!(
         "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
@@ -465,10 +465,10 @@ pub fn adamw_resident(
     launch_with(f, blocks, THREADS, &mut args, "cuLaunchKernel (adamw)")
 }
 
-/// moe.cu's block: 8 warps, a token or a sorted row each.
+/// mlp.cu's block: 8 warps, a token or a sorted row each.
 const COMBINE_WARPS: i64 = 8;
 
-/// Whether moe.cu's combine takes experts' outputs of `kind` and width `h` and router
+/// Whether mlp.cu's combine takes experts' outputs of `kind` and width `h` and router
 /// weights of `weights`: bf16 outputs in rows of whole 16-byte packs, f32 or bf16 weights.
 pub fn combine_supports(kind: Kind, h: i64, weights: Kind) -> bool {
     kind == Kind::BFloat16 && h % 8 == 0 && matches!(weights, Kind::Float | Kind::BFloat16)
@@ -481,7 +481,7 @@ pub fn moe_combine_fwd(y_sh: &Tensor, unsort_s: &Tensor, weights_nk: &Tensor) ->
     let (n, k) = weights_nk.size2().context("weights are (N, K)")?;
     let h = y_sh.size()[1];
     let out = Tensor::empty([n, h], (y_sh.kind(), y_sh.device()));
-    let f = kernels.moe[COMBINE_FWD + usize::from(weights_nk.kind() == Kind::BFloat16)];
+    let f = kernels.mlp[COMBINE_FWD + usize::from(weights_nk.kind() == Kind::BFloat16)];
     let (mut yp, mut up, mut wp, mut op) = (ptr(y_sh), ptr(unsort_s), ptr(weights_nk), ptr(&out));
     let (mut n64, mut k32, mut h32) = (n, k as i32, h as i32);
     let mut args = [
@@ -522,7 +522,7 @@ pub fn moe_combine_bwd(
         weights_nk.size().as_slice(),
         (weights_nk.kind(), y_sh.device()),
     );
-    let f = kernels.moe[COMBINE_BWD + usize::from(weights_nk.kind() == Kind::BFloat16)];
+    let f = kernels.mlp[COMBINE_BWD + usize::from(weights_nk.kind() == Kind::BFloat16)];
     let (mut gp, mut yp, mut pp, mut wp) = (ptr(dout_nh), ptr(y_sh), ptr(pair_s), ptr(weights_nk));
     let (mut dyp, mut dwp) = (ptr(&dy), ptr(&dw));
     let (mut s64, mut k32, mut h32) = (s, k as i32, h as i32);
@@ -549,7 +549,7 @@ pub fn moe_combine_bwd(
     Ok((dy, dw))
 }
 
-/// Whether moe.cu's SwiGLU takes (.., I) tensors of `kind`: bf16, I a multiple of 8.
+/// Whether mlp.cu's SwiGLU takes (.., I) tensors of `kind`: bf16, I a multiple of 8.
 pub fn swiglu_supports(kind: Kind, i: i64) -> bool {
     kind == Kind::BFloat16 && i % 8 == 0
 }
@@ -568,7 +568,7 @@ pub fn swiglu_fwd(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let mut args = [arg(&mut gp), arg(&mut up_), arg(&mut hp), arg(&mut packs)];
     let blocks = stride_blocks(packs);
     launch_with(
-        kernels.moe[SWIGLU],
+        kernels.mlp[SWIGLU],
         blocks,
         256,
         &mut args,
@@ -594,7 +594,7 @@ pub fn swiglu_bwd(gate: &Tensor, up: &Tensor, dh: &Tensor) -> Result<(Tensor, Te
     ];
     let blocks = stride_blocks(packs);
     launch_with(
-        kernels.moe[SWIGLU + 1],
+        kernels.mlp[SWIGLU + 1],
         blocks,
         256,
         &mut args,
@@ -621,7 +621,7 @@ pub fn clamped_swiglu_fwd(gate_up: &Tensor, alpha: f32, limit: f32) -> Result<Te
     ];
     let blocks = stride_blocks(packs);
     let what = "cuLaunchKernel (clamped_swiglu_fwd)";
-    launch_with(kernels.moe[CLAMPED_SWIGLU], blocks, 256, &mut args, what)?;
+    launch_with(kernels.mlp[CLAMPED_SWIGLU], blocks, 256, &mut args, what)?;
     Ok(h)
 }
 
@@ -643,7 +643,7 @@ pub fn clamped_swiglu_bwd(gate_up: &Tensor, dh: &Tensor, alpha: f32, limit: f32)
     let blocks = stride_blocks(packs);
     let what = "cuLaunchKernel (clamped_swiglu_bwd)";
     launch_with(
-        kernels.moe[CLAMPED_SWIGLU + 1],
+        kernels.mlp[CLAMPED_SWIGLU + 1],
         blocks,
         256,
         &mut args,
@@ -685,9 +685,9 @@ mod tests {
                 true,
             ),
             (
-                "moe.cu",
-                MOE_SRC,
-                MOE_ENTRIES.map(String::from).to_vec(),
+                "mlp.cu",
+                MLP_SRC,
+                MLP_ENTRIES.map(String::from).to_vec(),
                 false,
             ),
         ];

@@ -2,8 +2,8 @@
 //!
 //! | module    | computes                                                              |
 //! |-----------|-----------------------------------------------------------------------|
-//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MoE combine ([`moe_combine`]), resident blocks' AdamW |
-//! | this file, `moe.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `moe.rs` the mixture of experts' |
+//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MLPs' SwiGLU and MoE glue ([`swiglu`], [`moe_combine`]), resident blocks' AdamW |
+//! | this file, `mlp.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `mlp.rs` the MLPs' (SwiGLU, the MoE gather and combine) |
 //! | `tape.rs` | the ops' backward passes, run by hand after autograd's               |
 //!
 //! An op computes outside autograd. With grad, its outputs are leaves, and its backward is
@@ -12,12 +12,13 @@
 //! attention half).
 
 mod cuda;
-mod moe;
+mod mlp;
 pub mod tape;
 
 pub use cuda::adamw_resident;
-pub use moe::{
-    Pairs, clamped_swiglu, moe_combine, moe_combine_supported, moe_gather, swiglu, swiglu_supported,
+pub use mlp::{
+    Pairs, clamped_swiglu, moe_combine, moe_combine_supported, moe_gather, swiglu, swiglu_enabled,
+    swiglu_supported,
 };
 
 use tch::{Device, Kind, Tensor};

@@ -9,6 +9,7 @@ use mt::config::hf::{Activation, ModelSpec};
 use tch::{Kind, Tensor};
 
 use super::{BlockWeights, LayerCtx};
+use crate::kernels;
 
 /// `x W^T (+ b)` with the weight (and bias, when the block has one) named `{name}.weight`.
 pub fn linear(x: &Tensor, w: &BlockWeights, name: &str) -> Tensor {
@@ -48,10 +49,29 @@ pub fn activation(x: &Tensor, act: Activation) -> Tensor {
 
 /// `down(act(gate(x)) * up(x))`: (B, T, H) -> (B, T, H).
 pub fn gated_mlp(w: &BlockWeights, spec: &ModelSpec, x_bth: &Tensor) -> Tensor {
-    gated_mlp_named(w, spec, x_bth, "mlp")
+    dense_mlp_named(w, spec, x_bth, "mlp")
 }
 
-/// [`gated_mlp`] with the projections under `{prefix}.gate_proj` etc.: (.., H) -> (.., H).
+/// A dense layer's [`gated_mlp_named`], SiLU(gate) * up as one fused op where
+/// [`kernels::swiglu_enabled`] (CUDA, bf16): its backward runs from the kernels' tape, into
+/// x's graph, which nothing else in the MLP half reads (worker/src/layer.rs backpropagates
+/// that half on its own first: `super::mlp_on_tape`).
+pub fn dense_mlp_named(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
+    let gate = linear(x, w, &format!("{prefix}.gate_proj"));
+    let up = linear(x, w, &format!("{prefix}.up_proj"));
+    let i = gate.size()[gate.dim() - 1];
+    let fused = spec.hidden_act == Activation::Silu
+        && kernels::swiglu_enabled(x.kind(), x.device())
+        && kernels::swiglu_supported(x.kind(), i, x.device());
+    let h = match fused {
+        true => kernels::swiglu(&gate, &up),
+        false => activation(&gate, spec.hidden_act) * up,
+    };
+    linear(&h, w, &format!("{prefix}.down_proj"))
+}
+
+/// [`gated_mlp`] with the projections under `{prefix}.gate_proj` etc., in tch ops (a
+/// shared expert's, or one expert's on the per-expert path): (.., H) -> (.., H).
 pub fn gated_mlp_named(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
     let gate = activation(
         &linear(x, w, &format!("{prefix}.gate_proj")),

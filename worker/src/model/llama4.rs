@@ -13,7 +13,7 @@
 use mt::config::hf::ModelSpec;
 use tch::{Kind, Tensor};
 
-use super::common::{attend, gated_mlp_named, linear, merge_heads, rms_norm, split_heads};
+use super::common::{attend, dense_mlp_named, linear, merge_heads, rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx, moe};
 
 // One decoder layer: `h = x + attn(norm1(x)); out = h + feed_forward(norm2(h))`.
@@ -39,7 +39,7 @@ pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCt
     );
     let ff_bth = match lc.sparse {
         true => moe::sparse_mlp(spec, w, &ff_in_bth, lc),
-        false => gated_mlp_named(w, spec, &ff_in_bth, "feed_forward"),
+        false => dense_mlp_named(w, spec, &ff_in_bth, "feed_forward"),
     };
     h_bth + ff_bth
 }

@@ -281,13 +281,19 @@ pub fn delta_layer(spec: &ModelSpec, layer: usize) -> bool {
     spec.family == Family::Qwen3Next && spec.layer_types[layer] == AttentionKind::Linear
 }
 
-/// Whether layer `layer`'s MLP half over activations of `kind` on `device` records ops on
-/// the kernels' tape (a mixture of experts with the fused combine,
-/// `experts::fused_combine`): its backward must then run on its own, from a leaf, before
+/// Whether layer `layer`'s MLP half over activations of `kind` on `device` may record ops
+/// on the kernels' tape (a mixture of experts with the fused combine,
+/// `experts::fused_combine`; a dense SiLU MLP with the fused SwiGLU,
+/// `common::dense_mlp_named`): its backward must then run on its own, from a leaf, before
 /// the attention half's (worker/src/layer.rs).
 pub fn mlp_on_tape(spec: &ModelSpec, layer: usize, kind: Kind, device: Device) -> bool {
-    let h = spec.hidden_size as i64;
-    spec.moe.is_some() && spec.is_sparse(layer) && experts::fused_combine(h, kind, device)
+    match spec.moe.is_some() && spec.is_sparse(layer) {
+        true => experts::fused_combine(spec.hidden_size as i64, kind, device),
+        false => {
+            spec.hidden_act == mt::config::hf::Activation::Silu
+                && crate::kernels::swiglu_enabled(kind, device)
+        }
+    }
 }
 
 /// The token-wise half of decoder layer `layer`: `out = h + mlp(norm2(h))` (with the

@@ -1,4 +1,4 @@
-// The mixture of experts' fused ops around the expert GEMMs (worker/src/kernels/moe.rs):
+// The mixture of experts' fused ops around the expert GEMMs (worker/src/kernels/mlp.rs):
 // the SwiGLU between them, and the combine of their outputs.
 //
 // The routed experts' outputs back in token order, weighted and summed over each token's K

@@ -1,7 +1,8 @@
-//! The mixture of experts' fused ops around the expert GEMMs (worker/src/model/experts.rs):
-//! the (token, slot) pairs' rows gathered in expert order ([`moe_gather`]), the SwiGLU
-//! between the GEMMs ([`swiglu`]) and the experts' outputs brought back, weighted and
-//! summed per token ([`moe_combine`]). The backwards are elementwise, gathers and per-row
+//! The MLPs' fused ops: the SwiGLU between the gate/up and down projections ([`swiglu`],
+//! dense MLPs and experts alike; GPT-OSS's [`clamped_swiglu`]), and around the expert GEMMs
+//! (worker/src/model/experts.rs) the (token, slot) pairs' rows gathered in expert order
+//! ([`moe_gather`]) and the experts' outputs brought back, weighted and summed per token
+//! ([`moe_combine`]). The backwards are elementwise, gathers and per-row
 //! reductions (no atomic scatter-add), from the tape.
 //!
 //! Shapes: N tokens, H hidden size, K experts per token, S = N K pairs, the pair of token t
@@ -141,6 +142,20 @@ fn mirror_backward(
         (mirror(y, unsort_s, w) * dout_nh).sum(Kind::Float)
     });
     (dy, dw)
+}
+
+/// Whether dense MLPs take [`swiglu`] for activations of `kind` on `device`: by default on
+/// CUDA in bf16; `MT_SWIGLU=fused` forces it (the mirror on CPU), `plain` the tch ops. (The
+/// experts' SwiGLU goes with their fused combine, `MT_MOE_COMBINE`.)
+pub fn swiglu_enabled(kind: Kind, device: Device) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("MT_SWIGLU").as_deref() {
+        Err(_) | Ok("") => None,
+        Ok("fused") => Some(true),
+        Ok("plain") => Some(false),
+        Ok(other) => panic!("MT_SWIGLU={other}: expected `fused` or `plain`"),
+    });
+    forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16)
 }
 
 /// Whether [`swiglu`] runs for (.., I) tensors of `kind` on `device`: on CUDA where the
