@@ -7,11 +7,10 @@
 //! last step to 1e-4; per-step losses within 2e-2 relative when
 //! computing in bfloat16. Cases whose loss depends on how the batch is split (the MoE router
 //! aux loss is per micro-batch) carry their N-worker reference in `expected_wN.json` and
-//! `grads0_wN.safetensors`. Mixture-of-experts cases run once more the way GPUs run them:
-//! their experts as grouped GEMMs (`MT_MOE_EXPERTS=grouped`) and their outputs combined by
-//! the fused op (`MT_MOE_COMBINE=fused`: its tch mirror, its backward from the kernels'
-//! tape, the layer's halves backpropagated one after the other), 1 worker, f32, same
-//! tolerances.
+//! `grads0_wN.safetensors`. Every case runs once more the way GPUs run it: the MLPs' fused
+//! ops (`MT_SWIGLU=fused`, `MT_MOE_COMBINE=fused`: their tch mirrors, their backwards from
+//! the kernels' tape, each layer's halves backpropagated one after the other) and the
+//! experts as grouped GEMMs (`MT_MOE_EXPERTS=grouped`), 1 worker, f32, same tolerances.
 
 mod common;
 
@@ -37,6 +36,14 @@ fn grad_tol(t: &str) -> f64 {
     if decay_path { 1e-3 } else { F32_TOL }
 }
 
+/// The GPU's defaults, forced on CPU workers: the fused SwiGLU, the MoE glue's fused gather
+/// and combine, the grouped expert GEMMs.
+const GPU_WAY: [(&str, &str); 3] = [
+    ("MT_SWIGLU", "fused"),
+    ("MT_MOE_COMBINE", "fused"),
+    ("MT_MOE_EXPERTS", "grouped"),
+];
+
 #[test]
 fn every_golden_case_matches_pytorch() {
     let mut failures = Vec::new();
@@ -45,21 +52,10 @@ fn every_golden_case_matches_pytorch() {
         for workers in [1, 2] {
             check_f32(case, workers, &[], &grad_tol, &mut failures);
         }
-        // The MoE cases once more with their experts as grouped GEMMs (torch's CPU grouped
-        // GEMM) and the fused combine: the GPU default.
-        if mt::config::hf::ModelSpec::from_model_dir(&case.join("model"))
-            .unwrap()
-            .moe
-            .is_some()
-        {
-            check_f32(
-                case,
-                1,
-                &[("MT_MOE_EXPERTS", "grouped"), ("MT_MOE_COMBINE", "fused")],
-                &grad_tol,
-                &mut failures,
-            );
-        }
+        // Once more the way GPUs run it: the MLPs' fused ops (their CPU mirrors, backward
+        // from the kernels' tape, each layer's MLP half backpropagated on its own) and the
+        // experts as grouped GEMMs (torch's CPU grouped GEMM).
+        check_f32(case, 1, &GPU_WAY, &grad_tol, &mut failures);
         let dir = scratch(&format!("golden-{name}"));
         let m = dir.join("bf16.jsonl");
         run_cpu_ok(
