@@ -8,8 +8,10 @@
 #    model: a Qwen3-MoE (routed experts, router aux loss; also on 2 GPUs), a Mixtral and a
 #    GPT-OSS (sinks, sliding windows, biased experts with the clamped SwiGLU), a Qwen3-Next
 #    hybrid (Gated DeltaNet + gated full attention, shared expert) and a Qwen3.5 one (split
-#    projections, dense MLP). On GPUs the experts run as grouped GEMMs and Gated DeltaNet
-#    takes the chunked path; on CPU one expert at a time and the reference delta rule. The
+#    projections, dense MLP). On GPUs the experts run as grouped GEMMs, the MLPs' SwiGLU and
+#    the experts' gather and combine as fused kernels (worker/src/kernels/mlp.cu) and Gated
+#    DeltaNet takes the chunked path; on CPU one expert at a time, tch ops and the reference
+#    delta rule. The
 #    eval loss of the held-out samples (configs/tiny.yaml's val_size, evaluated after the
 #    last step by the forward-only path) must agree the same way.
 # 2. Families and multimodal wrappers of issue 17 at the tiny model's size, the same way:
