@@ -159,12 +159,15 @@ pub fn backward(
         let state_in = starts[i]
             .as_ref()
             .map(|s| s.detach().set_requires_grad(true));
+        let mark = kernels::tape::depth();
         let (o_i, state_out) = model::delta_core(&leaves, state_in.as_ref(), d_state.is_some());
         let mut objective = (o_i * do_bvucd.narrow(2, start, len)).sum(Kind::Float);
         if let (Some(s), Some(ds)) = (state_out, &d_state) {
             objective += (s * ds).sum(Kind::Float);
         }
         objective.backward();
+        // The segment's recurrence, where it runs from the tape.
+        kernels::tape::backward_to(mark);
         for (g, leaf) in grads.iter().zip(&leaves) {
             let g_i = leaf.grad();
             if g_i.defined() {

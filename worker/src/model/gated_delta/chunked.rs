@@ -20,9 +20,11 @@
 //! the gates, A and its inverse in f32 as flash-linear-attention keeps them. Only the state
 //! recurrence loops over the U chunks, a few (B V)-batched matmuls each, the state in f32.
 //! q.k and k.k are computed once per key head and shared by its value heads; v's SiLU
-//! output is read once, by the beta scaling. Autograd differentiates it all; per-chunk
-//! pieces come from one `unbind` and return through one `stack`, so the backward holds no
-//! per-chunk copies of whole tensors.
+//! output is read once, by the beta scaling. Autograd differentiates the batched part; the
+//! recurrence's backward is written out (`recurrence.rs`, run from the kernels' tape, with
+//! boundaries at the mixer's input and at [z; b; a] so that autograd's pass, which reaches
+//! that projection through z, and the tape's, through b and a, meet there once);
+//! `MT_GATED_DELTA_RECURRENCE=autograd` differentiates the loop with autograd instead.
 //!
 //! Shapes: B batch rows, T sequence length, P = U C padded to whole chunks, G key heads,
 //! V value heads (r = V / G per key head; value head g r + j reads key head g), Dk / Dv
@@ -32,7 +34,7 @@
 use mt::config::hf::{LinearAttnSpec, ModelSpec};
 use tch::{Kind, Tensor};
 
-use super::{Pre, gates, short_conv};
+use super::{Pre, gates, recurrence, short_conv};
 use crate::kernels;
 use crate::model::BlockWeights;
 use crate::model::common::linear;
@@ -79,8 +81,11 @@ pub(super) fn pre(
         chunks: u,
     };
     let fused = fused && kernels::conv_qkv_supported(&conv, x_bth.kind(), x_bth.device());
-    // The fused conv's backward reaches x through the tape, after autograd's pass.
-    let x_bth = match fused {
+    // The fused conv's and the recurrence's backwards reach x through the tape, after
+    // autograd's pass: behind boundaries at x and at [z; b; a], which autograd's pass reaches
+    // through z alone.
+    let taped = fused || recurrence::taped();
+    let x_bth = match taped {
         true => kernels::tape::boundary(x_bth),
         false => x_bth.shallow_clone(),
     };
@@ -190,16 +195,22 @@ pub(super) fn core(
         s.splice(0..2, [b * nv]);
         x.view(s.as_slice())
     };
-    let (o_nucd, state_nkd) = state_recurrence(
-        &flat(&u_bvucd),
-        &flat(&neg_w_bvucd),
-        &flat(&qdecay_bvucd),
-        &flat(&kdecay_bvucd),
-        &flat(&p_bvucc),
-        &flat(&gamma_last_bvu1.exp().unsqueeze(-1)),
-        state_bvkd.map(|s| s.view([b * nv, dk, dv])),
-        want_state,
-    );
+    let ins = [
+        flat(&u_bvucd),
+        flat(&neg_w_bvucd),
+        flat(&qdecay_bvucd),
+        flat(&kdecay_bvucd),
+        flat(&p_bvucc),
+        flat(&gamma_last_bvu1.exp().unsqueeze(-1)),
+    ];
+    let state_nkd = state_bvkd.map(|s| s.view([b * nv, dk, dv]));
+    let grad = ins.iter().any(Tensor::requires_grad)
+        || state_nkd.as_ref().is_some_and(Tensor::requires_grad);
+    let [u_, w_, q_, k_, p_, d_] = &ins;
+    let (o_nucd, state_nkd) = match grad && recurrence::taped() {
+        true => recurrence::on_tape(u_, w_, q_, k_, p_, d_, state_nkd.as_ref(), want_state),
+        false => state_recurrence(u_, w_, q_, k_, p_, d_, state_nkd, want_state),
+    };
     (
         o_nucd.view([b, nv, u, c, dv]),
         state_nkd.map(|s| s.view([b, nv, dk, dv])),
@@ -276,6 +287,10 @@ fn project(
     };
     let qkv_btf = x_bth.linear(&w_qkv, None::<Tensor>);
     let zba_btf = x_bth.linear(&w_zba, None::<Tensor>);
+    let zba_btf = match recurrence::taped() {
+        true => kernels::tape::boundary(&zba_btf),
+        false => zba_btf,
+    };
     let mut zba = zba_btf.split_with_sizes([v * dv, v, v], -1);
     let (a_btv, b_btv) = (zba.pop().expect("a"), zba.pop().expect("b"));
     let z_btvd = zba.pop().expect("z").view([b, t, v, dv]);
@@ -290,6 +305,14 @@ fn halves(x: &Tensor, dim: i64) -> [Tensor; 2] {
     [parts.pop().expect("two halves"), second]
 }
 
+/// The state's dtype for a compute dtype: f32 (f64 where the computation is, in tests).
+pub(super) fn state_kind(kind: Kind) -> Kind {
+    match kind {
+        Kind::Double => Kind::Double,
+        _ => Kind::Float,
+    }
+}
+
 /// The recurrence across chunks. Per chunk, from the state S (Dk, Dv) at its start
 /// (`state_nkd` for the first, None: 0): v' = u - w S, o = q S + P v', and, for the next
 /// chunk, S <- d S + k^T v'. u, -w, q, k (N, U, C, D) and p (N, U, C, C) in the compute
@@ -297,7 +320,7 @@ fn halves(x: &Tensor, dim: i64) -> [Tensor; 2] {
 /// state after the last chunk if `want_state`. The state stays f32; its products run in
 /// the compute dtype.
 #[allow(clippy::too_many_arguments)]
-fn state_recurrence(
+pub(super) fn state_recurrence(
     u_nucd: &Tensor,
     neg_w_nucd: &Tensor,
     q_nucd: &Tensor,
@@ -325,7 +348,7 @@ fn state_recurrence(
         if n + 1 < us.len() || want_state {
             let kv = ks[n].transpose(-1, -2).matmul(&v_new);
             state = Some(match state {
-                None => kv.to_kind(Kind::Float),
+                None => kv.to_kind(state_kind(kind)),
                 Some(s) => kv.addcmul(&s, &ds[n]),
             });
         }

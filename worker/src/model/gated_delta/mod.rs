@@ -16,7 +16,9 @@
 //! `MT_GATED_DELTA_CHUNK` (default 64) sets the chunked path's chunk length, and
 //! `MT_GATED_DELTA_FUSED=0` keeps the chunked path's causal conv, SiLU and q/k norms in tch
 //! ops on CUDA instead of the fused kernel (`crate::kernels::conv_qkv`, whose backward runs
-//! from the tape: `crate::kernels::tape`).
+//! from the tape: `crate::kernels::tape`); `MT_GATED_DELTA_RECURRENCE=autograd` runs the
+//! chunked path's state recurrence through autograd instead of its written-out backward
+//! (`recurrence.rs`).
 //!
 //! Either comes in three parts, [`pre`] (token-local but for the causal conv), [`core`]
 //! (the delta rule over a range of chunks, from the state at its start to the state at its
@@ -29,6 +31,7 @@
 //! Dk / Dv their head dims, F conv channels (2 G Dk + V Dv).
 
 mod chunked;
+mod recurrence;
 mod reference;
 #[cfg(test)]
 mod tests;
