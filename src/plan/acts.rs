@@ -303,14 +303,16 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         // the gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy),
         // the inverse T and T (A - A') (f32: the inverse runs without grad, its gradient
         // through those two products), T and P in the compute dtype; the state at each
-        // chunk start (f32 and a copy). The forward peaks with the projections, conv, the
-        // value-head tensors and three f32 pair tensors alive.
+        // chunk start (f32: the recurrence's written-out backward keeps no copy in the
+        // compute dtype; the worker's `MT_GATED_DELTA_RECURRENCE=autograd`, a comparison
+        // hook, would). The forward peaks with the projections, conv, the value-head
+        // tensors and three f32 pair tensors alive.
         let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
         let states = nv * dk * dv / DELTA_CHUNK;
         let conv_kept = conv_kept(spec, d);
         let in_dtype = conv_kept + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
         return LayerActs {
-            saved: proj + m * (in_dtype + states) * s + m * (4 * pairs + states) * F32,
+            saved: proj + m * in_dtype * s + m * (4 * pairs + states) * F32,
             backward: 2 * m * conv * s + 4 * m * pairs * F32,
             forward: proj + m * (conv_kept.max(conv) + 5 * vd) * s + 3 * m * pairs * F32,
         };
