@@ -186,7 +186,6 @@ pub(super) fn core(
     let t_bvucc = inverse_with_its_gradient(&a_bvucc).to_kind(kind);
     let p_bvucc = (decay_bvucc.to_kind(kind).view([b, g, r, u, c, c]) * qk_bgucc.unsqueeze(2))
         .view([b, nv, u, c, c]);
-    let u_bvucd = t_bvucc.matmul(&vbeta_bvucd);
     let neg_w_bvucd = t_bvucc.matmul(&neg_kbeta_bvucd);
 
     // (B V, U, ...) for the (B V)-batched matmuls of the recurrence.
@@ -196,20 +195,32 @@ pub(super) fn core(
         x.view(s.as_slice())
     };
     let ins = [
-        flat(&u_bvucd),
         flat(&neg_w_bvucd),
         flat(&qdecay_bvucd),
         flat(&kdecay_bvucd),
         flat(&p_bvucc),
         flat(&gamma_last_bvu1.exp().unsqueeze(-1)),
     ];
+    let (t_nucc, vbeta_nucd) = (flat(&t_bvucc), flat(&vbeta_bvucd));
     let state_nkd = state_bvkd.map(|s| s.view([b * nv, dk, dv]));
-    let grad = ins.iter().any(Tensor::requires_grad)
+    let grad = ins
+        .iter()
+        .chain([&t_nucc, &vbeta_nucd])
+        .any(Tensor::requires_grad)
         || state_nkd.as_ref().is_some_and(Tensor::requires_grad);
-    let [u_, w_, q_, k_, p_, d_] = &ins;
+    let [w_, q_, k_, p_, d_] = &ins;
     let (o_nucd, state_nkd) = match grad && recurrence::taped() {
-        true => recurrence::on_tape(u_, w_, q_, k_, p_, d_, state_nkd.as_ref(), want_state),
-        false => state_recurrence(u_, w_, q_, k_, p_, d_, state_nkd, want_state),
+        // u = T (beta v) chunk by chunk inside: the backward keeps T and beta v (as
+        // autograd would for the product), not u.
+        true => recurrence::on_tape(
+            [&t_nucc, &vbeta_nucd, w_, q_, k_, p_, d_],
+            state_nkd.as_ref(),
+            want_state,
+        ),
+        false => {
+            let u_ = t_nucc.matmul(&vbeta_nucd);
+            state_recurrence(&u_, w_, q_, k_, p_, d_, state_nkd, want_state)
+        }
     };
     (
         o_nucd.view([b, nv, u, c, dv]),

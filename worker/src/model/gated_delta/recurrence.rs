@@ -2,7 +2,9 @@
 //! written out, run from the kernels' tape instead of autograd's pass through the loop.
 //!
 //! Per chunk n, from the state S_n (Dk, Dv) f32 at its start (S_0 given, or none: zero),
-//! in the compute dtype with S_n rounded to it (S^):
+//! in the compute dtype with S_n rounded to it (S^), and u_n = T_n (beta v)_n formed here
+//! chunk by chunk (so that the backward keeps T and beta v, as autograd's product would,
+//! and no u):
 //!
 //! ```text
 //! v'_n = u_n + W_n S^_n,   o_n = Q_n S^_n + P_n v'_n,   S_{n+1} = K_n^T v'_n + d_n S_n
@@ -11,7 +13,7 @@
 //! (W = -w, Q and K the decayed q and k), and backwards, from dO_n and dS_{n+1} (f32):
 //!
 //! ```text
-//! dv'_n = P_n^T dO_n + K_n dS^_{n+1}         du_n = dv'_n
+//! dv'_n = P_n^T dO_n + K_n dS^_{n+1}    dT_n = dv'_n (beta v)_n^T    d(beta v)_n = T_n^T dv'_n
 //! dP_n = dO_n v'_n^T    dK_n = v'_n dS^_{n+1}^T    dQ_n = dO_n S^_n^T    dW_n = dv'_n S^_n^T
 //! dS_n = (Q_n^T dO_n + W_n^T dv'_n) + d_n dS_{n+1},   dd_n = <dS_{n+1}, S_n>
 //! ```
@@ -43,25 +45,20 @@ pub(super) fn taped() -> bool {
     )
 }
 
-/// The recurrence over `u`, `neg_w`, `q`, `k` (N, U, C, D) and `p` (N, U, C, C) in the
-/// compute dtype, `d` (N, U, 1, 1) f32, from `state` (N, Dk, Dv) f32 (None: zero) -> o (N,
-/// U, C, Dv) and, if `want_state`, the state after the last chunk; with grad, both outputs
-/// are leaves whose backward waits on the tape.
-#[allow(clippy::too_many_arguments)]
+/// The recurrence over `[t, vbeta, neg_w, q, k, p, d]`: T (N, U, C, C), beta v (N, U, C,
+/// Dv), -w, q, k (N, U, C, Dk) and P (N, U, C, C) in the compute dtype, d (N, U, 1, 1) f32;
+/// from `state` (N, Dk, Dv) f32 (None: zero) -> o (N, U, C, Dv) and, if `want_state`, the
+/// state after the last chunk; with grad, both outputs are leaves whose backward waits on
+/// the tape.
 pub(super) fn on_tape(
-    u: &Tensor,
-    neg_w: &Tensor,
-    q: &Tensor,
-    k: &Tensor,
-    p: &Tensor,
-    d: &Tensor,
+    ins: [&Tensor; 7],
     state: Option<&Tensor>,
     want_state: bool,
 ) -> (Tensor, Option<Tensor>) {
-    let kind = u.kind();
-    let inputs = [u, neg_w, q, k, p, d].map(Tensor::shallow_clone);
-    let [us, ws, qs, ks, ps, ds] = [u, neg_w, q, k, p, d].map(|x| x.detach().unbind(1));
-    let chunks = us.len();
+    let kind = ins[2].kind();
+    let inputs = ins.map(Tensor::shallow_clone);
+    let [ts, vbs, ws, qs, ks, ps, ds] = ins.map(|x| x.detach().unbind(1));
+    let chunks = ts.len();
     let guard = tch::no_grad_guard();
     let mut s: Option<Tensor> = state.map(Tensor::detach);
     // Each chunk's starting state (f32) and v', for the backward.
@@ -69,11 +66,15 @@ pub(super) fn on_tape(
     let mut v_news = Vec::with_capacity(chunks);
     let mut outs = Vec::with_capacity(chunks);
     for n in 0..chunks {
+        let u = ts[n].matmul(&vbs[n]);
         let (v_new, o) = match &s {
-            None => (us[n].shallow_clone(), ps[n].matmul(&us[n])),
+            None => {
+                let o = ps[n].matmul(&u);
+                (u, o)
+            }
             Some(s) => {
                 let s_hat = s.to_kind(kind);
-                let v_new = us[n].baddbmm(&ws[n], &s_hat, 1, 1);
+                let v_new = u.baddbmm(&ws[n], &s_hat, 1, 1);
                 let o = qs[n].matmul(&s_hat).baddbmm(&ps[n], &v_new, 1, 1);
                 (v_new, o)
             }
@@ -103,6 +104,8 @@ pub(super) fn on_tape(
     let mut outputs = vec![o.shallow_clone()];
     outputs.extend(last.iter().map(Tensor::shallow_clone));
     let saved = Saved {
+        ts,
+        vbs,
         ws,
         qs,
         ks,
@@ -121,7 +124,7 @@ pub(super) fn on_tape(
             }
             let d_o = match d_o.defined() {
                 true => d_o.shallow_clone(),
-                false => inputs[0].zeros_like(),
+                false => Tensor::stack(&saved.v_news, 1).zeros_like(),
             };
             let (grads, d_state) = saved.backward(&d_o, d_last, kind);
             let mut pairs: Vec<(Tensor, Tensor)> = inputs.into_iter().zip(grads).collect();
@@ -137,8 +140,10 @@ pub(super) fn on_tape(
     (o, last)
 }
 
-/// What the backward reads: the inputs but u, per chunk, each chunk's starting state and v'.
+/// What the backward reads: the inputs, per chunk, each chunk's starting state and v'.
 struct Saved {
+    ts: Vec<Tensor>,
+    vbs: Vec<Tensor>,
     ws: Vec<Tensor>,
     qs: Vec<Tensor>,
     ks: Vec<Tensor>,
@@ -149,21 +154,21 @@ struct Saved {
 }
 
 impl Saved {
-    /// The gradients of [u, neg_w, q, k, p, d] from dO (N, U, C, Dv) and the last state's
-    /// gradient, and the starting state's gradient (None where the recurrence started from
-    /// zero).
+    /// The gradients of [t, vbeta, neg_w, q, k, p, d] from dO (N, U, C, Dv) and the last
+    /// state's gradient, and the starting state's gradient (None where the recurrence
+    /// started from zero).
     fn backward(
         &self,
         d_o: &Tensor,
         d_last: Option<&Tensor>,
         kind: Kind,
-    ) -> ([Tensor; 6], Option<Tensor>) {
+    ) -> ([Tensor; 7], Option<Tensor>) {
         let _guard = tch::no_grad_guard();
         let dos = d_o.unbind(1);
         let chunks = dos.len();
         // In the states' dtype (f32; the compute dtype's where that is wider, as in tests).
         let mut d_s: Option<Tensor> = d_last.map(Tensor::shallow_clone);
-        let mut per: [Vec<Tensor>; 6] = Default::default();
+        let mut per: [Vec<Tensor>; 7] = Default::default();
         for n in (0..chunks).rev() {
             let zeros = |x: &Tensor| x.zeros_like();
             let d_s_hat = d_s.as_ref().map(|g| g.to_kind(kind));
@@ -203,7 +208,9 @@ impl Saved {
                     (dw, dq, dd, Some(next))
                 }
             };
-            for (all, g) in per.iter_mut().zip([dv, dw, dq, dk, dp, dd]) {
+            let dt = dv.matmul(&self.vbs[n].transpose(-1, -2));
+            let dvb = self.ts[n].transpose(-1, -2).matmul(&dv);
+            for (all, g) in per.iter_mut().zip([dt, dvb, dw, dq, dk, dp, dd]) {
                 all.push(g);
             }
             d_s = next;
@@ -234,7 +241,8 @@ mod tests {
         tch::manual_seed(7);
         let opts = (Kind::Double, Device::Cpu);
         let (n, u, c, dk, dv) = (3, 3, 4, 5, 6);
-        let shapes: [&[i64]; 6] = [
+        let shapes: [&[i64]; 7] = [
+            &[n, u, c, c],
             &[n, u, c, dv],
             &[n, u, c, dk],
             &[n, u, c, dk],
@@ -254,13 +262,15 @@ mod tests {
                     .map(|x| x.detach().set_requires_grad(true))
                     .collect();
                 let state = with_state.then(|| s0.detach().set_requires_grad(true));
-                let [uu, w, q, k, p, d] = leaves.as_slice() else {
+                let [t, vb, w, q, k, p, d] = leaves.as_slice() else {
                     unreachable!()
                 };
                 let (o, last) = match taped {
-                    true => on_tape(uu, w, q, k, p, d, state.as_ref(), want_state),
+                    true => on_tape([t, vb, w, q, k, p, d], state.as_ref(), want_state),
                     false => {
-                        state_recurrence(uu, w, q, k, p, d, state.shallow_clone_opt(), want_state)
+                        let uu = t.matmul(vb);
+                        let s = state.shallow_clone_opt();
+                        state_recurrence(&uu, w, q, k, p, d, s, want_state)
                     }
                 };
                 let mut objective = (o * &d_o).sum(Kind::Double);
