@@ -18,8 +18,9 @@
 //! Each tile's graph is freed by its backward before the next tile's is built. A layer the
 //! plan keeps whole (`mt::plan::tiled_layer`: a mixture of experts), or a micro-batch no
 //! larger than a tile, runs as before: `model::decoder_layer`, one backward; but a layer
-//! whose MLP half records fused ops (`model::mlp_on_tape`: the experts' fused combine)
-//! backpropagates its halves one after the other as above, with the MLP half whole.
+//! whose MLP half records fused ops (`model::mlp_on_tape`: the experts' fused glue, a dense
+//! MLP's fused SwiGLU) backpropagates its halves one after the other as above, with the MLP
+//! half whole.
 //!
 //! Either way, the fused ops each half ran outside autograd (`crate::kernels`) are
 //! backpropagated from the tape once autograd's pass has reached their outputs: the MLP

@@ -24,9 +24,9 @@
 //! gather's backward is the same kernel with unit weights (`kernels::moe_gather`), a sum
 //! of each token's K rows in place of the embedding's sort and segment sums; and a SiLU
 //! gate times up between the grouped GEMMs (GPT-OSS's clamped one likewise) is one
-//! elementwise op (`kernels::swiglu`, `kernels::clamped_swiglu`). Their
-//! backwards run from the kernels' tape, so the block's input and, where the aux loss reads them, the
-//! router logits enter it through tape boundaries (worker/src/model/moe.rs), and the layer's
+//! elementwise op (`kernels::swiglu`, `kernels::clamped_swiglu`). Their backwards run from
+//! the kernels' tape, so the block's input and, where the aux loss reads them, the router
+//! logits enter it through tape boundaries (worker/src/model/moe.rs), and the layer's
 //! backward runs its MLP half on its own (worker/src/layer.rs).
 //!
 //! Two ways run the experts over the sorted rows, chosen per block by [`grouped`]:
