@@ -10,7 +10,8 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{cuda, tape, vjp};
+use super::cuda;
+use super::tape::{self, vjp};
 
 /// Whether [`moe_combine`] runs for experts' outputs of `kind` and width `h`, router
 /// weights of `weights`, on `device`: on CUDA where the kernels compiled and take them

@@ -160,21 +160,9 @@ fn mirror_backward(
     dqk: &Tensor,
     dv: &Tensor,
 ) -> (Tensor, Tensor) {
-    let [dx, dw] = vjp([qkv_btf, w], |[x, w]| {
+    let [dx, dw] = tape::vjp([qkv_btf, w], |[x, w]| {
         let (qk, v) = mirror(s, x, w);
         (qk * dqk).sum(Kind::Float) + (v * dv).sum(Kind::Float)
     });
     (dx, dw)
-}
-
-/// A mirror's backward by autograd over a recompute: the gradients of `objective` (a
-/// scalar: the mirror's outputs dotted with their gradients) at `inputs`, taken as leaves.
-fn vjp<const N: usize>(
-    inputs: [&Tensor; N],
-    objective: impl FnOnce(&[Tensor; N]) -> Tensor,
-) -> [Tensor; N] {
-    let leaves = inputs.map(|x| x.detach().set_requires_grad(true));
-    let o = objective(&leaves);
-    let grads = Tensor::run_backward(&[o], &leaves.each_ref(), false, false);
-    std::array::from_fn(|i| grads[i].shallow_clone())
 }

@@ -136,6 +136,18 @@ pub fn boundary(x: &Tensor) -> Tensor {
     leaf
 }
 
+/// A mirror's backward by autograd over a recompute: the gradients of `objective` (a
+/// scalar: the mirror's outputs dotted with their gradients) at `inputs`, taken as leaves.
+pub fn vjp<const N: usize>(
+    inputs: [&Tensor; N],
+    objective: impl FnOnce(&[Tensor; N]) -> Tensor,
+) -> [Tensor; N] {
+    let leaves = inputs.map(|x| x.detach().set_requires_grad(true));
+    let o = objective(&leaves);
+    let grads = Tensor::run_backward(&[o], &leaves.each_ref(), false, false);
+    std::array::from_fn(|i| grads[i].shallow_clone())
+}
+
 #[cfg(test)]
 mod tests {
     use tch::{Device, Kind, Tensor};
