@@ -37,11 +37,14 @@ fn grad_tol(t: &str) -> f64 {
 }
 
 /// The GPU's defaults, forced on CPU workers: the fused SwiGLU, the MoE glue's fused gather
-/// and combine, the grouped expert GEMMs.
-const GPU_WAY: [(&str, &str); 3] = [
+/// and combine, the grouped expert GEMMs, the rotary embedding from the tape, torch's fused
+/// RMSNorm.
+const GPU_WAY: [(&str, &str); 5] = [
     ("MT_SWIGLU", "fused"),
     ("MT_MOE_COMBINE", "fused"),
     ("MT_MOE_EXPERTS", "grouped"),
+    ("MT_ROPE", "fused"),
+    ("MT_RMS_NORM", "fused"),
 ];
 
 #[test]

@@ -93,6 +93,7 @@ pub fn enter(phase: Phase, layer: Option<usize>) {
             ..h.get()
         })
     });
+    crate::profile::phase(phase, layer);
     inject(phase, layer);
 }
 

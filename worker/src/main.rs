@@ -15,6 +15,9 @@ mod head;
 mod kernels;
 mod layer;
 mod model;
+// torch's profiler through worker/src/profile.cpp.
+#[allow(unsafe_code)]
+mod profile;
 mod segments;
 mod warmup;
 // Shared memory adoption, host registration, CUDA driver calls.
@@ -128,7 +131,8 @@ fn run() -> Result<()> {
             register_s,
             warm_up_s,
         })?;
-        serve(&mut engine, &tx, &rx)
+        let mut profiler = profile::Profiler::from_env(rank, init.device)?;
+        serve(&mut engine, &mut profiler, &tx, &rx)
     });
     match result {
         Err(e) if !e.is::<Interrupted>() => {
@@ -157,6 +161,7 @@ impl std::error::Error for Reported {}
 /// Runs steps until `Shutdown` or until the launcher's channel closes.
 fn serve(
     engine: &mut Engine,
+    profiler: &mut profile::Profiler,
     tx: &IpcSender<FromWorker>,
     rx: &ipc::IpcReceiver<ToWorker>,
 ) -> Result<()> {
@@ -173,7 +178,9 @@ fn serve(
                 ..
             } => {
                 let link = Link { tx, rx };
+                profiler.step_begins()?;
                 let out = engine.step(&micro, loss_scale, weights_pending, &link)?;
+                profiler.step_ends()?;
                 tx.send(FromWorker::StepDone {
                     loss_sum: out.loss_sum,
                     tokens: out.tokens,

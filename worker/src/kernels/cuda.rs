@@ -22,6 +22,7 @@ const BF16_H: &str = include_str!("bf16.cuh");
 const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
 const ADAMW_SRC: &str = include_str!("adamw.cu");
 const MLP_SRC: &str = include_str!("mlp.cu");
+const ROPE_SRC: &str = include_str!("rope.cu");
 /// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
 /// block (its SPAN).
 const THREADS: u32 = 128;
@@ -30,7 +31,7 @@ const SPAN: i64 = 256;
 const LANE_CHANNELS: [i64; 4] = [1, 2, 4, 8];
 
 struct Kernels {
-    _modules: [CUmodule; 3],
+    _modules: [CUmodule; 4],
     /// By N's index in `LANE_CHANNELS`.
     conv_fwd: [CUfunction; 4],
     conv_bwd: [CUfunction; 4],
@@ -38,6 +39,8 @@ struct Kernels {
     adamw: [CUfunction; 4],
     /// mlp.cu's, as [`MLP_ENTRIES`].
     mlp: [CUfunction; 8],
+    /// rope.cu's.
+    rope: CUfunction,
 }
 
 /// adamw.cu's entry points, by [`adamw_index`].
@@ -150,13 +153,15 @@ fn build() -> Result<Kernels> {
         "adamw.cu",
         vec![arch.clone(), "--std=c++17".into(), "--fmad=false".into()],
     )?;
-    let mlp = load_module(MLP_SRC, "mlp.cu", vec![arch, "--std=c++17".into()])?;
+    let mlp = load_module(MLP_SRC, "mlp.cu", vec![arch.clone(), "--std=c++17".into()])?;
+    let rope = load_module(ROPE_SRC, "rope.cu", vec![arch, "--std=c++17".into()])?;
     let kernels = Kernels {
         conv_fwd: functions(conv, &conv_entries("conv_qkv_fwd"))?,
         conv_bwd: functions(conv, &conv_entries("conv_qkv_bwd"))?,
         adamw: functions(adamw, &ADAMW_ENTRIES)?,
         mlp: functions(mlp, &MLP_ENTRIES)?,
-        _modules: [conv, adamw, mlp],
+        rope: function(rope, "rope".into())?,
+        _modules: [conv, adamw, mlp, rope],
     };
     tracing::debug!(
         "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
@@ -314,6 +319,17 @@ fn launch_with(
     args: &mut [*mut c_void],
     what: &str,
 ) -> Result<()> {
+    launch_block(f, blocks, (threads, 1), args, what)
+}
+
+/// [`launch_with`] for blocks of `threads.0` x `threads.1` threads.
+fn launch_block(
+    f: CUfunction,
+    blocks: i64,
+    threads: (u32, u32),
+    args: &mut [*mut c_void],
+    what: &str,
+) -> Result<()> {
     let blocks = u32::try_from(blocks)
         .ok()
         .filter(|&b| b < 1 << 31)
@@ -327,8 +343,8 @@ fn launch_with(
                 blocks,
                 1,
                 1,
-                threads,
-                1,
+                threads.0,
+                threads.1,
                 1,
                 0,
                 torch_stream(),
@@ -667,6 +683,9 @@ pub fn clamped_swiglu_bwd(gate_up: &Tensor, dh: &Tensor, alpha: f32, limit: f32)
     )?;
     Ok(dgu)
 }
+
+mod rope;
+pub use rope::{rope, rope_supports};
 
 #[cfg(test)]
 mod tests;

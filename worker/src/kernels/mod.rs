@@ -2,8 +2,8 @@
 //!
 //! | module    | computes                                                              |
 //! |-----------|-----------------------------------------------------------------------|
-//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MLPs' SwiGLU and MoE glue ([`swiglu`], [`moe_combine`]), resident blocks' AdamW |
-//! | this file, `mlp.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `mlp.rs` the MLPs' (SwiGLU, the MoE gather and combine) |
+//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MLPs' SwiGLU and MoE glue ([`swiglu`], [`moe_combine`]), the rotary embedding ([`rope`]), resident blocks' AdamW |
+//! | this file, `mlp.rs`, `rope.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `mlp.rs` the MLPs' (SwiGLU, the MoE gather and combine), `rope.rs` attention's rotary embedding |
 //! | `tape.rs` | the ops' backward passes, run by hand after autograd's               |
 //!
 //! An op computes outside autograd. With grad, its outputs are leaves, and its backward is
@@ -13,6 +13,7 @@
 
 mod cuda;
 mod mlp;
+mod rope;
 pub mod tape;
 
 pub use cuda::adamw_resident;
@@ -20,6 +21,7 @@ pub use mlp::{
     Pairs, clamped_swiglu, moe_combine, moe_combine_supported, moe_gather, swiglu, swiglu_enabled,
     swiglu_supported,
 };
+pub use rope::{rope, rope_enabled, rope_supported};
 
 use tch::{Device, Kind, Tensor};
 

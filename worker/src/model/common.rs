@@ -18,7 +18,13 @@ pub fn linear(x: &Tensor, w: &BlockWeights, name: &str) -> Tensor {
 }
 
 /// Llama RMSNorm: the statistic in f32, cast back, then scaled: `w * norm(x).to(dtype)`.
+/// Where [`rms_norm_fused`] (CUDA, bf16), torch's fused RMSNorm instead: one pass
+/// in f32, the weight applied before the one rounding (a bf16 rounding fewer than
+/// transformers' five ops, which make five passes over x and keep f32 copies of it).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    if rms_norm_fused(x, w) {
+        return x.rms_norm([x.size()[x.dim() - 1]], Some(w), eps);
+    }
     let xf = x.to_kind(Kind::Float);
     let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
     w * (xf * (var + eps).rsqrt()).to_kind(x.kind())
@@ -26,10 +32,29 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 
 /// RMSNorm with the weight applied in f32 before the cast (GPT-OSS, OLMo 2):
 /// `(w * norm(x)).to(dtype)`.
+/// Torch's fused RMSNorm computes exactly this order where [`rms_norm_fused`].
 pub fn rms_norm_f32_scale(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    if rms_norm_fused(x, w) {
+        return x.rms_norm([x.size()[x.dim() - 1]], Some(w), eps);
+    }
     let xf = x.to_kind(Kind::Float);
     let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
     (w * (xf * (var + eps).rsqrt())).to_kind(x.kind())
+}
+
+/// Whether the RMSNorms above take torch's fused kernel (`aten::rms_norm`) for `x` and its
+/// weight `w`: by default on CUDA in bf16 with a bf16 weight; `MT_RMS_NORM=fused` forces it
+/// (on CPU too), `plain` transformers' ops.
+fn rms_norm_fused(x: &Tensor, w: &Tensor) -> bool {
+    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("MT_RMS_NORM").as_deref() {
+        Err(_) | Ok("") => None,
+        Ok("fused") => Some(true),
+        Ok("plain") => Some(false),
+        Ok(other) => panic!("MT_RMS_NORM={other}: expected `fused` or `plain`"),
+    });
+    w.kind() == x.kind()
+        && forced.unwrap_or(x.device().is_cuda() && x.kind() == Kind::BFloat16)
 }
 
 /// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`.

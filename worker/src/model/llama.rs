@@ -40,10 +40,11 @@ pub(super) fn attention(
     lc: &LayerCtx,
 ) -> Tensor {
     let (n, k, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
+    let x_bth = &lc.rope.input(x_bth);
     let q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
     let k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
-    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
     linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
 }

@@ -30,6 +30,7 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         spec.head_dim,
         spec.rms_norm_eps,
     );
+    let x_bth = &lc.rope.input(x_bth);
     // The per-head norm acts on the last dim, so it may run before or after the transpose.
     let mut q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
     let mut k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
@@ -38,7 +39,7 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         k_bktd = rms_norm(&k_bktd, w.get("self_attn.k_norm.weight"), eps);
     }
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
-    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
     linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
 }

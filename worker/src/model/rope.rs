@@ -17,6 +17,8 @@ use std::f64::consts::PI;
 use mt::config::hf::{RopeScaling, RopeSpec};
 use tch::{Device, Kind, Tensor};
 
+use crate::kernels;
+
 /// The R/2 inverse frequencies for a sequence of `seq_len` positions, and the factor that
 /// multiplies cos and sin (`attention_scaling`; 1 except YaRN and LongRoPE).
 pub fn inv_freq(r: &RopeSpec, seq_len: usize) -> (Vec<f64>, f64) {
@@ -159,29 +161,73 @@ impl Rope {
 
     /// Rotates the first R dims of each head: (B, N, T, D) -> (B, N, T, D).
     pub fn apply(&self, x_bntd: &Tensor) -> Tensor {
-        let d = x_bntd.size()[3];
-        if self.rotary_dim == d {
-            return self.rotate(x_bntd);
-        }
-        let x_bntr = x_bntd.narrow(-1, 0, self.rotary_dim);
-        let pass = x_bntd.narrow(-1, self.rotary_dim, d - self.rotary_dim);
-        Tensor::cat(&[&self.rotate(&x_bntr), &pass], -1)
+        turn(
+            x_bntd,
+            &self.cos_b1tr,
+            &self.sin_b1tr,
+            self.rotary_dim,
+            self.interleaved,
+        )
     }
 
-    /// (B, N, T, R) -> (B, N, T, R).
-    fn rotate(&self, x_bntr: &Tensor) -> Tensor {
-        let (cos, sin) = (&self.cos_b1tr, &self.sin_b1tr);
-        if !self.interleaved {
-            return x_bntr * cos + rotate_half(x_bntr) * sin;
+    /// [`Rope::apply`] as one fused op where `crate::kernels::rope_enabled` and supported
+    /// (CUDA, bf16), its backward from the kernels' tape. The attention's input must come
+    /// through [`Rope::input`].
+    pub fn apply_taped(&self, x_bntd: &Tensor) -> Tensor {
+        let (kind, device) = (x_bntd.kind(), x_bntd.device());
+        let d = x_bntd.size()[3];
+        if !kernels::rope_enabled(kind, device)
+            || !kernels::rope_supported(kind, d, self.rotary_dim, device)
+        {
+            return self.apply(x_bntd);
         }
-        // Pairs (x0, x1) = dims (2i, 2i + 1) turn to (x0 cos - x1 sin, x1 cos + x0 sin).
-        let s = x_bntr.size();
-        let pairs = x_bntr.reshape([s[0], s[1], s[2], s[3] / 2, 2]);
-        let (x0, x1) = (pairs.select(-1, 0), pairs.select(-1, 1));
-        let y0 = &x0 * cos - &x1 * sin;
-        let y1 = x1 * cos + x0 * sin;
-        Tensor::stack(&[y0, y1], -1).reshape(s.as_slice())
+        kernels::rope(
+            x_bntd,
+            &self.cos_b1tr,
+            &self.sin_b1tr,
+            self.rotary_dim,
+            self.interleaved,
+            turn,
+        )
     }
+
+    /// The attention's input `x_bth`, as its projections should read it where
+    /// [`Rope::apply_taped`] may record: a tape boundary where it requires grad. The gradients
+    /// the tape hands to q and k then stop at the boundary's leaf, beside v's, and reach the
+    /// graph before it (the norm) once, summed, instead of through a graph autograd's pass
+    /// has already freed.
+    pub fn input(&self, x_bth: &Tensor) -> Tensor {
+        match x_bth.requires_grad() && kernels::rope_enabled(x_bth.kind(), x_bth.device()) {
+            true => kernels::tape::boundary(x_bth),
+            false => x_bth.shallow_clone(),
+        }
+    }
+}
+
+/// Turns the first `r` dims of each head of x (B, N, T, D) by the tables: torch's ops,
+/// transformers' order (the mirror of `crate::kernels::rope`).
+fn turn(x_bntd: &Tensor, cos: &Tensor, sin: &Tensor, r: i64, interleaved: bool) -> Tensor {
+    let d = x_bntd.size()[3];
+    if r == d {
+        return rotate(x_bntd, cos, sin, interleaved);
+    }
+    let x_bntr = x_bntd.narrow(-1, 0, r);
+    let pass = x_bntd.narrow(-1, r, d - r);
+    Tensor::cat(&[&rotate(&x_bntr, cos, sin, interleaved), &pass], -1)
+}
+
+/// (B, N, T, R) -> (B, N, T, R).
+fn rotate(x_bntr: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Tensor {
+    if !interleaved {
+        return x_bntr * cos + rotate_half(x_bntr) * sin;
+    }
+    // Pairs (x0, x1) = dims (2i, 2i + 1) turn to (x0 cos - x1 sin, x1 cos + x0 sin).
+    let s = x_bntr.size();
+    let pairs = x_bntr.reshape([s[0], s[1], s[2], s[3] / 2, 2]);
+    let (x0, x1) = (pairs.select(-1, 0), pairs.select(-1, 1));
+    let y0 = &x0 * cos - &x1 * sin;
+    let y1 = x1 * cos + x0 * sin;
+    Tensor::stack(&[y0, y1], -1).reshape(s.as_slice())
 }
 
 /// (x1, x2) -> (-x2, x1) over the halves of the last dim.

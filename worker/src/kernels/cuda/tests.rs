@@ -36,6 +36,7 @@ fn every_kernel_file_compiles_with_its_entry_points() {
             MLP_ENTRIES.map(String::from).to_vec(),
             false,
         ),
+        ("rope.cu", ROPE_SRC, vec!["rope".to_string()], false),
     ];
     for (name, src, entries, no_fma) in files {
         let mut opts = vec![arch.clone(), "--std=c++17".into()];
