@@ -101,7 +101,11 @@ impl Profiler {
         // SAFETY: `c` is a NUL-terminated path for the call's length.
         checked(unsafe { mt_profile_stop(c.as_ptr()) })
             .with_context(|| format!("writing the trace {}", path.display()))?;
-        eprintln!("torch profile of step {} written: {}", self.step, path.display());
+        eprintln!(
+            "torch profile of step {} written: {}",
+            self.step,
+            path.display()
+        );
         Ok(())
     }
 

@@ -319,30 +319,31 @@ fn launch_with(
     args: &mut [*mut c_void],
     what: &str,
 ) -> Result<()> {
-    launch_block(f, blocks, (threads, 1), args, what)
-}
-
-/// [`launch_with`] for blocks of `threads.0` x `threads.1` threads.
-fn launch_block(
-    f: CUfunction,
-    blocks: i64,
-    threads: (u32, u32),
-    args: &mut [*mut c_void],
-    what: &str,
-) -> Result<()> {
     let blocks = u32::try_from(blocks)
         .ok()
         .filter(|&b| b < 1 << 31)
         .with_context(|| format!("{what}: {blocks} blocks"))?;
+    launch_grid(f, (blocks, 1, 1), (threads, 1), args, what)
+}
+
+/// [`launch_with`] for a grid of `grid` blocks of `threads.0` x `threads.1` threads (the
+/// caller keeps the grid within the device's limits).
+fn launch_grid(
+    f: CUfunction,
+    grid: (u32, u32, u32),
+    threads: (u32, u32),
+    args: &mut [*mut c_void],
+    what: &str,
+) -> Result<()> {
     // SAFETY: the arguments match the kernel's signature (the callers below); the grid is
-    // within limits (checked above).
+    // within limits (checked by the callers).
     check(
         unsafe {
             sys::cuLaunchKernel(
                 f,
-                blocks,
-                1,
-                1,
+                grid.0,
+                grid.1,
+                grid.2,
                 threads.0,
                 threads.1,
                 1,

@@ -60,7 +60,11 @@ pub fn rope(
     if !x_bntd.requires_grad() {
         return y;
     }
-    let (input, cos, sin) = (x_bntd.shallow_clone(), cos.shallow_clone(), sin.shallow_clone());
+    let (input, cos, sin) = (
+        x_bntd.shallow_clone(),
+        cos.shallow_clone(),
+        sin.shallow_clone(),
+    );
     // The kernel's backward needs no x; the mirror's recomputes from it.
     let x = (!x.device().is_cuda()).then_some(x);
     tape::record_one(y, move |dy| {

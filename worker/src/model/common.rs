@@ -53,8 +53,7 @@ fn rms_norm_fused(x: &Tensor, w: &Tensor) -> bool {
         Ok("plain") => Some(false),
         Ok(other) => panic!("MT_RMS_NORM={other}: expected `fused` or `plain`"),
     });
-    w.kind() == x.kind()
-        && forced.unwrap_or(x.device().is_cuda() && x.kind() == Kind::BFloat16)
+    w.kind() == x.kind() && forced.unwrap_or(x.device().is_cuda() && x.kind() == Kind::BFloat16)
 }
 
 /// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`.

@@ -31,13 +31,20 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         spec.rms_norm_eps,
     );
     let x_bth = &lc.rope.input(x_bth);
-    // The per-head norm acts on the last dim, so it may run before or after the transpose.
-    let mut q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
-    let mut k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
-    if spec.qk_norm {
-        q_bntd = rms_norm(&q_bntd, w.get("self_attn.q_norm.weight"), eps);
-        k_bktd = rms_norm(&k_bktd, w.get("self_attn.k_norm.weight"), eps);
-    }
+    // The per-head norm acts on the last dim: it runs before the transpose, on the
+    // projection's contiguous output.
+    let heads = |proj: &str, norm: &str, heads: usize| {
+        let y_btf = linear(x_bth, w, proj);
+        match spec.qk_norm {
+            true => {
+                let y_btnd = y_btf.view([y_btf.size()[0], y_btf.size()[1], heads as i64, d as i64]);
+                rms_norm(&y_btnd, w.get(norm), eps).transpose(1, 2)
+            }
+            false => split_heads(&y_btf, heads, d),
+        }
+    };
+    let q_bntd = heads("self_attn.q_proj", "self_attn.q_norm.weight", n);
+    let k_bktd = heads("self_attn.k_proj", "self_attn.k_norm.weight", k);
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
     let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
