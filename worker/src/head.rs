@@ -25,6 +25,7 @@ use mt::grpo::{GrpoSums, token_terms};
 use mt::protocol::MicroBatch;
 use tch::{Device, Kind, Tensor};
 
+use crate::kernels;
 use crate::model::{self, BlockWeights};
 
 /// One micro-batch on the device: ids, the targets of the labelled positions, where those
@@ -134,9 +135,49 @@ impl Head<'_> {
         dy_mh.view_as(x_bth)
     }
 
+    /// The backward of `sum_tokens w_token CE_token` to `x_bth` (computed without grad),
+    /// `weights(chunk)` giving each chunk's w (C,) f32, through the fused cross-entropy
+    /// ([`kernels::cross_entropy`]): its gradient handed to the chunk's logits, so neither
+    /// an f32 copy of them nor autograd's log-softmax: (each chunk's summed CE, dy).
+    fn fused_backward(
+        &self,
+        batch: &DeviceBatch,
+        x_bth: &Tensor,
+        mut weights: impl FnMut((i64, i64)) -> Tensor,
+    ) -> (Vec<Tensor>, Tensor) {
+        let x_mh = self.flat(x_bth);
+        let mut dy_mh = x_mh.zeros_like();
+        let mut losses = Vec::new();
+        for (start, len) in self.chunks(batch) {
+            let rows_c = batch.valid_m.narrow(0, start, len);
+            let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
+            let hn_ch = model::final_norm(self.spec, self.w, &x_ch);
+            let logits_cv = model::compute_logits(self.spec, &hn_ch, self.lm_head);
+            let targets_c = batch.targets_m.narrow(0, start, len);
+            let (loss_c, dlogits_cv) =
+                kernels::cross_entropy(&logits_cv, &targets_c, &weights((start, len)));
+            kernels::tape::backward_with_grads(&[(logits_cv, dlogits_cv)]);
+            let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
+            losses.push(loss_c.sum(Kind::Float));
+        }
+        (losses, dy_mh.view_as(x_bth))
+    }
+
+    /// Whether the backward takes [`Self::fused_backward`].
+    fn fused(&self, x_bth: &Tensor) -> bool {
+        kernels::cross_entropy_enabled(x_bth.kind(), x_bth.device())
+    }
+
     /// The summed token cross-entropy and its backward, scaled by `scale`, to the last
     /// hidden state `x_bth` (computed without grad): (loss sum, dy (B, T, H)).
     pub fn ce_backward(&self, batch: &DeviceBatch, scale: f64, x_bth: &Tensor) -> (f64, Tensor) {
+        if self.fused(x_bth) {
+            let dev = x_bth.device();
+            let (losses, dy_bth) = self.fused_backward(batch, x_bth, |(_, len)| {
+                Tensor::full([len], scale, (Kind::Float, dev))
+            });
+            return (sum(&losses), dy_bth);
+        }
         let mut losses = Vec::new();
         let dy_bth = self.backward(batch, x_bth, |_, hn_ch, targets_c| {
             let loss = model::chunk_loss_sum(self.spec, hn_ch, self.lm_head, targets_c);
@@ -149,6 +190,10 @@ impl Head<'_> {
     /// The backward of Σ_tokens w_token · logp_token to `x_bth`, given `coef_m` = −w per
     /// labelled position (M,) (logp_token = −CE_token): dy (B, T, H).
     fn logp_backward(&self, batch: &DeviceBatch, x_bth: &Tensor, coef_m: &Tensor) -> Tensor {
+        if self.fused(x_bth) {
+            let w = |(start, len)| coef_m.narrow(0, start, len);
+            return self.fused_backward(batch, x_bth, w).1;
+        }
         self.backward(batch, x_bth, |(start, len), hn_ch, targets_c| {
             let ce_c = model::chunk_token_losses(self.spec, hn_ch, self.lm_head, targets_c);
             (ce_c * coef_m.narrow(0, start, len)).sum(Kind::Float)

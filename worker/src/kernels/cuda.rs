@@ -23,6 +23,7 @@ const CONV_QKV_SRC: &str = include_str!("conv_qkv.cu");
 const ADAMW_SRC: &str = include_str!("adamw.cu");
 const MLP_SRC: &str = include_str!("mlp.cu");
 const ROPE_SRC: &str = include_str!("rope.cu");
+const CE_SRC: &str = include_str!("ce.cu");
 /// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
 /// block (its SPAN).
 const THREADS: u32 = 128;
@@ -31,7 +32,7 @@ const SPAN: i64 = 256;
 const LANE_CHANNELS: [i64; 4] = [1, 2, 4, 8];
 
 struct Kernels {
-    _modules: [CUmodule; 4],
+    _modules: [CUmodule; 5],
     /// By N's index in `LANE_CHANNELS`.
     conv_fwd: [CUfunction; 4],
     conv_bwd: [CUfunction; 4],
@@ -41,6 +42,8 @@ struct Kernels {
     mlp: [CUfunction; 8],
     /// rope.cu's.
     rope: CUfunction,
+    /// ce.cu's.
+    cross_entropy: CUfunction,
 }
 
 /// adamw.cu's entry points, by [`adamw_index`].
@@ -154,14 +157,20 @@ fn build() -> Result<Kernels> {
         vec![arch.clone(), "--std=c++17".into(), "--fmad=false".into()],
     )?;
     let mlp = load_module(MLP_SRC, "mlp.cu", vec![arch.clone(), "--std=c++17".into()])?;
-    let rope = load_module(ROPE_SRC, "rope.cu", vec![arch, "--std=c++17".into()])?;
+    let rope = load_module(
+        ROPE_SRC,
+        "rope.cu",
+        vec![arch.clone(), "--std=c++17".into()],
+    )?;
+    let ce = load_module(CE_SRC, "ce.cu", vec![arch, "--std=c++17".into()])?;
     let kernels = Kernels {
         conv_fwd: functions(conv, &conv_entries("conv_qkv_fwd"))?,
         conv_bwd: functions(conv, &conv_entries("conv_qkv_bwd"))?,
         adamw: functions(adamw, &ADAMW_ENTRIES)?,
         mlp: functions(mlp, &MLP_ENTRIES)?,
         rope: function(rope, "rope".into())?,
-        _modules: [conv, adamw, mlp, rope],
+        cross_entropy: function(ce, "cross_entropy".into())?,
+        _modules: [conv, adamw, mlp, rope, ce],
     };
     tracing::debug!(
         "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
@@ -685,7 +694,9 @@ pub fn clamped_swiglu_bwd(gate_up: &Tensor, dh: &Tensor, alpha: f32, limit: f32)
     Ok(dgu)
 }
 
+mod ce;
 mod rope;
+pub use ce::{cross_entropy, cross_entropy_supports};
 pub use rope::{rope, rope_supports};
 
 #[cfg(test)]

@@ -2,8 +2,8 @@
 //!
 //! | module    | computes                                                              |
 //! |-----------|-----------------------------------------------------------------------|
-//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MLPs' SwiGLU and MoE glue ([`swiglu`], [`moe_combine`]), the rotary embedding ([`rope`]), resident blocks' AdamW |
-//! | this file, `mlp.rs`, `rope.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `mlp.rs` the MLPs' (SwiGLU, the MoE gather and combine), `rope.rs` attention's rotary embedding |
+//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MLPs' SwiGLU and MoE glue ([`swiglu`], [`moe_combine`]), the rotary embedding ([`rope`]), the head's cross-entropy ([`cross_entropy`]), resident blocks' AdamW |
+//! | this file, `mlp.rs`, `rope.rs`, `ce.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `mlp.rs` the MLPs' (SwiGLU, the MoE gather and combine), `rope.rs` attention's rotary embedding, `ce.rs` the head's loss |
 //! | `tape.rs` | the ops' backward passes, run by hand after autograd's               |
 //!
 //! An op computes outside autograd. With grad, its outputs are leaves, and its backward is
@@ -11,11 +11,13 @@
 //! [`tape::backward`] (worker/src/layer.rs and worker/src/segments.rs do, after a layer's
 //! attention half).
 
+mod ce;
 mod cuda;
 mod mlp;
 mod rope;
 pub mod tape;
 
+pub use ce::{cross_entropy, cross_entropy_enabled};
 pub use cuda::adamw_resident;
 pub use mlp::{
     Pairs, clamped_swiglu, moe_combine, moe_combine_supported, moe_gather, swiglu, swiglu_enabled,

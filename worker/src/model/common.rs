@@ -270,10 +270,14 @@ fn chunk_cross_entropy(
 /// Logits of normed hidden states (M, H) -> (M, V) in f32: the lm_head in the compute
 /// dtype, soft-capped where the family caps them, then upcast as transformers does.
 pub fn logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
+    compute_logits(spec, h_mh, lm_head_vh).to_kind(Kind::Float)
+}
+
+/// [`logits`] before the upcast, in the compute dtype.
+pub fn compute_logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
     let logits_mv = h_mh.linear(lm_head_vh, None::<Tensor>);
-    let logits_mv = match spec.final_softcap {
+    match spec.final_softcap {
         Some(cap) => (logits_mv / cap).tanh() * cap,
         None => logits_mv,
-    };
-    logits_mv.to_kind(Kind::Float)
+    }
 }

@@ -360,6 +360,12 @@ pub fn chunk_token_losses(
     common::chunk_token_losses(spec, h_ch, lm_head_vh, targets_c)
 }
 
+/// Logits of normed hidden states (M, H) -> (M, V) in the compute dtype (what
+/// [`logits`] upcasts).
+pub fn compute_logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
+    common::compute_logits(spec, h_mh, lm_head_vh)
+}
+
 /// Logits of normed hidden states (M, H) -> (M, V), f32.
 pub fn logits(spec: &ModelSpec, h_mh: &Tensor, lm_head_vh: &Tensor) -> Tensor {
     common::logits(spec, h_mh, lm_head_vh)

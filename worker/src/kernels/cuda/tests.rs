@@ -37,6 +37,7 @@ fn every_kernel_file_compiles_with_its_entry_points() {
             false,
         ),
         ("rope.cu", ROPE_SRC, vec!["rope".to_string()], false),
+        ("ce.cu", CE_SRC, vec!["cross_entropy".to_string()], false),
     ];
     for (name, src, entries, no_fma) in files {
         let mut opts = vec![arch.clone(), "--std=c++17".into()];
