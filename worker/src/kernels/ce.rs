@@ -14,12 +14,7 @@ use super::cuda;
 /// ops through autograd.
 pub fn cross_entropy_enabled(kind: Kind, device: Device) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var("MT_CROSS_ENTROPY").as_deref() {
-        Err(_) | Ok("") => None,
-        Ok("fused") => Some(true),
-        Ok("plain") => Some(false),
-        Ok(other) => panic!("MT_CROSS_ENTROPY={other}: expected `fused` or `plain`"),
-    });
+    let forced = *FORCED.get_or_init(|| super::forced("MT_CROSS_ENTROPY"));
     let on = forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16);
     on && match device {
         Device::Cuda(_) => cuda::cross_entropy_supports(kind) && cuda::available(),

@@ -150,12 +150,7 @@ fn mirror_backward(
 /// experts' SwiGLU goes with their fused combine, `MT_MOE_COMBINE`.)
 pub fn swiglu_enabled(kind: Kind, device: Device) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var("MT_SWIGLU").as_deref() {
-        Err(_) | Ok("") => None,
-        Ok("fused") => Some(true),
-        Ok("plain") => Some(false),
-        Ok(other) => panic!("MT_SWIGLU={other}: expected `fused` or `plain`"),
-    });
+    let forced = *FORCED.get_or_init(|| super::forced("MT_SWIGLU"));
     forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16)
 }
 

@@ -27,6 +27,18 @@ pub use rope::{rope, rope_enabled, rope_supported};
 
 use tch::{Device, Kind, Tensor};
 
+/// A `fused|plain` switch from the environment variable `var`: Some(true) for `fused`,
+/// Some(false) for `plain`, None unset (the op's default). Anything else stops the worker
+/// with the variable named.
+pub fn forced(var: &str) -> Option<bool> {
+    match std::env::var(var).as_deref() {
+        Err(_) | Ok("") => None,
+        Ok("fused") => Some(true),
+        Ok("plain") => Some(false),
+        Ok(other) => panic!("{var}={other}: expected `fused` or `plain`"),
+    }
+}
+
 /// The shapes of [`conv_qkv`]: G key heads of Dk, V value heads of Dv, the conv's taps,
 /// and the chunked delta rule's chunks (U chunks of C tokens, U C >= T).
 #[derive(Debug, Clone, Copy)]

@@ -47,12 +47,7 @@ pub fn rms_norm_f32_scale(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 /// (on CPU too), `plain` transformers' ops.
 fn rms_norm_fused(x: &Tensor, w: &Tensor) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var("MT_RMS_NORM").as_deref() {
-        Err(_) | Ok("") => None,
-        Ok("fused") => Some(true),
-        Ok("plain") => Some(false),
-        Ok(other) => panic!("MT_RMS_NORM={other}: expected `fused` or `plain`"),
-    });
+    let forced = *FORCED.get_or_init(|| kernels::forced("MT_RMS_NORM"));
     w.kind() == x.kind() && forced.unwrap_or(x.device().is_cuda() && x.kind() == Kind::BFloat16)
 }
 

@@ -69,12 +69,7 @@ const ENV_COMBINE: &str = "MT_MOE_COMBINE";
 /// (`plain`).
 pub fn fused_combine(h: i64, kind: Kind, device: Device) -> bool {
     static FORCED: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *FORCED.get_or_init(|| match std::env::var(ENV_COMBINE).as_deref() {
-        Err(_) | Ok("") => None,
-        Ok("fused") => Some(true),
-        Ok("plain") => Some(false),
-        Ok(other) => panic!("{ENV_COMBINE}={other}: expected `fused` or `plain`"),
-    });
+    let forced = *FORCED.get_or_init(|| kernels::forced(ENV_COMBINE));
     // Router weights are f32, or in the compute dtype: the kernels take both.
     let supported = kernels::moe_combine_supported(kind, h, Kind::Float, device)
         && kernels::moe_combine_supported(kind, h, kind, device);
