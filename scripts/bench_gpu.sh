@@ -85,7 +85,7 @@ done
 
 mkdir -p "$RESULTS"
 out="$RESULTS/${model}_${MACHINE}_${DATE}.md"
-"$PYTHON" - "$WARMUP" "$SEQ" "$model" "$MACHINE" "$DATE" "$out" "$(env | sed -n '/^MT_\(GATED_DELTA\|SWIGLU\|MOE_\)/p' | tr '\n' ' ')CONFIG=$CONFIG BATCHES=\"$BATCHES\" GPUS=\"$GPUS\" SEQ=$SEQ WARMUP=$WARMUP STEPS=$STEPS ACCUM=$ACCUM ${LAYERS:+LAYERS=$LAYERS }${EXTRA:+EXTRA=\"$EXTRA\" }scripts/bench_gpu.sh" "${runs[@]}" <<'PY'
+"$PYTHON" - "$WARMUP" "$SEQ" "$model" "$MACHINE" "$DATE" "$out" "$(env | sed -n '/^MT_\(GATED_DELTA\|SWIGLU\|MOE_\|ROPE\|RMS_NORM\|CROSS_ENTROPY\)/p' | tr '\n' ' ')CONFIG=$CONFIG BATCHES=\"$BATCHES\" GPUS=\"$GPUS\" SEQ=$SEQ WARMUP=$WARMUP STEPS=$STEPS ACCUM=$ACCUM ${LAYERS:+LAYERS=$LAYERS }${EXTRA:+EXTRA=\"$EXTRA\" }scripts/bench_gpu.sh" "${runs[@]}" <<'PY'
 import json, os, sys
 warmup, seq, model, machine, date, out, cmd = int(sys.argv[1]), sys.argv[2], *sys.argv[3:8]
 rows, base, worst_plan = [], {}, 0.0

@@ -26,7 +26,7 @@ pub fn cross_entropy(
     };
     let logits = logits.contiguous();
     // Rows 16-byte aligned for the kernel's packed loads where V allows them.
-    let logits = if ptr(&logits) % 16 != 0 {
+    let logits = if !ptr(&logits).is_multiple_of(16) {
         logits.copy()
     } else {
         logits
