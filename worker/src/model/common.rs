@@ -18,11 +18,11 @@ pub fn linear(x: &Tensor, w: &BlockWeights, name: &str) -> Tensor {
 }
 
 /// Llama RMSNorm: the statistic in f32, cast back, then scaled: `w * norm(x).to(dtype)`.
-/// Where [`rms_norm_fused`] (CUDA, bf16), torch's fused RMSNorm instead: one pass
+/// Where [`norms_fused`] (CUDA, bf16), torch's fused RMSNorm instead: one pass
 /// in f32, the weight applied before the one rounding (a bf16 rounding fewer than
 /// transformers' five ops, which make five passes over x and keep f32 copies of it).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
-    if rms_norm_fused(x, w) {
+    if w.kind() == x.kind() && norms_fused(x) {
         return x.rms_norm([x.size()[x.dim() - 1]], Some(w), eps);
     }
     let xf = x.to_kind(Kind::Float);
@@ -32,9 +32,9 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 
 /// RMSNorm with the weight applied in f32 before the cast (GPT-OSS, OLMo 2):
 /// `(w * norm(x)).to(dtype)`.
-/// Torch's fused RMSNorm computes exactly this order where [`rms_norm_fused`].
+/// Torch's fused RMSNorm computes exactly this order where [`norms_fused`].
 pub fn rms_norm_f32_scale(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
-    if rms_norm_fused(x, w) {
+    if w.kind() == x.kind() && norms_fused(x) {
         return x.rms_norm([x.size()[x.dim() - 1]], Some(w), eps);
     }
     let xf = x.to_kind(Kind::Float);
@@ -42,20 +42,36 @@ pub fn rms_norm_f32_scale(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     (w * (xf * (var + eps).rsqrt())).to_kind(x.kind())
 }
 
-/// Whether the RMSNorms above take torch's fused kernel (`aten::rms_norm`) for `x` and its
-/// weight `w`: by default on CUDA in bf16 with a bf16 weight; `MT_RMS_NORM=fused` forces it
-/// (on CPU too), `plain` transformers' ops.
-fn rms_norm_fused(x: &Tensor, w: &Tensor) -> bool {
+/// Whether the RMSNorms here take torch's fused kernel (`aten::rms_norm`) for `x`: by
+/// default on CUDA in bf16 (the first two with a weight of x's dtype); `MT_RMS_NORM=fused`
+/// forces it (on CPU too), `plain` transformers' ops.
+fn norms_fused(x: &Tensor) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| kernels::forced("MT_RMS_NORM"));
-    w.kind() == x.kind() && forced.unwrap_or(x.device().is_cuda() && x.kind() == Kind::BFloat16)
+    forced.unwrap_or(x.device().is_cuda() && x.kind() == Kind::BFloat16)
 }
 
-/// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`.
+/// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`
+/// (Gemma, Qwen3-Next and Qwen3.5). Where the RMSNorms take torch's fused kernel (on CUDA
+/// in bf16: [`norms_fused`]), that kernel with the f32 weight `1 + w`: where it takes the
+/// two dtypes, one pass in f32 with the weight applied before the one rounding, this order.
+/// A torch that refuses them falls back to these ops (said once).
 pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    static REFUSED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let w1 = || w.to_kind(Kind::Float) + 1.0;
+    if REFUSED.get().is_none() && norms_fused(x) {
+        match x.f_rms_norm([x.size()[x.dim() - 1]], Some(w1()), eps) {
+            // Torch's composite path promotes to the weight's f32: cast once, as below.
+            Ok(y) => return y.to_kind(x.kind()),
+            Err(e) => {
+                let e = REFUSED.get_or_init(|| e.to_string());
+                tracing::warn!("torch's fused RMSNorm refused an f32 weight ({e}): ops instead");
+            }
+        }
+    }
     let xf = x.to_kind(Kind::Float);
     let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-    (xf * (var + eps).rsqrt() * (w.to_kind(Kind::Float) + 1.0)).to_kind(x.kind())
+    (xf * (var + eps).rsqrt() * w1()).to_kind(x.kind())
 }
 
 pub fn activation(x: &Tensor, act: Activation) -> Tensor {
