@@ -76,16 +76,20 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         spec.head_dim as i64,
         spec.rms_norm_eps,
     );
-    let qg_btf = linear(x_bth, w, "self_attn.q_proj");
+    let x_bth = &lc.rope.input(x_bth);
+    // Both q and the gate come from q_proj's output: a boundary there too, so that q's
+    // gradient from the tape meets the gate's at it.
+    let qg_btf = lc.rope.input(&linear(x_bth, w, "self_attn.q_proj"));
     let (b, t) = (qg_btf.size()[0], qg_btf.size()[1]);
     let qg_btn2d = qg_btf.view([b, t, n, 2 * d]);
     let q_btnd = qg_btn2d.narrow(-1, 0, d);
     let gate_btf = qg_btn2d.narrow(-1, d, d).reshape([b, t, n * d]);
+    // The per-head norms run before the transpose (on the projections' (B, T, heads, D)).
     let q_bntd = rms_norm_plus_one(&q_btnd, w.get("self_attn.q_norm.weight"), eps).transpose(1, 2);
-    let k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d as usize);
-    let k_bktd = rms_norm_plus_one(&k_bktd, w.get("self_attn.k_norm.weight"), eps);
+    let k_btkd = linear(x_bth, w, "self_attn.k_proj").view([b, t, k as i64, d]);
+    let k_bktd = rms_norm_plus_one(&k_btkd, w.get("self_attn.k_norm.weight"), eps).transpose(1, 2);
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d as usize);
-    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
     let o_btf = merge_heads(&o_bntd) * gate_btf.sigmoid();
     linear(&o_btf, w, "self_attn.o_proj")

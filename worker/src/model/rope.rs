@@ -191,11 +191,12 @@ impl Rope {
         )
     }
 
-    /// The attention's input `x_bth`, as its projections should read it where
-    /// [`Rope::apply_taped`] may record: a tape boundary where it requires grad. The gradients
-    /// the tape hands to q and k then stop at the boundary's leaf, beside v's, and reach the
-    /// graph before it (the norm) once, summed, instead of through a graph autograd's pass
-    /// has already freed.
+    /// The attention's input `x_bth` (or any tensor q or k shares with another consumer,
+    /// such as a projection that also yields a gate), as its consumers should read it where
+    /// [`Rope::apply_taped`] may record: a tape boundary where it requires grad. The
+    /// gradients the tape hands to q and k then stop at the boundary's leaf, beside the
+    /// others' (v's), and reach the graph before it (the norm) once, summed, instead of
+    /// through a graph autograd's pass has already freed (which fails).
     pub fn input(&self, x_bth: &Tensor) -> Tensor {
         match x_bth.requires_grad() && kernels::rope_enabled(x_bth.kind(), x_bth.device()) {
             true => kernels::tape::boundary(x_bth),
