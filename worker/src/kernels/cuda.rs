@@ -370,8 +370,8 @@ fn ptr(t: &Tensor) -> u64 {
     t.data_ptr() as u64
 }
 
-/// `t` as mlp.cu's kernels read it, 16 bytes at a time: contiguous, and copied where a view
-/// starts off a 16-byte boundary (torch's own allocations are 512-byte aligned).
+/// `t` as mlp.cu's and ce.cu's kernels read it, 16 bytes at a time: contiguous, and copied
+/// where a view starts off a 16-byte boundary (torch's own allocations are 512-byte aligned).
 fn packed(t: &Tensor) -> Tensor {
     let t = t.contiguous();
     match ptr(&t) % 16 {

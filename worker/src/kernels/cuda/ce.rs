@@ -3,7 +3,7 @@
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 
-use super::{arg, kernels, launch_with, ptr};
+use super::{arg, kernels, launch_with, packed, ptr};
 
 /// ce.cu's threads per block (its CE_THREADS).
 const CE_THREADS: u32 = 512;
@@ -24,13 +24,8 @@ pub fn cross_entropy(
     let &[c, v] = logits.size().as_slice() else {
         bail!("cross_entropy: logits are {:?}, not (C, V)", logits.size())
     };
-    let logits = logits.contiguous();
     // Rows 16-byte aligned for the kernel's packed loads where V allows them.
-    let logits = if !ptr(&logits).is_multiple_of(16) {
-        logits.copy()
-    } else {
-        logits
-    };
+    let logits = packed(logits);
     let targets = targets.to_kind(Kind::Int64).contiguous();
     let weights = weights.to_kind(Kind::Float).contiguous();
     let loss = Tensor::empty([c], (Kind::Float, logits.device()));
