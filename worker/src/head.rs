@@ -122,13 +122,26 @@ impl Head<'_> {
         x_bth: &Tensor,
         mut objective: impl FnMut((i64, i64), &Tensor, &Tensor) -> Tensor,
     ) -> Tensor {
+        self.backward_by(batch, x_bth, |chunk, hn_ch, targets_c| {
+            objective(chunk, hn_ch, targets_c).backward()
+        })
+    }
+
+    /// [`Self::backward`] with `backprop(chunk, its normed rows, their targets)` running
+    /// each chunk's backward itself.
+    fn backward_by(
+        &self,
+        batch: &DeviceBatch,
+        x_bth: &Tensor,
+        mut backprop: impl FnMut((i64, i64), &Tensor, &Tensor),
+    ) -> Tensor {
         let x_mh = self.flat(x_bth);
         let mut dy_mh = x_mh.zeros_like();
         for (start, len) in self.chunks(batch) {
             let rows_c = batch.valid_m.narrow(0, start, len);
             let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
             let hn_ch = model::final_norm(self.spec, self.w, &x_ch);
-            objective((start, len), &hn_ch, &batch.targets_m.narrow(0, start, len)).backward();
+            backprop((start, len), &hn_ch, &batch.targets_m.narrow(0, start, len));
             // A labelled position is in one chunk only.
             let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
         }
@@ -145,22 +158,15 @@ impl Head<'_> {
         x_bth: &Tensor,
         mut weights: impl FnMut((i64, i64)) -> Tensor,
     ) -> (Vec<Tensor>, Tensor) {
-        let x_mh = self.flat(x_bth);
-        let mut dy_mh = x_mh.zeros_like();
         let mut losses = Vec::new();
-        for (start, len) in self.chunks(batch) {
-            let rows_c = batch.valid_m.narrow(0, start, len);
-            let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
-            let hn_ch = model::final_norm(self.spec, self.w, &x_ch);
-            let logits_cv = model::compute_logits(self.spec, &hn_ch, self.lm_head);
-            let targets_c = batch.targets_m.narrow(0, start, len);
+        let dy_bth = self.backward_by(batch, x_bth, |chunk, hn_ch, targets_c| {
+            let logits_cv = model::compute_logits(self.spec, hn_ch, self.lm_head);
             let (loss_c, dlogits_cv) =
-                kernels::cross_entropy(&logits_cv, &targets_c, &weights((start, len)));
+                kernels::cross_entropy(&logits_cv, targets_c, &weights(chunk));
             kernels::tape::backward_with_grads(&[(logits_cv, dlogits_cv)]);
-            let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
             losses.push(loss_c.sum(Kind::Float));
-        }
-        (losses, dy_mh.view_as(x_bth))
+        });
+        (losses, dy_bth)
     }
 
     /// Whether the backward takes [`Self::fused_backward`].
