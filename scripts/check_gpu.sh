@@ -34,6 +34,9 @@
 #    to the order of that sum; their router-weight gradient is an f32 dot product where
 #    the ops round each product to bf16 first).
 # 4. Gated DeltaNet one layer deep: scripts/check_gated_delta.sh.
+# 7. GPT-OSS's attention with sinks through FlashAttention (worker/src/kernels/sinks.rs):
+#    scripts/check_sinks.sh (the kernels' contract in torch, and a two-layer model's step
+#    against f32 on CPU, beside transformers' bf16 eager attention).
 # 6. Resident blocks (memory.resident_blocks): scripts/check_resident.sh (adamw.cu against
 #    the host's update bit for bit; the tiny model with every block, two and none resident).
 # 5. Errors (issue 23): the Qwen2.5-7B shape with 2 layers at 2 x 524288 tokens on 1 GPU
@@ -45,7 +48,7 @@
 #    failure injected into the tiny model's backward of layer 1 (MT_TEST_FAIL_ALLOC) must
 #    give the same one line with CUDA's figures.
 #
-# PARTS ["train families experts delta errors resident"] picks the parts to run (each fits in a few
+# PARTS ["train families experts delta errors resident sinks"] picks the parts to run (each fits in a few
 # minutes). Runs needing
 # 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
 # Needs the built binaries (BIN, default target/release) and a GPU machine; Python (no
@@ -55,7 +58,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-12}
-PARTS=${PARTS:-"train families experts delta errors resident"}
+PARTS=${PARTS:-"train families experts delta errors resident sinks"}
 ERRORS_SEQ=${ERRORS_SEQ:-524288}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
@@ -351,5 +354,8 @@ if part delta; then
 fi
 if part resident; then
   BIN=$BIN PYTHON=$PYTHON scripts/check_resident.sh || status=1
+fi
+if part sinks; then
+  BIN=$BIN PYTHON=$PYTHON scripts/check_sinks.sh || status=1
 fi
 exit $status

@@ -2,13 +2,15 @@
 //! machine without LD_LIBRARY_PATH. On the GPU machine LD_LIBRARY_PATH (which takes
 //! precedence over RUNPATH) points at that machine's own torch/lib.
 //!
-//! And compile src/kernels/backward.cpp (autograd's backward from given gradients) and
-//! src/profile.cpp (torch's profiler), which tch does not bind, against the same libtorch's
+//! And compile src/kernels/backward.cpp (autograd's backward from given gradients),
+//! src/kernels/flash.cpp (FlashAttention's forward and backward) and src/profile.cpp
+//! (torch's profiler), which tch does not bind, against the same libtorch's
 //! headers, with its C++ ABI (`LIBTORCH_CXX11_ABI`, default 1, as torch-sys reads it).
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo:rerun-if-changed=src/kernels/backward.cpp");
+    println!("cargo:rerun-if-changed=src/kernels/flash.cpp");
     println!("cargo:rerun-if-changed=src/profile.cpp");
     let root = std::env::var("LIBTORCH").expect("LIBTORCH names libtorch (.cargo/config.toml)");
     let root = std::path::Path::new(&root);
@@ -19,6 +21,7 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("src/kernels/backward.cpp")
+        .file("src/kernels/flash.cpp")
         .file("src/profile.cpp")
         .include(root.join("include"))
         .include(root.join("include/torch/csrc/api/include"))

@@ -38,14 +38,15 @@ fn grad_tol(t: &str) -> f64 {
 
 /// The GPU's defaults, forced on CPU workers: the fused SwiGLU, the MoE glue's fused gather
 /// and combine, the grouped expert GEMMs, the rotary embedding from the tape, torch's fused
-/// RMSNorm, the head's fused cross-entropy.
-const GPU_WAY: [(&str, &str); 6] = [
+/// RMSNorm, the head's fused cross-entropy, attention with sinks through flash's contract.
+const GPU_WAY: [(&str, &str); 7] = [
     ("MT_SWIGLU", "fused"),
     ("MT_MOE_COMBINE", "fused"),
     ("MT_MOE_EXPERTS", "grouped"),
     ("MT_ROPE", "fused"),
     ("MT_RMS_NORM", "fused"),
     ("MT_CROSS_ENTROPY", "fused"),
+    ("MT_ATTENTION_SINKS", "fused"),
 ];
 
 #[test]

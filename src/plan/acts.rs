@@ -53,6 +53,8 @@ pub(super) struct Dims {
     pub gpu: bool,
     /// The compute dtype is bfloat16.
     pub bf16: bool,
+    /// Rows pack several samples (per-row masks).
+    pub packed: bool,
 }
 
 /// The RMSNorms of one half of layer `l` over `m` tokens: each saves its f32 input and its
@@ -161,7 +163,16 @@ fn attention_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         forward += q * s;
     }
     let mut backward = (q + 2 * kv) * s;
-    let eager = spec.attn_softcap.is_some() || spec.attn_sinks;
+    // Sinks through FlashAttention (worker/src/kernels/sinks.rs, GPU workers in bf16 on
+    // unpacked rows): flash's output o and the op's y (o_proj's input, in heads' order, so
+    // no merged copy) stand for SDPA's output and the merged heads; the rows' sigmoid
+    // weights are more, and the backward holds do beside the kernel's buffers.
+    let flash_sinks = spec.attn_sinks && d.gpu && d.bf16 && !d.packed && hd % 8 == 0 && hd <= 256;
+    let eager = spec.attn_softcap.is_some() || (spec.attn_sinks && !flash_sinks);
+    if flash_sinks {
+        saved += b * n * t * F32;
+        backward += q * s;
+    }
     if d.gpu && !eager {
         // The fused kernel's backward (cuDNN's, torch's default on Hopper, GQA included)
         // and the gradients around it: measured with torch 2.11 on an H200 at 128k-512k

@@ -262,6 +262,7 @@ impl DevicePlan {
             s,
             gpu: !o.cpu,
             bf16: o.dtype == DType::Bfloat16,
+            packed: o.packed,
         };
         let m = dims.m;
         let h = spec.hidden_size as u64;
@@ -343,11 +344,15 @@ impl DevicePlan {
         // output and its gradient), lm_head and the loss, with the head block and its
         // gradient.
         let c = (o.ce_chunk_tokens as u64).min(m).max(1);
+        // GPU workers in bf16 take the fused cross-entropy (worker/src/kernels/ce.rs).
+        let fused_ce = dims.gpu && dims.bf16;
+        let chunk = chunk_bytes(spec, c, v, s, fused_ce);
         // The head's gradient exists from the first chunk's lm_head backward on: beside
-        // the peak of every later chunk, after the peak of a lone one.
-        let loss_chunk = match m > c {
-            true => chunk_bytes(spec, c, v, s) + head,
-            false => chunk_bytes(spec, c, v, s).max(head + c * v * (F32 + s)),
+        // the peak of every later chunk, after the peak of a lone one (with the fused
+        // cross-entropy, beside its logits and their gradient still).
+        let loss_chunk = match m > c || fused_ce {
+            true => chunk + head,
+            false => chunk.max(head + c * v * (F32 + s)),
         };
         let mut head_phase: Parts = vec![
             ("layer inputs kept for the backward", inputs_bwd),
@@ -470,15 +475,18 @@ impl DevicePlan {
 
 /// One chunk of C tokens through lm_head and the cross-entropy. Its peak is in the
 /// backward of log-softmax: the saved f32 output, the incoming f32 gradient and the
-/// outgoing one (the compute-dtype logits and their f32 copy are gone by then); a
-/// soft-capped head also keeps tanh's output and its gradient in the compute dtype.
-fn chunk_bytes(spec: &ModelSpec, c: u64, v: u64, s: u64) -> u64 {
+/// outgoing one (the compute-dtype logits and their f32 copy are gone by then). The fused
+/// cross-entropy (`fused`) holds only the logits and the gradient it writes for them, both
+/// in the compute dtype. A soft-capped head also keeps tanh's output and its gradient in
+/// the compute dtype.
+fn chunk_bytes(spec: &ModelSpec, c: u64, v: u64, s: u64, fused: bool) -> u64 {
     let softcap = if spec.final_softcap.is_some() {
         2 * s
     } else {
         0
     };
-    c * v * (3 * F32 + softcap)
+    let loss = if fused { 2 * s } else { 3 * F32 };
+    c * v * (loss + softcap)
 }
 
 /// RoPE cos/sin per variant ((T, R), or (B, T, R) for packed rows), the boolean masks

@@ -695,8 +695,10 @@ pub fn clamped_swiglu_bwd(gate_up: &Tensor, dh: &Tensor, alpha: f32, limit: f32)
 }
 
 mod ce;
+mod flash;
 mod rope;
 pub use ce::{cross_entropy, cross_entropy_supports};
+pub use flash::{FlashSaved, flash_bwd, flash_fwd, flash_supports};
 pub use rope::{rope, rope_supports};
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use tch::Tensor;
 
 use super::common::{linear, merge_heads, repeat_kv, rms_norm_f32_scale as rms_norm, split_heads};
 use super::{BlockWeights, LayerCtx, moe};
+use crate::kernels;
 
 // One decoder layer: `h = x + attn(norm1(x)); out = h + moe(norm2(h))`.
 
@@ -33,18 +34,33 @@ pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor, lc: &LayerCt
 
 fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     let (n, k, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
+    let x_bth = &lc.rope.input(x_bth);
     let q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
     let k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
-    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let mask_tt = lc
         .mask_tt
         .expect("Context builds a mask for the sink attention");
-    let o_bntd = sink_attention(spec, w, &q_bntd, &k_bktd, &v_bktd, mask_tt);
+    // Packed rows' masks are per row ((B, 1, T, T)): those keep the eager path.
+    let o_bntd = match mask_tt.dim() == 2
+        && kernels::sink_attention_enabled(q_bntd.kind(), d as i64, q_bntd.device())
+    {
+        true => kernels::sink_attention(
+            &q_bntd,
+            &k_bktd,
+            &v_bktd,
+            w.get("self_attn.sinks"),
+            spec.attn_scale,
+            lc.window,
+        ),
+        false => sink_attention(spec, w, &q_bntd, &k_bktd, &v_bktd, mask_tt),
+    };
     linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
 }
 
-/// transformers' eager attention with sinks: the masked scores of each row get one more
+/// transformers' eager attention with sinks (`kernels::sink_attention` computes the same
+/// through FlashAttention): the masked scores of each row get one more
 /// column, the head's sink logit; the row max is subtracted, the softmax taken in the
 /// scores' dtype and the sink column dropped: (B, N, T, D) -> (B, N, T, D).
 fn sink_attention(

@@ -83,6 +83,9 @@ pub struct LayerCtx<'a> {
     pub rope: &'a Rope,
     /// True where a query (row) may attend to a key (column); None: plain causal.
     pub mask_tt: Option<&'a Tensor>,
+    /// How far back a query sees where `mask_tt` is the sliding window's (`sliding_window`
+    /// - 1 positions); None where it sees every earlier key.
+    pub window: Option<i64>,
     /// The layer's MLP is a sparse mixture-of-experts block.
     pub sparse: bool,
     /// The router aux loss of the micro-batch, for sparse layers when it is on.
@@ -185,17 +188,22 @@ impl Context {
         let aux = self.router_aux.as_ref().filter(|_| sparse);
         let causal = self.causal_mask.as_ref();
         // Linear layers read neither RoPE nor a mask; they are causal by construction.
-        let (rope, mask_tt) = match spec.layer_types[layer] {
-            AttentionKind::Full | AttentionKind::Linear => (&self.rope, causal),
+        let (rope, mask_tt, window) = match spec.layer_types[layer] {
+            AttentionKind::Full | AttentionKind::Linear => (&self.rope, causal, None),
             AttentionKind::Sliding => (
                 self.rope_local.as_ref().unwrap_or(&self.rope),
                 self.sliding_mask.as_ref().or(causal),
+                self.sliding_mask
+                    .as_ref()
+                    .and(spec.sliding_window)
+                    .map(|w| w as i64 - 1),
             ),
-            AttentionKind::Chunked => (&self.rope, self.chunked_mask.as_ref().or(causal)),
+            AttentionKind::Chunked => (&self.rope, self.chunked_mask.as_ref().or(causal), None),
         };
         LayerCtx {
             rope,
             mask_tt,
+            window,
             sparse,
             aux,
             temperature_b1t1: self.temperature_b1t1.as_ref(),
