@@ -53,19 +53,20 @@ fn norms_fused(x: &Tensor) -> bool {
 
 /// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`
 /// (Gemma, Qwen3-Next and Qwen3.5). Where the RMSNorms take torch's fused kernel (on CUDA
-/// in bf16: [`norms_fused`]), that kernel with the f32 weight `1 + w`: where it takes the
-/// two dtypes, one pass in f32 with the weight applied before the one rounding, this order.
-/// A torch that refuses them falls back to these ops (said once).
+/// in bf16: [`norms_fused`]), that kernel in f32 on an f32 copy of x with the f32 weight
+/// `1 + w`, then the one rounding: the same order. (Given a bf16 x and an f32 weight,
+/// torch 2.11 takes its composite path instead, five f32 ops that all keep their inputs.)
+/// A torch that refuses falls back to these ops (said once).
 pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     static REFUSED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let w1 = || w.to_kind(Kind::Float) + 1.0;
     if REFUSED.get().is_none() && norms_fused(x) {
-        match x.f_rms_norm([x.size()[x.dim() - 1]], Some(w1()), eps) {
-            // Torch's composite path promotes to the weight's f32: cast once, as below.
+        let xf = x.to_kind(Kind::Float);
+        match xf.f_rms_norm([x.size()[x.dim() - 1]], Some(w1()), eps) {
             Ok(y) => return y.to_kind(x.kind()),
             Err(e) => {
                 let e = REFUSED.get_or_init(|| e.to_string());
-                tracing::warn!("torch's fused RMSNorm refused an f32 weight ({e}): ops instead");
+                tracing::warn!("torch's fused RMSNorm refused f32 ({e}): ops instead");
             }
         }
     }
