@@ -59,7 +59,11 @@ pub fn sink_attention(
     let kind = q_bntd.kind();
     let heads = |x: &Tensor| {
         let x = x.detach().transpose(1, 2);
-        if x.stride()[3] == 1 { x } else { x.contiguous() }
+        if x.stride()[3] == 1 {
+            x
+        } else {
+            x.contiguous()
+        }
     };
     let (q, k, v) = (heads(q_bntd), heads(k_bktd), heads(v_bktd));
     let (o, saved) = match q.device() {
@@ -193,11 +197,7 @@ fn mirror_bwd(
     window: Option<i64>,
 ) -> (Tensor, Tensor, Tensor) {
     let (n, kv) = (q_btnd.size()[2], k_btkd.size()[2]);
-    let (q, k, v) = (
-        bn_f32(q_btnd, n),
-        bn_f32(k_btkd, n),
-        bn_f32(v_btkd, n),
-    );
+    let (q, k, v) = (bn_f32(q_btnd, n), bn_f32(k_btkd, n), bn_f32(v_btkd, n));
     let d_o = bn_f32(do_btnd, n);
     let p = (scores(&q, &k, scale, window) - lse_bnt.unsqueeze(-1)).exp();
     let dv = p.transpose(2, 3).matmul(&d_o);
@@ -214,5 +214,9 @@ fn mirror_bwd(
             .transpose(1, 2)
             .to_kind(q_btnd.kind())
     };
-    (dq.transpose(1, 2).to_kind(q_btnd.kind()), fold(dk), fold(dv))
+    (
+        dq.transpose(1, 2).to_kind(q_btnd.kind()),
+        fold(dk),
+        fold(dv),
+    )
 }

@@ -85,7 +85,11 @@ pub fn flash_fwd(
 ) -> Result<(Tensor, FlashSaved)> {
     for (name, x) in [("q", q), ("k", k), ("v", v)] {
         if x.dim() != 4 || x.stride()[3] != 1 {
-            bail!("flash attention: {name} {:?} strides {:?}, not (B, T, heads, D) with D contiguous", x.size(), x.stride());
+            bail!(
+                "flash attention: {name} {:?} strides {:?}, not (B, T, heads, D) with D contiguous",
+                x.size(),
+                x.stride()
+            );
         }
     }
     let mut p = [std::ptr::null_mut::<c_void>(); 4];
