@@ -70,13 +70,16 @@ class Ranges:
         self.main = max(self.by_tid, key=lambda t: len(self.by_tid[t]), default=None)
 
     def at(self, tid, ts):
+        """The innermost range open at `ts` on thread `tid`, else on the engine's thread.
+        Ranges nest (a layer's `h2d` inside its `backward`): the latest one to start
+        before `ts` may have ended while one that started earlier is still open."""
         for t in (tid, self.main):
             rs = self.by_tid.get(t)
             if not rs:
                 continue
-            i = bisect.bisect_right(self.starts[t], ts) - 1
-            if i >= 0 and rs[i][0] <= ts <= rs[i][1]:
-                return rs[i][2]
+            for i in range(bisect.bisect_right(self.starts[t], ts) - 1, -1, -1):
+                if rs[i][0] <= ts <= rs[i][1]:
+                    return rs[i][2]
         return None
 
 

@@ -91,3 +91,51 @@ fn a_bad_profile_step_is_refused_naming_the_variable() {
         "{err}"
     );
 }
+
+/// scripts/trace_summary.py puts a kernel in the innermost range open on the engine's
+/// thread at its launch, also when the launch comes from another thread (autograd's device
+/// thread in the backward) and a range nested in that one (a layer's `h2d` inside its
+/// `backward`) has already ended.
+#[test]
+fn the_trace_summary_finds_the_range_around_a_nested_one() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = scratch("trace-summary");
+    let trace = dir.join("trace.json");
+    let event = |cat: &str, name: &str, tid: u64, ts: u64, dur: u64, corr: Option<u64>| {
+        let mut e = serde_json::json!({"ph": "X", "cat": cat, "name": name, "tid": tid, "ts": ts, "dur": dur});
+        if let Some(c) = corr {
+            e["args"] = serde_json::json!({"correlation": c, "stream": 7});
+        }
+        e
+    };
+    let events = [
+        event("user_annotation", "backward 1", 1, 0, 100, None),
+        event("user_annotation", "h2d", 1, 10, 5, None),
+        event("cuda_runtime", "cudaLaunchKernel", 2, 50, 1, Some(7)),
+        event("kernel", "k", 9, 60, 10, Some(7)),
+        event("cuda_runtime", "cudaLaunchKernel", 2, 120, 1, Some(8)),
+        event("kernel", "k", 9, 130, 10, Some(8)),
+    ];
+    std::fs::write(
+        &trace,
+        serde_json::json!({ "traceEvents": events }).to_string(),
+    )
+    .unwrap();
+    let out = std::process::Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("scripts/trace_summary.py"))
+        .arg(&trace)
+        .output()
+        .expect("run .venv/bin/python (scripts/setup.sh makes it)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let layer = text
+        .split("GPU time by phase and layer")
+        .nth(1)
+        .expect("the table by layer");
+    assert!(layer.contains("50.0%  backward 1"), "{text}");
+    assert!(layer.contains("50.0%  (no phase range)"), "{text}");
+}
