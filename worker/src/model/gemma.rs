@@ -40,6 +40,7 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         spec.head_dim,
         spec.rms_norm_eps,
     );
+    let x_bth = &lc.rope.input(x_bth);
     let mut q_bntd = split_heads(&linear(x_bth, w, "self_attn.q_proj"), n, d);
     let mut k_bktd = split_heads(&linear(x_bth, w, "self_attn.k_proj"), k, d);
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
@@ -47,7 +48,7 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         q_bntd = rms_norm_plus_one(&q_bntd, w.get("self_attn.q_norm.weight"), eps);
         k_bktd = rms_norm_plus_one(&k_bktd, w.get("self_attn.k_norm.weight"), eps);
     }
-    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
     linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
 }

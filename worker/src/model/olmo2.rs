@@ -37,6 +37,7 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
         spec.rms_norm_eps,
     );
     let norm = |x: &Tensor, name: &str| rms_norm_f32_scale(x, w.get(name), eps);
+    let x_bth = &lc.rope.input(x_bth);
     let q_btf = norm(
         &linear(x_bth, w, "self_attn.q_proj"),
         "self_attn.q_norm.weight",
@@ -48,7 +49,7 @@ fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) 
     let q_bntd = split_heads(&q_btf, n, d);
     let k_bktd = split_heads(&k_btf, k, d);
     let v_bktd = split_heads(&linear(x_bth, w, "self_attn.v_proj"), k, d);
-    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
     linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
 }

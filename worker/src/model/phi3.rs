@@ -33,12 +33,14 @@ pub fn mlp_half(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor) -> Tensor {
 
 fn attention(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor, lc: &LayerCtx) -> Tensor {
     let (n, k, d) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
-    let qkv_btf = linear(x_bth, w, "self_attn.qkv_proj");
+    // q, k (rotated on the tape) and v share the fused projection's output: the tape
+    // boundary goes there.
+    let qkv_btf = lc.rope.input(&linear(x_bth, w, "self_attn.qkv_proj"));
     let (q_len, kv_len) = ((n * d) as i64, (k * d) as i64);
     let q_bntd = split_heads(&qkv_btf.narrow(-1, 0, q_len), n, d);
     let k_bktd = split_heads(&qkv_btf.narrow(-1, q_len, kv_len), k, d);
     let v_bktd = split_heads(&qkv_btf.narrow(-1, q_len + kv_len, kv_len), k, d);
-    let (q_bntd, k_bktd) = (lc.rope.apply(&q_bntd), lc.rope.apply(&k_bktd));
+    let (q_bntd, k_bktd) = (lc.rope.apply_taped(&q_bntd), lc.rope.apply_taped(&k_bktd));
     let o_bntd = attend(spec, &q_bntd, &k_bktd, &v_bktd, lc);
     linear(&merge_heads(&o_bntd), w, "self_attn.o_proj")
 }
