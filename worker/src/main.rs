@@ -7,6 +7,9 @@
 
 #![deny(unsafe_code)]
 
+// The C++ shims' error strings.
+#[allow(unsafe_code)]
+mod cxx;
 mod engine;
 mod fault;
 mod head;

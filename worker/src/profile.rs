@@ -13,12 +13,14 @@
 //! by worker/build.rs.
 
 use std::cell::Cell;
-use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::ffi::{CString, c_char, c_int, c_void};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result, bail};
 use mt::fault::Phase;
+
+use crate::cxx::checked;
 use mt::protocol::Device;
 
 const ENV_DIR: &str = "MT_TORCH_PROFILE";
@@ -140,17 +142,4 @@ fn close_range() {
         // SAFETY: `h` came from mt_profile_range_begin and is ended once.
         unsafe { mt_profile_range_end(h) };
     }
-}
-
-/// Null, or the C++ side's error text (malloc'd), freed here.
-fn checked(err: *mut c_char) -> Result<()> {
-    if err.is_null() {
-        return Ok(());
-    }
-    // SAFETY: a NUL-terminated string from strdup, freed once here.
-    let msg = unsafe { CStr::from_ptr(err) }
-        .to_string_lossy()
-        .into_owned();
-    unsafe { libc::free(err.cast()) };
-    bail!("{msg}")
 }

@@ -81,13 +81,8 @@ pub fn backward_with_grads(pairs: &[(Tensor, Tensor)]) {
     // the C++ side copies them into its own vectors and returns an owned C string or null.
     let err =
         unsafe { mt_backward_with_grads(outputs.as_ptr(), grads.as_ptr(), pairs.len() as c_int) };
-    if !err.is_null() {
-        // SAFETY: a NUL-terminated string from strdup, freed once here.
-        let msg = unsafe { std::ffi::CStr::from_ptr(err) }
-            .to_string_lossy()
-            .into_owned();
-        unsafe { libc::free(err.cast()) };
-        panic!("autograd's backward from the tape: {msg}");
+    if let Err(e) = crate::cxx::checked(err) {
+        panic!("autograd's backward from the tape: {e}");
     }
 }
 

@@ -1,10 +1,12 @@
 //! torch's FlashAttention-2 (worker/src/kernels/flash.cpp): the forward with the rows'
 //! log-sum-exp, and the backward from a caller's `out` (`super::super::sinks`).
 
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::{c_char, c_void};
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use tch::{Kind, Tensor};
+
+use crate::cxx::checked;
 
 unsafe extern "C" {
     fn mt_flash_fwd(
@@ -55,19 +57,6 @@ fn left(window: Option<i64>) -> i64 {
     window.unwrap_or(-1)
 }
 
-/// The C side's error text (malloc'd), freed here, or Ok.
-fn check(err: *mut c_char, what: &str) -> Result<()> {
-    if err.is_null() {
-        return Ok(());
-    }
-    // SAFETY: a NUL-terminated string from strdup, freed once here.
-    let msg = unsafe { CStr::from_ptr(err) }
-        .to_string_lossy()
-        .into_owned();
-    unsafe { libc::free(err.cast()) };
-    bail!("{what}: {msg}")
-}
-
 /// A tensor the C side allocated with `new at::Tensor`, now owned by tch.
 fn owned(p: *mut c_void) -> Tensor {
     // SAFETY: a fresh at::Tensor pointer, handed over once; tch's Drop deletes it.
@@ -109,7 +98,7 @@ pub fn flash_fwd(
             offset,
         )
     };
-    check(err, "flash attention forward")?;
+    checked(err).context("flash attention forward")?;
     let [out, lse, seed, offset] = p.map(owned);
     Ok((out, FlashSaved { lse, seed, offset }))
 }
@@ -147,7 +136,7 @@ pub fn flash_bwd(
             dv,
         )
     };
-    check(err, "flash attention backward")?;
+    checked(err).context("flash attention backward")?;
     let [dq, dk, dv] = p.map(owned);
     Ok((dq, dk, dv))
 }
