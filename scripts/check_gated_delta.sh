@@ -78,23 +78,13 @@ grep -q "delta rule in" "$work/segmented.log" || {
   echo "FAIL: the worker did not say it ran the delta rule in segments (tile 512)"; exit 1; }
 
 "$PYTHON" - "$work" <<'PY'
-import json, math, struct, sys
+import json, sys
 from array import array
 
-work = sys.argv[1]
+sys.path.insert(0, "scripts")
+from f32_dumps import load, rel
 
-def load(path):
-    """The f32 tensors of a safetensors file: name -> (shape, values)."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header, data = json.loads(f.read(n)), f.read()
-    out = {}
-    for name, info in header.items():
-        if name != "__metadata__":
-            assert info["dtype"] == "F32", (path, name, info["dtype"])
-            a, b = info["data_offsets"]
-            out[name] = (info["shape"], array("f", data[a:b]))
-    return out
+work = sys.argv[1]
 
 lens = [len(json.loads(line)["input_ids"]) for line in open(f"{work}/data.jsonl")]
 
@@ -106,10 +96,6 @@ def tensors(name):
         real.extend(vals[r * t * v:(r * t + lens[r]) * v])
     grads = {k: vals for k, (_, vals) in load(f"{work}/{name}.grads.safetensors").items()}
     return {"logits (real positions)": real, **grads}
-
-def rel(a, b):
-    num = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
-    return num / max(math.sqrt(sum(y * y for y in b)), 1e-30)
 
 f32, ref = tensors("f32"), tensors("reference")
 paths = {name: tensors(name) for name in ("chunked", "tch-ops", "segmented")}

@@ -62,31 +62,16 @@ MT_ATTENTION_SINKS=plain run eager --gpus 1
 MT_ATTENTION_SINKS=fused run flash --gpus 1
 
 "$PYTHON" - "$work" <<'PY' || status=1
-import json, math, struct, sys
-from array import array
+import sys
+
+sys.path.insert(0, "scripts")
+from f32_dumps import load, rel
 
 work = sys.argv[1]
 
-def load(path):
-    """The f32 tensors of a safetensors file: name -> values."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header, data = json.loads(f.read(n)), f.read()
-    out = {}
-    for name, info in header.items():
-        if name != "__metadata__":
-            assert info["dtype"] == "F32", (path, name, info["dtype"])
-            a, b = info["data_offsets"]
-            out[name] = array("f", data[a:b])
-    return out
-
 def tensors(name):
-    return {"logits": load(f"{work}/{name}.logits.safetensors")["logits"],
-            **load(f"{work}/{name}.grads.safetensors")}
-
-def rel(a, b):
-    num = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))
-    return num / max(math.sqrt(sum(y * y for y in b)), 1e-30)
+    dumps = {**load(f"{work}/{name}.logits.safetensors"), **load(f"{work}/{name}.grads.safetensors")}
+    return {k: vals for k, (_, vals) in dumps.items()}
 
 f32, eager, flash = tensors("f32"), tensors("eager"), tensors("flash")
 ok = set(f32) == set(eager) == set(flash)
