@@ -98,7 +98,6 @@ fn a_bad_profile_step_is_refused_naming_the_variable() {
 /// `backward`) has already ended.
 #[test]
 fn the_trace_summary_finds_the_range_around_a_nested_one() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let dir = scratch("trace-summary");
     let trace = dir.join("trace.json");
     let event = |cat: &str, name: &str, tid: u64, ts: u64, dur: u64, corr: Option<u64>| {
@@ -121,17 +120,8 @@ fn the_trace_summary_finds_the_range_around_a_nested_one() {
         serde_json::json!({ "traceEvents": events }).to_string(),
     )
     .unwrap();
-    let out = std::process::Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("scripts/trace_summary.py"))
-        .arg(&trace)
-        .output()
-        .expect("run .venv/bin/python (scripts/setup.sh makes it)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
+    let out = venv_script("trace_summary.py", &trace);
+    let text = String::from_utf8_lossy(&out);
     let layer = text
         .split("GPU time by phase and layer")
         .nth(1)

@@ -85,21 +85,28 @@ impl StageRun {
     }
 }
 
+/// The standard output of the repository's `scripts/<script>` run with `arg` by .venv's
+/// Python; fails the test with the script's stderr if it fails.
+pub fn venv_script(script: &str, arg: &Path) -> Vec<u8> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join(".venv/bin/python"))
+        .arg(root.join("scripts").join(script))
+        .arg(arg)
+        .output()
+        .expect("run .venv/bin/python (scripts/setup.sh makes it)");
+    assert!(
+        out.status.success(),
+        "{script} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 /// What TensorBoard's EventAccumulator reads from `dir` (scripts/read_tensorboard.py):
 /// tag -> [(step, value)].
 pub fn read_tensorboard(dir: &Path) -> serde_json::Map<String, serde_json::Value> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join(".venv/bin/python"))
-        .arg(root.join("scripts/read_tensorboard.py"))
-        .arg(dir)
-        .output()
-        .expect("run .venv/bin/python (scripts/setup.sh installs tensorboard)");
-    assert!(
-        out.status.success(),
-        "read_tensorboard.py failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = venv_script("read_tensorboard.py", dir);
+    let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
     v.as_object().unwrap().clone()
 }
 
