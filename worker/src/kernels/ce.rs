@@ -14,8 +14,7 @@ use super::cuda;
 /// ops through autograd.
 pub fn cross_entropy_enabled(kind: Kind, device: Device) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| super::forced("MT_CROSS_ENTROPY"));
-    let on = forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16);
+    let on = super::fused_by_default(&FORCED, "MT_CROSS_ENTROPY", kind, device);
     on && match device {
         Device::Cuda(_) => cuda::cross_entropy_supports(kind) && cuda::available(),
         _ => true,

@@ -150,8 +150,7 @@ fn mirror_backward(
 /// experts' SwiGLU goes with their fused combine, `MT_MOE_COMBINE`.)
 pub fn swiglu_enabled(kind: Kind, device: Device) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| super::forced("MT_SWIGLU"));
-    forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16)
+    super::fused_by_default(&FORCED, "MT_SWIGLU", kind, device)
 }
 
 /// Whether [`swiglu`] runs for (.., I) tensors of `kind` on `device`: on CUDA where the

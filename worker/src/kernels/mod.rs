@@ -41,6 +41,18 @@ pub fn forced(var: &str) -> Option<bool> {
     }
 }
 
+/// A `fused|plain` switch ([`forced`]) read once into `cell`, defaulting to the fused op on
+/// CUDA in bf16 (the GPU's compute dtype) and to tch ops elsewhere.
+pub fn fused_by_default(
+    cell: &std::sync::OnceLock<Option<bool>>,
+    var: &str,
+    kind: Kind,
+    device: Device,
+) -> bool {
+    cell.get_or_init(|| forced(var))
+        .unwrap_or(device.is_cuda() && kind == Kind::BFloat16)
+}
+
 /// The shapes of [`conv_qkv`]: G key heads of Dk, V value heads of Dv, the conv's taps,
 /// and the chunked delta rule's chunks (U chunks of C tokens, U C >= T).
 #[derive(Debug, Clone, Copy)]

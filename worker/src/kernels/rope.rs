@@ -18,8 +18,7 @@ pub type RopeOps = fn(&Tensor, &Tensor, &Tensor, i64, bool) -> Tensor;
 /// bf16; `MT_ROPE=fused` forces it (the mirror on CPU), `plain` the tch ops.
 pub fn rope_enabled(kind: Kind, device: Device) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| super::forced("MT_ROPE"));
-    forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16)
+    super::fused_by_default(&FORCED, "MT_ROPE", kind, device)
 }
 
 /// Whether [`rope`] runs for heads of `d` dims, `r` rotated, of `kind` on `device`: on CUDA

@@ -32,8 +32,7 @@ use super::tape;
 /// CPU), `plain` transformers' eager attention in tch ops.
 pub fn sink_attention_enabled(kind: Kind, d: i64, device: Device) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| super::forced("MT_ATTENTION_SINKS"));
-    let on = forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16);
+    let on = super::fused_by_default(&FORCED, "MT_ATTENTION_SINKS", kind, device);
     on && match device {
         Device::Cuda(_) => cuda::flash_supports(kind, d),
         _ => true,

@@ -47,8 +47,7 @@ pub fn rms_norm_f32_scale(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 /// forces it (on CPU too), `plain` transformers' ops.
 fn norms_fused(x: &Tensor) -> bool {
     static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| kernels::forced("MT_RMS_NORM"));
-    forced.unwrap_or(x.device().is_cuda() && x.kind() == Kind::BFloat16)
+    kernels::fused_by_default(&FORCED, "MT_RMS_NORM", x.kind(), x.device())
 }
 
 /// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`
