@@ -125,6 +125,7 @@ qwen3_5 = dict(tiny, model_type="qwen3_5_text", head_dim=16, linear_num_key_head
                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
 configs = {
     "olmo2": dict(base, model_type="olmo2"),
+    "phi3": dict(base, model_type="phi3"),
     "glm4": dict(base, model_type="glm4", head_dim=16, partial_rotary_factor=0.5),
     "glm4_moe": dict(base, model_type="glm4_moe", head_dim=16, use_qk_norm=True, **router),
     "deepseek_v3": dict(base, model_type="deepseek_v3", num_key_value_heads=8, kv_lora_rank=64,
@@ -145,7 +146,7 @@ for name, cfg in configs.items():
     os.makedirs(f"{sys.argv[2]}/{name}")
     json.dump(cfg, open(f"{sys.argv[2]}/{name}/config.json", "w"))
 PY
-families="olmo2 glm4 glm4_moe deepseek_v3 llama4_text w_qwen3_5 w_qwen3_5_moe w_gemma3 w_mistral3 w_llama4"
+families="olmo2 phi3 glm4 glm4_moe deepseek_v3 llama4_text w_qwen3_5 w_qwen3_5_moe w_gemma3 w_mistral3 w_llama4"
 for d in tied moe mixtral gpt_oss hybrid hybrid35 layer_moe layer_mixtral layer_gpt_oss $families; do
   cp configs/tiny/tokenizer.json configs/tiny/tokenizer_config.json "$work/$d/"
 done
