@@ -577,7 +577,7 @@ impl Engine {
             }
         };
         let e_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
-        (e_bth * &dy_bth).sum(Kind::Float).backward();
+        crate::kernels::tape::backward_with_grads(vec![(e_bth, dy_bth)]);
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
         let aux = ctx.router_aux.as_ref().map_or(0.0, RouterAux::loss);
         out.loss_sum += aux / scale;

@@ -163,7 +163,7 @@ impl Head<'_> {
             let logits_cv = model::compute_logits(self.spec, hn_ch, self.lm_head);
             let (loss_c, dlogits_cv) =
                 kernels::cross_entropy(&logits_cv, targets_c, &weights(chunk));
-            kernels::tape::backward_with_grads(&[(logits_cv, dlogits_cv)]);
+            kernels::tape::backward_with_grads(vec![(logits_cv, dlogits_cv)]);
             losses.push(loss_c.sum(Kind::Float));
         });
         (losses, dy_bth)

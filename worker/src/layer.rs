@@ -33,7 +33,7 @@
 //! Shapes: B batch rows, T sequence length, H hidden size, M = B*T tokens.
 
 use mt::config::hf::ModelSpec;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::kernels;
 use crate::model::{self, BlockWeights, Context, RouterAux};
@@ -103,17 +103,13 @@ pub fn backward(
     }
     if tile.is_none() && !model::mlp_on_tape(spec, layer, x_bth.kind(), x_bth.device()) {
         let y_bth = model::decoder_layer(spec, layer, w, &x_bth, ctx);
-        // (Bound first: the product is gone before the backward runs.)
-        let objective = (y_bth * &dy_bth).sum(Kind::Float);
-        backpropagate(objective, ctx);
+        backpropagate(y_bth, dy_bth, ctx);
         kernels::tape::backward();
         return x_bth.grad();
     }
     let h_bth = model::attention_half(spec, layer, w, &x_bth, ctx);
     let dh_bth = mlp_backward(spec, layer, w, &h_bth.detach(), dy_bth, ctx, tile);
-    // h itself is not needed for the attention half's backward: gone with the product.
-    let objective = (h_bth * &dh_bth).sum(Kind::Float);
-    backpropagate(objective, ctx);
+    backpropagate(h_bth, dh_bth, ctx);
     kernels::tape::backward();
     x_bth.grad()
 }
@@ -136,7 +132,7 @@ pub fn mlp_backward(
     let Some(tile) = tile else {
         let h_leaf_bth = h_bth.detach().set_requires_grad(true);
         let out_bth = model::mlp_half(spec, layer, w, &h_leaf_bth, ctx);
-        backpropagate((out_bth * &dy_bth).sum(Kind::Float), ctx);
+        backpropagate(out_bth, dy_bth, ctx);
         kernels::tape::backward_to(mark);
         return h_leaf_bth.grad();
     };
@@ -148,8 +144,7 @@ pub fn mlp_backward(
         let h_leaf_1th = h_1mh.narrow(1, start, len).detach().set_requires_grad(true);
         let mut dy_1th = dy_1mh.narrow(1, start, len);
         let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
-        let objective = (out_1th * &dy_1th).sum(Kind::Float);
-        objective.backward();
+        kernels::tape::backward_with_grads(vec![(out_1th, dy_1th.shallow_clone())]);
         kernels::tape::backward_to(mark);
         // The tile's graph is gone: its rows of dy are free for dh.
         dy_1th.copy_(&h_leaf_1th.grad());
@@ -157,11 +152,14 @@ pub fn mlp_backward(
     dy_bth
 }
 
-/// Backpropagates `objective`, with the router load-balancing loss's term of the layer
-/// just recomputed where it has one.
-fn backpropagate(objective: Tensor, ctx: &Context) {
-    match ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
-        Some(aux) => (objective + aux).backward(),
-        None => objective.backward(),
+/// Backpropagates `y` (consumed: its memory is not needed by its backward) from its
+/// gradient `dy`, with the router load-balancing loss's term of the layer just recomputed
+/// where it has one, in one pass.
+fn backpropagate(y: Tensor, dy: Tensor, ctx: &Context) {
+    let mut pairs = vec![(y, dy)];
+    if let Some(aux) = ctx.router_aux.as_ref().and_then(RouterAux::take_term) {
+        let one = aux.ones_like();
+        pairs.push((aux, one));
     }
+    kernels::tape::backward_with_grads(pairs);
 }

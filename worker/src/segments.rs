@@ -29,7 +29,7 @@
 //! head dims, U chunks of C tokens, suffixed as in `model::gated_delta`.
 
 use mt::config::hf::ModelSpec;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::kernels;
 use crate::layer;
@@ -137,8 +137,7 @@ pub fn backward(
     let z_leaf = detached.z_btvd.set_requires_grad(true);
     let h_bth = model::delta_post(spec, layer, w, x_bth, &o_leaf, &z_leaf);
     let dh_bth = layer::mlp_backward(spec, layer, w, &h_bth.detach(), dy_bth, ctx, mlp_tile);
-    (h_bth * &dh_bth).sum(Kind::Float).backward();
-    drop(dh_bth);
+    kernels::tape::backward_with_grads(vec![(h_bth, dh_bth)]);
     let do_bvucd = o_leaf.grad();
     let dz_btvd = z_leaf.grad();
 
@@ -161,11 +160,11 @@ pub fn backward(
             .map(|s| s.detach().set_requires_grad(true));
         let mark = kernels::tape::depth();
         let (o_i, state_out) = model::delta_core(&leaves, state_in.as_ref(), d_state.is_some());
-        let mut objective = (o_i * do_bvucd.narrow(2, start, len)).sum(Kind::Float);
+        let mut pairs = vec![(o_i, do_bvucd.narrow(2, start, len))];
         if let (Some(s), Some(ds)) = (state_out, &d_state) {
-            objective += (s * ds).sum(Kind::Float);
+            pairs.push((s, ds.shallow_clone()));
         }
-        objective.backward();
+        kernels::tape::backward_with_grads(pairs);
         // The segment's recurrence, where it runs from the tape.
         kernels::tape::backward_to(mark);
         for (g, leaf) in grads.iter().zip(&leaves) {
@@ -178,11 +177,10 @@ pub fn backward(
     }
 
     // (5): pre from its outputs' gradients, into the layer input and the weights.
-    let mut objective = (&pre.z_btvd * dz_btvd).sum(Kind::Float);
-    for (out, g) in pre.rule_in.iter().zip(&grads) {
-        objective += (out * g).sum(Kind::Float);
-    }
-    objective.backward();
+    let mut pairs = vec![(pre.z_btvd, dz_btvd)];
+    pairs.extend(pre.rule_in.into_iter().zip(grads));
+    pairs.retain(|(out, _)| out.requires_grad());
+    kernels::tape::backward_with_grads(pairs);
     kernels::tape::backward();
     x_bth.grad()
 }

@@ -62,27 +62,35 @@ pub fn record_one(
 }
 
 unsafe extern "C" {
-    /// worker/src/kernels/backward.cpp: `torch::autograd::backward(outputs, grads)` over
-    /// tch's tensors (at::Tensor pointers); null, or the error's text (malloc'd).
+    /// worker/src/kernels/backward.cpp: autograd's backward from `grads` at `outputs` (tch's
+    /// tensors: at::Tensor pointers), each output released (left undefined) before the pass
+    /// runs; null, or the error's text (malloc'd).
     fn mt_backward_with_grads(
-        outputs: *const *const c_void,
+        outputs: *const *mut c_void,
         grads: *const *const c_void,
         n: c_int,
     ) -> *mut c_char;
 }
 
-/// Autograd's backward from each `input` with its gradient, into the graphs that made them
-/// (their leaves' gradients accumulate), as `input.backward(grad)` would in Python: no
-/// scalar objective, so no pass over the inputs beyond autograd's own.
-pub fn backward_with_grads(pairs: &[(Tensor, Tensor)]) {
-    let outputs: Vec<*const c_void> = pairs.iter().map(|(i, _)| i.as_ptr().cast()).collect();
+/// Autograd's backward from each `output` with its gradient, into the graphs that made them
+/// (their leaves' gradients accumulate), as `output.backward(grad)` would in Python: no
+/// scalar objective, so no pass over the outputs beyond autograd's own. The outputs are
+/// consumed: their memory is released before the pass (a layer's output is not needed for
+/// its backward), unless another tensor holds it.
+pub fn backward_with_grads(mut pairs: Vec<(Tensor, Tensor)>) {
+    let outputs: Vec<*mut c_void> = pairs
+        .iter_mut()
+        .map(|(o, _)| o.as_mut_ptr().cast())
+        .collect();
     let grads: Vec<*const c_void> = pairs.iter().map(|(_, g)| g.as_ptr().cast()).collect();
     // SAFETY: `pairs` holds valid tch tensors (at::Tensor pointers) for the call's length;
-    // the C++ side copies them into its own vectors and returns an owned C string or null.
+    // the C++ side resets each output in place (tch frees the undefined tensor on drop) and
+    // returns an owned C string or null.
     let err =
         unsafe { mt_backward_with_grads(outputs.as_ptr(), grads.as_ptr(), pairs.len() as c_int) };
+    drop(pairs);
     if let Err(e) = crate::cxx::checked(err) {
-        panic!("autograd's backward from the tape: {e}");
+        panic!("autograd's backward from given gradients: {e}");
     }
 }
 
@@ -111,7 +119,7 @@ pub fn backward_to(depth: usize) {
         drop(grads);
         let pairs: Vec<_> = pairs.into_iter().filter(|(_, g)| g.defined()).collect();
         if !pairs.is_empty() {
-            backward_with_grads(&pairs);
+            backward_with_grads(pairs);
         }
     }
 }
@@ -148,6 +156,48 @@ mod tests {
     use tch::{Device, Kind, Tensor};
 
     use super::*;
+
+    /// Backpropagating outputs from given gradients (one of them a leaf) equals
+    /// backpropagating the objective sum(output * gradient), exactly (the same products in
+    /// the same dtype); a gradient of the wrong shape is refused, naming both shapes.
+    #[test]
+    fn backward_from_given_gradients_is_the_objectives() {
+        let opts = (Kind::Double, Device::Cpu);
+        let x0 = Tensor::linspace(-1.0, 1.0, 6, opts);
+        let w0 = Tensor::linspace(0.5, 2.0, 6, opts);
+        let (g1, g2) = (
+            Tensor::linspace(3.0, -2.0, 6, opts),
+            Tensor::linspace(1.0, 2.0, 6, opts),
+        );
+        let run = |given: bool| {
+            let (x, w) = (
+                x0.detach().set_requires_grad(true),
+                w0.detach().set_requires_grad(true),
+            );
+            let y = (&x * &w).sin();
+            match given {
+                true => backward_with_grads(vec![
+                    (y, g1.shallow_clone()),
+                    (w.shallow_clone(), g2.shallow_clone()),
+                ]),
+                false => ((y * &g1).sum(Kind::Double) + (&w * &g2).sum(Kind::Double)).backward(),
+            }
+            (x.grad(), w.grad())
+        };
+        let ((gx, gw), (ox, ow)) = (run(true), run(false));
+        assert!(
+            gx.equal(&ox) && gw.equal(&ow),
+            "{gx:?} {gw:?} vs {ox:?} {ow:?}"
+        );
+
+        let x = x0.detach().set_requires_grad(true);
+        let y = &x * 2.0;
+        let short = Tensor::ones([5], opts);
+        let err = std::panic::catch_unwind(|| backward_with_grads(vec![(y, short)]))
+            .expect_err("a gradient of the wrong shape");
+        let msg = err.downcast_ref::<String>().expect("a panic message");
+        assert!(msg.contains("[6]") && msg.contains("[5]"), "{msg}");
+    }
 
     /// y = sum(c * square(h) + h), h = x * w, with the square as a hand-run op on the tape
     /// behind a boundary at h (so both of h's consumers share x's graph upstream, as the
