@@ -39,6 +39,10 @@
 #    against f32 on CPU, beside transformers' bf16 eager attention).
 # 6. Resident blocks (memory.resident_blocks): scripts/check_resident.sh (adamw.cu against
 #    the host's update bit for bit; the tiny model with every block, two and none resident).
+# 8. Kernels one op at a time (part `kernels`): the worker's `gpu_` unit tests (norm.cu's
+#    `1 + w` RMSNorm and its gradients against f64), from the test binary built with
+#    `cargo test --release -p mt-worker --no-run` (the path it prints), carried beside the
+#    other binaries as $BIN/mt-worker-tests; without it the part says SKIPPED.
 # 5. Errors (issue 23): the Qwen2.5-7B shape with 2 layers at 2 x 524288 tokens on 1 GPU
 #    (ERRORS_SEQ) with `memory.tile_tokens: off` must be refused before anything is loaded
 #    (the untiled device plan exceeds any GPU's free memory; with the automatic tile it fits an
@@ -48,7 +52,7 @@
 #    failure injected into the tiny model's backward of layer 1 (MT_TEST_FAIL_ALLOC) must
 #    give the same one line with CUDA's figures.
 #
-# PARTS ["train families experts delta errors resident sinks"] picks the parts to run (each fits in a few
+# PARTS ["train families experts delta errors resident sinks kernels"] picks the parts to run (each fits in a few
 # minutes). Runs needing
 # 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
 # Needs the built binaries (BIN, default target/release) and a GPU machine; Python (no
@@ -58,7 +62,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-12}
-PARTS=${PARTS:-"train families experts delta errors resident sinks"}
+PARTS=${PARTS:-"train families experts delta errors resident sinks kernels"}
 ERRORS_SEQ=${ERRORS_SEQ:-524288}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
@@ -358,5 +362,12 @@ if part resident; then
 fi
 if part sinks; then
   BIN=$BIN PYTHON=$PYTHON scripts/check_sinks.sh || status=1
+fi
+if part kernels; then
+  if [ -x "$BIN/mt-worker-tests" ]; then
+    "$BIN/mt-worker-tests" gpu_ --nocapture --test-threads 1 || status=1
+  else
+    echo "check_gpu: SKIPPED kernels (no $BIN/mt-worker-tests: cargo test --release -p mt-worker --no-run builds it)" >&2
+  fi
 fi
 exit $status

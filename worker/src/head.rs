@@ -140,8 +140,11 @@ impl Head<'_> {
         for (start, len) in self.chunks(batch) {
             let rows_c = batch.valid_m.narrow(0, start, len);
             let x_ch = x_mh.index_select(0, &rows_c).set_requires_grad(true);
+            let mark = kernels::tape::depth();
             let hn_ch = model::final_norm(self.spec, self.w, &x_ch);
             backprop((start, len), &hn_ch, &batch.targets_m.narrow(0, start, len));
+            // The final norm, where it is a fused op.
+            kernels::tape::backward_to(mark);
             // A labelled position is in one chunk only.
             let _ = dy_mh.index_copy_(0, &rows_c, &x_ch.grad());
         }

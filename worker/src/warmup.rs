@@ -69,6 +69,7 @@ pub fn warm_up(
     let hn_mh = model::final_norm(spec, &head_w, &x_mh);
     let targets = Tensor::zeros([m], (Kind::Int64, device));
     model::chunk_loss_sum(spec, &hn_mh, &lm_head, &targets).backward();
+    crate::kernels::tape::backward();
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }

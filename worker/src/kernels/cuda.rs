@@ -24,6 +24,7 @@ const ADAMW_SRC: &str = include_str!("adamw.cu");
 const MLP_SRC: &str = include_str!("mlp.cu");
 const ROPE_SRC: &str = include_str!("rope.cu");
 const CE_SRC: &str = include_str!("ce.cu");
+const NORM_SRC: &str = include_str!("norm.cu");
 /// Threads per block of every kernel here (conv_qkv.cu's WARPS * 32) and positions per
 /// block (its SPAN).
 const THREADS: u32 = 128;
@@ -32,7 +33,7 @@ const SPAN: i64 = 256;
 const LANE_CHANNELS: [i64; 4] = [1, 2, 4, 8];
 
 struct Kernels {
-    _modules: [CUmodule; 5],
+    _modules: [CUmodule; 6],
     /// By N's index in `LANE_CHANNELS`.
     conv_fwd: [CUfunction; 4],
     conv_bwd: [CUfunction; 4],
@@ -44,7 +45,12 @@ struct Kernels {
     rope: CUfunction,
     /// ce.cu's.
     cross_entropy: CUfunction,
+    /// norm.cu's, as [`NORM_ENTRIES`].
+    norm: [CUfunction; 2],
 }
+
+/// norm.cu's entry points: the `1 + w` RMSNorm's forward and backward.
+const NORM_ENTRIES: [&str; 2] = ["norm_plus_one_fwd", "norm_plus_one_bwd"];
 
 /// adamw.cu's entry points, by [`adamw_index`].
 const ADAMW_ENTRIES: [&str; 4] = [
@@ -162,7 +168,8 @@ fn build() -> Result<Kernels> {
         "rope.cu",
         vec![arch.clone(), "--std=c++17".into()],
     )?;
-    let ce = load_module(CE_SRC, "ce.cu", vec![arch, "--std=c++17".into()])?;
+    let ce = load_module(CE_SRC, "ce.cu", vec![arch.clone(), "--std=c++17".into()])?;
+    let norm = load_module(NORM_SRC, "norm.cu", vec![arch, "--std=c++17".into()])?;
     let kernels = Kernels {
         conv_fwd: functions(conv, &conv_entries("conv_qkv_fwd"))?,
         conv_bwd: functions(conv, &conv_entries("conv_qkv_bwd"))?,
@@ -170,7 +177,8 @@ fn build() -> Result<Kernels> {
         mlp: functions(mlp, &MLP_ENTRIES)?,
         rope: function(rope, "rope".into())?,
         cross_entropy: function(ce, "cross_entropy".into())?,
-        _modules: [conv, adamw, mlp, rope, ce],
+        norm: functions(norm, &NORM_ENTRIES)?,
+        _modules: [conv, adamw, mlp, rope, ce, norm],
     };
     tracing::debug!(
         "compiled the fused kernels for sm_{major}{minor} in {:.2} s",
@@ -696,9 +704,11 @@ pub fn clamped_swiglu_bwd(gate_up: &Tensor, dh: &Tensor, alpha: f32, limit: f32)
 
 mod ce;
 mod flash;
+mod norm;
 mod rope;
 pub use ce::{cross_entropy, cross_entropy_supports};
 pub use flash::{FlashSaved, flash_bwd, flash_fwd, flash_supports};
+pub use norm::{norm_plus_one_bwd, norm_plus_one_fwd, norm_plus_one_supports};
 pub use rope::{rope, rope_supports};
 
 #[cfg(test)]

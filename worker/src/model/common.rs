@@ -51,12 +51,22 @@ fn norms_fused(x: &Tensor) -> bool {
 }
 
 /// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`
-/// (Gemma, Qwen3-Next and Qwen3.5). Where the RMSNorms take torch's fused kernel (on CUDA
-/// in bf16: [`norms_fused`]), that kernel in f32 on an f32 copy of x with the f32 weight
-/// `1 + w`, then the one rounding: the same order. (Given a bf16 x and an f32 weight,
-/// torch 2.11 takes its composite path instead, five f32 ops that all keep their inputs.)
-/// A torch that refuses falls back to these ops (said once).
+/// (Gemma, Qwen3-Next and Qwen3.5). Where the RMSNorms are fused ([`norms_fused`]), one op
+/// ([`kernels::rms_norm_plus_one`]: on CUDA a kernel over bf16 x, the same order, one
+/// rounding) for x it takes (a leaf or no grad, rows it handles), else [`plus_one_ops`].
 pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    match norms_fused(x) && kernels::norm_supported(x) {
+        true => kernels::rms_norm_plus_one(x, w, eps, plus_one_ops),
+        false => plus_one_ops(x, w, eps),
+    }
+}
+
+/// [`rms_norm_plus_one`] in torch's ops (and the fused op's mirror). Where the RMSNorms are
+/// fused, torch's fused kernel in f32 on an f32 copy of x with the f32 weight `1 + w`, then
+/// the one rounding: the same order. (Given a bf16 x and an f32 weight, torch 2.11 takes its
+/// composite path instead, five f32 ops that all keep their inputs.) A torch that refuses
+/// falls back to these ops (said once).
+fn plus_one_ops(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     static REFUSED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let w1 = || w.to_kind(Kind::Float) + 1.0;
     if REFUSED.get().is_none() && norms_fused(x) {

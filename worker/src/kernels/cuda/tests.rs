@@ -1,4 +1,5 @@
-//! The kernel files checked on CPU: NVRTC needs no GPU.
+//! The kernel files checked on CPU (NVRTC needs no GPU), and on a GPU where one is visible
+//! (the `gpu_` tests: skipped without one).
 
 use super::*;
 
@@ -38,6 +39,12 @@ fn every_kernel_file_compiles_with_its_entry_points() {
         ),
         ("rope.cu", ROPE_SRC, vec!["rope".to_string()], false),
         ("ce.cu", CE_SRC, vec!["cross_entropy".to_string()], false),
+        (
+            "norm.cu",
+            NORM_SRC,
+            NORM_ENTRIES.map(String::from).to_vec(),
+            false,
+        ),
     ];
     for (name, src, entries, no_fma) in files {
         let mut opts = vec![arch.clone(), "--std=c++17".into()];
@@ -51,5 +58,63 @@ fn every_kernel_file_compiles_with_its_entry_points() {
                 "{name} has no entry point {e}"
             );
         }
+    }
+}
+
+/// norm.cu against the `1 + w` RMSNorm and its gradients in f64, on a GPU (skipped where
+/// none is visible, as in CI; scripts/check_gpu.sh part `kernels` runs it on the device):
+/// rows of 5120 (Qwen3.5's hidden size, 256 threads a row), 2304 (Gemma 2's: 288 packs
+/// over 128 threads, the last round partial), 256 (a head: 32 threads, 8 rows a block),
+/// over 1001 rows (a partial block).
+/// Bounds: y and dx are rounded once to bf16 (relative 2^-9 an element) from f32 sums of
+/// H terms, so each element within 2^-8 of the f64 value relative to the row's scale; dw
+/// is f32 summed over rows (f32 rounding of 1001 partial sums: 1e-4 relative is 100x
+/// that and 100x below a wrong term's O(1e-2)).
+#[test]
+fn gpu_norm_plus_one_matches_f64() {
+    if crate::stream::load_torch_cuda().is_err() {
+        eprintln!("skipped: no GPU visible");
+        return;
+    }
+    let dev = tch::Device::Cuda(0);
+    tch::manual_seed(11);
+    let eps = 1e-6;
+    for h in [5120i64, 2304, 256] {
+        let rows = 1001;
+        let x = (Tensor::randn([rows, h], (Kind::Float, dev)) * 3.0).to_kind(Kind::BFloat16);
+        let w = (Tensor::randn([h], (Kind::Float, dev)) * 0.1).to_kind(Kind::BFloat16);
+        let dy = Tensor::randn([rows, h], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+        let w1 = w.to_kind(Kind::Float) + 1.0;
+        let (y, rstd) = norm_plus_one_fwd(&x, &w1, eps, true).unwrap();
+        let (dx, dw) = norm_plus_one_bwd(&x, &dy, &w1, &rstd.unwrap()).unwrap();
+
+        let f = |t: &Tensor| t.to_kind(Kind::Double);
+        let (xd, w1d, dyd) = (f(&x), f(&w1), f(&dy));
+        let rs = (xd.square().mean_dim(-1, true, Kind::Double) + eps).rsqrt();
+        let xhat = &xd * &rs;
+        let y_ref = &xhat * &w1d;
+        let g = &dyd * &w1d;
+        let dot = (&g * &xhat).mean_dim(-1, true, Kind::Double);
+        let dx_ref = &rs * (&g - &xhat * dot);
+        let dw_ref = (&dyd * &xhat).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
+
+        let rowwise = |got: &Tensor, want: &Tensor| {
+            let scale = want.abs().amax([-1i64].as_slice(), true);
+            ((f(got) - want).abs() / scale).max().double_value(&[])
+        };
+        let (ey, edx) = (rowwise(&y, &y_ref), rowwise(&dx, &dx_ref));
+        let edw = ((f(&dw) - &dw_ref).norm() / dw_ref.norm()).double_value(&[]);
+        eprintln!(
+            "norm.cu h {h}: y {ey:.2e}, dx {edx:.2e} (bound 3.9e-3), dw {edw:.2e} (bound 1e-4)"
+        );
+        assert!(
+            ey <= 1.0 / 256.0,
+            "h {h}: y off by {ey:e} of the row's scale"
+        );
+        assert!(
+            edx <= 1.0 / 256.0,
+            "h {h}: dx off by {edx:e} of the row's scale"
+        );
+        assert!(edw <= 1e-4, "h {h}: dw off by {edw:e}");
     }
 }

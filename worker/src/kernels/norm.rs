@@ -1,0 +1,70 @@
+//! The `1 + w` RMSNorm (Gemma, Qwen3-Next, Qwen3.5) as one op ([`rms_norm_plus_one`]): on
+//! CUDA one pass over the bf16 rows each way (norm.cu, in f32, rounded once), where torch
+//! 2.11 takes its fused kernel only on an f32 copy of x, a cast each way, and keeps that
+//! copy for the backward. The backward, from the tape, reads x and the rows' rstd.
+//!
+//! The op's input must be a leaf where it requires grad (the layer's input, or the MLP
+//! half's as worker/src/layer.rs backpropagates it): the tape hands x its gradient after
+//! autograd's pass has reached x through the residual, and a second pass into a graph
+//! above x would find it freed. The caller checks ([`norm_supported`]) and takes tch ops
+//! otherwise.
+
+use tch::{Device, Kind, Tensor};
+
+use super::cuda;
+use super::tape::{self, vjp};
+
+/// The mirror's signature: x, w, eps -> `(norm(x) (1 + w)).to(x's dtype)`.
+pub type NormOps = fn(&Tensor, &Tensor, f64) -> Tensor;
+
+/// Whether [`rms_norm_plus_one`] runs for `x`: on CUDA where the kernels compiled and take
+/// its rows (bf16, contiguous, see `cuda::norm_plus_one_supports`); on CPU always (the
+/// mirror); and, where x requires grad, only for a leaf.
+pub fn norm_supported(x: &Tensor) -> bool {
+    let rows_ok = match x.device() {
+        Device::Cuda(_) => {
+            let h = x.size().last().copied().unwrap_or(0);
+            x.is_contiguous() && cuda::norm_plus_one_supports(x.kind(), h) && cuda::available()
+        }
+        _ => true,
+    };
+    rows_ok && (!x.requires_grad() || x.is_leaf())
+}
+
+/// `(norm(x) (1 + w)).to(x's dtype)` over x's last dim, with the norm in f32 and eps as
+/// transformers' Gemma / Qwen3-Next RMSNorm; `ops` is the mirror (torch's ops), on CPU and
+/// for the CPU backward. With grad, the output is a leaf whose backward is on the tape.
+pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64, ops: NormOps) -> Tensor {
+    let h = x.size().last().copied().unwrap_or(0);
+    // Requires grad where grad mode is on and w does: then w's gradient comes from here.
+    let w1 = w.to_kind(Kind::Float) + 1.0;
+    let grad = x.requires_grad() || w1.requires_grad();
+    let (xd, wd) = (x.detach(), w.detach());
+    let (y, rstd) = match x.device() {
+        Device::Cuda(_) => {
+            let w1 = w1.detach();
+            cuda::norm_plus_one_fwd(&xd, &w1, eps, grad)
+                .unwrap_or_else(|e| panic!("fused (1 + w) RMSNorm over {h} channels: {e:#}"))
+        }
+        _ => (tch::no_grad(|| ops(&xd, &wd, eps)), None),
+    };
+    if !grad {
+        return y;
+    }
+    let (x_in, w_in) = (x.shallow_clone(), w.shallow_clone());
+    tape::record_one(y, move |dy| {
+        let (dx, dw) = match rstd {
+            Some(rstd) => cuda::norm_plus_one_bwd(&xd, dy, &w1.detach(), &rstd)
+                .unwrap_or_else(|e| panic!("fused (1 + w) RMSNorm backward: {e:#}")),
+            None => {
+                let [dx, dw] = vjp([&xd, &wd], |[x, w]| (ops(x, w, eps) * dy).sum(Kind::Float));
+                (dx, dw)
+            }
+        };
+        let dw = dw.to_kind(w_in.kind());
+        [(x_in, dx), (w_in, dw)]
+            .into_iter()
+            .filter(|(input, _)| input.requires_grad())
+            .collect()
+    })
+}
