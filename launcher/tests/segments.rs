@@ -5,7 +5,8 @@
 //! untiled step's (`memory.tile_tokens=off`, the rule over the whole sequence at once) for
 //! Qwen3.5 (dense MLPs, which also tile) and Qwen3-Next (a mixture of experts after a
 //! linear layer: the rule in segments, the MLP whole), with the reference rule and the
-//! chunked one (`MT_GATED_DELTA`, read once per worker process, so set per run), rows of
+//! chunked one, the latter also with the GPU's fused conv and gated norm (their CPU
+//! mirrors: `MT_GATED_DELTA_FUSED=1`) (read once per worker process, so set per run), rows of
 //! 300 tokens (not a multiple of 64: the last chunk padded) in segments of one chunk and of
 //! two (which do not divide the five chunks), and rows of padding after shorter samples.
 //!
@@ -36,7 +37,13 @@ fn step1(case: &str, dir: &Path, rule: &str, tile: &str, extra: &[&str], segment
         extra,
     ]
     .concat();
-    let env = [("MT_GATED_DELTA", rule)];
+    // `chunked-fused`: the chunked rule with the GPU's fused conv and gated norm (their CPU
+    // mirrors, backward from the tape).
+    let (path, fused) = match rule {
+        "chunked-fused" => ("chunked", "1"),
+        _ => (rule, "0"),
+    };
+    let env = [("MT_GATED_DELTA", path), ("MT_GATED_DELTA_FUSED", fused)];
     let (step, out) = golden_step1(case, dir, &format!("{rule}-tile-{tile}"), &args, &env);
     let said = String::from_utf8_lossy(&out.stderr).contains("delta rule in");
     assert_eq!(said, segmented, "{case} {rule} tile {tile}: segmented?");
@@ -48,7 +55,7 @@ fn step1(case: &str, dir: &Path, rule: &str, tile: &str, extra: &[&str], segment
 fn check(case: &str, name: &str, extra: &[&str], tiles: &[&str]) {
     let dir = scratch(&format!("segments-{case}-{name}"));
     let mut errors = Vec::new();
-    for rule in ["reference", "chunked"] {
+    for rule in ["reference", "chunked", "chunked-fused"] {
         let off = step1(case, &dir, rule, "off", extra, false);
         for tile in tiles {
             let seg = step1(case, &dir, rule, tile, extra, true);

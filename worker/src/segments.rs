@@ -135,9 +135,12 @@ pub fn backward(
     // (3): post and the residual from leaves o and z; the MLP half; post backpropagated.
     let o_leaf = o_bvucd.set_requires_grad(true);
     let z_leaf = detached.z_btvd.set_requires_grad(true);
+    let mark = kernels::tape::depth();
     let h_bth = model::delta_post(spec, layer, w, x_bth, &o_leaf, &z_leaf);
     let dh_bth = layer::mlp_backward(spec, layer, w, &h_bth.detach(), dy_bth, ctx, mlp_tile);
     kernels::tape::backward_with_grads(vec![(h_bth, dh_bth)]);
+    // Post's fused gated norm, where it runs, hands o and z their gradients from the tape.
+    kernels::tape::backward_to(mark);
     let do_bvucd = o_leaf.grad();
     let dz_btvd = z_leaf.grad();
 

@@ -46,11 +46,16 @@ struct Kernels {
     /// ce.cu's.
     cross_entropy: CUfunction,
     /// norm.cu's, as [`NORM_ENTRIES`].
-    norm: [CUfunction; 2],
+    norm: [CUfunction; 4],
 }
 
-/// norm.cu's entry points: the `1 + w` RMSNorm's forward and backward.
-const NORM_ENTRIES: [&str; 2] = ["norm_plus_one_fwd", "norm_plus_one_bwd"];
+/// norm.cu's entry points: the `1 + w` RMSNorm's forward and backward, the gated norm's.
+const NORM_ENTRIES: [&str; 4] = [
+    "norm_plus_one_fwd",
+    "norm_plus_one_bwd",
+    "gated_norm_fwd",
+    "gated_norm_bwd",
+];
 
 /// adamw.cu's entry points, by [`adamw_index`].
 const ADAMW_ENTRIES: [&str; 4] = [
@@ -708,7 +713,10 @@ mod norm;
 mod rope;
 pub use ce::{cross_entropy, cross_entropy_supports};
 pub use flash::{FlashSaved, flash_bwd, flash_fwd, flash_supports};
-pub use norm::{norm_plus_one_bwd, norm_plus_one_fwd, norm_plus_one_supports};
+pub use norm::{
+    gated_norm_bwd, gated_norm_fwd, gated_norm_supports, norm_plus_one_bwd, norm_plus_one_fwd,
+    norm_plus_one_supports,
+};
 pub use rope::{rope, rope_supports};
 
 #[cfg(test)]

@@ -2,8 +2,8 @@
 //!
 //! | module    | computes                                                              |
 //! |-----------|-----------------------------------------------------------------------|
-//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MLPs' SwiGLU and MoE glue ([`swiglu`], [`moe_combine`]), the rotary embedding ([`rope`]), the head's cross-entropy ([`cross_entropy`]), the `1 + w` RMSNorm ([`rms_norm_plus_one`]), resident blocks' AdamW; and torch's FlashAttention called from C++ (`flash.cpp`) for attention with sinks ([`sink_attention`]) |
-//! | this file, `mlp.rs`, `rope.rs`, `ce.rs`, `sinks.rs`, `norm.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `mlp.rs` the MLPs' (SwiGLU, the MoE gather and combine), `rope.rs` attention's rotary embedding, `ce.rs` the head's loss, `sinks.rs` GPT-OSS's attention, `norm.rs` the `1 + w` RMSNorm |
+//! | `cuda.rs` | on CUDA: kernels compiled at run time by NVRTC (`*.cu` beside it): the Gated DeltaNet's conv ([`conv_qkv`]), the MLPs' SwiGLU and MoE glue ([`swiglu`], [`moe_combine`]), the rotary embedding ([`rope`]), the head's cross-entropy ([`cross_entropy`]), the `1 + w` RMSNorm ([`rms_norm_plus_one`]) and Gated DeltaNet's gated norm ([`gated_norm`]), resident blocks' AdamW; and torch's FlashAttention called from C++ (`flash.cpp`) for attention with sinks ([`sink_attention`]) |
+//! | this file, `mlp.rs`, `rope.rs`, `ce.rs`, `sinks.rs`, `norm.rs` | the ops' contracts, and on CPU a mirror of each in tch ops (the spec the kernels are tested against, and the path the CPU tests drive through the tape); `mlp.rs` the MLPs' (SwiGLU, the MoE gather and combine), `rope.rs` attention's rotary embedding, `ce.rs` the head's loss, `sinks.rs` GPT-OSS's attention, `norm.rs` the `1 + w` RMSNorm and the gated norm |
 //! | `tape.rs` | the ops' backward passes, run by hand after autograd's               |
 //!
 //! An op computes outside autograd. With grad, its outputs are leaves, and its backward is
@@ -25,7 +25,7 @@ pub use mlp::{
     Pairs, clamped_swiglu, moe_combine, moe_combine_supported, moe_gather, swiglu, swiglu_enabled,
     swiglu_supported,
 };
-pub use norm::{norm_supported, rms_norm_plus_one};
+pub use norm::{gated_norm, gated_norm_supported, norm_supported, rms_norm_plus_one};
 pub use rope::{rope, rope_enabled, rope_supported};
 pub use sinks::{sink_attention, sink_attention_enabled};
 

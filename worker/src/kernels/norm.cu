@@ -16,10 +16,11 @@ typedef long long i64;
 #define THREADS 256
 #define MAXV 4
 
-// The sum of v over the `tpr` threads of the caller's group (aligned warps), in each of
-// them. Every thread of the block calls it together (it synchronizes when tpr > 32).
+// The sum of v over the `tpr` threads of the caller's group (a power of two: aligned lanes
+// of a warp, or aligned warps), in each of them. Every thread of the block calls it
+// together (it synchronizes when tpr > 32).
 __device__ __forceinline__ float group_sum(float v, float* smem, int tpr) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = (tpr < 32 ? tpr : 32) / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   if (tpr <= 32) return v;
   const int warp = threadIdx.x / 32, per = tpr / 32, first = warp - warp % per;
   __syncthreads();
@@ -132,4 +133,102 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     if (j < packs)
       for (int i = 0; i < 8; i++) part[8 * j + i] = dw[k][i];
   }
+}
+
+// The Gated DeltaNet's gated RMSNorm per value head (Qwen3-Next, Qwen3.5), fused with its
+// gate and the move to out_proj's layout: y[b, t, v] = bf16(norm(o[b, v, t]) w silu(z[b, t,
+// v])) in f32, rounded once, where transformers rounds norm(o), its product by w and the
+// gated product each (bf16 in, f32 inside). o (B, V, P, Dv) contiguous (P >= T: the rule's
+// padded chunks, not read past T), z (B, T, V, Dv) through its strides zs_b, zs_t (the view
+// of the projection's output it is), w (Dv) f32, y (B, T, V Dv). One group of tpr = Dv / 8
+// threads per (b, t, v) row, one pack each.
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + __expf(-x)); }
+
+struct GatedShape {
+  i64 zs_b, zs_t;
+  int t, v, p;
+};
+
+__device__ __forceinline__ void gated_rows(i64 r, const GatedShape& s, int dv, i64* o_off,
+                                           i64* z_off) {
+  const i64 vi = r % s.v, ti = (r / s.v) % s.t, bi = r / ((i64)s.v * s.t);
+  *o_off = ((bi * s.v + vi) * s.p + ti) * dv;
+  *z_off = bi * s.zs_b + ti * s.zs_t + vi * dv;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    gated_norm_fwd(const u16* __restrict__ o, const u16* __restrict__ z,
+                   const float* __restrict__ w, u16* __restrict__ y, float* __restrict__ rstd,
+                   GatedShape s, i64 rows, int tpr, float eps) {
+  __shared__ float smem[THREADS / 32];
+  const int groups = THREADS / tpr, g = threadIdx.x / tpr, l = threadIdx.x % tpr;
+  const int dv = 8 * tpr;
+  for (i64 first = (i64)blockIdx.x * groups; first < rows; first += (i64)gridDim.x * groups) {
+    const i64 r = first + g;
+    const bool live = r < rows;
+    i64 oo = 0, zo = 0;
+    float x[8], ss = 0.f;
+    if (live) {
+      gated_rows(r, s, dv, &oo, &zo);
+      load8(o + oo + 8 * l, x);
+      for (int i = 0; i < 8; i++) ss += x[i] * x[i];
+    }
+    ss = group_sum(ss, smem, tpr);
+    const float rs = rsqrtf(ss / (float)dv + eps);
+    if (!live) continue;
+    if (rstd != nullptr && l == 0) rstd[r] = rs;
+    float zv[8], out[8];
+    load8(z + zo + 8 * l, zv);
+    for (int i = 0; i < 8; i++)
+      out[i] = (x[i] * rs) * w[8 * l + i] * (zv[i] * sigmoidf(zv[i]));
+    store8(y + r * dv + 8 * l, out);
+  }
+}
+
+// From dy (B, T, V Dv): do in o's layout (rows past T untouched: the caller zeroes them),
+// dz (B, T, V, Dv) contiguous, and w's gradient as one row of partial sums per group:
+// dw_part (gridDim.x * groups, Dv) f32. With xh = o rstd, n = xh w, s = silu(z):
+// dz = dy n silu'(z), g = dy s w, do = rstd (g - xh mean(g xh)), dw = sum dy s xh.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    gated_norm_bwd(const u16* __restrict__ o, const u16* __restrict__ z,
+                   const float* __restrict__ w, const float* __restrict__ rstd,
+                   const u16* __restrict__ dy, u16* __restrict__ d_o, u16* __restrict__ dz,
+                   float* __restrict__ dw_part, GatedShape s, i64 rows, int tpr) {
+  __shared__ float smem[THREADS / 32];
+  const int groups = THREADS / tpr, g = threadIdx.x / tpr, l = threadIdx.x % tpr;
+  const int dv = 8 * tpr;
+  float dw[8];
+  for (int i = 0; i < 8; i++) dw[i] = 0.f;
+  for (i64 first = (i64)blockIdx.x * groups; first < rows; first += (i64)gridDim.x * groups) {
+    const i64 r = first + g;
+    const bool live = r < rows;
+    i64 oo = 0, zo = 0;
+    float xh[8], gr[8], dot = 0.f;
+    const float rs = live ? rstd[r] : 0.f;
+    if (live) {
+      gated_rows(r, s, dv, &oo, &zo);
+      float zv[8], d[8], dzv[8];
+      load8(o + oo + 8 * l, xh);
+      load8(z + zo + 8 * l, zv);
+      load8(dy + r * dv + 8 * l, d);
+      for (int i = 0; i < 8; i++) {
+        const float wi = w[8 * l + i], sg = sigmoidf(zv[i]), sl = zv[i] * sg;
+        xh[i] *= rs;
+        dzv[i] = d[i] * xh[i] * wi * sg * (1.f + zv[i] * (1.f - sg));
+        const float dn = d[i] * sl;
+        dw[i] += dn * xh[i];
+        gr[i] = dn * wi;
+        dot += gr[i] * xh[i];
+      }
+      store8(dz + r * dv + 8 * l, dzv);
+    }
+    dot = group_sum(dot, smem, tpr) / (float)dv;
+    if (!live) continue;
+    float out[8];
+    for (int i = 0; i < 8; i++) out[i] = rs * (gr[i] - xh[i] * dot);
+    store8(d_o + oo + 8 * l, out);
+  }
+  float* part = dw_part + ((i64)blockIdx.x * groups + g) * dv;
+  for (int i = 0; i < 8; i++) part[8 * l + i] = dw[i];
 }

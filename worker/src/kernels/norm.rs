@@ -68,3 +68,64 @@ pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64, ops: NormOps) -> Tens
             .collect()
     })
 }
+
+/// The gated norm's mirror: o (B, V, P, Dv), z (B, T, V, Dv), w (Dv), eps -> (B, T, V Dv).
+pub type GatedOps = fn(&Tensor, &Tensor, &Tensor, f64) -> Tensor;
+
+/// Whether [`gated_norm`] runs for o (B, V, P, Dv) and z: on CUDA where the kernels
+/// compiled and take the head dim (`cuda::gated_norm_supports`); on CPU always (the
+/// mirror).
+pub fn gated_norm_supported(o_bvpd: &Tensor, z_btvd: &Tensor) -> bool {
+    match o_bvpd.device() {
+        Device::Cuda(_) => {
+            let dv = o_bvpd.size().last().copied().unwrap_or(0);
+            z_btvd.kind() == o_bvpd.kind()
+                && cuda::gated_norm_supports(o_bvpd.kind(), dv)
+                && cuda::available()
+        }
+        _ => true,
+    }
+}
+
+/// The Gated DeltaNet's gated RMSNorm per value head and the move to out_proj's layout:
+/// o (B, V, P, Dv) (the rule's output over its padded chunks, P >= T), z (B, T, V, Dv), w
+/// (Dv) -> `norm(o[.., :T]) w silu(z)` as (B, T, V Dv); on CUDA one kernel each way
+/// (norm.cu, f32 inside, rounded once); `ops` is the mirror, on CPU and for the CPU
+/// backward. With grad, the output is a leaf whose backward is on the tape; o's and z's
+/// graphs must be reachable only through it (o's consumer is this op; z is behind the
+/// mixer's [z; b; a] boundary, `gated_delta::recurrence::taped`).
+pub fn gated_norm(o_bvpd: &Tensor, z_btvd: &Tensor, w: &Tensor, eps: f64, ops: GatedOps) -> Tensor {
+    let wf = w.to_kind(Kind::Float);
+    let grad = o_bvpd.requires_grad() || z_btvd.requires_grad() || wf.requires_grad();
+    let (od, zd, wd) = (o_bvpd.detach(), z_btvd.detach(), w.detach());
+    let (y, rstd) = match o_bvpd.device() {
+        Device::Cuda(_) => cuda::gated_norm_fwd(&od, &zd, &wf.detach(), eps, grad)
+            .unwrap_or_else(|e| panic!("fused gated RMSNorm: {e:#}")),
+        _ => (tch::no_grad(|| ops(&od, &zd, &wd, eps)), None),
+    };
+    if !grad {
+        return y;
+    }
+    let inputs = [o_bvpd, z_btvd, w].map(Tensor::shallow_clone);
+    tape::record_one(y, move |dy| {
+        let grads = match rstd {
+            Some(rstd) => {
+                let (d_o, dz, dw) = cuda::gated_norm_bwd(&od, &zd, &wf.detach(), &rstd, dy)
+                    .unwrap_or_else(|e| panic!("fused gated RMSNorm backward: {e:#}"));
+                [d_o, dz, dw]
+            }
+            None => vjp([&od, &zd, &wd], |[o, z, w]| {
+                (ops(o, z, w, eps) * dy).sum(Kind::Float)
+            }),
+        };
+        inputs
+            .into_iter()
+            .zip(grads)
+            .filter(|(input, _)| input.requires_grad())
+            .map(|(input, g)| {
+                let g = g.to_kind(input.kind());
+                (input, g)
+            })
+            .collect()
+    })
+}

@@ -110,3 +110,148 @@ pub fn norm_plus_one_bwd(
         part.sum_dim_intlist([0i64].as_slice(), false, Kind::Float),
     ))
 }
+
+/// norm.cu's `GatedShape`: z's batch and time strides, then T, V and P.
+#[repr(C)]
+struct GatedShape {
+    zs_b: i64,
+    zs_t: i64,
+    t: i32,
+    v: i32,
+    p: i32,
+}
+
+/// Whether norm.cu's gated norm takes value heads of `dv` in `kind`: bf16, Dv 32 to 256
+/// (one pack of 8 a thread, a row within a warp).
+pub fn gated_norm_supports(kind: Kind, dv: i64) -> bool {
+    kind == Kind::BFloat16 && [32, 64, 128, 256].contains(&dv)
+}
+
+/// o (B, V, P, Dv) and z (B, T, V, Dv), T <= P, in the layouts norm.cu reads: o
+/// contiguous, z with Dv's stride 1, V's Dv and its rows 16-byte aligned (else copied).
+fn gated_inputs(o: &Tensor, z: &Tensor) -> Result<(Tensor, Tensor, GatedShape)> {
+    let (&[b, v, p, dv], &[zb, t, zv, zd]) = (o.size().as_slice(), z.size().as_slice()) else {
+        bail!(
+            "o is {:?}, z {:?}: not (B, V, P, Dv) and (B, T, V, Dv)",
+            o.size(),
+            z.size()
+        )
+    };
+    if (zb, zv, zd) != (b, v, dv) || t > p {
+        bail!("o is {:?}, z {:?}", o.size(), z.size());
+    }
+    let o = packed(o);
+    let st = z.stride();
+    let aligned = st[3] == 1 && st[2] == dv && st[0] % 8 == 0 && st[1] % 8 == 0;
+    let z = match aligned && ptr(z).is_multiple_of(16) {
+        true => z.shallow_clone(),
+        false => z.contiguous(),
+    };
+    let st = z.stride();
+    let shape = GatedShape {
+        zs_b: st[0],
+        zs_t: st[1],
+        t: t as i32,
+        v: v as i32,
+        p: p as i32,
+    };
+    Ok((o, z, shape))
+}
+
+/// y (B, T, V Dv) bf16 = norm(o) w silu(z) per value head (see norm.cu), from o (B, V, P,
+/// Dv), z (B, T, V, Dv), w (Dv) f32; and, if `want_rstd`, the rows' rstd (B T V) f32.
+pub fn gated_norm_fwd(
+    o: &Tensor,
+    z: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    want_rstd: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (o, z, mut shape) = gated_inputs(o, z)?;
+    let &[b, v, _, dv] = o.size().as_slice() else {
+        unreachable!("checked")
+    };
+    if !gated_norm_supports(o.kind(), dv) {
+        bail!("value heads of {dv} {:?}", o.kind());
+    }
+    let t = shape.t as i64;
+    let rows = b * t * v;
+    let y = Tensor::empty([b, t, v * dv], (o.kind(), o.device()));
+    let rstd = want_rstd.then(|| Tensor::empty([rows], (Kind::Float, o.device())));
+    if rows == 0 {
+        return Ok((y, rstd));
+    }
+    let w = w.contiguous();
+    let tpr = dv / 8;
+    let groups = THREADS / tpr;
+    let (mut op, mut zp, mut wp, mut yp) = (ptr(&o), ptr(&z), ptr(&w), ptr(&y));
+    let mut rp = rstd.as_ref().map_or(0, ptr);
+    let (mut rows_, mut tpr32, mut eps32) = (rows, tpr as i32, eps as f32);
+    let mut args = [
+        arg(&mut op),
+        arg(&mut zp),
+        arg(&mut wp),
+        arg(&mut yp),
+        arg(&mut rp),
+        arg(&mut shape),
+        arg(&mut rows_),
+        arg(&mut tpr32),
+        arg(&mut eps32),
+    ];
+    let blocks = ((rows + groups - 1) / groups).min(1 << 20);
+    let what = "cuLaunchKernel (gated_norm_fwd)";
+    launch_with(kernels.norm[2], blocks, THREADS as u32, &mut args, what)?;
+    Ok((y, rstd))
+}
+
+/// The backward of [`gated_norm_fwd`] from dy (B, T, V Dv): (do (B, V, P, Dv), zero past
+/// T; dz (B, T, V, Dv); dw (Dv) f32).
+pub fn gated_norm_bwd(
+    o: &Tensor,
+    z: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let kernels = kernels().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (o, z, mut shape) = gated_inputs(o, z)?;
+    let &[b, v, p, dv] = o.size().as_slice() else {
+        unreachable!("checked")
+    };
+    let t = shape.t as i64;
+    if dy.size() != [b, t, v * dv] {
+        bail!("dy is {:?}, not ({b}, {t}, {})", dy.size(), v * dv);
+    }
+    let (dy, w) = (packed(dy), w.contiguous());
+    let rows = b * t * v;
+    let d_o = match p > t {
+        true => o.zeros_like(),
+        false => o.empty_like(),
+    };
+    let dz = Tensor::empty([b, t, v, dv], (o.kind(), o.device()));
+    let tpr = dv / 8;
+    let groups = THREADS / tpr;
+    let blocks = ((rows + groups - 1) / groups).clamp(1, BWD_BLOCKS);
+    let part = Tensor::empty([blocks * groups, dv], (Kind::Float, o.device()));
+    let (mut op, mut zp, mut wp, mut rp) = (ptr(&o), ptr(&z), ptr(&w), ptr(rstd));
+    let (mut dyp, mut dop, mut dzp, mut pp) = (ptr(&dy), ptr(&d_o), ptr(&dz), ptr(&part));
+    let (mut rows_, mut tpr32) = (rows, tpr as i32);
+    let mut args = [
+        arg(&mut op),
+        arg(&mut zp),
+        arg(&mut wp),
+        arg(&mut rp),
+        arg(&mut dyp),
+        arg(&mut dop),
+        arg(&mut dzp),
+        arg(&mut pp),
+        arg(&mut shape),
+        arg(&mut rows_),
+        arg(&mut tpr32),
+    ];
+    let what = "cuLaunchKernel (gated_norm_bwd)";
+    launch_with(kernels.norm[3], blocks, THREADS as u32, &mut args, what)?;
+    let dw = part.sum_dim_intlist([0i64].as_slice(), false, Kind::Float);
+    Ok((d_o, dz, dw))
+}

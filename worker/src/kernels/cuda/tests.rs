@@ -114,3 +114,71 @@ fn gpu_norm_plus_one_matches_f64() {
         assert!(edw <= 1e-4, "h {h}: dw off by {edw:e}");
     }
 }
+
+/// norm.cu's gated norm against f64, on a GPU (skipped where none is visible): value heads
+/// of 128 and 64, T = 200 of P = 256 padded positions (o past T is garbage the kernel must
+/// not read, and its gradient there exactly zero), z a strided view of a wider projection
+/// output, as the model's. Bounds as [`gpu_norm_plus_one_matches_f64`]'s: one bf16 rounding
+/// (2^-8 of the row's scale) plus f32 sums of Dv terms; dw 1e-4.
+#[test]
+fn gpu_gated_norm_matches_f64() {
+    if crate::stream::load_torch_cuda().is_err() {
+        eprintln!("skipped: no GPU visible");
+        return;
+    }
+    let dev = tch::Device::Cuda(0);
+    tch::manual_seed(12);
+    let (b, t, p, v, eps) = (2i64, 200i64, 256i64, 6i64, 1e-6);
+    let bf = |x: Tensor| x.to_kind(Kind::BFloat16);
+    for dv in [128i64, 64] {
+        let o = bf(Tensor::randn([b, v, p, dv], (Kind::Float, dev)) * 2.0);
+        let zba = bf(Tensor::randn([b, t, v * dv + 2 * v], (Kind::Float, dev)) * 2.0);
+        let z = zba.narrow(2, 0, v * dv).view([b, t, v, dv]);
+        let w = (Tensor::randn([dv], (Kind::Float, dev)) * 0.1 + 1.0).to_kind(Kind::BFloat16);
+        let wf = w.to_kind(Kind::Float);
+        let dy = bf(Tensor::randn([b, t, v * dv], (Kind::Float, dev)));
+        let (y, rstd) = gated_norm_fwd(&o, &z, &wf, eps, true).unwrap();
+        let (d_o, dz, dw) = gated_norm_bwd(&o, &z, &wf, &rstd.unwrap(), &dy).unwrap();
+
+        let f = |t: &Tensor| t.to_kind(Kind::Double);
+        let o_btvd = f(&o).narrow(2, 0, t).permute([0, 2, 1, 3]);
+        let (zd, wd, dyd) = (f(&z), f(&wf), f(&dy).view([b, t, v, dv]));
+        let rs = (o_btvd.square().mean_dim(-1, true, Kind::Double) + eps).rsqrt();
+        let xh = &o_btvd * &rs;
+        let sg = zd.sigmoid();
+        let s = &zd * &sg;
+        let n = &xh * &wd;
+        let y_ref = &n * &s;
+        let dz_ref = &dyd * &n * &sg * ((1.0 - &sg) * &zd + 1.0);
+        let dn = &dyd * &s;
+        let g = &dn * &wd;
+        let dot = (&g * &xh).mean_dim(-1, true, Kind::Double);
+        let do_ref = &rs * (&g - &xh * dot);
+        let dw_ref = (&dn * &xh).sum_dim_intlist([0i64, 1, 2].as_slice(), false, Kind::Double);
+
+        let rowwise = |got: &Tensor, want: &Tensor| {
+            let scale = want.abs().amax([-1i64].as_slice(), true);
+            ((f(got) - want).abs() / scale).max().double_value(&[])
+        };
+        let ey = rowwise(&y.view([b, t, v, dv]), &y_ref);
+        let edz = rowwise(&dz, &dz_ref);
+        let edo = rowwise(&d_o.narrow(2, 0, t).permute([0, 2, 1, 3]), &do_ref);
+        let edw = ((f(&dw) - &dw_ref).norm() / dw_ref.norm()).double_value(&[]);
+        let past = d_o.narrow(2, t, p - t).abs().max().double_value(&[]);
+        let bound = 2f64.powi(-8) + dv as f64 * 2f64.powi(-24);
+        eprintln!(
+            "gated norm dv {dv}: y {ey:.2e}, dz {edz:.2e}, do {edo:.2e} (bound {bound:.2e}), dw {edw:.2e} (bound 1e-4), do past T {past}"
+        );
+        assert!(ey <= bound, "dv {dv}: y off by {ey:e} of the row's scale");
+        assert!(
+            edz <= bound,
+            "dv {dv}: dz off by {edz:e} of the row's scale"
+        );
+        assert!(
+            edo <= bound,
+            "dv {dv}: do off by {edo:e} of the row's scale"
+        );
+        assert!(edw <= 1e-4, "dv {dv}: dw off by {edw:e}");
+        assert_eq!(past, 0.0, "dv {dv}: do past T");
+    }
+}

@@ -229,30 +229,37 @@ pub(super) fn core(
 }
 
 /// The gated RMSNorm per value head, then out_proj: o (B, V, U, C, Dv) and z (B, T, V,
-/// Dv) -> (B, T, H). silu(z) comes first in the product, which so takes its (B, T, V, Dv)
-/// layout, out_proj's input.
+/// Dv) -> (B, T, H). With `fused`, the norm, its gate and the move to out_proj's layout run
+/// as one op (`kernels::gated_norm`) where it runs for this shape, device and dtype.
 pub(super) fn post(
     spec: &ModelSpec,
     w: &BlockWeights,
     o_bvucd: &Tensor,
     z_btvd: &Tensor,
+    fused: bool,
 ) -> Tensor {
     let &[b, nv, u, c, dv] = o_bvucd.size().as_slice() else {
         panic!("o is (B, V, U, C, Dv)")
     };
-    let t = z_btvd.size()[1];
-    let o_bvtd = o_bvucd.view([b, nv, u * c, dv]).narrow(2, 0, t);
-    let normed_bvtd = o_bvtd.rms_norm(
-        [dv],
-        Some(w.get("linear_attn.norm.weight")),
-        spec.rms_norm_eps,
-    );
-    let gated_btvd = z_btvd.silu() * normed_bvtd.transpose(1, 2);
-    linear(
-        &gated_btvd.reshape([b, t, nv * dv]),
-        w,
-        "linear_attn.out_proj",
-    )
+    let o_bvpd = o_bvucd.view([b, nv, u * c, dv]);
+    let norm_w = w.get("linear_attn.norm.weight");
+    let eps = spec.rms_norm_eps;
+    let gated_btf = match fused && kernels::gated_norm_supported(&o_bvpd, z_btvd) {
+        true => kernels::gated_norm(&o_bvpd, z_btvd, norm_w, eps, gated_norm_ops),
+        false => gated_norm_ops(&o_bvpd, z_btvd, norm_w, eps),
+    };
+    linear(&gated_btf, w, "linear_attn.out_proj")
+}
+
+/// The gated norm in tch ops (and `kernels::gated_norm`'s mirror): o (B, V, P, Dv) over
+/// the padded chunks, z (B, T, V, Dv), w (Dv) -> (B, T, V Dv). silu(z) comes first in the
+/// product, which so takes its (B, T, V, Dv) layout, out_proj's input.
+fn gated_norm_ops(o_bvpd: &Tensor, z_btvd: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let &[b, t, nv, dv] = z_btvd.size().as_slice() else {
+        panic!("z is (B, T, V, Dv)")
+    };
+    let normed_bvtd = o_bvpd.narrow(2, 0, t).rms_norm([dv], Some(w), eps);
+    (z_btvd.silu() * normed_bvtd.transpose(1, 2)).reshape([b, t, nv * dv])
 }
 
 /// The input projections as two matmuls: the conv input [q; k; v] (B, T, F), and [z; b; a]

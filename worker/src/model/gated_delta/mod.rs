@@ -14,9 +14,11 @@
 //!
 //! `MT_GATED_DELTA=reference|chunked` overrides the choice (parity checks, benchmarks),
 //! `MT_GATED_DELTA_CHUNK` (default 64) sets the chunked path's chunk length, and
-//! `MT_GATED_DELTA_FUSED=0` keeps the chunked path's causal conv, SiLU and q/k norms in tch
-//! ops on CUDA instead of the fused kernel (`crate::kernels::conv_qkv`, whose backward runs
-//! from the tape: `crate::kernels::tape`); `MT_GATED_DELTA_RECURRENCE=autograd` runs the
+//! `MT_GATED_DELTA_FUSED=0` keeps the chunked path's causal conv, SiLU and q/k norms, and
+//! its gated norm, in tch ops on CUDA instead of the fused kernels (`crate::kernels::conv_qkv`
+//! and `crate::kernels::gated_norm`, whose backwards run from the tape:
+//! `crate::kernels::tape`), and `MT_GATED_DELTA_FUSED=1` runs them everywhere (on CPU
+//! their mirrors: tests); `MT_GATED_DELTA_RECURRENCE=autograd` runs the
 //! chunked path's state recurrence through autograd instead of its written-out backward
 //! (`recurrence.rs`).
 //!
@@ -85,7 +87,7 @@ pub fn pre(spec: &ModelSpec, w: &BlockWeights, x_bth: &Tensor) -> Pre {
     match settings.path(x_bth.device()) {
         Rule::Reference => reference::pre(spec, w, x_bth),
         Rule::Chunked => {
-            let fused = settings.fused && x_bth.device().is_cuda();
+            let fused = settings.fused(x_bth.device());
             chunked::pre(spec, w, x_bth, settings.chunk, fused)
         }
     }
@@ -111,7 +113,13 @@ pub fn core(
 pub fn post(spec: &ModelSpec, w: &BlockWeights, o_bvucd: &Tensor, z_btvd: &Tensor) -> Tensor {
     match Settings::get().path(o_bvucd.device()) {
         Rule::Reference => reference::post(spec, w, o_bvucd, z_btvd),
-        Rule::Chunked => chunked::post(spec, w, o_bvucd, z_btvd),
+        Rule::Chunked => {
+            // The fused gated norm hands z its gradient from the tape: z must be behind the
+            // [z; b; a] boundary, which the taped recurrence sets.
+            let settings = Settings::get();
+            let fused = settings.fused(o_bvucd.device()) && recurrence::taped();
+            chunked::post(spec, w, o_bvucd, z_btvd, fused)
+        }
     }
 }
 
@@ -128,8 +136,9 @@ struct Settings {
     rule: Option<Rule>,
     /// `MT_GATED_DELTA_CHUNK`: the chunked path's chunk length.
     chunk: i64,
-    /// Not `MT_GATED_DELTA_FUSED=0`: the chunked path fuses its conv on CUDA.
-    fused: bool,
+    /// `MT_GATED_DELTA_FUSED`: whether the chunked path fuses its conv and its gated norm;
+    /// None (unset): on CUDA, `1` everywhere (on CPU the ops' mirrors), `0` nowhere.
+    fused: Option<bool>,
 }
 
 impl Settings {
@@ -155,12 +164,18 @@ impl Settings {
                     }),
             };
             let fused = match std::env::var("MT_GATED_DELTA_FUSED").as_deref() {
-                Err(_) | Ok("1") => true,
-                Ok("0") => false,
+                Err(_) | Ok("") => None,
+                Ok("1") => Some(true),
+                Ok("0") => Some(false),
                 Ok(other) => panic!("MT_GATED_DELTA_FUSED must be 0 or 1, got `{other}`"),
             };
             Settings { rule, chunk, fused }
         })
+    }
+
+    /// Whether the chunked path fuses its conv and gated norm on `device`.
+    fn fused(&self, device: Device) -> bool {
+        self.fused.unwrap_or(device.is_cuda())
     }
 
     fn path(&self, device: Device) -> Rule {

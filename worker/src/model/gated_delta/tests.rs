@@ -142,13 +142,13 @@ impl Case {
     }
 }
 
-/// The chunked path, with its conv, SiLU and norms as the fused op (`fused`; on CPU the
-/// op's mirror, its backward run from the tape) or in tch ops.
+/// The chunked path, with its conv, SiLU and norms and its gated norm as the fused ops
+/// (`fused`; on CPU the ops' mirrors, their backward run from the tape) or in tch ops.
 fn chunked_with(chunk: i64, fused: bool) -> impl Fn(&ModelSpec, &BlockWeights, &Tensor) -> Tensor {
     move |s, w, x| {
         let pre = chunked::pre(s, w, x, chunk, fused);
         let (o_bvucd, _) = chunked::core(&pre.rule_in, None, false);
-        chunked::post(s, w, &o_bvucd, &pre.z_btvd)
+        chunked::post(s, w, &o_bvucd, &pre.z_btvd, fused)
     }
 }
 
