@@ -58,7 +58,9 @@ pub(super) struct Dims {
 }
 
 /// The RMSNorms of one half of layer `l` over `m` tokens: each saves its f32 input and its
-/// normed output; Gemma's sandwich norms double them.
+/// normed output; Gemma's sandwich norms double them. The `1 + w` norm over the half's
+/// input runs as one kernel on GPU workers ([`plus_one_fused`]) and keeps its output and
+/// the rows' rstd only; a sandwich's second norm (over a product, not a leaf) does not.
 fn norms(spec: &ModelSpec, m: u64, d: &Dims) -> LayerActs {
     let h = spec.hidden_size as u64;
     let per_half = if spec.family.norm_adds_one() && spec.linear_attn.is_none() {
@@ -66,11 +68,28 @@ fn norms(spec: &ModelSpec, m: u64, d: &Dims) -> LayerActs {
     } else {
         1
     };
-    LayerActs {
-        saved: per_half * m * h * (F32 + d.s),
+    let torch = LayerActs {
+        saved: m * h * (F32 + d.s),
         backward: m * h * F32,
         forward: 2 * m * h * F32,
-    }
+    };
+    let first = match plus_one_fused(spec, d) {
+        true => LayerActs {
+            saved: m * (h * d.s + F32),
+            backward: m * h * d.s,
+            forward: m * h * d.s,
+        },
+        false => torch,
+    };
+    (1..per_half).fold(first, |acts, _| acts + torch)
+}
+
+/// Whether GPU workers run the `1 + w` RMSNorm over a half layer's input as one kernel
+/// (worker/src/kernels/norm.rs: bf16, H a multiple of 8 up to 8192). The worker's
+/// `MT_RMS_NORM=plain` (a comparison hook) runs torch's ops instead.
+fn plus_one_fused(spec: &ModelSpec, d: &Dims) -> bool {
+    let h = spec.hidden_size;
+    d.gpu && d.bf16 && spec.family.norm_adds_one() && h.is_multiple_of(8) && h <= 8192
 }
 
 /// Layer `l`'s token-mixing half over the whole micro-batch: its norm(s) and the attention
@@ -296,6 +315,17 @@ fn conv_kept(spec: &ModelSpec, d: &Dims) -> u64 {
     }
 }
 
+/// Elements per token a GPU worker's gated norm keeps for the backward, in the compute
+/// dtype and in f32: its four (B, T, V, Dv) tensors in torch's ops; as one kernel
+/// (worker/src/kernels/norm.rs: bf16, Dv of 32 to 256) the rows' rstd only. The worker's
+/// `MT_GATED_DELTA_FUSED=0` (a comparison hook) runs torch's ops.
+fn gated_norm_kept(d: &Dims, nv: u64, dv: u64) -> (u64, u64) {
+    match d.bf16 && [32, 64, 128, 256].contains(&dv) {
+        true => (0, nv),
+        false => (4 * nv * dv, 0),
+    }
+}
+
 /// Gated DeltaNet (worker/src/model/gated_delta/), counted from its main tensors only.
 fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
     let (m, s) = (d.m, d.s);
@@ -311,7 +341,8 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         // Per token: the projections, the conv's output and its SiLU (the fused conv keeps
         // neither: its outputs, v and the normed [q; k], are counted below); the normed
         // [q; k] and its q.k / k.k; per value head the scaled k (three), beta v, w, v' and
-        // the gated norm's four (B, T, V, Dv) tensors; the pairs' decay (f32 and a copy),
+        // the gated norm's four (B, T, V, Dv) tensors (its rstd where fused, below); the
+        // pairs' decay (f32 and a copy),
         // the inverse T and T (A - A') (f32: the inverse runs without grad, its gradient
         // through those two products), T and P in the compute dtype; the state at each
         // chunk start (f32: the recurrence's written-out backward keeps no copy in the
@@ -321,9 +352,11 @@ fn delta_acts(spec: &ModelSpec, d: &Dims) -> LayerActs {
         let (vd, kd, pairs) = (nv * dv, nv * dk, nv * DELTA_CHUNK);
         let states = nv * dk * dv / DELTA_CHUNK;
         let conv_kept = conv_kept(spec, d);
-        let in_dtype = conv_kept + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 6 * vd + 3 * pairs;
+        let (gated, gated_f32) = gated_norm_kept(d, nv, dv);
+        let in_dtype =
+            conv_kept + 2 * g * dk + 2 * g * DELTA_CHUNK + 5 * kd + 2 * vd + gated + 3 * pairs;
         return LayerActs {
-            saved: proj + m * in_dtype * s + m * (4 * pairs + states) * F32,
+            saved: proj + m * in_dtype * s + m * (4 * pairs + states + gated_f32) * F32,
             backward: 2 * m * conv * s + 4 * m * pairs * F32,
             forward: proj + m * (conv_kept.max(conv) + 5 * vd) * s + 3 * m * pairs * F32,
         };
@@ -431,5 +464,74 @@ fn delta_parts(spec: &ModelSpec, d: &Dims, m: u64) -> DeltaParts {
         core_forward: 3 * per_head + pairs,
         o: m * nv * dv * F32,
         post_saved: 3 * m * nv * dv * F32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::hf::HfConfig;
+
+    fn spec(dir: &str) -> ModelSpec {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("configs")
+            .join(dir)
+            .join("config.json");
+        let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        ModelSpec::from_hf(&hf, &path).unwrap()
+    }
+
+    fn dims(gpu: bool, bf16: bool) -> Dims {
+        let (b, t) = (8, 1024);
+        Dims {
+            b,
+            t,
+            m: b * t,
+            s: if bf16 { 2 } else { 4 },
+            gpu,
+            bf16,
+            packed: false,
+        }
+    }
+
+    /// The `1 + w` norm over a half's input runs as one kernel on GPU workers in bf16
+    /// (worker/src/kernels/norm.rs) and keeps its bf16 output and the rows' rstd, not an
+    /// f32 copy of its input: Qwen3.5 (one norm a half) keeps M H 4 - M 4 bytes fewer than
+    /// with torch's ops, and so does Gemma 2 (whose sandwich's second norm, over a product,
+    /// keeps its copy either way); an f32 run, and a family with the plain norm, keep theirs.
+    #[test]
+    fn the_fused_plus_one_norm_keeps_no_f32_copy() {
+        let torch_ops = |spec: &ModelSpec, d: &Dims| {
+            let h = spec.hidden_size as u64;
+            d.m * h * (F32 + d.s)
+        };
+        for dir in ["qwen3.5-27b", "gemma2-9b"] {
+            let s = spec(dir);
+            let (gpu, cpu) = (dims(true, true), dims(false, true));
+            let h = s.hidden_size as u64;
+            let fewer = norms(&s, gpu.m, &cpu).saved - norms(&s, gpu.m, &gpu).saved;
+            assert_eq!(fewer, gpu.m * h * F32 - gpu.m * F32, "{dir}");
+            let f32_gpu = dims(true, false);
+            let per_half = norms(&s, f32_gpu.m, &f32_gpu).saved / torch_ops(&s, &f32_gpu);
+            assert_eq!(
+                per_half,
+                if dir == "gemma2-9b" { 2 } else { 1 },
+                "{dir} in f32"
+            );
+        }
+        let llama = spec("llama3-8b");
+        let d = dims(true, true);
+        assert_eq!(norms(&llama, d.m, &d).saved, torch_ops(&llama, &d));
+    }
+
+    /// The gated norm of a Gated DeltaNet layer as one kernel keeps the rows' rstd (f32,
+    /// one per value head and token) instead of its four (B, T, V, Dv) tensors; value heads
+    /// the kernel does not take, and f32 runs, keep the four.
+    #[test]
+    fn the_fused_gated_norm_keeps_its_rstd_only() {
+        let (bf16, f32_) = (dims(true, true), dims(true, false));
+        assert_eq!(gated_norm_kept(&bf16, 48, 128), (0, 48));
+        assert_eq!(gated_norm_kept(&bf16, 48, 96), (4 * 48 * 96, 0));
+        assert_eq!(gated_norm_kept(&f32_, 48, 128), (4 * 48 * 128, 0));
     }
 }
