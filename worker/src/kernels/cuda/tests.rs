@@ -61,6 +61,26 @@ fn every_kernel_file_compiles_with_its_entry_points() {
     }
 }
 
+/// The first GPU, or None (said so) where none is visible.
+fn gpu() -> Option<tch::Device> {
+    match crate::stream::load_torch_cuda() {
+        Ok(()) => Some(tch::Device::Cuda(0)),
+        Err(_) => {
+            eprintln!("skipped: no GPU visible");
+            None
+        }
+    }
+}
+
+/// The largest |got - want| of a row (the last dim) relative to the row's largest |want|,
+/// over all rows; `got` in any dtype, `want` f64.
+fn rowwise_error(got: &Tensor, want: &Tensor) -> f64 {
+    let scale = want.abs().amax([-1i64].as_slice(), true);
+    ((got.to_kind(Kind::Double) - want).abs() / scale)
+        .max()
+        .double_value(&[])
+}
+
 /// norm.cu against the `1 + w` RMSNorm and its gradients in f64, on a GPU (skipped where
 /// none is visible, as in CI; scripts/check_gpu.sh part `kernels` runs it on the device):
 /// rows of 5120 (Qwen3.5's hidden size, 256 threads a row), 2304 (Gemma 2's: 288 packs
@@ -73,11 +93,7 @@ fn every_kernel_file_compiles_with_its_entry_points() {
 /// partial sums and 100x below a wrong term's O(1e-2)).
 #[test]
 fn gpu_norm_plus_one_matches_f64() {
-    if crate::stream::load_torch_cuda().is_err() {
-        eprintln!("skipped: no GPU visible");
-        return;
-    }
-    let dev = tch::Device::Cuda(0);
+    let Some(dev) = gpu() else { return };
     tch::manual_seed(11);
     let eps = 1e-6;
     for h in [5120i64, 2304, 256] {
@@ -99,11 +115,7 @@ fn gpu_norm_plus_one_matches_f64() {
         let dx_ref = &rs * (&g - &xhat * dot);
         let dw_ref = (&dyd * &xhat).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
 
-        let rowwise = |got: &Tensor, want: &Tensor| {
-            let scale = want.abs().amax([-1i64].as_slice(), true);
-            ((f(got) - want).abs() / scale).max().double_value(&[])
-        };
-        let (ey, edx) = (rowwise(&y, &y_ref), rowwise(&dx, &dx_ref));
+        let (ey, edx) = (rowwise_error(&y, &y_ref), rowwise_error(&dx, &dx_ref));
         let edw = ((f(&dw) - &dw_ref).norm() / dw_ref.norm()).double_value(&[]);
         let bound = 2f64.powi(-8) + h as f64 * 2f64.powi(-24);
         eprintln!(
@@ -122,11 +134,7 @@ fn gpu_norm_plus_one_matches_f64() {
 /// (2^-8 of the row's scale) plus f32 sums of Dv terms; dw 1e-4.
 #[test]
 fn gpu_gated_norm_matches_f64() {
-    if crate::stream::load_torch_cuda().is_err() {
-        eprintln!("skipped: no GPU visible");
-        return;
-    }
-    let dev = tch::Device::Cuda(0);
+    let Some(dev) = gpu() else { return };
     tch::manual_seed(12);
     let (b, t, p, v, eps) = (2i64, 200i64, 256i64, 6i64, 1e-6);
     let bf = |x: Tensor| x.to_kind(Kind::BFloat16);
@@ -156,13 +164,9 @@ fn gpu_gated_norm_matches_f64() {
         let do_ref = &rs * (&g - &xh * dot);
         let dw_ref = (&dn * &xh).sum_dim_intlist([0i64, 1, 2].as_slice(), false, Kind::Double);
 
-        let rowwise = |got: &Tensor, want: &Tensor| {
-            let scale = want.abs().amax([-1i64].as_slice(), true);
-            ((f(got) - want).abs() / scale).max().double_value(&[])
-        };
-        let ey = rowwise(&y.view([b, t, v, dv]), &y_ref);
-        let edz = rowwise(&dz, &dz_ref);
-        let edo = rowwise(&d_o.narrow(2, 0, t).permute([0, 2, 1, 3]), &do_ref);
+        let ey = rowwise_error(&y.view([b, t, v, dv]), &y_ref);
+        let edz = rowwise_error(&dz, &dz_ref);
+        let edo = rowwise_error(&d_o.narrow(2, 0, t).permute([0, 2, 1, 3]), &do_ref);
         let edw = ((f(&dw) - &dw_ref).norm() / dw_ref.norm()).double_value(&[]);
         let past = d_o.narrow(2, t, p - t).abs().max().double_value(&[]);
         let bound = 2f64.powi(-8) + dv as f64 * 2f64.powi(-24);
