@@ -61,11 +61,7 @@ pub fn rms_norm_plus_one(x: &Tensor, w: &Tensor, eps: f64, ops: NormOps) -> Tens
                 (dx, dw)
             }
         };
-        let dw = dw.to_kind(w_in.kind());
-        [(x_in, dx), (w_in, dw)]
-            .into_iter()
-            .filter(|(input, _)| input.requires_grad())
-            .collect()
+        tape::input_grads([x_in, w_in], [dx, dw])
     })
 }
 
@@ -118,14 +114,6 @@ pub fn gated_norm(o_bvpd: &Tensor, z_btvd: &Tensor, w: &Tensor, eps: f64, ops: G
                 (ops(o, z, w, eps) * dy).sum(Kind::Float)
             }),
         };
-        inputs
-            .into_iter()
-            .zip(grads)
-            .filter(|(input, _)| input.requires_grad())
-            .map(|(input, g)| {
-                let g = g.to_kind(input.kind());
-                (input, g)
-            })
-            .collect()
+        tape::input_grads(inputs, grads)
     })
 }

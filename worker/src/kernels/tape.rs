@@ -139,6 +139,23 @@ pub fn boundary(x: &Tensor) -> Tensor {
     leaf
 }
 
+/// An op's (input, gradient) pairs for its inputs that require grad, each gradient cast to
+/// its input's dtype (an op may compute them wider).
+pub fn input_grads<const N: usize>(
+    inputs: [Tensor; N],
+    grads: [Tensor; N],
+) -> Vec<(Tensor, Tensor)> {
+    inputs
+        .into_iter()
+        .zip(grads)
+        .filter(|(input, _)| input.requires_grad())
+        .map(|(input, g)| {
+            let g = g.to_kind(input.kind());
+            (input, g)
+        })
+        .collect()
+}
+
 /// A mirror's backward by autograd over a recompute: the gradients of `objective` (a
 /// scalar: the mirror's outputs dotted with their gradients) at `inputs`, taken as leaves.
 pub fn vjp<const N: usize>(
