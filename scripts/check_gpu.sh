@@ -15,7 +15,7 @@
 #    eval loss of the held-out samples (configs/tiny.yaml's val_size, evaluated after the
 #    last step by the forward-only path) must agree the same way.
 # 2. Families and multimodal wrappers of issue 17 at the tiny model's size, the same way:
-#    OLMo 2, GLM-4, GLM-4.5 (group-limited sigmoid router, correction bias), DeepSeek-V3
+#    OLMo 2, Phi-3 (fused qkv), GLM-4, GLM-4.5 (group-limited sigmoid router, correction bias), DeepSeek-V3
 #    (latent attention), Llama 4 (NoPE + chunked layers, temperature, input-scaled experts),
 #    and Qwen3.5, Qwen3.5-MoE, Gemma 3, Mistral 3 and Llama 4 wrappers (random init).
 # 3. Experts, grouped against per expert on the same GPU: one-layer Qwen3-MoE, Mixtral and
