@@ -9,6 +9,7 @@ pub mod fed;
 pub mod master;
 pub mod mxfp4;
 pub mod old_logps;
+pub mod owner;
 pub mod pieces;
 pub mod reference;
 mod schedule;
