@@ -408,7 +408,12 @@ impl RunConfig {
                 msg: format!("key `{key}`: {inner}{}", did_you_mean(&inner)),
             }
         })?;
-        let base = path.parent().unwrap_or(Path::new("."));
+        // A config in the current directory has an empty parent: relative paths in it are
+        // relative to ".", whose ancestors (checked for writability) exist.
+        let base = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         match shipped_ok {
             true => cfg.model.resolve_source_or_shipped()?,
             false => cfg.model.resolve_source()?,
