@@ -76,30 +76,6 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The stand-in for the downloaded model: configs/tiny (its tokenizer and ChatML template)
-/// trained one step and exported to `dir`.
-fn tiny_model(dir: &Path, work: &Path) {
-    let config = repo().join("configs/tiny.yaml");
-    let out = dir.to_str().unwrap();
-    let metrics = work.join("tiny-metrics.jsonl");
-    let (output, _) = run_cpu(
-        &config,
-        1,
-        &metrics,
-        &[
-            "--set",
-            "training.num_steps=1",
-            "--set",
-            &format!("training.output_dir={out}"),
-        ],
-    );
-    assert_ok(&output, &["--config", "configs/tiny.yaml"]);
-    assert!(
-        dir.join("model.safetensors").is_file(),
-        "the stand-in model was exported"
-    );
-}
-
 #[test]
 fn the_quick_start_runs_as_written() {
     let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
@@ -121,7 +97,7 @@ fn the_quick_start_runs_as_written() {
                     "the download writes where its marker says: {}",
                     block.body
                 );
-                tiny_model(&work.join(&block.arg), &work);
+                tiny_pretrained(&work.join(&block.arg));
             }
             "file" => {
                 let path = work.join(&block.arg);

@@ -161,6 +161,10 @@ impl Trainer {
             plan,
         } = prepared;
         println!("{}", data.summary());
+        let mut cfg = cfg;
+        if let Some(line) = cfg.resolve_steps(data.samples) {
+            println!("{line}");
+        }
         let resume = resume
             .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
             .transpose()?;
