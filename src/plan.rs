@@ -83,6 +83,40 @@ impl HostOpts {
     }
 }
 
+/// A host memory mode ([`HostPlan::modes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mode {
+    /// Bytes of host state per parameter (store included, slabs and staging not).
+    pub bytes_per_param: usize,
+    /// The `--set` flags that select it.
+    pub flags: String,
+    /// The plan's total under it.
+    pub total: u64,
+    /// Whether it is the plan's own mode.
+    pub current: bool,
+}
+
+/// The modes of `plan` listed for a host with `avail` bytes (None: unknown), one line each:
+/// its bytes per parameter, total and the flags that select it, the ones that fit marked.
+pub fn describe_modes(plan: &HostPlan, avail: Option<u64>) -> String {
+    let mut out = String::new();
+    for m in plan.modes() {
+        let fits = match avail {
+            Some(a) if m.total > a => "short",
+            Some(_) => "fits",
+            None => "",
+        };
+        let mark = if m.current { " (this run)" } else { "" };
+        out += &format!(
+            "  {:>2} B/param {:>10.2} GB {fits:<5}{mark} {}\n",
+            m.bytes_per_param,
+            m.total as f64 / 1e9,
+            m.flags
+        );
+    }
+    out
+}
+
 /// How a host plan meets the RAM available.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fit {
@@ -196,6 +230,55 @@ impl HostPlan {
     /// Everything except the slabs, which are bounded by layer size, not model size.
     pub fn per_param_state(&self) -> u64 {
         self.master + self.adam + self.grad + self.store
+    }
+
+    /// The host memory modes (18 down to 10 bytes per parameter with a bf16 store; 18 and
+    /// 16 with an f32 one, which a split or bf16 master cannot use), each with this plan's
+    /// total under it: the same run with another gradient, master and moments layout.
+    pub fn modes(&self) -> Vec<Mode> {
+        use DType::{Bfloat16 as B, Float32 as F};
+        use MasterWeights::{Bfloat16 as BfMaster, Float32 as FMaster, Split};
+        let elems = self.grad / self.opts.grad.size() as u64;
+        let store = self.opts.store.size();
+        [
+            (F, FMaster, F),
+            (B, FMaster, F),
+            (B, Split, F),
+            (B, BfMaster, F),
+            (B, Split, B),
+        ]
+        .into_iter()
+        .filter(|&(_, master, _)| self.opts.store == B || master == FMaster)
+        .map(|(grad, master, moments)| {
+            let master_bytes = match master {
+                FMaster => 4,
+                Split => 2,
+                BfMaster => 0,
+            };
+            let state = grad.size() + 2 * moments.size() + master_bytes;
+            let name = |d: DType| match d {
+                F => "float32",
+                B => "bfloat16",
+            };
+            let master_name = match master {
+                FMaster => "float32",
+                Split => "split",
+                BfMaster => "bfloat16",
+            };
+            Mode {
+                bytes_per_param: state + store,
+                flags: format!(
+                    "--set memory.grad_dtype={} --set memory.master_weights={master_name} --set memory.moments_dtype={}",
+                    name(grad),
+                    name(moments)
+                ),
+                total: self.total() - (self.master + self.adam + self.grad)
+                    + elems * state as u64,
+                current: (grad, master, moments)
+                    == (self.opts.grad, self.opts.master, self.opts.moments),
+            }
+        })
+        .collect()
     }
 
     /// What the launcher holds at its peak, start-up and checkpoints included.
@@ -505,6 +588,57 @@ mod tests {
             "{with}"
         );
         assert!(!plan.to_string().contains("GRPO reference"));
+    }
+
+    /// Each mode's total is the plan built under that mode (the extras kept), and the
+    /// listing marks the run's own and what fits.
+    #[test]
+    fn modes_are_the_plans_of_the_other_memory_layouts() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
+        let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let layout = Layout::new(&ModelSpec::from_hf(&hf, &path).unwrap());
+        let opts = HostOpts {
+            store: DType::Bfloat16,
+            grad: DType::Bfloat16,
+            moments: DType::Float32,
+            master: MasterWeights::Split,
+            workers: 1,
+            slots: 4,
+            staging: Staging::Off,
+        };
+        let plan = HostPlan::new(&layout, opts).with_carried(1000);
+        let modes = plan.modes();
+        assert_eq!(
+            modes.iter().map(|m| m.bytes_per_param).collect::<Vec<_>>(),
+            [18, 16, 14, 12, 10]
+        );
+        let lean = HostOpts {
+            moments: DType::Bfloat16,
+            ..opts
+        };
+        assert_eq!(
+            modes[4].total,
+            HostPlan::new(&layout, lean).with_carried(1000).total()
+        );
+        assert_eq!(modes.iter().filter(|m| m.current).count(), 1);
+        assert!(modes[2].current && modes[2].total == plan.total());
+        let listed = describe_modes(&plan, Some(modes[3].total));
+        assert_eq!(listed.matches("fits").count(), 2, "{listed}");
+        assert!(
+            listed.contains("--set memory.moments_dtype=bfloat16"),
+            "{listed}"
+        );
+        // An f32 store keeps an f32 master: 18 and 16 only.
+        let f32_store = HostPlan::new(
+            &layout,
+            HostOpts {
+                store: DType::Float32,
+                master: MasterWeights::Float32,
+                ..opts
+            },
+        );
+        assert_eq!(f32_store.modes().len(), 2);
     }
 
     #[test]

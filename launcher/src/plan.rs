@@ -70,6 +70,15 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         return Ok(());
     }
     describe(&cfg, &placement, &prep);
+    let avail = mt::plan::available_host_bytes();
+    println!(
+        "host memory modes (the same training; {}):\n{}",
+        match avail {
+            Some(a) => format!("{:.2} GB available here", a as f64 / 1e9),
+            None => "RAM available here unknown".into(),
+        },
+        mt::plan::describe_modes(&prep.plan, avail).trim_end()
+    );
     if p.nodes > 1 {
         print!("{nodes}");
     }

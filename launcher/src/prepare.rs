@@ -134,11 +134,31 @@ impl Prepared {
                 );
                 self.plan = self.plan.without_staging();
             }
-            Fit::Short => bail!(
-                "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable)",
-                gb(self.plan.without_staging().total()),
-                gb(avail.unwrap_or(0))
-            ),
+            Fit::Short => {
+                let lean = self.plan.without_staging();
+                let fitting: Vec<String> = lean
+                    .modes()
+                    .into_iter()
+                    .filter(|m| avail.is_none_or(|a| m.total <= a))
+                    .map(|m| {
+                        format!(
+                            "{} B/param, {:.2} GB: {}",
+                            m.bytes_per_param,
+                            gb(m.total),
+                            m.flags
+                        )
+                    })
+                    .collect();
+                let hint = match fitting.is_empty() {
+                    true => "; no memory mode fits this host: use a host with more RAM, or several nodes (docs/nodes.md)".to_string(),
+                    false => format!("; these memory modes fit (same training, leaner host state: docs/configuration.md):\n  {}", fitting.join("\n  ")),
+                };
+                bail!(
+                    "host RAM is short: this run needs {:.2} GB (see `mt-launch plan`), {:.2} GB is available (MemAvailable){hint}",
+                    gb(lean.total()),
+                    gb(avail.unwrap_or(0))
+                )
+            }
         }
         Ok(())
     }

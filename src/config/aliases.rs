@@ -389,10 +389,11 @@ pub fn apply(root: &mut Value, base: &Path, overriding: bool) -> Result<Applied>
         }
         match rule(alias).expect("found keys have a rule") {
             To(to) => moved.push((alias.into(), to.into(), v)),
-            Map(to, f) => match f(&v).map_err(|e| Error::invalid(alias, e))? {
-                Some(v) => moved.push((alias.into(), to.into(), v)),
-                None => {}
-            },
+            Map(to, f) => {
+                if let Some(v) = f(&v).map_err(|e| Error::invalid(alias, e))? {
+                    moved.push((alias.into(), to.into(), v));
+                }
+            }
             Ignored(why) => applied.notes.push(format!("`{alias}` is ignored: {why}")),
             Check(f) => f(&v).map_err(|e| Error::invalid(alias, e))?,
         }
