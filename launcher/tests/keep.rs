@@ -160,16 +160,24 @@ fn sigterm_without_checkpoint_dir_checkpoints_and_resumes_exactly() {
     resume_matches(&cwd, &first, steps, &want);
 }
 
+/// Also where step 3's own checkpoint is being written in the background when the worker
+/// dies (`every_steps: 1`): it waits for the moments the next backward had not made, which
+/// the launcher then makes itself.
 #[test]
 fn a_worker_killed_mid_run_leaves_a_checkpoint_to_resume_exactly() {
-    let dir = scratch("keep-sigkill").canonicalize().unwrap();
+    killed_and_resumed("keep-sigkill", &[]);
+    killed_and_resumed("keep-sigkill-every", &["--set", "checkpoint.every_steps=1"]);
+}
+
+fn killed_and_resumed(name: &str, extra: &[&str]) {
+    let dir = scratch(name).canonicalize().unwrap();
     let steps = 6;
     let want = straight(&dir, steps);
     let cwd = dir.join("crashed");
     std::fs::create_dir_all(&cwd).unwrap();
     let first = dir.join("first.jsonl");
     // Rank 1 is killed as step 4 is sent to it: steps 1-3 are complete.
-    let mut cmd = command(&cwd, &first, steps, &[]);
+    let mut cmd = command(&cwd, &first, steps, extra);
     cmd.env("MT_TEST_KILL_WORKER", "1:4");
     let out = output(cmd);
     let said = text(&out);

@@ -182,6 +182,9 @@ impl Trainer {
         // The host state is the launcher's own: stop the workers first (a hung one holds
         // its GPU), then write.
         self.sup.stop();
+        // The last update's moments the next backward had not made yet (a checkpoint of the
+        // step in flight waits for them too).
+        self.host.settle_moments();
         let mut contents = self.cfg.checkpoint.due(done, true, Duration::ZERO);
         match self.checkpointed.filter(|&(s, _)| s == done) {
             // The step's checkpoint is being (or was) written: let it complete.
