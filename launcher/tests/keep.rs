@@ -225,3 +225,55 @@ fn shipped_configs_name_their_output_or_opt_out() {
     }
     assert!(seen >= 27, "read {seen} configs");
 }
+
+/// `mt-launch plan` states what a run's checkpoints cost on disk: the model in its dtype
+/// (Qwen2.5-7B in bf16: 2 bytes per parameter) plus the optimizer state (fp32 master, m and
+/// v: 12 bytes per parameter), how many are kept and how often; a benchmark shape writes
+/// none.
+#[test]
+fn plan_states_the_disk_a_checkpoint_takes() {
+    let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let plan = |name: &str, json: bool| {
+        let mut cmd = mt_launch();
+        cmd.args([
+            "plan",
+            "--config",
+            path_str(&configs.join(name)),
+            "--gpus",
+            "0",
+        ]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let v: serde_json::Value = serde_json::from_str(&plan("qwen2.5_7b.yaml", true)).unwrap();
+    let (d, params) = (&v["disk"], v["host"]["params"].as_u64().unwrap());
+    assert_eq!(d["model_bytes"].as_u64(), Some(2 * params), "{d}");
+    assert_eq!(d["optimizer_bytes"].as_u64(), Some(12 * params), "{d}");
+    assert_eq!(d["checkpoint_bytes"].as_u64(), Some(14 * params), "{d}");
+    assert_eq!(d["kept_bytes"].as_u64(), Some(28 * params), "{d}");
+    assert_eq!(
+        (d["keep_last"].as_u64(), d["every_minutes"].as_u64()),
+        (Some(2), Some(30))
+    );
+    assert!(
+        d["checkpoint_dir"]
+            .as_str()
+            .unwrap()
+            .ends_with("output/qwen2.5_7b/checkpoints")
+    );
+    let said = plan("qwen2.5_7b.yaml", false);
+    assert!(
+        said.contains("each checkpoint") && said.contains("every 30 minutes"),
+        "{said}"
+    );
+    let said = plan("qwen_7b.yaml", false);
+    assert!(
+        said.contains("not written (training.save_model: false)"),
+        "{said}"
+    );
+    assert!(said.contains("none (no checkpoint.dir)"), "{said}");
+}
