@@ -131,11 +131,13 @@ pub enum Fit {
 
 mod acts;
 mod device;
+mod disk;
 mod fit;
 mod nodes;
 pub use device::{
     DeviceOpts, DevicePlan, Phase, TILE_ALIGN, delta_segment, segmented_layer, tiled_layer,
 };
+pub use disk::DiskPlan;
 pub use fit::{
     DeviceMemory, Largest, Short, check as check_device_fit, resident_block_bytes, resident_fit,
 };

@@ -50,7 +50,7 @@ fn main() -> ExitCode {
             let stopped = e.downcast_ref::<train::Stopped>().expect("checked");
             say(&format!("{me}: {stopped}"));
             nodes.inspect(|m| m.finalize());
-            ExitCode::from(128 + stopped.0 as u8)
+            ExitCode::from(128 + stopped.signal as u8)
         }
         Err(e) => {
             say(&format!("{me}: error: {e:#}"));

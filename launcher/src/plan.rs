@@ -56,6 +56,19 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         v["device"]["resident_blocks"] = serde_json::json!(resident.0);
         v["device"]["resident_bytes"] = serde_json::json!(resident.1);
         v["device"]["total"] = serde_json::json!(device.total() + resident.1);
+        let disk = disk(&cfg, &prep);
+        v["disk"] = serde_json::json!({
+            "model_bytes": disk.model,
+            "optimizer_bytes": disk.optimizer,
+            "checkpoint_bytes": disk.checkpoint_bytes(),
+            "keep_last": disk.keep_last,
+            "kept_bytes": disk.kept_bytes(),
+            "every_steps": disk.every_steps,
+            "every_minutes": disk.every_minutes,
+            "checkpoint_dir": disk.checkpoint_dir,
+            "export_dir": disk.export_dir,
+            "staging_bytes": disk.staging,
+        });
         v["nodes"] = serde_json::json!({
             "nodes": nodes.nodes,
             "replicated_bytes_per_param": nodes.replicated_per_param,
@@ -199,6 +212,7 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
         false => println!("{}", prep.data.summary()),
     }
     println!("{}", prep.plan);
+    println!("{}", disk(cfg, prep));
     let gb = |b: u64| b as f64 / 1e9;
     let avail = mt::plan::available_host_bytes();
     match (avail, prep.plan.fit(avail)) {
@@ -226,4 +240,10 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
             gb(prep.plan.without_staging().total() - a)
         ),
     }
+}
+
+/// What the run writes to disk: the model, each checkpoint, how many are kept.
+fn disk(cfg: &RunConfig, prep: &Prepared) -> mt::plan::DiskPlan {
+    let params = prep.layout.num_params() as u64;
+    mt::plan::DiskPlan::new(cfg, params, prep.plan.carried, prep.plan.staging)
 }

@@ -514,7 +514,7 @@ fn a_failed_last_write_still_reports_the_periodic_checkpoint() {
     let f = fixture("last-write-fails");
     std::fs::create_dir_all(&f.ck).unwrap();
     std::fs::write(f.ck.join("step-00000003"), "in the way").unwrap();
-    let out = Command::new(launcher())
+    let out = mt_launch()
         .args(f.args(&[
             "--set",
             "training.num_steps=3",

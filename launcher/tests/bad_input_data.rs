@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::fixture::{Stage, fixture};
 use common::*;
 
@@ -82,10 +80,7 @@ fn unknown_dataset_name() {
 #[test]
 fn sanity_the_chat_fixture_trains() {
     let f = chat_fixture("chat-ok", ALPACA);
-    let out = Command::new(common::launcher())
-        .args(f.args(&[]))
-        .output()
-        .unwrap();
+    let out = common::mt_launch().args(f.args(&[])).output().unwrap();
     assert!(
         out.status.success(),
         "{}",

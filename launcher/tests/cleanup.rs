@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -28,7 +28,7 @@ fn spawn_run_env(
     let dir = scratch(name);
     let config = case.join("run.yaml");
     let metrics = dir.join("metrics.jsonl");
-    let child = Command::new(launcher())
+    let child = mt_launch()
         .args([
             "--config",
             config.to_str().unwrap(),

@@ -34,7 +34,7 @@ fn plan_sizes_every_ready_made_config_for_another_machine() {
     files.sort();
     assert!(files.len() >= 15, "{files:?}");
     for file in &files {
-        let out = std::process::Command::new(launcher())
+        let out = mt_launch()
             .args(["plan", "--config", path_str(file), "--gpus", "2"])
             .args(["--gpu-memory", "141"])
             .env("HF_HUB_CACHE", &cache)
@@ -68,7 +68,7 @@ fn plan_sizes_every_ready_made_config_for_another_machine() {
         }
     }
     // Without dataset.max_seq_len a text dataset cannot be sized without its tokenizer.
-    let out = std::process::Command::new(launcher())
+    let out = mt_launch()
         .args(["plan", "--config", path_str(&config("qwen2.5_7b.yaml"))])
         .args(["--gpus", "1", "--set", "dataset.max_seq_len=null"])
         .env("HF_HUB_CACHE", &cache)
@@ -81,7 +81,7 @@ fn plan_sizes_every_ready_made_config_for_another_machine() {
         stderr(&out)
     );
     // A hub id with no shipped architecture keeps the cache's own error.
-    let out = std::process::Command::new(launcher())
+    let out = mt_launch()
         .args(["plan", "--config", path_str(&config("qwen2.5_7b.yaml"))])
         .args(["--set", "model.name=Qwen/Qwen2.5-3B-Instruct"])
         .env("HF_HUB_CACHE", &cache)
@@ -94,7 +94,7 @@ fn plan_sizes_every_ready_made_config_for_another_machine() {
         stderr(&out)
     );
     // Training, unlike planning, needs the model itself.
-    let out = std::process::Command::new(launcher())
+    let out = mt_launch()
         .args([
             "--config",
             path_str(&config("qwen2.5_7b.yaml")),

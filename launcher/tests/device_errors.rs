@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
@@ -26,7 +26,7 @@ fn run_llama(name: &str, env: &[(&str, &str)], extra: &[&str]) -> Ended {
     let before = shm_entries();
     let dir = scratch(name);
     let config = golden_dir().join("llama/run.yaml");
-    let mut child = Command::new(launcher())
+    let mut child = mt_launch()
         .args([
             "--config",
             path_str(&config),

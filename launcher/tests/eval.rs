@@ -12,7 +12,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::*;
 
@@ -110,7 +109,7 @@ fn hub_dataset_with_val_size_and_tensorboard() {
         ),
     )
     .unwrap();
-    let out = Command::new(launcher())
+    let out = mt_launch()
         .env("HF_HUB_CACHE", fx.join("hub"))
         .args([
             "--config",

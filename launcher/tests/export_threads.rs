@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -44,7 +43,7 @@ fn a_split_master_exports_with_more_blocks_than_threads() {
     );
     let config_path = dir.join("run.yaml");
     std::fs::write(&config_path, run).unwrap();
-    let mut child = Command::new(launcher())
+    let mut child = mt_launch()
         .args([
             "--config",
             path_str(&config_path),

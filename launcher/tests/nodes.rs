@@ -10,7 +10,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::mpi::*;
@@ -634,7 +634,7 @@ fn a_late_node_shows_as_waiting_in_the_exchanges() {
 #[test]
 fn a_missing_mpi_shim_is_a_clear_error() {
     let config = golden_dir().join("llama/run.yaml");
-    let out = Command::new(launcher())
+    let out = mt_launch()
         .args(["--config", path_str(&config), "--gpus", "0"])
         .env("OMPI_COMM_WORLD_SIZE", "2")
         .env("MT_MPI_SHIM", "/nonexistent/libmt_mpi.so")

@@ -7,7 +7,7 @@ use common::*;
 #[test]
 fn plan_reports_bytes_per_parameter_for_qwen_7b() {
     let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen_7b.yaml");
-    let out = std::process::Command::new(launcher())
+    let out = mt_launch()
         .args([
             "plan",
             "--config",
@@ -65,10 +65,7 @@ fn plan_bytes_follow_the_memory_options() {
             "--set",
             &master_set,
         ];
-        let out = std::process::Command::new(launcher())
-            .args(args)
-            .output()
-            .unwrap();
+        let out = mt_launch().args(args).output().unwrap();
         assert_ok(&out, &args);
         let text = String::from_utf8_lossy(&out.stdout);
         let state = (master_b + 8.0 + grad_b + 2.0) * elems + mt::shm::HEADER_LEN as f64;
@@ -119,20 +116,14 @@ fn plan_shows_the_checkpoint_staging_area() {
             "checkpoint.every_steps=100",
         ];
         args.extend(extra);
-        let out = std::process::Command::new(launcher())
-            .args(&args)
-            .output()
-            .unwrap();
+        let out = mt_launch().args(&args).output().unwrap();
         assert_ok(&out, &args);
         let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let h = &json["host"];
         let staging = h["checkpoint_staging"].as_u64().unwrap();
         let without = h["total"].as_u64().unwrap() - staging;
         let text_args: Vec<&str> = args.iter().copied().filter(|a| *a != "--json").collect();
-        let out = std::process::Command::new(launcher())
-            .args(&text_args)
-            .output()
-            .unwrap();
+        let out = mt_launch().args(&text_args).output().unwrap();
         assert_ok(&out, &text_args);
         (
             staging,
@@ -170,7 +161,7 @@ fn plan_sizes_slab_slots_by_the_largest_layer() {
     // The embedding (and lm_head) is more than twice a layer: it travels in parts.
     assert!(2 * layer < layout.blocks[mt::layout::Layout::EMBED].len);
     let (workers, slots, bf16) = (4, 5, 2);
-    let out = std::process::Command::new(launcher())
+    let out = mt_launch()
         .args([
             "plan",
             "--config",
@@ -202,10 +193,7 @@ fn plan_sizes_slab_slots_by_the_largest_layer() {
 
 #[test]
 fn plan_without_config_is_an_error() {
-    let out = std::process::Command::new(launcher())
-        .args(["plan"])
-        .output()
-        .unwrap();
+    let out = mt_launch().args(["plan"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--config"));
 }
@@ -227,10 +215,7 @@ fn plan_for_gpus_elsewhere_qwen3_5() {
             "141",
             "--json",
         ];
-        let out = std::process::Command::new(launcher())
-            .args(args)
-            .output()
-            .unwrap();
+        let out = mt_launch().args(args).output().unwrap();
         assert_ok(&out, &args);
         let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let params = plan["host"]["params"].as_f64().unwrap() / 1e9;
@@ -265,7 +250,7 @@ fn plan_keeps_the_delta_rule_whole_on_a_gpu_with_room() {
             "--json",
         ];
         args.extend(extra);
-        let mut cmd = std::process::Command::new(launcher());
+        let mut cmd = mt_launch();
         cmd.args(&args);
         if let Some(bytes) = env {
             cmd.env("MT_TEST_DEVICE_MEMORY", bytes);
@@ -335,7 +320,7 @@ fn a_launch_grows_the_staging_area_into_free_ram() {
     let full = mt::checkpoint::staging::full_bytes(&layout, true);
     let dry_run = [&on_cpu[..], &["--dry-run"]].concat();
     let staging_line = |avail: u64| -> String {
-        let out = std::process::Command::new(launcher())
+        let out = mt_launch()
             .args(&dry_run)
             .env("MT_TEST_HOST_MEMORY", avail.to_string())
             .output()
@@ -479,7 +464,7 @@ fn plan_for_several_nodes_reports_bytes_per_node_and_the_network() {
 fn plan_counts_offloaded_layer_inputs_as_host_memory() {
     let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen_7b.yaml");
     let plan = |offload: bool| {
-        let out = std::process::Command::new(launcher())
+        let out = mt_launch()
             .args(["plan", "--config", config.to_str().unwrap()])
             .args(["--gpus", "2", "--gpu-memory", "141", "--json"])
             .args([

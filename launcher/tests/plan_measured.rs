@@ -12,7 +12,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::*;
 
@@ -99,7 +98,7 @@ fn plan_and_peak_with(
     let metrics = dir.join("metrics.jsonl");
     let mut run_args: Vec<&str> = args.iter().map(String::as_str).collect();
     run_args.extend(["--metrics-out", path_str(&metrics)]);
-    let out = Command::new(launcher())
+    let out = mt_launch()
         .args(&run_args)
         .env("MALLOC_MMAP_THRESHOLD_", "65536")
         .envs(env.iter().copied())

@@ -1,7 +1,13 @@
 //! The `checkpoint` section: where and how often checkpoints are written, what they hold,
 //! and how a background checkpoint stages the blocks training is about to change.
+//!
+//! A run that writes its model keeps checkpoints by default: `dir` unset is
+//! `<training.output_dir>/checkpoints/` ([`super::RunConfig::load`]), and one is written
+//! every `every_minutes` of training, at a stop signal, after a worker is lost and at the
+//! end. Only `training.save_model: false` without `dir` keeps none.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -11,11 +17,16 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointSection {
-    /// Where checkpoints go (`step-NNNNNNNN/` each); needed for `every_steps` and
-    /// `--resume latest`.
+    /// Where checkpoints go (`step-NNNNNNNN/` each), and where `--resume latest` looks.
+    /// Unset: `<training.output_dir>/checkpoints/` (the export of the model keeps that
+    /// subdirectory), or none with `training.save_model: false`.
     pub dir: Option<PathBuf>,
     /// Write a checkpoint every this many optimizer steps (0: never).
     pub every_steps: u64,
+    /// Write a checkpoint at the first step boundary after this many minutes of training
+    /// since the last checkpoint (or the start); 0: never. Like `every_steps`'s, it holds
+    /// the optimizer state (with `save_optimizer`) and is written in the background.
+    pub every_minutes: u64,
     /// Complete checkpoints kept; older ones are deleted (the newest is always kept).
     pub keep_last: usize,
     /// Write periodic checkpoints on a background thread while training goes on: each
@@ -46,6 +57,7 @@ impl Default for CheckpointSection {
         CheckpointSection {
             dir: None,
             every_steps: 0,
+            every_minutes: 30,
             keep_last: 2,
             background: true,
             staging_size: None,
@@ -67,11 +79,14 @@ pub enum CheckpointContents {
 
 impl CheckpointSection {
     /// What the checkpoint after `step` steps holds, if one is due; `last` is the end of
-    /// the run or a stop signal, always checkpointed.
-    pub fn due(&self, step: u64, last: bool) -> Option<CheckpointContents> {
+    /// the run or a stop signal, always checkpointed; `since_last` is the training time
+    /// since the last checkpoint (or the start), against `every_minutes`.
+    pub fn due(&self, step: u64, last: bool, since_last: Duration) -> Option<CheckpointContents> {
         let at = |every: u64| every > 0 && step.is_multiple_of(every);
+        let timed = self.timed_due(since_last);
         let full = self.save_optimizer
             && (last
+                || timed
                 || match self.full_state_every_steps {
                     0 => at(self.every_steps),
                     n => at(n),
@@ -79,28 +94,37 @@ impl CheckpointSection {
         match (self.dir.is_some(), full) {
             (false, _) => None,
             (true, true) => Some(CheckpointContents::Full),
-            (true, false) if last || at(self.every_steps) => Some(CheckpointContents::ModelOnly),
+            (true, false) if last || timed || at(self.every_steps) => {
+                Some(CheckpointContents::ModelOnly)
+            }
             (true, false) => None,
         }
     }
 
+    /// Whether `every_minutes` have passed in `since_last`.
+    pub fn timed_due(&self, since_last: Duration) -> bool {
+        self.every_minutes > 0
+            && since_last >= Duration::from_secs(self.every_minutes.saturating_mul(60))
+    }
+
     /// Whether any checkpoint before the last holds the optimizer state.
     pub fn periodic_full_state(&self) -> bool {
-        self.save_optimizer && (self.full_state_every_steps > 0 || self.every_steps > 0)
+        self.save_optimizer && self.periodic()
     }
 
     /// Whether checkpoints are written before the last one.
     pub fn periodic(&self) -> bool {
-        self.every_steps > 0 || self.full_state_every_steps > 0
+        self.every_steps > 0 || self.full_state_every_steps > 0 || self.every_minutes > 0
     }
 
-    /// The section's own checks: a directory for periodic checkpoints, and no setting that
-    /// another one turns off.
+    /// The section's own checks: a directory for step-based checkpoints, and no setting
+    /// that another one turns off. `every_minutes` without a directory (on by default, with
+    /// `training.save_model: false`) writes nothing.
     pub(super) fn validate(&self) -> Result<()> {
-        if self.periodic() && self.dir.is_none() {
+        if (self.every_steps > 0 || self.full_state_every_steps > 0) && self.dir.is_none() {
             return Err(Error::invalid(
                 "checkpoint.dir",
-                "is required when checkpoint.every_steps or checkpoint.full_state_every_steps > 0",
+                "is required when checkpoint.every_steps or checkpoint.full_state_every_steps > 0 and training.save_model is false (otherwise checkpoints go to training.output_dir/checkpoints/)",
             ));
         }
         if !self.save_optimizer && self.full_state_every_steps > 0 {

@@ -6,7 +6,11 @@
 //! (`training.batch_size`), not just the innermost field.
 //!
 //! Relative paths in a config are resolved against the directory of the config file, so a
-//! config runs the same from any working directory.
+//! config runs the same from any working directory. The one path a config may leave out
+//! that a run writes, `training.output_dir`, defaults to `output/<config file stem>/` under
+//! the current directory (where HF Trainer and LlamaFactory put a relative `output_dir`),
+//! and `checkpoint.dir` to its `checkpoints/` ([`RunConfig::load`]); `training.save_model:
+//! false` opts out of both.
 
 mod aliases;
 mod checkpoint;
@@ -228,8 +232,19 @@ pub struct TrainingSection {
     pub max_grad_norm: f64,
     /// Seed for random init and data shuffling.
     pub seed: u64,
-    /// Where the trained model is written as an HF model directory (None: not written).
+    /// Where the trained model is written as an HF model directory at the end of the run
+    /// (not on a stop signal, as HF Trainer). Unset: `output/<config file stem>/` under the
+    /// current directory; a relative path given here is resolved against the config
+    /// file's directory, as every path in a config is.
     pub output_dir: Option<PathBuf>,
+    /// Write the trained model to `output_dir` (HF Trainer's `save_model()`), with
+    /// checkpoints under `output_dir/checkpoints/` unless `checkpoint.dir` names another
+    /// place. `false` (benchmarks): no model is written, and checkpoints only where
+    /// `checkpoint.dir` is set; `output_dir`, if given, then holds logs only.
+    pub save_model: bool,
+    /// `output_dir` was left out and is the default (set by [`RunConfig::load`]).
+    #[serde(skip)]
+    pub output_dir_is_default: bool,
     /// Write into an `output_dir` that holds files this project did not write (HF
     /// Trainer's and LlamaFactory's key).
     pub overwrite_output_dir: bool,
@@ -285,6 +300,8 @@ impl Default for TrainingSection {
             max_grad_norm: 1.0,
             seed: 42,
             output_dir: None,
+            save_model: true,
+            output_dir_is_default: false,
             overwrite_output_dir: false,
             resume_from_checkpoint: None,
             nan_policy: NanPolicy::Skip,
@@ -487,8 +504,36 @@ impl RunConfig {
             false => cfg.model.resolve_source()?,
         }
         cfg.resolve_paths(base);
+        cfg.default_dirs(path);
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// With `training.save_model`, an unset `training.output_dir` becomes
+    /// `output/<stem of config>/` under the current directory, and an unset
+    /// `checkpoint.dir` its `checkpoints/`.
+    fn default_dirs(&mut self, config: &Path) {
+        let t = &mut self.training;
+        if !t.save_model {
+            return;
+        }
+        if t.output_dir.is_none() {
+            let stem = config.file_stem().unwrap_or(std::ffi::OsStr::new("run"));
+            let out = Path::new("output").join(stem);
+            // Absolute, so that messages and `--resume latest` name one place.
+            t.output_dir = Some(std::env::current_dir().map_or(out.clone(), |d| d.join(&out)));
+            t.output_dir_is_default = true;
+        }
+        if self.checkpoint.dir.is_none() {
+            self.checkpoint.dir = t.output_dir.as_ref().map(|o| o.join("checkpoints"));
+        }
+    }
+
+    /// Where the model is exported at the end of the run: `training.output_dir` unless
+    /// `training.save_model: false`.
+    pub fn export_dir(&self) -> Option<&Path> {
+        let t = &self.training;
+        t.output_dir.as_deref().filter(|_| t.save_model)
     }
 
     fn resolve_paths(&mut self, base: &Path) {

@@ -1,5 +1,7 @@
 //! Unit tests of the run config: parsing, validation, overrides, path resolution.
 
+use std::time::Duration;
+
 use super::*;
 
 fn parse(yaml: &str) -> Result<RunConfig> {
@@ -18,26 +20,104 @@ const OK: &str = "model: {path: m}\ndataset: {format: tokenized, path: d.jsonl}\
 #[test]
 fn checkpoints_are_due_full_or_model_only() {
     use CheckpointContents::{Full, ModelOnly};
+    let z = Duration::ZERO;
     let mut ck = CheckpointSection {
         dir: Some("ck".into()),
         every_steps: 10,
+        every_minutes: 0,
         ..CheckpointSection::default()
     };
-    assert_eq!(ck.due(10, false), Some(Full));
-    assert_eq!(ck.due(15, false), None);
-    assert_eq!(ck.due(15, true), Some(Full));
+    assert_eq!(ck.due(10, false, z), Some(Full));
+    assert_eq!(ck.due(15, false, z), None);
+    assert_eq!(ck.due(15, true, z), Some(Full));
     ck.full_state_every_steps = 30;
-    assert_eq!(ck.due(10, false), Some(ModelOnly));
-    assert_eq!(ck.due(30, false), Some(Full));
-    assert_eq!(ck.due(45, false), None);
-    assert_eq!(ck.due(45, true), Some(Full));
+    assert_eq!(ck.due(10, false, z), Some(ModelOnly));
+    assert_eq!(ck.due(30, false, z), Some(Full));
+    assert_eq!(ck.due(45, false, z), None);
+    assert_eq!(ck.due(45, true, z), Some(Full));
     ck.full_state_every_steps = 0;
     ck.save_optimizer = false;
-    assert_eq!(ck.due(10, false), Some(ModelOnly));
-    assert_eq!(ck.due(11, true), Some(ModelOnly));
+    assert_eq!(ck.due(10, false, z), Some(ModelOnly));
+    assert_eq!(ck.due(11, true, z), Some(ModelOnly));
     assert!(!ck.periodic_full_state());
     ck.dir = None;
-    assert_eq!(ck.due(10, true), None);
+    assert_eq!(ck.due(10, true, z), None);
+}
+
+/// `every_minutes` makes a checkpoint due at the first boundary once that much training
+/// time has passed since the last one, whatever the step; 0 never; a full one unless the
+/// optimizer state is not saved.
+#[test]
+fn checkpoints_are_due_after_every_minutes() {
+    use CheckpointContents::{Full, ModelOnly};
+    let min = |m: u64| Duration::from_secs(60 * m);
+    let mut ck = CheckpointSection {
+        dir: Some("ck".into()),
+        ..CheckpointSection::default()
+    };
+    assert_eq!(ck.every_minutes, 30, "the default");
+    assert_eq!(ck.due(7, false, min(29)), None);
+    assert_eq!(ck.due(7, false, min(30) - Duration::from_millis(1)), None);
+    assert_eq!(ck.due(7, false, min(30)), Some(Full));
+    assert_eq!(ck.due(7, false, min(95)), Some(Full));
+    // Step-based ones are due as before beside it.
+    ck.every_steps = 5;
+    assert_eq!(ck.due(10, false, min(1)), Some(Full));
+    assert_eq!(ck.due(11, false, min(1)), None);
+    // Model-only where the optimizer state is not saved.
+    ck.save_optimizer = false;
+    assert_eq!(ck.due(7, false, min(31)), Some(ModelOnly));
+    // 0: off.
+    ck.save_optimizer = true;
+    ck.every_minutes = 0;
+    assert_eq!(ck.due(7, false, min(10_000)), None);
+    assert!(!ck.timed_due(min(1)) && ck.periodic());
+    // No place to write: nothing, however long.
+    ck.every_minutes = 30;
+    ck.dir = None;
+    assert_eq!(ck.due(7, false, min(60)), None);
+}
+
+/// Without `training.output_dir` the model goes to `output/<config stem>/` under the
+/// current directory and checkpoints to its `checkpoints/`; an explicit one keeps its
+/// resolution against the config's directory; `save_model: false` opts out of both.
+#[test]
+fn output_and_checkpoint_dirs_default_unless_opted_out() {
+    let c = parse(OK).unwrap();
+    let out = c.training.output_dir.clone().unwrap();
+    let cwd = std::env::current_dir().unwrap();
+    assert!(out.starts_with(cwd.join("output")), "{}", out.display());
+    assert!(c.training.output_dir_is_default);
+    assert_eq!(c.checkpoint.dir, Some(out.join("checkpoints")));
+    assert_eq!(c.export_dir(), Some(out.as_path()));
+    // The stem of the config file names it.
+    let dir = std::env::temp_dir().join(format!("mt-cfg-stem-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("my_run.yaml");
+    std::fs::write(&p, OK).unwrap();
+    let c = RunConfig::load(&p, &[]).unwrap();
+    assert_eq!(c.training.output_dir, Some(cwd.join("output/my_run")));
+
+    let c = parse(&format!("{OK}training: {{output_dir: out}}\n")).unwrap();
+    let out = c.training.output_dir.clone().unwrap();
+    assert!(out.starts_with(std::env::temp_dir()) && out.ends_with("out"));
+    assert!(!c.training.output_dir_is_default);
+    assert_eq!(c.checkpoint.dir, Some(out.join("checkpoints")));
+
+    let c = parse(&format!("{OK}training: {{save_model: false}}\n")).unwrap();
+    assert_eq!((c.training.output_dir, c.checkpoint.dir), (None, None));
+    let e = parse(&format!(
+        "{OK}training: {{save_model: false}}\ncheckpoint: {{every_steps: 5}}\n"
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("checkpoint.dir"), "{e}");
+    // Logs only: no model is exported.
+    let c = parse(&format!(
+        "{OK}training: {{save_model: false, output_dir: o}}\n"
+    ))
+    .unwrap();
+    assert!(c.training.output_dir.is_some() && c.export_dir().is_none());
+    assert_eq!(c.checkpoint.dir, None);
 }
 
 #[test]

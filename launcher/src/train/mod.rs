@@ -27,28 +27,15 @@ use crate::progress::Progress;
 use crate::supervisor::Supervisor;
 
 mod gradients;
+mod keep;
 mod nodes;
 mod resident;
 mod step_end;
 mod weights;
+pub use keep::Stopped;
 pub(crate) use nodes::shard_plan;
 
 use gradients::StepOutcome;
-
-/// The run stopped at a step boundary because of this signal (after its checkpoint).
-#[derive(Debug)]
-pub struct Stopped(pub i32);
-
-impl std::fmt::Display for Stopped {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = nix::sys::signal::Signal::try_from(self.0)
-            .map(|s| s.as_str())
-            .unwrap_or("signal");
-        write!(f, "stopped by {name} at a step boundary")
-    }
-}
-
-impl std::error::Error for Stopped {}
 
 pub struct Trainer {
     cfg: RunConfig,
@@ -95,6 +82,13 @@ pub struct Trainer {
     update_exchange_s: f64,
     /// Of which, the seconds spent waiting for the other nodes to reach those exchanges.
     update_exchange_wait_s: f64,
+    /// When the last checkpoint was due (or training started), for
+    /// `checkpoint.every_minutes` ([`keep`]).
+    since_checkpoint: Instant,
+    /// The step and contents of the last checkpoint started.
+    checkpointed: Option<(u64, CheckpointContents)>,
+    /// The step and directory of the newest checkpoint written.
+    last_written: Option<(u64, PathBuf)>,
 }
 
 impl Trainer {
@@ -181,6 +175,9 @@ impl Trainer {
             "starting"
         );
         println!("{plan}");
+        if lead {
+            keep::say_where(&cfg);
+        }
         // Tensors carried as read: from the checkpoint resumed (which holds them as the
         // model directory did), else the model directory's; buffers at random init.
         let (carried, carried_from) = match (&resume, cfg.model.init) {
@@ -378,6 +375,9 @@ impl Trainer {
             mpi,
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
+            since_checkpoint: Instant::now(),
+            checkpointed: None,
+            last_written: None,
         })
     }
 
@@ -389,15 +389,25 @@ impl Trainer {
     /// Only the weights are written then; the Adam moments (half the update's memory
     /// traffic) follow while the workers compute the next step, before the reduce
     /// overwrites the gradient of each block (see [`HostState::defer_moments`]).
+    ///
+    /// A worker lost between step boundaries ends the run after a checkpoint of the last
+    /// step whose update is applied ([`keep`]): one lost while an update runs lets it
+    /// finish first.
     pub fn run(mut self) -> Result<()> {
         let steps = self.cfg.training.num_steps;
         let first = self.start_step;
+        self.since_checkpoint = Instant::now();
         let mut plan = self.fetch_batch(first);
-        self.send_step(first, &plan, false)?;
+        if let Err(e) = self.send_step(first, &plan, false) {
+            return Err(self.rescue(e, first));
+        }
         let mut last_report = Instant::now();
         let mut stopped = None;
         for step in first..steps {
-            let mut out = self.collect_gradients()?;
+            let mut out = match self.collect_gradients() {
+                Ok(out) => out,
+                Err(e) => return Err(self.rescue(e, step)),
+            };
             if let Some(g) = self.grpo.as_mut() {
                 g.keep(step, &plan, std::mem::take(&mut out.token_logps))?;
             }
@@ -428,18 +438,17 @@ impl Trainer {
             if let Some(hp) = &hp {
                 self.update_resident(hp)?;
             }
-            let checkpoint = self
-                .cfg
-                .checkpoint
-                .due(step + 1, !more)
-                .filter(|_| self.writer.is_some());
-            let export = !more && self.cfg.training.output_dir.is_some();
+            let due = self.checkpoint_due(step + 1, !more)?;
+            let checkpoint = due.filter(|_| self.writer.is_some());
+            let export = !more && self.cfg.export_dir().is_some();
             if checkpoint.is_some() || export {
                 self.pull_resident(checkpoint == Some(CheckpointContents::Full))?;
             }
+            // A worker lost from here on lets the update finish, then ends the run.
+            let mut lost = None;
             let next = if more && !evaluate {
                 let next = self.fetch_batch(step + 1);
-                self.send_step(step + 1, &next, true)?;
+                lost = self.send_step(step + 1, &next, true).err();
                 Some(next)
             } else {
                 None
@@ -448,8 +457,8 @@ impl Trainer {
                 if let Some(hp) = &hp {
                     self.update_block(block, hp)?;
                 }
-                if next.is_some() {
-                    self.sup.broadcast(|| ToWorker::BlockReady { block })?;
+                if next.is_some() && lost.is_none() {
+                    lost = self.sup.broadcast(|| ToWorker::BlockReady { block }).err();
                 }
             }
             if let (Some(hp), Moments::Keep) = (hp, self.moments) {
@@ -460,7 +469,13 @@ impl Trainer {
             let step_time_s = now.duration_since(last_report).as_secs_f64();
             last_report = now;
             out.skipped = !finite;
-            let eval = evaluate.then(|| self.evaluate()).transpose()?;
+            let eval = match evaluate.then(|| self.evaluate()).transpose() {
+                Ok(eval) => eval,
+                Err(e) => {
+                    lost = Some(e);
+                    None
+                }
+            };
             self.report(
                 step,
                 &plan,
@@ -471,18 +486,28 @@ impl Trainer {
                 step_time_s,
                 eval,
             )?;
+            if let Some(e) = lost {
+                return Err(self.rescue(e, step + 1));
+            }
             let next = match next {
                 None if more => {
                     let next = self.fetch_batch(step + 1);
-                    self.send_step(step + 1, &next, false)?;
+                    if let Err(e) = self.send_step(step + 1, &next, false) {
+                        return Err(self.rescue(e, step + 1));
+                    }
                     last_report = Instant::now();
                     Some(next)
                 }
                 next => next,
             };
-            self.checkpoint(step + 1, !more)?;
-            if stop.is_some() {
-                stopped = stop;
+            self.checkpoint(step + 1, !more, due)?;
+            if let Some(signal) = stop {
+                let kept = self.kept_at_stop(step + 1);
+                stopped = Some(Stopped {
+                    signal: signal as i32,
+                    step: step + 1,
+                    kept,
+                });
                 break;
             }
             plan = next.unwrap_or(plan);
@@ -498,8 +523,8 @@ impl Trainer {
             ..
         } = self;
         sup.shutdown();
-        if let Some(sig) = stopped {
-            return Err(Stopped(sig as i32).into());
+        if let Some(stopped) = stopped {
+            return Err(stopped.into());
         }
         nodes::export(&cfg, &mut host, &export, lead)?;
         println!(
@@ -547,6 +572,7 @@ impl Trainer {
                 },
             )?;
         }
+        self.sup.kill_hook(step + 1);
         Ok(())
     }
 

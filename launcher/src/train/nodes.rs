@@ -151,9 +151,13 @@ impl Trainer {
     /// area) is written window by window before the step loop goes on, the files one node
     /// would write. Every node runs every window's gather, even where node 0 could not
     /// create or write the files (it reports that after).
-    pub(super) fn checkpoint_sharded(&mut self, done: u64, last: bool) -> Result<()> {
-        let ck = &self.cfg.checkpoint;
-        let Some(contents) = ck.dir.as_ref().and(ck.due(done, last)) else {
+    pub(super) fn checkpoint_sharded(
+        &mut self,
+        done: u64,
+        last: bool,
+        due: Option<CheckpointContents>,
+    ) -> Result<()> {
+        let Some(contents) = due else {
             // Node 0: a background write completed (or failed) meanwhile.
             let Some(writer) = self.writer.as_mut() else {
                 return Ok(());
@@ -335,7 +339,7 @@ pub(super) fn export(
     export: &mt::checkpoint::ExportOptions,
     lead: bool,
 ) -> Result<()> {
-    let Some(out) = &cfg.training.output_dir else {
+    let Some(out) = cfg.export_dir() else {
         return Ok(());
     };
     if !host.sharded() {

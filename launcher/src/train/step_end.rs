@@ -15,13 +15,22 @@ use super::weights::schedule;
 use super::{StepOutcome, Trainer};
 
 impl Trainer {
-    /// Checkpoints after `done` steps (with `checkpoint.dir`): every `checkpoint.every_steps`
-    /// in the background (the step loop goes on while the writer writes), and at the `last`
-    /// step (end of the run, or a stop signal) or with `checkpoint.background: false` at
-    /// once. A write that failed meanwhile fails the run.
-    pub(super) fn checkpoint(&mut self, done: u64, last: bool) -> Result<()> {
+    /// Checkpoints after `done` steps (with `checkpoint.dir`) where one is `due`
+    /// ([`Trainer::checkpoint_due`]): periodic ones (`checkpoint.every_steps`,
+    /// `every_minutes`) in the background (the step loop goes on while the writer writes),
+    /// the `last` one (end of the run, a stop signal, a lost worker) or any with
+    /// `checkpoint.background: false` at once. A write that failed meanwhile fails the run.
+    pub(super) fn checkpoint(
+        &mut self,
+        done: u64,
+        last: bool,
+        due: Option<mt::config::CheckpointContents>,
+    ) -> Result<()> {
+        if let Some(contents) = due {
+            self.checkpointed = Some((done, contents));
+        }
         if self.host.sharded() {
-            return self.checkpoint_sharded(done, last);
+            return self.checkpoint_sharded(done, last, due);
         }
         let Some(writer) = self.writer.as_mut() else {
             return Ok(());
@@ -29,7 +38,7 @@ impl Trainer {
         let root = writer.root().display().to_string();
         let failed =
             || format!("checkpoint under {root} failed (complete checkpoints there are kept)");
-        let Some(contents) = self.cfg.checkpoint.due(done, last) else {
+        let Some(contents) = due else {
             let written = writer.poll().with_context(failed)?;
             return self.report_written(written.into_iter().collect());
         };
@@ -77,6 +86,7 @@ impl Trainer {
         written: Vec<mt::checkpoint::writer::Written>,
     ) -> Result<()> {
         for w in written {
+            self.note_written(&w.dir);
             self.progress.println(&format!(
                 "checkpoint {} written: {:.2} GB in {:.3}s ({:.2} GB/s); training waited {:.3}s for it; parts: {} staged, {} copied ahead, {} from the live state",
                 w.dir.display(),

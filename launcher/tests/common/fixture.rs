@@ -84,7 +84,7 @@ impl Fixture {
 
     /// Runs mt-launch with `extra`; it must fail at `stage` with every needle in stderr.
     pub fn fails(&self, extra: &[&str], stage: Stage, needles: &[&str]) -> String {
-        let mut cmd = Command::new(launcher());
+        let mut cmd = mt_launch();
         cmd.args(self.args(extra));
         self.check_failure(cmd, stage, needles)
     }

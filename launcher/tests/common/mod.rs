@@ -33,6 +33,32 @@ pub fn launcher() -> PathBuf {
     bin
 }
 
+/// `mt-launch` as a test spawns it: in a fresh current directory of its own, so that a
+/// run whose config names no `training.output_dir` writes its model and checkpoints to
+/// `output/<config stem>/` there (the default), not into the source tree, and runs of the
+/// same config in parallel tests do not share one.
+pub fn mt_launch() -> Command {
+    let mut cmd = Command::new(launcher());
+    cmd.current_dir(fresh_cwd());
+    cmd
+}
+
+/// A fresh directory for a launch to run in ([`mt_launch`]).
+pub fn fresh_cwd() -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let test = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "test".into());
+    let cwd = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/test-scratch/cwd")
+        .join(format!("{test}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cwd);
+    std::fs::create_dir_all(&cwd).unwrap();
+    cwd
+}
+
 /// The fixtures written by scripts/make_golden.py.
 pub fn golden_dir() -> PathBuf {
     let dir = std::env::var_os("MT_GOLDEN_DIR")
@@ -116,10 +142,7 @@ pub fn scratch(name: &str) -> PathBuf {
 
 /// Runs mt-launch to completion.
 pub fn run(args: &[&str]) -> Output {
-    Command::new(launcher())
-        .args(args)
-        .output()
-        .expect("spawn mt-launch")
+    mt_launch().args(args).output().expect("spawn mt-launch")
 }
 
 pub fn run_ok(args: &[&str]) -> Output {
@@ -164,7 +187,7 @@ pub fn run_cpu_env(
     args.push(workers.to_string());
     args.extend(["--metrics-out".to_string(), path_str(metrics).to_string()]);
     args.extend(extra.iter().map(|s| s.to_string()));
-    let out = Command::new(launcher())
+    let out = mt_launch()
         .args(&args)
         .envs(env.iter().copied())
         .output()

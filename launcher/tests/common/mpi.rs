@@ -87,6 +87,7 @@ fn mpich_shim() -> &'static Path {
 /// MPICH shim.
 pub fn mpi_command(mpirun: &Path, ranks: usize, workers: usize, args: &[&str]) -> Command {
     let mut cmd = Command::new(mpirun);
+    cmd.current_dir(super::fresh_cwd());
     if mpirun.file_name().is_some_and(|n| n == MPICH_EXEC) {
         // Hydra passes the environment on, runs as root and oversubscribes as it is.
         cmd.args(["-n", &ranks.to_string()])

@@ -90,7 +90,7 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
 pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
     if spec == "latest" {
         let root = root.ok_or_else(|| {
-            Error::invalid("checkpoint.dir", "--resume latest needs checkpoint.dir")
+            Error::invalid("checkpoint.dir", "--resume latest needs checkpoint.dir (with training.save_model: false there is no default)")
         })?;
         let all = complete(root)?;
         let found = all.iter().rev().find(|(_, p)| resumable(p));
