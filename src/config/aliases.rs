@@ -283,6 +283,7 @@ fn negate(v: &Value) -> std::result::Result<Option<Value>, String> {
 fn save_strategy(v: &Value) -> std::result::Result<Option<Value>, String> {
     match v.as_str() {
         Some("steps") => Ok(None),
+        // `no` sets every_minutes too, in `apply`.
         Some("no") => Ok(Some(0.into())),
         Some(other) => Err(format!(
             "save_strategy: {other} is not supported: give save_steps (or save_strategy: no)"
@@ -385,6 +386,12 @@ pub fn apply(root: &mut Value, base: &Path, overriding: bool) -> Result<Applied>
                 let k = k.as_str().unwrap_or_default();
                 moved.push((format!("{alias}.{k}"), format!("training.{k}"), v.clone()));
             }
+            continue;
+        }
+        if alias.ends_with("save_strategy") && v.as_str() == Some("no") {
+            // No checkpoint by step nor by time.
+            moved.push((alias.into(), "checkpoint.every_steps".into(), 0.into()));
+            moved.push((alias.into(), "checkpoint.every_minutes".into(), 0.into()));
             continue;
         }
         match rule(alias).expect("found keys have a rule") {
