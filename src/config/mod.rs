@@ -470,13 +470,11 @@ impl RunConfig {
         for ov in overrides {
             let (key, raw) = ov.split_once('=').unwrap_or((ov, ""));
             let key = aliases::canonical(key.trim());
-            // A source replaces the other way of naming it: `--set dataset.path=my.json`
+            // A data source replaces the other way of naming it: `--set dataset.path=my.json`
             // on a config that names a registry dataset trains on the file.
             let other = match key {
                 "dataset.path" => Some(("dataset", "name")),
                 "dataset.name" => Some(("dataset", "path")),
-                "model.path" => Some(("model", "name")),
-                "model.name" => Some(("model", "path")),
                 _ => None,
             };
             if let Some((section, other)) = other
