@@ -129,7 +129,10 @@ fn a_killed_export_leaves_the_previous_or_the_new_model() {
     assert_ne!(files_a, files_b, "the two models differ");
 
     // The output holds A, a file of the user's and the run's checkpoints.
-    assert_ok(&train(&dir, "first", &sets(&out, 1, &[ck.clone()])), &[]);
+    assert_ok(
+        &train(&dir, "first", &sets(&out, 1, std::slice::from_ref(&ck))),
+        &[],
+    );
     assert_eq!(export_files(&out), files_a);
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     assert!(out.join("checkpoints/step-00000001/COMPLETE").is_file());
@@ -143,7 +146,7 @@ fn a_killed_export_leaves_the_previous_or_the_new_model() {
         ("exchanged", &files_b, &want_b),
     ];
     for (instant, files, want) in instants {
-        kill_at(&dir, instant, &sets(&out, 2, &[ck.clone()]));
+        kill_at(&dir, instant, &sets(&out, 2, std::slice::from_ref(&ck)));
         assert_eq!(&export_files(&out), files, "killed at {instant}");
         let snap = dir.join(format!("snap-{instant}"));
         copy_dir(&out, &snap);
@@ -255,13 +258,13 @@ fn damaged_checkpoints_are_refused_on_resume() {
     let (out, ck) = (dir.join("out"), dir.join("ck"));
     let ck_set = format!("checkpoint.dir={}", ck.display());
     assert_ok(
-        &train(&dir, "first", &sets(&out, 1, &[ck_set.clone()])),
+        &train(&dir, "first", &sets(&out, 1, std::slice::from_ref(&ck_set))),
         &[],
     );
     let saved = ck.join("step-00000001");
     manifest::verify(&saved).unwrap();
     let resume = |tag: &str, extra: &[String]| {
-        let mut args = sets(&out, 2, &[ck_set.clone()]);
+        let mut args = sets(&out, 2, std::slice::from_ref(&ck_set));
         args.extend(extra.iter().cloned());
         args.extend(["--resume".to_string(), path_str(&saved).to_string()]);
         let o = train(&dir, tag, &args);
