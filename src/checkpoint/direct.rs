@@ -51,7 +51,7 @@ impl Direct {
             .then(|| {
                 OpenOptions::new()
                     .write(true)
-                    .custom_flags(libc::O_DIRECT)
+                    .custom_flags(libc::O_DIRECT | libc::O_NOFOLLOW)
                     .open(path)
                     .ok()
             })

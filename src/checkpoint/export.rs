@@ -12,6 +12,16 @@
 //! training goes on writes each block from wherever its consistent copy is
 //! ([`super::writer`]). Carried tensors ([`super::carried`]) follow the trained ones, byte
 //! for byte as read.
+//!
+//! A standalone export ([`save_hf`], [`ExportFiles::create`]) is written whole into a fresh
+//! temporary directory beside the output, `<parent>/.<name>.mt-tmp-<random>/`, every file
+//! created exclusively ([`super::atomic`]) and fsynced, its manifest
+//! ([`super::manifest::EXPORT_MARKER`], the files' sizes and CRC32C) last; only then is it
+//! put in place ([`install`]): at every instant the output's name holds the previous
+//! complete export or the new one, never a partial one. A value that is not finite is
+//! refused as it is written, so an export never replaces a finite model with a broken
+//! one. Inside a checkpoint's own temporary directory the files are written in place
+//! ([`ExportFiles::create_in`]) and listed in the checkpoint's manifest instead.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -21,7 +31,9 @@ use half::bf16;
 use safetensors::Dtype;
 
 use super::MasterRef;
+use super::atomic;
 use super::carried::SharedCarried;
+use super::manifest::{EXPORT_MARKER, Entry, Manifest};
 use super::pieces::{self, Meta, Positioned};
 use super::state::{BlockValues, Field, Tensors, WRITE_CHUNK};
 use super::streams::{self, Shifted};
@@ -46,6 +58,9 @@ pub const COPIED_FILES: &[&str] = &[
 
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
+
+mod install;
+pub use install::{is_weight_file, recover_export};
 
 /// What an export writes besides the tensors.
 #[derive(Debug, Clone)]
@@ -90,20 +105,10 @@ fn shard_name(i: usize, n: usize) -> String {
     format!("model-{:05}-of-{n:05}.safetensors", i + 1)
 }
 
-/// `.NAME.tmp` beside `dst`.
-fn tmp_for(dst: &Path) -> PathBuf {
-    let name = dst
-        .file_name()
-        .map(|n| n.to_string_lossy())
-        .unwrap_or_default();
-    dst.with_file_name(format!(".{name}.tmp"))
-}
-
-/// Writes `bytes` to `dst` through a temporary file in the same directory.
-fn write_atomic(dst: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = tmp_for(dst);
-    std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, dst).map_err(|e| Error::io(dst, e))
+/// Creates `dir/name` exclusively with `bytes` and returns its manifest entry.
+fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<Entry> {
+    let crc = atomic::write_new(&dir.join(name), bytes)?;
+    Ok(Entry::new(name, bytes.len() as u64, crc))
 }
 
 /// `config.json` of the source with `dtype` (transformers 5) and `torch_dtype` (older
@@ -135,10 +140,10 @@ fn exported_config(src: &Path, dtype: DType) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Writes an HF model directory to `out` (created if needed) from `master` and returns the
-/// files written; blocks are converted and written in parallel. Every file but the weights
-/// is written under a temporary name and renamed; weight files of an earlier export with
-/// another sharding are removed.
+/// Writes an HF model directory to `out` from `master` and returns the files written;
+/// blocks are converted and written in parallel. The whole directory is written aside and
+/// then put in place ([`install`]): `out` holds the previous export until the new one is
+/// complete.
 pub fn save_hf(
     out: &Path,
     layout: &Layout,
@@ -163,7 +168,11 @@ pub fn save_hf(
 /// ([`ExportFiles::write_block`]); [`ExportFiles::finish`] adds the index, the config and
 /// the copied files.
 pub struct ExportFiles<'a> {
-    out: PathBuf,
+    /// Where the files are written.
+    dir: PathBuf,
+    /// The output directory `dir` is put in place as, for a standalone export (`dir` is
+    /// then its temporary directory); None inside a checkpoint's directory.
+    out: Option<PathBuf>,
     layout: &'a Layout,
     opts: &'a ExportOptions,
     shards: Vec<Positioned>,
@@ -176,14 +185,36 @@ pub struct ExportFiles<'a> {
 }
 
 impl<'a> ExportFiles<'a> {
-    /// Creates `out` (if needed) and its weight files, sharded as huggingface_hub shards,
-    /// with the carried tensors written.
+    /// Starts a standalone export to `out`: a fresh temporary directory beside it, its
+    /// weight files created, sharded as huggingface_hub shards, with the carried tensors
+    /// written. `out` itself is untouched until [`ExportFiles::finish`]. A link at `out`
+    /// is resolved: the export goes where it points.
     pub fn create(
         out: &Path,
         layout: &'a Layout,
         opts: &'a ExportOptions,
     ) -> Result<ExportFiles<'a>> {
-        std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+        let out = install::resolve(out)?;
+        let (parent, name) = install::split(&out)?;
+        let tmp = atomic::temp_dir(&parent, &format!(".{name}"))?;
+        let files = Self::create_in(&tmp, layout, opts).map(|mut f| {
+            f.out = Some(out.clone());
+            f
+        });
+        if files.is_err() {
+            let _ = atomic::remove_ours(&tmp);
+        }
+        files
+    }
+
+    /// Creates the weight files in directory `dir` (which exists: a checkpoint's temporary
+    /// directory), as [`ExportFiles::create`] does.
+    pub fn create_in(
+        dir: &Path,
+        layout: &'a Layout,
+        opts: &'a ExportOptions,
+    ) -> Result<ExportFiles<'a>> {
+        let out = dir;
         let carried = &opts.carried.tensors;
         let sizes: Vec<usize> = layout
             .tensors()
@@ -231,7 +262,8 @@ impl<'a> ExportFiles<'a> {
             shard_files[shard].write(&c.name, 0, &c.bytes)?;
         }
         Ok(ExportFiles {
-            out: out.into(),
+            dir: out.into(),
+            out: None,
             layout,
             opts,
             shards: shard_files,
@@ -285,6 +317,7 @@ impl<'a> ExportFiles<'a> {
             for at in (lo..hi).step_by(WRITE_CHUNK) {
                 let first = t.offset + at - window.start;
                 let x = values.values(Field::Master, first..first + (hi - at).min(WRITE_CHUNK));
+                check_finite(&x, file.path(), name, at)?;
                 match self.opts.dtype {
                     DType::Float32 => file.write(name, 4 * at, f32_bytes(&x))?,
                     DType::Bfloat16 => pieces::with_bytes(|buf| {
@@ -295,18 +328,48 @@ impl<'a> ExportFiles<'a> {
                         file.write(name, 2 * at, buf)
                     })?,
                 }
+                if self.out.is_some() {
+                    install::pause_at("mid-tensor");
+                }
             }
         }
         Ok(())
     }
 
-    /// Writes the index (when sharded), the config and the copied files, removes weight
-    /// files of an earlier export, and returns every file of the export.
-    pub fn finish(self) -> Result<Vec<PathBuf>> {
-        let (out, opts) = (&self.out, self.opts);
-        let mut written: Vec<PathBuf> = self.shards.iter().map(|f| f.path().into()).collect();
-        let n = self.shards.len();
-        if n > 1 {
+    /// Finishes a standalone export: the index (when sharded), the config and the copied
+    /// files, every file fsynced, the manifest last, then the directory put in place of the
+    /// output ([`install`]). Returns every file of the export under the output's name.
+    pub fn finish(mut self) -> Result<Vec<PathBuf>> {
+        let out = self
+            .out
+            .take()
+            .expect("a standalone export (ExportFiles::create)");
+        let tmp = self.dir.clone();
+        let done = self.finish_in().and_then(|entries| {
+            install::pause_at("manifest");
+            Manifest::new(entries.clone()).write(&tmp, EXPORT_MARKER)?;
+            install::install(&tmp, &out)?;
+            Ok(entries)
+        });
+        match done {
+            Ok(entries) => Ok(entries.iter().map(|e| out.join(&e.name)).collect()),
+            Err(e) => {
+                if atomic::is_real_dir(&tmp) {
+                    let _ = atomic::remove_ours(&tmp);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes the index (when sharded), the config and the copied files into the
+    /// directory, fsyncs the weight files, and returns the manifest entries of all.
+    pub fn finish_in(mut self) -> Result<Vec<Entry>> {
+        let shards = std::mem::take(&mut self.shards);
+        let (dir, opts) = (&self.dir, self.opts);
+        let n = shards.len();
+        let mut written = Vec::with_capacity(n + COPIED_FILES.len() + 2);
+        let index = (n > 1).then(|| {
             let weight_map: serde_json::Map<String, serde_json::Value> = self
                 .names
                 .iter()
@@ -316,52 +379,56 @@ impl<'a> ExportFiles<'a> {
                 .zip(&self.shard_of)
                 .map(|(name, &s)| (name.clone(), shard_name(s, n).into()))
                 .collect();
-            let index = serde_json::json!({
+            serde_json::json!({
                 "metadata": {"total_size": self.total},
                 "weight_map": weight_map,
-            });
-            let path = out.join(INDEX);
-            write_atomic(
-                &path,
-                &serde_json::to_vec_pretty(&index).expect("JSON serializes"),
-            )?;
-            written.push(path);
+            })
+        });
+        for shard in shards {
+            written.push(shard.finish()?);
+            install::pause_at("between-files");
         }
-        remove_stale_weights(out, &written)?;
+        if let Some(index) = index {
+            let json = serde_json::to_vec_pretty(&index).expect("JSON serializes");
+            written.push(write_file(dir, INDEX, &json)?);
+        }
         let cfg_src = opts.source.join("config.json");
-        let cfg_dst = out.join("config.json");
-        write_atomic(&cfg_dst, &exported_config(&cfg_src, opts.dtype)?)?;
-        written.push(cfg_dst);
+        let cfg = exported_config(&cfg_src, opts.dtype)?;
+        written.push(write_file(dir, "config.json", &cfg)?);
         for name in COPIED_FILES {
             let src = opts.source.join(name);
             if !src.is_file() {
                 continue;
             }
-            let dst = out.join(name);
-            let tmp = tmp_for(&dst);
-            std::fs::copy(&src, &tmp).map_err(|e| Error::io(&src, e))?;
-            std::fs::rename(&tmp, &dst).map_err(|e| Error::io(&dst, e))?;
-            written.push(dst);
+            let bytes = std::fs::read(&src).map_err(|e| Error::io(&src, e))?;
+            written.push(write_file(dir, name, &bytes)?);
         }
         Ok(written)
     }
 }
 
-/// Removes weight files in `dir` that are not in `keep` (an earlier export's shards or
-/// single file), so that loaders see only this export.
-fn remove_stale_weights(dir: &Path, keep: &[PathBuf]) -> Result<()> {
-    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
-    for entry in entries {
-        let path = entry.map_err(|e| Error::io(dir, e))?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        let weights = name == SINGLE
-            || name == INDEX
-            || (name.starts_with("model-") && name.ends_with(".safetensors"));
-        if weights && !keep.contains(&path) {
-            std::fs::remove_file(&path).map_err(|e| Error::io(&path, e))?;
+impl Drop for ExportFiles<'_> {
+    /// A standalone export given up before [`ExportFiles::finish`] (a write failed) removes
+    /// its temporary directory; the output keeps the previous export.
+    fn drop(&mut self) {
+        if self.out.is_some() && atomic::is_real_dir(&self.dir) {
+            let _ = atomic::remove_ours(&self.dir);
         }
     }
-    Ok(())
+}
+
+/// Fails where `x` (elements from `at` of tensor `name`, written to `file`) holds a value
+/// that is not finite: such a model is never written over a finite one.
+pub(super) fn check_finite(x: &[f32], file: &Path, name: &str, at: usize) -> Result<()> {
+    match x.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(Error::Tensor {
+            path: file.into(),
+            tensor: name.into(),
+            expected: "finite values (nothing written: the previous model is kept)".into(),
+            got: format!("{} at element {}", x[i], at + i),
+        }),
+    }
 }
 
 #[cfg(test)]

@@ -2,10 +2,12 @@
 //! shape and dtype), transformers-style random init, and export of an HF model directory.
 
 pub mod area;
+pub mod atomic;
 pub mod carried;
 pub mod direct;
 pub mod export;
 pub mod fed;
+pub mod manifest;
 pub mod master;
 pub mod mxfp4;
 pub mod old_logps;
@@ -19,7 +21,8 @@ pub mod state;
 pub mod streams;
 pub mod writer;
 
-pub use export::{ExportOptions, save_hf};
+pub use export::{ExportOptions, recover_export, save_hf};
+pub use manifest::verify;
 pub use master::{MasterMut, MasterRef};
 
 use std::collections::HashMap;
@@ -97,14 +100,15 @@ pub fn check_writable(dir: &Path, key: &str) -> Result<()> {
     if !base.is_dir() {
         return Err(fail(format!("{} is not a directory", base.display())));
     }
-    let probe = base.join(format!(".mt-write-probe-{}", std::process::id()));
-    std::fs::File::create(&probe)
-        .and_then(|_| std::fs::remove_file(&probe))
+    let probe = base.join(atomic::temp_name(".mt-write-probe"));
+    atomic::create_new(&probe)
+        .and_then(|_| std::fs::remove_file(&probe).map_err(|e| Error::io(&probe, e)))
         .map_err(|e| fail(format!("cannot write in {}: {e}", base.display())))
 }
 
 /// Loads every parameter of `layout` from the model dir into `master` (layout order),
 /// reading each tensor a piece at a time ([`pieces`]): the files are never mapped whole.
+/// A value that is not finite is an error naming the tensor and the file.
 /// Carried tensors are skipped ([`carried::Carried::read`] holds them); MXFP4-packed expert
 /// weights (GPT-OSS as published) are dequantized ([`mxfp4`]).
 pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut MasterMut) -> Result<()> {
@@ -162,7 +166,16 @@ pub fn load_pretrained(dir: &Path, layout: &Layout, master: &mut MasterMut) -> R
             let start = range.start;
             master.try_fill(range, |first, out| {
                 let elems = first - start..first - start + out.len();
-                reader.read_f32(&info, elems, out)
+                reader.read_f32(&info, elems.clone(), out)?;
+                match out.iter().position(|v| !v.is_finite()) {
+                    None => Ok(()),
+                    Some(i) => Err(Error::Tensor {
+                        path: file.clone(),
+                        tensor: name.clone(),
+                        expected: "finite values".into(),
+                        got: format!("{} at element {}", out[i], elems.start + i),
+                    }),
+                }
             })?;
         }
     }

@@ -20,7 +20,9 @@ use half::{bf16, f16};
 use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
 
+use super::atomic;
 use super::direct::Direct;
+use super::manifest::{self, Entry, PieceCrcs};
 use crate::error::{Error, Result};
 
 /// Elements per piece (256 KiB of f32): small enough that one buffer per thread is
@@ -190,13 +192,19 @@ impl Meta {
 /// padded with spaces to 8 bytes); the tensors' bytes are then written at their offsets
 /// ([`Positioned::write`], `pwrite`), in any order and from any thread, so a checkpoint can
 /// be written block by block as its blocks become available; past the page cache where
-/// the filesystem allows ([`super::direct`]). Not fsynced.
+/// the filesystem allows ([`super::direct`]). The file is created exclusively, never
+/// through a link ([`super::atomic::create_new`]); each write's CRC32C is recorded, and
+/// [`Positioned::finish`] fsyncs the file and gives its manifest entry.
 pub struct Positioned {
     path: PathBuf,
     file: File,
     direct: Direct,
     /// File offset of each tensor's data.
     at: HashMap<String, u64>,
+    /// Bytes of the whole file.
+    len: u64,
+    /// The CRC of every piece written (the header included).
+    crcs: PieceCrcs,
 }
 
 impl Positioned {
@@ -230,11 +238,14 @@ impl Positioned {
         header.resize(header.len().next_multiple_of(N_LEN), b' ');
         let data_start = (N_LEN + header.len()) as u64;
         let io = |e: std::io::Error| failed(e.to_string());
-        let file = File::create(path).map_err(io)?;
+        let file = atomic::create_new(path)?;
         let mut prefix = (header.len() as u64).to_le_bytes().to_vec();
         prefix.extend_from_slice(&header);
         file.write_all_at(&prefix, 0).map_err(io)?;
-        file.set_len(data_start + offset as u64).map_err(io)?;
+        let len = data_start + offset as u64;
+        file.set_len(len).map_err(io)?;
+        let crcs = PieceCrcs::default();
+        crcs.record(0, &prefix);
         let at = tensors
             .iter()
             .map(|t| {
@@ -247,6 +258,8 @@ impl Positioned {
             direct: Direct::open(path),
             file,
             at,
+            len,
+            crcs,
         })
     }
 
@@ -262,7 +275,16 @@ impl Positioned {
             .map_err(|e| Error::Weights {
                 path: self.path.clone(),
                 msg: format!("write failed: {e}"),
-            })
+            })?;
+        self.crcs.record(at, bytes);
+        Ok(())
+    }
+
+    /// Fsyncs the file (every tensor written) and returns its manifest entry.
+    pub fn finish(self) -> Result<Entry> {
+        self.file.sync_all().map_err(|e| Error::io(&self.path, e))?;
+        let crc = self.crcs.finish(&self.path, self.len)?;
+        Ok(manifest::entry_of(&self.path, self.len, crc))
     }
 }
 

@@ -6,24 +6,30 @@
 //! transformers as is), `optimizer.safetensors` (`master`, `exp_avg`, `exp_avg_sq`, flat
 //! f32 in layout order, whatever `memory.master_weights`; a split master is joined, a bf16
 //! one widened, a chunk at a time), `trainer_state.json`, the state's extra files (DPO's
-//! `dpo_reference.safetensors`), and `COMPLETE`. Every file is
-//! created with its header, then each block's values are written at their offsets
-//! ([`Files::write_block`]), so a block can be written from the live state or from a
-//! staged copy ([`super::writer`]). A checkpoint is written into
-//! a hidden temporary directory, every file fsynced, the marker written last, then renamed
-//! into place; a directory without `COMPLETE` is never loaded, and pruning never deletes
-//! the newest complete checkpoint. A failed write removes its temporary directory; one
-//! left by a killed writer is removed by the next run (`remove_stale`).
+//! `dpo_reference.safetensors`), `.mt-owner.json` (who wrote it) and `COMPLETE`, the
+//! manifest of every other file with its size and CRC32C ([`super::manifest`]). Every file
+//! is created exclusively, never through a link ([`super::atomic`]), with its header, then
+//! each block's values are written at their offsets ([`Files::write_block`]), so a block can
+//! be written from the live state or from a staged copy ([`super::writer`]); a value that is
+//! not finite fails the write (the previous checkpoints are kept). A checkpoint is written
+//! into a fresh temporary directory `.mt-tmp-<random>` holding its owner record, every file
+//! fsynced, the marker written last, then renamed into place without replacing (or, over
+//! a checkpoint of the same step, exchanged with it); a directory without `COMPLETE` is
+//! never loaded, and pruning never deletes the newest complete checkpoint. A failed write
+//! removes its temporary directory; one left by a killed writer is removed by the next run
+//! (`remove_stale`: only ours, only of writers known to be gone). Reading a checkpoint
+//! back ([`Saved::read`]) refuses a value that is not finite, naming the tensor.
 
 use std::borrow::Cow;
-use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
-use super::export::ExportFiles;
+use super::atomic;
+use super::export::{ExportFiles, check_finite};
+use super::manifest::{self, Entry, Manifest};
 use super::pieces::{self, Positioned};
 pub use super::schedule::Schedule;
 use super::staging;
@@ -37,9 +43,9 @@ use crate::shm::f32_bytes;
 mod dirs;
 pub use dirs::{complete, prune, remove_stale, resolve, resumable};
 
-const MARKER: &str = "COMPLETE";
-/// Prefix of the directories a checkpoint is written in (and an old one set aside in).
-const TMP_PREFIX: &str = ".tmp-";
+const MARKER: &str = manifest::CHECKPOINT_MARKER;
+/// Prefix of the directories of writers of earlier versions (`.tmp-step-N-PID`).
+const LEGACY_TMP_PREFIX: &str = ".tmp-";
 const STATE: &str = "trainer_state.json";
 const OPTIMIZER: &str = "optimizer.safetensors";
 /// The trainer_state.json format this build writes and reads.
@@ -163,10 +169,12 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |e| Error::io(path, e)
 }
 
-fn fsync(path: &Path) -> Result<()> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(io(path))
+/// The HF name of the parameter at global element `i` of `layout`.
+pub fn name_at(layout: &Layout, i: usize) -> String {
+    layout
+        .tensors()
+        .find(|(b, t)| Layout::global_range(b, t).contains(&i))
+        .map_or_else(|| format!("element {i}"), |(b, t)| b.hf_name(t))
 }
 
 /// Writes checkpoint `state.step` of `tensors` under `root` (block after block) and
@@ -199,29 +207,37 @@ pub fn save_with(
     contents: CheckpointContents,
     fill: impl FnOnce(&Files) -> Result<()>,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(root).map_err(io(root))?;
     let name = format!("step-{:08}", state.step);
-    let tmp = root.join(format!("{TMP_PREFIX}{name}-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
-    }
+    let tmp = atomic::temp_dir(root, "")?;
     let written = Files::create(&tmp, layout, export, contents)
         .and_then(|files| fill(&files).and_then(|()| files.finish(state)));
     if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&tmp);
+        let _ = atomic::remove_ours(&tmp);
         return Err(e);
     }
     let dst = root.join(&name);
-    // An older checkpoint of the same step is set aside, not deleted, until the new one
-    // has taken its name.
-    let old = root.join(format!("{TMP_PREFIX}old-{name}-{}", std::process::id()));
-    if dst.exists() {
-        std::fs::rename(&dst, &old).map_err(io(&dst))?;
-    }
-    std::fs::rename(&tmp, &dst).map_err(io(&dst))?;
-    fsync(root)?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old).map_err(io(&old))?;
+    let put = if !atomic::exists(&dst) {
+        atomic::rename_noreplace(&tmp, &dst).map(|()| None)
+    } else if atomic::exchange(&tmp, &dst)? {
+        // An older checkpoint of the same step now holds the temporary name.
+        Ok(Some(tmp.clone()))
+    } else {
+        let aside = root.join(atomic::temp_name(""));
+        std::fs::rename(&dst, &aside)
+            .map_err(io(&dst))
+            .and_then(|()| atomic::rename_noreplace(&tmp, &dst))
+            .map(|()| Some(aside))
+    };
+    let old = match put {
+        Ok(old) => old,
+        Err(e) => {
+            let _ = atomic::remove_ours(&tmp);
+            return Err(e);
+        }
+    };
+    atomic::fsync(root)?;
+    if let Some(old) = old {
+        atomic::remove_ours(&old)?;
     }
     Ok(dst)
 }
@@ -244,7 +260,7 @@ impl<'a> Files<'a> {
         export: &'a ExportOptions,
         contents: CheckpointContents,
     ) -> Result<Files<'a>> {
-        let export = ExportFiles::create(dir, layout, export)?;
+        let export = ExportFiles::create_in(dir, layout, export)?;
         let optimizer = (contents == CheckpointContents::Full)
             .then(|| optimizer_file(&dir.join(OPTIMIZER), layout.total))
             .transpose()?;
@@ -336,34 +352,35 @@ impl<'a> Files<'a> {
         match &self.optimizer {
             Some(file) => {
                 let at = self.layout.blocks[b].offset;
-                write_flat(file, at + part.start..at + part.end, values, fields)
+                write_flat(
+                    file,
+                    at + part.start..at + part.end,
+                    values,
+                    fields,
+                    Some(self.layout),
+                )
             }
             None => Ok(()),
         }
     }
 
-    /// The export's other files, `trainer_state.json`, every file fsynced, the marker last.
+    /// The export's other files, `trainer_state.json`, every file fsynced, the manifest
+    /// last.
     fn finish(self, state: &TrainState) -> Result<()> {
         let tmp = &self.dir;
-        let mut files = self.export.finish()?;
-        if let Some(opt) = &self.optimizer {
-            files.push(opt.path().into());
+        let mut files: Vec<Entry> = self.export.finish_in()?;
+        if let Some(opt) = self.optimizer {
+            files.push(opt.finish()?);
         }
-        let st = tmp.join(STATE);
         let json = serde_json::to_string_pretty(state)
             .map_err(|e| Error::Other(format!("trainer state: {e}")))?;
-        std::fs::write(&st, json).map_err(io(&st))?;
-        files.push(st);
+        let crc = atomic::write_new(&tmp.join(STATE), json.as_bytes())?;
+        files.push(Entry::new(STATE, json.len() as u64, crc));
         for (name, bytes) in &state.extra {
-            let p = tmp.join(name);
-            std::fs::write(&p, bytes.as_slice()).map_err(io(&p))?;
-            files.push(p);
+            let crc = atomic::write_new(&tmp.join(name), bytes)?;
+            files.push(Entry::new(name, bytes.len() as u64, crc));
         }
-        files.iter().try_for_each(|f| fsync(f))?;
-        let marker = tmp.join(MARKER);
-        std::fs::write(&marker, b"").map_err(io(&marker))?;
-        fsync(&marker)?;
-        fsync(tmp)
+        Manifest::new(files).write(tmp, MARKER)
     }
 }
 
@@ -392,6 +409,7 @@ fn write_flat(
     r: Range<usize>,
     values: &dyn BlockValues,
     fields: &[Field],
+    layout: Option<&Layout>,
 ) -> Result<()> {
     for (name, field) in OPTIMIZER_TENSORS
         .into_iter()
@@ -399,6 +417,14 @@ fn write_flat(
     {
         for lo in (0..r.len()).step_by(WRITE_CHUNK) {
             let x = values.values(field, lo..(lo + WRITE_CHUNK).min(r.len()));
+            if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+                let at = r.start + lo + i;
+                let tensor = match layout {
+                    Some(l) => format!("{name} of {}", name_at(l, at)),
+                    None => name.to_string(),
+                };
+                check_finite(&x[i..=i], file.path(), &tensor, r.start + lo + i)?;
+            }
             file.write(name, 4 * (r.start + lo), f32_bytes(&x))?;
         }
     }
@@ -431,6 +457,7 @@ pub struct Saved {
     reader: pieces::Reader,
     path: PathBuf,
     total: usize,
+    layout: Layout,
 }
 
 impl Saved {
@@ -491,10 +518,12 @@ impl Saved {
             reader,
             path: opt,
             total: n,
+            layout: layout.clone(),
         })
     }
 
-    /// Fills `dst` with `field`'s elements `at..at + dst.len()`.
+    /// Fills `dst` with `field`'s elements `at..at + dst.len()`; a value that is not
+    /// finite is an error naming the parameter and the file.
     pub fn read(&self, field: Field, at: usize, dst: &mut MasterMut<'_>) -> Result<()> {
         let info = self.reader.tensor(field.name()).expect("checked by open");
         assert!(
@@ -504,7 +533,16 @@ impl Saved {
         );
         dst.try_fill(0..dst.len(), |first, out| {
             let from = at + first;
-            self.reader.read_f32(info, from..from + out.len(), out)
+            self.reader.read_f32(info, from..from + out.len(), out)?;
+            match out.iter().position(|v| !v.is_finite()) {
+                None => Ok(()),
+                Some(i) => Err(Error::Tensor {
+                    path: self.path.clone(),
+                    tensor: format!("{} of {}", field.name(), name_at(&self.layout, from + i)),
+                    expected: "finite values".into(),
+                    got: format!("{} at element {} of the flat tensor", out[i], from + i),
+                }),
+            }
         })
     }
 }

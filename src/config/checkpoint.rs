@@ -50,6 +50,13 @@ pub struct CheckpointSection {
     /// checkpoint only; the other checkpoints of `every_steps` are model-only (0: every
     /// checkpoint holds it). The end of a run and a stop signal always write it.
     pub full_state_every_steps: u64,
+    /// Check, before reading it, every file of the checkpoint a run resumes (and of a
+    /// `model.init: pretrained` directory this project exported: one holding
+    /// `megatrain-export.json`) against the sizes and CRC32C checksums its manifest lists;
+    /// a damaged file is named and the run refused. Reads the whole directory once, at disk
+    /// speed; `false` skips it, for a trusted checkpoint of many terabytes. Values that are
+    /// not finite are refused either way.
+    pub verify: bool,
 }
 
 impl Default for CheckpointSection {
@@ -64,6 +71,7 @@ impl Default for CheckpointSection {
             max_shard_size: size::ByteSize(5_000_000_000),
             save_optimizer: true,
             full_state_every_steps: 0,
+            verify: true,
         }
     }
 }

@@ -111,12 +111,15 @@ impl Trainer {
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
         prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
+        // An export a killed run left half put in place is finished or undone first: the
+        // checkpoints may live inside the output directory.
+        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
+            checkpoint::check_writable(dir, "training.output_dir")?;
+            checkpoint::recover_export(dir)?;
+        }
         if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
             checkpoint::check_writable(dir, "checkpoint.dir")?;
             checkpoint::state::remove_stale(dir)?;
-        }
-        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
-            checkpoint::check_writable(dir, "training.output_dir")?;
         }
         // Before any long work, and creating nothing yet: a metrics path that cannot be
         // written fails the launch now, not after start-up.
@@ -524,11 +527,19 @@ impl Trainer {
             sup,
             export,
             plan,
+            writer,
             ..
         } = self;
         sup.shutdown();
         if let Some(stopped) = stopped {
             return Err(stopped.into());
+        }
+        // Checkpoints may live inside the output directory, which the export swaps: no
+        // write may be in flight there meanwhile.
+        if let Some(mut w) = writer {
+            let root = w.root().display().to_string();
+            w.finish()
+                .with_context(|| format!("checkpoint under {root} failed"))?;
         }
         nodes::export(&cfg, &mut host, &export, lead)?;
         println!(

@@ -13,7 +13,7 @@
 
 use std::path::Path;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use mt::checkpoint;
 use mt::config::hf::ModelSpec;
 use mt::config::{Init as InitKind, RunConfig, Stage};
@@ -23,9 +23,14 @@ use crate::host::HostState;
 /// Fills the master weights and the store with the run's initial model.
 pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSpec) -> Result<()> {
     match cfg.model.init {
-        InitKind::Pretrained => host.init_master(|layout, master| {
-            checkpoint::load_pretrained(&cfg.model.path, layout, master)
-        }),
+        InitKind::Pretrained => {
+            // An export of this project carries its manifest: checked before it is read.
+            let dir = &cfg.model.path;
+            if cfg.checkpoint.verify && dir.join(checkpoint::manifest::EXPORT_MARKER).is_file() {
+                verified(dir)?;
+            }
+            host.init_master(|layout, master| checkpoint::load_pretrained(dir, layout, master))
+        }
         InitKind::Random => host.init_master(|layout, master| {
             checkpoint::init_random(layout, spec, cfg.training.seed, master);
             Ok(())
@@ -36,6 +41,10 @@ pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSp
 /// Restores the checkpoint `dir` (weights, Adam state, step): (its step, its count of
 /// non-finite steps in a row).
 pub(super) fn restore(host: &mut HostState, dir: &Path, cfg: &RunConfig) -> Result<(u64, u64)> {
+    // Every node checks the files it is about to read (`checkpoint.verify`).
+    if cfg.checkpoint.verify {
+        verified(dir)?;
+    }
     let state = host.restore(dir)?;
     let steps = cfg.training.num_steps;
     if state.step >= steps {
@@ -92,4 +101,21 @@ fn grpo_reference(cfg: &RunConfig) -> Option<String> {
             cfg.training.seed
         ),
     })
+}
+
+/// Checks every file of `dir` against its manifest ([`checkpoint::verify`]), timed.
+fn verified(dir: &Path) -> Result<()> {
+    let t = std::time::Instant::now();
+    let checked = checkpoint::verify(dir)
+        .with_context(|| format!("{} is damaged (checkpoint.verify)", dir.display()))?;
+    if let checkpoint::manifest::Checked::Verified { files, bytes } = checked {
+        let s = t.elapsed().as_secs_f64();
+        tracing::info!(
+            "verified {} ({files} files, {:.2} GB in {s:.2}s, {:.2} GB/s)",
+            dir.display(),
+            bytes as f64 / 1e9,
+            bytes as f64 / 1e9 / s.max(1e-9)
+        );
+    }
+    Ok(())
 }

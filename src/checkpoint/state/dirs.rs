@@ -4,11 +4,17 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{MARKER, OPTIMIZER, TMP_PREFIX, io};
+use super::{LEGACY_TMP_PREFIX, MARKER, OPTIMIZER, STATE, io};
+use crate::checkpoint::atomic::{self, TMP_INFIX};
+use crate::checkpoint::manifest::Manifest;
 use crate::error::{Error, Result};
 
-/// Removes temporary directories under `root` left by writers that died mid-write (their
-/// process is gone); a live writer's are kept.
+/// Removes the temporary directories under `root` that writers of this project left when
+/// they died mid-write: `.mt-tmp-*` directories whose owner record (or manifest) names a
+/// writer known to be gone ([`crate::checkpoint::owner::Owner::is_dead`]), and an earlier
+/// version's `.tmp-*-PID` directories holding checkpoint files whose pid is gone. Nothing
+/// else is touched: not a live or another host's writer's, not an entry without our
+/// record, not a link.
 pub fn remove_stale(root: &Path) -> Result<()> {
     let Ok(entries) = std::fs::read_dir(root) else {
         return Ok(());
@@ -18,11 +24,29 @@ pub fn remove_stale(root: &Path) -> Result<()> {
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
             continue;
         };
+        if !atomic::is_real_dir(&path) {
+            continue;
+        }
+        if name.starts_with(TMP_INFIX) {
+            let owner = atomic::read_owner(&path).or_else(|| {
+                let m = Manifest::read(&path, MARKER).ok().flatten();
+                m.map(|m| m.owner)
+            });
+            if let Some(owner) = owner.filter(|o| o.is_dead()) {
+                tracing::info!("removing {}, left by {}", path.display(), owner.describe());
+                atomic::remove_ours(&path)?;
+            }
+            continue;
+        }
         let pid = name
-            .strip_prefix(TMP_PREFIX)
+            .strip_prefix(LEGACY_TMP_PREFIX)
             .and_then(|n| n.rsplit('-').next())
             .and_then(|p| p.parse::<u32>().ok());
+        let ours = [STATE, MARKER, OPTIMIZER]
+            .iter()
+            .any(|f| std::fs::symlink_metadata(path.join(f)).is_ok_and(|m| m.is_file()));
         if let Some(pid) = pid
+            && ours
             && !Path::new(&format!("/proc/{pid}")).exists()
         {
             std::fs::remove_dir_all(&path).map_err(io(&path))?;
@@ -74,12 +98,11 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
     for (step, path) in &all[..excess] {
         if Some(*step) != newest_full {
             // Renamed first (atomic), so that a process killed mid-delete leaves a
-            // temporary directory that `remove_stale` clears, never a `step-N` directory
-            // half deleted.
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("step");
-            let doomed = root.join(format!("{TMP_PREFIX}pruned-{name}-{}", std::process::id()));
-            std::fs::rename(path, &doomed).map_err(io(path))?;
-            std::fs::remove_dir_all(&doomed).map_err(io(&doomed))?;
+            // temporary directory that `remove_stale` clears (its owner record, or its
+            // manifest, which goes last), never a `step-N` directory half deleted.
+            let doomed = root.join(atomic::temp_name(""));
+            atomic::rename_noreplace(path, &doomed)?;
+            atomic::remove_ours(&doomed)?;
         }
     }
     Ok(())

@@ -10,7 +10,11 @@ fn optimizer_file_is_safetensors_own_bytes() {
     let dir = std::env::temp_dir().join(format!("mt-optfile-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let n = (1 << 20) + 37;
-    let val = |i: usize, k: u32| f32::from_bits((i as u32).wrapping_mul(0x9e37_79b9) ^ k) % 7.0;
+    // Arbitrary bit patterns, the non-finite ones (which a checkpoint refuses) replaced.
+    let val = |i: usize, k: u32| {
+        let x = f32::from_bits((i as u32).wrapping_mul(0x9e37_79b9) ^ k) % 7.0;
+        if x.is_finite() { x } else { 1.5 }
+    };
     let master: Vec<f32> = (0..n).map(|i| val(i, 1)).collect();
     let m: Vec<f32> = (0..n).map(|i| val(i, 2)).collect();
     let v: Vec<f32> = (0..n).map(|i| val(i, 3)).collect();
@@ -29,12 +33,13 @@ fn optimizer_file_is_safetensors_own_bytes() {
     let path = dir.join(OPTIMIZER);
     let live = Tensors::f32(&master, &m, &v);
     let write = |t: &Tensors| {
+        let _ = std::fs::remove_file(&path);
         let file = optimizer_file(&path, n).unwrap();
         // Two ranges, the second first, neither on a chunk boundary.
         let cut = WRITE_CHUNK / 2 + 3;
         let all = staging::fields(true);
-        write_flat(&file, cut..n, &t.slice(cut..n), all).unwrap();
-        write_flat(&file, 0..cut, &t.slice(0..cut), all).unwrap();
+        write_flat(&file, cut..n, &t.slice(cut..n), all, None).unwrap();
+        write_flat(&file, 0..cut, &t.slice(0..cut), all, None).unwrap();
     };
     write(&live);
     assert!(std::fs::read(&path).unwrap() == want, "bytes differ");
@@ -202,17 +207,171 @@ fn pruning_keeps_the_newest_resumable_checkpoint() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// Only this project's temporary directories of writers known to be gone are removed:
+/// never a live writer's, an entry without our owner record, nor a link.
 #[test]
 fn stale_temporary_dirs_of_dead_writers_are_removed() {
+    use crate::checkpoint::owner::Owner;
     let root = std::env::temp_dir().join(format!("mt-stale-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
+    let me = Owner::this_run();
     // pid_max is at most 2^22, so this writer is certainly gone.
-    let dead = root.join(format!("{TMP_PREFIX}step-00000002-999999999"));
-    let ours = root.join(format!("{TMP_PREFIX}step-00000003-{}", std::process::id()));
-    let done = root.join("step-00000001");
-    for d in [&dead, &ours, &done] {
-        std::fs::create_dir_all(d).unwrap();
-    }
+    let gone = Owner {
+        pid: 1 << 23,
+        ..me.clone()
+    };
+    let mk = |name: &str, files: &[(&str, Vec<u8>)]| {
+        let d = root.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for (f, bytes) in files {
+            std::fs::write(d.join(f), bytes).unwrap();
+        }
+        d
+    };
+    let record = |o: &Owner| serde_json::to_vec(o).unwrap();
+    let manifest = serde_json::to_vec(&Manifest {
+        owner: gone.clone(),
+        ..Manifest::new(vec![])
+    })
+    .unwrap();
+    let dead = mk(
+        ".mt-tmp-00000000000000aa",
+        &[(atomic::OWNER_FILE, record(&gone))],
+    );
+    let replaced = mk(".mt-tmp-00000000000000ab", &[(MARKER, manifest)]);
+    let live = mk(
+        ".mt-tmp-00000000000000ac",
+        &[(atomic::OWNER_FILE, record(me))],
+    );
+    let foreign = mk(".mt-tmp-00000000000000ad", &[("data", b"user".to_vec())]);
+    let legacy = mk(".tmp-step-00000002-8388608", &[(STATE, b"{}".to_vec())]);
+    let legacy_user = mk(".tmp-notes-8388608", &[("notes.txt", b"mine".to_vec())]);
+    let legacy_live = mk(
+        &format!(".tmp-step-00000003-{}", std::process::id()),
+        &[(MARKER, vec![])],
+    );
+    let done = mk("step-00000001", &[(atomic::OWNER_FILE, record(&gone))]);
+    let target = mk("elsewhere", &[(atomic::OWNER_FILE, record(&gone))]);
+    let link = root.join(".mt-tmp-00000000000000ae");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
     remove_stale(&root).unwrap();
-    assert!(!dead.exists() && ours.exists() && done.exists());
+    for gone in [&dead, &replaced, &legacy] {
+        assert!(!gone.exists(), "{} kept", gone.display());
+    }
+    for kept in [
+        &live,
+        &foreign,
+        &legacy_user,
+        &legacy_live,
+        &done,
+        &target,
+        &link,
+    ] {
+        assert!(
+            std::fs::symlink_metadata(kept).is_ok(),
+            "{} removed",
+            kept.display()
+        );
+    }
+    assert!(target.join(atomic::OWNER_FILE).is_file());
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// A master or moment that is not finite is never written over a complete checkpoint (the
+/// write fails naming the parameter, nothing of it is left); one planted in a checkpoint,
+/// whose manifest is then remade so that its checksums pass, is refused on reading, naming
+/// the parameter and the file.
+#[test]
+fn non_finite_values_are_never_written_nor_read() {
+    let hf = r#"{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}"#;
+    let hf: crate::config::hf::HfConfig = serde_json::from_str(hf).unwrap();
+    let spec = crate::config::hf::ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap();
+    let layout = Layout::new(&spec);
+    let dir = std::env::temp_dir().join(format!("mt-nonfinite-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = dir.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("config.json"), "{}").unwrap();
+    let export = ExportOptions {
+        dtype: crate::config::DType::Float32,
+        source: src,
+        max_shard_bytes: 1 << 30,
+        carried: Default::default(),
+    };
+    let n = layout.total;
+    let mut master: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let m = vec![0.5f32; n];
+    let mut v = vec![0.25f32; n];
+    let mut state = TrainState {
+        format: FORMAT,
+        step: 1,
+        updates: 1,
+        nan_run: 0,
+        layout: fingerprint(&layout),
+        schedule: None,
+        extra: Vec::new(),
+    };
+    let root = dir.join("ck");
+    let full = CheckpointContents::Full;
+    let one = save(
+        &root,
+        &state,
+        &layout,
+        &Tensors::f32(&master, &m, &v),
+        &export,
+        full,
+    )
+    .unwrap();
+    crate::checkpoint::verify(&one).unwrap();
+    // The first parameter of the first layer (after the embedding).
+    let b1 = &layout.blocks[1];
+    let at = b1.offset + b1.tensors[0].offset + 3;
+    let name = b1.hf_name(&b1.tensors[0]);
+    state.step = 2;
+    for (field, nan) in [("exp_avg_sq", true), ("model.safetensors", false)] {
+        if nan {
+            v[at] = f32::NAN;
+        } else {
+            v[at] = 0.25;
+            master[at] = f32::INFINITY;
+        }
+        let t = Tensors::f32(&master, &m, &v);
+        let e = save(&root, &state, &layout, &t, &export, full)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&name) && e.contains(field), "{e}");
+        let left: Vec<_> = std::fs::read_dir(&root).unwrap().collect();
+        assert_eq!(left.len(), 1, "only step 1 is left: {left:?}");
+    }
+    // NaN planted in step 1's master, the manifest remade: the checksums pass.
+    let opt = one.join(OPTIMIZER);
+    let reader = pieces::Reader::open(&opt).unwrap();
+    let info = reader.tensor("master").unwrap().clone();
+    drop(reader);
+    let mut bytes = std::fs::read(&opt).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let p = header + info.data_offsets.0 + 4 * at;
+    bytes[p..p + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&opt, &bytes).unwrap();
+    let mut mf = Manifest::read(&one, MARKER).unwrap().unwrap();
+    let entry = mf.files.iter_mut().find(|f| f.name == OPTIMIZER).unwrap();
+    entry.crc32c = format!("{:08x}", crc32c::crc32c(&bytes));
+    std::fs::write(one.join(MARKER), serde_json::to_vec(&mf).unwrap()).unwrap();
+    crate::checkpoint::verify(&one).unwrap();
+    let (mut a, mut b, mut c) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let e = load(
+        &one,
+        &layout,
+        MasterMut::F32(&mut a),
+        MasterMut::F32(&mut b),
+        MasterMut::F32(&mut c),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&format!("master of {name}")) && e.contains(OPTIMIZER) && e.contains("NaN"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
