@@ -8,6 +8,7 @@
 //! Relative paths in a config are resolved against the directory of the config file, so a
 //! config runs the same from any working directory.
 
+pub mod bounds;
 mod checkpoint;
 mod dataset;
 mod grpo;
@@ -392,7 +393,7 @@ impl RunConfig {
     }
 
     fn load_with(path: &Path, overrides: &[String], shipped_ok: bool) -> Result<RunConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::bounded::read_text(path, crate::bounded::SMALL_JSON, "run config")?;
         let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Config {
             path: path.into(),
             msg: format!("malformed YAML: {e}"),
@@ -512,6 +513,7 @@ impl RunConfig {
                 return Err(Error::invalid(key, msg));
             }
         }
+        bounds::check(self)?;
         self.validate_stage()?;
         self.checkpoint.validate()?;
         if self.memory.checkpoint_interval != 1 {
