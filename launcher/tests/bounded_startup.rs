@@ -81,7 +81,7 @@ fn a_looping_chat_template_is_refused_naming_template_and_record() {
         &tiny_template(
             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
         ),
-        &alpaca(4),
+        &alpaca(1),
     );
     // Skipping is no way out: every record would hit the bound.
     // The bound is 5M instructions, ~0.5 s of one core here (src/data/chat/limits.rs);
@@ -104,7 +104,7 @@ fn a_chat_template_writing_gigabytes_is_refused() {
     let f = chat_fixture(
         "huge-template",
         &tiny_template("{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}"),
-        &alpaca(4),
+        &alpaca(1),
     );
     fails_within(
         &f,
@@ -270,5 +270,38 @@ fn overflowing_config_json_values_are_refused_naming_the_key() {
         "vocab-2-70",
         &[("vocab_size", serde_json::json!(1e21))],
         &["`vocab_size`"],
+    );
+}
+
+#[test]
+fn a_cpu_micro_batch_too_large_for_host_ram_is_refused_with_the_plan() {
+    let f = fixture("cpu-micro-batch");
+    // 1 worker, 4096 rows of 8192 tokens: the device plan's activations are hundreds of GB;
+    // the test hook says 16 GB of host RAM, far more than the host plan of this 3-layer
+    // model, far less than the micro-batch.
+    let big = [
+        "--set",
+        "training.batch_size=4096",
+        "--set",
+        "dataset.max_seq_len=8192",
+        "--workers",
+        "1",
+    ];
+    let env = [("MT_TEST_HOST_MEMORY", "16000000000")];
+    let err = fails_within(
+        &f,
+        &big,
+        &env,
+        &[
+            "the micro-batch of 4096 x 8192 tokens does not fit cpu",
+            "host RAM left beside the host plan",
+            "The largest that fits is",
+            "--force",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(
+        err.contains("per worker (`mt-launch plan`)"),
+        "the plan's numbers:\n{err}"
     );
 }
