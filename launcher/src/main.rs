@@ -88,8 +88,11 @@ fn run(cli: cli::Cli) -> Result<()> {
     };
     let config = cli.config.expect("clap requires --config");
     unix::install_stop_handlers()?;
-    let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
+    let mut cfg = mt::config::RunConfig::load(&config, &cli.set)?;
     unix::check_stop("config loading")?;
+    for note in &cfg.notes {
+        println!("note: {note}");
+    }
     let mut placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
     if let Some(m) = mpi::init()? {
         placement.nodes = m.size;
@@ -102,8 +105,15 @@ fn run(cli: cli::Cli) -> Result<()> {
             ));
         }
     }
+    if let Some(line) = cfg.resolve_batch(placement.world()) {
+        println!("{line}");
+    }
+    let resume = cli
+        .resume
+        .clone()
+        .or_else(|| cfg.training.resume_from_checkpoint.clone());
     if cli.dry_run {
-        return plan::dry_run(&cfg, &placement, cli.resume.as_deref(), cli.force);
+        return plan::dry_run(&cfg, &placement, resume.as_deref(), cli.force);
     }
     let metrics = cli.metrics_out.clone();
     let result = train::Trainer::new(
@@ -112,7 +122,7 @@ fn run(cli: cli::Cli) -> Result<()> {
         cli.metrics_out,
         cli.dump_grads,
         cli.dump_logits,
-        cli.resume,
+        resume,
         cli.force,
     )?
     .run();

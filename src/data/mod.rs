@@ -334,7 +334,10 @@ fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
     let ds = reader.ds;
     let mut out = Read::default();
     for src in srcs {
-        let mut left = src.limit.unwrap_or(usize::MAX);
+        let mut left = src
+            .limit
+            .unwrap_or(usize::MAX)
+            .min(ds.max_samples.unwrap_or(usize::MAX));
         for file in &src.files {
             cancel::check(cancel::DATA)?;
             let contents = FileRecords::read(file)?;

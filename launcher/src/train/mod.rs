@@ -124,6 +124,12 @@ impl Trainer {
         if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
             checkpoint::check_writable(dir, "training.output_dir")?;
         }
+        // Before any long work: a metrics path that cannot be written fails the launch now.
+        let metrics = metrics_out
+            .as_deref()
+            .filter(|_| lead)
+            .map(MetricsWriter::create)
+            .transpose()?;
         let tensorboard_dir = cfg.tensorboard_dir()?.filter(|_| lead);
         if let Some(dir) = &tensorboard_dir {
             checkpoint::check_writable(dir, "logging.logging_dir")?;
@@ -138,9 +144,9 @@ impl Trainer {
             _ => None,
         };
         nodes::check_supported(mpi, &cfg, dump_grads.is_some())?;
-        let (metrics_out, dump_grads, dump_logits) = match lead {
-            true => (metrics_out, dump_grads, dump_logits),
-            false => (None, None, None),
+        let (dump_grads, dump_logits) = match lead {
+            true => (dump_grads, dump_logits),
+            false => (None, None),
         };
         // Several nodes shard the optimizer state instead: `auto` keeps none there.
         let free = crate::prepare::device_opts(&cfg, &placement)
@@ -155,6 +161,10 @@ impl Trainer {
             plan,
         } = prepared;
         println!("{}", data.summary());
+        let mut cfg = cfg;
+        if let Some(line) = cfg.resolve_steps(data.samples) {
+            println!("{line}");
+        }
         let resume = resume
             .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
             .transpose()?;
@@ -288,10 +298,6 @@ impl Trainer {
             sup.register_s,
             sup.warm_up_s,
         );
-        let metrics = metrics_out
-            .as_deref()
-            .map(MetricsWriter::create)
-            .transpose()?;
         let tensorboard = tensorboard_dir
             .as_deref()
             .map(EventWriter::create)
