@@ -55,6 +55,21 @@ pub enum Error {
     #[error("shared memory region `{name}`: {msg}")]
     Shm { name: String, msg: String },
 
+    /// A file refused before it is read ([`crate::bounded`]): not a regular file, or larger
+    /// than the bound the message states. `what` says what the file is for
+    /// (`dataset file`, `model config`).
+    #[error("{what} {path}: {msg}")]
+    Refused {
+        what: &'static str,
+        path: PathBuf,
+        msg: String,
+    },
+
+    /// Start-up stopped because a stop was requested ([`crate::cancel`]: the launcher's
+    /// SIGINT / SIGTERM); `during` names the phase (`data preparation`).
+    #[error("interrupted during {during}")]
+    Interrupted { during: &'static str },
+
     #[error("{0}")]
     Other(String),
 }

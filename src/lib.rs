@@ -8,6 +8,8 @@
 
 #![deny(unsafe_code)]
 
+pub mod bounded;
+pub mod cancel;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

@@ -46,6 +46,12 @@ fn main() -> ExitCode {
             nodes.inspect(|m| m.finalize());
             ExitCode::SUCCESS
         }
+        Err(e) if unix::interrupted(&e).is_some() => {
+            let stopped = unix::interrupted(&e).expect("checked");
+            say(&format!("{me}: {stopped}"));
+            nodes.inspect(|m| m.finalize());
+            ExitCode::from(128 + stopped.signal as u8)
+        }
         Err(e) if e.is::<train::Stopped>() => {
             let stopped = e.downcast_ref::<train::Stopped>().expect("checked");
             say(&format!("{me}: {stopped}"));
@@ -83,6 +89,7 @@ fn run(cli: cli::Cli) -> Result<()> {
     let config = cli.config.expect("clap requires --config");
     unix::install_stop_handlers()?;
     let mut cfg = mt::config::RunConfig::load(&config, &cli.set)?;
+    unix::check_stop("config loading")?;
     for note in &cfg.notes {
         println!("note: {note}");
     }

@@ -67,7 +67,14 @@ impl Prepared {
             )
             .into());
         }
-        let layout = Layout::new(&spec);
+        // Parameters and tensors counted with checked arithmetic before anything is sized.
+        let config_json = match cfg.model.shipped {
+            Some(s) => std::path::Path::new("configs")
+                .join(s.dir)
+                .join("config.json"),
+            None => cfg.model.path.join("config.json"),
+        };
+        let layout = Layout::checked(&spec, &config_json)?;
         let data = match read_data {
             true => Dataset::load(
                 &cfg.dataset,
@@ -78,6 +85,7 @@ impl Prepared {
             )?,
             false => Dataset::default(),
         };
+        crate::unix::check_stop(mt::cancel::DATA)?;
         let carried = match cfg.model.init {
             Init::Pretrained => carried,
             Init::Random => checkpoint::carried::Carried::init(&layout).bytes(),
@@ -163,6 +171,20 @@ impl Prepared {
         Ok(())
     }
 
+    /// What each of `workers` CPU workers may use for its micro-batch: an equal share of
+    /// the host RAM available now less the host plan (as [`Prepared::check_host_ram`]
+    /// left it); None where the available RAM is unknown.
+    fn cpu_memory(&self, workers: usize) -> Option<Vec<mt::plan::DeviceMemory>> {
+        let avail = mt::plan::available_host_bytes()?;
+        let share = avail.saturating_sub(self.plan.total()) / workers.max(1) as u64;
+        let m = mt::plan::DeviceMemory {
+            device: Device::Cpu,
+            free: share,
+            total: avail,
+        };
+        Some(vec![m; workers])
+    }
+
     /// The shape of one worker's micro-batch: rows = training.batch_size / (workers x
     /// gradient_accumulation_steps) (at least 1; twice that under `dpo`, whose batch counts
     /// pairs), tokens per row = dataset.max_seq_len, or the longest row when that is unset
@@ -211,19 +233,24 @@ impl Prepared {
 
     /// Refuses a run whose micro-batch does not fit the memory a GPU it uses has free, by
     /// the device plan (`mt::plan::check_device_fit`); with `force`, warns and goes on.
-    /// Skipped where that memory cannot be known (CPU workers, no CUDA driver).
+    /// CPU workers hold their micro-batch's activations in host RAM: each gets an equal
+    /// share of the RAM available beside the host plan ([`Prepared::cpu_memory`]).
+    /// Skipped where that memory cannot be known (no CUDA driver, no MemAvailable).
     pub fn check_device_memory(
         &self,
         cfg: &RunConfig,
         placement: &Placement,
         force: bool,
     ) -> Result<()> {
-        let Some(memory) = crate::gpu::memory(&placement.devices, placement.workers) else {
-            return Ok(());
+        let read = crate::gpu::memory(&placement.devices, placement.workers);
+        let cpu = || (placement.gpus == 0).then(|| self.cpu_memory(placement.workers))?;
+        let (memory, source) = match (read, cpu()) {
+            (Some(m), _) => (m, crate::gpu::source()),
+            (None, Some(m)) => (m, CPU_SOURCE),
+            (None, None) => return Ok(()),
         };
         let shape = self.micro_batch(cfg, placement.world());
         let opts = device_opts(cfg, placement);
-        let source = crate::gpu::source();
         match mt::plan::check_device_fit(&self.spec, &self.layout, opts, shape, &memory, source) {
             Ok(()) => Ok(()),
             Err(short) if force => {
@@ -242,6 +269,10 @@ impl Prepared {
 /// memory is the store and slabs the host plan counts); 4 GB leaves a margin for other
 /// shapes and libraries.
 pub const GPU_WORKER_HOST_RESERVE: u64 = 4_000_000_000;
+
+/// Where a CPU worker's memory figure comes from, for [`Prepared::check_device_memory`].
+const CPU_SOURCE: &str =
+    "host RAM left beside the host plan (MemAvailable, shared by the CPU workers) has";
 
 /// The device plan's options for `cfg` on `placement`.
 pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {

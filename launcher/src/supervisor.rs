@@ -47,6 +47,9 @@ pub struct Supervisor {
     /// a worker killed by SIGKILL after the count moved is reported as out of memory.
     oom_kills_at_start: Option<u64>,
     host_plan_bytes: u64,
+    /// Until every worker is ready, a SIGINT / SIGTERM ends the wait at once
+    /// ([`crate::unix::check_stop`]); after, the step loop stops at a step boundary.
+    starting: bool,
 }
 
 impl Supervisor {
@@ -62,6 +65,7 @@ impl Supervisor {
             host_plan_bytes,
             register_s: 0.0,
             warm_up_s: 0.0,
+            starting: true,
         };
         for init in inits {
             let w = spawn_one(worker_bin, init, &ev_tx)?;
@@ -90,6 +94,7 @@ impl Supervisor {
                 Event::Closed(r) => return Err(sup.death(r)),
             }
         }
+        sup.starting = false;
         Ok(sup)
     }
 
@@ -147,6 +152,9 @@ impl Supervisor {
                 }
                 Err(RecvTimeoutError::Disconnected) => bail!("all worker channels closed"),
                 Err(RecvTimeoutError::Timeout) => {}
+            }
+            if self.starting {
+                crate::unix::check_stop("worker start-up")?;
             }
             for r in 0..self.workers.len() {
                 if let Ok(Some(_)) = self.workers[r].child.try_wait() {
@@ -391,6 +399,11 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
             Err(_) => {
                 if let Some(status) = child.try_wait()? {
                     bail!("worker rank {rank} exited during start-up ({status})");
+                }
+                if let Err(stop) = crate::unix::check_stop("worker start-up") {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(stop);
                 }
             }
         }

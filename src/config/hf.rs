@@ -7,7 +7,8 @@
 //! sliding window, which projections carry biases, the RoPE variant and its parameters (both
 //! the transformers 5 `rope_parameters` form and the older `rope_theta` + `rope_scaling`
 //! form), so the worker only reads plain fields. A multimodal wrapper's config resolves to
-//! its text model's (`wrapper.rs`).
+//! its text model's (`wrapper.rs`). Every value that sizes memory is bounded first
+//! (`sizes.rs`).
 
 use std::path::Path;
 
@@ -22,6 +23,7 @@ mod layers;
 mod moe;
 mod moe_sigmoid;
 mod rope;
+pub mod sizes;
 mod wrapper;
 
 pub use attn::{Llama4Attn, MlaSpec};
@@ -351,11 +353,18 @@ impl ModelSpec {
     /// Reads and validates `dir/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<ModelSpec> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-        let hf: HfConfig = serde_json::from_str(&text).map_err(|e| Error::ModelConfig {
-            path: path.clone(),
-            msg: format!("not a valid config.json: {e}"),
-        })?;
+        let text = crate::bounded::read_text(&path, crate::bounded::SMALL_JSON, "model config")?;
+        // The path to a value of the wrong type or out of range (`vocab_size`: a number
+        // past 2^64) is named.
+        let de = &mut serde_json::Deserializer::from_str(&text);
+        let hf: HfConfig =
+            serde_path_to_error::deserialize(de).map_err(|e| Error::ModelConfig {
+                path: path.clone(),
+                msg: match e.path().to_string().as_str() {
+                    "." => format!("not a valid config.json: {}", e.inner()),
+                    key => format!("not a valid config.json: `{key}`: {}", e.inner()),
+                },
+            })?;
         ModelSpec::from_hf(&hf, &path)
     }
 
@@ -397,6 +406,7 @@ impl ModelSpec {
                 wrappers.join(", ")
             )));
         };
+        sizes::check(hf, &err)?;
         let family = def.family;
         let gemma3 = model_type == "gemma3_text";
 

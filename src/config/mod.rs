@@ -13,6 +13,7 @@
 //! false` opts out of both.
 
 mod aliases;
+pub mod bounds;
 mod checkpoint;
 mod dataset;
 mod grpo;
@@ -453,7 +454,7 @@ impl RunConfig {
     }
 
     fn load_with(path: &Path, overrides: &[String], shipped_ok: bool) -> Result<RunConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::bounded::read_text(path, crate::bounded::SMALL_JSON, "run config")?;
         let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Config {
             path: path.into(),
             msg: format!("malformed YAML: {e}"),
@@ -628,6 +629,7 @@ impl RunConfig {
                 return Err(Error::invalid(key, msg));
             }
         }
+        bounds::check(self)?;
         self.validate_hf_keys()?;
         self.validate_stage()?;
         self.checkpoint.validate()?;

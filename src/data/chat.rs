@@ -23,15 +23,24 @@
 //! tokenizer adds a BOS ([`ChatTokenizer::bos`]); Llama 3's end-of-document token
 //! `<|end_of_text|>` is the eos where the vocabulary has it (LlamaFactory's `llama3` rule,
 //! whose chat eos is `<|eot_id|>`).
+//!
+//! Each render is bounded ([`limits`]): a number of template instructions (minijinja's
+//! fuel) and a number of bytes written. A template past either fails the load naming the
+//! template and the record, whatever `dataset.strict` says: every record would.
 
 use std::path::{Path, PathBuf};
 
 use minijinja::{Environment, ErrorKind, Value, context};
 use serde::Deserialize;
 
+pub use limits::RenderError;
+
 use super::records::{Conversation, Message, Role};
 use super::{Example, IGNORE_INDEX, pyjson};
+use crate::bounded;
 use crate::error::{Error, Result};
+
+mod limits;
 
 const TEMPLATE: &str = "chat";
 
@@ -105,27 +114,31 @@ impl ChatTokenizer {
                 msg: "missing: text datasets are tokenized with the model's tokenizer.json".into(),
             });
         }
+        bounded::check_file(&tok_path, bounded::TOKENIZER, "tokenizer")?;
         let tokenizer =
             tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::ModelConfig {
                 path: tok_path.clone(),
                 msg: format!("not a tokenizers file: {e}"),
             })?;
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: TokenizerConfig = match std::fs::read_to_string(&cfg_path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| Error::ModelConfig {
-                path: cfg_path.clone(),
-                msg: format!("malformed: {e}"),
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => TokenizerConfig {
-                chat_template: None,
-                bos_token: None,
-                eos_token: None,
-            },
-            Err(e) => return Err(Error::io(&cfg_path, e)),
-        };
+        let cfg: TokenizerConfig =
+            match bounded::read_text(&cfg_path, bounded::SMALL_JSON, "tokenizer config") {
+                Ok(text) => serde_json::from_str(&text).map_err(|e| Error::ModelConfig {
+                    path: cfg_path.clone(),
+                    msg: format!("malformed: {e}"),
+                })?,
+                Err(Error::Io { cause, .. }) if cause.kind() == std::io::ErrorKind::NotFound => {
+                    TokenizerConfig {
+                        chat_template: None,
+                        bos_token: None,
+                        eos_token: None,
+                    }
+                }
+                Err(e) => return Err(e),
+            };
         let jinja_path = dir.join("chat_template.jinja");
         let (source, template_path) = if jinja_path.is_file() {
-            let s = std::fs::read_to_string(&jinja_path).map_err(|e| Error::io(&jinja_path, e))?;
+            let s = bounded::read_text(&jinja_path, bounded::SMALL_JSON, "chat template")?;
             (Some(s), jinja_path)
         } else {
             let s = match cfg.chat_template {
@@ -181,7 +194,18 @@ impl ChatTokenizer {
         conv: &Conversation,
         n: usize,
         add_generation_prompt: bool,
-    ) -> std::result::Result<String, String> {
+    ) -> std::result::Result<String, RenderError> {
+        self.render_counted(conv, n, add_generation_prompt)
+            .map(|(text, _)| text)
+    }
+
+    /// [`Self::render`] and the fuel (template instructions) it took.
+    fn render_counted(
+        &self,
+        conv: &Conversation,
+        n: usize,
+        add_generation_prompt: bool,
+    ) -> std::result::Result<(String, u64), RenderError> {
         let env = self.env.as_ref().ok_or_else(|| {
             format!(
                 "the model has no chat template ({}): conversations need one",
@@ -194,15 +218,30 @@ impl ChatTokenizer {
         // test them with `is not none`). `strftime_now` is deliberately not defined, so
         // templates use their fixed fallback date and the token rows do not change from day
         // to day.
-        tmpl.render(context! {
+        let ctx = context! {
             messages,
             add_generation_prompt,
             tools => conv.tools.clone().unwrap_or(Value::from(())),
             documents => (),
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
-        })
-        .map_err(|e| format!("chat template ({}): {e}", self.template_path.display()))
+        };
+        let mut out = limits::Capped::new(limits::TEMPLATE_OUTPUT);
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(done) => {
+                let fuel = done.state().fuel_levels().map_or(0, |(used, _)| used);
+                Ok((out.into_text().map_err(|e| self.failed(e))?, fuel))
+            }
+            Err(e) => Err(limits::render_failure(e, &out, &self.template_path)),
+        }
+    }
+
+    /// A render failure: the template's path and why.
+    fn failed(&self, e: impl std::fmt::Display) -> RenderError {
+        RenderError::Bad(format!(
+            "chat template ({}): {e}",
+            self.template_path.display()
+        ))
     }
 
     /// Token ids of `text`, without added special tokens, and each token's byte span.
@@ -219,7 +258,7 @@ impl ChatTokenizer {
         &self,
         conv: &Conversation,
         train_on_prompt: bool,
-    ) -> std::result::Result<Example, String> {
+    ) -> std::result::Result<Example, RenderError> {
         let full = self.render(conv, conv.messages.len(), false)?;
         let mut spans = Vec::new();
         let mut from = 0;
@@ -230,26 +269,26 @@ impl ChatTokenizer {
             let prompt = self.render(conv, i, true)?;
             let turn = self.render(conv, i + 1, false)?;
             let answer = turn.strip_prefix(prompt.as_str()).ok_or_else(|| {
-                format!(
+                RenderError::Bad(format!(
                     "the chat template does not render the conversation up to message {i} as a prefix of the conversation up to its answer, so the answer cannot be located"
-                )
+                ))
             })?;
             let start = match full.starts_with(&turn) {
                 true => prompt.len(),
                 false => full[from..].find(answer).map(|p| from + p).ok_or_else(|| {
-                    format!("the chat template's answer to message {i} is not found in the whole conversation's text")
+                    RenderError::Bad(format!("the chat template's answer to message {i} is not found in the whole conversation's text"))
                 })?,
             };
             spans.push(start..start + answer.len());
             from = start + answer.len();
         }
-        self.labelled(&full, &spans, train_on_prompt)
+        Ok(self.labelled(&full, &spans, train_on_prompt)?)
     }
 
     /// The token row of a conversation ending in an assistant answer, labelled on that
     /// answer alone: what the render of the whole conversation adds to the render of the
     /// turns before it with the generation prompt (a preference pair's row).
-    pub fn answer_example(&self, conv: &Conversation) -> std::result::Result<Example, String> {
+    pub fn answer_example(&self, conv: &Conversation) -> std::result::Result<Example, RenderError> {
         let n = conv.messages.len();
         assert!(
             conv.messages
@@ -260,10 +299,10 @@ impl ChatTokenizer {
         let prompt = self.render(conv, n - 1, true)?;
         let full = self.render(conv, n, false)?;
         if !full.starts_with(&prompt) {
-            return Err("the chat template does not render the prompt as a prefix of the conversation with its answer, so the answer cannot be located".into());
+            return Err(RenderError::Bad("the chat template does not render the prompt as a prefix of the conversation with its answer, so the answer cannot be located".into()));
         }
         let answer = prompt.len()..full.len();
-        self.labelled(&full, std::slice::from_ref(&answer), false)
+        Ok(self.labelled(&full, std::slice::from_ref(&answer), false)?)
     }
 
     /// `text` tokenized, a token labelled when it starts inside one of `spans` (every
@@ -341,6 +380,7 @@ fn template_env(source: String, path: &Path) -> Result<Environment<'static>> {
         .build()
         .expect("the default delimiters are valid");
     env.set_syntax(syntax);
+    env.set_fuel(Some(limits::TEMPLATE_FUEL));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function(
         "raise_exception",
@@ -394,3 +434,6 @@ fn message_value(m: &Message) -> Value {
     }
     Value::from_pairs(fields)
 }
+
+#[cfg(test)]
+mod tests;

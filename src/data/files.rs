@@ -2,7 +2,8 @@
 //! line), plain text (`.txt`: each non-blank line a document, the record `{"text": line}`
 //! as `datasets`' text loader names its column), Parquet files and the directories
 //! `datasets.save_to_disk` writes (a record is a table row, counted from 1; see
-//! [`super::table`]).
+//! [`super::table`]). Each file is checked by its metadata before it is read: a regular
+//! file no larger than half the RAM available ([`bounded::data_bound`]).
 
 use std::path::{Path, PathBuf};
 
@@ -10,7 +11,11 @@ use serde::Deserialize;
 
 use super::records::{self, BadRecord, RawRecord};
 use super::table;
+use crate::bounded;
 use crate::error::{Error, Result};
+
+/// What a dataset file is called when it is refused ([`bounded`]).
+pub const DATA_FILE: &str = "dataset file";
 
 /// A dataset file's records, read whole.
 pub struct FileRecords {
@@ -51,7 +56,7 @@ impl FileRecords {
         } else if ext == "arrow" {
             Contents::Rows(table::arrow_rows(path)?)
         } else if is_plain_text(path) {
-            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+            let text = bounded::read_text(path, bounded::data_bound(), DATA_FILE)?;
             Contents::Lines(
                 text.lines()
                     .enumerate()
@@ -60,7 +65,7 @@ impl FileRecords {
                     .collect(),
             )
         } else {
-            Contents::Text(std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?)
+            Contents::Text(bounded::read_text(path, bounded::data_bound(), DATA_FILE)?)
         };
         Ok(FileRecords {
             path: path.into(),
@@ -122,7 +127,7 @@ fn saved_rows(dir: &Path) -> Result<Vec<String>> {
     };
     let dict = dir.join("dataset_dict.json");
     if dict.is_file() {
-        let splits = std::fs::read_to_string(&dict)
+        let splits = bounded::read_text(&dict, bounded::SMALL_JSON, DATA_FILE)
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
             .and_then(|v| {
@@ -142,11 +147,12 @@ fn saved_rows(dir: &Path) -> Result<Vec<String>> {
         )));
     }
     let state = dir.join("state.json");
-    let text = std::fs::read_to_string(&state).map_err(|e| {
-        bad(format!(
-            "a dataset directory is one written by datasets' save_to_disk, with a state.json ({e})"
-        ))
-    })?;
+    let text = match bounded::read_text(&state, bounded::SMALL_JSON, DATA_FILE) {
+        Err(Error::Io { cause, .. }) => Err(bad(format!(
+            "a dataset directory is one written by datasets' save_to_disk, with a state.json ({cause})"
+        ))),
+        other => other,
+    }?;
     let st: SavedState = serde_json::from_str(&text).map_err(|e| Error::DatasetFile {
         path: state.clone(),
         msg: format!("not a save_to_disk state (a `_data_files` list of Arrow files): {e}"),

@@ -52,6 +52,7 @@ pub use rollouts::Rollouts;
 pub use sources::needs_tokenizer;
 pub use split::held_out;
 
+use crate::cancel;
 use crate::config::{DatasetSection, Overlong, Stage};
 use crate::error::{Error, Result};
 use files::FileRecords;
@@ -338,12 +339,24 @@ fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
             .unwrap_or(usize::MAX)
             .min(ds.max_samples.unwrap_or(usize::MAX));
         for file in &src.files {
+            cancel::check(cancel::DATA)?;
             let contents = FileRecords::read(file)?;
+            cancel::check(cancel::DATA)?;
             let mut recs = contents.records()?;
             recs.truncate(left);
             left -= recs.len();
-            let rows: Vec<std::result::Result<Vec<Example>, BadRecord>> =
-                recs.par_iter().map(|rec| rows(src, rec, reader)).collect();
+            // Each record checks for a stop request, and a template past its bounds stops
+            // the load: rayon's collect into a Result ends the other threads' work early.
+            let rows: Vec<std::result::Result<Vec<Example>, BadRecord>> = recs
+                .par_iter()
+                .map(|rec| {
+                    cancel::check(cancel::DATA)?;
+                    match rows(src, rec, reader) {
+                        Err(bad) if bad.fatal => Err(contents.error(bad)),
+                        r => Ok(r),
+                    }
+                })
+                .collect::<Result<_>>()?;
             for r in rows {
                 match r {
                     Ok(ex) => out.rows.extend(ex),
@@ -423,6 +436,7 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                 Stage::Pt => {
                     let text = schema.document(rec)?;
                     chat.document(&text, !ds.packing)
+                        .map_err(chat::RenderError::from)
                 }
                 _ => {
                     let conv = schema.conversation(rec)?;
@@ -430,7 +444,7 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                     chat.example(&conv, ds.train_on_prompt)
                 }
             }
-            .map_err(|m| BadRecord::new(rec.line, "", m))?;
+            .map_err(|e| BadRecord::render(rec.line, "", e))?;
             in_vocab(ex, reader.vocab, rec.line)?
         }
         _ => tokenized::example(rec, reader.vocab)?,

@@ -43,7 +43,7 @@ pub(super) fn pair(
                 renders_tools(chat, &conv, rec, &schema.columns.messages)?;
                 let ex = chat
                     .answer_example(&conv)
-                    .map_err(|m| BadRecord::new(rec.line, "", m))?;
+                    .map_err(|e| BadRecord::render(rec.line, "", e))?;
                 in_vocab(ex, reader.vocab, rec.line)
             })
         }

@@ -70,6 +70,9 @@ pub struct BadRecord {
     pub line: usize,
     pub field: String,
     pub reason: String,
+    /// The chat template went past its bounds on this record: the load fails whatever
+    /// `dataset.strict` says, as every record would ([`super::chat::RenderError::Limit`]).
+    pub fatal: bool,
 }
 
 impl BadRecord {
@@ -78,6 +81,16 @@ impl BadRecord {
             line,
             field: field.into(),
             reason: reason.into(),
+            fatal: false,
+        }
+    }
+
+    /// The bad record a failed render makes; fatal past the template's bounds.
+    pub fn render(line: usize, field: &str, e: super::chat::RenderError) -> BadRecord {
+        let fatal = matches!(e, super::chat::RenderError::Limit(_));
+        BadRecord {
+            fatal,
+            ..BadRecord::new(line, field, e.message())
         }
     }
 

@@ -154,7 +154,7 @@ pub struct Registered {
 /// Looks `name` up in `dir/dataset_info.json`; `key` is the config key that gave it.
 pub fn lookup(dir: &Path, name: &str, key: &str) -> Result<Registered> {
     let path = dir.join(REGISTRY);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let text = crate::bounded::read_text(&path, crate::bounded::SMALL_JSON, "dataset registry")?;
     let cfg_err = |msg: String| Error::Config {
         path: path.clone(),
         msg,

@@ -46,7 +46,8 @@ enum Sample {
 
 /// Reads a rollouts file: its rows and their rewards and groups.
 pub fn read(path: &Path, model_dir: &Path, vocab: usize) -> Result<(Vec<Example>, Rollouts)> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text =
+        crate::bounded::read_text(path, crate::bounded::data_bound(), super::files::DATA_FILE)?;
     let bad = |line: usize, key: &str, msg: String| Error::Dataset {
         path: path.to_path_buf(),
         line,
@@ -60,6 +61,7 @@ pub fn read(path: &Path, model_dir: &Path, vocab: usize) -> Result<(Vec<Example>
     let mut group_ids: HashMap<String, usize> = HashMap::new();
     let mut group_lines: Vec<(usize, usize)> = Vec::new(); // (first line, count)
     for (i, raw) in text.lines().enumerate() {
+        crate::cancel::check(crate::cancel::DATA)?;
         let line = i + 1;
         if raw.trim().is_empty() {
             continue;
@@ -134,7 +136,7 @@ pub fn read(path: &Path, model_dir: &Path, vocab: usize) -> Result<(Vec<Example>
             let ex = match (s, &chat) {
                 (Sample::Text(conv), Some(chat)) => chat
                     .answer_example(&conv)
-                    .map_err(|m| bad(line, "completion", m))?,
+                    .map_err(|e| bad(line, "completion", e.to_string()))?,
                 (Sample::Ids(prompt, completion), _) => Example {
                     labels: std::iter::repeat_n(IGNORE_INDEX, prompt.len())
                         .chain(completion.iter().copied())

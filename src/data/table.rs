@@ -27,12 +27,14 @@ pub fn parquet_rows(path: &Path) -> Result<Vec<String>> {
         path: path.into(),
         msg: format!("not a readable Parquet file: {e}"),
     };
+    crate::bounded::check_file(path, crate::bounded::data_bound(), super::files::DATA_FILE)?;
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
         .and_then(|b| b.build())
         .map_err(|e| bad(&e))?;
     let mut rows = Vec::new();
     for batch in reader {
+        crate::cancel::check(crate::cancel::DATA)?;
         batch_rows(&batch.map_err(|e| bad(&e))?, &mut rows);
     }
     Ok(rows)
@@ -44,11 +46,13 @@ pub fn arrow_rows(path: &Path) -> Result<Vec<String>> {
         path: path.into(),
         msg: format!("not a readable Arrow IPC stream: {e}"),
     };
+    crate::bounded::check_file(path, crate::bounded::data_bound(), super::files::DATA_FILE)?;
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let reader =
         arrow_ipc::reader::StreamReader::try_new_buffered(file, None).map_err(|e| bad(&e))?;
     let mut rows = Vec::new();
     for batch in reader {
+        crate::cancel::check(crate::cancel::DATA)?;
         batch_rows(&batch.map_err(|e| bad(&e))?, &mut rows);
     }
     Ok(rows)

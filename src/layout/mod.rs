@@ -235,7 +235,65 @@ pub struct Layout {
     pub carry: CarryRule,
 }
 
+/// The most parameters a layout may hold: 2^44 (17.6 trillion), ten times the largest
+/// published models; the host state alone would take 16 bytes each (281 TB).
+pub const MAX_PARAMS: u64 = 1 << 44;
+/// The most tensors a layout may list: 2^20, twenty times the largest MoE models'
+/// (DeepSeek-V3: 61 layers x 256 experts x 3 = 47k).
+pub const MAX_TENSORS: usize = 1 << 20;
+
 impl Layout {
+    /// [`Layout::new`] once the parameters and tensors `spec` makes are counted with
+    /// checked arithmetic and found within [`MAX_PARAMS`] and [`MAX_TENSORS`], layer by
+    /// layer (so no more than one layer's list is built past a bound). `config` names the
+    /// model's config.json in the error. A config whose values pass their own bounds
+    /// (`config::hf::sizes`) can still multiply past these.
+    pub fn checked(spec: &ModelSpec, config: &std::path::Path) -> crate::Result<Layout> {
+        let err = |msg: String| crate::Error::ModelConfig {
+            path: config.into(),
+            msg,
+        };
+        let too_many = || {
+            err(format!(
+                "its sizes make more than {MAX_PARAMS} parameters (2^44; vocab_size {}, hidden_size {}, intermediate_size {}, num_hidden_layers {})",
+                spec.vocab_size, spec.hidden_size, spec.intermediate_size, spec.num_layers
+            ))
+        };
+        let numel = |shape: &[usize]| {
+            shape
+                .iter()
+                .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+                .ok_or_else(too_many)
+        };
+        let (h, v) = (spec.hidden_size, spec.vocab_size);
+        let heads = if spec.tie_word_embeddings { 1 } else { 2 };
+        let mut params = numel(&[v, h])?
+            .checked_mul(heads)
+            .and_then(|n| n.checked_add(h as u64))
+            .ok_or_else(too_many)?;
+        let mut tensors = 3;
+        for l in 0..spec.num_layers {
+            for (_, shape) in layer_tensors(spec, l) {
+                params = params.checked_add(numel(&shape)?).ok_or_else(too_many)?;
+                tensors += 1;
+            }
+            if params > MAX_PARAMS {
+                return Err(too_many());
+            }
+            if tensors > MAX_TENSORS {
+                return Err(err(format!(
+                    "its sizes make more than {MAX_TENSORS} tensors (2^20; num_hidden_layers {}, experts {})",
+                    spec.num_layers,
+                    spec.moe.as_ref().map_or(0, |m| m.num_experts)
+                )));
+            }
+        }
+        if params > MAX_PARAMS {
+            return Err(too_many());
+        }
+        Ok(Layout::new(spec))
+    }
+
     pub fn new(spec: &ModelSpec) -> Layout {
         let (h, v) = (spec.hidden_size, spec.vocab_size);
         let mut defs: Vec<(BlockKind, String, Vec<NamedShape>)> = Vec::new();

@@ -218,7 +218,9 @@ impl Trainer {
                 cfg.memory.resident_blocks
             ));
         }
+        crate::unix::check_stop("start-up")?;
         let mut host = HostState::new(&cfg, layout, placement.workers, shards, resident)?;
+        crate::unix::check_stop("host memory allocation")?;
         if resident > 0 {
             println!(
                 "resident blocks: {resident} of {} ({:.2} GB on each worker's device): updated there, not streamed",
@@ -243,6 +245,7 @@ impl Trainer {
         if let Some(dir) = resume.as_ref().filter(|_| !reference) {
             (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
         }
+        crate::unix::check_stop("weights loading")?;
         let t_weights = Instant::now();
         // CUDA workers warm up at the configured micro-batch shape.
         let warm_up = (placement.gpus > 0).then_some(micro_batch);
