@@ -80,6 +80,7 @@ fn run(cli: cli::Cli) -> Result<()> {
         Some(cli::Command::BenchMpi(b)) => return bench_mpi::bench(b),
         None => cli.run,
     };
+    let resume = cli.resume();
     let config = cli.config.expect("clap requires --config");
     unix::install_stop_handlers()?;
     let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
@@ -96,7 +97,7 @@ fn run(cli: cli::Cli) -> Result<()> {
         }
     }
     if cli.dry_run {
-        return plan::dry_run(&cfg, &placement, cli.resume.as_deref(), cli.force);
+        return plan::dry_run(&cfg, &placement, resume.as_ref(), cli.force);
     }
     let metrics = cli.metrics_out.clone();
     let result = train::Trainer::new(
@@ -105,7 +106,7 @@ fn run(cli: cli::Cli) -> Result<()> {
         cli.metrics_out,
         cli.dump_grads,
         cli.dump_logits,
-        cli.resume,
+        resume,
         cli.force,
     )?
     .run();

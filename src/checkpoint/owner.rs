@@ -133,7 +133,11 @@ mod tests {
         assert!(me.is_this_run());
         assert!(!me.is_dead(), "this process is running");
         let started = process_start(me.pid).expect("this process has a /proc entry");
-        assert!(started <= me.started + 1, "started {started} vs {}", me.started);
+        assert!(
+            started <= me.started + 1,
+            "started {started} vs {}",
+            me.started
+        );
         // pid_max is at most 2^22 on Linux: this pid cannot exist.
         let gone = Owner {
             pid: 1 << 23,
@@ -151,7 +155,10 @@ mod tests {
             pid: 1 << 23,
             ..me.clone()
         };
-        assert!(!elsewhere.is_dead(), "another host's process is never known gone");
+        assert!(
+            !elsewhere.is_dead(),
+            "another host's process is never known gone"
+        );
     }
 
     #[test]

@@ -37,7 +37,7 @@ use crate::shm::f32_bytes;
 mod dirs;
 pub use dirs::{complete, prune, remove_stale, resolve, resumable};
 
-const MARKER: &str = "COMPLETE";
+pub(crate) const MARKER: &str = "COMPLETE";
 /// Prefix of the directories a checkpoint is written in (and an old one set aside in).
 const TMP_PREFIX: &str = ".tmp-";
 const STATE: &str = "trainer_state.json";
@@ -424,6 +424,23 @@ pub fn load(
     Ok(saved.state)
 }
 
+/// Checkpoint `dir`'s `trainer_state.json` (small: read before a resume loads anything).
+pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let st = dir.join(STATE);
+    let text = std::fs::read_to_string(&st).map_err(io(&st))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Weights {
+        path: st.clone(),
+        msg: format!("malformed trainer state: {e}"),
+    })?;
+    if state.format != FORMAT {
+        return Err(Error::Weights {
+            path: st,
+            msg: format!("format {} is not {FORMAT}", state.format),
+        });
+    }
+    Ok(state)
+}
+
 /// A resumable checkpoint opened for reading: its state, and its optimizer tensors read a
 /// range at a time (a node of a sharded run reads its pieces only).
 pub struct Saved {
@@ -436,18 +453,8 @@ pub struct Saved {
 impl Saved {
     /// Opens checkpoint `dir`, which must be resumable and saved for `layout`.
     pub fn open(dir: &Path, layout: &Layout) -> Result<Saved> {
+        let state = read_state(dir)?;
         let st = dir.join(STATE);
-        let text = std::fs::read_to_string(&st).map_err(io(&st))?;
-        let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Weights {
-            path: st.clone(),
-            msg: format!("malformed trainer state: {e}"),
-        })?;
-        if state.format != FORMAT {
-            return Err(Error::Weights {
-                path: st,
-                msg: format!("format {} is not {FORMAT}", state.format),
-            });
-        }
         let ours = fingerprint(layout);
         if state.layout != ours {
             return Err(Error::Weights {

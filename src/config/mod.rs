@@ -214,6 +214,10 @@ pub struct TrainingSection {
     pub seed: u64,
     /// Where the trained model is written as an HF model directory (None: not written).
     pub output_dir: Option<PathBuf>,
+    /// Write into an `output_dir` or `checkpoint.dir` that holds files this project did not
+    /// write (HF Trainer's and LlamaFactory's key): another model's weight files there are
+    /// replaced, other files kept. Default: such a directory is refused, naming the files.
+    pub overwrite_output_dir: bool,
     /// What a non-finite loss or gradient norm does: `skip` the update (counted in the
     /// metrics) or `abort` the run.
     pub nan_policy: NanPolicy,
@@ -260,6 +264,7 @@ impl Default for TrainingSection {
             max_grad_norm: 1.0,
             seed: 42,
             output_dir: None,
+            overwrite_output_dir: false,
             nan_policy: NanPolicy::Skip,
             max_nan_steps: 5,
             worker_timeout_s: 600,

@@ -17,7 +17,7 @@ use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
 use mt::optim::Moments;
 use mt::protocol::{Device, Init, ToWorker};
 
-use crate::cli::Placement;
+use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
 use crate::eval::EvalSet;
 use crate::grpo::{Policy, reference_logps};
@@ -32,6 +32,7 @@ mod resident;
 mod step_end;
 mod weights;
 pub(crate) use nodes::shard_plan;
+pub(crate) use weights::{check_resume, schedule};
 
 use gradients::StepOutcome;
 
@@ -95,6 +96,11 @@ pub struct Trainer {
     update_exchange_s: f64,
     /// Of which, the seconds spent waiting for the other nodes to reach those exchanges.
     update_exchange_wait_s: f64,
+    /// What checkpoints record of the run's settings, for a resume to compare.
+    schedule: checkpoint::state::Schedule,
+    /// The locks of `training.output_dir` and `checkpoint.dir` (node 0), held until the
+    /// export and the last checkpoint are written: declared after `writer`, dropped after it.
+    _locks: Vec<checkpoint::lock::DirLock>,
 }
 
 impl Trainer {
@@ -104,26 +110,58 @@ impl Trainer {
         metrics_out: Option<PathBuf>,
         dump_grads: Option<PathBuf>,
         dump_logits: Option<PathBuf>,
-        resume: Option<String>,
+        resume: Option<Resume>,
         force: bool,
     ) -> Result<Trainer> {
         let t_start = Instant::now();
         let mpi = crate::mpi::world();
         // Node 0 writes the run's files; the others hold the same state.
         let lead = mpi.is_none_or(|m| m.rank == 0);
+        // Before any work: directories that are not the model's nor hold others' files,
+        // locked for the whole run; then the checkpoint to resume, resolved and checked
+        // before the clean-up of dead writers' directories (which must never be it).
+        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
+            checkpoint::check_writable(dir, "training.output_dir")?;
+        }
+        if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
+            checkpoint::check_writable(dir, "checkpoint.dir")?;
+        }
+        let locks = match lead {
+            true => checkpoint::ownership::claim(&cfg)?,
+            false => Vec::new(),
+        };
+        let resume = resume
+            .map(|r| {
+                let dir = checkpoint::state::resolve(&r.from, cfg.checkpoint.dir.as_deref())?;
+                anyhow::Ok((dir, r.accept_changes))
+            })
+            .transpose()?;
+        // A resume's checks read small files only: before the data is read, when its files
+        // can be fingerprinted now (else the data loader says first what is wrong with them).
+        let early = weights::schedule(&cfg).ok();
+        if let (Some(s), Some((dir, accept))) = (&early, &resume) {
+            weights::check_resume(dir, &cfg, s, *accept)?;
+        }
+        if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
+            checkpoint::state::remove_stale(dir)?;
+        }
         let mut prepared = Prepared::new(&cfg, &placement)?;
+        let schedule = match early {
+            Some(s) => s,
+            None => {
+                let s = weights::schedule(&cfg)?;
+                if let Some((dir, accept)) = &resume {
+                    weights::check_resume(dir, &cfg, &s, *accept)?;
+                }
+                s
+            }
+        };
+        let resume = resume.map(|(dir, _)| dir);
         nodes::shard_plan(&mut prepared, &cfg, mpi);
         prepared.check_host_ram()?;
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
         prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
-        if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
-            checkpoint::check_writable(dir, "checkpoint.dir")?;
-            checkpoint::state::remove_stale(dir)?;
-        }
-        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
-            checkpoint::check_writable(dir, "training.output_dir")?;
-        }
         let tensorboard_dir = cfg.tensorboard_dir()?.filter(|_| lead);
         if let Some(dir) = &tensorboard_dir {
             checkpoint::check_writable(dir, "logging.logging_dir")?;
@@ -155,9 +193,6 @@ impl Trainer {
             plan,
         } = prepared;
         println!("{}", data.summary());
-        let resume = resume
-            .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
-            .transpose()?;
         tracing::info!(
             params = layout.num_params(),
             layers = layout.num_layers(),
@@ -231,7 +266,7 @@ impl Trainer {
         }
         let (mut start_step, mut nan_run) = (0, 0);
         if let Some(dir) = resume.as_ref().filter(|_| !reference) {
-            (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
+            (start_step, nan_run) = weights::restore(&mut host, dir)?;
         }
         let t_weights = Instant::now();
         // CUDA workers warm up at the configured micro-batch shape.
@@ -322,7 +357,7 @@ impl Trainer {
                 let pad = spec.pad_token_id as i32;
                 let refs = reference_logps(&data, &mut sup, micro_batch.0, pad, timeout)?;
                 if let Some(dir) = &resume {
-                    (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
+                    (start_step, nan_run) = weights::restore(&mut host, dir)?;
                     resident::push_resident(&mut host, &mut sup, timeout)?;
                 }
                 Some(refs)
@@ -372,6 +407,8 @@ impl Trainer {
             mpi,
             update_exchange_s: 0.0,
             update_exchange_wait_s: 0.0,
+            schedule,
+            _locks: locks,
         })
     }
 
@@ -495,6 +532,7 @@ impl Trainer {
         if let Some(sig) = stopped {
             return Err(Stopped(sig as i32).into());
         }
+        // `writer` and then `locks`, left in `self`, are dropped as this returns.
         nodes::export(&cfg, &mut host, &export, lead)?;
         println!(
             "host memory: launcher peak {:.3} GB resident (VmHWM), plan {:.3} GB",
