@@ -268,7 +268,7 @@ fn resume_with_other_settings_is_refused_naming_each_unless_resume_changed() {
         &changed,
         &[
             "would not continue the checkpoint's run",
-            "training.learning_rate: now 0.5, the checkpoint's run had 1e-5",
+            "training.learning_rate: now 0.5, the checkpoint's run had 0.00001",
             "dataset.max_seq_len: now 100000, the checkpoint's run had unset",
             "dataset file 1 of 1: now ",
             "other.jsonl",
