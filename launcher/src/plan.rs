@@ -152,7 +152,7 @@ pub fn dry_run(
     let mut prep = Prepared::new(cfg, placement)?;
     if let Some((dir, accept)) = resume {
         let schedule = crate::train::schedule(cfg)?;
-        crate::train::check_resume(&dir, cfg, &schedule, accept)?;
+        crate::train::check_resume(&dir, cfg, &prep.layout, &schedule, accept)?;
         println!("would resume from {}", dir.display());
     }
     // Under mpirun, this node's share, as the run would hold it.

@@ -441,6 +441,21 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
     Ok(state)
 }
 
+/// Refuses checkpoint `dir` (whose state is `state`) unless it was saved for `layout`.
+pub fn check_layout(dir: &Path, state: &TrainState, layout: &Layout) -> Result<()> {
+    let ours = fingerprint(layout);
+    if state.layout != ours {
+        return Err(Error::Weights {
+            path: dir.join(STATE),
+            msg: format!(
+                "saved for another model: layout {} does not match this model's {ours} (different architecture or config)",
+                state.layout
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A resumable checkpoint opened for reading: its state, and its optimizer tensors read a
 /// range at a time (a node of a sharded run reads its pieces only).
 pub struct Saved {
@@ -454,17 +469,7 @@ impl Saved {
     /// Opens checkpoint `dir`, which must be resumable and saved for `layout`.
     pub fn open(dir: &Path, layout: &Layout) -> Result<Saved> {
         let state = read_state(dir)?;
-        let st = dir.join(STATE);
-        let ours = fingerprint(layout);
-        if state.layout != ours {
-            return Err(Error::Weights {
-                path: st,
-                msg: format!(
-                    "saved for another model: layout {} does not match this model's {ours} (different architecture or config)",
-                    state.layout
-                ),
-            });
-        }
+        check_layout(dir, &state, layout)?;
         let opt = dir.join(OPTIMIZER);
         if !resumable(dir) {
             return Err(Error::Weights {

@@ -136,26 +136,15 @@ impl Trainer {
                 anyhow::Ok((dir, r.accept_changes))
             })
             .transpose()?;
-        // A resume's checks read small files only: before the data is read, when its files
-        // can be fingerprinted now (else the data loader says first what is wrong with them).
-        let early = weights::schedule(&cfg).ok();
-        if let (Some(s), Some((dir, accept))) = (&early, &resume) {
-            weights::check_resume(dir, &cfg, s, *accept)?;
-        }
         if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
             checkpoint::state::remove_stale(dir)?;
         }
         let mut prepared = Prepared::new(&cfg, &placement)?;
-        let schedule = match early {
-            Some(s) => s,
-            None => {
-                let s = weights::schedule(&cfg)?;
-                if let Some((dir, accept)) = &resume {
-                    weights::check_resume(dir, &cfg, &s, *accept)?;
-                }
-                s
-            }
-        };
+        // The data read (its files exist) and the layout known; nothing allocated yet.
+        let schedule = weights::schedule(&cfg)?;
+        if let Some((dir, accept)) = &resume {
+            weights::check_resume(dir, &cfg, &prepared.layout, &schedule, *accept)?;
+        }
         let resume = resume.map(|(dir, _)| dir);
         nodes::shard_plan(&mut prepared, &cfg, mpi);
         prepared.check_host_ram()?;

@@ -37,17 +37,20 @@ pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSp
 }
 
 /// Checks, before anything is loaded, that checkpoint `dir` continues this launch's run:
-/// steps are left to run, the GRPO reference is the same, and every setting it recorded
+/// it was saved for `layout`, steps are left to run, the GRPO reference is the same, and
+/// every setting it recorded
 /// ([`checkpoint::state::Schedule`]) is this launch's. Differences are refused, each
 /// named, unless `accept` (`--resume-changed`), which warns of each; a checkpoint of an
 /// earlier build, which recorded none, is resumed with a warning that it cannot be checked.
 pub(crate) fn check_resume(
     dir: &Path,
     cfg: &RunConfig,
+    layout: &mt::layout::Layout,
     ours: &checkpoint::state::Schedule,
     accept: bool,
 ) -> Result<()> {
     let state = checkpoint::state::read_state(dir)?;
+    checkpoint::state::check_layout(dir, &state, layout)?;
     let steps = cfg.training.num_steps;
     if state.step >= steps {
         bail!(
