@@ -304,7 +304,11 @@ pub struct MetricsWriter {
 }
 
 impl MetricsWriter {
+    /// Creates (or truncates) the metrics file, and its directory if missing.
     pub fn create(path: &Path) -> Result<MetricsWriter> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
         let file = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
         Ok(MetricsWriter {
             file,

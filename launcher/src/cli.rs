@@ -134,7 +134,7 @@ pub struct RunArgs {
     /// With `--resume`: continue even where this launch's data or optimizer settings
     /// differ from the checkpoint's run (dataset files, max_seq_len, learning rate, …),
     /// one warning line per difference. Without it such a resume is refused, listing them.
-    #[arg(long, requires = "resume")]
+    #[arg(long)]
     pub resume_changed: bool,
 
     /// Check everything (config, model, tokenizer and template, every dataset record,
@@ -160,15 +160,6 @@ pub struct Resume {
     pub from: String,
     /// Accept settings that differ from the checkpoint's run, warning of each.
     pub accept_changes: bool,
-}
-
-impl RunArgs {
-    pub fn resume(&self) -> Option<Resume> {
-        self.resume.clone().map(|from| Resume {
-            from,
-            accept_changes: self.resume_changed,
-        })
-    }
 }
 
 /// Where the workers run.

@@ -80,10 +80,12 @@ fn run(cli: cli::Cli) -> Result<()> {
         Some(cli::Command::BenchMpi(b)) => return bench_mpi::bench(b),
         None => cli.run,
     };
-    let resume = cli.resume();
     let config = cli.config.expect("clap requires --config");
     unix::install_stop_handlers()?;
-    let cfg = mt::config::RunConfig::load(&config, &cli.set)?;
+    let mut cfg = mt::config::RunConfig::load(&config, &cli.set)?;
+    for note in &cfg.notes {
+        println!("note: {note}");
+    }
     let mut placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
     if let Some(m) = mpi::init()? {
         placement.nodes = m.size;
@@ -95,6 +97,22 @@ fn run(cli: cli::Cli) -> Result<()> {
                 std::process::id()
             ));
         }
+    }
+    if let Some(line) = cfg.resolve_batch(placement.world()) {
+        println!("{line}");
+    }
+    let resume = cli
+        .resume
+        .clone()
+        .or_else(|| cfg.training.resume_from_checkpoint.clone())
+        .map(|from| cli::Resume {
+            from,
+            accept_changes: cli.resume_changed,
+        });
+    if cli.resume_changed && resume.is_none() {
+        anyhow::bail!(
+            "--resume-changed applies to a resume: give --resume (or training.resume_from_checkpoint)"
+        );
     }
     if cli.dry_run {
         return plan::dry_run(&cfg, &placement, resume.as_ref(), cli.force);

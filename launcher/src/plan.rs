@@ -11,13 +11,24 @@ use crate::prepare::Prepared;
 /// `mt-launch plan`: host RAM (and what is available), per-worker device memory for the
 /// configured micro-batch, and the largest micro-batch that fits a GPU.
 pub fn plan(p: cli::PlanArgs) -> Result<()> {
-    let cfg = RunConfig::load_for_plan(&p.config, &p.set)?;
+    let mut cfg = RunConfig::load_for_plan(&p.config, &p.set)?;
+    for note in &cfg.notes {
+        println!("note: {note}");
+    }
     let mut placement = cli::plan_placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
     if p.nodes == 0 {
         anyhow::bail!("--nodes must be at least 1");
     }
     placement.nodes = p.nodes;
+    if let Some(line) = cfg.resolve_batch(placement.world()) {
+        println!("{line}");
+    }
     let prep = Prepared::for_plan(&cfg, &placement)?;
+    if prep.data.samples > 0
+        && let Some(line) = cfg.resolve_steps(prep.data.samples)
+    {
+        println!("{line}");
+    }
     let given = p.gpu_memory.map(|gb| (gb * 1e9) as u64);
     // As the run plans, but with --gpu-memory for the GPUs' free memory where given.
     let run_opts = crate::prepare::device_opts(&cfg, &placement);
@@ -150,16 +161,20 @@ pub fn dry_run(
         })
         .transpose()?;
     let mut prep = Prepared::new(cfg, placement)?;
-    if let Some((dir, accept)) = resume {
-        let schedule = crate::train::schedule(cfg)?;
-        crate::train::check_resume(&dir, cfg, &prep.layout, &schedule, accept)?;
-        println!("would resume from {}", dir.display());
-    }
     // Under mpirun, this node's share, as the run would hold it.
     crate::train::shard_plan(&mut prep, cfg, crate::mpi::world());
     prep.check_host_ram()?;
     prep.check_device_memory(cfg, placement, force)?;
     prep.plan = prep.grown_plan(cfg, placement, mt::plan::available_host_bytes());
+    let mut resolved = cfg.clone();
+    if let Some(line) = resolved.resolve_steps(prep.data.samples) {
+        println!("{line}");
+    }
+    if let Some((dir, accept)) = resume {
+        let schedule = crate::train::schedule(&resolved)?;
+        crate::train::check_resume(&dir, &resolved, &prep.layout, &schedule, accept)?;
+        println!("would resume from {}", dir.display());
+    }
     describe(cfg, placement, &prep);
     for line in &held {
         println!("{line}");

@@ -72,6 +72,10 @@ pub struct DatasetSection {
     /// samples, chosen at random with `training.seed`.
     #[serde(default)]
     pub val_size: Option<f64>,
+    /// At most this many records of each dataset file or registry entry, the first ones
+    /// (LlamaFactory's key).
+    #[serde(default)]
+    pub max_samples: Option<usize>,
     /// Eval dataset name(s) in `dataset_dir/dataset_info.json`, comma-separated.
     #[serde(default)]
     pub eval_name: Option<String>,

@@ -8,6 +8,7 @@
 //! Relative paths in a config are resolved against the directory of the config file, so a
 //! config runs the same from any working directory.
 
+mod aliases;
 mod checkpoint;
 mod dataset;
 mod grpo;
@@ -28,7 +29,7 @@ pub use grpo::{GrpoLoss, GrpoParams, GrpoSection, ScaleRewards};
 pub use logging::{LoggingSection, ReportTo};
 pub use nodes::NodesSection;
 pub use overrides::apply_override;
-use overrides::did_you_mean;
+use overrides::{did_you_mean, edit_distance};
 pub use resident::ResidentBlocks;
 pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 pub use tile::TileTokens;
@@ -65,6 +66,10 @@ pub struct RunConfig {
     /// Several nodes (`mpirun -np N mt-launch …`).
     #[serde(default)]
     pub nodes: NodesSection,
+    /// What reading the config noted for the user: keys of HF Trainer or LlamaFactory that
+    /// mean nothing here, and which of two settings decided ([`aliases`]).
+    #[serde(skip)]
+    pub notes: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -196,6 +201,14 @@ pub struct TrainingSection {
     /// Global sequences per optimizer step (all workers, all micro-batches); under `dpo`,
     /// preference pairs (two sequences each); under `grpo`, completions.
     pub batch_size: usize,
+    /// Sequences per worker per micro-batch (HF Trainer's and LlamaFactory's key): the
+    /// global `batch_size` is this x workers (all nodes) x `gradient_accumulation_steps`,
+    /// printed at start. Give this or `batch_size`, not both.
+    pub per_device_train_batch_size: Option<usize>,
+    /// Passes over the training samples (HF Trainer's key, fractions allowed): `num_steps`
+    /// becomes ceil(epochs x ceil(samples / batch_size)), printed at start. An explicit
+    /// `num_steps` (`max_steps`) takes precedence, as in HF Trainer.
+    pub num_train_epochs: Option<f64>,
     /// Micro-batches per worker per optimizer step.
     pub gradient_accumulation_steps: usize,
     /// Optimizer steps to run.
@@ -206,6 +219,9 @@ pub struct TrainingSection {
     pub lr_scheduler: LrScheduler,
     /// Linear warm-up steps from 0 to `learning_rate`.
     pub warmup_steps: u64,
+    /// Warm-up as a fraction of `num_steps` (HF Trainer's key): `warmup_steps` becomes
+    /// ceil(ratio x num_steps). An explicit `warmup_steps` takes precedence.
+    pub warmup_ratio: Option<f64>,
     /// AdamW decoupled weight decay (applied to tensors with >= 2 dims only).
     pub weight_decay: f64,
     /// Clip the global gradient 2-norm to this value; 0 disables clipping.
@@ -218,6 +234,9 @@ pub struct TrainingSection {
     /// write (HF Trainer's and LlamaFactory's key): another model's weight files there are
     /// replaced, other files kept. Default: such a directory is refused, naming the files.
     pub overwrite_output_dir: bool,
+    /// A checkpoint to resume from when `--resume` is not given (HF Trainer's key): a
+    /// checkpoint directory or `latest`.
+    pub resume_from_checkpoint: Option<String>,
     /// What a non-finite loss or gradient norm does: `skip` the update (counted in the
     /// metrics) or `abort` the run.
     pub nan_policy: NanPolicy,
@@ -255,16 +274,20 @@ impl Default for TrainingSection {
         TrainingSection {
             stage: Stage::Sft,
             batch_size: 8,
+            per_device_train_batch_size: None,
+            num_train_epochs: None,
             gradient_accumulation_steps: 1,
             num_steps: 10,
             learning_rate: 1e-5,
             lr_scheduler: LrScheduler::Constant,
             warmup_steps: 0,
+            warmup_ratio: None,
             weight_decay: 0.0,
             max_grad_norm: 1.0,
             seed: 42,
             output_dir: None,
             overwrite_output_dir: false,
+            resume_from_checkpoint: None,
             nan_policy: NanPolicy::Skip,
             max_nan_steps: 5,
             worker_timeout_s: 600,
@@ -384,6 +407,23 @@ impl Default for MemorySection {
     }
 }
 
+/// For an unknown key at `key` (its dotted path): the nearest of HF
+/// Trainer's and LlamaFactory's names this config takes, else the section's nearest field.
+fn hint(key: &str, inner: &str) -> String {
+    let unknown = inner.split('`').nth(1).unwrap_or_default();
+    // serde_path_to_error's path ends with the unknown key itself.
+    let section = key
+        .strip_suffix(unknown)
+        .map(|s| s.trim_end_matches('.'))
+        .filter(|s| !s.is_empty() && *s != ".");
+    match inner.starts_with("unknown field") {
+        true => aliases::suggest(section, unknown, edit_distance)
+            .map(|s| format!(" (did you mean {s}?)"))
+            .unwrap_or_else(|| did_you_mean(inner)),
+        false => did_you_mean(inner),
+    }
+}
+
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
@@ -402,18 +442,47 @@ impl RunConfig {
             path: path.into(),
             msg: format!("malformed YAML: {e}"),
         })?;
+        // A config in the current directory has an empty parent: relative paths in it are
+        // relative to ".", whose ancestors (checked for writability) exist.
+        let base = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        // HF Trainer's and LlamaFactory's names first, so that an override of either name
+        // replaces the file's value; then the overrides' own aliases, which replace too.
+        let mut notes = aliases::apply(&mut value, base, false)?.notes;
         for ov in overrides {
-            apply_override(&mut value, ov)?;
+            let (key, raw) = ov.split_once('=').unwrap_or((ov, ""));
+            let key = aliases::canonical(key.trim());
+            // A source replaces the other way of naming it: `--set dataset.path=my.json`
+            // on a config that names a registry dataset trains on the file.
+            let other = match key {
+                "dataset.path" => Some(("dataset", "name")),
+                "dataset.name" => Some(("dataset", "path")),
+                "model.path" => Some(("model", "name")),
+                "model.name" => Some(("model", "path")),
+                _ => None,
+            };
+            if let Some((section, other)) = other
+                && let Some(m) = value.get_mut(section).and_then(Value::as_mapping_mut)
+            {
+                m.remove(other);
+            }
+            match ov.contains('=') {
+                true => apply_override(&mut value, &format!("{key}={raw}"))?,
+                false => apply_override(&mut value, ov)?,
+            }
         }
+        notes.extend(aliases::apply(&mut value, base, true)?.notes);
         let mut cfg: RunConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
             let inner = e.inner().to_string();
             Error::Config {
                 path: path.into(),
-                msg: format!("key `{key}`: {inner}{}", did_you_mean(&inner)),
+                msg: format!("key `{key}`: {inner}{}", hint(&key, &inner)),
             }
         })?;
-        let base = path.parent().unwrap_or(Path::new("."));
+        cfg.notes = notes;
         match shipped_ok {
             true => cfg.model.resolve_source_or_shipped()?,
             false => cfg.model.resolve_source()?,
@@ -517,6 +586,7 @@ impl RunConfig {
                 return Err(Error::invalid(key, msg));
             }
         }
+        self.validate_hf_keys()?;
         self.validate_stage()?;
         self.checkpoint.validate()?;
         if self.memory.checkpoint_interval != 1 {
@@ -560,6 +630,70 @@ impl RunConfig {
 
     /// `memory.resident_blocks` is updated on the GPUs with the host's own arithmetic: an
     /// fp32 or split master and fp32 moments.
+    /// HF Trainer's keys that are turned into this config's at launch.
+    fn validate_hf_keys(&self) -> Result<()> {
+        let t = &self.training;
+        if t.per_device_train_batch_size == Some(0) {
+            return Err(Error::invalid(
+                "training.per_device_train_batch_size",
+                "must be > 0",
+            ));
+        }
+        if let Some(e) = t.num_train_epochs.filter(|e| !(e.is_finite() && *e > 0.0)) {
+            return Err(Error::invalid(
+                "training.num_train_epochs",
+                format!("must be a number > 0, got {e}"),
+            ));
+        }
+        if let Some(r) = t.warmup_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
+            return Err(Error::invalid(
+                "training.warmup_ratio",
+                format!("must be within [0, 1], got {r}"),
+            ));
+        }
+        if self.dataset.max_samples == Some(0) {
+            return Err(Error::invalid("dataset.max_samples", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// `training.per_device_train_batch_size` turned into the global `batch_size` for
+    /// `world` workers (all nodes), with the line that says so; None when the config
+    /// gives the global batch.
+    pub fn resolve_batch(&mut self, world: usize) -> Option<String> {
+        let t = &mut self.training;
+        let per = t.per_device_train_batch_size?;
+        t.batch_size = per * world * t.gradient_accumulation_steps;
+        Some(format!(
+            "batch: {per} per device x {world} worker(s) x {} accumulation step(s) = {} sequences per optimizer step",
+            t.gradient_accumulation_steps, t.batch_size
+        ))
+    }
+
+    /// `training.num_train_epochs` and `training.warmup_ratio` turned into `num_steps` and
+    /// `warmup_steps` for `samples` training samples (pairs under DPO), as HF Trainer counts
+    /// them, with the line that says so; None when neither is given.
+    pub fn resolve_steps(&mut self, samples: usize) -> Option<String> {
+        let t = &mut self.training;
+        let mut said = Vec::new();
+        if let Some(epochs) = t.num_train_epochs {
+            let per_epoch = samples.div_ceil(t.batch_size).max(1) as u64;
+            t.num_steps = ((epochs * per_epoch as f64).ceil() as u64).max(1);
+            said.push(format!(
+                "{epochs} epoch(s) of {samples} samples at {} per step: {} steps ({per_epoch} per epoch)",
+                t.batch_size, t.num_steps
+            ));
+        }
+        if let Some(ratio) = t.warmup_ratio {
+            t.warmup_steps = (ratio * t.num_steps as f64).ceil() as u64;
+            said.push(format!(
+                "warm-up {} steps (warmup_ratio {ratio} of {})",
+                t.warmup_steps, t.num_steps
+            ));
+        }
+        (!said.is_empty()).then(|| said.join("; "))
+    }
+
     fn validate_resident(&self) -> Result<()> {
         let m = &self.memory;
         if m.resident_blocks == ResidentBlocks::Off {

@@ -333,7 +333,10 @@ fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
     let ds = reader.ds;
     let mut out = Read::default();
     for src in srcs {
-        let mut left = src.limit.unwrap_or(usize::MAX);
+        let mut left = src
+            .limit
+            .unwrap_or(usize::MAX)
+            .min(ds.max_samples.unwrap_or(usize::MAX));
         for file in &src.files {
             let contents = FileRecords::read(file)?;
             let mut recs = contents.records()?;

@@ -140,17 +140,17 @@ impl Trainer {
             checkpoint::state::remove_stale(dir)?;
         }
         let mut prepared = Prepared::new(&cfg, &placement)?;
-        // The data read (its files exist) and the layout known; nothing allocated yet.
-        let schedule = weights::schedule(&cfg)?;
-        if let Some((dir, accept)) = &resume {
-            weights::check_resume(dir, &cfg, &prepared.layout, &schedule, *accept)?;
-        }
-        let resume = resume.map(|(dir, _)| dir);
         nodes::shard_plan(&mut prepared, &cfg, mpi);
         prepared.check_host_ram()?;
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
         prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
+        // Before any long work: a metrics path that cannot be written fails the launch now.
+        let metrics = metrics_out
+            .as_deref()
+            .filter(|_| lead)
+            .map(MetricsWriter::create)
+            .transpose()?;
         let tensorboard_dir = cfg.tensorboard_dir()?.filter(|_| lead);
         if let Some(dir) = &tensorboard_dir {
             checkpoint::check_writable(dir, "logging.logging_dir")?;
@@ -165,9 +165,9 @@ impl Trainer {
             _ => None,
         };
         nodes::check_supported(mpi, &cfg, dump_grads.is_some())?;
-        let (metrics_out, dump_grads, dump_logits) = match lead {
-            true => (metrics_out, dump_grads, dump_logits),
-            false => (None, None, None),
+        let (dump_grads, dump_logits) = match lead {
+            true => (dump_grads, dump_logits),
+            false => (None, None),
         };
         // Several nodes shard the optimizer state instead: `auto` keeps none there.
         let free = crate::prepare::device_opts(&cfg, &placement)
@@ -182,6 +182,17 @@ impl Trainer {
             plan,
         } = prepared;
         println!("{}", data.summary());
+        let mut cfg = cfg;
+        if let Some(line) = cfg.resolve_steps(data.samples) {
+            println!("{line}");
+        }
+        // The data read (its files exist), the steps resolved, the layout known; nothing
+        // allocated yet.
+        let schedule = weights::schedule(&cfg)?;
+        if let Some((dir, accept)) = &resume {
+            weights::check_resume(dir, &cfg, &layout, &schedule, *accept)?;
+        }
+        let resume = resume.map(|(dir, _)| dir);
         tracing::info!(
             params = layout.num_params(),
             layers = layout.num_layers(),
@@ -309,10 +320,6 @@ impl Trainer {
             sup.register_s,
             sup.warm_up_s,
         );
-        let metrics = metrics_out
-            .as_deref()
-            .map(MetricsWriter::create)
-            .transpose()?;
         let tensorboard = tensorboard_dir
             .as_deref()
             .map(EventWriter::create)

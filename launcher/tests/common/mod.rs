@@ -80,6 +80,30 @@ pub fn expected_rows(dir: &Path, name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
         .collect()
 }
 
+/// A pretrained model to fine-tune: configs/tiny (its byte-level BPE tokenizer and ChatML
+/// template) trained one step on CPU and exported to `dir` (metrics beside it).
+pub fn tiny_pretrained(dir: &Path) {
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.yaml");
+    let out = dir.to_str().unwrap();
+    let metrics = dir.with_extension("metrics.jsonl");
+    let (output, _) = run_cpu(
+        &config,
+        1,
+        &metrics,
+        &[
+            "--set",
+            "training.num_steps=1",
+            "--set",
+            &format!("training.output_dir={out}"),
+        ],
+    );
+    assert_ok(&output, &["--config", "configs/tiny.yaml"]);
+    assert!(
+        dir.join("model.safetensors").is_file(),
+        "the tiny model was exported"
+    );
+}
+
 /// A fresh directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
