@@ -70,6 +70,16 @@ pub enum Error {
     #[error("interrupted during {during}")]
     Interrupted { during: &'static str },
 
+    /// Another run holds the lock of a run's directory ([`crate::checkpoint::lock`]).
+    #[error(
+        "{key} {path} is in use by {holder}: one run per directory (wait for it to end, or give another {key})"
+    )]
+    InUse {
+        key: String,
+        path: PathBuf,
+        holder: String,
+    },
+
     #[error("{0}")]
     Other(String),
 }

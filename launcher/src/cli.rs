@@ -131,6 +131,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR|latest")]
     pub resume: Option<String>,
 
+    /// With `--resume`: continue even where this launch's data or optimizer settings
+    /// differ from the checkpoint's run (dataset files, max_seq_len, learning rate, …),
+    /// one warning line per difference. Without it such a resume is refused, listing them.
+    #[arg(long)]
+    pub resume_changed: bool,
+
     /// Check everything (config, model, tokenizer and template, every dataset record,
     /// host memory) and exit without starting workers.
     #[arg(long)]
@@ -145,6 +151,15 @@ pub struct RunArgs {
     /// full error messages, C++ backtraces included).
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: String,
+}
+
+/// `--resume` and `--resume-changed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resume {
+    /// A checkpoint directory or `latest`.
+    pub from: String,
+    /// Accept settings that differ from the checkpoint's run, warning of each.
+    pub accept_changes: bool,
 }
 
 /// Where the workers run.

@@ -111,9 +111,18 @@ fn run(cli: cli::Cli) -> Result<()> {
     let resume = cli
         .resume
         .clone()
-        .or_else(|| cfg.training.resume_from_checkpoint.clone());
+        .or_else(|| cfg.training.resume_from_checkpoint.clone())
+        .map(|from| cli::Resume {
+            from,
+            accept_changes: cli.resume_changed,
+        });
+    if cli.resume_changed && resume.is_none() {
+        anyhow::bail!(
+            "--resume-changed applies to a resume: give --resume (or training.resume_from_checkpoint)"
+        );
+    }
     if cli.dry_run {
-        return plan::dry_run(&cfg, &placement, resume.as_deref(), cli.force);
+        return plan::dry_run(&cfg, &placement, resume.as_ref(), cli.force);
     }
     let metrics = cli.metrics_out.clone();
     let result = train::Trainer::new(

@@ -162,28 +162,45 @@ fn json(
     })
 }
 
-/// `--dry-run`: every check a launch makes (the checkpoint to resume from included), then
-/// a summary; no worker starts.
+/// `--dry-run`: every check a launch makes (the directories it would write and the
+/// checkpoint to resume from included), then a summary; no worker starts, no lock is taken.
 pub fn dry_run(
     cfg: &RunConfig,
     placement: &Placement,
-    resume: Option<&str>,
+    resume: Option<&cli::Resume>,
     force: bool,
 ) -> Result<()> {
+    // As a launch checks them, first; a directory another run holds is said, not refused
+    // (a dry run takes no lock).
+    let held = match crate::mpi::world().is_none_or(|m| m.rank == 0) {
+        true => mt::checkpoint::ownership::check(cfg)?,
+        false => Vec::new(),
+    };
+    let resume = resume
+        .map(|r| {
+            let dir = mt::checkpoint::state::resolve(&r.from, cfg.checkpoint.dir.as_deref())?;
+            anyhow::Ok((dir, r.accept_changes))
+        })
+        .transpose()?;
     let mut prep = Prepared::new(cfg, placement)?;
     // Under mpirun, this node's share, as the run would hold it.
     crate::train::shard_plan(&mut prep, cfg, crate::mpi::world());
     prep.check_host_ram()?;
     prep.check_device_memory(cfg, placement, force)?;
     prep.plan = prep.grown_plan(cfg, placement, mt::plan::available_host_bytes());
-    if let Some(line) = cfg.clone().resolve_steps(prep.data.samples) {
+    let mut resolved = cfg.clone();
+    if let Some(line) = resolved.resolve_steps(prep.data.samples) {
         println!("{line}");
     }
-    if let Some(r) = resume {
-        let dir = mt::checkpoint::state::resolve(r, cfg.checkpoint.dir.as_deref())?;
+    if let Some((dir, accept)) = resume {
+        let schedule = crate::train::schedule(&resolved)?;
+        crate::train::check_resume(&dir, &resolved, &prep.layout, &schedule, accept)?;
         println!("would resume from {}", dir.display());
     }
     describe(cfg, placement, &prep);
+    for line in &held {
+        println!("{line}");
+    }
     println!("dry run: configuration, model, dataset and host memory are valid");
     Ok(())
 }

@@ -514,12 +514,15 @@ fn a_failed_last_write_still_reports_the_periodic_checkpoint() {
     let f = fixture("last-write-fails");
     std::fs::create_dir_all(&f.ck).unwrap();
     std::fs::write(f.ck.join("step-00000003"), "in the way").unwrap();
+    // A file this project did not write: accepted only when told to write there anyway.
     let out = mt_launch()
         .args(f.args(&[
             "--set",
             "training.num_steps=3",
             "--set",
             "checkpoint.every_steps=2",
+            "--set",
+            "training.overwrite_output_dir=true",
         ]))
         .output()
         .unwrap();

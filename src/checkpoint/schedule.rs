@@ -1,7 +1,10 @@
 //! What a checkpoint records of the run's settings, to tell whether a resume continues the
-//! same run ([`Schedule`], in `trainer_state.json`).
+//! same run ([`Schedule`], in `trainer_state.json`; the data and optimizer settings in
+//! [`RunSettings`]).
 
 use serde::{Deserialize, Serialize};
+
+use super::settings::RunSettings;
 
 /// The settings that, with `step`, fix the data position and the schedule position: step
 /// k reads global batch k of the order `seed` and `shuffle` give, and a decaying learning
@@ -17,16 +20,22 @@ pub struct Schedule {
     /// model, rebuilt at every launch): a resume must name the same one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grpo_reference: Option<String>,
+    /// The data and optimizer settings (absent in checkpoints of earlier builds, which
+    /// then cannot be checked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<RunSettings>,
 }
 
 impl Schedule {
-    /// How `self` (the resumed run's settings) differs from `saved`, in config keys.
+    /// How `self` (the resumed run's settings) differs from `saved`, one line per config
+    /// key: "key: now X, the checkpoint's run had Y" (the GRPO reference aside: a resume
+    /// against another one is refused on its own).
     pub fn differences(&self, saved: &Schedule) -> Vec<String> {
         let mut d = Vec::new();
         let mut cmp = |key: &str, ours: String, theirs: String| {
             if ours != theirs {
                 d.push(format!(
-                    "{key} is {ours}, the checkpoint's run had {theirs}"
+                    "{key}: now {ours}, the checkpoint's run had {theirs}"
                 ));
             }
         };
@@ -55,6 +64,9 @@ impl Schedule {
             steps(self.decay_steps),
             steps(saved.decay_steps),
         );
+        if let (Some(ours), Some(theirs)) = (&self.settings, &saved.settings) {
+            d.extend(ours.differences(theirs));
+        }
         d
     }
 }

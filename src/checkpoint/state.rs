@@ -43,7 +43,7 @@ use crate::shm::f32_bytes;
 mod dirs;
 pub use dirs::{complete, prune, remove_stale, resolve, resumable};
 
-const MARKER: &str = manifest::CHECKPOINT_MARKER;
+pub(crate) const MARKER: &str = manifest::CHECKPOINT_MARKER;
 /// Prefix of the directories of writers of earlier versions (`.tmp-step-N-PID`).
 const LEGACY_TMP_PREFIX: &str = ".tmp-";
 const STATE: &str = "trainer_state.json";
@@ -450,6 +450,38 @@ pub fn load(
     Ok(saved.state)
 }
 
+/// Checkpoint `dir`'s `trainer_state.json` (small: read before a resume loads anything).
+pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let st = dir.join(STATE);
+    let text = std::fs::read_to_string(&st).map_err(io(&st))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Weights {
+        path: st.clone(),
+        msg: format!("malformed trainer state: {e}"),
+    })?;
+    if state.format != FORMAT {
+        return Err(Error::Weights {
+            path: st,
+            msg: format!("format {} is not {FORMAT}", state.format),
+        });
+    }
+    Ok(state)
+}
+
+/// Refuses checkpoint `dir` (whose state is `state`) unless it was saved for `layout`.
+pub fn check_layout(dir: &Path, state: &TrainState, layout: &Layout) -> Result<()> {
+    let ours = fingerprint(layout);
+    if state.layout != ours {
+        return Err(Error::Weights {
+            path: dir.join(STATE),
+            msg: format!(
+                "saved for another model: layout {} does not match this model's {ours} (different architecture or config)",
+                state.layout
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A resumable checkpoint opened for reading: its state, and its optimizer tensors read a
 /// range at a time (a node of a sharded run reads its pieces only).
 pub struct Saved {
@@ -463,28 +495,8 @@ pub struct Saved {
 impl Saved {
     /// Opens checkpoint `dir`, which must be resumable and saved for `layout`.
     pub fn open(dir: &Path, layout: &Layout) -> Result<Saved> {
-        let st = dir.join(STATE);
-        let text = std::fs::read_to_string(&st).map_err(io(&st))?;
-        let state: TrainState = serde_json::from_str(&text).map_err(|e| Error::Weights {
-            path: st.clone(),
-            msg: format!("malformed trainer state: {e}"),
-        })?;
-        if state.format != FORMAT {
-            return Err(Error::Weights {
-                path: st,
-                msg: format!("format {} is not {FORMAT}", state.format),
-            });
-        }
-        let ours = fingerprint(layout);
-        if state.layout != ours {
-            return Err(Error::Weights {
-                path: st,
-                msg: format!(
-                    "saved for another model: layout {} does not match this model's {ours} (different architecture or config)",
-                    state.layout
-                ),
-            });
-        }
+        let state = read_state(dir)?;
+        check_layout(dir, &state, layout)?;
         let opt = dir.join(OPTIMIZER);
         if !resumable(dir) {
             return Err(Error::Weights {

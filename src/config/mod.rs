@@ -246,8 +246,9 @@ pub struct TrainingSection {
     /// `output_dir` was left out and is the default (set by [`RunConfig::load`]).
     #[serde(skip)]
     pub output_dir_is_default: bool,
-    /// Write into an `output_dir` that holds files this project did not write (HF
-    /// Trainer's and LlamaFactory's key).
+    /// Write into an `output_dir` or `checkpoint.dir` that holds files this project did not
+    /// write (HF Trainer's and LlamaFactory's key): another model's weight files there are
+    /// replaced, other files kept. Default: such a directory is refused, naming the files.
     pub overwrite_output_dir: bool,
     /// A checkpoint to resume from when `--resume` is not given (HF Trainer's key): a
     /// checkpoint directory or `latest`.

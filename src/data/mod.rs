@@ -49,7 +49,7 @@ pub use batch::{
 pub use chat::ChatTokenizer;
 pub use records::{BadRecord, Conversation, Message, Role};
 pub use rollouts::Rollouts;
-pub use sources::needs_tokenizer;
+pub use sources::{needs_tokenizer, training_files};
 pub use split::held_out;
 
 use crate::cancel;

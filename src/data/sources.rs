@@ -18,6 +18,13 @@ pub fn needs_tokenizer(ds: &DatasetSection, stage: Stage) -> Result<bool> {
     Ok(train.iter().chain(&eval).any(|s| s.schema.is_some()))
 }
 
+/// The files the training set of `ds` is read from, in order, found without reading them
+/// (what a checkpoint fingerprints: [`crate::checkpoint::settings`]).
+pub fn training_files(ds: &DatasetSection, stage: Stage) -> Result<Vec<PathBuf>> {
+    let (train, _) = train_and_eval_sources(ds, stage)?;
+    Ok(train.into_iter().flat_map(|s| s.files).collect())
+}
+
 /// The sources of the training set and of the eval set (none without one).
 pub(super) fn train_and_eval_sources(
     ds: &DatasetSection,

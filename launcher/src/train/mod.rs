@@ -17,7 +17,7 @@ use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
 use mt::optim::Moments;
 use mt::protocol::{Device, Init, ToWorker};
 
-use crate::cli::Placement;
+use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
 use crate::eval::EvalSet;
 use crate::grpo::{Policy, reference_logps};
@@ -34,6 +34,7 @@ mod step_end;
 mod weights;
 pub use keep::Stopped;
 pub(crate) use nodes::shard_plan;
+pub(crate) use weights::{check_resume, schedule};
 
 use gradients::StepOutcome;
 
@@ -89,6 +90,11 @@ pub struct Trainer {
     checkpointed: Option<(u64, CheckpointContents)>,
     /// The step and directory of the newest checkpoint written.
     last_written: Option<(u64, PathBuf)>,
+    /// What checkpoints record of the run's settings, for a resume to compare.
+    schedule: checkpoint::state::Schedule,
+    /// The locks of `training.output_dir` and `checkpoint.dir` (node 0), held until the
+    /// export and the last checkpoint are written: declared after `writer`, dropped after it.
+    _locks: Vec<checkpoint::lock::DirLock>,
 }
 
 impl Trainer {
@@ -98,29 +104,46 @@ impl Trainer {
         metrics_out: Option<PathBuf>,
         dump_grads: Option<PathBuf>,
         dump_logits: Option<PathBuf>,
-        resume: Option<String>,
+        resume: Option<Resume>,
         force: bool,
     ) -> Result<Trainer> {
         let t_start = Instant::now();
         let mpi = crate::mpi::world();
         // Node 0 writes the run's files; the others hold the same state.
         let lead = mpi.is_none_or(|m| m.rank == 0);
+        // Before any work: directories that are not the model's nor hold others' files,
+        // locked for the whole run; then the checkpoint to resume, resolved and checked
+        // before the clean-up of dead writers' directories (which must never be it).
+        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
+            checkpoint::check_writable(dir, "training.output_dir")?;
+        }
+        if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
+            checkpoint::check_writable(dir, "checkpoint.dir")?;
+        }
+        let locks = match lead {
+            true => checkpoint::ownership::claim(&cfg)?,
+            false => Vec::new(),
+        };
+        // Under the lock, an export a killed run left half put in place is finished or
+        // undone first: the checkpoints may live inside the output directory.
+        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
+            checkpoint::recover_export(dir)?;
+        }
+        let resume = resume
+            .map(|r| {
+                let dir = checkpoint::state::resolve(&r.from, cfg.checkpoint.dir.as_deref())?;
+                anyhow::Ok((dir, r.accept_changes))
+            })
+            .transpose()?;
+        if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
+            checkpoint::state::remove_stale(dir)?;
+        }
         let mut prepared = Prepared::new(&cfg, &placement)?;
         nodes::shard_plan(&mut prepared, &cfg, mpi);
         prepared.check_host_ram()?;
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
         prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
-        // An export a killed run left half put in place is finished or undone first: the
-        // checkpoints may live inside the output directory.
-        if let Some(dir) = cfg.training.output_dir.as_ref().filter(|_| lead) {
-            checkpoint::check_writable(dir, "training.output_dir")?;
-            checkpoint::recover_export(dir)?;
-        }
-        if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
-            checkpoint::check_writable(dir, "checkpoint.dir")?;
-            checkpoint::state::remove_stale(dir)?;
-        }
         // Before any long work, and creating nothing yet: a metrics path that cannot be
         // written fails the launch now, not after start-up.
         if let Some(m) = metrics_out.as_deref().filter(|_| lead) {
@@ -162,9 +185,13 @@ impl Trainer {
         if let Some(line) = cfg.resolve_steps(data.samples) {
             println!("{line}");
         }
-        let resume = resume
-            .map(|r| checkpoint::state::resolve(&r, cfg.checkpoint.dir.as_deref()))
-            .transpose()?;
+        // The data read (its files exist), the steps resolved, the layout known; nothing
+        // allocated yet.
+        let schedule = weights::schedule(&cfg)?;
+        if let Some((dir, accept)) = &resume {
+            weights::check_resume(dir, &cfg, &layout, &schedule, *accept)?;
+        }
+        let resume = resume.map(|(dir, _)| dir);
         tracing::info!(
             params = layout.num_params(),
             layers = layout.num_layers(),
@@ -388,6 +415,8 @@ impl Trainer {
             since_checkpoint: Instant::now(),
             checkpointed: None,
             last_written: None,
+            schedule,
+            _locks: locks,
         })
     }
 
@@ -544,6 +573,7 @@ impl Trainer {
             w.finish()
                 .with_context(|| format!("checkpoint under {root} failed"))?;
         }
+        // `writer` and then `locks`, left in `self`, are dropped as this returns.
         nodes::export(&cfg, &mut host, &export, lead)?;
         println!(
             "host memory: launcher peak {:.3} GB resident (VmHWM), plan {:.3} GB",

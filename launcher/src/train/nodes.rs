@@ -27,7 +27,6 @@ use mt::layout::shards::Shards;
 use mt::optim::AdamWStep;
 
 use super::Trainer;
-use super::weights::schedule;
 use crate::host::HostState;
 use crate::mpi::Mpi;
 use crate::prepare::Prepared;
@@ -176,7 +175,7 @@ impl Trainer {
         let root = writer.root().display().to_string();
         let state = self
             .host
-            .train_state(done, self.nan_run, schedule(&self.cfg));
+            .train_state(done, self.nan_run, self.schedule.clone());
         let host = &mut self.host;
         // A failed gather, and whether the files were created (else the gathers still run).
         let (mut gather_err, mut gathered) = (None, false);
@@ -211,7 +210,7 @@ impl Trainer {
         let moments = contents == CheckpointContents::Full;
         let state = self
             .host
-            .train_state(done, self.nan_run, schedule(&self.cfg));
+            .train_state(done, self.nan_run, self.schedule.clone());
         let writer = self.writer.as_mut().expect("node 0 writes checkpoints");
         let root = writer.root().display().to_string();
         let (waited, written, feed) = match writer.start_fed(state, contents) {

@@ -11,7 +11,6 @@ use mt::metrics::{
 };
 use mt::optim::{clip_coefficient, lr_at};
 
-use super::weights::schedule;
 use super::{StepOutcome, Trainer};
 
 impl Trainer {
@@ -51,7 +50,7 @@ impl Trainer {
         }
         let mut state = self
             .host
-            .train_state(done, self.nan_run, schedule(&self.cfg));
+            .train_state(done, self.nan_run, self.schedule.clone());
         if let Some(p) = &self.dpo {
             let file = mt::checkpoint::reference::FILE.to_string();
             state.extra.push((file, p.file.clone()));

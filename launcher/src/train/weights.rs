@@ -1,6 +1,9 @@
 //! Where a run's weights come from: its initial model (`model.path`'s weights, or random
-//! init from `training.seed`) or the checkpoint it resumes; and what checkpoints record to
-//! tell whether a resume continues the same run ([`schedule`]).
+//! init from `training.seed`) or the checkpoint it resumes; what checkpoints record to
+//! tell whether a resume continues the same run ([`schedule`]: the schedule, the data's
+//! files and settings, the learning rate and optimizer), and the check of a resume against
+//! it before anything is loaded ([`check_resume`]: differences refused, each named, unless
+//! `--resume-changed`).
 //!
 //! Under `training.stage: grpo` with `grpo.beta` > 0 the initial model is also the
 //! reference of the KL term (TRL's reference: the initial policy). A loop resumes once per
@@ -38,14 +41,21 @@ pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSp
     }
 }
 
-/// Restores the checkpoint `dir` (weights, Adam state, step): (its step, its count of
-/// non-finite steps in a row).
-pub(super) fn restore(host: &mut HostState, dir: &Path, cfg: &RunConfig) -> Result<(u64, u64)> {
-    // Every node checks the files it is about to read (`checkpoint.verify`).
-    if cfg.checkpoint.verify {
-        verified(dir)?;
-    }
-    let state = host.restore(dir)?;
+/// Checks, before anything is loaded, that checkpoint `dir` continues this launch's run:
+/// it was saved for `layout`, steps are left to run, the GRPO reference is the same, and
+/// every setting it recorded
+/// ([`checkpoint::state::Schedule`]) is this launch's. Differences are refused, each
+/// named, unless `accept` (`--resume-changed`), which warns of each; a checkpoint of an
+/// earlier build, which recorded none, is resumed with a warning that it cannot be checked.
+pub(crate) fn check_resume(
+    dir: &Path,
+    cfg: &RunConfig,
+    layout: &mt::layout::Layout,
+    ours: &checkpoint::state::Schedule,
+    accept: bool,
+) -> Result<()> {
+    let state = checkpoint::state::read_state(dir)?;
+    checkpoint::state::check_layout(dir, &state, layout)?;
     let steps = cfg.training.num_steps;
     if state.step >= steps {
         bail!(
@@ -54,36 +64,68 @@ pub(super) fn restore(host: &mut HostState, dir: &Path, cfg: &RunConfig) -> Resu
             state.step
         );
     }
-    let ours = schedule(cfg);
-    if let Some(saved) = state.schedule.as_ref() {
-        for d in ours.differences(saved) {
-            tracing::warn!(
-                "resuming with other settings ({d}): the run does not continue as it would have"
-            );
-        }
-        if let (Some(a), Some(b)) = (&ours.grpo_reference, &saved.grpo_reference)
-            && a != b
-        {
-            bail!(
-                "{}: the run's grpo.beta KL term is against {b}, this launch's initial model is {a}: the reference is the run's initial model, keep model.path and model.init (and training.seed at random init) as the run started",
-                dir.display()
-            );
-        }
+    let Some(saved) = state.schedule.as_ref() else {
+        tracing::warn!(
+            "{}: the checkpoint records no run settings (an earlier build wrote it): cannot check that this resume continues the same run",
+            dir.display()
+        );
+        return Ok(());
+    };
+    if let (Some(a), Some(b)) = (&ours.grpo_reference, &saved.grpo_reference)
+        && a != b
+    {
+        bail!(
+            "{}: the run's grpo.beta KL term is against {b}, this launch's initial model is {a}: the reference is the run's initial model, keep model.path and model.init (and training.seed at random init) as the run started",
+            dir.display()
+        );
     }
+    if saved.settings.is_none() {
+        tracing::warn!(
+            "{}: the checkpoint records no data or optimizer settings (an earlier build wrote it): cannot check them against this launch's",
+            dir.display()
+        );
+    }
+    let differences = ours.differences(saved);
+    if differences.is_empty() {
+        return Ok(());
+    }
+    if accept {
+        for d in &differences {
+            tracing::warn!("resuming with a changed setting (--resume-changed): {d}");
+        }
+        return Ok(());
+    }
+    bail!(
+        "{}: this launch would not continue the checkpoint's run:\n  {}\nrestore those settings, or pass --resume-changed to continue with them changed",
+        dir.display(),
+        differences.join("\n  ")
+    )
+}
+
+/// Restores the checkpoint `dir` (weights, Adam state, step), checked by
+/// [`check_resume`]: (its step, its count of non-finite steps in a row). Every node first
+/// checks the files it is about to read against their manifest (`checkpoint.verify`).
+pub(super) fn restore(host: &mut HostState, dir: &Path, cfg: &RunConfig) -> Result<(u64, u64)> {
+    if cfg.checkpoint.verify {
+        verified(dir)?;
+    }
+    let state = host.restore(dir)?;
     println!("resumed from {} at step {}", dir.display(), state.step);
     Ok((state.step, state.nan_run))
 }
 
-/// The settings a checkpoint records to tell whether a resume continues the same run.
-pub(super) fn schedule(cfg: &RunConfig) -> checkpoint::state::Schedule {
-    checkpoint::state::Schedule {
+/// The settings a checkpoint records to tell whether a resume continues the same run:
+/// the schedule's, and the data and optimizer settings (the data files fingerprinted).
+pub(crate) fn schedule(cfg: &RunConfig) -> Result<checkpoint::state::Schedule> {
+    Ok(checkpoint::state::Schedule {
         seed: cfg.training.seed,
         batch_size: cfg.training.batch_size,
         shuffle: cfg.dataset.shuffle,
         decay_steps: (cfg.training.lr_scheduler != mt::config::LrScheduler::Constant)
             .then_some(cfg.training.num_steps),
         grpo_reference: grpo_reference(cfg),
-    }
+        settings: Some(checkpoint::settings::RunSettings::of(cfg)?),
+    })
 }
 
 /// With `grpo.beta` > 0, the initial model the KL term is against, in words.

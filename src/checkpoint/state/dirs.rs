@@ -109,7 +109,8 @@ pub fn prune(root: &Path, keep: usize) -> Result<()> {
 }
 
 /// `latest` (the newest complete checkpoint under `root` that holds the optimizer state)
-/// or a checkpoint directory.
+/// or a checkpoint directory. A writer's temporary directory (`.tmp-…`, `.mt-tmp-…`) is
+/// refused, not touched: resolve before any clean-up, which may delete it.
 pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
     if spec == "latest" {
         let root = root.ok_or_else(|| {
@@ -128,6 +129,21 @@ pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
         });
     }
     let dir = PathBuf::from(spec);
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if name.starts_with(LEGACY_TMP_PREFIX) || name.starts_with(".mt-tmp-") {
+        let whole = match dir.join(MARKER).is_file() {
+            true => format!(
+                " (it holds a {MARKER} marker: if the write only missed its rename, copy it to a step-NNNNNNNN directory and resume that)"
+            ),
+            false => String::new(),
+        };
+        return Err(Error::Weights {
+            path: dir,
+            msg: format!(
+                "an interrupted checkpoint write, not a checkpoint: --resume takes a step-NNNNNNNN directory or `latest`; it is left as it is{whole}"
+            ),
+        });
+    }
     if !dir.is_dir() {
         return Err(Error::Weights {
             path: dir,
