@@ -67,7 +67,7 @@ ERRORS_SEQ=${ERRORS_SEQ:-524288}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-common=(--config configs/tiny.yaml --set dataset.shuffle=false --set "training.num_steps=$STEPS" --set training.learning_rate=3e-3 --set logging.log_every=4)
+common=(--config configs/tiny.yaml --set training.save_model=false --set dataset.shuffle=false --set "training.num_steps=$STEPS" --set training.learning_rate=3e-3 --set logging.log_every=4)
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 echo "check_gpu: $gpus GPU(s) visible" >&2
 

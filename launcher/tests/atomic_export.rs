@@ -136,6 +136,9 @@ fn a_killed_export_leaves_the_previous_or_the_new_model() {
     assert_eq!(export_files(&out), files_a);
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     assert!(out.join("checkpoints/step-00000001/COMPLETE").is_file());
+    // A file this project did not write: the runs are told to write there anyway (else
+    // the output directory is refused: ownership.rs), and keep it.
+    let ck_over = [ck.clone(), "training.overwrite_output_dir=true".to_string()];
 
     let mut snapshots = Vec::new();
     let instants = [
@@ -146,7 +149,7 @@ fn a_killed_export_leaves_the_previous_or_the_new_model() {
         ("exchanged", &files_b, &want_b),
     ];
     for (instant, files, want) in instants {
-        kill_at(&dir, instant, &sets(&out, 2, std::slice::from_ref(&ck)));
+        kill_at(&dir, instant, &sets(&out, 2, &ck_over));
         assert_eq!(&export_files(&out), files, "killed at {instant}");
         let snap = dir.join(format!("snap-{instant}"));
         copy_dir(&out, &snap);
@@ -163,7 +166,7 @@ fn a_killed_export_leaves_the_previous_or_the_new_model() {
     assert_eq!(temp_entries(&dir).len(), 1, "{:?}", temp_entries(&dir));
 
     // The next run puts the user's file and the checkpoints back first, then exports A.
-    assert_ok(&train(&dir, "last", &sets(&out, 1, &[ck])), &[]);
+    assert_ok(&train(&dir, "last", &sets(&out, 1, &ck_over)), &[]);
     assert_eq!(export_files(&out), files_a);
     assert_eq!(
         std::fs::read_to_string(out.join("notes.txt")).unwrap(),
@@ -227,9 +230,12 @@ fn planted_links_are_never_followed() {
     link(&fake, ck.join(".mt-tmp-00000000000000ff"));
     link(&fake, ck.join(format!(".tmp-step-00000002-{}", 1 << 23)));
     link(&victims.join("file"), ck.join("step-00000002"));
+    // The planted names are not this project's files: the run is told to write there
+    // anyway (else both directories are refused: ownership.rs).
     let extra = [
         format!("checkpoint.dir={}", ck.display()),
         "checkpoint.every_steps=1".to_string(),
+        "training.overwrite_output_dir=true".to_string(),
     ];
     assert_ok(&train(&dir, "run", &sets(&out, 2, &extra)), &[]);
     assert_eq!(

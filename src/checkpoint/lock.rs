@@ -38,11 +38,19 @@ impl std::fmt::Debug for DirLock {
     }
 }
 
+/// What a lock file's name ends with.
+pub const SUFFIX: &str = ".mt-lock";
+
+/// Whether `name` is the name of a lock file of this module.
+pub fn is_lock_file(name: &str) -> bool {
+    name.starts_with('.') && name.ends_with(SUFFIX)
+}
+
 /// `<parent>/.<name>.mt-lock` of directory `dir` (config key `key`), from its resolved path.
 pub fn lock_path(dir: &Path, key: &str) -> Result<PathBuf> {
     let full = resolved(dir);
     match (full.parent(), full.file_name().and_then(|n| n.to_str())) {
-        (Some(parent), Some(name)) => Ok(parent.join(format!(".{name}.mt-lock"))),
+        (Some(parent), Some(name)) => Ok(parent.join(format!(".{name}{SUFFIX}"))),
         _ => Err(Error::invalid(
             key,
             format!(

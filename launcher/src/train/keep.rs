@@ -148,17 +148,19 @@ impl Trainer {
     }
 
     /// After a worker was lost with `done` steps applied: stops the workers and writes a
-    /// checkpoint of step `done` where the state allows (module docs); returns `err` with
-    /// what was kept, or why nothing was.
+    /// checkpoint of step `done` where the state allows (module docs); says what was kept,
+    /// or why nothing was, and returns `err`.
     pub(super) fn rescue(&mut self, err: anyhow::Error, done: u64) -> anyhow::Error {
         self.progress.finish();
         let kept = match self.rescue_checkpoint(done) {
             Ok(kept) => kept,
             Err(e) => format!("the checkpoint of step {done} failed too ({e:#})"),
         };
+        // Said on its own line, before the cause: the cause stays the error's one line
+        // (`worker rank R failed: ...`), as every failure of a run reads.
         self.progress
             .println(&format!("worker lost after step {done}: {kept}"));
-        err.context(format!("training stopped after step {done}; {kept}"))
+        err
     }
 
     fn rescue_checkpoint(&mut self, done: u64) -> Result<String> {

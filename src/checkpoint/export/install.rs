@@ -138,7 +138,7 @@ fn finish(out: &Path) -> Result<()> {
 /// Moves back into `out` (a complete export) the entries of the old directory `aside`
 /// that are not part of an export, then deletes `aside`; an entry whose name `out`
 /// already holds keeps `aside` in place (named in a warning), so nothing of the user's is
-/// ever deleted.
+/// ever deleted, except a lock file, which the live run there has taken anew.
 fn restore(out: &Path, aside: &Path) -> Result<()> {
     let new = Manifest::read(out, EXPORT_MARKER)?;
     let old = Manifest::read(aside, EXPORT_MARKER).ok().flatten();
@@ -158,7 +158,11 @@ fn restore(out: &Path, aside: &Path) -> Result<()> {
         }
         let dst = out.join(&os);
         if atomic::exists(&dst) {
-            kept.push(os);
+            // The lock file of a directory inside (the run's `checkpoints/`) is taken anew
+            // by the run that recovers: the old one holds only a dead holder's record.
+            if !crate::checkpoint::lock::is_lock_file(&name) {
+                kept.push(os);
+            }
             continue;
         }
         atomic::rename_noreplace(&entry.path(), &dst)?;
