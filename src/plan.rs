@@ -565,12 +565,17 @@ mod tests {
     use super::*;
     use crate::config::hf::{HfConfig, ModelSpec};
 
-    #[test]
-    fn grpo_reference_counts_in_the_total_not_per_parameter() {
+    /// The layout of the shipped Qwen2.5-7B architecture (configs/qwen2.5-7b).
+    fn qwen_7b_layout() -> Layout {
         let path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
         let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let layout = Layout::new(&ModelSpec::from_hf(&hf, &path).unwrap());
+        Layout::new(&ModelSpec::from_hf(&hf, &path).unwrap())
+    }
+
+    #[test]
+    fn grpo_reference_counts_in_the_total_not_per_parameter() {
+        let layout = qwen_7b_layout();
         let opts = HostOpts {
             store: DType::Bfloat16,
             grad: DType::Float32,
@@ -596,10 +601,7 @@ mod tests {
     /// listing marks the run's own and what fits.
     #[test]
     fn modes_are_the_plans_of_the_other_memory_layouts() {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-7b/config.json");
-        let hf: HfConfig = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let layout = Layout::new(&ModelSpec::from_hf(&hf, &path).unwrap());
+        let layout = qwen_7b_layout();
         let opts = HostOpts {
             store: DType::Bfloat16,
             grad: DType::Bfloat16,

@@ -237,6 +237,21 @@ fn planted_links_are_never_followed() {
         "checkpoint.every_steps=1".to_string(),
         "training.overwrite_output_dir=true".to_string(),
     ];
+    // A link where a checkpoint goes is not replaced either: that write fails, naming it.
+    let refused = train(&dir, "refused", &sets(&out, 2, &extra));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success()
+            && err.contains("step-00000002")
+            && err.contains("not a checkpoint this project wrote"),
+        "{err}"
+    );
+    assert!(
+        std::fs::symlink_metadata(ck.join("step-00000002"))
+            .unwrap()
+            .is_symlink()
+    );
+    std::fs::remove_file(ck.join("step-00000002")).unwrap();
     assert_ok(&train(&dir, "run", &sets(&out, 2, &extra)), &[]);
     assert_eq!(
         std::fs::read_to_string(victims.join("file")).unwrap(),

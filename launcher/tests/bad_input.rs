@@ -144,12 +144,18 @@ fn model_path_and_name_both_given() {
 
 #[test]
 fn checkpoint_every_steps_without_dir() {
+    // Checkpoints go to training.output_dir/checkpoints/ by default: only a run that
+    // writes no model has nowhere to put them.
     let f = fixture("every-no-dir");
     f.write_config(&f.yaml().replace(
         &format!("  dir: {}\n", f.ck.display()),
         "  every_steps: 1\n",
     ));
-    f.fails(&[], Stage::Start, &["checkpoint.dir", "every_steps"]);
+    f.fails(
+        &["--set", "training.save_model=false"],
+        Stage::Start,
+        &["checkpoint.dir", "every_steps", "save_model"],
+    );
 }
 
 #[test]
@@ -618,10 +624,15 @@ fn resume_latest_without_checkpoint_dir() {
         &f.yaml()
             .replace(&format!("checkpoint:\n  dir: {}\n", f.ck.display()), ""),
     );
+    // Without checkpoint.dir, `latest` looks in the default one, training.output_dir's
+    // checkpoints/, and says there is none there.
     f.fails(
         &["--resume", "latest"],
         Stage::Start,
-        &["checkpoint.dir", "--resume latest"],
+        &[
+            &path(&f.out.join("checkpoints")),
+            "no complete checkpoint to resume from",
+        ],
     );
 }
 
@@ -632,10 +643,11 @@ fn resume_from_corrupt_optimizer_state() {
     let opt = ck.join("optimizer.safetensors");
     let bytes = std::fs::read(&opt).unwrap();
     std::fs::write(&opt, &bytes[..bytes.len() - 100]).unwrap();
+    // Its manifest (checkpoint.verify) tells it first.
     f.fails(
         &["--resume", "latest"],
         Stage::Start,
-        &[&path(&opt), "not a valid safetensors file"],
+        &[&path(&opt), "truncated"],
     );
 }
 

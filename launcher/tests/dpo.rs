@@ -242,7 +242,8 @@ fn resume_continues_exactly_with_the_saved_reference() {
         "resumed loss and reward bits differ from the straight run's"
     );
 
-    // Other data: the saved reference is refused by name.
+    // Other data: refused as a changed dataset (the checkpoint's fingerprint of its files);
+    // accepted as such with --resume-changed, the saved reference is still refused by name.
     let data = dir.join("other.jsonl");
     let text = std::fs::read_to_string(golden_dir().join("dpo/llama_sigmoid/pairs.jsonl")).unwrap();
     std::fs::write(&data, text.replacen("[", "[1, ", 2)).unwrap();
@@ -258,6 +259,7 @@ fn resume_continues_exactly_with_the_saved_reference() {
             &format!("dataset.path={}", data.display()),
             "--resume",
             path_str(&dir.join("ck/step-00000003")),
+            "--resume-changed",
         ],
     );
     let err = String::from_utf8_lossy(&out.stderr);

@@ -93,10 +93,7 @@ fn assert_same_files(a: &Path, b: &Path) {
         b.display()
     );
     for f in &na {
-        let (x, y) = (
-            std::fs::read(a.join(f)).unwrap(),
-            std::fs::read(b.join(f)).unwrap(),
-        );
+        let (x, y) = (comparable(&a.join(f)), comparable(&b.join(f)));
         assert!(
             x == y,
             "{} differs from {}",

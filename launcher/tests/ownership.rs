@@ -290,6 +290,8 @@ fn resume_with_other_settings_is_refused_naming_each_unless_resume_changed() {
         serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
     v["schedule"].as_object_mut().unwrap().remove("settings");
     std::fs::write(&state, v.to_string()).unwrap();
+    // An earlier build's marker is empty (no manifest to verify against).
+    std::fs::write(step2.join("COMPLETE"), "").unwrap();
     let (ok, err) = launch(&f, &["--set", "training.num_steps=3", "--resume", &resume]);
     assert!(ok, "{err}");
     assert!(err.contains("cannot check them"), "{err}");

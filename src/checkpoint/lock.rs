@@ -30,6 +30,8 @@ use crate::error::{Error, Result};
 pub struct DirLock {
     file: Flock<File>,
     path: PathBuf,
+    /// The outermost directory [`DirLock::acquire`] created for the lock file, if any.
+    created: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for DirLock {
@@ -69,6 +71,13 @@ impl DirLock {
     pub fn acquire(dir: &Path, key: &str) -> Result<DirLock> {
         let path = lock_path(dir, key)?;
         let parent = path.parent().expect("a lock path has a parent");
+        // The outermost directory this creates, removed again with the lock when nothing
+        // else came to live in it (a run refused at start leaves nothing behind).
+        let created = parent
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && std::fs::symlink_metadata(a).is_err())
+            .last()
+            .map(Path::to_path_buf);
         std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         let file = open(&path, true)?;
         let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -100,7 +109,11 @@ impl DirLock {
             .and_then(|()| file.write_all(&json))
             .and_then(|()| file.sync_data())
             .map_err(|e| Error::io(&path, e))?;
-        Ok(DirLock { file, path })
+        Ok(DirLock {
+            file,
+            path,
+            created,
+        })
     }
 
     /// Who holds the lock of `dir` now, in words (None: nobody); takes nothing and
@@ -129,6 +142,20 @@ impl Drop for DirLock {
     /// that died); the lock itself goes with the descriptor.
     fn drop(&mut self) {
         let _ = self.file.set_len(0);
+        let Some(created) = &self.created else {
+            return;
+        };
+        let parent = self.path.parent().expect("a lock path has a parent");
+        let alone = std::fs::read_dir(parent)
+            .map(|d| d.flatten().all(|e| e.path() == self.path))
+            .unwrap_or(false);
+        if alone && std::fs::remove_file(&self.path).is_ok() {
+            for dir in parent.ancestors() {
+                if std::fs::remove_dir(dir).is_err() || dir == created.as_path() {
+                    break;
+                }
+            }
+        }
     }
 }
 

@@ -30,6 +30,16 @@ impl Schedule {
     /// How `self` (the resumed run's settings) differs from `saved`, one line per config
     /// key: "key: now X, the checkpoint's run had Y" (the GRPO reference aside: a resume
     /// against another one is refused on its own).
+    /// Where both runs decay the rate over a different number of steps: the warning to give.
+    pub fn rescheduled(&self, saved: &Schedule) -> Option<String> {
+        match (self.decay_steps, saved.decay_steps) {
+            (Some(ours), Some(theirs)) if ours != theirs => Some(format!(
+                "the learning rate now decays over {ours} steps, the checkpoint's run over {theirs}: the rate from here follows the new schedule"
+            )),
+            _ => None,
+        }
+    }
+
     pub fn differences(&self, saved: &Schedule) -> Vec<String> {
         let mut d = Vec::new();
         let mut cmp = |key: &str, ours: String, theirs: String| {
@@ -59,11 +69,15 @@ impl Schedule {
                 format!("a rate decaying over {n} steps")
             })
         };
-        cmp(
-            "training.lr_scheduler / num_steps",
-            steps(self.decay_steps),
-            steps(saved.decay_steps),
-        );
+        // A decaying schedule stretched or shortened (training.num_steps raised to train
+        // longer) is the run continued on purpose: [`Schedule::rescheduled`] warns of it.
+        if self.rescheduled(saved).is_none() {
+            cmp(
+                "training.lr_scheduler / num_steps",
+                steps(self.decay_steps),
+                steps(saved.decay_steps),
+            );
+        }
         if let (Some(ours), Some(theirs)) = (&self.settings, &saved.settings) {
             d.extend(ours.differences(theirs));
         }

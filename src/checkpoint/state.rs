@@ -216,8 +216,19 @@ pub fn save_with(
         return Err(e);
     }
     let dst = root.join(&name);
+    // Only a checkpoint of ours is replaced: anything else under its name (a file, a link,
+    // a directory of someone else's) fails the write, naming it, and is left as it is.
+    let ours = |d: &Path| {
+        atomic::is_real_dir(d)
+            && (atomic::exists(&d.join(MARKER)) || atomic::exists(&d.join(atomic::OWNER_FILE)))
+    };
     let put = if !atomic::exists(&dst) {
         atomic::rename_noreplace(&tmp, &dst).map(|()| None)
+    } else if !ours(&dst) {
+        Err(Error::Weights {
+            path: dst.clone(),
+            msg: "exists and is not a checkpoint this project wrote: the checkpoint is not written over it".into(),
+        })
     } else if atomic::exchange(&tmp, &dst)? {
         // An older checkpoint of the same step now holds the temporary name.
         Ok(Some(tmp.clone()))

@@ -85,6 +85,9 @@ pub(crate) fn check_resume(
             dir.display()
         );
     }
+    if let Some(warning) = ours.rescheduled(saved) {
+        tracing::warn!("{}: {warning}", dir.display());
+    }
     let differences = ours.differences(saved);
     if differences.is_empty() {
         return Ok(());

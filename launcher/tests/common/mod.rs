@@ -51,9 +51,18 @@ pub fn fresh_cwd() -> PathBuf {
         .ok()
         .and_then(|e| e.file_stem().map(|s| s.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "test".into());
-    let cwd = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/test-scratch/cwd")
-        .join(format!("{test}-{}-{n}", std::process::id()));
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch/cwd");
+    if n == 0 {
+        // What earlier runs of this test binary left (their default output directories).
+        let mine = format!("{test}-{}-", std::process::id());
+        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&format!("{test}-")) && !name.starts_with(&mine) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let cwd = root.join(format!("{test}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&cwd);
     std::fs::create_dir_all(&cwd).unwrap();
     cwd
@@ -288,7 +297,24 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     (diff / norm.max(1e-30)).sqrt()
 }
 
-/// Every file of `dir` (recursively), by relative path, with its bytes.
+/// The bytes of a file a run wrote, as two runs of the same training must agree on them:
+/// who wrote it (the owner record, and the `owner` of a completion manifest: host, pid, run
+/// id, start) is left out, every file listed with its size and checksum stays.
+pub fn comparable(path: &Path) -> Vec<u8> {
+    let bytes = std::fs::read(path).unwrap();
+    let name = path.file_name().unwrap().to_string_lossy();
+    match name.as_ref() {
+        ".mt-owner.json" => Vec::new(),
+        "COMPLETE" | "megatrain-export.json" if !bytes.is_empty() => {
+            let mut v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+            v.as_object_mut().unwrap().remove("owner");
+            serde_json::to_vec(&v).unwrap()
+        }
+        _ => bytes,
+    }
+}
+
+/// Every file of `dir` (recursively), by relative path, with its [`comparable`] bytes.
 pub fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -299,7 +325,7 @@ pub fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
                 stack.push(p);
             } else {
                 let rel = p.strip_prefix(dir).unwrap().display().to_string();
-                out.push((rel, std::fs::read(&p).unwrap()));
+                out.push((rel, comparable(&p)));
             }
         }
     }

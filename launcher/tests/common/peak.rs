@@ -5,7 +5,9 @@
 use std::path::{Path, PathBuf};
 
 /// A run config in `dir` for configs/qwen2.5-0.5b (random init, bf16) over `rows` rows of
-/// two tokens (one label each, so a bf16 step on CPU stays short), `batch` rows a step.
+/// two tokens (one label each, so a bf16 step on CPU stays short), `batch` rows a step. It
+/// writes no model (`save_model: false`): each case says where its checkpoints go, if
+/// anywhere (a checkpoint of this model is 7 GB).
 pub fn qwen_0_5b_config(dir: &Path, rows: usize, batch: usize) -> PathBuf {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen2.5-0.5b");
     let data = dir.join("data.jsonl");
@@ -19,7 +21,7 @@ pub fn qwen_0_5b_config(dir: &Path, rows: usize, batch: usize) -> PathBuf {
         format!(
             "model: {{path: {}, init: random, dtype: bfloat16}}\n\
              dataset: {{format: tokenized, path: {}, shuffle: false}}\n\
-             training: {{batch_size: {batch}, num_steps: 1, learning_rate: 1.0e-5}}\n",
+             training: {{batch_size: {batch}, num_steps: 1, learning_rate: 1.0e-5, save_model: false}}\n",
             model.display(),
             data.display()
         ),
