@@ -14,27 +14,7 @@ use common::*;
 /// A fixture whose model is the tiny demo (random init, its tokenizer) with `template` as
 /// chat_template.jinja, and whose dataset is `records` (alpaca JSONL).
 fn chat_fixture(name: &str, template: &str, records: &str) -> Fixture {
-    let f = fixture(name);
-    std::fs::remove_dir_all(&f.model).unwrap();
-    std::fs::create_dir_all(&f.model).unwrap();
-    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny");
-    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(tiny.join(file), f.model.join(file)).unwrap();
-    }
-    std::fs::write(f.model.join("chat_template.jinja"), template).unwrap();
-    let data = f.dir.join("alpaca.jsonl");
-    std::fs::write(&data, records).unwrap();
-    f.write_config(&format!(
-        "model: {{path: {}, init: random, dtype: float32}}\n\
-         dataset: {{format: alpaca, path: {}, shuffle: false, max_seq_len: 64}}\n\
-         training:\n  batch_size: 2\n  num_steps: 1\n  output_dir: {}\n\
-         checkpoint:\n  dir: {}\n",
-        f.model.display(),
-        data.display(),
-        f.out.display(),
-        f.ck.display()
-    ));
-    f
+    common::fixture::tiny_chat_fixture(name, "alpaca.jsonl", records, Some(template))
 }
 
 /// `n` alpaca records, one a line.

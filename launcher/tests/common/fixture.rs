@@ -192,3 +192,37 @@ pub fn entries(dir: &Path) -> Vec<String> {
 pub fn path(p: &Path) -> String {
     p.display().to_string()
 }
+
+/// A fixture whose model is the tiny demo (random init, its tokenizer and chat template, or
+/// `template` as chat_template.jinja) and whose dataset is `records` in alpaca format, in
+/// the file `data_name` (`.json` or `.jsonl`).
+pub fn tiny_chat_fixture(
+    name: &str,
+    data_name: &str,
+    records: &str,
+    template: Option<&str>,
+) -> Fixture {
+    let f = fixture(name);
+    std::fs::remove_dir_all(&f.model).unwrap();
+    std::fs::create_dir_all(&f.model).unwrap();
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny");
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny.join(file), f.model.join(file)).unwrap();
+    }
+    if let Some(template) = template {
+        std::fs::write(f.model.join("chat_template.jinja"), template).unwrap();
+    }
+    let data = f.dir.join(data_name);
+    std::fs::write(&data, records).unwrap();
+    f.write_config(&format!(
+        "model: {{path: {}, init: random, dtype: float32}}\n\
+         dataset: {{format: alpaca, path: {}, shuffle: false, max_seq_len: 64}}\n\
+         training:\n  batch_size: 2\n  num_steps: 1\n  output_dir: {}\n\
+         checkpoint:\n  dir: {}\n",
+        f.model.display(),
+        data.display(),
+        f.out.display(),
+        f.ck.display()
+    ));
+    f
+}

@@ -75,6 +75,29 @@ fn optimizer_file_is_safetensors_own_bytes() {
     assert!(bits(&hi2) == bits(&hi) && lo2 == lo);
 }
 
+/// The layout of config.json text `hf`, a fresh scratch directory `mt-<tag>-<pid>`, and
+/// export options whose source (`src/` in it) holds an empty config.json.
+fn scratch_export(
+    hf: &str,
+    tag: &str,
+    dtype: crate::config::DType,
+) -> (Layout, std::path::PathBuf, ExportOptions) {
+    let hf: crate::config::hf::HfConfig = serde_json::from_str(hf).unwrap();
+    let spec = crate::config::hf::ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap();
+    let dir = std::env::temp_dir().join(format!("mt-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let src = dir.join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("config.json"), "{}").unwrap();
+    let export = ExportOptions {
+        dtype,
+        source: src,
+        max_shard_bytes: 1 << 30,
+        carried: Default::default(),
+    };
+    (Layout::new(&spec), dir, export)
+}
+
 /// Writes a `Full` checkpoint (bf16 export) of the model of `hf` (a config.json) from
 /// made-up state twice, whole and through `fill`, and asserts that every file has the
 /// same bytes.
@@ -83,20 +106,7 @@ fn fills_give_the_bytes_of_whole_blocks(
     tag: &str,
     fill: impl FnOnce(&Files, &Layout, &Tensors) -> Result<()>,
 ) {
-    let hf: crate::config::hf::HfConfig = serde_json::from_str(hf).unwrap();
-    let spec = crate::config::hf::ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap();
-    let layout = Layout::new(&spec);
-    let dir = std::env::temp_dir().join(format!("mt-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let src = dir.join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("config.json"), "{}").unwrap();
-    let export = ExportOptions {
-        dtype: crate::config::DType::Bfloat16,
-        source: src,
-        max_shard_bytes: 1 << 30,
-        carried: Default::default(),
-    };
+    let (layout, dir, export) = scratch_export(hf, tag, crate::config::DType::Bfloat16);
     let n = layout.total;
     let val = |i: usize, k: usize| ((i * 7 + k) as f32 * 0.37).sin();
     let (master, m, v): (Vec<f32>, Vec<f32>, Vec<f32>) = (
@@ -285,20 +295,7 @@ fn stale_temporary_dirs_of_dead_writers_are_removed() {
 fn non_finite_values_are_never_written_nor_read() {
     let hf = r#"{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
         "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}"#;
-    let hf: crate::config::hf::HfConfig = serde_json::from_str(hf).unwrap();
-    let spec = crate::config::hf::ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap();
-    let layout = Layout::new(&spec);
-    let dir = std::env::temp_dir().join(format!("mt-nonfinite-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let src = dir.join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    std::fs::write(src.join("config.json"), "{}").unwrap();
-    let export = ExportOptions {
-        dtype: crate::config::DType::Float32,
-        source: src,
-        max_shard_bytes: 1 << 30,
-        carried: Default::default(),
-    };
+    let (layout, dir, export) = scratch_export(hf, "nonfinite", crate::config::DType::Float32);
     let n = layout.total;
     let mut master: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
     let m = vec![0.5f32; n];
