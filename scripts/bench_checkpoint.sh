@@ -20,7 +20,7 @@
 # run at >= 80% of dd's bandwidth.
 #
 # Environment (defaults in brackets):
-#   CONFIG [configs/qwen_7b.yaml]  LAYERS (override num_hidden_layers)  GPUS [2]
+#   CONFIG [configs/bench/qwen_7b.yaml]  LAYERS (override num_hidden_layers)  GPUS [2]
 #   BATCH per GPU [16]  SEQ [1024]  EVERY [20]  WARMUP [3]
 #   STAGING (checkpoint.staging_size, e.g. 32GB; unset: the default, grown at launch into half
 #   the RAM left free, up to the whole checkpoint)
@@ -31,7 +31,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=${CONFIG:-configs/qwen_7b.yaml}
+CONFIG=${CONFIG:-configs/bench/qwen_7b.yaml}
 GPUS=${GPUS:-2}
 BATCH=${BATCH:-16}
 SEQ=${SEQ:-1024}

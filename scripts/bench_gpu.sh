@@ -5,7 +5,7 @@
 # $RESULTS/<model>_<machine>_<date>.md.
 #
 # Environment (defaults in brackets):
-#   CONFIG [configs/qwen_7b.yaml]  BATCHES per GPU ["8 32"]  GPUS ["1 2"]  SEQ [1024]
+#   CONFIG [configs/bench/qwen_7b.yaml]  BATCHES per GPU ["8 32"]  GPUS ["1 2"]  SEQ [1024]
 #   WARMUP [2]  STEPS [5]  ACCUM [1]  LAYERS (override num_hidden_layers, for quick probes)
 #   BIN [target/release]  RESULTS [benches/results]  MACHINE [from nvidia-smi]  PYTHON [python3]
 #   EXTRA (more mt-launch flags, e.g. "--set memory.num_grad_slabs=8")
@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=${CONFIG:-configs/qwen_7b.yaml}
+CONFIG=${CONFIG:-configs/bench/qwen_7b.yaml}
 BATCHES=${BATCHES:-"8 32"}
 GPUS=${GPUS:-"1 2"}
 SEQ=${SEQ:-1024}

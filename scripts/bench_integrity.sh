@@ -11,12 +11,12 @@
 # each resume where the host allows it (said in the output), so the verify reads the disk.
 #
 # Environment (defaults in brackets):
-#   CONFIG [configs/qwen_7b.yaml]  LAYERS [2]  BATCH [16]  STEPS [2]  DD_GB [8]
+#   CONFIG [configs/bench/qwen_7b.yaml]  LAYERS [2]  BATCH [16]  STEPS [2]  DD_GB [8]
 #   CKDIR [target/bench-integrity: on the disk to measure]  BIN [target/release]  PYTHON [python3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-CONFIG=${CONFIG:-configs/qwen_7b.yaml}
+CONFIG=${CONFIG:-configs/bench/qwen_7b.yaml}
 LAYERS=${LAYERS:-2}
 BATCH=${BATCH:-16}
 STEPS=${STEPS:-2}

@@ -30,7 +30,7 @@ with open(f"{w}/grpo.jsonl", "w") as f:
         for _ in range(8):
             f.write(json.dumps({"prompt_ids": p, "completion_ids": ids(T - P), "reward": rng.random(), "group": g}) + "\n")
 PY
-common=(--config configs/qwen_7b.yaml --gpus 1 --set model.path=$w/model --set dataset.shuffle=false --set dataset.max_seq_len=1024 --set training.num_steps=5 --set logging.log_every=1)
+common=(--config configs/bench/qwen_7b.yaml --gpus 1 --set model.path=$w/model --set dataset.shuffle=false --set dataset.max_seq_len=1024 --set training.num_steps=5 --set logging.log_every=1)
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/sft.jsonl --set training.batch_size=32 --metrics-out $OUT/sft.jsonl > "$OUT/sft.log" 2>&1 || echo "sft run failed: $OUT/sft.log"
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/dpo.jsonl --set training.stage=dpo --set training.batch_size=16 --metrics-out $OUT/dpo.jsonl > "$OUT/dpo.log" 2>&1 || echo "dpo run failed: $OUT/dpo.log"
 "$BIN/mt-launch" "${common[@]}" --set dataset.path=$w/grpo.jsonl --set training.stage=grpo --set training.batch_size=32 --metrics-out $OUT/grpo.jsonl > "$OUT/grpo.log" 2>&1 || echo "grpo run failed: $OUT/grpo.log"

@@ -220,7 +220,7 @@ with open(sys.argv[3], "w") as f:
     for _ in range(2):
         f.write(json.dumps({"input_ids": [rng.randrange(c["vocab_size"]) for _ in range(int(sys.argv[4]))]}) + "\n")
 PY
-  long=(--config configs/qwen_7b.yaml --gpus 1 --set "model.path=$work/q7b2" --set "dataset.path=$work/long.jsonl"
+  long=(--config configs/bench/qwen_7b.yaml --gpus 1 --set "model.path=$work/q7b2" --set "dataset.path=$work/long.jsonl"
         --set "dataset.max_seq_len=$ERRORS_SEQ" --set training.batch_size=2 --set training.num_steps=1 --set memory.tile_tokens=off)
   shm_before=$(ls /dev/shm | grep '^mt' | sort || true)
   fail() { echo "errors: FAIL: $*" | tee -a "$work/errors.failed" >&2; }

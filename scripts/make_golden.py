@@ -567,6 +567,49 @@ def save_model(model, case, out):
             json.dump(cfg, f, indent=2)
 
 
+# Learning-rate schedules through transformers' own get_scheduler (HF Trainer's path), as
+# HF-named config keys and the rate of the update after each number of completed steps
+# (launcher/tests/schedules.rs loads the same keys and compares).
+SCHEDULES = [
+    {"lr_scheduler_type": "linear", "learning_rate": 3e-5, "warmup_steps": 3, "max_steps": 12},
+    {"lr_scheduler_type": "constant_with_warmup", "learning_rate": 1e-4, "warmup_steps": 4, "max_steps": 8},
+    {"lr_scheduler_type": "cosine", "learning_rate": 2e-5, "warmup_steps": 3, "max_steps": 20},
+    {"lr_scheduler_type": "cosine", "learning_rate": 2e-5, "warmup_steps": 0, "max_steps": 9,
+     "lr_scheduler_kwargs": {"num_cycles": 1.5}},
+    {"lr_scheduler_type": "cosine_with_min_lr", "learning_rate": 1e-5, "warmup_steps": 2, "max_steps": 15,
+     "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+    {"lr_scheduler_type": "cosine_with_min_lr", "learning_rate": 1e-5, "warmup_steps": 0, "max_steps": 10,
+     "lr_scheduler_kwargs": {"min_lr": 1e-6, "num_cycles": 1.0}},
+    {"lr_scheduler_type": "warmup_stable_decay", "learning_rate": 1e-4, "warmup_steps": 3, "max_steps": 20,
+     "lr_scheduler_kwargs": {"num_decay_steps": 5}},
+    {"lr_scheduler_type": "warmup_stable_decay", "learning_rate": 1e-4, "warmup_steps": 3, "max_steps": 16,
+     "lr_scheduler_kwargs": {"num_decay_steps": 5, "num_stable_steps": 4, "warmup_type": "cosine",
+                             "decay_type": "1-sqrt", "min_lr_ratio": 0.05}},
+    {"lr_scheduler_type": "warmup_stable_decay", "learning_rate": 1e-4, "warmup_steps": 4, "max_steps": 14,
+     "lr_scheduler_kwargs": {"num_decay_steps": 6, "warmup_type": "1-sqrt", "decay_type": "linear",
+                             "min_lr_ratio": 0.2}},
+]
+
+
+def make_schedules(out):
+    os.makedirs(out, exist_ok=True)
+    cases = []
+    for case in SCHEDULES:
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.AdamW([p], lr=case["learning_rate"])
+        sched = transformers.get_scheduler(
+            case["lr_scheduler_type"], opt, num_warmup_steps=case["warmup_steps"],
+            num_training_steps=case["max_steps"], scheduler_specific_kwargs=case.get("lr_scheduler_kwargs"))
+        lrs = []
+        for _ in range(case["max_steps"] + 3):
+            lrs.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        cases.append({"config": case, "lrs": lrs})
+    with open(os.path.join(out, "schedules.json"), "w") as f:
+        json.dump({"cases": cases, "transformers": transformers.__version__}, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -577,9 +620,12 @@ def main():
     import golden_grpo  # noqa: E402
 
     staged = {f"dpo/{n}" for n in golden_dpo.DPO_CASES} | {f"grpo/{n}" for n in golden_grpo.GRPO_CASES}
+    staged.add("schedules")
     only = set(args.cases.split(",")) if args.cases else set(CASES) | staged
     if only - set(CASES) - staged:
         raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - staged)}")
+    if "schedules" in only:
+        make_schedules(os.path.join(args.out, "schedules"))
     for name, case in golden_dpo.DPO_CASES.items():
         if f"dpo/{name}" in only:
             golden_dpo.make_case(args.out, name, case)

@@ -34,7 +34,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_new(&cli.run.log_level)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(progress::LogWriter)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let result = run(cli);
@@ -73,7 +73,7 @@ fn main() -> ExitCode {
 /// Writes `line` to stderr in one write: ranks under mpirun share one output, and a line
 /// written in pieces can be cut by another rank's (or this rank's stdout).
 fn say(line: &str) {
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{line}\n").as_bytes());
+    progress::err(line);
 }
 
 fn run(cli: cli::Cli) -> Result<()> {

@@ -20,12 +20,20 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         anyhow::bail!("--nodes must be at least 1");
     }
     placement.nodes = p.nodes;
+    if p.gpus.is_none() && placement.gpus == 0 {
+        println!(
+            "note: no GPU here and no --gpus: this sizes {} CPU worker(s); to size a GPU machine give its GPUs and their memory: mt-launch plan --config {} --gpus 1 --gpu-memory 80",
+            placement.workers,
+            p.config.display()
+        );
+    }
     if let Some(line) = cfg.resolve_batch(placement.world()) {
         println!("{line}");
     }
     let prep = Prepared::for_plan(&cfg, &placement)?;
-    if prep.data.samples > 0
-        && let Some(line) = cfg.resolve_steps(prep.data.samples)
+    let (per_epoch, noun) = prep.data.epoch_len();
+    if per_epoch > 0
+        && let Some(line) = cfg.resolve_steps(per_epoch, noun)
     {
         println!("{line}");
     }
@@ -189,7 +197,8 @@ pub fn dry_run(
     prep.check_device_memory(cfg, placement, force)?;
     prep.plan = prep.grown_plan(cfg, placement, mt::plan::available_host_bytes());
     let mut resolved = cfg.clone();
-    if let Some(line) = resolved.resolve_steps(prep.data.samples) {
+    let (per_epoch, noun) = prep.data.epoch_len();
+    if let Some(line) = resolved.resolve_steps(per_epoch, noun) {
         println!("{line}");
     }
     if let Some((dir, accept)) = resume {

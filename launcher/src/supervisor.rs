@@ -379,7 +379,7 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
     {
         std::thread::spawn(move || {
             for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                eprintln!("[rank {rank}] {line}");
+                crate::progress::err(&format!("[rank {rank}] {line}"));
             }
         });
     }

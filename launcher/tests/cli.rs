@@ -19,15 +19,16 @@ fn stderr(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// Every ready-made config plans with nothing but the target machine on the command line:
+/// Every ready-made config (and benchmark shape) plans with nothing but the target machine on the command line:
 /// 2 GPUs of 141 GB, though this machine has none; a hub model that is not in the HF cache
 /// is sized from the architecture shipped for it, and its text dataset from
 /// `dataset.max_seq_len`, without the tokenizer.
 #[test]
 fn plan_sizes_every_ready_made_config_for_another_machine() {
     let cache = scratch("cli-plan-empty-cache");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(config(""))
-        .unwrap()
+    let mut files: Vec<PathBuf> = [config(""), config("bench")]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).unwrap())
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
         .collect();
@@ -236,6 +237,29 @@ fn piped_stdout_gets_one_line_per_step() {
     );
     let rows = metrics(&m);
     assert_eq!(rows.len(), 2);
+    // HF Trainer's summaries: the run's shape at the start, its figures at the end (the
+    // mean loss of the steps and the last, as the metrics file has them).
+    for want in [
+        "***** Running training *****",
+        "Total optimization steps = 2",
+        "Instantaneous batch size per device = ",
+        "***** Training finished *****",
+        "train_runtime = ",
+    ] {
+        assert!(text.contains(want), "no `{want}` in {text}");
+    }
+    let loss = |r: &serde_json::Value| r["loss"].as_f64().unwrap();
+    let mean = (loss(&rows[0]) + loss(&rows[1])) / 2.0;
+    let said = format!(
+        "train_loss = {mean:.4} (mean of 2 step(s); last {:.4})",
+        loss(&rows[1])
+    );
+    assert!(text.contains(&said), "no `{said}` in {text}");
+    // Each plain line carries the epoch, elapsed time and ETA.
+    let line = text.lines().find(|l| l.starts_with("step    1/2")).unwrap();
+    for want in ["epoch 0.", "elapsed 0:00:", "eta 0:"] {
+        assert!(line.contains(want), "no `{want}` in {line}");
+    }
     // Each step says what bounded it; on CPU nothing waits a tenth of the step except,
     // possibly, for the optimizer's update of the previous step.
     for r in &rows {

@@ -196,31 +196,38 @@ fn killed_and_resumed(name: &str, extra: &[&str]) {
     resume_matches(&cwd, &first, steps, &want);
 }
 
-/// Every shipped config that fine-tunes a pretrained model names its output; the
-/// benchmark shapes (random init, other than the tiny demo) write no model.
+/// Every shipped config at configs/ is a recipe: a fine-tune of a pretrained model that
+/// names its output, or the tiny CPU demo; the benchmark shapes (random init, writing no
+/// model) are apart in configs/bench/.
 #[test]
 fn shipped_configs_name_their_output_or_opt_out() {
     let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
     let mut seen = 0;
-    for e in std::fs::read_dir(&configs).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_none_or(|x| x != "yaml") {
-            continue;
-        }
-        seen += 1;
-        let cfg = mt::config::RunConfig::load_for_plan(&p, &[])
-            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-        let name = p.file_stem().unwrap().to_string_lossy().into_owned();
-        match cfg.model.init {
-            mt::config::Init::Pretrained => assert!(
-                !cfg.training.output_dir_is_default && cfg.export_dir().is_some(),
-                "{name}: a pretrained fine-tune names training.output_dir"
-            ),
-            mt::config::Init::Random if !name.starts_with("tiny") => assert!(
-                !cfg.training.save_model,
-                "{name}: a benchmark shape sets training.save_model: false"
-            ),
-            mt::config::Init::Random => {}
+    for dir in [configs.clone(), configs.join("bench")] {
+        let bench = dir != configs;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_none_or(|x| x != "yaml") {
+                continue;
+            }
+            seen += 1;
+            let cfg = mt::config::RunConfig::load_for_plan(&p, &[])
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            let name = p.file_stem().unwrap().to_string_lossy().into_owned();
+            match (bench, cfg.model.init) {
+                (false, mt::config::Init::Pretrained) => assert!(
+                    !cfg.training.output_dir_is_default && cfg.export_dir().is_some(),
+                    "{name}: a pretrained fine-tune names training.output_dir"
+                ),
+                (false, mt::config::Init::Random) => assert!(
+                    name.starts_with("tiny"),
+                    "{name}: a random-init shape belongs in configs/bench/"
+                ),
+                (true, init) => assert!(
+                    init == mt::config::Init::Random && !cfg.training.save_model,
+                    "{name}: a benchmark shape is random init and sets training.save_model: false"
+                ),
+            }
         }
     }
     assert!(seen >= 27, "read {seen} configs");
@@ -270,7 +277,7 @@ fn plan_states_the_disk_a_checkpoint_takes() {
         said.contains("each checkpoint") && said.contains("every 30 minutes"),
         "{said}"
     );
-    let said = plan("qwen_7b.yaml", false);
+    let said = plan("bench/qwen_7b.yaml", false);
     assert!(
         said.contains("not written (training.save_model: false)"),
         "{said}"

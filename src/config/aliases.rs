@@ -164,6 +164,10 @@ const TABLE: &[(&str, Rule)] = &[
         "training.lr_scheduler_type",
         Map("training.lr_scheduler", scheduler),
     ),
+    (
+        "lr_scheduler_kwargs",
+        Map("training.lr_scheduler_kwargs", scheduler_kwargs),
+    ),
     ("warmup_ratio", To("training.warmup_ratio")),
     ("warmup_steps", To("training.warmup_steps")),
     ("weight_decay", To("training.weight_decay")),
@@ -310,6 +314,18 @@ fn scheduler(v: &Value) -> std::result::Result<Option<Value>, String> {
     }
 }
 
+/// HF Trainer's command line gives `lr_scheduler_kwargs` as a JSON string; a YAML file
+/// (LlamaFactory's) as a mapping.
+fn scheduler_kwargs(v: &Value) -> std::result::Result<Option<Value>, String> {
+    match v {
+        Value::String(s) => serde_yaml_ng::from_str(s)
+            .map(Some)
+            .map_err(|e| format!("expected a mapping such as {{\"min_lr_rate\": 0.1}}: {e}")),
+        Value::Null => Ok(None),
+        other => Ok(Some(other.clone())),
+    }
+}
+
 fn not_null(v: &Value) -> std::result::Result<Option<Value>, String> {
     Ok((!v.is_null()).then(|| v.clone()))
 }
@@ -356,12 +372,12 @@ pub fn apply(root: &mut Value, base: &Path, overriding: bool) -> Result<Applied>
             let inner: Vec<Value> = section.keys().cloned().collect();
             for sub in inner {
                 let path = format!("{k}.{}", sub.as_str().unwrap_or_default());
-                if rule(&path).is_some() || path == "training.lr_scheduler_kwargs" {
+                if rule(&path).is_some() {
                     let v = section.remove(&sub).expect("listed key");
                     found.push((path, v));
                 }
             }
-        } else if rule(&k).is_some() || k == "model_name_or_path" || k == "lr_scheduler_kwargs" {
+        } else if rule(&k).is_some() || k == "model_name_or_path" {
             let v = map.remove(&key).expect("listed key");
             found.push((k, v));
         }
@@ -376,16 +392,6 @@ pub fn apply(root: &mut Value, base: &Path, overriding: bool) -> Result<Applied>
             let local = Path::new(s).is_absolute() || base.join(s).is_dir();
             let to = if local { "model.path" } else { "model.name" };
             moved.push((alias.into(), to.into(), v));
-            continue;
-        }
-        if alias.ends_with("lr_scheduler_kwargs") {
-            let kwargs = v.as_mapping().ok_or_else(|| {
-                Error::invalid(alias, "expected a mapping such as {min_lr_rate: 0.1}")
-            })?;
-            for (k, v) in kwargs {
-                let k = k.as_str().unwrap_or_default();
-                moved.push((format!("{alias}.{k}"), format!("training.{k}"), v.clone()));
-            }
             continue;
         }
         if alias.ends_with("save_strategy") && v.as_str() == Some("no") {

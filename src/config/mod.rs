@@ -220,8 +220,11 @@ pub struct TrainingSection {
     pub num_steps: u64,
     /// Peak learning rate.
     pub learning_rate: f64,
-    /// Learning-rate schedule after warm-up.
+    /// Learning-rate schedule after warm-up (HF Trainer's `lr_scheduler_type` and formulas):
+    /// `constant`, `linear`, `cosine`, `cosine_with_min_lr`, `warmup_stable_decay`.
     pub lr_scheduler: LrScheduler,
+    /// The schedule's options (HF Trainer's key, as transformers' scheduler takes them).
+    pub lr_scheduler_kwargs: SchedulerKwargs,
     /// Linear warm-up steps from 0 to `learning_rate`.
     pub warmup_steps: u64,
     /// Warm-up as a fraction of `num_steps` (HF Trainer's key): `warmup_steps` becomes
@@ -296,6 +299,7 @@ impl Default for TrainingSection {
             num_steps: 10,
             learning_rate: 1e-5,
             lr_scheduler: LrScheduler::Constant,
+            lr_scheduler_kwargs: SchedulerKwargs::default(),
             warmup_steps: 0,
             warmup_ratio: None,
             weight_decay: 0.0,
@@ -319,12 +323,85 @@ impl Default for TrainingSection {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum LrScheduler {
     #[default]
     Constant,
     Linear,
     Cosine,
+    /// Cosine down to a floor: `min_lr` or `min_lr_rate` (of `learning_rate`).
+    CosineWithMinLr,
+    /// Warm-up, a constant stretch, then a decay over `num_decay_steps` to
+    /// `min_lr_ratio` (transformers' WSD schedule).
+    WarmupStableDecay,
+}
+
+impl LrScheduler {
+    /// The `lr_scheduler_kwargs` keys this schedule reads.
+    fn kwargs(self) -> &'static [&'static str] {
+        match self {
+            LrScheduler::Constant | LrScheduler::Linear => &[],
+            LrScheduler::Cosine => &["num_cycles"],
+            LrScheduler::CosineWithMinLr => &["num_cycles", "min_lr", "min_lr_rate"],
+            LrScheduler::WarmupStableDecay => &[
+                "num_decay_steps",
+                "num_stable_steps",
+                "warmup_type",
+                "decay_type",
+                "min_lr_ratio",
+                "num_cycles",
+            ],
+        }
+    }
+}
+
+/// `training.lr_scheduler_kwargs`: what transformers' schedulers take besides the steps.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchedulerKwargs {
+    /// Cosine waves over the decay (default 0.5: half a wave, from the peak to the floor).
+    pub num_cycles: Option<f64>,
+    /// `cosine_with_min_lr`'s floor as a learning rate...
+    pub min_lr: Option<f64>,
+    /// ... or as a fraction of `learning_rate` (one of the two).
+    pub min_lr_rate: Option<f64>,
+    /// `warmup_stable_decay`: steps of the decay (required).
+    pub num_decay_steps: Option<u64>,
+    /// Steps at the peak (default: what warm-up and decay leave of `num_steps`).
+    pub num_stable_steps: Option<u64>,
+    /// Shape of the warm-up (default linear) ...
+    pub warmup_type: Option<Ramp>,
+    /// ... and of the decay (default cosine).
+    pub decay_type: Option<Ramp>,
+    /// Where warm-up starts and decay ends, as a fraction of `learning_rate` (default 0).
+    pub min_lr_ratio: Option<f64>,
+}
+
+impl SchedulerKwargs {
+    fn given(&self) -> Vec<&'static str> {
+        let set = [
+            ("num_cycles", self.num_cycles.is_some()),
+            ("min_lr", self.min_lr.is_some()),
+            ("min_lr_rate", self.min_lr_rate.is_some()),
+            ("num_decay_steps", self.num_decay_steps.is_some()),
+            ("num_stable_steps", self.num_stable_steps.is_some()),
+            ("warmup_type", self.warmup_type.is_some()),
+            ("decay_type", self.decay_type.is_some()),
+            ("min_lr_ratio", self.min_lr_ratio.is_some()),
+        ];
+        set.iter().filter(|(_, on)| *on).map(|(k, _)| *k).collect()
+    }
+}
+
+/// The shape of a WSD warm-up or decay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Ramp {
+    #[serde(rename = "linear")]
+    Linear,
+    #[serde(rename = "cosine")]
+    Cosine,
+    #[serde(rename = "1-sqrt")]
+    OneMinusSqrt,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -442,6 +519,21 @@ fn hint(key: &str, inner: &str) -> String {
     }
 }
 
+/// The benchmark shapes moved from configs/ to configs/bench/ keep their old names (the
+/// project's front page has long said `--config configs/qwen_7b.yaml`): a config path that
+/// does not exist, whose file name does in `bench/` beside it, is read from there.
+fn relocated(path: &Path) -> Option<PathBuf> {
+    if path.symlink_metadata().is_ok() {
+        return None;
+    }
+    let moved = path
+        .parent()
+        .unwrap_or(Path::new(""))
+        .join("bench")
+        .join(path.file_name()?);
+    moved.is_file().then_some(moved)
+}
+
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
@@ -455,6 +547,9 @@ impl RunConfig {
     }
 
     fn load_with(path: &Path, overrides: &[String], shipped_ok: bool) -> Result<RunConfig> {
+        let asked = path;
+        let moved = relocated(asked);
+        let path = moved.as_deref().unwrap_or(asked);
         let text = crate::bounded::read_text(path, crate::bounded::SMALL_JSON, "run config")?;
         let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Config {
             path: path.into(),
@@ -469,6 +564,14 @@ impl RunConfig {
         // HF Trainer's and LlamaFactory's names first, so that an override of either name
         // replaces the file's value; then the overrides' own aliases, which replace too.
         let mut notes = aliases::apply(&mut value, base, false)?.notes;
+        if moved.is_some() {
+            let note = format!(
+                "{} is now {} (benchmark shapes, random init, live in configs/bench/)",
+                asked.display(),
+                path.display()
+            );
+            notes.insert(0, note);
+        }
         for ov in overrides {
             let (key, raw) = ov.split_once('=').unwrap_or((ov, ""));
             let key = aliases::canonical(key.trim());
@@ -699,6 +802,60 @@ impl RunConfig {
         if self.dataset.max_samples == Some(0) {
             return Err(Error::invalid("dataset.max_samples", "must be > 0"));
         }
+        self.validate_schedule()
+    }
+
+    /// `training.lr_scheduler_kwargs` holds what the schedule reads, as transformers
+    /// requires it (`cosine_with_min_lr`: one of min_lr and min_lr_rate; WSD: the decay's
+    /// length).
+    fn validate_schedule(&self) -> Result<()> {
+        let t = &self.training;
+        let (kind, k) = (t.lr_scheduler, &t.lr_scheduler_kwargs);
+        let name = serde_yaml_ng::to_string(&kind).unwrap_or_default();
+        let name = name.trim();
+        if let Some(extra) = k.given().into_iter().find(|g| !kind.kwargs().contains(g)) {
+            let reads = match kind.kwargs() {
+                [] => "none".to_string(),
+                r => r.join(", "),
+            };
+            return Err(Error::invalid(
+                format!("training.lr_scheduler_kwargs.{extra}"),
+                format!("lr_scheduler {name} does not read it (it reads: {reads})"),
+            ));
+        }
+        let kw = |key: &str| format!("training.lr_scheduler_kwargs.{key}");
+        if kind == LrScheduler::CosineWithMinLr && k.min_lr.is_some() == k.min_lr_rate.is_some() {
+            return Err(Error::invalid(
+                kw("min_lr_rate"),
+                "cosine_with_min_lr needs its floor: give min_lr (a learning rate) or min_lr_rate \
+                 (a fraction of learning_rate), one of them",
+            ));
+        }
+        if kind == LrScheduler::WarmupStableDecay && k.num_decay_steps.is_none() {
+            return Err(Error::invalid(
+                kw("num_decay_steps"),
+                "warmup_stable_decay needs the decay's length in steps",
+            ));
+        }
+        for (key, v) in [
+            ("min_lr_rate", k.min_lr_rate),
+            ("min_lr_ratio", k.min_lr_ratio),
+        ] {
+            if let Some(v) = v.filter(|v| !(0.0..=1.0).contains(v)) {
+                return Err(Error::invalid(
+                    kw(key),
+                    format!("must be within [0, 1], got {v}"),
+                ));
+            }
+        }
+        for (key, v) in [("min_lr", k.min_lr), ("num_cycles", k.num_cycles)] {
+            if let Some(v) = v.filter(|v| !v.is_finite() || *v < 0.0) {
+                return Err(Error::invalid(
+                    kw(key),
+                    format!("must be finite and >= 0, got {v}"),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -718,14 +875,14 @@ impl RunConfig {
     /// `training.num_train_epochs` and `training.warmup_ratio` turned into `num_steps` and
     /// `warmup_steps` for `samples` training samples (pairs under DPO), as HF Trainer counts
     /// them, with the line that says so; None when neither is given.
-    pub fn resolve_steps(&mut self, samples: usize) -> Option<String> {
+    pub fn resolve_steps(&mut self, samples: usize, noun: &str) -> Option<String> {
         let t = &mut self.training;
         let mut said = Vec::new();
         if let Some(epochs) = t.num_train_epochs {
             let per_epoch = samples.div_ceil(t.batch_size).max(1) as u64;
             t.num_steps = ((epochs * per_epoch as f64).ceil() as u64).max(1);
             said.push(format!(
-                "{epochs} epoch(s) of {samples} samples at {} per step: {} steps ({per_epoch} per epoch)",
+                "{epochs} epoch(s) of {samples} {noun} at {} per step: {} steps ({per_epoch} per epoch)",
                 t.batch_size, t.num_steps
             ));
         }

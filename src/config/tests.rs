@@ -129,6 +129,28 @@ fn minimal_config_gets_defaults_and_resolved_paths() {
     assert!(c.model.path.is_absolute() || c.model.path.starts_with(std::env::temp_dir()));
 }
 
+/// A benchmark shape moved into bench/ is still read through its old name, with a note;
+/// a name that is in neither place is an error naming the path asked for.
+#[test]
+fn moved_bench_configs_keep_their_names() {
+    let dir = std::env::temp_dir().join(format!("mt-cfg-moved-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("bench")).unwrap();
+    std::fs::write(dir.join("bench/shape.yaml"), OK).unwrap();
+    let c = RunConfig::load(&dir.join("shape.yaml"), &[]).unwrap();
+    assert_eq!(c.model.path, dir.join("bench/m"));
+    assert!(
+        c.notes[0].contains("shape.yaml is now") && c.notes[0].contains("bench/shape.yaml"),
+        "{:?}",
+        c.notes
+    );
+    let e = RunConfig::load(&dir.join("other.yaml"), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("other.yaml"), "{e}");
+    assert!(!e.contains("bench"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn unknown_key_is_named_with_its_section() {
     let e = parse(&format!("{OK}training: {{batch_sise: 4}}\n")).unwrap_err();

@@ -270,6 +270,18 @@ impl Dataset {
         Ok(data)
     }
 
+    /// What one epoch passes over, as the sampler draws it: the pairs under DPO, else the
+    /// training rows (packed rows or pretraining blocks where the documents were joined),
+    /// with their name for the log.
+    pub fn epoch_len(&self) -> (usize, &'static str) {
+        match (self.pairs, self.blocks.is_some()) {
+            (true, _) => (self.samples, "pairs"),
+            (false, true) => (self.rows.len(), "blocks"),
+            (false, false) if self.rows.len() != self.samples => (self.rows.len(), "packed rows"),
+            (false, false) => (self.rows.len(), "samples"),
+        }
+    }
+
     /// Lines for the log: rows, sources, skipped records and the first reasons, the eval set.
     pub fn summary(&self) -> String {
         let what = match (self.pairs, &self.rollouts) {

@@ -23,7 +23,7 @@ use crate::eval::EvalSet;
 use crate::grpo::{Policy, reference_logps};
 use crate::host::HostState;
 use crate::prepare::Prepared;
-use crate::progress::Progress;
+use crate::progress::{Progress, RunFacts, start_summary};
 use crate::supervisor::Supervisor;
 
 mod gradients;
@@ -182,7 +182,8 @@ impl Trainer {
         } = prepared;
         println!("{}", data.summary());
         let mut cfg = cfg;
-        if let Some(line) = cfg.resolve_steps(data.samples) {
+        let (per_epoch, noun) = data.epoch_len();
+        if let Some(line) = cfg.resolve_steps(per_epoch, noun) {
             println!("{line}");
         }
         // The data read (its files exist), the steps resolved, the layout known; nothing
@@ -374,16 +375,34 @@ impl Trainer {
             .transpose()?;
         // A sample is a row, or under DPO a pair of rows.
         let sampler = Sampler::new(
-            if data.pairs {
-                data.samples
-            } else {
-                data.rows.len()
-            },
+            data.epoch_len().0,
             cfg.training.batch_size,
             cfg.dataset.shuffle,
             cfg.training.seed,
         );
-        let progress = Progress::new(start_step, cfg.training.num_steps, cfg.logging.log_every);
+        let t = &cfg.training;
+        let per_epoch = (data.epoch_len().0.div_ceil(t.batch_size).max(1)) as u64;
+        if lead {
+            let facts = RunFacts {
+                examples: data.epoch_len(),
+                global_batch: t.batch_size,
+                world: placement.world(),
+                accumulation: t.gradient_accumulation_steps,
+                steps: t.num_steps,
+                first: start_step,
+                params: host.layout.num_params() as u64,
+                model: cfg.export_dir(),
+            };
+            println!("{}", start_summary(&facts, per_epoch));
+        }
+        let on_gpu = placement.gpus > 0;
+        let progress = Progress::new(
+            start_step,
+            t.num_steps,
+            cfg.logging.log_every,
+            per_epoch,
+            on_gpu,
+        );
         Ok(Trainer {
             progress,
             cfg,
@@ -560,6 +579,7 @@ impl Trainer {
             export,
             plan,
             writer,
+            progress,
             ..
         } = self;
         sup.shutdown();
@@ -575,6 +595,12 @@ impl Trainer {
         }
         // `writer` and then `locks`, left in `self`, are dropped as this returns.
         nodes::export(&cfg, &mut host, &export, lead)?;
+        if lead {
+            println!(
+                "{}",
+                progress.end_summary(cfg.training.batch_size, cfg.export_dir())
+            );
+        }
         println!(
             "host memory: launcher peak {:.3} GB resident (VmHWM), plan {:.3} GB",
             peak_rss_bytes() as f64 / 1e9,
