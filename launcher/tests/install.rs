@@ -11,7 +11,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::fixture::fixture;
+use common::fixture::{entries, fixture};
 use common::*;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
@@ -34,9 +34,16 @@ fn venv_python() -> PathBuf {
 }
 
 /// A fresh directory outside the repository (the system's temporary directory).
+/// Earlier runs' directories of the same name (left by a failure) are removed first.
 fn outside(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("mt-install-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = std::env::temp_dir();
+    let prefix = format!("mt-install-{name}-");
+    for e in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    let dir = tmp.join(format!("{prefix}{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     assert!(
         !dir.starts_with(repo()),
@@ -440,6 +447,18 @@ fn export_writes_a_checkpoint_as_an_hf_directory_in_either_dtype() {
         "mine"
     );
     assert!(mine.join("model.safetensors").is_file());
+    // Into the run's output directory that holds the checkpoint (a training export's
+    // place): written, the checkpoints kept.
+    let run_out = f.dir.join("run-out");
+    let inner = run_out.join("checkpoints/step-00000002");
+    copy_all(&ck, &inner);
+    run_ok(&["export", path_str(&inner), path_str(&run_out)]);
+    assert!(run_out.join("model.safetensors").is_file());
+    assert_eq!(
+        entries(&inner),
+        entries(&ck),
+        "the checkpoint is kept whole"
+    );
     // A missing checkpoint is named.
     let gone = f.dir.join("no-such-step");
     let out = run(&["export", path_str(&gone), path_str(&f.dir.join("x"))]);
