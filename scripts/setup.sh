@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent setup: a git-ignored .venv holding torch==2.11.0 (our libtorch) and the
 # packages the test fixtures use, plus the stable link .venv/libtorch that
-# .cargo/config.toml points LIBTORCH at. After this a plain `cargo build` works, and the
-# binaries find libtorch through their RUNPATH (worker/build.rs), no LD_LIBRARY_PATH needed.
+# .cargo/config.toml points LIBTORCH at. After this `cargo build --release --workspace` works,
+# and the binaries in target/release find libtorch through their RUNPATH, relative to the
+# binary ($ORIGIN/../../.venv/libtorch/lib, src/runpath.rs), no LD_LIBRARY_PATH needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -23,6 +23,7 @@ pub mod optim;
 pub mod plan;
 pub mod protocol;
 pub mod reduce;
+pub mod runpath;
 #[allow(unsafe_code)]
 pub mod shm;
 #[allow(unsafe_code)]

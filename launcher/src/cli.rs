@@ -30,6 +30,12 @@ pub enum Command {
     /// Draw the picture of a run from its metrics file (`--metrics-out`): an SVG with the
     /// training and eval loss, learning rate and tokens/s over the steps.
     Report(ReportArgs),
+    /// Write an HF model directory (config, weights, tokenizer files) from a checkpoint,
+    /// without training: the fp32 master weights of a resumable checkpoint, or the weights
+    /// of a model-only one, in the dtype asked. Written aside and put in place atomically;
+    /// never over the checkpoint, nor over files this project did not write unless
+    /// --overwrite-output-dir.
+    Export(ExportArgs),
     /// Measure the MPI collectives a multi-node step makes (run under mpirun).
     #[command(hide = true)]
     BenchMpi(BenchMpiArgs),
@@ -44,6 +50,36 @@ pub struct BenchMpiArgs {
     /// Timed repetitions per size.
     #[arg(long, default_value_t = 10)]
     pub reps: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A checkpoint: `checkpoint.dir/step-NNNNNNNN`, or a `checkpoint.dir` (its newest
+    /// complete checkpoint).
+    #[arg(value_name = "CHECKPOINT")]
+    pub checkpoint: PathBuf,
+
+    /// The HF model directory to write (created, or replaced when it holds an export).
+    #[arg(value_name = "OUT")]
+    pub out: PathBuf,
+
+    /// Dtype of the written weights (default: the checkpoint's, its config.json `dtype`).
+    #[arg(long, value_parser = ["bfloat16", "float32"])]
+    pub dtype: Option<String>,
+
+    /// Write into OUT although it holds files this project did not write (another
+    /// model's weight files are replaced, other files kept), as
+    /// `training.overwrite_output_dir`.
+    #[arg(long)]
+    pub overwrite_output_dir: bool,
+
+    /// Weights above this size are sharded, as `checkpoint.max_shard_size` (e.g. 5GB).
+    #[arg(long, value_name = "SIZE", default_value = "5GB")]
+    pub max_shard_size: mt::config::size::ByteSize,
+
+    /// Skip checking the checkpoint's files against its manifest (`checkpoint.verify`).
+    #[arg(long)]
+    pub no_verify: bool,
 }
 
 #[derive(Debug, Args)]

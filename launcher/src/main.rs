@@ -6,6 +6,7 @@ mod bench_mpi;
 mod cli;
 mod dpo;
 mod eval;
+mod export;
 mod gpu;
 mod grpo;
 mod host;
@@ -16,6 +17,7 @@ mod plan;
 mod prepare;
 mod progress;
 mod supervisor;
+mod torch;
 mod train;
 // Signals and process groups: the one unsafe module.
 #[allow(unsafe_code)]
@@ -83,6 +85,7 @@ fn run(cli: cli::Cli) -> Result<()> {
             return plan::plan(p);
         }
         Some(cli::Command::Report(r)) => return report(&r.metrics, r.out.as_deref()),
+        Some(cli::Command::Export(e)) => return export::export(&e),
         Some(cli::Command::BenchMpi(b)) => return bench_mpi::bench(b),
         None => cli.run,
     };

@@ -16,7 +16,7 @@
 
 use std::ffi::{c_char, c_int, c_long, c_void};
 use std::ops::Range;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -134,15 +134,20 @@ fn shim_path(var: &str) -> Result<PathBuf> {
     [beside.clone(), built]
         .into_iter()
         .find(|p| p.is_file())
-        .ok_or_else(|| {
-            anyhow!(
-                "mt-launch runs under an MPI launcher ({var} is set) but was built without MPI: \
-                 {} is missing. Install an MPI with its compiler wrapper `mpicc` (OpenMPI: \
-                 apt-get install openmpi-bin libopenmpi-dev; MPICH: mpich libmpich-dev) and \
-                 rebuild (cargo build --release), or point {ENV_SHIM} at a libmt_mpi.so",
-                beside.display()
-            )
-        })
+        .ok_or_else(|| anyhow!(no_shim(var, &beside)))
+}
+
+/// Why there is no MPI shim, and the commands that build one (`MT_MPI=1` makes setup.sh
+/// install OpenMPI and MPICH; the shim is built by the launcher's build script, which
+/// only `--workspace` reaches from the checkout's root).
+fn no_shim(var: &str, beside: &Path) -> String {
+    format!(
+        "mt-launch runs under an MPI launcher ({var} is set) but was built without MPI: {} is \
+         missing. In the source checkout, install an MPI with its compiler wrapper `mpicc` and \
+         build again: MT_MPI=1 scripts/setup.sh && cargo build --release --workspace (then copy \
+         target/release/libmt_mpi.so beside mt-launch); or point {ENV_SHIM} at a libmt_mpi.so",
+        beside.display()
+    )
 }
 
 impl Mpi {
@@ -528,5 +533,29 @@ fn max_count() -> Result<usize> {
     match v.parse::<usize>() {
         Ok(n) if (1..=MAX_COUNT).contains(&n) => Ok(n),
         _ => bail!("{ENV_MAX_COUNT}={v}: expected a count of elements from 1 to {MAX_COUNT}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The hint is a command line that works from the checkout's root as written: the
+    /// setup script it names exists and reads MT_MPI, and the build reaches the launcher's
+    /// build script (which builds the shim) only with --workspace.
+    #[test]
+    fn the_missing_shim_hint_builds_the_shim() {
+        let msg = no_shim("OMPI_COMM_WORLD_SIZE", Path::new("/x/libmt_mpi.so"));
+        let cmd = "MT_MPI=1 scripts/setup.sh && cargo build --release --workspace";
+        assert!(msg.contains(cmd), "{msg}");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let setup = std::fs::read_to_string(root.join("scripts/setup.sh")).unwrap();
+        assert!(setup.contains("MT_MPI"), "scripts/setup.sh reads MT_MPI");
+        let workspace = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+        assert!(
+            workspace.contains("\"launcher\""),
+            "launcher/ is a workspace member"
+        );
+        assert!(msg.contains("OMPI_COMM_WORLD_SIZE") && msg.contains("/x/libmt_mpi.so"));
     }
 }

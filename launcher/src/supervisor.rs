@@ -6,7 +6,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -14,6 +13,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, unbounded};
 use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use mt::protocol::{ENV_BOOTSTRAP, ENV_RANK, FromWorker, Init, ToWorker};
+
+use crate::torch::Worker;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -55,7 +56,7 @@ pub struct Supervisor {
 impl Supervisor {
     /// Starts `inits.len()` workers and waits until each reports `Ready`. `host_plan_bytes`
     /// (the host plan's total) is named if a worker is killed for want of memory.
-    pub fn start(worker_bin: &Path, inits: Vec<Init>, host_plan_bytes: u64) -> Result<Supervisor> {
+    pub fn start(worker: &Worker, inits: Vec<Init>, host_plan_bytes: u64) -> Result<Supervisor> {
         let (ev_tx, events) = unbounded();
         let mut sup = Supervisor {
             workers: Vec::new(),
@@ -68,7 +69,7 @@ impl Supervisor {
             starting: true,
         };
         for init in inits {
-            let w = spawn_one(worker_bin, init, &ev_tx)?;
+            let w = spawn_one(worker, init, &ev_tx)?;
             sup.workers.push(w);
             sup.last_heard.push(Instant::now());
         }
@@ -334,7 +335,8 @@ pub fn fatal(rank: usize, msg: &str) -> anyhow::Error {
 /// torch's CUDA allocator settings (read once, when the worker first touches CUDA).
 const ENV_TORCH_ALLOC: &str = "PYTORCH_CUDA_ALLOC_CONF";
 
-fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerProc> {
+fn spawn_one(worker: &Worker, init: Init, events: &Sender<Event>) -> Result<WorkerProc> {
+    let bin = &worker.bin;
     let rank = init.rank;
     let (server, name) =
         IpcOneShotServer::<FromWorker>::new().context("create bootstrap server")?;
@@ -345,6 +347,9 @@ fn spawn_one(bin: &Path, init: Init, events: &Sender<Event>) -> Result<WorkerPro
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    if let Some(path) = worker.library_path() {
+        cmd.env("LD_LIBRARY_PATH", path);
+    }
     if std::env::var_os("RUST_LOG").is_none()
         && tracing::level_filters::LevelFilter::current() >= tracing::Level::DEBUG
     {

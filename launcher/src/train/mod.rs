@@ -111,6 +111,8 @@ impl Trainer {
         let mpi = crate::mpi::world();
         // Node 0 writes the run's files; the others hold the same state.
         let lead = mpi.is_none_or(|m| m.rank == 0);
+        // The worker and its libtorch, found before anything is claimed or loaded.
+        let worker = crate::torch::locate()?;
         // Before any work: directories that are not the model's nor hold others' files,
         // locked for the whole run; then the checkpoint to resume, resolved and checked
         // before the clean-up of dead writers' directories (which must never be it).
@@ -313,7 +315,7 @@ impl Trainer {
                 }
             })
             .collect();
-        let mut sup = Supervisor::start(&worker_binary()?, inits, plan.total())?;
+        let mut sup = Supervisor::start(&worker, inits, plan.total())?;
         let t_workers = Instant::now();
         let s = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
         let startup_s = s(t_start, t_workers);
@@ -700,20 +702,4 @@ fn late_node_hook(mpi: Option<&crate::mpi::Mpi>) {
 /// no OpenMP pool of its spins on the cores the launcher's reduce and AdamW need.
 fn worker_threads(_device: Device) -> usize {
     1
-}
-
-/// `mt-worker` beside this executable, or `MT_WORKER_BIN`.
-fn worker_binary() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("MT_WORKER_BIN") {
-        return Ok(p.into());
-    }
-    let exe = std::env::current_exe().context("locate mt-launch")?;
-    let bin = exe.with_file_name("mt-worker");
-    if !bin.is_file() {
-        return Err(anyhow!(
-            "worker binary not found at {} (build the workspace, or set MT_WORKER_BIN)",
-            bin.display()
-        ));
-    }
-    Ok(bin)
 }
