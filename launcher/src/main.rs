@@ -16,6 +16,7 @@ mod plan;
 mod prepare;
 mod progress;
 mod supervisor;
+mod trackers;
 mod train;
 // Signals and process groups: the one unsafe module.
 #[allow(unsafe_code)]

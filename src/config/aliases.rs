@@ -119,8 +119,10 @@ const TABLE: &[(&str, Rule)] = &[
     ("logging_steps", To("logging.log_every")),
     ("training.logging_steps", To("logging.log_every")),
     ("logging_dir", To("logging.logging_dir")),
-    ("report_to", Map("logging.report_to", report_to)),
-    ("training.report_to", Map("logging.report_to", report_to)),
+    ("report_to", To("logging.report_to")),
+    ("training.report_to", To("logging.report_to")),
+    ("run_name", To("logging.run_name")),
+    ("training.run_name", To("logging.run_name")),
     (
         "plot_loss",
         Ignored("--metrics-out FILE draws the run's curves beside the metrics"),
@@ -262,17 +264,6 @@ fn optim(v: &Value) -> std::result::Result<(), String> {
             "optim: {other} is not supported: the optimizer is AdamW with torch.optim.AdamW's semantics (optim: adamw_torch)"
         )),
         None => Err("expected a string such as adamw_torch".into()),
-    }
-}
-
-fn report_to(v: &Value) -> std::result::Result<Option<Value>, String> {
-    match v {
-        Value::Sequence(s) if s.is_empty() => Ok(Some("none".into())),
-        Value::Sequence(s) if s.len() == 1 => Ok(Some(s[0].clone())),
-        Value::Sequence(_) => {
-            Err("more than one tracker is not supported yet: give one of none, tensorboard".into())
-        }
-        other => Ok(Some(other.clone())),
     }
 }
 
@@ -546,7 +537,7 @@ mod tests {
         assert_eq!(at("checkpoint.save_optimizer"), Some(false.into()));
         assert_eq!(at("checkpoint.keep_last"), Some(3.into()));
         assert_eq!(at("optimizer.beta2"), Some(0.98.into()));
-        assert_eq!(at("logging.report_to"), Some("tensorboard".into()));
+        assert_eq!(at("logging.report_to"), Some(yaml("[tensorboard]")));
         assert!(
             at("training.save_total_limit").is_none(),
             "moved, not copied"
