@@ -20,8 +20,8 @@
 //! with the launcher (PR_SET_PDEATHSIG, set by the script itself).
 
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
 use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -114,7 +114,11 @@ pub fn resolve(logging: &LoggingSection) -> Result<Option<Resolved>> {
         let left: Vec<&str> = missing.iter().flatten().copied().collect();
         let left = match left.is_empty() {
             true => String::new(),
-            false => format!(" ({} not installed in {})", left.join(", "), python.display()),
+            false => format!(
+                " ({} not installed in {})",
+                left.join(", "),
+                python.display()
+            ),
         };
         println!(
             "report_to: all = {}{left}",
@@ -332,13 +336,15 @@ impl Side {
 
     fn send(&mut self, v: Value) {
         let Some(lines) = &self.lines else { return };
-        if let Err(crossbeam_channel::TrySendError::Full(_)) = lines.try_send(v.to_string()) {
-            if !std::mem::replace(&mut self.dropped, true) {
-                tracing::warn!(
-                    "report_to {}: the side process is {QUEUE} lines behind: steps are left out of it until it catches up",
-                    self.names
-                );
-            }
+        let full = matches!(
+            lines.try_send(v.to_string()),
+            Err(crossbeam_channel::TrySendError::Full(_))
+        );
+        if full && !std::mem::replace(&mut self.dropped, true) {
+            tracing::warn!(
+                "report_to {}: the side process is {QUEUE} lines behind: steps are left out of it until it catches up",
+                self.names
+            );
         }
     }
 

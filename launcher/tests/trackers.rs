@@ -53,7 +53,10 @@ fn offline_env(cmd: &mut Command, dir: &Path) {
     cmd.env("WANDB_MODE", "offline")
         .env("WANDB_DIR", dir)
         .env("WANDB_SILENT", "true")
-        .env("MLFLOW_TRACKING_URI", format!("file:{}", dir.join("mlruns").display()))
+        .env(
+            "MLFLOW_TRACKING_URI",
+            format!("file:{}", dir.join("mlruns").display()),
+        )
         // MLflow 3 asks for this to use its file store (maintained, no longer the default).
         .env("MLFLOW_ALLOW_FILE_STORE", "true")
         .env_remove("WANDB_PROJECT")
@@ -67,7 +70,12 @@ fn wandb_records(wandb_dir: &Path, summary: bool) -> Vec<serde_json::Value> {
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("offline-run-"))
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("offline-run-")
+        })
         .collect();
     assert_eq!(runs.len(), 1, "one offline run: {runs:?}");
     let mut cmd = Command::new(venv_python().with_file_name("wandb"));
@@ -76,11 +84,18 @@ fn wandb_records(wandb_dir: &Path, summary: bool) -> Vec<serde_json::Value> {
         cmd.arg("--summary");
     }
     let out = cmd.arg(&runs[0]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     match summary {
         true => vec![serde_json::from_str(&text).unwrap()],
-        false => text.lines().map(|l| serde_json::from_str(l).unwrap()).collect(),
+        false => text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect(),
     }
 }
 
@@ -107,7 +122,11 @@ fn mlflow_run(dir: &Path) -> serde_json::Value {
         .env("MLFLOW_ALLOW_FILE_STORE", "true")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -167,14 +186,20 @@ fn wandb_and_mlflow_record_what_metrics_out_has() {
         .filter(|r| r["type"] == "history")
         .map(|r| &r["history"])
         .collect();
-    let steps: Vec<u64> = history.iter().map(|h| h["step"]["num"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = history
+        .iter()
+        .map(|h| h["step"]["num"].as_u64().unwrap())
+        .collect();
     assert_eq!(steps, [1, 2, 3]);
     for (tag, key) in [
         ("train/loss", "loss"),
         ("train/learning_rate", "lr"),
         ("train/grad_norm", "grad_norm"),
     ] {
-        let logged: Vec<f64> = history.iter().map(|h| h["item"][tag].as_f64().unwrap()).collect();
+        let logged: Vec<f64> = history
+            .iter()
+            .map(|h| h["item"][tag].as_f64().unwrap())
+            .collect();
         assert_eq!(bits(&logged), bits(&col(key)), "W&B {tag}: {logged:?}");
     }
     let wandb_evals: Vec<(u64, f64)> = history
@@ -193,7 +218,11 @@ fn wandb_and_mlflow_record_what_metrics_out_has() {
     assert!(config["plan"]["params"].as_u64().unwrap() > 0, "{config}");
     assert!(config["plan"]["host_ram_total_bytes"].as_u64().unwrap() > 0);
     let last = *col("loss").last().unwrap();
-    assert_eq!(summary["final_train_loss"].as_f64(), Some(last), "{summary}");
+    assert_eq!(
+        summary["final_train_loss"].as_f64(),
+        Some(last),
+        "{summary}"
+    );
     assert_eq!(summary["final_eval_loss"].as_f64(), Some(evals[1].1));
     assert_eq!(summary["global_step"], 3);
     assert!(summary["train_runtime"].as_f64().unwrap() > 0.0);
@@ -260,7 +289,9 @@ fn a_side_process_that_dies_is_warned_of_once_and_training_goes_on() {
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     assert_ok(&out, &argv);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let warned = stderr.matches("the side process stopped taking metrics").count();
+    let warned = stderr
+        .matches("the side process stopped taking metrics")
+        .count();
     assert_eq!(warned, 1, "warned once:\n{stderr}");
     assert_eq!(metrics(&f.metrics).len(), 3, "every step ran");
 }

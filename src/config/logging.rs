@@ -236,6 +236,9 @@ mod tests {
         assert!(e.contains("unknown tracker `comet_ml`"), "{e}");
         assert!(e.contains("none, tensorboard, wandb, mlflow, all"), "{e}");
         let e = read("[none, wandb]").unwrap_err();
-        assert!(e.contains("`none` cannot be listed with other trackers"), "{e}");
+        assert!(
+            e.contains("`none` cannot be listed with other trackers"),
+            "{e}"
+        );
     }
 }

@@ -563,7 +563,12 @@ impl RunConfig {
             fix(dir);
         }
         // A bare name (`python3`) is looked up on PATH, as a shell would.
-        if let Some(py) = self.logging.python.as_mut().filter(|p| p.components().count() > 1) {
+        if let Some(py) = self
+            .logging
+            .python
+            .as_mut()
+            .filter(|p| p.components().count() > 1)
+        {
             fix(py);
         }
     }
