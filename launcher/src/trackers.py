@@ -152,6 +152,9 @@ def main():
             elif "end" in msg:
                 status = msg["end"]
     finally:
+        # Finishing already: the launcher's death (end of input, then SIGTERM) ends the
+        # runs once, as failed.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         each("finishing the run", lambda t: t.end(status))
 
 

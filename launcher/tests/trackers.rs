@@ -385,3 +385,27 @@ fn a_missing_package_or_interpreter_is_named_before_anything_starts() {
         ],
     );
 }
+
+#[test]
+fn a_run_that_cannot_start_fails_the_launch_before_the_workers() {
+    if !trackers_installed() {
+        return;
+    }
+    let f = fixture("trackers-refused");
+    let dir = f.dir.join("trackers");
+    let mut cmd = mt_launch();
+    offline_env(&mut cmd, &dir);
+    // MLflow 3 refuses its file store unless asked: its own message, in the launcher's.
+    cmd.env_remove("MLFLOW_ALLOW_FILE_STORE");
+    let py = venv_python();
+    let set_py = format!("logging.python={}", path_str(&py));
+    cmd.args(f.args(&["--set", "logging.report_to=mlflow", "--set", &set_py]));
+    f.check_failure(
+        cmd,
+        Stage::Start,
+        &[
+            "logging.report_to: mlflow could not start a run (MlflowException",
+            "MLFLOW_ALLOW_FILE_STORE",
+        ],
+    );
+}

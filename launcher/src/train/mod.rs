@@ -334,19 +334,26 @@ impl Trainer {
                 }
             })
             .collect();
+        // The W&B / MLflow runs started meanwhile; a failure to start them fails the launch
+        // before the workers spawn.
         if let Some(side) = trackers.as_mut() {
             side.wait_ready()?;
         }
+        let t_ready = Instant::now();
         let mut sup = Supervisor::start(&worker_binary()?, inits, plan.total())?;
         let t_workers = Instant::now();
         let s = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
         let startup_s = s(t_start, t_workers);
+        let waited = match trackers.is_some() {
+            true => format!(", report_to runs {:.1}s", s(t_weights, t_ready)),
+            false => String::new(),
+        };
         println!(
-            "start-up {startup_s:.1}s: config and data {:.1}s, host state {:.1}s, weights {:.1}s ({weights}), workers {:.1}s (host registration {:.1}s, warm-up {:.1}s)",
+            "start-up {startup_s:.1}s: config and data {:.1}s, host state {:.1}s, weights {:.1}s ({weights}), workers {:.1}s (host registration {:.1}s, warm-up {:.1}s){waited}",
             s(t_start, t_prepared),
             s(t_prepared, t_allocated),
             s(t_allocated, t_weights),
-            s(t_weights, t_workers),
+            s(t_ready, t_workers),
             sup.register_s,
             sup.warm_up_s,
         );
