@@ -515,7 +515,7 @@ mod tests {
         let mut v = yaml(
             "model_name_or_path: org/model\nstage: sft\ncutoff_len: 512\nmax_steps: 7\n\
              lr_scheduler_type: constant_with_warmup\nbf16: true\nsave_only_model: true\n\
-             adam_beta2: 0.98\nreport_to: [tensorboard]\n\
+             adam_beta2: 0.98\nreport_to: [tensorboard]\nrun_name: sft-1\n\
              training: {save_total_limit: 3}\ndataset: {path: x.json}\n",
         );
         let applied = apply(&mut v, Path::new("/nonexistent"), false).unwrap();
@@ -538,6 +538,7 @@ mod tests {
         assert_eq!(at("checkpoint.keep_last"), Some(3.into()));
         assert_eq!(at("optimizer.beta2"), Some(0.98.into()));
         assert_eq!(at("logging.report_to"), Some(yaml("[tensorboard]")));
+        assert_eq!(at("logging.run_name"), Some("sft-1".into()));
         assert!(
             at("training.save_total_limit").is_none(),
             "moved, not copied"
