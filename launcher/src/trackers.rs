@@ -89,12 +89,19 @@ pub fn resolve(logging: &LoggingSection) -> Result<Option<Resolved>> {
             );
             return Ok(None);
         }
-        (Err(why), false) => bail!(
-            "logging.report_to: {} needs Python with the {} package: {} ({from}) {why}; name an interpreter with logging.python or MT_PYTHON",
-            named[0].name(),
-            modules[0],
-            python.display()
-        ),
+        (Err(why), false) => {
+            let names: Vec<&str> = named.iter().map(|t| t.name()).collect();
+            let (needs, package) = match modules.len() {
+                1 => ("needs", "package"),
+                _ => ("need", "packages"),
+            };
+            bail!(
+                "logging.report_to: {} {needs} Python with the {} {package}: {} ({from}) {why}; name an interpreter with logging.python or MT_PYTHON",
+                names.join(", "),
+                modules.join(", "),
+                python.display()
+            )
+        }
     };
     if let Some(t) = named.iter().find(|t| !all && missing.contains(&t.module())) {
         bail!(
