@@ -8,7 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-REQS="torch==2.11.0 transformers==5.17.0 safetensors numpy pyarrow datasets tensorboard"
+# wandb and mlflow-skinny: `logging.report_to: wandb, mlflow` (launcher/tests/trackers.rs).
+# mlflow-skinny is MLflow's client and file store without the server's dependencies
+# (SQLAlchemy, Flask, pandas...): ~10 s to install beside wandb.
+REQS="torch==2.11.0 transformers==5.17.0 safetensors numpy pyarrow datasets tensorboard wandb mlflow-skinny"
 STAMP=.venv/.mt-setup-$(echo "$REQS" | cksum | cut -d' ' -f1)
 
 if [ ! -x .venv/bin/python ]; then

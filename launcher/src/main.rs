@@ -18,6 +18,7 @@ mod prepare;
 mod progress;
 mod supervisor;
 mod torch;
+mod trackers;
 mod train;
 // Signals and process groups: the one unsafe module.
 #[allow(unsafe_code)]

@@ -184,6 +184,10 @@ pub fn dry_run(
         true => mt::checkpoint::ownership::check(cfg)?,
         false => Vec::new(),
     };
+    // W&B and MLflow's interpreter and packages (no run is started).
+    if crate::mpi::world().is_none_or(|m| m.rank == 0) {
+        crate::trackers::resolve(&cfg.logging)?;
+    }
     let resume = resume
         .map(|r| {
             let dir = mt::checkpoint::state::resolve(&r.from, cfg.checkpoint.dir.as_deref())?;

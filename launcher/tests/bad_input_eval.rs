@@ -10,12 +10,12 @@ use common::fixture::{Stage, fixture, path};
 fn unknown_report_to() {
     let f = fixture("report-to");
     f.fails(
-        &["--set", "logging.report_to=wandb"],
+        &["--set", "logging.report_to=[tensorboard, comet_ml]"],
         Stage::Start,
         &[
             "logging.report_to",
-            "unknown variant `wandb`",
-            "tensorboard",
+            "unknown tracker `comet_ml`",
+            "expected none, tensorboard, wandb, mlflow, all",
         ],
     );
 }

@@ -119,8 +119,10 @@ const TABLE: &[(&str, Rule)] = &[
     ("logging_steps", To("logging.log_every")),
     ("training.logging_steps", To("logging.log_every")),
     ("logging_dir", To("logging.logging_dir")),
-    ("report_to", Map("logging.report_to", report_to)),
-    ("training.report_to", Map("logging.report_to", report_to)),
+    ("report_to", To("logging.report_to")),
+    ("training.report_to", To("logging.report_to")),
+    ("run_name", To("logging.run_name")),
+    ("training.run_name", To("logging.run_name")),
     (
         "plot_loss",
         Ignored("--metrics-out FILE draws the run's curves beside the metrics"),
@@ -266,17 +268,6 @@ fn optim(v: &Value) -> std::result::Result<(), String> {
             "optim: {other} is not supported: the optimizer is AdamW with torch.optim.AdamW's semantics (optim: adamw_torch)"
         )),
         None => Err("expected a string such as adamw_torch".into()),
-    }
-}
-
-fn report_to(v: &Value) -> std::result::Result<Option<Value>, String> {
-    match v {
-        Value::Sequence(s) if s.is_empty() => Ok(Some("none".into())),
-        Value::Sequence(s) if s.len() == 1 => Ok(Some(s[0].clone())),
-        Value::Sequence(_) => {
-            Err("more than one tracker is not supported yet: give one of none, tensorboard".into())
-        }
-        other => Ok(Some(other.clone())),
     }
 }
 
@@ -530,7 +521,7 @@ mod tests {
         let mut v = yaml(
             "model_name_or_path: org/model\nstage: sft\ncutoff_len: 512\nmax_steps: 7\n\
              lr_scheduler_type: constant_with_warmup\nbf16: true\nsave_only_model: true\n\
-             adam_beta2: 0.98\nreport_to: [tensorboard]\n\
+             adam_beta2: 0.98\nreport_to: [tensorboard]\nrun_name: sft-1\n\
              training: {save_total_limit: 3}\ndataset: {path: x.json}\n",
         );
         let applied = apply(&mut v, Path::new("/nonexistent"), false).unwrap();
@@ -552,7 +543,8 @@ mod tests {
         assert_eq!(at("checkpoint.save_optimizer"), Some(false.into()));
         assert_eq!(at("checkpoint.keep_last"), Some(3.into()));
         assert_eq!(at("optimizer.beta2"), Some(0.98.into()));
-        assert_eq!(at("logging.report_to"), Some("tensorboard".into()));
+        assert_eq!(at("logging.report_to"), Some(yaml("[tensorboard]")));
+        assert_eq!(at("logging.run_name"), Some("sft-1".into()));
         assert!(
             at("training.save_total_limit").is_none(),
             "moved, not copied"

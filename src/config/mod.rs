@@ -31,7 +31,7 @@ mod tile;
 pub use checkpoint::{CheckpointContents, CheckpointSection};
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
 pub use grpo::{GrpoLoss, GrpoParams, GrpoSection, ScaleRewards};
-pub use logging::{LoggingSection, ReportTo};
+pub use logging::{LoggingSection, ReportTo, Tracker};
 pub use nodes::NodesSection;
 pub use overrides::apply_override;
 use overrides::{did_you_mean, edit_distance};
@@ -608,6 +608,10 @@ impl RunConfig {
         }
         cfg.resolve_paths(base);
         cfg.default_dirs(path);
+        // The W&B / MLflow run's name: HF's `run_name`, else the config's stem.
+        if cfg.logging.run_name.is_none() {
+            cfg.logging.run_name = path.file_stem().map(|s| s.to_string_lossy().into_owned());
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -660,6 +664,15 @@ impl RunConfig {
         }
         if let Some(dir) = self.logging.logging_dir.as_mut() {
             fix(dir);
+        }
+        // A bare name (`python3`) is looked up on PATH, as a shell would.
+        if let Some(py) = self
+            .logging
+            .python
+            .as_mut()
+            .filter(|p| p.components().count() > 1)
+        {
+            fix(py);
         }
     }
 
@@ -948,7 +961,7 @@ impl RunConfig {
         }
     }
 
-    /// Where TensorBoard event files go (None unless `logging.report_to: tensorboard`).
+    /// Where TensorBoard event files go (None unless `logging.report_to` names `tensorboard`).
     pub fn tensorboard_dir(&self) -> Result<Option<PathBuf>> {
         self.logging.tensorboard_dir(
             self.training.output_dir.as_deref(),

@@ -95,6 +95,9 @@ pub struct Trainer {
     /// The locks of `training.output_dir` and `checkpoint.dir` (node 0), held until the
     /// export and the last checkpoint are written: declared after `writer`, dropped after it.
     _locks: Vec<checkpoint::lock::DirLock>,
+    /// `logging.report_to: wandb, mlflow`: their side process (node 0), dropped last, so
+    /// that a failed run's workers are stopped before it waits for the runs to finish.
+    trackers: Option<crate::trackers::Side>,
 }
 
 impl Trainer {
@@ -113,6 +116,11 @@ impl Trainer {
         let lead = mpi.is_none_or(|m| m.rank == 0);
         // The worker and its libtorch, found before anything is claimed or loaded.
         let worker = crate::torch::locate()?;
+        // W&B and MLflow's interpreter and packages, checked before anything else.
+        let trackers = match lead {
+            true => crate::trackers::resolve(&cfg.logging)?,
+            false => None,
+        };
         // Before any work: directories that are not the model's nor hold others' files,
         // locked for the whole run; then the checkpoint to resume, resolved and checked
         // before the clean-up of dead writers' directories (which must never be it).
@@ -211,6 +219,20 @@ impl Trainer {
         if lead {
             keep::say_where(&cfg);
         }
+        // Its runs start while the host state is allocated and the weights load.
+        let figures = crate::trackers::PlanFigures {
+            host_ram_total_bytes: plan.total(),
+            host_bytes_per_param: plan.bytes_per_param(),
+            host_ram_available_bytes: mt::plan::available_host_bytes(),
+            params: layout.num_params() as u64,
+            world_size: placement.world(),
+            workers: placement.workers,
+            gpus: placement.gpus,
+            nodes: placement.nodes,
+        };
+        let mut trackers = trackers
+            .map(|r| crate::trackers::Side::start(r, &cfg, &figures, t_start))
+            .transpose()?;
         // Tensors carried as read: from the checkpoint resumed (which holds them as the
         // model directory did), else the model directory's; buffers at random init.
         let (carried, carried_from) = match (&resume, cfg.model.init) {
@@ -315,16 +337,26 @@ impl Trainer {
                 }
             })
             .collect();
+        // The W&B / MLflow runs started meanwhile; a failure to start them fails the launch
+        // before the workers spawn.
+        if let Some(side) = trackers.as_mut() {
+            side.wait_ready()?;
+        }
+        let t_ready = Instant::now();
         let mut sup = Supervisor::start(&worker, inits, plan.total())?;
         let t_workers = Instant::now();
         let s = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
         let startup_s = s(t_start, t_workers);
+        let waited = match trackers.is_some() {
+            true => format!(", report_to runs {:.1}s", s(t_weights, t_ready)),
+            false => String::new(),
+        };
         println!(
-            "start-up {startup_s:.1}s: config and data {:.1}s, host state {:.1}s, weights {:.1}s ({weights}), workers {:.1}s (host registration {:.1}s, warm-up {:.1}s)",
+            "start-up {startup_s:.1}s: config and data {:.1}s, host state {:.1}s, weights {:.1}s ({weights}), workers {:.1}s (host registration {:.1}s, warm-up {:.1}s){waited}",
             s(t_start, t_prepared),
             s(t_prepared, t_allocated),
             s(t_allocated, t_weights),
-            s(t_weights, t_workers),
+            s(t_ready, t_workers),
             sup.register_s,
             sup.warm_up_s,
         );
@@ -438,6 +470,7 @@ impl Trainer {
             last_written: None,
             schedule,
             _locks: locks,
+            trackers,
         })
     }
 
@@ -582,10 +615,14 @@ impl Trainer {
             plan,
             writer,
             progress,
+            trackers,
             ..
         } = self;
         sup.shutdown();
         if let Some(stopped) = stopped {
+            if let Some(t) = trackers {
+                t.finish("killed", peak_rss_bytes());
+            }
             return Err(stopped.into());
         }
         // Checkpoints may live inside the output directory, which the export swaps: no
@@ -608,6 +645,9 @@ impl Trainer {
             peak_rss_bytes() as f64 / 1e9,
             plan.total() as f64 / 1e9
         );
+        if let Some(t) = trackers {
+            t.finish("finished", peak_rss_bytes());
+        }
         Ok(())
     }
 

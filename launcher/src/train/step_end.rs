@@ -1,5 +1,5 @@
 //! The end of a step: its checkpoint, the non-finite policy, the clip and learning rate
-//! of its update, and its metrics (file, TensorBoard, progress line).
+//! of its update, and its metrics (file, TensorBoard, W&B / MLflow, progress line).
 
 use anyhow::{Context, Result, bail};
 use mt::config::NanPolicy;
@@ -244,6 +244,9 @@ impl Trainer {
         }
         if let Some(tb) = self.tensorboard.as_mut() {
             tb.step(&m)?;
+        }
+        if let Some(side) = self.trackers.as_mut() {
+            side.step(&m);
         }
         self.progress.step(&m, self.cfg.training.num_steps);
         Ok(())
