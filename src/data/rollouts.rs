@@ -38,6 +38,31 @@ pub struct Rollouts {
     pub groups: Vec<usize>,
 }
 
+impl Rollouts {
+    /// (kept, held) by `held` (one flag per row, whole groups), each renumbering its
+    /// groups 0.. in order of first appearance.
+    pub fn split(&self, held: &[bool]) -> (Rollouts, Rollouts) {
+        assert_eq!(held.len(), self.rewards.len());
+        let part = |want: bool| {
+            let mut out = Rollouts::default();
+            let mut ids: HashMap<usize, usize> = HashMap::new();
+            for ((&r, &g), _) in self
+                .rewards
+                .iter()
+                .zip(&self.groups)
+                .zip(held)
+                .filter(|(_, h)| **h == want)
+            {
+                let next = ids.len();
+                out.rewards.push(r);
+                out.groups.push(*ids.entry(g).or_insert(next));
+            }
+            out
+        };
+        (part(false), part(true))
+    }
+}
+
 /// A line's prompt and completion, before tokenizing.
 enum Sample {
     Text(Conversation),

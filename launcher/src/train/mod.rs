@@ -19,7 +19,7 @@ use mt::protocol::{Device, Init, ToWorker};
 
 use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
-use crate::eval::EvalSet;
+use crate::eval::{EvalSet, Objective};
 use crate::grpo::{Policy, reference_logps};
 use crate::host::HostState;
 use crate::prepare::Prepared;
@@ -336,14 +336,6 @@ impl Trainer {
         if let Some(tb) = &tensorboard {
             println!("TensorBoard events: {}", tb.path().display());
         }
-        let eval = (!data.eval.is_empty()).then(|| {
-            let t = &cfg.training;
-            let per_micro = t
-                .per_device_eval_batch_size
-                .unwrap_or(t.batch_size / (placement.world() * t.gradient_accumulation_steps));
-            let rows = std::mem::take(&mut data.eval);
-            EvalSet::new(&rows, per_micro, spec.pad_token_id as i32, t.eval_steps)
-        });
         // Before step 1, under the initial weights (or from the checkpoint resumed).
         let timeout = Duration::from_secs(cfg.training.worker_timeout_s);
         if let Some(m) = mpi {
@@ -357,10 +349,15 @@ impl Trainer {
                 Preference::new(&data, &mut sup, rows, pad, timeout, resume.as_deref())
             })
             .transpose()?;
+        let mut eval_refs = None;
         let refs = match reference {
             true => {
                 let pad = spec.pad_token_id as i32;
-                let refs = reference_logps(&data, &mut sup, micro_batch.0, pad, timeout)?;
+                let refs = reference_logps(&data.rows, &mut sup, micro_batch.0, pad, timeout)?;
+                if !data.eval.is_empty() {
+                    let r = reference_logps(&data.eval, &mut sup, micro_batch.0, pad, timeout)?;
+                    eval_refs = Some(r);
+                }
                 if let Some(dir) = &resume {
                     (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
                     resident::push_resident(&mut host, &mut sup, timeout)?;
@@ -368,6 +365,47 @@ impl Trainer {
                 Some(refs)
             }
             false => None,
+        };
+        let eval = match data.eval.is_empty() {
+            true => None,
+            false => {
+                let rows = std::mem::take(&mut data.eval);
+                let objective = match (&dpo, grpo) {
+                    (Some(p), _) => Objective::Pairs {
+                        params: cfg.dpo_params()?,
+                        refs: p.eval.as_ref().map(|e| e.0.clone()).unwrap_or_default(),
+                    },
+                    (_, Some(params)) => {
+                        let r = data.eval_rollouts.take().unwrap_or_default();
+                        Objective::Rollouts {
+                            params,
+                            advantages: mt::grpo::advantages(
+                                &r.rewards,
+                                &r.groups,
+                                params.scale_rewards,
+                            ),
+                            rewards: r.rewards,
+                            refs: eval_refs,
+                        }
+                    }
+                    _ => Objective::Tokens,
+                };
+                // Under `dpo` the eval batch counts pairs, as training.batch_size does.
+                let t = &cfg.training;
+                let per_row = cfg.rows_per_step() / t.batch_size.max(1);
+                let per_micro = t.per_device_eval_batch_size.map_or(
+                    cfg.rows_per_step() / (placement.world() * t.gradient_accumulation_steps),
+                    |n| n * per_row,
+                );
+                let pad = spec.pad_token_id as i32;
+                Some(EvalSet::new(
+                    &rows,
+                    per_micro.max(per_row),
+                    pad,
+                    t.eval_steps,
+                    objective,
+                ))
+            }
         };
         let grpo = grpo
             .map(|p| Policy::new(p, &data, resume.as_deref(), start_step, refs))
