@@ -193,6 +193,82 @@ fn grpo_eval_is_the_on_policy_loss_of_held_out_rollouts() {
     let keys = ["eval_loss", "eval_kl", "eval_reward"];
     let two = run_case(&case, &eval, "grpo-w2", 2, 1, 3, 2);
     assert_eq!(eval_bits(&one, &keys), eval_bits(&two, &keys));
+    // `dataset.val_size` holds out whole groups (2 of the 8 groups of 3), before any work.
+    let out = run(&[
+        "--config",
+        path_str(&case.join("run.yaml")),
+        "--gpus",
+        "0",
+        "--dry-run",
+        "--set",
+        "dataset.val_size=2",
+    ]);
+    let log = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && log.contains("18 completions in 6 groups")
+            && log.contains("eval set: 6 completions held out of the training groups"),
+        "{log}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&[
+        "--config",
+        path_str(&case.join("run.yaml")),
+        "--gpus",
+        "0",
+        "--dry-run",
+        "--set",
+        "dataset.val_size=8",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("dataset.val_size")
+            && err.contains("holds out 8 of the 8 groups of completions"),
+        "{err}"
+    );
+}
+
+/// A run checkpointed and resumed evaluates as the straight run, bit for bit: the eval
+/// pairs' reference log-probabilities (of the initial weights, gone by then) come from the
+/// checkpoint's `dpo_eval_reference.safetensors`.
+#[test]
+fn dpo_eval_resumes_with_the_saved_eval_reference() {
+    let case = golden_dir().join("dpo/llama_sigmoid");
+    let dir = scratch("eval-stages-dpo-resume");
+    let eval = lines_of(&case.join("pairs.jsonl"), 0..4, &dir, "eval.jsonl");
+    let ck = format!("checkpoint.dir={}", dir.join("ck").display());
+    let run = |tag: &str, extra: &[&str]| {
+        let m = dir.join(format!("{tag}.jsonl"));
+        let mut args = vec![
+            "--set".to_string(),
+            format!("dataset.eval_path={}", eval.display()),
+            "--set".into(),
+            "training.eval_steps=1".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = run_cpu_ok(&case.join("run.yaml"), 1, &m, &args);
+        (
+            eval_bits(&metrics(&m), &DPO_EVAL_KEYS),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let (straight, _) = run("straight", &[]);
+    let (first, _) = run("first", &["--set", "training.num_steps=2", "--set", &ck]);
+    let saved = dir.join("ck/step-00000002/dpo_eval_reference.safetensors");
+    assert!(saved.is_file(), "{} is written", saved.display());
+    let (second, log) = run("second", &["--set", &ck, "--resume", "latest"]);
+    assert!(
+        log.contains("DPO reference log-probabilities of 4 eval pairs: read from")
+            && !log.contains("DPO reference pass"),
+        "{log}"
+    );
+    let resumed: Vec<Vec<u64>> = first.into_iter().chain(second).collect();
+    assert_eq!(
+        resumed, straight,
+        "resumed eval bits differ from the straight run's"
+    );
 }
 
 /// LlamaFactory's DPO example (examples/train_full/…_dpo.yaml's keys) with its eval

@@ -268,6 +268,20 @@ fn messages(list: &[Value]) -> std::result::Result<Vec<Message>, String> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn split_renumbers_each_part_s_groups() {
+        let r = Rollouts {
+            rewards: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            groups: vec![0, 0, 1, 1, 2, 2],
+        };
+        let (kept, held) = r.split(&[false, false, true, true, false, false]);
+        assert_eq!(
+            (kept.rewards, kept.groups),
+            (vec![1.0, 2.0, 5.0, 6.0], vec![0, 0, 1, 1])
+        );
+        assert_eq!((held.rewards, held.groups), (vec![3.0, 4.0], vec![0, 0]));
+    }
+
     fn read_text(text: &str) -> Result<(Vec<Example>, Rollouts)> {
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
