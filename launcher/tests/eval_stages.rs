@@ -122,6 +122,18 @@ fn dpo_eval_is_the_dpo_objective_of_held_out_pairs() {
             "eval_{key} {ours} vs torch {theirs}"
         );
     }
+    // Summed f32 log-probabilities of up to 20 tokens: relative, as the loss.
+    for key in ["logps/chosen", "logps/rejected"] {
+        let (ours, theirs) = (
+            num(after1, &format!("eval_{key}")),
+            f64_array(&want[key])[1],
+        );
+        let e = rel(ours, theirs, theirs);
+        assert!(
+            e <= TORCH_TOL,
+            "eval_{key} {ours} vs torch {theirs} (rel {e:.2e})"
+        );
+    }
     // Away from the reference, whether a pair is accurate is not rounding: exact.
     let acc = f64_array(&want["rewards/accuracies"])[1];
     assert_eq!(num(after1, "eval_rewards/accuracies"), acc);
