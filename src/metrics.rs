@@ -90,9 +90,9 @@ pub struct StepMetrics {
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,
-    /// After an evaluation (every `training.eval_steps` and after the last step): the mean
-    /// token loss over the whole eval set under this step's updated weights, its label
-    /// tokens, and the seconds it took.
+    /// After an evaluation (every `training.eval_steps` and after the last step): the eval
+    /// set's loss under this step's updated weights (the mean token loss; under `dpo` and
+    /// `grpo` the stage's loss, with its metrics), its label tokens, and the seconds it took.
     #[serde(flatten)]
     pub eval: Option<EvalMetrics>,
     /// `training.stage: dpo`: the pairs' rewards (TRL's names; `loss` is then the mean

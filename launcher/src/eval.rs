@@ -23,8 +23,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use mt::config::{DpoParams, GrpoLoss, GrpoParams};
-use mt::data::{Example, pad_batch};
+use mt::config::{DpoParams, GrpoLoss, GrpoParams, RunConfig};
+use mt::data::{Example, Rollouts, pad_batch};
 use mt::metrics::{DpoMetrics, EvalGrpoMetrics, EvalMetrics};
 use mt::protocol::{ForwardOnly, FromWorker, MicroBatch, ToWorker};
 
@@ -47,6 +47,19 @@ pub enum Objective {
         rewards: Vec<f64>,
         refs: Option<Vec<Vec<f32>>>,
     },
+}
+
+impl Objective {
+    /// `grpo`'s, from the eval rollouts `r`: advantages relative to their own groups, with
+    /// the run's `grpo.scale_rewards`.
+    pub fn rollouts(params: GrpoParams, r: Rollouts, refs: Option<Vec<Vec<f32>>>) -> Objective {
+        Objective::Rollouts {
+            params,
+            advantages: mt::grpo::advantages(&r.rewards, &r.groups, params.scale_rewards),
+            rewards: r.rewards,
+            refs,
+        }
+    }
 }
 
 pub struct EvalSet {
@@ -96,6 +109,26 @@ impl EvalSet {
             every,
             objective,
         }
+    }
+
+    /// The run's eval set of `rows`, over `world` workers: micro-batches of
+    /// `training.per_device_eval_batch_size` samples (pairs under `dpo`, as
+    /// `training.batch_size` counts them), by default the training micro-batch's rows.
+    pub fn for_run(
+        cfg: &RunConfig,
+        world: usize,
+        rows: &[Example],
+        pad_id: i32,
+        objective: Objective,
+    ) -> EvalSet {
+        let t = &cfg.training;
+        let per_sample = cfg.rows_per_step() / t.batch_size.max(1);
+        let per_micro = t.per_device_eval_batch_size.map_or(
+            cfg.rows_per_step() / (world * t.gradient_accumulation_steps),
+            |n| n * per_sample,
+        );
+        let every = t.eval_steps;
+        EvalSet::new(rows, per_micro.max(per_sample), pad_id, every, objective)
     }
 
     /// Whether to evaluate once `done` of `total` steps are done.

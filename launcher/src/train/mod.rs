@@ -369,7 +369,6 @@ impl Trainer {
         let eval = match data.eval.is_empty() {
             true => None,
             false => {
-                let rows = std::mem::take(&mut data.eval);
                 let objective = match (&dpo, grpo) {
                     (Some(p), _) => Objective::Pairs {
                         params: cfg.dpo_params()?,
@@ -377,34 +376,14 @@ impl Trainer {
                     },
                     (_, Some(params)) => {
                         let r = data.eval_rollouts.take().unwrap_or_default();
-                        Objective::Rollouts {
-                            params,
-                            advantages: mt::grpo::advantages(
-                                &r.rewards,
-                                &r.groups,
-                                params.scale_rewards,
-                            ),
-                            rewards: r.rewards,
-                            refs: eval_refs,
-                        }
+                        Objective::rollouts(params, r, eval_refs)
                     }
                     _ => Objective::Tokens,
                 };
-                // Under `dpo` the eval batch counts pairs, as training.batch_size does.
-                let t = &cfg.training;
-                let per_row = cfg.rows_per_step() / t.batch_size.max(1);
-                let per_micro = t.per_device_eval_batch_size.map_or(
-                    cfg.rows_per_step() / (placement.world() * t.gradient_accumulation_steps),
-                    |n| n * per_row,
-                );
+                let rows = std::mem::take(&mut data.eval);
                 let pad = spec.pad_token_id as i32;
-                Some(EvalSet::new(
-                    &rows,
-                    per_micro.max(per_row),
-                    pad,
-                    t.eval_steps,
-                    objective,
-                ))
+                let world = placement.world();
+                Some(EvalSet::for_run(&cfg, world, &rows, pad, objective))
             }
         };
         let grpo = grpo
