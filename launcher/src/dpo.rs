@@ -38,17 +38,21 @@ impl Preference {
     /// The reference log-probabilities of `data`'s rows and of its eval rows: read from
     /// the checkpoint `resume` (which must hold them for these rows), or computed by the
     /// workers under the weights in the store (the initial ones), `rows_per_micro` rows per
-    /// micro-batch.
+    /// micro-batch (`eval_rows_per_micro` for the eval rows, as the evaluation cuts them).
     pub fn new(
         data: &Dataset,
         sup: &mut Supervisor,
-        rows_per_micro: usize,
+        (rows_per_micro, eval_rows_per_micro): (usize, usize),
         pad_id: i32,
         timeout: Duration,
         resume: Option<&Path>,
     ) -> Result<Preference> {
         assert!(data.pairs && rows_per_micro > 0);
         let mut pass = |rows: &[Example], what: &str, eval: bool| -> Result<Reference> {
+            let rows_per_micro = match eval {
+                true => eval_rows_per_micro,
+                false => rows_per_micro,
+            };
             let fingerprint = reference::fingerprint(rows);
             let pairs = rows.len() / 2;
             if let Some(dir) = resume {

@@ -121,14 +121,8 @@ impl EvalSet {
         pad_id: i32,
         objective: Objective,
     ) -> EvalSet {
-        let t = &cfg.training;
-        let per_sample = cfg.rows_per_step() / t.batch_size.max(1);
-        let per_micro = t.per_device_eval_batch_size.map_or(
-            cfg.rows_per_step() / (world * t.gradient_accumulation_steps),
-            |n| n * per_sample,
-        );
-        let every = t.eval_steps;
-        EvalSet::new(rows, per_micro.max(per_sample), pad_id, every, objective)
+        let per_micro = rows_per_micro(cfg, world);
+        EvalSet::new(rows, per_micro, pad_id, cfg.training.eval_steps, objective)
     }
 
     /// Whether to evaluate once `done` of `total` steps are done.
@@ -211,6 +205,20 @@ impl EvalSet {
         m.eval_time_s = t.elapsed().as_secs_f64();
         Ok(m)
     }
+}
+
+/// Rows per eval micro-batch over `world` workers: `training.per_device_eval_batch_size`
+/// samples (pairs under `dpo`, as `training.batch_size` counts them), by default the
+/// training micro-batch's rows. The reference passes cut the eval rows the same way, so
+/// that before any update the eval rows' log-probabilities are their references' bits.
+pub fn rows_per_micro(cfg: &RunConfig, world: usize) -> usize {
+    let t = &cfg.training;
+    let per_sample = cfg.rows_per_step() / t.batch_size.max(1);
+    let per_micro = t.per_device_eval_batch_size.map_or(
+        cfg.rows_per_step() / (world * t.gradient_accumulation_steps),
+        |n| n * per_sample,
+    );
+    per_micro.max(per_sample)
 }
 
 /// Runs `n` forward-only micro-batches (`make(i)` is the i-th) through the workers under

@@ -369,9 +369,18 @@ eval_steps: 1
             assert_eq!(p[1].as_f64().unwrap() as f32, num(r, key) as f32, "{tag}");
         }
     }
-    // Before any update the eval pairs sit at the reference; after the updates they do
-    // not, and the loss is the DPO loss of a rewards margin: log σ bounds it by log 2 + |βz|.
+    // Warm-up makes step 1's learning rate 0: the weights are still the initial ones, and
+    // the eval pairs' log-probabilities are their references' bits (the reference pass cut
+    // them into the evaluation's micro-batches), so every reward is 0 and the loss log 2.
     let first = &rows[0];
-    let bound = std::f64::consts::LN_2 + num(first, "eval_rewards/margins").abs();
-    assert!(num(first, "eval_loss") <= bound + 1e-12, "{first}");
+    assert_eq!(num(first, "lr"), 0.0, "{first}");
+    for key in ["eval_rewards/chosen", "eval_rewards/rejected"] {
+        assert_eq!(num(first, key), 0.0, "{key} in {first}");
+    }
+    assert_eq!(num(first, "eval_loss"), std::f64::consts::LN_2, "{first}");
+    assert_ne!(
+        num(&rows[1], "eval_rewards/margins"),
+        0.0,
+        "step 2 updated the weights"
+    );
 }

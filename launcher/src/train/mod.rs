@@ -342,9 +342,10 @@ impl Trainer {
             m.set_timeout(timeout);
         }
         resident::push_resident(&mut host, &mut sup, timeout)?;
+        let eval_micro = crate::eval::rows_per_micro(&cfg, placement.world());
         let dpo = dpo
             .map(|_| {
-                let rows = micro_batch.0;
+                let rows = (micro_batch.0, eval_micro);
                 let pad = spec.pad_token_id as i32;
                 Preference::new(&data, &mut sup, rows, pad, timeout, resume.as_deref())
             })
@@ -355,7 +356,7 @@ impl Trainer {
                 let pad = spec.pad_token_id as i32;
                 let refs = reference_logps(&data.rows, &mut sup, micro_batch.0, pad, timeout)?;
                 if !data.eval.is_empty() {
-                    let r = reference_logps(&data.eval, &mut sup, micro_batch.0, pad, timeout)?;
+                    let r = reference_logps(&data.eval, &mut sup, eval_micro, pad, timeout)?;
                     eval_refs = Some(r);
                 }
                 if let Some(dir) = &resume {
