@@ -5,7 +5,8 @@ torch (float32), for launcher/tests/dpo.rs.
 Per case, under OUT/dpo/<case>/: model/ (save_pretrained), pairs.jsonl (tokenized pairs:
 `chosen_input_ids`, `chosen_labels`, `rejected_input_ids`, `rejected_labels`, a shared prompt
 masked with -100), run.yaml, expected.json (per step: the mean DPO loss, the pre-clip gradient
-norm, and TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins) and
+norm, and TRL's rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
+logps/chosen, logps/rejected) and
 grads0.safetensors (every parameter's gradient at step 1).
 """
 
@@ -77,7 +78,7 @@ def dpo_reference(model, pairs, case, tr, grads_path):
         ref, _ = row_logps(model, rows)
     opt = c.adamw(model, tr, tr["learning_rate"])
     out = {k: [] for k in ("losses", "grad_norms", "rewards/chosen", "rewards/rejected",
-                           "rewards/accuracies", "rewards/margins")}
+                           "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")}
     for step in range(g.STEPS):
         sl = slice(2 * step * DPO_BATCH, 2 * (step + 1) * DPO_BATCH)
         logps, n = row_logps(model, rows[sl])
@@ -90,6 +91,8 @@ def dpo_reference(model, pairs, case, tr, grads_path):
         out["rewards/rejected"].append(rr.mean().item())
         out["rewards/accuracies"].append((rc > rr).float().mean().item())
         out["rewards/margins"].append((rc - rr).mean().item())
+        out["logps/chosen"].append(logps[0::2].mean().item())
+        out["logps/rejected"].append(logps[1::2].mean().item())
     return out
 
 

@@ -11,7 +11,8 @@
 //! - `ipo`: z = (p_c − r_c) / n_c − (p_r − r_r) / n_r with n the row's label tokens (TRL
 //!   averages IPO's log-ratios over the completion tokens), loss = (z − 1/(2β))²;
 //! - rewards (both losses): β (p_c − r_c) and β (p_r − r_r); a pair is accurate when the
-//!   chosen reward is the larger; the margin is their difference.
+//!   chosen reward is the larger; the margin is their difference; TRL also logs p_c and
+//!   p_r (`logps/chosen`, `logps/rejected`).
 //!
 //! The step's loss is the mean over its pairs (all workers, all micro-batches), so each
 //! row's weight is ∂loss_i/∂p_row / pairs_in_step. Computed in f64.
@@ -29,6 +30,12 @@ pub struct DpoSums {
     pub rejected_reward: f64,
     /// Pairs whose chosen reward is larger than the rejected one.
     pub accurate: u64,
+    /// The policy's summed log-probabilities of the chosen and of the rejected responses
+    /// (TRL's `logps/chosen`, `logps/rejected` are their means).
+    #[serde(default)]
+    pub chosen_logps: f64,
+    #[serde(default)]
+    pub rejected_logps: f64,
 }
 
 impl DpoSums {
@@ -38,6 +45,8 @@ impl DpoSums {
         self.chosen_reward += o.chosen_reward;
         self.rejected_reward += o.rejected_reward;
         self.accurate += o.accurate;
+        self.chosen_logps += o.chosen_logps;
+        self.rejected_logps += o.rejected_logps;
     }
 }
 
@@ -87,6 +96,8 @@ pub fn pair_terms(
         sums.chosen_reward += rc;
         sums.rejected_reward += rr;
         sums.accurate += u64::from(rc > rr);
+        sums.chosen_logps += logps[i];
+        sums.rejected_logps += logps[i + 1];
         weights.extend([d_chosen * scale, d_rejected * scale]);
     }
     PairTerms { sums, weights }

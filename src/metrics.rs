@@ -90,9 +90,9 @@ pub struct StepMetrics {
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,
-    /// After an evaluation (every `training.eval_steps` and after the last step): the mean
-    /// token loss over the whole eval set under this step's updated weights, its label
-    /// tokens, and the seconds it took.
+    /// After an evaluation (every `training.eval_steps` and after the last step): the eval
+    /// set's loss under this step's updated weights (the mean token loss; under `dpo` and
+    /// `grpo` the stage's loss, with its metrics), its label tokens, and the seconds it took.
     #[serde(flatten)]
     pub eval: Option<EvalMetrics>,
     /// `training.stage: dpo`: the pairs' rewards (TRL's names; `loss` is then the mean
@@ -157,6 +157,11 @@ pub struct DpoMetrics {
     /// Mean of chosen − rejected.
     #[serde(rename = "rewards/margins")]
     pub margins: f64,
+    /// Means of the policy's summed log-probabilities of the chosen and rejected responses.
+    #[serde(rename = "logps/chosen")]
+    pub logps_chosen: f64,
+    #[serde(rename = "logps/rejected")]
+    pub logps_rejected: f64,
 }
 
 impl DpoMetrics {
@@ -168,15 +173,64 @@ impl DpoMetrics {
             rejected: s.rejected_reward / n,
             accuracies: s.accurate as f64 / n,
             margins: (s.chosen_reward - s.rejected_reward) / n,
+            logps_chosen: s.chosen_logps / n,
+            logps_rejected: s.rejected_logps / n,
         }
     }
 }
 
+/// An evaluation: the eval set's loss (the mean token cross-entropy; under `dpo` the mean
+/// DPO loss over its pairs; under `grpo` its GRPO loss under the current policy), its label
+/// tokens, the seconds it took, and the stage's metrics (HF Trainer's `eval_` prefix on
+/// TRL's names).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct EvalMetrics {
     pub eval_loss: f64,
     pub eval_tokens: u64,
     pub eval_time_s: f64,
+    #[serde(flatten)]
+    pub dpo: Option<EvalDpoMetrics>,
+    #[serde(flatten)]
+    pub grpo: Option<EvalGrpoMetrics>,
+}
+
+/// [`DpoMetrics`] of the eval pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EvalDpoMetrics {
+    #[serde(rename = "eval_rewards/chosen")]
+    pub chosen: f64,
+    #[serde(rename = "eval_rewards/rejected")]
+    pub rejected: f64,
+    #[serde(rename = "eval_rewards/accuracies")]
+    pub accuracies: f64,
+    #[serde(rename = "eval_rewards/margins")]
+    pub margins: f64,
+    #[serde(rename = "eval_logps/chosen")]
+    pub logps_chosen: f64,
+    #[serde(rename = "eval_logps/rejected")]
+    pub logps_rejected: f64,
+}
+
+impl From<DpoMetrics> for EvalDpoMetrics {
+    fn from(d: DpoMetrics) -> EvalDpoMetrics {
+        EvalDpoMetrics {
+            chosen: d.chosen,
+            rejected: d.rejected,
+            accuracies: d.accuracies,
+            margins: d.margins,
+            logps_chosen: d.logps_chosen,
+            logps_rejected: d.logps_rejected,
+        }
+    }
+}
+
+/// The eval rollouts' mean reward (fixed by the file) and, with `grpo.beta` > 0, their mean
+/// per-token KL to the reference under the current policy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EvalGrpoMetrics {
+    pub eval_reward: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_kl: Option<f64>,
 }
 
 /// What held a step back.

@@ -8,7 +8,8 @@
 //! worker count) gives every row's summed label log-probability. They stay in host RAM (8
 //! bytes per row, two rows per pair), travel with each micro-batch to the worker that
 //! computes it, and go into every checkpoint ([`mt::checkpoint::reference`]); a resume
-//! reads them from there.
+//! reads them from there. The eval pairs' ([`crate::eval`]) are computed the same way right
+//! after, and kept the same way.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use mt::checkpoint::reference::{self, Reference};
-use mt::data::{Dataset, pad_batch};
+use mt::data::{Dataset, Example, pad_batch};
 use mt::protocol::ForwardOnly;
 
 use crate::eval::forward_only;
@@ -28,72 +29,93 @@ pub struct Preference {
     pub refs: Vec<f64>,
     /// `dpo_reference.safetensors`, as every checkpoint holds it.
     pub file: Arc<Vec<u8>>,
+    /// With an eval set: its rows' reference log-probabilities and
+    /// `dpo_eval_reference.safetensors`.
+    pub eval: Option<(Vec<f64>, Arc<Vec<u8>>)>,
 }
 
 impl Preference {
-    /// The reference log-probabilities of `data`'s rows: read from the checkpoint `resume`
-    /// (which must hold them for these rows), or computed by the workers under the
-    /// weights in the store (the initial ones), `rows_per_micro` rows per micro-batch.
+    /// The reference log-probabilities of `data`'s rows and of its eval rows: read from
+    /// the checkpoint `resume` (which must hold them for these rows), or computed by the
+    /// workers under the weights in the store (the initial ones), `rows_per_micro` rows per
+    /// micro-batch (`eval_rows_per_micro` for the eval rows, as the evaluation cuts them).
     pub fn new(
         data: &Dataset,
         sup: &mut Supervisor,
-        rows_per_micro: usize,
+        (rows_per_micro, eval_rows_per_micro): (usize, usize),
         pad_id: i32,
         timeout: Duration,
         resume: Option<&Path>,
     ) -> Result<Preference> {
         assert!(data.pairs && rows_per_micro > 0);
-        let fingerprint = reference::fingerprint(&data.rows);
-        let r = match resume {
-            Some(dir) => {
-                let r = Reference::read(dir, &fingerprint)?;
-                println!(
-                    "DPO reference log-probabilities of {} pairs: read from {}",
-                    data.samples,
-                    dir.join(reference::FILE).display()
-                );
-                r
-            }
-            None => {
-                let t = Instant::now();
-                let rows = &data.rows;
-                let n = rows.len().div_ceil(rows_per_micro);
-                let make = |i: usize| {
-                    let chunk =
-                        &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
-                    pad_batch(&chunk.iter().collect::<Vec<_>>(), pad_id)
+        let mut pass = |rows: &[Example], what: &str, eval: bool| -> Result<Reference> {
+            let rows_per_micro = match eval {
+                true => eval_rows_per_micro,
+                false => rows_per_micro,
+            };
+            let fingerprint = reference::fingerprint(rows);
+            let pairs = rows.len() / 2;
+            if let Some(dir) = resume {
+                let r = match eval {
+                    true => Reference::read_eval(dir, &fingerprint)?,
+                    false => Reference::read(dir, &fingerprint)?,
                 };
-                let out = forward_only(sup, n, &make, ForwardOnly::RowLogProbs, timeout)?;
-                let logps: Vec<f64> = out.into_iter().flat_map(|(_, l)| l).collect();
-                anyhow::ensure!(
-                    logps.len() == rows.len(),
-                    "the reference pass gave {} log-probabilities for {} rows",
-                    logps.len(),
-                    rows.len()
-                );
-                let secs = t.elapsed().as_secs_f64();
-                let tokens: usize = rows.iter().map(|r| r.input_ids.len()).sum();
+                let file = if eval {
+                    reference::EVAL_FILE
+                } else {
+                    reference::FILE
+                };
                 println!(
-                    "DPO reference pass: {} pairs ({} rows, {tokens} tokens) forward only in {secs:.2}s ({:.0} tokens/s)",
-                    data.samples,
-                    rows.len(),
-                    tokens as f64 / secs.max(1e-9)
+                    "DPO reference log-probabilities of {pairs} {what}pairs: read from {}",
+                    dir.join(file).display()
                 );
-                tracing::info!(
-                    pairs = data.samples,
-                    rows = rows.len(),
-                    reference_pass_s = format!("{secs:.3}"),
-                    "DPO reference pass"
-                );
-                Reference {
-                    logps,
-                    data: fingerprint,
-                }
+                return Ok(r);
+            }
+            let t = Instant::now();
+            let n = rows.len().div_ceil(rows_per_micro);
+            let make = |i: usize| {
+                let chunk = &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
+                pad_batch(&chunk.iter().collect::<Vec<_>>(), pad_id)
+            };
+            let out = forward_only(sup, n, &make, ForwardOnly::RowLogProbs, timeout)?;
+            let logps: Vec<f64> = out.into_iter().flat_map(|(_, l)| l).collect();
+            anyhow::ensure!(
+                logps.len() == rows.len(),
+                "the reference pass gave {} log-probabilities for {} rows",
+                logps.len(),
+                rows.len()
+            );
+            let secs = t.elapsed().as_secs_f64();
+            let tokens: usize = rows.iter().map(|r| r.input_ids.len()).sum();
+            println!(
+                "DPO reference pass: {pairs} {what}pairs ({} rows, {tokens} tokens) forward only in {secs:.2}s ({:.0} tokens/s)",
+                rows.len(),
+                tokens as f64 / secs.max(1e-9)
+            );
+            tracing::info!(
+                pairs,
+                eval,
+                rows = rows.len(),
+                reference_pass_s = format!("{secs:.3}"),
+                "DPO reference pass"
+            );
+            Ok(Reference {
+                logps,
+                data: fingerprint,
+            })
+        };
+        let r = pass(&data.rows, "", false)?;
+        let eval = match data.eval.is_empty() {
+            true => None,
+            false => {
+                let e = pass(&data.eval, "eval ", true)?;
+                Some((e.logps.clone(), Arc::new(e.to_bytes())))
             }
         };
         Ok(Preference {
             file: Arc::new(r.to_bytes()),
             refs: r.logps,
+            eval,
         })
     }
 }

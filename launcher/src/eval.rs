@@ -1,19 +1,31 @@
 //! Evaluation: the loss of the whole eval set under the current weights, computed by the
 //! workers forward only (`ToWorker::Eval`), between steps; and the forward-only runner it
-//! shares with DPO's reference pass ([`forward_only`]).
+//! shares with the reference passes of DPO and GRPO ([`forward_only`]).
 //!
 //! The eval set is cut once into micro-batches of `training.per_device_eval_batch_size`
-//! rows (default: the training micro-batch), each right-padded. Worker r computes
-//! micro-batches r, r + W, r + 2W, … with two in flight, and the launcher adds their loss
-//! sums in micro-batch order, so the result does not depend on the number of workers: in
-//! float32 on CPU, W workers give one worker's bits. The loss is the summed token
-//! cross-entropy over the label tokens of the whole set (not a mean of batch means).
+//! rows (default: the training micro-batch; under `dpo` it counts pairs, two rows each),
+//! each right-padded. Worker r computes micro-batches r, r + W, r + 2W, … with two in
+//! flight, and the launcher adds their results in micro-batch order, so the result does
+//! not depend on the number of workers: in float32 on CPU, W workers give one worker's
+//! bits. What is computed follows the stage ([`Objective`]):
+//!
+//! - `pt`, `sft`: the summed token cross-entropy over the label tokens of the whole set
+//!   over their count (not a mean of batch means);
+//! - `dpo`: each row's summed label log-probability, then the pairs' DPO loss and TRL's
+//!   reward metrics ([`mt::dpo::pair_terms`], the training objective's own function) against
+//!   the eval rows' reference log-probabilities (computed with the training rows' before
+//!   the first step, [`crate::dpo`]): the mean loss over the eval pairs;
+//! - `grpo`: each completion token's log-probability, then the GRPO loss of the whole set
+//!   as one batch under the current policy ([`mt::grpo::token_terms`] with ratio 1, as on a
+//!   batch's first step), the advantages relative to the eval groups, the KL term (β > 0)
+//!   against the eval rows' reference log-probabilities ([`crate::grpo::reference_logps`]).
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
-use mt::data::{Example, pad_batch};
-use mt::metrics::EvalMetrics;
+use anyhow::{Result, bail, ensure};
+use mt::config::{DpoParams, GrpoLoss, GrpoParams, RunConfig};
+use mt::data::{Example, Rollouts, pad_batch};
+use mt::metrics::{DpoMetrics, EvalGrpoMetrics, EvalMetrics};
 use mt::protocol::{ForwardOnly, FromWorker, MicroBatch, ToWorker};
 
 use crate::supervisor::{Event, Supervisor, fatal};
@@ -21,33 +33,96 @@ use crate::supervisor::{Event, Supervisor, fatal};
 /// Eval micro-batches a worker is sent ahead of its results.
 const IN_FLIGHT: usize = 2;
 
+/// What an evaluation computes, by `training.stage`.
+pub enum Objective {
+    /// The mean token cross-entropy (`pt`, `sft`).
+    Tokens,
+    /// `dpo`: the eval rows' reference log-probabilities (rows 2i, 2i + 1: pair i).
+    Pairs { params: DpoParams, refs: Vec<f64> },
+    /// `grpo`: the eval rows' advantages and rewards, and with β > 0 their completion
+    /// tokens' reference log-probabilities.
+    Rollouts {
+        params: GrpoParams,
+        advantages: Vec<f64>,
+        rewards: Vec<f64>,
+        refs: Option<Vec<Vec<f32>>>,
+    },
+}
+
+impl Objective {
+    /// `grpo`'s, from the eval rollouts `r`: advantages relative to their own groups, with
+    /// the run's `grpo.scale_rewards`.
+    pub fn rollouts(params: GrpoParams, r: Rollouts, refs: Option<Vec<Vec<f32>>>) -> Objective {
+        Objective::Rollouts {
+            params,
+            advantages: mt::grpo::advantages(&r.rewards, &r.groups, params.scale_rewards),
+            rewards: r.rewards,
+            refs,
+        }
+    }
+}
+
 pub struct EvalSet {
     micro: Vec<MicroBatch>,
+    /// Each row's label tokens.
+    row_tokens: Vec<u64>,
     /// Label tokens of the whole set.
     tokens: u64,
     /// Evaluate every this many steps (and after the last).
     every: Option<u64>,
+    objective: Objective,
 }
 
 impl EvalSet {
-    /// `rows_per_micro` rows per micro-batch, padded with `pad_id`.
+    /// `rows_per_micro` rows per micro-batch (even under `dpo`), padded with `pad_id`.
     pub fn new(
         rows: &[Example],
         rows_per_micro: usize,
         pad_id: i32,
         every: Option<u64>,
+        objective: Objective,
     ) -> EvalSet {
         assert!(rows_per_micro > 0);
+        match &objective {
+            Objective::Tokens => {}
+            Objective::Pairs { refs, .. } => assert!(
+                rows_per_micro.is_multiple_of(2) && refs.len() == rows.len(),
+                "whole pairs per micro-batch, a reference per row"
+            ),
+            Objective::Rollouts {
+                advantages, refs, ..
+            } => assert!(
+                advantages.len() == rows.len()
+                    && refs.as_ref().is_none_or(|r| r.len() == rows.len()),
+                "an advantage and a reference per row"
+            ),
+        }
         let micro = rows
             .chunks(rows_per_micro)
             .map(|c| pad_batch(&c.iter().collect::<Vec<_>>(), pad_id))
             .collect();
-        let tokens = rows.iter().map(|r| r.label_tokens() as u64).sum();
+        let row_tokens: Vec<u64> = rows.iter().map(|r| r.label_tokens() as u64).collect();
         EvalSet {
             micro,
-            tokens,
+            tokens: row_tokens.iter().sum(),
+            row_tokens,
             every,
+            objective,
         }
+    }
+
+    /// The run's eval set of `rows`, over `world` workers: micro-batches of
+    /// `training.per_device_eval_batch_size` samples (pairs under `dpo`, as
+    /// `training.batch_size` counts them), by default the training micro-batch's rows.
+    pub fn for_run(
+        cfg: &RunConfig,
+        world: usize,
+        rows: &[Example],
+        pad_id: i32,
+        objective: Objective,
+    ) -> EvalSet {
+        let per_micro = rows_per_micro(cfg, world);
+        EvalSet::new(rows, per_micro, pad_id, cfg.training.eval_steps, objective)
     }
 
     /// Whether to evaluate once `done` of `total` steps are done.
@@ -59,14 +134,91 @@ impl EvalSet {
     pub fn evaluate(&self, sup: &mut Supervisor, timeout: Duration) -> Result<EvalMetrics> {
         let t = Instant::now();
         let make = |i: usize| self.micro[i].clone();
-        let sums = forward_only(sup, self.micro.len(), &make, ForwardOnly::Loss, timeout)?;
-        let loss_sum: f64 = sums.into_iter().map(|(loss, _)| loss).sum();
-        Ok(EvalMetrics {
-            eval_loss: loss_sum / self.tokens.max(1) as f64,
+        let n = self.micro.len();
+        let what = match self.objective {
+            Objective::Tokens => ForwardOnly::Loss,
+            Objective::Pairs { .. } => ForwardOnly::RowLogProbs,
+            Objective::Rollouts { .. } => ForwardOnly::TokenLogProbs,
+        };
+        let out = forward_only(sup, n, &make, what, timeout)?;
+        let mut m = EvalMetrics {
+            eval_loss: 0.0,
             eval_tokens: self.tokens,
-            eval_time_s: t.elapsed().as_secs_f64(),
-        })
+            eval_time_s: 0.0,
+            dpo: None,
+            grpo: None,
+        };
+        match &self.objective {
+            Objective::Tokens => {
+                let loss_sum: f64 = out.into_iter().map(|(loss, _)| loss).sum();
+                m.eval_loss = loss_sum / self.tokens.max(1) as f64;
+            }
+            Objective::Pairs { params, refs } => {
+                let logps: Vec<f64> = out.into_iter().flat_map(|(_, l)| l).collect();
+                ensure!(
+                    logps.len() == refs.len(),
+                    "the eval pass gave {} log-probabilities for {} rows",
+                    logps.len(),
+                    refs.len()
+                );
+                let sums = mt::dpo::pair_terms(params, &logps, refs, &self.row_tokens, 1.0).sums;
+                m.eval_loss = sums.loss / sums.pairs.max(1) as f64;
+                m.dpo = Some(DpoMetrics::of(&sums).into());
+            }
+            Objective::Rollouts {
+                params,
+                advantages,
+                rewards,
+                refs,
+            } => {
+                let logps: Vec<f64> = out.into_iter().flat_map(|(_, l)| l).collect();
+                ensure!(
+                    logps.len() as u64 == self.tokens,
+                    "the eval pass gave {} log-probabilities for {} completion tokens",
+                    logps.len(),
+                    self.tokens
+                );
+                let refs: Option<Vec<f64>> = refs
+                    .as_ref()
+                    .map(|r| r.iter().flatten().map(|&x| f64::from(x)).collect());
+                let sums = mt::grpo::token_terms(
+                    params,
+                    &logps,
+                    None,
+                    refs.as_deref(),
+                    advantages,
+                    &self.row_tokens,
+                    1.0,
+                )
+                .sums;
+                let units = match params.loss {
+                    GrpoLoss::Dapo => sums.tokens,
+                    _ => sums.completions,
+                };
+                m.eval_loss = sums.loss / units.max(1) as f64;
+                m.grpo = Some(EvalGrpoMetrics {
+                    eval_reward: rewards.iter().sum::<f64>() / rewards.len().max(1) as f64,
+                    eval_kl: refs.map(|_| sums.kl / sums.tokens.max(1) as f64),
+                });
+            }
+        }
+        m.eval_time_s = t.elapsed().as_secs_f64();
+        Ok(m)
     }
+}
+
+/// Rows per eval micro-batch over `world` workers: `training.per_device_eval_batch_size`
+/// samples (pairs under `dpo`, as `training.batch_size` counts them), by default the
+/// training micro-batch's rows. The reference passes cut the eval rows the same way, so
+/// that before any update the eval rows' log-probabilities are their references' bits.
+pub fn rows_per_micro(cfg: &RunConfig, world: usize) -> usize {
+    let t = &cfg.training;
+    let per_sample = cfg.rows_per_step() / t.batch_size.max(1);
+    let per_micro = t.per_device_eval_batch_size.map_or(
+        cfg.rows_per_step() / (world * t.gradient_accumulation_steps),
+        |n| n * per_sample,
+    );
+    per_micro.max(per_sample)
 }
 
 /// Runs `n` forward-only micro-batches (`make(i)` is the i-th) through the workers under
@@ -135,7 +287,7 @@ mod tests {
 
     #[test]
     fn due_every_n_steps_and_at_the_end() {
-        let set = |every| EvalSet::new(&[], 1, 0, every);
+        let set = |every| EvalSet::new(&[], 1, 0, every, Objective::Tokens);
         let due = |s: &EvalSet| (1..=7).filter(|&d| s.due(d, 7)).collect::<Vec<_>>();
         assert_eq!(due(&set(Some(3))), [3, 6, 7]);
         assert_eq!(due(&set(None)), [7]);

@@ -17,7 +17,8 @@
 //! micro-batches of the training micro-batch's rows in file order, worker r taking r, r +
 //! W, …) gives every completion token's log-probability under it ([`reference_logps`]).
 //! They stay in host RAM (4 bytes per completion token of the file) and travel with each
-//! micro-batch. A launch's rollouts are fixed and its initial model is a function of the
+//! micro-batch. The eval rollouts' ([`crate::eval`]) come from the same pass over them,
+//! right after. A launch's rollouts are fixed and its initial model is a function of the
 //! config, so the pass gives the same values at every launch: nothing goes into
 //! checkpoints but the name of the reference.
 
@@ -29,7 +30,7 @@ use anyhow::{Result, ensure};
 use mt::checkpoint::old_logps::{self, OldLogps};
 use mt::checkpoint::reference::fingerprint;
 use mt::config::{GrpoLoss, GrpoParams};
-use mt::data::{Dataset, RolloutTerms, StepPlan, pad_batch};
+use mt::data::{Dataset, Example, RolloutTerms, StepPlan, pad_batch};
 use mt::protocol::ForwardOnly;
 
 use crate::eval::forward_only;
@@ -157,7 +158,7 @@ impl Policy {
 /// initial model: the reference of `grpo.beta` > 0), computed by the workers forward only,
 /// `rows_per_micro` rows per micro-batch in file order.
 pub fn reference_logps(
-    data: &Dataset,
+    rows: &[Example],
     sup: &mut Supervisor,
     rows_per_micro: usize,
     pad_id: i32,
@@ -165,7 +166,6 @@ pub fn reference_logps(
 ) -> Result<Vec<Vec<f32>>> {
     assert!(rows_per_micro > 0);
     let t = Instant::now();
-    let rows = &data.rows;
     let chunk = |i: usize| &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
     let n = rows.len().div_ceil(rows_per_micro);
     let make = |i: usize| pad_batch(&chunk(i).iter().collect::<Vec<_>>(), pad_id);

@@ -92,7 +92,9 @@ impl Prepared {
         };
         let kl = cfg.training.stage == Stage::Grpo && cfg.grpo.beta.unwrap_or(0.0) > 0.0;
         let reference = match kl {
-            true => mt::plan::grpo_reference_bytes(data.rows.iter().map(|r| r.label_tokens())),
+            true => mt::plan::grpo_reference_bytes(
+                data.rows.iter().chain(&data.eval).map(|r| r.label_tokens()),
+            ),
             false => 0,
         };
         let plan =

@@ -320,8 +320,21 @@ impl Progress {
             _ => String::new(),
         };
         let eval = m.eval.map(|e| {
+            let stage = match (e.dpo, e.grpo) {
+                (Some(d), _) => format!(
+                    "  eval rewards: accuracy {:.2} margin {:.4}",
+                    d.accuracies, d.margins
+                ),
+                (_, Some(g)) => format!(
+                    "  eval reward {:.4}{}",
+                    g.eval_reward,
+                    g.eval_kl
+                        .map_or(String::new(), |kl| format!("  eval kl {kl:.4}"))
+                ),
+                _ => String::new(),
+            };
             format!(
-                "  eval_loss {:.4} ({} tokens, {:.2}s)",
+                "  eval_loss {:.4} ({} tokens, {:.2}s){stage}",
                 e.eval_loss, e.eval_tokens, e.eval_time_s
             )
         });

@@ -3,7 +3,8 @@
 //! rejected row's summed label log-probability under the initial weights) and, in its
 //! metadata, a fingerprint of the token rows they were computed for. A resume reads them
 //! instead of running the reference pass again (the weights it would run on are no longer
-//! the initial ones), and refuses them for other data.
+//! the initial ones), and refuses them for other data. A run with an eval set keeps its
+//! pairs' the same way in `dpo_eval_reference.safetensors`.
 
 use std::path::Path;
 
@@ -15,6 +16,8 @@ use crate::data::Example;
 use crate::error::Result;
 
 pub const FILE: &str = "dpo_reference.safetensors";
+/// The eval pairs' reference log-probabilities.
+pub const EVAL_FILE: &str = "dpo_eval_reference.safetensors";
 const TENSOR: &str = "ref_logps";
 const DATA_KEY: &str = "data";
 
@@ -38,8 +41,20 @@ impl Reference {
 
     /// The reference of checkpoint `dir`, which must be for the rows of fingerprint `data`.
     pub fn read(dir: &Path, data: &str) -> Result<Reference> {
-        let file = Sidecar::read(dir.join(FILE), || {
-            "missing: this checkpoint holds no DPO reference log-probabilities (it was not written by a training.stage: dpo run), so a dpo run cannot resume from it".into()
+        Reference::read_file(dir, FILE, data)
+    }
+
+    /// The eval pairs' reference of checkpoint `dir` ([`EVAL_FILE`]).
+    pub fn read_eval(dir: &Path, data: &str) -> Result<Reference> {
+        Reference::read_file(dir, EVAL_FILE, data)
+    }
+
+    fn read_file(dir: &Path, name: &str, data: &str) -> Result<Reference> {
+        let file = Sidecar::read(dir.join(name), || {
+            match name {
+            FILE => "missing: this checkpoint holds no DPO reference log-probabilities (it was not written by a training.stage: dpo run), so a dpo run cannot resume from it".into(),
+            _ => "missing: this checkpoint holds no reference log-probabilities of DPO eval pairs (the run that wrote it had no eval set), and the initial weights they need are gone: resume without dataset.val_size, eval_name and eval_path".into(),
+        }
         })?;
         let saved = file.meta(DATA_KEY);
         let t = file.tensor(TENSOR)?;

@@ -92,8 +92,6 @@ impl GrpoSection {
     }
 }
 
-const NO_EVAL_GRPO: &str = "an eval set is not implemented for training.stage: grpo (leave out dataset.val_size, eval_name and eval_path)";
-
 impl RunConfig {
     /// The GRPO settings from the `grpo` section, checked; errors name the key.
     pub fn grpo_params(&self) -> Result<GrpoParams> {
@@ -169,9 +167,11 @@ impl RunConfig {
                 ds.name.is_some(),
                 "training.stage: grpo reads a rollouts file (JSONL) given by dataset.path",
             ),
-            ("dataset.val_size", ds.val_size.is_some(), NO_EVAL_GRPO),
-            ("dataset.eval_name", ds.eval_name.is_some(), NO_EVAL_GRPO),
-            ("dataset.eval_path", ds.eval_path.is_some(), NO_EVAL_GRPO),
+            (
+                "dataset.eval_name",
+                ds.eval_name.is_some(),
+                "training.stage: grpo reads its eval rollouts from a file: give dataset.eval_path (or hold groups out with dataset.val_size)",
+            ),
         ];
         match refused.iter().find(|(_, set, _)| *set) {
             Some((key, _, msg)) => Err(Error::invalid(*key, *msg)),

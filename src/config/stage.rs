@@ -68,8 +68,6 @@ pub struct DpoParams {
     pub label_smoothing: f64,
 }
 
-const NO_EVAL: &str = "an eval set is not implemented for training.stage: dpo (leave out dataset.val_size, eval_name and eval_path)";
-
 impl RunConfig {
     /// The DPO settings from the `dpo` section and LlamaFactory's `training.pref_*` keys,
     /// checked; errors name the key.
@@ -169,9 +167,6 @@ impl RunConfig {
                         ds.train_on_prompt,
                         "does not apply to training.stage: dpo (the log-probabilities compared are the responses')",
                     ),
-                    ("dataset.val_size", ds.val_size.is_some(), NO_EVAL),
-                    ("dataset.eval_name", ds.eval_name.is_some(), NO_EVAL),
-                    ("dataset.eval_path", ds.eval_path.is_some(), NO_EVAL),
                 ];
                 match refused.iter().find(|(_, set, _)| *set) {
                     Some((key, _, msg)) => Err(Error::invalid(*key, *msg)),

@@ -309,6 +309,19 @@ fn grpo_settings_default_to_trl_and_name_bad_values() {
         let e = grpo(yaml).unwrap_err().to_string();
         assert!(e.contains(key) && e.contains(why), "{yaml}: {e}");
     }
+    // Eval rollouts: whole groups held out, or a rollouts file; not a registry name.
+    let rollouts = |ds: &str| {
+        parse(&format!(
+            "model: {{path: m}}\ndataset: {{path: r.jsonl, {ds}}}\ntraining: {{stage: grpo, eval_steps: 2}}\n"
+        ))
+    };
+    rollouts("val_size: 2").unwrap();
+    rollouts("eval_path: e.jsonl").unwrap();
+    let e = rollouts("eval_name: e").unwrap_err().to_string();
+    assert!(
+        e.contains("dataset.eval_name") && e.contains("dataset.eval_path"),
+        "{e}"
+    );
     let e = parse(&format!("{OK}grpo: {{epsilon: 0.3}}\n"))
         .unwrap_err()
         .to_string();
@@ -415,10 +428,6 @@ fn dpo_settings_default_resolve_llamafactory_names_and_name_bad_values() {
             "dataset.packing",
         ),
         (
-            "dataset: {format: tokenized, path: d.jsonl, val_size: 0.1}",
-            "dataset.val_size",
-        ),
-        (
             "dataset: {format: tokenized, path: d.jsonl, train_on_prompt: true}",
             "dataset.train_on_prompt",
         ),
@@ -430,6 +439,13 @@ fn dpo_settings_default_resolve_llamafactory_names_and_name_bad_values() {
             e.contains(key) && e.contains("training.stage: dpo"),
             "{yaml}: {e}"
         );
+    }
+    // An eval set: held out (LlamaFactory's DPO examples) or a file.
+    for ds in ["val_size: 0.1", "eval_path: e.jsonl"] {
+        parse(&format!(
+            "model: {{path: m}}\ndataset: {{format: tokenized, path: d.jsonl, {ds}}}\ntraining: {{stage: dpo, eval_steps: 5}}\n"
+        ))
+        .unwrap();
     }
     let e = err(format!("{OK}dpo: {{beta: 0.2}}\n"));
     assert!(

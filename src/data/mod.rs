@@ -123,6 +123,8 @@ pub struct Dataset {
     pub pairs: bool,
     /// `grpo`: the rows are completions, with their rewards and groups ([`rollouts`]).
     pub rollouts: Option<Rollouts>,
+    /// `grpo` with an eval set: the eval completions' rewards and groups.
+    pub eval_rollouts: Option<Rollouts>,
 }
 
 /// What every record of a load is read with.
@@ -162,14 +164,7 @@ impl Dataset {
         seed: u64,
     ) -> Result<Dataset> {
         if let (Stage::Grpo, Some(path)) = (stage, &ds.path) {
-            let (rows, r) = rollouts::read(path, model_dir, vocab)?;
-            return Ok(Dataset {
-                files: vec![path.clone()],
-                samples: rows.len(),
-                rows,
-                rollouts: Some(r),
-                ..Dataset::default()
-            });
+            return rollouts_and_eval(ds, path, model_dir, vocab, seed);
         }
         let (train, eval) = train_and_eval_sources(ds, stage)?;
         let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
@@ -199,6 +194,18 @@ impl Dataset {
             skipped,
         } = read(&train)?;
         let (eval, eval_source) = match ds.val_size()? {
+            // A pair's two rows are held out together.
+            Some(size) if stage == Stage::Dpo => {
+                let pair: Vec<usize> = (0..rows.len()).map(|i| i / 2).collect();
+                let held = split::held_rows(&pair, size, seed, "preference pairs")?;
+                let (train, held) = split::partition(std::mem::take(&mut rows), &held);
+                rows = train;
+                let from = format!(
+                    "held out of the training pairs (dataset.val_size: {})",
+                    ds.val_size.unwrap_or_default()
+                );
+                (held, from)
+            }
             Some(size) => {
                 let held = split::hold_out(&mut rows, size, seed)?;
                 let from = format!(
@@ -228,6 +235,7 @@ impl Dataset {
             blocks: None,
             pairs,
             rollouts: None,
+            eval_rollouts: None,
         };
         match (ds.packing, ds.max_seq_len) {
             (true, Some(len)) if reader.pt_blocks() => {
@@ -315,14 +323,52 @@ impl Dataset {
             s += &format!("; {}", self.skipped);
         }
         if !self.eval.is_empty() {
-            s += &format!(
-                "\neval set: {} samples {}",
-                self.eval.len(),
-                self.eval_source
-            );
+            let what = match (self.pairs, &self.eval_rollouts) {
+                (true, _) => format!("{} preference pairs", self.eval.len() / 2),
+                (false, Some(_)) => format!("{} completions", self.eval.len()),
+                (false, None) => format!("{} samples", self.eval.len()),
+            };
+            s += &format!("\neval set: {what} {}", self.eval_source);
         }
         s
     }
+}
+
+/// A `grpo` dataset: the rollouts file `path`, and the eval rollouts: whole groups held
+/// out by `dataset.val_size` (seeded by `seed`), or the rollouts file `dataset.eval_path`.
+fn rollouts_and_eval(
+    ds: &DatasetSection,
+    path: &Path,
+    model_dir: &Path,
+    vocab: usize,
+    seed: u64,
+) -> Result<Dataset> {
+    let (mut rows, mut r) = rollouts::read(path, model_dir, vocab)?;
+    let (mut eval, mut eval_r, mut eval_source) = (Vec::new(), None, String::new());
+    if let Some(size) = ds.val_size()? {
+        let held = split::held_rows(&r.groups, size, seed, "groups of completions")?;
+        let (train, held_rows) = split::partition(std::mem::take(&mut rows), &held);
+        let (train_r, held_r) = r.split(&held);
+        (rows, r, eval, eval_r) = (train, train_r, held_rows, Some(held_r));
+        eval_source = format!(
+            "held out of the training groups (dataset.val_size: {})",
+            ds.val_size.unwrap_or_default()
+        );
+    } else if let Some(eval_path) = &ds.eval_path {
+        let (e, er) = rollouts::read(eval_path, model_dir, vocab)?;
+        (eval, eval_r) = (e, Some(er));
+        eval_source = format!("from {}", eval_path.display());
+    }
+    Ok(Dataset {
+        files: vec![path.to_path_buf()],
+        samples: rows.len(),
+        rows,
+        rollouts: Some(r),
+        eval,
+        eval_source,
+        eval_rollouts: eval_r,
+        ..Dataset::default()
+    })
 }
 
 impl std::fmt::Display for Skipped {

@@ -38,6 +38,31 @@ pub struct Rollouts {
     pub groups: Vec<usize>,
 }
 
+impl Rollouts {
+    /// (kept, held) by `held` (one flag per row, whole groups), each renumbering its
+    /// groups 0.. in order of first appearance.
+    pub fn split(&self, held: &[bool]) -> (Rollouts, Rollouts) {
+        assert_eq!(held.len(), self.rewards.len());
+        let part = |want: bool| {
+            let mut out = Rollouts::default();
+            let mut ids: HashMap<usize, usize> = HashMap::new();
+            for ((&r, &g), _) in self
+                .rewards
+                .iter()
+                .zip(&self.groups)
+                .zip(held)
+                .filter(|(_, h)| **h == want)
+            {
+                let next = ids.len();
+                out.rewards.push(r);
+                out.groups.push(*ids.entry(g).or_insert(next));
+            }
+            out
+        };
+        (part(false), part(true))
+    }
+}
+
 /// A line's prompt and completion, before tokenizing.
 enum Sample {
     Text(Conversation),
@@ -242,6 +267,20 @@ fn messages(list: &[Value]) -> std::result::Result<Vec<Message>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn split_renumbers_each_part_s_groups() {
+        let r = Rollouts {
+            rewards: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            groups: vec![0, 0, 1, 1, 2, 2],
+        };
+        let (kept, held) = r.split(&[false, false, true, true, false, false]);
+        assert_eq!(
+            (kept.rewards, kept.groups),
+            (vec![1.0, 2.0, 5.0, 6.0], vec![0, 0, 1, 1])
+        );
+        assert_eq!((held.rewards, held.groups), (vec![3.0, 4.0], vec![0, 0]));
+    }
 
     fn read_text(text: &str) -> Result<(Vec<Example>, Rollouts)> {
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

@@ -1,6 +1,8 @@
 //! `dataset.val_size`: the samples held out of training for evaluation, as LlamaFactory's
 //! `split_dataset` sizes them (`datasets`' `train_test_split`: a fraction is rounded up, a
-//! whole number is a count), chosen by a permutation seeded with `training.seed`.
+//! whole number is a count), chosen by a permutation seeded with `training.seed`. A sample
+//! may span rows: under `dpo` a preference pair (two rows), under `grpo` a group of
+//! completions (held out whole, as its advantages are relative to one another).
 
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -15,24 +17,39 @@ const SPLIT_STREAM: u64 = 1;
 
 /// Moves the held-out samples out of `samples` and returns them; both keep file order.
 pub fn hold_out(samples: &mut Vec<Example>, size: ValSize, seed: u64) -> Result<Vec<Example>> {
-    let n = samples.len();
+    let ids: Vec<usize> = (0..samples.len()).collect();
+    let held = held_rows(&ids, size, seed, "samples")?;
+    let (train, eval) = partition(std::mem::take(samples), &held);
+    *samples = train;
+    Ok(eval)
+}
+
+/// Which rows are held out when whole samples are: `sample[i]` is row i's sample, numbered
+/// 0.. (`what` names them in the error: "preference pairs", "groups of completions").
+pub fn held_rows(sample: &[usize], size: ValSize, seed: u64, what: &str) -> Result<Vec<bool>> {
+    let n = sample.iter().max().map_or(0, |s| s + 1);
     let k = size.of(n);
     if k >= n {
         return Err(Error::invalid(
             "dataset.val_size",
-            format!("holds out {k} of the {n} samples: none would be left to train on"),
+            format!("holds out {k} of the {n} {what}: none would be left to train on"),
         ));
     }
     let held = held_out(n, k, seed);
-    let (mut train, mut eval) = (Vec::with_capacity(n - k), Vec::with_capacity(k));
-    for (i, ex) in std::mem::take(samples).into_iter().enumerate() {
-        match held[i] {
-            true => eval.push(ex),
-            false => train.push(ex),
+    Ok(sample.iter().map(|&s| held[s]).collect())
+}
+
+/// `items` split by `held` into (kept, held), both in order.
+pub fn partition<T>(items: Vec<T>, held: &[bool]) -> (Vec<T>, Vec<T>) {
+    assert_eq!(items.len(), held.len());
+    let (mut kept, mut out) = (Vec::new(), Vec::new());
+    for (x, &h) in items.into_iter().zip(held) {
+        match h {
+            true => out.push(x),
+            false => kept.push(x),
         }
     }
-    *samples = train;
-    Ok(eval)
+    (kept, out)
 }
 
 /// Which of `n` samples are the `k` held out.
@@ -81,5 +98,15 @@ mod tests {
         assert_ne!(other_ids, eval_ids, "another seed holds out others");
         let e = hold_out(&mut samples(4), ValSize::Count(4), 0).unwrap_err();
         assert!(e.to_string().contains("dataset.val_size"), "{e}");
+    }
+
+    #[test]
+    fn samples_spanning_rows_are_held_out_whole() {
+        // Three pairs of two rows: whichever pair is held out, both its rows are.
+        let held = held_rows(&[0, 0, 1, 1, 2, 2], ValSize::Count(1), 3, "pairs").unwrap();
+        assert_eq!(held.iter().filter(|&&h| h).count(), 2);
+        assert!(held.chunks(2).all(|p| p[0] == p[1]), "{held:?}");
+        let e = held_rows(&[0, 0], ValSize::Fraction(0.1), 0, "preference pairs").unwrap_err();
+        assert!(e.to_string().contains("1 of the 1 preference pairs"), "{e}");
     }
 }

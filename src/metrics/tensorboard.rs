@@ -90,7 +90,7 @@ impl EventWriter {
 
 /// TensorBoard tags and values of a step (memory in GB; eval only after an evaluation).
 /// The train and eval loss tags are HF Trainer's, DPO's rewards and GRPO's reward and clip
-/// ratios TRL's under `train/`.
+/// ratios TRL's under `train/` (and after an evaluation under `eval/`).
 pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     let mut v = vec![
         ("train/loss", m.loss),
@@ -122,12 +122,28 @@ pub fn step_scalars(m: &StepMetrics) -> Vec<(&'static str, f64)> {
     if let Some(e) = &m.eval {
         v.push(("eval/loss", e.eval_loss));
         v.push(("eval/tokens", e.eval_tokens as f64));
+        if let Some(d) = &e.dpo {
+            v.push(("eval/rewards/chosen", d.chosen));
+            v.push(("eval/rewards/rejected", d.rejected));
+            v.push(("eval/rewards/accuracies", d.accuracies));
+            v.push(("eval/rewards/margins", d.margins));
+            v.push(("eval/logps/chosen", d.logps_chosen));
+            v.push(("eval/logps/rejected", d.logps_rejected));
+        }
+        if let Some(g) = &e.grpo {
+            v.push(("eval/reward", g.eval_reward));
+            if let Some(kl) = g.eval_kl {
+                v.push(("eval/kl", kl));
+            }
+        }
     }
     if let Some(d) = &m.dpo {
         v.push(("train/rewards/chosen", d.chosen));
         v.push(("train/rewards/rejected", d.rejected));
         v.push(("train/rewards/accuracies", d.accuracies));
         v.push(("train/rewards/margins", d.margins));
+        v.push(("train/logps/chosen", d.logps_chosen));
+        v.push(("train/logps/rejected", d.logps_rejected));
     }
     if let Some(g) = &m.grpo {
         v.push(("train/reward", g.reward));

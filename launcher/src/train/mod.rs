@@ -19,7 +19,7 @@ use mt::protocol::{Device, Init, ToWorker};
 
 use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
-use crate::eval::EvalSet;
+use crate::eval::{EvalSet, Objective};
 use crate::grpo::{Policy, reference_logps};
 use crate::host::HostState;
 use crate::prepare::Prepared;
@@ -371,31 +371,29 @@ impl Trainer {
         if let Some(tb) = &tensorboard {
             println!("TensorBoard events: {}", tb.path().display());
         }
-        let eval = (!data.eval.is_empty()).then(|| {
-            let t = &cfg.training;
-            let per_micro = t
-                .per_device_eval_batch_size
-                .unwrap_or(t.batch_size / (placement.world() * t.gradient_accumulation_steps));
-            let rows = std::mem::take(&mut data.eval);
-            EvalSet::new(&rows, per_micro, spec.pad_token_id as i32, t.eval_steps)
-        });
         // Before step 1, under the initial weights (or from the checkpoint resumed).
         let timeout = Duration::from_secs(cfg.training.worker_timeout_s);
         if let Some(m) = mpi {
             m.set_timeout(timeout);
         }
         resident::push_resident(&mut host, &mut sup, timeout)?;
+        let eval_micro = crate::eval::rows_per_micro(&cfg, placement.world());
         let dpo = dpo
             .map(|_| {
-                let rows = micro_batch.0;
+                let rows = (micro_batch.0, eval_micro);
                 let pad = spec.pad_token_id as i32;
                 Preference::new(&data, &mut sup, rows, pad, timeout, resume.as_deref())
             })
             .transpose()?;
+        let mut eval_refs = None;
         let refs = match reference {
             true => {
                 let pad = spec.pad_token_id as i32;
-                let refs = reference_logps(&data, &mut sup, micro_batch.0, pad, timeout)?;
+                let refs = reference_logps(&data.rows, &mut sup, micro_batch.0, pad, timeout)?;
+                if !data.eval.is_empty() {
+                    let r = reference_logps(&data.eval, &mut sup, eval_micro, pad, timeout)?;
+                    eval_refs = Some(r);
+                }
                 if let Some(dir) = &resume {
                     (start_step, nan_run) = weights::restore(&mut host, dir, &cfg)?;
                     resident::push_resident(&mut host, &mut sup, timeout)?;
@@ -403,6 +401,26 @@ impl Trainer {
                 Some(refs)
             }
             false => None,
+        };
+        let eval = match data.eval.is_empty() {
+            true => None,
+            false => {
+                let objective = match (&dpo, grpo) {
+                    (Some(p), _) => Objective::Pairs {
+                        params: cfg.dpo_params()?,
+                        refs: p.eval.as_ref().map(|e| e.0.clone()).unwrap_or_default(),
+                    },
+                    (_, Some(params)) => {
+                        let r = data.eval_rollouts.take().unwrap_or_default();
+                        Objective::rollouts(params, r, eval_refs)
+                    }
+                    _ => Objective::Tokens,
+                };
+                let rows = std::mem::take(&mut data.eval);
+                let pad = spec.pad_token_id as i32;
+                let world = placement.world();
+                Some(EvalSet::for_run(&cfg, world, &rows, pad, objective))
+            }
         };
         let grpo = grpo
             .map(|p| Policy::new(p, &data, resume.as_deref(), start_step, refs))

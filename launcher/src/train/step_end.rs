@@ -54,6 +54,10 @@ impl Trainer {
         if let Some(p) = &self.dpo {
             let file = mt::checkpoint::reference::FILE.to_string();
             state.extra.push((file, p.file.clone()));
+            if let Some((_, eval)) = &p.eval {
+                let file = mt::checkpoint::reference::EVAL_FILE.to_string();
+                state.extra.push((file, eval.clone()));
+            }
         }
         if let Some(file) = self.grpo.as_ref().and_then(|g| g.file()) {
             state.extra.push(file);
