@@ -310,6 +310,7 @@ mod tests {
             blocks: None,
             pairs: false,
             rollouts: None,
+            template_note: None,
         };
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);

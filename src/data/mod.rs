@@ -46,7 +46,8 @@ use rayon::prelude::*;
 pub use batch::{
     RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts, plan_step,
 };
-pub use chat::ChatTokenizer;
+pub use chat::builtin as chat_builtin;
+pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use records::{BadRecord, Conversation, Message, Role};
 pub use rollouts::Rollouts;
 pub use sources::{needs_tokenizer, training_files};
@@ -123,6 +124,8 @@ pub struct Dataset {
     pub pairs: bool,
     /// `grpo`: the rows are completions, with their rewards and groups ([`rollouts`]).
     pub rollouts: Option<Rollouts>,
+    /// Which template rendered the conversations, when `dataset.chat_template` chose it.
+    pub template_note: Option<String>,
 }
 
 /// What every record of a load is read with.
@@ -162,19 +165,22 @@ impl Dataset {
         seed: u64,
     ) -> Result<Dataset> {
         if let (Stage::Grpo, Some(path)) = (stage, &ds.path) {
-            let (rows, r) = rollouts::read(path, model_dir, vocab)?;
+            let template = ds.chat_template.as_deref();
+            let (rows, r, template_note) = rollouts::read(path, model_dir, template, vocab)?;
             return Ok(Dataset {
                 files: vec![path.clone()],
                 samples: rows.len(),
                 rows,
                 rollouts: Some(r),
+                template_note,
                 ..Dataset::default()
             });
         }
         let (train, eval) = train_and_eval_sources(ds, stage)?;
         let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
-            true => Some(ChatTokenizer::from_model_dir(
+            true => Some(ChatTokenizer::load(
                 model_dir,
+                ds.chat_template.as_deref(),
                 stage != Stage::Pt,
             )?),
             false => None,
@@ -228,6 +234,7 @@ impl Dataset {
             blocks: None,
             pairs,
             rollouts: None,
+            template_note: chat.as_ref().and_then(ChatTokenizer::note),
         };
         match (ds.packing, ds.max_seq_len) {
             (true, Some(len)) if reader.pt_blocks() => {
@@ -301,6 +308,9 @@ impl Dataset {
         }
         if self.skipped.count > 0 {
             s += &format!("; {}", self.skipped);
+        }
+        if let Some(note) = &self.template_note {
+            s += &format!("\n{note}");
         }
         if !self.eval.is_empty() {
             s += &format!(
@@ -421,7 +431,7 @@ fn renders_tools(
         column,
         format!(
             "a function_call turn, but the chat template ({}) does not render tool calls",
-            chat.template_path.display()
+            chat.template
         ),
     ))
 }

@@ -9,8 +9,6 @@
 //! Not bounded: memory a template builds up without writing it (a string doubled in a loop
 //! of a few dozen steps); minijinja caps `*` repetition at 100 MB, not `~`.
 
-use std::path::Path;
-
 use minijinja::ErrorKind;
 
 /// Instructions one render may execute: 5 million. Measured (`tests.rs`,
@@ -92,9 +90,13 @@ impl std::io::Write for Capped {
     }
 }
 
-/// The error of a failed render of the template at `path`, `out` its output so far.
-pub fn render_failure(e: minijinja::Error, out: &Capped, path: &Path) -> RenderError {
-    let path = path.display();
+/// The error of a failed render of the template `path` (its file or name), `out` its
+/// output so far.
+pub fn render_failure(
+    e: minijinja::Error,
+    out: &Capped,
+    path: &dyn std::fmt::Display,
+) -> RenderError {
     if out.over {
         RenderError::Limit(format!(
             "chat template ({path}): one render wrote more than {} MiB (the bound on a record's text): does the template loop?",
