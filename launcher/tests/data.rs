@@ -23,10 +23,12 @@ fn load(yaml: &str) -> mt::error::Result<Dataset> {
     load_with(yaml, &tiny_model())
 }
 
+/// The rows of `yaml` with `model`'s tokenizer; its vocabulary: the tiny model's 512 ids and
+/// the special tokens the built-in templates' fixtures add after them.
 fn load_with(yaml: &str, model: &Path) -> mt::error::Result<Dataset> {
     let ds: DatasetSection = serde_yaml_ng::from_str(yaml).unwrap();
     ds.validate()?;
-    Dataset::load(&ds, Stage::Sft, model, 512, 0)
+    Dataset::load(&ds, Stage::Sft, model, 520, 0)
 }
 
 fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {

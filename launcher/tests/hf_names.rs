@@ -63,8 +63,10 @@ fn records(n: usize, what: &str) -> String {
 }
 
 /// The tiny model's tokenizer with Llama 3's chat tokens in place of its ChatML ones (same
-/// ids), as the example's model has them: `template: llama3` renders with them.
+/// ids), as the example's model has them: `template: llama3` renders with them. The export's
+/// manifest goes (it lists the files as written): a model directory as the hub serves one.
 fn llama3_tokens(model: &Path) {
+    std::fs::remove_file(model.join(mt::checkpoint::manifest::EXPORT_MARKER)).unwrap();
     for file in ["tokenizer.json", "tokenizer_config.json"] {
         let path = model.join(file);
         let text = std::fs::read_to_string(&path)
