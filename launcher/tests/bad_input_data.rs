@@ -71,7 +71,8 @@ fn sanity_the_chat_fixture_trains() {
 
 /// A base model (the tiny demo without its chat template) cannot render chat data: the
 /// error names the keys that give a template and the built-in names; LlamaFactory's
-/// `template: qwen` makes it train, and the run says which template rendered the data.
+/// `template: qwen` makes it train, the run says which template rendered the data, and the
+/// exported model carries it.
 #[test]
 fn a_model_without_chat_template_trains_with_a_builtin_one() {
     let f = chat_fixture("no-template", ALPACA);
@@ -102,6 +103,12 @@ fn a_model_without_chat_template_trains_with_a_builtin_one() {
     assert!(
         stdout.contains("chat template: the built-in `qwen` (dataset.chat_template)"),
         "{stdout}"
+    );
+    // The exported model renders as it was trained.
+    let qwen = mt::data::chat_builtin::find("qwen").unwrap().source;
+    assert_eq!(
+        std::fs::read_to_string(f.out.join("chat_template.jinja")).unwrap(),
+        qwen
     );
 }
 

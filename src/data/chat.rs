@@ -198,10 +198,10 @@ impl ChatTokenizer {
                             Origin::Builtin(b.name, overrides),
                         )
                     }
-                    None => {
-                        let s = bounded::read_text(c, bounded::SMALL_JSON, "chat template")?;
-                        (Some(s), Origin::File(c.to_path_buf(), overrides))
-                    }
+                    None => (
+                        Some(builtin::chosen_text(c)?),
+                        Origin::File(c.to_path_buf(), overrides),
+                    ),
                 }
             }
             (None, Some((s, p))) => (Some(s), Origin::Model(p)),

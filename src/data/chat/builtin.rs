@@ -73,6 +73,15 @@ pub fn named(value: &std::path::Path) -> Option<&'static Builtin> {
     value.to_str().and_then(find)
 }
 
+/// The text of the template a `dataset.chat_template` value names: a built-in's, or the
+/// file's.
+pub fn chosen_text(value: &std::path::Path) -> crate::error::Result<String> {
+    match named(value) {
+        Some(b) => Ok(b.source.to_string()),
+        None => crate::bounded::read_text(value, crate::bounded::SMALL_JSON, "chat template"),
+    }
+}
+
 /// The built-in template called `name`.
 pub fn find(name: &str) -> Option<&'static Builtin> {
     BUILTINS.iter().find(|b| b.name == name)
