@@ -540,3 +540,135 @@ with open(os.path.join(out, "expected_rollouts_text.jsonl"), "w") as f:
         answer = r["completion"][0]["content"] if isinstance(r["completion"], list) else r["completion"]
         f.write(json.dumps(answer_row(msgs + [{"role": "assistant", "content": answer}])) + "\n")
 print(f"data fixtures: {len(rollouts)} text rollouts")
+
+# Built-in chat templates (src/data/chat/templates/*.jinja, `dataset.chat_template: qwen`):
+# each renders conversations as LlamaFactory's template of the same name does. The
+# reference is written here from LlamaFactory's definitions (hiyouga/LLaMA-Factory at
+# ff6d4d1, src/llamafactory/data/template.py): the slots of `register_template(name=...)`
+# ("alpaca" l. 716-724, "chatml" l. 778-787, "default" l. 909-915, "gemma" l. 1012-1024,
+# "llama3" l. 1481-1506, "mistral" l. 1877-1887, "qwen" l. 2041-2054), assembled as
+# `Template._encode` (l. 132-170: prefix and system before the first message, system =
+# the conversation's or `default_system`) and `Llama2Template._encode` (gemma, mistral,
+# l. 385-417: the formatted system put in front of the first user message's content) do;
+# `{"eos_token"}` / `{"bos_token"}` slots are the tokenizer's eos / bos. LlamaFactory is
+# not installed here (its dependencies are heavy), so the strings are the reference: our
+# template's render (transformers' apply_chat_template with its text, jinja2) must equal
+# them, its token ids (apply_chat_template(tokenize=True)) are the expected row, and a
+# token is labelled when it starts inside a target (LlamaFactory's response: the
+# assistant's content and its slot's end tokens).
+BOS, EOS = object(), object()
+LF_TEMPLATES = {
+    # name: (prefix, system, user, assistant, default_system, system fused into first user)
+    "qwen": ([], ["<|im_start|>system\n{c}<|im_end|>\n"],
+             ["<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n"], ["{c}<|im_end|>\n"],
+             "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.", False),
+    "chatml": ([], ["<|im_start|>system\n{c}<|im_end|>\n"],
+               ["<|im_start|>user\n{c}<|im_end|>\n<|im_start|>assistant\n"], ["{c}<|im_end|>\n"], "", False),
+    "llama3": ([BOS], ["<|start_header_id|>system<|end_header_id|>\n\n{c}<|eot_id|>"],
+               ["<|start_header_id|>user<|end_header_id|>\n\n{c}<|eot_id|>"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n"], ["{c}<|eot_id|>"], "", False),
+    "mistral": ([BOS], ["{c}\n\n"], ["[INST] {c}[/INST]"], [" {c}", EOS], "", True),
+    "gemma": ([BOS], ["{c}\n\n"], ["<start_of_turn>user\n{c}<end_of_turn>\n<start_of_turn>model\n"],
+              ["{c}<end_of_turn>\n"], "", True),
+    "alpaca": ([], ["{c}"], ["### Instruction:\n{c}\n\n### Response:\n"], ["{c}", EOS, "\n\n"],
+               "Below is an instruction that describes a task. "
+               "Write a response that appropriately completes the request.\n\n", False),
+    "default": ([], ["System: {c}", EOS, "\n"], ["Human: {c}", EOS, "\nAssistant:"], ["{c}", EOS, "\n"], "", False),
+}
+# The tokenizer of each: the tiny one with the family's special tokens added, bos / eos as
+# the family's base models set them; qwen keeps the tiny model's own template (which the
+# built-in replaces), the others have none (a base model).
+LF_TOKENS = {
+    "qwen": ([], None, "<|im_end|>"), "chatml": ([], None, "<|im_end|>"),
+    "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|eot_id|>"], "<|begin_of_text|>", "<|end_of_text|>"),
+    "mistral": (["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
+    "gemma": (["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>"),
+    "alpaca": ([], None, "<|im_end|>"), "default": ([], None, "<|endoftext|>"),
+}
+
+
+def lf_pieces(name, msgs, bos, eos):
+    """LlamaFactory's encode_multiturn as text: [(prompt slots, response slots)] per turn."""
+    prefix, system_f, user_f, assistant_f, default_system, fused = LF_TEMPLATES[name]
+    fill = lambda slots, c: [bos if s is BOS else eos if s is EOS else s.replace("{c}", c)  # noqa: E731
+                             for s in slots if not ((s is BOS and bos is None) or (s is EOS and eos is None))]
+    system = msgs[0]["content"] if msgs[0]["role"] == "system" else ""
+    turns = msgs[1:] if msgs[0]["role"] == "system" else msgs
+    system = system or default_system
+    encoded = []
+    for i, m in enumerate(turns):
+        slots, sys_text = [], ""
+        if i == 0:
+            slots += fill(prefix, "")
+            if system and fused:
+                sys_text = "".join(fill(system_f, system))
+            elif system:
+                slots += fill(system_f, system)
+        slots += fill(user_f if m["role"] == "user" else assistant_f, sys_text + m["content"] if m["role"] == "user" else m["content"])
+        encoded.append(slots)
+    return [(encoded[i], encoded[i + 1]) for i in range(0, len(encoded), 2)]
+
+
+BUILTIN_CONVS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "4"}],
+    [{"role": "system", "content": "Réponds brièvement ✓"}, {"role": "user", "content": "Capitale de la France ?"},
+     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "Et de l'Italie ?"},
+     {"role": "assistant", "content": "Rome."}, {"role": "user", "content": "Merci"},
+     {"role": "assistant", "content": "De rien !"}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"},
+     {"role": "user", "content": "  Another one, with spaces around  \n"},
+     {"role": "assistant", "content": " Green, said with a leading space. \n"}],
+    [{"role": "user", "content": "Write a haiku about {braces} and 'quotes'."},
+     {"role": "assistant", "content": "Curly {braces} hold\n'quoted' words in a line—\nsilence, then the end."}],
+]
+with open(os.path.join(out, "builtin_chat.json"), "w") as f:
+    json.dump([{"messages": m} for m in BUILTIN_CONVS], f, ensure_ascii=False, indent=1)
+registry["builtin_chat"] = dict(registry["openai_demo"], file_name="builtin_chat.json")
+seams = {}
+for name in LF_TEMPLATES:
+    with open(os.path.join(ROOT, "src/data/chat/templates", f"{name}.jinja")) as f:
+        ours = f.read()
+    added, bos_text, eos_text = LF_TOKENS[name]
+    d = os.path.join(out, f"model-builtin-{name}")
+    os.makedirs(d, exist_ok=True)
+    t = Tokenizer.from_file(os.path.join(ROOT, "configs/tiny/tokenizer.json"))
+    t.add_special_tokens([s for s in added if t.token_to_id(s) is None])
+    t.save(os.path.join(d, "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos_text, "eos_token": eos_text}
+    if name == "qwen":
+        with open(os.path.join(ROOT, "configs/tiny/tokenizer_config.json")) as f:
+            cfg["chat_template"] = json.load(f)["chat_template"]
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    bt = AutoTokenizer.from_pretrained(d)
+    seams[name] = 0
+    with open(os.path.join(out, f"expected_builtin_chat_{name}.jsonl"), "w") as f:
+        for msgs in BUILTIN_CONVS:
+            pairs = lf_pieces(name, msgs, bos_text, eos_text)
+            text = "".join(s for p in pairs for side in p for s in side)
+            rendered = bt.apply_chat_template(msgs, chat_template=ours, tokenize=False)
+            assert rendered == text, f"built-in {name}: ours {rendered!r}\nLlamaFactory's {text!r}"
+            ids = bt.apply_chat_template(msgs, chat_template=ours, tokenize=True)["input_ids"]
+            enc = bt(text, add_special_tokens=False, return_offsets_mapping=True)
+            assert ids == enc["input_ids"], name
+            spans, at = [], 0
+            for prompt, response in pairs:
+                at += len("".join(prompt))
+                spans.append((at, at + len("".join(response))))
+                at = spans[-1][1]
+            labels = [i if any(a <= s < b for a, b in spans) else -100
+                      for i, (s, _) in zip(ids, enc["offset_mapping"])]
+            # LlamaFactory tokenizes each slot apart; where slots meet inside plain text
+            # (alpaca, default) the ids may differ from the whole text's, never elsewhere.
+            lf_ids = [i for p in pairs for side in p for s in side
+                      for i in bt(s, add_special_tokens=False)["input_ids"]]
+            if lf_ids != ids:
+                assert name in ("alpaca", "default"), f"built-in {name}: slot seams changed the ids"
+                seams[name] += 1
+            f.write(json.dumps({"input_ids": ids, "labels": labels, "text": text}, ensure_ascii=False) + "\n")
+with open(os.path.join(out, "dataset_info.json"), "w") as f:
+    json.dump(registry, f, indent=2)
+print(f"data fixtures: built-in templates {', '.join(LF_TEMPLATES)} on {len(BUILTIN_CONVS)} conversations "
+      f"(rows whose ids differ from LlamaFactory's slot-by-slot tokenization: {seams})")

@@ -61,6 +61,9 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         source: source.clone(),
         max_shard_bytes: args.max_shard_size.0,
         carried: Arc::new(Carried::read(&source, &layout)?),
+        // The checkpoint's own chat_template.jinja (the one its run trained with) is
+        // copied with its tokenizer files.
+        chat_template: None,
     };
     let (files, from) = match state::resumable(&source) {
         true => (

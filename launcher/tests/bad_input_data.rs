@@ -69,6 +69,49 @@ fn sanity_the_chat_fixture_trains() {
     );
 }
 
+/// A base model (the tiny demo without its chat template) cannot render chat data: the
+/// error names the keys that give a template and the built-in names; LlamaFactory's
+/// `template: qwen` makes it train, the run says which template rendered the data, and the
+/// exported model carries it.
+#[test]
+fn a_model_without_chat_template_trains_with_a_builtin_one() {
+    let f = chat_fixture("no-template", ALPACA);
+    std::fs::write(
+        f.model.join("tokenizer_config.json"),
+        r#"{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}"#,
+    )
+    .unwrap();
+    f.fails(
+        &[],
+        Stage::Start,
+        &[
+            "dataset.chat_template",
+            "`template`",
+            "qwen, chatml, llama3, mistral, gemma, alpaca, default",
+        ],
+    );
+    let out = common::mt_launch()
+        .args(f.args(&["--set", "template=qwen"]))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("chat template: the built-in `qwen` (dataset.chat_template)"),
+        "{stdout}"
+    );
+    // The exported model renders as it was trained.
+    let qwen = mt::data::chat_builtin::find("qwen").unwrap().source;
+    assert_eq!(
+        std::fs::read_to_string(f.out.join("chat_template.jinja")).unwrap(),
+        qwen
+    );
+}
+
 #[test]
 fn packing_a_linear_attention_model() {
     let f = fixture("pack-linear");

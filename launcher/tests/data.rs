@@ -23,10 +23,12 @@ fn load(yaml: &str) -> mt::error::Result<Dataset> {
     load_with(yaml, &tiny_model())
 }
 
+/// The rows of `yaml` with `model`'s tokenizer; its vocabulary: the tiny model's 512 ids and
+/// the special tokens the built-in templates' fixtures add after them.
 fn load_with(yaml: &str, model: &Path) -> mt::error::Result<Dataset> {
     let ds: DatasetSection = serde_yaml_ng::from_str(yaml).unwrap();
     ds.validate()?;
-    Dataset::load(&ds, Stage::Sft, model, 512, 0)
+    Dataset::load(&ds, Stage::Sft, model, 520, 0)
 }
 
 fn expected(name: &str) -> Vec<(Vec<i32>, Vec<i32>)> {
@@ -77,6 +79,65 @@ fn openai_style_tags_equal_transformers_chat_template() {
 fn hf_template_constructs_render_as_jinja2_does() {
     let model = fixtures().join("model-template2");
     check_with("sharegpt_demo", "", &model, "sharegpt_demo_template2");
+}
+
+/// Every built-in template (`dataset.chat_template: NAME`) renders the fixture's
+/// conversations (system + user + assistant, multi-turn, none with a system prompt,
+/// untrimmed contents) as LlamaFactory's template of that name does, token for token and
+/// label for label: make_data_fixtures.py checks the text against strings written from
+/// LlamaFactory's definitions and takes the ids from transformers' apply_chat_template
+/// with the same template text. `qwen`'s model has a template of its own (replaced), the
+/// others none (a base model).
+#[test]
+fn builtin_templates_render_as_llamafactory_and_tokenize_as_transformers() {
+    for b in mt::data::chat_builtin::BUILTINS {
+        let model = fixtures().join(format!("model-builtin-{}", b.name));
+        let extra = format!(", chat_template: {}", b.name);
+        check_with(
+            "builtin_chat",
+            &extra,
+            &model,
+            &format!("builtin_chat_{}", b.name),
+        );
+        let data = load_with(
+            &format!(
+                "{{name: builtin_chat, dataset_dir: {}{extra}}}",
+                fixtures().display()
+            ),
+            &model,
+        )
+        .unwrap();
+        let note = data.template_note.unwrap();
+        assert!(note.contains(&format!("built-in `{}`", b.name)), "{note}");
+        assert_eq!(
+            note.contains("not the model's own"),
+            b.name == "qwen",
+            "{note}"
+        );
+    }
+}
+
+/// A built-in template whose special tokens the tokenizer lacks is refused by name (Llama
+/// 3's header tokens on the tiny Qwen-style tokenizer), and so is a value that is neither a
+/// built-in name nor a file.
+#[test]
+fn builtin_template_of_another_family_or_unknown_is_refused() {
+    let yaml = |t: &str| {
+        format!(
+            "{{name: builtin_chat, dataset_dir: {}, chat_template: {t}}}",
+            fixtures().display()
+        )
+    };
+    let e = load(&yaml("llama3")).unwrap_err().to_string();
+    assert!(
+        e.contains("dataset.chat_template") && e.contains("`<|start_header_id|>`"),
+        "{e}"
+    );
+    let e = load(&yaml("qwen3")).unwrap_err().to_string();
+    assert!(
+        e.contains("dataset.chat_template") && e.contains("qwen, chatml, llama3"),
+        "{e}"
+    );
 }
 
 #[test]

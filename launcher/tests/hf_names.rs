@@ -1,8 +1,8 @@
 //! The names HF Trainer and LlamaFactory users type: LlamaFactory's full fine-tuning
 //! example (`examples/train_full/llama3_full_sft.yaml`, flat keys) runs unchanged with
 //! `mt-launch --config`, only its model and data being local: per-device batch, epochs and
-//! warm-up ratio become steps as HF Trainer counts them, and the keys that mean nothing here
-//! are named once.
+//! warm-up ratio become steps as HF Trainer counts them, `template: llama3` renders the data
+//! with the built-in Llama 3 template, and the keys that mean nothing here are named once.
 
 mod common;
 
@@ -62,10 +62,27 @@ fn records(n: usize, what: &str) -> String {
     serde_json::to_string(&recs).unwrap()
 }
 
+/// The tiny model's tokenizer with Llama 3's chat tokens in place of its ChatML ones (same
+/// ids), as the example's model has them: `template: llama3` renders with them. The export's
+/// manifest goes (it lists the files as written): a model directory as the hub serves one.
+fn llama3_tokens(model: &Path) {
+    std::fs::remove_file(model.join(mt::checkpoint::manifest::EXPORT_MARKER)).unwrap();
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        let path = model.join(file);
+        let text = std::fs::read_to_string(&path)
+            .unwrap()
+            .replace("<|endoftext|>", "<|end_header_id|>")
+            .replace("<|im_start|>", "<|start_header_id|>")
+            .replace("<|im_end|>", "<|eot_id|>");
+        std::fs::write(&path, text).unwrap();
+    }
+}
+
 #[test]
 fn llamafactory_full_sft_yaml_runs_unchanged() {
     let dir = scratch("hf-names-llamafactory");
     tiny_pretrained(&dir.join("model"));
+    llama3_tokens(&dir.join("model"));
     let data = dir.join("data");
     std::fs::create_dir_all(&data).unwrap();
     std::fs::write(data.join("identity.json"), records(4, "who are you")).unwrap();
@@ -92,7 +109,7 @@ fn llamafactory_full_sft_yaml_runs_unchanged() {
         "3 epoch(s) of 20 samples at 2 per step: 30 steps (10 per epoch)",
         "warm-up 3 steps (warmup_ratio 0.1 of 30)",
         "note: `deepspeed` is ignored",
-        "note: `template` is ignored",
+        "chat template: the built-in `llama3` (dataset.chat_template) renders the conversations, not the model's own",
     ] {
         assert!(stdout.contains(said), "stdout lacks {said:?}:\n{stdout}");
     }

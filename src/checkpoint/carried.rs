@@ -315,6 +315,7 @@ mod tests {
             source: src.clone(),
             max_shard_bytes: 4000,
             carried: std::sync::Arc::new(carried),
+            chat_template: None,
         };
         super::super::save_hf(&out, &layout, MasterRef::F32(&got), &opts).unwrap();
         let mut exported = HashMap::new();

@@ -57,6 +57,7 @@ pub const COPIED_FILES: &[&str] = &[
 ];
 
 const SINGLE: &str = "model.safetensors";
+const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 const INDEX: &str = "model.safetensors.index.json";
 
 mod install;
@@ -73,6 +74,10 @@ pub struct ExportOptions {
     pub max_shard_bytes: u64,
     /// Tensors written back as read (a wrapper's vision tower, extra heads, buffers).
     pub carried: SharedCarried,
+    /// The chat template the data was rendered with when `dataset.chat_template` chose it:
+    /// written as `chat_template.jinja` (which transformers reads over tokenizer_config.json's
+    /// `chat_template`) in place of the source's, so the model renders as it was trained.
+    pub chat_template: Option<String>,
 }
 
 /// The safetensors dtype of `dtype`.
@@ -395,9 +400,12 @@ impl<'a> ExportFiles<'a> {
         let cfg_src = opts.source.join("config.json");
         let cfg = exported_config(&cfg_src, opts.dtype)?;
         written.push(write_file(dir, "config.json", &cfg)?);
+        if let Some(text) = &opts.chat_template {
+            written.push(write_file(dir, CHAT_TEMPLATE_FILE, text.as_bytes())?);
+        }
         for name in COPIED_FILES {
             let src = opts.source.join(name);
-            if !src.is_file() {
+            if !src.is_file() || (*name == CHAT_TEMPLATE_FILE && opts.chat_template.is_some()) {
                 continue;
             }
             let bytes = std::fs::read(&src).map_err(|e| Error::io(&src, e))?;

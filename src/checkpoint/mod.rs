@@ -292,6 +292,7 @@ mod tests {
             source: src.clone(),
             max_shard_bytes: 5_000_000_000,
             carried: Default::default(),
+            chat_template: None,
         };
         save_hf(&out, &layout, MasterRef::F32(&a), &opts).unwrap();
         let mut b = vec![0.0f32; layout.total];

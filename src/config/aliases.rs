@@ -18,6 +18,7 @@ use std::path::Path;
 
 use serde_yaml_ng::{Mapping, Value};
 
+use crate::data::chat_builtin as builtin;
 use crate::error::{Error, Result};
 
 /// The config's sections: a top-level key that is one of these is not an alias.
@@ -91,12 +92,11 @@ const TABLE: &[(&str, Rule)] = &[
     ("dataset", To("dataset.name")),
     ("eval_dataset", To("dataset.eval_name")),
     ("dataset_dir", To("dataset.dataset_dir")),
-    (
-        "template",
-        Ignored(
-            "the model's own chat template (tokenizer_config.json or chat_template.jinja) renders the conversations",
-        ),
-    ),
+    // A built-in name; another name is noted (see `apply`).
+    ("template", Map("dataset.chat_template", template)),
+    ("dataset.template", Map("dataset.chat_template", template)),
+    // TRL's SFTConfig name.
+    ("chat_template_path", To("dataset.chat_template")),
     ("cutoff_len", To("dataset.max_seq_len")),
     ("dataset.cutoff_len", To("dataset.max_seq_len")),
     ("max_samples", To("dataset.max_samples")),
@@ -271,6 +271,16 @@ fn optim(v: &Value) -> std::result::Result<(), String> {
     }
 }
 
+fn template(v: &Value) -> std::result::Result<Option<Value>, String> {
+    match v.as_str() {
+        Some(_) => Ok(Some(v.clone())),
+        None => Err(format!(
+            "expected a template name, one of {}",
+            builtin::names()
+        )),
+    }
+}
+
 fn negate(v: &Value) -> std::result::Result<Option<Value>, String> {
     Ok(Some((!bool_of(v)?).into()))
 }
@@ -383,6 +393,17 @@ pub fn apply(root: &mut Value, base: &Path, overriding: bool) -> Result<Applied>
             let local = Path::new(s).is_absolute() || base.join(s).is_dir();
             let to = if local { "model.path" } else { "model.name" };
             moved.push((alias.into(), to.into(), v));
+            continue;
+        }
+        // LlamaFactory's template names beyond the built-in ones leave the model's own
+        // template in charge, as before they were read.
+        if let Some(name) = v.as_str().filter(|n| {
+            matches!(alias, "template" | "dataset.template") && builtin::find(n).is_none()
+        }) {
+            applied.notes.push(format!(
+                "`{alias}: {name}` is not a built-in template ({}): the model's own chat template renders the conversations",
+                builtin::names()
+            ));
             continue;
         }
         if alias.ends_with("save_strategy") && v.as_str() == Some("no") {
@@ -562,6 +583,34 @@ mod tests {
         assert_eq!(applied.notes.len(), 1, "{:?}", applied.notes);
         assert!(applied.notes[0].contains("deepspeed"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn llamafactory_template_names_a_builtin_or_leaves_the_models_own() {
+        let mut v = yaml("template: qwen\n");
+        let applied = apply(&mut v, Path::new("."), false).unwrap();
+        assert_eq!(get(&v, "dataset.chat_template"), Some(&"qwen".into()));
+        assert!(applied.notes.is_empty(), "{:?}", applied.notes);
+        let mut v = yaml("dataset: {template: default, path: x.json}\n");
+        apply(&mut v, Path::new("."), false).unwrap();
+        assert_eq!(get(&v, "dataset.chat_template"), Some(&"default".into()));
+        // A LlamaFactory name that is not built in: the model's own template, noted.
+        let mut v = yaml("template: qwen3_nothink\n");
+        let applied = apply(&mut v, Path::new("."), false).unwrap();
+        assert!(get(&v, "dataset.chat_template").is_none());
+        assert!(
+            applied.notes.len() == 1 && applied.notes[0].contains("qwen3_nothink"),
+            "{:?}",
+            applied.notes
+        );
+        let e = apply(
+            &mut yaml("template: qwen\ndataset: {chat_template: llama3}\n"),
+            Path::new("."),
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("dataset.chat_template"), "{e}");
     }
 
     #[test]

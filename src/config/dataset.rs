@@ -15,6 +15,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::data::chat_builtin as builtin;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -45,6 +46,12 @@ pub struct DatasetSection {
     /// left without a trained token is skipped) or `skip`.
     #[serde(default)]
     pub overlong: Overlong,
+    /// The chat template that renders conversations, instead of the model's own: a built-in
+    /// name (`qwen`, `chatml`, `llama3`, `mistral`, `gemma`, `alpaca`, `default`, rendering
+    /// as LlamaFactory's templates of those names) or a Jinja file (relative to the config
+    /// file). LlamaFactory's `template` sets it. None: the model's own template.
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
     /// System prompt for samples that carry none (text formats).
     #[serde(default)]
     pub system_prompt: Option<String>,
@@ -195,6 +202,19 @@ impl DatasetSection {
             return Err(Error::invalid(
                 "dataset.packing",
                 "needs dataset.max_seq_len (the packed row length)",
+            ));
+        }
+        if let Some(t) = &self.chat_template
+            && builtin::named(t).is_none()
+            && !t.is_file()
+        {
+            return Err(Error::invalid(
+                "dataset.chat_template",
+                format!(
+                    "`{}` is neither a built-in template ({}) nor a Jinja file",
+                    t.display(),
+                    builtin::names()
+                ),
             ));
         }
         let columns = self.query_field.is_some() || self.response_field.is_some();

@@ -656,6 +656,12 @@ impl RunConfig {
             }
         }
         fix(&mut self.dataset.dataset_dir);
+        // A built-in template's name stays a name (`./qwen` is a file).
+        if let Some(t) = self.dataset.chat_template.as_mut()
+            && crate::data::chat_builtin::named(t).is_none()
+        {
+            fix(t);
+        }
         if let Some(out) = self.training.output_dir.as_mut() {
             fix(out);
         }

@@ -152,6 +152,31 @@ fn moved_bench_configs_keep_their_names() {
 }
 
 #[test]
+fn chat_template_is_a_builtin_name_or_a_file_beside_the_config() {
+    let dir = std::env::temp_dir().join(format!("mt-cfg-{}", std::process::id()));
+    let with = |t: &str| parse(&format!("{OK}template: {t}\n").replace("tokenized", "alpaca"));
+    let named = |t: &str| {
+        parse(&OK.replace(
+            "path: d.jsonl",
+            &format!("path: d.jsonl, chat_template: {t}"),
+        ))
+    };
+    let c = with("qwen").unwrap();
+    assert_eq!(c.dataset.chat_template.as_deref(), Some(Path::new("qwen")));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("mine.jinja"), "{{ messages[0].content }}").unwrap();
+    let c = named("mine.jinja").unwrap();
+    assert_eq!(c.dataset.chat_template, Some(dir.join("mine.jinja")));
+    for bad in ["missing.jinja", "qwen25"] {
+        let e = named(bad).unwrap_err().to_string();
+        assert!(
+            e.contains("dataset.chat_template") && e.contains(bad) && e.contains("qwen, chatml"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn unknown_key_is_named_with_its_section() {
     let e = parse(&format!("{OK}training: {{batch_sise: 4}}\n")).unwrap_err();
     let msg = e.to_string();

@@ -311,6 +311,7 @@ mod tests {
             pairs: false,
             rollouts: None,
             eval_rollouts: None,
+            template_note: None,
         };
         let rows: Vec<usize> = (0..8).collect();
         let plan = plan_step(&ds, &rows, 2, 2, 0);

@@ -40,9 +40,13 @@ use super::{Example, IGNORE_INDEX, pyjson};
 use crate::bounded;
 use crate::error::{Error, Result};
 
+pub mod builtin;
 mod limits;
 
 const TEMPLATE: &str = "chat";
+
+/// The config key that chooses a template.
+const CHAT_TEMPLATE_KEY: &str = "dataset.chat_template";
 
 /// Token ids and each token's byte span in the text.
 type Encoded = (Vec<u32>, Vec<(usize, usize)>);
@@ -60,8 +64,42 @@ pub struct ChatTokenizer {
     bos: Option<(i32, String)>,
     /// The template reads `tools` and writes `tool_calls`.
     tools: bool,
-    /// Where the template came from (for error messages).
-    pub template_path: PathBuf,
+    /// Where the template came from (for messages).
+    pub template: Origin,
+}
+
+/// Where the chat template comes from; displayed as a path or the built-in's name.
+#[derive(Debug, Clone)]
+pub enum Origin {
+    /// The model directory's own: chat_template.jinja or tokenizer_config.json (also the
+    /// latter when there is none, for documents).
+    Model(PathBuf),
+    /// A file given by `dataset.chat_template`, and the model's own template it replaces.
+    File(PathBuf, Option<PathBuf>),
+    /// A built-in template given by `dataset.chat_template`, and the model's own it replaces.
+    Builtin(&'static str, Option<PathBuf>),
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Model(p) | Origin::File(p, _) => write!(f, "{}", p.display()),
+            Origin::Builtin(name, _) => write!(f, "built-in template `{name}`"),
+        }
+    }
+}
+
+impl Origin {
+    /// An error about this template: the model's file, or the config key that chose it.
+    pub fn error(&self, msg: String) -> Error {
+        match self {
+            Origin::Model(p) => Error::ModelConfig {
+                path: p.clone(),
+                msg,
+            },
+            _ => Error::invalid(CHAT_TEMPLATE_KEY, format!("{self}: {msg}")),
+        }
+    }
 }
 
 /// `bos_token` / `eos_token` in tokenizer_config.json: a string or an AddedToken object.
@@ -107,6 +145,13 @@ impl ChatTokenizer {
     /// Loads `tokenizer.json`, `tokenizer_config.json` and the chat template of `dir`;
     /// without `template`, a missing chat template is no error (documents need none).
     pub fn from_model_dir(dir: &Path, template: bool) -> Result<ChatTokenizer> {
+        Self::load(dir, None, template)
+    }
+
+    /// [`Self::from_model_dir`] with `chosen` (`dataset.chat_template`: a built-in name or
+    /// a Jinja file) rendering instead of the model's own template. Without either, `needed`
+    /// makes it an error naming the key and the built-in names.
+    pub fn load(dir: &Path, chosen: Option<&Path>, needed: bool) -> Result<ChatTokenizer> {
         let tok_path = dir.join("tokenizer.json");
         if !tok_path.is_file() {
             return Err(Error::ModelConfig {
@@ -136,35 +181,43 @@ impl ChatTokenizer {
                 }
                 Err(e) => return Err(e),
             };
-        let jinja_path = dir.join("chat_template.jinja");
-        let (source, template_path) = if jinja_path.is_file() {
-            let s = bounded::read_text(&jinja_path, bounded::SMALL_JSON, "chat template")?;
-            (Some(s), jinja_path)
-        } else {
-            let s = match cfg.chat_template {
-                Some(TemplateField::One(s)) => Some(s),
-                Some(TemplateField::Named(list)) => list
-                    .into_iter()
-                    .find(|t| t.name == "default")
-                    .map(|t| t.template),
-                None => None,
-            };
-            match s {
-                Some(s) => (Some(s), cfg_path.clone()),
-                None if !template => (None, cfg_path.clone()),
-                None => {
-                    return Err(Error::ModelConfig {
-                        path: cfg_path.clone(),
-                        msg: "no chat template (neither chat_template.jinja nor a `chat_template` key): \
-                              alpaca and sharegpt data need one; use a tokenized dataset otherwise"
-                            .into(),
-                    });
+        let bos_token = cfg.bos_token.map(TokenText::text).unwrap_or_default();
+        let eos_token = cfg.eos_token.map(TokenText::text).unwrap_or_default();
+        let own = own_template(dir, cfg.chat_template)?;
+        let (source, template) = match (chosen, own) {
+            (Some(c), own) => {
+                let overrides = own.map(|(_, p)| p);
+                match builtin::named(c) {
+                    Some(b) => {
+                        if needed {
+                            b.check_tokens(&tokenizer, &bos_token, &eos_token)
+                                .map_err(|m| Error::invalid(CHAT_TEMPLATE_KEY, m))?;
+                        }
+                        (
+                            Some(b.source.to_string()),
+                            Origin::Builtin(b.name, overrides),
+                        )
+                    }
+                    None => (
+                        Some(builtin::chosen_text(c)?),
+                        Origin::File(c.to_path_buf(), overrides),
+                    ),
                 }
             }
+            (None, Some((s, p))) => (Some(s), Origin::Model(p)),
+            (None, None) if !needed => (None, Origin::Model(cfg_path)),
+            (None, None) => {
+                return Err(Error::invalid(
+                    CHAT_TEMPLATE_KEY,
+                    format!(
+                        "the model ({}) has no chat template (no chat_template.jinja, no `chat_template` in tokenizer_config.json), and alpaca and sharegpt data are rendered with one: give dataset.chat_template (LlamaFactory's `template`) as a built-in name ({}) or a Jinja file, or use a tokenized dataset",
+                        dir.display(),
+                        builtin::names()
+                    ),
+                ));
+            }
         };
-        let env = source
-            .map(|s| template_env(s, &template_path))
-            .transpose()?;
+        let env = source.map(|s| template_env(s, &template)).transpose()?;
         let bos = first_added_token(&tokenizer);
         let tools = env.as_ref().is_some_and(|env| {
             let tmpl = env.get_template(TEMPLATE).expect("added above");
@@ -175,11 +228,32 @@ impl ChatTokenizer {
             tokenizer,
             env,
             tools,
-            bos_token: cfg.bos_token.map(TokenText::text).unwrap_or_default(),
-            eos_token: cfg.eos_token.map(TokenText::text).unwrap_or_default(),
+            bos_token,
+            eos_token,
             bos,
-            template_path,
+            template,
         })
+    }
+
+    /// The line saying which template renders the conversations, when `dataset.chat_template`
+    /// chose it.
+    pub fn note(&self) -> Option<String> {
+        let over = |o: &Option<PathBuf>| match o {
+            Some(p) => format!(", not the model's own ({})", p.display()),
+            None => String::new(),
+        };
+        match &self.template {
+            Origin::Model(_) => None,
+            Origin::Builtin(name, o) => Some(format!(
+                "chat template: the built-in `{name}` (dataset.chat_template) renders the conversations{}",
+                over(o)
+            )),
+            Origin::File(p, o) => Some(format!(
+                "chat template: {} (dataset.chat_template) renders the conversations{}",
+                p.display(),
+                over(o)
+            )),
+        }
     }
 
     /// Whether the template reads `tools` and writes `tool_calls`.
@@ -209,7 +283,7 @@ impl ChatTokenizer {
         let env = self.env.as_ref().ok_or_else(|| {
             format!(
                 "the model has no chat template ({}): conversations need one",
-                self.template_path.display()
+                self.template
             )
         })?;
         let messages: Vec<Value> = conv.messages[..n].iter().map(message_value).collect();
@@ -232,16 +306,13 @@ impl ChatTokenizer {
                 let fuel = done.state().fuel_levels().map_or(0, |(used, _)| used);
                 Ok((out.into_text().map_err(|e| self.failed(e))?, fuel))
             }
-            Err(e) => Err(limits::render_failure(e, &out, &self.template_path)),
+            Err(e) => Err(limits::render_failure(e, &out, &self.template)),
         }
     }
 
     /// A render failure: the template's path and why.
     fn failed(&self, e: impl std::fmt::Display) -> RenderError {
-        RenderError::Bad(format!(
-            "chat template ({}): {e}",
-            self.template_path.display()
-        ))
+        RenderError::Bad(format!("chat template ({}): {e}", self.template))
     }
 
     /// Token ids of `text`, without added special tokens, and each token's byte span.
@@ -346,7 +417,7 @@ impl ChatTokenizer {
         match self.eos_token.as_str() {
             "" => Err(format!(
                 "the tokenizer has no eos_token ({}): pretraining documents end with it",
-                self.template_path.display()
+                self.template
             )),
             eos => Ok(eos),
         }
@@ -371,8 +442,27 @@ impl ChatTokenizer {
     }
 }
 
+/// The model directory's own chat template and where it was read: chat_template.jinja, else
+/// `field` (tokenizer_config.json's `chat_template`, the one named `default` of a list).
+fn own_template(dir: &Path, field: Option<TemplateField>) -> Result<Option<(String, PathBuf)>> {
+    let jinja_path = dir.join("chat_template.jinja");
+    if jinja_path.is_file() {
+        let s = bounded::read_text(&jinja_path, bounded::SMALL_JSON, "chat template")?;
+        return Ok(Some((s, jinja_path)));
+    }
+    let s = match field {
+        Some(TemplateField::One(s)) => Some(s),
+        Some(TemplateField::Named(list)) => list
+            .into_iter()
+            .find(|t| t.name == "default")
+            .map(|t| t.template),
+        None => None,
+    };
+    Ok(s.map(|s| (s, dir.join("tokenizer_config.json"))))
+}
+
 /// The minijinja environment of a chat template, set up as transformers renders.
-fn template_env(source: String, path: &Path) -> Result<Environment<'static>> {
+fn template_env(source: String, origin: &Origin) -> Result<Environment<'static>> {
     let mut env = Environment::new();
     let syntax = minijinja::syntax::SyntaxConfig::builder()
         .trim_blocks(true)
@@ -391,10 +481,7 @@ fn template_env(source: String, path: &Path) -> Result<Environment<'static>> {
     env.add_filter("tojson", pyjson::tojson);
     env.add_test("iterable", pyjson::is_iterable);
     env.add_template_owned(TEMPLATE, source)
-        .map_err(|e| Error::ModelConfig {
-            path: path.into(),
-            msg: format!("chat template does not parse: {e}"),
-        })?;
+        .map_err(|e| origin.error(format!("chat template does not parse: {e}")))?;
     Ok(env)
 }
 

@@ -46,7 +46,8 @@ use rayon::prelude::*;
 pub use batch::{
     RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts, plan_step,
 };
-pub use chat::ChatTokenizer;
+pub use chat::builtin as chat_builtin;
+pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use records::{BadRecord, Conversation, Message, Role};
 pub use rollouts::Rollouts;
 pub use sources::{needs_tokenizer, training_files};
@@ -125,6 +126,8 @@ pub struct Dataset {
     pub rollouts: Option<Rollouts>,
     /// `grpo` with an eval set: the eval completions' rewards and groups.
     pub eval_rollouts: Option<Rollouts>,
+    /// Which template rendered the conversations, when `dataset.chat_template` chose it.
+    pub template_note: Option<String>,
 }
 
 /// What every record of a load is read with.
@@ -168,8 +171,9 @@ impl Dataset {
         }
         let (train, eval) = train_and_eval_sources(ds, stage)?;
         let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
-            true => Some(ChatTokenizer::from_model_dir(
+            true => Some(ChatTokenizer::load(
                 model_dir,
+                ds.chat_template.as_deref(),
                 stage != Stage::Pt,
             )?),
             false => None,
@@ -236,6 +240,7 @@ impl Dataset {
             pairs,
             rollouts: None,
             eval_rollouts: None,
+            template_note: chat.as_ref().and_then(ChatTokenizer::note),
         };
         match (ds.packing, ds.max_seq_len) {
             (true, Some(len)) if reader.pt_blocks() => {
@@ -322,6 +327,9 @@ impl Dataset {
         if self.skipped.count > 0 {
             s += &format!("; {}", self.skipped);
         }
+        if let Some(note) = &self.template_note {
+            s += &format!("\n{note}");
+        }
         if !self.eval.is_empty() {
             let what = match (self.pairs, &self.eval_rollouts) {
                 (true, _) => format!("{} preference pairs", self.eval.len() / 2),
@@ -343,7 +351,8 @@ fn rollouts_and_eval(
     vocab: usize,
     seed: u64,
 ) -> Result<Dataset> {
-    let (mut rows, mut r) = rollouts::read(path, model_dir, vocab)?;
+    let template = ds.chat_template.as_deref();
+    let (mut rows, mut r, template_note) = rollouts::read(path, model_dir, template, vocab)?;
     let (mut eval, mut eval_r, mut eval_source) = (Vec::new(), None, String::new());
     if let Some(size) = ds.val_size()? {
         let held = split::held_rows(&r.groups, size, seed, "groups of completions")?;
@@ -355,7 +364,7 @@ fn rollouts_and_eval(
             ds.val_size.unwrap_or_default()
         );
     } else if let Some(eval_path) = &ds.eval_path {
-        let (e, er) = rollouts::read(eval_path, model_dir, vocab)?;
+        let (e, er, _) = rollouts::read(eval_path, model_dir, template, vocab)?;
         (eval, eval_r) = (e, Some(er));
         eval_source = format!("from {}", eval_path.display());
     }
@@ -367,6 +376,7 @@ fn rollouts_and_eval(
         eval,
         eval_source,
         eval_rollouts: eval_r,
+        template_note,
         ..Dataset::default()
     })
 }
@@ -479,7 +489,7 @@ fn renders_tools(
         column,
         format!(
             "a function_call turn, but the chat template ({}) does not render tool calls",
-            chat.template_path.display()
+            chat.template
         ),
     ))
 }

@@ -69,8 +69,15 @@ enum Sample {
     Ids(Vec<i32>, Vec<i32>),
 }
 
-/// Reads a rollouts file: its rows and their rewards and groups.
-pub fn read(path: &Path, model_dir: &Path, vocab: usize) -> Result<(Vec<Example>, Rollouts)> {
+/// Reads a rollouts file: its rows and their rewards and groups, text rendered with the
+/// model's chat template or `template` (`dataset.chat_template`), and the line saying
+/// which when the latter.
+pub fn read(
+    path: &Path,
+    model_dir: &Path,
+    template: Option<&Path>,
+    vocab: usize,
+) -> Result<(Vec<Example>, Rollouts, Option<String>)> {
     let text =
         crate::bounded::read_text(path, crate::bounded::data_bound(), super::files::DATA_FILE)?;
     let bad = |line: usize, key: &str, msg: String| Error::Dataset {
@@ -152,7 +159,7 @@ pub fn read(path: &Path, model_dir: &Path, vocab: usize) -> Result<(Vec<Example>
         ));
     }
     let chat = match samples.iter().any(|(_, s)| matches!(s, Sample::Text(_))) {
-        true => Some(ChatTokenizer::from_model_dir(model_dir, true)?),
+        true => Some(ChatTokenizer::load(model_dir, template, true)?),
         false => None,
     };
     let rows = samples
@@ -190,7 +197,8 @@ pub fn read(path: &Path, model_dir: &Path, vocab: usize) -> Result<(Vec<Example>
             }
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok((rows, out))
+    let note = chat.as_ref().and_then(ChatTokenizer::note);
+    Ok((rows, out, note))
 }
 
 /// A line's prompt and completion, or the key at fault and why.
@@ -289,7 +297,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("r.jsonl");
         std::fs::write(&p, text).unwrap();
-        read(&p, &dir, 100)
+        read(&p, &dir, None, 100).map(|(rows, r, _)| (rows, r))
     }
 
     #[test]

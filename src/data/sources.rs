@@ -67,13 +67,10 @@ pub(super) fn check_tools<'a>(
     for src in srcs {
         let tools_col = src.schema.as_ref().and_then(|s| s.columns.tools.as_deref());
         if let (Some(col), false, true) = (tools_col, chat.supports_tools(), stage != Stage::Pt) {
-            return Err(Error::ModelConfig {
-                path: chat.template_path.clone(),
-                msg: format!(
-                    "dataset `{}` has tool definitions (column `{col}`), but this chat template has no tool support (it reads no `tools` variable or writes no `tool_calls`): use a model whose template renders tools, or leave the `tools` column out of the dataset",
-                    src.name
-                ),
-            });
+            return Err(chat.template.error(format!(
+                "dataset `{}` has tool definitions (column `{col}`), but this chat template has no tool support (it reads no `tools` variable or writes no `tool_calls`): use a model whose template renders tools, or leave the `tools` column out of the dataset",
+                src.name
+            )));
         }
     }
     Ok(())

@@ -249,6 +249,12 @@ impl Trainer {
             source: cfg.model.path.clone(),
             max_shard_bytes: cfg.checkpoint.max_shard_size.0,
             carried: std::sync::Arc::new(carried),
+            chat_template: cfg
+                .dataset
+                .chat_template
+                .as_deref()
+                .map(mt::data::chat_builtin::chosen_text)
+                .transpose()?,
         };
         // Periodic checkpoints are written in the background through the staging area the
         // plan holds (none: in place).

@@ -121,6 +121,7 @@ fn measure_export_and_verify_speed() {
         source: src,
         max_shard_bytes: 5_000_000_000,
         carried: Default::default(),
+        chat_template: None,
     };
     let out = dir.join("out");
     for round in 0..3 {

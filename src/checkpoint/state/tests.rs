@@ -94,6 +94,7 @@ fn scratch_export(
         source: src,
         max_shard_bytes: 1 << 30,
         carried: Default::default(),
+        chat_template: None,
     };
     (Layout::new(&spec), dir, export)
 }

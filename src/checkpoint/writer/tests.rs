@@ -37,6 +37,7 @@ fn scratch(name: &str) -> (PathBuf, ExportOptions) {
         source: src,
         max_shard_bytes: 1 << 30,
         carried: Default::default(),
+        chat_template: None,
     };
     (dir, export)
 }

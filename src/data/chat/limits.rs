@@ -9,8 +9,6 @@
 //! Not bounded: memory a template builds up without writing it (a string doubled in a loop
 //! of a few dozen steps); minijinja caps `*` repetition at 100 MB, not `~`.
 
-use std::path::Path;
-
 use minijinja::ErrorKind;
 
 /// Instructions one render may execute: 5 million. Measured (`tests.rs`,
@@ -18,7 +16,7 @@ use minijinja::ErrorKind;
 /// functions: the tiny demo template 66 instructions for 3 messages and 17 per message
 /// more; the tool-calling fixtures' public templates (scripts/fixture_templates.py)
 /// Qwen2.5 142 + 31, Llama 3.1 173 + 33, Mistral v0.3 452 + 68 per message (27,914 for a
-/// conversation of 401 messages). 5 million renders conversations of ~70,000 messages with
+/// conversation of 401 messages); the built-in templates 67-83 + 19-23. 5 million renders conversations of ~70,000 messages with
 /// the costliest of them (180 times that 401-message one) and runs out in ~0.45 s of one
 /// loaded core here (20 million took 1.76 s), so a template that does not end fails at
 /// its first record, and a stop request waits for at most one render.
@@ -92,9 +90,13 @@ impl std::io::Write for Capped {
     }
 }
 
-/// The error of a failed render of the template at `path`, `out` its output so far.
-pub fn render_failure(e: minijinja::Error, out: &Capped, path: &Path) -> RenderError {
-    let path = path.display();
+/// The error of a failed render of the template `path` (its file or name), `out` its
+/// output so far.
+pub fn render_failure(
+    e: minijinja::Error,
+    out: &Capped,
+    path: &dyn std::fmt::Display,
+) -> RenderError {
     if out.over {
         RenderError::Limit(format!(
             "chat template ({path}): one render wrote more than {} MiB (the bound on a record's text): does the template loop?",

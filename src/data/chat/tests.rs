@@ -39,9 +39,10 @@ fn conversation(turns: usize, tools: bool) -> Conversation {
     Conversation { messages, tools }
 }
 
-/// The most fuel one render of `conv` takes with the model directory `dir`'s template.
-fn fuel(dir: &Path, conv: &Conversation) -> u64 {
-    let chat = ChatTokenizer::from_model_dir(dir, true).unwrap();
+/// The fuel one render of `conv` takes with the model directory `dir`'s template, or
+/// the built-in one `builtin` names.
+fn fuel(dir: &Path, builtin: Option<&str>, conv: &Conversation) -> u64 {
+    let chat = ChatTokenizer::load(dir, builtin.map(Path::new), false).unwrap();
     let (_, used) = chat
         .render_counted(conv, conv.messages.len(), false)
         .unwrap();
@@ -50,8 +51,9 @@ fn fuel(dir: &Path, conv: &Conversation) -> u64 {
 
 #[test]
 fn real_templates_take_a_small_share_of_the_fuel() {
-    // The tiny demo template always; the public templates of the tool-calling fixtures
-    // (scripts/fixture_templates.py) where the data fixtures were generated.
+    // The tiny demo template and the built-in ones always; the public templates of the
+    // tool-calling fixtures (scripts/fixture_templates.py) where the data fixtures were
+    // generated.
     let mut dirs = vec![tiny()];
     if let Some(fx) = std::env::var_os("MT_DATA_FIXTURES").map(PathBuf::from) {
         dirs.extend(
@@ -61,12 +63,18 @@ fn real_templates_take_a_small_share_of_the_fuel() {
                 .filter(|d| d.is_dir()),
         );
     }
-    for dir in &dirs {
-        let small = fuel(dir, &conversation(1, true));
-        let long = fuel(dir, &conversation(200, true));
+    // The built-in templates, rendered with the tiny tokenizer (their tokens unchecked).
+    let cases = dirs
+        .iter()
+        .map(|d| (d.clone(), None))
+        .chain(builtin::BUILTINS.iter().map(|b| (tiny(), Some(b.name))));
+    for (dir, builtin) in cases {
+        let dir = &dir;
+        let small = fuel(dir, builtin, &conversation(1, true));
+        let long = fuel(dir, builtin, &conversation(200, true));
         let per_message = (long - small) / 400;
         eprintln!(
-            "{}: {small} instructions for 3 messages, {per_message} per message more",
+            "{} {builtin:?}: {small} instructions for 3 messages, {per_message} per message more",
             dir.display()
         );
         // 401 messages must stay under a hundredth of the bound: conversations of
