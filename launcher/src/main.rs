@@ -97,6 +97,7 @@ fn run(cli: cli::Cli) -> Result<()> {
     for note in &cfg.notes {
         println!("note: {note}");
     }
+    cfg.check_sources(true)?;
     let mut placement = cli::placement(cli.gpus, cli.workers, cfg.model.devices.as_deref())?;
     if let Some(m) = mpi::init()? {
         placement.nodes = m.size;
@@ -126,7 +127,13 @@ fn run(cli: cli::Cli) -> Result<()> {
         );
     }
     if cli.dry_run {
-        return plan::dry_run(&cfg, &placement, resume.as_ref(), cli.force);
+        return plan::dry_run(
+            &cfg,
+            &placement,
+            resume.as_ref(),
+            cli.force,
+            cli.metrics_out.as_deref(),
+        );
     }
     let metrics = cli.metrics_out.clone();
     let result = train::Trainer::new(

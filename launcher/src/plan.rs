@@ -15,6 +15,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     for note in &cfg.notes {
         println!("note: {note}");
     }
+    cfg.check_sources(false)?;
     let mut placement = cli::plan_placement(p.gpus, p.workers, cfg.model.devices.as_deref())?;
     if p.nodes == 0 {
         anyhow::bail!("--nodes must be at least 1");
@@ -177,6 +178,7 @@ pub fn dry_run(
     placement: &Placement,
     resume: Option<&cli::Resume>,
     force: bool,
+    metrics_out: Option<&std::path::Path>,
 ) -> Result<()> {
     // As a launch checks them, first; a directory another run holds is said, not refused
     // (a dry run takes no lock).
@@ -184,9 +186,10 @@ pub fn dry_run(
         true => mt::checkpoint::ownership::check(cfg)?,
         false => Vec::new(),
     };
-    // W&B and MLflow's interpreter and packages (no run is started).
+    // W&B and MLflow's interpreter and packages (no run is started), and the outputs.
     if crate::mpi::world().is_none_or(|m| m.rank == 0) {
         crate::trackers::resolve(&cfg.logging)?;
+        crate::train::check_outputs(cfg, metrics_out)?;
     }
     let resume = resume
         .map(|r| {

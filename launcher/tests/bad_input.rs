@@ -134,12 +134,13 @@ fn bad_staging_size() {
 
 #[test]
 fn model_path_and_name_both_given() {
+    // In the file: both are refused (an override of one replaces the other instead).
     let f = fixture("path-and-name");
-    f.fails(
-        &["--set", "model.name=org/model"],
-        Stage::Start,
-        &["model.name", "not both"],
-    );
+    let yaml = f.yaml();
+    let with_name = yaml.replacen("model: {", "model: {name: org/model, ", 1);
+    assert_ne!(yaml, with_name, "the fixture's model section moved: {yaml}");
+    f.write_config(&with_name);
+    f.fails(&[], Stage::Start, &["model.name", "not both"]);
 }
 
 #[test]
@@ -228,7 +229,7 @@ fn missing_model_dir() {
     f.fails(
         &[],
         Stage::Start,
-        &[&path(&f.model.join("config.json")), "No such file"],
+        &[&path(&f.model), "config key `model.path`", "does not exist"],
     );
 }
 
@@ -386,7 +387,15 @@ fn index_lists_a_missing_shard() {
 fn missing_dataset() {
     let f = fixture("no-data");
     std::fs::remove_file(&f.data).unwrap();
-    f.fails(&[], Stage::Start, &[&path(&f.data), "No such file"]);
+    f.fails(
+        &[],
+        Stage::Start,
+        &[
+            &path(&f.data),
+            "config key `dataset.path`",
+            "does not exist",
+        ],
+    );
 }
 
 #[test]
@@ -605,6 +614,63 @@ fn resume_from_a_missing_dir() {
         Stage::Start,
         &[&path(&nowhere), "no such checkpoint directory"],
     );
+}
+
+/// Every file or directory the config points at that is missing is named by its key (and
+/// the path), before anything is read; the config file itself by --config.
+#[test]
+fn missing_sources_name_their_keys() {
+    let f = fixture("missing-sources");
+    let nowhere = f.dir.join("nowhere");
+    let at = |name: &str| nowhere.join(name).display().to_string();
+    // (A missing model.path and dataset.path: missing_model_dir, missing_dataset.)
+    let file = at("eval.jsonl");
+    let flag = format!("dataset.eval_path={file}");
+    let key = "config key `dataset.eval_path`";
+    f.fails(
+        &["--set", &flag],
+        Stage::Start,
+        &[key, &file, "does not exist"],
+    );
+    // An empty model directory: no config.json.
+    std::fs::create_dir_all(&nowhere).unwrap();
+    let flag = format!("model.path={}", nowhere.display());
+    f.fails(
+        &["--set", &flag],
+        Stage::Start,
+        &["model.path", "holds no config.json"],
+    );
+    // A registry name looked up in a directory without dataset_info.json.
+    let flags = [
+        "--set".to_string(),
+        "dataset.name=alpaca_demo".into(),
+        "--set".into(),
+        "dataset.format=null".into(),
+        "--set".into(),
+        format!("dataset.dataset_dir={}", nowhere.display()),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    f.fails(
+        &flags,
+        Stage::Start,
+        &["dataset.dataset_dir", "dataset_info.json"],
+    );
+    let out = mt_launch()
+        .args(["--config", &at("run.yaml"), "--gpus", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("no such config file (--config"), "{err}");
+    // --dry-run checks the outputs as a launch does.
+    let out = mt_launch()
+        .args(["--config", path_str(&f.config), "--gpus", "0", "--dry-run"])
+        .args(["--metrics-out", "/proc/nowhere/m.jsonl"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--metrics-out"), "{err}");
 }
 
 #[test]

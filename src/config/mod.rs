@@ -550,6 +550,12 @@ impl RunConfig {
         let asked = path;
         let moved = relocated(asked);
         let path = moved.as_deref().unwrap_or(asked);
+        if !path.is_file() {
+            return Err(Error::Config {
+                path: path.into(),
+                msg: "no such config file (--config; the shipped ones are under configs/, benchmark shapes under configs/bench/)".into(),
+            });
+        }
         let text = crate::bounded::read_text(path, crate::bounded::SMALL_JSON, "run config")?;
         let mut value: Value = serde_yaml_ng::from_str(&text).map_err(|e| Error::Config {
             path: path.into(),
@@ -577,15 +583,22 @@ impl RunConfig {
             let key = aliases::canonical(key.trim());
             // A data source replaces the other way of naming it: `--set dataset.path=my.json`
             // on a config that names a registry dataset trains on the file.
-            let other = match key {
-                "dataset.path" => Some(("dataset", "name")),
-                "dataset.name" => Some(("dataset", "path")),
-                _ => None,
+            // So does a model, and an eval set: held out (val_size) or given (eval_path,
+            // eval_name).
+            let others: &[&str] = match key {
+                "dataset.path" => &["name"],
+                "dataset.name" => &["path"],
+                "model.path" => &["name"],
+                "model.name" => &["path"],
+                "dataset.eval_path" | "dataset.eval_name" => &["val_size"],
+                "dataset.val_size" => &["eval_path", "eval_name"],
+                _ => &[],
             };
-            if let Some((section, other)) = other
-                && let Some(m) = value.get_mut(section).and_then(Value::as_mapping_mut)
-            {
-                m.remove(other);
+            let section = key.split('.').next().unwrap_or_default();
+            if let Some(m) = value.get_mut(section).and_then(Value::as_mapping_mut) {
+                for other in others {
+                    m.remove(*other);
+                }
             }
             match ov.contains('=') {
                 true => apply_override(&mut value, &format!("{key}={raw}"))?,
@@ -680,6 +693,60 @@ impl RunConfig {
         {
             fix(py);
         }
+    }
+
+    /// The model directory (and with `data`, the dataset files) the config points at
+    /// exist: a missing one is named by its key before anything is read. A plan passes
+    /// `data: false`: it may size a dataset that lives on another machine.
+    pub fn check_sources(&self, data: bool) -> Result<()> {
+        let m = &self.model;
+        if m.name.is_none() && m.shipped.is_none() {
+            let dir = &m.path;
+            let what = match (dir.is_dir(), dir.join("config.json").is_file()) {
+                (false, _) if dir.exists() => "is not a directory",
+                (false, _) => "does not exist",
+                (true, false) => "holds no config.json",
+                (true, true) => "",
+            };
+            if !what.is_empty() {
+                return Err(Error::invalid(
+                    "model.path",
+                    format!(
+                        "{} {what}: give a Hugging Face model directory (config.json, safetensors, tokenizer) or model.name (a hub id in the local cache)",
+                        dir.display()
+                    ),
+                ));
+            }
+        }
+        if !data {
+            return Ok(());
+        }
+        let ds = &self.dataset;
+        for (key, p) in [
+            ("dataset.path", &ds.path),
+            ("dataset.eval_path", &ds.eval_path),
+        ] {
+            if let Some(p) = p.as_ref().filter(|p| !p.exists()) {
+                return Err(Error::invalid(
+                    key,
+                    format!(
+                        "{} does not exist: give a JSON, JSONL or Parquet file, or a directory written by datasets' save_to_disk",
+                        p.display()
+                    ),
+                ));
+            }
+        }
+        let registry = ds.dataset_dir.join(crate::data::REGISTRY);
+        if (ds.name.is_some() || ds.eval_name.is_some()) && !registry.is_file() {
+            return Err(Error::invalid(
+                "dataset.dataset_dir",
+                format!(
+                    "{} does not exist: dataset.name and eval_name are looked up in the dataset_dir's dataset_info.json (LlamaFactory's registry); or give dataset.path",
+                    registry.display()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Checks every value that deserialization cannot; errors name the key.

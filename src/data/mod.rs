@@ -49,6 +49,7 @@ pub use batch::{
 pub use chat::builtin as chat_builtin;
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use records::{BadRecord, Conversation, Message, Role};
+pub use registry::REGISTRY;
 pub use rollouts::Rollouts;
 pub use sources::{needs_tokenizer, training_files};
 pub use split::held_out;

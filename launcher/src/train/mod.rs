@@ -156,14 +156,10 @@ impl Trainer {
         prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
         // Before any long work, and creating nothing yet: a metrics path that cannot be
         // written fails the launch now, not after start-up.
-        if let Some(m) = metrics_out.as_deref().filter(|_| lead) {
-            let dir = m.parent().filter(|d| !d.as_os_str().is_empty());
-            checkpoint::check_writable(dir.unwrap_or(std::path::Path::new(".")), "--metrics-out")?;
+        if lead {
+            check_outputs(&cfg, metrics_out.as_deref())?;
         }
         let tensorboard_dir = cfg.tensorboard_dir()?.filter(|_| lead);
-        if let Some(dir) = &tensorboard_dir {
-            checkpoint::check_writable(dir, "logging.logging_dir")?;
-        }
         let micro_batch = prepared.micro_batch(&cfg, placement.world());
         let dpo = match cfg.training.stage {
             Stage::Dpo => Some(cfg.dpo_params()?),
@@ -766,4 +762,18 @@ fn late_node_hook(mpi: Option<&crate::mpi::Mpi>) {
 /// no OpenMP pool of its spins on the cores the launcher's reduce and AdamW need.
 fn worker_threads(_device: Device) -> usize {
     1
+}
+
+/// The outputs a run writes besides its model and checkpoints (which the ownership check
+/// covers) can be written: `--metrics-out`'s directory and `logging.logging_dir`, checked
+/// before any long work and creating nothing (a launch and `--dry-run` alike).
+pub fn check_outputs(cfg: &RunConfig, metrics_out: Option<&std::path::Path>) -> Result<()> {
+    if let Some(m) = metrics_out {
+        let dir = m.parent().filter(|d| !d.as_os_str().is_empty());
+        checkpoint::check_writable(dir.unwrap_or(std::path::Path::new(".")), "--metrics-out")?;
+    }
+    if let Some(dir) = cfg.tensorboard_dir()? {
+        checkpoint::check_writable(&dir, "logging.logging_dir")?;
+    }
+    Ok(())
 }

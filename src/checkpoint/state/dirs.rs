@@ -147,7 +147,7 @@ pub fn resolve(spec: &str, root: Option<&Path>) -> Result<PathBuf> {
     if !dir.is_dir() {
         return Err(Error::Weights {
             path: dir,
-            msg: "no such checkpoint directory".into(),
+            msg: "no such checkpoint directory (--resume or training.resume_from_checkpoint: a step-NNNNNNNN directory or `latest`)".into(),
         });
     }
     if !dir.join(MARKER).is_file() {
