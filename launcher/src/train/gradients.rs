@@ -12,8 +12,8 @@ use mt::grpo::GrpoSums;
 use mt::protocol::{FromWorker, ToWorker, WorkerTimings};
 
 use super::{Trainer, nodes};
-use crate::host::IdleWork;
 use crate::supervisor::{Event, fatal};
+use mt::host::IdleWork;
 
 /// What the workers and the reduce reported for one step.
 pub(super) struct StepOutcome {

@@ -21,10 +21,10 @@ use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
 use crate::eval::{EvalSet, Objective};
 use crate::grpo::{Policy, reference_logps};
-use crate::host::HostState;
 use crate::prepare::Prepared;
 use crate::progress::{Progress, RunFacts, start_summary};
 use crate::supervisor::Supervisor;
+use mt::host::HostState;
 
 mod gradients;
 mod keep;

@@ -10,7 +10,7 @@
 //!
 //! With `nodes.shard_state` (the default) each node holds and updates its pieces of the
 //! master and moments only, and the updated store is gathered block by block before the
-//! next forward reads it ([`crate::host`]'s `shard`); replicated or sharded, the gradient,
+//! next forward reads it ([`mt::host`]'s `shard`); replicated or sharded, the gradient,
 //! its norm and so the training are the same bits.
 
 use std::ops::Range;
@@ -27,9 +27,9 @@ use mt::layout::shards::Shards;
 use mt::optim::AdamWStep;
 
 use super::Trainer;
-use crate::host::HostState;
 use crate::mpi::Mpi;
 use crate::prepare::Prepared;
+use mt::host::{HostState, Peers};
 
 /// Which blocks are final on this node, and the next one to exchange. Blocks are exchanged
 /// in one fixed order on every node (collectives must match): from the last block down,
@@ -186,7 +186,7 @@ impl Trainer {
             host.gather_blocks(moments, Some(&mut write))
                 .unwrap_or_else(|e| {
                     let msg = format!("{e:#}");
-                    gather_err = Some(e);
+                    gather_err = Some(anyhow::Error::from(e));
                     Err(mt::Error::Other(msg))
                 })
         });
@@ -303,7 +303,7 @@ pub(super) fn shards(
     cfg: &RunConfig,
     mpi: Option<&'static Mpi>,
     layout: &Layout,
-) -> Option<(Shards, &'static Mpi)> {
+) -> Option<(Shards, &'static dyn Peers)> {
     let m = mpi.filter(|_| cfg.nodes.shard_state)?;
     Some((Shards::new(layout, m.size, m.rank), m))
 }
