@@ -14,6 +14,8 @@ mod passes;
 pub mod peers;
 mod resident;
 mod shard;
+#[cfg(test)]
+mod tests;
 
 pub use peers::{Elems, ElemsRef, Peers, SOLO, Solo};
 pub use shard::WriteWindow;
