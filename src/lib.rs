@@ -17,6 +17,7 @@ pub mod dpo;
 pub mod error;
 pub mod fault;
 pub mod grpo;
+pub mod host;
 pub mod layout;
 pub mod metrics;
 pub mod optim;

@@ -9,7 +9,7 @@ mod eval;
 mod export;
 mod gpu;
 mod grpo;
-mod host;
+
 // MPI through a dlopen'd shim: FFI.
 #[allow(unsafe_code)]
 mod mpi;

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use half::bf16;
 use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW, Symbol};
+use mt::host::{Elems, ElemsRef, Peers};
 use mt::layout::shards::{Window, windows};
 
 /// Environment variables that say the process was started by an MPI launcher.
@@ -512,6 +513,74 @@ impl Mpi {
         // SAFETY: no arguments.
         self.watched(what, || unsafe { (self.fns.barrier)() })
     }
+}
+
+/// The host state's and the step's exchanges between nodes ([`mt::host::Peers`]), through
+/// this job's collectives; an error keeps the whole message of the collective's.
+impl Peers for Mpi {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn reduce_scatter_pieces(
+        &self,
+        what: &str,
+        buf: Elems,
+        pieces: &[Range<usize>],
+    ) -> mt::Result<()> {
+        match buf {
+            Elems::F32(b) => Mpi::reduce_scatter_pieces(self, what, b, pieces),
+            Elems::Bf16(b) => Mpi::reduce_scatter_pieces(self, what, b, pieces),
+            Elems::U16(_) => unreachable!("a split master's low halves are never summed"),
+        }
+        .map_err(lib_error)
+    }
+
+    fn allgather_pieces(&self, what: &str, buf: Elems, pieces: &[Range<usize>]) -> mt::Result<()> {
+        match buf {
+            Elems::F32(b) => Mpi::allgather_pieces(self, what, b, pieces),
+            Elems::Bf16(b) => Mpi::allgather_pieces(self, what, b, pieces),
+            Elems::U16(b) => Mpi::allgather_pieces(self, what, b, pieces),
+        }
+        .map_err(lib_error)
+    }
+
+    fn gather_pieces(
+        &self,
+        what: &str,
+        mine: ElemsRef,
+        all: Elems,
+        pieces: &[Range<usize>],
+    ) -> mt::Result<()> {
+        match (mine, all) {
+            (ElemsRef::F32(x), Elems::F32(a)) => Mpi::gather_pieces(self, what, x, a, pieces),
+            (ElemsRef::Bf16(x), Elems::Bf16(a)) => Mpi::gather_pieces(self, what, x, a, pieces),
+            (ElemsRef::U16(x), Elems::U16(a)) => Mpi::gather_pieces(self, what, x, a, pieces),
+            _ => unreachable!("a gather receives its pieces' element type"),
+        }
+        .map_err(lib_error)
+    }
+
+    fn allgather_f64(&self, what: &str, send: &[f64]) -> mt::Result<Vec<f64>> {
+        Mpi::allgather_f64(self, what, send).map_err(lib_error)
+    }
+
+    fn max_i64(&self, what: &str, value: i64) -> mt::Result<i64> {
+        Mpi::max_i64(self, what, value).map_err(lib_error)
+    }
+
+    fn waited(&self) -> Duration {
+        Mpi::waited(self)
+    }
+}
+
+/// A collective's error as the library's, its message whole (`{:#}`: every context).
+fn lib_error(e: anyhow::Error) -> mt::Error {
+    mt::Error::Other(format!("{e:#}"))
 }
 
 /// A window's C counts and displacements (relative to the window), by rank.

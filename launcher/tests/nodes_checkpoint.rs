@@ -1,7 +1,7 @@
 //! Checkpoints of a sharded state across nodes (`mpirun -np N mt-launch …`, CPU workers):
 //! node 0 gathers each block of the master and moments in windows of at most 2^24 elements
 //! and writes each window at its offsets before gathering the next, so that it never holds a
-//! whole block (launcher/src/host/shard.rs). The files must be the bytes one node writes.
+//! whole block (src/host/shard.rs). The files must be the bytes one node writes.
 //!
 //! Needs mpirun, as `nodes.rs` does (skipped with a message where it is absent, outside CI).
 

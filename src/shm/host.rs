@@ -192,6 +192,22 @@ impl GradSlabs {
         }
     }
 
+    /// Worker `rank`'s slot `slot`, written as that worker writes it: for the host state's
+    /// unit tests, which run without workers.
+    #[cfg(test)]
+    pub(crate) fn slot_mut<T: GradElem>(&mut self, rank: usize, slot: usize) -> &mut [T] {
+        assert!(slot < self.slots, "slot {slot} out of range");
+        assert_eq!(
+            std::mem::size_of::<T>(),
+            self.dtype.size(),
+            "the slabs' dtype"
+        );
+        let r = slot * self.slot_len..(slot + 1) * self.slot_len;
+        // SAFETY: no worker maps the region in a unit test, and `&mut self` keeps every
+        // view of the launcher's own (a reduce) out while this one lives.
+        unsafe { self.regions[rank].slice_mut(r) }
+    }
+
     /// Elements `offset..offset + n` of each worker's slot `slots[r]`.
     fn sources<T: GradElem>(&self, slots: &[usize], offset: usize, n: usize) -> Vec<&[T]> {
         let range = |s: usize| {

@@ -1,7 +1,8 @@
 //! A step's gradients as the workers deliver them: each part of a block reduced over the
 //! workers' slabs once every worker has sent it, its slots freed at once, and across nodes
 //! exchanged as soon as it is final here ([`super::nodes`]); then the workers' loss sums
-//! (and the DPO and GRPO sums) added in rank order.
+//! (and the DPO and GRPO sums) added in rank order; and the update of a block, which on
+//! several nodes gives every node the block's updated weights.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -9,11 +10,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use mt::dpo::DpoSums;
 use mt::grpo::GrpoSums;
+use mt::optim::AdamWStep;
 use mt::protocol::{FromWorker, ToWorker, WorkerTimings};
 
 use super::{Trainer, nodes};
-use crate::host::IdleWork;
 use crate::supervisor::{Event, fatal};
+use mt::host::IdleWork;
 
 /// What the workers and the reduce reported for one step.
 pub(super) struct StepOutcome {
@@ -39,6 +41,17 @@ pub(super) struct StepOutcome {
 }
 
 impl Trainer {
+    /// Applies update `hp` to block `block` (this node's pieces, where sharded) and gives
+    /// every node the updated weights of the block (on one node, nothing to give).
+    pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
+        self.host.update_block(block, hp, self.moments);
+        let (t, waited) = (Instant::now(), self.peers.waited());
+        self.host.gather_store(block)?;
+        self.update_exchange_s += t.elapsed().as_secs_f64();
+        self.update_exchange_wait_s += (self.peers.waited() - waited).as_secs_f64();
+        Ok(())
+    }
+
     /// Reduces gradient parts as every worker delivers them, until all workers report
     /// the step done.
     pub(super) fn collect_gradients(&mut self) -> Result<StepOutcome> {
@@ -68,7 +81,7 @@ impl Trainer {
             token_logps: Vec::new(),
         };
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
-        let waited_before = self.mpi.map(|m| m.waited());
+        let waited_before = self.peers.waited();
         // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
         // loss does not depend on which worker finished first.
         type Done = (f64, Option<DpoSums>, Option<Box<GrpoSums>>, Vec<f32>);
@@ -136,17 +149,17 @@ impl Trainer {
                             self.sup.send(r, ToWorker::SlotFree { slot: s })?;
                         }
                         let mut exchanged = Duration::ZERO;
-                        match (&mut exchange, self.mpi) {
-                            (Some(x), Some(m)) => {
+                        match &mut exchange {
+                            Some(x) => {
                                 // The norm is over the sum across nodes.
                                 if last {
                                     x.part_final(block);
                                 }
                                 let t = Instant::now();
-                                x.run_due(&mut self.host, m)?;
+                                x.run_due(&mut self.host, self.peers)?;
                                 exchanged = t.elapsed();
                             }
-                            _ => out.grad_sum_sq += sum_sq,
+                            None => out.grad_sum_sq += sum_sq,
                         }
                         out.exchange_s += exchanged.as_secs_f64();
                         out.reduce_s += (t.elapsed() - exchanged).as_secs_f64();
@@ -186,15 +199,13 @@ impl Trainer {
         self.host.settle_moments();
         out.moments_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
-        if let (Some(x), Some(m)) = (exchange, self.mpi) {
-            out.grad_sum_sq = x.sum_sq(m)?;
+        if let Some(x) = exchange {
+            out.grad_sum_sq = x.sum_sq(self.peers)?;
         }
         let losses: Vec<f64> = step_done.iter().flatten().map(|d| d.0).collect();
         out.loss_sum = self.global_loss(&losses)?;
         out.exchange_s += t.elapsed().as_secs_f64();
-        if let (Some(m), Some(before)) = (self.mpi, waited_before) {
-            out.exchange_wait_s = (m.waited() - before).as_secs_f64();
-        }
+        out.exchange_wait_s = (self.peers.waited() - waited_before).as_secs_f64();
         for (_, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
             if let Some(d) = dpo {
                 out.dpo.get_or_insert_default().add(&d);

@@ -14,8 +14,8 @@
 //! (the others would have to join the writes): there the message says why nothing was
 //! written.
 //!
-//! [`HostState::settle_moments`]: crate::host::HostState::settle_moments
-//! [`HostState::reduce_part`]: crate::host::HostState::reduce_part
+//! [`HostState::settle_moments`]: mt::host::HostState::settle_moments
+//! [`HostState::reduce_part`]: mt::host::HostState::reduce_part
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -21,10 +21,10 @@ use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
 use crate::eval::{EvalSet, Objective};
 use crate::grpo::{Policy, reference_logps};
-use crate::host::HostState;
 use crate::prepare::Prepared;
 use crate::progress::{Progress, RunFacts, start_summary};
 use crate::supervisor::Supervisor;
+use mt::host::HostState;
 
 mod gradients;
 mod keep;
@@ -76,7 +76,11 @@ pub struct Trainer {
     /// first and the moments during the next step ([`Trainer::run`]); `Write` in the same
     /// pass (`MT_DEFER_MOMENTS=0`). Both give the same bits.
     moments: Moments,
-    /// The other nodes, under mpirun ([`nodes`]).
+    /// The other nodes ([`nodes`]): the MPI job under mpirun, else [`mt::host::Solo`]; the
+    /// step makes the same calls either way.
+    peers: &'static dyn mt::host::Peers,
+    /// The MPI job, under mpirun: for what only a multi-node run does (the gradient
+    /// exchange as blocks become final, the exchange's timings, the shared checkpoint clock).
     mpi: Option<&'static crate::mpi::Mpi>,
     /// Seconds the current update spent gathering the store from the other nodes
     /// (reported in `exchange_s`, left out of `optimizer_s`).
@@ -481,6 +485,10 @@ impl Trainer {
             moments: match std::env::var("MT_DEFER_MOMENTS").as_deref() {
                 Ok("0") => Moments::Write,
                 _ => Moments::Keep,
+            },
+            peers: match mpi {
+                Some(m) => m,
+                None => &mt::host::SOLO,
             },
             mpi,
             update_exchange_s: 0.0,

@@ -10,7 +10,7 @@
 //!
 //! With `nodes.shard_state` (the default) each node holds and updates its pieces of the
 //! master and moments only, and the updated store is gathered block by block before the
-//! next forward reads it ([`crate::host`]'s `shard`); replicated or sharded, the gradient,
+//! next forward reads it ([`mt::host`]'s `shard`); replicated or sharded, the gradient,
 //! its norm and so the training are the same bits.
 
 use std::ops::Range;
@@ -24,12 +24,11 @@ use mt::config::{CheckpointContents, RunConfig, Stage};
 use mt::data::StepPlan;
 use mt::layout::Layout;
 use mt::layout::shards::Shards;
-use mt::optim::AdamWStep;
 
 use super::Trainer;
-use crate::host::HostState;
 use crate::mpi::Mpi;
 use crate::prepare::Prepared;
+use mt::host::{HostState, Peers};
 
 /// Which blocks are final on this node, and the next one to exchange. Blocks are exchanged
 /// in one fixed order on every node (collectives must match): from the last block down,
@@ -54,9 +53,9 @@ impl Exchange {
     }
 
     /// Exchanges every block now final on this node.
-    pub(super) fn run_due(&mut self, host: &mut HostState, mpi: &Mpi) -> Result<()> {
+    pub(super) fn run_due(&mut self, host: &mut HostState, peers: &dyn Peers) -> Result<()> {
         while let Some(b) = self.due() {
-            self.sums[b] = host.exchange_block(b, mpi)?;
+            self.sums[b] = host.exchange_block(b, peers)?;
         }
         Ok(())
     }
@@ -64,15 +63,15 @@ impl Exchange {
     /// Σ g² over every parameter: each block's pieces in rank order, block after block
     /// from the last (sharded, every node's own pieces gathered first). The same bits on
     /// every node, replicated or sharded.
-    pub(super) fn sum_sq(self, mpi: &Mpi) -> Result<f64> {
+    pub(super) fn sum_sq(self, peers: &dyn Peers) -> Result<f64> {
         assert!(self.next.is_none(), "every block is exchanged");
-        let blocks = self.sums.len();
+        let (blocks, nodes) = (self.sums.len(), peers.size());
         let mut sums = self.sums;
-        if sums.iter().all(|s| s.len() == 1) && mpi.size > 1 {
+        if sums.iter().all(|s| s.len() == 1) && nodes > 1 {
             let mine: Vec<f64> = sums.iter().map(|s| s[0]).collect();
-            let all = mpi.allgather_f64("the gradient norm gather", &mine)?;
+            let all = peers.allgather_f64("the gradient norm gather", &mine)?;
             for (b, s) in sums.iter_mut().enumerate() {
-                *s = (0..mpi.size).map(|r| all[r * blocks + b]).collect();
+                *s = (0..nodes).map(|r| all[r * blocks + b]).collect();
             }
         }
         Ok(sums.iter().rev().flatten().fold(0.0, |a, b| a + b))
@@ -103,44 +102,27 @@ impl Trainer {
     /// Whether this launcher writes the run's files (metrics, checkpoints, the model):
     /// node 0, or the only one.
     pub(super) fn lead(&self) -> bool {
-        self.mpi.is_none_or(|m| m.rank == 0)
+        self.peers.rank() == 0
     }
 
     /// Workers over every node.
     pub(super) fn global_world(&self) -> usize {
-        self.sup.world() * self.mpi.map_or(1, |m| m.size)
+        self.sup.world() * self.peers.size()
     }
 
-    /// This node's ranks of the global `plan`: the n-th contiguous slice of them.
+    /// This node's ranks of the global `plan`: the n-th contiguous slice of them (on one
+    /// node, all of them).
     pub(super) fn node_slice(&self, mut plan: StepPlan) -> StepPlan {
-        if let Some(m) = self.mpi {
-            let w = self.sup.world();
-            plan.per_rank = plan.per_rank.drain(m.rank * w..(m.rank + 1) * w).collect();
-        }
+        let (w, rank) = (self.sup.world(), self.peers.rank());
+        plan.per_rank = plan.per_rank.drain(rank * w..(rank + 1) * w).collect();
         plan
     }
 
     /// The sum of every worker's loss over all nodes, added in global rank order (as one
     /// node adds its workers'): the same bits as one node of all the workers.
     pub(super) fn global_loss(&self, local: &[f64]) -> Result<f64> {
-        let all = match self.mpi {
-            Some(m) => m.allgather_f64("the loss gather", local)?,
-            None => local.to_vec(),
-        };
+        let all = self.peers.allgather_f64("the loss gather", local)?;
         Ok(all.iter().fold(0.0, |a, b| a + b))
-    }
-
-    /// Applies update `hp` to block `block` (this node's pieces, where sharded) and gives
-    /// every node the updated weights of the block.
-    pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
-        self.host.update_block(block, hp, self.moments);
-        let (t, waited) = (Instant::now(), self.mpi.map(|m| m.waited()));
-        self.host.gather_store(block)?;
-        self.update_exchange_s += t.elapsed().as_secs_f64();
-        if let (Some(m), Some(before)) = (self.mpi, waited) {
-            self.update_exchange_wait_s += (m.waited() - before).as_secs_f64();
-        }
-        Ok(())
     }
 
     /// [`Trainer::checkpoint`] of a sharded state: node 0 gathers the master (and moments) a
@@ -186,7 +168,7 @@ impl Trainer {
             host.gather_blocks(moments, Some(&mut write))
                 .unwrap_or_else(|e| {
                     let msg = format!("{e:#}");
-                    gather_err = Some(e);
+                    gather_err = Some(anyhow::Error::from(e));
                     Err(mt::Error::Other(msg))
                 })
         });
@@ -246,10 +228,9 @@ impl Trainer {
     /// The stop signal any node received (all stop at the same step boundary).
     pub(super) fn stop_requested(&self) -> Result<Option<nix::sys::signal::Signal>> {
         let mine = crate::unix::stop_requested();
-        let Some(m) = self.mpi else {
-            return Ok(mine);
-        };
-        let any = m.max_i64("the stop check", mine.map_or(0, |s| s as i64))?;
+        let any = self
+            .peers
+            .max_i64("the stop check", mine.map_or(0, |s| s as i64))?;
         Ok(nix::sys::signal::Signal::try_from(any as i32).ok())
     }
 }
@@ -303,7 +284,7 @@ pub(super) fn shards(
     cfg: &RunConfig,
     mpi: Option<&'static Mpi>,
     layout: &Layout,
-) -> Option<(Shards, &'static Mpi)> {
+) -> Option<(Shards, &'static dyn Peers)> {
     let m = mpi.filter(|_| cfg.nodes.shard_state)?;
     Some((Shards::new(layout, m.size, m.rank), m))
 }

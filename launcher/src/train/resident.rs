@@ -10,8 +10,8 @@ use mt::optim::AdamWStep;
 use mt::protocol::{FromWorker, ResidentPart, ToWorker};
 
 use super::Trainer;
-use crate::host::HostState;
 use crate::supervisor::{Event, Supervisor, fatal};
+use mt::host::HostState;
 
 const PARTS: [ResidentPart; 3] = [ResidentPart::Master, ResidentPart::M, ResidentPart::V];
 

@@ -21,7 +21,7 @@ use mt::checkpoint;
 use mt::config::hf::ModelSpec;
 use mt::config::{Init as InitKind, RunConfig, Stage};
 
-use crate::host::HostState;
+use mt::host::HostState;
 
 /// Fills the master weights and the store with the run's initial model.
 pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSpec) -> Result<()> {
@@ -32,13 +32,14 @@ pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSp
             if cfg.checkpoint.verify && dir.join(checkpoint::manifest::EXPORT_MARKER).is_file() {
                 verified(dir)?;
             }
-            host.init_master(|layout, master| checkpoint::load_pretrained(dir, layout, master))
+            host.init_master(|layout, master| checkpoint::load_pretrained(dir, layout, master))?;
         }
         InitKind::Random => host.init_master(|layout, master| {
             checkpoint::init_random(layout, spec, cfg.training.seed, master);
             Ok(())
-        }),
+        })?,
     }
+    Ok(())
 }
 
 /// Checks, before anything is loaded, that checkpoint `dir` continues this launch's run:

@@ -7,10 +7,10 @@
 //! at most one gradient slot of f32 values): [`HostState::stage_resident`] writes a piece
 //! for the workers to load, [`HostState::take_resident`] reads one a worker saved.
 
+use crate::checkpoint::staging::Part;
+use crate::optim::bits;
+use crate::protocol::{ResidentInit, ResidentPart};
 use half::bf16;
-use mt::checkpoint::staging::Part;
-use mt::optim::bits;
-use mt::protocol::{ResidentInit, ResidentPart};
 use rayon::prelude::*;
 
 use super::{AdamMoments, Grad, HostState, Master, store_bf16};
@@ -25,8 +25,8 @@ impl HostState {
     pub fn resident_init(&self, split: bool) -> Option<ResidentInit> {
         let transfer = self.transfer.as_ref()?;
         let (grad, grad_dtype) = match &self.grad {
-            Grad::F32(super::Acc::Shared(g)) => (g.handle(), mt::config::DType::Float32),
-            Grad::Bf16(super::Acc::Shared(g)) => (g.handle(), mt::config::DType::Bfloat16),
+            Grad::F32(super::Acc::Shared(g)) => (g.handle(), crate::config::DType::Float32),
+            Grad::Bf16(super::Acc::Shared(g)) => (g.handle(), crate::config::DType::Bfloat16),
             _ => unreachable!("resident blocks come with a shared accumulator"),
         };
         Some(ResidentInit {

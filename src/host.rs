@@ -4,32 +4,42 @@
 //! slabs, all indexed by the one `Layout`.
 //!
 //! On several nodes with `nodes.shard_state` the master weights and moments hold this
-//! node's pieces of every block only ([`mt::layout::shards`]; [`shard`]).
+//! node's pieces of every block only ([`crate::layout::shards`]; [`shard`]), and the nodes
+//! exchange through [`Peers`].
+//!
+//! Library code: the launcher drives it step by step; the unit tests (`tests`) drive it
+//! without any process.
 
 mod passes;
+pub mod peers;
 mod resident;
 mod shard;
+#[cfg(test)]
+mod tests;
+
+pub use peers::{Elems, ElemsRef, Peers, SOLO, Solo};
+pub use shard::WriteWindow;
 
 use passes::{Place, Run, moments_pass, reduce_tensors, update};
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
-use anyhow::{Context, Result};
+use crate::checkpoint::staging::{Gate, Part};
+use crate::checkpoint::state::{self, Schedule, Tensors, TrainState};
+use crate::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
+use crate::checkpoint::{MasterMut, MasterRef};
+use crate::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
+use crate::layout::Layout;
+use crate::layout::shards::Shards;
+use crate::optim::{AdamWStep, Moments};
+use crate::reduce::GradElem;
+use crate::shm::RegionKind;
+use crate::shm::host::{GradSlabs, SharedVec, Store};
+use crate::shm::huge::zeroed;
+use crate::shm::lent::Buf;
+use crate::{Error, Result};
 use half::bf16;
-use mt::checkpoint::staging::{Gate, Part};
-use mt::checkpoint::state::{self, Schedule, Tensors, TrainState};
-use mt::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
-use mt::checkpoint::{MasterMut, MasterRef};
-use mt::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
-use mt::layout::Layout;
-use mt::layout::shards::Shards;
-use mt::optim::{AdamWStep, Moments};
-use mt::reduce::GradElem;
-use mt::shm::RegionKind;
-use mt::shm::host::{GradSlabs, SharedVec, Store};
-use mt::shm::huge::zeroed;
-use mt::shm::lent::Buf;
 
 /// How the master weights are held (`memory.master_weights`).
 enum Master {
@@ -125,7 +135,7 @@ enum Acc<T> {
     Shared(SharedVec<T>),
 }
 
-impl<T: mt::shm::Pod + mt::shm::huge::Zeroable + Default> Acc<T> {
+impl<T: crate::shm::Pod + crate::shm::huge::Zeroable + Default> Acc<T> {
     fn new(n: usize, shared: Option<&str>) -> Result<Acc<T>> {
         Ok(match shared {
             None => Acc::Private(zeroed(n)),
@@ -134,7 +144,7 @@ impl<T: mt::shm::Pod + mt::shm::huge::Zeroable + Default> Acc<T> {
     }
 }
 
-impl<T: mt::shm::Pod> std::ops::Deref for Acc<T> {
+impl<T: crate::shm::Pod> std::ops::Deref for Acc<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         match self {
@@ -144,7 +154,7 @@ impl<T: mt::shm::Pod> std::ops::Deref for Acc<T> {
     }
 }
 
-impl<T: mt::shm::Pod> std::ops::DerefMut for Acc<T> {
+impl<T: crate::shm::Pod> std::ops::DerefMut for Acc<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         match self {
             Acc::Private(v) => v,
@@ -171,7 +181,7 @@ pub struct HostState {
     deferred: Option<Deferred>,
     /// This node's pieces and the nodes, where the master and moments are sharded across
     /// nodes.
-    shards: Option<(Shards, &'static crate::mpi::Mpi)>,
+    shards: Option<(Shards, &'static dyn Peers)>,
     /// Blocks `..resident` are updated by the workers, which hold them
     /// (`memory.resident_blocks`); the host's copy of their master and moments is brought
     /// up to date piece by piece through [`HostState::take_resident`].
@@ -205,7 +215,7 @@ impl HostState {
         cfg: &RunConfig,
         layout: Layout,
         workers: usize,
-        shards: Option<(Shards, &'static crate::mpi::Mpi)>,
+        shards: Option<(Shards, &'static dyn Peers)>,
         resident: usize,
     ) -> Result<HostState> {
         let n = layout.total;
@@ -273,7 +283,7 @@ impl HostState {
     /// the store from them.
     pub fn init_master(
         &mut self,
-        fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
+        fill: impl FnOnce(&Layout, &mut MasterMut) -> crate::Result<()>,
     ) -> Result<()> {
         assert!(self.checkpoint.is_none(), "no checkpoint is being written");
         if self.shards.is_some() {
@@ -336,14 +346,14 @@ impl HostState {
             })
             .collect();
         let tensors = values.iter().map(|(name, shape, g)| {
-            let bytes: &[u8] = mt::shm::f32_bytes(g);
+            let bytes: &[u8] = crate::shm::f32_bytes(g);
             let view =
                 safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
                     .expect("shape matches data");
             (name.as_str(), view)
         });
         safetensors::serialize_to_file(tensors, None, path)
-            .with_context(|| format!("write gradients to {}", path.display()))
+            .map_err(|e| Error::Other(format!("write gradients to {}: {e}", path.display())))
     }
 
     /// Where training stands after `step` steps with `nan_run` non-finite steps in a row.
@@ -458,12 +468,12 @@ impl HostState {
         writer: &mut Writer,
         state: TrainState,
         contents: CheckpointContents,
-    ) -> mt::Result<(f64, Vec<Written>)> {
+    ) -> crate::Result<(f64, Vec<Written>)> {
         // The writer reads a part of a block only while its gate state lets it, and every
         // change of a block's master (the store too, where it holds the master), m or v
         // goes through `update_block` or `settle_moments_down_to`, whose first step for a
         // part is `before_block_changes`: it stages the part, or waits until the writer is
-        // done reading it (mt::shm::lent's protocol); the moments pass due at the start
+        // done reading it (crate::shm::lent's protocol); the moments pass due at the start
         // makes the checkpoint's moments and tells the gate so. `restore` and
         // `init_master`, which change everything, run before any checkpoint (asserted).
         let due_below = self.deferred.as_ref().map_or(0, |d| d.below);

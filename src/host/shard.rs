@@ -1,6 +1,6 @@
 //! The host state across nodes: the gradient exchange, and with `nodes.shard_state` the
 //! master weights and moments held as this node's pieces of every block
-//! ([`mt::layout::shards`]).
+//! ([`crate::layout::shards`]).
 //!
 //! Each block's gradient, once final on the node, is summed over the nodes by a
 //! reduce-scatter over the block's pieces: node r gets the sum of piece r, each piece summed
@@ -25,19 +25,20 @@ use std::ops::Range;
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 
-use anyhow::Result;
+use crate::checkpoint::state::{BlockValues, Field, Saved, Tensors, TrainState};
+use crate::checkpoint::{MasterMut, MasterRef};
+use crate::layout::Layout;
+use crate::layout::shards::{GATHER_WINDOW, Shards, piece, windows};
+use crate::optim::StoreOut;
+use crate::optim::bits;
+use crate::reduce::GradElem;
+use crate::shm::huge::zeroed;
 use half::bf16;
-use mt::checkpoint::state::{BlockValues, Field, Saved, Tensors, TrainState};
-use mt::checkpoint::{MasterMut, MasterRef};
-use mt::layout::Layout;
-use mt::layout::shards::{GATHER_WINDOW, Shards, piece, windows};
-use mt::optim::StoreOut;
-use mt::optim::bits;
-use mt::reduce::GradElem;
-use mt::shm::huge::zeroed;
 
 use super::{AdamMoments, Grad, HostState, Master, store_bf16, sum_sq};
-use crate::mpi::{Elem, Mpi};
+use crate::{Error, Result};
+
+use super::peers::{Elems, Peers};
 
 /// One window of a block of the master or a moment, gathered on node 0 (the largest
 /// window's size, reused window after window; empty on the other nodes).
@@ -69,7 +70,7 @@ impl Whole {
     /// elsewhere).
     fn gather(
         &mut self,
-        mpi: &Mpi,
+        peers: &dyn Peers,
         what: &str,
         local: &Local,
         l: Range<usize>,
@@ -77,10 +78,14 @@ impl Whole {
         parts: &[Range<usize>],
     ) -> Result<()> {
         match (local, self) {
-            (Local::F32(x), Whole::F32(a)) => mpi.gather_pieces(what, &x[l], &mut a[..keep], parts),
-            (Local::U16(x), Whole::U16(a)) => mpi.gather_pieces(what, &x[l], &mut a[..keep], parts),
+            (Local::F32(x), Whole::F32(a)) => {
+                peers.gather_pieces(what, (&x[l]).into(), (&mut a[..keep]).into(), parts)
+            }
+            (Local::U16(x), Whole::U16(a)) => {
+                peers.gather_pieces(what, (&x[l]).into(), (&mut a[..keep]).into(), parts)
+            }
             (Local::Bf16(x), Whole::Bf16(a)) => {
-                mpi.gather_pieces(what, &x[l], &mut a[..keep], parts)
+                peers.gather_pieces(what, (&x[l]).into(), (&mut a[..keep]).into(), parts)
             }
             _ => unreachable!("a gathered block has its pieces' dtype"),
         }
@@ -99,7 +104,7 @@ impl Whole {
 /// Where [`HostState::gather_blocks`] hands node 0 each window's values: the block, the
 /// window's elements within it, and their values (element 0 is the window's first).
 pub type WriteWindow<'a> =
-    &'a mut dyn FnMut(usize, Range<usize>, &dyn BlockValues) -> mt::Result<()>;
+    &'a mut dyn FnMut(usize, Range<usize>, &dyn BlockValues) -> crate::Result<()>;
 
 /// Test hook: a gather window shorter than [`GATHER_WINDOW`] ([`gather_window`]).
 const ENV_GATHER_WINDOW: &str = "MT_GATHER_WINDOW";
@@ -113,9 +118,9 @@ fn gather_window() -> Result<usize> {
     };
     match v.parse::<usize>() {
         Ok(n) if (1..=GATHER_WINDOW).contains(&n) => Ok(n),
-        _ => anyhow::bail!(
+        _ => Err(Error::Other(format!(
             "{ENV_GATHER_WINDOW}={v}: expected a count of elements from 1 to {GATHER_WINDOW}"
-        ),
+        ))),
     }
 }
 
@@ -135,28 +140,28 @@ impl HostState {
     /// of its pieces, each summed by one rank: the same bits on every node; replicated, then
     /// an all-gather) and returns Σ g² of each piece this node holds summed: every piece,
     /// or sharded, its own. The block's gaps are zero on every node and stay so.
-    pub fn exchange_block(&mut self, block: usize, mpi: &Mpi) -> Result<Vec<f64>> {
-        let pieces = self.pieces(block, mpi.size);
+    pub fn exchange_block(&mut self, block: usize, peers: &dyn Peers) -> Result<Vec<f64>> {
+        let pieces = self.pieces(block, peers.size());
         let r = self.layout.blocks[block].range();
         let what = format!("the gradient exchange of block {block}");
         let sharded = self.shards.is_some();
         match &mut self.grad {
-            Grad::F32(g) => exchange(mpi, &what, &mut g[r], &pieces, sharded),
-            Grad::Bf16(g) => exchange(mpi, &what, &mut g[r], &pieces, sharded),
+            Grad::F32(g) => exchange(peers, &what, &mut g[r], &pieces, sharded),
+            Grad::Bf16(g) => exchange(peers, &what, &mut g[r], &pieces, sharded),
         }
     }
 
     /// Gives every node the store pieces of block `block` the others updated.
     pub fn gather_store(&mut self, block: usize) -> Result<()> {
-        let Some((_, mpi)) = &self.shards else {
+        let Some((_, peers)) = &self.shards else {
             return Ok(());
         };
-        let mpi: &Mpi = mpi;
-        let pieces = self.pieces(block, mpi.size);
+        let peers: &dyn Peers = *peers;
+        let pieces = self.pieces(block, peers.size());
         let what = format!("the weights exchange of block {block}");
         match self.store.out_mut(self.layout.blocks[block].range()) {
-            StoreOut::F32(s) => mpi.allgather_pieces(&what, s, &pieces),
-            StoreOut::Bf16(s) => mpi.allgather_pieces(&what, s, &pieces),
+            StoreOut::F32(s) => peers.allgather_pieces(&what, s.into(), &pieces),
+            StoreOut::Bf16(s) => peers.allgather_pieces(&what, s.into(), &pieces),
         }
     }
 
@@ -166,7 +171,7 @@ impl HostState {
     /// low halves). No whole copy is held, so the start-up peak is the plan's.
     pub(super) fn init_master_sharded(
         &mut self,
-        fill: impl FnOnce(&Layout, &mut MasterMut) -> mt::Result<()>,
+        fill: impl FnOnce(&Layout, &mut MasterMut) -> crate::Result<()>,
     ) -> Result<()> {
         let n = self.layout.total;
         let rounded = AtomicU64::new(0);
@@ -214,7 +219,7 @@ impl HostState {
     /// pieces of the store, and gathers the others'.
     pub(super) fn restore_sharded(&mut self, dir: &std::path::Path) -> Result<TrainState> {
         let saved = Saved::open(dir, &self.layout)?;
-        let (shards, mpi) = self.shards.clone().expect("sharded");
+        let (shards, peers) = self.shards.clone().expect("sharded");
         let (rounded, moments_rounded) = (AtomicU64::new(0), AtomicU64::new(0));
         for b in 0..self.layout.blocks.len() {
             let (g, l) = (shards.mine(b), shards.local_range(b));
@@ -268,7 +273,7 @@ impl HostState {
                 moments = rounded.1,
                 "{}: values of the checkpoint (rank {}) are not bf16 values and were rounded to nearest even for the bfloat16 master or moments: the run does not continue exactly as the saved one would have",
                 dir.display(),
-                mpi.rank
+                peers.rank()
             );
         }
         self.updates = saved.state.updates;
@@ -292,11 +297,12 @@ impl HostState {
         &mut self,
         moments: bool,
         mut write: Option<WriteWindow>,
-    ) -> Result<mt::Result<()>> {
+    ) -> Result<crate::Result<()>> {
         self.settle_moments();
         let window = gather_window()?;
-        let (shards, mpi) = self.shards.as_ref().expect("sharded");
-        let lead = mpi.rank == 0;
+        let (shards, peers) = self.shards.as_ref().expect("sharded");
+        let (peers, rank): (&dyn Peers, usize) = (*peers, peers.rank());
+        let lead = rank == 0;
         let n = if lead {
             self.layout.max_block_len().min(window)
         } else {
@@ -323,7 +329,7 @@ impl HostState {
         let mut bufs: Vec<Whole> = fields.iter().map(|f| Whole::like(f, n)).collect();
         let mut written = Ok(());
         for b in 0..self.layout.blocks.len() {
-            let (pieces, l) = (self.pieces(b, mpi.size), shards.local_range(b));
+            let (pieces, l) = (self.pieces(b, peers.size()), shards.local_range(b));
             let at = self.layout.blocks[b].offset;
             for w in windows(&pieces, window) {
                 // Each rank's part within the window, and this rank's in its local buffers.
@@ -332,7 +338,7 @@ impl HostState {
                     .iter()
                     .map(|p| p.start - w.range.start..p.end - w.range.start)
                     .collect();
-                let mine = w.within(mpi.rank, &pieces[mpi.rank]);
+                let mine = w.within(rank, &pieces[rank]);
                 let local = l.start + mine.start..l.start + mine.end;
                 let (len, keep) = (w.range.len(), if lead { w.range.len() } else { 0 });
                 let what = format!(
@@ -340,7 +346,7 @@ impl HostState {
                     w.range.start, w.range.end
                 );
                 for (f, buf) in fields.iter().zip(&mut bufs) {
-                    buf.gather(mpi, &what, f, local.clone(), keep, &parts)?;
+                    buf.gather(peers, &what, f, local.clone(), keep, &parts)?;
                 }
                 let Some(write) = write.as_mut().filter(|_| written.is_ok()) else {
                     continue;
@@ -422,9 +428,9 @@ fn put_piece<S, L>(
     }
 }
 
-/// Elements per lock of a [`Striped`] slice: a piece of the fill ([`mt::checkpoint::master::PIECE`]
+/// Elements per lock of a [`Striped`] slice: a piece of the fill ([`crate::checkpoint::master::PIECE`]
 /// elements) meets at most two stripes.
-const STRIPE: usize = mt::checkpoint::master::PIECE;
+const STRIPE: usize = crate::checkpoint::master::PIECE;
 
 /// A slice written from several threads at once, each element by one of them, through one
 /// lock per stripe of [`STRIPE`] elements (uncontended but at a shared stripe's edge).
@@ -460,19 +466,22 @@ enum Store<'a> {
 }
 
 /// [`HostState::exchange_block`] on the block's gradient `g`.
-fn exchange<G: Elem + GradElem + Sync>(
-    mpi: &Mpi,
+fn exchange<G: GradElem + Sync>(
+    peers: &dyn Peers,
     what: &str,
     g: &mut [G],
     pieces: &[Range<usize>],
     sharded: bool,
-) -> Result<Vec<f64>> {
-    let mine = pieces[mpi.rank].clone();
-    mpi.reduce_scatter_pieces(what, g, pieces)?;
+) -> Result<Vec<f64>>
+where
+    for<'a> &'a mut [G]: Into<Elems<'a>>,
+{
+    let mine = pieces[peers.rank()].clone();
+    peers.reduce_scatter_pieces(what, (&mut *g).into(), pieces)?;
     if sharded {
         return Ok(vec![sum_sq(&g[mine])]);
     }
-    mpi.allgather_pieces(what, g, pieces)?;
+    peers.allgather_pieces(what, (&mut *g).into(), pieces)?;
     Ok(pieces.iter().map(|p| sum_sq(&g[p.clone()])).collect())
 }
 
@@ -480,7 +489,7 @@ fn exchange<G: Elem + GradElem + Sync>(
 mod tests {
     use std::path::Path;
 
-    use mt::config::hf::{HfConfig, ModelSpec};
+    use crate::config::hf::{HfConfig, ModelSpec};
 
     use super::*;
 
