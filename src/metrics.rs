@@ -127,7 +127,7 @@ pub struct GrpoMetrics {
 impl GrpoMetrics {
     /// The step's metrics from its completions' sums and rewards; `kl`: whether the run has
     /// a KL term.
-    pub fn of(s: &crate::grpo::GrpoSums, rewards: &[f64], kl: bool) -> GrpoMetrics {
+    pub fn of(s: &crate::objective::GrpoSums, rewards: &[f64], kl: bool) -> GrpoMetrics {
         let n = rewards.len().max(1) as f64;
         let mean = rewards.iter().sum::<f64>() / n;
         let ss: f64 = rewards.iter().map(|r| (r - mean) * (r - mean)).sum();
@@ -166,7 +166,7 @@ pub struct DpoMetrics {
 
 impl DpoMetrics {
     /// The means of a step's sums.
-    pub fn of(s: &crate::dpo::DpoSums) -> DpoMetrics {
+    pub fn of(s: &crate::objective::DpoSums) -> DpoMetrics {
         let n = s.pairs.max(1) as f64;
         DpoMetrics {
             chosen: s.chosen_reward / n,

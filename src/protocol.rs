@@ -47,17 +47,18 @@
 //!                                    ◀──   EvalDone{index, loss_sum, logps}
 //! ```
 //!
-//! Under DPO (`Init::dpo`) a step's micro-batches hold whole preference pairs with their
-//! reference log-probabilities, `loss_scale` is 1 / pairs in the step, and `StepDone`
-//! carries the pairs' loss and reward sums.
+//! `Init::objective` says what steps train on ([`Objective`]). Under DPO a step's
+//! micro-batches hold whole preference pairs with their reference log-probabilities,
+//! `loss_scale` is 1 / pairs in the step, and `StepDone` carries the pairs' loss and reward
+//! sums.
 //!
-//! Under GRPO (`Init::grpo`) a micro-batch's rows are completions with their advantages,
-//! past a batch's first step (`num_iterations` > 1) every completion token's old
-//! log-probability, and with `grpo.beta` > 0 every completion token's reference one (from
-//! the forward-only pass before the first step); `loss_scale` is 1 / completions in the step (1 / completion tokens
-//! under `dapo`); `StepDone` carries the completions' sums and, on a batch's first step,
-//! the log-probabilities of the worker's completion tokens, its micro-batches in order
-//! (the old ones of the batch's later steps).
+//! Under GRPO a micro-batch's rows are completions with their advantages, past a batch's
+//! first step (`num_iterations` > 1) every completion token's old log-probability, and with
+//! `grpo.beta` > 0 every completion token's reference one (from the forward-only pass
+//! before the first step); `loss_scale` is 1 / completions in the step (1 / completion
+//! tokens under `dapo`); `StepDone` carries the completions' sums and, on a batch's first
+//! step, the log-probabilities of the worker's completion tokens, its micro-batches in
+//! order (the old ones of the batch's later steps).
 //!
 //! A slot holds `layout.grad_slot_len()` elements (the largest decoder layer), so a block
 //! larger than that (the embedding, an untied lm_head) is sent in parts: part p of block b
@@ -70,11 +71,10 @@
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
 
+use crate::config::DType;
 use crate::config::hf::ModelSpec;
-use crate::config::{DType, DpoParams, GrpoParams};
-use crate::dpo::DpoSums;
-use crate::grpo::GrpoSums;
 use crate::layout::Layout;
+use crate::objective::{Objective, ObjectiveSums};
 use crate::shm::RegionHandle;
 
 /// Environment variable carrying the one-shot server name to a worker.
@@ -137,11 +137,9 @@ pub struct Init {
     pub warm_up: Option<(usize, usize)>,
     /// The layers' buffers (not trained; the store does not hold them).
     pub buffers: Vec<LayerBuffer>,
-    /// `training.stage: dpo`: steps train on the DPO loss of their pairs ([`crate::dpo`]).
-    pub dpo: Option<DpoParams>,
-    /// `training.stage: grpo`: steps train on the GRPO loss of their completions
-    /// ([`crate::grpo`]).
-    pub grpo: Option<GrpoParams>,
+    /// What steps train on: the LM loss, DPO's of their pairs or GRPO's of their
+    /// completions ([`crate::objective`]).
+    pub objective: Objective,
     /// `memory.resident_blocks`: the leading blocks this worker keeps and updates itself.
     #[serde(default)]
     pub resident: Option<ResidentInit>,
@@ -341,13 +339,9 @@ pub enum FromWorker {
         loss_sum: f64,
         tokens: u64,
         timings: WorkerTimings,
-        /// Under DPO, the pairs' sums for the metrics.
+        /// Under DPO the pairs' sums, under GRPO the completions', for the metrics.
         #[serde(default)]
-        dpo: Option<DpoSums>,
-        /// Under GRPO, the completions' sums for the metrics (boxed: the supervisor's events
-        /// hold every message by value).
-        #[serde(default)]
-        grpo: Option<Box<GrpoSums>>,
+        sums: ObjectiveSums,
         /// Under GRPO, on a batch's first step with `num_iterations` > 1: every completion
         /// token's log-probability, micro-batch after micro-batch, row after row.
         #[serde(default)]

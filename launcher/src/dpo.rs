@@ -1,5 +1,5 @@
 //! `training.stage: dpo` in the launcher: the reference log-probabilities and the pairs'
-//! metrics. The loss itself is the workers' ([`mt::dpo`], worker/src/head.rs).
+//! metrics. The loss itself is the workers' ([`mt::objective::dpo`], worker/src/head/).
 //!
 //! The reference model is the initial weights, so no second copy of the model is kept:
 //! before the first step, one forward-only pass over the training set (the eval path,

@@ -12,11 +12,11 @@
 //! - `pt`, `sft`: the summed token cross-entropy over the label tokens of the whole set
 //!   over their count (not a mean of batch means);
 //! - `dpo`: each row's summed label log-probability, then the pairs' DPO loss and TRL's
-//!   reward metrics ([`mt::dpo::pair_terms`], the training objective's own function) against
+//!   reward metrics ([`mt::objective::dpo::pair_terms`], the training objective's own function) against
 //!   the eval rows' reference log-probabilities (computed with the training rows' before
 //!   the first step, [`crate::dpo`]): the mean loss over the eval pairs;
 //! - `grpo`: each completion token's log-probability, then the GRPO loss of the whole set
-//!   as one batch under the current policy ([`mt::grpo::token_terms`] with ratio 1, as on a
+//!   as one batch under the current policy ([`mt::objective::grpo::token_terms`] with ratio 1, as on a
 //!   batch's first step), the advantages relative to the eval groups, the KL term (β > 0)
 //!   against the eval rows' reference log-probabilities ([`crate::grpo::reference_logps`]).
 
@@ -55,7 +55,11 @@ impl Objective {
     pub fn rollouts(params: GrpoParams, r: Rollouts, refs: Option<Vec<Vec<f32>>>) -> Objective {
         Objective::Rollouts {
             params,
-            advantages: mt::grpo::advantages(&r.rewards, &r.groups, params.scale_rewards),
+            advantages: mt::objective::grpo::advantages(
+                &r.rewards,
+                &r.groups,
+                params.scale_rewards,
+            ),
             rewards: r.rewards,
             refs,
         }
@@ -161,7 +165,9 @@ impl EvalSet {
                     logps.len(),
                     refs.len()
                 );
-                let sums = mt::dpo::pair_terms(params, &logps, refs, &self.row_tokens, 1.0).sums;
+                let sums =
+                    mt::objective::dpo::pair_terms(params, &logps, refs, &self.row_tokens, 1.0)
+                        .sums;
                 m.eval_loss = sums.loss / sums.pairs.max(1) as f64;
                 m.dpo = Some(DpoMetrics::of(&sums).into());
             }
@@ -181,7 +187,7 @@ impl EvalSet {
                 let refs: Option<Vec<f64>> = refs
                     .as_ref()
                     .map(|r| r.iter().flatten().map(|&x| f64::from(x)).collect());
-                let sums = mt::grpo::token_terms(
+                let sums = mt::objective::grpo::token_terms(
                     params,
                     &logps,
                     None,

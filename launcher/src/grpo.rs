@@ -1,6 +1,6 @@
 //! `training.stage: grpo` in the launcher: the rollouts' advantages, which batch each step
 //! trains on, and the old log-probabilities of a batch trained on `grpo.num_iterations`
-//! times. The loss itself is the workers' ([`mt::grpo`], worker/src/head.rs).
+//! times. The loss itself is the workers' ([`mt::objective::grpo`], worker/src/head/).
 //!
 //! Step s trains on batch s / num_iterations (the sampler's global batch of that index).
 //! On a batch's first step the ratio is 1 and, when num_iterations > 1, the workers send
@@ -69,7 +69,8 @@ impl Policy {
             .rollouts
             .as_ref()
             .expect("a grpo dataset holds rollouts");
-        let advantages = mt::grpo::advantages(&r.rewards, &r.groups, params.scale_rewards);
+        let advantages =
+            mt::objective::grpo::advantages(&r.rewards, &r.groups, params.scale_rewards);
         let fp = fingerprint(&data.rows);
         let n = params.num_iterations;
         let old = match resume {

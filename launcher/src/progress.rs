@@ -305,34 +305,39 @@ impl Progress {
             self.hinted.set(true);
             self.println(&hint);
         }
-        let dpo = match (m.dpo, m.grpo) {
-            (Some(d), _) => format!(
+        // The objective's metrics (a step has DPO's or GRPO's or neither).
+        let dpo = m.dpo.map(|d| {
+            format!(
                 "  rewards: accuracy {:.2} margin {:.4}",
                 d.accuracies, d.margins
-            ),
-            (_, Some(g)) => format!(
+            )
+        });
+        let grpo = m.grpo.map(|g| {
+            format!(
                 "  reward {:.4} (std {:.4})  clipped {:.3}{}",
                 g.reward,
                 g.reward_std,
                 g.clip_ratio_low + g.clip_ratio_high,
                 g.kl.map_or(String::new(), |kl| format!("  kl {kl:.4}"))
-            ),
-            _ => String::new(),
-        };
+            )
+        });
+        let dpo = dpo.or(grpo).unwrap_or_default();
         let eval = m.eval.map(|e| {
-            let stage = match (e.dpo, e.grpo) {
-                (Some(d), _) => format!(
+            let dpo = e.dpo.map(|d| {
+                format!(
                     "  eval rewards: accuracy {:.2} margin {:.4}",
                     d.accuracies, d.margins
-                ),
-                (_, Some(g)) => format!(
+                )
+            });
+            let grpo = e.grpo.map(|g| {
+                format!(
                     "  eval reward {:.4}{}",
                     g.eval_reward,
                     g.eval_kl
                         .map_or(String::new(), |kl| format!("  eval kl {kl:.4}"))
-                ),
-                _ => String::new(),
-            };
+                )
+            });
+            let stage = dpo.or(grpo).unwrap_or_default();
             format!(
                 "  eval_loss {:.4} ({} tokens, {:.2}s){stage}",
                 e.eval_loss, e.eval_tokens, e.eval_time_s

@@ -26,7 +26,7 @@ const TORCH_TOL: f64 = 1e-4;
 /// same f32 weights and rows, the same micro-batches; the row (or token) log-probabilities
 /// come from the forward-only head instead of the training head, which sum the same f32
 /// token terms (measured: the same bits). The objective is then the same f64 function of
-/// them ([`mt::dpo::pair_terms`], [`mt::grpo::token_terms`]), its sum taken over the whole
+/// them ([`mt::objective::dpo::pair_terms`], [`mt::objective::grpo::token_terms`]), its sum taken over the whole
 /// set at once instead of per micro-batch and worker: f64 reassociation of a handful of
 /// O(1) terms, ≤ 1e-15 relative; held to 1e-12.
 const SAME_RUN_TOL: f64 = 1e-12;

@@ -339,7 +339,7 @@ impl DevicePlan {
             forward.push(("tied embedding", tied_fwd));
         }
 
-        // Head (worker/src/head.rs): the last hidden state and its gradient, and one chunk
+        // Head (worker/src/head/): the last hidden state and its gradient, and one chunk
         // of labelled tokens through the final norm (their rows, the f32 input, the normed
         // output and its gradient), lm_head and the loss, with the head block and its
         // gradient.

@@ -17,17 +17,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use mt::config::hf::ModelSpec;
-use mt::config::{DpoParams, GrpoParams};
-use mt::dpo::DpoSums;
 use mt::fault::Phase;
-use mt::grpo::GrpoSums;
 use mt::layout::Layout;
+use mt::objective::{Objective, ObjectiveSums};
 use mt::plan::{DeviceOpts, DevicePlan};
 use mt::protocol::{ForwardOnly, FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;
-use crate::head::{DeviceBatch, Head};
+use crate::head::{DeviceBatch, Head, HeadOut};
 use crate::layer;
 use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
@@ -54,23 +52,10 @@ pub struct Engine {
     dump_logits: Option<std::path::PathBuf>,
     /// Per layer: the buffers it reads (name inside the layer, f32 on the device).
     buffers: Vec<Vec<(String, Tensor)>>,
-    /// `training.stage: dpo`: steps train on the DPO loss.
-    dpo: Option<DpoParams>,
-    /// `training.stage: grpo`: steps train on the GRPO loss.
-    grpo: Option<GrpoParams>,
+    /// What steps train on (`training.stage`).
+    objective: Objective,
     /// `memory.resident_blocks`: the leading blocks kept and updated here.
     resident: Option<Resident>,
-}
-
-/// What the head of one micro-batch's step gave: its summed loss (in `loss_scale` units
-/// of the step's loss), under DPO its pairs' sums, under GRPO its completions' sums and
-/// every completion token's log-probability.
-#[derive(Default)]
-struct HeadOut {
-    loss_sum: f64,
-    dpo: Option<DpoSums>,
-    grpo: Option<GrpoSums>,
-    token_logps: Vec<f32>,
 }
 
 /// What a worker's step gave ([`FromWorker::StepDone`]'s fields).
@@ -78,8 +63,8 @@ pub struct StepOut {
     pub loss_sum: f64,
     pub tokens: u64,
     pub timings: WorkerTimings,
-    pub dpo: Option<DpoSums>,
-    pub grpo: Option<GrpoSums>,
+    /// Under DPO the pairs' sums, under GRPO the completions'.
+    pub sums: ObjectiveSums,
     /// Under GRPO on a batch's first step with `num_iterations` > 1: the completion
     /// tokens' log-probabilities, micro-batch after micro-batch.
     pub token_logps: Vec<f32>,
@@ -154,8 +139,7 @@ impl Engine {
             streamer,
             dump_logits: init.dump_logits.clone(),
             buffers: layer_buffers(init)?,
-            dpo: init.dpo,
-            grpo: init.grpo,
+            objective: init.objective,
             resident,
         })
     }
@@ -221,8 +205,7 @@ impl Engine {
     ) -> Result<StepOut> {
         let mut tm = WorkerTimings::default();
         let (mut loss_sum, mut tokens) = (0.0, 0);
-        let mut dpo = self.dpo.map(|_| DpoSums::default());
-        let mut grpo = self.grpo.map(|_| GrpoSums::default());
+        let mut sums = self.objective.empty_sums();
         let mut token_logps = Vec::new();
         self.ctl.ready.fill(!weights_pending);
         self.ctl.update_wait_s = 0.0;
@@ -244,11 +227,10 @@ impl Engine {
             );
             // The micro-batch's share of the step's loss: its label tokens, its pairs, or
             // its completions (its completion tokens under `dapo`).
-            let share = match (self.dpo, self.grpo) {
-                (Some(_), _) => (mb.rows / 2) as f64 * loss_scale,
-                (_, Some(p)) if p.loss != mt::config::GrpoLoss::Dapo => mb.rows as f64 * loss_scale,
-                _ => batch.valid_m.size()[0] as f64 * loss_scale,
-            };
+            let units = self
+                .objective
+                .units(mb.rows, batch.valid_m.size()[0] as u64);
+            let share = units as f64 * loss_scale;
             ctx.router_aux =
                 RouterAux::new(&self.spec, &mb.row_lens, mb.seq_len, share, self.device);
             let x_bth = self.forward(&batch, &ctx, link)?;
@@ -259,11 +241,8 @@ impl Engine {
             let t1 = Instant::now();
             let out = self.backward(mi, mb, &batch, &ctx, loss_scale, x_bth, link, &mut tm)?;
             loss_sum += out.loss_sum;
-            if let (Some(sums), Some(d)) = (dpo.as_mut(), &out.dpo) {
-                sums.add(d);
-            }
-            if let (Some(sums), Some(g)) = (grpo.as_mut(), &out.grpo) {
-                sums.add(g);
+            if !sums.add(&out.sums) {
+                bail!("micro-batch {mi}: the head gave the sums of another objective");
             }
             token_logps.extend(out.token_logps);
             tm.backward_s += t1.elapsed().as_secs_f64();
@@ -281,8 +260,7 @@ impl Engine {
             loss_sum,
             tokens,
             timings: tm,
-            dpo,
-            grpo,
+            sums,
             token_logps,
         })
     }
@@ -514,37 +492,7 @@ impl Engine {
         // The last hidden state lives only through the head: the gradient it hands on (dy)
         // is all the layers need.
         let h = self.head(&head_w, lm_head);
-        let (mut out, mut dy_bth) = match (&self.dpo, &self.grpo) {
-            (Some(p), _) => {
-                let (sums, dy) = h.dpo_backward(batch, p, &mb.ref_logps, scale, &x_bth);
-                let out = HeadOut {
-                    loss_sum: sums.loss,
-                    dpo: Some(sums),
-                    ..HeadOut::default()
-                };
-                (out, dy)
-            }
-            (_, Some(p)) => {
-                let (sums, logps, dy) = h.grpo_backward(batch, p, mb, scale, &x_bth);
-                // The launcher keeps them as the batch's old log-probabilities.
-                let keep = p.num_iterations > 1 && mb.old_logps.is_empty();
-                let out = HeadOut {
-                    loss_sum: sums.loss,
-                    grpo: Some(sums),
-                    token_logps: if keep { logps } else { Vec::new() },
-                    ..HeadOut::default()
-                };
-                (out, dy)
-            }
-            _ => {
-                let (loss_sum, dy) = h.ce_backward(batch, scale, &x_bth);
-                let out = HeadOut {
-                    loss_sum,
-                    ..HeadOut::default()
-                };
-                (out, dy)
-            }
-        };
+        let (mut out, mut dy_bth) = h.backward_objective(&self.objective, batch, mb, scale, &x_bth);
         drop(x_bth);
         self.send(mi, layout.head_block(), &head_w, link, tm)?;
         drop(head_w);

@@ -188,8 +188,7 @@ fn serve(
                     loss_sum: out.loss_sum,
                     tokens: out.tokens,
                     timings: out.timings,
-                    dpo: out.dpo,
-                    grpo: out.grpo.map(Box::new),
+                    sums: out.sums,
                     token_logps: out.token_logps,
                 })?;
             }

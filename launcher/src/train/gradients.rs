@@ -1,15 +1,14 @@
 //! A step's gradients as the workers deliver them: each part of a block reduced over the
 //! workers' slabs once every worker has sent it, its slots freed at once, and across nodes
 //! exchanged as soon as it is final here ([`super::nodes`]); then the workers' loss sums
-//! (and the DPO and GRPO sums) added in rank order; and the update of a block, which on
+//! (and their objective's sums) added in rank order; and the update of a block, which on
 //! several nodes gives every node the block's updated weights.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use mt::dpo::DpoSums;
-use mt::grpo::GrpoSums;
+use mt::objective::ObjectiveSums;
 use mt::optim::AdamWStep;
 use mt::protocol::{FromWorker, ToWorker, WorkerTimings};
 
@@ -32,11 +31,10 @@ pub(super) struct StepOutcome {
     pub(super) grad_sum_sq: f64,
     /// The update was skipped (non-finite loss or norm).
     pub(super) skipped: bool,
-    /// Under DPO, the pairs' sums over every worker.
-    pub(super) dpo: Option<DpoSums>,
-    /// Under GRPO, the completions' sums over every worker, and on a batch's first step the
-    /// completion tokens' log-probabilities, rank after rank.
-    pub(super) grpo: Option<GrpoSums>,
+    /// Under DPO the pairs' sums over every worker, under GRPO the completions'; and under
+    /// GRPO on a batch's first step the completion tokens' log-probabilities, rank after
+    /// rank.
+    pub(super) sums: ObjectiveSums,
     pub(super) token_logps: Vec<f32>,
 }
 
@@ -76,15 +74,14 @@ impl Trainer {
             moments_s: 0.0,
             grad_sum_sq: 0.0,
             skipped: false,
-            dpo: None,
-            grpo: None,
+            sums: ObjectiveSums::Lm,
             token_logps: Vec::new(),
         };
         let timeout = Duration::from_secs(self.cfg.training.worker_timeout_s);
         let waited_before = self.peers.waited();
-        // Each rank's loss sum (and DPO sums), added in rank order at the end: the reported
-        // loss does not depend on which worker finished first.
-        type Done = (f64, Option<DpoSums>, Option<Box<GrpoSums>>, Vec<f32>);
+        // Each rank's loss sum (and objective's sums), added in rank order at the end: the
+        // reported loss does not depend on which worker finished first.
+        type Done = (f64, ObjectiveSums, Vec<f32>);
         let mut step_done: Vec<Option<Done>> = vec![None; world];
         while done < world || reduced < expected_parts {
             // The last update's moments pass, then copies for the checkpoint in flight, fill
@@ -171,13 +168,12 @@ impl Trainer {
                     FromWorker::StepDone {
                         loss_sum,
                         timings,
-                        dpo,
-                        grpo,
+                        sums,
                         token_logps,
                         ..
                     },
                 ) => {
-                    step_done[rank] = Some((loss_sum, dpo, grpo, token_logps));
+                    step_done[rank] = Some((loss_sum, sums, token_logps));
                     let s = &mut out.slowest;
                     s.forward_s = s.forward_s.max(timings.forward_s);
                     s.backward_s = s.backward_s.max(timings.backward_s);
@@ -206,12 +202,9 @@ impl Trainer {
         out.loss_sum = self.global_loss(&losses)?;
         out.exchange_s += t.elapsed().as_secs_f64();
         out.exchange_wait_s = (self.peers.waited() - waited_before).as_secs_f64();
-        for (_, dpo, grpo, token_logps) in step_done.into_iter().flatten() {
-            if let Some(d) = dpo {
-                out.dpo.get_or_insert_default().add(&d);
-            }
-            if let Some(g) = grpo {
-                out.grpo.get_or_insert_default().add(&g);
+        for (rank, (_, sums, token_logps)) in step_done.into_iter().flatten().enumerate() {
+            if !out.sums.add(&sums) {
+                bail!("worker rank {rank} sent the sums of another objective than the run's");
             }
             out.token_logps.extend(token_logps);
         }

@@ -10,16 +10,17 @@ use anyhow::{Context, Result, anyhow};
 use mt::checkpoint::carried::Carried;
 use mt::checkpoint::{self, ExportOptions, writer::Writer};
 use mt::config::hf::ModelSpec;
-use mt::config::{CheckpointContents, Init as InitKind, RunConfig, Stage};
-use mt::data::{Dataset, Sampler, StepPlan, plan_pairs, plan_rollouts, plan_step};
+use mt::config::{CheckpointContents, Init as InitKind, RunConfig};
+use mt::data::{Dataset, Sampler, StepPlan};
 use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{EvalMetrics, MetricsWriter, peak_rss_bytes};
+use mt::objective::Objective;
 use mt::optim::Moments;
 use mt::protocol::{Device, Init, ToWorker};
 
 use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
-use crate::eval::{EvalSet, Objective};
+use crate::eval::{self, EvalSet};
 use crate::grpo::{Policy, reference_logps};
 use crate::prepare::Prepared;
 use crate::progress::{Progress, RunFacts, start_summary};
@@ -29,6 +30,7 @@ use mt::host::HostState;
 mod gradients;
 mod keep;
 mod nodes;
+mod objective;
 mod resident;
 mod step_end;
 mod weights;
@@ -37,6 +39,7 @@ pub(crate) use nodes::shard_plan;
 pub(crate) use weights::{check_resume, schedule};
 
 use gradients::StepOutcome;
+use objective::{Cut, Stage};
 
 pub struct Trainer {
     cfg: RunConfig,
@@ -55,10 +58,9 @@ pub struct Trainer {
     tensorboard: Option<EventWriter>,
     /// The eval set, when the config gives one.
     eval: Option<EvalSet>,
-    /// `training.stage: dpo`: its settings and reference log-probabilities.
-    dpo: Option<Preference>,
-    /// `training.stage: grpo`: its settings, advantages and old log-probabilities.
-    grpo: Option<Policy>,
+    /// `training.stage` and the launcher's state of it: DPO's reference log-probabilities,
+    /// GRPO's advantages and old log-probabilities ([`objective`]).
+    stage: Stage,
     dump_grads: Option<PathBuf>,
     /// Non-finite steps in a row.
     nan_run: u64,
@@ -165,14 +167,7 @@ impl Trainer {
         }
         let tensorboard_dir = cfg.tensorboard_dir()?.filter(|_| lead);
         let micro_batch = prepared.micro_batch(&cfg, placement.world());
-        let dpo = match cfg.training.stage {
-            Stage::Dpo => Some(cfg.dpo_params()?),
-            _ => None,
-        };
-        let grpo = match cfg.training.stage {
-            Stage::Grpo => Some(cfg.grpo_params()?),
-            _ => None,
-        };
+        let objective = Objective::of(&cfg)?;
         nodes::check_supported(mpi, &cfg, dump_grads.is_some())?;
         let (metrics_out, dump_grads, dump_logits) = match lead {
             true => (metrics_out, dump_grads, dump_logits),
@@ -289,7 +284,7 @@ impl Trainer {
         let t_allocated = Instant::now();
         // A GRPO reference (`grpo.beta` > 0) is the initial model: a resume restores the
         // checkpoint after the reference pass ([`weights`]).
-        let reference = grpo.is_some_and(|p| p.beta > 0.0);
+        let reference = objective.grpo().is_some_and(|p| p.beta > 0.0);
         let weights = match (&resume, cfg.model.init) {
             (Some(_), _) if reference => "the initial model first, as the GRPO reference",
             (Some(_), _) => "resumed",
@@ -335,8 +330,7 @@ impl Trainer {
                     }),
                     warm_up,
                     buffers: buffers.clone(),
-                    dpo,
-                    grpo,
+                    objective,
                     resident: host.resident_init(
                         cfg.memory.master_weights == mt::config::MasterWeights::Split,
                     ),
@@ -384,7 +378,8 @@ impl Trainer {
         }
         resident::push_resident(&mut host, &mut sup, timeout)?;
         let eval_micro = crate::eval::rows_per_micro(&cfg, placement.world());
-        let dpo = dpo
+        let dpo = objective
+            .dpo()
             .map(|_| {
                 let rows = (micro_batch.0, eval_micro);
                 let pad = spec.pad_token_id as i32;
@@ -411,26 +406,32 @@ impl Trainer {
         let eval = match data.eval.is_empty() {
             true => None,
             false => {
-                let objective = match (&dpo, grpo) {
-                    (Some(p), _) => Objective::Pairs {
-                        params: cfg.dpo_params()?,
-                        refs: p.eval.as_ref().map(|e| e.0.clone()).unwrap_or_default(),
+                let eval_objective = match objective {
+                    Objective::Lm => eval::Objective::Tokens,
+                    Objective::Dpo(params) => eval::Objective::Pairs {
+                        params,
+                        refs: (dpo.as_ref().and_then(|p| p.eval.as_ref()))
+                            .map(|e| e.0.clone())
+                            .unwrap_or_default(),
                     },
-                    (_, Some(params)) => {
+                    Objective::Grpo(params) => {
                         let r = data.eval_rollouts.take().unwrap_or_default();
-                        Objective::rollouts(params, r, eval_refs)
+                        eval::Objective::rollouts(params, r, eval_refs)
                     }
-                    _ => Objective::Tokens,
                 };
                 let rows = std::mem::take(&mut data.eval);
                 let pad = spec.pad_token_id as i32;
                 let world = placement.world();
-                Some(EvalSet::for_run(&cfg, world, &rows, pad, objective))
+                Some(EvalSet::for_run(&cfg, world, &rows, pad, eval_objective))
             }
         };
-        let grpo = grpo
-            .map(|p| Policy::new(p, &data, resume.as_deref(), start_step, refs))
-            .transpose()?;
+        let stage = match objective {
+            Objective::Lm => Stage::Lm,
+            Objective::Dpo(_) => Stage::Dpo(dpo.context("the DPO reference log-probabilities")?),
+            Objective::Grpo(p) => {
+                Stage::Grpo(Policy::new(p, &data, resume.as_deref(), start_step, refs)?)
+            }
+        };
         // A sample is a row, or under DPO a pair of rows.
         let sampler = Sampler::new(
             data.epoch_len().0,
@@ -474,8 +475,7 @@ impl Trainer {
             metrics,
             tensorboard,
             eval,
-            dpo,
-            grpo,
+            stage,
             dump_grads,
             nan_run,
             start_step,
@@ -529,9 +529,8 @@ impl Trainer {
                 Ok(out) => out,
                 Err(e) => return Err(self.rescue(e, step)),
             };
-            if let Some(g) = self.grpo.as_mut() {
-                g.keep(step, &plan, std::mem::take(&mut out.token_logps))?;
-            }
+            self.stage
+                .keep(step, &plan, std::mem::take(&mut out.token_logps))?;
             if let Some(path) = self.dump_grads.take() {
                 self.host.dump_grads(&path)?;
             }
@@ -699,11 +698,7 @@ impl Trainer {
     /// Sends every worker its micro-batches of step `step`.
     fn send_step(&mut self, step: u64, plan: &StepPlan, weights_pending: bool) -> Result<()> {
         late_node_hook(self.mpi);
-        let units = match &self.grpo {
-            Some(g) => g.loss_units(plan),
-            None => plan.loss_units(),
-        };
-        let loss_scale = 1.0 / units.max(1) as f64;
+        let loss_scale = 1.0 / self.stage.loss_units(plan).max(1) as f64;
         for (rank, micro) in plan.per_rank.iter().enumerate() {
             let micro = micro.clone();
             self.sup.send(
@@ -721,17 +716,14 @@ impl Trainer {
     }
 
     fn fetch_batch(&mut self, step: u64) -> StepPlan {
-        // Under GRPO, each batch serves `num_iterations` steps.
-        let batch = self.grpo.as_ref().map_or(step, |g| g.batch(step));
-        let rows = self.sampler.global_batch(batch);
-        let t = &self.cfg.training;
-        let (world, accum) = (self.global_world(), t.gradient_accumulation_steps);
-        let pad = self.spec.pad_token_id as i32;
-        let plan = match (&self.dpo, &self.grpo) {
-            (Some(p), _) => plan_pairs(&self.data, &rows, world, accum, pad, &p.refs),
-            (_, Some(g)) => plan_rollouts(&self.data, &rows, world, accum, pad, g.terms(step)),
-            _ => plan_step(&self.data, &rows, world, accum, pad),
+        let rows = self.sampler.global_batch(self.stage.batch(step));
+        let cut = Cut {
+            data: &self.data,
+            world: self.global_world(),
+            accum: self.cfg.training.gradient_accumulation_steps,
+            pad: self.spec.pad_token_id as i32,
         };
+        let plan = self.stage.plan(&cut, &rows, step);
         self.node_slice(plan)
     }
 }

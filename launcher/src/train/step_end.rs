@@ -6,9 +6,7 @@ use mt::config::NanPolicy;
 use mt::config::hf::AttentionKind;
 use mt::data::StepPlan;
 use mt::layout::Layout;
-use mt::metrics::{
-    Bound, DpoMetrics, EvalMetrics, GrpoMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
-};
+use mt::metrics::{Bound, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
 use mt::optim::{clip_coefficient, lr_at};
 
 use super::{StepOutcome, Trainer};
@@ -51,17 +49,7 @@ impl Trainer {
         let mut state = self
             .host
             .train_state(done, self.nan_run, self.schedule.clone());
-        if let Some(p) = &self.dpo {
-            let file = mt::checkpoint::reference::FILE.to_string();
-            state.extra.push((file, p.file.clone()));
-            if let Some((_, eval)) = &p.eval {
-                let file = mt::checkpoint::reference::EVAL_FILE.to_string();
-                state.extra.push((file, eval.clone()));
-            }
-        }
-        if let Some(file) = self.grpo.as_ref().and_then(|g| g.file()) {
-            state.extra.push(file);
-        }
+        state.extra.extend(self.stage.checkpoint_files());
         let (waited, written) = self
             .host
             .start_checkpoint(writer, state, contents)
@@ -161,10 +149,7 @@ impl Trainer {
         eval: Option<EvalMetrics>,
     ) -> Result<()> {
         // What the step's loss is a mean over (its label tokens, pairs or completions).
-        let units = match &self.grpo {
-            Some(g) => g.loss_units(plan),
-            None => plan.loss_units(),
-        };
+        let units = self.stage.loss_units(plan);
         let layout = &self.host.layout;
         let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
         let params = layout.num_params() as u64;
@@ -201,6 +186,7 @@ impl Trainer {
             out.slowest.h2d_wait_s,
             out.slowest.slot_wait_s,
         );
+        let (dpo, grpo) = self.stage.metrics(&out.sums, plan);
         let m = StepMetrics {
             step: step + 1,
             loss: out.loss_sum / units.max(1) as f64,
@@ -234,11 +220,8 @@ impl Trainer {
             tflops_model: per_device_tflops(flops.model),
             skipped: out.skipped,
             eval,
-            dpo: out.dpo.as_ref().map(DpoMetrics::of),
-            grpo: out.grpo.as_ref().map(|g| {
-                let kl = self.grpo.as_ref().is_some_and(|p| p.params.beta > 0.0);
-                GrpoMetrics::of(g, &plan.rewards, kl)
-            }),
+            dpo,
+            grpo,
         };
         if !m.loss.is_finite() {
             tracing::warn!(step = m.step, "non-finite loss");

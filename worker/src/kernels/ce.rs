@@ -3,7 +3,7 @@
 //! where torch upcasts them to an f32 copy, takes the log-softmax, its backward and casts
 //! the gradient back. The gradient is of a weighted sum of the rows' losses with weights
 //! known before the pass (the SFT scale, DPO's and GRPO's per-token coefficients), so no
-//! tape: the caller hands it to the logits' graph (worker/src/head.rs).
+//! tape: the caller hands it to the logits' graph (worker/src/head/).
 
 use tch::{Device, Kind, Tensor};
 

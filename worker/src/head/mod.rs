@@ -5,28 +5,37 @@
 //! loss, DPO's reference log-probabilities) or with its backward to the last hidden state,
 //! each chunk's rows a leaf whose gradient is written into dy.
 //!
-//! Objectives: the summed token cross-entropy (SFT, pretraining), scaled by 1 / label
-//! tokens of the step; and DPO ([`mt::dpo`]): a no-grad chunked pass gives each row's
-//! summed label log-probability, [`mt::dpo::pair_terms`] turns the pairs (both rows of each
-//! in this micro-batch) into each row's weight ∂loss/∂logp_row, and the chunked backward
-//! of Σ_tokens w_row · logp_token (= −w_row · CE_token) hands the gradient on; and GRPO
-//! ([`mt::grpo`]): the same no-grad pass gives each completion token's log-probability,
-//! [`mt::grpo::token_terms`] each token's weight ∂loss/∂logp_token (with `grpo.beta` > 0
-//! its KL term against the reference log-probabilities the micro-batch carries, which a
-//! forward-only pass gave, [`Head::token_logps`]), and the chunked backward of
-//! Σ_tokens w_token · logp_token hands the gradient on.
+//! Objectives ([`Objective`]), one file each behind one signature, chosen in
+//! [`Head::backward_objective`] only: the summed token cross-entropy ([`ce`]; SFT,
+//! pretraining), scaled by 1 / label tokens of the step; DPO's ([`dpo`]), through each
+//! row's summed label log-probability; GRPO's ([`grpo`]), through each completion token's.
+//! Both of the latter turn the no-grad log-probabilities into weights ∂loss/∂logp and
+//! backpropagate Σ w · logp ([`Head::logp_backward`]).
 //!
 //! Shapes: B rows, T positions, H hidden, M labelled positions, C a chunk of them.
 
 use mt::config::hf::ModelSpec;
-use mt::config::{DpoParams, GrpoParams};
-use mt::dpo::{DpoSums, pair_terms};
-use mt::grpo::{GrpoSums, token_terms};
+use mt::objective::{Objective, ObjectiveSums};
 use mt::protocol::MicroBatch;
 use tch::{Device, Kind, Tensor};
 
 use crate::kernels;
 use crate::model::{self, BlockWeights};
+
+mod ce;
+mod dpo;
+mod grpo;
+
+/// What the head of one micro-batch's step gave: its summed loss (in `loss_scale` units
+/// of the step's loss), its objective's sums for the metrics, and under GRPO on a batch's
+/// first step with `num_iterations` > 1 every completion token's log-probability (the
+/// launcher keeps them as the batch's old ones).
+#[derive(Default)]
+pub struct HeadOut {
+    pub loss_sum: f64,
+    pub sums: ObjectiveSums,
+    pub token_logps: Vec<f32>,
+}
 
 /// One micro-batch on the device: ids, the targets of the labelled positions, where those
 /// positions are in the flattened (B*T) batch and which row each belongs to.
@@ -86,6 +95,24 @@ impl Head<'_> {
                 f((start, len), &hn_ch, &batch.targets_m.narrow(0, start, len))
             })
             .collect()
+    }
+
+    /// `objective`'s loss of micro-batch `mb` (`batch` on the device, `x_bth` its last hidden
+    /// state, computed without grad) as a share of the step's (`scale`: 1 / the step's
+    /// [`Objective::units`]), and its backward to `x_bth`: (what it gave, dy (B, T, H)).
+    pub fn backward_objective(
+        &self,
+        objective: &Objective,
+        batch: &DeviceBatch,
+        mb: &MicroBatch,
+        scale: f64,
+        x_bth: &Tensor,
+    ) -> (HeadOut, Tensor) {
+        match objective {
+            Objective::Lm => ce::backward(self, batch, mb, scale, x_bth),
+            Objective::Dpo(p) => dpo::backward(self, p, batch, mb, scale, x_bth),
+            Objective::Grpo(p) => grpo::backward(self, p, batch, mb, scale, x_bth),
+        }
     }
 
     /// The summed token cross-entropy, without grad.
@@ -177,25 +204,6 @@ impl Head<'_> {
         kernels::cross_entropy_enabled(x_bth.kind(), x_bth.device())
     }
 
-    /// The summed token cross-entropy and its backward, scaled by `scale`, to the last
-    /// hidden state `x_bth` (computed without grad): (loss sum, dy (B, T, H)).
-    pub fn ce_backward(&self, batch: &DeviceBatch, scale: f64, x_bth: &Tensor) -> (f64, Tensor) {
-        if self.fused(x_bth) {
-            let dev = x_bth.device();
-            let (losses, dy_bth) = self.fused_backward(batch, x_bth, |(_, len)| {
-                Tensor::full([len], scale, (Kind::Float, dev))
-            });
-            return (sum(&losses), dy_bth);
-        }
-        let mut losses = Vec::new();
-        let dy_bth = self.backward(batch, x_bth, |_, hn_ch, targets_c| {
-            let loss = model::chunk_loss_sum(self.spec, hn_ch, self.lm_head, targets_c);
-            losses.push(loss.detach());
-            loss * scale
-        });
-        (sum(&losses), dy_bth)
-    }
-
     /// The backward of Σ_tokens w_token · logp_token to `x_bth`, given `coef_m` = −w per
     /// labelled position (M,) (logp_token = −CE_token): dy (B, T, H).
     fn logp_backward(&self, batch: &DeviceBatch, x_bth: &Tensor, coef_m: &Tensor) -> Tensor {
@@ -207,61 +215,6 @@ impl Head<'_> {
             let ce_c = model::chunk_token_losses(self.spec, hn_ch, self.lm_head, targets_c);
             (ce_c * coef_m.narrow(0, start, len)).sum(Kind::Float)
         })
-    }
-
-    /// The DPO loss of the micro-batch's pairs (rows 2i, 2i + 1, chosen first; `refs` their
-    /// reference log-probabilities) as a share of the step's mean over pairs (`scale` =
-    /// 1 / pairs in the step), and its backward to `x_bth`: (the pairs' sums, dy).
-    pub fn dpo_backward(
-        &self,
-        batch: &DeviceBatch,
-        params: &DpoParams,
-        refs: &[f64],
-        scale: f64,
-        x_bth: &Tensor,
-    ) -> (DpoSums, Tensor) {
-        let logps = self.row_logps(batch, x_bth);
-        let terms = pair_terms(params, &logps, refs, &batch.row_tokens, scale);
-        // The objective Σ_tokens w_row · logp_token, with logp_token = −CE_token.
-        let coef: Vec<f32> = terms.weights.iter().map(|&w| -w as f32).collect();
-        let coef_m = Tensor::from_slice(&coef)
-            .to_device(x_bth.device())
-            .index_select(0, &batch.rows_m);
-        let dy_bth = self.logp_backward(batch, x_bth, &coef_m);
-        (terms.sums, dy_bth)
-    }
-
-    /// The GRPO loss of the micro-batch `mb`'s completions (its advantages per row; the
-    /// old log-probability of every completion token, none on a batch's first step; with
-    /// β > 0 the reference one) as a share of the step's (`scale`: 1 / completions in the
-    /// step, or 1 / completion tokens under `dapo`), and its backward to `x_bth`: (the
-    /// completions' sums, every completion token's log-probability, dy).
-    pub fn grpo_backward(
-        &self,
-        batch: &DeviceBatch,
-        params: &GrpoParams,
-        mb: &MicroBatch,
-        scale: f64,
-        x_bth: &Tensor,
-    ) -> (GrpoSums, Vec<f32>, Tensor) {
-        let logps = self.token_logps(batch, x_bth);
-        let wide = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-        let old = (!mb.old_logps.is_empty()).then(|| wide(&mb.old_logps));
-        let refs = (params.beta > 0.0).then(|| wide(&mb.ref_token_logps));
-        let terms = token_terms(
-            params,
-            &wide(&logps),
-            old.as_deref(),
-            refs.as_deref(),
-            &mb.advantages,
-            &batch.row_tokens,
-            scale,
-        );
-        // The objective Σ_tokens w_token · logp_token, with logp_token = −CE_token.
-        let coef: Vec<f32> = terms.weights.iter().map(|&w| -w as f32).collect();
-        let coef_m = Tensor::from_slice(&coef).to_device(x_bth.device());
-        let dy_bth = self.logp_backward(batch, x_bth, &coef_m);
-        (terms.sums, logps, dy_bth)
     }
 
     /// Every labelled position's log-probability of its label, without grad, in f32, row
