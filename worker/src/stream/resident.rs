@@ -22,7 +22,7 @@ use mt::protocol::{ResidentInit, ResidentPart};
 use mt::shm::Region;
 use tch::{Device, Kind, Tensor};
 
-use super::cuda::{self, Event, HostRegistration, Stream, torch_stream};
+use crate::cuda::{self, Event, HostRegistration, Stream, torch_stream};
 use super::{kind_of, region_view};
 
 /// One block's copy, every tensor flat over the block's elements (gaps included).
