@@ -224,15 +224,14 @@ impl Env<'_> {
         };
         match v.parse::<u64>() {
             Ok(n) if range.contains(&n) => Ok(Some(n)),
-            _ => Err(bad(
-                var,
-                &v,
-                &format!(
-                    "a whole number of {what} from {} to {}",
-                    range.start(),
-                    range.end()
-                ),
-            )),
+            _ => {
+                let to = match *range.end() {
+                    u64::MAX => String::new(),
+                    end => format!(" to {end}"),
+                };
+                let expected = format!("a count of {what} from {}{to}", range.start());
+                Err(bad(var, &v, &expected))
+            }
         }
     }
 }
@@ -270,7 +269,13 @@ impl Switches {
         let max = u64::MAX;
         let chunk = env.choice(
             "MT_GATED_DELTA_CHUNK",
-            &[("16", 16), ("32", 32), ("64", 64), ("128", 128), ("256", 256)],
+            &[
+                ("16", 16),
+                ("32", 32),
+                ("64", 64),
+                ("128", 128),
+                ("256", 256),
+            ],
         )?;
         Ok(Switches {
             bootstrap: env.text(BOOTSTRAP)?,
@@ -300,9 +305,18 @@ impl Switches {
                 .count("MT_MPI_MAX_COUNT", 1..=MPI_MAX_COUNT as u64, "elements")?
                 .map(|n| n as usize),
             torch_profile: env.path("MT_TORCH_PROFILE")?,
-            torch_profile_step: env
-                .count("MT_TORCH_PROFILE_STEP", 1..=max, "steps")?
-                .map_or(3, |n| n as usize),
+            // The value quoted, as the worker said it before (launcher/tests/profile.rs).
+            torch_profile_step: match env.text("MT_TORCH_PROFILE_STEP")? {
+                None => 3,
+                Some(v) => match v.parse::<usize>() {
+                    Ok(n) if n >= 1 => n,
+                    _ => {
+                        let value = format!("{v:?}");
+                        let var = "MT_TORCH_PROFILE_STEP";
+                        return Err(bad(var, &value, "a step number from 1"));
+                    }
+                },
+            },
             memory_trace: (env.lookup)("MT_MEMORY_TRACE").is_some(),
             gated_delta: env.choice(
                 "MT_GATED_DELTA",

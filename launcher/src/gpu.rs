@@ -19,7 +19,6 @@ use mt::protocol::Device;
 /// The devices read and what the driver said of them.
 type Reading = (Vec<usize>, Option<Vec<DeviceMemory>>);
 
-
 /// Where [`memory`]'s figures come from, as the refusal says it.
 pub fn source() -> &'static str {
     match mt::switches::testing::device_memory() {

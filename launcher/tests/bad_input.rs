@@ -693,8 +693,7 @@ fn bad_environment_variable() {
     assert_eq!(err.matches("MT_GATED_DELTA_CHUNK").count(), 1, "{err}");
     // A test hook is checked the same way, by the launcher, before any worker starts.
     let mut cmd = mt_launch();
-    cmd.args(f.args(&[]))
-        .env("MT_TEST_FAIL_ALLOC", "sideways");
+    cmd.args(f.args(&[])).env("MT_TEST_FAIL_ALLOC", "sideways");
     f.check_failure(
         cmd,
         Stage::Start,

@@ -20,9 +20,7 @@ pub const STREAMS: usize = 4;
 
 /// [`STREAMS`], or `MT_CHECKPOINT_STREAMS` (a count from 1, checked at start).
 fn streams() -> usize {
-    crate::switches::get()
-        .checkpoint_streams
-        .unwrap_or(STREAMS)
+    crate::switches::get().checkpoint_streams.unwrap_or(STREAMS)
 }
 
 /// Runs `write(part)` for parts that tile `window` (runs of whole [`WRITE_CHUNK`]s, the

@@ -42,8 +42,8 @@
 
 use crate::config::hf::{AttentionKind, ModelSpec};
 use crate::config::{DType, TileTokens};
-use crate::protocol::{Device, Init};
 use crate::layout::Layout;
+use crate::protocol::{Device, Init};
 
 use super::acts::{self, Dims, F32, LayerActs};
 

@@ -94,10 +94,7 @@ fn hooks() -> &'static Testing {
 
 /// `MT_TEST_FAIL_ALLOC`: the phase name and layer, unchecked.
 pub fn fail_alloc() -> Option<(&'static str, Option<usize>)> {
-    hooks()
-        .fail_alloc
-        .as_ref()
-        .map(|(p, l)| (p.as_str(), *l))
+    hooks().fail_alloc.as_ref().map(|(p, l)| (p.as_str(), *l))
 }
 
 /// `MT_TEST_KILL_WORKER`: the rank to kill as the launcher sends step `step`.

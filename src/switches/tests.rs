@@ -23,7 +23,10 @@ fn unset_gives_the_defaults() {
     let s = parse(&[]).unwrap();
     assert!(s.direct_io && s.defer_moments && !s.memory_trace && !s.gated_delta_autograd);
     assert_eq!(s.torch_profile_step, 3);
-    assert_eq!((s.gated_delta, s.gated_delta_chunk, s.moe_experts), (None, None, None));
+    assert_eq!(
+        (s.gated_delta, s.gated_delta_chunk, s.moe_experts),
+        (None, None, None)
+    );
     assert_eq!(s.fused, Fused::default());
     assert_eq!(s.testing, testing::Testing::default());
     // An empty value is unset.
@@ -68,29 +71,37 @@ fn bad_values_name_the_variable() {
             "abc",
             "MT_GATED_DELTA_CHUNK=abc: expected `16`, `32`, `64`, `128` or `256`",
         ),
-        ("MT_GATED_DELTA_CHUNK", "48", "MT_GATED_DELTA_CHUNK=48: expected"),
+        (
+            "MT_GATED_DELTA_CHUNK",
+            "48",
+            "MT_GATED_DELTA_CHUNK=48: expected",
+        ),
         (
             "MT_GATED_DELTA",
             "fast",
             "MT_GATED_DELTA=fast: expected `reference` or `chunked`",
         ),
         ("MT_ROPE", "on", "MT_ROPE=on: expected `fused` or `plain`"),
-        ("MT_MOE_EXPERTS", "x", "MT_MOE_EXPERTS=x: expected `grouped` or `loop`"),
+        (
+            "MT_MOE_EXPERTS",
+            "x",
+            "MT_MOE_EXPERTS=x: expected `grouped` or `loop`",
+        ),
         ("MT_DIRECT_IO", "no", "MT_DIRECT_IO=no: expected `1` or `0`"),
         (
             "MT_CHECKPOINT_STREAMS",
             "0",
-            "MT_CHECKPOINT_STREAMS=0: expected a whole number of threads from 1",
+            "MT_CHECKPOINT_STREAMS=0: expected a count of threads from 1 to 1024",
         ),
         (
             "MT_TORCH_PROFILE_STEP",
             "0",
-            "MT_TORCH_PROFILE_STEP=0: expected a whole number of steps from 1",
+            "MT_TORCH_PROFILE_STEP=\"0\": expected a step number from 1",
         ),
         (
             "MT_GATHER_WINDOW",
             "99999999999",
-            "MT_GATHER_WINDOW=99999999999: expected a whole number of elements from 1 to 16777216",
+            "MT_GATHER_WINDOW=99999999999: expected a count of elements from 1 to 16777216",
         ),
         (
             "MT_TEST_KILL_WORKER",
@@ -110,7 +121,7 @@ fn bad_values_name_the_variable() {
         (
             "MT_TEST_HOST_MEMORY",
             "8G",
-            "MT_TEST_HOST_MEMORY=8G: expected a whole number of bytes",
+            "MT_TEST_HOST_MEMORY=8G: expected a count of bytes from 0",
         ),
     ];
     for (var, value, want) in cases {

@@ -30,7 +30,6 @@ use mt::plan::{DeviceOpts, DevicePlan, Largest};
 use mt::protocol::{Device, Init};
 use tch::{Kind, Tensor};
 
-
 /// Where the worker is.
 #[derive(Debug, Clone, Copy)]
 struct Here {
@@ -68,7 +67,7 @@ pub fn set_run(init: &Init) {
         device: init.device,
         spec: init.spec.clone(),
         layout: init.layout.clone(),
-        opts: DeviceOpts::of_worker(&init, false),
+        opts: DeviceOpts::of_worker(init, false),
         ce_chunk_tokens: init.ce_chunk_tokens,
         budget: OnceLock::new(),
     });

@@ -55,7 +55,10 @@ fn main() -> ExitCode {
         .init();
     fault::install_panic_hook();
     let checked = switches.and_then(|_| mt::fault::Phase::fail_alloc_target());
-    match checked.map_err(anyhow::Error::from).and_then(|_| fault::catch(run)) {
+    match checked
+        .map_err(anyhow::Error::from)
+        .and_then(|_| fault::catch(run))
+    {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<Interrupted>() => ExitCode::SUCCESS,
         // The launcher has the error and prints it: once.
@@ -85,9 +88,10 @@ fn run() -> Result<()> {
         bail!("launcher exited before this worker started");
     }
     let sw = mt::switches::get();
-    let server = sw.bootstrap.clone().with_context(|| {
-        format!("{BOOTSTRAP} is not set: mt-worker is started by mt-launch")
-    })?;
+    let server = sw
+        .bootstrap
+        .clone()
+        .with_context(|| format!("{BOOTSTRAP} is not set: mt-worker is started by mt-launch"))?;
     let tx: IpcSender<FromWorker> =
         IpcSender::connect(server).context("connect to the launcher")?;
     let (cmd_tx, rx) = ipc::channel::<ToWorker>().context("create command channel")?;

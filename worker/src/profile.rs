@@ -23,7 +23,6 @@ use mt::fault::Phase;
 use crate::cxx::checked;
 use mt::protocol::Device;
 
-
 unsafe extern "C" {
     fn mt_profile_start(cuda: c_int) -> *mut c_char;
     fn mt_profile_stop(path: *const c_char) -> *mut c_char;

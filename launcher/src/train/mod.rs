@@ -738,7 +738,11 @@ impl Trainer {
 fn late_node_hook(mpi: Option<&crate::mpi::Mpi>) {
     let Some(m) = mpi else { return };
     if let Some(late) = mt::switches::testing::late_node(m.rank) {
-        tracing::debug!(rank = m.rank, ?late, "MT_TEST_LATE_NODE: this node starts the step late");
+        tracing::debug!(
+            rank = m.rank,
+            ?late,
+            "MT_TEST_LATE_NODE: this node starts the step late"
+        );
         std::thread::sleep(late);
     }
 }

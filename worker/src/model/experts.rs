@@ -48,7 +48,6 @@
 //! Shapes: N tokens, H hidden size, E experts, K experts per token, S = N*K routed pairs,
 //! M one expert's rows, I expert intermediate size.
 
-
 use mt::config::hf::{Activation, ExpertAct, ExpertNames, ModelSpec, MoeSpec, Router};
 use mt::layout::{Block, ExpertStack};
 use tch::{Device, Kind, Tensor};
@@ -56,7 +55,6 @@ use tch::{Device, Kind, Tensor};
 use super::BlockWeights;
 use super::common::{activation, gated_mlp_named, linear};
 use crate::kernels;
-
 
 /// Whether routed outputs of width `h` and dtype `kind` on `device` are combined by
 /// the fused op (`kernels::moe_combine`): by default where its kernels take them (CUDA,

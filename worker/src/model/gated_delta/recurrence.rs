@@ -25,7 +25,6 @@
 //!
 //! Shapes: N = B V independent heads, U chunks of C tokens, Dk / Dv head dims.
 
-
 use tch::{Kind, Tensor};
 
 use super::chunked::state_kind;
