@@ -80,6 +80,15 @@ pub enum Error {
         holder: String,
     },
 
+    /// An environment variable's value ([`crate::switches`]): `MT_SIMD=avx3: expected
+    /// `portable`, `avx2` or `avx512``.
+    #[error("{var}={value}: expected {expected}")]
+    Switch {
+        var: &'static str,
+        value: String,
+        expected: String,
+    },
+
     #[error("{0}")]
     Other(String),
 }

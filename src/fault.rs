@@ -76,6 +76,30 @@ impl Phase {
         Phase::ALL.into_iter().find(|p| p.name() == s)
     }
 
+    /// The test hook `MT_TEST_FAIL_ALLOC` (`crate::switches::testing`): the phase and layer
+    /// it names; an error naming the variable where the phase is none of [`Phase::ALL`]'s.
+    /// mt-launch calls it at start, so a bad value stops the launch.
+    pub fn fail_alloc_target() -> crate::Result<Option<(Phase, Option<usize>)>> {
+        let Some((name, layer)) = crate::switches::testing::fail_alloc() else {
+            return Ok(None);
+        };
+        match Phase::from_name(name) {
+            Some(p) => Ok(Some((p, layer))),
+            None => {
+                let names: Vec<&str> = Phase::ALL.iter().map(|p| p.name()).collect();
+                let value = match layer {
+                    Some(l) => format!("{name}:{l}"),
+                    None => name.to_string(),
+                };
+                Err(crate::switches::bad(
+                    crate::switches::testing::FAIL_ALLOC,
+                    &value,
+                    &format!("<phase>[:<layer>], a phase of {}", names.join(", ")),
+                ))
+            }
+        }
+    }
+
     /// How the line names it: "in the {what}", "of layer {l}" follows where it has one.
     fn what(self) -> &'static str {
         match self {

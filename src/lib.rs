@@ -28,5 +28,6 @@ pub mod runpath;
 pub mod shm;
 #[allow(unsafe_code)]
 pub mod simd;
+pub mod switches;
 
 pub use error::{Error, Result};

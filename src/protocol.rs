@@ -77,10 +77,10 @@ use crate::layout::Layout;
 use crate::objective::{Objective, ObjectiveSums};
 use crate::shm::RegionHandle;
 
-/// Environment variable carrying the one-shot server name to a worker.
-pub const ENV_BOOTSTRAP: &str = "MT_BOOTSTRAP";
-/// Environment variable carrying the worker's rank (for its log prefix before `Init`).
-pub const ENV_RANK: &str = "MT_RANK";
+/// The environment variables carrying the one-shot server name and the worker's rank (for
+/// its log prefix before `Init`) to a worker; the worker reads them through
+/// [`crate::switches`].
+pub use crate::switches::{BOOTSTRAP as ENV_BOOTSTRAP, RANK as ENV_RANK};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Device {
@@ -97,14 +97,9 @@ impl std::fmt::Display for Device {
     }
 }
 
-/// A tensor a layer reads but does not train (a buffer), in f32.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LayerBuffer {
-    pub layer: usize,
-    /// Name inside the layer (`mlp.gate.e_score_correction_bias`).
-    pub name: String,
-    pub values: Vec<f32>,
-}
+/// A layer's buffer ([`crate::checkpoint::carried`] reads them), sent to the workers in
+/// [`Init`].
+pub use crate::checkpoint::carried::LayerBuffer;
 
 /// Everything a worker needs to run; sent once.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -126,7 +121,7 @@ pub struct Init {
     /// `memory.tile_tokens`: the worker resolves it per micro-batch shape through the
     /// device plan (`DevicePlan::new(..).tile`).
     pub tile_tokens: crate::config::TileTokens,
-    /// The device plan's `device_free` (`crate::plan::DeviceOpts`), as the launcher
+    /// The device plan's `device_free` (`mt::plan::DeviceOpts`), as the launcher
     /// planned with it.
     pub device_free: Option<u64>,
     /// Stash layer inputs in pinned host memory (CUDA only).
@@ -177,22 +172,6 @@ pub enum ResidentPart {
     M,
     /// Adam's second moment.
     V,
-}
-
-impl Init {
-    /// The device plan's options for this worker's micro-batches (`packed`: with position
-    /// ids), as the launcher planned them.
-    pub fn device_opts(&self, packed: bool) -> crate::plan::DeviceOpts {
-        crate::plan::DeviceOpts {
-            dtype: self.dtype,
-            ce_chunk_tokens: self.ce_chunk_tokens,
-            tile_tokens: self.tile_tokens,
-            packed,
-            offload_activations: self.offload_activations,
-            cpu: self.device == Device::Cpu,
-            device_free: self.device_free,
-        }
-    }
 }
 
 /// A right-padded micro-batch: `rows` x `seq_len`, row-major.

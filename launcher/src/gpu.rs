@@ -19,12 +19,9 @@ use mt::protocol::Device;
 /// The devices read and what the driver said of them.
 type Reading = (Vec<usize>, Option<Vec<DeviceMemory>>);
 
-/// The test hook's variable.
-const ENV_TEST_MEMORY: &str = "MT_TEST_DEVICE_MEMORY";
-
 /// Where [`memory`]'s figures come from, as the refusal says it.
 pub fn source() -> &'static str {
-    match std::env::var_os(ENV_TEST_MEMORY) {
+    match mt::switches::testing::device_memory() {
         Some(_) => "MT_TEST_DEVICE_MEMORY (a test hook) gives",
         None => "the CUDA driver reports",
     }
@@ -34,8 +31,7 @@ pub fn source() -> &'static str {
 /// workers), or None where it cannot be known: CPU workers, no CUDA driver, or a driver
 /// error (logged; the workers then report what they find).
 pub fn memory(devices: &[usize], workers: usize) -> Option<Vec<DeviceMemory>> {
-    if let Some(v) = std::env::var_os(ENV_TEST_MEMORY) {
-        let bytes: u64 = v.to_str()?.parse().ok()?;
+    if let Some(bytes) = mt::switches::testing::device_memory() {
         let all = |device| DeviceMemory {
             device,
             free: bytes,

@@ -80,6 +80,10 @@ fn say(line: &str) {
 }
 
 fn run(cli: cli::Cli) -> Result<()> {
+    // Every `MT_*` variable (docs/switches.md), checked before any work: a bad value is a
+    // one-line error naming it. The workers inherit them.
+    mt::switches::init()?;
+    mt::fault::Phase::fail_alloc_target()?;
     let cli = match cli.command {
         Some(cli::Command::Plan(p)) => {
             unix::default_sigpipe()?;

@@ -30,14 +30,8 @@ use mt::layout::shards::{Window, windows};
 /// Environment variables that say the process was started by an MPI launcher.
 const MPI_ENV: [&str; 4] = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"];
 
-/// Where to find the shim instead of beside the binary.
-const ENV_SHIM: &str = "MT_MPI_SHIM";
-
 /// Elements per MPI call: counts are C ints.
-const MAX_COUNT: usize = 1 << 30;
-
-/// Test hook: fewer elements per MPI call ([`max_count`]).
-const ENV_MAX_COUNT: &str = "MT_MPI_MAX_COUNT";
+const MAX_COUNT: usize = mt::switches::MPI_MAX_COUNT;
 
 /// An element type a collective sums (the shim's numbering).
 pub trait Elem: Copy {
@@ -126,8 +120,8 @@ pub fn job() -> Option<&'static Mpi> {
 
 /// The shim: `$MT_MPI_SHIM`, beside this executable, or where the build left it.
 fn shim_path(var: &str) -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os(ENV_SHIM) {
-        return Ok(p.into());
+    if let Some(p) = &mt::switches::get().mpi_shim {
+        return Ok(p.clone());
     }
     let exe = std::env::current_exe().context("locate mt-launch")?;
     let beside = exe.with_file_name("libmt_mpi.so");
@@ -146,7 +140,7 @@ fn no_shim(var: &str, beside: &Path) -> String {
         "mt-launch runs under an MPI launcher ({var} is set) but was built without MPI: {} is \
          missing. In the source checkout, install an MPI with its compiler wrapper `mpicc` and \
          build again: MT_MPI=1 scripts/setup.sh && cargo build --release --workspace (then copy \
-         target/release/libmt_mpi.so beside mt-launch); or point {ENV_SHIM} at a libmt_mpi.so",
+         target/release/libmt_mpi.so beside mt-launch); or point MT_MPI_SHIM at a libmt_mpi.so",
         beside.display()
     )
 }
@@ -596,13 +590,7 @@ fn counts(w: &Window) -> (Vec<c_int>, Vec<c_int>) {
 /// window (a test hook: the tiny test models' blocks are far below 2^30 elements, so only
 /// this makes their collectives run over several windows). Read once, at start-up.
 fn max_count() -> Result<usize> {
-    let Ok(v) = std::env::var(ENV_MAX_COUNT) else {
-        return Ok(MAX_COUNT);
-    };
-    match v.parse::<usize>() {
-        Ok(n) if (1..=MAX_COUNT).contains(&n) => Ok(n),
-        _ => bail!("{ENV_MAX_COUNT}={v}: expected a count of elements from 1 to {MAX_COUNT}"),
-    }
+    Ok(mt::switches::get().mpi_max_count.unwrap_or(MAX_COUNT))
 }
 
 #[cfg(test)]

@@ -273,15 +273,10 @@ impl Supervisor {
 
     /// Test hook: `MT_TEST_KILL_WORKER=<rank>:<step>` kills worker `rank` with SIGKILL as
     /// the launcher sends it step `step` (counted from 1), as the kernel's OOM killer or a
-    /// failing GPU would (launcher/tests/keep.rs). Nothing else reads it.
+    /// failing GPU would (launcher/tests/keep.rs).
     pub fn kill_hook(&mut self, step: u64) {
-        let Ok(v) = std::env::var("MT_TEST_KILL_WORKER") else {
-            return;
-        };
-        let at = v
-            .split_once(':')
-            .and_then(|(r, s)| Some((r.parse::<usize>().ok()?, s.parse::<u64>().ok()?)));
-        if let Some((rank, _)) = at.filter(|&(r, s)| s == step && r < self.workers.len()) {
+        let at = mt::switches::testing::kill_worker_at(step);
+        if let Some(rank) = at.filter(|&r| r < self.workers.len()) {
             let pid = Pid::from_raw(self.workers[rank].child.id() as i32);
             tracing::debug!(rank, step, "MT_TEST_KILL_WORKER: SIGKILL");
             let _ = kill(pid, Signal::SIGKILL);

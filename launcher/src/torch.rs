@@ -22,8 +22,6 @@ use mt::runpath::{LIBTORCH_SO, TORCH_VERSION, beside, has_libtorch};
 
 /// Names a folder holding libtorch for the workers.
 const ENV_LIBTORCH: &str = "MT_LIBTORCH";
-/// The Python whose torch the workers use when nothing else names one.
-const ENV_PYTHON: &str = "MT_PYTHON";
 /// Names the worker binary (default: `mt-worker` beside this executable).
 const ENV_WORKER: &str = "MT_WORKER_BIN";
 
@@ -49,8 +47,8 @@ impl Worker {
 /// The worker binary (`MT_WORKER_BIN`, or `mt-worker` beside this executable) and the
 /// libtorch it will run with (module docs).
 pub fn locate() -> Result<Worker> {
-    let bin = match std::env::var_os(ENV_WORKER) {
-        Some(p) => PathBuf::from(p),
+    let bin = match &mt::switches::get().worker_bin {
+        Some(p) => p.clone(),
         None => {
             let exe = std::env::current_exe().context("locate mt-launch")?;
             let bin = exe.with_file_name("mt-worker");
@@ -72,8 +70,7 @@ pub fn locate() -> Result<Worker> {
 
 /// The folder of libtorch to give worker `bin`, None where it finds one itself.
 fn libtorch_for(bin: &Path) -> Result<Option<PathBuf>> {
-    if let Some(v) = std::env::var_os(ENV_LIBTORCH) {
-        let given = PathBuf::from(&v);
+    if let Some(given) = mt::switches::get().libtorch.clone() {
         return lib_of(&given).map(Some).ok_or_else(|| {
             anyhow!(
                 "{ENV_LIBTORCH}={}: no {LIBTORCH_SO} there nor in its lib/ (expected torch's lib folder, e.g. the output of {})",
@@ -113,7 +110,10 @@ fn python_hint() -> String {
 /// torch's `lib/` folder of `$MT_PYTHON` (default `python3`), found without importing
 /// torch (which takes seconds), checked to be torch [`TORCH_VERSION`].
 fn python_torch() -> Result<PathBuf> {
-    let python = std::env::var_os(ENV_PYTHON).unwrap_or_else(|| "python3".into());
+    let python = mt::switches::get()
+        .python
+        .clone()
+        .unwrap_or_else(|| "python3".into());
     let shown = Path::new(&python).display().to_string();
     let fail = |why: String| {
         anyhow!(

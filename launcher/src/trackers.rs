@@ -56,9 +56,9 @@ fn interpreter(logging: &LoggingSection) -> (PathBuf, &'static str) {
     if let Some(p) = &logging.python {
         return (p.clone(), "logging.python");
     }
-    match std::env::var_os("MT_PYTHON") {
-        Some(p) if !p.is_empty() => (p.into(), "MT_PYTHON"),
-        _ => ("python3".into(), "python3 on PATH"),
+    match &mt::switches::get().python {
+        Some(p) => (p.clone(), "MT_PYTHON"),
+        None => ("python3".into(), "python3 on PATH"),
     }
 }
 

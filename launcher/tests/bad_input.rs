@@ -741,3 +741,44 @@ fn sanity_the_fixture_trains() {
         f.ck.join("step-00000002/COMPLETE").is_file() && f.out.join("model.safetensors").is_file()
     );
 }
+
+// ---- the environment (docs/switches.md) ----
+
+/// A bad `MT_*` value stops the launch at start in one line that names it and what it
+/// takes; before the switchboard, this one panicked in the worker's model code mid-step.
+#[test]
+fn bad_environment_variable() {
+    let f = fixture("bad-switch");
+    let mut cmd = mt_launch();
+    cmd.args(f.args(&[])).env("MT_GATED_DELTA_CHUNK", "abc");
+    let err = f.check_failure(
+        cmd,
+        Stage::Start,
+        &["MT_GATED_DELTA_CHUNK=abc: expected `16`, `32`, `64`, `128` or `256`"],
+    );
+    assert_eq!(err.matches("MT_GATED_DELTA_CHUNK").count(), 1, "{err}");
+    // A test hook is checked the same way, by the launcher, before any worker starts.
+    let mut cmd = mt_launch();
+    cmd.args(f.args(&[])).env("MT_TEST_FAIL_ALLOC", "sideways");
+    f.check_failure(
+        cmd,
+        Stage::Start,
+        &["MT_TEST_FAIL_ALLOC=sideways: expected <phase>[:<layer>], a phase of start-up"],
+    );
+}
+
+/// mt-worker checks its inherited environment at start too: one line, no panic.
+#[test]
+fn bad_environment_variable_in_a_worker() {
+    let worker = launcher().with_file_name("mt-worker");
+    let out = Command::new(worker)
+        .env("MT_ROPE", "sometimes")
+        .output()
+        .expect("spawn mt-worker");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert_eq!(
+        err.trim(),
+        "mt-worker[?]: error: MT_ROPE=sometimes: expected `fused` or `plain`"
+    );
+}

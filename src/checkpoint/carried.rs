@@ -21,7 +21,15 @@ use super::{pieces, weight_files};
 use crate::config::hf::{ModelSpec, TextNames};
 use crate::error::{Error, Result};
 use crate::layout::{CarryRule, Layout};
-use crate::protocol::LayerBuffer;
+
+/// A tensor a layer reads but does not train (a buffer), in f32.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LayerBuffer {
+    pub layer: usize,
+    /// Name inside the layer (`mlp.gate.e_score_correction_bias`).
+    pub name: String,
+    pub values: Vec<f32>,
+}
 
 /// One carried tensor, its bytes exactly as read.
 #[derive(Debug, Clone, PartialEq)]

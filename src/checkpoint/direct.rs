@@ -46,7 +46,7 @@ pub struct Direct {
 impl Direct {
     /// The direct half of `path` (already created).
     pub fn open(path: &Path) -> Direct {
-        let wanted = std::env::var("MT_DIRECT_IO").as_deref() != Ok("0");
+        let wanted = crate::switches::get().direct_io;
         let file = wanted
             .then(|| {
                 OpenOptions::new()

@@ -18,16 +18,9 @@ use crate::error::Result;
 /// (1 writes as one thread did; for comparisons, and for disks that want one stream).
 pub const STREAMS: usize = 4;
 
-/// [`STREAMS`], or `MT_CHECKPOINT_STREAMS` where it holds a count of at least 1 (read once).
+/// [`STREAMS`], or `MT_CHECKPOINT_STREAMS` (a count from 1, checked at start).
 fn streams() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("MT_CHECKPOINT_STREAMS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n| n >= 1)
-            .unwrap_or(STREAMS)
-    })
+    crate::switches::get().checkpoint_streams.unwrap_or(STREAMS)
 }
 
 /// Runs `write(part)` for parts that tile `window` (runs of whole [`WRITE_CHUNK`]s, the

@@ -36,7 +36,7 @@ use crate::shm::huge::zeroed;
 use half::bf16;
 
 use super::{AdamMoments, Grad, HostState, Master, store_bf16, sum_sq};
-use crate::{Error, Result};
+use crate::Result;
 
 use super::peers::{Elems, Peers};
 
@@ -106,22 +106,14 @@ impl Whole {
 pub type WriteWindow<'a> =
     &'a mut dyn FnMut(usize, Range<usize>, &dyn BlockValues) -> crate::Result<()>;
 
-/// Test hook: a gather window shorter than [`GATHER_WINDOW`] ([`gather_window`]).
-const ENV_GATHER_WINDOW: &str = "MT_GATHER_WINDOW";
-
 /// Elements node 0 gathers at a time: [`GATHER_WINDOW`], or `$MT_GATHER_WINDOW` where a
 /// test sets a shorter one (the test models' blocks are far below 2^24 elements, so only
 /// this makes their blocks gather in several windows). Every rank must read the same.
+/// (Checked at start by `mt::switches`.)
 fn gather_window() -> Result<usize> {
-    let Ok(v) = std::env::var(ENV_GATHER_WINDOW) else {
-        return Ok(GATHER_WINDOW);
-    };
-    match v.parse::<usize>() {
-        Ok(n) if (1..=GATHER_WINDOW).contains(&n) => Ok(n),
-        _ => Err(Error::Other(format!(
-            "{ENV_GATHER_WINDOW}={v}: expected a count of elements from 1 to {GATHER_WINDOW}"
-        ))),
-    }
+    Ok(crate::switches::get()
+        .gather_window
+        .unwrap_or(GATHER_WINDOW))
 }
 
 impl HostState {

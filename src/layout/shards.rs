@@ -19,7 +19,8 @@ pub const ALIGN: usize = 64;
 /// state (master and moments: 12 bytes each in float32, 0.2 GB): its gather buffers are
 /// this long whatever the block (Qwen3.5-27B's embedding has 1.27e9 elements, 15 GB at 12
 /// bytes), and each window is written at its offsets before the next is gathered.
-pub const GATHER_WINDOW: usize = 1 << 24;
+/// (`MT_GATHER_WINDOW` may shorten it: the switchboard keeps the bound it checks.)
+pub const GATHER_WINDOW: usize = crate::switches::GATHER_WINDOW;
 
 /// The pieces of every block for N nodes, and where node `rank`'s pieces sit in its local
 /// buffers.

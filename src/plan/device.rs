@@ -43,6 +43,7 @@
 use crate::config::hf::{AttentionKind, ModelSpec};
 use crate::config::{DType, TileTokens};
 use crate::layout::Layout;
+use crate::protocol::{Device, Init};
 
 use super::acts::{self, Dims, F32, LayerActs};
 
@@ -92,6 +93,22 @@ pub struct DeviceOpts {
     /// the workers (`mt-launch plan`: its budget); None where unknown. The automatic tile
     /// keeps a Gated DeltaNet rule whole where it fits in this.
     pub device_free: Option<u64>,
+}
+
+impl DeviceOpts {
+    /// The options of a worker's micro-batches (`packed`: with position ids), as the
+    /// launcher planned them and sent them in `init`.
+    pub fn of_worker(init: &Init, packed: bool) -> Self {
+        DeviceOpts {
+            dtype: init.dtype,
+            ce_chunk_tokens: init.ce_chunk_tokens,
+            tile_tokens: init.tile_tokens,
+            packed,
+            offload_activations: init.offload_activations,
+            cpu: init.device == Device::Cpu,
+            device_free: init.device_free,
+        }
+    }
 }
 
 /// Named byte counts.

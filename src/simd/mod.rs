@@ -19,6 +19,8 @@
 
 use std::sync::OnceLock;
 
+use crate::switches::SimdCeiling;
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86;
 
@@ -42,10 +44,10 @@ impl Simd {
                 .into_iter()
                 .find(|s| s.supported())
                 .unwrap_or(Simd::Portable);
-            let asked = match std::env::var("MT_SIMD").as_deref() {
-                Ok("portable") => Simd::Portable,
-                Ok("avx2") => Simd::Avx2,
-                _ => Simd::Avx512,
+            let asked = match crate::switches::get().simd {
+                Some(SimdCeiling::Portable) => Simd::Portable,
+                Some(SimdCeiling::Avx2) => Simd::Avx2,
+                Some(SimdCeiling::Avx512) | None => Simd::Avx512,
             };
             best.min(asked)
         })

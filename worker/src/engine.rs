@@ -125,7 +125,7 @@ impl Engine {
             device,
             kind: kind_of(init.dtype),
             ce_chunk: init.ce_chunk_tokens as i64,
-            plan_opts: init.device_opts(false),
+            plan_opts: DeviceOpts::of_worker(init, false),
             slot_len: init.layout.grad_slot_len(),
             ctl: Control {
                 free_slots: (0..init.num_slots).rev().collect(),

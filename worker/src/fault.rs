@@ -30,9 +30,6 @@ use mt::plan::{DeviceOpts, DevicePlan, Largest};
 use mt::protocol::{Device, Init};
 use tch::{Kind, Tensor};
 
-/// The test hook's variable.
-const ENV_FAIL_ALLOC: &str = "MT_TEST_FAIL_ALLOC";
-
 /// Where the worker is.
 #[derive(Debug, Clone, Copy)]
 struct Here {
@@ -70,7 +67,7 @@ pub fn set_run(init: &Init) {
         device: init.device,
         spec: init.spec.clone(),
         layout: init.layout.clone(),
-        opts: init.device_opts(false),
+        opts: DeviceOpts::of_worker(init, false),
         ce_chunk_tokens: init.ce_chunk_tokens,
         budget: OnceLock::new(),
     });
@@ -125,14 +122,8 @@ pub fn micro_batch(rows: usize, seq_len: usize, packed: bool) {
 fn inject(phase: Phase, layer: Option<usize>) {
     static TARGET: OnceLock<Option<(Phase, Option<usize>)>> = OnceLock::new();
     static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let target = TARGET.get_or_init(|| {
-        let v = std::env::var(ENV_FAIL_ALLOC).ok()?;
-        let (p, l) = match v.split_once(':') {
-            Some((p, l)) => (p, Some(l.parse().ok()?)),
-            None => (v.as_str(), None),
-        };
-        Some((Phase::from_name(p)?, l))
-    });
+    // Checked at start (main.rs calls `Phase::fail_alloc_target` after `mt::switches::init`).
+    let target = TARGET.get_or_init(|| Phase::fail_alloc_target().ok().flatten());
     let hit = matches!(target, Some((p, l)) if *p == phase && (l.is_none() || *l == layer));
     if hit && !FIRED.swap(true, std::sync::atomic::Ordering::Relaxed) {
         let device = RUN.get().map_or(tch::Device::Cpu, |r| match r.device {
@@ -293,7 +284,7 @@ pub fn report(e: &anyhow::Error) -> String {
 fn device_memory(device: Device) -> (Option<u64>, Option<u64>) {
     match device {
         Device::Cpu => (mt::plan::available_host_bytes(), None),
-        Device::Cuda(_) => match crate::stream::cuda::memory_info() {
+        Device::Cuda(_) => match crate::cuda::memory_info() {
             Ok((free, total)) => (Some(free), Some(total)),
             Err(_) => (None, None),
         },

@@ -7,6 +7,9 @@
 
 #![deny(unsafe_code)]
 
+// The CUDA driver-API wrapper (cudarc) and libtorch_cuda's loading.
+#[allow(unsafe_code)]
+mod cuda;
 // The C++ shims' error strings.
 #[allow(unsafe_code)]
 mod cxx;
@@ -23,7 +26,7 @@ mod model;
 mod profile;
 mod segments;
 mod warmup;
-// Shared memory adoption, host registration, CUDA driver calls.
+// Shared memory adoption, host registration.
 #[allow(unsafe_code)]
 mod stream;
 
@@ -32,19 +35,30 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use ipc_channel::ipc::{self, IpcSender};
-use mt::protocol::{Device, ENV_BOOTSTRAP, ENV_RANK, FromWorker, ToWorker};
+use mt::plan::DeviceOpts;
+use mt::protocol::{Device, FromWorker, ToWorker};
+use mt::switches::BOOTSTRAP;
 
 use engine::{Engine, Interrupted, Link};
 
 fn main() -> ExitCode {
-    let rank = std::env::var(ENV_RANK).unwrap_or_else(|_| "?".into());
+    // Every `MT_*` variable, checked before anything else (mt-launch checked them too).
+    let switches = mt::switches::init();
+    let rank = match &switches {
+        Ok(s) => s.rank.map_or("?".into(), |r| r.to_string()),
+        Err(_) => "?".into(),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     fault::install_panic_hook();
-    match fault::catch(run) {
+    let checked = switches.and_then(|_| mt::fault::Phase::fail_alloc_target());
+    match checked
+        .map_err(anyhow::Error::from)
+        .and_then(|_| fault::catch(run))
+    {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<Interrupted>() => ExitCode::SUCCESS,
         // The launcher has the error and prints it: once.
@@ -58,7 +72,7 @@ fn main() -> ExitCode {
 
 fn run() -> Result<()> {
     if std::env::args().nth(1).as_deref() == Some("--check-resident-update") {
-        stream::load_torch_cuda()?;
+        cuda::load_torch_cuda()?;
         let ok = stream::check_resident_update(tch::Device::Cuda(0))?;
         println!("{}", if ok { "PASS" } else { "FAIL" });
         return if ok {
@@ -73,16 +87,15 @@ fn run() -> Result<()> {
     if nix::unistd::getppid().as_raw() == 1 {
         bail!("launcher exited before this worker started");
     }
-    let server = std::env::var(ENV_BOOTSTRAP).with_context(|| {
-        format!("{ENV_BOOTSTRAP} is not set: mt-worker is started by mt-launch")
-    })?;
+    let sw = mt::switches::get();
+    let server = sw
+        .bootstrap
+        .clone()
+        .with_context(|| format!("{BOOTSTRAP} is not set: mt-worker is started by mt-launch"))?;
     let tx: IpcSender<FromWorker> =
         IpcSender::connect(server).context("connect to the launcher")?;
     let (cmd_tx, rx) = ipc::channel::<ToWorker>().context("create command channel")?;
-    let rank: usize = std::env::var(ENV_RANK)
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0);
+    let rank: usize = sw.rank.unwrap_or(0);
     tx.send(FromWorker::Hello {
         rank,
         pid: std::process::id(),
@@ -96,7 +109,7 @@ fn run() -> Result<()> {
     fault::set_run(&init);
     let result = fault::catch(|| {
         if let Device::Cuda(_) = init.device {
-            stream::load_torch_cuda()?;
+            cuda::load_torch_cuda()?;
         }
         stream::check_device(init.device)?;
         tch::set_num_threads(init.threads.max(1) as i32);
@@ -120,7 +133,7 @@ fn run() -> Result<()> {
                 mt::plan::DevicePlan::new(
                     &init.spec,
                     &init.layout,
-                    init.device_opts(false),
+                    DeviceOpts::of_worker(&init, false),
                     shape.0,
                     shape.1,
                 )

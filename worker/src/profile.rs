@@ -17,14 +17,11 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use mt::fault::Phase;
 
 use crate::cxx::checked;
 use mt::protocol::Device;
-
-const ENV_DIR: &str = "MT_TORCH_PROFILE";
-const ENV_STEP: &str = "MT_TORCH_PROFILE_STEP";
 
 unsafe extern "C" {
     fn mt_profile_start(cuda: c_int) -> *mut c_char;
@@ -53,17 +50,11 @@ pub struct Profiler {
 
 impl Profiler {
     pub fn from_env(rank: usize, device: Device) -> Result<Profiler> {
-        let dir = std::env::var_os(ENV_DIR).map(PathBuf::from);
-        let step = match std::env::var(ENV_STEP) {
-            Ok(s) => match s.parse::<usize>() {
-                Ok(n) if n >= 1 => n,
-                _ => bail!("{ENV_STEP}={s:?}: expected a step number from 1"),
-            },
-            Err(_) => 3,
-        };
+        let sw = mt::switches::get();
+        let (dir, step) = (sw.torch_profile.clone(), sw.torch_profile_step);
         if let Some(d) = &dir {
             std::fs::create_dir_all(d)
-                .with_context(|| format!("{ENV_DIR}={}: cannot create it", d.display()))?;
+                .with_context(|| format!("MT_TORCH_PROFILE={}: cannot create it", d.display()))?;
         }
         Ok(Profiler {
             dir,

@@ -482,9 +482,9 @@ impl Trainer {
             plan,
             startup_s: Some(startup_s),
             checkpoint_wait_s: 0.0,
-            moments: match std::env::var("MT_DEFER_MOMENTS").as_deref() {
-                Ok("0") => Moments::Write,
-                _ => Moments::Keep,
+            moments: match mt::switches::get().defer_moments {
+                false => Moments::Write,
+                true => Moments::Keep,
             },
             peers: match mpi {
                 Some(m) => m,
@@ -733,19 +733,13 @@ impl Trainer {
 /// checks that `exchange_wait_s` says so). Nothing else reads it.
 fn late_node_hook(mpi: Option<&crate::mpi::Mpi>) {
     let Some(m) = mpi else { return };
-    let Ok(v) = std::env::var("MT_TEST_LATE_NODE") else {
-        return;
-    };
-    let late = v
-        .split_once(':')
-        .and_then(|(r, ms)| Some((r.parse::<usize>().ok()?, ms.parse::<u64>().ok()?)));
-    if let Some((rank, ms)) = late.filter(|&(r, _)| r == m.rank) {
+    if let Some(late) = mt::switches::testing::late_node(m.rank) {
         tracing::debug!(
-            rank,
-            ms,
+            rank = m.rank,
+            ?late,
             "MT_TEST_LATE_NODE: this node starts the step late"
         );
-        std::thread::sleep(Duration::from_millis(ms));
+        std::thread::sleep(late);
     }
 }
 

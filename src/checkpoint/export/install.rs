@@ -20,14 +20,13 @@
 //! complete or not) is deleted. An entry without our owner record or manifest, or whose
 //! writer is alive or ran on another host, is never touched.
 //!
-//! Test hook: `MT_TEST_EXPORT_PAUSE=<instant>:<flag file>` (read once, here only) makes a
+//! Test hook: `MT_TEST_EXPORT_PAUSE=<instant>:<flag file>` (`crate::switches::testing`) makes a
 //! standalone export create the flag file and sleep when it reaches `<instant>`:
 //! `mid-tensor`, `between-files`, `manifest` (before the marker), `rename` (before the
 //! rename or exchange), `exchanged` (after the exchange, before the old entries return).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
@@ -258,15 +257,7 @@ pub fn recover_export(out: &Path) -> Result<()> {
 
 /// The test hook (module docs): pauses here when `MT_TEST_EXPORT_PAUSE` names `instant`.
 pub(super) fn pause_at(instant: &str) {
-    static HOOK: OnceLock<Option<(String, PathBuf)>> = OnceLock::new();
-    let hook = HOOK.get_or_init(|| {
-        let v = std::env::var("MT_TEST_EXPORT_PAUSE").ok()?;
-        let (at, flag) = v.split_once(':')?;
-        Some((at.to_string(), flag.into()))
-    });
-    if let Some((at, flag)) = hook
-        && at == instant
-    {
+    if let Some(flag) = crate::switches::testing::export_pause(instant) {
         tracing::warn!("MT_TEST_EXPORT_PAUSE: export paused at {instant}");
         let _ = std::fs::write(flag, instant);
         loop {

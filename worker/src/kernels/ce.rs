@@ -13,8 +13,7 @@ use super::cuda;
 /// CUDA in bf16; `MT_CROSS_ENTROPY=fused` forces it (the mirror on CPU), `plain` torch's
 /// ops through autograd.
 pub fn cross_entropy_enabled(kind: Kind, device: Device) -> bool {
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let on = super::fused_by_default(&FORCED, "MT_CROSS_ENTROPY", kind, device);
+    let on = super::fused_by_default(mt::switches::get().fused.cross_entropy, kind, device);
     on && match device {
         Device::Cuda(_) => cuda::cross_entropy_supports(kind) && cuda::available(),
         _ => true,

@@ -15,7 +15,7 @@ use cudarc::driver::sys::{self, CUfunction, CUmodule, CUresult};
 use tch::{Kind, Tensor};
 
 use super::ConvQkv;
-use crate::stream::cuda::torch_stream;
+use crate::cuda::torch_stream;
 
 /// What every kernel file reads first (bf16 words).
 const BF16_H: &str = include_str!("bf16.cuh");
@@ -229,8 +229,8 @@ fn function(module: CUmodule, name: String) -> Result<CUfunction> {
 
 /// Loads torch's NVRTC (and its builtins) globally by full path, unless one is loaded.
 fn load_nvrtc() -> Result<()> {
-    let dir = match std::env::var_os("MT_NVRTC") {
-        Some(p) => PathBuf::from(p),
+    let dir = match &mt::switches::get().nvrtc {
+        Some(p) => p.clone(),
         None => nvrtc_dir()?,
     };
     load_nvrtc_from(&dir)

@@ -149,8 +149,7 @@ fn mirror_backward(
 /// CUDA in bf16; `MT_SWIGLU=fused` forces it (the mirror on CPU), `plain` the tch ops. (The
 /// experts' SwiGLU goes with their fused combine, `MT_MOE_COMBINE`.)
 pub fn swiglu_enabled(kind: Kind, device: Device) -> bool {
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    super::fused_by_default(&FORCED, "MT_SWIGLU", kind, device)
+    super::fused_by_default(mt::switches::get().fused.swiglu, kind, device)
 }
 
 /// Whether [`swiglu`] runs for (.., I) tensors of `kind` on `device`: on CUDA where the

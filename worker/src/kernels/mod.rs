@@ -31,28 +31,11 @@ pub use sinks::{sink_attention, sink_attention_enabled};
 
 use tch::{Device, Kind, Tensor};
 
-/// A `fused|plain` switch from the environment variable `var`: Some(true) for `fused`,
-/// Some(false) for `plain`, None unset (the op's default). Anything else stops the worker
-/// with the variable named.
-pub fn forced(var: &str) -> Option<bool> {
-    match std::env::var(var).as_deref() {
-        Err(_) | Ok("") => None,
-        Ok("fused") => Some(true),
-        Ok("plain") => Some(false),
-        Ok(other) => panic!("{var}={other}: expected `fused` or `plain`"),
-    }
-}
-
-/// A `fused|plain` switch ([`forced`]) read once into `cell`, defaulting to the fused op on
-/// CUDA in bf16 (the GPU's compute dtype) and to tch ops elsewhere.
-pub fn fused_by_default(
-    cell: &std::sync::OnceLock<Option<bool>>,
-    var: &str,
-    kind: Kind,
-    device: Device,
-) -> bool {
-    cell.get_or_init(|| forced(var))
-        .unwrap_or(device.is_cuda() && kind == Kind::BFloat16)
+/// A `fused|plain` switch (`mt::switches::Fused`: Some(true) fused, Some(false) plain),
+/// defaulting (None) to the fused op on CUDA in bf16 (the GPU's compute dtype) and to tch
+/// ops elsewhere.
+pub fn fused_by_default(forced: Option<bool>, kind: Kind, device: Device) -> bool {
+    forced.unwrap_or(device.is_cuda() && kind == Kind::BFloat16)
 }
 
 /// The shapes of [`conv_qkv`]: G key heads of Dk, V value heads of Dv, the conv's taps,

@@ -17,8 +17,7 @@ pub type RopeOps = fn(&Tensor, &Tensor, &Tensor, i64, bool) -> Tensor;
 /// Whether attention takes [`rope`] for heads of `kind` on `device`: by default on CUDA in
 /// bf16; `MT_ROPE=fused` forces it (the mirror on CPU), `plain` the tch ops.
 pub fn rope_enabled(kind: Kind, device: Device) -> bool {
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    super::fused_by_default(&FORCED, "MT_ROPE", kind, device)
+    super::fused_by_default(mt::switches::get().fused.rope, kind, device)
 }
 
 /// Whether [`rope`] runs for heads of `d` dims, `r` rotated, of `kind` on `device`: on CUDA

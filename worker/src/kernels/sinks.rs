@@ -31,8 +31,7 @@ use super::tape;
 /// `device`: by default on CUDA in bf16; `MT_ATTENTION_SINKS=fused` forces it (the mirror on
 /// CPU), `plain` transformers' eager attention in tch ops.
 pub fn sink_attention_enabled(kind: Kind, d: i64, device: Device) -> bool {
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let on = super::fused_by_default(&FORCED, "MT_ATTENTION_SINKS", kind, device);
+    let on = super::fused_by_default(mt::switches::get().fused.attention_sinks, kind, device);
     on && match device {
         Device::Cuda(_) => cuda::flash_supports(kind, d),
         _ => true,

@@ -46,8 +46,7 @@ pub fn rms_norm_f32_scale(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 /// default on CUDA in bf16 (the first two with a weight of x's dtype); `MT_RMS_NORM=fused`
 /// forces it (on CPU too), `plain` transformers' ops.
 fn norms_fused(x: &Tensor) -> bool {
-    static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    kernels::fused_by_default(&FORCED, "MT_RMS_NORM", x.kind(), x.device())
+    kernels::fused_by_default(mt::switches::get().fused.rms_norm, x.kind(), x.device())
 }
 
 /// Gemma RMSNorm: everything in f32, scaled by `1 + w`, then cast: `(norm(x) * (1 + w)).to(dtype)`

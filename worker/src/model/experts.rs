@@ -48,8 +48,6 @@
 //! Shapes: N tokens, H hidden size, E experts, K experts per token, S = N*K routed pairs,
 //! M one expert's rows, I expert intermediate size.
 
-use std::sync::OnceLock;
-
 use mt::config::hf::{Activation, ExpertAct, ExpertNames, ModelSpec, MoeSpec, Router};
 use mt::layout::{Block, ExpertStack};
 use tch::{Device, Kind, Tensor};
@@ -58,18 +56,12 @@ use super::BlockWeights;
 use super::common::{activation, gated_mlp_named, linear};
 use crate::kernels;
 
-/// The variable that forces a way to run the experts.
-const ENV_EXPERTS: &str = "MT_MOE_EXPERTS";
-/// The variable that forces a way to combine their outputs.
-const ENV_COMBINE: &str = "MT_MOE_COMBINE";
-
 /// Whether routed outputs of width `h` and dtype `kind` on `device` are combined by
 /// the fused op (`kernels::moe_combine`): by default where its kernels take them (CUDA,
 /// bf16); `MT_MOE_COMBINE` forces it (`fused`: the mirror on CPU) or the plain ops
 /// (`plain`).
 pub fn fused_combine(h: i64, kind: Kind, device: Device) -> bool {
-    static FORCED: OnceLock<Option<bool>> = OnceLock::new();
-    let forced = *FORCED.get_or_init(|| kernels::forced(ENV_COMBINE));
+    let forced = mt::switches::get().fused.moe_combine;
     // Router weights are f32, or in the compute dtype: the kernels take both.
     let supported = kernels::moe_combine_supported(kind, h, Kind::Float, device)
         && kernels::moe_combine_supported(kind, h, kind, device);
@@ -104,7 +96,7 @@ pub fn grouped(block: &Block, stacks: &[ExpertStack], kind: Kind, device: Device
         Some(true) => {
             assert!(
                 aligned,
-                "{ENV_EXPERTS}=grouped: the expert weights {dims:?} of {kind:?} are not all \
+                "MT_MOE_EXPERTS=grouped: the expert weights {dims:?} of {kind:?} are not all \
                  multiples of 16 bytes wide, as the grouped GEMM needs"
             );
             true
@@ -115,13 +107,7 @@ pub fn grouped(block: &Block, stacks: &[ExpertStack], kind: Kind, device: Device
 
 /// `MT_MOE_EXPERTS`: Some(true) grouped, Some(false) per expert, None by device.
 fn forced() -> Option<bool> {
-    static FORCED: OnceLock<Option<bool>> = OnceLock::new();
-    *FORCED.get_or_init(|| match std::env::var(ENV_EXPERTS).as_deref() {
-        Err(_) | Ok("") => None,
-        Ok("grouped") => Some(true),
-        Ok("loop") => Some(false),
-        Ok(other) => panic!("{ENV_EXPERTS}={other}: expected `grouped` or `loop`"),
-    })
+    mt::switches::get().moe_experts
 }
 
 /// Sum over each token's K experts of `weight * expert(x)`: (N, H) -> (N, H), for router

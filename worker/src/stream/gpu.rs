@@ -24,9 +24,9 @@ use mt::fault::Phase;
 use mt::layout::{Block, Layout};
 use tch::{Device, Kind, Tensor};
 
-use super::cuda::{self, Event, HostRegistration, Stream, torch_stream};
 use super::stash::{HostStash, Stash};
 use super::{Delivered, Gate, Regions, TransferStats, kind_of};
+use crate::cuda::{self, Event, HostRegistration, Stream, torch_stream};
 use crate::model::BlockWeights;
 
 /// Layer buffers in the ring (double buffering).
@@ -183,7 +183,7 @@ impl CudaStreamer {
                 ..TransferStats::default()
             },
             resident: Vec::new(),
-            trace_memory: std::env::var_os("MT_MEMORY_TRACE").is_some(),
+            trace_memory: mt::switches::get().memory_trace,
             _pinned: pinned,
             regions,
         })

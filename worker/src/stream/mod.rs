@@ -17,7 +17,6 @@
 //! The per-layer inputs the backward needs are stashed here too: kept where they are
 //! computed, or (CUDA, `memory.offload_activations`) in pinned host memory.
 
-pub mod cuda;
 mod gpu;
 mod resident;
 mod stash;
@@ -25,7 +24,6 @@ mod stash;
 pub use resident::{Resident, check_update as check_resident_update};
 
 use std::collections::VecDeque;
-use std::ffi::CString;
 use std::ops::Range;
 
 use anyhow::{Result, bail};
@@ -50,33 +48,6 @@ pub fn device_of(d: MtDevice) -> Device {
         MtDevice::Cpu => Device::Cpu,
         MtDevice::Cuda(i) => Device::Cuda(i),
     }
-}
-
-/// tch links only libtorch_cpu; CUDA kernels live in libtorch_cuda.so, which must be
-/// loaded (globally, so its kernels register) before the first CUDA call.
-pub fn load_torch_cuda() -> Result<()> {
-    let name = CString::new("libtorch_cuda.so").expect("no NUL");
-    // SAFETY: dlopen with a valid C string; the handle is intentionally leaked so the
-    // library stays loaded for the life of the process.
-    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if handle.is_null() {
-        // SAFETY: dlerror returns a thread-local C string or null.
-        let msg = unsafe {
-            let e = libc::dlerror();
-            if e.is_null() {
-                "unknown error".into()
-            } else {
-                std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned()
-            }
-        };
-        bail!("cannot load libtorch_cuda.so ({msg}); set LD_LIBRARY_PATH to torch's lib folder");
-    }
-    if !tch::Cuda::is_available() {
-        bail!(
-            "libtorch_cuda.so loaded but CUDA is not available (driver missing or no GPU visible)"
-        );
-    }
-    Ok(())
 }
 
 /// Checks that the device exists.

@@ -22,8 +22,8 @@ use mt::protocol::{ResidentInit, ResidentPart};
 use mt::shm::Region;
 use tch::{Device, Kind, Tensor};
 
-use super::cuda::{self, Event, HostRegistration, Stream, torch_stream};
 use super::{kind_of, region_view};
+use crate::cuda::{self, Event, HostRegistration, Stream, torch_stream};
 
 /// One block's copy, every tensor flat over the block's elements (gaps included).
 struct Held {

@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 use anyhow::{Context, Result, bail};
 use tch::{Device, Tensor};
 
-use super::cuda::{self, Event, Stream, torch_stream};
+use crate::cuda::{self, Event, Stream, torch_stream};
 
 /// Stashed layer inputs allowed to wait on the device for their copy to the host.
 pub(super) const MAX_STASH_IN_FLIGHT: usize = 2;

@@ -63,7 +63,7 @@ fn every_kernel_file_compiles_with_its_entry_points() {
 
 /// The first GPU, or None (said so) where none is visible.
 fn gpu() -> Option<tch::Device> {
-    match crate::stream::load_torch_cuda() {
+    match crate::cuda::load_torch_cuda() {
         Ok(()) => Some(tch::Device::Cuda(0)),
         Err(_) => {
             eprintln!("skipped: no GPU visible");

@@ -41,6 +41,7 @@ mod tests;
 use std::sync::OnceLock;
 
 use mt::config::hf::{LinearAttnSpec, ModelSpec};
+use mt::switches::DeltaRule;
 use tch::{Device, Kind, Tensor};
 
 use super::BlockWeights;
@@ -130,7 +131,7 @@ enum Rule {
     Chunked,
 }
 
-/// The environment's choices, read once per process.
+/// The environment's choices (`mt::switches`), once per process.
 struct Settings {
     /// `MT_GATED_DELTA`; None: by device.
     rule: Option<Rule>,
@@ -145,31 +146,16 @@ impl Settings {
     fn get() -> &'static Settings {
         static SETTINGS: OnceLock<Settings> = OnceLock::new();
         SETTINGS.get_or_init(|| {
-            let rule = match std::env::var("MT_GATED_DELTA").as_deref() {
-                Err(_) => None,
-                Ok("reference") => Some(Rule::Reference),
-                Ok("chunked") => Some(Rule::Chunked),
-                Ok(other) => {
-                    panic!("MT_GATED_DELTA must be `reference` or `chunked`, got `{other}`")
-                }
-            };
-            let chunk = match std::env::var("MT_GATED_DELTA_CHUNK") {
-                Err(_) => chunked::CHUNK,
-                Ok(s) => s
-                    .parse()
-                    .ok()
-                    .filter(|&c| chunked::chunk_ok(c))
-                    .unwrap_or_else(|| {
-                        panic!("MT_GATED_DELTA_CHUNK must be 16, 32, 64, 128 or 256, got `{s}`")
-                    }),
-            };
-            let fused = match std::env::var("MT_GATED_DELTA_FUSED").as_deref() {
-                Err(_) | Ok("") => None,
-                Ok("1") => Some(true),
-                Ok("0") => Some(false),
-                Ok(other) => panic!("MT_GATED_DELTA_FUSED must be 0 or 1, got `{other}`"),
-            };
-            Settings { rule, chunk, fused }
+            // Checked at start (`mt::switches`): the chunk is one `chunked::chunk_ok` takes.
+            let sw = mt::switches::get();
+            Settings {
+                rule: sw.gated_delta.map(|r| match r {
+                    DeltaRule::Reference => Rule::Reference,
+                    DeltaRule::Chunked => Rule::Chunked,
+                }),
+                chunk: sw.gated_delta_chunk.unwrap_or(chunked::CHUNK),
+                fused: sw.gated_delta_fused,
+            }
         })
     }
 

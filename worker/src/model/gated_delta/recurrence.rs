@@ -25,8 +25,6 @@
 //!
 //! Shapes: N = B V independent heads, U chunks of C tokens, Dk / Dv head dims.
 
-use std::sync::OnceLock;
-
 use tch::{Kind, Tensor};
 
 use super::chunked::state_kind;
@@ -35,14 +33,7 @@ use crate::kernels::tape;
 /// Whether the chunked rule's recurrence runs here under grad (the default) rather than
 /// through autograd (`MT_GATED_DELTA_RECURRENCE=autograd`, a comparison hook).
 pub(super) fn taped() -> bool {
-    static TAPED: OnceLock<bool> = OnceLock::new();
-    *TAPED.get_or_init(
-        || match std::env::var("MT_GATED_DELTA_RECURRENCE").as_deref() {
-            Err(_) | Ok("") | Ok("tape") => true,
-            Ok("autograd") => false,
-            Ok(other) => panic!("MT_GATED_DELTA_RECURRENCE={other}: expected `tape` or `autograd`"),
-        },
-    )
+    !mt::switches::get().gated_delta_autograd
 }
 
 /// The recurrence over `[t, vbeta, neg_w, q, k, p, d]`: T (N, U, C, C), beta v (N, U, C,

@@ -1,7 +1,11 @@
 //! The CUDA driver-API pieces tch lacks: non-blocking streams, events, host registration
 //! and asynchronous copies (cudarc, dynamically loaded). They act on the primary context
 //! that torch makes current on this thread, and order against torch's stream, which is
-//! the legacy default stream (the null `CUstream`).
+//! the legacy default stream (the null `CUstream`). Also loads libtorch_cuda.so
+//! ([`load_torch_cuda`]). Used by stream/ (copies, events, registration) and kernels/
+//! (torch's stream) alike.
+
+use std::ffi::CString;
 
 use anyhow::{Result, bail};
 use cudarc::driver::sys::{self, CUdeviceptr, CUevent, CUresult, CUstream};
@@ -222,4 +226,31 @@ pub unsafe fn copy_d2h(
         unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, bytes, stream) },
         "cuMemcpyDtoHAsync",
     )
+}
+
+/// tch links only libtorch_cpu; CUDA kernels live in libtorch_cuda.so, which must be
+/// loaded (globally, so its kernels register) before the first CUDA call.
+pub fn load_torch_cuda() -> Result<()> {
+    let name = CString::new("libtorch_cuda.so").expect("no NUL");
+    // SAFETY: dlopen with a valid C string; the handle is intentionally leaked so the
+    // library stays loaded for the life of the process.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns a thread-local C string or null.
+        let msg = unsafe {
+            let e = libc::dlerror();
+            if e.is_null() {
+                "unknown error".into()
+            } else {
+                std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned()
+            }
+        };
+        bail!("cannot load libtorch_cuda.so ({msg}); set LD_LIBRARY_PATH to torch's lib folder");
+    }
+    if !tch::Cuda::is_available() {
+        bail!(
+            "libtorch_cuda.so loaded but CUDA is not available (driver missing or no GPU visible)"
+        );
+    }
+    Ok(())
 }
