@@ -20,7 +20,7 @@ mod supervisor;
 mod torch;
 mod trackers;
 mod train;
-// Signals and process groups: the one unsafe module.
+// Signals and process groups (with mpi.rs, the launcher's only unsafe code).
 #[allow(unsafe_code)]
 mod unix;
 

@@ -39,17 +39,20 @@ fn val_size_out_of_range() {
 
 #[test]
 fn val_size_with_a_separate_eval_set() {
+    // Both in the file are refused; an override of one replaces the other.
     let f = fixture("val-and-eval");
-    f.fails(
-        &[
-            "--set",
-            "dataset.val_size=0.5",
-            "--set",
-            &format!("dataset.eval_path={}", path(&f.data)),
-        ],
-        Stage::Start,
-        &["dataset.val_size", "not both"],
+    let yaml = f.yaml();
+    let both = yaml.replacen(
+        "shuffle: false}",
+        &format!(
+            "shuffle: false, val_size: 0.5, eval_path: {}}}",
+            path(&f.data)
+        ),
+        1,
     );
+    assert_ne!(yaml, both, "the fixture's dataset section moved: {yaml}");
+    f.write_config(&both);
+    f.fails(&[], Stage::Start, &["dataset.val_size", "not both"]);
 }
 
 #[test]

@@ -23,8 +23,10 @@ mod logging;
 mod nodes;
 mod overrides;
 mod resident;
+mod schedule;
 pub mod shipped;
 pub mod size;
+mod sources;
 mod stage;
 mod tile;
 
@@ -36,6 +38,7 @@ pub use nodes::NodesSection;
 pub use overrides::apply_override;
 use overrides::{did_you_mean, edit_distance};
 pub use resident::ResidentBlocks;
+pub use schedule::{LrScheduler, Ramp, SchedulerKwargs};
 pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 pub use tile::TileTokens;
 
@@ -322,88 +325,6 @@ impl Default for TrainingSection {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum LrScheduler {
-    #[default]
-    Constant,
-    Linear,
-    Cosine,
-    /// Cosine down to a floor: `min_lr` or `min_lr_rate` (of `learning_rate`).
-    CosineWithMinLr,
-    /// Warm-up, a constant stretch, then a decay over `num_decay_steps` to
-    /// `min_lr_ratio` (transformers' WSD schedule).
-    WarmupStableDecay,
-}
-
-impl LrScheduler {
-    /// The `lr_scheduler_kwargs` keys this schedule reads.
-    fn kwargs(self) -> &'static [&'static str] {
-        match self {
-            LrScheduler::Constant | LrScheduler::Linear => &[],
-            LrScheduler::Cosine => &["num_cycles"],
-            LrScheduler::CosineWithMinLr => &["num_cycles", "min_lr", "min_lr_rate"],
-            LrScheduler::WarmupStableDecay => &[
-                "num_decay_steps",
-                "num_stable_steps",
-                "warmup_type",
-                "decay_type",
-                "min_lr_ratio",
-                "num_cycles",
-            ],
-        }
-    }
-}
-
-/// `training.lr_scheduler_kwargs`: what transformers' schedulers take besides the steps.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SchedulerKwargs {
-    /// Cosine waves over the decay (default 0.5: half a wave, from the peak to the floor).
-    pub num_cycles: Option<f64>,
-    /// `cosine_with_min_lr`'s floor as a learning rate...
-    pub min_lr: Option<f64>,
-    /// ... or as a fraction of `learning_rate` (one of the two).
-    pub min_lr_rate: Option<f64>,
-    /// `warmup_stable_decay`: steps of the decay (required).
-    pub num_decay_steps: Option<u64>,
-    /// Steps at the peak (default: what warm-up and decay leave of `num_steps`).
-    pub num_stable_steps: Option<u64>,
-    /// Shape of the warm-up (default linear) ...
-    pub warmup_type: Option<Ramp>,
-    /// ... and of the decay (default cosine).
-    pub decay_type: Option<Ramp>,
-    /// Where warm-up starts and decay ends, as a fraction of `learning_rate` (default 0).
-    pub min_lr_ratio: Option<f64>,
-}
-
-impl SchedulerKwargs {
-    fn given(&self) -> Vec<&'static str> {
-        let set = [
-            ("num_cycles", self.num_cycles.is_some()),
-            ("min_lr", self.min_lr.is_some()),
-            ("min_lr_rate", self.min_lr_rate.is_some()),
-            ("num_decay_steps", self.num_decay_steps.is_some()),
-            ("num_stable_steps", self.num_stable_steps.is_some()),
-            ("warmup_type", self.warmup_type.is_some()),
-            ("decay_type", self.decay_type.is_some()),
-            ("min_lr_ratio", self.min_lr_ratio.is_some()),
-        ];
-        set.iter().filter(|(_, on)| *on).map(|(k, _)| *k).collect()
-    }
-}
-
-/// The shape of a WSD warm-up or decay.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Ramp {
-    #[serde(rename = "linear")]
-    Linear,
-    #[serde(rename = "cosine")]
-    Cosine,
-    #[serde(rename = "1-sqrt")]
-    OneMinusSqrt,
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerSection {
@@ -519,21 +440,6 @@ fn hint(key: &str, inner: &str) -> String {
     }
 }
 
-/// The benchmark shapes moved from configs/ to configs/bench/ keep their old names (the
-/// project's front page has long said `--config configs/qwen_7b.yaml`): a config path that
-/// does not exist, whose file name does in `bench/` beside it, is read from there.
-fn relocated(path: &Path) -> Option<PathBuf> {
-    if path.symlink_metadata().is_ok() {
-        return None;
-    }
-    let moved = path
-        .parent()
-        .unwrap_or(Path::new(""))
-        .join("bench")
-        .join(path.file_name()?);
-    moved.is_file().then_some(moved)
-}
-
 impl RunConfig {
     /// Reads `path`, applies `--set key.path=value` overrides, deserializes and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
@@ -548,7 +454,7 @@ impl RunConfig {
 
     fn load_with(path: &Path, overrides: &[String], shipped_ok: bool) -> Result<RunConfig> {
         let asked = path;
-        let moved = relocated(asked);
+        let moved = sources::relocated(asked);
         let path = moved.as_deref().unwrap_or(asked);
         if !path.is_file() {
             return Err(Error::Config {
@@ -695,60 +601,6 @@ impl RunConfig {
         }
     }
 
-    /// The model directory (and with `data`, the dataset files) the config points at
-    /// exist: a missing one is named by its key before anything is read. A plan passes
-    /// `data: false`: it may size a dataset that lives on another machine.
-    pub fn check_sources(&self, data: bool) -> Result<()> {
-        let m = &self.model;
-        if m.name.is_none() && m.shipped.is_none() {
-            let dir = &m.path;
-            let what = match (dir.is_dir(), dir.join("config.json").is_file()) {
-                (false, _) if dir.exists() => "is not a directory",
-                (false, _) => "does not exist",
-                (true, false) => "holds no config.json",
-                (true, true) => "",
-            };
-            if !what.is_empty() {
-                return Err(Error::invalid(
-                    "model.path",
-                    format!(
-                        "{} {what}: give a Hugging Face model directory (config.json, safetensors, tokenizer) or model.name (a hub id in the local cache)",
-                        dir.display()
-                    ),
-                ));
-            }
-        }
-        if !data {
-            return Ok(());
-        }
-        let ds = &self.dataset;
-        for (key, p) in [
-            ("dataset.path", &ds.path),
-            ("dataset.eval_path", &ds.eval_path),
-        ] {
-            if let Some(p) = p.as_ref().filter(|p| !p.exists()) {
-                return Err(Error::invalid(
-                    key,
-                    format!(
-                        "{} does not exist: give a JSON, JSONL or Parquet file, or a directory written by datasets' save_to_disk",
-                        p.display()
-                    ),
-                ));
-            }
-        }
-        let registry = ds.dataset_dir.join(crate::data::REGISTRY);
-        if (ds.name.is_some() || ds.eval_name.is_some()) && !registry.is_file() {
-            return Err(Error::invalid(
-                "dataset.dataset_dir",
-                format!(
-                    "{} does not exist: dataset.name and eval_name are looked up in the dataset_dir's dataset_info.json (LlamaFactory's registry); or give dataset.path",
-                    registry.display()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
     /// Checks every value that deserialization cannot; errors name the key.
     pub fn validate(&self) -> Result<()> {
         let t = &self.training;
@@ -889,60 +741,6 @@ impl RunConfig {
             return Err(Error::invalid("dataset.max_samples", "must be > 0"));
         }
         self.validate_schedule()
-    }
-
-    /// `training.lr_scheduler_kwargs` holds what the schedule reads, as transformers
-    /// requires it (`cosine_with_min_lr`: one of min_lr and min_lr_rate; WSD: the decay's
-    /// length).
-    fn validate_schedule(&self) -> Result<()> {
-        let t = &self.training;
-        let (kind, k) = (t.lr_scheduler, &t.lr_scheduler_kwargs);
-        let name = serde_yaml_ng::to_string(&kind).unwrap_or_default();
-        let name = name.trim();
-        if let Some(extra) = k.given().into_iter().find(|g| !kind.kwargs().contains(g)) {
-            let reads = match kind.kwargs() {
-                [] => "none".to_string(),
-                r => r.join(", "),
-            };
-            return Err(Error::invalid(
-                format!("training.lr_scheduler_kwargs.{extra}"),
-                format!("lr_scheduler {name} does not read it (it reads: {reads})"),
-            ));
-        }
-        let kw = |key: &str| format!("training.lr_scheduler_kwargs.{key}");
-        if kind == LrScheduler::CosineWithMinLr && k.min_lr.is_some() == k.min_lr_rate.is_some() {
-            return Err(Error::invalid(
-                kw("min_lr_rate"),
-                "cosine_with_min_lr needs its floor: give min_lr (a learning rate) or min_lr_rate \
-                 (a fraction of learning_rate), one of them",
-            ));
-        }
-        if kind == LrScheduler::WarmupStableDecay && k.num_decay_steps.is_none() {
-            return Err(Error::invalid(
-                kw("num_decay_steps"),
-                "warmup_stable_decay needs the decay's length in steps",
-            ));
-        }
-        for (key, v) in [
-            ("min_lr_rate", k.min_lr_rate),
-            ("min_lr_ratio", k.min_lr_ratio),
-        ] {
-            if let Some(v) = v.filter(|v| !(0.0..=1.0).contains(v)) {
-                return Err(Error::invalid(
-                    kw(key),
-                    format!("must be within [0, 1], got {v}"),
-                ));
-            }
-        }
-        for (key, v) in [("min_lr", k.min_lr), ("num_cycles", k.num_cycles)] {
-            if let Some(v) = v.filter(|v| !v.is_finite() || *v < 0.0) {
-                return Err(Error::invalid(
-                    kw(key),
-                    format!("must be finite and >= 0, got {v}"),
-                ));
-            }
-        }
-        Ok(())
     }
 
     /// `training.per_device_train_batch_size` turned into the global `batch_size` for

@@ -230,3 +230,17 @@ impl Trainer {
         }
     }
 }
+
+/// The outputs a run writes besides its model and checkpoints (which the ownership check
+/// covers) can be written: `--metrics-out`'s directory and `logging.logging_dir`, checked
+/// before any long work and creating nothing (a launch and `--dry-run` alike).
+pub fn check_outputs(cfg: &RunConfig, metrics_out: Option<&std::path::Path>) -> Result<()> {
+    if let Some(m) = metrics_out {
+        let dir = m.parent().filter(|d| !d.as_os_str().is_empty());
+        mt::checkpoint::check_writable(dir.unwrap_or(std::path::Path::new(".")), "--metrics-out")?;
+    }
+    if let Some(dir) = cfg.tensorboard_dir()? {
+        mt::checkpoint::check_writable(&dir, "logging.logging_dir")?;
+    }
+    Ok(())
+}

@@ -34,7 +34,7 @@ mod objective;
 mod resident;
 mod step_end;
 mod weights;
-pub use keep::Stopped;
+pub use keep::{Stopped, check_outputs};
 pub(crate) use nodes::shard_plan;
 pub(crate) use weights::{check_resume, schedule};
 
@@ -756,18 +756,4 @@ fn late_node_hook(mpi: Option<&crate::mpi::Mpi>) {
 /// no OpenMP pool of its spins on the cores the launcher's reduce and AdamW need.
 fn worker_threads(_device: Device) -> usize {
     1
-}
-
-/// The outputs a run writes besides its model and checkpoints (which the ownership check
-/// covers) can be written: `--metrics-out`'s directory and `logging.logging_dir`, checked
-/// before any long work and creating nothing (a launch and `--dry-run` alike).
-pub fn check_outputs(cfg: &RunConfig, metrics_out: Option<&std::path::Path>) -> Result<()> {
-    if let Some(m) = metrics_out {
-        let dir = m.parent().filter(|d| !d.as_os_str().is_empty());
-        checkpoint::check_writable(dir.unwrap_or(std::path::Path::new(".")), "--metrics-out")?;
-    }
-    if let Some(dir) = cfg.tensorboard_dir()? {
-        checkpoint::check_writable(&dir, "logging.logging_dir")?;
-    }
-    Ok(())
 }
