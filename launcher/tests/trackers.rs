@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::fixture::{Stage, fixture};
+use common::fixture::{Fixture, Stage, fixture};
 use common::*;
 
 fn venv_python() -> PathBuf {
@@ -134,17 +134,26 @@ fn bits(v: &[f64]) -> Vec<u64> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-#[test]
-fn wandb_and_mlflow_record_what_metrics_out_has() {
+/// A fixture `name` and an mt-launch command in offline tracker mode writing under its
+/// `trackers/` directory, with `--set logging.python=` the venv's interpreter (None, the
+/// test skipped, where wandb or mlflow is missing outside CI).
+fn offline_launch(name: &str) -> Option<(Fixture, PathBuf, Command, String)> {
     if !trackers_installed() {
-        return;
+        return None;
     }
-    let f = fixture("trackers");
+    let f = fixture(name);
     let dir = f.dir.join("trackers");
     let mut cmd = mt_launch();
     offline_env(&mut cmd, &dir);
-    let py = venv_python();
-    let set_py = format!("logging.python={}", path_str(&py));
+    let set_py = format!("logging.python={}", path_str(&venv_python()));
+    Some((f, dir, cmd, set_py))
+}
+
+#[test]
+fn wandb_and_mlflow_record_what_metrics_out_has() {
+    let Some((f, dir, mut cmd, set_py)) = offline_launch("trackers") else {
+        return;
+    };
     let args = f.args(&[
         "--set",
         "logging.report_to=[tensorboard, wandb, mlflow]",
@@ -388,17 +397,11 @@ fn a_missing_package_or_interpreter_is_named_before_anything_starts() {
 
 #[test]
 fn a_run_that_cannot_start_fails_the_launch_before_the_workers() {
-    if !trackers_installed() {
+    let Some((f, _dir, mut cmd, set_py)) = offline_launch("trackers-refused") else {
         return;
-    }
-    let f = fixture("trackers-refused");
-    let dir = f.dir.join("trackers");
-    let mut cmd = mt_launch();
-    offline_env(&mut cmd, &dir);
+    };
     // MLflow 3 refuses its file store unless asked: its own message, in the launcher's.
     cmd.env_remove("MLFLOW_ALLOW_FILE_STORE");
-    let py = venv_python();
-    let set_py = format!("logging.python={}", path_str(&py));
     cmd.args(f.args(&["--set", "logging.report_to=mlflow", "--set", &set_py]));
     f.check_failure(
         cmd,
