@@ -265,6 +265,9 @@ pub enum ForwardOnly {
     /// Each label token's log-probability, row after row (GRPO's reference, `grpo.beta` >
     /// 0): the f32 values the training head computes, widened exactly.
     TokenLogProbs,
+    /// As `TokenLogProbs`, then each label token's entropy of the predicted distribution
+    /// (-Σ p log p over the vocabulary, in f32), in the same order: twice as many values.
+    TokenLogProbsEntropy,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]

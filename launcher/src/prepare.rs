@@ -45,6 +45,22 @@ impl Prepared {
         Self::build(cfg, placement, read)
     }
 
+    /// What `mt-launch serve` is built from: as [`Prepared::new`] where the config names a
+    /// dataset (its rows size the micro-batch, its length the epochs), else no data, and
+    /// the workers' micro-batch sized from `dataset.max_seq_len`, which is then required.
+    pub fn for_serve(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        let ds = &cfg.dataset;
+        let named = ds.path.is_some() || ds.name.is_some();
+        if !named && ds.max_seq_len.is_none() {
+            return Err(mt::Error::invalid(
+                "dataset.max_seq_len",
+                "mt-launch serve sizes the workers' micro-batch from it when the config names no dataset: set it (the longest row a batch may hold)",
+            )
+            .into());
+        }
+        Self::build(cfg, placement, named)
+    }
+
     fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
         cfg.validate_world(placement.world())?;
         let mut spec = cfg.model.spec()?;

@@ -318,6 +318,13 @@ impl Engine {
                 let logps = h.token_logps(&batch, &x_bth);
                 (0.0, logps.into_iter().map(f64::from).collect())
             }
+            ForwardOnly::TokenLogProbsEntropy => {
+                let (logps, entropy) = h.token_logps_entropy(&batch, &x_bth);
+                (
+                    0.0,
+                    logps.into_iter().chain(entropy).map(f64::from).collect(),
+                )
+            }
         };
         drop((head_w, head, tied));
         self.streamer.end_micro()?;
