@@ -66,8 +66,9 @@ def edges(src):
         targets = set(PATH.findall(text))
         for g in GROUP.findall(text):
             targets.update(heads(g))
-        # `super::x` from a file directly under src/ (or a folder's mod.rs) is crate::x.
-        if len(rel.parts) == 1 or (len(rel.parts) == 2 and rel.name == "mod.rs"):
+        # `super::x` from a file directly under src/ is crate::x (no `mod.rs`: see
+        # scripts/check_architecture.py).
+        if len(rel.parts) == 1:
             targets.update(re.findall(r"\bsuper::(\w+)", text))
         for t in (targets & modules) - {module}:
             found[(module, t)].append(str(f))
