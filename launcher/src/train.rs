@@ -248,7 +248,7 @@ impl Trainer {
                 .dataset
                 .chat_template
                 .as_deref()
-                .map(mt::data::chat_builtin::chosen_text)
+                .map(mt::config::chat_templates::chosen_text)
                 .transpose()?,
         };
         // Periodic checkpoints are written in the background through the staging area the
