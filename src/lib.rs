@@ -29,5 +29,6 @@ pub mod shm;
 #[allow(unsafe_code)]
 pub mod simd;
 pub mod switches;
+pub mod sysmem;
 
 pub use error::{Error, Result};

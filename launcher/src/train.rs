@@ -159,7 +159,7 @@ impl Trainer {
         prepared.check_host_ram()?;
         // Before anything large is allocated or loaded.
         prepared.check_device_memory(&cfg, &placement, force)?;
-        prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
+        prepared.plan = prepared.grown_plan(&cfg, &placement, mt::sysmem::available_host_bytes());
         // Before any long work, and creating nothing yet: a metrics path that cannot be
         // written fails the launch now, not after start-up.
         if lead {
@@ -218,7 +218,7 @@ impl Trainer {
         let figures = crate::trackers::PlanFigures {
             host_ram_total_bytes: plan.total(),
             host_bytes_per_param: plan.bytes_per_param(),
-            host_ram_available_bytes: mt::plan::available_host_bytes(),
+            host_ram_available_bytes: mt::sysmem::available_host_bytes(),
             params: layout.num_params() as u64,
             world_size: placement.world(),
             workers: placement.workers,
