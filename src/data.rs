@@ -44,7 +44,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 pub use batch::{
-    RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts, plan_step,
+    MicroBatch, RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts,
+    plan_step,
 };
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use records::{BadRecord, Conversation, Message, Role};
