@@ -404,7 +404,7 @@ pub enum MasterWeights {
     #[default]
     Float32,
     Split,
-    /// The bf16 store alone, rounded stochastically ([`crate::optim::bits`]).
+    /// The bf16 store alone, rounded stochastically ([`crate::elem::bits`]).
     Bfloat16,
 }
 
