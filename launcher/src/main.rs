@@ -143,9 +143,11 @@ fn run(cli: cli::Cli) -> Result<()> {
     let result = train::Trainer::new(
         cfg,
         placement,
-        cli.metrics_out,
-        cli.dump_grads,
-        cli.dump_logits,
+        train::Outputs {
+            metrics_out: cli.metrics_out,
+            dump_grads: cli.dump_grads,
+            dump_logits: cli.dump_logits,
+        },
         resume,
         cli.force,
     )?
