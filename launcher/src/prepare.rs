@@ -145,7 +145,7 @@ impl Prepared {
     /// only without its checkpoint staging area loses it (periodic checkpoints are then
     /// written in place), with a warning.
     pub fn check_host_ram(&mut self) -> Result<()> {
-        let avail = mt::plan::available_host_bytes();
+        let avail = mt::sysmem::available_host_bytes();
         let gb = |b: u64| b as f64 / 1e9;
         match self.plan.fit(avail) {
             Fit::Fits => {}
@@ -193,7 +193,7 @@ impl Prepared {
     /// the host RAM available now less the host plan (as [`Prepared::check_host_ram`]
     /// left it); None where the available RAM is unknown.
     fn cpu_memory(&self, workers: usize) -> Option<Vec<mt::plan::DeviceMemory>> {
-        let avail = mt::plan::available_host_bytes()?;
+        let avail = mt::sysmem::available_host_bytes()?;
         let share = avail.saturating_sub(self.plan.total()) / workers.max(1) as u64;
         let m = mt::plan::DeviceMemory {
             device: Device::Cpu,

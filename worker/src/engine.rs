@@ -17,11 +17,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use mt::config::hf::ModelSpec;
+use mt::data::MicroBatch;
 use mt::fault::Phase;
 use mt::layout::Layout;
 use mt::objective::{Objective, ObjectiveSums};
 use mt::plan::{DeviceOpts, DevicePlan};
-use mt::protocol::{ForwardOnly, FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
+use mt::protocol::{ForwardOnly, FromWorker, Init, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;

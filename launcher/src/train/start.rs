@@ -135,7 +135,7 @@ pub(super) fn preflight(
     nodes::shard_plan(&mut prepared, &cfg, mpi);
     prepared.check_host_ram()?;
     prepared.check_device_memory(&cfg, &placement, force)?;
-    prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
+    prepared.plan = prepared.grown_plan(&cfg, &placement, mt::sysmem::available_host_bytes());
     // A metrics path that cannot be written fails the launch now, not after start-up.
     if lead {
         check_outputs(&cfg, outputs.metrics_out.as_deref())?;
@@ -237,7 +237,7 @@ impl Preflight {
         let figures = crate::trackers::PlanFigures {
             host_ram_total_bytes: plan.total(),
             host_bytes_per_param: plan.bytes_per_param(),
-            host_ram_available_bytes: mt::plan::available_host_bytes(),
+            host_ram_available_bytes: mt::sysmem::available_host_bytes(),
             params: layout.num_params() as u64,
             world_size: p.world(),
             workers: p.workers,
@@ -285,7 +285,7 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
         max_shard_bytes: cfg.checkpoint.max_shard_size.0,
         carried: std::sync::Arc::new(carried),
         chat_template: (cfg.dataset.chat_template.as_deref())
-            .map(mt::data::chat_builtin::chosen_text)
+            .map(mt::config::chat_templates::chosen_text)
             .transpose()?,
     };
     // Periodic checkpoints are written in the background through the staging area the

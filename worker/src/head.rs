@@ -15,8 +15,8 @@
 //! Shapes: B rows, T positions, H hidden, M labelled positions, C a chunk of them.
 
 use mt::config::hf::ModelSpec;
+use mt::data::MicroBatch;
 use mt::objective::{Objective, ObjectiveSums};
-use mt::protocol::MicroBatch;
 use tch::{Device, Kind, Tensor};
 
 use crate::kernels;
