@@ -10,7 +10,8 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use mt::reduce::{GradElem, accumulate, accumulate_sum_sq, assign};
+use mt::elem::GradElem;
+use mt::reduce::{accumulate, accumulate_sum_sq, assign};
 use mt::simd::Simd;
 use rayon::prelude::*;
 

@@ -17,11 +17,12 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use half::bf16;
+use mt::elem::{GradElem, bits};
 use mt::optim::{
     AdamWStep, Moments, StoreOut, WeightsMut, adamw_moments, adamw_moments_bf16, adamw_update,
-    adamw_update_bf16_moments, adamw_update_split, bits,
+    adamw_update_bf16_moments, adamw_update_split,
 };
-use mt::reduce::{GradElem, accumulate, assign};
+use mt::reduce::{accumulate, assign};
 use mt::simd::Simd;
 use rayon::prelude::*;
 

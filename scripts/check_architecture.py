@@ -11,6 +11,9 @@ The drawing's fenced blocks, read here:
   launcher/src (a new one must be placed in the drawing);
 - `tour`: files that must exist.
 
+And one module-file style in the three crates (src/, worker/src, launcher/src): a module
+with children is `x.rs` beside its folder `x/`, never `x/mod.rs`.
+
 Exits 1 naming each difference, 0 when the drawing and the code agree.
 Usage: scripts/check_architecture.py [docs/architecture.md]
 """
@@ -103,6 +106,11 @@ def main():
             errors.append(f"{name}/src/{m}: a module in no line of the crates block")
         for m in sorted(drawn_mods - present):
             errors.append(f"`{m}` is drawn in {name} but {name}/src has no such module")
+
+    for crate_src in ("src", "worker/src", "launcher/src"):
+        for f in sorted((ROOT / crate_src).rglob("mod.rs")):
+            rel = f.relative_to(ROOT)
+            errors.append(f"{rel}: write the module as {rel.parent}.rs beside its folder {rel.parent}/ (one module-file style)")
 
     for f in b["tour"]:
         if not (ROOT / f).is_file():

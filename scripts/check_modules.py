@@ -8,12 +8,7 @@ code counts too (a test module is compiled into its parent). Prints the edges wi
 exits 1 naming every cycle found (each strongly connected component of two or more
 modules, with the files behind its edges), 0 when there is none.
 
-With --known FILE (lines `root: a -> b`, # comments), a cycle whose edges are all listed
-there is reported as a warning only: the cycles #47 did not open yet. A cycle with any
-edge not listed (a new one, or an old one grown) still fails, and so does a listed edge
-that is gone (delete it from FILE, so the list only shrinks).
-
-Usage: scripts/check_modules.py [--edges] [--known FILE] [CRATE_SRC ...]   (default: src)
+Usage: scripts/check_modules.py [--edges] [CRATE_SRC ...]   (default: src)
 """
 
 import re
@@ -66,8 +61,9 @@ def edges(src):
         targets = set(PATH.findall(text))
         for g in GROUP.findall(text):
             targets.update(heads(g))
-        # `super::x` from a file directly under src/ (or a folder's mod.rs) is crate::x.
-        if len(rel.parts) == 1 or (len(rel.parts) == 2 and rel.name == "mod.rs"):
+        # `super::x` from a file directly under src/ is crate::x (no `mod.rs`: see
+        # scripts/check_architecture.py).
+        if len(rel.parts) == 1:
             targets.update(re.findall(r"\bsuper::(\w+)", text))
         for t in (targets & modules) - {module}:
             found[(module, t)].append(str(f))
@@ -109,30 +105,9 @@ def cycles(found):
     return out
 
 
-def read_known(path):
-    """{(root, a, b)} from a --known file."""
-    known = set()
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"(\S+):\s*(\w+)\s*->\s*(\w+)", line)
-        if not m:
-            sys.exit(f"{path}:{n}: expected `root: a -> b`, got `{line}`")
-        known.add(m.groups())
-    return known
-
-
 def main(argv):
     show = "--edges" in argv
-    known, args = set(), []
-    it = iter(argv)
-    for a in it:
-        if a == "--known":
-            known = read_known(next(it))
-        elif not a.startswith("--"):
-            args.append(a)
-    roots = args or ["src"]
+    roots = [a for a in argv if not a.startswith("--")] or ["src"]
     bad = 0
     for root in roots:
         found = edges(Path(root))
@@ -140,22 +115,14 @@ def main(argv):
             for (a, b), files in sorted(found.items()):
                 print(f"{root}: {a} -> {b}  ({len(files)} files)")
         for comp in cycles(found):
-            inside = [(a, b) for (a, b) in sorted(found) if a in comp and b in comp]
-            new = [e for e in inside if (root, *e) not in known]
-            level = "known module cycle (#47)" if not new else "module cycle"
-            bad += bool(new)
-            print(f"{root}: {level} between {', '.join(comp)}:", file=sys.stderr)
-            for a, b in inside:
-                mark = "  NEW" if (a, b) in new else ""
-                print(f"  {a} -> {b}{mark}: {', '.join(found[(a, b)])}", file=sys.stderr)
-        for r, a, b in sorted(known):
-            if r == root and (a, b) not in found:
-                bad += 1
-                print(f"{root}: {a} -> {b} is gone: delete it from the --known file", file=sys.stderr)
+            bad += 1
+            print(f"{root}: module cycle between {', '.join(comp)}:", file=sys.stderr)
+            for a, b in sorted(found):
+                if a in comp and b in comp:
+                    print(f"  {a} -> {b}: {', '.join(found[(a, b)])}", file=sys.stderr)
     if bad:
         return 1
-    what = "no new cycle" if known else "no cycle"
-    print(f"check_modules: {what} between the top-level modules of {', '.join(roots)}")
+    print(f"check_modules: no cycle between the top-level modules of {', '.join(roots)}")
     return 0
 
 

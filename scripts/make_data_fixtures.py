@@ -541,7 +541,7 @@ with open(os.path.join(out, "expected_rollouts_text.jsonl"), "w") as f:
         f.write(json.dumps(answer_row(msgs + [{"role": "assistant", "content": answer}])) + "\n")
 print(f"data fixtures: {len(rollouts)} text rollouts")
 
-# Built-in chat templates (src/data/chat/templates/*.jinja, `dataset.chat_template: qwen`):
+# Built-in chat templates (src/config/chat_templates/*.jinja, `dataset.chat_template: qwen`):
 # each renders conversations as LlamaFactory's template of the same name does. The
 # reference is written here from LlamaFactory's definitions (hiyouga/LLaMA-Factory at
 # ff6d4d1, src/llamafactory/data/template.py): the slots of `register_template(name=...)`
@@ -628,7 +628,7 @@ with open(os.path.join(out, "builtin_chat.json"), "w") as f:
 registry["builtin_chat"] = dict(registry["openai_demo"], file_name="builtin_chat.json")
 seams = {}
 for name in LF_TEMPLATES:
-    with open(os.path.join(ROOT, "src/data/chat/templates", f"{name}.jinja")) as f:
+    with open(os.path.join(ROOT, "src/config/chat_templates", f"{name}.jinja")) as f:
         ours = f.read()
     added, bos_text, eos_text = LF_TOKENS[name]
     d = os.path.join(out, f"model-builtin-{name}")

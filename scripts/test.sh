@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 cargo fmt --all -- --check
-python3 scripts/check_modules.py --known scripts/module_cycles.known src
+python3 scripts/check_modules.py src
 python3 scripts/check_architecture.py
 cargo build --release --workspace --all-targets
 cargo clippy --release --workspace --all-targets -- -D warnings

@@ -28,10 +28,10 @@ pub const TOKENIZER: u64 = 1 << 30;
 const DATA_UNKNOWN_RAM: u64 = 64 << 30;
 
 /// The largest dataset file read whole: half the RAM available now (`MemAvailable`, or
-/// the test hook of [`crate::plan::available_host_bytes`]). Its text stays in memory
+/// the test hook of [`crate::sysmem::available_host_bytes`]). Its text stays in memory
 /// while its records are parsed and tokenized, which takes at least as much again.
 pub fn data_bound() -> u64 {
-    crate::plan::available_host_bytes().map_or(DATA_UNKNOWN_RAM, |a| a / 2)
+    crate::sysmem::available_host_bytes().map_or(DATA_UNKNOWN_RAM, |a| a / 2)
 }
 
 /// Checks `path` by its metadata: a regular file of at most `max` bytes. Returns its size.

@@ -30,10 +30,10 @@ use crate::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use crate::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use crate::checkpoint::{MasterMut, MasterRef};
 use crate::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
+use crate::elem::GradElem;
 use crate::layout::Layout;
 use crate::layout::shards::Shards;
 use crate::optim::{AdamWStep, Moments};
-use crate::reduce::GradElem;
 use crate::shm::RegionKind;
 use crate::shm::host::{GradSlabs, SharedVec, Store};
 use crate::shm::huge::zeroed;
@@ -135,7 +135,7 @@ enum Acc<T> {
     Shared(SharedVec<T>),
 }
 
-impl<T: crate::shm::Pod + crate::shm::huge::Zeroable + Default> Acc<T> {
+impl<T: crate::elem::Pod + crate::shm::huge::Zeroable + Default> Acc<T> {
     fn new(n: usize, shared: Option<&str>) -> Result<Acc<T>> {
         Ok(match shared {
             None => Acc::Private(zeroed(n)),
@@ -144,7 +144,7 @@ impl<T: crate::shm::Pod + crate::shm::huge::Zeroable + Default> Acc<T> {
     }
 }
 
-impl<T: crate::shm::Pod> std::ops::Deref for Acc<T> {
+impl<T: crate::elem::Pod> std::ops::Deref for Acc<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         match self {
@@ -154,7 +154,7 @@ impl<T: crate::shm::Pod> std::ops::Deref for Acc<T> {
     }
 }
 
-impl<T: crate::shm::Pod> std::ops::DerefMut for Acc<T> {
+impl<T: crate::elem::Pod> std::ops::DerefMut for Acc<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         match self {
             Acc::Private(v) => v,

@@ -3,8 +3,10 @@
 //! The launcher (`mt-launch`) and the workers (`mt-worker`) share these types: the run and
 //! model configs, THE parameter layout, shared-memory regions, the message protocol, and the
 //! host-side numerics (slab reduce, clipping, AdamW, schedules), data and checkpoints.
-//! `unsafe` lives in two fenced modules only, `shm` (shared memory) and `simd` (the host
-//! kernels' intrinsics); the compiler holds the rest of the crate to that.
+//! `unsafe` lives in fenced places only: `shm` (shared memory), the host kernels'
+//! intrinsics (`simd`, and the `x86` modules beside the portable loops in `reduce` and
+//! `optim::adamw`, fenced as `simd` describes) and the `Pod` marker of `elem`; the compiler
+//! holds the rest of the crate to that.
 
 #![deny(unsafe_code)]
 
@@ -13,6 +15,7 @@ pub mod cancel;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod elem;
 pub mod error;
 pub mod fault;
 pub mod host;
@@ -29,5 +32,6 @@ pub mod shm;
 #[allow(unsafe_code)]
 pub mod simd;
 pub mod switches;
+pub mod sysmem;
 
 pub use error::{Error, Result};

@@ -73,6 +73,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::DType;
 use crate::config::hf::ModelSpec;
+use crate::data::MicroBatch;
 use crate::layout::Layout;
 use crate::objective::{Objective, ObjectiveSums};
 use crate::shm::RegionHandle;
@@ -174,41 +175,6 @@ pub enum ResidentPart {
     V,
 }
 
-/// A right-padded micro-batch: `rows` x `seq_len`, row-major.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct MicroBatch {
-    pub rows: usize,
-    pub seq_len: usize,
-    pub input_ids: Vec<i32>,
-    /// Aligned with `input_ids` (HF convention, shifted inside the worker); -100 = ignored.
-    pub labels: Vec<i32>,
-    /// Real (unpadded) length of each row: the attention mask, which the MoE router
-    /// load-balancing loss reads.
-    pub row_lens: Vec<usize>,
-    /// Packed rows: each token's position, restarting at 0 where a sample starts; a token
-    /// attends only to earlier tokens of its own sample. Empty: positions 0..seq_len and
-    /// plain causal attention.
-    #[serde(default)]
-    pub position_ids: Vec<i32>,
-    /// `dpo`: each row's reference log-probability (the initial model's summed
-    /// log-probability of its label tokens); rows 2i and 2i + 1 are a pair, chosen first.
-    /// Empty otherwise.
-    #[serde(default)]
-    pub ref_logps: Vec<f64>,
-    /// `grpo`: each row's advantage. Empty otherwise.
-    #[serde(default)]
-    pub advantages: Vec<f64>,
-    /// `grpo` past a batch's first step: each completion token's log-probability under the
-    /// policy of the batch's first step, row after row. Empty: the batch's first step (the
-    /// ratio is 1, and the worker sends these values back when `num_iterations` > 1).
-    #[serde(default)]
-    pub old_logps: Vec<f32>,
-    /// `grpo` with `grpo.beta` > 0: each completion token's log-probability under the
-    /// reference model (the run's initial one), row after row. Empty otherwise.
-    #[serde(default)]
-    pub ref_token_logps: Vec<f32>,
-}
-
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToWorker {
     Init(Box<Init>),
@@ -265,6 +231,9 @@ pub enum ForwardOnly {
     /// Each label token's log-probability, row after row (GRPO's reference, `grpo.beta` >
     /// 0): the f32 values the training head computes, widened exactly.
     TokenLogProbs,
+    /// As `TokenLogProbs`, then each label token's entropy of the predicted distribution
+    /// (-Σ p log p over the vocabulary, in f32), in the same order: twice as many values.
+    TokenLogProbsEntropy,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]

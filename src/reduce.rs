@@ -16,18 +16,14 @@
 //!   gradient norm, so the norm needs no second read.
 //!
 //! The loops are plain Rust that the compiler vectorizes; they are compiled once more
-//! under AVX2 and AVX-512 (in [`crate::simd`], which adds the non-temporal stores) and
+//! under AVX2 and AVX-512 (in `x86.rs`, which adds the non-temporal stores) and
 //! picked at run time ([`Simd`]). Sources are summed a strip at a time into a small buffer
 //! that stays in L1 when needed, so the order of additions (`((s0 + s1) + s2) + …`, then
 //! `dst +`) and the single read of every byte are kept.
 
-use half::bf16;
 use rayon::prelude::*;
 
-use crate::optim::bits::round_bf16;
-use crate::shm::Pod;
-#[cfg(target_arch = "x86_64")]
-use crate::simd::x86;
+use crate::elem::{GradAcc, GradElem};
 use crate::simd::{Simd, prefetch};
 
 /// Elements per parallel task (256 KiB of f32 output): big enough to amortize scheduling,
@@ -40,59 +36,6 @@ const STRIP: usize = 256;
 
 /// How far ahead of the strip being summed its lines are prefetched (2 KiB of f32).
 const PREFETCH_AHEAD: usize = 512;
-
-/// An element type gradients may arrive in.
-pub trait GradElem: Pod {
-    fn to_f32(self) -> f32;
-}
-
-impl GradElem for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl GradElem for bf16 {
-    /// Exact widening by shifting the bits (a signalling NaN stays signalling here, where
-    /// `half` would quiet it; the sum is NaN either way).
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f32::from_bits(u32::from(self.to_bits()) << 16)
-    }
-}
-
-/// An element type the gradient accumulator may hold.
-pub trait GradAcc: GradElem {
-    /// Whether `dst` may be written with the non-temporal f32 copy (x86).
-    const STREAM: bool;
-    /// The nearest value (round to nearest even).
-    fn round(x: f32) -> Self;
-    /// The slice as f32, for the types with `STREAM`.
-    fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
-}
-
-impl GradAcc for f32 {
-    const STREAM: bool = true;
-    #[inline(always)]
-    fn round(x: f32) -> f32 {
-        x
-    }
-    fn as_f32_mut(s: &mut [f32]) -> Option<&mut [f32]> {
-        Some(s)
-    }
-}
-
-impl GradAcc for bf16 {
-    const STREAM: bool = false;
-    #[inline(always)]
-    fn round(x: f32) -> bf16 {
-        round_bf16(x)
-    }
-    fn as_f32_mut(_: &mut [bf16]) -> Option<&mut [f32]> {
-        None
-    }
-}
 
 /// `dst += Σ srcs` elementwise; every source must be as long as `dst`.
 pub fn accumulate<T: GradElem, D: GradAcc>(dst: &mut [D], srcs: &[&[T]]) {
@@ -353,6 +296,10 @@ fn sum_sq16<X: GradElem>(sq: &mut [f64; 16], x: &[X]) {
         sq[j] += sq64(v);
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod x86;
 
 #[cfg(test)]
 mod tests;

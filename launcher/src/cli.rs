@@ -36,9 +36,27 @@ pub enum Command {
     /// never over the checkpoint, nor over files this project did not write unless
     /// --overwrite-output-dir.
     Export(ExportArgs),
+    /// Start the trainer and keep it: take batches and commands (train_step,
+    /// optimizer_step, forward, save, export, sleep/wake, weights, shutdown) over a local
+    /// socket from a client (the Python package in python/, `import megatrain`) instead of
+    /// stepping through the config's dataset. The same config, options and checks as a
+    /// run; docs/serve.md.
+    Serve(ServeArgs),
     /// Measure the MPI collectives a multi-node step makes (run under mpirun).
     #[command(hide = true)]
     BenchMpi(BenchMpiArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The Unix domain socket to listen on (created owner-only; an existing file there is
+    /// never replaced). Default: mt-serve-<pid>.sock in $XDG_RUNTIME_DIR, else the
+    /// temporary directory.
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 #[derive(Debug, Args)]

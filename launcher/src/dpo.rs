@@ -35,6 +35,16 @@ pub struct Preference {
 }
 
 impl Preference {
+    /// A server's (`mt-launch serve`): each batch brings its pairs' reference
+    /// log-probabilities, none is kept (nor written into checkpoints).
+    pub fn served() -> Preference {
+        Preference {
+            refs: Vec::new(),
+            file: Arc::new(Vec::new()),
+            eval: None,
+        }
+    }
+
     /// The reference log-probabilities of `data`'s rows and of its eval rows: read from
     /// the checkpoint `resume` (which must hold them for these rows), or computed by the
     /// workers under the weights in the store (the initial ones), `rows_per_micro` rows per

@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use mt::config::{DpoParams, GrpoLoss, GrpoParams, RunConfig};
-use mt::data::{Example, Rollouts, pad_batch};
+use mt::data::{Example, MicroBatch, Rollouts, pad_batch};
 use mt::metrics::{DpoMetrics, EvalGrpoMetrics, EvalMetrics};
-use mt::protocol::{ForwardOnly, FromWorker, MicroBatch, ToWorker};
+use mt::protocol::{ForwardOnly, FromWorker, ToWorker};
 
 use crate::supervisor::{Event, Supervisor, fatal};
 

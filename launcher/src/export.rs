@@ -28,6 +28,8 @@ use crate::cli::ExportArgs;
 
 /// What OUT's errors name it.
 const KEY: &str = "OUT";
+/// ... and the foreign-files refusal, which names the command too.
+const KEY_NAMED: &str = "OUT (mt-launch export)";
 
 pub fn export(args: &ExportArgs) -> Result<()> {
     let t = std::time::Instant::now();
@@ -38,7 +40,7 @@ pub fn export(args: &ExportArgs) -> Result<()> {
     mt::checkpoint::check_writable(out, KEY).map_err(named)?;
     check_outside_source(out, &source)?;
     let _lock = DirLock::acquire(out, KEY).map_err(named)?;
-    refuse_foreign(out, args.overwrite_output_dir)?;
+    refuse_foreign(out, args.overwrite_output_dir, KEY_NAMED)?;
     mt::checkpoint::recover_export(out)?;
     if !args.no_verify {
         mt::checkpoint::verify(&source).with_context(|| {
@@ -157,8 +159,9 @@ fn check_outside_source(out: &Path, source: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Refuses OUT when it holds entries this project did not write, unless `overwrite`.
-fn refuse_foreign(out: &Path, overwrite: bool) -> Result<()> {
+/// Refuses `out` (named `key` in the error) when it holds entries this project did not
+/// write, unless `overwrite`.
+pub fn refuse_foreign(out: &Path, overwrite: bool, key: &str) -> Result<()> {
     let foreign = ownership::foreign_in_output_dir(out)?;
     if foreign.is_empty() || overwrite {
         return Ok(());
@@ -168,8 +171,13 @@ fn refuse_foreign(out: &Path, overwrite: bool) -> Result<()> {
         named.push_str(&format!(" (and {} more)", foreign.len() - ownership::NAMED));
     }
     bail!(
-        "{KEY} (mt-launch export): {} holds files this project did not write: {named}; the export would replace this directory. Give an empty or new directory, or pass --overwrite-output-dir to write there anyway (another model's weight files are replaced, other files kept)",
-        out.display()
+        "{key}: {} holds files this project did not write: {named}; the export would replace this directory. Give an empty or new directory{}",
+        out.display(),
+        match key {
+            KEY_NAMED =>
+                ", or pass --overwrite-output-dir to write there anyway (another model's weight files are replaced, other files kept)",
+            _ => "",
+        }
     )
 }
 

@@ -50,6 +50,18 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// A server's (`mt-launch serve`): each batch brings its rows' advantages and, where
+    /// given, old and reference log-probabilities; nothing is kept between batches.
+    pub fn served(params: GrpoParams) -> Policy {
+        Policy {
+            params,
+            advantages: Vec::new(),
+            old: None,
+            refs: None,
+            data: String::new(),
+        }
+    }
+
     /// The advantages of `data`'s rollouts; when the run resumes at `start_step` in the
     /// middle of a batch, that batch's old log-probabilities from the checkpoint `resume`;
     /// `refs`: the reference log-probabilities ([`reference_logps`]) when `params.beta` > 0.
@@ -165,28 +177,8 @@ pub fn reference_logps(
     pad_id: i32,
     timeout: Duration,
 ) -> Result<Vec<Vec<f32>>> {
-    assert!(rows_per_micro > 0);
     let t = Instant::now();
-    let chunk = |i: usize| &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
-    let n = rows.len().div_ceil(rows_per_micro);
-    let make = |i: usize| pad_batch(&chunk(i).iter().collect::<Vec<_>>(), pad_id);
-    let out = forward_only(sup, n, &make, ForwardOnly::TokenLogProbs, timeout)?;
-    let mut refs = Vec::with_capacity(rows.len());
-    for (i, (_, logps)) in out.iter().enumerate() {
-        let want: usize = chunk(i).iter().map(|r| r.label_tokens()).sum();
-        ensure!(
-            logps.len() == want,
-            "the GRPO reference pass gave {} log-probabilities for the {want} completion tokens of micro-batch {i}",
-            logps.len()
-        );
-        let mut at = 0;
-        for r in chunk(i) {
-            let k = r.label_tokens();
-            // The worker's f32 values, widened exactly for the trip: narrowing is exact.
-            refs.push(logps[at..at + k].iter().map(|&x| x as f32).collect());
-            at += k;
-        }
-    }
+    let refs = token_logps(rows, sup, rows_per_micro, pad_id, timeout)?;
     let secs = t.elapsed().as_secs_f64();
     let tokens: usize = rows.iter().map(|r| r.input_ids.len()).sum();
     println!(
@@ -199,5 +191,76 @@ pub fn reference_logps(
         reference_pass_s = format!("{secs:.3}"),
         "GRPO reference pass"
     );
+    Ok(refs)
+}
+
+/// Every row's label tokens' log-probabilities under the weights in the store, computed by
+/// the workers forward only, `rows_per_micro` rows per micro-batch in order: the f32 values
+/// the training head computes.
+pub fn token_logps(
+    rows: &[Example],
+    sup: &mut Supervisor,
+    rows_per_micro: usize,
+    pad_id: i32,
+    timeout: Duration,
+) -> Result<Vec<Vec<f32>>> {
+    let what = ForwardOnly::TokenLogProbs;
+    let out = token_values(rows, sup, rows_per_micro, pad_id, timeout, what)?;
+    Ok(out.into_iter().map(|(logps, _)| logps).collect())
+}
+
+/// Per row: its label tokens' log-probabilities and (where asked) entropies.
+pub type TokenValues = Vec<(Vec<f32>, Vec<f32>)>;
+
+/// [`token_logps`] and each label token's entropy, row by row.
+pub fn token_logps_entropy(
+    rows: &[Example],
+    sup: &mut Supervisor,
+    rows_per_micro: usize,
+    pad_id: i32,
+    timeout: Duration,
+) -> Result<TokenValues> {
+    let what = ForwardOnly::TokenLogProbsEntropy;
+    token_values(rows, sup, rows_per_micro, pad_id, timeout, what)
+}
+
+/// Each row's label tokens' log-probabilities, and with
+/// [`ForwardOnly::TokenLogProbsEntropy`] their entropies (else none).
+fn token_values(
+    rows: &[Example],
+    sup: &mut Supervisor,
+    rows_per_micro: usize,
+    pad_id: i32,
+    timeout: Duration,
+    what: ForwardOnly,
+) -> Result<TokenValues> {
+    assert!(rows_per_micro > 0);
+    let per_token = match what {
+        ForwardOnly::TokenLogProbsEntropy => 2,
+        _ => 1,
+    };
+    let chunk = |i: usize| &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
+    let n = rows.len().div_ceil(rows_per_micro);
+    let make = |i: usize| pad_batch(&chunk(i).iter().collect::<Vec<_>>(), pad_id);
+    let out = forward_only(sup, n, &make, what, timeout)?;
+    let mut refs = Vec::with_capacity(rows.len());
+    for (i, (_, values)) in out.iter().enumerate() {
+        let want: usize = chunk(i).iter().map(|r| r.label_tokens()).sum();
+        let (logps, entropy) = values.split_at(want.min(values.len()));
+        ensure!(
+            values.len() == want * per_token,
+            "the forward-only pass gave {} values for the {want} label tokens of micro-batch {i} ({per_token} each)",
+            values.len()
+        );
+        let mut at = 0;
+        for r in chunk(i) {
+            let k = r.label_tokens();
+            // The worker's f32 values, widened exactly for the trip: narrowing is exact.
+            let narrow = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+            let e = entropy.get(at..at + k).map_or_else(Vec::new, narrow);
+            refs.push((narrow(&logps[at..at + k]), e));
+            at += k;
+        }
+    }
     Ok(refs)
 }

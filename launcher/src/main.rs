@@ -16,6 +16,7 @@ mod mpi;
 mod plan;
 mod prepare;
 mod progress;
+mod serve;
 mod supervisor;
 mod torch;
 mod trackers;
@@ -92,11 +93,93 @@ fn run(cli: cli::Cli) -> Result<()> {
         Some(cli::Command::Report(r)) => return report(&r.metrics, r.out.as_deref()),
         Some(cli::Command::Export(e)) => return export::export(&e),
         Some(cli::Command::BenchMpi(b)) => return bench_mpi::bench(b),
+        Some(cli::Command::Serve(s)) => return serve(s),
         None => cli.run,
     };
-    let config = cli.config.expect("clap requires --config");
+    let Some(Launch {
+        cfg,
+        placement,
+        resume,
+    }) = launch(&cli)?
+    else {
+        return Ok(());
+    };
+    let metrics = cli.metrics_out.clone();
+    let result = train::Trainer::new(
+        train::Mode::Run,
+        cfg,
+        placement,
+        train::Outputs {
+            metrics_out: cli.metrics_out,
+            dump_grads: cli.dump_grads,
+            dump_logits: cli.dump_logits,
+        },
+        resume,
+        cli.force,
+    )?
+    .run();
+    // The picture of the run, whichever way it ended, as far as it went.
+    // Node 0 writes the metrics (and so the picture) under mpirun.
+    let lead = mpi::world().is_none_or(|m| m.rank == 0);
+    if let Some(m) = metrics.filter(|m| lead && m.is_file()) {
+        match mt::metrics::plot::write_beside(&m) {
+            Ok(svg) => println!("picture of the run: {}", svg.display()),
+            Err(e) => tracing::warn!("no picture of the run: {e}"),
+        }
+    }
+    result
+}
+
+/// `mt-launch serve`: a run's start-up, then commands from a client ([`serve`]).
+fn serve(args: cli::ServeArgs) -> Result<()> {
+    let run = &args.run;
+    if mpi::job().is_some() {
+        anyhow::bail!("mt-launch serve runs on one node: start it without mpirun");
+    }
+    if run.dry_run {
+        anyhow::bail!(
+            "--dry-run: give it to a run (mt-launch --config X --dry-run); serve checks the same at start"
+        );
+    }
+    let Some(Launch {
+        cfg,
+        placement,
+        resume,
+    }) = launch(run)?
+    else {
+        return Ok(());
+    };
+    let outputs = train::Outputs {
+        metrics_out: None,
+        dump_grads: None,
+        dump_logits: None,
+    };
+    if run.metrics_out.is_some() || run.dump_grads.is_some() || run.dump_logits.is_some() {
+        anyhow::bail!("--metrics-out, --dump-grads and --dump-logits apply to a run, not to serve");
+    }
+    let trainer = train::Trainer::new(
+        train::Mode::Serve,
+        cfg,
+        placement,
+        outputs,
+        resume,
+        run.force,
+    )?;
+    serve::serve(trainer, args.socket.as_deref())
+}
+
+/// What a run and a server start from: the config loaded and checked, the placement of
+/// the workers, the checkpoint to resume. `None`: `--dry-run` did its checks.
+struct Launch {
+    cfg: mt::config::RunConfig,
+    placement: cli::Placement,
+    resume: Option<cli::Resume>,
+}
+
+fn launch(cli: &cli::RunArgs) -> Result<Option<Launch>> {
+    let config = cli.config.as_ref().expect("clap requires --config");
     unix::install_stop_handlers()?;
-    let mut cfg = mt::config::RunConfig::load(&config, &cli.set)?;
+    let mut cfg = mt::config::RunConfig::load(config, &cli.set)?;
     unix::check_stop("config loading")?;
     for note in &cfg.notes {
         println!("note: {note}");
@@ -131,37 +214,20 @@ fn run(cli: cli::Cli) -> Result<()> {
         );
     }
     if cli.dry_run {
-        return plan::dry_run(
+        plan::dry_run(
             &cfg,
             &placement,
             resume.as_ref(),
             cli.force,
             cli.metrics_out.as_deref(),
-        );
+        )?;
+        return Ok(None);
     }
-    let metrics = cli.metrics_out.clone();
-    let result = train::Trainer::new(
+    Ok(Some(Launch {
         cfg,
         placement,
-        train::Outputs {
-            metrics_out: cli.metrics_out,
-            dump_grads: cli.dump_grads,
-            dump_logits: cli.dump_logits,
-        },
         resume,
-        cli.force,
-    )?
-    .run();
-    // The picture of the run, whichever way it ended, as far as it went.
-    // Node 0 writes the metrics (and so the picture) under mpirun.
-    let lead = mpi::world().is_none_or(|m| m.rank == 0);
-    if let Some(m) = metrics.filter(|m| lead && m.is_file()) {
-        match mt::metrics::plot::write_beside(&m) {
-            Ok(svg) => println!("picture of the run: {}", svg.display()),
-            Err(e) => tracing::warn!("no picture of the run: {e}"),
-        }
-    }
-    result
+    }))
 }
 
 /// `mt-launch report METRICS.jsonl [--out FILE]`.

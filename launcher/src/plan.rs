@@ -92,7 +92,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         return Ok(());
     }
     describe(&cfg, &placement, &prep);
-    let avail = mt::plan::available_host_bytes();
+    let avail = mt::sysmem::available_host_bytes();
     println!(
         "host memory modes (the same training; {}):\n{}",
         match avail {
@@ -202,7 +202,7 @@ pub fn dry_run(
     crate::train::shard_plan(&mut prep, cfg, crate::mpi::world());
     prep.check_host_ram()?;
     prep.check_device_memory(cfg, placement, force)?;
-    prep.plan = prep.grown_plan(cfg, placement, mt::plan::available_host_bytes());
+    prep.plan = prep.grown_plan(cfg, placement, mt::sysmem::available_host_bytes());
     let mut resolved = cfg.clone();
     let (per_epoch, noun) = prep.data.epoch_len();
     if let Some(line) = resolved.resolve_steps(per_epoch, noun) {
@@ -247,7 +247,7 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
     println!("{}", prep.plan);
     println!("{}", disk(cfg, prep));
     let gb = |b: u64| b as f64 / 1e9;
-    let avail = mt::plan::available_host_bytes();
+    let avail = mt::sysmem::available_host_bytes();
     match (avail, prep.plan.fit(avail)) {
         (None, _) => println!("host RAM available: unknown (no /proc/meminfo)"),
         (Some(a), Fit::Fits) => {

@@ -45,6 +45,22 @@ impl Prepared {
         Self::build(cfg, placement, read)
     }
 
+    /// What `mt-launch serve` is built from: as [`Prepared::new`] where the config names a
+    /// dataset (its rows size the micro-batch, its length the epochs), else no data, and
+    /// the workers' micro-batch sized from `dataset.max_seq_len`, which is then required.
+    pub fn for_serve(cfg: &RunConfig, placement: &Placement) -> Result<Prepared> {
+        let ds = &cfg.dataset;
+        let named = ds.path.is_some() || ds.name.is_some();
+        if !named && ds.max_seq_len.is_none() {
+            return Err(mt::Error::invalid(
+                "dataset.max_seq_len",
+                "mt-launch serve sizes the workers' micro-batch from it when the config names no dataset: set it (the longest row a batch may hold)",
+            )
+            .into());
+        }
+        Self::build(cfg, placement, named)
+    }
+
     fn build(cfg: &RunConfig, placement: &Placement, read_data: bool) -> Result<Prepared> {
         cfg.validate_world(placement.world())?;
         let mut spec = cfg.model.spec()?;
@@ -129,7 +145,7 @@ impl Prepared {
     /// only without its checkpoint staging area loses it (periodic checkpoints are then
     /// written in place), with a warning.
     pub fn check_host_ram(&mut self) -> Result<()> {
-        let avail = mt::plan::available_host_bytes();
+        let avail = mt::sysmem::available_host_bytes();
         let gb = |b: u64| b as f64 / 1e9;
         match self.plan.fit(avail) {
             Fit::Fits => {}
@@ -177,7 +193,7 @@ impl Prepared {
     /// the host RAM available now less the host plan (as [`Prepared::check_host_ram`]
     /// left it); None where the available RAM is unknown.
     fn cpu_memory(&self, workers: usize) -> Option<Vec<mt::plan::DeviceMemory>> {
-        let avail = mt::plan::available_host_bytes()?;
+        let avail = mt::sysmem::available_host_bytes()?;
         let share = avail.saturating_sub(self.plan.total()) / workers.max(1) as u64;
         let m = mt::plan::DeviceMemory {
             device: Device::Cpu,

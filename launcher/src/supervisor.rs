@@ -62,7 +62,7 @@ impl Supervisor {
             workers: Vec::new(),
             events,
             last_heard: Vec::new(),
-            oom_kills_at_start: mt::plan::oom_kills(),
+            oom_kills_at_start: mt::sysmem::oom_kills(),
             host_plan_bytes,
             register_s: 0.0,
             warm_up_s: 0.0,
@@ -237,14 +237,14 @@ impl Supervisor {
     /// Why a SIGKILL was likely the kernel's OOM killer, if its kill count moved since the
     /// workers started; empty otherwise.
     fn oom_note(&self) -> String {
-        let (Some(before), Some(now)) = (self.oom_kills_at_start, mt::plan::oom_kills()) else {
+        let (Some(before), Some(now)) = (self.oom_kills_at_start, mt::sysmem::oom_kills()) else {
             return String::new();
         };
         if now <= before {
             return String::new();
         }
         let gb = |b: u64| b as f64 / 1e9;
-        let avail = mt::plan::available_host_bytes()
+        let avail = mt::sysmem::available_host_bytes()
             .map_or("unknown".into(), |a| format!("{:.2} GB", gb(a)));
         format!(
             ": the host ran out of memory (the kernel's OOM killer ran {} time(s) during this run: \

@@ -105,7 +105,7 @@ fn a_model_without_chat_template_trains_with_a_builtin_one() {
         "{stdout}"
     );
     // The exported model renders as it was trained.
-    let qwen = mt::data::chat_builtin::find("qwen").unwrap().source;
+    let qwen = mt::config::chat_templates::find("qwen").unwrap().source;
     assert_eq!(
         std::fs::read_to_string(f.out.join("chat_template.jinja")).unwrap(),
         qwen

@@ -90,7 +90,7 @@ fn hf_template_constructs_render_as_jinja2_does() {
 /// others none (a base model).
 #[test]
 fn builtin_templates_render_as_llamafactory_and_tokenize_as_transformers() {
-    for b in mt::data::chat_builtin::BUILTINS {
+    for b in mt::config::chat_templates::BUILTINS {
         let model = fixtures().join(format!("model-builtin-{}", b.name));
         let extra = format!(", chat_template: {}", b.name);
         check_with(

@@ -1,5 +1,5 @@
 //! The master weights as the trainer holds them (`memory.master_weights`): a plain fp32
-//! slice, split into the bf16 store and a u16 residual ([`crate::optim::bits`]), or the bf16
+//! slice, split into the bf16 store and a u16 residual ([`crate::elem::bits`]), or the bf16
 //! store alone. Checkpoints and exports read and write fp32 values through these views, so
 //! their on-disk format is the same either way: a bf16 master is widened exactly, and fp32
 //! values written into one are rounded to nearest even (exact for values a bf16 master
@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::optim::bits;
+use crate::elem::bits;
 
 /// Elements per rayon task of a copy.
 const CHUNK: usize = 64 * 1024;

@@ -18,7 +18,7 @@ use std::path::Path;
 
 use serde_yaml_ng::{Mapping, Value};
 
-use crate::data::chat_builtin as builtin;
+use super::chat_templates as builtin;
 use crate::error::{Error, Result};
 
 /// The config's sections: a top-level key that is one of these is not an alias.

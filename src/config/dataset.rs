@@ -15,8 +15,11 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::data::chat_builtin as builtin;
+use super::chat_templates as builtin;
 use crate::error::{Error, Result};
+
+/// The registry's file name in `dataset.dataset_dir` (LlamaFactory's `dataset_info.json`).
+pub const REGISTRY: &str = "dataset_info.json";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

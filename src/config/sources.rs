@@ -63,7 +63,7 @@ impl RunConfig {
                 ));
             }
         }
-        let registry = ds.dataset_dir.join(crate::data::REGISTRY);
+        let registry = ds.dataset_dir.join(super::REGISTRY);
         if (ds.name.is_some() || ds.eval_name.is_some()) && !registry.is_file() {
             return Err(Error::invalid(
                 "dataset.dataset_dir",

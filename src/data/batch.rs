@@ -1,12 +1,48 @@
 //! Rows to step inputs: packing samples into rows, the seeded sampler of global batches,
-//! and the split of a global batch into per-rank, per-micro-batch right-padded batches.
+//! and the split of a global batch into per-rank, per-micro-batch right-padded batches
+//! ([`MicroBatch`], what a `ToWorker::Step` of `crate::protocol` carries to a worker).
 
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
 
 use super::{Dataset, Example, IGNORE_INDEX};
-use crate::protocol::MicroBatch;
+
+/// A right-padded micro-batch: `rows` x `seq_len`, row-major.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MicroBatch {
+    pub rows: usize,
+    pub seq_len: usize,
+    pub input_ids: Vec<i32>,
+    /// Aligned with `input_ids` (HF convention, shifted inside the worker); -100 = ignored.
+    pub labels: Vec<i32>,
+    /// Real (unpadded) length of each row: the attention mask, which the MoE router
+    /// load-balancing loss reads.
+    pub row_lens: Vec<usize>,
+    /// Packed rows: each token's position, restarting at 0 where a sample starts; a token
+    /// attends only to earlier tokens of its own sample. Empty: positions 0..seq_len and
+    /// plain causal attention.
+    #[serde(default)]
+    pub position_ids: Vec<i32>,
+    /// `dpo`: each row's reference log-probability (the initial model's summed
+    /// log-probability of its label tokens); rows 2i and 2i + 1 are a pair, chosen first.
+    /// Empty otherwise.
+    #[serde(default)]
+    pub ref_logps: Vec<f64>,
+    /// `grpo`: each row's advantage. Empty otherwise.
+    #[serde(default)]
+    pub advantages: Vec<f64>,
+    /// `grpo` past a batch's first step: each completion token's log-probability under the
+    /// policy of the batch's first step, row after row. Empty: the batch's first step (the
+    /// ratio is 1, and the worker sends these values back when `num_iterations` > 1).
+    #[serde(default)]
+    pub old_logps: Vec<f32>,
+    /// `grpo` with `grpo.beta` > 0: each completion token's log-probability under the
+    /// reference model (the run's initial one), row after row. Empty otherwise.
+    #[serde(default)]
+    pub ref_token_logps: Vec<f32>,
+}
 
 /// Greedily concatenates samples, in order, into rows of at most `max_len` tokens.
 pub fn pack(docs: Vec<Example>, max_len: usize) -> Vec<Example> {

@@ -38,9 +38,9 @@ pub use limits::RenderError;
 use super::records::{Conversation, Message, Role};
 use super::{Example, IGNORE_INDEX, pyjson};
 use crate::bounded;
+use crate::config::chat_templates as builtin;
 use crate::error::{Error, Result};
 
-pub mod builtin;
 mod limits;
 
 const TEMPLATE: &str = "chat";

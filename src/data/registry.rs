@@ -12,10 +12,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::config::DatasetFormat;
+use crate::config::{DatasetFormat, REGISTRY};
 use crate::error::{Error, Result};
-
-pub const REGISTRY: &str = "dataset_info.json";
 
 /// One registry entry; the hub and ranking fields LlamaFactory also knows are recognized
 /// so that they can be refused by name.

@@ -2,13 +2,13 @@
 //! tensors, and AdamW's weights and moments passes over runs of them ([`Block::runs`]), each
 //! dispatched to mt's kernel for the way the master, moments and gradient are held.
 
+use crate::elem::{GradAcc, GradElem};
 use crate::layout::Block;
 use crate::layout::shards::Shards;
 use crate::optim::{
     AdamWStep, Moments, WeightsMut, adamw_moments, adamw_moments_bf16, adamw_update,
     adamw_update_bf16_master, adamw_update_bf16_moments, adamw_update_split,
 };
-use crate::reduce::{GradAcc, GradElem};
 use crate::shm::host::{GradSlabs, Store};
 
 use super::{AdamMoments, HostState, Master, store_bf16};

@@ -8,7 +8,7 @@
 //! for the workers to load, [`HostState::take_resident`] reads one a worker saved.
 
 use crate::checkpoint::staging::Part;
-use crate::optim::bits;
+use crate::elem::bits;
 use crate::protocol::{ResidentInit, ResidentPart};
 use half::bf16;
 use rayon::prelude::*;

@@ -27,11 +27,11 @@ use std::sync::atomic::AtomicU64;
 
 use crate::checkpoint::state::{BlockValues, Field, Saved, Tensors, TrainState};
 use crate::checkpoint::{MasterMut, MasterRef};
+use crate::elem::GradElem;
+use crate::elem::bits;
 use crate::layout::Layout;
 use crate::layout::shards::{GATHER_WINDOW, Shards, piece, windows};
 use crate::optim::StoreOut;
-use crate::optim::bits;
-use crate::reduce::GradElem;
 use crate::shm::huge::zeroed;
 use half::bf16;
 

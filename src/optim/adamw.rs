@@ -6,7 +6,7 @@
 //! the shared store (bf16 by round-to-nearest-even). Gradient clipping is folded in as
 //! `grad_scale`. Parallel over chunks with rayon. The gradient is fp32 or bf16
 //! (`memory.grad_dtype`), widened exactly when read. [`adamw_update_split`] is the same
-//! update on a split master (`memory.master_weights: split`, see [`super::bits`]): it reads
+//! update on a split master (`memory.master_weights: split`, see [`crate::elem::bits`]): it reads
 //! the bf16 store and the u16 residual, and writes both back, in the same single pass.
 //! [`adamw_update_bf16_master`] updates a bf16 master in place with stochastic rounding
 //! (`memory.master_weights: bfloat16`, 22 bytes moved per parameter with a bf16 gradient).
@@ -22,7 +22,8 @@
 //! Bytes per parameter moved (reads + writes, the store's write included): fp32 master and
 //! grad 30; bf16 grad 28; split master with bf16 grad 26 (store 2 + residual 2 + grad 2 +
 //! m, v 8 read; store, residual, m, v 12 written); split with fp32 grad 28.
-//! - explicit AVX-512 and AVX2 bodies (in [`crate::simd`], with all of their `unsafe`)
+//! - explicit AVX-512 and AVX2 bodies (in `x86.rs` and `x86/split.rs`, with all of their
+//!   `unsafe`, fenced as [`crate::simd`] describes)
 //!   chosen at run time ([`Simd`]), with the portable loop below as the fallback and the
 //!   reference: every path performs the same IEEE operations in the same order (no FMA
 //!   contraction), so all give the same bits;
@@ -39,11 +40,9 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::bits;
-use crate::reduce::GradElem;
+use crate::elem::GradElem;
+use crate::elem::bits;
 use crate::simd::Simd;
-#[cfg(target_arch = "x86_64")]
-use crate::simd::x86;
 
 /// Elements per rayon task (~2 MB of traffic). A multiple of 32, so every task starts at
 /// the same alignment as the whole slice.
@@ -475,6 +474,10 @@ pub(crate) fn update_split_portable<G: GradElem>(
 
 mod bf16_moments;
 pub use bf16_moments::{WeightsMut, adamw_moments_bf16, adamw_update_bf16_moments};
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+mod x86;
 
 #[cfg(test)]
 mod tests;

@@ -1,3 +1,7 @@
+use half::bf16;
+
+use crate::elem::bits::round_bf16;
+
 use super::*;
 
 fn check_all_paths<T: GradElem>(make: impl Fn(f32) -> T) {

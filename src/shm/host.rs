@@ -14,9 +14,10 @@ use std::sync::Arc;
 use super::lent::Lent;
 use super::{Region, RegionHandle, RegionKind};
 use crate::config::DType;
+use crate::elem::{GradAcc, GradElem, Pod};
 use crate::error::Result;
 use crate::optim::StoreOut;
-use crate::reduce::{self, GradAcc, GradElem};
+use crate::reduce;
 
 /// The shared copy of all weights in the compute dtype, laid out as `Layout` says.
 pub struct Store {
@@ -237,7 +238,7 @@ pub struct SharedVec<T> {
     _elem: std::marker::PhantomData<T>,
 }
 
-impl<T: crate::shm::Pod + Default> SharedVec<T> {
+impl<T: Pod + Default> SharedVec<T> {
     pub fn create(name: &str, kind: RegionKind, len: usize) -> Result<SharedVec<T>> {
         use rayon::prelude::*;
         let region = Region::create(name, kind, len * std::mem::size_of::<T>())?;
@@ -259,7 +260,7 @@ impl<T: crate::shm::Pod + Default> SharedVec<T> {
     }
 }
 
-impl<T: crate::shm::Pod> std::ops::Deref for SharedVec<T> {
+impl<T: Pod> std::ops::Deref for SharedVec<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
         // SAFETY: workers only read the region (protocol); launcher writes need `&mut self`.
@@ -267,7 +268,7 @@ impl<T: crate::shm::Pod> std::ops::Deref for SharedVec<T> {
     }
 }
 
-impl<T: crate::shm::Pod> std::ops::DerefMut for SharedVec<T> {
+impl<T: Pod> std::ops::DerefMut for SharedVec<T> {
     fn deref_mut(&mut self) -> &mut [T] {
         // SAFETY: `&mut self` excludes other launcher views; a worker reads a range only
         // while the protocol keeps the launcher from writing it.

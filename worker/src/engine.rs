@@ -17,11 +17,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use ipc_channel::ipc::{IpcReceiver, IpcSender};
 use mt::config::hf::ModelSpec;
+use mt::data::MicroBatch;
 use mt::fault::Phase;
 use mt::layout::Layout;
 use mt::objective::{Objective, ObjectiveSums};
 use mt::plan::{DeviceOpts, DevicePlan};
-use mt::protocol::{ForwardOnly, FromWorker, Init, MicroBatch, ToWorker, WorkerTimings};
+use mt::protocol::{ForwardOnly, FromWorker, Init, ToWorker, WorkerTimings};
 use tch::{Device, Kind, Tensor};
 
 use crate::fault::enter;
@@ -317,6 +318,13 @@ impl Engine {
             ForwardOnly::TokenLogProbs => {
                 let logps = h.token_logps(&batch, &x_bth);
                 (0.0, logps.into_iter().map(f64::from).collect())
+            }
+            ForwardOnly::TokenLogProbsEntropy => {
+                let (logps, entropy) = h.token_logps_entropy(&batch, &x_bth);
+                (
+                    0.0,
+                    logps.into_iter().chain(entropy).map(f64::from).collect(),
+                )
             }
         };
         drop((head_w, head, tied));

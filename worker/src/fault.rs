@@ -283,7 +283,7 @@ pub fn report(e: &anyhow::Error) -> String {
 /// (free, total) memory of `device` now, where it can be read.
 fn device_memory(device: Device) -> (Option<u64>, Option<u64>) {
     match device {
-        Device::Cpu => (mt::plan::available_host_bytes(), None),
+        Device::Cpu => (mt::sysmem::available_host_bytes(), None),
         Device::Cuda(_) => match crate::cuda::memory_info() {
             Ok((free, total)) => (Some(free), Some(total)),
             Err(_) => (None, None),

@@ -120,7 +120,7 @@ fn run() -> Result<()> {
             stream::Streamer::new(regions, &init.layout, device, init.offload_activations)?;
         let register_s = t.elapsed().as_secs_f64();
         if init.device == Device::Cpu {
-            fault::set_budget(mt::plan::available_host_bytes().unwrap_or(0));
+            fault::set_budget(mt::sysmem::available_host_bytes().unwrap_or(0));
         }
         let warm_up_s = match init.warm_up {
             Some(shape) => warmup::warm_up(

@@ -71,10 +71,12 @@ impl Trainer {
 
     /// Forward, backward and the reduce: sums each gradient part over the workers' slabs
     /// as soon as every worker has delivered it ([`Pending`]), until every worker reports
-    /// the step done ([`Reports`]); then the norm's and the loss's sums.
-    pub(super) fn collect_gradients(&mut self) -> Result<StepOutcome> {
+    /// the step done ([`Reports`]); then the norm's and the loss's sums. Each worker runs
+    /// `accum` micro-batches; `fresh`: the first overwrites the gradient (else it adds to
+    /// the one accumulated so far: a server's `train_step`s before one update). The norm is
+    /// of the gradient as it stands after this call.
+    pub(super) fn collect_gradients(&mut self, accum: usize, fresh: bool) -> Result<StepOutcome> {
         let world = self.sup.world();
-        let accum = self.cfg.training.gradient_accumulation_steps;
         let slot_len = self.host.slabs.slot_len();
         let mut pending = Pending::new(&self.host.layout, slot_len, world, accum);
         // Across nodes, each block's gradient once final here ([`nodes`]).
@@ -98,7 +100,7 @@ impl Trainer {
                     },
                 ) => {
                     if let Some((range, slots)) = pending.arrive(rank, micro, block, part, slot)? {
-                        let (first, last) = (micro == 0, micro + 1 == accum);
+                        let (first, last) = (fresh && micro == 0, micro + 1 == accum);
                         let exchange = exchange.as_mut();
                         self.reduce_part(block, range, &slots, (first, last), exchange, &mut out)?;
                     }

@@ -80,6 +80,8 @@ impl Stage {
     pub fn checkpoint_files(&self) -> Vec<(String, Arc<Vec<u8>>)> {
         match self {
             Stage::Lm => Vec::new(),
+            // A server's batches bring their references: none is kept.
+            Stage::Dpo(p) if p.refs.is_empty() => Vec::new(),
             Stage::Dpo(p) => {
                 let mut files = vec![(mt::checkpoint::reference::FILE.to_string(), p.file.clone())];
                 if let Some((_, eval)) = &p.eval {

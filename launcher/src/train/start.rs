@@ -37,6 +37,15 @@ use crate::mpi::Mpi;
 use crate::prepare::Prepared;
 use crate::supervisor::Supervisor;
 
+/// What the launcher was asked to do once started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Train on the config's dataset for its steps (`mt-launch --config X`).
+    Run,
+    /// Take batches and commands from a client (`mt-launch serve`, [`crate::serve`]).
+    Serve,
+}
+
 /// What the command line asks a run to write besides the model.
 pub struct Outputs {
     pub metrics_out: Option<PathBuf>,
@@ -46,6 +55,7 @@ pub struct Outputs {
 
 /// A run checked and planned, nothing large allocated yet ([`preflight`]).
 pub(super) struct Preflight {
+    pub mode: Mode,
     pub cfg: RunConfig,
     pub placement: Placement,
     pub mpi: Option<&'static Mpi>,
@@ -75,6 +85,7 @@ pub(super) struct Preflight {
 /// Phase 1: checks everything that can refuse the run, in the order that creates nothing
 /// a refusal would leave behind; reads the data and plans the memory.
 pub(super) fn preflight(
+    mode: Mode,
     cfg: RunConfig,
     placement: Placement,
     outputs: Outputs,
@@ -117,11 +128,14 @@ pub(super) fn preflight(
     if let Some(dir) = cfg.checkpoint.dir.as_ref().filter(|_| lead) {
         checkpoint::state::remove_stale(dir)?;
     }
-    let mut prepared = Prepared::new(&cfg, &placement)?;
+    let mut prepared = match mode {
+        Mode::Run => Prepared::new(&cfg, &placement)?,
+        Mode::Serve => Prepared::for_serve(&cfg, &placement)?,
+    };
     nodes::shard_plan(&mut prepared, &cfg, mpi);
     prepared.check_host_ram()?;
     prepared.check_device_memory(&cfg, &placement, force)?;
-    prepared.plan = prepared.grown_plan(&cfg, &placement, mt::plan::available_host_bytes());
+    prepared.plan = prepared.grown_plan(&cfg, &placement, mt::sysmem::available_host_bytes());
     // A metrics path that cannot be written fails the launch now, not after start-up.
     if lead {
         check_outputs(&cfg, outputs.metrics_out.as_deref())?;
@@ -184,6 +198,7 @@ pub(super) fn preflight(
         keep::say_where(&cfg);
     }
     Ok(Preflight {
+        mode,
         cfg,
         placement,
         mpi,
@@ -222,7 +237,7 @@ impl Preflight {
         let figures = crate::trackers::PlanFigures {
             host_ram_total_bytes: plan.total(),
             host_bytes_per_param: plan.bytes_per_param(),
-            host_ram_available_bytes: mt::plan::available_host_bytes(),
+            host_ram_available_bytes: mt::sysmem::available_host_bytes(),
             params: layout.num_params() as u64,
             world_size: p.world(),
             workers: p.workers,
@@ -270,7 +285,7 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
         max_shard_bytes: cfg.checkpoint.max_shard_size.0,
         carried: std::sync::Arc::new(carried),
         chat_template: (cfg.dataset.chat_template.as_deref())
-            .map(mt::data::chat_builtin::chosen_text)
+            .map(mt::config::chat_templates::chosen_text)
             .transpose()?,
     };
     // Periodic checkpoints are written in the background through the staging area the
@@ -327,14 +342,22 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
     })
 }
 
+/// How a server starts its workers again after `sleep` ([`workers`]).
+pub(super) struct Relaunch {
+    pub worker: crate::torch::Worker,
+    pub inits: Vec<Init>,
+    pub plan_bytes: u64,
+}
+
 /// Phase 3: spawns one worker per rank on the host state, once the trackers' runs have
-/// started (a failure to start them fails the launch before the workers spawn).
+/// started (a failure to start them fails the launch before the workers spawn). A server
+/// keeps what it takes to start them again.
 pub(super) fn workers(
     pre: &Preflight,
     host: &Host,
     trackers: Option<&mut crate::trackers::Side>,
     clock: &mut Clock,
-) -> Result<Supervisor> {
+) -> Result<(Supervisor, Option<Relaunch>)> {
     let (cfg, placement) = (&pre.cfg, &pre.placement);
     // CUDA workers warm up at the configured micro-batch shape.
     let warm_up = (placement.gpus > 0).then_some(pre.micro_batch);
@@ -373,7 +396,12 @@ pub(super) fn workers(
                 resident: state.resident_init(split),
             }
         })
-        .collect();
+        .collect::<Vec<Init>>();
+    let relaunch = (pre.mode == Mode::Serve).then(|| Relaunch {
+        worker: pre.worker.clone(),
+        inits: inits.clone(),
+        plan_bytes: pre.plan.total(),
+    });
     let waits_for_trackers = trackers.is_some();
     if let Some(side) = trackers {
         side.wait_ready()?;
@@ -382,7 +410,7 @@ pub(super) fn workers(
     let sup = Supervisor::start(&pre.worker, inits, pre.plan.total())?;
     clock.workers = Instant::now();
     println!("{}", clock.line(host.weights, &sup, waits_for_trackers));
-    Ok(sup)
+    Ok((sup, relaunch))
 }
 
 /// What the objective computed before step 1 ([`reference_passes`]).
@@ -396,7 +424,8 @@ pub(super) struct References {
 
 /// Phase 4: the resident blocks sent to the workers; under DPO and GRPO (`grpo.beta` > 0)
 /// the reference log-probabilities under the initial weights, of the training rows and of
-/// the eval set's, and after them the resumed checkpoint restored; the eval set.
+/// the eval set's, and after them the resumed checkpoint restored; the eval set. A server's
+/// batches bring their own references: it has no pass to run.
 pub(super) fn reference_passes(
     pre: &mut Preflight,
     host: &mut Host,
@@ -408,6 +437,18 @@ pub(super) fn reference_passes(
         m.set_timeout(timeout);
     }
     resident::push_resident(&mut host.host, sup, timeout)?;
+    if pre.mode == Mode::Serve {
+        let stage = match pre.objective {
+            Objective::Lm => Stage::Lm,
+            Objective::Dpo(_) => Stage::Dpo(Preference::served()),
+            Objective::Grpo(p) => Stage::Grpo(Policy::served(p)),
+        };
+        return Ok(References {
+            stage,
+            eval: None,
+            restored: None,
+        });
+    }
     let world = pre.placement.world();
     let eval_micro = eval::rows_per_micro(cfg, world);
     let micro = pre.micro_batch.0;

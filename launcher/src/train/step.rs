@@ -71,7 +71,7 @@ impl Trainer {
         let started = Instant::now();
         let grad_norm = out.grad_sum_sq.sqrt();
         let finite = grad_norm.is_finite() && out.loss_sum.is_finite();
-        self.check_finite(step, finite, out, grad_norm)?;
+        self.check_finite(step, finite, out.loss_sum, grad_norm)?;
         out.skipped = !finite;
         let (lr, coef) = self.clip(step, grad_norm);
         let (opt, wd) = (&self.cfg.optimizer, self.cfg.training.weight_decay);

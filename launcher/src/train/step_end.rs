@@ -99,7 +99,7 @@ impl Trainer {
         &mut self,
         step: u64,
         finite: bool,
-        out: &StepOutcome,
+        loss_sum: f64,
         grad_norm: f64,
     ) -> Result<()> {
         if finite {
@@ -111,7 +111,7 @@ impl Trainer {
         let what = format!(
             "step {}: loss sum {} and gradient norm {grad_norm} are not both finite",
             step + 1,
-            out.loss_sum
+            loss_sum
         );
         match tc.nan_policy {
             NanPolicy::Abort => bail!("{what} (training.nan_policy: abort)"),

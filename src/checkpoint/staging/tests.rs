@@ -61,7 +61,7 @@ fn the_window_area_holds_two_windows() {
 
 /// A staged copy gives back every range of each field, within a page or across pages,
 /// and a split master comes back joined (its fp32 values, which move exact bf16 ties by
-/// one ulp: `optim::bits`).
+/// one ulp: `elem::bits`).
 #[test]
 fn staged_values_read_back_across_pages() {
     let n = 3000;
@@ -69,7 +69,7 @@ fn staged_values_read_back_across_pages() {
     let m: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
     let v: Vec<f32> = (0..n).map(|i| i as f32 * 3.0).collect();
     let (mut hi, mut lo) = (vec![half::bf16::ZERO; n], vec![0u16; n]);
-    crate::optim::bits::split_slice(&master, &mut hi, &mut lo);
+    crate::elem::bits::split_slice(&master, &mut hi, &mut lo);
     let sources = [
         MasterRef::F32(&master),
         MasterRef::Split { hi: &hi, lo: &lo },

@@ -45,7 +45,7 @@ fn optimizer_file_is_safetensors_own_bytes() {
     assert!(std::fs::read(&path).unwrap() == want, "bytes differ");
 
     let (mut hi, mut lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
-    crate::optim::bits::split_slice(&master, &mut hi, &mut lo);
+    crate::elem::bits::split_slice(&master, &mut hi, &mut lo);
     let split = Tensors {
         master: MasterRef::Split { hi: &hi, lo: &lo },
         m: MasterRef::F32(&m),

@@ -24,8 +24,8 @@ use super::{
     AdamWStep, CHUNK, Consts, Moments, StoreOut, moments1, update_bf16_master_chunk,
     update_split_with, update_with,
 };
-use crate::optim::bits;
-use crate::reduce::GradElem;
+use crate::elem::GradElem;
+use crate::elem::bits;
 use crate::simd::Simd;
 
 /// Elements widened at a time (two 4 KiB buffers, in L1).

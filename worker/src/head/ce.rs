@@ -2,7 +2,7 @@
 //! of the labelled positions, scaled by `scale` (1 / label tokens of the step), and its
 //! backward, through the fused cross-entropy where it runs.
 
-use mt::protocol::MicroBatch;
+use mt::data::MicroBatch;
 use tch::{Kind, Tensor};
 
 use super::{DeviceBatch, Head, HeadOut, sum};

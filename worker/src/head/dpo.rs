@@ -4,9 +4,9 @@
 //! Σ_tokens w_row · logp_token (= −w_row · CE_token) hands the gradient on.
 
 use mt::config::DpoParams;
+use mt::data::MicroBatch;
 use mt::objective::ObjectiveSums;
 use mt::objective::dpo::pair_terms;
-use mt::protocol::MicroBatch;
 use tch::Tensor;
 
 use super::{DeviceBatch, Head, HeadOut};

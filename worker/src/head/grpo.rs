@@ -5,9 +5,9 @@
 //! backward of Σ_tokens w_token · logp_token hands the gradient on.
 
 use mt::config::GrpoParams;
+use mt::data::MicroBatch;
 use mt::objective::ObjectiveSums;
 use mt::objective::grpo::token_terms;
-use mt::protocol::MicroBatch;
 use tch::Tensor;
 
 use super::{DeviceBatch, Head, HeadOut};

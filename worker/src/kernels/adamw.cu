@@ -8,7 +8,7 @@
 //   m, v  f32 moments                         w  compute copy, bf16 or f32 (W_BF16)
 //   k  [decay_mul, 1 - b1, b2, 1 - b2, step_size, 1 / sqrt(bc2), eps, grad_scale]
 //   split: leave p as the split master holds it (a tie in its low half nudged away from
-//   even, src/optim/bits.rs `split`), w its high half.
+//   even, src/elem/bits.rs `split`), w its high half.
 
 struct K {
   float v[8];

@@ -2,7 +2,7 @@
 // causal convolution (4 taps) over the conv channels [q; k; v], SiLU, and for q and k the
 // L2 norm per head (q also scaled by Dk^-1/2), written straight into the chunked rule's
 // layouts. Compiled at run time by NVRTC (worker/src/kernels/cuda.rs); the contract and its
-// CPU mirror are in worker/src/kernels/mod.rs.
+// CPU mirror are in worker/src/kernels.rs.
 //
 // Layouts (bf16 as raw 16-bit words, row-major):
 //   x   (B, T, F)            the input projection's output, F = NG D channels in NG = 2G + V

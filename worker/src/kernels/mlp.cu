@@ -6,7 +6,7 @@
 // weights and the sum over the slots compute in three (worker/src/model/experts.rs), and
 // its backward, a gather of the output gradient and one dot product per (token, slot).
 // Compiled at run time by NVRTC (worker/src/kernels/cuda.rs); the contract and its CPU
-// mirror are in worker/src/kernels/mod.rs.
+// mirror are in worker/src/kernels.rs.
 //
 // Layouts (bf16 as raw 16-bit words, row-major; W the router weights' type, float or bf16):
 //   y      (S, H)  the experts' outputs, their rows sorted by expert (S = N K pairs)

@@ -389,8 +389,8 @@ pub fn check_update(device: Device) -> Result<bool> {
             true => p
                 .iter()
                 .map(|&x| {
-                    let (hi, lo) = mt::optim::bits::split(x);
-                    mt::optim::bits::join(hi, lo)
+                    let (hi, lo) = mt::elem::bits::split(x);
+                    mt::elem::bits::join(hi, lo)
                 })
                 .collect(),
             false => p.clone(),

@@ -14,6 +14,7 @@
 
 mod aliases;
 pub mod bounds;
+pub mod chat_templates;
 mod checkpoint;
 mod dataset;
 mod grpo;
@@ -31,7 +32,7 @@ mod stage;
 mod tile;
 
 pub use checkpoint::{CheckpointContents, CheckpointSection};
-pub use dataset::{DatasetFormat, DatasetSection, Overlong, ValSize};
+pub use dataset::{DatasetFormat, DatasetSection, Overlong, REGISTRY, ValSize};
 pub use grpo::{GrpoLoss, GrpoParams, GrpoSection, ScaleRewards};
 pub use logging::{LoggingSection, ReportTo, Tracker};
 pub use nodes::NodesSection;
@@ -403,7 +404,7 @@ pub enum MasterWeights {
     #[default]
     Float32,
     Split,
-    /// The bf16 store alone, rounded stochastically ([`crate::optim::bits`]).
+    /// The bf16 store alone, rounded stochastically ([`crate::elem::bits`]).
     Bfloat16,
 }
 
@@ -577,7 +578,7 @@ impl RunConfig {
         fix(&mut self.dataset.dataset_dir);
         // A built-in template's name stays a name (`./qwen` is a file).
         if let Some(t) = self.dataset.chat_template.as_mut()
-            && crate::data::chat_builtin::named(t).is_none()
+            && chat_templates::named(t).is_none()
         {
             fix(t);
         }

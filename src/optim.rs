@@ -3,7 +3,6 @@
 //! AdamW (`torch.optim.AdamW`) over flat fp32 slices.
 
 pub mod adamw;
-pub mod bits;
 pub mod schedule;
 
 pub use adamw::{

@@ -26,13 +26,15 @@ mod keep;
 mod nodes;
 mod objective;
 mod resident;
+mod session;
 mod start;
 mod step;
 mod step_end;
 mod weights;
 pub use keep::{Stopped, check_outputs};
 pub(crate) use nodes::shard_plan;
-pub use start::Outputs;
+pub use session::Failure;
+pub use start::{Mode, Outputs};
 pub(crate) use weights::{check_resume, schedule};
 
 use gradients::StepOutcome;
@@ -102,6 +104,8 @@ pub struct Trainer {
     /// `logging.report_to: wandb, mlflow`: their side process (node 0), dropped last, so
     /// that a failed run's workers are stopped before it waits for the runs to finish.
     trackers: Option<crate::trackers::Side>,
+    /// `mt-launch serve`: the state between a client's commands ([`session`]).
+    serving: Option<session::Serving>,
 }
 
 impl Trainer {
@@ -109,6 +113,7 @@ impl Trainer {
     /// allocated), the host state (allocated, weights loaded or restored), the workers, and
     /// the reference passes of the objective.
     pub fn new(
+        mode: Mode,
         cfg: RunConfig,
         placement: Placement,
         outputs: Outputs,
@@ -116,10 +121,10 @@ impl Trainer {
         force: bool,
     ) -> Result<Trainer> {
         let mut clock = start::Clock::new();
-        let mut pre = start::preflight(cfg, placement, outputs, resume, force)?;
+        let mut pre = start::preflight(mode, cfg, placement, outputs, resume, force)?;
         let mut trackers = pre.start_trackers(clock.start)?;
         let mut host = start::host_state(&pre, &mut clock)?;
-        let mut sup = start::workers(&pre, &host, trackers.as_mut(), &mut clock)?;
+        let (mut sup, relaunch) = start::workers(&pre, &host, trackers.as_mut(), &mut clock)?;
         let metrics = (pre.outputs.metrics_out.as_deref())
             .map(MetricsWriter::create)
             .transpose()?;
@@ -206,6 +211,7 @@ impl Trainer {
             schedule,
             _locks: locks,
             trackers,
+            serving: relaunch.map(session::Serving::new),
         })
     }
 
@@ -237,7 +243,8 @@ impl Trainer {
         let mut since_report = Instant::now();
         let mut stopped = None;
         for step in first..steps {
-            let mut out = match self.collect_gradients() {
+            let accum = self.cfg.training.gradient_accumulation_steps;
+            let mut out = match self.collect_gradients(accum, true) {
                 Ok(out) => out,
                 Err(e) => return Err(self.rescue(e, step)),
             };

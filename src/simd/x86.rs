@@ -1,61 +1,12 @@
-//! The reduce's strip loop (`reduce::sum_into`) compiled under AVX-512 and AVX2, with the
-//! whole aligned lines of an assigned f32 `dst` written by non-temporal stores.
+//! The x86-64 streaming copy: `d.copy_from_slice(s)` with the whole aligned lines of `d`
+//! written by non-temporal stores, under AVX-512 or AVX2, behind a safe entry point that
+//! checks the CPU's features and the slices' lengths ([`copy_streaming`]). The store loops
+//! (`stream512`, `stream256`) are also the non-temporal writes of the reduce's x86 bodies
+//! (`crate::reduce`).
 
 use std::arch::x86_64::*;
 
-use crate::reduce::{GradAcc, GradElem, sum_into};
-use crate::simd::Simd;
-
-/// `reduce::sum_into` with prefetching and non-temporal stores, under AVX-512.
-/// Panics if the CPU lacks AVX-512.
-pub(crate) fn sum_avx512<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
-    d: &mut [D],
-    parts: &[&[T]],
-) -> f64 {
-    assert!(Simd::Avx512.supported());
-    // SAFETY: the CPU has AVX-512 F and BW (checked above); `sum_into` indexes the slices
-    // itself, so the body has no bounds to keep.
-    unsafe { sum512::<T, D, ASSIGN, SQ>(d, parts) }
-}
-
-/// [`sum_avx512`] under AVX2. Panics if the CPU lacks AVX2.
-pub(crate) fn sum_avx2<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
-    d: &mut [D],
-    parts: &[&[T]],
-) -> f64 {
-    assert!(Simd::Avx2.supported());
-    // SAFETY: the CPU has AVX2 (checked above); no bounds, as for `sum_avx512`.
-    unsafe { sum256::<T, D, ASSIGN, SQ>(d, parts) }
-}
-
-/// # Safety
-/// The CPU has AVX-512 F and BW.
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn sum512<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
-    d: &mut [D],
-    parts: &[&[T]],
-) -> f64 {
-    // SAFETY (of the call in the closure): the closure runs inside this function, which
-    // runs only with AVX-512 F (its contract); `stream512` checks lengths and alignment.
-    let sq = sum_into::<T, D, true, ASSIGN, SQ>(d, parts, |d, s| unsafe { stream512(d, s) });
-    // Non-temporal stores are weakly ordered: fence before the caller publishes `d`.
-    _mm_sfence();
-    sq
-}
-
-/// # Safety
-/// The CPU has AVX2.
-#[target_feature(enable = "avx2")]
-unsafe fn sum256<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
-    d: &mut [D],
-    parts: &[&[T]],
-) -> f64 {
-    // SAFETY (of the call in the closure): the closure runs inside this function, which
-    // runs only with AVX2 (its contract); `stream256` checks lengths and alignment.
-    let sq = sum_into::<T, D, true, ASSIGN, SQ>(d, parts, |d, s| unsafe { stream256(d, s) });
-    _mm_sfence();
-    sq
-}
+use super::Simd;
 
 /// `d.copy_from_slice(s)` with non-temporal stores.
 ///
@@ -63,7 +14,7 @@ unsafe fn sum256<T: GradElem, D: GradAcc, const ASSIGN: bool, const SQ: bool>(
 /// The CPU has AVX-512 F.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn stream512(d: &mut [f32], s: &[f32]) {
+pub(crate) unsafe fn stream512(d: &mut [f32], s: &[f32]) {
     assert!(
         d.len() == s.len() && d.len().is_multiple_of(16) && d.as_ptr().addr().is_multiple_of(64)
     );
@@ -80,7 +31,7 @@ unsafe fn stream512(d: &mut [f32], s: &[f32]) {
 /// The CPU has AVX2.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn stream256(d: &mut [f32], s: &[f32]) {
+pub(crate) unsafe fn stream256(d: &mut [f32], s: &[f32]) {
     assert!(
         d.len() == s.len() && d.len().is_multiple_of(8) && d.as_ptr().addr().is_multiple_of(32)
     );

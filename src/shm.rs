@@ -28,6 +28,7 @@ use std::process::Command;
 use memmap2::MmapRaw;
 use nix::sys::memfd::{MFdFlags, memfd_create};
 
+use crate::elem::Pod;
 use crate::error::{Error, Result};
 
 pub const HEADER_LEN: usize = 4096;
@@ -212,18 +213,6 @@ impl Region {
         );
     }
 }
-
-/// Plain-old-data element types a region may be viewed as.
-///
-/// # Safety
-/// Every bit pattern must be a valid value.
-pub unsafe trait Pod: Copy + Send + Sync + 'static {}
-// SAFETY: all bit patterns are valid for these types.
-unsafe impl Pod for f32 {}
-// SAFETY: as above.
-unsafe impl Pod for half::bf16 {}
-// SAFETY: as above.
-unsafe impl Pod for u8 {}
 
 /// The bytes of an f32 slice, little-endian (every platform we build for), for writing
 /// tensors without a copy.

@@ -1,6 +1,7 @@
 //! Built-in chat templates (`dataset.chat_template: qwen`, LlamaFactory's `template: qwen`):
-//! Jinja templates shipped in `templates/`, rendered by the same renderer and bounds as a
-//! model's own template. Each renders a conversation as LlamaFactory's template of the same
+//! Jinja templates shipped in `chat_templates/`, rendered by the same renderer and bounds as a
+//! model's own template (`crate::data::chat`). They live in config, which checks the names a
+//! config gives, below the data that renders them. Each renders a conversation as LlamaFactory's template of the same
 //! name does (src/llamafactory/data/template.py, `register_template(name=...)`): the same
 //! text, the answers (`content` and the turn's end) where LlamaFactory puts its targets.
 //! They render system, user and assistant messages; tool calls need a template that renders
@@ -25,43 +26,43 @@ pub struct Builtin {
 pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "qwen",
-        source: include_str!("templates/qwen.jinja"),
+        source: include_str!("chat_templates/qwen.jinja"),
         tokens: &["<|im_start|>", "<|im_end|>"],
         eos: false,
     },
     Builtin {
         name: "chatml",
-        source: include_str!("templates/chatml.jinja"),
+        source: include_str!("chat_templates/chatml.jinja"),
         tokens: &["<|im_start|>", "<|im_end|>"],
         eos: false,
     },
     Builtin {
         name: "llama3",
-        source: include_str!("templates/llama3.jinja"),
+        source: include_str!("chat_templates/llama3.jinja"),
         tokens: &["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         eos: false,
     },
     Builtin {
         name: "mistral",
-        source: include_str!("templates/mistral.jinja"),
+        source: include_str!("chat_templates/mistral.jinja"),
         tokens: &["[INST]", "[/INST]"],
         eos: true,
     },
     Builtin {
         name: "gemma",
-        source: include_str!("templates/gemma.jinja"),
+        source: include_str!("chat_templates/gemma.jinja"),
         tokens: &["<start_of_turn>", "<end_of_turn>"],
         eos: false,
     },
     Builtin {
         name: "alpaca",
-        source: include_str!("templates/alpaca.jinja"),
+        source: include_str!("chat_templates/alpaca.jinja"),
         tokens: &[],
         eos: true,
     },
     Builtin {
         name: "default",
-        source: include_str!("templates/default.jinja"),
+        source: include_str!("chat_templates/default.jinja"),
         tokens: &[],
         eos: true,
     },

@@ -44,12 +44,11 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
 pub use batch::{
-    RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts, plan_step,
+    MicroBatch, RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts,
+    plan_step,
 };
-pub use chat::builtin as chat_builtin;
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use records::{BadRecord, Conversation, Message, Role};
-pub use registry::REGISTRY;
 pub use rollouts::Rollouts;
 pub use sources::{needs_tokenizer, training_files};
 pub use split::held_out;

@@ -15,8 +15,8 @@
 //! Shapes: B rows, T positions, H hidden, M labelled positions, C a chunk of them.
 
 use mt::config::hf::ModelSpec;
+use mt::data::MicroBatch;
 use mt::objective::{Objective, ObjectiveSums};
-use mt::protocol::MicroBatch;
 use tch::{Device, Kind, Tensor};
 
 use crate::kernels;
@@ -231,6 +231,30 @@ impl Head<'_> {
             false => Vec::<f32>::try_from(Tensor::cat(&parts, 0).to_device(Device::Cpu))
                 .expect("a 1-d f32 tensor"),
         }
+    }
+
+    /// [`Head::token_logps`] and each label token's entropy of the predicted distribution,
+    /// from the same f32 logits per chunk (the log-probabilities are the same values).
+    pub fn token_logps_entropy(&self, batch: &DeviceBatch, x_bth: &Tensor) -> (Vec<f32>, Vec<f32>) {
+        let _guard = tch::no_grad_guard();
+        let parts = self.map_chunks(batch, x_bth, |_, hn_ch, targets_c| {
+            let logits = model::logits(self.spec, hn_ch, self.lm_head);
+            let logps = logits
+                .cross_entropy_loss(targets_c, None::<Tensor>, tch::Reduction::None, -100, 0.0)
+                .neg();
+            let lp = logits.log_softmax(-1, Kind::Float);
+            let entropy = (lp.exp() * &lp)
+                .sum_dim_intlist(-1, false, Kind::Float)
+                .neg();
+            (logps.to_kind(Kind::Float), entropy)
+        });
+        let cat = |ts: Vec<Tensor>| match ts.is_empty() {
+            true => Vec::new(),
+            false => Vec::<f32>::try_from(Tensor::cat(&ts, 0).to_device(Device::Cpu))
+                .expect("a 1-d f32 tensor"),
+        };
+        let (logps, entropy): (Vec<Tensor>, Vec<Tensor>) = parts.into_iter().unzip();
+        (cat(logps), cat(entropy))
     }
 }
 

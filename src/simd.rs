@@ -1,21 +1,22 @@
-//! The one home of the host kernels' explicit SIMD and of its `unsafe`.
+//! The host's CPU level and the SIMD helpers the host kernels share: a leaf, below the
+//! kernels that use it.
 //!
 //! The host kernels, the gradient reduce (`reduce.rs`) and AdamW (`optim/adamw.rs`), are
 //! written once as portable loops beside their algorithm; those loops are the fallback and
 //! the reference that every path matches bit for bit. On x86-64 they also run as AVX-512 and
-//! AVX2 bodies picked at run time ([`Simd`]). Those bodies need `unsafe` twice over: their
-//! instructions may be missing from the CPU (`#[target_feature]`), and intrinsics load and
-//! store through raw pointers. This module fences both:
-//! - [`Simd`] detects the CPU's level once per process (lowered by `MT_SIMD`);
-//! - the entry points in `x86` are safe: each asserts that the CPU has the level's
-//!   features and that the slices' lengths agree, then calls a `#[target_feature]` body;
-//!   every `unsafe` block in here says why the feature is present and why its pointers
-//!   and lengths are in bounds;
-//! - `prefetch` is the portable reduce's cache hint.
+//! AVX2 bodies picked at run time ([`Simd`]), which live beside their portable loops
+//! (`reduce/x86.rs`; `optim/adamw/x86.rs` and `x86/split.rs`). Those bodies need `unsafe`
+//! twice over: their instructions may be missing from the CPU (`#[target_feature]`), and
+//! intrinsics load and store through raw pointers. Each such `x86` module is fenced the same
+//! way: its entry points are safe, each asserts that the CPU has the level's features and
+//! that the slices' lengths agree, then calls a `#[target_feature]` body; every `unsafe`
+//! block says why the feature is present and why its pointers and lengths are in bounds.
 //!
-//! Layout: `x86/reduce.rs` (the reduce's strip loop compiled under AVX2 / AVX-512, with
-//! non-temporal stores), `x86/adamw.rs` (the AdamW update of an fp32 master), and
-//! `x86/adamw/split.rs` (the same update of a split master).
+//! Here:
+//! - [`Simd`] detects the CPU's level once per process (lowered by `MT_SIMD`);
+//! - [`copy_streaming`] and its non-temporal store loops (`x86.rs`), which the reduce's
+//!   x86 bodies also write with;
+//! - `prefetch` is the portable reduce's cache hint.
 
 use std::sync::OnceLock;
 

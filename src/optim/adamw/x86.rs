@@ -11,8 +11,8 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use crate::optim::adamw::{Consts, update_portable};
-use crate::reduce::GradElem;
+use super::{Consts, update_portable};
+use crate::elem::GradElem;
 use crate::simd::Simd;
 
 mod split;

@@ -303,7 +303,7 @@ mod tests {
         let n = layout.total;
         let (mut hi, mut lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
         let (mut want_hi, mut want_lo) = (vec![bf16::ZERO; n], vec![0u16; n]);
-        crate::optim::bits::split_slice(&a, &mut want_hi, &mut want_lo);
+        crate::elem::bits::split_slice(&a, &mut want_hi, &mut want_lo);
         let mut split = MasterMut::Split {
             hi: &mut hi,
             lo: &mut lo,
