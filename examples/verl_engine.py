@@ -24,8 +24,9 @@ What maps to what:
   config), what VERL hands its rollout engine's `load_weights`;
 - `to("cpu")` / `to("cuda")`: `sleep` / `wake` (every GPU buffer released and taken back,
   for a rollout engine colocated on the same GPUs; the state never leaves host RAM);
-- `save_checkpoint(path)`: a full checkpoint; `load_checkpoint(path)`: the server started
-  again resuming from it (`mt-launch serve ... --resume PATH`);
+- `save_checkpoint(path)`: a full checkpoint in the engine's `checkpoint.dir`, `path` a link
+  to it; `load_checkpoint(path)`: the server started again resuming from it (`mt-launch
+  serve ... --resume PATH`);
 - data parallelism: one VERL process drives the engine, whose workers are its own, so the
   data-parallel size VERL sees is 1.
 """
@@ -133,7 +134,14 @@ class MegatrainEngine(BaseEngine):
         self.asleep = want_asleep
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        self.engine.save(local_path)
+        """A checkpoint under the engine's checkpoint.dir (which also keeps the number the
+        config says), linked from `local_path` so that load_checkpoint(local_path) finds it."""
+        saved = self.engine.save()
+        parent = os.path.dirname(os.path.abspath(local_path))
+        os.makedirs(parent, exist_ok=True)
+        if os.path.lexists(local_path):
+            os.remove(local_path)
+        os.symlink(saved, local_path)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         self.engine.shutdown()

@@ -113,16 +113,21 @@ class Engine:
 
     def train_step(self, *, rows=None, pairs=None, rollouts=None):
         """Adds one batch's gradient (rows for pt/sft, pairs for dpo, rollouts for grpo, as
-        `training.stage` says); returns loss, units, tokens and the objective's metrics."""
+        `training.stage` says; rows may be bare token-id sequences, as in `forward`);
+        returns loss, units, tokens and the objective's metrics."""
         given = {k: v for k, v in (("rows", rows), ("pairs", pairs), ("rollouts", rollouts)) if v is not None}
         if len(given) != 1:
             raise EngineError(f"train_step takes one of rows=, pairs=, rollouts= (got {sorted(given) or 'none'})")
-        return self._call("train_step", **{k: convert.plain(v) for k, v in given.items()})
+        (key, batch), = given.items()
+        return self._call("train_step", **{key: convert.rows_of(batch) if key == "rows" else convert.plain(batch)})
 
-    def forward(self, rows, *, as_torch=False):
-        """Forward only: the answer with each per-row list (`logprobs`, and any other the
-        server sends) as float32 arrays (see `forward_logprobs`)."""
-        answer = self._call("forward", rows=convert.rows_of(rows))
+    def forward(self, rows, *, entropy=False, sum=False, as_torch=False):
+        """Forward only, no update: the answer with each per-row list (`logprobs`, and with
+        `entropy` each label token's entropy) as 1-D float32 arrays (see
+        `forward_logprobs`); with `sum`, `logprobs` is each row's sum, a float (DPO's
+        reference, as a DPO run computes it)."""
+        flags = {k: True for k, on in (("entropy", entropy), ("sum", sum)) if on}
+        answer = self._call("forward", rows=convert.rows_of(rows), **flags)
         for k, v in answer.items():
             if isinstance(v, list) and all(isinstance(r, list) for r in v):
                 answer[k] = convert.float_rows(v, as_torch)
@@ -143,9 +148,10 @@ class Engine:
         """The learning rate of the next updates (None: back to the schedule); returns it."""
         return self._call("set_lr", lr=None if lr is None else float(lr))["lr"]
 
-    def save(self, dir=None):
-        """A full checkpoint (to `dir`, else the config's checkpoint.dir); returns its path."""
-        return self._call("save", **({} if dir is None else {"dir": os.path.abspath(dir)}))["dir"]
+    def save(self):
+        """A full checkpoint of the updates applied, `checkpoint.dir/step-N` (resumable by a
+        run, or by a server started with `args=["--resume", dir]`); returns its path."""
+        return self._call("save")["dir"]
 
     def export(self, dir):
         """An HF model directory of the current weights, written atomically; returns it."""

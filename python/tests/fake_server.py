@@ -94,7 +94,11 @@ def handle(req, state, update):
                     return {"ok": False, "error": f"rows[{i}].input_ids[{j}]: token id {t} out of range 0..256"}
         return {"ok": True, "loss": 1.25, "units": len(rows or []), "tokens": 0, "metrics": {}, "echo": req}
     if cmd == "forward":  # -0.5, -1.0, ... for each label token (labels shifted, as the server's)
-        return {"ok": True, "logprobs": [[-0.5 * (k + 1) for k in range(labelled(r))] for r in req["rows"]]}
+        lps = [[-0.5 * (k + 1) for k in range(labelled(r))] for r in req["rows"]]
+        answer = {"ok": True, "logprobs": [sum(lp) for lp in lps] if req.get("sum") else lps}
+        if req.get("entropy"):
+            answer["entropy"] = [[0.25] * len(lp) for lp in lps]
+        return answer
     if cmd == "optimizer_step":
         update()
         return {"ok": True, "step": state["step"], "grad_norm": 0.25, "lr": req.get("lr", state["lr"]),
@@ -102,8 +106,10 @@ def handle(req, state, update):
     if cmd == "set_lr":
         state["lr"] = req["lr"]
         return {"ok": True, "lr": req["lr"]}
-    if cmd in ("save", "export"):
-        return {"ok": True, "dir": req.get("dir", "/ck")}
+    if cmd == "save":
+        return {"ok": True, "dir": f"/ck/step-{state['step']}"}
+    if cmd == "export":
+        return {"ok": True, "dir": req["dir"]}
     if cmd in ("sleep", "wake"):
         state.setdefault("calls", []).append(cmd)
         return {"ok": True}
