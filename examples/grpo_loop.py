@@ -25,7 +25,7 @@ The demo: the tiny model of configs/tiny (random init) on the "Add a and b." pro
 data/demo/alpaca_demo.json with examples/grpo_reward.py; the mean reward per iteration is
 printed and written to WORK/rewards.json.
 
-  PYTHONPATH=python .venv/bin/python examples/grpo_loop.py --work /tmp/grpo_engine --iterations 24
+  .venv/bin/python examples/grpo_loop.py --work /tmp/grpo_engine --iterations 24
 """
 import argparse
 import importlib.util

@@ -176,7 +176,7 @@ with open("data/demo/dpo_demo.json", "w") as f:
 # data/demo/grpo_demo.jsonl (configs/tiny_grpo.yaml, training.stage: grpo): rollouts as a
 # generator would write them, in text: each "Add a and b." prompt with a group of four
 # completions, scored 1 when it states the sum and 0 otherwise (examples/grpo_loop.py
-# writes its own, as token ids, from the model it trains).
+# makes its own, as token ids, from the model it trains).
 rng = random.Random(27)
 with open("data/demo/grpo_demo.jsonl", "w") as f:
     for g in range(16):

@@ -7,7 +7,9 @@
 
 One method per command of the protocol, each a request and its answer on one connection;
 an answer `{"ok": false, "error": ...}` raises `EngineError(error)` and leaves the server
-as it was. Calls are serialized (a lock), so threads may share an Engine.
+as it was, unless the answer says `fatal` (a worker lost: the server ends, as a run would;
+the error says so, with the server's exit status and last lines when this Engine started
+it). Calls are serialized (a lock), so threads may share an Engine.
 
 Ownership: an Engine built with `Engine(config, ...)` started its server and owns it:
 `shutdown()`, `close()`, leaving a `with` block, garbage collection and interpreter exit
@@ -271,7 +273,12 @@ class Engine:
                 raise
         if answer.get("ok") is not True:
             wire.close_fds(fds)
-            raise EngineError(str(answer.get("error") or f"{cmd} failed without saying why: {answer}"))
+            error = str(answer.get("error") or f"{cmd} failed without saying why: {answer}")
+            if answer.get("fatal"):  # the server ends after this answer, as a run would
+                with self._lock:
+                    self._res.disconnect()
+                raise EngineError(f"{error} (fatal: the server stopped){self._exit_note()}")
+            raise EngineError(error)
         return answer, fds
 
     def _exit_note(self):

@@ -6,7 +6,8 @@ running the real server (launcher/tests/serve_client.rs drives that one).
 
 FILE is JSON: {"startup": "fail" | "hang"} misbehave before serving. The store holds one
 float32 tensor `w` (2 x 3) whose values are the number of updates applied; the version page
-is twice that. Commands: those of docs/serve.md, plus `die` (exit 7 without answering).
+is twice that. Commands: those of docs/serve.md, plus `die` (exit 7 without answering) and `lose_worker`
+(a fatal answer, then exit 1).
 """
 
 import argparse
@@ -70,6 +71,8 @@ def main():
             if req.get("cmd") == "weights":
                 send = [store, page]
             wire.send_msg(conn, answer, fds=send)
+            if answer.get("fatal"):
+                sys.exit(1)
             if req.get("cmd") == "shutdown":
                 os.unlink(args.socket)
                 return
@@ -120,6 +123,8 @@ def handle(req, state, update):
                 "tensors": [{"name": "w", "shape": [2, 3], "offset": HEADER, "nbytes": 24}]}
     if cmd == "die":
         os._exit(7)
+    if cmd == "lose_worker":
+        return {"ok": False, "error": "worker 1 died (SIGKILL)", "fatal": True}
     return {"ok": False, "error": f"unknown command {cmd!r}"}
 
 

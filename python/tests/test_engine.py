@@ -153,6 +153,13 @@ class Fake(FakeServer):
             e.info()
         e.shutdown()
 
+    def test_a_fatal_answer_says_the_server_stopped(self):
+        e = self.engine()
+        with self.assertRaisesRegex(EngineError, r"(?s)^worker 1 died \(SIGKILL\) \(fatal: the server stopped\) "
+                                                 r"\(mt-launch serve exited with status 1\)"):
+            e._call("lose_worker")
+        e.shutdown()
+
     def test_no_launcher(self):
         with self.assertRaisesRegex(EngineError, "cannot run /nonexistent/mt-launch"):
             Engine(self.config(), launcher="/nonexistent/mt-launch")
