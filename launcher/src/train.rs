@@ -16,7 +16,6 @@ use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{MetricsWriter, peak_rss_bytes};
 use mt::optim::Moments;
 
-use crate::cli::{Placement, Resume};
 use crate::eval::EvalSet;
 use crate::progress::{Progress, RunFacts, start_summary};
 use crate::supervisor::Supervisor;
@@ -34,7 +33,7 @@ mod weights;
 pub use keep::{Stopped, check_outputs};
 pub(crate) use nodes::shard_plan;
 pub use session::Failure;
-pub use start::{Mode, Outputs};
+pub use start::{Args, Mode, Outputs};
 pub(crate) use weights::{check_resume, schedule};
 
 use gradients::StepOutcome;
@@ -112,16 +111,9 @@ impl Trainer {
     /// Starts a run in four phases ([`start`]): preflight (every check, nothing large
     /// allocated), the host state (allocated, weights loaded or restored), the workers, and
     /// the reference passes of the objective.
-    pub fn new(
-        mode: Mode,
-        cfg: RunConfig,
-        placement: Placement,
-        outputs: Outputs,
-        resume: Option<Resume>,
-        force: bool,
-    ) -> Result<Trainer> {
+    pub fn new(args: Args) -> Result<Trainer> {
         let mut clock = start::Clock::new();
-        let mut pre = start::preflight(mode, cfg, placement, outputs, resume, force)?;
+        let mut pre = start::preflight(args)?;
         let mut trackers = pre.start_trackers(clock.start)?;
         let mut host = start::host_state(&pre, &mut clock)?;
         let (mut sup, relaunch) = start::workers(&pre, &host, trackers.as_mut(), &mut clock)?;
