@@ -129,6 +129,7 @@ impl Trainer {
         let refs = start::reference_passes(&mut pre, &mut host, &mut sup)?;
         let (start_step, nan_run) = refs.restored.unwrap_or((host.start_step, host.nan_run));
         let start::Preflight {
+            mode,
             cfg,
             placement,
             mpi,
@@ -141,11 +142,12 @@ impl Trainer {
             outputs,
             ..
         } = pre;
-        // A sample is a row, or under DPO a pair of rows.
+        // A sample is a row, or under DPO a pair of rows. (A server's batches come from
+        // its client: its sampler, over the config's dataset or none, is never read.)
         let (examples, t) = (data.epoch_len(), &cfg.training);
-        let sampler = Sampler::new(examples.0, t.batch_size, cfg.dataset.shuffle, t.seed);
+        let sampler = Sampler::new(examples.0.max(1), t.batch_size, cfg.dataset.shuffle, t.seed);
         let per_epoch = (examples.0.div_ceil(t.batch_size).max(1)) as u64;
-        if lead {
+        if lead && mode == Mode::Run {
             let facts = RunFacts {
                 examples,
                 global_batch: t.batch_size,

@@ -703,3 +703,61 @@ fn bad_rollouts_are_refused_naming_the_field() {
     assert_eq!(info["pending"], 0, "nothing was trained");
     assert!(server.shutdown().success());
 }
+
+/// A server needs no dataset, only the longest row its workers are sized for
+/// (`dataset.max_seq_len`); without either it is refused naming that key, and a run with
+/// no dataset still names `dataset.path`.
+#[test]
+fn a_server_needs_no_dataset_but_the_row_length() {
+    let model = golden_dir().join("grpo").join("llama_dapo").join("model");
+    let dir = scratch("serve-no-dataset");
+    let yaml = |dataset: &str| {
+        format!(
+            "model: {{path: {}, init: pretrained, dtype: float32}}\n{dataset}training: {{stage: grpo, batch_size: 4, num_steps: 10, learning_rate: 0.01}}\n",
+            model.display()
+        )
+    };
+    let config = dir.join("serve.yaml");
+    std::fs::write(&config, yaml("dataset: {max_seq_len: 24}\n")).unwrap();
+    let mut server = Server::start(&config, 2, &dir, &[]);
+    let info = server.ok(json!({"cmd": "info"}));
+    assert_eq!(
+        (info["stage"].clone(), info["max_seq_len"].clone()),
+        (json!("grpo"), json!(24))
+    );
+    let r = |c: Vec<i32>, reward: f64| json!({"prompt_ids": [1, 2, 3], "completion_ids": c, "reward": reward, "group": 0});
+    let batch = [
+        r(vec![4, 5], 1.0),
+        r(vec![6], 0.0),
+        r(vec![7, 8, 9], 0.5),
+        r(vec![10; 21], 0.0),
+    ];
+    server.ok(json!({"cmd": "train_step", "rollouts": batch}));
+    let too_long = [r(vec![4; 22], 1.0), r(vec![6], 0.0)];
+    server.refused(
+        json!({"cmd": "train_step", "rollouts": too_long}),
+        "rollouts[0]: 25 tokens",
+    );
+    server.ok(json!({"cmd": "optimizer_step"}));
+    assert!(server.shutdown().success());
+    let bare = dir.join("bare.yaml");
+    std::fs::write(&bare, yaml("dataset: {}\n")).unwrap();
+    let out = mt_launch()
+        .args(["serve", "--config", path_str(&bare), "--gpus", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("dataset.max_seq_len"),
+        "{err}"
+    );
+    let out = mt_launch()
+        .args(["--config", path_str(&bare), "--gpus", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("dataset.path"),
+        "{err}"
+    );
+}

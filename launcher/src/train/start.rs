@@ -182,7 +182,10 @@ pub(super) fn preflight(args: Args) -> Result<Preflight> {
         data,
         plan,
     } = prepared;
-    println!("{}", data.summary());
+    match (mode, data.files.is_empty()) {
+        (Mode::Serve, true) => println!("dataset: none (a server trains on its client's batches)"),
+        _ => println!("{}", data.summary()),
+    }
     let mut cfg = cfg;
     let (per_epoch, noun) = data.epoch_len();
     if let Some(line) = cfg.resolve_steps(per_epoch, noun) {
