@@ -33,7 +33,7 @@ mod tile;
 
 pub use checkpoint::{CheckpointContents, CheckpointSection};
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, REGISTRY, ValSize};
-pub use grpo::{GrpoLoss, GrpoParams, GrpoSection, ScaleRewards};
+pub use grpo::{GrpoLoss, GrpoParams, GrpoSection, ScaleRewards, grpo_needs_rollouts};
 pub use logging::{LoggingSection, ReportTo, Tracker};
 pub use nodes::NodesSection;
 pub use overrides::apply_override;

@@ -166,9 +166,13 @@ impl Dataset {
         vocab: usize,
         seed: u64,
     ) -> Result<Dataset> {
-        if let (Stage::Grpo, Some(path)) = (stage, &ds.path) {
+        if stage == Stage::Grpo {
+            let Some(path) = &ds.path else {
+                return Err(crate::config::grpo_needs_rollouts());
+            };
             return rollouts_and_eval(ds, path, model_dir, vocab, seed);
         }
+        ds.require_source()?;
         let (train, eval) = train_and_eval_sources(ds, stage)?;
         let chat = match train.iter().chain(&eval).any(|s| s.schema.is_some()) {
             true => Some(ChatTokenizer::load(

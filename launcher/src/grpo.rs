@@ -167,18 +167,25 @@ impl Policy {
     }
 }
 
+/// How a forward-only pass over rows is cut: `rows` rows per micro-batch in order,
+/// padded with `pad`, each answered within `timeout`.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardCut {
+    pub rows: usize,
+    pub pad: i32,
+    pub timeout: Duration,
+}
+
 /// Every row's completion tokens' log-probabilities under the weights in the store (the
-/// initial model: the reference of `grpo.beta` > 0), computed by the workers forward only,
-/// `rows_per_micro` rows per micro-batch in file order.
+/// initial model: the reference of `grpo.beta` > 0), computed by the workers forward only
+/// in file order.
 pub fn reference_logps(
     rows: &[Example],
     sup: &mut Supervisor,
-    rows_per_micro: usize,
-    pad_id: i32,
-    timeout: Duration,
+    cut: ForwardCut,
 ) -> Result<Vec<Vec<f32>>> {
     let t = Instant::now();
-    let refs = token_logps(rows, sup, rows_per_micro, pad_id, timeout)?;
+    let refs = token_logps(rows, sup, cut, false)?;
     let secs = t.elapsed().as_secs_f64();
     let tokens: usize = rows.iter().map(|r| r.input_ids.len()).sum();
     println!(
@@ -191,54 +198,27 @@ pub fn reference_logps(
         reference_pass_s = format!("{secs:.3}"),
         "GRPO reference pass"
     );
-    Ok(refs)
-}
-
-/// Every row's label tokens' log-probabilities under the weights in the store, computed by
-/// the workers forward only, `rows_per_micro` rows per micro-batch in order: the f32 values
-/// the training head computes.
-pub fn token_logps(
-    rows: &[Example],
-    sup: &mut Supervisor,
-    rows_per_micro: usize,
-    pad_id: i32,
-    timeout: Duration,
-) -> Result<Vec<Vec<f32>>> {
-    let what = ForwardOnly::TokenLogProbs;
-    let out = token_values(rows, sup, rows_per_micro, pad_id, timeout, what)?;
-    Ok(out.into_iter().map(|(logps, _)| logps).collect())
+    Ok(refs.into_iter().map(|(logps, _)| logps).collect())
 }
 
 /// Per row: its label tokens' log-probabilities and (where asked) entropies.
 pub type TokenValues = Vec<(Vec<f32>, Vec<f32>)>;
 
-/// [`token_logps`] and each label token's entropy, row by row.
-pub fn token_logps_entropy(
+/// Every row's label tokens' log-probabilities under the weights in the store, computed by
+/// the workers forward only (the f32 values the training head computes), and with
+/// `entropy` each one's entropy of the predicted distribution (else none).
+pub fn token_logps(
     rows: &[Example],
     sup: &mut Supervisor,
-    rows_per_micro: usize,
-    pad_id: i32,
-    timeout: Duration,
+    cut: ForwardCut,
+    entropy: bool,
 ) -> Result<TokenValues> {
-    let what = ForwardOnly::TokenLogProbsEntropy;
-    token_values(rows, sup, rows_per_micro, pad_id, timeout, what)
-}
-
-/// Each row's label tokens' log-probabilities, and with
-/// [`ForwardOnly::TokenLogProbsEntropy`] their entropies (else none).
-fn token_values(
-    rows: &[Example],
-    sup: &mut Supervisor,
-    rows_per_micro: usize,
-    pad_id: i32,
-    timeout: Duration,
-    what: ForwardOnly,
-) -> Result<TokenValues> {
-    assert!(rows_per_micro > 0);
-    let per_token = match what {
-        ForwardOnly::TokenLogProbsEntropy => 2,
-        _ => 1,
+    let (what, per_token) = match entropy {
+        true => (ForwardOnly::TokenLogProbsEntropy, 2),
+        false => (ForwardOnly::TokenLogProbs, 1),
     };
+    let (rows_per_micro, pad_id, timeout) = (cut.rows, cut.pad, cut.timeout);
+    assert!(rows_per_micro > 0);
     let chunk = |i: usize| &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
     let n = rows.len().div_ceil(rows_per_micro);
     let make = |i: usize| pad_batch(&chunk(i).iter().collect::<Vec<_>>(), pad_id);

@@ -105,18 +105,18 @@ fn run(cli: cli::Cli) -> Result<()> {
         return Ok(());
     };
     let metrics = cli.metrics_out.clone();
-    let result = train::Trainer::new(
-        train::Mode::Run,
+    let result = train::Trainer::new(train::Args {
+        mode: train::Mode::Run,
         cfg,
         placement,
-        train::Outputs {
+        outputs: train::Outputs {
             metrics_out: cli.metrics_out,
             dump_grads: cli.dump_grads,
             dump_logits: cli.dump_logits,
         },
         resume,
-        cli.force,
-    )?
+        force: cli.force,
+    })?
     .run();
     // The picture of the run, whichever way it ended, as far as it went.
     // Node 0 writes the metrics (and so the picture) under mpirun.
@@ -157,14 +157,14 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
     if run.metrics_out.is_some() || run.dump_grads.is_some() || run.dump_logits.is_some() {
         anyhow::bail!("--metrics-out, --dump-grads and --dump-logits apply to a run, not to serve");
     }
-    let trainer = train::Trainer::new(
-        train::Mode::Serve,
+    let trainer = train::Trainer::new(train::Args {
+        mode: train::Mode::Serve,
         cfg,
         placement,
         outputs,
         resume,
-        run.force,
-    )?;
+        force: run.force,
+    })?;
     serve::serve(trainer, args.socket.as_deref())
 }
 

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 
 use crate::train::{Failure, Trainer};
 use batch::Limits;
-use wire::{Conn, Listener};
+use wire::{Conn, Listener, Received};
 
 /// How often the waits for a client or a request look at the stop signals.
 const TICK: Duration = Duration::from_millis(200);
@@ -34,7 +34,7 @@ pub fn serve(mut trainer: Trainer, socket: Option<&Path>) -> Result<()> {
         }
         let mut conn = listener.accept()?;
         tracing::info!("client connected");
-        match session(&mut trainer, &mut conn) {
+        match session(&mut trainer, &listener, &mut conn) {
             Ok(Next::Client) => tracing::info!("client disconnected"),
             Ok(Next::Shutdown) => break,
             Err(e) => return Err(e),
@@ -53,14 +53,31 @@ enum Next {
     Shutdown,
 }
 
-fn session(trainer: &mut Trainer, conn: &mut Conn) -> Result<Next> {
+/// One client's requests, answered in order until it disconnects (or `shutdown`). Another
+/// client connecting meanwhile is told the server is busy and closed: two clients never
+/// interleave. A client gone before its answer ends its session, not the server.
+fn session(trainer: &mut Trainer, listener: &Listener, conn: &mut Conn) -> Result<Next> {
     loop {
         crate::unix::check_stop("serving")?;
+        if listener.wait(Duration::ZERO)? {
+            let mut other = listener.accept()?;
+            let busy = "busy: another client is connected to this server (one at a time)";
+            let _ = other.send(&json!({"ok": false, "error": busy}));
+        }
         if !conn.wait(TICK)? {
             continue;
         }
-        let Some(req) = conn.recv()? else {
-            return Ok(Next::Client);
+        let req = match conn.recv() {
+            Ok(Received::Request(req)) => req,
+            Ok(Received::Malformed(why)) => match conn.send(&json!({"ok": false, "error": why})) {
+                Ok(()) => continue,
+                Err(_) => return Ok(Next::Client),
+            },
+            Ok(Received::Closed) => return Ok(Next::Client),
+            Err(e) => {
+                tracing::warn!("closing the client's connection: {e:#}");
+                return Ok(Next::Client);
+            }
         };
         let cmd = req
             .get("cmd")
@@ -82,34 +99,44 @@ fn session(trainer: &mut Trainer, conn: &mut Conn) -> Result<Next> {
                         "size": w.size,
                         "tensors": tensors,
                     });
-                    conn.send_with_fds(&answer, &[w.store.as_fd(), w.version_page.as_fd()])?;
+                    let fds = [w.store.as_fd(), w.version_page.as_fd()];
+                    if conn.send_with_fds(&answer, &fds).is_err() {
+                        return Ok(Next::Client);
+                    }
                 }
-                Err(f) => answer_failure(conn, &cmd, f)?,
+                Err(f) => {
+                    if answer_failure(conn, &cmd, f)?.is_err() {
+                        return Ok(Next::Client);
+                    }
+                }
             }
             continue;
         }
-        match dispatch(trainer, &cmd, &req) {
+        let sent = match dispatch(trainer, &cmd, &req) {
             Ok(mut answer) => {
                 answer["ok"] = json!(true);
-                conn.send(&answer)?;
+                let sent = conn.send(&answer);
                 if cmd == "shutdown" {
                     return Ok(Next::Shutdown);
                 }
+                sent
             }
-            Err(f) => {
-                answer_failure(conn, &cmd, f)?;
-            }
+            Err(f) => answer_failure(conn, &cmd, f)?,
+        };
+        if let Err(e) = sent {
+            tracing::warn!("{cmd}: the client was gone before its answer ({e:#})");
+            return Ok(Next::Client);
         }
     }
 }
 
-/// Answers a failed command: a refused one with its error (the server goes on); a fatal
-/// one with its error, then returns it to end the server.
-fn answer_failure(conn: &mut Conn, cmd: &str, f: Failure) -> Result<()> {
+/// Answers a failed command: a refused one with its error (the server goes on; the result
+/// of sending the answer); a fatal one with its error, then returns it to end the server.
+fn answer_failure(conn: &mut Conn, cmd: &str, f: Failure) -> Result<Result<()>> {
     match f {
         Failure::Refused(e) => {
             tracing::info!("{cmd}: refused: {e:#}");
-            conn.send(&json!({"ok": false, "error": format!("{e:#}")}))
+            Ok(conn.send(&json!({"ok": false, "error": format!("{e:#}")})))
         }
         Failure::Fatal(e) => {
             let _ = conn.send(&json!({"ok": false, "error": format!("{e:#}"), "fatal": true}));
@@ -128,7 +155,18 @@ fn dispatch(trainer: &mut Trainer, cmd: &str, req: &Value) -> Result<Value, Fail
         }
         "train_step" => {
             let b = batch::train(req, trainer.objective(), &limits(trainer)).map_err(bad)?;
-            let t = trainer.train_batch(&b.plan, b.accum)?;
+            let units = match req.get("loss_units") {
+                None | Some(Value::Null) => None,
+                Some(v) => match v.as_u64() {
+                    Some(n) if n > 0 => Some(n),
+                    _ => {
+                        return Err(bad(anyhow!(
+                            "train_step: `loss_units`: {v} is not a count > 0 (what the loss is a mean over)"
+                        )));
+                    }
+                },
+            };
+            let t = trainer.train_batch(&b.plan, b.accum, units)?;
             let mut metrics = json!({});
             if let Some(d) = t.dpo {
                 metrics = serde_json::to_value(d).map_err(|e| bad(e.into()))?;

@@ -16,7 +16,6 @@ use mt::metrics::tensorboard::EventWriter;
 use mt::metrics::{MetricsWriter, peak_rss_bytes};
 use mt::optim::Moments;
 
-use crate::cli::{Placement, Resume};
 use crate::eval::EvalSet;
 use crate::progress::{Progress, RunFacts, start_summary};
 use crate::supervisor::Supervisor;
@@ -34,7 +33,7 @@ mod weights;
 pub use keep::{Stopped, check_outputs};
 pub(crate) use nodes::shard_plan;
 pub use session::Failure;
-pub use start::{Mode, Outputs};
+pub use start::{Args, Mode, Outputs};
 pub(crate) use weights::{check_resume, schedule};
 
 use gradients::StepOutcome;
@@ -112,16 +111,9 @@ impl Trainer {
     /// Starts a run in four phases ([`start`]): preflight (every check, nothing large
     /// allocated), the host state (allocated, weights loaded or restored), the workers, and
     /// the reference passes of the objective.
-    pub fn new(
-        mode: Mode,
-        cfg: RunConfig,
-        placement: Placement,
-        outputs: Outputs,
-        resume: Option<Resume>,
-        force: bool,
-    ) -> Result<Trainer> {
+    pub fn new(args: Args) -> Result<Trainer> {
         let mut clock = start::Clock::new();
-        let mut pre = start::preflight(mode, cfg, placement, outputs, resume, force)?;
+        let mut pre = start::preflight(args)?;
         let mut trackers = pre.start_trackers(clock.start)?;
         let mut host = start::host_state(&pre, &mut clock)?;
         let (mut sup, relaunch) = start::workers(&pre, &host, trackers.as_mut(), &mut clock)?;
@@ -137,6 +129,7 @@ impl Trainer {
         let refs = start::reference_passes(&mut pre, &mut host, &mut sup)?;
         let (start_step, nan_run) = refs.restored.unwrap_or((host.start_step, host.nan_run));
         let start::Preflight {
+            mode,
             cfg,
             placement,
             mpi,
@@ -149,11 +142,12 @@ impl Trainer {
             outputs,
             ..
         } = pre;
-        // A sample is a row, or under DPO a pair of rows.
+        // A sample is a row, or under DPO a pair of rows. (A server's batches come from
+        // its client: its sampler, over the config's dataset or none, is never read.)
         let (examples, t) = (data.epoch_len(), &cfg.training);
-        let sampler = Sampler::new(examples.0, t.batch_size, cfg.dataset.shuffle, t.seed);
+        let sampler = Sampler::new(examples.0.max(1), t.batch_size, cfg.dataset.shuffle, t.seed);
         let per_epoch = (examples.0.div_ceil(t.batch_size).max(1)) as u64;
-        if lead {
+        if lead && mode == Mode::Run {
             let facts = RunFacts {
                 examples,
                 global_batch: t.batch_size,

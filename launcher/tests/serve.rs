@@ -156,11 +156,16 @@ fn bits(v: &Value) -> u64 {
 /// The run of `case` (its config, `extra` settings, 2 CPU workers): its metrics and the
 /// exported model's tensors.
 fn run(case: &Path, dir: &Path, extra: &[&str]) -> (Vec<Value>, Tensors) {
+    run_on(case, dir, 2, extra)
+}
+
+/// [`run`] on `workers` workers.
+fn run_on(case: &Path, dir: &Path, workers: usize, extra: &[&str]) -> (Vec<Value>, Tensors) {
     let (m, out) = (dir.join("run-metrics.jsonl"), dir.join("run-model"));
     let set = format!("training.output_dir={}", out.display());
     let mut args = vec!["--set", &set];
     args.extend(extra);
-    run_cpu_ok(&case.join("run.yaml"), 2, &m, &args);
+    run_cpu_ok(&case.join("run.yaml"), workers, &m, &args);
     (metrics(&m), tensors(&out.join("model.safetensors")))
 }
 
@@ -548,4 +553,211 @@ fn forward_logprobs_and_entropy_are_transformers() {
     assert_eq!(plain["logprobs"], ours["logprobs"]);
     assert!(plain.get("entropy").is_none());
     assert!(server.shutdown().success());
+}
+
+/// One worker: the golden llama case's steps equal its run's; and each step's batch of 4
+/// split over two `train_step`s of 2 rows (each naming the batch's label tokens as its
+/// `loss_units`) before one `optimizer_step` equals a run accumulating two micro-batches
+/// of 2 (`gradient_accumulation_steps: 2`): the same norms and the same model, bit for bit.
+#[test]
+fn one_worker_and_accumulation_across_calls_equal_runs_bit_for_bit() {
+    let case = golden_dir().join("llama");
+    let rows = lines(&case.join("data.jsonl"));
+    let dir = scratch("serve-one-worker");
+    let (run_metrics, run_model) = run_on(&case, &dir, 1, &[]);
+    let mut server = Server::start(&case.join("run.yaml"), 1, &dir, &[]);
+    for step in 0..3 {
+        let batch = &rows[4 * step..4 * step + 4];
+        let trained = server.ok(json!({"cmd": "train_step", "rows": batch}));
+        let applied = server.ok(json!({"cmd": "optimizer_step"}));
+        check_step(step, &trained, &applied, &run_metrics);
+    }
+    check_export(&mut server, &dir, &run_model);
+    assert!(server.shutdown().success());
+
+    let dir = scratch("serve-accumulation");
+    let accum = ["--set", "training.gradient_accumulation_steps=2"];
+    let (run_metrics, run_model) = run_on(&case, &dir, 1, &accum);
+    let mut server = Server::start(&case.join("run.yaml"), 1, &dir, &accum);
+    // Label tokens after the shift (a row without labels is labelled on every token).
+    let label_tokens = |rows: &[Value]| -> u64 {
+        let labels = rows.iter().flat_map(|r| {
+            let l = r.get("labels").unwrap_or(&r["input_ids"]);
+            l.as_array().unwrap()[1..].to_vec()
+        });
+        labels.filter(|l| l.as_i64() != Some(-100)).count() as u64
+    };
+    for step in 0..3 {
+        let batch = &rows[4 * step..4 * step + 4];
+        let units = label_tokens(batch);
+        for half in batch.chunks(2) {
+            server.ok(json!({"cmd": "train_step", "rows": half, "loss_units": units}));
+        }
+        let info = server.ok(json!({"cmd": "info"}));
+        assert_eq!(info["pending"], 2, "two micro-batches accumulated");
+        let applied = server.ok(json!({"cmd": "optimizer_step"}));
+        assert_eq!(applied["train_steps"], 2);
+        let want = &run_metrics[step]["grad_norm"];
+        assert_eq!(
+            bits(&applied["grad_norm"]),
+            bits(want),
+            "step {}: norm",
+            step + 1
+        );
+    }
+    check_export(&mut server, &dir, &run_model);
+    assert!(server.shutdown().success());
+}
+
+/// A client that disconnects without reading its answer leaves the server serving, the
+/// command done; a second client while one is connected is told the server is busy; a
+/// reward that is not a number (JSON's NaN written as a string) is refused by name; a
+/// killed server leaves no worker and no shared memory, and its client reads the end of
+/// the connection.
+#[test]
+fn clients_come_and_go_and_a_killed_server_leaves_nothing() {
+    let case = golden_dir().join("llama");
+    let dir = scratch("serve-clients");
+    let shm_before = shm_entries();
+    let rows = lines(&case.join("data.jsonl"));
+    let mut server = Server::start(&case.join("run.yaml"), 2, &dir, &[]);
+    // A second client while the first is connected: one answer, `busy`.
+    let mut other = UnixStream::connect(&server.socket).unwrap();
+    let mut len = [0u8; 8];
+    other.read_exact(&mut len).unwrap();
+    let mut body = vec![0u8; u64::from_le_bytes(len) as usize];
+    other.read_exact(&mut body).unwrap();
+    let busy: Value = serde_json::from_slice(&body).unwrap();
+    assert!(
+        busy["error"].as_str().unwrap().starts_with("busy"),
+        "{busy}"
+    );
+    // A request whose client is gone before the answer.
+    let req = serde_json::to_vec(&json!({"cmd": "train_step", "rows": rows[..4]})).unwrap();
+    server
+        .conn
+        .write_all(&(req.len() as u64).to_le_bytes())
+        .unwrap();
+    server.conn.write_all(&req).unwrap();
+    server.conn.shutdown(std::net::Shutdown::Both).unwrap();
+    // The next client finds the server serving and the batch accumulated.
+    let connected = wait_for(Duration::from_secs(30), || {
+        let Ok(c) = UnixStream::connect(&server.socket) else {
+            return false;
+        };
+        server.conn = c;
+        server.call(json!({"cmd": "info"}))["pending"] == 2
+    });
+    assert!(
+        connected.is_some(),
+        "the server did not serve the next client:\n{}",
+        server.output()
+    );
+    server.ok(json!({"cmd": "optimizer_step"}));
+    // SIGKILL: the workers die with it, the memfds with them.
+    let pid = server.child.id();
+    let workers = children(pid);
+    assert_eq!(workers.len(), 2);
+    signal("KILL", pid);
+    let mut len = [0u8; 8];
+    assert!(
+        server.conn.read_exact(&mut len).is_err(),
+        "the client reads the end of the connection"
+    );
+    server.child.wait().unwrap();
+    assert_clean(pid, &workers, &shm_before);
+}
+
+/// GRPO's inputs checked by name: a NaN reward (sent as JSON's string for it), a wrong
+/// count of old log-probabilities, a missing group.
+#[test]
+fn bad_rollouts_are_refused_naming_the_field() {
+    let case = golden_dir().join("grpo").join("llama_dapo");
+    let dir = scratch("serve-bad-rollouts");
+    let rollouts = lines(&case.join("rollouts.jsonl"));
+    let mut server = Server::start(&case.join("run.yaml"), 2, &dir, &[]);
+    let with = |i: usize, key: &str, v: Value| {
+        let mut batch = rollouts[..6].to_vec();
+        batch[i][key] = v;
+        json!({"cmd": "train_step", "rollouts": batch})
+    };
+    server.refused(
+        with(3, "reward", json!("NaN")),
+        "rollouts[3].reward: \"NaN\" is not a finite number",
+    );
+    server.refused(
+        with(1, "old_logps", json!([-1.0])),
+        "rollouts[1].old_logps: 1 values for",
+    );
+    let mut batch = rollouts[..6].to_vec();
+    batch[2].as_object_mut().unwrap().remove("group");
+    server.refused(
+        json!({"cmd": "train_step", "rollouts": batch}),
+        "rollouts[2].group is missing",
+    );
+    server.refused(
+        with(0, "completion_ids", json!([1, 2, 1000])),
+        "rollouts[0].completion_ids[2]: 1000 is not a token id",
+    );
+    let info = server.ok(json!({"cmd": "info"}));
+    assert_eq!(info["pending"], 0, "nothing was trained");
+    assert!(server.shutdown().success());
+}
+
+/// A server needs no dataset, only the longest row its workers are sized for
+/// (`dataset.max_seq_len`); without either it is refused naming that key, and a run with
+/// no dataset still names `dataset.path`.
+#[test]
+fn a_server_needs_no_dataset_but_the_row_length() {
+    let model = golden_dir().join("grpo").join("llama_dapo").join("model");
+    let dir = scratch("serve-no-dataset");
+    let yaml = |dataset: &str| {
+        format!(
+            "model: {{path: {}, init: pretrained, dtype: float32}}\n{dataset}training: {{stage: grpo, batch_size: 4, num_steps: 10, learning_rate: 0.01}}\n",
+            model.display()
+        )
+    };
+    let config = dir.join("serve.yaml");
+    std::fs::write(&config, yaml("dataset: {max_seq_len: 24}\n")).unwrap();
+    let mut server = Server::start(&config, 2, &dir, &[]);
+    let info = server.ok(json!({"cmd": "info"}));
+    assert_eq!(
+        (info["stage"].clone(), info["max_seq_len"].clone()),
+        (json!("grpo"), json!(24))
+    );
+    let r = |c: Vec<i32>, reward: f64| json!({"prompt_ids": [1, 2, 3], "completion_ids": c, "reward": reward, "group": 0});
+    let batch = [
+        r(vec![4, 5], 1.0),
+        r(vec![6], 0.0),
+        r(vec![7, 8, 9], 0.5),
+        r(vec![10; 21], 0.0),
+    ];
+    server.ok(json!({"cmd": "train_step", "rollouts": batch}));
+    let too_long = [r(vec![4; 22], 1.0), r(vec![6], 0.0)];
+    server.refused(
+        json!({"cmd": "train_step", "rollouts": too_long}),
+        "rollouts[0]: 25 tokens",
+    );
+    server.ok(json!({"cmd": "optimizer_step"}));
+    assert!(server.shutdown().success());
+    let bare = dir.join("bare.yaml");
+    std::fs::write(&bare, yaml("dataset: {}\n")).unwrap();
+    let out = mt_launch()
+        .args(["serve", "--config", path_str(&bare), "--gpus", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("dataset.max_seq_len"),
+        "{err}"
+    );
+    let out = mt_launch()
+        .args(["--config", path_str(&bare), "--gpus", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("dataset.path"),
+        "{err}"
+    );
 }

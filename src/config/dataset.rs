@@ -162,19 +162,26 @@ impl DatasetSection {
         self.val_size.is_some() || self.eval_name.is_some() || self.eval_path.is_some()
     }
 
-    /// Checks that the source is given once and the values make sense; names the key.
+    /// A run's training data is named: `dataset.path` or `dataset.name` (checked where the
+    /// data is read: a server, `mt-launch serve`, may have none).
+    pub fn require_source(&self) -> Result<()> {
+        match (&self.path, &self.name) {
+            (None, None) => Err(Error::invalid(
+                "dataset.path",
+                "missing: give dataset.path (a file) or dataset.name (in dataset_dir/dataset_info.json)",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks that the source is given at most once and the values make sense; names the
+    /// key.
     pub fn validate(&self) -> Result<()> {
         match (&self.path, &self.name) {
             (Some(_), Some(_)) => {
                 return Err(Error::invalid(
                     "dataset.name",
                     "give either dataset.path or dataset.name, not both",
-                ));
-            }
-            (None, None) => {
-                return Err(Error::invalid(
-                    "dataset.path",
-                    "missing: give dataset.path (a file) or dataset.name (in dataset_dir/dataset_info.json)",
                 ));
             }
             (None, Some(_)) if self.format.is_some() && self.eval_path.is_none() => {

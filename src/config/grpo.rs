@@ -173,13 +173,19 @@ impl RunConfig {
                 "training.stage: grpo reads its eval rollouts from a file: give dataset.eval_path (or hold groups out with dataset.val_size)",
             ),
         ];
+        // A run's rollouts file is required where its data is read (a server, `mt-launch
+        // serve`, takes its rollouts from its client: [`grpo_needs_rollouts`]).
         match refused.iter().find(|(_, set, _)| *set) {
             Some((key, _, msg)) => Err(Error::invalid(*key, *msg)),
-            None if ds.path.is_none() => Err(Error::invalid(
-                "dataset.path",
-                "training.stage: grpo needs a rollouts file (JSONL: prompt, completion, reward, group per line)",
-            )),
             None => Ok(()),
         }
     }
+}
+
+/// A GRPO run read without a `dataset.path`.
+pub fn grpo_needs_rollouts() -> Error {
+    Error::invalid(
+        "dataset.path",
+        "training.stage: grpo needs a rollouts file (JSONL: prompt, completion, reward, group per line)",
+    )
 }

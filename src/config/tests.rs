@@ -265,7 +265,10 @@ fn megatrain_keys_are_accepted() {
     ))
     .unwrap();
     assert_eq!(c.memory.moments_dtype, DType::Bfloat16);
-    let e = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap_err();
+    // No source: a run refuses it where it reads its data, a server (`mt-launch serve`)
+    // takes its batches from its client.
+    let c = parse("model: {path: m}\ndataset: {format: alpaca}\n").unwrap();
+    let e = c.dataset.require_source().unwrap_err();
     assert!(e.to_string().contains("dataset.path"), "{e}");
 }
 

@@ -194,11 +194,19 @@ fn ints(v: &Value, at: &str, key: &str, labels: bool, limits: &Limits) -> Result
         .map(Some)
 }
 
+/// `v[key]`, a finite number. JSON has no NaN nor infinity: a client writes them as
+/// strings ("NaN", "Infinity"), refused here by name.
 fn number(v: &Value, at: &str, key: &str) -> Result<f64> {
-    match v.get(key).and_then(Value::as_f64) {
-        Some(x) if x.is_finite() => Ok(x),
-        Some(x) => bail!("{at}.{key}: {x} is not finite"),
+    match v.get(key) {
+        Some(x) => finite(x).map_err(|e| anyhow::anyhow!("{at}.{key}: {e}")),
         None => bail!("{at}.{key} is missing (a number)"),
+    }
+}
+
+fn finite(x: &Value) -> Result<f64> {
+    match x.as_f64() {
+        Some(f) if f.is_finite() => Ok(f),
+        _ => bail!("{x} is not a finite number"),
     }
 }
 
@@ -215,9 +223,10 @@ fn floats(v: &Value, at: &str, key: &str, want: usize) -> Result<Option<Vec<f32>
             items.len()
         );
     }
-    let values = items.iter().enumerate().map(|(j, x)| match x.as_f64() {
-        Some(x) if x.is_finite() => Ok(x as f32),
-        _ => bail!("{at}.{key}[{j}]: {x} is not a finite number"),
+    let values = (items.iter().enumerate()).map(|(j, x)| {
+        finite(x)
+            .map(|f| f as f32)
+            .map_err(|e| anyhow::anyhow!("{at}.{key}[{j}]: {e}"))
     });
     values.collect::<Result<Vec<f32>>>().map(Some)
 }

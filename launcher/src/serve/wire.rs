@@ -105,19 +105,32 @@ pub struct Conn {
     stream: UnixStream,
 }
 
+/// What a client sent.
+pub enum Received {
+    /// A request: a JSON object.
+    Request(Value),
+    /// A whole frame that is not a JSON object: the connection goes on.
+    Malformed(String),
+    /// The client closed the connection.
+    Closed,
+}
+
 impl Conn {
     /// Whether a request (or the end of the connection) is waiting, within `timeout`.
     pub fn wait(&self, timeout: std::time::Duration) -> Result<bool> {
         readable(self.stream.as_fd(), timeout)
     }
 
-    /// The next request, or `None` once the client has closed the connection.
-    pub fn recv(&mut self) -> Result<Option<Value>> {
+    /// The next request. An error (a frame cut short, one too large to read) leaves the
+    /// connection unusable: its caller closes it.
+    pub fn recv(&mut self) -> Result<Received> {
         let mut len = [0u8; 8];
         match self.stream.read_exact(&mut len) {
             Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Received::Closed),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Ok(Received::Closed);
+            }
             Err(e) => return Err(e).context("reading a request"),
         }
         let len = u64::from_le_bytes(len);
@@ -128,8 +141,15 @@ impl Conn {
         self.stream
             .read_exact(&mut body)
             .context("reading a request")?;
-        let value = serde_json::from_slice(&body).context("a request that is not JSON")?;
-        Ok(Some(value))
+        Ok(match serde_json::from_slice::<Value>(&body) {
+            Ok(v) if v.is_object() => Received::Request(v),
+            Ok(_) => {
+                Received::Malformed("a request is a JSON object naming its command in `cmd`".into())
+            }
+            Err(e) => Received::Malformed(format!(
+                "a request that is not JSON ({e}); non-finite numbers are written as strings, \"NaN\""
+            )),
+        })
     }
 
     /// Sends `value` as one frame.
@@ -190,7 +210,13 @@ mod tests {
         let mut conn = listener.accept().unwrap();
         let req = serde_json::json!({"cmd": "info", "ids": [1, 2, 3]});
         client_frame(&mut client, &req);
-        assert_eq!(conn.recv().unwrap(), Some(req));
+        assert!(matches!(conn.recv().unwrap(), Received::Request(r) if r == req));
+        let body = b"{\"cmd\": NaN}";
+        client
+            .write_all(&(body.len() as u64).to_le_bytes())
+            .unwrap();
+        client.write_all(body).unwrap();
+        assert!(matches!(conn.recv().unwrap(), Received::Malformed(e) if e.contains("not JSON")));
         conn.send(&serde_json::json!({"ok": true})).unwrap();
         let mut len = [0u8; 8];
         client.read_exact(&mut len).unwrap();
@@ -198,9 +224,8 @@ mod tests {
         client.read_exact(&mut body).unwrap();
         assert_eq!(body, br#"{"ok":true}"#);
         drop(client);
-        assert_eq!(
-            conn.recv().unwrap(),
-            None,
+        assert!(
+            matches!(conn.recv().unwrap(), Received::Closed),
             "a closed client ends the connection"
         );
         drop(listener);

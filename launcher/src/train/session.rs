@@ -204,17 +204,20 @@ impl Trainer {
     }
 
     /// `train_step`: the forward, backward and reduce of `plan` (each worker running
-    /// `accum` micro-batches), added to the gradient being accumulated.
+    /// `accum` micro-batches), added to the gradient being accumulated; its loss a mean
+    /// over `units` (else the objective's units of `plan`).
     pub(crate) fn train_batch(
         &mut self,
         plan: &StepPlan,
         accum: usize,
+        units: Option<u64>,
     ) -> Result<Trained, Failure> {
         let s = self.serving()?;
         let (step, fresh) = (s.step, s.pending.is_none());
-        self.send_step(step, plan, false).map_err(fatal)?;
+        let units = units.unwrap_or_else(|| self.stage.loss_units(plan));
+        self.send_micro_batches(step, plan, units, false)
+            .map_err(fatal)?;
         let out = self.collect_gradients(accum, fresh).map_err(fatal)?;
-        let units = self.stage.loss_units(plan);
         let (dpo, grpo) = self.stage.metrics(&out.sums, plan);
         let loss = out.loss_sum / units.max(1) as f64;
         let micro_batches = plan.per_rank.iter().map(Vec::len).sum::<usize>();
@@ -247,14 +250,12 @@ impl Trainer {
         entropy: bool,
     ) -> Result<crate::grpo::TokenValues, Failure> {
         self.serving()?;
-        let (per_micro, pad, timeout) = (self.rows_per_micro(), self.pad_id(), self.timeout());
-        let sup = &mut self.sup;
-        let out = match entropy {
-            true => crate::grpo::token_logps_entropy(rows, sup, per_micro, pad, timeout),
-            false => (crate::grpo::token_logps(rows, sup, per_micro, pad, timeout))
-                .map(|v| v.into_iter().map(|l| (l, Vec::new())).collect()),
+        let cut = crate::grpo::ForwardCut {
+            rows: self.rows_per_micro(),
+            pad: self.pad_id(),
+            timeout: self.timeout(),
         };
-        out.map_err(fatal)
+        crate::grpo::token_logps(rows, &mut self.sup, cut, entropy).map_err(fatal)
     }
 
     /// `forward` with `sum`: each row's summed label-token log-probability, as a DPO run's

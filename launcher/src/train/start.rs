@@ -32,7 +32,7 @@ use super::{check_outputs, keep, nodes, resident, weights};
 use crate::cli::{Placement, Resume};
 use crate::dpo::Preference;
 use crate::eval::{self, EvalSet};
-use crate::grpo::{Policy, reference_logps};
+use crate::grpo::{ForwardCut, Policy, reference_logps};
 use crate::mpi::Mpi;
 use crate::prepare::Prepared;
 use crate::supervisor::Supervisor;
@@ -82,16 +82,29 @@ pub(super) struct Preflight {
     pub tensorboard_dir: Option<PathBuf>,
 }
 
+/// What a launch asks for ([`super::Trainer::new`]).
+pub struct Args {
+    pub mode: Mode,
+    pub cfg: RunConfig,
+    pub placement: Placement,
+    pub outputs: Outputs,
+    /// `--resume` (or `training.resume_from_checkpoint`).
+    pub resume: Option<Resume>,
+    /// `--force`: start although the device plan says the micro-batch does not fit.
+    pub force: bool,
+}
+
 /// Phase 1: checks everything that can refuse the run, in the order that creates nothing
 /// a refusal would leave behind; reads the data and plans the memory.
-pub(super) fn preflight(
-    mode: Mode,
-    cfg: RunConfig,
-    placement: Placement,
-    outputs: Outputs,
-    resume: Option<Resume>,
-    force: bool,
-) -> Result<Preflight> {
+pub(super) fn preflight(args: Args) -> Result<Preflight> {
+    let Args {
+        mode,
+        cfg,
+        placement,
+        outputs,
+        resume,
+        force,
+    } = args;
     let mpi = crate::mpi::world();
     let lead = mpi.is_none_or(|m| m.rank == 0);
     // The worker and its libtorch, found before anything is claimed or loaded.
@@ -169,7 +182,10 @@ pub(super) fn preflight(
         data,
         plan,
     } = prepared;
-    println!("{}", data.summary());
+    match (mode, data.files.is_empty()) {
+        (Mode::Serve, true) => println!("dataset: none (a server trains on its client's batches)"),
+        _ => println!("{}", data.summary()),
+    }
     let mut cfg = cfg;
     let (per_epoch, noun) = data.epoch_len();
     if let Some(line) = cfg.resolve_steps(per_epoch, noun) {
@@ -461,9 +477,10 @@ pub(super) fn reference_passes(
         .transpose()?;
     let (mut refs, mut eval_refs, mut restored) = (None, None, None);
     if reference {
-        refs = Some(reference_logps(&data.rows, sup, micro, pad, timeout)?);
+        let cut = |rows| ForwardCut { rows, pad, timeout };
+        refs = Some(reference_logps(&data.rows, sup, cut(micro))?);
         if !data.eval.is_empty() {
-            eval_refs = Some(reference_logps(&data.eval, sup, eval_micro, pad, timeout)?);
+            eval_refs = Some(reference_logps(&data.eval, sup, cut(eval_micro))?);
         }
         if let Some(dir) = resume {
             restored = Some(weights::restore(&mut host.host, dir, cfg)?);

@@ -209,15 +209,29 @@ impl Trainer {
         Ok(m)
     }
 
-    /// Sends every worker its micro-batches of step `step`.
+    /// Sends every worker its micro-batches of step `step`, its loss a mean over the
+    /// objective's units of `plan`.
     pub(super) fn send_step(
         &mut self,
         step: u64,
         plan: &StepPlan,
         weights_pending: bool,
     ) -> Result<()> {
+        let units = self.stage.loss_units(plan);
+        self.send_micro_batches(step, plan, units, weights_pending)
+    }
+
+    /// [`Trainer::send_step`] with the loss a mean over `units` (a server's batch split
+    /// over several calls names its whole batch's).
+    pub(super) fn send_micro_batches(
+        &mut self,
+        step: u64,
+        plan: &StepPlan,
+        units: u64,
+        weights_pending: bool,
+    ) -> Result<()> {
         late_node_hook(self.mpi);
-        let loss_scale = 1.0 / self.stage.loss_units(plan).max(1) as f64;
+        let loss_scale = 1.0 / units.max(1) as f64;
         for (rank, micro) in plan.per_rank.iter().enumerate() {
             let micro = micro.clone();
             self.sup.send(
