@@ -113,15 +113,20 @@ class Engine:
         max_seq_len."""
         return self._call("info")
 
-    def train_step(self, *, rows=None, pairs=None, rollouts=None):
+    def train_step(self, *, rows=None, pairs=None, rollouts=None, loss_units=None):
         """Adds one batch's gradient (rows for pt/sft, pairs for dpo, rollouts for grpo, as
         `training.stage` says; rows may be bare token-id sequences, as in `forward`);
-        returns loss, units, tokens and the objective's metrics."""
+        returns loss, units, tokens and the objective's metrics. `loss_units`: what the
+        loss is a mean over when one batch is split over several calls (the whole batch's
+        count; docs/serve.md, "Steps")."""
         given = {k: v for k, v in (("rows", rows), ("pairs", pairs), ("rollouts", rollouts)) if v is not None}
         if len(given) != 1:
             raise EngineError(f"train_step takes one of rows=, pairs=, rollouts= (got {sorted(given) or 'none'})")
         (key, batch), = given.items()
-        return self._call("train_step", **{key: convert.rows_of(batch) if key == "rows" else convert.plain(batch)})
+        req = {key: convert.rows_of(batch) if key == "rows" else convert.plain(batch)}
+        if loss_units is not None:
+            req["loss_units"] = int(loss_units)
+        return self._call("train_step", **req)
 
     def forward(self, rows, *, entropy=False, sum=False, as_torch=False):
         """Forward only, no update: the answer with each per-row list (`logprobs`, and with

@@ -4,7 +4,8 @@ launcher/tests/serve_client.rs, once per worker count):
   serve_e2e.py --launcher target/release/mt-launch --config configs/tiny.yaml --workers W \
       [--dtype float32|bfloat16] --work DIR
 
-1. train_step + optimizer_step on one batch of SFT rows, five times: the loss falls;
+1. a second client is told the server is busy; train_step + optimizer_step on one batch of
+   SFT rows, five times: the loss falls;
 2. forward_logprobs equals transformers' log_softmax gathered at the labels on the
    exported model, within a tolerance derived from transformers itself: the engine's
    values are as close to an f64 evaluation of the same weights as transformers' own in
@@ -102,6 +103,13 @@ def main():
     assert len(pids) == 1 + args.workers, f"server and workers: {pids}"
     info = engine.info()
     assert info["protocol"] == 1 and info["step"] == 0, info
+    other = megatrain.Engine.attach(engine.socket_path)  # one client at a time
+    try:
+        other.info()
+        raise AssertionError("a second client was served")
+    except megatrain.EngineError as e:
+        assert str(e).startswith("busy"), e
+    other.close()
 
     # 1. the loss falls on one batch trained on repeatedly
     losses, norms = [], []

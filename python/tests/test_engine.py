@@ -35,6 +35,19 @@ def alive(pid):
         return False
 
 
+def running_with(arg):
+    """The live pids whose command line has `arg`."""
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if arg.encode() in f.read().split(b"\0") and alive(int(d)):
+                    found.append(int(d))
+        except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError, NotADirectoryError):
+            pass
+    return found
+
+
 def wait_gone(pid, timeout=20.0):
     deadline = time.monotonic() + timeout
     while alive(pid) and time.monotonic() < deadline:
@@ -85,6 +98,7 @@ class Fake(FakeServer):
                                      {"input_ids": (4, 5), "w": np.float32(0.5)}])
             self.assertEqual(out["echo"]["rows"], [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
                                                    {"input_ids": [4, 5], "w": 0.5}])
+            self.assertEqual(e.train_step(rows=[[1, 2]], loss_units=np.int64(7))["echo"]["loss_units"], 7)
             lp = e.forward_logprobs(torch.tensor([[1, 2, 3], [4, 5, 6]]))
             self.assertEqual([a.dtype for a in lp], [np.float32] * 2)
             self.assertEqual(lp[1].tolist(), [-0.5, -1.0])
@@ -138,11 +152,16 @@ class Fake(FakeServer):
         self.assertIn("error: model.path: no such directory", msg)
 
     def test_startup_timeout_kills_the_server(self):
-        before = set(os.listdir(tempfile.gettempdir()))
-        with self.assertRaisesRegex(EngineError, "did not print `serving on` within 1 s"):
-            Engine(self.config(startup="hang"), launcher=self.launcher, log=self.log, startup_timeout=1)
-        left = {d for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith("megatrain-")}
-        self.assertEqual(left, set(), "the private socket directory is removed")
+        private = tempfile.mkdtemp(dir=self.dir)
+        config = self.config(startup="hang")
+        saved, tempfile.tempdir = tempfile.tempdir, private  # where the Engine makes its own
+        try:
+            with self.assertRaisesRegex(EngineError, "did not print `serving on` within 1 s"):
+                Engine(config, launcher=self.launcher, log=self.log, startup_timeout=1)
+        finally:
+            tempfile.tempdir = saved
+        self.assertEqual(os.listdir(private), [], "the private socket directory is removed")
+        self.assertEqual(running_with(config), [], "the server is killed")
 
     def test_a_server_that_dies_is_a_clear_error(self):
         e = self.engine()
