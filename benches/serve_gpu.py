@@ -73,6 +73,7 @@ training:
   save_model: false
 memory:
   master_weights: {args.master}
+  grad_dtype: {args.grad}
   moments_dtype: {args.moments}
   ce_chunk_tokens: 8192
 grpo: {{loss_type: dapo, beta: 0.0}}
@@ -223,6 +224,7 @@ def main():
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--master", default="split", help="memory.master_weights")
     ap.add_argument("--moments", default="bfloat16", help="memory.moments_dtype")
+    ap.add_argument("--grad", default="bfloat16", help="memory.grad_dtype")
     ap.add_argument("--dtype", default="bfloat16", help="model.dtype")
     ap.add_argument("--launcher", default=os.path.join(ROOT, "target/release/mt-launch"))
     ap.add_argument("--machine", default="H200")
