@@ -14,7 +14,7 @@
 //! a regenerated file of equal length. A `save_to_disk` directory is known by its files.
 //!
 //! Under `training.stage: grpo` the data files are not recorded: a GRPO loop resumes on
-//! a new rollouts file every launch by design (examples/grpo_loop.py).
+//! a new rollouts file every launch by design (examples/grpo_loop_files.py).
 
 use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};

@@ -91,6 +91,17 @@ pub(super) fn say_where(cfg: &RunConfig) {
     }
 }
 
+/// Says at start what a server writes: only what its client asks for.
+pub(super) fn say_where_served(cfg: &RunConfig) {
+    let saves = match &cfg.checkpoint.dir {
+        Some(dir) => format!("`save` writes a checkpoint under {}", dir.display()),
+        None => "`save` needs a checkpoint.dir".into(),
+    };
+    println!(
+        "a server writes only what its client asks: {saves}; `export` writes an HF model directory; nothing at shutdown or a stop signal"
+    );
+}
+
 /// How to resume from the checkpoints under `dir`.
 fn resume_hint(dir: &std::path::Path) -> String {
     format!(

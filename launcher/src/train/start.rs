@@ -148,7 +148,11 @@ pub(super) fn preflight(args: Args) -> Result<Preflight> {
     nodes::shard_plan(&mut prepared, &cfg, mpi);
     prepared.check_host_ram()?;
     prepared.check_device_memory(&cfg, &placement, force)?;
-    prepared.plan = prepared.grown_plan(&cfg, &placement, mt::sysmem::available_host_bytes());
+    // A server's `save` writes at once: it stages nothing, and holds no staging area.
+    prepared.plan = match mode {
+        Mode::Run => prepared.grown_plan(&cfg, &placement, mt::sysmem::available_host_bytes()),
+        Mode::Serve => prepared.plan.without_staging(),
+    };
     // A metrics path that cannot be written fails the launch now, not after start-up.
     if lead {
         check_outputs(&cfg, outputs.metrics_out.as_deref())?;
@@ -210,8 +214,10 @@ pub(super) fn preflight(args: Args) -> Result<Preflight> {
         "starting"
     );
     println!("{plan}");
-    if lead {
-        keep::say_where(&cfg);
+    match mode {
+        Mode::Run if lead => keep::say_where(&cfg),
+        Mode::Run => {}
+        Mode::Serve => keep::say_where_served(&cfg),
     }
     Ok(Preflight {
         mode,

@@ -7,7 +7,7 @@
 //!
 //! Under `training.stage: grpo` with `grpo.beta` > 0 the initial model is also the
 //! reference of the KL term (TRL's reference: the initial policy). A loop resumes once per
-//! batch of rollouts (examples/grpo_loop.py), so the reference is never the weights a launch
+//! batch of rollouts (examples/grpo_loop_files.py), so the reference is never the weights a launch
 //! resumes: such a launch first loads the initial model, as a fresh run does, lets the
 //! workers compute the reference log-probabilities under it ([`crate::grpo::reference_logps`])
 //! and only then restores the checkpoint into the same buffers (no second copy of the
