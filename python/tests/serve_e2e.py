@@ -35,6 +35,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import megatrain  # noqa: E402
+from procs import alive  # noqa: E402
 
 
 def children(pid):
@@ -49,14 +50,6 @@ def children(pid):
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
     return out
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def gone(pids, timeout=30.0):

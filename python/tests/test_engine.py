@@ -23,16 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import megatrain  # noqa: E402
+from procs import alive  # noqa: E402
 from megatrain import Engine, EngineError  # noqa: E402
-
-
-def alive(pid):
-    """Whether `pid` runs (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def running_with(arg):
