@@ -52,7 +52,7 @@
 #    failure injected into the tiny model's backward of layer 1 (MT_TEST_FAIL_ALLOC) must
 #    give the same one line with CUDA's figures.
 #
-# PARTS ["train families experts delta errors resident sinks kernels"] picks the parts to run (each fits in a few
+# PARTS ["train families experts delta errors resident sinks kernels serve"] picks the parts to run (each fits in a few
 # minutes). Runs needing
 # 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
 # Needs the built binaries (BIN, default target/release) and a GPU machine; Python (no
@@ -62,7 +62,7 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-12}
-PARTS=${PARTS:-"train families experts delta errors resident sinks kernels"}
+PARTS=${PARTS:-"train families experts delta errors resident sinks kernels serve"}
 ERRORS_SEQ=${ERRORS_SEQ:-524288}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
@@ -354,6 +354,18 @@ if "errors" in parts:
 print("PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 PY
+if part serve; then
+  # `mt-launch serve` on one GPU through the Python client, bf16 (python/tests/serve_e2e.py):
+  # the loss falls, forward log-probs within transformers' own bf16 error of an f64
+  # evaluation, entropies alongside, the views equal to the export, nothing left behind.
+  mkdir -p "$work/serve"
+  if "$PYTHON" python/tests/serve_e2e.py --launcher "$BIN/mt-launch" --config configs/tiny.yaml \
+      --gpus 1 --dtype bfloat16 --work "$work/serve" >"$work/serve.json" 2>"$work/serve.err"; then
+    echo "serve: PASS $(cat "$work/serve.json")"
+  else
+    echo "serve: FAIL: $(tail -5 "$work/serve.err")" >&2; status=1
+  fi
+fi
 if part delta; then
   BIN=$BIN PYTHON=$PYTHON scripts/check_gated_delta.sh || status=1
 fi

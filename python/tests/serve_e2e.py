@@ -22,6 +22,7 @@ pids seen (the Rust side checks again that none is left).
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import subprocess
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--launcher", required=True)
     ap.add_argument("--config", required=True)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--gpus", type=int, default=0, help="0: CPU workers (--workers); else one worker per GPU")
     ap.add_argument("--dtype", default="float32", help="model.dtype: the store's and the compute's")
     ap.add_argument("--work", required=True)
     args = ap.parse_args()
@@ -88,12 +90,14 @@ def main():
     overrides = {"checkpoint.dir": os.path.join(args.work, "ck"),
                  "training.output_dir": os.path.join(args.work, "out"),
                  "training.batch_size": 4, "dataset.max_seq_len": 32, "model.dtype": args.dtype}
-    start = dict(gpus=0, workers=args.workers, launcher=args.launcher, overrides=overrides,
+    start = dict(gpus=args.gpus, workers=args.workers if args.gpus == 0 else None,
+                 launcher=args.launcher, overrides=overrides,
                  log=os.path.join(args.work, "server.log"))
     report = {}
     engine = megatrain.Engine(args.config, **start)
     pids = [engine.pid] + children(engine.pid)
-    assert len(pids) == 1 + args.workers, f"server and workers: {pids}"
+    workers = args.workers if args.gpus == 0 else args.gpus
+    assert len(pids) == 1 + workers, f"server and workers: {pids}"
     info = engine.info()
     assert info["protocol"] == 1 and info["step"] == 0, info
     other = megatrain.Engine.attach(engine.socket_path)  # one client at a time
@@ -128,6 +132,15 @@ def main():
         assert bool((err <= tol).all()), f"row {i}: engine {err.max().item():.3e} from f64, tolerance {tol.max():.3e}"
         worst.append([err.max().item(), hf_err])
     report["logprob_errors"] = worst
+    # ... and with each label token's entropy: the same log-probabilities, bit for bit, and
+    # entropies between 0 and log(vocabulary) (their values against transformers' are
+    # launcher/tests/serve.rs's).
+    both = engine.forward(rows, entropy=True, as_torch=True)
+    vocab = engine.info()["vocab_size"]
+    for i, (g, lp, ent) in enumerate(zip(got, both["logprobs"], both["entropy"])):
+        assert torch.equal(g, lp), f"row {i}: log-probabilities differ with entropy asked"
+        ok = ent.shape == g.shape and bool(((ent >= -1e-4) & (ent <= math.log(vocab) + 1e-4)).all())
+        assert ok, f"row {i}: entropies {ent} outside [0, log {vocab}]"
 
     # 3. the views at this version are the export's tensors, bit for bit
     v = engine.weights_version()
