@@ -149,14 +149,14 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
     else {
         return Ok(());
     };
+    if run.dump_grads.is_some() || run.dump_logits.is_some() {
+        anyhow::bail!("--dump-grads and --dump-logits apply to a run, not to serve");
+    }
     let outputs = train::Outputs {
-        metrics_out: None,
+        metrics_out: run.metrics_out.clone(),
         dump_grads: None,
         dump_logits: None,
     };
-    if run.metrics_out.is_some() || run.dump_grads.is_some() || run.dump_logits.is_some() {
-        anyhow::bail!("--metrics-out, --dump-grads and --dump-logits apply to a run, not to serve");
-    }
     let trainer = train::Trainer::new(train::Args {
         mode: train::Mode::Serve,
         cfg,
@@ -165,7 +165,15 @@ fn serve(args: cli::ServeArgs) -> Result<()> {
         resume,
         force: run.force,
     })?;
-    serve::serve(trainer, args.socket.as_deref())
+    let result = serve::serve(trainer, args.socket.as_deref());
+    // The picture of the optimizer steps served, as a run draws its own.
+    if let Some(m) = run.metrics_out.as_ref().filter(|m| m.is_file()) {
+        match mt::metrics::plot::write_beside(m) {
+            Ok(svg) => println!("picture of the run: {}", svg.display()),
+            Err(e) => tracing::warn!("no picture of the run: {e}"),
+        }
+    }
+    result
 }
 
 /// What a run and a server start from: the config loaded and checked, the placement of

@@ -197,14 +197,17 @@ fn check_export(server: &mut Server, dir: &Path, run: &Tensors) {
 }
 
 /// SFT: the golden llama case's three steps (4 rows each, in file order), with the
-/// workers put to sleep and woken between the first and the second.
+/// workers put to sleep and woken between the first and the second; the server's metrics
+/// file (`--metrics-out`) holds the run's losses, norms, learning rates and token counts.
 #[test]
 fn sft_steps_equal_a_runs_bit_for_bit_across_sleep_and_wake() {
     let case = golden_dir().join("llama");
     let dir = scratch("serve-sft");
     let (run_metrics, run_model) = run(&case, &dir, &[]);
     let rows = lines(&case.join("data.jsonl"));
-    let mut server = Server::start(&case.join("run.yaml"), 2, &dir, &[]);
+    let served_metrics = dir.join("served.jsonl");
+    let args = ["--metrics-out", path_str(&served_metrics)];
+    let mut server = Server::start(&case.join("run.yaml"), 2, &dir, &args);
     let info = server.ok(json!({"cmd": "info"}));
     assert_eq!(
         (info["protocol"].clone(), info["step"].clone()),
@@ -234,6 +237,17 @@ fn sft_steps_equal_a_runs_bit_for_bit_across_sleep_and_wake() {
     let socket = server.socket.clone();
     assert!(server.shutdown().success());
     assert!(!socket.exists(), "the socket is removed at shutdown");
+    let served = metrics(&served_metrics);
+    assert_eq!(served.len(), 3, "one line per optimizer step");
+    for (s, r) in served.iter().zip(&run_metrics) {
+        for key in ["step", "loss", "grad_norm", "lr", "tokens"] {
+            assert_eq!(bits(&s[key]), bits(&r[key]), "{key}: served {s} vs run {r}");
+        }
+    }
+    assert!(
+        served_metrics.with_extension("svg").is_file(),
+        "the picture of the steps"
+    );
 }
 
 /// DPO: the references of every pair from `forward` with `sum` under the initial weights

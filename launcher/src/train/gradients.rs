@@ -40,8 +40,44 @@ pub(super) struct StepOutcome {
     pub(super) token_logps: Vec<f32>,
 }
 
+/// Each of `s`'s timings and peaks raised to `t`'s where `t`'s is larger.
+fn slowest(s: &mut WorkerTimings, t: &WorkerTimings) {
+    s.forward_s = s.forward_s.max(t.forward_s);
+    s.backward_s = s.backward_s.max(t.backward_s);
+    s.slot_wait_s = s.slot_wait_s.max(t.slot_wait_s);
+    s.update_wait_s = s.update_wait_s.max(t.update_wait_s);
+    s.h2d_wait_s = s.h2d_wait_s.max(t.h2d_wait_s);
+    s.d2h_s = s.d2h_s.max(t.d2h_s);
+    s.peak_device_bytes = s.peak_device_bytes.max(t.peak_device_bytes);
+    s.context_device_bytes = s.context_device_bytes.max(t.context_device_bytes);
+}
+
 impl StepOutcome {
-    fn new() -> StepOutcome {
+    /// Adds a later pass over the same step's gradient (a server's `train_step`s before
+    /// one update): loss sums and times added (each pass's slowest worker's), the device
+    /// peaks the larger, the objective's sums added, the norm the later one's (of the
+    /// gradient as it stands).
+    pub(super) fn absorb(&mut self, o: StepOutcome) {
+        self.loss_sum += o.loss_sum;
+        let (s, t) = (&mut self.slowest, &o.slowest);
+        s.forward_s += t.forward_s;
+        s.backward_s += t.backward_s;
+        s.slot_wait_s += t.slot_wait_s;
+        s.update_wait_s += t.update_wait_s;
+        s.h2d_wait_s += t.h2d_wait_s;
+        s.d2h_s += t.d2h_s;
+        s.peak_device_bytes = s.peak_device_bytes.max(t.peak_device_bytes);
+        s.context_device_bytes = s.context_device_bytes.max(t.context_device_bytes);
+        self.reduce_s += o.reduce_s;
+        self.exchange_s += o.exchange_s;
+        self.exchange_wait_s += o.exchange_wait_s;
+        self.moments_s += o.moments_s;
+        self.grad_sum_sq = o.grad_sum_sq;
+        let same = self.sums.add(&o.sums);
+        debug_assert!(same, "a server's calls share its objective");
+    }
+
+    pub(super) fn new() -> StepOutcome {
         StepOutcome {
             loss_sum: 0.0,
             slowest: WorkerTimings::default(),
@@ -288,15 +324,7 @@ impl Reports {
 
     fn arrive(&mut self, rank: usize, done: (f64, ObjectiveSums, Vec<f32>), t: &WorkerTimings) {
         self.by_rank[rank] = Some(done);
-        let s = &mut self.slowest;
-        s.forward_s = s.forward_s.max(t.forward_s);
-        s.backward_s = s.backward_s.max(t.backward_s);
-        s.slot_wait_s = s.slot_wait_s.max(t.slot_wait_s);
-        s.update_wait_s = s.update_wait_s.max(t.update_wait_s);
-        s.h2d_wait_s = s.h2d_wait_s.max(t.h2d_wait_s);
-        s.d2h_s = s.d2h_s.max(t.d2h_s);
-        s.peak_device_bytes = s.peak_device_bytes.max(t.peak_device_bytes);
-        s.context_device_bytes = s.context_device_bytes.max(t.context_device_bytes);
+        slowest(&mut self.slowest, t);
     }
 
     /// Whether rank `rank` has yet to report (the supervisor's timeout watches those).

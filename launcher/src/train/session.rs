@@ -26,8 +26,8 @@ use mt::data::{Example, StepPlan};
 use mt::metrics::{DpoMetrics, GrpoMetrics};
 use mt::optim::Moments;
 
-use super::Trainer;
 use super::start::Relaunch;
+use super::{StepOutcome, Trainer};
 use crate::supervisor::Supervisor;
 
 /// Why a command failed.
@@ -76,13 +76,17 @@ impl Serving {
 
 /// The gradient accumulated by `train_step`s since the last update.
 struct Pending {
-    /// Σ g² of the gradient as it stands (each call's reduce measures all of it).
-    grad_sum_sq: f64,
+    /// The calls' outcomes added ([`StepOutcome::absorb`]): the loss sums, the workers'
+    /// times, the objective's sums, Σ g² of the gradient as it stands.
+    out: StepOutcome,
+    /// The calls' batches counted (tokens, padding, pairs, rewards; no micro-batches).
+    counts: StepPlan,
     /// The sum of each call's mean loss.
     loss: f64,
-    /// Micro-batches (over every worker) and calls in it.
+    /// Micro-batches (over every worker) and calls in it, and their seconds.
     micro_batches: usize,
     calls: usize,
+    busy_s: f64,
 }
 
 /// What a `train_step` did.
@@ -212,6 +216,7 @@ impl Trainer {
         accum: usize,
         units: Option<u64>,
     ) -> Result<Trained, Failure> {
+        let t = std::time::Instant::now();
         let s = self.serving()?;
         let (step, fresh) = (s.step, s.pending.is_none());
         let units = units.unwrap_or_else(|| self.stage.loss_units(plan));
@@ -222,16 +227,34 @@ impl Trainer {
         let loss = out.loss_sum / units.max(1) as f64;
         let micro_batches = plan.per_rank.iter().map(Vec::len).sum::<usize>();
         let s = self.serving()?;
-        let p = s.pending.get_or_insert(Pending {
-            grad_sum_sq: 0.0,
+        let p = s.pending.get_or_insert_with(|| Pending {
+            out: StepOutcome::new(),
+            counts: StepPlan {
+                per_rank: Vec::new(),
+                tokens: 0,
+                padded_tokens: 0,
+                real_tokens: 0,
+                causal_pairs: 0,
+                pairs: 0,
+                rewards: Vec::new(),
+            },
             loss: 0.0,
             micro_batches: 0,
             calls: 0,
+            busy_s: 0.0,
         });
-        p.grad_sum_sq = out.grad_sum_sq;
+        p.out.absorb(out);
+        let c = &mut p.counts;
+        c.tokens += plan.tokens;
+        c.padded_tokens += plan.padded_tokens;
+        c.real_tokens += plan.real_tokens;
+        c.causal_pairs += plan.causal_pairs;
+        c.pairs += plan.pairs;
+        c.rewards.extend_from_slice(&plan.rewards);
         p.loss += loss;
         p.micro_batches += micro_batches;
         p.calls += 1;
+        p.busy_s += t.elapsed().as_secs_f64();
         Ok(Trained {
             loss,
             units,
@@ -292,7 +315,8 @@ impl Trainer {
             return refused("optimizer_step: no gradient to apply: send a train_step first");
         };
         let (step, set) = (s.step, lr.or(s.lr));
-        let grad_norm = p.grad_sum_sq.sqrt();
+        let started = std::time::Instant::now();
+        let grad_norm = p.out.grad_sum_sq.sqrt();
         let finite = grad_norm.is_finite() && p.loss.is_finite();
         self.check_finite(step, finite, p.loss, grad_norm)
             .map_err(Failure::Refused)?;
@@ -312,6 +336,25 @@ impl Trainer {
             }
             self.serving()?.version.end().map_err(fatal)?;
         }
+        // The step's metrics (the metrics file, TensorBoard, W&B / MLflow), its time the
+        // calls' and the update's (not the client's between them).
+        let update_s = started.elapsed().as_secs_f64();
+        let optimizer_s = update_s + p.out.moments_s;
+        let step_s = p.busy_s + update_s;
+        let mut out = p.out;
+        out.skipped = !finite;
+        (self.report(
+            step,
+            &p.counts,
+            &out,
+            grad_norm,
+            lr,
+            optimizer_s,
+            step_s,
+            None,
+            Some(p.loss),
+        ))
+        .map_err(fatal)?;
         let s = self.serving()?;
         s.step += 1;
         let applied = Applied {

@@ -165,6 +165,7 @@ impl Trainer {
             optimizer_s,
             step_time_s,
             eval,
+            None,
         )?;
         if let Some(e) = lost {
             return Err(self.rescue(e, step + 1));

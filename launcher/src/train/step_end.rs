@@ -136,6 +136,10 @@ impl Trainer {
         )
     }
 
+    /// The step's metrics to the metrics file, TensorBoard, W&B / MLflow and the step line
+    /// (a server's step line is its own: [`super::session`]). `loss`: the step's loss
+    /// where its caller knows it (a server's, over several calls), else the mean over
+    /// the step's units.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn report(
         &mut self,
@@ -147,9 +151,11 @@ impl Trainer {
         optimizer_s: f64,
         step_time_s: f64,
         eval: Option<EvalMetrics>,
+        loss: Option<f64>,
     ) -> Result<()> {
         // What the step's loss is a mean over (its label tokens, pairs or completions).
         let units = self.stage.loss_units(plan);
+        let loss = loss.unwrap_or(out.loss_sum / units.max(1) as f64);
         let layout = &self.host.layout;
         let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
         let params = layout.num_params() as u64;
@@ -189,7 +195,7 @@ impl Trainer {
         let (dpo, grpo) = self.stage.metrics(&out.sums, plan);
         let m = StepMetrics {
             step: step + 1,
-            loss: out.loss_sum / units.max(1) as f64,
+            loss,
             lr,
             grad_norm,
             tokens: plan.tokens,
@@ -235,7 +241,9 @@ impl Trainer {
         if let Some(side) = self.trackers.as_mut() {
             side.step(&m);
         }
-        self.progress.step(&m, self.cfg.training.num_steps);
+        if self.serving.is_none() {
+            self.progress.step(&m, self.cfg.training.num_steps);
+        }
         Ok(())
     }
 }
