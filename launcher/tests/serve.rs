@@ -470,6 +470,14 @@ fn bad_requests_are_refused_and_the_server_goes_on() {
             "not a finite number >= 0",
         ),
         (json!({"cmd": "retrain"}), "unknown command `retrain`"),
+        (
+            json!({"cmd": "train_step", "rows": rows[..4], "lossunits": 9}),
+            "train_step: unknown key `lossunits` (it takes cmd, rows, pairs, rollouts, loss_units)",
+        ),
+        (
+            json!({"cmd": "forward", "rows": [{"input_ids": [1, 2], "label": [1, 2]}]}),
+            "rows[0]: unknown key `label`",
+        ),
         (json!({"rows": []}), "names its command in `cmd`"),
     ];
     for (req, needle) in cases {
