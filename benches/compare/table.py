@@ -26,6 +26,16 @@ SYSTEMS = [
 ]
 
 
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_lines(path: str) -> list[str]:
+    with open(path, errors="replace") as f:
+        return f.readlines()
+
+
 def step_flops(shape: dict) -> tuple[float, float]:
     """FLOPs of one step of `batch` full rows of `seq` tokens: MegaTrain's formula (6 x all
     parameters x tokens) and this project's model FLOPs (src/metrics.rs `step_flops`: 6 x
@@ -42,7 +52,7 @@ def step_flops(shape: dict) -> tuple[float, float]:
 
 def parse_ours(path: str) -> dict:
     """mt-launch --metrics-out JSONL: one object per optimizer step."""
-    steps = [json.loads(line) for line in open(path) if line.strip()]
+    steps = [json.loads(line) for line in read_lines(path) if line.strip()]
     steps = [m for m in steps if "step" in m and "step_time_s" in m]
     return {
         "optimizer": "AdamW (own, fp32 master + moments on host)",
@@ -68,7 +78,7 @@ def parse_megatrain(path: str) -> dict:
     torch's max_memory_allocated in GiB, its CPU figure the RSS in GiB."""
     out = {"step_s": [], "loss": [], "own_tflops_megatrain": [], "optimizer": None,
            "own_gpu_bytes": None, "own_host_bytes": None}
-    for line in open(path, errors="replace"):
+    for line in read_lines(path):
         if "Using DeepSpeed CPUAdam optimizer" in line:
             out["optimizer"] = "DeepSpeed CPUAdam (its bf16 parameters on host)"
         elif "Using PyTorch AdamW optimizer" in line:
@@ -87,7 +97,7 @@ def parse_megatrain(path: str) -> dict:
 
 def parse_zero3(path: str) -> dict:
     """zero3.py's JSONL: a first "ready" line, then one object per step."""
-    lines = [json.loads(line) for line in open(path) if line.strip()]
+    lines = [json.loads(line) for line in read_lines(path) if line.strip()]
     ready = next((m for m in lines if m.get("event") == "ready"), {})
     steps = [m for m in lines if "step" in m]
     opt = ready.get("optimizer")
@@ -122,7 +132,7 @@ def why_failed(log_path: str, mon: dict, steps: int) -> str:
                 f"of {total / 1e9:.0f} GB: the OOM killer, likely")
     last = None
     if os.path.exists(log_path):
-        for line in open(log_path, errors="replace"):
+        for line in read_lines(log_path):
             line = line.strip()
             if ERROR_LINE.search(line) and "Warning" not in line:
                 last = line
@@ -141,11 +151,11 @@ def row_for(name: str, logs: str, shape: dict, cpu_adam: dict) -> dict:
     """One system's figures, or its reason for having none."""
     status = os.path.join(logs, f"{name}.status.json")
     if os.path.exists(status):
-        return {"failed": json.load(open(status))["reason"]}
+        return {"failed": read_json(status)["reason"]}
     fname, parse = PARSERS[name]
     path = os.path.join(logs, fname)
     mon_path = os.path.join(logs, f"{name}.mon.json")
-    mon = json.load(open(mon_path)) if os.path.exists(mon_path) else {}
+    mon = read_json(mon_path) if os.path.exists(mon_path) else {}
     r = parse(path) if os.path.exists(path) else {"step_s": [], "loss": []}
     r["mon"] = mon
     steps = len(r["step_s"])
@@ -172,9 +182,9 @@ def gb(x):
 
 
 def render(logs: str, machine: str, gpu: str, cores: str) -> str:
-    shape = json.load(open(os.path.join(logs, "shape.json")))
+    shape = read_json(os.path.join(logs, "shape.json"))
     ca_path = os.path.join(logs, "cpu_adam.json")
-    cpu_adam = json.load(open(ca_path)) if os.path.exists(ca_path) else {}
+    cpu_adam = read_json(ca_path) if os.path.exists(ca_path) else {}
     lines = [
         f"# {shape['model']} ({shape['layers']} layers) b{shape['batch']} x {shape['seq']}: "
         f"this project beside its peers on {machine}",
