@@ -156,7 +156,7 @@ run_system() {  # run_system NAME CMD...
   if [ $DRY = 1 ]; then echo "-- $name (dry run): $(cat "$logs/$name.cmd")" >&2; skip "$name" "dry run"; return; fi
   echo "-- $name: up to $t s ($(( $(date +%s) - start )) s in)" >&2
   "$PYTHON" "$here/monitor.py" --out "$logs/$name.mon.json" --log "$logs/$name.log" --timeout "$t" -- "$@" ||
-    echo "-- $name failed: $(tail -2 "$logs/$name.log" | cut -c1-200)" >&2
+    echo "-- $name failed: $(grep -E 'Error|error|Killed' "$logs/$name.log" | tail -1 | cut -c1-200)" >&2
 }
 
 IFS=, read -r -a systems <<< "$SYSTEMS"
