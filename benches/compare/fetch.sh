@@ -26,7 +26,7 @@ vendor=$here/vendor
 # The pins: bump together, and rerun the comparison.
 MEGATRAIN_COMMIT=919520f07182c0d4d3e9765b2f915702e71c11a4  # 2026-04-18, main
 DEEPSPEED=deepspeed==0.19.8
-WHEELS=(einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 psutil==7.2.2 py-cpuinfo==9.0.0
+WHEELS=(einops==0.8.2 tqdm==4.70.1 pyyaml==6.0.4 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 psutil==7.2.2 py-cpuinfo==9.0.0
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-extensions==4.16.0
   typing-inspection==0.4.5 packaging==26.4 setuptools==84.2.1 wheel==0.48.0 accelerate==1.15.0)
 

@@ -76,35 +76,42 @@ skip() {  # skip SYSTEM REASON
 }
 left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
 
-# --- The throwaway venv: the vendored wheels and sdists, over the machine's torch/transformers.
-venv=$WORK/venv
+# --- The vendored packages the machine lacks, installed one by one (no resolver: a GPU machine's
+# torch often sits in a user site, which a venv cannot see) into $WORK/site on PYTHONPATH.
+site=$WORK/site
 venv_ok=0 venv_why=""
 if [ -d "$VENDOR/wheels" ]; then
   stamp=$(cd "$VENDOR" && ls -l wheels sdist 2>/dev/null | md5sum | cut -c1-16)
-  if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ]; then
+  if [ -f "$site/.stamp" ] && [ "$(cat "$site/.stamp")" = "$stamp" ]; then
     venv_ok=1
   else
-    rm -rf "$venv"
+    rm -rf "$site"
+    mkdir -p "$site"
     {
-      # python3 -m venv needs ensurepip; without it the system pip installs into the venv.
-      "$PYTHON" -m venv --system-site-packages "$venv" ||
-        "$PYTHON" -m venv --system-site-packages --without-pip "$venv"
-      pip=("$venv/bin/python" -m pip install --no-index --find-links "$VENDOR/wheels" --find-links "$VENDOR/sdist"
-        --disable-pip-version-check)
+      pip=("$PYTHON" -m pip install --no-index --no-deps --find-links "$VENDOR/wheels" --find-links "$VENDOR/sdist"
+        --disable-pip-version-check --target "$site")
       # What DeepSpeed (0.19: requirements.txt) and MegaTrain (setup.py) need beyond torch,
-      # transformers and numpy; a package the machine has already is left as it is.
-      "${pip[@]}" setuptools wheel packaging einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm pyyaml accelerate &&
-        DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation --no-deps deepspeed
-    } > "$logs/venv.log" 2>&1 && { echo "$stamp" > "$venv/.stamp"; venv_ok=1; } ||
-      venv_why="the venv did not install (logs/$tag/venv.log: $(tail -1 "$logs/venv.log"))"
+      # transformers and numpy, as distribution:module; one the machine has is left as it is.
+      missing=()
+      for pm in setuptools:setuptools wheel:wheel packaging:packaging einops:einops hjson:hjson \
+          msgpack:msgpack ninja:ninja psutil:psutil py-cpuinfo:cpuinfo typing-extensions:typing_extensions \
+          annotated-types:annotated_types typing-inspection:typing_inspection pydantic-core:pydantic_core \
+          pydantic:pydantic tqdm:tqdm pyyaml:yaml accelerate:accelerate; do
+        "$PYTHON" -c "import ${pm#*:}" 2>/dev/null || missing+=("${pm%%:*}")
+      done
+      echo "installing: ${missing[*]:-nothing}"
+      { [ ${#missing[@]} = 0 ] || "${pip[@]}" "${missing[@]}"; } &&
+        PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation deepspeed
+    } > "$logs/venv.log" 2>&1 && { echo "$stamp" > "$site/.stamp"; venv_ok=1; } ||
+      venv_why="the packages did not install (logs/$tag/venv.log: $(tail -1 "$logs/venv.log"))"
   fi
 else
   venv_why="no $VENDOR/wheels: run benches/compare/fetch.sh on a machine with network and carry benches/compare/vendor"
 fi
 vpy=$PYTHON
-# The venv's bin/ on PATH: torch's JIT builds (DeepSpeed's ops) look for ninja there.
-[ $venv_ok = 1 ] && { vpy=$venv/bin/python; export PATH=$venv/bin:$PATH; }
-echo "-- venv: $([ $venv_ok = 1 ] && echo "$venv" || echo "$venv_why")" >&2
+# On PYTHONPATH, and its bin/ on PATH: torch's JIT builds (DeepSpeed's ops) look for ninja there.
+[ $venv_ok = 1 ] && export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PATH=$site/bin:$PATH
+echo "-- packages: $([ $venv_ok = 1 ] && echo "$site" || echo "$venv_why")" >&2
 
 # --- The shared inputs.
 inputs_model=$WORK/models/$model-${LAYERS}L
@@ -171,6 +178,9 @@ for s in "${systems[@]}"; do
       --set "dataset.max_seq_len=$SEQ" --set "training.batch_size=$BATCH"
       --set "training.num_steps=$STEPS" --set logging.log_every=1)
     [ $gpus = 0 ] && args+=(--set model.dtype=float32)  # bf16 on CPU is ~30x slower
+    # The README headline's memory mode: 14 B/param, the master fp32-exact (bf16 store + low
+    # halves), fp32 moments, bf16 gradient accumulator (OURS_EXTRA may override any of them).
+    args+=(--set memory.master_weights=split --set memory.grad_dtype=bfloat16 --set memory.moments_dtype=float32)
     # shellcheck disable=SC2086
     LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
       run_system ours "$BIN/mt-launch" "${args[@]}" --metrics-out "$logs/ours.jsonl" ${OURS_EXTRA:-}
