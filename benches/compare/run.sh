@@ -193,15 +193,16 @@ for s in "${systems[@]}"; do
     [ $venv_ok = 1 ] || { skip megatrain "$venv_why"; continue; }
     opt=adamw
     [ $cpu_adam = 1 ] && opt=deepspeed_adam
-    # The published qwen_7b_1gpu.yaml with this call's model, rows and shape; SDPA attention
-    # (flash-attn is not installed here); every token a label, as ours.
+    # The published qwen_7b_1gpu.yaml with this call's model, rows and shape; causal SDPA in
+    # place of flash_attention_2 (flash-attn is not installed here: shim/attention); every
+    # token a label, as ours.
     cat > "$logs/megatrain.yaml" <<EOF
 # Written by benches/compare/run.sh from MegaTrain's examples/sft/configs/qwen_7b_1gpu.yaml.
 model:
   name: "$inputs_model"
   dtype: "bfloat16"
   device: 0
-  attn_implementation: "sdpa"
+  attn_implementation: "megatrain_causal_sdpa"
   trust_remote_code: true
 dataset:
   name: "synthetic"
@@ -229,7 +230,7 @@ logging:
   log_interval: 1
   enable_timing: true
 EOF
-    pypath=$src
+    pypath=$src:$here/shim/attention
     if [ "${COMPARE_DATASETS_SHIM:-0}" = 1 ] || ! "$vpy" -c 'import datasets' 2>/dev/null; then
       pypath=$src:$here/shim
       echo "datasets: benches/compare/shim (the package is not installed here)" > "$logs/megatrain.datasets"
