@@ -202,7 +202,7 @@ model:
   name: "$inputs_model"
   dtype: "bfloat16"
   device: 0
-  attn_implementation: "megatrain_causal_sdpa"
+  attn_implementation: "sdpa"
   trust_remote_code: true
 dataset:
   name: "synthetic"
@@ -232,7 +232,7 @@ logging:
 EOF
     pypath=$src:$here/shim/attention
     if [ "${COMPARE_DATASETS_SHIM:-0}" = 1 ] || ! "$vpy" -c 'import datasets' 2>/dev/null; then
-      pypath=$src:$here/shim
+      pypath=$pypath:$here/shim
       echo "datasets: benches/compare/shim (the package is not installed here)" > "$logs/megatrain.datasets"
     fi
     PYTHONPATH=$pypath${PYTHONPATH:+:$PYTHONPATH} \
