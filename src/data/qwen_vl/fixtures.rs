@@ -104,4 +104,14 @@ fn bad_image_records_name_line_and_key() {
     let (_, field, reason) = bad(&format!(r#"{{{msgs}, "images": []}}"#));
     assert_eq!(field, "images");
     assert!(reason.contains("0 images, but 1"), "{reason}");
+    // A well-formed record with images: refused, fatally, by the text-only model.
+    let json = format!(r#"{{{msgs}, "images": ["images/a.png"]}}"#);
+    let rec = crate::data::records::RawRecord {
+        line: 9,
+        json: &json,
+    };
+    let conv = schema.conversation(&rec).unwrap();
+    let e = crate::data::text_only(&conv, &rec, &schema).unwrap_err();
+    assert_eq!((e.line, e.field.as_str(), e.fatal), (9, "images", true));
+    assert!(e.reason.contains("text-only"), "{}", e.reason);
 }
