@@ -17,10 +17,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use mt::checkpoint::reference::{self, Reference};
-use mt::data::{Dataset, Example, pad_batch};
-use mt::protocol::ForwardOnly;
+use mt::data::{Dataset, Example};
 
-use crate::eval::forward_only;
+use crate::eval::{ForwardCut, row_logps};
 use crate::supervisor::Supervisor;
 
 /// A DPO run's reference log-probabilities (its settings go to the workers in `Init`).
@@ -82,19 +81,12 @@ impl Preference {
                 return Ok(r);
             }
             let t = Instant::now();
-            let n = rows.len().div_ceil(rows_per_micro);
-            let make = |i: usize| {
-                let chunk = &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
-                pad_batch(&chunk.iter().collect::<Vec<_>>(), pad_id)
+            let cut = ForwardCut {
+                rows: rows_per_micro,
+                pad: pad_id,
+                timeout,
             };
-            let out = forward_only(sup, n, &make, ForwardOnly::RowLogProbs, timeout)?;
-            let logps: Vec<f64> = out.into_iter().flat_map(|(_, l)| l).collect();
-            anyhow::ensure!(
-                logps.len() == rows.len(),
-                "the reference pass gave {} log-probabilities for {} rows",
-                logps.len(),
-                rows.len()
-            );
+            let logps = row_logps(rows, sup, cut)?;
             let secs = t.elapsed().as_secs_f64();
             let tokens: usize = rows.iter().map(|r| r.input_ids.len()).sum();
             println!(

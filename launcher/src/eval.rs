@@ -1,6 +1,7 @@
 //! Evaluation: the loss of the whole eval set under the current weights, computed by the
 //! workers forward only (`ToWorker::Eval`), between steps; and the forward-only runner it
-//! shares with the reference passes of DPO and GRPO ([`forward_only`]).
+//! shares with the reference passes of DPO and GRPO and a server's `forward` ([`forward_only`],
+//! and over rows cut into micro-batches: [`token_logps`], [`row_logps`]).
 //!
 //! The eval set is cut once into micro-batches of `training.per_device_eval_batch_size`
 //! rows (default: the training micro-batch; under `dpo` it counts pairs, two rows each),
@@ -298,4 +299,78 @@ mod tests {
         assert_eq!(due(&set(Some(3))), [3, 6, 7]);
         assert_eq!(due(&set(None)), [7]);
     }
+}
+
+/// How a forward-only pass over rows is cut: `rows` rows per micro-batch in order,
+/// padded with `pad`, each answered within `timeout`.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardCut {
+    pub rows: usize,
+    pub pad: i32,
+    pub timeout: Duration,
+}
+
+/// Per row: its label tokens' log-probabilities and (where asked) entropies.
+pub type TokenValues = Vec<(Vec<f32>, Vec<f32>)>;
+
+/// Every row's label tokens' log-probabilities under the weights in the store, computed by
+/// the workers forward only (the f32 values the training head computes), and with
+/// `entropy` each one's entropy of the predicted distribution (else none).
+pub fn token_logps(
+    rows: &[Example],
+    sup: &mut Supervisor,
+    cut: ForwardCut,
+    entropy: bool,
+) -> Result<TokenValues> {
+    let (what, per_token) = match entropy {
+        true => (ForwardOnly::TokenLogProbsEntropy, 2),
+        false => (ForwardOnly::TokenLogProbs, 1),
+    };
+    let (rows_per_micro, pad_id, timeout) = (cut.rows, cut.pad, cut.timeout);
+    assert!(rows_per_micro > 0);
+    let chunk = |i: usize| &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
+    let n = rows.len().div_ceil(rows_per_micro);
+    let make = |i: usize| pad_batch(&chunk(i).iter().collect::<Vec<_>>(), pad_id);
+    let out = forward_only(sup, n, &make, what, timeout)?;
+    let mut refs = Vec::with_capacity(rows.len());
+    for (i, (_, values)) in out.iter().enumerate() {
+        let want: usize = chunk(i).iter().map(|r| r.label_tokens()).sum();
+        let (logps, entropy) = values.split_at(want.min(values.len()));
+        ensure!(
+            values.len() == want * per_token,
+            "the forward-only pass gave {} values for the {want} label tokens of micro-batch {i} ({per_token} each)",
+            values.len()
+        );
+        let mut at = 0;
+        for r in chunk(i) {
+            let k = r.label_tokens();
+            // The worker's f32 values, widened exactly for the trip: narrowing is exact.
+            let narrow = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+            let e = entropy.get(at..at + k).map_or_else(Vec::new, narrow);
+            refs.push((narrow(&logps[at..at + k]), e));
+            at += k;
+        }
+    }
+    Ok(refs)
+}
+
+/// Each row's summed label-token log-probability under the weights in the store (DPO's
+/// reference), computed by the workers forward only, `cut.rows` rows per micro-batch in
+/// order.
+pub fn row_logps(rows: &[Example], sup: &mut Supervisor, cut: ForwardCut) -> Result<Vec<f64>> {
+    assert!(cut.rows > 0);
+    let n = rows.len().div_ceil(cut.rows);
+    let make = |i: usize| {
+        let chunk = &rows[i * cut.rows..((i + 1) * cut.rows).min(rows.len())];
+        pad_batch(&chunk.iter().collect::<Vec<_>>(), cut.pad)
+    };
+    let out = forward_only(sup, n, &make, ForwardOnly::RowLogProbs, cut.timeout)?;
+    let logps: Vec<f64> = out.into_iter().flat_map(|(_, l)| l).collect();
+    ensure!(
+        logps.len() == rows.len(),
+        "the forward-only pass gave {} log-probabilities for {} rows",
+        logps.len(),
+        rows.len()
+    );
+    Ok(logps)
 }

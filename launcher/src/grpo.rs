@@ -24,16 +24,15 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Result, ensure};
 use mt::checkpoint::old_logps::{self, OldLogps};
 use mt::checkpoint::reference::fingerprint;
 use mt::config::{GrpoLoss, GrpoParams};
-use mt::data::{Dataset, Example, RolloutTerms, StepPlan, pad_batch};
-use mt::protocol::ForwardOnly;
+use mt::data::{Dataset, Example, RolloutTerms, StepPlan};
 
-use crate::eval::forward_only;
+use crate::eval::{ForwardCut, token_logps};
 use crate::supervisor::Supervisor;
 
 /// A GRPO run's advantages and old log-probabilities (its settings go to the workers in
@@ -167,15 +166,6 @@ impl Policy {
     }
 }
 
-/// How a forward-only pass over rows is cut: `rows` rows per micro-batch in order,
-/// padded with `pad`, each answered within `timeout`.
-#[derive(Debug, Clone, Copy)]
-pub struct ForwardCut {
-    pub rows: usize,
-    pub pad: i32,
-    pub timeout: Duration,
-}
-
 /// Every row's completion tokens' log-probabilities under the weights in the store (the
 /// initial model: the reference of `grpo.beta` > 0), computed by the workers forward only
 /// in file order.
@@ -199,48 +189,4 @@ pub fn reference_logps(
         "GRPO reference pass"
     );
     Ok(refs.into_iter().map(|(logps, _)| logps).collect())
-}
-
-/// Per row: its label tokens' log-probabilities and (where asked) entropies.
-pub type TokenValues = Vec<(Vec<f32>, Vec<f32>)>;
-
-/// Every row's label tokens' log-probabilities under the weights in the store, computed by
-/// the workers forward only (the f32 values the training head computes), and with
-/// `entropy` each one's entropy of the predicted distribution (else none).
-pub fn token_logps(
-    rows: &[Example],
-    sup: &mut Supervisor,
-    cut: ForwardCut,
-    entropy: bool,
-) -> Result<TokenValues> {
-    let (what, per_token) = match entropy {
-        true => (ForwardOnly::TokenLogProbsEntropy, 2),
-        false => (ForwardOnly::TokenLogProbs, 1),
-    };
-    let (rows_per_micro, pad_id, timeout) = (cut.rows, cut.pad, cut.timeout);
-    assert!(rows_per_micro > 0);
-    let chunk = |i: usize| &rows[i * rows_per_micro..((i + 1) * rows_per_micro).min(rows.len())];
-    let n = rows.len().div_ceil(rows_per_micro);
-    let make = |i: usize| pad_batch(&chunk(i).iter().collect::<Vec<_>>(), pad_id);
-    let out = forward_only(sup, n, &make, what, timeout)?;
-    let mut refs = Vec::with_capacity(rows.len());
-    for (i, (_, values)) in out.iter().enumerate() {
-        let want: usize = chunk(i).iter().map(|r| r.label_tokens()).sum();
-        let (logps, entropy) = values.split_at(want.min(values.len()));
-        ensure!(
-            values.len() == want * per_token,
-            "the forward-only pass gave {} values for the {want} label tokens of micro-batch {i} ({per_token} each)",
-            values.len()
-        );
-        let mut at = 0;
-        for r in chunk(i) {
-            let k = r.label_tokens();
-            // The worker's f32 values, widened exactly for the trip: narrowing is exact.
-            let narrow = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
-            let e = entropy.get(at..at + k).map_or_else(Vec::new, narrow);
-            refs.push((narrow(&logps[at..at + k]), e));
-            at += k;
-        }
-    }
-    Ok(refs)
 }

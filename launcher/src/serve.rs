@@ -145,8 +145,23 @@ fn answer_failure(conn: &mut Conn, cmd: &str, f: Failure) -> Result<Result<()>> 
     }
 }
 
+/// The keys each command takes besides `cmd` (docs/serve.md).
+fn request_keys(cmd: &str) -> Option<&'static [&'static str]> {
+    Some(match cmd {
+        "train_step" => &["cmd", "rows", "pairs", "rollouts", "loss_units"],
+        "forward" => &["cmd", "rows", "entropy", "sum"],
+        "optimizer_step" | "set_lr" => &["cmd", "lr"],
+        "save" | "export" => &["cmd", "dir"],
+        "info" | "sleep" | "wake" | "weights" | "shutdown" => &["cmd"],
+        _ => return None,
+    })
+}
+
 fn dispatch(trainer: &mut Trainer, cmd: &str, req: &Value) -> Result<Value, Failure> {
     let bad = |e: anyhow::Error| Failure::Refused(e);
+    if let Some(keys) = request_keys(cmd) {
+        batch::known_keys(req, cmd, keys).map_err(bad)?;
+    }
     match cmd {
         "info" => {
             let mut state = trainer.state();

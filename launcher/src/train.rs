@@ -140,6 +140,8 @@ impl Trainer {
             plan,
             schedule,
             outputs,
+            objective,
+            micro_batch,
             ..
         } = pre;
         // A sample is a row, or under DPO a pair of rows. (A server's batches come from
@@ -205,7 +207,7 @@ impl Trainer {
             schedule,
             _locks: locks,
             trackers,
-            serving: relaunch.map(session::Serving::new),
+            serving: relaunch.map(|r| session::Serving::new(r, objective, micro_batch)),
         })
     }
 

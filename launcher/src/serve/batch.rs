@@ -23,6 +23,38 @@ pub struct Limits {
     pub pad: i32,
 }
 
+/// The keys of a row (`rows`), a pair (`pairs`) and a rollout (`rollouts`).
+const ROW_KEYS: &[&str] = &["input_ids", "labels"];
+const PAIR_KEYS: &[&str] = &[
+    "chosen_input_ids",
+    "chosen_labels",
+    "rejected_input_ids",
+    "rejected_labels",
+    "ref_chosen_logps",
+    "ref_rejected_logps",
+];
+const ROLLOUT_KEYS: &[&str] = &[
+    "prompt_ids",
+    "completion_ids",
+    "reward",
+    "group",
+    "advantage",
+    "old_logps",
+    "ref_logps",
+];
+
+/// Refuses a key of the object `v` (at `at`) that is not one of `keys`: a misspelt key
+/// (`label` for `labels`) would otherwise be ignored, and the row trained otherwise.
+pub fn known_keys(v: &Value, at: &str, keys: &[&str]) -> Result<()> {
+    let Some(map) = v.as_object() else {
+        bail!("{at} must be an object ({})", keys.join(", "));
+    };
+    match map.keys().find(|k| !keys.contains(&k.as_str())) {
+        Some(k) => bail!("{at}: unknown key `{k}` (it takes {})", keys.join(", ")),
+        None => Ok(()),
+    }
+}
+
 /// A batch ready for the workers: its plan and the micro-batches each worker runs.
 pub struct Batch {
     pub plan: StepPlan,
@@ -48,7 +80,7 @@ pub fn train(req: &Value, objective: Objective, limits: &Limits) -> Result<Batch
             let rows = items
                 .iter()
                 .enumerate()
-                .map(|(i, v)| row(v, &format!("rows[{i}]"), "input_ids", "labels", limits))
+                .map(|(i, v)| lm_row(v, &format!("rows[{i}]"), limits))
                 .collect::<Result<Vec<_>>>()?;
             let ds = dataset(rows, false, None);
             let accum = split(ds.rows.len(), limits.rows_per_micro, limits, "rows")?;
@@ -61,6 +93,7 @@ pub fn train(req: &Value, objective: Objective, limits: &Limits) -> Result<Batch
             let (mut rows, mut refs) = (Vec::new(), Vec::new());
             for (i, v) in items.iter().enumerate() {
                 let at = format!("pairs[{i}]");
+                known_keys(v, &at, PAIR_KEYS)?;
                 for side in ["chosen", "rejected"] {
                     let (ids, labels) = (format!("{side}_input_ids"), format!("{side}_labels"));
                     rows.push(row(v, &at, &ids, &labels, limits)?);
@@ -85,9 +118,15 @@ pub fn forward(req: &Value, limits: &Limits) -> Result<Vec<Example>> {
     let rows = items
         .iter()
         .enumerate()
-        .map(|(i, v)| row(v, &format!("rows[{i}]"), "input_ids", "labels", limits))
+        .map(|(i, v)| lm_row(v, &format!("rows[{i}]"), limits))
         .collect::<Result<Vec<_>>>()?;
     Ok(rows)
+}
+
+/// A row of `rows`: `input_ids` and, optionally, `labels`.
+fn lm_row(v: &Value, at: &str, limits: &Limits) -> Result<Example> {
+    known_keys(v, at, ROW_KEYS)?;
+    row(v, at, "input_ids", "labels", limits)
 }
 
 fn stage_name(objective: Objective) -> &'static str {
@@ -241,6 +280,7 @@ fn rollouts(items: &[Value], params: GrpoParams, limits: &Limits) -> Result<Batc
     let mut names: Vec<String> = Vec::new();
     for (i, v) in items.iter().enumerate() {
         let at = format!("rollouts[{i}]");
+        known_keys(v, &at, ROLLOUT_KEYS)?;
         let prompt = ints(v, &at, "prompt_ids", false, limits)?;
         let completion = ints(v, &at, "completion_ids", false, limits)?;
         let (Some(prompt), Some(completion)) = (prompt, completion) else {
@@ -396,6 +436,14 @@ mod tests {
                 "`pairs` given to a server whose training.stage takes `rows`",
             ),
             (json!({"rows": []}), "`rows` is empty"),
+            (
+                json!({"rows": [{"input_ids": [1, 2], "label": [1, 2]}, {"input_ids": [1]}]}),
+                "rows[0]: unknown key `label` (it takes input_ids, labels)",
+            ),
+            (
+                json!({"rows": [[1, 2], {"input_ids": [1]}]}),
+                "rows[0] must be an object",
+            ),
         ];
         for (req, want) in cases {
             let e = train(&req, Objective::Lm, &l).err().unwrap().to_string();

@@ -24,6 +24,7 @@ use mt::checkpoint::{self, lock::DirLock, ownership};
 use mt::config::CheckpointContents;
 use mt::data::{Example, StepPlan};
 use mt::metrics::{DpoMetrics, GrpoMetrics};
+use mt::objective::Objective;
 use mt::optim::Moments;
 
 use super::start::Relaunch;
@@ -50,6 +51,9 @@ fn fatal(e: anyhow::Error) -> Failure {
 /// A server's state between commands.
 pub(super) struct Serving {
     relaunch: Relaunch,
+    objective: Objective,
+    /// The workers' micro-batch, as the plan sized it: rows, and the longest row.
+    micro_batch: (usize, usize),
     /// The gradient accumulated since the last update.
     pending: Option<Pending>,
     /// Updates counted so far (the schedule's step; a resumed checkpoint's to start).
@@ -62,9 +66,11 @@ pub(super) struct Serving {
 }
 
 impl Serving {
-    pub fn new(relaunch: Relaunch) -> Serving {
+    pub fn new(relaunch: Relaunch, objective: Objective, micro_batch: (usize, usize)) -> Serving {
         Serving {
             relaunch,
+            objective,
+            micro_batch,
             pending: None,
             step: 0,
             lr: None,
@@ -168,27 +174,16 @@ impl Trainer {
 
     /// The longest row a batch may hold: the workers' micro-batch was sized for it.
     pub(crate) fn max_seq_len(&self) -> usize {
-        self.cfg.dataset.max_seq_len.unwrap_or_else(|| {
-            let rows = self.data.rows.iter().map(|r| r.input_ids.len());
-            rows.max().unwrap_or(1)
-        })
+        self.serving.as_ref().map_or(1, |s| s.micro_batch.1)
     }
 
     /// Rows per micro-batch the workers were sized for.
     pub(crate) fn rows_per_micro(&self) -> usize {
-        let t = &self.cfg.training;
-        let rows = self.cfg.rows_per_step() / (self.sup.world() * t.gradient_accumulation_steps);
-        rows.max(1)
+        self.serving.as_ref().map_or(1, |s| s.micro_batch.0)
     }
 
-    pub(crate) fn objective(&self) -> mt::objective::Objective {
-        self.relaunch_inits()
-            .first()
-            .map_or(mt::objective::Objective::Lm, |i| i.objective)
-    }
-
-    fn relaunch_inits(&self) -> &[mt::protocol::Init] {
-        self.serving.as_ref().map_or(&[], |s| &s.relaunch.inits)
+    pub(crate) fn objective(&self) -> Objective {
+        self.serving.as_ref().map_or(Objective::Lm, |s| s.objective)
     }
 
     pub(crate) fn pad_id(&self) -> i32 {
@@ -205,6 +200,15 @@ impl Trainer {
 
     fn timeout(&self) -> Duration {
         Duration::from_secs(self.cfg.training.worker_timeout_s)
+    }
+
+    /// Forward-only passes cut into the training micro-batch's rows.
+    fn forward_cut(&self) -> crate::eval::ForwardCut {
+        crate::eval::ForwardCut {
+            rows: self.rows_per_micro(),
+            pad: self.pad_id(),
+            timeout: self.timeout(),
+        }
     }
 
     /// `train_step`: the forward, backward and reduce of `plan` (each worker running
@@ -271,14 +275,10 @@ impl Trainer {
         &mut self,
         rows: &[Example],
         entropy: bool,
-    ) -> Result<crate::grpo::TokenValues, Failure> {
+    ) -> Result<crate::eval::TokenValues, Failure> {
         self.serving()?;
-        let cut = crate::grpo::ForwardCut {
-            rows: self.rows_per_micro(),
-            pad: self.pad_id(),
-            timeout: self.timeout(),
-        };
-        crate::grpo::token_logps(rows, &mut self.sup, cut, entropy).map_err(fatal)
+        let cut = self.forward_cut();
+        crate::eval::token_logps(rows, &mut self.sup, cut, entropy).map_err(fatal)
     }
 
     /// `forward` with `sum`: each row's summed label-token log-probability, as a DPO run's
@@ -286,25 +286,8 @@ impl Trainer {
     /// rows each), so that pairs sent with them train as that run does.
     pub(crate) fn forward_sums(&mut self, rows: &[Example]) -> Result<Vec<f64>, Failure> {
         self.serving()?;
-        let (per_micro, pad, timeout) = (self.rows_per_micro(), self.pad_id(), self.timeout());
-        let chunks: Vec<&[Example]> = rows.chunks(per_micro).collect();
-        let make = |i: usize| mt::data::pad_batch(&chunks[i].iter().collect::<Vec<_>>(), pad);
-        let what = mt::protocol::ForwardOnly::RowLogProbs;
-        let out = crate::eval::forward_only(&mut self.sup, chunks.len(), &make, what, timeout)
-            .map_err(fatal)?;
-        let mut sums = Vec::with_capacity(rows.len());
-        for (i, (_, logps)) in out.into_iter().enumerate() {
-            if logps.len() != chunks[i].len() {
-                let e = anyhow!(
-                    "the forward-only pass gave {} sums for the {} rows of micro-batch {i}",
-                    logps.len(),
-                    chunks[i].len()
-                );
-                return Err(fatal(e));
-            }
-            sums.extend(logps);
-        }
-        Ok(sums)
+        let cut = self.forward_cut();
+        crate::eval::row_logps(rows, &mut self.sup, cut).map_err(fatal)
     }
 
     /// `optimizer_step`: one AdamW update of the accumulated gradient, clipped to
