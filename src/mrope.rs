@@ -94,7 +94,9 @@ pub fn rope_index(
                 )));
             }
             let mut at = i;
-            for (ti, hi, wi) in (0..gt).flat_map(|a| (0..lh).flat_map(move |h| (0..lw).map(move |w| (a, h, w)))) {
+            for (ti, hi, wi) in
+                (0..gt).flat_map(|a| (0..lh).flat_map(move |h| (0..lw).map(move |w| (a, h, w))))
+            {
                 let p = [next + ti as i64, next + hi as i64, next + wi as i64];
                 max = max.max(p[0]).max(p[1]).max(p[2]);
                 put(at, p);

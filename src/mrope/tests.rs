@@ -18,11 +18,19 @@ fn positions_equal_transformers_on_rows_with_images_of_different_grids() {
         return;
     };
     let path = dir.join("mrope/rope_index.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (scripts/make_golden.py --cases mrope)", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (scripts/make_golden.py --cases mrope)",
+            path.display()
+        )
+    });
     let fx: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ints = |v: &serde_json::Value| -> Vec<i64> {
-        v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect()
     };
     let ids: Vec<i32> = ints(&fx["input_ids"]).iter().map(|&x| x as i32).collect();
     let row_lens: Vec<usize> = ints(&fx["row_lens"]).iter().map(|&x| x as usize).collect();
@@ -42,7 +50,11 @@ fn positions_equal_transformers_on_rows_with_images_of_different_grids() {
     let seq_len = fx["seq_len"].as_u64().unwrap() as usize;
     assert!(grids.len() >= 3 && grids.windows(2).any(|w| w[0] != w[1]));
     let got = rope_index(&ids, &row_lens, seq_len, &grids, tokens).unwrap();
-    assert_eq!(got.pos_3bt, ints(&fx["position_ids"]), "positions (3, B, T)");
+    assert_eq!(
+        got.pos_3bt,
+        ints(&fx["position_ids"]),
+        "positions (3, B, T)"
+    );
     assert_eq!(got.deltas_b, ints(&fx["deltas"]), "rope deltas");
 }
 
@@ -66,7 +78,9 @@ fn image_tokens_that_disagree_with_the_grids_are_refused() {
         (&[[1, 4, 4], [1, 2, 2]], "place only 1"),
     ];
     for (grids, want) in cases {
-        let e = rope_index(&ids, &[8], 8, grids, TOKENS).unwrap_err().to_string();
+        let e = rope_index(&ids, &[8], 8, grids, TOKENS)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(want) && e.contains("row 0"), "{grids:?}: {e}");
     }
     // Two images with no token between them: one run of 5 tokens for a 4-token grid.

@@ -52,7 +52,11 @@ pub(super) fn attention_kinds(
         }
         "qwen2" | "qwen3" | "qwen2_5_vl_text" => {
             let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
-            let default_from = if model_type == "qwen2_5_vl_text" { 80 } else { 28 };
+            let default_from = if model_type == "qwen2_5_vl_text" {
+                80
+            } else {
+                28
+            };
             let from = hf.max_window_layers.unwrap_or(default_from);
             let computed = pattern(&|i| window.is_some() && i >= from);
             (window, layer_types(hf, num_layers, computed, err)?)

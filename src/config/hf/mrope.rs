@@ -62,11 +62,9 @@ impl Mrope {
         let section = match rope_dict(hf).and_then(|m| m.get("mrope_section")) {
             None | Some(Value::Null) => DEFAULT_SECTION,
             Some(v) => {
-                let parts: Option<Vec<usize>> = v.as_array().and_then(|a| {
-                    a.iter()
-                        .map(|x| x.as_u64().map(|n| n as usize))
-                        .collect()
-                });
+                let parts: Option<Vec<usize>> = v
+                    .as_array()
+                    .and_then(|a| a.iter().map(|x| x.as_u64().map(|n| n as usize)).collect());
                 match parts.as_deref() {
                     Some(&[t, h, w]) => [t, h, w],
                     _ => {

@@ -308,7 +308,11 @@ fn qwen2_5_vl_flat_hub_config_and_text_config_both_load() {
             spatial_merge_size: 2
         })
     );
-    assert_eq!(s.names, TextNames::Current, "the class's default until read");
+    assert_eq!(
+        s.names,
+        TextNames::Plain,
+        "the class's default until read: the hub's names, which transformers 5.17 writes"
+    );
 
     // transformers 5's save: `text_config` (its rope in `rope_parameters`), the wrapper's
     // keys at the top; defaults where absent (theta 1e6, eps 1e-5, section [16, 24, 24]).
@@ -379,8 +383,11 @@ fn qwen2_5_vl_flat_hub_config_and_text_config_both_load() {
     .to_string();
     assert!(e.contains("vision_config.spatial_merge_size"), "{e}");
     // mrope outside Qwen2.5-VL is refused, not read as a plain RoPE.
-    let e = tiny("qwen2", r#""rope_scaling":{"type":"mrope","mrope_section":[2,1,1]}"#)
-        .unwrap_err()
-        .to_string();
+    let e = tiny(
+        "qwen2",
+        r#""rope_scaling":{"type":"mrope","mrope_section":[2,1,1]}"#,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("mrope"), "{e}");
 }

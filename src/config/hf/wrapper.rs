@@ -9,9 +9,10 @@
 //! (`model.language_model.layers.N.…`, `lm_head.weight`), the legacy one the original hub
 //! uploads of Gemma 3, Mistral 3 and Llama 4 use and transformers 5 still writes for them
 //! (`language_model.model.layers.N.…`, `language_model.lm_head.weight`), and the text-only
-//! class's own names beside a top-level `visual.*` (the hub's Qwen2.5-VL uploads,
-//! which transformers 5 reads into its current names). [`TextNames`] maps the text-only
-//! class's names (the layout's) to each.
+//! class's own names beside a top-level `visual.*` (the hub's Qwen2.5-VL uploads, which
+//! transformers 5.17 reads into its current names and writes back as they were; other
+//! tools save Qwen2.5-VL under the current names). [`TextNames`] maps the text-only class's
+//! names (the layout's) to each.
 //!
 //! Qwen2.5-VL's hub config.json is flat: the text model's keys sit at the top level beside
 //! `vision_config` (transformers 5 reads them into `text_config`); both shapes load.
@@ -148,7 +149,7 @@ const WRAPPERS: &[WrapperClass] = &[
     WrapperClass {
         model_type: "qwen2_5_vl",
         text_model_type: "qwen2_5_vl_text",
-        names: TextNames::Current,
+        names: TextNames::Plain,
         tie: Tie::Either,
         flat: true,
     },
@@ -262,9 +263,15 @@ mod tests {
         assert_eq!(TextNames::detect(["lm_head.weight"]), None);
         // Qwen2.5-VL's hub uploads: the text-only class's names beside `visual.*`.
         assert_eq!(
-            TextNames::detect(["visual.blocks.0.attn.qkv.weight", "model.layers.0.mlp.up_proj.weight"]),
+            TextNames::detect([
+                "visual.blocks.0.attn.qkv.weight",
+                "model.layers.0.mlp.up_proj.weight"
+            ]),
             Some(TextNames::Plain)
         );
-        assert_eq!(TextNames::Plain.canonical("visual.merger.mlp.0.weight"), None);
+        assert_eq!(
+            TextNames::Plain.canonical("visual.merger.mlp.0.weight"),
+            None
+        );
     }
 }

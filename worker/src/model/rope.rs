@@ -184,8 +184,8 @@ impl Rope {
         let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();
         let inv_freq_r2 = Tensor::from_slice(&freqs).to_device(device);
         // Angles in f32 per axis (3, B, T, R/2), then each pair's axis picked.
-        let angle_3btr2 =
-            pos_3bt.to_device(device).to_kind(Kind::Float).unsqueeze(-1) * inv_freq_r2.view([1, 1, 1, -1]);
+        let angle_3btr2 = pos_3bt.to_device(device).to_kind(Kind::Float).unsqueeze(-1)
+            * inv_freq_r2.view([1, 1, 1, -1]);
         let mut start = 0;
         let parts: Vec<Tensor> = section
             .iter()
@@ -325,7 +325,11 @@ mod tests {
         let m = Rope::mrope(&r, [1, 2, 1], &pos_3bt, Kind::Float, Device::Cpu);
         let f = [1.0, 0.1, 0.01, 0.001];
         let angles = [10.0 * f[0], 20.0 * f[1], 20.0 * f[2], 30.0 * f[3]];
-        let want: Vec<f64> = angles.iter().chain(&angles).map(|a: &f64| a.cos()).collect();
+        let want: Vec<f64> = angles
+            .iter()
+            .chain(&angles)
+            .map(|a: &f64| a.cos())
+            .collect();
         let got = Vec::<f64>::try_from(m.cos_b1tr.reshape([-1]).to_kind(Kind::Double)).unwrap();
         close(&got, &want);
     }
