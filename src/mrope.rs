@@ -93,14 +93,12 @@ pub fn rope_index(
                     "image {k}: {run} image tokens at {i}, its grid [{gt}, {gh}, {gw}] needs {n}"
                 )));
             }
-            let mut at = i;
-            for (ti, hi, wi) in
-                (0..gt).flat_map(|a| (0..lh).flat_map(move |h| (0..lw).map(move |w| (a, h, w))))
-            {
+            // Token `i + j` of the image is grid cell j in row-major (t, h, w) order.
+            for j in 0..n {
+                let (ti, hi, wi) = (j / (lh * lw), j / lw % lh, j % lw);
                 let p = [next + ti as i64, next + hi as i64, next + wi as i64];
                 max = max.max(p[0]).max(p[1]).max(p[2]);
-                put(at, p);
-                at += 1;
+                put(i + j as usize, p);
             }
             next += lh.max(lw) as i64;
             i += run;
