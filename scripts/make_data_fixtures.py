@@ -672,3 +672,7 @@ with open(os.path.join(out, "dataset_info.json"), "w") as f:
     json.dump(registry, f, indent=2)
 print(f"data fixtures: built-in templates {', '.join(LF_TEMPLATES)} on {len(BUILTIN_CONVS)} conversations "
       f"(rows whose ids differ from LlamaFactory's slot-by-slot tokenization: {seams})")
+# The vision-language records and Qwen2-VL rows (issue #49).
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_vlm_fixtures.py"), "--out", out], check=True)

@@ -67,6 +67,12 @@ EVAL_ROWS = 5
 #         so the reference neither clips nor updates it (carried by mt-launch)
 #   names: "current" rewrites the saved checkpoint from the legacy names transformers 5.17
 #         writes (`language_model.model.*`) to the current ones (`model.language_model.*`);
+#         "language_model" rewrites a Qwen2.5-VL save (the hub's names, `model.layers.*`
+#         beside `visual.*`, which transformers 5.17 writes) to the names of its modules
+#         (`model.language_model.*`, `model.visual.*`), as other tools save it;
+#         `flat_config` rewrites config.json as the hub's Qwen2.5-VL uploads have it (the
+#         text keys at the top, `rope_scaling` of type mrope); either is checked to load
+#         into transformers as the model it came from;
 #         `drop_top_keys` removes keys from the saved config.json
 #   mxfp4: the checkpoint's expert weights are MXFP4-packed (pack_mxfp4)
 # With output_router_logits the loss adds router_aux_loss_coef x transformers' router
@@ -90,6 +96,16 @@ LLAMA4_TEXT = dict(
 )
 MISTRAL3_VISION = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
                        image_size=28, patch_size=14, head_dim=16)
+
+# Qwen2.5-VL: a 1-block vision tower (its merger's output as wide as the text model), the
+# text model's mrope sections [1, 2, 1] over head_dim 8 (text rows turn every section by
+# the same position), and image tokens inside the vocabulary, as the `mrope` stage's rows
+# place them.
+QWEN2_5_VL_VISION = dict(depth=1, hidden_size=32, intermediate_size=40, num_heads=2, out_hidden_size=48,
+                         fullatt_block_indexes=[0])
+QWEN2_5_VL_TOP = dict(image_token_id=64, video_token_id=65, vision_start_token_id=62, vision_end_token_id=63)
+QWEN2_5_VL_TEXT = dict(rope_parameters=dict(rope_type="default", mrope_section=[1, 2, 1], rope_theta=10000.0),
+                       initializer_range=0.05)
 
 CASES = {
     "llama": dict(model_type="llama", config=dict(tie_word_embeddings=False, attention_bias=False)),
@@ -331,6 +347,32 @@ CASES = {
         names="current",
         drop_top_keys=["tie_word_embeddings"],
     ),
+    "qwen2_5_vl_wrapper": dict(
+        wrapper="qwen2_5_vl",
+        model_type="qwen2_5_vl_text",
+        config=QWEN2_5_VL_TEXT,
+        vision=QWEN2_5_VL_VISION,
+        top=QWEN2_5_VL_TOP,
+    ),
+    # The hub's layout (Qwen/Qwen2.5-VL-*-Instruct): flat config.json, `model.layers.*` beside
+    # `visual.*`; tied, as the 3B model is.
+    "qwen2_5_vl_hub_layout": dict(
+        wrapper="qwen2_5_vl",
+        model_type="qwen2_5_vl_text",
+        config={**QWEN2_5_VL_TEXT, "num_key_value_heads": 3},
+        vision=QWEN2_5_VL_VISION,
+        top={**QWEN2_5_VL_TOP, "tie_word_embeddings": True},
+        flat_config=True,
+    ),
+    # The module names: `model.language_model.*`, `model.visual.*`, `lm_head.weight`.
+    "qwen2_5_vl_module_names": dict(
+        wrapper="qwen2_5_vl",
+        model_type="qwen2_5_vl_text",
+        config={**QWEN2_5_VL_TEXT, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+        vision=QWEN2_5_VL_VISION,
+        top=QWEN2_5_VL_TOP,
+        names="language_model",
+    ),
     "llama4_wrapper": dict(
         wrapper="llama4",
         model_type="llama4_text",
@@ -457,7 +499,18 @@ def checkpoint_named(model, values, tmp, names=None):
 
 def rename(tensors, names):
     """Legacy wrapper names (`language_model.model.*`, `vision_tower.*`) to the current ones
-    (`model.language_model.*`, `model.vision_tower.*`) when `names` is "current"."""
+    (`model.language_model.*`, `model.vision_tower.*`) when `names` is "current"; Qwen2.5-VL's
+    hub names (`model.*`, `visual.*`) to its modules' (`model.language_model.*`,
+    `model.visual.*`) when it is "language_model"."""
+    if names == "language_model":
+        out = {}
+        for n, t in tensors.items():
+            if n.startswith("visual."):
+                n = "model." + n
+            elif n.startswith("model."):
+                n = "model.language_model." + n[len("model."):]
+            out[n] = t
+        return out
     if names != "current":
         return tensors
     out = {}
@@ -551,13 +604,36 @@ def build(case):
     return model, cfg.get_text_config()
 
 
+def flatten_qwen2_5_vl_config(path):
+    """A transformers 5 Qwen2.5-VL config.json rewritten as the hub's: the text config's keys
+    at the top level, its RoPE as `rope_theta` + `rope_scaling` of type mrope."""
+    cfg = json.load(open(path))
+    text = cfg.pop("text_config")
+    text.pop("model_type", None)
+    rope = text.pop("rope_parameters")
+    for k, v in text.items():
+        cfg.setdefault(k, v)
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def save_model(model, case, out):
     """save_pretrained, then the case's renames and config edits."""
     model.save_pretrained(out)
-    if case.get("names") == "current":
+    if case.get("names"):
         path = os.path.join(out, "model.safetensors")
-        safetensors.torch.save_file(rename(safetensors.torch.load_file(path), "current"), path,
+        safetensors.torch.save_file(rename(safetensors.torch.load_file(path), case["names"]), path,
                                     metadata={"format": "pt"})
+    if case.get("flat_config"):
+        flatten_qwen2_5_vl_config(os.path.join(out, "config.json"))
+    if case.get("flat_config") or case.get("names") == "language_model":
+        loaded = transformers.AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+        want, got = model.state_dict(), loaded.state_dict()
+        assert want.keys() == got.keys(), sorted(set(want) ^ set(got))
+        assert all(torch.equal(want[n], got[n]) for n in want), "the hub layout loads as saved"
+        assert loaded.config.tie_word_embeddings == model.config.tie_word_embeddings
     if case.get("drop_top_keys"):
         path = os.path.join(out, "config.json")
         cfg = json.load(open(path))
@@ -591,6 +667,70 @@ SCHEDULES = [
 ]
 
 
+def make_mrope(out):
+    """Qwen2.5-VL's image rows (OUT/mrope/): three right-padded rows, two with two images of
+    different grids each, one of text only. rope_index.json: the ids, real lengths, grids
+    and transformers' `get_rope_index` positions (3, B, T) and deltas. lm.safetensors: the
+    same rows through the tiny `qwen2_5_vl_wrapper` model (model/), random features in place
+    of its vision tower's output (its `get_image_features` replaced), so transformers itself
+    places them and computes the positions: the step-0 logits (B, T, V)."""
+    out = os.path.join(out, "mrope")
+    os.makedirs(out, exist_ok=True)
+    case = CASES["qwen2_5_vl_wrapper"]
+    torch.manual_seed(1234)
+    model, _ = build(case)
+    model.eval()
+    model.save_pretrained(os.path.join(out, "model"))
+    top = QWEN2_5_VL_TOP
+    img, start, end = top["image_token_id"], top["vision_start_token_id"], top["vision_end_token_id"]
+    merge = model.config.vision_config.spatial_merge_size
+    gen = torch.Generator().manual_seed(5)
+    text = lambda n: torch.randint(0, start, (n,), generator=gen).tolist()  # noqa: E731
+    grids = [[1, 4, 6], [1, 6, 2], [1, 2, 2], [1, 8, 4]]
+    image = lambda g: [start] + [img] * (g[0] * (g[1] // merge) * (g[2] // merge)) + [end]  # noqa: E731
+    rows = [
+        text(3) + image(grids[0]) + text(2) + image(grids[1]) + text(1),
+        text(9),
+        text(1) + image(grids[2]) + text(2) + image(grids[3]) + text(4),
+    ]
+    b, t = len(rows), max(len(r) for r in rows) + 1
+    ids = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    types = (ids == img).int()
+    grid_thw = torch.tensor(grids)
+    with torch.no_grad():
+        pos, deltas = model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid_thw,
+                                                 attention_mask=mask)
+    with open(os.path.join(out, "rope_index.json"), "w") as f:
+        json.dump({"input_ids": ids.flatten().tolist(), "row_lens": [len(r) for r in rows], "seq_len": t,
+                   "grids": grids, "image_token_id": img, "spatial_merge_size": merge,
+                   "position_ids": pos.flatten().tolist(), "deltas": deltas.flatten().tolist(),
+                   "transformers": transformers.__version__}, f)
+    n_img = int(types.sum())
+    features = torch.randn(n_img, model.config.text_config.hidden_size, generator=gen)
+    sizes = [g[0] * g[1] * g[2] // merge ** 2 for g in grids]
+
+    def tower(pixel_values, image_grid_thw=None, **kwargs):
+        return transformers.modeling_outputs.BaseModelOutputWithPooling(
+            pooler_output=torch.split(features, sizes))
+
+    model.model.get_image_features = tower
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, pixel_values=torch.zeros(1, 1),
+                       image_grid_thw=grid_thw, mm_token_type_ids=types).logits
+        again = model(inputs_embeds=model.get_input_embeddings()(ids).masked_scatter(
+            types.bool().unsqueeze(-1), features), position_ids=pos, attention_mask=mask).logits
+    assert torch.equal(logits, again), "the tower's output placed and positioned as transformers does"
+    safetensors.torch.save_file({
+        "input_ids": ids, "row_lens": torch.tensor([len(r) for r in rows]), "grids": grid_thw,
+        "features": features, "position_ids": pos, "logits": logits.float().contiguous(),
+    }, os.path.join(out, "lm.safetensors"))
+    print(f"mrope: {b} rows of {t}, {len(grids)} images, {n_img} image tokens")
+
+
 def make_schedules(out):
     os.makedirs(out, exist_ok=True)
     cases = []
@@ -621,11 +761,14 @@ def main():
 
     staged = {f"dpo/{n}" for n in golden_dpo.DPO_CASES} | {f"grpo/{n}" for n in golden_grpo.GRPO_CASES}
     staged.add("schedules")
+    staged.add("mrope")
     only = set(args.cases.split(",")) if args.cases else set(CASES) | staged
     if only - set(CASES) - staged:
         raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - staged)}")
     if "schedules" in only:
         make_schedules(os.path.join(args.out, "schedules"))
+    if "mrope" in only:
+        make_mrope(args.out)
     for name, case in golden_dpo.DPO_CASES.items():
         if f"dpo/{name}" in only:
             golden_dpo.make_case(args.out, name, case)

@@ -24,9 +24,11 @@ mod batch;
 mod chat;
 mod files;
 mod hub;
+mod image;
 mod pairs;
 mod pretrain;
 mod pyjson;
+mod qwen_vl;
 mod records;
 mod registry;
 mod rollouts;
@@ -48,7 +50,9 @@ pub use batch::{
     plan_step,
 };
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
-pub use records::{BadRecord, Conversation, Message, Role};
+pub use image::ImageSize;
+pub use qwen_vl::{Grid, QwenVlImages};
+pub use records::{BadRecord, Conversation, Image, Message, Role};
 pub use rollouts::Rollouts;
 pub use sources::{needs_tokenizer, training_files};
 pub use split::held_out;
@@ -498,6 +502,29 @@ fn renders_tools(
     ))
 }
 
+/// A record with images is refused, fatally (every record of the dataset would be): no
+/// model here takes them yet, so its image tokens would train on nothing.
+fn text_only(
+    conv: &Conversation,
+    rec: &RawRecord,
+    schema: &records::Schema,
+) -> std::result::Result<(), BadRecord> {
+    let (Some(col), false) = (&schema.columns.images, conv.images.is_empty()) else {
+        return Ok(());
+    };
+    Err(BadRecord {
+        fatal: true,
+        ..BadRecord::new(
+            rec.line,
+            col,
+            format!(
+                "{} images, but the model is text-only (vision-language training is not supported yet): leave the `images` column out of the dataset's `columns`",
+                conv.images.len()
+            ),
+        )
+    })
+}
+
 /// One record to a row, with `max_seq_len` applied (but to `pt` documents that are cut
 /// into blocks later).
 fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Example, BadRecord> {
@@ -512,6 +539,7 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                 }
                 _ => {
                     let conv = schema.conversation(rec)?;
+                    text_only(&conv, rec, schema)?;
                     renders_tools(chat, &conv, rec, &schema.columns.messages)?;
                     chat.example(&conv, ds.train_on_prompt)
                 }

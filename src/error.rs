@@ -89,6 +89,11 @@ pub enum Error {
         expected: String,
     },
 
+    /// A micro-batch row whose image tokens and images do not agree (`crate::mrope`):
+    /// rows are counted from 0.
+    #[error("micro-batch row {row}: {msg}")]
+    MultimodalRow { row: usize, msg: String },
+
     #[error("{0}")]
     Other(String),
 }

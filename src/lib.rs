@@ -21,6 +21,7 @@ pub mod fault;
 pub mod host;
 pub mod layout;
 pub mod metrics;
+pub mod mrope;
 pub mod objective;
 pub mod optim;
 pub mod plan;

@@ -22,6 +22,7 @@ mod defaults;
 mod layers;
 mod moe;
 mod moe_sigmoid;
+mod mrope;
 mod rope;
 pub mod sizes;
 mod wrapper;
@@ -30,14 +31,16 @@ pub use attn::{Llama4Attn, MlaSpec};
 use defaults::{Defaults, defaults};
 use layers::attention_kinds;
 pub use moe::{ExpertAct, ExpertNames, LinearAttnSpec, MoeSpec, Router};
+pub use mrope::Mrope;
 use rope::{RopeCtx, ropes};
 pub use rope::{RopeScaling, RopeSpec, SUPPORTED_ROPE_TYPES};
 pub use wrapper::TextNames;
 
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
 /// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such. The multimodal
-/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`) train their text
-/// model, which must be one of these.
+/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`, `qwen2_5_vl`) train their text
+/// model, which must be one of these; `qwen2_5_vl` wraps `qwen2_5_vl_text` (Qwen2's layer
+/// under a multimodal RoPE).
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
     "mistral",
@@ -58,6 +61,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "glm4_moe",
     "deepseek_v3",
     "llama4_text",
+    "qwen2_5_vl_text",
 ];
 
 /// The subset of an HF `config.json` we read. `Option<Option<T>>` fields tell an absent key
@@ -130,6 +134,11 @@ pub struct HfConfig {
     pub full_attention_interval: Option<usize>,
     /// A multimodal wrapper's text model config (`wrapper.rs`).
     pub text_config: Option<Value>,
+    /// A multimodal wrapper's vision tower config; we read only what places image tokens
+    /// (`spatial_merge_size`, `mrope.rs`).
+    pub vision_config: Option<Value>,
+    /// The token that stands for one merged patch of an image (Qwen2-VL, Qwen2.5-VL).
+    pub image_token_id: Option<i64>,
     // GLM-4.5 and DeepSeek-V3 (`moe_sigmoid.rs`, `attn.rs`).
     pub n_routed_experts: Option<usize>,
     pub n_shared_experts: Option<usize>,
@@ -295,6 +304,9 @@ pub struct ModelSpec {
     /// Multi-token-prediction layers the checkpoint numbers after the decoder layers
     /// (`num_nextn_predict_layers` of GLM-4.5 and DeepSeek-V3): carried, not trained.
     pub mtp_layers: usize,
+    /// Qwen2.5-VL's multimodal RoPE: 3-D positions (temporal, height, width), each rotating
+    /// its own section of the frequencies; None for a 1-D RoPE.
+    pub mrope: Option<Mrope>,
 }
 
 impl ModelSpec {
@@ -394,6 +406,10 @@ impl ModelSpec {
             if model_type == "gemma3" {
                 spec.final_softcap = None;
             }
+            // Where images sit in the ids is the wrapper's to say.
+            if let Some(m) = spec.mrope.as_mut() {
+                m.place_images(hf, &err)?;
+            }
             spec.wrapper = Some(model_type);
             spec.names = w.names;
             return Ok(spec);
@@ -420,11 +436,13 @@ impl ModelSpec {
             )));
         }
         let mla = attn::mla_spec(hf, &model_type, num_heads, num_kv_heads, &err)?;
-        // DeepSeek-V3's config sets head_dim to the rotary part of a head.
+        let qwen2_5_vl = model_type == "qwen2_5_vl_text";
+        // DeepSeek-V3's config sets head_dim to the rotary part of a head; Qwen2.5-VL's
+        // attention ignores `head_dim` (hidden_size / heads).
         let head_dim = match mla
             .as_ref()
             .map(|(m, _)| m.qk_rope_head_dim)
-            .or(hf.head_dim)
+            .or(hf.head_dim.filter(|_| !qwen2_5_vl))
             .or(def.head_dim)
         {
             Some(d) => d,
@@ -477,7 +495,7 @@ impl ModelSpec {
         // Biases, as each family's modeling code hard-wires or reads them.
         let attention_bias = hf.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match model_type.as_str() {
-            "qwen2" => (true, false),
+            "qwen2" | "qwen2_5_vl_text" => (true, false),
             "qwen2_moe" => (hf.qkv_bias.unwrap_or(true), false),
             "mistral" | "phi3" | "mixtral" => (false, false),
             "glm4" => (hf.attention_bias.unwrap_or(true), false),
@@ -516,8 +534,10 @@ impl ModelSpec {
             partial_ok: matches!(family, Family::Phi3 | Family::Qwen3Next) || glm,
             default_theta: match family {
                 Family::Llama4 => 500_000.0,
+                _ if qwen2_5_vl => 1_000_000.0,
                 _ => 10_000.0,
             },
+            mrope: qwen2_5_vl,
         };
         let (rope, rope_local) = if family == Family::GptOss && hf.rope_scaling.is_none() {
             // GptOssConfig's default when config.json names no RoPE: YaRN x32 from 4096.
@@ -589,6 +609,15 @@ impl ModelSpec {
             _ => 0,
         };
         let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
+        let mrope = match qwen2_5_vl {
+            true => Some(Mrope::of_text(hf, rope.rotary_dim, &err)?),
+            false if mrope::names_mrope(hf) => {
+                return Err(err(format!(
+                    "rope type `mrope` is only supported for qwen2_5_vl (`{model_type}` given)"
+                )));
+            }
+            false => None,
+        };
         let intermediate_size = match model_type.as_str() {
             // Llama 4's dense layers; `intermediate_size` is an expert's.
             _ if family == Family::Llama4 => hf.intermediate_size_mlp.unwrap_or(16_384),
@@ -636,6 +665,7 @@ impl ModelSpec {
             wrapper: None,
             names: TextNames::Plain,
             mtp_layers,
+            mrope,
         })
     }
 }

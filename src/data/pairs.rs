@@ -24,7 +24,7 @@ use super::records::{
 };
 use super::sources::Source;
 use super::tools::CallIds;
-use super::{Example, Reader, fit, in_vocab, renders_tools, tokenized};
+use super::{Example, Reader, fit, in_vocab, renders_tools, text_only, tokenized};
 use crate::config::DatasetFormat;
 
 /// A record's two rows, chosen first.
@@ -37,6 +37,7 @@ pub(super) fn pair(
     let rows = match (&src.schema, reader.chat) {
         (Some(schema), Some(chat)) => {
             let (prompt, answers) = schema.ranking(rec)?;
+            text_only(&prompt, rec, schema)?;
             answers.map(|answer| {
                 let mut conv = prompt.clone();
                 conv.messages.push(answer);

@@ -1,8 +1,15 @@
 //! Text records (alpaca, sharegpt) read from JSON or JSONL files and turned into
 //! conversations (or, for `training.stage: pt`, documents), following LlamaFactory's
 //! conventions; a record that cannot become one is a `BadRecord` naming its line and field.
+//!
+//! Multimodal records (LlamaFactory's `images` column, registered in `columns`): a list of
+//! image paths (or one path), each relative to the dataset directory when a file is there
+//! (else as written), and one `<image>` placeholder in the messages per image, in order.
+//! Each image's size is read from its header ([`super::image`]) when the record is read,
+//! so a missing, unreadable or non-image file is the record's error (`images[i]`), as is a
+//! count of placeholders other than the count of images (`images`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use serde_json::value::RawValue;
@@ -59,6 +66,16 @@ pub struct Conversation {
     pub messages: Vec<Message>,
     /// The `tools` column, as `apply_chat_template(tools=...)` takes it; None without.
     pub tools: Option<minijinja::Value>,
+    /// The `images` column: one image per `<image>` placeholder of the messages, in order;
+    /// empty for a text record.
+    pub images: Vec<Image>,
+}
+
+/// An image of a record: its file and its size read from the header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Image {
+    pub path: PathBuf,
+    pub size: super::image::ImageSize,
 }
 
 /// A string field of a record: absent (None) or the bad record it makes.
@@ -145,6 +162,8 @@ pub struct Schema {
     pub tags: Tags,
     /// Used when a record has no system prompt of its own.
     pub default_system: Option<String>,
+    /// Where relative image paths are looked up first (LlamaFactory's `dataset_dir`).
+    pub media_dir: PathBuf,
 }
 
 impl Schema {
@@ -200,9 +219,14 @@ impl Schema {
             }
             _ => None,
         };
+        let images = match &self.columns.images {
+            Some(col) => self.images(&obj, col, rec.line, &msgs)?,
+            None => Vec::new(),
+        };
         let conv = Conversation {
             messages: msgs,
             tools,
+            images,
         };
         Ok((conv, ids))
     }
@@ -368,6 +392,80 @@ impl Schema {
     }
 }
 
+impl Schema {
+    /// The record's images (column `col`), each found and its size read, as many as the
+    /// `<image>` placeholders of `msgs`.
+    fn images(
+        &self,
+        obj: &serde_json::Map<String, Value>,
+        col: &str,
+        line: usize,
+        msgs: &[Message],
+    ) -> std::result::Result<Vec<Image>, BadRecord> {
+        let paths: Vec<(String, &Value)> = match obj.get(col) {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v @ Value::String(_)) => vec![(col.to_owned(), v)],
+            Some(Value::Array(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (format!("{col}[{i}]"), v))
+                .collect(),
+            Some(other) => {
+                return Err(BadRecord::new(
+                    line,
+                    col,
+                    format!("expected a list of image paths, found {}", kind(other)),
+                ));
+            }
+        };
+        let mut images = Vec::with_capacity(paths.len());
+        for (field, v) in paths {
+            let Value::String(p) = v else {
+                return Err(BadRecord::new(
+                    line,
+                    &field,
+                    format!("expected an image path, found {}", kind(v)),
+                ));
+            };
+            // LlamaFactory: joined to dataset_dir when that is a file, else as written.
+            let joined = self.media_dir.join(p);
+            let path = match joined.is_file() {
+                true => joined,
+                false => PathBuf::from(p),
+            };
+            if !path.exists() {
+                return Err(BadRecord::new(
+                    line,
+                    &field,
+                    format!(
+                        "image `{p}` not found (in {} nor as written)",
+                        self.media_dir.display()
+                    ),
+                ));
+            }
+            let size = super::image::read_size(&path)
+                .map_err(|e| BadRecord::new(line, &field, format!("`{p}`: {e}")))?;
+            images.push(Image { path, size });
+        }
+        let tags: usize = msgs
+            .iter()
+            .map(|m| super::qwen_vl::placeholders(&m.content))
+            .sum();
+        if tags != images.len() {
+            return Err(BadRecord::new(
+                line,
+                col,
+                format!(
+                    "{} images, but {tags} `{}` placeholders in the messages (one per image, in order)",
+                    images.len(),
+                    super::qwen_vl::IMAGE_PLACEHOLDER
+                ),
+            ));
+        }
+        Ok(images)
+    }
+}
+
 fn push_turn(msgs: &mut Vec<Message>, user: String, assistant: String) {
     msgs.push(Message::new(Role::User, user));
     msgs.push(Message::new(Role::Assistant, assistant));
@@ -441,6 +539,7 @@ mod tests {
             columns: Columns::defaults(format),
             tags: Tags::default(),
             default_system: Some("be brief".into()),
+            media_dir: PathBuf::from("/nonexistent"),
         }
     }
 

@@ -62,6 +62,8 @@ pub struct Columns {
     pub chosen: String,
     /// Ranking data: the dispreferred answer.
     pub rejected: String,
+    /// Multimodal data: a record's image paths (a list, or one path).
+    pub images: Option<String>,
 }
 
 impl Columns {
@@ -77,6 +79,7 @@ impl Columns {
             tools: None,
             chosen: "chosen".into(),
             rejected: "rejected".into(),
+            images: None,
         }
     }
 
@@ -93,14 +96,15 @@ impl Columns {
                 "tools" => self.tools = Some(v.clone()),
                 "chosen" => self.chosen = v.clone(),
                 "rejected" => self.rejected = v.clone(),
-                // Multimodal columns: the text model ignores them. KTO's tag has no stage
-                // here; stages refuse such entries by what they lack.
-                "images" | "videos" | "audios" | "kto_tag" => {}
+                "images" => self.images = Some(v.clone()),
+                // Video and audio columns: not read yet. KTO's tag has no stage here;
+                // stages refuse such entries by what they lack.
+                "videos" | "audios" | "kto_tag" => {}
                 other => {
                     return Err(Error::Config {
                         path: path.into(),
                         msg: format!(
-                            "dataset `{name}`: unknown column role `{other}` (expected prompt, query, response, history, messages, system, tools, chosen, rejected)"
+                            "dataset `{name}`: unknown column role `{other}` (expected prompt, query, response, history, messages, system, tools, chosen, rejected, images)"
                         ),
                     });
                 }

@@ -229,6 +229,7 @@ fn sample(obj: &Map<String, Value>) -> std::result::Result<Sample, (&'static str
             Some(_) => return Err(("prompt", "not a string or a list of messages".into())),
         },
         tools: None,
+        images: Vec::new(),
     };
     let answer = match obj.get("completion") {
         Some(Value::String(s)) => Message::new(Role::Assistant, s.clone()),

@@ -85,13 +85,14 @@ fn sources(
     names: Option<&str>,
     key: &str,
 ) -> Result<Vec<Source>> {
-    let text_schema = |format, columns, tags| match format {
+    let text_schema = |format, columns, tags, media_dir: PathBuf| match format {
         DatasetFormat::Tokenized => None,
         _ => Some(Schema {
             format,
             columns,
             tags,
             default_system: ds.system_prompt.clone(),
+            media_dir,
         }),
     };
     if let Some(path) = path {
@@ -127,7 +128,7 @@ fn sources(
         return Ok(vec![Source {
             name,
             files: vec![path.clone()],
-            schema: text_schema(format, columns, Default::default()),
+            schema: text_schema(format, columns, Default::default(), ds.dataset_dir.clone()),
             limit: None,
         }]);
     }
@@ -142,7 +143,7 @@ fn sources(
             Ok(Source {
                 name: n.to_owned(),
                 files: r.files,
-                schema: text_schema(r.format, r.columns, r.tags),
+                schema: text_schema(r.format, r.columns, r.tags, ds.dataset_dir.clone()),
                 limit: r.num_samples,
             })
         })

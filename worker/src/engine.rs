@@ -32,7 +32,9 @@ use crate::model::{self, BlockWeights, RouterAux};
 use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
 
 mod control;
+mod images;
 use control::Control;
+pub use images::MicroImages;
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -215,17 +217,12 @@ impl Engine {
             crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
             enter(Phase::Upload, None);
             let batch = self.upload(mi, mb)?;
+            let images = self.micro_images(mb)?;
             let (ctl, rx) = (&mut self.ctl, link.rx);
             self.streamer
                 .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
             let t0 = Instant::now();
-            let mut ctx = model::Context::new(
-                &self.spec,
-                mb.seq_len,
-                batch.pos_bt.as_ref(),
-                self.kind,
-                self.device,
-            );
+            let mut ctx = self.context(mb, &batch, images.as_ref());
             // The micro-batch's share of the step's loss: its label tokens, its pairs, or
             // its completions (its completion tokens under `dapo`).
             let units = self
@@ -234,13 +231,18 @@ impl Engine {
             let share = units as f64 * loss_scale;
             ctx.router_aux =
                 RouterAux::new(&self.spec, &mb.row_lens, mb.seq_len, share, self.device);
-            let x_bth = self.forward(&batch, &ctx, link)?;
+            let x_bth = self.forward(&batch, images.as_ref(), &ctx, link)?;
             if let Some(path) = self.dump_logits.take() {
                 self.write_logits(&path, &x_bth, link)?;
             }
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let out = self.backward(mi, mb, &batch, &ctx, loss_scale, x_bth, link, &mut tm)?;
+            let input = Input {
+                mb,
+                batch: &batch,
+                images: images.as_ref(),
+            };
+            let out = self.backward(mi, &input, &ctx, loss_scale, x_bth, link, &mut tm)?;
             loss_sum += out.loss_sum;
             if !sums.add(&out.sums) {
                 bail!("micro-batch {mi}: the head gave the sums of another objective");
@@ -277,20 +279,15 @@ impl Engine {
         crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
         enter(Phase::Upload, None);
         let batch = self.upload(0, mb)?;
+        let images = self.micro_images(mb)?;
         enter(Phase::Eval, None);
+        let ctx = self.context(mb, &batch, images.as_ref());
         let layout = &self.layout;
         let ready: Gate = &mut |_| Ok(());
         self.streamer.begin_forward(layout, ready)?;
-        let ctx = model::Context::new(
-            &self.spec,
-            mb.seq_len,
-            batch.pos_bt.as_ref(),
-            self.kind,
-            self.device,
-        );
         let embed = self.streamer.embed(layout, ready)?;
         let embed_w = BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]);
-        let mut x_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
+        let mut x_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, images.as_ref())?;
         // A tied head reads the embedding: keep it until then.
         let tied = layout.tied_embeddings.then_some(embed_w);
         if tied.is_none() {
@@ -332,6 +329,36 @@ impl Engine {
         // The eval's transfers and memory are not the next step's.
         self.streamer.take_stats()?;
         Ok(out)
+    }
+
+    /// The micro-batch's rotary tables and masks: from its 3-D positions where it has
+    /// images, else from its 1-D positions (packed) or 0..T.
+    fn context(
+        &self,
+        mb: &MicroBatch,
+        batch: &DeviceBatch,
+        images: Option<&MicroImages>,
+    ) -> model::Context {
+        let ctx = model::Context::new(
+            &self.spec,
+            mb.seq_len,
+            batch.pos_bt.as_ref(),
+            self.kind,
+            self.device,
+        );
+        match images {
+            Some(i) => ctx.with_positions_3d(&self.spec, &i.pos_3bt, self.kind, self.device),
+            None => ctx,
+        }
+    }
+
+    /// The micro-batch's images as the language model reads them ([`MicroImages::new`]:
+    /// the tower's features over its pixels and its images' grids); None for text only,
+    /// which is every micro-batch until the vision tower (`model::qwen2_vl_vision`) and the
+    /// micro-batch's images (`MicroBatch.images`) are connected here. A text-only row's
+    /// 3-D positions are its 1-D ones, so text trains exactly without them.
+    fn micro_images(&self, _mb: &MicroBatch) -> Result<Option<MicroImages>> {
+        Ok(None)
     }
 
     fn head<'a>(&'a self, w: &'a BlockWeights, lm_head: &'a Tensor) -> Head<'a> {
@@ -401,6 +428,7 @@ impl Engine {
     fn forward(
         &mut self,
         batch: &DeviceBatch,
+        images: Option<&MicroImages>,
         ctx: &model::Context,
         link: &Link,
     ) -> Result<Tensor> {
@@ -410,11 +438,12 @@ impl Engine {
         let gate = &mut |b| ctl.wait_block(b, rx);
         enter(Phase::Forward, None);
         let embed = self.streamer.embed(layout, gate)?;
-        let mut x_bth = model::embed(
+        let mut x_bth = embed_tokens(
             &self.spec,
             &BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]),
             &batch.ids_bt,
-        );
+            images,
+        )?;
         drop(embed);
         if !layout.tied_embeddings {
             // Not needed again before the end of the backward.
@@ -466,14 +495,14 @@ impl Engine {
     fn backward(
         &mut self,
         mi: usize,
-        mb: &MicroBatch,
-        batch: &DeviceBatch,
+        input: &Input,
         ctx: &model::Context,
         scale: f64,
         x_bth: Tensor,
         link: &Link,
         tm: &mut WorkerTimings,
     ) -> Result<HeadOut> {
+        let (mb, batch) = (input.mb, input.batch);
         let layout = self.layout.clone();
         let (embed_block, head_block) = (
             &layout.blocks[Layout::EMBED],
@@ -532,7 +561,9 @@ impl Engine {
                 BlockWeights::leaves(&flat, embed_block)
             }
         };
-        let e_bth = model::embed(&self.spec, &embed_w, &batch.ids_bt);
+        // The image tokens' rows hold the tower's features: no gradient reaches the
+        // embedding there.
+        let e_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, input.images)?;
         crate::kernels::tape::backward_with_grads(vec![(e_bth, dy_bth)]);
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
         let aux = ctx.router_aux.as_ref().map_or(0.0, RouterAux::loss);
@@ -603,4 +634,28 @@ impl Engine {
         }
         Ok(self.ctl.free_slots.pop().expect("non-empty"))
     }
+}
+
+/// One micro-batch as the backward reads it: the data, its device copy, its images.
+struct Input<'a> {
+    mb: &'a MicroBatch,
+    batch: &'a DeviceBatch,
+    images: Option<&'a MicroImages>,
+}
+
+/// The embedding of `ids_bt` (B, T) -> (B, T, H), with the images' features at their
+/// tokens ([`model::place_image_features`]) where the micro-batch has images.
+fn embed_tokens(
+    spec: &ModelSpec,
+    w: &BlockWeights,
+    ids_bt: &Tensor,
+    images: Option<&MicroImages>,
+) -> Result<Tensor> {
+    let e_bth = model::embed(spec, w, ids_bt);
+    let Some(images) = images else {
+        return Ok(e_bth);
+    };
+    let id = spec.mrope.as_ref().map_or(-1, |m| m.image_token_id);
+    model::place_image_features(ids_bt, e_bth, Some(&images.features_mh), id)
+        .context("place the images' features at their tokens")
 }

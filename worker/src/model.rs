@@ -44,6 +44,8 @@ mod phi3;
 mod qwen3;
 mod qwen3_next;
 mod rope;
+#[cfg(test)]
+mod tests_qwen2_5_vl;
 
 use std::collections::HashMap;
 
@@ -182,6 +184,24 @@ impl Context {
         }
     }
 
+    /// The rotary tables of Qwen2.5-VL's 3-D positions `pos_3bt` (3, B, T) (`mt::mrope`)
+    /// in place of the 1-D ones; the masks stay as built (rows right-padded, or packed by
+    /// their 1-D positions).
+    pub fn with_positions_3d(
+        mut self,
+        spec: &ModelSpec,
+        pos_3bt: &Tensor,
+        kind: Kind,
+        device: Device,
+    ) -> Context {
+        let m = spec
+            .mrope
+            .as_ref()
+            .expect("3-D positions only for a model with mrope");
+        self.rope = Rope::mrope(&spec.rope, m.section, pos_3bt, kind, device);
+        self
+    }
+
     /// The RoPE and mask of layer `layer`.
     fn layer(&self, spec: &ModelSpec, layer: usize) -> LayerCtx<'_> {
         let sparse = spec.is_sparse(layer);
@@ -217,6 +237,55 @@ impl Context {
 pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
     common::embed(spec, w, ids_bt)
 }
+
+/// Image features (M, H), one row per image token in row-major order (the vision tower's
+/// output for the micro-batch's images, in the order their tokens appear), in place of the
+/// embeddings `e_bth` (B, T, H) of the tokens whose id `ids_bt` (B, T) is `image_token_id`,
+/// as transformers' `masked_scatter` places them. The embedding's gradient at those rows is
+/// then 0 (the tower is frozen: nothing flows to it either). None: `e_bth` unchanged.
+pub fn place_image_features(
+    ids_bt: &Tensor,
+    e_bth: Tensor,
+    features_mh: Option<&Tensor>,
+    image_token_id: i64,
+) -> Result<Tensor, PlaceError> {
+    let Some(f_mh) = features_mh else {
+        return Ok(e_bth);
+    };
+    let mask_bt = ids_bt.eq(image_token_id);
+    let tokens = mask_bt.sum(Kind::Int64).int64_value(&[]);
+    let (m, h) = (f_mh.size()[0], f_mh.size()[f_mh.dim() - 1]);
+    let width = e_bth.size()[2];
+    if f_mh.dim() != 2 || m != tokens || h != width {
+        return Err(PlaceError {
+            tokens,
+            width,
+            features: f_mh.size(),
+        });
+    }
+    let f_mh = f_mh.to_kind(e_bth.kind()).to_device(e_bth.device());
+    Ok(e_bth.masked_scatter(&mask_bt.unsqueeze(-1), &f_mh))
+}
+
+/// Image features that do not fit the micro-batch's image tokens.
+#[derive(Debug)]
+pub struct PlaceError {
+    pub tokens: i64,
+    pub width: i64,
+    pub features: Vec<i64>,
+}
+
+impl std::fmt::Display for PlaceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "image features of shape {:?} for {} image tokens of width {}",
+            self.features, self.tokens, self.width
+        )
+    }
+}
+
+impl std::error::Error for PlaceError {}
 
 /// Decoder layer `layer` (0-based): (B, T, H) -> (B, T, H), its attention half then its
 /// MLP half.

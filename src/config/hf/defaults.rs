@@ -30,6 +30,7 @@ pub(super) fn defaults(model_type: &str) -> Option<Defaults> {
         "llama" => d(Family::Llama, 1e-6, "silu", false, 2048, None, None),
         "mistral" => d(Family::Llama, 1e-6, "silu", false, 131_072, win, None),
         "qwen2" => d(Family::Llama, 1e-6, "silu", false, 32_768, win, None),
+        "qwen2_5_vl_text" => d(Family::Llama, 1e-5, "silu", false, 32_768, win, None),
         "qwen3" => d(Family::Qwen3, 1e-6, "silu", false, 32_768, win, Some(128)),
         "gemma2" => d(Family::Gemma, 1e-6, gelu, true, 8192, win, Some(256)),
         "gemma3_text" => d(Family::Gemma, 1e-6, gelu, true, 131_072, win, Some(256)),

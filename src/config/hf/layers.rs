@@ -50,9 +50,14 @@ pub(super) fn attention_kinds(
             let computed = pattern(&|i| window.is_some() && i % 2 == 0 && i < below);
             (window, layer_types(hf, num_layers, computed, err)?)
         }
-        "qwen2" | "qwen3" => {
+        "qwen2" | "qwen3" | "qwen2_5_vl_text" => {
             let window = window.filter(|_| hf.use_sliding_window.unwrap_or(false));
-            let from = hf.max_window_layers.unwrap_or(28);
+            let default_from = if model_type == "qwen2_5_vl_text" {
+                80
+            } else {
+                28
+            };
+            let from = hf.max_window_layers.unwrap_or(default_from);
             let computed = pattern(&|i| window.is_some() && i >= from);
             (window, layer_types(hf, num_layers, computed, err)?)
         }

@@ -71,6 +71,9 @@ pub(super) struct RopeCtx {
     pub(super) partial_ok: bool,
     /// `rope_theta` when config.json names none (the config class's `default_theta`).
     pub(super) default_theta: f64,
+    /// The family reads `rope_type: mrope` as `default` (Qwen2.5-VL's text model; its
+    /// sections are `mrope.rs`'s).
+    pub(super) mrope: bool,
 }
 
 impl RopeCtx {
@@ -116,6 +119,9 @@ impl RopeCtx {
             .unwrap_or("default");
         if self.phi3 && matches!(kind, "su" | "yarn") {
             kind = "longrope"; // transformers' Phi-3 renames its legacy types
+        }
+        if self.mrope && kind == "mrope" {
+            kind = "default"; // Qwen2_5_VLTextConfig's standardization
         }
         let theta = num("rope_theta")?.unwrap_or(theta);
         if !(theta.is_finite() && theta > 1.0) {

@@ -265,3 +265,129 @@ fn wrappers_resolve_to_their_text_model() {
         "{e}"
     );
 }
+
+/// Qwen/Qwen2.5-VL-7B-Instruct's config.json as the hub serves it: flat (the text keys at
+/// the top beside `vision_config`), `rope_scaling` of type `mrope`.
+const QWEN2_5_VL_7B_HUB: &str = r#"{
+  "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0,
+  "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652,
+  "vision_end_token_id": 151653, "vision_token_id": 151654, "image_token_id": 151655,
+  "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 3584,
+  "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
+  "max_window_layers": 28, "model_type": "qwen2_5_vl", "num_attention_heads": 28,
+  "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": true,
+  "use_sliding_window": false,
+  "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+    "intermediate_size": 3420, "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584,
+    "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+    "temporal_patch_size": 2},
+  "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+  "vocab_size": 152064
+}"#;
+
+#[test]
+fn qwen2_5_vl_flat_hub_config_and_text_config_both_load() {
+    let s = spec(QWEN2_5_VL_7B_HUB).unwrap();
+    assert_eq!(
+        (s.model_type.as_str(), s.wrapper.as_deref(), s.family),
+        ("qwen2_5_vl_text", Some("qwen2_5_vl"), Family::Llama)
+    );
+    assert_eq!((s.hidden_size, s.num_layers, s.head_dim), (3584, 28, 128));
+    assert!(s.qkv_bias && !s.o_bias && !s.mlp_bias && !s.tie_word_embeddings);
+    assert_eq!(s.layer_types, vec![AttentionKind::Full; 28]);
+    assert_eq!(s.rope.theta, 1e6);
+    assert_eq!(s.rope.scaling, RopeScaling::Default);
+    assert_eq!(
+        s.mrope,
+        Some(Mrope {
+            section: [16, 24, 24],
+            image_token_id: 151_655,
+            spatial_merge_size: 2
+        })
+    );
+    assert_eq!(
+        s.names,
+        TextNames::Plain,
+        "the class's default until read: the hub's names, which transformers 5.17 writes"
+    );
+
+    // transformers 5's save: `text_config` (its rope in `rope_parameters`), the wrapper's
+    // keys at the top; defaults where absent (theta 1e6, eps 1e-5, section [16, 24, 24]).
+    let nested = |text: &str, top: &str| {
+        spec(&format!(
+            r#"{{"model_type":"qwen2_5_vl","text_config":{{{text}{TEXT}}},
+            "vision_config":{{"spatial_merge_size":3}}{top}}}"#
+        ))
+    };
+    let s = nested(
+        r#""rope_parameters":{"rope_type":"default","mrope_section":[2,1,1],"rope_theta":5e5},"#,
+        r#","image_token_id":60"#,
+    )
+    .unwrap();
+    assert_eq!(s.model_type, "qwen2_5_vl_text");
+    assert_eq!(s.rope.theta, 5e5);
+    let m = s.mrope.unwrap();
+    assert_eq!(
+        (m.section, m.image_token_id, m.spatial_merge_size),
+        ([2, 1, 1], 60, 3)
+    );
+    let s = nested(r#""head_dim":16,"#, "");
+    let e = s.unwrap_err().to_string();
+    assert!(
+        e.contains("mrope_section") && e.contains("head_dim / 2 = 4"),
+        "head_dim is ignored (48 / 6 = 8) and [16, 24, 24] does not fit: {e}"
+    );
+    let ok = r#""rope_scaling":{"type":"mrope","mrope_section":[2,1,1]},"#;
+    let s = nested(ok, "").unwrap();
+    assert_eq!((s.rope.theta, s.rms_norm_eps), (1e6, 1e-5));
+    // Qwen2_5_VLConfig ties when either level says so (pre-v5 saves kept the flag inside).
+    let tie = |text: &str, top: &str| {
+        nested(&format!("{ok}{text}"), top)
+            .unwrap()
+            .tie_word_embeddings
+    };
+    assert!(!tie("", ""));
+    assert!(tie(r#""tie_word_embeddings":true,"#, ""));
+    assert!(tie(
+        r#""tie_word_embeddings":true,"#,
+        r#","tie_word_embeddings":false"#
+    ));
+    assert!(tie("", r#","tie_word_embeddings":true"#));
+    // Sliding layers from `max_window_layers` (default 80) when `use_sliding_window`.
+    let s = nested(
+        &format!(r#"{ok}"use_sliding_window":true,"sliding_window":5,"max_window_layers":2,"#),
+        "",
+    )
+    .unwrap();
+    use AttentionKind::{Full, Sliding};
+    assert_eq!(s.layer_types, [Full, Full, Sliding, Sliding]);
+
+    for (bad, key) in [
+        (r#"{"type":"mrope","mrope_section":[2,2]}"#, "mrope_section"),
+        (r#"{"type":"mrope","mrope_section":[2,1,2]}"#, "sum to"),
+        (r#"{"type":"mrope","mrope_section":"x"}"#, "mrope_section"),
+    ] {
+        let e = nested(&format!(r#""rope_scaling":{bad},"#), "")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key) && e.contains("text_config"), "{e}");
+    }
+    let e = spec(&format!(
+        r#"{{"model_type":"qwen2_5_vl","text_config":{{{ok}{TEXT}}},
+        "vision_config":{{"spatial_merge_size":0}}}}"#
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("vision_config.spatial_merge_size"), "{e}");
+    // mrope outside Qwen2.5-VL is refused, not read as a plain RoPE.
+    let e = tiny(
+        "qwen2",
+        r#""rope_scaling":{"type":"mrope","mrope_section":[2,1,1]}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("mrope"), "{e}");
+}

@@ -5,11 +5,17 @@
 //! a prefix beside a vision tower, a projector and extra heads. The text model trains exactly
 //! as its text-only class would; the rest is carried (`checkpoint::carried`).
 //!
-//! Two name layouts exist for the text model's tensors: the current one
-//! (`model.language_model.layers.N.…`, `lm_head.weight`) and the legacy one the original hub
+//! Three name layouts exist for the text model's tensors: the current one
+//! (`model.language_model.layers.N.…`, `lm_head.weight`), the legacy one the original hub
 //! uploads of Gemma 3, Mistral 3 and Llama 4 use and transformers 5 still writes for them
-//! (`language_model.model.layers.N.…`, `language_model.lm_head.weight`). [`TextNames`] maps
-//! the text-only class's names (the layout's) to either.
+//! (`language_model.model.layers.N.…`, `language_model.lm_head.weight`), and the text-only
+//! class's own names beside a top-level `visual.*` (the hub's Qwen2.5-VL uploads, which
+//! transformers 5.17 reads into its current names and writes back as they were; other
+//! tools save Qwen2.5-VL under the current names). [`TextNames`] maps the text-only class's
+//! names (the layout's) to each.
+//!
+//! Qwen2.5-VL's hub config.json is flat: the text model's keys sit at the top level beside
+//! `vision_config` (transformers 5 reads them into `text_config`); both shapes load.
 
 use std::borrow::Cow;
 
@@ -22,7 +28,8 @@ use crate::error::{Error, Result};
 /// Where a checkpoint keeps the text model's tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TextNames {
-    /// A text-only class: `model.…`, `lm_head.weight`.
+    /// A text-only class: `model.…`, `lm_head.weight`; in a wrapper's checkpoint, every
+    /// other name (`visual.…`) is outside the text model.
     Plain,
     /// A wrapper, current names: `model.language_model.…`, `lm_head.weight`.
     Current,
@@ -61,12 +68,16 @@ impl TextNames {
     }
 
     /// The wrapper layout a checkpoint's tensor names use (None: none of its names says).
+    /// A wrapper's checkpoint under the text-only class's names (`model.layers.N.…`,
+    /// `model.embed_tokens.weight`) is [`TextNames::Plain`].
     pub fn detect<'a>(names: impl IntoIterator<Item = &'a str>) -> Option<TextNames> {
         names.into_iter().find_map(|n| {
             if n.starts_with("model.language_model.") {
                 Some(TextNames::Current)
             } else if n.starts_with("language_model.model.") {
                 Some(TextNames::Legacy)
+            } else if n.starts_with("model.layers.") || n == "model.embed_tokens.weight" {
+                Some(TextNames::Plain)
             } else {
                 None
             }
@@ -75,14 +86,28 @@ impl TextNames {
 }
 
 /// A wrapper class: its `model_type`, its text model's default `model_type`, the names
-/// transformers 5.17's `save_pretrained` writes for it, and where its tying flag lives.
+/// transformers 5.17's `save_pretrained` writes for it, where its tying flag lives, and
+/// whether its hub configs may be flat.
 struct WrapperClass {
     model_type: &'static str,
     text_model_type: &'static str,
     names: TextNames,
-    /// The wrapper's own `tie_word_embeddings` ties (its default when absent); otherwise
-    /// the text config's does (Llama 4, whose text model is a `Llama4ForCausalLM`).
-    tie_at_top: Option<bool>,
+    tie: Tie,
+    /// Without `text_config`, the text model's keys are the top level's (Qwen2.5-VL's hub
+    /// config.json).
+    flat: bool,
+}
+
+/// Which `tie_word_embeddings` ties a wrapper's embedding and head.
+#[derive(Clone, Copy)]
+enum Tie {
+    /// The wrapper's own (this default when absent).
+    Top(bool),
+    /// The text config's (Llama 4, whose text model is a `Llama4ForCausalLM`).
+    Text,
+    /// Either: the wrapper's (default false), or a text config's `true` (Qwen2.5-VL: pre-v5
+    /// saves kept the flag in `text_config`, and `Qwen2_5_VLConfig` forwards it).
+    Either,
 }
 
 const WRAPPERS: &[WrapperClass] = &[
@@ -90,31 +115,43 @@ const WRAPPERS: &[WrapperClass] = &[
         model_type: "qwen3_5",
         text_model_type: "qwen3_5_text",
         names: TextNames::Current,
-        tie_at_top: Some(false),
+        tie: Tie::Top(false),
+        flat: false,
     },
     WrapperClass {
         model_type: "qwen3_5_moe",
         text_model_type: "qwen3_5_moe_text",
         names: TextNames::Current,
-        tie_at_top: Some(false),
+        tie: Tie::Top(false),
+        flat: false,
     },
     WrapperClass {
         model_type: "gemma3",
         text_model_type: "gemma3_text",
         names: TextNames::Legacy,
-        tie_at_top: Some(true),
+        tie: Tie::Top(true),
+        flat: false,
     },
     WrapperClass {
         model_type: "mistral3",
         text_model_type: "mistral",
         names: TextNames::Legacy,
-        tie_at_top: Some(true),
+        tie: Tie::Top(true),
+        flat: false,
     },
     WrapperClass {
         model_type: "llama4",
         text_model_type: "llama4_text",
         names: TextNames::Legacy,
-        tie_at_top: None,
+        tie: Tie::Text,
+        flat: false,
+    },
+    WrapperClass {
+        model_type: "qwen2_5_vl",
+        text_model_type: "qwen2_5_vl_text",
+        names: TextNames::Plain,
+        tie: Tie::Either,
+        flat: true,
     },
 ];
 
@@ -139,19 +176,23 @@ pub(super) fn unwrap(
     let Some(class) = WRAPPERS.iter().find(|w| w.model_type == model_type) else {
         return Ok(None);
     };
-    let text_value = match &hf.text_config {
-        Some(v @ Value::Object(_)) => v,
+    let mut text: HfConfig = match &hf.text_config {
+        Some(v @ Value::Object(_)) => serde_json::from_value(v.clone())
+            .map_err(|e| err(format!("`text_config` is not a valid model config: {e}")))?,
         Some(other) => {
             return Err(err(format!("`text_config` must be an object, got {other}")));
         }
+        // A flat config: the top level is the text model's (its `model_type` the class's).
+        None if class.flat => HfConfig {
+            model_type: None,
+            ..hf.clone()
+        },
         None => {
             return Err(err(format!(
                 "`{model_type}` wraps a text model: `text_config` is missing"
             )));
         }
     };
-    let mut text: HfConfig = serde_json::from_value(text_value.clone())
-        .map_err(|e| err(format!("`text_config` is not a valid model config: {e}")))?;
     let text_type = text
         .model_type
         .get_or_insert_with(|| class.text_model_type.to_string());
@@ -160,8 +201,15 @@ pub(super) fn unwrap(
             "`text_config.model_type` is `{text_type}`: a wrapper inside a wrapper is not supported"
         )));
     }
-    if let Some(default) = class.tie_at_top {
-        text.tie_word_embeddings = Some(hf.tie_word_embeddings.unwrap_or(default));
+    match class.tie {
+        Tie::Top(default) => {
+            text.tie_word_embeddings = Some(hf.tie_word_embeddings.unwrap_or(default));
+        }
+        Tie::Text => {}
+        Tie::Either => {
+            let inner = text.tie_word_embeddings.unwrap_or(false);
+            text.tie_word_embeddings = Some(hf.tie_word_embeddings.unwrap_or(false) || inner);
+        }
     }
     Ok(Some(Unwrapped {
         text,
@@ -212,6 +260,18 @@ mod tests {
             TextNames::detect(["lm_head.weight", "model.language_model.norm.weight"]),
             Some(TextNames::Current)
         );
-        assert_eq!(TextNames::detect(["model.norm.weight"]), None);
+        assert_eq!(TextNames::detect(["lm_head.weight"]), None);
+        // Qwen2.5-VL's hub uploads: the text-only class's names beside `visual.*`.
+        assert_eq!(
+            TextNames::detect([
+                "visual.blocks.0.attn.qkv.weight",
+                "model.layers.0.mlp.up_proj.weight"
+            ]),
+            Some(TextNames::Plain)
+        );
+        assert_eq!(
+            TextNames::Plain.canonical("visual.merger.mlp.0.weight"),
+            None
+        );
     }
 }

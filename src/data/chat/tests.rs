@@ -36,7 +36,11 @@ fn conversation(turns: usize, tools: bool) -> Conversation {
         ]))
         .unwrap()
     });
-    Conversation { messages, tools }
+    Conversation {
+        messages,
+        tools,
+        images: Vec::new(),
+    }
 }
 
 /// The fuel one render of `conv` takes with the model directory `dir`'s template, or

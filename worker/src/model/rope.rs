@@ -10,7 +10,12 @@
 //! pairs them, or adjacent dims (2i, 2i + 1) where the family interleaves them (GLM-4,
 //! DeepSeek-V3, Llama 4's complex product); each pair turns by frequency i either way.
 //!
-//! Shapes: T sequence length, D head dim, R rotary dims (R <= D; partial rotary).
+//! Qwen2.5-VL's multimodal RoPE ([`Rope::mrope`]) turns each pair by one of three positions
+//! (temporal, height, width), the pairs split into three consecutive sections, as
+//! transformers' `Qwen2_5_VLRotaryEmbedding` recomposes its frequencies (Qwen3-VL's
+//! interleaved sections are another layout).
+//!
+//! Shapes: B rows, T sequence length, D head dim, R rotary dims (R <= D; partial rotary).
 
 use std::f64::consts::PI;
 
@@ -159,6 +164,48 @@ impl Rope {
         }
     }
 
+    /// Qwen2.5-VL's multimodal tables (B, 1, T, R) from 3-D positions `pos_3bt` (temporal,
+    /// height, width; `mt::mrope`): rotary pair i turns by the temporal position for i <
+    /// section[0], the height position for the next section[1] pairs, the width position
+    /// for the last section[2]; both halves of the rotary dims repeat that layout.
+    pub fn mrope(
+        r: &RopeSpec,
+        section: [usize; 3],
+        pos_3bt: &Tensor,
+        kind: Kind,
+        device: Device,
+    ) -> Rope {
+        assert_eq!(
+            section.iter().sum::<usize>(),
+            r.rotary_dim / 2,
+            "mrope sections cover the rotary pairs"
+        );
+        let (freqs, scaling) = inv_freq(r, 0);
+        let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();
+        let inv_freq_r2 = Tensor::from_slice(&freqs).to_device(device);
+        // Angles in f32 per axis (3, B, T, R/2), then each pair's axis picked.
+        let angle_3btr2 = pos_3bt.to_device(device).to_kind(Kind::Float).unsqueeze(-1)
+            * inv_freq_r2.view([1, 1, 1, -1]);
+        let mut start = 0;
+        let parts: Vec<Tensor> = section
+            .iter()
+            .enumerate()
+            .map(|(axis, &len)| {
+                let part = angle_3btr2.get(axis as i64).narrow(-1, start, len as i64);
+                start += len as i64;
+                part
+            })
+            .collect();
+        let angle_btr2 = Tensor::cat(&parts, -1);
+        let emb_b1tr = Tensor::cat(&[&angle_btr2, &angle_btr2], -1).unsqueeze(1);
+        Rope {
+            cos_b1tr: (emb_b1tr.cos() * scaling).to_kind(kind),
+            sin_b1tr: (emb_b1tr.sin() * scaling).to_kind(kind),
+            rotary_dim: r.rotary_dim as i64,
+            interleaved: false,
+        }
+    }
+
     /// Rotates the first R dims of each head: (B, N, T, D) -> (B, N, T, D).
     pub fn apply(&self, x_bntd: &Tensor) -> Tensor {
         turn(
@@ -256,6 +303,35 @@ mod tests {
         for (g, w) in got.iter().zip(want) {
             assert!((g - w).abs() <= 1e-6 * w.abs(), "{got:?} vs {want:?}");
         }
+    }
+
+    /// With three equal position rows the multimodal tables are the 1-D ones; with
+    /// distinct rows each pair turns by its section's axis.
+    #[test]
+    fn mrope_sections_pick_their_axis() {
+        let r = spec(RopeScaling::Default);
+        let pos_1t = Tensor::from_slice(&[0i64, 1, 2, 5, 9]).view([1, 5]);
+        let plain = Rope::new(&r, false, 10, Some(&pos_1t), Kind::Float, Device::Cpu);
+        let same = Rope::mrope(
+            &r,
+            [1, 2, 1],
+            &Tensor::stack(&[&pos_1t, &pos_1t, &pos_1t], 0),
+            Kind::Float,
+            Device::Cpu,
+        );
+        assert!(plain.cos_b1tr.equal(&same.cos_b1tr) && plain.sin_b1tr.equal(&same.sin_b1tr));
+        // Axis positions 10, 20, 30 for every token: pair 0 by 10, pairs 1-2 by 20, 3 by 30.
+        let pos_3bt = Tensor::from_slice(&[10i64, 20, 30]).view([3, 1, 1]);
+        let m = Rope::mrope(&r, [1, 2, 1], &pos_3bt, Kind::Float, Device::Cpu);
+        let f = [1.0, 0.1, 0.01, 0.001];
+        let angles = [10.0 * f[0], 20.0 * f[1], 20.0 * f[2], 30.0 * f[3]];
+        let want: Vec<f64> = angles
+            .iter()
+            .chain(&angles)
+            .map(|a: &f64| a.cos())
+            .collect();
+        let got = Vec::<f64>::try_from(m.cos_b1tr.reshape([-1]).to_kind(Kind::Double)).unwrap();
+        close(&got, &want);
     }
 
     // Expected values: transformers 5.17's ROPE_INIT_FUNCTIONS with head_dim 8, theta 1e4.

@@ -1,0 +1,113 @@
+//! A micro-batch's images as the language model reads them (Qwen2.5-VL): the frozen vision
+//! tower's features, which replace the embeddings of the image tokens
+//! ([`crate::model::place_image_features`]), and the 3-D positions of every token
+//! (`mt::mrope`), from which the rotary tables are built
+//! ([`crate::model::Context::with_positions_3d`]).
+//!
+//! Shapes: B rows, T padded length, M image tokens, H hidden size.
+
+use anyhow::{Context as _, Result, bail};
+use mt::config::hf::ModelSpec;
+use mt::data::MicroBatch;
+use mt::mrope::{ImageTokens, rope_index};
+use tch::{Device, Tensor};
+
+/// What a micro-batch's images bring to the language model.
+#[derive(Debug)]
+pub struct MicroImages {
+    /// The vision tower's output (M, H): one row per image token, in the order the tokens
+    /// appear (row by row, left to right); no grad (the tower is frozen).
+    pub features_mh: Tensor,
+    /// Every token's temporal, height and width position (3, B, T), on the device.
+    pub pos_3bt: Tensor,
+}
+
+impl MicroImages {
+    /// `mb`'s images: their grids (patches, (t, h, w)) in the order their tokens appear and
+    /// the tower's features for them, which must hold one row per image token.
+    #[cfg_attr(
+        not(test),
+        allow(dead_code, reason = "the vision tower's glue calls it (#49)")
+    )]
+    pub fn new(
+        spec: &ModelSpec,
+        mb: &MicroBatch,
+        grids: &[[u32; 3]],
+        features_mh: Tensor,
+        device: Device,
+    ) -> Result<MicroImages> {
+        let Some(m) = &spec.mrope else {
+            bail!(
+                "`{}` is a text-only model: it takes no images",
+                spec.wrapper.as_deref().unwrap_or(&spec.model_type)
+            );
+        };
+        if !mb.position_ids.is_empty() {
+            bail!(
+                "images in packed rows: each sample's 3-D positions would restart inside a row (set `data.packing: false`)"
+            );
+        }
+        let tokens = ImageTokens {
+            image_token_id: m.image_token_id,
+            spatial_merge_size: m.spatial_merge_size,
+        };
+        let p = rope_index(&mb.input_ids, &mb.row_lens, mb.seq_len, grids, tokens)
+            .context("3-D positions of the micro-batch's images")?;
+        let (b, t) = (mb.rows as i64, mb.seq_len as i64);
+        let pos_3bt = Tensor::f_from_slice(&p.pos_3bt)?
+            .f_view([3, b, t])?
+            .f_to_device(device)?;
+        Ok(MicroImages {
+            features_mh: features_mh.f_to_device(device)?,
+            pos_3bt,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-layer model of `model_type`, head_dim 128 (mrope's default sections).
+    fn spec(model_type: &str) -> ModelSpec {
+        let hf = mt::config::hf::HfConfig {
+            model_type: Some(model_type.into()),
+            vocab_size: Some(16),
+            hidden_size: Some(128),
+            intermediate_size: Some(8),
+            num_hidden_layers: Some(1),
+            num_attention_heads: Some(1),
+            image_token_id: Some(9),
+            ..Default::default()
+        };
+        ModelSpec::from_hf(&hf, std::path::Path::new("config.json")).unwrap()
+    }
+
+    #[test]
+    fn positions_of_a_micro_batch_and_its_refusals() {
+        let vl = spec("qwen2_5_vl");
+        let mut mb = MicroBatch {
+            rows: 1,
+            seq_len: 4,
+            input_ids: vec![1, 9, 2, 0],
+            labels: vec![-100; 4],
+            row_lens: vec![3],
+            position_ids: vec![],
+            ref_logps: vec![],
+            advantages: vec![],
+            old_logps: vec![],
+            ref_token_logps: vec![],
+        };
+        let f = Tensor::zeros([1, 128], (tch::Kind::Float, Device::Cpu));
+        let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap();
+        assert_eq!(i.pos_3bt.size(), [3, 1, 4]);
+        let e = MicroImages::new(&vl, &mb, &[], f.copy(), Device::Cpu).unwrap_err();
+        assert!(format!("{e:#}").contains("grids are placed"), "{e:#}");
+        let text = spec("qwen2");
+        let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("text-only model"), "{e}");
+        mb.position_ids = vec![0, 1, 2, 0];
+        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f, Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("packed rows"), "{e}");
+    }
+}
