@@ -24,7 +24,8 @@ use super::records::{
 };
 use super::sources::Source;
 use super::tools::CallIds;
-use super::{Example, Reader, fit, in_vocab, renders_tools, text_only, tokenized};
+use super::read::{Reader, fit, in_vocab, renders_tools, text_only};
+use super::{Example, tokenized};
 use crate::config::DatasetFormat;
 
 /// A record's two rows, chosen first.

@@ -16,7 +16,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::chat::RenderError;
 use super::records::Conversation;
+use super::{ChatTokenizer, Example, RowImage};
 
 /// LlamaFactory's image placeholder in record text.
 pub const IMAGE_PLACEHOLDER: &str = "<image>";
@@ -33,6 +35,13 @@ pub struct QwenVlImages {
     pub temporal_patch_size: u32,
     pub min_pixels: u64,
     pub max_pixels: u64,
+    /// `do_rescale` and `rescale_factor`: samples (0..=255) are multiplied by the factor.
+    pub do_rescale: bool,
+    pub rescale_factor: f64,
+    /// `do_normalize`, `image_mean`, `image_std`: per channel (RGB), (x - mean) / std.
+    pub do_normalize: bool,
+    pub image_mean: [f32; 3],
+    pub image_std: [f32; 3],
 }
 
 impl Default for QwenVlImages {
@@ -43,6 +52,12 @@ impl Default for QwenVlImages {
             temporal_patch_size: 2,
             min_pixels: 56 * 56,
             max_pixels: 28 * 28 * 1280,
+            do_rescale: true,
+            rescale_factor: 1.0 / 255.0,
+            do_normalize: true,
+            // transformers' OPENAI_CLIP_MEAN and OPENAI_CLIP_STD.
+            image_mean: [0.481_454_66, 0.457_827_5, 0.408_210_73],
+            image_std: [0.268_629_54, 0.261_302_58, 0.275_777_11],
         }
     }
 }
@@ -88,6 +103,7 @@ impl QwenVlImages {
                 *field = small(n, key)?;
             }
         }
+        pixels::read_config(cfg, &mut s)?;
         if s.min_pixels > s.max_pixels {
             return Err(format!(
                 "min_pixels ({}) above max_pixels ({})",
@@ -166,6 +182,39 @@ impl QwenVlImages {
     }
 }
 
+impl QwenVlImages {
+    /// The row of a conversation with images for a Qwen2-VL model: its `<image>`
+    /// placeholders expanded to their images' tokens, rendered with `chat`, and its images
+    /// with their grids, in the order of their tokens (what the batcher carries into
+    /// `MicroBatch::images`).
+    pub fn example(
+        &self,
+        chat: &ChatTokenizer,
+        conv: &Conversation,
+        train_on_prompt: bool,
+    ) -> Result<Example, RenderError> {
+        let mut conv = conv.clone();
+        self.expand_conversation(&mut conv)
+            .map_err(RenderError::Bad)?;
+        let images = conv
+            .images
+            .iter()
+            .map(|im| {
+                let g = self.grid(im.size.height, im.size.width)?;
+                Ok(RowImage {
+                    path: im.path.clone(),
+                    grid: [g.t, g.h, g.w],
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(RenderError::Bad)?;
+        Ok(Example {
+            images,
+            ..chat.example(&conv, train_on_prompt)?
+        })
+    }
+}
+
 /// transformers' `smart_resize`: (height, width) rounded to multiples of `factor` within
 /// [`min_pixels`, `max_pixels`]; an aspect ratio above 200 is an error (as there).
 pub fn smart_resize(
@@ -221,6 +270,8 @@ pub fn expand(text: &str, tokens: &[usize]) -> String {
     }
     out
 }
+
+mod pixels;
 
 #[cfg(test)]
 mod fixtures;
