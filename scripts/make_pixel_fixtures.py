@@ -7,7 +7,8 @@ Written under OUT/vlm/pixels:
   without tRNS, 1-bit) and by the small encoder below for what Pillow does not write (16-bit
   RGB/RGBA/LA, 1/2/4-bit grey and palette, Adam7 interlacing, every scanline filter); JPEGs
   written by Pillow (libjpeg-turbo): 4:4:4, 4:2:2, 4:2:0, progressive, greyscale, restart
-  markers, optimised Huffman tables, RGB (Adobe) coding, quality 100, odd and tiny sizes.
+  markers, optimised Huffman tables, RGB (Adobe) coding, quality 100, odd and tiny sizes;
+  lossless WebPs written by Pillow (libwebp), and one lossy WebP (refused by our decoder).
 - decoded.safetensors: per file name, Pillow's `Image.open(path).convert("RGB")` as (H, W, 3)
   uint8.
 - processor.safetensors + preprocessor_config.json: for a few images, `pixel_values` and
@@ -167,6 +168,18 @@ save("adobe_rgb.jpg", lambda p: photo.save(p, quality=90, keep_rgb=True))
 grey = Image.fromarray(scene(50, 31, 1)[..., 0])
 save("grey.jpg", lambda p: grey.save(p, quality=90))
 save("grey_prog.jpg", lambda p: grey.save(p, quality=90, progressive=True))
+# Lossless WebPs written by Pillow (libwebp): photo-like (predictor, colour and
+# subtract-green transforms, backward references, colour cache), few colours (colour
+# indexing, pixels packed 2, 4 and 8 to a byte), alpha (dropped), each effort level.
+for m in (0, 4, 6):
+    save(f"lossless_m{m}.webp", lambda p: photo.save(p, lossless=True, quality=100, method=m))
+save("lossless_big.webp", lambda p: Image.fromarray(scene(300, 113)).save(p, lossless=True))
+save("lossless_rgba.webp", lambda p: Image.fromarray(scene(31, 20, 4)).save(p, lossless=True, exact=True))
+for n in (2, 4, 16, 200):
+    few = Image.fromarray(rgb).quantize(n).convert("RGB")
+    save(f"lossless_{n}colours.webp", lambda p: few.save(p, lossless=True))
+lossy = "lossy.webp"
+photo.save(os.path.join(out, "images", lossy), quality=80)
 
 decoded = {}
 for name in files:
@@ -194,5 +207,5 @@ for name in through:
     processed[f"{name}.grid"] = np.asarray(enc["image_grid_thw"], dtype=np.int64)
 save_file(processed, os.path.join(out, "processor.safetensors"))
 with open(os.path.join(out, "manifest.json"), "w") as f:
-    json.dump({"decoded": sorted(decoded), "processed": through}, f, indent=2)
+    json.dump({"decoded": sorted(decoded), "processed": through, "refused": [lossy]}, f, indent=2)
 print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil")

@@ -46,8 +46,8 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
 pub use batch::{
-    BatchImage, MicroBatch, RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts,
-    plan_step,
+    BatchImage, MicroBatch, RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs,
+    plan_rollouts, plan_step,
 };
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use image::ImageSize;

@@ -18,6 +18,7 @@ use crate::error::{Error, Result as MtResult};
 mod jpeg;
 mod png;
 pub mod resample;
+mod webp;
 
 /// Pixels above which a file is refused rather than decoded: Pillow's
 /// `Image.MAX_IMAGE_PIXELS` x 2, where it raises `DecompressionBombError`.
@@ -33,7 +34,8 @@ pub struct Rgb8 {
 
 /// The pixels of the image file at `path`, as Pillow's `Image.open(path).convert("RGB")`
 /// gives them (what LlamaFactory and transformers' processors feed the model): PNG and
-/// JPEG (see the `png` and `jpeg` modules for what each covers); WebP is refused by name.
+/// JPEG and lossless WebP (see the `png`, `jpeg` and `webp` modules for what each covers);
+/// lossy WebP is refused by name.
 pub fn decode(path: &Path) -> MtResult<Rgb8> {
     let err = |msg: String| Error::Image {
         path: path.to_path_buf(),
@@ -55,7 +57,7 @@ pub fn decode_bytes(b: &[u8]) -> Result<Rgb8, String> {
     } else if b.starts_with(&[0xff, 0xd8]) {
         jpeg::decode(b)
     } else if b.len() >= 12 && &b[..4] == b"RIFF" && &b[8..12] == b"WEBP" {
-        Err("WebP pixels are not decoded yet (lossy or lossless): convert the image to PNG or JPEG".into())
+        webp::decode(b)
     } else {
         Err("not a PNG, JPEG or WebP image".into())
     }

@@ -26,6 +26,11 @@ pub const VISION_START: &str = "<|vision_start|>";
 pub const VISION_END: &str = "<|vision_end|>";
 pub const IMAGE_PAD: &str = "<|image_pad|>";
 
+/// transformers' `OPENAI_CLIP_MEAN` and `OPENAI_CLIP_STD`, the processor's defaults (Python
+/// floats, made f32 as numpy's `np.array(mean, dtype=np.float32)` rounds them).
+const OPENAI_CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
+const OPENAI_CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
+
 /// The image processor's settings (`preprocessor_config.json`), transformers' defaults
 /// where a key is absent.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,9 +60,8 @@ impl Default for QwenVlImages {
             do_rescale: true,
             rescale_factor: 1.0 / 255.0,
             do_normalize: true,
-            // transformers' OPENAI_CLIP_MEAN and OPENAI_CLIP_STD.
-            image_mean: [0.481_454_66, 0.457_827_5, 0.408_210_73],
-            image_std: [0.268_629_54, 0.261_302_58, 0.275_777_11],
+            image_mean: OPENAI_CLIP_MEAN.map(|x| x as f32),
+            image_std: OPENAI_CLIP_STD.map(|x| x as f32),
         }
     }
 }

@@ -5,13 +5,13 @@
 
 use rayon::prelude::*;
 
+use super::files::FileRecords;
 use super::records::{self, BadRecord, Conversation, RawRecord};
 use super::sources::Source;
 use super::{ChatTokenizer, Example, Skipped, chat, pairs, tokenized};
 use crate::cancel;
 use crate::config::{DatasetSection, Overlong, Stage};
 use crate::error::{Error, Result};
-use super::files::FileRecords;
 use std::path::PathBuf;
 
 /// Reasons of the first skipped records kept for the report.
@@ -188,7 +188,11 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
 }
 
 /// `ex` if every id is in the model's vocabulary.
-pub(super) fn in_vocab(ex: Example, vocab: usize, line: usize) -> std::result::Result<Example, BadRecord> {
+pub(super) fn in_vocab(
+    ex: Example,
+    vocab: usize,
+    line: usize,
+) -> std::result::Result<Example, BadRecord> {
     match ex.input_ids.iter().find(|&&id| id as usize >= vocab) {
         Some(&bad) => Err(BadRecord::new(
             line,
@@ -248,4 +252,3 @@ pub(super) fn fit(
     }
     Ok(ex)
 }
-

@@ -101,7 +101,11 @@ pub(super) fn decode(b: &[u8]) -> Result<Rgb8, String> {
     if h.colour == 3 && palette.is_empty() {
         return Err("palette PNG without a PLTE chunk".into());
     }
-    let raw_len: usize = h.passes().iter().map(|&(_, w, ht)| ht * (1 + h.stride(w))).sum();
+    let raw_len: usize = h
+        .passes()
+        .iter()
+        .map(|&(_, w, ht)| ht * (1 + h.stride(w)))
+        .sum();
     let raw = miniz_oxide::inflate::decompress_to_vec_zlib_with_limit(&idat, raw_len)
         .map_err(|e| format!("PNG image data (zlib): {:?}", e.status))?;
     if raw.len() < raw_len {
@@ -196,7 +200,11 @@ fn unfilter(data: &[u8], stride: usize, bpp: usize) -> Result<Vec<u8>, String> {
                 2 => b,
                 3 => ((a as u16 + b as u16) / 2) as u8,
                 4 => paeth(a, b, c),
-                f => return Err(format!("PNG scanline {y} of filter type {f} (expected 0-4)")),
+                f => {
+                    return Err(format!(
+                        "PNG scanline {y} of filter type {f} (expected 0-4)"
+                    ));
+                }
             };
             cur[i] = src[i].wrapping_add(pred);
         }
@@ -206,7 +214,11 @@ fn unfilter(data: &[u8], stride: usize, bpp: usize) -> Result<Vec<u8>, String> {
 
 fn paeth(a: u8, b: u8, c: u8) -> u8 {
     let p = a as i16 + b as i16 - c as i16;
-    let (pa, pb, pc) = ((p - a as i16).abs(), (p - b as i16).abs(), (p - c as i16).abs());
+    let (pa, pb, pc) = (
+        (p - a as i16).abs(),
+        (p - b as i16).abs(),
+        (p - c as i16).abs(),
+    );
     if pa <= pb && pa <= pc {
         a
     } else if pb <= pc {

@@ -126,7 +126,10 @@ mod tests {
         for (i, o) in [(10, 3), (3, 10), (100, 99), (7, 7)] {
             for (_, k) in taps(i, o) {
                 let s: i64 = k.iter().map(|&w| i64::from(w)).sum();
-                assert!((s - (1 << PRECISION_BITS)).abs() <= k.len() as i64, "{i}->{o}: {s}");
+                assert!(
+                    (s - (1 << PRECISION_BITS)).abs() <= k.len() as i64,
+                    "{i}->{o}: {s}"
+                );
             }
         }
     }

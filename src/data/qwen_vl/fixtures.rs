@@ -128,7 +128,7 @@ fn bad_image_records_name_line_and_key() {
 /// std (G). The rescale and normalisation are the same f64/f32 IEEE operations in the
 /// same order, exact. So: one level on the smallest std, plus f32 rounding of the
 /// normalised value (|x| < 2.2, eps 2.4e-7).
-const PIXEL_BOUND: f32 = 1.0 / (255.0 * 0.261_302_58) + 1e-6;
+const PIXEL_BOUND: f32 = (1.0 / (255.0 * 0.261_302_58_f64) + 1e-6) as f32;
 
 #[test]
 fn pixel_values_equal_the_processors() {
@@ -138,7 +138,7 @@ fn pixel_values_equal_the_processors() {
         return;
     };
     let images = QwenVlImages::load(&dir).unwrap();
-    assert_eq!(images.image_std[1], 0.261_302_58);
+    assert_eq!(images.image_std[1], 0.261_302_58_f64 as f32);
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
     let bytes = std::fs::read(dir.join("processor.safetensors")).unwrap();
@@ -173,7 +173,9 @@ fn pixel_values_equal_the_processors() {
             differing += usize::from(d > 0.0);
         }
     }
-    eprintln!("pixel_values: largest difference {worst:e} ({differing} values differ), bound {PIXEL_BOUND:e}");
+    eprintln!(
+        "pixel_values: largest difference {worst:e} ({differing} values differ), bound {PIXEL_BOUND:e}"
+    );
     assert!(worst <= PIXEL_BOUND, "largest difference {worst}");
 }
 
@@ -226,7 +228,10 @@ fn batches_carry_their_images() {
     assert_eq!(got.len(), names.len());
     for ((row, name, grid), (want_row, want_name)) in got.iter().zip(names) {
         assert_eq!((*row, name.as_str()), (want_row, want_name));
-        let i = got[..].iter().filter(|g| g.0 == *row && g.1 < *name).count();
+        let i = got[..]
+            .iter()
+            .filter(|g| g.0 == *row && g.1 < *name)
+            .count();
         assert_eq!(
             serde_json::to_value(grid).unwrap(),
             expected[*row]["grids"][i],
@@ -245,11 +250,18 @@ fn batches_carry_their_images() {
         assert_eq!(pads, want as usize, "row {r}");
     }
     let json = serde_json::to_string(&mb).unwrap();
-    assert_eq!(serde_json::from_str::<crate::data::MicroBatch>(&json).unwrap(), mb);
+    assert_eq!(
+        serde_json::from_str::<crate::data::MicroBatch>(&json).unwrap(),
+        mb
+    );
     // Packed into one row: the images follow, in order.
     let packed = crate::data::pack(rows.clone(), usize::MAX);
     assert_eq!(packed.len(), 1);
     let order: Vec<_> = packed[0].images.iter().map(|im| im.path.clone()).collect();
-    let want: Vec<_> = rows.iter().flat_map(|r| &r.images).map(|im| im.path.clone()).collect();
+    let want: Vec<_> = rows
+        .iter()
+        .flat_map(|r| &r.images)
+        .map(|im| im.path.clone())
+        .collect();
     assert_eq!(order, want);
 }

@@ -159,7 +159,10 @@ fn upsample(d: &Decoder, c: &Component, p: &[u8]) -> Vec<u8> {
             let mut sums = vec![0u32; w];
             let mut line = vec![0u8; 2 * w];
             for y in 0..d.height {
-                let (near, far) = (row((y / 2) as isize), row((y / 2) as isize + if y % 2 == 0 { -1 } else { 1 }));
+                let (near, far) = (
+                    row((y / 2) as isize),
+                    row((y / 2) as isize + if y % 2 == 0 { -1 } else { 1 }),
+                );
                 for i in 0..w {
                     sums[i] = 3 * u32::from(near[i]) + u32::from(far[i]);
                 }
