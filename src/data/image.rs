@@ -331,6 +331,43 @@ mod tests {
     }
 
     #[test]
+    fn undecodable_files_say_what_was_expected() {
+        let frame = |marker: u8, precision: u8, comps: u8| {
+            let mut b = vec![0xff, 0xd8];
+            let mut body = vec![precision, 0, 8, 0, 8, comps];
+            for c in 0..comps {
+                body.extend([c + 1, 0x11, 0]);
+            }
+            b.extend(segment(marker, &body));
+            b
+        };
+        let e = |b: &[u8]| decode_bytes(b).unwrap_err();
+        assert!(e(&frame(0xc9, 8, 3)).contains("arithmetic-coded JPEG"));
+        assert!(e(&frame(0xc3, 8, 3)).contains("lossless or hierarchical JPEG (SOF3)"));
+        assert!(e(&frame(0xc0, 8, 4)).contains("CMYK/YCCK JPEG"));
+        assert!(e(&frame(0xc1, 12, 3)).contains("12-bit samples"));
+        assert!(e(&frame(0xc0, 8, 3)).contains("ends before its end-of-image"));
+        let mut png = png_bytes(4, 4);
+        png[24] = 4; // RGB at 4 bits
+        png[25] = 2;
+        assert!(
+            e(&png).contains("colour type 2 and bit depth 4"),
+            "{}",
+            e(&png)
+        );
+        assert!(e(&png_bytes(4, 4)).contains("ends before its IEND"));
+        // The path's error names the file.
+        let path = std::env::temp_dir().join(format!("mt-image-{}.png", std::process::id()));
+        std::fs::write(&path, &png).unwrap();
+        let msg = decode(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).ok();
+        assert!(
+            msg.contains(&path.display().to_string()) && msg.contains("bit depth 4"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn other_files_are_named() {
         assert_eq!(
             size(b"GIF89a\x01\0\x01\0").unwrap_err(),

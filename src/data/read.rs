@@ -252,3 +252,40 @@ pub(super) fn fit(
     }
     Ok(ex)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::RowImage;
+
+    #[test]
+    fn rows_with_images_are_not_truncated() {
+        let ds: DatasetSection =
+            serde_yaml_ng::from_str("{format: tokenized, path: x.jsonl, max_seq_len: 3}").unwrap();
+        let reader = Reader {
+            ds: &ds,
+            stage: Stage::Sft,
+            chat: None,
+            vocab: 50,
+        };
+        let ex = Example {
+            input_ids: vec![1, 2, 3, 4, 5],
+            labels: vec![1, 2, 3, 4, 5],
+            ..Example::default()
+        };
+        assert_eq!(
+            fit(ex.clone(), &reader, 7, true).unwrap().input_ids,
+            [1, 2, 3]
+        );
+        let with_image = Example {
+            images: vec![RowImage {
+                path: "a.png".into(),
+                grid: [1, 2, 2],
+            }],
+            ..ex
+        };
+        let e = fit(with_image, &reader, 7, true).unwrap_err();
+        assert_eq!(e.line, 7);
+        assert!(e.reason.contains("not truncated"), "{}", e.reason);
+    }
+}
