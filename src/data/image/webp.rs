@@ -9,130 +9,25 @@
 //! green + length + cache symbols, red, blue, alpha and distance, optionally chosen per
 //! tile by an entropy image, LZ77 backward references and a colour cache.
 
+mod transform;
+
 use super::Rgb8;
+use transform::{add_argb, colour, predict, unindex};
 
 /// The first 120 distance codes as (dx, dy) offsets to the pixel copied from.
+#[rustfmt::skip]
 const DISTANCE_MAP: [(i8, i8); 120] = [
-    (0, 1),
-    (1, 0),
-    (1, 1),
-    (-1, 1),
-    (0, 2),
-    (2, 0),
-    (1, 2),
-    (-1, 2),
-    (2, 1),
-    (-2, 1),
-    (2, 2),
-    (-2, 2),
-    (0, 3),
-    (3, 0),
-    (1, 3),
-    (-1, 3),
-    (3, 1),
-    (-3, 1),
-    (2, 3),
-    (-2, 3),
-    (3, 2),
-    (-3, 2),
-    (0, 4),
-    (4, 0),
-    (1, 4),
-    (-1, 4),
-    (4, 1),
-    (-4, 1),
-    (3, 3),
-    (-3, 3),
-    (2, 4),
-    (-2, 4),
-    (4, 2),
-    (-4, 2),
-    (0, 5),
-    (3, 4),
-    (-3, 4),
-    (4, 3),
-    (-4, 3),
-    (5, 0),
-    (1, 5),
-    (-1, 5),
-    (5, 1),
-    (-5, 1),
-    (2, 5),
-    (-2, 5),
-    (5, 2),
-    (-5, 2),
-    (4, 4),
-    (-4, 4),
-    (3, 5),
-    (-3, 5),
-    (5, 3),
-    (-5, 3),
-    (0, 6),
-    (6, 0),
-    (1, 6),
-    (-1, 6),
-    (6, 1),
-    (-6, 1),
-    (2, 6),
-    (-2, 6),
-    (6, 2),
-    (-6, 2),
-    (4, 5),
-    (-4, 5),
-    (5, 4),
-    (-5, 4),
-    (3, 6),
-    (-3, 6),
-    (6, 3),
-    (-6, 3),
-    (0, 7),
-    (7, 0),
-    (1, 7),
-    (-1, 7),
-    (5, 5),
-    (-5, 5),
-    (7, 1),
-    (-7, 1),
-    (4, 6),
-    (-4, 6),
-    (6, 4),
-    (-6, 4),
-    (2, 7),
-    (-2, 7),
-    (7, 2),
-    (-7, 2),
-    (3, 7),
-    (-3, 7),
-    (7, 3),
-    (-7, 3),
-    (5, 6),
-    (-5, 6),
-    (6, 5),
-    (-6, 5),
-    (8, 0),
-    (4, 7),
-    (-4, 7),
-    (7, 4),
-    (-7, 4),
-    (8, 1),
-    (8, 2),
-    (6, 6),
-    (-6, 6),
-    (8, 3),
-    (5, 7),
-    (-5, 7),
-    (7, 5),
-    (-7, 5),
-    (8, 4),
-    (6, 7),
-    (-6, 7),
-    (7, 6),
-    (-7, 6),
-    (8, 5),
-    (7, 7),
-    (-7, 7),
-    (8, 6),
-    (8, 7),
+    (0, 1), (1, 0), (1, 1), (-1, 1), (0, 2), (2, 0), (1, 2), (-1, 2), (2, 1), (-2, 1), (2, 2),
+    (-2, 2), (0, 3), (3, 0), (1, 3), (-1, 3), (3, 1), (-3, 1), (2, 3), (-2, 3), (3, 2), (-3, 2),
+    (0, 4), (4, 0), (1, 4), (-1, 4), (4, 1), (-4, 1), (3, 3), (-3, 3), (2, 4), (-2, 4), (4, 2),
+    (-4, 2), (0, 5), (3, 4), (-3, 4), (4, 3), (-4, 3), (5, 0), (1, 5), (-1, 5), (5, 1), (-5, 1),
+    (2, 5), (-2, 5), (5, 2), (-5, 2), (4, 4), (-4, 4), (3, 5), (-3, 5), (5, 3), (-5, 3), (0, 6),
+    (6, 0), (1, 6), (-1, 6), (6, 1), (-6, 1), (2, 6), (-2, 6), (6, 2), (-6, 2), (4, 5), (-4, 5),
+    (5, 4), (-5, 4), (3, 6), (-3, 6), (6, 3), (-6, 3), (0, 7), (7, 0), (1, 7), (-1, 7), (5, 5),
+    (-5, 5), (7, 1), (-7, 1), (4, 6), (-4, 6), (6, 4), (-6, 4), (2, 7), (-2, 7), (7, 2),
+    (-7, 2), (3, 7), (-3, 7), (7, 3), (-7, 3), (5, 6), (-5, 6), (6, 5), (-6, 5), (8, 0), (4, 7),
+    (-4, 7), (7, 4), (-7, 4), (8, 1), (8, 2), (6, 6), (-6, 6), (8, 3), (5, 7), (-5, 7), (7, 5),
+    (-7, 5), (8, 4), (6, 7), (-6, 7), (7, 6), (-7, 6), (8, 5), (7, 7), (-7, 7), (8, 6), (8, 7),
 ];
 
 /// The order in which code length code lengths are stored.
@@ -500,123 +395,4 @@ fn vp8l(data: &[u8]) -> Result<Rgb8, String> {
         height: height as u32,
         data: out,
     })
-}
-
-/// Per-channel sum modulo 256.
-fn add_argb(a: u32, b: u32) -> u32 {
-    let ag = (a & 0xff00_ff00).wrapping_add(b & 0xff00_ff00) & 0xff00_ff00;
-    let rb = (a & 0x00ff_00ff).wrapping_add(b & 0x00ff_00ff) & 0x00ff_00ff;
-    ag | rb
-}
-
-/// Per-channel mean, rounded down.
-fn average2(a: u32, b: u32) -> u32 {
-    (((a ^ b) & 0xfefe_fefe) >> 1) + (a & b)
-}
-
-fn channels(p: u32) -> [i32; 4] {
-    [
-        (p >> 24) as i32,
-        ((p >> 16) & 0xff) as i32,
-        ((p >> 8) & 0xff) as i32,
-        (p & 0xff) as i32,
-    ]
-}
-
-fn pack(c: [i32; 4]) -> u32 {
-    c.iter()
-        .fold(0u32, |acc, &v| (acc << 8) | v.clamp(0, 255) as u32)
-}
-
-fn select(l: u32, t: u32, tl: u32) -> u32 {
-    let (l4, t4, tl4) = (channels(l), channels(t), channels(tl));
-    let pl: i32 = (0..4).map(|i| (t4[i] - tl4[i]).abs()).sum();
-    let pt: i32 = (0..4).map(|i| (l4[i] - tl4[i]).abs()).sum();
-    if pl < pt { l } else { t }
-}
-
-fn clamp_add_subtract_full(a: u32, b: u32, c: u32) -> u32 {
-    let (a, b, c) = (channels(a), channels(b), channels(c));
-    pack(std::array::from_fn(|i| a[i] + b[i] - c[i]))
-}
-
-fn clamp_add_subtract_half(a: u32, b: u32) -> u32 {
-    let (a, b) = (channels(a), channels(b));
-    pack(std::array::from_fn(|i| a[i] + (a[i] - b[i]) / 2))
-}
-
-/// Undoes the predictor transform in place: each pixel plus its prediction from the
-/// pixels decoded before it (left, top, top-left, top-right), by its tile's mode.
-fn predict(px: &mut [u32], w: usize, h: usize, tb: u32, modes: &[u32]) {
-    let tw = w.div_ceil(1 << tb);
-    for y in 0..h {
-        for x in 0..w {
-            let i = y * w + x;
-            let pred = if y == 0 && x == 0 {
-                0xff00_0000
-            } else if y == 0 {
-                px[i - 1]
-            } else if x == 0 {
-                px[i - w]
-            } else {
-                let mode = (modes[(y >> tb) * tw + (x >> tb)] >> 8) & 0xf;
-                let (l, t, tl) = (px[i - 1], px[i - w], px[i - w - 1]);
-                // The rightmost column's top-right is the row's first pixel (memory order).
-                let tr = px[i - w + 1];
-                match mode {
-                    0 => 0xff00_0000,
-                    1 => l,
-                    2 => t,
-                    3 => tr,
-                    4 => tl,
-                    5 => average2(average2(l, tr), t),
-                    6 => average2(l, tl),
-                    7 => average2(l, t),
-                    8 => average2(tl, t),
-                    9 => average2(t, tr),
-                    10 => average2(average2(l, tl), average2(t, tr)),
-                    11 => select(l, t, tl),
-                    12 => clamp_add_subtract_full(l, t, tl),
-                    13 => clamp_add_subtract_half(average2(l, t), tl),
-                    _ => 0xff00_0000,
-                }
-            };
-            px[i] = add_argb(px[i], pred);
-        }
-    }
-}
-
-/// Undoes the colour transform in place (red from green, then blue from green and red).
-fn colour(px: &mut [u32], w: usize, tb: u32, elems: &[u32]) {
-    let tw = w.div_ceil(1 << tb);
-    let delta =
-        |t: u32, c: u32| ((i32::from(t as u8 as i8) * i32::from(c as u8 as i8)) >> 5) as u32;
-    for (i, p) in px.iter_mut().enumerate() {
-        let (x, y) = (i % w, i / w);
-        let e = elems[(y >> tb) * tw + (x >> tb)];
-        let (g2r, g2b, r2b) = (e & 0xff, (e >> 8) & 0xff, (e >> 16) & 0xff);
-        let green = (*p >> 8) & 0xff;
-        let red = (((*p >> 16) & 0xff).wrapping_add(delta(g2r, green))) & 0xff;
-        let blue = ((*p & 0xff)
-            .wrapping_add(delta(g2b, green))
-            .wrapping_add(delta(r2b, red)))
-            & 0xff;
-        *p = (*p & 0xff00_ff00) | (red << 16) | blue;
-    }
-}
-
-/// Undoes colour indexing: each coded pixel's green holds 1 << `wb` palette indices.
-fn unindex(px: &[u32], xsize: usize, w: usize, h: usize, wb: u32, table: &[u32]) -> Vec<u32> {
-    let per = 1usize << wb;
-    let bits = 8 >> wb;
-    let mask = (1u32 << bits) - 1;
-    let mut out = vec![0u32; w * h];
-    for y in 0..h {
-        for x in 0..w {
-            let g = (px[y * xsize + x / per] >> 8) & 0xff;
-            let idx = (g >> ((x % per) * bits)) & mask;
-            out[y * w + x] = table.get(idx as usize).copied().unwrap_or(0);
-        }
-    }
-    out
 }
