@@ -17,12 +17,14 @@ the chat template, and `Qwen2VLProcessor(text, images)` expands each `<|image_pa
 grid's count. The labels come from rendering the expanded messages (the same text, checked).
 
 Usage: .venv/bin/python scripts/make_vlm_fixtures.py --out target/data-fixtures
-(make_data_fixtures.py calls it.)
+(make_data_fixtures.py calls it; it calls make_pixel_fixtures.py.)
 """
 import argparse
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 from PIL import Image
 from transformers import AutoTokenizer
@@ -124,3 +126,7 @@ with open(os.path.join(out, "expected_qwen2vl.jsonl"), "w") as f:
         f.write(json.dumps({"input_ids": ids, "labels": labels, "grids": grids,
                             "sizes": [list(im.size) for im in pil]}) + "\n")
 print(f"vlm fixtures: {len(records)} records, {len(IMAGES)} images, Qwen2VLProcessor (max_pixels {MAX_PIXELS})")
+
+# The pixels: decoded images and the image processor's pixel_values (OUT/vlm/pixels).
+subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_pixel_fixtures.py"),
+                "--out", os.path.dirname(out)], check=True)

@@ -24,11 +24,12 @@ mod batch;
 mod chat;
 mod files;
 mod hub;
-mod image;
+pub mod image;
 mod pairs;
 mod pretrain;
 mod pyjson;
 mod qwen_vl;
+mod read;
 mod records;
 mod registry;
 mod rollouts;
@@ -43,11 +44,10 @@ use std::path::{Path, PathBuf};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
-use rayon::prelude::*;
 
 pub use batch::{
-    MicroBatch, RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs, plan_rollouts,
-    plan_step,
+    BatchImage, MicroBatch, RolloutTerms, Sampler, StepPlan, pack, pad_batch, plan_pairs,
+    plan_rollouts, plan_step,
 };
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use image::ImageSize;
@@ -57,17 +57,12 @@ pub use rollouts::Rollouts;
 pub use sources::{needs_tokenizer, training_files};
 pub use split::held_out;
 
-use crate::cancel;
-use crate::config::{DatasetSection, Overlong, Stage};
+use crate::config::{DatasetSection, Stage};
 use crate::error::{Error, Result};
-use files::FileRecords;
-use records::RawRecord;
+use read::{Read, Reader, read_all};
 use sources::{Source, check_tools, train_and_eval_sources};
 
 pub const IGNORE_INDEX: i32 = -100;
-
-/// Reasons of the first skipped records kept for the report.
-const REPORTED_SKIPS: usize = 5;
 
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Example {
@@ -76,6 +71,17 @@ pub struct Example {
     /// Per-token positions of a packed row (restarting at 0 for each sample); empty for a
     /// single sample (positions 0..len).
     pub position_ids: Vec<i32>,
+    /// The images whose tokens the row holds, in the order of their tokens (a
+    /// vision-language model's rows); empty for text.
+    pub images: Vec<RowImage>,
+}
+
+/// An image of a row: its file and its patch grid (`image_grid_thw`: temporal, height,
+/// width patches), which sets how many image tokens it has in the row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowImage {
+    pub path: PathBuf,
+    pub grid: [u32; 3],
 }
 
 impl Example {
@@ -132,29 +138,6 @@ pub struct Dataset {
     pub eval_rollouts: Option<Rollouts>,
     /// Which template rendered the conversations, when `dataset.chat_template` chose it.
     pub template_note: Option<String>,
-}
-
-/// What every record of a load is read with.
-struct Reader<'a> {
-    ds: &'a DatasetSection,
-    stage: Stage,
-    chat: Option<&'a ChatTokenizer>,
-    vocab: usize,
-}
-
-impl Reader<'_> {
-    /// `pt` documents are cut into blocks after reading, so each is kept whole.
-    fn pt_blocks(&self) -> bool {
-        self.stage == Stage::Pt && self.ds.packing
-    }
-}
-
-/// Samples read from sources.
-#[derive(Default)]
-struct Read {
-    files: Vec<PathBuf>,
-    rows: Vec<Example>,
-    skipped: Skipped,
 }
 
 impl Dataset {
@@ -405,204 +388,6 @@ fn list(files: &[PathBuf]) -> String {
     names.join(", ")
 }
 
-/// Reads every file of `srcs`; at least one usable record must come out.
-fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
-    let ds = reader.ds;
-    let mut out = Read::default();
-    for src in srcs {
-        let mut left = src
-            .limit
-            .unwrap_or(usize::MAX)
-            .min(ds.max_samples.unwrap_or(usize::MAX));
-        for file in &src.files {
-            cancel::check(cancel::DATA)?;
-            let contents = FileRecords::read(file)?;
-            cancel::check(cancel::DATA)?;
-            let mut recs = contents.records()?;
-            recs.truncate(left);
-            left -= recs.len();
-            // Each record checks for a stop request, and a template past its bounds stops
-            // the load: rayon's collect into a Result ends the other threads' work early.
-            let rows: Vec<std::result::Result<Vec<Example>, BadRecord>> = recs
-                .par_iter()
-                .map(|rec| {
-                    cancel::check(cancel::DATA)?;
-                    match rows(src, rec, reader) {
-                        Err(bad) if bad.fatal => Err(contents.error(bad)),
-                        r => Ok(r),
-                    }
-                })
-                .collect::<Result<_>>()?;
-            for r in rows {
-                match r {
-                    Ok(ex) => out.rows.extend(ex),
-                    Err(bad) if ds.strict => return Err(contents.error(bad)),
-                    Err(bad) => {
-                        let s = &mut out.skipped;
-                        s.count += 1;
-                        if s.first.len() < REPORTED_SKIPS {
-                            s.first.push(format!(
-                                "{}: field `{}`: {}",
-                                contents.locate(&bad),
-                                bad.field,
-                                bad.reason
-                            ));
-                        }
-                    }
-                }
-            }
-            out.files.push(file.clone());
-        }
-    }
-    if out.rows.is_empty() {
-        return Err(Error::DatasetFile {
-            path: out.files.first().cloned().unwrap_or_default(),
-            msg: match out.skipped.count {
-                0 => "no usable records (it holds none)".into(),
-                n => format!(
-                    "no usable records ({n} skipped; first: {})",
-                    out.skipped.first.join("; ")
-                ),
-            },
-        });
-    }
-    Ok(out)
-}
-
-/// One record's rows: one, or a preference pair's two under `dpo` ([`pairs`]).
-fn rows(
-    src: &Source,
-    rec: &RawRecord,
-    reader: &Reader,
-) -> std::result::Result<Vec<Example>, BadRecord> {
-    match reader.stage {
-        Stage::Dpo => pairs::pair(src, rec, reader).map(Vec::from),
-        _ => row(src, rec, reader).map(|r| vec![r]),
-    }
-}
-
-/// A conversation with tool calls needs a chat template that renders them; else the record
-/// is bad, named by its `column`.
-fn renders_tools(
-    chat: &ChatTokenizer,
-    conv: &Conversation,
-    rec: &RawRecord,
-    column: &str,
-) -> std::result::Result<(), BadRecord> {
-    if chat.supports_tools() || conv.messages.iter().all(|m| m.tool_calls.is_empty()) {
-        return Ok(());
-    }
-    Err(BadRecord::new(
-        rec.line,
-        column,
-        format!(
-            "a function_call turn, but the chat template ({}) does not render tool calls",
-            chat.template
-        ),
-    ))
-}
-
-/// A record with images is refused, fatally (every record of the dataset would be): no
-/// model here takes them yet, so its image tokens would train on nothing.
-fn text_only(
-    conv: &Conversation,
-    rec: &RawRecord,
-    schema: &records::Schema,
-) -> std::result::Result<(), BadRecord> {
-    let (Some(col), false) = (&schema.columns.images, conv.images.is_empty()) else {
-        return Ok(());
-    };
-    Err(BadRecord {
-        fatal: true,
-        ..BadRecord::new(
-            rec.line,
-            col,
-            format!(
-                "{} images, but the model is text-only (vision-language training is not supported yet): leave the `images` column out of the dataset's `columns`",
-                conv.images.len()
-            ),
-        )
-    })
-}
-
-/// One record to a row, with `max_seq_len` applied (but to `pt` documents that are cut
-/// into blocks later).
-fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Example, BadRecord> {
-    let ds = reader.ds;
-    let ex = match (&src.schema, reader.chat) {
-        (Some(schema), Some(chat)) => {
-            let ex = match reader.stage {
-                Stage::Pt => {
-                    let text = schema.document(rec)?;
-                    chat.document(&text, !ds.packing)
-                        .map_err(chat::RenderError::from)
-                }
-                _ => {
-                    let conv = schema.conversation(rec)?;
-                    text_only(&conv, rec, schema)?;
-                    renders_tools(chat, &conv, rec, &schema.columns.messages)?;
-                    chat.example(&conv, ds.train_on_prompt)
-                }
-            }
-            .map_err(|e| BadRecord::render(rec.line, "", e))?;
-            in_vocab(ex, reader.vocab, rec.line)?
-        }
-        _ => tokenized::example(rec, reader.vocab)?,
-    };
-    fit(ex, reader, rec.line, src.schema.is_some())
-}
-
-/// `ex` if every id is in the model's vocabulary.
-fn in_vocab(ex: Example, vocab: usize, line: usize) -> std::result::Result<Example, BadRecord> {
-    match ex.input_ids.iter().find(|&&id| id as usize >= vocab) {
-        Some(&bad) => Err(BadRecord::new(
-            line,
-            "",
-            format!("token id {bad} is outside the model's vocabulary 0..{vocab}"),
-        )),
-        None => Ok(ex),
-    }
-}
-
-/// `dataset.max_seq_len` applied to a row (`overlong`); a text row must keep a trained
-/// token.
-fn fit(
-    mut ex: Example,
-    reader: &Reader,
-    line: usize,
-    text: bool,
-) -> std::result::Result<Example, BadRecord> {
-    let len = ex.input_ids.len();
-    match reader.ds.max_seq_len {
-        _ if reader.pt_blocks() => {}
-        Some(max) if len > max && reader.ds.overlong == Overlong::Skip => {
-            return Err(BadRecord::new(
-                line,
-                "",
-                format!("{len} tokens, longer than dataset.max_seq_len ({max})"),
-            ));
-        }
-        Some(max) if len > max => {
-            ex.input_ids.truncate(max);
-            ex.labels.truncate(max);
-            if ex.label_tokens() == 0 {
-                return Err(BadRecord::new(
-                    line,
-                    "",
-                    format!(
-                        "{len} tokens: no trained token left within dataset.max_seq_len ({max})"
-                    ),
-                ));
-            }
-        }
-        _ => {}
-    }
-    if text && ex.label_tokens() == 0 {
-        return Err(BadRecord::new(line, "", "no trained token"));
-    }
-    Ok(ex)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -618,6 +403,7 @@ mod tests {
             input_ids: ids,
             labels,
             position_ids: Vec::new(),
+            images: Vec::new(),
         }
     }
 

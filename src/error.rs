@@ -52,6 +52,10 @@ pub enum Error {
     #[error("dataset {path}: {msg}")]
     DatasetFile { path: PathBuf, msg: String },
 
+    /// An image file that cannot be decoded ([`crate::data::image::decode`]).
+    #[error("image {path}: {msg}")]
+    Image { path: PathBuf, msg: String },
+
     #[error("shared memory region `{name}`: {msg}")]
     Shm { name: String, msg: String },
 

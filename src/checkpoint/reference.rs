@@ -113,6 +113,7 @@ mod tests {
                     input_ids: vec![i, k],
                     labels: vec![-100, k],
                     position_ids: Vec::new(),
+                    images: Vec::new(),
                 })
                 .collect()
         };

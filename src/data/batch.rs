@@ -5,6 +5,8 @@
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use super::{Dataset, Example, IGNORE_INDEX};
@@ -42,6 +44,19 @@ pub struct MicroBatch {
     /// reference model (the run's initial one), row after row. Empty otherwise.
     #[serde(default)]
     pub ref_token_logps: Vec<f32>,
+    /// The images of a vision-language batch, in the order their tokens appear: row by
+    /// row, left to right within a row. Empty for text.
+    #[serde(default)]
+    pub images: Vec<BatchImage>,
+}
+
+/// An image of a micro-batch: the row holding its tokens, its file, and its patch grid
+/// (`image_grid_thw`: temporal, height, width patches).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchImage {
+    pub row: usize,
+    pub path: PathBuf,
+    pub grid: [u32; 3],
 }
 
 /// Greedily concatenates samples, in order, into rows of at most `max_len` tokens.
@@ -56,6 +71,7 @@ pub fn pack(docs: Vec<Example>, max_len: usize) -> Vec<Example> {
         cur.input_ids.extend(&d.input_ids);
         cur.labels.push(IGNORE_INDEX);
         cur.labels.extend(&d.labels[1..]);
+        cur.images.extend(d.images);
     }
     if !cur.input_ids.is_empty() {
         rows.push(cur);
@@ -312,6 +328,17 @@ pub fn pad_batch(rows: &[&Example], pad_id: i32) -> MicroBatch {
         advantages: Vec::new(),
         old_logps: Vec::new(),
         ref_token_logps: Vec::new(),
+        images: rows
+            .iter()
+            .enumerate()
+            .flat_map(|(row, r)| {
+                r.images.iter().map(move |im| BatchImage {
+                    row,
+                    path: im.path.clone(),
+                    grid: im.grid,
+                })
+            })
+            .collect(),
     }
 }
 
@@ -331,6 +358,7 @@ mod tests {
             input_ids: ids,
             labels,
             position_ids: Vec::new(),
+            images: Vec::new(),
         }
     }
 

@@ -400,6 +400,7 @@ impl ChatTokenizer {
             input_ids: ids.iter().map(|&i| i as i32).collect(),
             labels,
             position_ids: Vec::new(),
+            images: Vec::new(),
         })
     }
 
@@ -438,6 +439,7 @@ impl ChatTokenizer {
             labels: ids.clone(),
             input_ids: ids,
             position_ids: Vec::new(),
+            images: Vec::new(),
         })
     }
 }

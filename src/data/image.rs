@@ -1,4 +1,5 @@
-//! An image file's width and height read from its header, without decoding the pixels:
+//! Image files: their pixels ([`decode`], PNG and JPEG, see the submodules) and their
+//! width and height read from the header alone ([`read_size`]), without decoding the pixels:
 //! PNG (the IHDR chunk), JPEG (the first start-of-frame marker, any SOFn: baseline,
 //! extended, progressive, lossless, arithmetic) and WebP (its `VP8 `, `VP8L` or `VP8X`
 //! chunk). These are the sizes PIL's `Image.open(path).size` reports (EXIF orientation is
@@ -11,6 +12,69 @@
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
+
+use crate::error::{Error, Result as MtResult};
+
+mod jpeg;
+mod png;
+pub mod resample;
+mod webp;
+
+/// Pixels above which a file is refused rather than decoded: Pillow's
+/// `Image.MAX_IMAGE_PIXELS` x 2, where it raises `DecompressionBombError`.
+pub const MAX_PIXELS: u64 = 2 * 89_478_485;
+
+/// An 8-bit RGB image: `width` x `height` pixels, RGB interleaved, row-major.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rgb8 {
+    pub width: u32,
+    pub height: u32,
+    pub data: Vec<u8>,
+}
+
+/// The pixels of the image file at `path`, as Pillow's `Image.open(path).convert("RGB")`
+/// gives them (what LlamaFactory and transformers' processors feed the model): PNG and
+/// JPEG and lossless WebP (see the `png`, `jpeg` and `webp` modules for what each covers);
+/// lossy WebP is refused by name.
+pub fn decode(path: &Path) -> MtResult<Rgb8> {
+    let err = |msg: String| Error::Image {
+        path: path.to_path_buf(),
+        msg,
+    };
+    let size = read_size(path).map_err(err)?;
+    check_area(u64::from(size.width), u64::from(size.height)).map_err(err)?;
+    let bytes = std::fs::read(path).map_err(|cause| Error::Io {
+        path: path.to_path_buf(),
+        cause,
+    })?;
+    decode_bytes(&bytes).map_err(err)
+}
+
+/// The pixels of the image file held in `b`.
+pub fn decode_bytes(b: &[u8]) -> Result<Rgb8, String> {
+    if b.starts_with(b"\x89PNG\r\n\x1a\n") {
+        png::decode(b)
+    } else if b.starts_with(&[0xff, 0xd8]) {
+        jpeg::decode(b)
+    } else if b.len() >= 12 && &b[..4] == b"RIFF" && &b[8..12] == b"WEBP" {
+        webp::decode(b)
+    } else {
+        Err("not a PNG, JPEG or WebP image".into())
+    }
+}
+
+/// An error unless `width` x `height` is a non-empty image within [`MAX_PIXELS`].
+fn check_area(width: u64, height: u64) -> Result<(), String> {
+    if width == 0 || height == 0 {
+        return Err(format!("image of {width}x{height} pixels has no area"));
+    }
+    if width * height > MAX_PIXELS {
+        return Err(format!(
+            "image of {width}x{height} pixels, above the {MAX_PIXELS} pixels decoded (Pillow's bound)"
+        ));
+    }
+    Ok(())
+}
 
 /// An image's size in pixels, as PIL reports it (`(width, height)`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -267,6 +331,43 @@ mod tests {
     }
 
     #[test]
+    fn undecodable_files_say_what_was_expected() {
+        let frame = |marker: u8, precision: u8, comps: u8| {
+            let mut b = vec![0xff, 0xd8];
+            let mut body = vec![precision, 0, 8, 0, 8, comps];
+            for c in 0..comps {
+                body.extend([c + 1, 0x11, 0]);
+            }
+            b.extend(segment(marker, &body));
+            b
+        };
+        let e = |b: &[u8]| decode_bytes(b).unwrap_err();
+        assert!(e(&frame(0xc9, 8, 3)).contains("arithmetic-coded JPEG"));
+        assert!(e(&frame(0xc3, 8, 3)).contains("lossless or hierarchical JPEG (SOF3)"));
+        assert!(e(&frame(0xc0, 8, 4)).contains("CMYK/YCCK JPEG"));
+        assert!(e(&frame(0xc1, 12, 3)).contains("12-bit samples"));
+        assert!(e(&frame(0xc0, 8, 3)).contains("ends before its end-of-image"));
+        let mut png = png_bytes(4, 4);
+        png[24] = 4; // RGB at 4 bits
+        png[25] = 2;
+        assert!(
+            e(&png).contains("colour type 2 and bit depth 4"),
+            "{}",
+            e(&png)
+        );
+        assert!(e(&png_bytes(4, 4)).contains("ends before its IEND"));
+        // The path's error names the file.
+        let path = std::env::temp_dir().join(format!("mt-image-{}.png", std::process::id()));
+        std::fs::write(&path, &png).unwrap();
+        let msg = decode(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).ok();
+        assert!(
+            msg.contains(&path.display().to_string()) && msg.contains("bit depth 4"),
+            "{msg}"
+        );
+    }
+
+    #[test]
     fn other_files_are_named() {
         assert_eq!(
             size(b"GIF89a\x01\0\x01\0").unwrap_err(),
@@ -275,3 +376,8 @@ mod tests {
         assert_eq!(size(b"").unwrap_err(), "not a PNG, JPEG or WebP image");
     }
 }
+
+#[cfg(test)]
+mod fixtures;
+#[cfg(test)]
+pub(crate) use fixtures::pixel_fixtures_dir;

@@ -19,12 +19,13 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::read::{Reader, fit, in_vocab, renders_tools, text_only};
 use super::records::{
     BadRecord, Conversation, Message, RawRecord, Role, Schema, field_text, kind, object,
 };
 use super::sources::Source;
 use super::tools::CallIds;
-use super::{Example, Reader, fit, in_vocab, renders_tools, text_only, tokenized};
+use super::{Example, tokenized};
 use crate::config::DatasetFormat;
 
 /// A record's two rows, chosen first.

@@ -31,6 +31,7 @@ pub fn blocks(docs: &[Example], len: usize, bos: Option<i32>) -> (Vec<Example>, 
                 input_ids,
                 labels,
                 position_ids: Vec::new(),
+                images: Vec::new(),
             }
         })
         .collect();
@@ -46,6 +47,7 @@ mod tests {
             input_ids: ids.to_vec(),
             labels: ids.to_vec(),
             position_ids: Vec::new(),
+            images: Vec::new(),
         }
     }
 

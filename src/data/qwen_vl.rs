@@ -16,13 +16,20 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::chat::RenderError;
 use super::records::Conversation;
+use super::{ChatTokenizer, Example, RowImage};
 
 /// LlamaFactory's image placeholder in record text.
 pub const IMAGE_PLACEHOLDER: &str = "<image>";
 pub const VISION_START: &str = "<|vision_start|>";
 pub const VISION_END: &str = "<|vision_end|>";
 pub const IMAGE_PAD: &str = "<|image_pad|>";
+
+/// transformers' `OPENAI_CLIP_MEAN` and `OPENAI_CLIP_STD`, the processor's defaults (Python
+/// floats, made f32 as numpy's `np.array(mean, dtype=np.float32)` rounds them).
+const OPENAI_CLIP_MEAN: [f64; 3] = [0.48145466, 0.4578275, 0.40821073];
+const OPENAI_CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
 
 /// The image processor's settings (`preprocessor_config.json`), transformers' defaults
 /// where a key is absent.
@@ -33,6 +40,13 @@ pub struct QwenVlImages {
     pub temporal_patch_size: u32,
     pub min_pixels: u64,
     pub max_pixels: u64,
+    /// `do_rescale` and `rescale_factor`: samples (0..=255) are multiplied by the factor.
+    pub do_rescale: bool,
+    pub rescale_factor: f64,
+    /// `do_normalize`, `image_mean`, `image_std`: per channel (RGB), (x - mean) / std.
+    pub do_normalize: bool,
+    pub image_mean: [f32; 3],
+    pub image_std: [f32; 3],
 }
 
 impl Default for QwenVlImages {
@@ -43,6 +57,11 @@ impl Default for QwenVlImages {
             temporal_patch_size: 2,
             min_pixels: 56 * 56,
             max_pixels: 28 * 28 * 1280,
+            do_rescale: true,
+            rescale_factor: 1.0 / 255.0,
+            do_normalize: true,
+            image_mean: OPENAI_CLIP_MEAN.map(|x| x as f32),
+            image_std: OPENAI_CLIP_STD.map(|x| x as f32),
         }
     }
 }
@@ -88,6 +107,7 @@ impl QwenVlImages {
                 *field = small(n, key)?;
             }
         }
+        pixels::read_config(cfg, &mut s)?;
         if s.min_pixels > s.max_pixels {
             return Err(format!(
                 "min_pixels ({}) above max_pixels ({})",
@@ -166,6 +186,39 @@ impl QwenVlImages {
     }
 }
 
+impl QwenVlImages {
+    /// The row of a conversation with images for a Qwen2-VL model: its `<image>`
+    /// placeholders expanded to their images' tokens, rendered with `chat`, and its images
+    /// with their grids, in the order of their tokens (what the batcher carries into
+    /// `MicroBatch::images`).
+    pub fn example(
+        &self,
+        chat: &ChatTokenizer,
+        conv: &Conversation,
+        train_on_prompt: bool,
+    ) -> Result<Example, RenderError> {
+        let mut conv = conv.clone();
+        self.expand_conversation(&mut conv)
+            .map_err(RenderError::Bad)?;
+        let images = conv
+            .images
+            .iter()
+            .map(|im| {
+                let g = self.grid(im.size.height, im.size.width)?;
+                Ok(RowImage {
+                    path: im.path.clone(),
+                    grid: [g.t, g.h, g.w],
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(RenderError::Bad)?;
+        Ok(Example {
+            images,
+            ..chat.example(&conv, train_on_prompt)?
+        })
+    }
+}
+
 /// transformers' `smart_resize`: (height, width) rounded to multiples of `factor` within
 /// [`min_pixels`, `max_pixels`]; an aspect ratio above 200 is an error (as there).
 pub fn smart_resize(
@@ -221,6 +274,8 @@ pub fn expand(text: &str, tokens: &[usize]) -> String {
     }
     out
 }
+
+mod pixels;
 
 #[cfg(test)]
 mod fixtures;

@@ -175,6 +175,7 @@ pub fn read(
                         .collect(),
                     input_ids: [prompt, completion].concat(),
                     position_ids: Vec::new(),
+                    images: Vec::new(),
                 },
                 (Sample::Text(_), None) => unreachable!("a tokenizer is loaded for text"),
             };

@@ -75,6 +75,7 @@ mod tests {
                 input_ids: vec![i, i],
                 labels: vec![i, i],
                 position_ids: Vec::new(),
+                images: Vec::new(),
             })
             .collect()
     }

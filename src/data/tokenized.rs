@@ -50,6 +50,7 @@ pub fn from_ids(
         input_ids: ids,
         labels,
         position_ids: Vec::new(),
+        images: Vec::new(),
     })
 }
 

@@ -195,6 +195,7 @@ fn row(v: &Value, at: &str, ids_key: &str, labels_key: &str, limits: &Limits) ->
         input_ids,
         labels,
         position_ids: Vec::new(),
+        images: Vec::new(),
     })
 }
 
@@ -302,6 +303,7 @@ fn rollouts(items: &[Value], params: GrpoParams, limits: &Limits) -> Result<Batc
             input_ids,
             labels,
             position_ids: Vec::new(),
+            images: Vec::new(),
         });
         match (v.get("advantage"), v.get("reward")) {
             (Some(_), Some(_)) => {

@@ -111,7 +111,157 @@ fn bad_image_records_name_line_and_key() {
         json: &json,
     };
     let conv = schema.conversation(&rec).unwrap();
-    let e = crate::data::text_only(&conv, &rec, &schema).unwrap_err();
+    let e = crate::data::read::text_only(&conv, &rec, &schema).unwrap_err();
     assert_eq!((e.line, e.field.as_str(), e.fatal), (9, "images", true));
     assert!(e.reason.contains("text-only"), "{}", e.reason);
+}
+
+/// The largest difference allowed between our `pixel_values` and the processor's.
+///
+/// Derivation: the resize is Pillow's 8-bit bicubic convolution, which we follow step for
+/// step (f64 weights from the same kernel, normalised, rounded to 22-bit fixed point,
+/// integer sums, clipped); the only place the two can part is a weight whose f64
+/// evaluation differs in its last bit (a compiler contracting the kernel's polynomial into
+/// fused multiply-adds) landing on the other side of a fixed-point rounding, which moves
+/// an output sample by at most one level. One level is 1/255 after the rescale, and
+/// 1 / (255 x std) after normalising: 1 / (255 x 0.26130258) = 0.01501 on the smallest
+/// std (G). The rescale and normalisation are the same f64/f32 IEEE operations in the
+/// same order, exact. So: one level on the smallest std, plus f32 rounding of the
+/// normalised value (|x| < 2.2, eps 2.4e-7).
+const PIXEL_BOUND: f32 = (1.0 / (255.0 * 0.261_302_58_f64) + 1e-6) as f32;
+
+#[test]
+fn pixel_values_equal_the_processors() {
+    use safetensors::SafeTensors;
+    let Some(dir) = crate::data::image::pixel_fixtures_dir() else {
+        eprintln!("no pixel fixtures (MT_DATA_FIXTURES): skipped");
+        return;
+    };
+    let images = QwenVlImages::load(&dir).unwrap();
+    assert_eq!(images.image_std[1], 0.261_302_58_f64 as f32);
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("processor.safetensors")).unwrap();
+    let want = SafeTensors::deserialize(&bytes).unwrap();
+    let mut worst = 0f32;
+    let mut differing = 0usize;
+    let names = manifest["processed"].as_array().unwrap();
+    assert!(names.len() >= 4);
+    for name in names {
+        let name = name.as_str().unwrap();
+        let img = crate::data::image::decode(&dir.join("images").join(name)).unwrap();
+        let (grid, got) = images.pixel_values(&img);
+        let g = want.tensor(&format!("{name}.grid")).unwrap();
+        let g: Vec<i64> = g
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(g, [grid.t, grid.h, grid.w].map(i64::from), "{name}: grid");
+        let pv = want.tensor(&format!("{name}.pixel_values")).unwrap();
+        let rows = (grid.t * grid.h * grid.w) as usize;
+        assert_eq!(pv.shape(), [rows, 3 * 2 * 14 * 14], "{name}: pixel_values");
+        let pv: Vec<f32> = pv
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(got.len(), pv.len(), "{name}");
+        for (a, b) in got.iter().zip(&pv) {
+            let d = (a - b).abs();
+            worst = worst.max(d);
+            differing += usize::from(d > 0.0);
+        }
+    }
+    eprintln!(
+        "pixel_values: largest difference {worst:e} ({differing} values differ), bound {PIXEL_BOUND:e}"
+    );
+    assert!(worst <= PIXEL_BOUND, "largest difference {worst}");
+}
+
+/// The multimodal records through to a micro-batch: each row's images, with their grids,
+/// in the order of their tokens, and as many `<|image_pad|>` tokens in the row as the
+/// grids make; packing keeps them in order.
+#[test]
+fn batches_carry_their_images() {
+    let Some(dir) = fixtures() else {
+        return;
+    };
+    let model = dir.join("model-qwen2vl");
+    let chat = ChatTokenizer::load(&model, None, true).unwrap();
+    let images = QwenVlImages::load(&model).unwrap();
+    let [pad_id] = chat.encode(super::IMAGE_PAD).unwrap().0[..] else {
+        unreachable!()
+    };
+    let schema = schema(&dir);
+    let text = std::fs::read_to_string(dir.join("mllm.json")).unwrap();
+    let recs = split_records(Path::new("mllm.json"), &text).unwrap();
+    let rows: Vec<crate::data::Example> = recs
+        .iter()
+        .map(|rec| {
+            let conv = schema.conversation(rec).unwrap();
+            images.example(&chat, &conv, false).unwrap()
+        })
+        .collect();
+    let mb = crate::data::pad_batch(&rows.iter().collect::<Vec<_>>(), 0);
+    let got: Vec<(usize, String, [u32; 3])> = mb
+        .images
+        .iter()
+        .map(|im| {
+            let name = im.path.file_name().unwrap().to_string_lossy().into_owned();
+            (im.row, name, im.grid)
+        })
+        .collect();
+    let expected: Vec<serde_json::Value> =
+        std::fs::read_to_string(dir.join("expected_qwen2vl.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    let names = [
+        (0, "a.png"),
+        (1, "b.jpg"),
+        (1, "c.webp"),
+        (2, "d.png"),
+        (2, "e.jpg"),
+    ];
+    assert_eq!(got.len(), names.len());
+    for ((row, name, grid), (want_row, want_name)) in got.iter().zip(names) {
+        assert_eq!((*row, name.as_str()), (want_row, want_name));
+        let i = got[..]
+            .iter()
+            .filter(|g| g.0 == *row && g.1 < *name)
+            .count();
+        assert_eq!(
+            serde_json::to_value(grid).unwrap(),
+            expected[*row]["grids"][i],
+            "{name}"
+        );
+    }
+    for r in 0..mb.rows {
+        let ids = &mb.input_ids[r * mb.seq_len..(r + 1) * mb.seq_len];
+        let pads = ids.iter().filter(|&&t| t as u32 == pad_id).count();
+        let want: u32 = mb
+            .images
+            .iter()
+            .filter(|im| im.row == r)
+            .map(|im| im.grid.iter().product::<u32>() / 4)
+            .sum();
+        assert_eq!(pads, want as usize, "row {r}");
+    }
+    let json = serde_json::to_string(&mb).unwrap();
+    assert_eq!(
+        serde_json::from_str::<crate::data::MicroBatch>(&json).unwrap(),
+        mb
+    );
+    // Packed into one row: the images follow, in order.
+    let packed = crate::data::pack(rows.clone(), usize::MAX);
+    assert_eq!(packed.len(), 1);
+    let order: Vec<_> = packed[0].images.iter().map(|im| im.path.clone()).collect();
+    let want: Vec<_> = rows
+        .iter()
+        .flat_map(|r| &r.images)
+        .map(|im| im.path.clone())
+        .collect();
+    assert_eq!(order, want);
 }

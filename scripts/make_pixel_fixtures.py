@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Image pixel fixtures (issue #49): PNG and JPEG files and what Pillow and transformers make of
+them, for src/data/image/fixtures.rs and src/data/qwen_vl/pixels.rs to compare with ours.
+
+Written under OUT/vlm/pixels:
+- images/: PNGs written by Pillow (RGB, RGBA, L, LA, I;16, palette at 8 and 4 bits with and
+  without tRNS, 1-bit) and by the small encoder below for what Pillow does not write (16-bit
+  RGB/RGBA/LA, 1/2/4-bit grey and palette, Adam7 interlacing, every scanline filter); JPEGs
+  written by Pillow (libjpeg-turbo): 4:4:4, 4:2:2, 4:2:0, progressive, greyscale, restart
+  markers, optimised Huffman tables, RGB (Adobe) coding, quality 100, odd and tiny sizes;
+  lossless WebPs written by Pillow (libwebp), and one lossy WebP (refused by our decoder).
+- decoded.safetensors: per file name, Pillow's `Image.open(path).convert("RGB")` as (H, W, 3)
+  uint8.
+- processor.safetensors + preprocessor_config.json: for a few images, `pixel_values` and
+  `image_grid_thw` of transformers' Qwen2VLImageProcessorPil (what AutoImageProcessor picks
+  for qwen2_vl / qwen2_5_vl when torchvision is absent, as here), with the config written
+  beside them; one image above max_pixels (scaled down), one below min_pixels (scaled up),
+  one already a multiple of 28, one JPEG.
+- manifest.json: the file lists.
+
+Usage: .venv/bin/python scripts/make_pixel_fixtures.py --out target/data-fixtures
+(make_vlm_fixtures.py calls it.)
+"""
+import argparse
+import json
+import os
+import shutil
+import struct
+import zlib
+
+import numpy as np
+from PIL import Image
+from safetensors.numpy import save_file
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+out = os.path.join(os.path.abspath(ap.parse_args().out), "vlm", "pixels")
+shutil.rmtree(out, ignore_errors=True)
+os.makedirs(os.path.join(out, "images"))
+rng = np.random.default_rng(49)
+
+
+def scene(w, h, channels=3):
+    """A photo-like test image: smooth gradients, a hard edge, and noise (uint8, (H, W, C))."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    base = [128 + 100 * np.sin(x / (3 + c) + y / (5 + 2 * c)) * np.cos(y / 7) for c in range(channels)]
+    img = np.stack(base, -1)
+    img[(x > w / 3) & (y < h / 2)] = 250
+    img += rng.normal(0, 12, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def png_chunk(kind, data):
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def filtered(raw, prev, bpp, ftype):
+    """One scanline filtered with type `ftype` (the PNG spec's five filters)."""
+    out = bytearray()
+    for i, v in enumerate(raw):
+        a = raw[i - bpp] if i >= bpp else 0
+        b = prev[i] if prev is not None else 0
+        c = prev[i - bpp] if prev is not None and i >= bpp else 0
+        if ftype == 4:
+            p = a + b - c
+            pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+            pred = a if pa <= pb and pa <= pc else b if pb <= pc else c
+        else:
+            pred = [0, a, b, (a + b) // 2][ftype]
+        out.append((v - pred) & 0xFF)
+    return bytes(out)
+
+
+def pack_row(samples, depth):
+    """Samples of one scanline to bytes: sub-byte samples packed MSB first, 16-bit big-endian."""
+    if depth == 16:
+        return b"".join(struct.pack(">H", int(s)) for s in samples)
+    if depth == 8:
+        return bytes(int(s) for s in samples)
+    bits = "".join(format(int(s), f"0{depth}b") for s in samples)
+    bits += "0" * (-len(bits) % 8)
+    return bytes(int(bits[i:i + 8], 2) for i in range(0, len(bits), 8))
+
+
+ADAM7 = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)]
+
+
+def write_png(path, arr, colour, depth, interlace=False, palette=None, trns=None):
+    """A PNG of `arr` ((H, W, C) samples) with every filter type used in turn."""
+    h, w, ch = arr.shape
+    bpp = max(1, ch * depth // 8)
+    passes = [(x0, y0, dx, dy) for x0, y0, dx, dy in ADAM7] if interlace else [(0, 0, 1, 1)]
+    raw = bytearray()
+    n = 0
+    for x0, y0, dx, dy in passes:
+        sub = arr[y0::dy, x0::dx]
+        if sub.size == 0:
+            continue
+        prev = None
+        for row in sub:
+            line = pack_row(row.reshape(-1), depth)
+            ftype = n % 5
+            n += 1
+            raw.append(ftype)
+            raw += filtered(line, prev, bpp, ftype)
+            prev = line
+    b = b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, int(interlace)))
+    if palette is not None:
+        b += png_chunk(b"PLTE", bytes(palette))
+    if trns is not None:
+        b += png_chunk(b"tRNS", trns)
+    b += png_chunk(b"IDAT", zlib.compress(bytes(raw), 9)) + png_chunk(b"IEND", b"")
+    with open(path, "wb") as f:
+        f.write(b)
+
+
+files = []
+
+
+def save(name, write):
+    write(os.path.join(out, "images", name))
+    files.append(name)
+
+
+# PNGs written by Pillow.
+rgb = scene(77, 45)
+save("rgb.png", lambda p: Image.fromarray(rgb).save(p))
+save("rgba.png", lambda p: Image.fromarray(scene(31, 20, 4)).save(p))
+save("l.png", lambda p: Image.fromarray(scene(40, 23, 1)[..., 0]).save(p))
+save("la.png", lambda p: Image.fromarray(scene(19, 30, 2), "LA").save(p))
+save("i16.png", lambda p: Image.fromarray(rng.integers(0, 600, (17, 29)).astype(np.uint16)).save(p))
+pal = Image.fromarray(rgb).quantize(200)
+save("p8.png", lambda p: pal.save(p))
+save("p8_trns.png", lambda p: pal.save(p, transparency=3))
+pal16 = Image.fromarray(rgb).quantize(16)
+save("p4.png", lambda p: pal16.save(p, bits=4))
+save("one_bit.png", lambda p: Image.fromarray(scene(37, 11, 1)[..., 0] > 128).save(p))
+# PNGs of our encoder: 16-bit colour, sub-byte depths, palettes, interlacing, all filters.
+for il in (False, True):
+    s = "_adam7" if il else ""
+    save(f"rgb16{s}.png", lambda p: write_png(p, rng.integers(0, 65536, (13, 22, 3)), 2, 16, il))
+    save(f"rgba16{s}.png", lambda p: write_png(p, rng.integers(0, 65536, (9, 11, 4)), 6, 16, il))
+    save(f"la16{s}.png", lambda p: write_png(p, rng.integers(0, 65536, (7, 10, 2)), 4, 16, il))
+    save(f"rgb8{s}.png", lambda p: write_png(p, scene(45, 33), 2, 8, il))
+    save(f"rgba8{s}.png", lambda p: write_png(p, scene(5, 3, 4), 6, 8, il))
+    for depth in (1, 2, 4):
+        g = rng.integers(0, 1 << depth, (10, 13, 1))
+        save(f"grey{depth}{s}.png", lambda p: write_png(p, g, 0, depth, il, trns=b"\0\1"))
+        plte = rng.integers(0, 256, 3 * (1 << depth)).tolist()
+        save(f"pal{depth}{s}.png", lambda p: write_png(p, g, 3, depth, il, palette=plte, trns=b"\0\x80"))
+    save(f"grey16{s}.png", lambda p: write_png(p, rng.integers(0, 400, (8, 9, 1)), 0, 16, il))
+# JPEGs written by Pillow (libjpeg-turbo).
+photo = Image.fromarray(scene(77, 45))
+for sub, tag in ((0, "444"), (1, "422"), (2, "420")):
+    save(f"q90_{tag}.jpg", lambda p: photo.save(p, quality=90, subsampling=sub))
+    save(f"prog_{tag}.jpg", lambda p: photo.save(p, quality=85, subsampling=sub, progressive=True))
+save("wide_420.jpg", lambda p: Image.fromarray(scene(300, 113)).save(p, quality=75))
+save("odd_420.jpg", lambda p: Image.fromarray(scene(33, 17)).save(p, quality=95))
+save("tiny_420.jpg", lambda p: Image.fromarray(scene(2, 3)).save(p, quality=90))
+save("pixel_420.jpg", lambda p: Image.fromarray(scene(1, 1)).save(p, quality=90))
+save("three_420.jpg", lambda p: Image.fromarray(scene(5, 7)).save(p, quality=90))
+save("q100_444.jpg", lambda p: photo.save(p, quality=100, subsampling=0))
+save("restart_420.jpg", lambda p: photo.save(p, quality=80, restart_marker_blocks=3))
+save("restart_prog.jpg", lambda p: photo.save(p, quality=80, progressive=True, restart_marker_rows=1))
+save("optimized.jpg", lambda p: photo.save(p, quality=70, optimize=True))
+save("adobe_rgb.jpg", lambda p: photo.save(p, quality=90, keep_rgb=True))
+grey = Image.fromarray(scene(50, 31, 1)[..., 0])
+save("grey.jpg", lambda p: grey.save(p, quality=90))
+save("grey_prog.jpg", lambda p: grey.save(p, quality=90, progressive=True))
+# Lossless WebPs written by Pillow (libwebp): photo-like (predictor, colour and
+# subtract-green transforms, backward references, colour cache), few colours (colour
+# indexing, pixels packed 2, 4 and 8 to a byte), alpha (dropped), each effort level.
+for m in (0, 4, 6):
+    save(f"lossless_m{m}.webp", lambda p: photo.save(p, lossless=True, quality=100, method=m))
+save("lossless_big.webp", lambda p: Image.fromarray(scene(300, 113)).save(p, lossless=True))
+save("lossless_rgba.webp", lambda p: Image.fromarray(scene(31, 20, 4)).save(p, lossless=True, exact=True))
+for n in (2, 4, 16, 200):
+    few = Image.fromarray(rgb).quantize(n).convert("RGB")
+    save(f"lossless_{n}colours.webp", lambda p: few.save(p, lossless=True))
+lossy = "lossy.webp"
+photo.save(os.path.join(out, "images", lossy), quality=80)
+
+decoded = {}
+for name in files:
+    with Image.open(os.path.join(out, "images", name)) as im:
+        decoded[name] = np.ascontiguousarray(np.asarray(im.convert("RGB"), dtype=np.uint8))
+save_file(decoded, os.path.join(out, "decoded.safetensors"))
+
+# The image processor: a config as a checkpoint writes it, with Qwen2-VL's mean and std.
+config = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2,
+          "temporal_patch_size": 2, "min_pixels": 56 * 56, "max_pixels": 200_704,
+          "image_mean": [0.48145466, 0.4578275, 0.40821073],
+          "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3,
+          "rescale_factor": 1 / 255, "do_rescale": True, "do_normalize": True}
+with open(os.path.join(out, "preprocessor_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+proc = Qwen2VLImageProcessorPil(**{k: v for k, v in config.items() if k != "image_processor_type"})
+for name, arr in (("big.png", scene(700, 500)), ("small.png", scene(20, 9)), ("exact.png", scene(56, 28))):
+    save(name, lambda p: Image.fromarray(arr).save(p))
+processed = {}
+through = ["big.png", "small.png", "exact.png", "rgb.png", "q90_420.jpg"]
+for name in through:
+    with Image.open(os.path.join(out, "images", name)) as im:
+        enc = proc(images=[im.convert("RGB")])
+    processed[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"], dtype=np.float32)
+    processed[f"{name}.grid"] = np.asarray(enc["image_grid_thw"], dtype=np.int64)
+save_file(processed, os.path.join(out, "processor.safetensors"))
+with open(os.path.join(out, "manifest.json"), "w") as f:
+    json.dump({"decoded": sorted(decoded), "processed": through, "refused": [lossy]}, f, indent=2)
+print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil")

@@ -1,0 +1,291 @@
+//! Records to rows: each file's records read in parallel ([`read_all`]), each record turned
+//! into its row (or a preference pair's two, [`super::pairs`]) by the chat template or as
+//! token ids, checked against the vocabulary and fitted to `dataset.max_seq_len`; bad
+//! records skipped and counted, or errors under `dataset.strict`.
+
+use rayon::prelude::*;
+
+use super::files::FileRecords;
+use super::records::{self, BadRecord, Conversation, RawRecord};
+use super::sources::Source;
+use super::{ChatTokenizer, Example, Skipped, chat, pairs, tokenized};
+use crate::cancel;
+use crate::config::{DatasetSection, Overlong, Stage};
+use crate::error::{Error, Result};
+use std::path::PathBuf;
+
+/// Reasons of the first skipped records kept for the report.
+const REPORTED_SKIPS: usize = 5;
+
+/// What every record of a load is read with.
+pub(super) struct Reader<'a> {
+    pub(super) ds: &'a DatasetSection,
+    pub(super) stage: Stage,
+    pub(super) chat: Option<&'a ChatTokenizer>,
+    pub(super) vocab: usize,
+}
+
+impl Reader<'_> {
+    /// `pt` documents are cut into blocks after reading, so each is kept whole.
+    pub(super) fn pt_blocks(&self) -> bool {
+        self.stage == Stage::Pt && self.ds.packing
+    }
+}
+
+/// Samples read from sources.
+#[derive(Default)]
+pub(super) struct Read {
+    pub(super) files: Vec<PathBuf>,
+    pub(super) rows: Vec<Example>,
+    pub(super) skipped: Skipped,
+}
+
+/// Reads every file of `srcs`; at least one usable record must come out.
+pub(super) fn read_all(srcs: &[Source], reader: &Reader) -> Result<Read> {
+    let ds = reader.ds;
+    let mut out = Read::default();
+    for src in srcs {
+        let mut left = src
+            .limit
+            .unwrap_or(usize::MAX)
+            .min(ds.max_samples.unwrap_or(usize::MAX));
+        for file in &src.files {
+            cancel::check(cancel::DATA)?;
+            let contents = FileRecords::read(file)?;
+            cancel::check(cancel::DATA)?;
+            let mut recs = contents.records()?;
+            recs.truncate(left);
+            left -= recs.len();
+            // Each record checks for a stop request, and a template past its bounds stops
+            // the load: rayon's collect into a Result ends the other threads' work early.
+            let rows: Vec<std::result::Result<Vec<Example>, BadRecord>> = recs
+                .par_iter()
+                .map(|rec| {
+                    cancel::check(cancel::DATA)?;
+                    match rows(src, rec, reader) {
+                        Err(bad) if bad.fatal => Err(contents.error(bad)),
+                        r => Ok(r),
+                    }
+                })
+                .collect::<Result<_>>()?;
+            for r in rows {
+                match r {
+                    Ok(ex) => out.rows.extend(ex),
+                    Err(bad) if ds.strict => return Err(contents.error(bad)),
+                    Err(bad) => {
+                        let s = &mut out.skipped;
+                        s.count += 1;
+                        if s.first.len() < REPORTED_SKIPS {
+                            s.first.push(format!(
+                                "{}: field `{}`: {}",
+                                contents.locate(&bad),
+                                bad.field,
+                                bad.reason
+                            ));
+                        }
+                    }
+                }
+            }
+            out.files.push(file.clone());
+        }
+    }
+    if out.rows.is_empty() {
+        return Err(Error::DatasetFile {
+            path: out.files.first().cloned().unwrap_or_default(),
+            msg: match out.skipped.count {
+                0 => "no usable records (it holds none)".into(),
+                n => format!(
+                    "no usable records ({n} skipped; first: {})",
+                    out.skipped.first.join("; ")
+                ),
+            },
+        });
+    }
+    Ok(out)
+}
+
+/// One record's rows: one, or a preference pair's two under `dpo` ([`pairs`]).
+fn rows(
+    src: &Source,
+    rec: &RawRecord,
+    reader: &Reader,
+) -> std::result::Result<Vec<Example>, BadRecord> {
+    match reader.stage {
+        Stage::Dpo => pairs::pair(src, rec, reader).map(Vec::from),
+        _ => row(src, rec, reader).map(|r| vec![r]),
+    }
+}
+
+/// A conversation with tool calls needs a chat template that renders them; else the record
+/// is bad, named by its `column`.
+pub(super) fn renders_tools(
+    chat: &ChatTokenizer,
+    conv: &Conversation,
+    rec: &RawRecord,
+    column: &str,
+) -> std::result::Result<(), BadRecord> {
+    if chat.supports_tools() || conv.messages.iter().all(|m| m.tool_calls.is_empty()) {
+        return Ok(());
+    }
+    Err(BadRecord::new(
+        rec.line,
+        column,
+        format!(
+            "a function_call turn, but the chat template ({}) does not render tool calls",
+            chat.template
+        ),
+    ))
+}
+
+/// A record with images is refused, fatally (every record of the dataset would be): no
+/// model here takes them yet, so its image tokens would train on nothing.
+pub(super) fn text_only(
+    conv: &Conversation,
+    rec: &RawRecord,
+    schema: &records::Schema,
+) -> std::result::Result<(), BadRecord> {
+    let (Some(col), false) = (&schema.columns.images, conv.images.is_empty()) else {
+        return Ok(());
+    };
+    Err(BadRecord {
+        fatal: true,
+        ..BadRecord::new(
+            rec.line,
+            col,
+            format!(
+                "{} images, but the model is text-only (vision-language training is not supported yet): leave the `images` column out of the dataset's `columns`",
+                conv.images.len()
+            ),
+        )
+    })
+}
+
+/// One record to a row, with `max_seq_len` applied (but to `pt` documents that are cut
+/// into blocks later).
+fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Example, BadRecord> {
+    let ds = reader.ds;
+    let ex = match (&src.schema, reader.chat) {
+        (Some(schema), Some(chat)) => {
+            let ex = match reader.stage {
+                Stage::Pt => {
+                    let text = schema.document(rec)?;
+                    chat.document(&text, !ds.packing)
+                        .map_err(chat::RenderError::from)
+                }
+                _ => {
+                    let conv = schema.conversation(rec)?;
+                    text_only(&conv, rec, schema)?;
+                    renders_tools(chat, &conv, rec, &schema.columns.messages)?;
+                    chat.example(&conv, ds.train_on_prompt)
+                }
+            }
+            .map_err(|e| BadRecord::render(rec.line, "", e))?;
+            in_vocab(ex, reader.vocab, rec.line)?
+        }
+        _ => tokenized::example(rec, reader.vocab)?,
+    };
+    fit(ex, reader, rec.line, src.schema.is_some())
+}
+
+/// `ex` if every id is in the model's vocabulary.
+pub(super) fn in_vocab(
+    ex: Example,
+    vocab: usize,
+    line: usize,
+) -> std::result::Result<Example, BadRecord> {
+    match ex.input_ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(&bad) => Err(BadRecord::new(
+            line,
+            "",
+            format!("token id {bad} is outside the model's vocabulary 0..{vocab}"),
+        )),
+        None => Ok(ex),
+    }
+}
+
+/// `dataset.max_seq_len` applied to a row (`overlong`); a text row must keep a trained
+/// token.
+pub(super) fn fit(
+    mut ex: Example,
+    reader: &Reader,
+    line: usize,
+    text: bool,
+) -> std::result::Result<Example, BadRecord> {
+    let len = ex.input_ids.len();
+    match reader.ds.max_seq_len {
+        _ if reader.pt_blocks() => {}
+        // Cutting a row's image tokens would leave images without their tokens.
+        Some(max) if len > max && !ex.images.is_empty() => {
+            return Err(BadRecord::new(
+                line,
+                "",
+                format!(
+                    "{len} tokens with the tokens of {} images, longer than dataset.max_seq_len ({max}): a row with images is not truncated",
+                    ex.images.len()
+                ),
+            ));
+        }
+        Some(max) if len > max && reader.ds.overlong == Overlong::Skip => {
+            return Err(BadRecord::new(
+                line,
+                "",
+                format!("{len} tokens, longer than dataset.max_seq_len ({max})"),
+            ));
+        }
+        Some(max) if len > max => {
+            ex.input_ids.truncate(max);
+            ex.labels.truncate(max);
+            if ex.label_tokens() == 0 {
+                return Err(BadRecord::new(
+                    line,
+                    "",
+                    format!(
+                        "{len} tokens: no trained token left within dataset.max_seq_len ({max})"
+                    ),
+                ));
+            }
+        }
+        _ => {}
+    }
+    if text && ex.label_tokens() == 0 {
+        return Err(BadRecord::new(line, "", "no trained token"));
+    }
+    Ok(ex)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::RowImage;
+
+    #[test]
+    fn rows_with_images_are_not_truncated() {
+        let ds: DatasetSection =
+            serde_yaml_ng::from_str("{format: tokenized, path: x.jsonl, max_seq_len: 3}").unwrap();
+        let reader = Reader {
+            ds: &ds,
+            stage: Stage::Sft,
+            chat: None,
+            vocab: 50,
+        };
+        let ex = Example {
+            input_ids: vec![1, 2, 3, 4, 5],
+            labels: vec![1, 2, 3, 4, 5],
+            ..Example::default()
+        };
+        assert_eq!(
+            fit(ex.clone(), &reader, 7, true).unwrap().input_ids,
+            [1, 2, 3]
+        );
+        let with_image = Example {
+            images: vec![RowImage {
+                path: "a.png".into(),
+                grid: [1, 2, 2],
+            }],
+            ..ex
+        };
+        let e = fit(with_image, &reader, 7, true).unwrap_err();
+        assert_eq!(e.line, 7);
+        assert!(e.reason.contains("not truncated"), "{}", e.reason);
+    }
+}
