@@ -97,6 +97,7 @@ mod tests {
             advantages: vec![],
             old_logps: vec![],
             ref_token_logps: vec![],
+            images: vec![],
         };
         let f = Tensor::zeros([1, 128], (tch::Kind::Float, Device::Cpu));
         let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap();
