@@ -333,7 +333,7 @@ impl Segments {
     fn attend(&self, q_nhd: &Tensor, k_nhd: &Tensor, v_nhd: &Tensor) -> Tensor {
         let (nh, d) = (q_nhd.size()[1], q_nhd.size()[2]);
         let pad = |x: &Tensor| {
-            Tensor::cat(&[x, &x.zeros_like().narrow(0, 0, 1)], 0)
+            Tensor::cat(&[x, &Tensor::zeros([1, nh, d], (x.kind(), x.device()))], 0)
                 .index_select(0, &self.gather)
                 .reshape([self.s, self.l, nh, d])
                 .transpose(1, 2) // (S, NH, L, D)

@@ -134,7 +134,9 @@ fn tower_through_the_shared_region_equals_transformers() {
     assert_eq!(region.layout.prefix, "visual.");
     // The worker inherits its own fd of the region.
     let mut handle = region.handle();
-    let own = std::fs::File::open(format!("/proc/self/fd/{}", handle.fd)).unwrap();
+    let own = (std::fs::OpenOptions::new().read(true).write(true))
+        .open(format!("/proc/self/fd/{}", handle.fd))
+        .unwrap();
     handle.fd = std::os::fd::IntoRawFd::into_raw_fd(own);
     let init = VisionInit {
         layout: region.layout.clone(),
