@@ -404,7 +404,7 @@ pub(super) struct Relaunch {
     pub inits: Vec<Init>,
     pub plan_bytes: u64,
     /// Keeps the vision region (whose fd `inits` name) open for the next start.
-    pub _vision: Option<Arc<VisionRegion>>,
+    _vision: Option<Arc<VisionRegion>>,
 }
 
 /// Phase 3: spawns one worker per rank on the host state, once the trackers' runs have

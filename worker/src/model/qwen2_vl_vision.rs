@@ -92,7 +92,7 @@ pub fn qwen2_5_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32
     let idx = |v: &[i64]| Tensor::from_slice(v).to_device(device);
     // (E, C, Tp, p, p) flattened as a patch row is: the Conv3d over one patch each.
     let w_pe = w.get("patch_embed.proj.weight").reshape([e, -1]);
-    let x_ne = pixel_values
+    let mut x_ne = pixel_values
         .to_device(device)
         .to_kind(kind)
         .matmul(&w_pe.tr()) // (N, E)
@@ -100,7 +100,6 @@ pub fn qwen2_5_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32
     let (cos_nd, sin_nd) = rotary(s, &order.positions, device);
     let windows = Segments::new(&order.window_lens, device);
     let frames = Segments::new(&order.frame_lens, device);
-    let mut x_ne = x_ne;
     for b in 0..s.depth {
         let seg = match s.full_attention(b) {
             true => &frames,
@@ -115,7 +114,7 @@ pub fn qwen2_5_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32
     out_mo.index_select(0, &idx(&order.merged_back))
 }
 
-/// Vision block `b`: `x + attn(norm1(x))`, then `+ mlp(norm2(x))`: (N, E) -> (N, E).
+/// Vision block `b`: `h = x + attn(norm1(x))`, `out = h + mlp(norm2(h))`: (N, E) -> (N, E).
 fn block(
     w: &VisionWeights,
     b: usize,
@@ -125,22 +124,17 @@ fn block(
     seg: &Segments,
 ) -> Tensor {
     let p = format!("blocks.{b}");
-    let h_ne = x_ne
-        + attention(
-            w,
-            &p,
-            &rms_norm(x_ne, w.get(&format!("{p}.norm1.weight")), NORM_EPS),
-            cos_nd,
-            sin_nd,
-            seg,
-        );
-    let y_ne = rms_norm(&h_ne, w.get(&format!("{p}.norm2.weight")), NORM_EPS);
-    let gate = activation(
-        &w.linear(&y_ne, &format!("{p}.mlp.gate_proj")),
-        w.spec.hidden_act,
-    );
-    let up = w.linear(&y_ne, &format!("{p}.mlp.up_proj"));
-    h_ne + w.linear(&(gate * up), &format!("{p}.mlp.down_proj"))
+    let norm = |x: &Tensor, name: &str| rms_norm(x, w.get(&format!("{p}.{name}.weight")), NORM_EPS);
+    let h_ne = x_ne + attention(w, &p, &norm(x_ne, "norm1"), cos_nd, sin_nd, seg);
+    &h_ne + mlp(w, &p, &norm(&h_ne, "norm2"))
+}
+
+/// The gated MLP, biases included: `down(act(gate(x)) * up(x))`: (N, E) -> (N, E).
+fn mlp(w: &VisionWeights, p: &str, x_ne: &Tensor) -> Tensor {
+    let gate_ni = w.linear(x_ne, &format!("{p}.mlp.gate_proj"));
+    let up_ni = w.linear(x_ne, &format!("{p}.mlp.up_proj"));
+    let h_ni = activation(&gate_ni, w.spec.hidden_act) * up_ni;
+    w.linear(&h_ni, &format!("{p}.mlp.down_proj"))
 }
 
 /// Bidirectional attention within segments, q and k rotated: (N, E) -> (N, E).
