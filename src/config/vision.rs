@@ -226,14 +226,14 @@ impl VisionSpec {
                 return Err(format!("`{key}` is {v}, expected 1..={MAX_DIM}"));
             }
         }
-        if self.hidden_size % self.num_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(format!(
                 "`hidden_size` {} is not a multiple of `num_heads` {}",
                 self.hidden_size, self.num_heads
             ));
         }
         // The axial RoPE rotates D / 2 pairs: D / 4 frequencies for rows, as many for columns.
-        if self.head_dim() % 4 != 0 {
+        if !self.head_dim().is_multiple_of(4) {
             return Err(format!(
                 "the head dim {} is not a multiple of 4 (axial RoPE)",
                 self.head_dim()

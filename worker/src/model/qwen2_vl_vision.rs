@@ -214,7 +214,7 @@ impl Order {
         for &[t, h, w] in grids {
             let (t, h, w) = (t as usize, h as usize, w as usize);
             assert!(
-                t > 0 && h > 0 && w > 0 && h % m == 0 && w % m == 0,
+                t > 0 && h > 0 && w > 0 && h.is_multiple_of(m) && w.is_multiple_of(m),
                 "image grid {:?} is not made of {m} x {m} merge blocks",
                 [t, h, w]
             );
