@@ -17,6 +17,8 @@ For each case this writes, under OUT/<case>/:
   dequantized.safetensors  (MXFP4 cases) the expert weights as transformers dequantizes
                       the packed checkpoint in model/ (bf16), to compare bit for bit
 
+The vision tower's fixtures (OUT/vision/qwen2_5_vl/): scripts/make_vlm_model_fixtures.py.
+
 DPO cases (OUT/dpo/<case>/, training.stage: dpo; scripts/golden_dpo.py): model/, pairs.jsonl
 (tokenized preference pairs: a shared prompt, labels on each answer only), run.yaml, and
 expected.json (per-step DPO loss, gradient norm and TRL's reward metrics) and
@@ -34,6 +36,8 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import safetensors.torch
 import torch
@@ -762,6 +766,7 @@ def main():
     staged = {f"dpo/{n}" for n in golden_dpo.DPO_CASES} | {f"grpo/{n}" for n in golden_grpo.GRPO_CASES}
     staged.add("schedules")
     staged.add("mrope")
+    staged.add("vision/qwen2_5_vl")
     only = set(args.cases.split(",")) if args.cases else set(CASES) | staged
     if only - set(CASES) - staged:
         raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - staged)}")
@@ -769,6 +774,9 @@ def main():
         make_schedules(os.path.join(args.out, "schedules"))
     if "mrope" in only:
         make_mrope(args.out)
+    if "vision/qwen2_5_vl" in only:  # the vision tower's (worker/src/model/qwen2_vl_vision)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
+        subprocess.run([sys.executable, script, "--out", args.out], check=True)
     for name, case in golden_dpo.DPO_CASES.items():
         if f"dpo/{name}" in only:
             golden_dpo.make_case(args.out, name, case)

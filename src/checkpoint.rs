@@ -22,6 +22,7 @@ mod sidecar;
 pub mod staging;
 pub mod state;
 pub mod streams;
+pub mod vision;
 pub mod writer;
 
 pub use export::{ExportOptions, recover_export, save_hf};

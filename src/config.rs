@@ -30,6 +30,7 @@ pub mod size;
 mod sources;
 mod stage;
 mod tile;
+pub mod vision;
 
 pub use checkpoint::{CheckpointContents, CheckpointSection};
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, REGISTRY, ValSize};

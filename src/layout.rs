@@ -26,6 +26,7 @@ use crate::config::hf::{AttentionKind, ModelSpec, TextNames};
 mod carry;
 pub mod shards;
 mod tensors;
+pub mod vision;
 pub use carry::CarryRule;
 use tensors::{layer_tensors, unrouted_params};
 

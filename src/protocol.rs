@@ -75,6 +75,7 @@ use crate::config::DType;
 use crate::config::hf::ModelSpec;
 use crate::data::MicroBatch;
 use crate::layout::Layout;
+use crate::layout::vision::VisionLayout;
 use crate::objective::{Objective, ObjectiveSums};
 use crate::shm::RegionHandle;
 
@@ -139,6 +140,18 @@ pub struct Init {
     /// `memory.resident_blocks`: the leading blocks this worker keeps and updates itself.
     #[serde(default)]
     pub resident: Option<ResidentInit>,
+    /// A multimodal model's frozen vision tower, which the worker copies to its device once.
+    #[serde(default)]
+    pub vision: Option<VisionInit>,
+}
+
+/// The frozen vision tower's weights (`mt::checkpoint::vision`): a read-only region
+/// holding `layout`'s tensors in the store's dtype (`Init::dtype`), written before the
+/// worker starts and never after.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VisionInit {
+    pub layout: VisionLayout,
+    pub region: RegionHandle,
 }
 
 /// The leading blocks a worker keeps on its device, master weights, moments and compute

@@ -1,4 +1,4 @@
-//! Shared-memory regions: the weight store and the gradient slabs.
+//! Shared-memory regions: the weight store, the gradient slabs, the frozen vision tower.
 //!
 //! Why memfd + memmap2 rather than the `shared_memory` crate or /dev/shm files: a memfd has
 //! no name in any filesystem, so nothing can outlive the run. The kernel frees it when the
@@ -45,6 +45,9 @@ pub enum RegionKind {
     GradAcc = 3,
     /// Resident blocks' state on its way between the launcher and a worker.
     Transfer = 4,
+    /// The frozen vision tower's weights, written once before the workers start
+    /// (`checkpoint::vision`), read-only after.
+    Vision = 5,
 }
 
 #[repr(C)]

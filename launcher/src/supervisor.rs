@@ -363,6 +363,7 @@ fn spawn_one(worker: &Worker, init: Init, events: &Sender<Event>) -> Result<Work
     if let Some(r) = &init.resident {
         fds.extend([r.grad.fd, r.transfer.fd]);
     }
+    fds.extend(init.vision.as_ref().map(|v| v.region.fd));
     mt::shm::keep_fds_across_exec(&mut cmd, fds);
     let mut child = cmd
         .spawn()

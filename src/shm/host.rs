@@ -19,26 +19,40 @@ use crate::error::Result;
 use crate::optim::StoreOut;
 use crate::reduce;
 
-/// The shared copy of all weights in the compute dtype, laid out as `Layout` says.
+/// The shared copy of all weights in the compute dtype, laid out as `Layout` says; or,
+/// created as [`RegionKind::Vision`], of the frozen vision tower's (`checkpoint::vision`),
+/// written once before any worker maps it.
 pub struct Store {
     /// Shared with the views lent to the checkpoint writer ([`Store::lend_bf16`]).
     region: Arc<Region>,
+    kind: RegionKind,
     dtype: DType,
     len: usize,
 }
 
 impl Store {
     pub fn create(name: &str, elements: usize, dtype: DType) -> Result<Store> {
-        let region = Region::create(name, RegionKind::Store, elements * dtype.size())?;
+        Store::create_as(name, RegionKind::Store, elements, dtype)
+    }
+
+    /// A store of `elements` in `dtype` whose region says it holds `kind`.
+    pub fn create_as(name: &str, kind: RegionKind, elements: usize, dtype: DType) -> Result<Store> {
+        let region = Region::create(name, kind, elements * dtype.size())?;
         Ok(Store {
             region: Arc::new(region),
+            kind,
             dtype,
             len: elements,
         })
     }
 
     pub fn handle(&self) -> RegionHandle {
-        self.region.handle(RegionKind::Store)
+        self.region.handle(self.kind)
+    }
+
+    /// Bytes of the payload.
+    pub fn bytes(&self) -> usize {
+        self.region.payload_len()
     }
 
     /// Elements `range` as the optimizer's output.

@@ -118,6 +118,11 @@ fn run() -> Result<()> {
         let device = stream::device_of(init.device);
         let streamer =
             stream::Streamer::new(regions, &init.layout, device, init.offload_activations)?;
+        // The frozen vision tower, on the device from now on. Held for the engine's image
+        // features (`model::qwen2_5_vl_vision`), which no step asks for yet (#49).
+        let _vision = (init.vision.as_ref())
+            .map(|v| stream::vision::load(v, init.dtype, device))
+            .transpose()?;
         let register_s = t.elapsed().as_secs_f64();
         if init.device == Device::Cpu {
             fault::set_budget(mt::sysmem::available_host_bytes().unwrap_or(0));

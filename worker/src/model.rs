@@ -15,6 +15,9 @@
 //! | `deepseek_v3.rs`| deepseek_v3                                               |
 //! | `llama4.rs`     | llama4_text                                               |
 //!
+//! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger (frozen, forward
+//! only), whose features the model places at the image tokens.
+//!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
 //! Each family's decoder layer comes in two halves around the residual stream between
@@ -41,6 +44,7 @@ mod llama4;
 mod moe;
 mod olmo2;
 mod phi3;
+mod qwen2_vl_vision;
 mod qwen3;
 mod qwen3_next;
 mod rope;
@@ -54,6 +58,10 @@ use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
 pub use moe::RouterAux;
+// The image features' entry point: the engine's hook that places them at the image tokens
+// calls it (#49, not wired yet).
+#[allow(unused_imports)]
+pub use qwen2_vl_vision::{VisionWeights, qwen2_5_vl_vision};
 use rope::Rope;
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary

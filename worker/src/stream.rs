@@ -15,11 +15,13 @@
 //!
 //! Each layer crosses host-to-device twice per micro-batch (forward, then recompute).
 //! The per-layer inputs the backward needs are stashed here too: kept where they are
-//! computed, or (CUDA, `memory.offload_activations`) in pinned host memory.
+//! computed, or (CUDA, `memory.offload_activations`) in pinned host memory. A
+//! multimodal model's frozen vision tower is copied to the device once ([`vision`]).
 
 mod gpu;
 mod resident;
 mod stash;
+pub mod vision;
 
 pub use resident::{Resident, check_update as check_resident_update};
 

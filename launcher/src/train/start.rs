@@ -12,20 +12,23 @@
 //!
 //! [`Trainer::new`]: super::Trainer::new
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 use mt::checkpoint::carried::Carried;
+use mt::checkpoint::vision::VisionRegion;
 use mt::checkpoint::{self, ExportOptions, lock::DirLock, writer::Writer};
 use mt::config::hf::ModelSpec;
+use mt::config::vision::VisionSpec;
 use mt::config::{Init as InitKind, MasterWeights, RunConfig};
 use mt::data::Dataset;
 use mt::host::HostState;
 use mt::layout::Layout;
 use mt::objective::Objective;
 use mt::plan::HostPlan;
-use mt::protocol::{Device, Init, LayerBuffer};
+use mt::protocol::{Device, Init, LayerBuffer, VisionInit};
 
 use super::objective::Stage;
 use super::{check_outputs, keep, nodes, resident, weights};
@@ -276,6 +279,8 @@ pub(super) struct Host {
     pub host: HostState,
     /// The model's buffers (rotary tables and the like) as read, for the workers.
     pub buffers: Vec<LayerBuffer>,
+    /// A multimodal model's frozen vision tower, in its region for the workers.
+    pub vision: Option<Arc<VisionRegion>>,
     pub export: ExportOptions,
     /// Periodic checkpoints (with `checkpoint.dir`, node 0).
     pub writer: Option<Writer>,
@@ -302,6 +307,12 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
         (None, InitKind::Random) => (Carried::init(layout), cfg.model.path.clone()),
     };
     let buffers = carried.buffers(layout, &carried_from)?;
+    // A random init carries no tower (`Carried::init`): the workers get none.
+    let random = resume.is_none() && cfg.model.init == InitKind::Random;
+    let vision = match random {
+        true => None,
+        false => vision_region(cfg, &carried, &carried_from)?,
+    };
     let export = ExportOptions {
         dtype: cfg.model.dtype,
         source: cfg.model.path.clone(),
@@ -357,6 +368,7 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
     Ok(Host {
         host,
         buffers,
+        vision,
         export,
         writer,
         start_step,
@@ -365,11 +377,34 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
     })
 }
 
+/// The vision tower of `cfg`'s model, when it has one the workers compute, copied from
+/// the carried tensors (read from `from`) into its region in the store's dtype.
+fn vision_region(
+    cfg: &RunConfig,
+    carried: &Carried,
+    from: &Path,
+) -> Result<Option<Arc<VisionRegion>>> {
+    let Some(spec) = VisionSpec::from_model_dir(&cfg.model.path)? else {
+        return Ok(None);
+    };
+    let name = format!("mt-{}-vision", std::process::id());
+    let region = VisionRegion::build(&name, &spec, carried, cfg.model.dtype, from)?;
+    println!(
+        "vision tower: {} blocks, {:.1} M parameters frozen ({:.2} GB shared with the workers)",
+        spec.depth,
+        region.layout.num_params() as f64 / 1e6,
+        region.bytes() as f64 / 1e9
+    );
+    Ok(Some(Arc::new(region)))
+}
+
 /// How a server starts its workers again after `sleep` ([`workers`]).
 pub(super) struct Relaunch {
     pub worker: crate::torch::Worker,
     pub inits: Vec<Init>,
     pub plan_bytes: u64,
+    /// Keeps the vision region (whose fd `inits` name) open for the next start.
+    _vision: Option<Arc<VisionRegion>>,
 }
 
 /// Phase 3: spawns one worker per rank on the host state, once the trackers' runs have
@@ -417,6 +452,10 @@ pub(super) fn workers(
                 buffers: host.buffers.clone(),
                 objective: pre.objective,
                 resident: state.resident_init(split),
+                vision: host.vision.as_ref().map(|v| VisionInit {
+                    layout: v.layout.clone(),
+                    region: v.handle(),
+                }),
             }
         })
         .collect::<Vec<Init>>();
@@ -424,6 +463,7 @@ pub(super) fn workers(
         worker: pre.worker.clone(),
         inits: inits.clone(),
         plan_bytes: pre.plan.total(),
+        _vision: host.vision.clone(),
     });
     let waits_for_trackers = trackers.is_some();
     if let Some(side) = trackers {

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Vision-tower fixtures (issue #49): a tiny random Qwen2.5-VL built with transformers' own
+classes, and what its vision tower makes of random pixels, for the worker's
+`qwen2_5_vl_vision` (worker/src/model/qwen2_vl_vision.rs) to compare with.
+
+Written under OUT/vision/qwen2_5_vl/:
+  model/            config.json + model.safetensors as `save_pretrained` writes them
+                    (transformers 5.17 saves the hub's names: `visual.*`, `model.layers.*`)
+  io.safetensors    pixel_values (N, 3*2*14*14) f32, grid_thw (images, 3) int64 and
+                    `merged` = `model.visual(pixel_values, grid_thw).pooler_output`
+                    (N / 4, text hidden): the features the model places at image tokens
+
+The tower is sized so that every part of it acts: 3 blocks, block 1 with full attention and
+blocks 0 and 2 with window attention whose windows (window_size 56: 2 x 2 merged patches)
+split every image, grids whose merged sides are odd and even (partial windows, an empty
+padding column of windows), one entry with two temporal patches; weights drawn wider than
+the init (std 0.15, norm weights around 1) so that attention is far from uniform and a
+permutation or a norm bug moves the output.
+
+Usage: .venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden
+"""
+import argparse
+import os
+import shutil
+
+import safetensors.torch
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+GRIDS = [(1, 6, 8), (1, 4, 10), (2, 4, 4)]  # (t, h, w) in patches
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+out = os.path.join(os.path.abspath(ap.parse_args().out), "vision", "qwen2_5_vl")
+shutil.rmtree(out, ignore_errors=True)
+os.makedirs(out)
+
+torch.manual_seed(0)
+config = Qwen2_5_VLConfig(
+    text_config=dict(
+        vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    ),
+    vision_config=dict(
+        depth=3, hidden_size=48, intermediate_size=80, num_heads=3, out_hidden_size=64,
+        patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=56,
+        fullatt_block_indexes=[1],
+    ),
+    image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93,
+)
+model = Qwen2_5_VLForConditionalGeneration(config).float().eval()
+with torch.no_grad():
+    for name, p in model.model.visual.named_parameters():
+        if name.endswith("norm1.weight") or name.endswith("norm2.weight") or "ln_q" in name:
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        else:
+            p.copy_(0.15 * torch.randn_like(p))
+model.save_pretrained(os.path.join(out, "model"))
+
+grid_thw = torch.tensor(GRIDS, dtype=torch.int64)
+n = int(grid_thw.prod(-1).sum())
+v = config.vision_config
+pixel_values = torch.randn(n, v.in_channels * v.temporal_patch_size * v.patch_size ** 2)
+with torch.no_grad():
+    merged = model.model.visual(pixel_values, grid_thw=grid_thw).pooler_output
+    # The features the model places at the image tokens are these rows, image after image.
+    per_image = model.model.get_image_features(pixel_values, grid_thw).pooler_output
+assert torch.equal(torch.cat(per_image), merged)
+assert merged.shape == (n // 4, config.text_config.hidden_size), merged.shape
+safetensors.torch.save_file(
+    {"pixel_values": pixel_values.contiguous(), "grid_thw": grid_thw, "merged": merged.contiguous()},
+    os.path.join(out, "io.safetensors"),
+)
+print(f"wrote {out}: {n} patches of {len(GRIDS)} grids -> merged {tuple(merged.shape)}")

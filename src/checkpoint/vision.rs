@@ -1,0 +1,210 @@
+//! The frozen vision tower for the workers: its carried tensors ([`super::carried`]) copied
+//! once, in the store's dtype, into a read-only shared region laid out by
+//! [`VisionLayout`]. The launcher builds it before the workers start and keeps it for the
+//! run (a server starting its workers again maps it again); each worker maps it, copies
+//! the tower to its device once and unmaps it. The tower is not trained: it has no master,
+//! no moments and no gradient, and the export writes the carried bytes, not these.
+
+use std::path::Path;
+
+use super::carried::Carried;
+use super::pieces;
+use crate::config::DType;
+use crate::config::vision::VisionSpec;
+use crate::error::{Error, Result};
+use crate::layout::vision::VisionLayout;
+use crate::shm::host::Store;
+use crate::shm::{RegionHandle, RegionKind};
+
+/// The name every tower's patch embedding ends with; what precedes it is the prefix.
+const PATCH_EMBED: &str = "patch_embed.proj.weight";
+
+/// The tower's region, filled.
+pub struct VisionRegion {
+    store: Store,
+    pub layout: VisionLayout,
+    pub dtype: DType,
+}
+
+impl VisionRegion {
+    /// Lays out `spec`'s tower under the prefix `carried` holds it at and copies its
+    /// tensors into a new region named `name`, converted to `dtype`. `source` (the model
+    /// or checkpoint directory the tensors were read from) names errors: a tensor
+    /// missing, of another shape or not a float.
+    pub fn build(
+        name: &str,
+        spec: &VisionSpec,
+        carried: &Carried,
+        dtype: DType,
+        source: &Path,
+    ) -> Result<VisionRegion> {
+        let prefix = carried
+            .tensors
+            .iter()
+            .find_map(|t| t.name.strip_suffix(PATCH_EMBED))
+            .ok_or_else(|| Error::Tensor {
+                path: source.into(),
+                tensor: format!("visual.{PATCH_EMBED}"),
+                expected: format!("the vision tower of `{}`", spec.model_type),
+                got: "no tensor named `*patch_embed.proj.weight`".into(),
+            })?;
+        let layout = VisionLayout::new(spec, prefix);
+        let mut store = Store::create_as(name, RegionKind::Vision, layout.total, dtype)?;
+        let by_name: std::collections::HashMap<&str, _> = carried
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t))
+            .collect();
+        let mut values = Vec::new();
+        for t in &layout.tensors {
+            let hf = layout.hf_name(t);
+            let bad = |got: String| Error::Tensor {
+                path: source.into(),
+                tensor: hf.clone(),
+                expected: format!("a float tensor of shape {:?}", t.shape),
+                got,
+            };
+            let c = by_name
+                .get(hf.as_str())
+                .ok_or_else(|| bad("no such tensor".into()))?;
+            if c.shape != t.shape {
+                return Err(bad(format!("shape {:?}", c.shape)));
+            }
+            if pieces::float_width(c.dtype).is_none() {
+                return Err(bad(format!("dtype {:?}", c.dtype)));
+            }
+            values.clear();
+            values.resize(t.numel(), 0.0f32);
+            pieces::convert(c.dtype, &c.bytes, &mut values);
+            store.write_range(t.offset, &values);
+        }
+        Ok(VisionRegion {
+            store,
+            layout,
+            dtype,
+        })
+    }
+
+    /// What a worker adopts the region by.
+    pub fn handle(&self) -> RegionHandle {
+        self.store.handle()
+    }
+
+    /// Bytes of the region's payload.
+    pub fn bytes(&self) -> usize {
+        self.store.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::carried::CarriedTensor;
+    use half::bf16;
+    use safetensors::Dtype;
+
+    fn spec() -> VisionSpec {
+        let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vision_config": {
+            "depth": 1, "hidden_size": 8, "num_heads": 2, "intermediate_size": 6,
+            "out_hidden_size": 4, "patch_size": 2, "window_size": 8}});
+        VisionSpec::from_json(&cfg, Path::new("c"))
+            .unwrap()
+            .unwrap()
+    }
+
+    /// Every tensor of the tower under `prefix`, bf16, element i of tensor k = k + i / 1024.
+    fn carried(prefix: &str) -> Carried {
+        let tensors = spec()
+            .tensors()
+            .into_iter()
+            .enumerate()
+            .map(|(k, (name, shape))| {
+                let n: usize = shape.iter().product();
+                let bytes = (0..n)
+                    .flat_map(|i| bf16::from_f32(k as f32 + i as f32 / 1024.0).to_le_bytes())
+                    .collect();
+                CarriedTensor {
+                    name: format!("{prefix}{name}"),
+                    dtype: Dtype::BF16,
+                    shape,
+                    bytes,
+                }
+            })
+            .collect();
+        Carried { tensors }
+    }
+
+    #[test]
+    fn region_holds_each_tensor_at_its_offset() {
+        // (The f32 region is read back by the worker's test of the tower: mt-worker's
+        // `model::qwen2_vl_vision` tests.)
+        for prefix in ["visual.", "model.visual."] {
+            let dtype = DType::Bfloat16;
+            let c = carried(prefix);
+            let r =
+                VisionRegion::build("mt-test-vision", &spec(), &c, dtype, Path::new("m")).unwrap();
+            assert_eq!(r.layout.prefix, prefix);
+            assert_eq!(r.bytes(), r.layout.total * dtype.size());
+            for (k, t) in r.layout.tensors.iter().enumerate() {
+                let mut want = vec![0.0f32; t.numel()];
+                pieces::convert(Dtype::BF16, &c.tensors[k].bytes, &mut want);
+                let got: Vec<f32> = r.store.bf16().unwrap()[t.range()]
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
+                assert_eq!(got, want, "{}", t.name);
+                assert_eq!(got[0], k as f32, "{}", t.name);
+            }
+        }
+    }
+
+    #[test]
+    fn missing_or_misshapen_tensors_are_named() {
+        let mut c = carried("visual.");
+        c.tensors
+            .retain(|t| t.name != "visual.blocks.0.attn.qkv.bias");
+        let e = VisionRegion::build(
+            "mt-test-vision",
+            &spec(),
+            &c,
+            DType::Float32,
+            Path::new("m"),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("`visual.blocks.0.attn.qkv.bias`") && e.contains("no such"),
+            "{e}"
+        );
+
+        let mut c = carried("visual.");
+        c.tensors[3].shape = vec![1, 2];
+        let e = VisionRegion::build(
+            "mt-test-vision",
+            &spec(),
+            &c,
+            DType::Float32,
+            Path::new("m"),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains(&c.tensors[3].name) && e.contains("[1, 2]"),
+            "{e}"
+        );
+
+        let e = VisionRegion::build(
+            "mt-test-vision",
+            &spec(),
+            &Carried::default(),
+            DType::Float32,
+            Path::new("m"),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("m: tensor") && e.contains("patch_embed"), "{e}");
+    }
+}

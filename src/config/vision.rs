@@ -1,0 +1,380 @@
+//! A multimodal checkpoint's vision tower, from config.json's `vision_config`: the file
+//! format (`HfVisionConfig`, lenient, transformers' defaults for absent keys) and the
+//! validated architecture (`VisionSpec`) the launcher lays out and the worker computes
+//! (worker/src/model/qwen2_vl_vision.rs). Only Qwen2.5-VL's tower for now.
+//!
+//! The tower is frozen: it is carried, not trained (`layout::CarryRule`), and reaches the
+//! workers in a read-only region of its own (`checkpoint::vision`).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::hf::Activation;
+use crate::error::{Error, Result};
+
+/// The model types whose vision tower the worker computes.
+pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl"];
+
+/// The keys of `vision_config` we read; absent keys take `Qwen2_5_VLVisionConfig`'s
+/// defaults (transformers 5.17).
+#[derive(Debug, Clone, Deserialize)]
+struct HfVisionConfig {
+    #[serde(default = "d::depth")]
+    depth: usize,
+    #[serde(default = "d::hidden_size")]
+    hidden_size: usize,
+    #[serde(default = "d::hidden_act")]
+    hidden_act: String,
+    #[serde(default = "d::intermediate_size")]
+    intermediate_size: usize,
+    #[serde(default = "d::num_heads")]
+    num_heads: usize,
+    /// The hub's configs spell it `in_chans`; transformers reads `in_channels` (both 3).
+    #[serde(default = "d::in_channels", alias = "in_chans")]
+    in_channels: usize,
+    #[serde(default = "d::patch_size")]
+    patch_size: usize,
+    #[serde(default = "d::spatial_merge_size")]
+    spatial_merge_size: usize,
+    #[serde(default = "d::temporal_patch_size")]
+    temporal_patch_size: usize,
+    #[serde(default = "d::window_size")]
+    window_size: usize,
+    #[serde(default = "d::out_hidden_size")]
+    out_hidden_size: usize,
+    #[serde(default = "d::fullatt_block_indexes")]
+    fullatt_block_indexes: Vec<usize>,
+    #[serde(default)]
+    rope_parameters: Option<Value>,
+    #[serde(default)]
+    rope_theta: Option<f64>,
+}
+
+/// transformers' `Qwen2_5_VLVisionConfig` defaults.
+mod d {
+    pub fn depth() -> usize {
+        32
+    }
+    pub fn hidden_size() -> usize {
+        3584
+    }
+    pub fn hidden_act() -> String {
+        "silu".into()
+    }
+    pub fn intermediate_size() -> usize {
+        3420
+    }
+    pub fn num_heads() -> usize {
+        16
+    }
+    pub fn in_channels() -> usize {
+        3
+    }
+    pub fn patch_size() -> usize {
+        14
+    }
+    pub fn spatial_merge_size() -> usize {
+        2
+    }
+    pub fn temporal_patch_size() -> usize {
+        2
+    }
+    pub fn window_size() -> usize {
+        112
+    }
+    pub fn out_hidden_size() -> usize {
+        3584
+    }
+    pub fn fullatt_block_indexes() -> Vec<usize> {
+        vec![7, 15, 23, 31]
+    }
+}
+
+/// The axial RoPE's base when the config names none (`rope_parameters.rope_theta`).
+const DEFAULT_ROPE_THETA: f64 = 10000.0;
+
+/// Largest accepted size of any one dimension (a corrupt config must not size a region).
+const MAX_DIM: usize = 1 << 20;
+
+/// Qwen2.5-VL's vision tower and patch merger, validated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VisionSpec {
+    /// The wrapper's `model_type` (`qwen2_5_vl`).
+    pub model_type: String,
+    /// Vision blocks.
+    pub depth: usize,
+    /// Width E of the blocks.
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    /// The blocks' gated MLP width.
+    pub intermediate_size: usize,
+    pub hidden_act: Activation,
+    pub in_channels: usize,
+    /// Side of a square patch, in pixels.
+    pub patch_size: usize,
+    /// Frames per temporal patch.
+    pub temporal_patch_size: usize,
+    /// Patches merged per side into one token by the merger.
+    pub spatial_merge_size: usize,
+    /// Side of an attention window, in pixels.
+    pub window_size: usize,
+    /// The merger's output width: the text model's hidden size.
+    pub out_hidden_size: usize,
+    /// Blocks attending over the whole image rather than its windows.
+    pub fullatt_block_indexes: Vec<usize>,
+    pub rope_theta: f64,
+}
+
+impl VisionSpec {
+    /// The tower of `dir/config.json`, or None when its model type has none we compute.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<VisionSpec>> {
+        let path = dir.join("config.json");
+        let text = crate::bounded::read_text(&path, crate::bounded::SMALL_JSON, "model config")?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| Error::ModelConfig {
+            path: path.clone(),
+            msg: format!("not a valid config.json: {e}"),
+        })?;
+        VisionSpec::from_json(&v, &path)
+    }
+
+    /// The tower of a parsed config.json (`path` names it in errors).
+    pub fn from_json(config: &Value, path: &Path) -> Result<Option<VisionSpec>> {
+        let err = |msg: String| Error::ModelConfig {
+            path: path.into(),
+            msg,
+        };
+        let Some(model_type) = config.get("model_type").and_then(Value::as_str) else {
+            return Ok(None);
+        };
+        if !VISION_MODEL_TYPES.contains(&model_type) {
+            return Ok(None);
+        }
+        let raw = config
+            .get("vision_config")
+            .ok_or_else(|| err(format!("`vision_config` is missing (`{model_type}`)")))?;
+        let hf: HfVisionConfig = serde_path_to_error::deserialize(raw).map_err(|e| {
+            err(format!(
+                "`vision_config.{}`: {}",
+                e.path().to_string().trim_start_matches('.'),
+                e.inner()
+            ))
+        })?;
+        let hidden_act = match hf.hidden_act.as_str() {
+            "silu" | "swish" => Activation::Silu,
+            "gelu" => Activation::Gelu,
+            "gelu_pytorch_tanh" => Activation::GeluTanh,
+            other => {
+                return Err(err(format!(
+                    "`vision_config.hidden_act`: `{other}` is not supported (silu, gelu, gelu_pytorch_tanh)"
+                )));
+            }
+        };
+        let rope = hf.rope_parameters.as_ref();
+        let rope_theta = rope
+            .and_then(|r| r.get("rope_theta"))
+            .and_then(Value::as_f64)
+            .or(hf.rope_theta)
+            .unwrap_or(DEFAULT_ROPE_THETA);
+        if let Some(t) = rope
+            .and_then(|r| r.get("rope_type"))
+            .and_then(Value::as_str)
+            && t != "axial"
+            && t != "default"
+        {
+            return Err(err(format!(
+                "`vision_config.rope_parameters.rope_type`: `{t}` (the tower's RoPE is axial)"
+            )));
+        }
+        let spec = VisionSpec {
+            model_type: model_type.into(),
+            depth: hf.depth,
+            hidden_size: hf.hidden_size,
+            num_heads: hf.num_heads,
+            intermediate_size: hf.intermediate_size,
+            hidden_act,
+            in_channels: hf.in_channels,
+            patch_size: hf.patch_size,
+            temporal_patch_size: hf.temporal_patch_size,
+            spatial_merge_size: hf.spatial_merge_size,
+            window_size: hf.window_size,
+            out_hidden_size: hf.out_hidden_size,
+            fullatt_block_indexes: hf.fullatt_block_indexes,
+            rope_theta,
+        };
+        spec.validate()
+            .map_err(|m| err(format!("`vision_config`: {m}")))?;
+        Ok(Some(spec))
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        let sizes = [
+            ("depth", self.depth),
+            ("hidden_size", self.hidden_size),
+            ("num_heads", self.num_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("in_channels", self.in_channels),
+            ("patch_size", self.patch_size),
+            ("temporal_patch_size", self.temporal_patch_size),
+            ("spatial_merge_size", self.spatial_merge_size),
+            ("window_size", self.window_size),
+            ("out_hidden_size", self.out_hidden_size),
+        ];
+        for (key, v) in sizes {
+            if v == 0 || v > MAX_DIM {
+                return Err(format!("`{key}` is {v}, expected 1..={MAX_DIM}"));
+            }
+        }
+        if !self.hidden_size.is_multiple_of(self.num_heads) {
+            return Err(format!(
+                "`hidden_size` {} is not a multiple of `num_heads` {}",
+                self.hidden_size, self.num_heads
+            ));
+        }
+        // The axial RoPE rotates D / 2 pairs: D / 4 frequencies for rows, as many for columns.
+        if !self.head_dim().is_multiple_of(4) {
+            return Err(format!(
+                "the head dim {} is not a multiple of 4 (axial RoPE)",
+                self.head_dim()
+            ));
+        }
+        if self.merge_window() == 0 {
+            return Err(format!(
+                "`window_size` {} is smaller than a merged patch ({} pixels)",
+                self.window_size,
+                self.spatial_merge_size * self.patch_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// Head dim D.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+
+    /// Values of one patch: channels x frames x pixels.
+    pub fn patch_len(&self) -> usize {
+        self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+
+    /// Patches merged into one output token (merge^2).
+    pub fn merge_unit(&self) -> usize {
+        self.spatial_merge_size * self.spatial_merge_size
+    }
+
+    /// Side of an attention window in merged patches (`vit_merger_window_size`).
+    pub fn merge_window(&self) -> usize {
+        self.window_size / self.spatial_merge_size / self.patch_size
+    }
+
+    /// Whether block `i` attends over the whole image (else within windows).
+    pub fn full_attention(&self, block: usize) -> bool {
+        self.fullatt_block_indexes.contains(&block)
+    }
+
+    /// Every tensor of the tower, named inside it (`blocks.0.attn.qkv.weight`, as the
+    /// checkpoint names it after the tower's prefix), with its shape, in the order of
+    /// transformers' module tree.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (e, i) = (self.hidden_size, self.intermediate_size);
+        let (p, tp) = (self.patch_size, self.temporal_patch_size);
+        let merged = e * self.merge_unit();
+        let mut out = vec![(
+            "patch_embed.proj.weight".to_string(),
+            vec![e, self.in_channels, tp, p, p],
+        )];
+        for b in 0..self.depth {
+            let mut t =
+                |name: &str, shape: Vec<usize>| out.push((format!("blocks.{b}.{name}"), shape));
+            t("norm1.weight", vec![e]);
+            t("norm2.weight", vec![e]);
+            t("attn.qkv.weight", vec![3 * e, e]);
+            t("attn.qkv.bias", vec![3 * e]);
+            t("attn.proj.weight", vec![e, e]);
+            t("attn.proj.bias", vec![e]);
+            t("mlp.gate_proj.weight", vec![i, e]);
+            t("mlp.gate_proj.bias", vec![i]);
+            t("mlp.up_proj.weight", vec![i, e]);
+            t("mlp.up_proj.bias", vec![i]);
+            t("mlp.down_proj.weight", vec![e, i]);
+            t("mlp.down_proj.bias", vec![e]);
+        }
+        out.push(("merger.ln_q.weight".into(), vec![e]));
+        out.push(("merger.mlp.0.weight".into(), vec![merged, merged]));
+        out.push(("merger.mlp.0.bias".into(), vec![merged]));
+        out.push((
+            "merger.mlp.2.weight".into(),
+            vec![self.out_hidden_size, merged],
+        ));
+        out.push(("merger.mlp.2.bias".into(), vec![self.out_hidden_size]));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(vision: Value) -> Result<Option<VisionSpec>> {
+        let cfg = json!({"model_type": "qwen2_5_vl", "vision_config": vision});
+        VisionSpec::from_json(&cfg, Path::new("m/config.json"))
+    }
+
+    #[test]
+    fn hub_config_reads_with_defaults() {
+        // Qwen2.5-VL-7B-Instruct's vision_config as the hub has it (`in_chans`, no rope key).
+        let s = spec(json!({
+            "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+            "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+            "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+            "temporal_patch_size": 2
+        }))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.head_dim(), 80);
+        assert_eq!(s.patch_len(), 1176);
+        assert_eq!(s.merge_window(), 4);
+        assert_eq!(s.rope_theta, 10000.0);
+        assert!(s.full_attention(31) && !s.full_attention(30));
+        let t = s.tensors();
+        assert_eq!(t.len(), 1 + 32 * 12 + 5);
+        assert_eq!(t[0].1, vec![1280, 3, 2, 14, 14]);
+        assert_eq!(t.last().unwrap().1, vec![3584]);
+    }
+
+    #[test]
+    fn other_model_types_have_no_tower() {
+        let cfg = json!({"model_type": "qwen2", "vision_config": {}});
+        assert!(
+            VisionSpec::from_json(&cfg, Path::new("c"))
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = spec(json!({"hidden_size": 100, "num_heads": 16}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("m/config.json") && e.contains("num_heads"),
+            "{e}"
+        );
+        let e = spec(json!({"window_size": 20})).unwrap_err().to_string();
+        assert!(e.contains("window_size"), "{e}");
+        let e = spec(json!({"depth": "x"})).unwrap_err().to_string();
+        assert!(e.contains("vision_config.depth"), "{e}");
+        let e = spec(json!({"hidden_act": "relu"})).unwrap_err().to_string();
+        assert!(e.contains("hidden_act"), "{e}");
+        let cfg = json!({"model_type": "qwen2_5_vl"});
+        let e = VisionSpec::from_json(&cfg, Path::new("c"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("vision_config"), "{e}");
+    }
+}

@@ -1,0 +1,94 @@
+//! Where the frozen vision tower's tensors lie in its read-only shared region
+//! (`checkpoint::vision` fills it, the worker maps it): one contiguous run of elements in
+//! the store's dtype, each tensor at an aligned offset. The tower is not part of the
+//! trained [`super::Layout`]: no master, no moments, no gradient slabs.
+
+use serde::{Deserialize, Serialize};
+
+use super::{TENSOR_ALIGN, TensorSpec};
+use crate::config::vision::VisionSpec;
+
+/// The tower's tensors in its region.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VisionLayout {
+    pub spec: VisionSpec,
+    /// The checkpoint's prefix of the tower (`visual.` in the hub's names, `model.visual.`
+    /// in transformers 5's); a tensor's checkpoint name is `prefix + name`.
+    pub prefix: String,
+    /// Names inside the tower (`blocks.0.attn.qkv.weight`), shapes, element offsets.
+    pub tensors: Vec<TensorSpec>,
+    /// Elements of the region (the last tensor's end).
+    pub total: usize,
+}
+
+impl VisionLayout {
+    /// Lays out every tensor of `spec`'s tower, in transformers' order, each at a
+    /// multiple of `TENSOR_ALIGN` elements.
+    pub fn new(spec: &VisionSpec, prefix: &str) -> VisionLayout {
+        let mut at = 0;
+        let tensors = spec
+            .tensors()
+            .into_iter()
+            .map(|(name, shape)| {
+                let t = TensorSpec {
+                    name,
+                    shape,
+                    offset: at,
+                };
+                at = (t.offset + t.numel()).next_multiple_of(TENSOR_ALIGN);
+                t
+            })
+            .collect::<Vec<_>>();
+        let total = tensors.last().map_or(0, |t| t.offset + t.numel());
+        VisionLayout {
+            spec: spec.clone(),
+            prefix: prefix.into(),
+            tensors,
+            total,
+        }
+    }
+
+    /// The checkpoint's name of tensor `t`.
+    pub fn hf_name(&self, t: &TensorSpec) -> String {
+        format!("{}{}", self.prefix, t.name)
+    }
+
+    /// Parameters of the tower.
+    pub fn num_params(&self) -> usize {
+        self.tensors.iter().map(TensorSpec::numel).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensors_are_aligned_and_disjoint() {
+        let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vision_config": {
+            "depth": 2, "hidden_size": 40, "num_heads": 2, "intermediate_size": 30,
+            "out_hidden_size": 24, "window_size": 56, "fullatt_block_indexes": [1]}});
+        let spec = VisionSpec::from_json(&cfg, std::path::Path::new("c"))
+            .unwrap()
+            .unwrap();
+        let l = VisionLayout::new(&spec, "visual.");
+        assert_eq!(l.tensors.len(), 1 + 2 * 12 + 5);
+        let mut end = 0;
+        for t in &l.tensors {
+            assert_eq!(t.offset % TENSOR_ALIGN, 0, "{}", t.name);
+            assert!(t.offset >= end, "{} overlaps", t.name);
+            end = t.offset + t.numel();
+        }
+        assert_eq!(l.total, end);
+        assert_eq!(l.hf_name(&l.tensors[0]), "visual.patch_embed.proj.weight");
+        let merged = 40 * 4;
+        let expect = 40 * 3 * 2 * 14 * 14
+            + 2 * (2 * 40 + 3 * 40 * 40 + 3 * 40 + 40 * 40 + 40 + 3 * 40 * 30 + 2 * 30 + 40)
+            + 40
+            + merged * merged
+            + merged
+            + 24 * merged
+            + 24;
+        assert_eq!(l.num_params(), expect);
+    }
+}
