@@ -47,7 +47,8 @@ IMAGES = [("a.png", 77, 45), ("b.jpg", 300, 113), ("c.webp", 61, 190), ("d.png",
           ("e.jpg", 700, 500)]
 for i, (name, w, h) in enumerate(IMAGES):
     img = Image.new("RGB", (w, h), (40 * i % 256, 90, 200 - 30 * i))
-    img.save(os.path.join(out, "images", name))
+    # WebP lossless: lossy WebP (VP8) is refused at the data load (not decoded yet).
+    img.save(os.path.join(out, "images", name), **({"lossless": True} if name.endswith(".webp") else {}))
 
 model = os.path.join(out, "model-qwen2vl")
 tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "configs/tiny"))
@@ -130,3 +131,7 @@ print(f"vlm fixtures: {len(records)} records, {len(IMAGES)} images, Qwen2VLProce
 # The pixels: decoded images and the image processor's pixel_values (OUT/vlm/pixels).
 subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_pixel_fixtures.py"),
                 "--out", os.path.dirname(out)], check=True)
+
+# The end-to-end golden case on these records (OUT/vlm/golden).
+subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_vlm_golden.py"),
+                "--dir", os.path.dirname(out)], check=True)

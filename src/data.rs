@@ -59,6 +59,7 @@ pub use split::held_out;
 
 use crate::config::{DatasetSection, Stage};
 use crate::error::{Error, Result};
+pub use read::Images;
 use read::{Read, Reader, read_all};
 use sources::{Source, check_tools, train_and_eval_sources};
 
@@ -176,11 +177,16 @@ impl Dataset {
             .num_threads(ds.num_workers)
             .build()
             .map_err(|e| Error::invalid("dataset.num_workers", e.to_string()))?;
+        let images = match chat {
+            Some(_) => Images::of_model(model_dir)?,
+            None => Images::TextOnly,
+        };
         let reader = Reader {
             ds,
             stage,
             chat: chat.as_ref(),
             vocab,
+            images: &images,
         };
         let read = |srcs: &[Source]| pool.install(|| read_all(srcs, &reader));
         let Read {

@@ -152,6 +152,10 @@ pub struct Init {
 pub struct VisionInit {
     pub layout: VisionLayout,
     pub region: RegionHandle,
+    /// How an image file becomes the tower's pixels (`preprocessor_config.json`); None
+    /// where the model directory has none (no batch then carries images).
+    #[serde(default)]
+    pub pixels: Option<crate::data::QwenVlImages>,
 }
 
 /// The leading blocks a worker keeps on its device, master weights, moments and compute

@@ -181,23 +181,18 @@ fn jpeg<R: Read + Seek>(r: &mut R) -> Result<ImageSize, String> {
     }
 }
 
-/// WebP: `RIFF size WEBP`, then the first chunk: `VP8 ` (lossy: a key frame's 14-bit
-/// sizes), `VP8L` (lossless: 14-bit sizes minus one after the 0x2f signature) or `VP8X`
-/// (extended: the canvas's 24-bit sizes minus one).
+/// WebP: `RIFF size WEBP`, then the first chunk: `VP8L` (lossless: 14-bit sizes minus one
+/// after the 0x2f signature) or `VP8X` (extended: the canvas's 24-bit sizes minus one);
+/// `VP8 ` (lossy) is refused, as [`decode`] cannot decode it yet.
 fn webp<R: Read + Seek>(r: &mut R) -> Result<ImageSize, String> {
     let b = exact::<_, 30>(r, 0, "WebP")?;
-    let le16 = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]) as u32;
     let le24 = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], 0]);
     match &b[12..16] {
-        b"VP8 " => {
-            if b[23..26] != [0x9d, 0x01, 0x2a] {
-                return Err("WebP (VP8) without a key frame's start code".into());
-            }
-            Ok(ImageSize {
-                width: le16(26) & 0x3fff,
-                height: le16(28) & 0x3fff,
-            })
-        }
+        // Refused here, before any long work, as the decoder would refuse it in a worker.
+        b"VP8 " => Err(
+            "lossy WebP (VP8) is not decoded yet: expected lossless WebP (VP8L), PNG or JPEG"
+                .into(),
+        ),
         b"VP8L" => {
             if b[20] != 0x2f {
                 return Err("WebP (VP8L) without its signature byte".into());
@@ -312,11 +307,12 @@ mod tests {
             b.resize(b.len().max(40), 0);
             b
         };
-        // Lossy: frame tag, start code, 14-bit width and height (scale bits above).
+        // Lossy: frame tag, start code, 14-bit width and height (scale bits above): refused
+        // at the size check, as the decoder refuses it.
         let mut vp8 = vec![0x30, 0x01, 0x00, 0x9d, 0x01, 0x2a];
         vp8.extend((0x4000u16 | 321).to_le_bytes());
         vp8.extend(123u16.to_le_bytes());
-        assert_eq!(size(&riff(b"VP8 ", &vp8)), Ok((321, 123)));
+        assert!(size(&riff(b"VP8 ", &vp8)).unwrap_err().contains("lossy WebP"));
         // Lossless: 0x2f, then width-1 and height-1 in 14 bits each.
         let bits: u32 = (321 - 1) | ((123 - 1) << 14);
         let mut vp8l = vec![0x2f];

@@ -19,7 +19,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::read::{Reader, fit, in_vocab, renders_tools, text_only};
+use super::read::{Reader, fit, in_vocab, no_images, renders_tools, why_no_images};
 use super::records::{
     BadRecord, Conversation, Message, RawRecord, Role, Schema, field_text, kind, object,
 };
@@ -38,7 +38,9 @@ pub(super) fn pair(
     let rows = match (&src.schema, reader.chat) {
         (Some(schema), Some(chat)) => {
             let (prompt, answers) = schema.ranking(rec)?;
-            text_only(&prompt, rec, schema)?;
+            let why = why_no_images(reader.images)
+                .unwrap_or_else(|| "preference pairs with images are not trained yet".into());
+            no_images(&prompt, rec, schema, &why)?;
             answers.map(|answer| {
                 let mut conv = prompt.clone();
                 conv.messages.push(answer);

@@ -33,7 +33,7 @@ const OPENAI_CLIP_STD: [f64; 3] = [0.26862954, 0.26130258, 0.27577711];
 
 /// The image processor's settings (`preprocessor_config.json`), transformers' defaults
 /// where a key is absent.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct QwenVlImages {
     pub patch_size: u32,
     pub merge_size: u32,

@@ -8,11 +8,11 @@ use rayon::prelude::*;
 use super::files::FileRecords;
 use super::records::{self, BadRecord, Conversation, RawRecord};
 use super::sources::Source;
-use super::{ChatTokenizer, Example, Skipped, chat, pairs, tokenized};
+use super::{ChatTokenizer, Example, QwenVlImages, Skipped, chat, pairs, tokenized};
 use crate::cancel;
 use crate::config::{DatasetSection, Overlong, Stage};
 use crate::error::{Error, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Reasons of the first skipped records kept for the report.
 const REPORTED_SKIPS: usize = 5;
@@ -23,6 +23,36 @@ pub(super) struct Reader<'a> {
     pub(super) stage: Stage,
     pub(super) chat: Option<&'a ChatTokenizer>,
     pub(super) vocab: usize,
+    /// What the model makes of a record's images.
+    pub(super) images: &'a Images,
+}
+
+/// What a model makes of images in the records.
+#[derive(Debug)]
+pub enum Images {
+    /// A text-only model: a record with images is refused.
+    TextOnly,
+    /// A vision-language model whose directory has no `preprocessor_config.json` (the
+    /// path): a record with images is refused, naming it.
+    NoProcessor(PathBuf),
+    /// A Qwen2-VL-style model: `<image>` expanded to the image's tokens, the image carried
+    /// to the workers.
+    Qwen(QwenVlImages),
+}
+
+impl Images {
+    /// What `model_dir`'s model makes of images: a vision-language model's image
+    /// processor settings (`preprocessor_config.json`), or text only.
+    pub fn of_model(model_dir: &Path) -> Result<Images> {
+        if crate::config::vision::VisionSpec::from_model_dir(model_dir)?.is_none() {
+            return Ok(Images::TextOnly);
+        }
+        let path = model_dir.join("preprocessor_config.json");
+        match path.exists() {
+            true => QwenVlImages::load(model_dir).map(Images::Qwen),
+            false => Ok(Images::NoProcessor(path)),
+        }
+    }
 }
 
 impl Reader<'_> {
@@ -137,12 +167,14 @@ pub(super) fn renders_tools(
     ))
 }
 
-/// A record with images is refused, fatally (every record of the dataset would be): no
-/// model here takes them yet, so its image tokens would train on nothing.
-pub(super) fn text_only(
+/// A record with images is refused, fatally (every record of the dataset would be), where
+/// its images cannot be trained: `why` says why (a text-only model, a model directory
+/// without its image processor's settings, a preference pair).
+pub(super) fn no_images(
     conv: &Conversation,
     rec: &RawRecord,
     schema: &records::Schema,
+    why: &str,
 ) -> std::result::Result<(), BadRecord> {
     let (Some(col), false) = (&schema.columns.images, conv.images.is_empty()) else {
         return Ok(());
@@ -152,12 +184,24 @@ pub(super) fn text_only(
         ..BadRecord::new(
             rec.line,
             col,
-            format!(
-                "{} images, but the model is text-only (vision-language training is not supported yet): leave the `images` column out of the dataset's `columns`",
-                conv.images.len()
-            ),
+            format!("{} images, but {why}", conv.images.len()),
         )
     })
+}
+
+/// The reason `images` cannot train a record's images, if any.
+pub(super) fn why_no_images(images: &Images) -> Option<String> {
+    match images {
+        Images::Qwen(_) => None,
+        Images::TextOnly => Some(
+            "the model is text-only: train a vision-language model (qwen2_5_vl) or leave the `images` column out of the dataset's `columns`"
+                .into(),
+        ),
+        Images::NoProcessor(path) => Some(format!(
+            "the model's image processor settings are missing: {} (copy it from the model's hub repository)",
+            path.display()
+        )),
+    }
 }
 
 /// One record to a row, with `max_seq_len` applied (but to `pt` documents that are cut
@@ -174,9 +218,16 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                 }
                 _ => {
                     let conv = schema.conversation(rec)?;
-                    text_only(&conv, rec, schema)?;
+                    if let Some(why) = why_no_images(reader.images) {
+                        no_images(&conv, rec, schema, &why)?;
+                    }
                     renders_tools(chat, &conv, rec, &schema.columns.messages)?;
-                    chat.example(&conv, ds.train_on_prompt)
+                    match reader.images {
+                        Images::Qwen(im) if !conv.images.is_empty() => {
+                            im.example(chat, &conv, ds.train_on_prompt)
+                        }
+                        _ => chat.example(&conv, ds.train_on_prompt),
+                    }
                 }
             }
             .map_err(|e| BadRecord::render(rec.line, "", e))?;
@@ -267,6 +318,7 @@ mod tests {
             stage: Stage::Sft,
             chat: None,
             vocab: 50,
+            images: &Images::TextOnly,
         };
         let ex = Example {
             input_ids: vec![1, 2, 3, 4, 5],

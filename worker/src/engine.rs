@@ -34,7 +34,7 @@ use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
 mod control;
 mod images;
 use control::Control;
-pub use images::MicroImages;
+pub use images::{MicroImages, Tower};
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -59,6 +59,8 @@ pub struct Engine {
     objective: Objective,
     /// `memory.resident_blocks`: the leading blocks kept and updated here.
     resident: Option<Resident>,
+    /// A vision-language model's frozen vision tower, on the device.
+    tower: Option<Tower>,
 }
 
 /// What a worker's step gave ([`FromWorker::StepDone`]'s fields).
@@ -112,7 +114,7 @@ impl std::fmt::Display for Interrupted {
 impl std::error::Error for Interrupted {}
 
 impl Engine {
-    pub fn new(init: &Init, mut streamer: Streamer) -> Result<Engine> {
+    pub fn new(init: &Init, mut streamer: Streamer, tower: Option<Tower>) -> Result<Engine> {
         let device = crate::stream::device_of(init.device);
         let resident = init
             .resident
@@ -144,6 +146,7 @@ impl Engine {
             buffers: layer_buffers(init)?,
             objective: init.objective,
             resident,
+            tower,
         })
     }
 
@@ -353,12 +356,21 @@ impl Engine {
     }
 
     /// The micro-batch's images as the language model reads them ([`MicroImages::new`]:
-    /// the tower's features over its pixels and its images' grids); None for text only,
-    /// which is every micro-batch until the vision tower (`model::qwen2_vl_vision`) and the
-    /// micro-batch's images (`MicroBatch.images`) are connected here. A text-only row's
-    /// 3-D positions are its 1-D ones, so text trains exactly without them.
-    fn micro_images(&self, _mb: &MicroBatch) -> Result<Option<MicroImages>> {
-        Ok(None)
+    /// the frozen tower's features over its images' pixels, and their grids); None for
+    /// text only (a text-only row's 3-D positions are its 1-D ones, so text trains exactly
+    /// without them).
+    fn micro_images(&self, mb: &MicroBatch) -> Result<Option<MicroImages>> {
+        if mb.images.is_empty() {
+            return Ok(None);
+        }
+        let Some(tower) = &self.tower else {
+            bail!(
+                "the micro-batch has {} images but this model has no vision tower here (a random init carries none)",
+                mb.images.len()
+            );
+        };
+        let (grids, features_mh) = tower.features(mb, self.kind, self.device)?;
+        MicroImages::new(&self.spec, mb, &grids, features_mh, self.device).map(Some)
     }
 
     fn head<'a>(&'a self, w: &'a BlockWeights, lm_head: &'a Tensor) -> Head<'a> {

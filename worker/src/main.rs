@@ -118,10 +118,14 @@ fn run() -> Result<()> {
         let device = stream::device_of(init.device);
         let streamer =
             stream::Streamer::new(regions, &init.layout, device, init.offload_activations)?;
-        // The frozen vision tower, on the device from now on. Held for the engine's image
-        // features (`model::qwen2_5_vl_vision`), which no step asks for yet (#49).
-        let _vision = (init.vision.as_ref())
-            .map(|v| stream::vision::load(v, init.dtype, device))
+        // The frozen vision tower, on the device from now on, for the images' features.
+        let tower = (init.vision.as_ref())
+            .map(|v| {
+                Ok::<_, anyhow::Error>(engine::Tower {
+                    weights: stream::vision::load(v, init.dtype, device)?,
+                    pixels: v.pixels,
+                })
+            })
             .transpose()?;
         let register_s = t.elapsed().as_secs_f64();
         if init.device == Device::Cpu {
@@ -146,7 +150,7 @@ fn run() -> Result<()> {
             )?,
             None => 0.0,
         };
-        let mut engine = Engine::new(&init, streamer)?;
+        let mut engine = Engine::new(&init, streamer, tower)?;
         tx.send(FromWorker::Ready {
             device: init.device.to_string(),
             register_s,

@@ -423,6 +423,14 @@ pub(super) fn workers(
     let state = &host.host;
     let split = cfg.memory.master_weights == MasterWeights::Split;
     let dump_logits = pre.outputs.dump_logits.as_ref();
+    // How the workers read image files, for a model with a vision tower.
+    let pixels = match &host.vision {
+        Some(_) => match mt::data::Images::of_model(&cfg.model.path)? {
+            mt::data::Images::Qwen(settings) => Some(settings),
+            _ => None,
+        },
+        None => None,
+    };
     let inits = (0..placement.workers)
         .map(|rank| {
             let device = match placement.devices.get(rank) {
@@ -455,6 +463,7 @@ pub(super) fn workers(
                 vision: host.vision.as_ref().map(|v| VisionInit {
                     layout: v.layout.clone(),
                     region: v.handle(),
+                    pixels,
                 }),
             }
         })

@@ -111,9 +111,18 @@ fn bad_image_records_name_line_and_key() {
         json: &json,
     };
     let conv = schema.conversation(&rec).unwrap();
-    let e = crate::data::read::text_only(&conv, &rec, &schema).unwrap_err();
+    use crate::data::read::{Images, no_images, why_no_images};
+    let why = why_no_images(&Images::TextOnly).unwrap();
+    let e = no_images(&conv, &rec, &schema, &why).unwrap_err();
     assert_eq!((e.line, e.field.as_str(), e.fatal), (9, "images", true));
     assert!(e.reason.contains("text-only"), "{}", e.reason);
+    // A vision-language model without its processor settings: refused, naming the file.
+    let missing = std::path::PathBuf::from("/m/preprocessor_config.json");
+    let why = why_no_images(&Images::NoProcessor(missing)).unwrap();
+    let e = no_images(&conv, &rec, &schema, &why).unwrap_err();
+    assert!(e.reason.contains("/m/preprocessor_config.json"), "{}", e.reason);
+    // A Qwen2-VL model takes them.
+    assert!(why_no_images(&Images::Qwen(QwenVlImages::default())).is_none());
 }
 
 /// The largest difference allowed between our `pixel_values` and the processor's.

@@ -8,9 +8,67 @@
 
 use anyhow::{Context as _, Result, bail};
 use mt::config::hf::ModelSpec;
-use mt::data::MicroBatch;
+use mt::data::{MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
-use tch::{Device, Tensor};
+use rayon::prelude::*;
+use tch::{Device, Kind, Tensor};
+
+use crate::model::{VisionWeights, qwen2_5_vl_vision};
+
+/// The worker's frozen vision tower and how it reads an image file.
+pub struct Tower {
+    pub weights: VisionWeights,
+    /// The image processor's settings (`preprocessor_config.json`); None where the model
+    /// directory has none, and then no batch carries images (the data load refuses them).
+    pub pixels: Option<QwenVlImages>,
+}
+
+impl Tower {
+    /// The tower's features (M, H) for `mb`'s images and their grids, in the order their
+    /// tokens appear: each file decoded and resized as the model's image processor does
+    /// (on the CPU, the images in parallel), the pixels' rows of all images in one (N, P)
+    /// batch through the tower.
+    pub fn features(
+        &self,
+        mb: &MicroBatch,
+        kind: Kind,
+        device: Device,
+    ) -> Result<(Vec<[u32; 3]>, Tensor)> {
+        let Some(px) = &self.pixels else {
+            bail!("the micro-batch has images but the model has no image processor settings");
+        };
+        let per_image = mb
+            .images
+            .par_iter()
+            .map(|im| {
+                let rgb = image::decode(&im.path)?;
+                px.resize(rgb.height, rgb.width)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", im.path.display()))?;
+                let (g, rows) = px.pixel_values(&rgb);
+                if [g.t, g.h, g.w] != im.grid {
+                    bail!(
+                        "{}: decoded to a {:?} patch grid, the batch was built for {:?} (the file changed since the data was read?)",
+                        im.path.display(),
+                        [g.t, g.h, g.w],
+                        im.grid
+                    );
+                }
+                Ok(rows)
+            })
+            .collect::<Result<Vec<Vec<f32>>>>()?;
+        let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
+        // One row per patch: channels x temporal patch x patch x patch.
+        let patch = 3 * i64::from(px.temporal_patch_size) * i64::from(px.patch_size).pow(2);
+        let flat: Vec<f32> = per_image.concat();
+        let n = flat.len() as i64 / patch;
+        let pixels_np = Tensor::f_from_slice(&flat)?
+            .f_view([n, patch])?
+            .f_to_device(device)?
+            .f_to_kind(kind)?;
+        let features_mh = qwen2_5_vl_vision(&self.weights, &pixels_np, &grids);
+        Ok((grids, features_mh))
+    }
+}
 
 /// What a micro-batch's images bring to the language model.
 #[derive(Debug)]
@@ -25,10 +83,6 @@ pub struct MicroImages {
 impl MicroImages {
     /// `mb`'s images: their grids (patches, (t, h, w)) in the order their tokens appear and
     /// the tower's features for them, which must hold one row per image token.
-    #[cfg_attr(
-        not(test),
-        allow(dead_code, reason = "the vision tower's glue calls it (#49)")
-    )]
     pub fn new(
         spec: &ModelSpec,
         mb: &MicroBatch,

@@ -22,9 +22,6 @@
 //! NH heads, D head dim, I MLP width, M = N / merge^2 merged tokens, O output width (the
 //! text model's hidden size), S attention segments, L the longest segment.
 
-// Until the engine's image hook calls [`qwen2_5_vl_vision`] (#49), only the tests do.
-#![cfg_attr(not(test), allow(dead_code))]
-
 use std::collections::HashMap;
 
 use mt::config::vision::VisionSpec;

@@ -141,6 +141,7 @@ fn tower_through_the_shared_region_equals_transformers() {
     let init = VisionInit {
         layout: region.layout.clone(),
         region: handle,
+        pixels: None,
     };
     let w = crate::stream::vision::load(&init, DType::Float32, Device::Cpu).unwrap();
     drop(region);
