@@ -41,14 +41,6 @@ impl HostState {
         self.drives.as_mut().map(Drives::take_io)
     }
 
-    /// The fields of the state on the drives.
-    fn slots(&self, moments: bool) -> Vec<Slot> {
-        let d = self.drives.as_ref().expect("on the drives");
-        let master = d.holds(Slot::Master).then_some(Slot::Master);
-        let mv = moments.then_some([Slot::M, Slot::V]).into_iter().flatten();
-        master.into_iter().chain(mv).collect()
-    }
-
     /// [`HostState::init_master`] with the state on the drives: `fill` makes the master a
     /// piece at a time ([`MasterMut::Sink`]); each piece goes into the store and onto the
     /// drives (a split master's low halves), and the moments stay the zeros the files were
@@ -127,7 +119,7 @@ impl HostState {
     fn restore_windows(&mut self, saved: &Saved, drives: &mut Drives) -> Result<(u64, u64)> {
         let (rounded, moments_rounded) = (AtomicU64::new(0), AtomicU64::new(0));
         let mut win = drives.spare.pop().unwrap_or_else(|| drives.new_window());
-        let slots = self.slots(true);
+        let slots = slots(drives, true);
         for b in 0..self.layout.blocks.len() {
             let offset = self.layout.blocks[b].offset;
             for w in drives.windows(&self.layout, b) {
@@ -190,7 +182,7 @@ impl HostState {
         let windows = drives.windows(&self.layout, block);
         let runs = self.runs(block);
         let offset = self.layout.blocks[block].offset;
-        let slots = self.slots(true);
+        let slots = slots(drives, true);
         while drives.spare.len() < BUFFERS {
             // Lost with a failed transfer (the run stops): made again.
             let w = drives.new_window();
@@ -322,7 +314,7 @@ impl HostState {
         moments: bool,
         write: WriteWindow,
     ) -> Result<crate::Result<()>> {
-        let slots = self.slots(moments);
+        let slots = slots(drives, moments);
         for b in 0..self.layout.blocks.len() {
             let offset = self.layout.blocks[b].offset;
             for w in drives.windows(&self.layout, b) {
@@ -353,4 +345,12 @@ impl HostState {
         }
         Ok(Ok(()))
     }
+}
+
+/// The fields on `drives` a pass reads or writes: the master where it is there, and with
+/// `moments`, m and v.
+fn slots(drives: &Drives, moments: bool) -> Vec<Slot> {
+    let master = drives.holds(Slot::Master).then_some(Slot::Master);
+    let mv = moments.then_some([Slot::M, Slot::V]).into_iter().flatten();
+    master.into_iter().chain(mv).collect()
 }

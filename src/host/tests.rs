@@ -85,10 +85,15 @@ fn reduce_step(h: &mut HostState, step: u64, slots: usize) -> f64 {
             let off = h.layout.blocks[b].offset;
             for part in h.layout.grad_parts(b, slot_len) {
                 let slot: Vec<usize> = (0..WORKERS).map(|r| (micro + r) % slots).collect();
+                let bf16_slabs = matches!(h.store.out_mut(0..0), StoreOut::Bf16(_));
                 for (r, &s) in slot.iter().enumerate() {
-                    let dst = &mut h.slabs.slot_mut::<f32>(r, s)[..part.len()];
-                    for (j, x) in dst.iter_mut().enumerate() {
-                        *x = grad(step, micro, r, off + part.start + j);
+                    let g = |j: usize| grad(step, micro, r, off + part.start + j);
+                    if bf16_slabs {
+                        let dst = &mut h.slabs.slot_mut::<bf16>(r, s)[..part.len()];
+                        dst.iter_mut().enumerate().for_each(|(j, x)| *x = bf16::from_f32(g(j)));
+                    } else {
+                        let dst = &mut h.slabs.slot_mut::<f32>(r, s)[..part.len()];
+                        dst.iter_mut().enumerate().for_each(|(j, x)| *x = g(j));
                     }
                 }
                 let last = micro + 1 == ACCUM;
@@ -489,7 +494,8 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
         ],
         &["memory.moments_dtype=bfloat16", "memory.grad_dtype=bfloat16"],
     ];
-    let drive = scratch("drive");
+    let drive = scratch("drive").join("nvme0");
+    std::fs::create_dir(&drive).unwrap();
     for over in variants {
         let run = |cfg: &RunConfig, moments: Moments| {
             let mut h = HostState::new(cfg, layout(), WORKERS, None, 0).unwrap();
@@ -532,5 +538,5 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
         let left: Vec<_> = std::fs::read_dir(&drive).unwrap().collect();
         assert!(left.is_empty(), "files left on the drive: {left:?}");
     }
-    let _ = std::fs::remove_dir_all(&drive);
+    let _ = std::fs::remove_dir_all(drive.parent().unwrap());
 }
