@@ -179,6 +179,8 @@ pub struct Drives {
     /// Elements per window: [`WINDOW`], or the largest block rounded up where that is
     /// shorter (a test sets shorter ones: [`Drives::with_window`]).
     window: usize,
+    /// Elements per stripe: [`STRIPE`] (a test sets shorter ones).
+    stripe: usize,
     /// Buffers of the windows not in flight.
     pub(super) spare: Vec<Window>,
     /// Set once a direct transfer was refused: the rest go through the page cache.
@@ -303,6 +305,7 @@ impl Drives {
             fields: all,
             starts,
             window,
+            stripe: STRIPE,
             spare: Vec::new(),
             direct_off: AtomicBool::new(!want_direct || refused),
             read_bytes: AtomicU64::new(0),
@@ -315,11 +318,15 @@ impl Drives {
         Ok(drives)
     }
 
-    /// The same drives streamed in windows of `window` elements (a multiple of [`PAD`]):
-    /// tests make a block span several windows.
-    pub fn with_window(mut self, window: usize) -> Drives {
-        assert!(window > 0 && window.is_multiple_of(PAD), "{window} elements");
-        self.window = window;
+    /// The same drives streamed in windows of `window` elements, striped in stripes of
+    /// `stripe` (multiples of [`PAD`], the stripe no longer than [`STRIPE`], for which the
+    /// files were sized): tests make a block span several windows and drives.
+    pub fn with_geometry(mut self, window: usize, stripe: usize) -> Drives {
+        for n in [window, stripe] {
+            assert!(n > 0 && n.is_multiple_of(PAD), "{n} elements");
+        }
+        assert!(stripe <= STRIPE);
+        (self.window, self.stripe) = (window, stripe);
         self.spare = (0..BUFFERS).map(|_| self.new_window()).collect();
         self
     }
@@ -409,7 +416,6 @@ impl Drives {
         // Whole pages: the block's positions are padded to PAD.
         let first = self.starts[block] + r.start;
         let n = r.len().next_multiple_of(PAD);
-        let d = self.dirs.len();
         let moved = std::thread::scope(|s| {
             let mut jobs = Vec::new();
             let mut bufs = win.bufs_mut();
@@ -419,12 +425,10 @@ impl Drives {
                 let mut bytes = buf.take().expect("a field on the drives has a buffer").bytes_mut();
                 let mut at = first;
                 while at < first + n {
-                    let (k, within) = (at / STRIPE, at % STRIPE);
-                    let len = (STRIPE - within).min(first + n - at);
+                    let (drive, off, len) = self.place(at, first + n - at);
                     let (piece, rest) = std::mem::take(&mut bytes).split_at_mut(len * es);
                     bytes = rest;
-                    let file = &f.files[k % d];
-                    let off = (((k / d) * STRIPE + within) * es) as u64;
+                    let (file, off) = (&f.files[drive], (off * es) as u64);
                     jobs.push(s.spawn(move || match write {
                         true => self.write_at(file, piece, off),
                         false => self.read_at(file, piece, off),
@@ -454,6 +458,14 @@ impl Drives {
         bytes.fetch_add(moved, Ordering::Relaxed);
         ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Where position `pos` is: its drive, its element in that drive's file, and how many of
+    /// the `n` positions from it follow it there (to the stripe's end).
+    fn place(&self, pos: usize, n: usize) -> (usize, usize, usize) {
+        let (d, s) = (self.dirs.len(), self.stripe);
+        let (k, within) = (pos / s, pos % s);
+        (k % d, (k / d) * s + within, (s - within).min(n))
     }
 
     /// Reads `buf` at byte `off` of `file`: direct while the filesystem takes it.
@@ -502,12 +514,10 @@ impl Drives {
     /// at any position: the fresh master's pieces ([`super::offload`]).
     pub(super) fn put(&self, slot: Slot, mut pos: usize, mut bytes: &[u8]) -> Result<()> {
         let f = self.fields.iter().find(|f| f.slot == slot).expect("on the drives");
-        let (es, d) = (f.elem.size(), self.dirs.len());
+        let es = f.elem.size();
         while !bytes.is_empty() {
-            let (k, within) = (pos / STRIPE, pos % STRIPE);
-            let len = (STRIPE - within).min(bytes.len() / es);
-            let file = &f.files[k % d];
-            let off = (((k / d) * STRIPE + within) * es) as u64;
+            let (drive, off, len) = self.place(pos, bytes.len() / es);
+            let (file, off) = (&f.files[drive], (off * es) as u64);
             let (piece, rest) = bytes.split_at(len * es);
             file.buffered
                 .write_all_at(piece, off)
@@ -655,4 +665,134 @@ fn preallocate(file: &File, len: u64, path: &Path) -> Result<()> {
 pub fn free_bytes(dir: &Path) -> Option<u64> {
     let st = nix::sys::statvfs::statvfs(dir).ok()?;
     Some(st.blocks_available() as u64 * st.fragment_size() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    use crate::config::hf::{HfConfig, ModelSpec};
+
+    use super::*;
+
+    fn layout() -> Layout {
+        let hf: HfConfig = serde_json::from_str(
+            r#"{"model_type":"llama","vocab_size":37,"hidden_size":24,"intermediate_size":40,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2}"#,
+        )
+        .unwrap();
+        Layout::new(&ModelSpec::from_hf(&hf, Path::new("config.json")).unwrap())
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("mt-nvme-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn create(dirs: &[PathBuf], tag: &str) -> Result<Drives> {
+        let (m, d) = (MasterWeights::Float32, DType::Float32);
+        Drives::create(dirs, &layout(), m, d, tag)
+    }
+
+    /// Every field's file is created owner-only, preallocated, and unlinked at once: the
+    /// directory holds nothing while the run lives, and the handles read back what was
+    /// written (over two drives, in stripes of one page-run).
+    #[test]
+    fn files_are_owner_only_and_unlinked_at_once() {
+        let root = scratch("files");
+        let dirs = [root.join("a"), root.join("b")];
+        dirs.iter().for_each(|d| std::fs::create_dir(d).unwrap());
+        let d = create(&dirs, "t").unwrap().with_geometry(PAD, PAD);
+        for d in &dirs {
+            assert_eq!(std::fs::read_dir(d).unwrap().count(), 0, "{}", d.display());
+        }
+        for f in &d.fields {
+            for file in &f.files {
+                let meta = file.buffered.metadata().unwrap();
+                assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+                assert_eq!(meta.nlink(), 0, "unlinked");
+                assert!(meta.len() >= (STRIPE * f.elem.size()) as u64);
+            }
+        }
+        let l = layout();
+        let b = (0..l.blocks.len()).max_by_key(|&b| l.blocks[b].len).unwrap();
+        let mut win = d.new_window();
+        let windows = d.windows(&l, b);
+        assert!(windows.len() > 1, "the block spans windows");
+        let all = [Slot::Master, Slot::M, Slot::V];
+        for (k, w) in windows.iter().enumerate() {
+            let WinBuf::F32(x) = &mut win.m else {
+                unreachable!()
+            };
+            x.as_mut_slice().fill(k as f32 + 1.0);
+            d.write(b, w.clone(), &mut win, &all).unwrap();
+        }
+        for (k, w) in windows.iter().enumerate().rev() {
+            d.read(b, w.clone(), &mut win, &all).unwrap();
+            let WinBuf::F32(x) = &win.m else {
+                unreachable!()
+            };
+            assert!(x.as_slice()[..w.len()].iter().all(|&v| v == k as f32 + 1.0));
+        }
+        let io = { d }.take_io();
+        assert!(io.read_bytes > 0 && io.write_bytes == io.read_bytes);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A file of the name the run would create is never written over (nor removed), and a
+    /// directory that is a symbolic link is refused: both named in the error.
+    #[test]
+    fn foreign_files_and_linked_directories_are_refused() {
+        let root = scratch("refused");
+        let theirs = root.join("t-m.state");
+        std::fs::write(&theirs, b"theirs").unwrap();
+        let err = create(std::slice::from_ref(&root), "t").err().expect("refused");
+        assert!(err.to_string().contains("t-m.state"), "{err}");
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"theirs");
+        // The master's file, created before, is gone.
+        assert!(!root.join("t-master.state").exists());
+        let link = root.join("link");
+        std::os::unix::fs::symlink(&root, &link).unwrap();
+        let err = create(&[link], "u").err().expect("refused");
+        assert!(err.to_string().contains("symbolic link"), "{err}");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A filesystem that refuses `O_DIRECT` (tmpfs before Linux 6.6: /dev/shm here) is
+    /// read and written through the page cache, as is every transfer once one direct
+    /// transfer was refused, with the same results.
+    #[test]
+    fn the_page_cache_path_reads_what_it_wrote() {
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            return;
+        }
+        let dir = shm.join(format!("mt-nvme-tmpfs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = create(std::slice::from_ref(&dir), "t").unwrap();
+        let n = layout().blocks[0].len;
+        for refused in [false, true] {
+            if refused {
+                d.refused(&dir);
+                assert!(!d.direct());
+            }
+            let want: Vec<f32> = (0..n).map(|i| i as f32 + f32::from(refused)).collect();
+            let mut win = d.new_window();
+            let WinBuf::F32(x) = &mut win.v else {
+                unreachable!()
+            };
+            x.as_mut_slice()[..n].copy_from_slice(&want);
+            d.write(0, 0..n, &mut win, &[Slot::V]).unwrap();
+            d.sync().unwrap();
+            let mut back = d.new_window();
+            d.read(0, 0..n, &mut back, &[Slot::V]).unwrap();
+            let WinBuf::F32(y) = &back.v else {
+                unreachable!()
+            };
+            assert_eq!(y.as_slice()[..n], want[..]);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

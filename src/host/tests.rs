@@ -494,14 +494,16 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
         ],
         &["memory.moments_dtype=bfloat16", "memory.grad_dtype=bfloat16"],
     ];
-    let drive = scratch("drive").join("nvme0");
-    std::fs::create_dir(&drive).unwrap();
+    let root = scratch("drive");
+    let drives = [root.join("nvme0"), root.join("nvme1")];
+    drives.iter().for_each(|d| std::fs::create_dir(d).unwrap());
     for over in variants {
         let run = |cfg: &RunConfig, moments: Moments| {
             let mut h = HostState::new(cfg, layout(), WORKERS, None, 0).unwrap();
             if let Some(d) = h.drives.take() {
                 assert!(d.window() > nvme::PAD, "the largest block spans windows");
-                h.drives = Some(d.with_window(nvme::PAD));
+                // Blocks over several windows and stripes, a stripe on each drive in turn.
+                h.drives = Some(d.with_geometry(nvme::PAD, nvme::PAD));
             }
             h.init_master(|_, m| {
                 fill(m);
@@ -525,9 +527,10 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
         let ram = run(&config(over), Moments::Write);
         let ram_deferred = run(&config(over), Moments::Keep);
         assert!(ram == ram_deferred, "{over:?}: RAM, deferred moments");
-        let path = format!("memory.nvme_path={}", drive.display());
-        let on = [over, &["memory.optimizer_offload=nvme", &path]].concat();
-        let (store, saved, io) = run(&config(&on), Moments::Keep);
+        let mut on = config(over);
+        on.memory.optimizer_offload = OptimizerOffload::Nvme;
+        on.memory.nvme_path = drives.to_vec();
+        let (store, saved, io) = run(&on, Moments::Keep);
         let io = io.expect("the state is on the drives");
         assert!(io.read_bytes > 0 && io.write_bytes >= io.read_bytes, "{io:?}");
         assert!(store == ram.0, "{over:?}: the store differs");
@@ -535,8 +538,10 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
             let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
             assert_eq!(differ, 0, "{over:?}: {what}: {differ} elements differ");
         }
-        let left: Vec<_> = std::fs::read_dir(&drive).unwrap().collect();
-        assert!(left.is_empty(), "files left on the drive: {left:?}");
+        for d in &drives {
+            let left: Vec<_> = std::fs::read_dir(d).unwrap().collect();
+            assert!(left.is_empty(), "files left on {}: {left:?}", d.display());
+        }
     }
-    let _ = std::fs::remove_dir_all(drive.parent().unwrap());
+    let _ = std::fs::remove_dir_all(&root);
 }
