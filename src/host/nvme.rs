@@ -40,37 +40,10 @@ use half::bf16;
 use crate::checkpoint::MasterRef;
 use crate::config::{DType, MasterWeights};
 use crate::layout::Layout;
+pub use crate::layout::drives::{BUFFERS, Field as Slot, PAD, STRIPE, WINDOW};
+use crate::layout::drives::{block_starts, field_sizes, file_len, window_len};
 use crate::shm::aligned::Aligned;
 use crate::{Error, Result};
-
-/// Elements a block's positions are rounded up to: 4 KiB of a 2-byte field, 8 KiB of a
-/// 4-byte one.
-pub const PAD: usize = 2048;
-/// Elements per stripe of a field on one drive (4 MiB of fp32).
-pub const STRIPE: usize = 1 << 20;
-/// Elements per window a pass streams (a multiple of [`PAD`]): 48 MiB of an fp32 master and
-/// moments.
-pub const WINDOW: usize = 1 << 22;
-/// Windows in flight: one read ahead, one computed, one written behind.
-pub const BUFFERS: usize = 3;
-
-/// The fields on the drives, in the order of [`Drives::fields`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Slot {
-    Master,
-    M,
-    V,
-}
-
-impl Slot {
-    fn name(self) -> &'static str {
-        match self {
-            Slot::Master => "master",
-            Slot::M => "m",
-            Slot::V => "v",
-        }
-    }
-}
 
 /// One window's values of a field.
 pub(super) enum WinBuf {
@@ -193,57 +166,6 @@ pub struct Drives {
     wait_s: f64,
 }
 
-/// The bytes one position of each field takes, for `master` and `moments`: the fields on
-/// the drives (an fp32 master 4, a split master's low halves 2, a bf16 master none; m and v
-/// 4 or 2 each).
-pub fn bytes_per_position(master: MasterWeights, moments: DType) -> usize {
-    fields(master, moments).iter().map(|(_, e)| e.size()).sum()
-}
-
-fn fields(master: MasterWeights, moments: DType) -> Vec<(Slot, Elem)> {
-    let p = match master {
-        MasterWeights::Float32 => Some(Elem::F32),
-        MasterWeights::Split => Some(Elem::U16),
-        MasterWeights::Bfloat16 => None,
-    };
-    let m = match moments {
-        DType::Float32 => Elem::F32,
-        DType::Bfloat16 => Elem::Bf16,
-    };
-    let master = p.map(|e| (Slot::Master, e));
-    master
-        .into_iter()
-        .chain([(Slot::M, m), (Slot::V, m)])
-        .collect()
-}
-
-/// Each block's first position on the drives, then the end of the last one.
-pub fn block_starts(layout: &Layout) -> Vec<usize> {
-    let mut starts = vec![0];
-    for b in &layout.blocks {
-        let last = *starts.last().expect("starts at 0");
-        starts.push(last + b.len.next_multiple_of(PAD));
-    }
-    starts
-}
-
-/// Bytes each drive's file of a field of `elem_size`-byte elements takes for `positions`:
-/// whole stripes, drive 0 holding the most.
-fn file_len(positions: usize, drives: usize, elem_size: usize) -> u64 {
-    let stripes = positions.div_ceil(STRIPE);
-    (stripes.div_ceil(drives) * STRIPE * elem_size) as u64
-}
-
-/// Bytes on each drive (every drive takes as many) for `layout`'s state held as `master`
-/// and `moments` over `drives` drives.
-pub fn drive_bytes(layout: &Layout, master: MasterWeights, moments: DType, drives: usize) -> u64 {
-    let n = *block_starts(layout).last().expect("starts at 0");
-    fields(master, moments)
-        .iter()
-        .map(|(_, e)| file_len(n, drives.max(1), e.size()))
-        .sum()
-}
-
 /// Refuses a directory that is a symbolic link, is not a directory or does not exist.
 pub fn check_dir(dir: &Path) -> Result<()> {
     let meta = std::fs::symlink_metadata(dir).map_err(|e| Error::io(dir, e))?;
@@ -279,8 +201,13 @@ impl Drives {
         let want_direct = crate::switches::get().direct_io;
         let mut refused = false;
         let mut all = Vec::new();
-        for (slot, elem) in fields(master, moments) {
-            let len = file_len(n, dirs.len(), elem.size());
+        for (slot, size) in field_sizes(master, moments) {
+            let elem = match (slot, size) {
+                (_, 4) => Elem::F32,
+                (Slot::Master, _) => Elem::U16,
+                _ => Elem::Bf16,
+            };
+            let len = file_len(n, dirs.len(), size);
             let mut files = Vec::new();
             for d in dirs {
                 let path = d.join(format!("{tag}-{}.state", slot.name()));
@@ -299,7 +226,7 @@ impl Drives {
         } else if !want_direct {
             tracing::info!("MT_DIRECT_IO=0: the optimizer state goes through the page cache");
         }
-        let window = WINDOW.min(layout.max_block_len().next_multiple_of(PAD));
+        let window = window_len(layout);
         let mut drives = Drives {
             dirs: dirs.to_vec(),
             fields: all,
@@ -650,7 +577,7 @@ fn preallocate(file: &File, len: u64, path: &Path) -> Result<()> {
             .set_len(len)
             .map_err(|e| drive_error(path, "extend", e)),
         Err(e) => {
-            let free = free_bytes(path.parent().unwrap_or(Path::new(".")));
+            let free = crate::sysmem::free_disk_bytes(path.parent().unwrap_or(Path::new(".")));
             let e = std::io::Error::from_raw_os_error(e as i32);
             let msg = format!(
                 "{len} bytes for the optimizer state, {} free",
@@ -659,12 +586,6 @@ fn preallocate(file: &File, len: u64, path: &Path) -> Result<()> {
             Err(drive_error(path, &msg, e))
         }
     }
-}
-
-/// Bytes free for this user on the filesystem of `dir`.
-pub fn free_bytes(dir: &Path) -> Option<u64> {
-    let st = nix::sys::statvfs::statvfs(dir).ok()?;
-    Some(st.blocks_available() as u64 * st.fragment_size() as u64)
 }
 
 #[cfg(test)]

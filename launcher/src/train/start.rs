@@ -335,11 +335,14 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
              or memory.optimizer_offload=none"
         );
     }
+    if let Some(d) = mt::plan::DrivePlan::new(cfg, layout) {
+        d.check()?;
+    }
     let mut host = HostState::new(cfg, layout.clone(), workers, shards, resident)?;
     crate::unix::check_stop("host memory allocation")?;
     if let Some(d) = host.drives() {
         let m = &cfg.memory;
-        let each = mt::host::nvme::drive_bytes(
+        let each = mt::layout::drives::drive_bytes(
             layout,
             m.master_weights,
             m.moments_dtype,
