@@ -23,8 +23,8 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
-pub use peers::{Elems, ElemsRef, Peers, SOLO, Solo};
 pub use nvme::DriveIo;
+pub use peers::{Elems, ElemsRef, Peers, SOLO, Solo};
 pub use shard::WriteWindow;
 
 use passes::{Place, Run, moments_pass, reduce_tensors, update};
@@ -406,7 +406,10 @@ impl HostState {
     /// The master weights, whichever way they are held (all of them: not with a sharded
     /// state, see [`HostState::gather_blocks`]).
     pub fn master(&self) -> MasterRef<'_> {
-        assert!(!self.windowed(), "a sharded or offloaded master is gathered first");
+        assert!(
+            !self.windowed(),
+            "a sharded or offloaded master is gathered first"
+        );
         match &self.master {
             Master::F32(x) => MasterRef::F32(x.as_slice()),
             Master::Split(lo) => MasterRef::Split {
@@ -506,7 +509,10 @@ impl HostState {
         state: TrainState,
         contents: CheckpointContents,
     ) -> crate::Result<(f64, Vec<Written>)> {
-        assert!(!self.windowed(), "a windowed state is checkpointed by gather_blocks");
+        assert!(
+            !self.windowed(),
+            "a windowed state is checkpointed by gather_blocks"
+        );
         // The writer reads a part of a block only while its gate state lets it, and every
         // change of a block's master (the store too, where it holds the master), m or v
         // goes through `update_block` or `settle_moments_down_to`, whose first step for a

@@ -612,6 +612,50 @@ mod tests {
         assert!(!plan.to_string().contains("GRPO reference"));
     }
 
+    /// With the optimizer's state on the drives the host holds the store, the gradient and
+    /// the windows in flight: 4 B/param with a bf16 gradient, the 14 B/param plan's total
+    /// less the master's low halves and the moments, plus three windows of 2^22 elements of
+    /// 2 + 8 bytes (the 7B's largest block is longer).
+    #[test]
+    fn the_state_on_the_drives_leaves_the_store_and_gradient_in_ram() {
+        let layout = qwen_7b_layout();
+        let opts = HostOpts {
+            store: DType::Bfloat16,
+            grad: DType::Bfloat16,
+            moments: DType::Float32,
+            master: MasterWeights::Split,
+            workers: 1,
+            slots: 4,
+            staging: Staging::Off,
+            offload: false,
+        };
+        let ram = HostPlan::new(&layout, opts);
+        let nvme = HostPlan::new(
+            &layout,
+            HostOpts {
+                offload: true,
+                ..opts
+            },
+        );
+        assert_eq!((nvme.master, nvme.adam), (0, 0));
+        assert_eq!(nvme.drive_windows, 3 * (1 << 22) * 10);
+        assert_eq!(
+            nvme.total(),
+            ram.total() - ram.master - ram.adam + nvme.drive_windows
+        );
+        assert!(
+            (nvme.bytes_per_param() - 4.0).abs() < 0.01,
+            "{}",
+            nvme.bytes_per_param()
+        );
+        let shown = nvme.to_string();
+        assert!(
+            shown.contains("on the drives") && !shown.contains("Adam m, v   "),
+            "{shown}"
+        );
+        assert!(nvme.modes().iter().all(|m| m.bytes_per_param <= 6));
+    }
+
     /// Each mode's total is the plan built under that mode (the extras kept), and the
     /// listing marks the run's own and what fits.
     #[test]

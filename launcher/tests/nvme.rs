@@ -28,7 +28,10 @@ struct Run {
 /// `extra` flags after the others.
 fn train(dir: &Path, tag: &str, steps: u64, mode: &[&str], extra: &[&str]) -> Run {
     let m = dir.join(format!("{tag}.jsonl"));
-    let (ck, out) = (dir.join(format!("ck-{tag}")), dir.join(format!("out-{tag}")));
+    let (ck, out) = (
+        dir.join(format!("ck-{tag}")),
+        dir.join(format!("out-{tag}")),
+    );
     let mut args: Vec<String> = [
         "dataset.max_seq_len=32",
         "training.batch_size=4",
@@ -85,13 +88,23 @@ fn equal_on_the_drive(name: &str, mode: &[&str]) {
         &format!("memory.nvme_path={}", drive.display()),
     ];
     let nvme = train(&dir, "nvme", 4, mode, &on);
-    assert!(nvme.stdout.contains("optimizer state on 1 drive(s)"), "{}", nvme.stdout);
+    assert!(
+        nvme.stdout.contains("optimizer state on 1 drive(s)"),
+        "{}",
+        nvme.stdout
+    );
     for key in ["loss", "grad_norm"] {
         assert_eq!(bits(&ram.rows, key), bits(&nvme.rows, key), "{key}");
     }
     assert_eq!(ram.checkpoints.len(), 2);
-    assert!(ram.checkpoints == nvme.checkpoints, "the checkpoints differ");
-    assert!(!ram.model.is_empty() && ram.model == nvme.model, "the exports differ");
+    assert!(
+        ram.checkpoints == nvme.checkpoints,
+        "the checkpoints differ"
+    );
+    assert!(
+        !ram.model.is_empty() && ram.model == nvme.model,
+        "the exports differ"
+    );
     for row in &nvme.rows {
         let read = row["drive_read_bytes"].as_u64().expect("drive_read_bytes");
         assert!(read > 0 && row["drive_wait_s"].is_number(), "{row}");
@@ -107,7 +120,10 @@ fn equal_on_the_drive(name: &str, mode: &[&str]) {
         resumed.checkpoints.last() == ram.checkpoints.last(),
         "the resumed run's last checkpoint differs"
     );
-    assert!(resumed.model == ram.model, "the resumed run's export differs");
+    assert!(
+        resumed.model == ram.model,
+        "the resumed run's export differs"
+    );
 }
 
 #[test]

@@ -192,7 +192,10 @@ impl Drives {
         moments: DType,
         tag: &str,
     ) -> Result<Drives> {
-        assert!(!dirs.is_empty(), "validated: memory.nvme_path names a drive");
+        assert!(
+            !dirs.is_empty(),
+            "validated: memory.nvme_path names a drive"
+        );
         for d in dirs {
             check_dir(d)?;
         }
@@ -349,7 +352,10 @@ impl Drives {
             for f in self.fields.iter().filter(|f| slots.contains(&f.slot)) {
                 let es = f.elem.size();
                 let (_, buf) = bufs.iter_mut().find(|(s, _)| *s == f.slot).expect("a slot");
-                let mut bytes = buf.take().expect("a field on the drives has a buffer").bytes_mut();
+                let mut bytes = buf
+                    .take()
+                    .expect("a field on the drives has a buffer")
+                    .bytes_mut();
                 let mut at = first;
                 while at < first + n {
                     let (drive, off, len) = self.place(at, first + n - at);
@@ -440,7 +446,11 @@ impl Drives {
     /// Writes `bytes` (elements of `slot` from position `pos` on) through the page cache,
     /// at any position: the fresh master's pieces ([`super::offload`]).
     pub(super) fn put(&self, slot: Slot, mut pos: usize, mut bytes: &[u8]) -> Result<()> {
-        let f = self.fields.iter().find(|f| f.slot == slot).expect("on the drives");
+        let f = self
+            .fields
+            .iter()
+            .find(|f| f.slot == slot)
+            .expect("on the drives");
         let es = f.elem.size();
         while !bytes.is_empty() {
             let (drive, off, len) = self.place(pos, bytes.len() / es);
@@ -458,11 +468,7 @@ impl Drives {
 
     /// The positions of layout elements `r` on the drives: (first position, elements
     /// within `r`) for each block `r` meets.
-    pub(super) fn positions(
-        &self,
-        layout: &Layout,
-        r: Range<usize>,
-    ) -> Vec<(usize, Range<usize>)> {
+    pub(super) fn positions(&self, layout: &Layout, r: Range<usize>) -> Vec<(usize, Range<usize>)> {
         let blocks = &layout.blocks;
         let first = blocks.partition_point(|b| b.offset + b.len <= r.start);
         blocks[first..]
@@ -638,7 +644,9 @@ mod tests {
             }
         }
         let l = layout();
-        let b = (0..l.blocks.len()).max_by_key(|&b| l.blocks[b].len).unwrap();
+        let b = (0..l.blocks.len())
+            .max_by_key(|&b| l.blocks[b].len)
+            .unwrap();
         let mut win = d.new_window();
         let windows = d.windows(&l, b);
         assert!(windows.len() > 1, "the block spans windows");
@@ -669,7 +677,9 @@ mod tests {
         let root = scratch("refused");
         let theirs = root.join("t-m.state");
         std::fs::write(&theirs, b"theirs").unwrap();
-        let err = create(std::slice::from_ref(&root), "t").err().expect("refused");
+        let err = create(std::slice::from_ref(&root), "t")
+            .err()
+            .expect("refused");
         assert!(err.to_string().contains("t-m.state"), "{err}");
         assert_eq!(std::fs::read(&theirs).unwrap(), b"theirs");
         // The master's file, created before, is gone.

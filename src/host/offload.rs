@@ -53,7 +53,13 @@ impl HostState {
         if let Master::Bf16 { .. } = self.master {
             let rounded = AtomicU64::new(0);
             let p = store_bf16(&mut self.store, 0..n);
-            return fill(&self.layout, &mut MasterMut::Bf16 { p, rounded: &rounded });
+            return fill(
+                &self.layout,
+                &mut MasterMut::Bf16 {
+                    p,
+                    rounded: &rounded,
+                },
+            );
         }
         let split = matches!(self.master, Master::Split(_));
         let drives = self.drives.as_ref().expect("on the drives");
@@ -79,7 +85,10 @@ impl HostState {
             for (pos, within) in drives.positions(layout, r) {
                 let x = &x[within];
                 let bytes: Vec<u8> = match split {
-                    true => x.iter().flat_map(|v| bits::split(*v).1.to_le_bytes()).collect(),
+                    true => x
+                        .iter()
+                        .flat_map(|v| bits::split(*v).1.to_le_bytes())
+                        .collect(),
                     false => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
                 };
                 if let Err(e) = drives.put(Slot::Master, pos, &bytes) {
@@ -320,7 +329,12 @@ impl HostState {
             for w in drives.windows(&self.layout, b) {
                 drives.read(b, w.clone(), win, &slots)?;
                 let (g, len) = (offset + w.start..offset + w.end, w.len());
-                let hi = || &self.store.bf16().expect("a split or bf16 master has a bf16 store")[g.clone()];
+                let hi = || {
+                    &self
+                        .store
+                        .bf16()
+                        .expect("a split or bf16 master has a bf16 store")[g.clone()]
+                };
                 let master = match (&self.master, &win.master) {
                     (Master::F32(_), Some(x)) => x.values(0..len),
                     (Master::Split(_), Some(WinBuf::U16(lo))) => MasterRef::Split {

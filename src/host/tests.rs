@@ -90,7 +90,9 @@ fn reduce_step(h: &mut HostState, step: u64, slots: usize) -> f64 {
                     let g = |j: usize| grad(step, micro, r, off + part.start + j);
                     if bf16_slabs {
                         let dst = &mut h.slabs.slot_mut::<bf16>(r, s)[..part.len()];
-                        dst.iter_mut().enumerate().for_each(|(j, x)| *x = bf16::from_f32(g(j)));
+                        dst.iter_mut()
+                            .enumerate()
+                            .for_each(|(j, x)| *x = bf16::from_f32(g(j)));
                     } else {
                         let dst = &mut h.slabs.slot_mut::<f32>(r, s)[..part.len()];
                         dst.iter_mut().enumerate().for_each(|(j, x)| *x = g(j));
@@ -492,7 +494,10 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
             "memory.master_weights=bfloat16",
             "memory.grad_dtype=bfloat16",
         ],
-        &["memory.moments_dtype=bfloat16", "memory.grad_dtype=bfloat16"],
+        &[
+            "memory.moments_dtype=bfloat16",
+            "memory.grad_dtype=bfloat16",
+        ],
     ];
     let root = scratch("drive");
     let drives = [root.join("nvme0"), root.join("nvme1")];
@@ -532,7 +537,10 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
         on.memory.nvme_path = drives.to_vec();
         let (store, saved, io) = run(&on, Moments::Keep);
         let io = io.expect("the state is on the drives");
-        assert!(io.read_bytes > 0 && io.write_bytes >= io.read_bytes, "{io:?}");
+        assert!(
+            io.read_bytes > 0 && io.write_bytes >= io.read_bytes,
+            "{io:?}"
+        );
         assert!(store == ram.0, "{over:?}: the store differs");
         for (what, (got, want)) in ["master", "m", "v"].iter().zip(saved.iter().zip(&ram.1)) {
             let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();

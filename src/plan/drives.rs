@@ -91,8 +91,9 @@ impl std::fmt::Display for DrivePlan {
             gb(self.per_drive)
         )?;
         for d in &self.dirs {
-            let free = crate::sysmem::free_disk_bytes(d)
-                .map_or("free space unknown".into(), |b| format!("{:.2} GB free", gb(b)));
+            let free = crate::sysmem::free_disk_bytes(d).map_or("free space unknown".into(), |b| {
+                format!("{:.2} GB free", gb(b))
+            });
             writeln!(f, "  {} ({free})", d.display())?;
         }
         Ok(())
@@ -117,16 +118,28 @@ mod tests {
             windows: 0,
         };
         plan(free / 4, vec![dir.clone()]).check().unwrap();
-        let err = plan(free + (1 << 40), vec![dir.clone()]).check().unwrap_err();
+        let err = plan(free + (1 << 40), vec![dir.clone()])
+            .check()
+            .unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains(&dir.display().to_string()) && msg.contains("GB free"), "{msg}");
+        assert!(
+            msg.contains(&dir.display().to_string()) && msg.contains("GB free"),
+            "{msg}"
+        );
         let sub = dir.join(format!("mt-drive-plan-{}", std::process::id()));
         std::fs::create_dir_all(&sub).unwrap();
-        plan(free / 3, vec![dir.clone(), sub.clone()]).check().unwrap();
+        plan(free / 3, vec![dir.clone(), sub.clone()])
+            .check()
+            .unwrap();
         let err = plan(free / 2 + (1 << 30), vec![dir.clone(), sub.clone()]).check();
         assert!(err.is_err(), "two shares of one filesystem");
         let missing = plan(1, vec![Path::new("/nonexistent/nvme").into()]).check();
-        assert!(missing.unwrap_err().to_string().contains("/nonexistent/nvme"));
+        assert!(
+            missing
+                .unwrap_err()
+                .to_string()
+                .contains("/nonexistent/nvme")
+        );
         let _ = std::fs::remove_dir(&sub);
     }
 }

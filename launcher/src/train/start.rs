@@ -351,7 +351,11 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
         println!(
             "optimizer state on {} drive(s) ({}): {:.2} GB each, {}; {:.2} GB of host buffers",
             d.dirs().len(),
-            d.dirs().iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+            d.dirs()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
             each as f64 / 1e9,
             match d.direct() {
                 true => "direct I/O",

@@ -6,7 +6,9 @@ use mt::config::NanPolicy;
 use mt::config::hf::AttentionKind;
 use mt::data::StepPlan;
 use mt::layout::Layout;
-use mt::metrics::{Bound, DriveMetrics, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
+use mt::metrics::{
+    Bound, DriveMetrics, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
+};
 use mt::optim::{clip_coefficient, lr_at};
 
 use super::{StepOutcome, Trainer};
