@@ -5,13 +5,10 @@
 //! ([`Aligned`]) with direct I/O. Host RAM keeps the store, the gradient and
 //! [`BUFFERS`] windows ([`Drives::window_bytes`]).
 //!
-//! Layout on the drives: each field (master, m, v) is one sequence of positions; block `b`
-//! starts at position [`Drives::start`]`(b)`, the blocks' lengths rounded up to [`PAD`]
-//! elements, so every block (and every window, [`WINDOW`] elements from the block's start)
-//! starts on a page of every field and no two blocks share one: a window is read and written
-//! whole pages at a time, and windows never overlap. The positions are striped over the
-//! drives in units of [`STRIPE`] elements (stripe `k` on drive `k mod D`, at stripe `k / D`
-//! of its file), and the stripes of a window are read and written in parallel.
+//! Where each element lies on the drives (padded blocks, striped over them) is
+//! [`crate::layout::drives`]: every window starts on a page of every field and no two
+//! windows share one, so a window is read and written whole pages at a time, its stripes on
+//! the drives in parallel.
 //!
 //! An update (the weights pass, which writes the moments too: a later moments pass would
 //! read and write them again) reads window i + 1 and writes window i - 1 while it computes
