@@ -650,7 +650,7 @@ mod tests {
         );
         let shown = nvme.to_string();
         assert!(
-            shown.contains("on the drives") && !shown.contains("Adam m, v   "),
+            shown.contains("on the drives") && !shown.contains("fp32 Adam m, v"),
             "{shown}"
         );
         assert!(nvme.modes().iter().all(|m| m.bytes_per_param <= 6));

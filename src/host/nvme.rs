@@ -546,8 +546,8 @@ fn open_new(path: &Path, len: u64, direct: bool) -> Result<DriveFile> {
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| drive_error(path, "create", e))?;
-    let opened = preallocate(&buffered, len, path).and_then(|()| {
-        Ok(direct
+    let opened = preallocate(&buffered, len, path).map(|()| {
+        direct
             .then(|| {
                 OpenOptions::new()
                     .read(true)
@@ -556,7 +556,7 @@ fn open_new(path: &Path, len: u64, direct: bool) -> Result<DriveFile> {
                     .open(path)
                     .ok()
             })
-            .flatten())
+            .flatten()
     });
     // Unlinked whatever happened: the open handles keep the data while the run lives.
     let removed = std::fs::remove_file(path).map_err(|e| drive_error(path, "unlink", e));
