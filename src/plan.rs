@@ -474,6 +474,11 @@ impl std::fmt::Display for HostPlan {
                         gb(self.staging_full)
                     )
                 }
+                Staging::Windows { .. } if self.opts.offload => {
+                    "checkpoint.staging_size unset: two windows of the state read back from the \
+                     drives (up to 2^24 elements each), one read while the other is written"
+                        .to_string()
+                }
                 Staging::Windows { .. } => {
                     "checkpoint.staging_size unset: two windows of node 0's gathers (up to 2^24 \
                      elements each), one gathered while the other is written"
@@ -483,7 +488,7 @@ impl std::fmt::Display for HostPlan {
             };
             // Node 0 of a sharded state (the one with gather buffers) fills it with gathered
             // windows; one node, with blocks the optimizer is about to change.
-            let what = match self.gather > 0 {
+            let what = match self.gather > 0 || self.opts.offload {
                 true => {
                     "checkpoints gathered into it at the step boundary, written while training goes on"
                 }
