@@ -396,6 +396,51 @@ pub struct MemorySection {
     /// and are updated there ([`ResidentBlocks`]): `off` (the default), `auto`, `all` or a
     /// number. Needs `master_weights: float32` or `split` and `moments_dtype: float32`.
     pub resident_blocks: ResidentBlocks,
+    /// Where the optimizer's state lives: `none` (host RAM) or `nvme`: the fp32 master (a
+    /// split master's low halves) and Adam's m and v in files under `memory.nvme_path`,
+    /// streamed through host RAM a window of a block at a time by each update
+    /// (`crate::host`'s drive store); host RAM keeps the store and the gradient. The same
+    /// bits as `none`. Not with `resident_blocks` or a state sharded over nodes.
+    pub optimizer_offload: OptimizerOffload,
+    /// The directories (one per drive; a string or a list) the state is striped over with
+    /// `optimizer_offload: nvme`. Each must exist and be a directory, not a symbolic link.
+    #[serde(deserialize_with = "one_or_many")]
+    pub nvme_path: Vec<std::path::PathBuf>,
+}
+
+/// Where the optimizer's state lives (`memory.optimizer_offload`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerOffload {
+    #[default]
+    None,
+    /// Files on the drives under `memory.nvme_path`.
+    Nvme,
+}
+
+impl OptimizerOffload {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizerOffload::None => "none",
+            OptimizerOffload::Nvme => "nvme",
+        }
+    }
+}
+
+/// A string or a list of strings, as a list of paths (`memory.nvme_path`).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<std::path::PathBuf>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(std::path::PathBuf),
+        Many(Vec<std::path::PathBuf>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(p) => vec![p],
+        OneOrMany::Many(v) => v,
+    })
 }
 
 /// How the fp32 master weights are held (`memory.master_weights`).
@@ -421,6 +466,8 @@ impl Default for MemorySection {
             master_weights: MasterWeights::Float32,
             moments_dtype: DType::Float32,
             resident_blocks: ResidentBlocks::Off,
+            optimizer_offload: OptimizerOffload::None,
+            nvme_path: Vec::new(),
         }
     }
 }
@@ -700,6 +747,7 @@ impl RunConfig {
             ));
         }
         self.validate_resident()?;
+        self.validate_offload()?;
         if let Some(d) = &self.model.devices {
             let mut seen = d.clone();
             seen.sort_unstable();
@@ -799,6 +847,42 @@ impl RunConfig {
         match why {
             Some(why) => Err(Error::invalid("memory.resident_blocks", why)),
             None => Ok(()),
+        }
+    }
+
+    /// `memory.optimizer_offload: nvme` names its drives, and `memory.nvme_path` comes with
+    /// it; the workers do not reach the drives, so no block is resident.
+    fn validate_offload(&self) -> Result<()> {
+        let m = &self.memory;
+        match m.optimizer_offload {
+            OptimizerOffload::None if !m.nvme_path.is_empty() => Err(Error::invalid(
+                "memory.nvme_path",
+                "is read only with memory.optimizer_offload: nvme (the default is none)",
+            )),
+            OptimizerOffload::None => Ok(()),
+            OptimizerOffload::Nvme if m.nvme_path.is_empty() => Err(Error::invalid(
+                "memory.nvme_path",
+                "memory.optimizer_offload: nvme needs one directory per drive (a path or a list)",
+            )),
+            OptimizerOffload::Nvme if m.resident_blocks != ResidentBlocks::Off => {
+                Err(Error::invalid(
+                    "memory.optimizer_offload",
+                    "nvme keeps the optimizer's state on the host's drives, which the GPUs \
+                     holding resident blocks do not reach: set memory.resident_blocks: off",
+                ))
+            }
+            OptimizerOffload::Nvme => {
+                let mut seen = m.nvme_path.clone();
+                seen.sort();
+                seen.dedup();
+                match seen.len() == m.nvme_path.len() {
+                    true => Ok(()),
+                    false => Err(Error::invalid(
+                        "memory.nvme_path",
+                        format!("lists a directory twice: {:?}", m.nvme_path),
+                    )),
+                }
+            }
         }
     }
 

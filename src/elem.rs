@@ -27,6 +27,9 @@ unsafe impl Pod for bf16 {}
 // SAFETY: as above.
 #[allow(unsafe_code)]
 unsafe impl Pod for u8 {}
+// SAFETY: as above (a split master's low halves).
+#[allow(unsafe_code)]
+unsafe impl Pod for u16 {}
 
 /// An element type gradients may arrive in.
 pub trait GradElem: Pod {

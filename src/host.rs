@@ -7,9 +7,15 @@
 //! node's pieces of every block only ([`crate::layout::shards`]; [`shard`]), and the nodes
 //! exchange through [`Peers`].
 //!
+//! With `memory.optimizer_offload: nvme` the master (a split master's low halves) and the
+//! moments are files on the drives instead ([`nvme`]), streamed a window at a time by every
+//! pass over them ([`offload`]).
+//!
 //! Library code: the launcher drives it step by step; the unit tests (`tests`) drive it
 //! without any process.
 
+pub mod nvme;
+mod offload;
 mod passes;
 pub mod peers;
 mod resident;
@@ -17,6 +23,7 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
+pub use nvme::DriveIo;
 pub use peers::{Elems, ElemsRef, Peers, SOLO, Solo};
 pub use shard::WriteWindow;
 
@@ -29,7 +36,9 @@ use crate::checkpoint::staging::{Gate, Part};
 use crate::checkpoint::state::{self, Schedule, Tensors, TrainState};
 use crate::checkpoint::writer::{LentMaster, LentTensors, Writer, Written};
 use crate::checkpoint::{MasterMut, MasterRef};
-use crate::config::{CheckpointContents, DType, MasterWeights, OptimizerSection, RunConfig};
+use crate::config::{
+    CheckpointContents, DType, MasterWeights, OptimizerOffload, OptimizerSection, RunConfig,
+};
 use crate::elem::GradElem;
 use crate::layout::Layout;
 use crate::layout::shards::Shards;
@@ -188,6 +197,9 @@ pub struct HostState {
     resident: usize,
     /// Where their state travels to and from the workers ([`resident`]).
     transfer: Option<SharedVec<f32>>,
+    /// The drives holding the master and moments (`memory.optimizer_offload: nvme`), whose
+    /// buffers in `master` and `moments` are then empty.
+    drives: Option<nvme::Drives>,
 }
 
 /// The second pass of an update whose weights pass ran on every block: blocks
@@ -219,9 +231,27 @@ impl HostState {
         resident: usize,
     ) -> Result<HostState> {
         let n = layout.total;
-        // The master and moments: this node's pieces, or every element.
-        let own = shards.as_ref().map_or(n, |s| s.0.len);
         let tag = format!("mt-{}", std::process::id());
+        let drives = match cfg.memory.optimizer_offload {
+            OptimizerOffload::None => None,
+            OptimizerOffload::Nvme => {
+                assert!(
+                    shards.is_none() && resident == 0,
+                    "the launcher refuses the drives with a sharded state or resident blocks"
+                );
+                let m = &cfg.memory;
+                let d = &m.nvme_path;
+                let drives =
+                    nvme::Drives::create(d, &layout, m.master_weights, m.moments_dtype, &tag)?;
+                Some(drives)
+            }
+        };
+        // The master and moments: this node's pieces, or every element; none in RAM with
+        // the drives.
+        let own = match &drives {
+            Some(_) => 0,
+            None => shards.as_ref().map_or(n, |s| s.0.len),
+        };
         let store = Store::create(&format!("{tag}-store"), n, cfg.model.dtype)?;
         let master = match cfg.memory.master_weights {
             MasterWeights::Float32 => Master::F32(Buf::zeroed(own)),
@@ -276,6 +306,7 @@ impl HostState {
             shards,
             resident,
             transfer,
+            drives,
         })
     }
 
@@ -288,6 +319,9 @@ impl HostState {
         assert!(self.checkpoint.is_none(), "no checkpoint is being written");
         if self.shards.is_some() {
             return self.init_master_sharded(fill);
+        }
+        if self.drives.is_some() {
+            return self.init_master_drives(fill);
         }
         let rounded = AtomicU64::new(0);
         let mut master = master_mut(
@@ -372,7 +406,10 @@ impl HostState {
     /// The master weights, whichever way they are held (all of them: not with a sharded
     /// state, see [`HostState::gather_blocks`]).
     pub fn master(&self) -> MasterRef<'_> {
-        assert!(self.shards.is_none(), "a sharded master is gathered first");
+        assert!(
+            !self.windowed(),
+            "a sharded or offloaded master is gathered first"
+        );
         match &self.master {
             Master::F32(x) => MasterRef::F32(x.as_slice()),
             Master::Split(lo) => MasterRef::Split {
@@ -402,6 +439,9 @@ impl HostState {
         assert!(self.checkpoint.is_none(), "no checkpoint is being written");
         if self.shards.is_some() {
             return self.restore_sharded(dir);
+        }
+        if self.drives.is_some() {
+            return self.restore_drives(dir);
         }
         let rounded = AtomicU64::new(0);
         let master = master_mut(
@@ -469,6 +509,10 @@ impl HostState {
         state: TrainState,
         contents: CheckpointContents,
     ) -> crate::Result<(f64, Vec<Written>)> {
+        assert!(
+            !self.windowed(),
+            "a windowed state is checkpointed by gather_blocks"
+        );
         // The writer reads a part of a block only while its gate state lets it, and every
         // change of a block's master (the store too, where it holds the master), m or v
         // goes through `update_block` or `settle_moments_down_to`, whose first step for a
@@ -536,14 +580,19 @@ impl HostState {
 
     /// Applies the update to every tensor of block `block`: master and store, and the
     /// moments with `Moments::Write`. With `Moments::Keep` the moments follow from
-    /// [`HostState::defer_moments`] once every block's weights are updated.
-    pub fn update_block(&mut self, block: usize, hp: &AdamWStep, moments: Moments) {
+    /// [`HostState::defer_moments`] once every block's weights are updated. With the state
+    /// on the drives, the moments are written at once either way, and an error is the
+    /// drives' (naming the file).
+    pub fn update_block(&mut self, block: usize, hp: &AdamWStep, moments: Moments) -> Result<()> {
         assert!(
             self.deferred.is_none(),
             "an update starts before the last one's moments are written"
         );
         if block < self.resident {
-            return;
+            return Ok(());
+        }
+        if self.drives.is_some() {
+            return self.update_block_drives(block, hp);
         }
         self.before_block_changes(block, Part::Weights);
         if moments == Moments::Write {
@@ -565,6 +614,7 @@ impl HostState {
                 Grad::Bf16(g) => update(master, store, adam, &g[r], at, hp, decay, moments),
             }
         }
+        Ok(())
     }
 
     /// Records that update `hp` ran with `Moments::Keep` on every block: its moments pass
@@ -572,6 +622,10 @@ impl HostState {
     /// changed ([`HostState::reduce_part`] and [`HostState::tensors`] see to it), and may
     /// run earlier, while the workers compute ([`HostState::settle_next_moments`]).
     pub fn defer_moments(&mut self, hp: AdamWStep) {
+        if self.drives.is_some() {
+            // The update wrote them (`update_block`).
+            return;
+        }
         let below = self.layout.blocks.len();
         self.deferred = Some(Deferred { hp, below });
     }

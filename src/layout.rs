@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::hf::{AttentionKind, ModelSpec, TextNames};
 
 mod carry;
+pub mod drives;
 pub mod shards;
 mod tensors;
 pub mod vision;

@@ -56,6 +56,10 @@ pub struct StepMetrics {
     /// area was full, and waiting for the previous write at a checkpoint. The workers
     /// wait for it in `update_wait_s` (or, at a checkpoint, the next step starts later).
     pub checkpoint_wait_s: f64,
+    /// With `memory.optimizer_offload: nvme`: the optimizer state's traffic to and from the
+    /// drives in this step and the time the update waited for them.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub drives: Option<DriveMetrics>,
     /// What bounded the step ([`Bound`]): the largest of the waits above when it is at
     /// least [`Bound::SHARE`] of the step, else the workers' own compute.
     pub bound: Bound,
@@ -103,6 +107,18 @@ pub struct StepMetrics {
     /// step's GRPO loss).
     #[serde(flatten)]
     pub grpo: Option<GrpoMetrics>,
+}
+
+/// A step's traffic to and from the drives holding the optimizer's state: bytes, the rate
+/// the transfers achieved (bytes over the time they took), and the seconds the update
+/// waited for them (a read not yet complete, a buffer still being written).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DriveMetrics {
+    pub drive_read_bytes: u64,
+    pub drive_write_bytes: u64,
+    pub drive_read_gb_s: f64,
+    pub drive_write_gb_s: f64,
+    pub drive_wait_s: f64,
 }
 
 /// A GRPO step's completions as TRL logs them: their rewards' mean and (unbiased) standard

@@ -4,7 +4,7 @@
 //! activation sizes of each phase of the worker's micro-batch), with the largest
 //! micro-batch that fits.
 
-use crate::config::{DType, MasterWeights, RunConfig};
+use crate::config::{DType, MasterWeights, OptimizerOffload, RunConfig};
 use crate::layout::Layout;
 use crate::shm::HEADER_LEN;
 
@@ -24,6 +24,9 @@ pub struct HostOpts {
     pub slots: usize,
     /// How periodic checkpoints are staged.
     pub staging: Staging,
+    /// `memory.optimizer_offload: nvme`: the master and moments on the drives, a few
+    /// windows of them in RAM ([`DrivePlan`]).
+    pub offload: bool,
 }
 
 /// The staging area of checkpoints written in the background ([`crate::checkpoint::staging`]).
@@ -62,7 +65,9 @@ impl Staging {
 impl HostOpts {
     pub fn new(cfg: &RunConfig, workers: usize) -> HostOpts {
         let ck = &cfg.checkpoint;
+        let offload = cfg.memory.optimizer_offload == OptimizerOffload::Nvme;
         HostOpts {
+            offload,
             store: cfg.model.dtype,
             grad: cfg.memory.grad_dtype,
             moments: cfg.memory.moments_dtype,
@@ -75,6 +80,11 @@ impl HostOpts {
             ) {
                 (false, _) => Staging::Off,
                 (true, Some(b)) => Staging::Bytes(b.0),
+                // The state on the drives is read into it a window at a time, as node 0
+                // of a sharded state gathers it.
+                (true, None) if offload => Staging::Windows {
+                    moments: ck.periodic_full_state(),
+                },
                 (true, None) => Staging::Default {
                     moments: ck.periodic_full_state(),
                 },
@@ -132,12 +142,14 @@ pub enum Fit {
 mod acts;
 mod device;
 mod disk;
+mod drives;
 mod fit;
 mod nodes;
 pub use device::{
     DeviceOpts, DevicePlan, Phase, TILE_ALIGN, delta_segment, segmented_layer, tiled_layer,
 };
 pub use disk::DiskPlan;
+pub use drives::DrivePlan;
 pub use fit::{
     DeviceMemory, Largest, Short, check as check_device_fit, resident_block_bytes, resident_fit,
 };
@@ -185,6 +197,10 @@ pub struct HostPlan {
     /// With `memory.resident_blocks`, the buffer their state travels through between the
     /// launcher and the workers (one slab slot of f32); 0 otherwise.
     pub resident_transfer: u64,
+    /// With `memory.optimizer_offload: nvme`, the buffers of the windows of master and
+    /// moments in flight between the drives and the update (`master` and `adam` are then
+    /// 0); 0 otherwise.
+    pub drive_windows: u64,
     /// Elements of one slab slot (`Layout::grad_slot_len`).
     pub slot_len: u64,
     pub workers: u64,
@@ -201,11 +217,15 @@ impl HostPlan {
             params: layout.num_params() as u64,
             opts,
             master: match opts.master {
+                _ if opts.offload => 0,
                 MasterWeights::Float32 => 4 * elems,
                 MasterWeights::Split => 2 * elems,
                 MasterWeights::Bfloat16 => 0,
             },
-            adam: 2 * opts.moments.size() as u64 * elems,
+            adam: match opts.offload {
+                true => 0,
+                false => 2 * opts.moments.size() as u64 * elems,
+            },
             grad: opts.grad.size() as u64 * elems,
             store: elems * dtype.size() as u64 + HEADER_LEN as u64,
             slabs: opts.workers as u64 * slab,
@@ -223,6 +243,10 @@ impl HostPlan {
             offloaded: 0,
             grpo_reference: 0,
             resident_transfer: 0,
+            drive_windows: match opts.offload {
+                true => crate::layout::drives::window_bytes(layout, opts.master, opts.moments),
+                false => 0,
+            },
             slot_len: slot_len as u64,
             workers: opts.workers as u64,
             slots: opts.slots as u64,
@@ -257,7 +281,11 @@ impl HostPlan {
                 Split => 2,
                 BfMaster => 0,
             };
-            let state = grad.size() + 2 * moments.size() + master_bytes;
+            let state = match self.opts.offload {
+                // The master and moments are on the drives.
+                true => grad.size(),
+                false => grad.size() + 2 * moments.size() + master_bytes,
+            };
             let name = |d: DType| match d {
                 F => "float32",
                 B => "bfloat16",
@@ -294,6 +322,7 @@ impl HostPlan {
             + self.offloaded
             + self.grpo_reference
             + self.resident_transfer
+            + self.drive_windows
     }
 
     /// The plan with the resident blocks' transfer buffer (`memory.resident_blocks` set).
@@ -389,7 +418,15 @@ impl std::fmt::Display for HostPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gb = |b: u64| b as f64 / 1e9;
         writeln!(f, "host memory for {:.3e} parameters:", self.params as f64)?;
+        if self.opts.offload {
+            writeln!(
+                f,
+                "  master, Adam m, v     on the drives (memory.optimizer_offload: nvme); {:.2} GB of windows in flight here",
+                gb(self.drive_windows)
+            )?;
+        }
         match self.opts.master {
+            _ if self.opts.offload => {}
             MasterWeights::Float32 => {
                 writeln!(f, "  fp32 master weights   {:>9.2} GB", gb(self.master))?
             }
@@ -409,7 +446,9 @@ impl std::fmt::Display for HostPlan {
             DType::Bfloat16 => "bf16",
         };
         let moments = short(self.opts.moments);
-        writeln!(f, "  {moments} Adam m, v        {:>9.2} GB", gb(self.adam))?;
+        if !self.opts.offload {
+            writeln!(f, "  {moments} Adam m, v        {:>9.2} GB", gb(self.adam))?;
+        }
         let grad = short(self.opts.grad);
         writeln!(f, "  {grad} gradient         {:>9.2} GB", gb(self.grad))?;
         writeln!(f, "  shared weight store   {:>9.2} GB", gb(self.store))?;
@@ -435,6 +474,11 @@ impl std::fmt::Display for HostPlan {
                         gb(self.staging_full)
                     )
                 }
+                Staging::Windows { .. } if self.opts.offload => {
+                    "checkpoint.staging_size unset: two windows of the state read back from the \
+                     drives (up to 2^24 elements each), one read while the other is written"
+                        .to_string()
+                }
                 Staging::Windows { .. } => {
                     "checkpoint.staging_size unset: two windows of node 0's gathers (up to 2^24 \
                      elements each), one gathered while the other is written"
@@ -444,7 +488,7 @@ impl std::fmt::Display for HostPlan {
             };
             // Node 0 of a sharded state (the one with gather buffers) fills it with gathered
             // windows; one node, with blocks the optimizer is about to change.
-            let what = match self.gather > 0 {
+            let what = match self.gather > 0 || self.opts.offload {
                 true => {
                     "checkpoints gathered into it at the step boundary, written while training goes on"
                 }
@@ -559,6 +603,7 @@ mod tests {
             workers: 1,
             slots: 4,
             staging: Staging::Off,
+            offload: false,
         };
         let plan = HostPlan::new(&layout, opts);
         // Two completions of 3 and 5 tokens: an f32 each, and a vector (24 bytes) per row.
@@ -570,6 +615,50 @@ mod tests {
             "{with}"
         );
         assert!(!plan.to_string().contains("GRPO reference"));
+    }
+
+    /// With the optimizer's state on the drives the host holds the store, the gradient and
+    /// the windows in flight: 4 B/param with a bf16 gradient, the 14 B/param plan's total
+    /// less the master's low halves and the moments, plus three windows of 2^22 elements of
+    /// 2 + 8 bytes (the 7B's largest block is longer).
+    #[test]
+    fn the_state_on_the_drives_leaves_the_store_and_gradient_in_ram() {
+        let layout = qwen_7b_layout();
+        let opts = HostOpts {
+            store: DType::Bfloat16,
+            grad: DType::Bfloat16,
+            moments: DType::Float32,
+            master: MasterWeights::Split,
+            workers: 1,
+            slots: 4,
+            staging: Staging::Off,
+            offload: false,
+        };
+        let ram = HostPlan::new(&layout, opts);
+        let nvme = HostPlan::new(
+            &layout,
+            HostOpts {
+                offload: true,
+                ..opts
+            },
+        );
+        assert_eq!((nvme.master, nvme.adam), (0, 0));
+        assert_eq!(nvme.drive_windows, 3 * (1 << 22) * 10);
+        assert_eq!(
+            nvme.total(),
+            ram.total() - ram.master - ram.adam + nvme.drive_windows
+        );
+        assert!(
+            (nvme.bytes_per_param() - 4.0).abs() < 0.01,
+            "{}",
+            nvme.bytes_per_param()
+        );
+        let shown = nvme.to_string();
+        assert!(
+            shown.contains("on the drives") && !shown.contains("fp32 Adam m, v"),
+            "{shown}"
+        );
+        assert!(nvme.modes().iter().all(|m| m.bytes_per_param <= 6));
     }
 
     /// Each mode's total is the plan built under that mode (the extras kept), and the
@@ -585,6 +674,7 @@ mod tests {
             workers: 1,
             slots: 4,
             staging: Staging::Off,
+            offload: false,
         };
         let plan = HostPlan::new(&layout, opts).with_carried(1000);
         let modes = plan.modes();
@@ -635,6 +725,7 @@ mod tests {
             workers: 2,
             slots: 4,
             staging: Staging::Off,
+            offload: false,
         };
         let plan = HostPlan::new(&layout, opts);
         assert_eq!(

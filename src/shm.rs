@@ -16,6 +16,7 @@
 //! only between steps; a worker writes a slab slot only while it owns it. The accessors are
 //! therefore `unsafe` and their callers state which rule makes them sound.
 
+pub mod aligned;
 pub mod host;
 pub mod huge;
 pub mod lent;

@@ -12,6 +12,13 @@ pub fn oom_kills() -> Option<u64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// Bytes free for an unprivileged user on the filesystem of `dir` (None where it cannot be
+/// read).
+pub fn free_disk_bytes(dir: &std::path::Path) -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(st.blocks_available() as u64 * st.fragment_size() as u64)
+}
+
 /// MemAvailable from /proc/meminfo, in bytes (None where it cannot be read).
 pub fn available_host_bytes() -> Option<u64> {
     // Test hook (`MT_TEST_HOST_MEMORY`): the RAM a test says is available, so host-memory

@@ -58,6 +58,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let best =
         budget.map(|b| DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b));
     let sharded = prep.plan.sharded(&prep.layout, p.nodes);
+    let drives = mt::plan::DrivePlan::new(&cfg, &prep.layout);
     let nodes = NodesPlan::new(&prep.plan, &sharded, p.nodes as u64);
     if p.json {
         let mut v = json(&prep, &device, budget, best);
@@ -78,6 +79,15 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
             "export_dir": disk.export_dir,
             "staging_bytes": disk.staging,
         });
+        if let Some(d) = &drives {
+            v["drives"] = serde_json::json!({
+                "dirs": d.dirs,
+                "per_drive_bytes": d.per_drive,
+                "total_bytes": d.total(),
+                "host_window_bytes": d.windows,
+            });
+            v["host"]["drive_windows"] = serde_json::json!(prep.plan.drive_windows);
+        }
         v["nodes"] = serde_json::json!({
             "nodes": nodes.nodes,
             "replicated_bytes_per_param": nodes.replicated_per_param,
@@ -89,9 +99,12 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
             "sharded_staging_bytes": nodes.sharded_staging_bytes,
         });
         println!("{v}");
-        return Ok(());
+        return drives.map_or(Ok(()), |d| Ok(d.check()?));
     }
     describe(&cfg, &placement, &prep);
+    if let Some(d) = &drives {
+        print!("{d}");
+    }
     let avail = mt::sysmem::available_host_bytes();
     println!(
         "host memory modes (the same training; {}):\n{}",
@@ -121,7 +134,8 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         ),
         _ => println!("pass --gpu-memory GB for the largest micro-batch that fits a GPU"),
     }
-    Ok(())
+    // The state must fit the drives: refused as the launch refuses it.
+    drives.map_or(Ok(()), |d| Ok(d.check()?))
 }
 
 /// The plan as JSON: host bytes by component, the device plan's phases, the largest batch.
@@ -201,6 +215,9 @@ pub fn dry_run(
     // Under mpirun, this node's share, as the run would hold it.
     crate::train::shard_plan(&mut prep, cfg, crate::mpi::world());
     prep.check_host_ram()?;
+    if let Some(d) = mt::plan::DrivePlan::new(cfg, &prep.layout) {
+        d.check()?;
+    }
     prep.check_device_memory(cfg, placement, force)?;
     prep.plan = prep.grown_plan(cfg, placement, mt::sysmem::available_host_bytes());
     let mut resolved = cfg.clone();

@@ -373,6 +373,14 @@ impl Progress {
                         (Some(x), None) => format!("  exchange {x:.2}s"),
                         _ => String::new(),
                     };
+                    // With the optimizer's state on the drives: their rates and the wait.
+                    let exchange = match &m.drives {
+                        Some(d) => format!(
+                            "{exchange}  drives r {:.2} w {:.2} GB/s (waited {:.2}s)",
+                            d.drive_read_gb_s, d.drive_write_gb_s, d.drive_wait_s
+                        ),
+                        None => exchange,
+                    };
                     println!(
                         "step {:>4}/{}  loss {:.4}{dpo}  lr {:.2e}  grad_norm {:.3}  tokens {}  {:.2}s{exchange}  {:.0} tok/s  {:.1} TFLOPS/dev  {}{}{}",
                         m.step,

@@ -553,3 +553,41 @@ fn resident_blocks_parse_and_are_refused_where_unsupported() {
         "{e}"
     );
 }
+
+/// `memory.optimizer_offload`: `none` (the default) or `nvme` with `memory.nvme_path` (a
+/// path or a list); the path without `nvme`, `nvme` without a path, a directory listed
+/// twice and resident blocks beside it are refused by the key's name.
+#[test]
+fn optimizer_offload_takes_one_path_or_a_list() {
+    assert_eq!(
+        parse(OK).unwrap().memory.optimizer_offload,
+        OptimizerOffload::None
+    );
+    let c = parse(&format!(
+        "{OK}memory: {{optimizer_offload: nvme, nvme_path: /mnt/a}}\n"
+    ))
+    .unwrap();
+    assert_eq!(c.memory.optimizer_offload, OptimizerOffload::Nvme);
+    assert_eq!(c.memory.nvme_path, [PathBuf::from("/mnt/a")]);
+    let c = parse(&format!(
+        "{OK}memory: {{optimizer_offload: nvme, nvme_path: [/mnt/a, /mnt/b]}}\n"
+    ))
+    .unwrap();
+    assert_eq!(c.memory.nvme_path.len(), 2);
+    for (memory, key) in [
+        ("{nvme_path: /mnt/a}", "memory.nvme_path"),
+        ("{optimizer_offload: nvme}", "memory.nvme_path"),
+        (
+            "{optimizer_offload: nvme, nvme_path: [/a, /a]}",
+            "memory.nvme_path",
+        ),
+        ("{optimizer_offload: disk}", "memory.optimizer_offload"),
+        (
+            "{optimizer_offload: nvme, nvme_path: /a, resident_blocks: all}",
+            "memory.optimizer_offload",
+        ),
+    ] {
+        let e = parse(&format!("{OK}memory: {memory}\n")).unwrap_err();
+        assert!(e.to_string().contains(key), "{memory}: {e}");
+    }
+}

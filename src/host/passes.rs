@@ -10,6 +10,7 @@ use crate::optim::{
     adamw_update_bf16_master, adamw_update_bf16_moments, adamw_update_split,
 };
 use crate::shm::host::{GradSlabs, Store};
+use half::bf16;
 
 use super::{AdamMoments, HostState, Master, store_bf16};
 
@@ -103,6 +104,28 @@ pub(super) fn owned(
     (r.start < r.end).then(|| (r.clone(), s.local(block, r.start)))
 }
 
+/// A stretch of the master weights as one AdamW call updates it: its fp32 values, a split
+/// master's low halves (the high halves are the store's), or a bf16 master's seed (the
+/// store is the master).
+pub(super) enum MasterSlice<'a> {
+    F32(&'a mut [f32]),
+    Split(&'a mut [u16]),
+    Bf16 { seed: u64 },
+}
+
+/// The same stretch of Adam's m and v.
+pub(super) enum MomentSlices<'a> {
+    F32 {
+        m: &'a mut [f32],
+        v: &'a mut [f32],
+    },
+    Bf16 {
+        m: &'a mut [bf16],
+        v: &'a mut [bf16],
+        seed: u64,
+    },
+}
+
 /// AdamW on `g.len()` elements at `at` of the master, the store and the moments.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn update<G: GradElem>(
@@ -115,41 +138,73 @@ pub(super) fn update<G: GradElem>(
     decay: bool,
     moments: Moments,
 ) {
-    let (start, r) = (at.global, at.global..at.global + g.len());
     let l = at.local..at.local + g.len();
+    let p = match master {
+        Master::F32(p) => MasterSlice::F32(p.range_mut(l.clone())),
+        Master::Split(lo) => MasterSlice::Split(lo.range_mut(l.clone())),
+        Master::Bf16 { seed } => MasterSlice::Bf16 { seed: *seed },
+    };
+    let adam = match adam {
+        AdamMoments::F32 { m, v } => MomentSlices::F32 {
+            m: m.range_mut(l.clone()),
+            v: v.range_mut(l),
+        },
+        AdamMoments::Bf16 { m, v, seed } => MomentSlices::Bf16 {
+            m: m.range_mut(l.clone()),
+            v: v.range_mut(l),
+            seed: *seed,
+        },
+    };
+    update_slices(p, store, adam, g, at.global, hp, decay, moments)
+}
+
+/// AdamW on `g.len()` elements: the master's and moments' stretches `p` and `adam` (held
+/// in RAM or read from the drives), the store's and the gradient's at layout index `start`
+/// (also the element index of stochastic rounding's bits).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn update_slices<G: GradElem>(
+    p: MasterSlice,
+    store: &mut Store,
+    adam: MomentSlices,
+    g: &[G],
+    start: usize,
+    hp: &AdamWStep,
+    decay: bool,
+    moments: Moments,
+) {
+    let r = start..start + g.len();
     let (m, v, seed) = match adam {
-        AdamMoments::F32 { m, v } => {
-            let (m, v) = (m.range_mut(l.clone()), v.range_mut(l.clone()));
-            return match master {
-                Master::F32(p) => {
-                    let s = store.out_mut(r.clone());
-                    adamw_update(p.range_mut(l), g, m, v, s, hp, decay, moments)
+        MomentSlices::F32 { m, v } => {
+            return match p {
+                MasterSlice::F32(p) => {
+                    let s = store.out_mut(r);
+                    adamw_update(p, g, m, v, s, hp, decay, moments)
                 }
-                Master::Split(lo) => {
-                    let hi = store_bf16(store, r.clone());
-                    adamw_update_split(hi, lo.range_mut(l), g, m, v, hp, decay, moments)
+                MasterSlice::Split(lo) => {
+                    let hi = store_bf16(store, r);
+                    adamw_update_split(hi, lo, g, m, v, hp, decay, moments)
                 }
-                Master::Bf16 { seed } => {
+                MasterSlice::Bf16 { seed } => {
                     let p = store_bf16(store, r);
                     let at = start as u64;
-                    adamw_update_bf16_master(p, g, m, v, hp, decay, *seed, at, moments)
+                    adamw_update_bf16_master(p, g, m, v, hp, decay, seed, at, moments)
                 }
             };
         }
-        AdamMoments::Bf16 { m, v, seed } => (m.range_mut(l.clone()), v.range_mut(l.clone()), *seed),
+        MomentSlices::Bf16 { m, v, seed } => (m, v, seed),
     };
-    let w = match master {
-        Master::F32(p) => WeightsMut::F32 {
-            p: p.range_mut(l),
+    let w = match p {
+        MasterSlice::F32(p) => WeightsMut::F32 {
+            p,
             store: store.out_mut(r),
         },
-        Master::Split(lo) => WeightsMut::Split {
-            hi: store_bf16(store, r.clone()),
-            lo: lo.range_mut(l),
+        MasterSlice::Split(lo) => WeightsMut::Split {
+            hi: store_bf16(store, r),
+            lo,
         },
-        Master::Bf16 { seed } => WeightsMut::Bf16 {
+        MasterSlice::Bf16 { seed } => WeightsMut::Bf16 {
             p: store_bf16(store, r),
-            seed: *seed,
+            seed,
         },
     };
     adamw_update_bf16_moments(w, g, m, v, hp, decay, seed, start as u64, moments)

@@ -275,6 +275,9 @@ impl HostState {
     /// The longest window [`HostState::gather_blocks`] gathers: the gather window, or the
     /// largest block where that is shorter.
     pub fn gather_window_len(&self) -> Result<usize> {
+        if let Some(d) = &self.drives {
+            return Ok(self.layout.max_block_len().min(d.window()));
+        }
         Ok(self.layout.max_block_len().min(gather_window()?))
     }
 
@@ -291,6 +294,9 @@ impl HostState {
         mut write: Option<WriteWindow>,
     ) -> Result<crate::Result<()>> {
         self.settle_moments();
+        if self.drives.is_some() {
+            return self.read_blocks(moments, write);
+        }
         let window = gather_window()?;
         let (shards, peers) = self.shards.as_ref().expect("sharded");
         let (peers, rank): (&dyn Peers, usize) = (*peers, peers.rank());
@@ -426,12 +432,12 @@ const STRIPE: usize = crate::checkpoint::master::PIECE;
 
 /// A slice written from several threads at once, each element by one of them, through one
 /// lock per stripe of [`STRIPE`] elements (uncontended but at a shared stripe's edge).
-struct Striped<'a, T> {
+pub(super) struct Striped<'a, T> {
     stripes: Vec<Mutex<&'a mut [T]>>,
 }
 
 impl<'a, T> Striped<'a, T> {
-    fn new(x: &'a mut [T]) -> Self {
+    pub(super) fn new(x: &'a mut [T]) -> Self {
         Striped {
             stripes: x.chunks_mut(STRIPE).map(Mutex::new).collect(),
         }
@@ -439,7 +445,7 @@ impl<'a, T> Striped<'a, T> {
 
     /// Writes elements `r`: `f(dst, within)` for each stripe's share, `dst` its elements and
     /// `within` their place in `r` (from 0).
-    fn write(&self, r: Range<usize>, mut f: impl FnMut(&mut [T], Range<usize>)) {
+    pub(super) fn write(&self, r: Range<usize>, mut f: impl FnMut(&mut [T], Range<usize>)) {
         let mut at = r.start;
         while at < r.end {
             let (s, off) = (at / STRIPE, at % STRIPE);
@@ -452,7 +458,7 @@ impl<'a, T> Striped<'a, T> {
 }
 
 /// The store as [`HostState::init_master_sharded`] writes it.
-enum Store<'a> {
+pub(super) enum Store<'a> {
     F32(Striped<'a, f32>),
     Bf16(Striped<'a, bf16>),
 }

@@ -85,10 +85,17 @@ fn reduce_step(h: &mut HostState, step: u64, slots: usize) -> f64 {
             let off = h.layout.blocks[b].offset;
             for part in h.layout.grad_parts(b, slot_len) {
                 let slot: Vec<usize> = (0..WORKERS).map(|r| (micro + r) % slots).collect();
+                let bf16_slabs = matches!(h.store.out_mut(0..0), StoreOut::Bf16(_));
                 for (r, &s) in slot.iter().enumerate() {
-                    let dst = &mut h.slabs.slot_mut::<f32>(r, s)[..part.len()];
-                    for (j, x) in dst.iter_mut().enumerate() {
-                        *x = grad(step, micro, r, off + part.start + j);
+                    let g = |j: usize| grad(step, micro, r, off + part.start + j);
+                    if bf16_slabs {
+                        let dst = &mut h.slabs.slot_mut::<bf16>(r, s)[..part.len()];
+                        dst.iter_mut()
+                            .enumerate()
+                            .for_each(|(j, x)| *x = bf16::from_f32(g(j)));
+                    } else {
+                        let dst = &mut h.slabs.slot_mut::<f32>(r, s)[..part.len()];
+                        dst.iter_mut().enumerate().for_each(|(j, x)| *x = g(j));
                     }
                 }
                 let last = micro + 1 == ACCUM;
@@ -146,7 +153,7 @@ fn reduce_then_update_is_torch_adamw() {
         let sum_sq = reduce_step(&mut h, step, slots);
         let hp = hp(&mut h, &cfg, step);
         for b in 0..h.layout.blocks.len() {
-            h.update_block(b, &hp, Moments::Write);
+            h.update_block(b, &hp, Moments::Write).unwrap();
         }
         let [p, m, v] = values(&h);
         let StoreOut::F32(store) = h.store.out_mut(0..h.layout.total) else {
@@ -243,7 +250,7 @@ fn deferred_moments_give_the_bits_of_writing_them_at_once() {
                 reduce_step(&mut h, step, cfg.memory.num_grad_slabs);
                 let hp = hp(&mut h, &cfg, step);
                 for b in 0..h.layout.blocks.len() {
-                    h.update_block(b, &hp, moments);
+                    h.update_block(b, &hp, moments).unwrap();
                 }
                 if moments == Moments::Keep {
                     h.defer_moments(hp);
@@ -281,7 +288,7 @@ fn a_checkpoint_in_flight_holds_its_step() {
         reduce_step(h, 1, cfg.memory.num_grad_slabs);
         let hp = hp(h, &cfg, 1);
         for b in 0..h.layout.blocks.len() {
-            h.update_block(b, &hp, moments);
+            h.update_block(b, &hp, moments).unwrap();
         }
         hp
     };
@@ -317,7 +324,7 @@ fn a_checkpoint_in_flight_holds_its_step() {
         reduce_step(&mut h, 2, cfg.memory.num_grad_slabs);
         let hp2 = hp(&mut h, &cfg, 2);
         for b in 0..h.layout.blocks.len() {
-            h.update_block(b, &hp2, Moments::Keep);
+            h.update_block(b, &hp2, Moments::Keep).unwrap();
         }
         h.defer_moments(hp2);
         h.settle_moments();
@@ -359,7 +366,7 @@ fn resident_blocks_copy_back_through_the_transfer_buffer() {
     reduce_step(&mut h, 1, cfg.memory.num_grad_slabs);
     let hp = hp(&mut h, &cfg, 1);
     for b in 0..h.layout.blocks.len() {
-        h.update_block(b, &hp, Moments::Write);
+        h.update_block(b, &hp, Moments::Write).unwrap();
     }
     let [p1, m1, _] = values(&h);
     let block0 = h.layout.blocks[0].range();
@@ -401,4 +408,148 @@ fn scratch(name: &str) -> PathBuf {
     std::fs::create_dir_all(dir.join("src")).unwrap();
     std::fs::write(dir.join("src/config.json"), "{}").unwrap();
     dir
+}
+
+/// The master's initial values (`value(i, 0)`) written as `m` takes them: an fp32 master,
+/// a split one's halves, a bf16 one rounded to nearest even, or a piece at a time.
+fn fill(m: &mut MasterMut) {
+    match m {
+        MasterMut::F32(x) => x.iter_mut().enumerate().for_each(|(i, x)| *x = value(i, 0)),
+        MasterMut::Split { hi, lo } => {
+            for (i, (h, l)) in hi.iter_mut().zip(lo.iter_mut()).enumerate() {
+                (*h, *l) = crate::elem::bits::split(value(i, 0));
+            }
+        }
+        MasterMut::Bf16 { p, .. } => {
+            for (i, p) in p.iter_mut().enumerate() {
+                *p = bf16::from_f32(value(i, 0));
+            }
+        }
+        MasterMut::Sink { len, put } => {
+            // Pieces of an odd length, from the last, as a parallel load may hand them.
+            let starts: Vec<usize> = (0..*len).step_by(777).collect();
+            for &s in starts.iter().rev() {
+                let x: Vec<f32> = (s..(s + 777).min(*len)).map(|i| value(i, 0)).collect();
+                put(s, &x);
+            }
+        }
+    }
+}
+
+/// Every block's master, m and v as a checkpoint reads them (fp32 values, as bits): from
+/// the live state in RAM, or read back from the drives a window at a time.
+fn saved_bits(h: &mut HostState) -> [Vec<u32>; 3] {
+    use crate::checkpoint::state::{BlockValues, Field};
+    let n = h.layout.total;
+    let mut out = [vec![0u32; n], vec![0u32; n], vec![0u32; n]];
+    let mut put = |at: usize, v: &dyn BlockValues, r: std::ops::Range<usize>| {
+        for (k, f) in [Field::Master, Field::M, Field::V].into_iter().enumerate() {
+            let x = v.values(f, r.clone());
+            for (j, x) in x.iter().enumerate() {
+                out[k][at + j] = x.to_bits();
+            }
+        }
+    };
+    if h.windowed() {
+        let layout = h.layout.clone();
+        let mut write = |b: usize, w: std::ops::Range<usize>, v: &dyn BlockValues| {
+            put(layout.blocks[b].offset + w.start, v, 0..w.len());
+            Ok(())
+        };
+        h.gather_blocks(true, Some(&mut write)).unwrap().unwrap();
+    } else {
+        let live = h.live();
+        for b in &h.layout.blocks {
+            put(b.offset, &live, b.range());
+        }
+    }
+    out
+}
+
+/// The store's bits.
+fn store_bits(h: &mut HostState) -> Vec<u32> {
+    match h.store.out_mut(0..h.layout.total) {
+        StoreOut::F32(s) => s.iter().map(|x| x.to_bits()).collect(),
+        StoreOut::Bf16(s) => s.iter().map(|x| u32::from(x.to_bits())).collect(),
+    }
+}
+
+/// `memory.optimizer_offload: nvme`: three steps with the master and moments on a
+/// "drive" (a temporary directory), streamed in windows shorter than most blocks (so a
+/// block spans several, its last one partial), give the RAM path's bits (its weights and
+/// moments written at once, and deferred) in the store and in what a checkpoint reads, for
+/// every master and moments mode; nothing is left in the directory.
+#[test]
+fn the_state_on_the_drives_gives_the_bits_of_ram() {
+    let _one = one_at_a_time();
+    let variants: [&[&str]; 4] = [
+        &[],
+        &[
+            "model.dtype=bfloat16",
+            "memory.master_weights=split",
+            "memory.moments_dtype=bfloat16",
+        ],
+        &[
+            "model.dtype=bfloat16",
+            "memory.master_weights=bfloat16",
+            "memory.grad_dtype=bfloat16",
+        ],
+        &[
+            "memory.moments_dtype=bfloat16",
+            "memory.grad_dtype=bfloat16",
+        ],
+    ];
+    let root = scratch("drive");
+    let drives = [root.join("nvme0"), root.join("nvme1")];
+    drives.iter().for_each(|d| std::fs::create_dir(d).unwrap());
+    for over in variants {
+        let run = |cfg: &RunConfig, moments: Moments| {
+            let mut h = HostState::new(cfg, layout(), WORKERS, None, 0).unwrap();
+            if let Some(d) = h.drives.take() {
+                assert!(d.window() > nvme::PAD, "the largest block spans windows");
+                // Blocks over several windows and stripes, a stripe on each drive in turn.
+                h.drives = Some(d.with_geometry(nvme::PAD, nvme::PAD));
+            }
+            h.init_master(|_, m| {
+                fill(m);
+                Ok(())
+            })
+            .unwrap();
+            for step in 1..=3u64 {
+                reduce_step(&mut h, step, cfg.memory.num_grad_slabs);
+                let hp = hp(&mut h, cfg, step);
+                for b in 0..h.layout.blocks.len() {
+                    h.update_block(b, &hp, moments).unwrap();
+                }
+                if moments == Moments::Keep {
+                    h.defer_moments(hp);
+                }
+            }
+            h.settle_moments();
+            let io = h.take_drive_io();
+            (store_bits(&mut h), saved_bits(&mut h), io)
+        };
+        let ram = run(&config(over), Moments::Write);
+        let ram_deferred = run(&config(over), Moments::Keep);
+        assert!(ram == ram_deferred, "{over:?}: RAM, deferred moments");
+        let mut on = config(over);
+        on.memory.optimizer_offload = OptimizerOffload::Nvme;
+        on.memory.nvme_path = drives.to_vec();
+        let (store, saved, io) = run(&on, Moments::Keep);
+        let io = io.expect("the state is on the drives");
+        assert!(
+            io.read_bytes > 0 && io.write_bytes >= io.read_bytes,
+            "{io:?}"
+        );
+        assert!(store == ram.0, "{over:?}: the store differs");
+        for (what, (got, want)) in ["master", "m", "v"].iter().zip(saved.iter().zip(&ram.1)) {
+            let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
+            assert_eq!(differ, 0, "{over:?}: {what}: {differ} elements differ");
+        }
+        for d in &drives {
+            let left: Vec<_> = std::fs::read_dir(d).unwrap().collect();
+            assert!(left.is_empty(), "files left on {}: {left:?}", d.display());
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
 }

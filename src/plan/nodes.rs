@@ -201,6 +201,7 @@ mod tests {
             workers: 1,
             slots: 4,
             staging: Staging::Off,
+            offload: false,
         };
         HostPlan {
             params,
@@ -219,6 +220,7 @@ mod tests {
             offloaded: 0,
             grpo_reference: 0,
             resident_transfer: 0,
+            drive_windows: 0,
             slot_len: 0,
             workers: 1,
             slots: 4,

@@ -97,7 +97,7 @@ impl Trainer {
     /// Applies update `hp` to block `block` (this node's pieces, where sharded) and gives
     /// every node the updated weights of the block (on one node, nothing to give).
     pub(super) fn update_block(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
-        self.host.update_block(block, hp, self.moments);
+        self.host.update_block(block, hp, self.moments)?;
         let (t, waited) = (Instant::now(), self.peers.waited());
         self.host.gather_store(block)?;
         self.update_exchange_s += t.elapsed().as_secs_f64();

@@ -322,7 +322,18 @@ pub(super) fn export(
     let Some(out) = cfg.export_dir() else {
         return Ok(());
     };
-    if !host.sharded() {
+    write_model(out, host, export, lead)
+}
+
+/// [`export`] into `out`: from the master in RAM, or a window of a block at a time where it
+/// is sharded (gathered on node 0) or on the drives.
+pub(super) fn write_model(
+    out: &std::path::Path,
+    host: &mut HostState,
+    export: &mt::checkpoint::ExportOptions,
+    lead: bool,
+) -> Result<()> {
+    if !host.windowed() {
         if lead {
             mt::checkpoint::save_hf(out, &host.layout, host.master(), export)?;
             println!("model written to {}", out.display());

@@ -416,11 +416,8 @@ impl Trainer {
         };
         let _lock = check().map_err(Failure::Refused)?;
         self.pull_resident(false).map_err(fatal)?;
-        let layout = &self.host.layout;
-        checkpoint::save_hf(&out, layout, self.host.master(), &self.export)
-            .map_err(|e| Failure::Refused(e.into()))?;
-        self.progress
-            .println(&format!("model written to {}", out.display()));
+        super::nodes::write_model(&out, &mut self.host, &self.export, true)
+            .map_err(Failure::Refused)?;
         Ok(out)
     }
 

@@ -339,8 +339,42 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
     crate::unix::check_stop("start-up")?;
     let (resident, resident_bytes) = pre.resident;
     let workers = pre.placement.workers;
+    if cfg.memory.optimizer_offload == mt::config::OptimizerOffload::Nvme && shards.is_some() {
+        anyhow::bail!(
+            "memory.optimizer_offload: nvme is not supported with the state sharded over nodes \
+             (nodes.shard_state: true under mpirun) yet: pass --set nodes.shard_state=false, \
+             or memory.optimizer_offload=none"
+        );
+    }
+    if let Some(d) = mt::plan::DrivePlan::new(cfg, layout) {
+        d.check()?;
+    }
     let mut host = HostState::new(cfg, layout.clone(), workers, shards, resident)?;
     crate::unix::check_stop("host memory allocation")?;
+    if let Some(d) = host.drives() {
+        let m = &cfg.memory;
+        let each = mt::layout::drives::drive_bytes(
+            layout,
+            m.master_weights,
+            m.moments_dtype,
+            d.dirs().len(),
+        );
+        println!(
+            "optimizer state on {} drive(s) ({}): {:.2} GB each, {}; {:.2} GB of host buffers",
+            d.dirs().len(),
+            d.dirs()
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            each as f64 / 1e9,
+            match d.direct() {
+                true => "direct I/O",
+                false => "through the page cache (O_DIRECT refused), fdatasync per pass",
+            },
+            d.window_bytes() as f64 / 1e9
+        );
+    }
     if resident > 0 {
         println!(
             "resident blocks: {resident} of {} ({:.2} GB on each worker's device): updated there, not streamed",

@@ -6,7 +6,9 @@ use mt::config::NanPolicy;
 use mt::config::hf::AttentionKind;
 use mt::data::StepPlan;
 use mt::layout::Layout;
-use mt::metrics::{Bound, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops};
+use mt::metrics::{
+    Bound, DriveMetrics, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
+};
 use mt::optim::{clip_coefficient, lr_at};
 
 use super::{StepOutcome, Trainer};
@@ -26,7 +28,8 @@ impl Trainer {
         if let Some(contents) = due {
             self.checkpointed = Some((done, contents));
         }
-        if self.host.sharded() {
+        if self.host.windowed() {
+            // Sharded over nodes, or on the drives: read a window of a block at a time.
             return self.checkpoint_sharded(done, last, due);
         }
         let Some(writer) = self.writer.as_mut() else {
@@ -213,6 +216,13 @@ impl Trainer {
             update_wait_s: out.slowest.update_wait_s,
             checkpoint_wait_s: self.host.take_checkpoint_wait()
                 + std::mem::take(&mut self.checkpoint_wait_s),
+            drives: self.host.take_drive_io().map(|io| DriveMetrics {
+                drive_read_bytes: io.read_bytes,
+                drive_write_bytes: io.write_bytes,
+                drive_read_gb_s: io.read_bytes as f64 / 1e9 / io.read_s.max(1e-9),
+                drive_write_gb_s: io.write_bytes as f64 / 1e9 / io.write_s.max(1e-9),
+                drive_wait_s: io.wait_s,
+            }),
             bound: match exchange {
                 Some((x, wait)) => bound.with_exchange(x - wait, out.reduce_s + optimizer_s),
                 None => bound,

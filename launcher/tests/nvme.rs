@@ -1,0 +1,145 @@
+//! `memory.optimizer_offload: nvme` end to end on the tiny demo (configs/tiny.yaml, short
+//! rows): the master and moments in files on a "drive" (a directory of the scratch area)
+//! give the RAM run's bits: every loss and gradient norm, the checkpoints (one written in
+//! the background, the last at once) and the exported model; a run resumed from the
+//! background checkpoint continues exactly; nothing is left on the drive. In the fp32
+//! master and moments mode and in the 10 B/param one (split master, bf16 moments).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+fn tiny() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.yaml")
+}
+
+/// A run's metrics lines, the tensors of its checkpoints' optimizer files (steps 2 and 4)
+/// and its exported model's bytes.
+struct Run {
+    rows: Vec<serde_json::Value>,
+    checkpoints: Vec<Vec<(String, Vec<u32>)>>,
+    model: Vec<u8>,
+    stdout: String,
+}
+
+/// `steps` steps of the tiny demo in `mode`, checkpointed every 2, the model exported;
+/// `extra` flags after the others.
+fn train(dir: &Path, tag: &str, steps: u64, mode: &[&str], extra: &[&str]) -> Run {
+    let m = dir.join(format!("{tag}.jsonl"));
+    let (ck, out) = (
+        dir.join(format!("ck-{tag}")),
+        dir.join(format!("out-{tag}")),
+    );
+    let mut args: Vec<String> = [
+        "dataset.max_seq_len=32",
+        "training.batch_size=4",
+        "training.eval_steps=1000",
+        "checkpoint.every_steps=2",
+        &format!("training.num_steps={steps}"),
+        &format!("checkpoint.dir={}", ck.display()),
+        &format!("training.output_dir={}", out.display()),
+    ]
+    .iter()
+    .chain(mode)
+    .flat_map(|kv| ["--set".to_string(), kv.to_string()])
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (o, all) = run_cpu(&tiny(), 2, &m, &args);
+    assert_ok(&o, &all.iter().map(String::as_str).collect::<Vec<_>>());
+    let checkpoints = [2, 4]
+        .iter()
+        .filter(|&&s| s <= steps && ck.join(format!("step-{s:08}")).exists())
+        .map(|s| {
+            let t = tensors(&ck.join(format!("step-{s:08}/optimizer.safetensors")));
+            let mut t: Vec<(String, Vec<u32>)> = t
+                .into_iter()
+                .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+                .collect();
+            t.sort();
+            t
+        })
+        .collect();
+    Run {
+        rows: metrics(&m),
+        checkpoints,
+        model: std::fs::read(out.join("model.safetensors")).unwrap_or_default(),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned()
+            + &String::from_utf8_lossy(&o.stderr),
+    }
+}
+
+fn bits(rows: &[serde_json::Value], key: &str) -> Vec<u64> {
+    column(rows, key).iter().map(|x| x.to_bits()).collect()
+}
+
+/// The RAM run and the drive run of `mode`, and a drive run resumed from step 2.
+fn equal_on_the_drive(name: &str, mode: &[&str]) {
+    let dir = scratch(name);
+    let drive = dir.join("nvme0");
+    std::fs::create_dir(&drive).unwrap();
+    let ram = train(&dir, "ram", 4, mode, &[]);
+    let on = [
+        "--set",
+        "memory.optimizer_offload=nvme",
+        "--set",
+        &format!("memory.nvme_path={}", drive.display()),
+    ];
+    let nvme = train(&dir, "nvme", 4, mode, &on);
+    assert!(
+        nvme.stdout.contains("optimizer state on 1 drive(s)"),
+        "{}",
+        nvme.stdout
+    );
+    for key in ["loss", "grad_norm"] {
+        assert_eq!(bits(&ram.rows, key), bits(&nvme.rows, key), "{key}");
+    }
+    assert_eq!(ram.checkpoints.len(), 2);
+    assert!(
+        ram.checkpoints == nvme.checkpoints,
+        "the checkpoints differ"
+    );
+    assert!(
+        !ram.model.is_empty() && ram.model == nvme.model,
+        "the exports differ"
+    );
+    for row in &nvme.rows {
+        let read = row["drive_read_bytes"].as_u64().expect("drive_read_bytes");
+        assert!(read > 0 && row["drive_wait_s"].is_number(), "{row}");
+    }
+    assert!(ram.rows[0].get("drive_read_bytes").is_none());
+    let left = std::fs::read_dir(&drive).unwrap().count();
+    assert_eq!(left, 0, "files left on the drive");
+
+    let from = dir.join("ck-nvme/step-00000002");
+    let resume = [&on[..], &["--resume", path_str(&from)]].concat();
+    let resumed = train(&dir, "resumed", 4, mode, &resume);
+    assert_eq!(bits(&resumed.rows, "loss"), bits(&ram.rows, "loss")[2..]);
+    assert!(
+        resumed.checkpoints.last() == ram.checkpoints.last(),
+        "the resumed run's last checkpoint differs"
+    );
+    assert!(
+        resumed.model == ram.model,
+        "the resumed run's export differs"
+    );
+}
+
+#[test]
+fn fp32_state_on_the_drive_gives_the_ram_bits() {
+    equal_on_the_drive("nvme-fp32", &[]);
+}
+
+#[test]
+fn split_master_bf16_moments_on_the_drive_give_the_ram_bits() {
+    equal_on_the_drive(
+        "nvme-split",
+        &[
+            "model.dtype=bfloat16",
+            "memory.master_weights=split",
+            "memory.moments_dtype=bfloat16",
+        ],
+    );
+}

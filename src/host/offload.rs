@@ -1,0 +1,370 @@
+//! The host state's passes with the optimizer's state on the drives
+//! (`memory.optimizer_offload: nvme`, [`super::nvme`]): the fresh master written to the
+//! drives, a checkpoint read onto them, the update streamed through windows, and the
+//! state read back a window at a time for a checkpoint or the export (the path a sharded
+//! state takes, [`super::shard`], so the launcher writes both alike).
+
+use std::ops::Range;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::time::Instant;
+
+use half::bf16;
+
+use crate::checkpoint::state::{Field, Saved, Tensors, TrainState};
+use crate::checkpoint::{MasterMut, MasterRef};
+use crate::elem::bits;
+use crate::layout::Layout;
+use crate::optim::{AdamWStep, Moments, StoreOut};
+use crate::{Error, Result};
+
+use super::nvme::{BUFFERS, Drives, Slot, WinBuf, Window};
+use super::passes::{MasterSlice, MomentSlices, Run, update_slices};
+use super::shard::{Store as StripedStore, Striped, WriteWindow};
+use super::{AdamMoments, Grad, HostState, Master, store_bf16};
+
+impl HostState {
+    /// The drives holding the optimizer's state, if it is there.
+    pub fn drives(&self) -> Option<&Drives> {
+        self.drives.as_ref()
+    }
+
+    /// Whether checkpoints and the export read the master and moments a window at a time
+    /// ([`HostState::gather_blocks`]): sharded over nodes, or on the drives.
+    pub fn windowed(&self) -> bool {
+        self.shards.is_some() || self.drives.is_some()
+    }
+
+    /// The bytes moved to and from the drives and the time the update waited for them since
+    /// the last call (None with the state in RAM).
+    pub fn take_drive_io(&mut self) -> Option<super::nvme::DriveIo> {
+        self.drives.as_mut().map(Drives::take_io)
+    }
+
+    /// [`HostState::init_master`] with the state on the drives: `fill` makes the master a
+    /// piece at a time ([`MasterMut::Sink`]); each piece goes into the store and onto the
+    /// drives (a split master's low halves), and the moments stay the zeros the files were
+    /// created with. No whole copy is held.
+    pub(super) fn init_master_drives(
+        &mut self,
+        fill: impl FnOnce(&Layout, &mut MasterMut) -> crate::Result<()>,
+    ) -> Result<()> {
+        let n = self.layout.total;
+        if let Master::Bf16 { .. } = self.master {
+            let rounded = AtomicU64::new(0);
+            let p = store_bf16(&mut self.store, 0..n);
+            return fill(
+                &self.layout,
+                &mut MasterMut::Bf16 {
+                    p,
+                    rounded: &rounded,
+                },
+            );
+        }
+        let split = matches!(self.master, Master::Split(_));
+        let drives = self.drives.as_ref().expect("on the drives");
+        let layout = &self.layout;
+        let failed: Mutex<Option<Error>> = Mutex::new(None);
+        let store = match self.store.out_mut(0..n) {
+            StoreOut::F32(s) => StripedStore::F32(Striped::new(s)),
+            StoreOut::Bf16(s) => StripedStore::Bf16(Striped::new(s)),
+        };
+        let put = |first: usize, x: &[f32]| {
+            let r = first..first + x.len();
+            match &store {
+                StripedStore::F32(s) => s.write(r.clone(), |d, i| d.copy_from_slice(&x[i])),
+                StripedStore::Bf16(s) => s.write(r.clone(), |d, i| {
+                    for (d, x) in d.iter_mut().zip(&x[i]) {
+                        *d = match split {
+                            true => bits::split(*x).0,
+                            false => bf16::from_f32(*x),
+                        };
+                    }
+                }),
+            }
+            for (pos, within) in drives.positions(layout, r) {
+                let x = &x[within];
+                let bytes: Vec<u8> = match split {
+                    true => x
+                        .iter()
+                        .flat_map(|v| bits::split(*v).1.to_le_bytes())
+                        .collect(),
+                    false => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                };
+                if let Err(e) = drives.put(Slot::Master, pos, &bytes) {
+                    failed.lock().expect("a writer panicked").get_or_insert(e);
+                }
+            }
+        };
+        fill(layout, &mut MasterMut::Sink { len: n, put: &put })?;
+        if let Some(e) = failed.into_inner().expect("a writer panicked") {
+            return Err(e);
+        }
+        drives.sync_all()
+    }
+
+    /// [`HostState::restore`] with the state on the drives: each window of each block of
+    /// the checkpoint's master and moments is read into a window's buffers (the store's
+    /// part of the master into the store) and written to the drives.
+    pub(super) fn restore_drives(&mut self, dir: &std::path::Path) -> Result<TrainState> {
+        let saved = Saved::open(dir, &self.layout)?;
+        let mut drives = self.drives.take().expect("on the drives");
+        let restored = self.restore_windows(&saved, &mut drives);
+        self.drives = Some(drives);
+        let rounded = restored?;
+        if rounded != (0, 0) {
+            tracing::warn!(
+                master = rounded.0,
+                moments = rounded.1,
+                "{}: values of the checkpoint are not bf16 values and were rounded to nearest even for the bfloat16 master or moments: the run does not continue exactly as the saved one would have",
+                dir.display(),
+            );
+        }
+        self.updates = saved.state.updates;
+        Ok(saved.state)
+    }
+
+    /// [`HostState::restore_drives`]' windows; the values rounded (master, moments).
+    fn restore_windows(&mut self, saved: &Saved, drives: &mut Drives) -> Result<(u64, u64)> {
+        let (rounded, moments_rounded) = (AtomicU64::new(0), AtomicU64::new(0));
+        let mut win = drives.spare.pop().unwrap_or_else(|| drives.new_window());
+        let slots = slots(drives, true);
+        for b in 0..self.layout.blocks.len() {
+            let offset = self.layout.blocks[b].offset;
+            for w in drives.windows(&self.layout, b) {
+                let (g, len) = (offset + w.start..offset + w.end, w.len());
+                let mut master = match (&self.master, win.master.as_mut()) {
+                    (Master::F32(_), Some(WinBuf::F32(x))) => {
+                        MasterMut::F32(&mut x.as_mut_slice()[..len])
+                    }
+                    (Master::Split(_), Some(WinBuf::U16(lo))) => MasterMut::Split {
+                        hi: store_bf16(&mut self.store, g.clone()),
+                        lo: &mut lo.as_mut_slice()[..len],
+                    },
+                    (Master::Bf16 { .. }, None) => MasterMut::Bf16 {
+                        p: store_bf16(&mut self.store, g.clone()),
+                        rounded: &rounded,
+                    },
+                    _ => unreachable!("the window holds the master's fields"),
+                };
+                saved.read(Field::Master, g.start, &mut master)?;
+                if let Some(WinBuf::F32(x)) = &win.master {
+                    let x = &x.as_slice()[..len];
+                    match self.store.out_mut(g.clone()) {
+                        StoreOut::F32(s) => s.copy_from_slice(x),
+                        StoreOut::Bf16(s) => s
+                            .iter_mut()
+                            .zip(x)
+                            .for_each(|(d, x)| *d = bf16::from_f32(*x)),
+                    }
+                }
+                for (field, buf) in [(Field::M, &mut win.m), (Field::V, &mut win.v)] {
+                    let mut dst = match buf {
+                        WinBuf::F32(x) => MasterMut::F32(&mut x.as_mut_slice()[..len]),
+                        WinBuf::Bf16(x) => MasterMut::Bf16 {
+                            p: &mut x.as_mut_slice()[..len],
+                            rounded: &moments_rounded,
+                        },
+                        WinBuf::U16(_) => unreachable!("moments are f32 or bf16"),
+                    };
+                    saved.read(field, g.start, &mut dst)?;
+                }
+                drives.write(b, w, &mut win, &slots)?;
+            }
+        }
+        drives.spare.push(win);
+        drives.sync()?;
+        Ok((rounded.into_inner(), moments_rounded.into_inner()))
+    }
+
+    /// [`HostState::update_block`] with the state on the drives: the block's windows read,
+    /// updated and written back, the next one read and the last one written while one is
+    /// computed. The moments are written with the weights whatever `Moments` says.
+    pub(super) fn update_block_drives(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
+        let mut drives = self.drives.take().expect("on the drives");
+        let updated = self.update_windows(&mut drives, block, hp);
+        self.drives = Some(drives);
+        updated
+    }
+
+    fn update_windows(&mut self, drives: &mut Drives, block: usize, hp: &AdamWStep) -> Result<()> {
+        let windows = drives.windows(&self.layout, block);
+        let runs = self.runs(block);
+        let offset = self.layout.blocks[block].offset;
+        let slots = slots(drives, true);
+        while drives.spare.len() < BUFFERS {
+            // Lost with a failed transfer (the run stops): made again.
+            let w = drives.new_window();
+            drives.spare.push(w);
+        }
+        let mut spare = std::mem::take(&mut drives.spare);
+        let mut waited = 0.0;
+        let d: &Drives = drives;
+        let result = std::thread::scope(|s| -> Result<()> {
+            type Done = (Window, Result<()>);
+            let slots = &slots;
+            let read = |mut win: Window, r: Range<usize>| {
+                s.spawn(move || {
+                    let res = d.read(block, r, &mut win, slots);
+                    (win, res)
+                })
+            };
+            let write = |mut win: Window, r: Range<usize>| {
+                s.spawn(move || {
+                    let res = d.write(block, r, &mut win, slots);
+                    (win, res)
+                })
+            };
+            let mut join = |h: std::thread::ScopedJoinHandle<'_, Done>| {
+                let t = Instant::now();
+                let done = h.join().expect("a drive transfer panicked");
+                waited += t.elapsed().as_secs_f64();
+                done
+            };
+            let mut writing = std::collections::VecDeque::new();
+            let mut next = windows
+                .first()
+                .map(|r| read(spare.pop().expect("a spare window"), r.clone()));
+            for (i, r) in windows.iter().enumerate() {
+                let (mut win, res) = join(next.take().expect("read ahead"));
+                res?;
+                if let Some(r1) = windows.get(i + 1) {
+                    let buf = match spare.pop() {
+                        Some(b) => b,
+                        None => {
+                            let (b, res) = join(writing.pop_front().expect("a window in flight"));
+                            res?;
+                            b
+                        }
+                    };
+                    next = Some(read(buf, r1.clone()));
+                }
+                self.update_window(&mut win, &runs, offset + r.start..offset + r.end, hp);
+                writing.push_back(write(win, r.clone()));
+            }
+            for h in writing {
+                let (b, res) = join(h);
+                res?;
+                spare.push(b);
+            }
+            Ok(())
+        });
+        drives.spare = spare;
+        drives.waited(waited);
+        result?;
+        drives.sync()
+    }
+
+    /// AdamW on the runs' elements within layout range `g`, whose master and moments are
+    /// `win`'s first elements.
+    fn update_window(&mut self, win: &mut Window, runs: &[Run], g: Range<usize>, hp: &AdamWStep) {
+        for run in runs {
+            let (lo, hi) = (run.range.start.max(g.start), run.range.end.min(g.end));
+            if lo >= hi {
+                continue;
+            }
+            let w = lo - g.start..hi - g.start;
+            let p = match (&self.master, win.master.as_mut()) {
+                (Master::F32(_), Some(WinBuf::F32(x))) => {
+                    MasterSlice::F32(&mut x.as_mut_slice()[w.clone()])
+                }
+                (Master::Split(_), Some(WinBuf::U16(x))) => {
+                    MasterSlice::Split(&mut x.as_mut_slice()[w.clone()])
+                }
+                (Master::Bf16 { seed }, None) => MasterSlice::Bf16 { seed: *seed },
+                _ => unreachable!("the window holds the master's fields"),
+            };
+            let adam = match (&self.moments, &mut win.m, &mut win.v) {
+                (AdamMoments::F32 { .. }, WinBuf::F32(m), WinBuf::F32(v)) => MomentSlices::F32 {
+                    m: &mut m.as_mut_slice()[w.clone()],
+                    v: &mut v.as_mut_slice()[w],
+                },
+                (AdamMoments::Bf16 { seed, .. }, WinBuf::Bf16(m), WinBuf::Bf16(v)) => {
+                    MomentSlices::Bf16 {
+                        m: &mut m.as_mut_slice()[w.clone()],
+                        v: &mut v.as_mut_slice()[w],
+                        seed: *seed,
+                    }
+                }
+                _ => unreachable!("the window holds the moments' dtype"),
+            };
+            let store = &mut self.store;
+            let mw = Moments::Write;
+            match &self.grad {
+                Grad::F32(gr) => update_slices(p, store, adam, &gr[lo..hi], lo, hp, run.decay, mw),
+                Grad::Bf16(gr) => update_slices(p, store, adam, &gr[lo..hi], lo, hp, run.decay, mw),
+            }
+        }
+    }
+
+    /// [`HostState::gather_blocks`] with the state on the drives: every block's master
+    /// (and with `moments`, m and v) read a window at a time and handed to `write`, block
+    /// after block in layout order. The outer error is a failed read, the inner `write`'s.
+    pub(super) fn read_blocks(
+        &mut self,
+        moments: bool,
+        write: Option<WriteWindow>,
+    ) -> Result<crate::Result<()>> {
+        let Some(write) = write else {
+            return Ok(Ok(()));
+        };
+        let mut drives = self.drives.take().expect("on the drives");
+        let mut win = drives.spare.pop().unwrap_or_else(|| drives.new_window());
+        let read = self.read_windows(&drives, &mut win, moments, write);
+        drives.spare.push(win);
+        self.drives = Some(drives);
+        read
+    }
+
+    fn read_windows(
+        &self,
+        drives: &Drives,
+        win: &mut Window,
+        moments: bool,
+        write: WriteWindow,
+    ) -> Result<crate::Result<()>> {
+        let slots = slots(drives, moments);
+        for b in 0..self.layout.blocks.len() {
+            let offset = self.layout.blocks[b].offset;
+            for w in drives.windows(&self.layout, b) {
+                drives.read(b, w.clone(), win, &slots)?;
+                let (g, len) = (offset + w.start..offset + w.end, w.len());
+                let hi = || {
+                    &self
+                        .store
+                        .bf16()
+                        .expect("a split or bf16 master has a bf16 store")[g.clone()]
+                };
+                let master = match (&self.master, &win.master) {
+                    (Master::F32(_), Some(x)) => x.values(0..len),
+                    (Master::Split(_), Some(WinBuf::U16(lo))) => MasterRef::Split {
+                        hi: hi(),
+                        lo: &lo.as_slice()[..len],
+                    },
+                    (Master::Bf16 { .. }, None) => MasterRef::Bf16(hi()),
+                    _ => unreachable!("the window holds the master's fields"),
+                };
+                let values = match moments {
+                    true => Tensors {
+                        master,
+                        m: win.m.values(0..len),
+                        v: win.v.values(0..len),
+                    },
+                    false => Tensors::master_only(master),
+                };
+                if let Err(e) = write(b, w, &values) {
+                    return Ok(Err(e));
+                }
+            }
+        }
+        Ok(Ok(()))
+    }
+}
+
+/// The fields on `drives` a pass reads or writes: the master where it is there, and with
+/// `moments`, m and v.
+fn slots(drives: &Drives, moments: bool) -> Vec<Slot> {
+    let master = drives.holds(Slot::Master).then_some(Slot::Master);
+    let mv = moments.then_some([Slot::M, Slot::V]).into_iter().flatten();
+    master.into_iter().chain(mv).collect()
+}

@@ -1,0 +1,145 @@
+//! The drives of `memory.optimizer_offload: nvme` ([`DrivePlan`]): the bytes the optimizer's
+//! state takes on each (`crate::layout::drives`), against the space free there, so that
+//! `mt-launch plan` and the launch refuse a run whose state does not fit, naming the
+//! directory and its free space.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+
+use crate::config::{OptimizerOffload, RunConfig};
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+use crate::layout::drives::{drive_bytes, window_bytes};
+
+/// Disk bytes of the optimizer's state on the drives, and the host bytes streaming it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrivePlan {
+    /// `memory.nvme_path`: one directory per drive.
+    pub dirs: Vec<PathBuf>,
+    /// Bytes of the state on each of them (the master, m and v striped over them).
+    pub per_drive: u64,
+    /// Host bytes of the windows in flight (counted in the host plan).
+    pub windows: u64,
+}
+
+impl DrivePlan {
+    /// The plan of `cfg`'s run over `layout` (None with the state in RAM).
+    pub fn new(cfg: &RunConfig, layout: &Layout) -> Option<DrivePlan> {
+        let m = &cfg.memory;
+        if m.optimizer_offload != OptimizerOffload::Nvme {
+            return None;
+        }
+        let n = m.nvme_path.len();
+        Some(DrivePlan {
+            dirs: m.nvme_path.clone(),
+            per_drive: drive_bytes(layout, m.master_weights, m.moments_dtype, n),
+            windows: window_bytes(layout, m.master_weights, m.moments_dtype),
+        })
+    }
+
+    /// Bytes on all the drives.
+    pub fn total(&self) -> u64 {
+        self.per_drive * self.dirs.len() as u64
+    }
+
+    /// Refuses a directory that does not exist, and a filesystem without room for its
+    /// drives' share (directories on one filesystem share its free space), naming it and
+    /// its free space. A free space that cannot be read is not refused: the files are
+    /// preallocated at start, which fails naming the file where they do not fit.
+    pub fn check(&self) -> Result<()> {
+        // (device, first directory on it, directories on it)
+        let mut filesystems: Vec<(u64, &PathBuf, u64)> = Vec::new();
+        for d in &self.dirs {
+            let meta = std::fs::metadata(d).map_err(|e| Error::io(d, e))?;
+            match filesystems.iter_mut().find(|f| f.0 == meta.dev()) {
+                Some(f) => f.2 += 1,
+                None => filesystems.push((meta.dev(), d, 1)),
+            }
+        }
+        for (_, dir, count) in filesystems {
+            let need = self.per_drive * count;
+            let Some(free) = crate::sysmem::free_disk_bytes(dir) else {
+                continue;
+            };
+            if free < need {
+                let gb = |b: u64| b as f64 / 1e9;
+                return Err(Error::Config {
+                    path: dir.clone(),
+                    msg: format!(
+                        "memory.nvme_path: the optimizer state needs {:.2} GB on this filesystem \
+                         ({count} of the {} drive director{} at {:.2} GB each), {:.2} GB free",
+                        gb(need),
+                        self.dirs.len(),
+                        if self.dirs.len() == 1 { "y" } else { "ies" },
+                        gb(self.per_drive),
+                        gb(free)
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for DrivePlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let gb = |b: u64| b as f64 / 1e9;
+        writeln!(
+            f,
+            "drives (memory.optimizer_offload: nvme): {:.2} GB of master and Adam m, v, {:.2} GB on each of:",
+            gb(self.total()),
+            gb(self.per_drive)
+        )?;
+        for d in &self.dirs {
+            let free = crate::sysmem::free_disk_bytes(d).map_or("free space unknown".into(), |b| {
+                format!("{:.2} GB free", gb(b))
+            });
+            writeln!(f, "  {} ({free})", d.display())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    /// A filesystem without room for its drives' share is refused, naming the directory and
+    /// its free space; two directories on one filesystem need twice the share.
+    #[test]
+    fn a_drive_without_room_is_refused_naming_it() {
+        let dir = std::env::temp_dir();
+        let free = crate::sysmem::free_disk_bytes(&dir).expect("statvfs of the temp dir");
+        let plan = |per_drive: u64, dirs: Vec<PathBuf>| DrivePlan {
+            dirs,
+            per_drive,
+            windows: 0,
+        };
+        plan(free / 4, vec![dir.clone()]).check().unwrap();
+        let err = plan(free + (1 << 40), vec![dir.clone()])
+            .check()
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&dir.display().to_string()) && msg.contains("GB free"),
+            "{msg}"
+        );
+        let sub = dir.join(format!("mt-drive-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&sub).unwrap();
+        plan(free / 3, vec![dir.clone(), sub.clone()])
+            .check()
+            .unwrap();
+        let err = plan(free / 2 + (1 << 30), vec![dir.clone(), sub.clone()]).check();
+        assert!(err.is_err(), "two shares of one filesystem");
+        let missing = plan(1, vec![Path::new("/nonexistent/nvme").into()]).check();
+        assert!(
+            missing
+                .unwrap_err()
+                .to_string()
+                .contains("/nonexistent/nvme")
+        );
+        let _ = std::fs::remove_dir(&sub);
+    }
+}
