@@ -40,7 +40,9 @@ fn qwen2_5_vl_with_images_matches_transformers() {
             let e = worst_rel(&[ours], &[torch]);
             worst = worst.max(e);
             if e > TOL {
-                failures.push(format!("{workers}w {key}: {ours} vs torch {torch} (rel {e:.2e})"));
+                failures.push(format!(
+                    "{workers}w {key}: {ours} vs torch {torch} (rel {e:.2e})"
+                ));
             }
         }
         let ours = tensors(&g);

@@ -312,7 +312,11 @@ mod tests {
         let mut vp8 = vec![0x30, 0x01, 0x00, 0x9d, 0x01, 0x2a];
         vp8.extend((0x4000u16 | 321).to_le_bytes());
         vp8.extend(123u16.to_le_bytes());
-        assert!(size(&riff(b"VP8 ", &vp8)).unwrap_err().contains("lossy WebP"));
+        assert!(
+            size(&riff(b"VP8 ", &vp8))
+                .unwrap_err()
+                .contains("lossy WebP")
+        );
         // Lossless: 0x2f, then width-1 and height-1 in 14 bits each.
         let bits: u32 = (321 - 1) | ((123 - 1) << 14);
         let mut vp8l = vec![0x2f];

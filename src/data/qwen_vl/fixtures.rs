@@ -120,7 +120,11 @@ fn bad_image_records_name_line_and_key() {
     let missing = std::path::PathBuf::from("/m/preprocessor_config.json");
     let why = why_no_images(&Images::NoProcessor(missing)).unwrap();
     let e = no_images(&conv, &rec, &schema, &why).unwrap_err();
-    assert!(e.reason.contains("/m/preprocessor_config.json"), "{}", e.reason);
+    assert!(
+        e.reason.contains("/m/preprocessor_config.json"),
+        "{}",
+        e.reason
+    );
     // A Qwen2-VL model takes them.
     assert!(why_no_images(&Images::Qwen(QwenVlImages::default())).is_none());
 }
