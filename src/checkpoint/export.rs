@@ -54,6 +54,11 @@ pub const COPIED_FILES: &[&str] = &[
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    // A vision-language model's processor: without it, transformers' AutoProcessor (and a
+    // run on the export) cannot read images.
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 ];
 
 const SINGLE: &str = "model.safetensors";
