@@ -146,7 +146,8 @@ mod drives;
 mod fit;
 mod nodes;
 pub use device::{
-    DeviceOpts, DevicePlan, Phase, TILE_ALIGN, delta_segment, segmented_layer, tiled_layer,
+    DeviceOpts, DevicePlan, Phase, TILE_ALIGN, VisionDevice, delta_segment, segmented_layer,
+    tiled_layer,
 };
 pub use disk::DiskPlan;
 pub use drives::DrivePlan;
@@ -181,6 +182,10 @@ pub struct HostPlan {
     pub staging_grown: bool,
     /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
     pub carried: u64,
+    /// A vision-language model's frozen tower copied, in the store's dtype, into its
+    /// region shared with the workers (besides its carried copy, which the export writes),
+    /// or 0.
+    pub vision: u64,
     /// With the state sharded across nodes, node 0's buffers to gather a window of a block
     /// of the master and moments for a checkpoint or the export (at most
     /// [`crate::layout::shards::GATHER_WINDOW`] elements); 0 otherwise ([`HostPlan::sharded`]).
@@ -238,6 +243,7 @@ impl HostPlan {
             },
             staging_grown: false,
             carried: 0,
+            vision: 0,
             gather: 0,
             exchange: 0,
             offloaded: 0,
@@ -317,6 +323,7 @@ impl HostPlan {
             + self.slabs
             + self.staging
             + self.carried
+            + self.vision
             + self.gather
             + self.exchange
             + self.offloaded
@@ -356,6 +363,14 @@ impl HostPlan {
     pub fn with_carried(self, bytes: u64) -> HostPlan {
         HostPlan {
             carried: bytes,
+            ..self
+        }
+    }
+
+    /// The plan holding a frozen vision tower's region of `bytes`.
+    pub fn with_vision(self, bytes: u64) -> HostPlan {
+        HostPlan {
+            vision: bytes,
             ..self
         }
     }
@@ -505,6 +520,13 @@ impl std::fmt::Display for HostPlan {
                 f,
                 "  carried, not trained  {:>9.2} GB (kept as read and exported as is)",
                 gb(self.carried)
+            )?;
+        }
+        if self.vision > 0 {
+            writeln!(
+                f,
+                "  vision tower          {:>9.2} GB (frozen, shared with the workers)",
+                gb(self.vision)
             )?;
         }
         if self.gather > 0 {

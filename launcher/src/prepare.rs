@@ -91,6 +91,12 @@ impl Prepared {
             None => cfg.model.path.join("config.json"),
         };
         let layout = Layout::checked(&spec, &config_json)?;
+        // A vision-language model's frozen tower, in its region for the workers (a random
+        // init has none).
+        let vision = match cfg.model.init {
+            Init::Pretrained => vision_bytes(cfg)?,
+            Init::Random => 0,
+        };
         let data = match read_data {
             true => Dataset::load(
                 &cfg.dataset,
@@ -116,6 +122,7 @@ impl Prepared {
         let plan =
             mt::plan::HostPlan::new(&layout, mt::plan::HostOpts::new(cfg, placement.workers))
                 .with_carried(carried)
+                .with_vision(vision)
                 .with_grpo_reference(reference)
                 .with_resident_transfer(
                     cfg.memory.resident_blocks != mt::config::ResidentBlocks::Off,
@@ -293,6 +300,44 @@ const CPU_SOURCE: &str =
     "host RAM left beside the host plan (MemAvailable, shared by the CPU workers) has";
 
 /// The device plan's options for `cfg` on `placement`.
+/// The frozen vision tower of the run's model (a shipped architecture's where the run
+/// names one); None for a text-only model.
+fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::VisionSpec>> {
+    let (text, path) = match cfg.model.shipped {
+        Some(s) => (
+            s.config_json.to_string(),
+            std::path::Path::new("configs")
+                .join(s.dir)
+                .join("config.json"),
+        ),
+        None => {
+            let path = cfg.model.path.join("config.json");
+            (
+                mt::bounded::read_text(&path, mt::bounded::SMALL_JSON, "model config")?,
+                path,
+            )
+        }
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| mt::Error::ModelConfig {
+            path: path.clone(),
+            msg: format!("not a valid config.json: {e}"),
+        })?;
+    Ok(mt::config::vision::VisionSpec::from_json(&value, &path)?)
+}
+
+/// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for
+/// a text-only model.
+fn vision_bytes(cfg: &RunConfig) -> Result<u64> {
+    Ok(match vision_spec(cfg)? {
+        Some(spec) => {
+            let layout = mt::layout::vision::VisionLayout::new(&spec, "visual.");
+            (layout.total * cfg.model.dtype.size()) as u64
+        }
+        None => 0,
+    })
+}
+
 pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
     DeviceOpts {
         dtype: cfg.model.dtype,
@@ -307,6 +352,14 @@ pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
                 .map(|d| d.free)
                 .min()
         }),
+        // A config.json that does not parse was refused when the run was prepared.
+        vision: match cfg.model.init {
+            Init::Pretrained => vision_spec(cfg).ok().flatten().map(|spec| {
+                let params = mt::layout::vision::VisionLayout::new(&spec, "visual.").num_params();
+                mt::plan::VisionDevice::of(&spec, params)
+            }),
+            Init::Random => None,
+        },
     }
 }
 

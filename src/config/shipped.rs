@@ -38,6 +38,7 @@ pub const SHIPPED: &[Shipped] = &[
         "qwen2.5-7b",
         ["Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-7B-Instruct"]
     ),
+    shipped!("qwen2.5-vl-7b", ["Qwen/Qwen2.5-VL-7B-Instruct"]),
     shipped!(
         "qwen2.5-14b",
         ["Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-14B-Instruct"]

@@ -312,6 +312,9 @@ fn public_configs_have_their_transformers_parameter_counts() {
         ("deepseek-v3", 671_026_404_352),
         // Llama4ForCausalLM on the text config: the vision tower is carried.
         ("llama4-scout", 107_769_861_120),
+        // Qwen2_5_VLForConditionalGeneration less its `visual` (the frozen tower, in its
+        // own region): the language model.
+        ("qwen2.5-vl-7b", 7_615_616_512),
     ] {
         let spec = ModelSpec::from_model_dir(&configs.join(dir)).unwrap();
         assert_eq!(Layout::new(&spec).num_params(), params, "{dir}");

@@ -91,4 +91,16 @@ mod tests {
             + 24;
         assert_eq!(l.num_params(), expect);
     }
+
+    #[test]
+    fn the_shipped_7b_tower_has_transformers_parameter_count() {
+        // Counted by transformers 5.17: Qwen2_5_VLForConditionalGeneration from
+        // configs/qwen2.5-vl-7b/config.json on the meta device, the parameters under `visual`.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-vl-7b");
+        let spec = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+        assert_eq!(
+            VisionLayout::new(&spec, "visual.").num_params(),
+            676_550_144
+        );
+    }
 }

@@ -74,6 +74,7 @@ const HEAD: &str = "head + loss";
 const LAYER_BACKWARD: &str = "layer backward";
 const MLP_TILES: &str = "layer backward, MLP tiles";
 const EMBED_BACKWARD: &str = "embedding backward";
+const VISION_FORWARD: &str = "vision tower forward";
 
 /// Options of the estimate that come from the run config.
 #[derive(Debug, Clone, Copy)]
@@ -93,6 +94,39 @@ pub struct DeviceOpts {
     /// the workers (`mt-launch plan`: its budget); None where unknown. The automatic tile
     /// keeps a Gated DeltaNet rule whole where it fits in this.
     pub device_free: Option<u64>,
+    /// A vision-language model's frozen tower, which the workers run; None for text only.
+    pub vision: Option<VisionDevice>,
+}
+
+/// A vision-language model's frozen tower as the device plan counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VisionDevice {
+    /// Its parameters, held on the device in the compute dtype for the whole run.
+    pub params: u64,
+    /// The width of its blocks and of their MLP.
+    pub hidden: u64,
+    pub intermediate: u64,
+    /// Values per patch (channels x temporal patch x patch x patch) and patches per image
+    /// token (the merge size squared).
+    pub patch_values: u64,
+    pub patches_per_token: u64,
+    /// The width of its output (the language model's hidden size).
+    pub out_hidden: u64,
+}
+
+impl VisionDevice {
+    /// The tower of `spec`, `params` parameters.
+    pub fn of(spec: &crate::config::vision::VisionSpec, params: usize) -> VisionDevice {
+        VisionDevice {
+            params: params as u64,
+            hidden: spec.hidden_size as u64,
+            intermediate: spec.intermediate_size as u64,
+            patch_values: (spec.in_channels * spec.temporal_patch_size * spec.patch_size.pow(2))
+                as u64,
+            patches_per_token: spec.spatial_merge_size.pow(2) as u64,
+            out_hidden: spec.out_hidden_size as u64,
+        }
+    }
 }
 
 impl DeviceOpts {
@@ -107,6 +141,10 @@ impl DeviceOpts {
             offload_activations: init.offload_activations,
             cpu: init.device == Device::Cpu,
             device_free: init.device_free,
+            vision: init
+                .vision
+                .as_ref()
+                .map(|v| VisionDevice::of(&v.layout.spec, v.layout.num_params())),
         }
     }
 }
@@ -345,6 +383,12 @@ impl DevicePlan {
 
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
+        // A vision-language model's tower: its weights, and the image features placed at
+        // the image tokens (at most every token of the micro-batch).
+        if let Some(vis) = o.vision {
+            fixed.push(("vision tower (frozen)", vis.params * s));
+            fixed.push(("image features", m * vis.out_hidden * s));
+        }
 
         let tied_fwd = if tied { copy(embed) } else { 0 };
         let tied_bwd = if tied { copy(embed) + embed } else { 0 };
@@ -429,6 +473,23 @@ impl DevicePlan {
                 parts: embed_phase,
             },
         ];
+        // The tower's forward over the micro-batch's images (no grad, before the layers),
+        // bounded by every token an image's: per patch its pixels (f32, then the compute
+        // dtype) and the larger of a block's attention half (x, norm, q k v, rotated q k,
+        // output: 8 widths) and its MLP half (x, residual, norm: 3 widths; gate, up, act:
+        // 3 MLP widths).
+        if let Some(vis) = o.vision {
+            let patches = m * vis.patches_per_token;
+            let per_patch = vis.patch_values * (4 + s)
+                + s * (8 * vis.hidden).max(3 * vis.hidden + 3 * vis.intermediate);
+            phases.push(Phase {
+                name: VISION_FORWARD,
+                parts: vec![(
+                    "the tower's forward (the bound: every token an image's)",
+                    patches * per_patch,
+                )],
+            });
+        }
         // MLP tiles: the tile's gradient lands in dy's rows (dy becomes the attention
         // half's output gradient in place), beside that output.
         if let Some((attn_saved, tile_graph)) = tile_parts {

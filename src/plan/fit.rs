@@ -215,6 +215,7 @@ mod tests {
         offload_activations: false,
         cpu: false,
         device_free: None,
+        vision: None,
     };
 
     fn gpu(free: u64) -> DeviceMemory {

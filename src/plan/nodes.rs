@@ -215,6 +215,7 @@ mod tests {
             staging_full: 0,
             staging_grown: false,
             carried: 0,
+            vision: 0,
             gather: 0,
             exchange: 0,
             offloaded: 0,

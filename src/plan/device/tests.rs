@@ -23,6 +23,7 @@ const OPTS: DeviceOpts = DeviceOpts {
     offload_activations: false,
     cpu: false,
     device_free: None,
+    vision: None,
 };
 
 fn part(p: &Phase, name: &str) -> u64 {
