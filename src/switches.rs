@@ -54,6 +54,7 @@ pub const NAMES: &[&str] = &[
     testing::EXPORT_PAUSE,
     testing::HOST_MEMORY,
     testing::DEVICE_MEMORY,
+    testing::DRIVE_EIO,
     testing::PROC_VMSTAT,
 ];
 

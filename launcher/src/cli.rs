@@ -134,6 +134,17 @@ pub struct PlanArgs {
     #[arg(long, value_name = "GB")]
     pub gpu_memory: Option<f64>,
 
+    /// Host RAM in GB to plan against (default: what is available on this machine), for
+    /// sizing another machine.
+    #[arg(long, value_name = "GB")]
+    pub host_memory: Option<f64>,
+
+    /// With `memory.optimizer_offload: nvme`: room in GB on each drive of
+    /// `memory.nvme_path`, instead of the free space read there (the directories then need
+    /// not exist here), for sizing another machine.
+    #[arg(long, value_name = "GB")]
+    pub drive_size: Option<f64>,
+
     /// Nodes (launchers under `mpirun -np N`): adds each node's host bytes per parameter
     /// and the network traffic of a step.
     #[arg(long, value_name = "N", default_value_t = 1)]

@@ -58,7 +58,20 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     let best =
         budget.map(|b| DevicePlan::largest_batch(&prep.spec, &prep.layout, opts, seq_len, b));
     let sharded = prep.plan.sharded(&prep.layout, p.nodes);
-    let drives = mt::plan::DrivePlan::new(&cfg, &prep.layout);
+    let drives = match (mt::plan::DrivePlan::new(&cfg, &prep.layout), p.drive_size) {
+        (Some(d), Some(gb)) => Some(d.with_drive_size((gb * 1e9) as u64)),
+        (None, Some(_)) => anyhow::bail!(
+            "--drive-size sizes the drives of memory.optimizer_offload: nvme; this run keeps the \
+             optimizer state in RAM (add --set memory.optimizer_offload=nvme --set \
+             memory.nvme_path=DIR)"
+        ),
+        (d, None) => d,
+    };
+    // --host-memory stands for the RAM of the machine planned for.
+    let host = match p.host_memory {
+        Some(gb) => Host::Given((gb * 1e9) as u64),
+        None => Host::Here(mt::sysmem::available_host_bytes()),
+    };
     let nodes = NodesPlan::new(&prep.plan, &sharded, p.nodes as u64);
     if p.json {
         let mut v = json(&prep, &device, budget, best);
@@ -85,6 +98,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
                 "per_drive_bytes": d.per_drive,
                 "total_bytes": d.total(),
                 "host_window_bytes": d.windows,
+                "stated_drive_bytes": d.stated,
             });
             v["host"]["drive_windows"] = serde_json::json!(prep.plan.drive_windows);
         }
@@ -98,21 +112,22 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
             "sharded_gather_bytes": nodes.sharded_gather_bytes,
             "sharded_staging_bytes": nodes.sharded_staging_bytes,
         });
+        v["host"]["ram"] = serde_json::json!(host.bytes());
+        v["host"]["fits"] = serde_json::json!(
+            host.bytes()
+                .map(|_| format!("{:?}", prep.plan.fit(host.bytes())))
+        );
         println!("{v}");
         return drives.map_or(Ok(()), |d| Ok(d.check()?));
     }
-    describe(&cfg, &placement, &prep);
+    describe(&cfg, &placement, &prep, host);
     if let Some(d) = &drives {
         print!("{d}");
     }
-    let avail = mt::sysmem::available_host_bytes();
     println!(
         "host memory modes (the same training; {}):\n{}",
-        match avail {
-            Some(a) => format!("{:.2} GB available here", a as f64 / 1e9),
-            None => "RAM available here unknown".into(),
-        },
-        mt::plan::describe_modes(&prep.plan, avail).trim_end()
+        host,
+        mt::plan::describe_modes(&prep.plan, host.bytes()).trim_end()
     );
     if p.nodes > 1 {
         print!("{nodes}");
@@ -230,7 +245,12 @@ pub fn dry_run(
         crate::train::check_resume(&dir, &resolved, &prep.layout, &schedule, accept)?;
         println!("would resume from {}", dir.display());
     }
-    describe(cfg, placement, &prep);
+    describe(
+        cfg,
+        placement,
+        &prep,
+        Host::Here(mt::sysmem::available_host_bytes()),
+    );
     for line in &held {
         println!("{line}");
     }
@@ -238,7 +258,35 @@ pub fn dry_run(
     Ok(())
 }
 
-fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
+/// The host RAM a plan is measured against.
+#[derive(Debug, Clone, Copy)]
+enum Host {
+    /// What this machine has available (None: unknown).
+    Here(Option<u64>),
+    /// `plan --host-memory`: the machine planned for.
+    Given(u64),
+}
+
+impl Host {
+    fn bytes(self) -> Option<u64> {
+        match self {
+            Host::Here(a) => a,
+            Host::Given(b) => Some(b),
+        }
+    }
+}
+
+impl std::fmt::Display for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Host::Here(Some(a)) => write!(f, "{:.2} GB available here", *a as f64 / 1e9),
+            Host::Here(None) => write!(f, "RAM available here unknown"),
+            Host::Given(b) => write!(f, "{:.2} GB given by --host-memory", *b as f64 / 1e9),
+        }
+    }
+}
+
+fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared, host: Host) {
     println!(
         "{} worker(s) on {}, {:?} store",
         placement.workers,
@@ -264,11 +312,15 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
     println!("{}", prep.plan);
     println!("{}", disk(cfg, prep));
     let gb = |b: u64| b as f64 / 1e9;
-    let avail = mt::sysmem::available_host_bytes();
+    let avail = host.bytes();
+    let said = match host {
+        Host::Given(_) => "host RAM given (--host-memory)",
+        Host::Here(_) => "host RAM available",
+    };
     match (avail, prep.plan.fit(avail)) {
         (None, _) => println!("host RAM available: unknown (no /proc/meminfo)"),
         (Some(a), Fit::Fits) => {
-            println!("host RAM available: {:.2} GB: fits", gb(a));
+            println!("{said}: {:.2} GB: fits", gb(a));
             let grown = prep.grown_plan(cfg, placement, avail);
             if grown.staging > prep.plan.staging {
                 println!(
@@ -280,12 +332,12 @@ fn describe(cfg: &RunConfig, placement: &Placement, prep: &Prepared) {
             }
         }
         (Some(a), Fit::WithoutStaging) => println!(
-            "host RAM available: {:.2} GB: fits without the checkpoint staging area (periodic \
+            "{said}: {:.2} GB: fits without the checkpoint staging area (periodic \
              checkpoints would be written in place, training waiting for each)",
             gb(a)
         ),
         (Some(a), Fit::Short) => println!(
-            "host RAM available: {:.2} GB: SHORT by {:.2} GB, a launch would be refused",
+            "{said}: {:.2} GB: SHORT by {:.2} GB, a launch would be refused",
             gb(a),
             gb(prep.plan.without_staging().total() - a)
         ),

@@ -27,28 +27,9 @@ struct Run {
 /// `steps` steps of the tiny demo in `mode`, checkpointed every 2, the model exported;
 /// `extra` flags after the others.
 fn train(dir: &Path, tag: &str, steps: u64, mode: &[&str], extra: &[&str]) -> Run {
-    let m = dir.join(format!("{tag}.jsonl"));
-    let (ck, out) = (
-        dir.join(format!("ck-{tag}")),
-        dir.join(format!("out-{tag}")),
-    );
-    let mut args: Vec<String> = [
-        "dataset.max_seq_len=32",
-        "training.batch_size=4",
-        "training.eval_steps=1000",
-        "checkpoint.every_steps=2",
-        &format!("training.num_steps={steps}"),
-        &format!("checkpoint.dir={}", ck.display()),
-        &format!("training.output_dir={}", out.display()),
-    ]
-    .iter()
-    .chain(mode)
-    .flat_map(|kv| ["--set".to_string(), kv.to_string()])
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (o, all) = run_cpu(&tiny(), 2, &m, &args);
+    let (o, all) = launch(dir, tag, steps, mode, extra, &[]);
     assert_ok(&o, &all.iter().map(String::as_str).collect::<Vec<_>>());
+    let (m, ck, out) = outputs(dir, tag);
     let checkpoints = [2, 4]
         .iter()
         .filter(|&&s| s <= steps && ck.join(format!("step-{s:08}")).exists())
@@ -69,6 +50,43 @@ fn train(dir: &Path, tag: &str, steps: u64, mode: &[&str], extra: &[&str]) -> Ru
         stdout: String::from_utf8_lossy(&o.stdout).into_owned()
             + &String::from_utf8_lossy(&o.stderr),
     }
+}
+
+/// A run's metrics file, checkpoint directory and output directory.
+fn outputs(dir: &Path, tag: &str) -> (PathBuf, PathBuf, PathBuf) {
+    (
+        dir.join(format!("{tag}.jsonl")),
+        dir.join(format!("ck-{tag}")),
+        dir.join(format!("out-{tag}")),
+    )
+}
+
+/// [`train`]'s launch with `env` set, whatever its outcome: its output and arguments.
+fn launch(
+    dir: &Path,
+    tag: &str,
+    steps: u64,
+    mode: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (std::process::Output, Vec<String>) {
+    let (m, ck, out) = outputs(dir, tag);
+    let mut args: Vec<String> = [
+        "dataset.max_seq_len=32",
+        "training.batch_size=4",
+        "training.eval_steps=1000",
+        "checkpoint.every_steps=2",
+        &format!("training.num_steps={steps}"),
+        &format!("checkpoint.dir={}", ck.display()),
+        &format!("training.output_dir={}", out.display()),
+    ]
+    .iter()
+    .chain(mode)
+    .flat_map(|kv| ["--set".to_string(), kv.to_string()])
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_cpu_env(&tiny(), 2, &m, &args, env)
 }
 
 fn bits(rows: &[serde_json::Value], key: &str) -> Vec<u64> {
@@ -141,5 +159,57 @@ fn split_master_bf16_moments_on_the_drive_give_the_ram_bits() {
             "memory.master_weights=split",
             "memory.moments_dtype=bfloat16",
         ],
+    );
+}
+
+/// A drive that fails a write mid-run (`MT_TEST_DRIVE_EIO`: step 3's update) stops the run
+/// with an error naming the drive's directory, and leaves the last complete checkpoint
+/// (step 2) intact: a run resumed from it gives the uninterrupted run's losses bit for bit
+/// and its final checkpoint. Nothing is left on the drive.
+#[test]
+fn a_drive_failing_mid_run_stops_it_naming_the_drive_and_keeps_the_last_checkpoint() {
+    let dir = scratch("nvme-eio");
+    let drive = dir.join("nvme0");
+    std::fs::create_dir(&drive).unwrap();
+    let on = [
+        "--set",
+        "memory.optimizer_offload=nvme",
+        "--set",
+        &format!("memory.nvme_path={}", drive.display()),
+    ];
+    let whole = train(&dir, "whole", 4, &[], &on);
+
+    let (o, _) = launch(&dir, "failed", 4, &[], &on, &[("MT_TEST_DRIVE_EIO", "3")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the run went on: {err}");
+    assert!(
+        err.contains(&drive.display().to_string())
+            && err.contains("write of the optimizer state (memory.nvme_path) failed"),
+        "{err}"
+    );
+    let (m, ck, _) = outputs(&dir, "failed");
+    let rows = metrics(&m);
+    assert_eq!(rows.len(), 2, "steps logged before the failing update");
+    assert_eq!(bits(&rows, "loss"), bits(&whole.rows, "loss")[..2]);
+    let mut kept: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["step-00000002"], "checkpoints after the failure");
+    assert_eq!(
+        std::fs::read_dir(&drive).unwrap().count(),
+        0,
+        "files left on the drive"
+    );
+
+    let from = ck.join("step-00000002");
+    let resume = [&on[..], &["--resume", path_str(&from)]].concat();
+    let resumed = train(&dir, "resumed", 4, &[], &resume);
+    assert_eq!(bits(&resumed.rows, "loss"), bits(&whole.rows, "loss")[2..]);
+    assert!(
+        resumed.checkpoints.last() == whole.checkpoints.last(),
+        "the resumed run's last checkpoint differs"
     );
 }

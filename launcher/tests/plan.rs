@@ -536,3 +536,122 @@ fn plan_without_gpus_says_what_it_sized() {
     assert!(!said.contains("note: no GPU here"), "{said}");
     assert!(said.contains("1 worker(s) on GPUs"), "{said}");
 }
+
+/// A machine that is not this one, from the shipped architectures alone (no weights, no
+/// tokenizer): `--host-memory` stands for its RAM and `--drive-size` for the room on each of
+/// its drives, which need not exist here. With the state on four drives in the leanest mode
+/// (split master, bf16 moments: 6 bytes a parameter on the drives, 4 in RAM: the bf16
+/// store and gradient) the parameters are transformers' counts, the drives' bytes are split
+/// evenly, and the fit follows the RAM given; a drive too small for its share is refused
+/// naming the directory, and `--drive-size` without drives is an error.
+#[test]
+fn plan_sizes_a_machine_elsewhere_from_its_ram_and_drives() {
+    let dir = scratch("plan-elsewhere");
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data");
+    let config = dir.join("run.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model: {{name: openai/gpt-oss-120b, dtype: bfloat16}}\n\
+             dataset: {{name: alpaca_demo, dataset_dir: {}, max_seq_len: 1024}}\n\
+             training: {{output_dir: {}, batch_size: 8}}\n\
+             memory: {{grad_dtype: bfloat16, master_weights: split, moments_dtype: bfloat16,\n  \
+             optimizer_offload: nvme, nvme_path: [/nonexistent/nvme0, /nonexistent/nvme1, \
+             /nonexistent/nvme2, /nonexistent/nvme3]}}\n",
+            data.display(),
+            dir.join("out").display()
+        ),
+    )
+    .unwrap();
+    let plan = |model: &str, ram: &str, drive: &str, json: bool| {
+        let mut args = vec![
+            "plan",
+            "--config",
+            path_str(&config),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "141",
+            "--host-memory",
+            ram,
+            "--drive-size",
+            drive,
+            "--set",
+        ];
+        let name = format!("model.name={model}");
+        args.push(&name);
+        if json {
+            args.push("--json");
+        }
+        mt_launch().args(&args).output().unwrap()
+    };
+    // transformers 5.17's counts (src/layout/tests.rs).
+    for (model, params) in [
+        ("meta-llama/Llama-3.3-70B-Instruct", 70_553_706_496u64),
+        ("openai/gpt-oss-120b", 116_829_156_672),
+        ("Qwen/Qwen3-235B-A22B", 235_093_634_560),
+    ] {
+        let out = plan(model, "512", "3840", true);
+        assert_ok(&out, &[model]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["host"]["params"].as_u64(), Some(params), "{model}");
+        let bpp = v["host"]["bytes_per_param"].as_f64().unwrap();
+        assert!((bpp - 4.0).abs() < 1e-3, "{model}: {bpp} B/param in RAM");
+        let total = v["host"]["total"].as_u64().unwrap();
+        let fits = match total <= 512_000_000_000 {
+            true => "Fits",
+            false => "Short",
+        };
+        assert_eq!(v["host"]["ram"].as_u64(), Some(512_000_000_000));
+        assert_eq!(v["host"]["fits"], fits, "{model}: {total} bytes");
+        let (per, all) = (
+            v["drives"]["per_drive_bytes"].as_u64().unwrap(),
+            v["drives"]["total_bytes"].as_u64().unwrap(),
+        );
+        assert_eq!(per * 4, all);
+        let on_drives = all as f64 / params as f64;
+        assert!(
+            (on_drives - 6.0).abs() < 0.01,
+            "{model}: {on_drives} B/param"
+        );
+        assert_eq!(
+            v["drives"]["stated_drive_bytes"].as_u64(),
+            Some(3_840_000_000_000)
+        );
+    }
+    // Qwen3-235B-A22B's 1410.6 GB over four drives: 352.6 GB each.
+    let out = plan("Qwen/Qwen3-235B-A22B", "1024", "300", false);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("/nonexistent/nvme0") && err.contains("300.00 GB stated (--drive-size)"),
+        "{err}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("host RAM given (--host-memory): 1024.00 GB: fits")
+            && text.contains("/nonexistent/nvme3 (300.00 GB stated)"),
+        "{text}"
+    );
+    let out = mt_launch()
+        .args([
+            "plan",
+            "--config",
+            path_str(&config),
+            "--gpus",
+            "1",
+            "--drive-size",
+            "100",
+            "--set",
+            "memory.optimizer_offload=none",
+            "--set",
+            "memory.nvme_path=[]",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--drive-size sizes the drives"),
+        "{err}"
+    );
+}

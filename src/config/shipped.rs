@@ -58,6 +58,10 @@ pub const SHIPPED: &[Shipped] = &[
         ]
     ),
     shipped!(
+        "qwen3-235b-a22b",
+        ["Qwen/Qwen3-235B-A22B", "Qwen/Qwen3-235B-A22B-Base"]
+    ),
+    shipped!(
         "qwen3-next-80b-a3b",
         [
             "Qwen/Qwen3-Next-80B-A3B-Instruct",
@@ -81,6 +85,16 @@ pub const SHIPPED: &[Shipped] = &[
         ]
     ),
     shipped!(
+        "llama3.1-70b",
+        [
+            "meta-llama/Llama-3.1-70B",
+            "meta-llama/Llama-3.1-70B-Instruct",
+            "meta-llama/Meta-Llama-3.1-70B",
+            "meta-llama/Meta-Llama-3.1-70B-Instruct",
+            "meta-llama/Llama-3.3-70B-Instruct",
+        ]
+    ),
+    shipped!(
         "mistral-7b",
         [
             "mistralai/Mistral-7B-v0.3",
@@ -97,6 +111,7 @@ pub const SHIPPED: &[Shipped] = &[
     shipped!("gemma2-9b", ["google/gemma-2-9b", "google/gemma-2-9b-it"]),
     shipped!("phi3-mini", ["microsoft/Phi-3-mini-4k-instruct"]),
     shipped!("gpt-oss-20b", ["openai/gpt-oss-20b"]),
+    shipped!("gpt-oss-120b", ["openai/gpt-oss-120b"]),
     shipped!("qwen3.5-27b", ["Qwen/Qwen3.5-27B"]),
     shipped!("qwen3.5-35b-a3b", ["Qwen/Qwen3.5-35B-A3B"]),
     shipped!(

@@ -524,6 +524,15 @@ impl Drives {
     }
 }
 
+impl Drives {
+    /// The error of a write the first drive failed with EIO (`MT_TEST_DRIVE_EIO`), as
+    /// [`Drives::write`] reports a real one.
+    pub(super) fn injected_eio(&self) -> Error {
+        let path = &self.fields[0].files[0].path;
+        drive_error(path, "write", std::io::Error::from_raw_os_error(libc::EIO))
+    }
+}
+
 /// An I/O error of the optimizer state's file `path`, which names the file (and so the
 /// drive).
 fn drive_error(path: &Path, what: &str, e: std::io::Error) -> Error {

@@ -209,9 +209,15 @@ impl HostState {
                     (win, res)
                 })
             };
-            let write = |mut win: Window, r: Range<usize>| {
+            // A test's failing drive: the step's first write of each block.
+            let mut eio = crate::switches::testing::drive_eio_at(hp.step);
+            let mut write = |mut win: Window, r: Range<usize>| {
+                let fail = std::mem::take(&mut eio);
                 s.spawn(move || {
-                    let res = d.write(block, r, &mut win, slots);
+                    let res = match fail {
+                        true => Err(d.injected_eio()),
+                        false => d.write(block, r, &mut win, slots),
+                    };
                     (win, res)
                 })
             };

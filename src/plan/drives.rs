@@ -1,7 +1,9 @@
 //! The drives of `memory.optimizer_offload: nvme` ([`DrivePlan`]): the bytes the optimizer's
 //! state takes on each (`crate::layout::drives`), against the space free there, so that
 //! `mt-launch plan` and the launch refuse a run whose state does not fit, naming the
-//! directory and its free space.
+//! directory and its free space. `mt-launch plan --drive-size GB` sizes a machine that is not
+//! this one: each directory then stands for a drive with that much room
+//! ([`DrivePlan::with_drive_size`]), whether or not it exists here.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
@@ -20,6 +22,9 @@ pub struct DrivePlan {
     pub per_drive: u64,
     /// Host bytes of the windows in flight (counted in the host plan).
     pub windows: u64,
+    /// Room on each drive as the user stated it (`plan --drive-size`), instead of the free
+    /// space read from the directories here.
+    pub stated: Option<u64>,
 }
 
 impl DrivePlan {
@@ -34,7 +39,17 @@ impl DrivePlan {
             dirs: m.nvme_path.clone(),
             per_drive: drive_bytes(layout, m.master_weights, m.moments_dtype, n),
             windows: window_bytes(layout, m.master_weights, m.moments_dtype),
+            stated: None,
         })
+    }
+
+    /// The plan with each directory standing for a drive of `bytes` of room: its check
+    /// compares the share of one drive against it, reading nothing on this machine.
+    pub fn with_drive_size(self, bytes: u64) -> DrivePlan {
+        DrivePlan {
+            stated: Some(bytes),
+            ..self
+        }
     }
 
     /// Bytes on all the drives.
@@ -47,6 +62,22 @@ impl DrivePlan {
     /// its free space. A free space that cannot be read is not refused: the files are
     /// preallocated at start, which fails naming the file where they do not fit.
     pub fn check(&self) -> Result<()> {
+        let gb = |b: u64| b as f64 / 1e9;
+        if let Some(room) = self.stated {
+            return match self.per_drive <= room {
+                true => Ok(()),
+                false => Err(Error::Config {
+                    path: self.dirs[0].clone(),
+                    msg: format!(
+                        "memory.nvme_path: the optimizer state needs {:.2} GB on each of the {} \
+                         drive(s), {:.2} GB stated (--drive-size)",
+                        gb(self.per_drive),
+                        self.dirs.len(),
+                        gb(room)
+                    ),
+                }),
+            };
+        }
         // (device, first directory on it, directories on it)
         let mut filesystems: Vec<(u64, &PathBuf, u64)> = Vec::new();
         for d in &self.dirs {
@@ -62,7 +93,6 @@ impl DrivePlan {
                 continue;
             };
             if free < need {
-                let gb = |b: u64| b as f64 / 1e9;
                 return Err(Error::Config {
                     path: dir.clone(),
                     msg: format!(
@@ -91,6 +121,10 @@ impl std::fmt::Display for DrivePlan {
             gb(self.per_drive)
         )?;
         for d in &self.dirs {
+            if let Some(room) = self.stated {
+                writeln!(f, "  {} ({:.2} GB stated)", d.display(), gb(room))?;
+                continue;
+            }
             let free = crate::sysmem::free_disk_bytes(d).map_or("free space unknown".into(), |b| {
                 format!("{:.2} GB free", gb(b))
             });
@@ -116,6 +150,7 @@ mod tests {
             dirs,
             per_drive,
             windows: 0,
+            stated: None,
         };
         plan(free / 4, vec![dir.clone()]).check().unwrap();
         let err = plan(free + (1 << 40), vec![dir.clone()])
@@ -141,5 +176,38 @@ mod tests {
                 .contains("/nonexistent/nvme")
         );
         let _ = std::fs::remove_dir(&sub);
+    }
+
+    /// A stated drive size stands for the drive: directories that do not exist here plan,
+    /// a share larger than the stated room is refused naming the first directory, the
+    /// share and the room.
+    #[test]
+    fn a_stated_drive_size_replaces_the_free_space_here() {
+        let dirs: Vec<PathBuf> = vec!["/nonexistent/nvme0".into(), "/nonexistent/nvme1".into()];
+        let plan = DrivePlan {
+            dirs,
+            per_drive: 3_000_000_000,
+            windows: 0,
+            stated: None,
+        };
+        assert!(plan.clone().check().is_err(), "no such directory here");
+        plan.clone().with_drive_size(3_000_000_000).check().unwrap();
+        let msg = plan
+            .clone()
+            .with_drive_size(2_500_000_000)
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("/nonexistent/nvme0")
+                && msg.contains("3.00 GB on each of the 2")
+                && msg.contains("2.50 GB stated"),
+            "{msg}"
+        );
+        let shown = plan.with_drive_size(4_000_000_000).to_string();
+        assert!(
+            shown.contains("/nonexistent/nvme1 (4.00 GB stated)"),
+            "{shown}"
+        );
     }
 }

@@ -1,6 +1,6 @@
 //! The test hooks: variables the tests set to reach states a test machine cannot (a worker
 //! killed mid-step, a node late, a given amount of memory, an allocation that fails, an
-//! export paused between two renames). Read with the other switches ([`super::init`]);
+//! export paused between two renames, a drive that fails a write). Read with the other switches ([`super::init`]);
 //! product code asks the functions here (`testing::kill_worker_at(step)`), never the
 //! environment. Nothing but tests should set them.
 
@@ -22,6 +22,9 @@ pub const EXPORT_PAUSE: &str = "MT_TEST_EXPORT_PAUSE";
 pub const HOST_MEMORY: &str = "MT_TEST_HOST_MEMORY";
 /// Bytes: every worker's device memory, free and total, as the launcher reads it.
 pub const DEVICE_MEMORY: &str = "MT_TEST_DEVICE_MEMORY";
+/// `<step>`: the update of step `step` (from 1) fails its first write of the optimizer
+/// state to a drive (`memory.optimizer_offload: nvme`) with EIO, as a failing drive would.
+pub const DRIVE_EIO: &str = "MT_TEST_DRIVE_EIO";
 /// A file read instead of /proc/vmstat (the kernel's OOM-kill count).
 pub const PROC_VMSTAT: &str = "MT_PROC_VMSTAT";
 
@@ -41,6 +44,8 @@ pub struct Testing {
     pub host_memory: Option<u64>,
     /// `MT_TEST_DEVICE_MEMORY`: bytes.
     pub device_memory: Option<u64>,
+    /// `MT_TEST_DRIVE_EIO`: the step whose update fails a drive write.
+    pub drive_eio: Option<u64>,
     /// `MT_PROC_VMSTAT`: a file standing for /proc/vmstat.
     pub proc_vmstat: Option<PathBuf>,
 }
@@ -83,6 +88,7 @@ impl Testing {
             export_pause,
             host_memory: env.count(HOST_MEMORY, 0..=u64::MAX, "bytes")?,
             device_memory: env.count(DEVICE_MEMORY, 0..=u64::MAX, "bytes")?,
+            drive_eio: env.count(DRIVE_EIO, 1..=u64::MAX, "a step, from 1")?,
             proc_vmstat: env.path(PROC_VMSTAT)?,
         })
     }
@@ -130,6 +136,11 @@ pub fn host_memory() -> Option<u64> {
 /// `MT_TEST_DEVICE_MEMORY`: every device's memory a test gives, in bytes.
 pub fn device_memory() -> Option<u64> {
     hooks().device_memory
+}
+
+/// `MT_TEST_DRIVE_EIO`: whether the update of step `step` fails a drive write.
+pub fn drive_eio_at(step: u64) -> bool {
+    hooks().drive_eio == Some(step)
 }
 
 /// `MT_PROC_VMSTAT`: the file read instead of /proc/vmstat.
