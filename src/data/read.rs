@@ -44,7 +44,10 @@ impl Images {
     /// What `model_dir`'s model makes of images: a vision-language model's image
     /// processor settings (`preprocessor_config.json`), or text only.
     pub fn of_model(model_dir: &Path) -> Result<Images> {
-        if crate::config::vision::VisionSpec::from_model_dir(model_dir)?.is_none() {
+        // A tokenizer's directory without a model config (data tooling) reads text.
+        if !model_dir.join("config.json").is_file()
+            || crate::config::vision::VisionSpec::from_model_dir(model_dir)?.is_none()
+        {
             return Ok(Images::TextOnly);
         }
         let path = model_dir.join("preprocessor_config.json");
