@@ -299,31 +299,19 @@ pub const GPU_WORKER_HOST_RESERVE: u64 = 4_000_000_000;
 const CPU_SOURCE: &str =
     "host RAM left beside the host plan (MemAvailable, shared by the CPU workers) has";
 
-/// The device plan's options for `cfg` on `placement`.
 /// The frozen vision tower of the run's model (a shipped architecture's where the run
 /// names one); None for a text-only model.
 fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::VisionSpec>> {
-    let (text, path) = match cfg.model.shipped {
-        Some(s) => (
-            s.config_json.to_string(),
-            std::path::Path::new("configs")
+    use mt::config::vision::VisionSpec;
+    Ok(match cfg.model.shipped {
+        Some(s) => {
+            let path = std::path::Path::new("configs")
                 .join(s.dir)
-                .join("config.json"),
-        ),
-        None => {
-            let path = cfg.model.path.join("config.json");
-            (
-                mt::bounded::read_text(&path, mt::bounded::SMALL_JSON, "model config")?,
-                path,
-            )
+                .join("config.json");
+            VisionSpec::from_text(s.config_json, &path)?
         }
-    };
-    let value: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| mt::Error::ModelConfig {
-            path: path.clone(),
-            msg: format!("not a valid config.json: {e}"),
-        })?;
-    Ok(mt::config::vision::VisionSpec::from_json(&value, &path)?)
+        None => VisionSpec::from_model_dir(&cfg.model.path)?,
+    })
 }
 
 /// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for
@@ -338,6 +326,7 @@ fn vision_bytes(cfg: &RunConfig) -> Result<u64> {
     })
 }
 
+/// The device plan's options for `cfg` on `placement`.
 pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
     DeviceOpts {
         dtype: cfg.model.dtype,

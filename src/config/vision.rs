@@ -132,11 +132,16 @@ impl VisionSpec {
     pub fn from_model_dir(dir: &Path) -> Result<Option<VisionSpec>> {
         let path = dir.join("config.json");
         let text = crate::bounded::read_text(&path, crate::bounded::SMALL_JSON, "model config")?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| Error::ModelConfig {
-            path: path.clone(),
+        VisionSpec::from_text(&text, &path)
+    }
+
+    /// The tower of config.json's text (`path` names it in errors).
+    pub fn from_text(text: &str, path: &Path) -> Result<Option<VisionSpec>> {
+        let v: Value = serde_json::from_str(text).map_err(|e| Error::ModelConfig {
+            path: path.into(),
             msg: format!("not a valid config.json: {e}"),
         })?;
-        VisionSpec::from_json(&v, &path)
+        VisionSpec::from_json(&v, path)
     }
 
     /// The tower of a parsed config.json (`path` names it in errors).
