@@ -10,7 +10,7 @@
 # Environment [defaults]: NVME_DIR (required: a directory on the drive)  CONFIG
 #   [configs/bench/qwen_7b.yaml]  BATCH [128]  ACCUMS ["1 2"]  WARMUP [1]  STEPS [2]  LAYERS
 #   BIN [target/release]  RESULTS [benches/results]  DD_GB [8]  PYTHON [python3]  GPUS [1] (0: CPU
-#   workers, to try the script)
+#   workers, to try the script)  KEEP (a directory for the runs' metrics and logs, kept)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NVME_DIR:?NVME_DIR: a directory on the drive to hold the state}"
@@ -19,8 +19,9 @@ WARMUP=${WARMUP:-1}; STEPS=${STEPS:-2}; BIN=${BIN:-target/release}; RESULTS=${RE
 DD_GB=${DD_GB:-8}; PYTHON=${PYTHON:-python3}; GPUS=${GPUS:-1}
 MACHINE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-' || echo unknown)
 mkdir -p "$NVME_DIR"
-work=$(mktemp -d)
-trap 'rm -rf "$work"; rm -f "$NVME_DIR/dd.probe"' EXIT
+# KEEP: a directory to keep each run's metrics and logs in (they survive a cut-short call).
+if [ -n "${KEEP:-}" ]; then work=$KEEP; mkdir -p "$work"; trap 'rm -f "$NVME_DIR/dd.probe"' EXIT
+else work=$(mktemp -d); trap 'rm -rf "$work"; rm -f "$NVME_DIR/dd.probe"' EXIT; fi
 
 # The drive alone: write then read DD_GB with O_DIRECT (the page cache bypassed, as the run's).
 dd_rate() { sed -n 's/.*copied, \([0-9.]*\) s, .*/\1/p' "$1" | tail -1; }
