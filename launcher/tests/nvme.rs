@@ -108,7 +108,9 @@ fn planned_update_bytes(dir: &Path, drive: &Path, mode: &[&str]) -> u64 {
     let out = mt_launch().args(&args).output().unwrap();
     assert_ok(&out, &args);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["drives"]["update_write_bytes"].as_u64().expect("update bytes")
+    v["drives"]["update_write_bytes"]
+        .as_u64()
+        .expect("update bytes")
 }
 
 fn bits(rows: &[serde_json::Value], key: &str) -> Vec<u64> {
@@ -150,7 +152,9 @@ fn equal_on_the_drive(name: &str, mode: &[&str]) {
     let update = planned_update_bytes(&dir, &drive, mode);
     for row in &nvme.rows {
         let read = row["drive_read_bytes"].as_u64().expect("drive_read_bytes");
-        let written = row["drive_write_bytes"].as_u64().expect("drive_write_bytes");
+        let written = row["drive_write_bytes"]
+            .as_u64()
+            .expect("drive_write_bytes");
         assert!(read >= update && row["drive_wait_s"].is_number(), "{row}");
         assert_eq!(written, update, "{row}");
     }

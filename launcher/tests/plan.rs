@@ -718,7 +718,10 @@ fn plan_measures_the_drives_or_takes_their_stated_speed() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--drive-speed is the bandwidth"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("--drive-speed is the bandwidth"),
+        "{err}"
+    );
 
     let link = dir.join("link");
     std::os::unix::fs::symlink(&drive, &link).unwrap();

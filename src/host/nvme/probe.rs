@@ -115,8 +115,7 @@ fn pass(file: &DriveFile, direct_off: &AtomicBool, chunks: usize, write: bool) -
             })
             .collect();
         jobs.into_iter()
-            .map(|j| j.join().expect("a drive probe panicked"))
-            .collect::<Result<()>>()
+            .try_for_each(|j| j.join().expect("a drive probe panicked"))
     })
 }
 
