@@ -333,7 +333,7 @@ pub fn run_layout(
         return Err(mt::Error::invalid(
             key,
             format!(
-                "false asks to train a vision tower's projector, and `{}` is a text-only model (vision-language models: {})",
+                "false asks to train a vision tower's projector, and `{}` has none this tool computes (a text-only model, or a tower not yet supported; vision-language models: {})",
                 spec.wrapper.as_deref().unwrap_or(&spec.model_type),
                 mt::config::vision::VISION_MODEL_TYPES.join(", ")
             ),

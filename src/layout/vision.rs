@@ -108,10 +108,10 @@ mod tests {
         use crate::config::hf::{ModelSpec, TextNames};
         use crate::layout::Layout;
         let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vocab_size": 32,
-            "hidden_size": 24, "intermediate_size": 8, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "image_token_id": 9, "vision_config": {
+            "hidden_size": 128, "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 1, "image_token_id": 9, "vision_config": {
             "depth": 2, "hidden_size": 40, "num_heads": 2, "intermediate_size": 30,
-            "out_hidden_size": 24, "window_size": 56, "fullatt_block_indexes": [1]}});
+            "out_hidden_size": 128, "window_size": 56, "fullatt_block_indexes": [1]}});
         let path = std::path::Path::new("c");
         let vision = VisionSpec::from_json(&cfg, path).unwrap().unwrap();
         let hf: crate::config::hf::HfConfig = serde_json::from_value(cfg).unwrap();

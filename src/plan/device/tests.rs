@@ -423,5 +423,4 @@ fn a_trained_projector_is_counted() {
             - part(&embed_bwd(&frozen), "embedding block and its gradient"),
         2 * (block(&trained) - block(&text))
     );
-    assert!(p.total() > frozen.total());
 }
