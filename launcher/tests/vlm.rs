@@ -4,6 +4,9 @@
 //! decoded and resized by it, the frozen vision tower run in the workers, against the same
 //! step in transformers + torch (scripts/make_vlm_golden.py, in the data fixtures).
 //!
+//! The same with the projector (the merger) trained: its gradients too, and the step's
+//! weights against torch's AdamW.
+//!
 //! Tolerance: 1e-4 relative, f32 on both sides; what differs is summation order (the
 //! tower's patch embedding as a matmul, its windows padded into one SDPA call, the
 //! language model's chunked loss), about sqrt(K) x 2^-24 for sums of K <= ~1e3 terms, two
@@ -12,6 +15,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use common::*;
@@ -21,17 +25,80 @@ const TOL: f64 = 1e-4;
 #[test]
 fn qwen2_5_vl_with_images_matches_transformers() {
     let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
+    let failures = golden_step(&dir, "vlm-golden", |_, _, _| Vec::new());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `vlm.freeze_projector: false` (given as LlamaFactory's `freeze_multi_modal_projector`):
+/// the merger's gradients as well, and after the step (weight decay on its matrices, the
+/// gradients clipped to half their norm) every trained tensor the export wrote equals
+/// torch's AdamW step. Tolerance of the step: at step 1 the update is lr x c g / (c |g| +
+/// eps) (c the clip coefficient, <= 1) less lr x wd x w, whose derivative in g is at most
+/// lr / eps; so a tensor's weights may differ by lr / eps x (its largest gradient
+/// difference, measured here, + c's relative difference, ~1e-6, x its largest gradient),
+/// plus a few f32 roundings of the weight.
+#[test]
+fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
+    let dir = data_fixtures("vlm/golden/projector/expected.json").join("vlm/golden/projector");
+    let step1 = tensors(&dir.join("step1.safetensors"));
+    let torch_grads = tensors(&dir.join("grads0.safetensors"));
+    let (lr, eps) = (1e-3, 1e-3);
+    let max_abs = |v: &[f32]| v.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
+    let failures = golden_step(&dir, "vlm-projector", |workers, out, grads| {
+        let ours = tensors(&out.join("model.safetensors"));
+        let (mut worst, mut bad) = (0.0f64, Vec::new());
+        for (name, want) in &step1 {
+            let (g, tg) = (&grads[name], &torch_grads[name]);
+            let dg = g
+                .iter()
+                .zip(tg)
+                .map(|(a, b)| f64::from((a - b).abs()))
+                .fold(0.0, f64::max);
+            let tol = lr / eps * (dg + 1e-6 * max_abs(tg))
+                + 4.0 * f64::from(f32::EPSILON) * max_abs(want);
+            let got = &ours[name];
+            let e = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| f64::from((a - b).abs()))
+                .fold(0.0, f64::max);
+            worst = worst.max(e / tol);
+            if e > tol {
+                bad.push(format!(
+                    "{workers}w after the step: {name} off by {e:.2e} (bound {tol:.2e})"
+                ));
+            }
+        }
+        eprintln!(
+            "vlm projector, {workers} workers: after the step, worst diff / bound {worst:.2}"
+        );
+        bad
+    });
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Runs `dir/run.yaml` for one step with 1 and 2 workers, its export in a scratch
+/// directory handed to `after` (with the worker count and the gradients), and compares the loss, the
+/// gradient norm and every gradient with transformers' (`dir`'s expected.json and
+/// grads0.safetensors); returns what differs beyond [`TOL`] and what `after` found.
+fn golden_step(
+    dir: &Path,
+    tag: &str,
+    after: impl Fn(usize, &Path, &HashMap<String, Vec<f32>>) -> Vec<String>,
+) -> Vec<String> {
     let expected = json(&dir.join("expected.json"));
     let torch_grads = tensors(&dir.join("grads0.safetensors"));
     let mut failures = Vec::new();
     for workers in [1, 2] {
-        let s = scratch(&format!("vlm-golden-{workers}"));
+        let s = scratch(&format!("{tag}-{workers}"));
         let (m, g) = (s.join("metrics.jsonl"), s.join("grads.safetensors"));
+        let out_dir = s.join("out");
+        let set = format!("training.output_dir={}", out_dir.display());
         let out = run_cpu_ok(
             &dir.join("run.yaml"),
             workers,
             &m,
-            &["--dump-grads", path_str(&g)],
+            &["--dump-grads", path_str(&g), "--set", &set],
         );
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(stdout.contains("vision tower:"), "{stdout}");
@@ -48,7 +115,8 @@ fn qwen2_5_vl_with_images_matches_transformers() {
             }
         }
         let ours = tensors(&g);
-        // Every trained tensor is the language model's; the frozen tower has no gradient.
+        // The trained tensors: the language model's, and the merger's where it trains;
+        // the frozen tower has no gradient.
         let mut names: Vec<_> = ours.keys().cloned().collect();
         names.sort();
         let mut theirs: Vec<_> = torch_grads.keys().cloned().collect();
@@ -61,13 +129,15 @@ fn qwen2_5_vl_with_images_matches_transformers() {
                 failures.push(format!("{workers}w grad {name}: rel {e:.2e}"));
             }
         }
-        eprintln!("vlm golden, {workers} workers: worst relative error {worst:.1e}");
+        eprintln!("{tag}, {workers} workers: worst relative error {worst:.1e}");
+        failures.extend(after(workers, &out_dir, &ours));
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    failures
 }
 
 /// The export of a Qwen2.5-VL run: the trained language model in the wrapper's names, the
-/// frozen tower and projector bit for bit, the image processor's settings beside the
+/// frozen tower and projector bit for bit (with `vlm.freeze_projector: false`, the tower
+/// bit for bit and the projector trained), the image processor's settings beside the
 /// tokenizer; transformers loads it with `AutoModelForImageTextToText` and answers about an
 /// image with `generate`.
 #[test]
@@ -79,15 +149,27 @@ fn qwen2_5_vl_export_loads_in_transformers_and_answers_about_an_image() {
     }
     let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
     let s = scratch("vlm-export");
-    let out = s.join("out");
-    let set = format!("training.output_dir={}", out.display());
-    run_cpu_ok(
-        &dir.join("run.yaml"),
-        1,
-        &s.join("metrics.jsonl"),
-        &["--set", &set, "--set", "training.num_steps=2"],
-    );
-    assert!(out.join("preprocessor_config.json").is_file());
+    let mut outs = Vec::new();
+    for projector in ["true", "false"] {
+        let out = s.join(format!("out-freeze-projector-{projector}"));
+        let set = format!("training.output_dir={}", out.display());
+        let freeze = format!("vlm.freeze_projector={projector}");
+        run_cpu_ok(
+            &dir.join("run.yaml"),
+            1,
+            &s.join("metrics.jsonl"),
+            &[
+                "--set",
+                &set,
+                "--set",
+                "training.num_steps=2",
+                "--set",
+                &freeze,
+            ],
+        );
+        assert!(out.join("preprocessor_config.json").is_file());
+        outs.push(out);
+    }
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
@@ -95,31 +177,34 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.video_processing_utils import BaseVideoProcessor
-src, out, image = sys.argv[1:4]
-a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
-assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
-tower = [k for k in a if k.startswith("visual.")]
-assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
-trained = [k for k in a if k not in tower]
-assert all(not torch.equal(a[k], b[k]) for k in trained), "a language-model tensor did not train"
-model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
-tok = AutoTokenizer.from_pretrained(out)
+src, image, frozen_out, trained_out = sys.argv[1:5]
 Qwen2VLProcessor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-proc = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(out), tokenizer=tok,
-                        video_processor=BaseVideoProcessor(), chat_template=tok.chat_template)
-msgs = [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>What is this?"}]
-text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
-gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
-assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
-print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+for out, projector in [(frozen_out, False), (trained_out, True)]:
+    a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
+    assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
+    merger = lambda k: k.startswith("visual.merger.")
+    tower = [k for k in a if k.startswith("visual.") and not (projector and merger(k))]
+    assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
+    trained = [k for k in a if k not in tower]
+    assert not projector or any(merger(k) for k in trained)
+    assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(out)
+    proc = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(out), tokenizer=tok,
+                            video_processor=BaseVideoProcessor(), chat_template=tok.chat_template)
+    msgs = [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>What is this?"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
+    print(f"export (projector trained: {projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
 "#;
     let image = dir.join("../images/a.png");
     let r = std::process::Command::new(&py)
         .args(["-c", check])
         .arg(dir.join("model"))
-        .arg(&out)
         .arg(&image)
+        .args(&outs)
         .output()
         .unwrap();
     assert!(
@@ -129,4 +214,39 @@ print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; ge
         String::from_utf8_lossy(&r.stderr)
     );
     eprintln!("{}", String::from_utf8_lossy(&r.stdout));
+}
+
+/// The next step's images decoded while a step computes (worker/src/engine/prefetch.rs)
+/// give the bits of decoding them when the step starts (`MT_IMAGE_PREFETCH=0`): three
+/// steps of the four fixture records (one and two images per row, a text-only row), two
+/// workers with two micro-batches of one row each. A prefetch that handed one micro-batch
+/// another's pixels would move the loss of the step that reads them.
+#[test]
+fn prefetched_images_give_the_same_bits() {
+    let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
+    let steps = [
+        "--set",
+        "training.num_steps=3",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "training.gradient_accumulation_steps=2",
+    ];
+    let mut runs = Vec::new();
+    for prefetch in ["1", "0"] {
+        let m = scratch(&format!("vlm-prefetch-{prefetch}")).join("metrics.jsonl");
+        let env = [("MT_IMAGE_PREFETCH", prefetch)];
+        run_cpu_env_ok(&dir.join("run.yaml"), 2, &m, &steps, &env);
+        let rows = metrics(&m);
+        assert_eq!(rows.len(), 3, "{rows:?}");
+        assert!(
+            rows.iter().take(2).all(|r| r["images_s"].is_f64()),
+            "{rows:?}"
+        );
+        runs.push((column(&rows, "loss"), column(&rows, "grad_norm")));
+    }
+    assert_eq!(
+        runs[0], runs[1],
+        "prefetched (left) against decoded at the step"
+    );
 }

@@ -15,8 +15,8 @@
 //! | `deepseek_v3.rs`| deepseek_v3                                               |
 //! | `llama4.rs`     | llama4_text                                               |
 //!
-//! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger (frozen, forward
-//! only), whose features the model places at the image tokens.
+//! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, whose features the
+//! model places at the image tokens.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -61,7 +61,9 @@ pub use moe::RouterAux;
 // The image features' entry point: the engine's hook that places them at the image tokens
 // calls it (#49, not wired yet).
 #[allow(unused_imports)]
-pub use qwen2_vl_vision::{VisionWeights, qwen2_5_vl_vision};
+pub use qwen2_vl_vision::{
+    Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
+};
 use rope::Rope;
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary
@@ -250,7 +252,8 @@ pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
 /// output for the micro-batch's images, in the order their tokens appear), in place of the
 /// embeddings `e_bth` (B, T, H) of the tokens whose id `ids_bt` (B, T) is `image_token_id`,
 /// as transformers' `masked_scatter` places them. The embedding's gradient at those rows is
-/// then 0 (the tower is frozen: nothing flows to it either). None: `e_bth` unchanged.
+/// then 0; the gradient there flows into the features (a trained projector's leaves) where
+/// they have a graph. None: `e_bth` unchanged.
 pub fn place_image_features(
     ids_bt: &Tensor,
     e_bth: Tensor,

@@ -1,61 +1,61 @@
-//! A micro-batch's images as the language model reads them (Qwen2.5-VL): the frozen vision
+//! A micro-batch's images as the language model reads them (Qwen2.5-VL): the vision
 //! tower's features, which replace the embeddings of the image tokens
 //! ([`crate::model::place_image_features`]), and the 3-D positions of every token
 //! (`mt::mrope`), from which the rotary tables are built
 //! ([`crate::model::Context::with_positions_3d`]).
 //!
-//! Shapes: B rows, T padded length, M image tokens, H hidden size.
+//! The frozen part of the tower runs once per micro-batch, without grad, from the weights
+//! the worker copied from the read-only region. A trained projector
+//! (`vlm.freeze_projector: false`) runs where the embedding does, from the embedding
+//! block's weights: without grad in the forward, recomputed with grad on its leaves in the
+//! embedding's backward, where the gradient at the image tokens' rows flows into it. Its
+//! input (the encoder's output, N x E) is kept for that.
+//!
+//! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
+//! tower's width.
 
 use anyhow::{Context as _, Result, bail};
-use mt::config::hf::ModelSpec;
-use mt::data::{MicroBatch, QwenVlImages, image};
+use mt::config::TowerTraining;
+use mt::config::hf::{ModelSpec, TOWER};
+use mt::config::vision::VisionSpec;
+use mt::data::{BatchImage, MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{VisionWeights, qwen2_5_vl_vision};
+use crate::model::{
+    BlockWeights, Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
+};
 
-/// The worker's frozen vision tower and how it reads an image file.
+/// The worker's vision tower (its frozen tensors) and how it reads an image file.
 pub struct Tower {
     pub weights: VisionWeights,
+    /// What of it trains (those tensors are the embedding block's).
+    pub training: TowerTraining,
     /// The image processor's settings (`preprocessor_config.json`); None where the model
     /// directory has none, and then no batch carries images (the data load refuses them).
     pub pixels: Option<QwenVlImages>,
 }
 
 impl Tower {
-    /// The tower's features (M, H) for `mb`'s images and their grids, in the order their
+    /// The frozen tower's output for `mb`'s images and their grids, in the order their
     /// tokens appear: each file decoded and resized as the model's image processor does
-    /// (on the CPU, the images in parallel), the pixels' rows of all images in one (N, P)
-    /// batch through the tower.
+    /// ([`pixel_rows`], unless `decoded` holds them already: [`super::prefetch`]), the
+    /// pixels' rows of all images in one (N, P) batch through the tower, without grad.
     pub fn features(
         &self,
         mb: &MicroBatch,
+        decoded: Option<Vec<Vec<f32>>>,
         kind: Kind,
         device: Device,
-    ) -> Result<(Vec<[u32; 3]>, Tensor)> {
+    ) -> Result<(Vec<[u32; 3]>, Features)> {
         let Some(px) = &self.pixels else {
             bail!("the micro-batch has images but the model has no image processor settings");
         };
-        let per_image = mb
-            .images
-            .par_iter()
-            .map(|im| {
-                let rgb = image::decode(&im.path)?;
-                px.resize(rgb.height, rgb.width)
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", im.path.display()))?;
-                let (g, rows) = px.pixel_values(&rgb);
-                if [g.t, g.h, g.w] != im.grid {
-                    bail!(
-                        "{}: decoded to a {:?} patch grid, the batch was built for {:?} (the file changed since the data was read?)",
-                        im.path.display(),
-                        [g.t, g.h, g.w],
-                        im.grid
-                    );
-                }
-                Ok(rows)
-            })
-            .collect::<Result<Vec<Vec<f32>>>>()?;
+        let per_image = match decoded {
+            Some(rows) => rows,
+            None => pixel_rows(px, &mb.images)?,
+        };
         let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
         // One row per patch: channels x temporal patch x patch x patch. Each image's rows go
         // up by themselves and are joined on the device: no host copy of the whole batch's
@@ -71,29 +71,70 @@ impl Tower {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let pixels_np = Tensor::f_cat(&pixels_np, 0)?;
-        let features_mh = qwen2_5_vl_vision(&self.weights, &pixels_np, &grids);
-        Ok((grids, features_mh))
+        let _no_grad = tch::no_grad_guard();
+        let features = match self.training {
+            TowerTraining::Frozen => {
+                Features::Frozen(qwen2_5_vl_vision(&self.weights, &pixels_np, &grids))
+            }
+            TowerTraining::Projector => Features::Merger {
+                enc: vision_encoder(&self.weights, &pixels_np, &grids),
+                spec: self.weights.spec.clone(),
+            },
+        };
+        Ok((grids, features))
     }
+}
+
+/// Each image's pixel rows (patches x values), the file decoded and resized as the model's
+/// image processor does, on the CPU, the images in parallel; a file whose grid is not the
+/// one the batch was built for (changed since the data was read) is an error naming it.
+pub fn pixel_rows(px: &QwenVlImages, images: &[BatchImage]) -> Result<Vec<Vec<f32>>> {
+    images
+        .par_iter()
+        .map(|im| {
+            let rgb = image::decode(&im.path)?;
+            px.resize(rgb.height, rgb.width)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", im.path.display()))?;
+            let (g, rows) = px.pixel_values(&rgb);
+            if [g.t, g.h, g.w] != im.grid {
+                bail!(
+                    "{}: decoded to a {:?} patch grid, the batch was built for {:?} (the file changed since the data was read?)",
+                    im.path.display(),
+                    [g.t, g.h, g.w],
+                    im.grid
+                );
+            }
+            Ok(rows)
+        })
+        .collect()
+}
+
+/// What the frozen part of the tower gave for a micro-batch's images.
+#[derive(Debug)]
+pub enum Features {
+    /// The tower's output (M, H) (the projector frozen).
+    Frozen(Tensor),
+    /// The projector's input; its weights are the embedding block's.
+    Merger { enc: Encoded, spec: VisionSpec },
 }
 
 /// What a micro-batch's images bring to the language model.
 #[derive(Debug)]
 pub struct MicroImages {
-    /// The vision tower's output (M, H): one row per image token, in the order the tokens
-    /// appear (row by row, left to right); no grad (the tower is frozen).
-    pub features_mh: Tensor,
+    /// The tower's output, or the trained projector's input.
+    pub features: Features,
     /// Every token's temporal, height and width position (3, B, T), on the device.
     pub pos_3bt: Tensor,
 }
 
 impl MicroImages {
     /// `mb`'s images: their grids (patches, (t, h, w)) in the order their tokens appear and
-    /// the tower's features for them, which must hold one row per image token.
+    /// the tower's features for them, which must make one row per image token.
     pub fn new(
         spec: &ModelSpec,
         mb: &MicroBatch,
         grids: &[[u32; 3]],
-        features_mh: Tensor,
+        features: Features,
         device: Device,
     ) -> Result<MicroImages> {
         let Some(m) = &spec.mrope else {
@@ -117,10 +158,29 @@ impl MicroImages {
         let pos_3bt = Tensor::f_from_slice(&p.pos_3bt)?
             .f_view([3, b, t])?
             .f_to_device(device)?;
-        Ok(MicroImages {
-            features_mh: features_mh.f_to_device(device)?,
-            pos_3bt,
-        })
+        Ok(MicroImages { features, pos_3bt })
+    }
+
+    /// The features (M, H) placed at the image tokens, one row per token in the order the
+    /// tokens appear (row by row, left to right): the frozen tower's, or a trained
+    /// projector's over its kept input with `embed_w`'s `visual.merger.*` (views or leaves:
+    /// with grad where they are leaves and grad mode is on).
+    pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
+        match &self.features {
+            Features::Frozen(f_mh) => f_mh.shallow_clone(),
+            Features::Merger { enc, spec } => {
+                let merger = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&format!("{TOWER}{name}")).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
+            }
+        }
     }
 }
 
@@ -160,15 +220,16 @@ mod tests {
             images: vec![],
         };
         let f = Tensor::zeros([1, 128], (tch::Kind::Float, Device::Cpu));
-        let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap();
+        let frozen = |f: &Tensor| Features::Frozen(f.copy());
+        let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap();
         assert_eq!(i.pos_3bt.size(), [3, 1, 4]);
-        let e = MicroImages::new(&vl, &mb, &[], f.copy(), Device::Cpu).unwrap_err();
+        let e = MicroImages::new(&vl, &mb, &[], frozen(&f), Device::Cpu).unwrap_err();
         assert!(format!("{e:#}").contains("grids are placed"), "{e:#}");
         let text = spec("qwen2");
-        let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap_err();
+        let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("text-only model"), "{e}");
         mb.position_ids = vec![0, 1, 2, 0];
-        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f, Device::Cpu).unwrap_err();
+        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
     }
 }
