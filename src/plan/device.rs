@@ -112,6 +112,12 @@ pub struct VisionDevice {
     pub patches_per_token: u64,
     /// The width of its output (the language model's hidden size).
     pub out_hidden: u64,
+    /// Feature sets it hands the language model per image token: the merged features and
+    /// each deepstack feature (Qwen3-VL).
+    pub feature_sets: u64,
+    /// Bytes per patch of Qwen3-VL's learned positions as they are resampled (four taps of
+    /// width E in f32 and their weighted copy), before the blocks run; 0 for Qwen2.5-VL.
+    pub position_taps: u64,
 }
 
 impl VisionDevice {
@@ -125,6 +131,11 @@ impl VisionDevice {
                 as u64,
             patches_per_token: spec.spatial_merge_size.pow(2) as u64,
             out_hidden: spec.out_hidden_size as u64,
+            feature_sets: 1 + spec.deepstack_taps().len() as u64,
+            position_taps: match spec.num_position_embeddings {
+                0 => 0,
+                _ => 2 * 4 * spec.hidden_size as u64 * 4,
+            },
         }
     }
 }
@@ -384,10 +395,14 @@ impl DevicePlan {
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
         // A vision-language model's tower: its weights, and the image features placed at
-        // the image tokens (at most every token of the micro-batch).
+        // the image tokens (at most every token of the micro-batch), with Qwen3-VL's
+        // deepstack features kept for the first layers.
         if let Some(vis) = o.vision {
             fixed.push(("vision tower (frozen)", vis.params * s));
-            fixed.push(("image features", m * vis.out_hidden * s));
+            fixed.push((
+                "image features",
+                m * vis.out_hidden * s * vis.feature_sets,
+            ));
         }
 
         let tied_fwd = if tied { copy(embed) } else { 0 };
@@ -481,7 +496,8 @@ impl DevicePlan {
         if let Some(vis) = o.vision {
             let patches = m * vis.patches_per_token;
             let per_patch = vis.patch_values * (4 + s)
-                + s * (8 * vis.hidden).max(3 * vis.hidden + 3 * vis.intermediate);
+                + (s * (8 * vis.hidden).max(3 * vis.hidden + 3 * vis.intermediate))
+                    .max(vis.position_taps);
             phases.push(Phase {
                 name: VISION_FORWARD,
                 parts: vec![(

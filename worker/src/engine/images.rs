@@ -1,19 +1,21 @@
-//! A micro-batch's images as the language model reads them (Qwen2.5-VL): the frozen vision
-//! tower's features, which replace the embeddings of the image tokens
-//! ([`crate::model::place_image_features`]), and the 3-D positions of every token
-//! (`mt::mrope`), from which the rotary tables are built
+//! A micro-batch's images as the language model reads them (Qwen2.5-VL, Qwen3-VL): the
+//! frozen vision tower's features, which replace the embeddings of the image tokens
+//! ([`crate::model::place_image_features`]), Qwen3-VL's deepstack features, which the first
+//! layers' outputs take at the image tokens ([`MicroImages::after_layer`]), and the 3-D
+//! positions of every token (`mt::mrope`), from which the rotary tables are built
 //! ([`crate::model::Context::with_positions_3d`]).
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size.
 
 use anyhow::{Context as _, Result, bail};
 use mt::config::hf::ModelSpec;
+use mt::config::vision::VisionFamily;
 use mt::data::{MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{VisionWeights, qwen2_5_vl_vision};
+use crate::model::{VisionWeights, add_at_image_tokens, qwen2_5_vl_vision, qwen3_vl_vision};
 
 /// The worker's frozen vision tower and how it reads an image file.
 pub struct Tower {
@@ -25,15 +27,16 @@ pub struct Tower {
 
 impl Tower {
     /// The tower's features (M, H) for `mb`'s images and their grids, in the order their
-    /// tokens appear: each file decoded and resized as the model's image processor does
-    /// (on the CPU, the images in parallel), the pixels' rows of all images in one (N, P)
-    /// batch through the tower.
+    /// tokens appear, and its deepstack features (M, H) each (Qwen3-VL; none for
+    /// Qwen2.5-VL): each file decoded and resized as the model's image processor does (on
+    /// the CPU, the images in parallel), the pixels' rows of all images in one (N, P) batch
+    /// through the tower.
     pub fn features(
         &self,
         mb: &MicroBatch,
         kind: Kind,
         device: Device,
-    ) -> Result<(Vec<[u32; 3]>, Tensor)> {
+    ) -> Result<(Vec<[u32; 3]>, Tensor, Vec<Tensor>)> {
         let Some(px) = &self.pixels else {
             bail!("the micro-batch has images but the model has no image processor settings");
         };
@@ -65,8 +68,17 @@ impl Tower {
             .f_view([n, patch])?
             .f_to_device(device)?
             .f_to_kind(kind)?;
-        let features_mh = qwen2_5_vl_vision(&self.weights, &pixels_np, &grids);
-        Ok((grids, features_mh))
+        let (features_mh, deepstack_mh) = match self.weights.spec.family {
+            VisionFamily::Qwen2_5Vl => (
+                qwen2_5_vl_vision(&self.weights, &pixels_np, &grids),
+                Vec::new(),
+            ),
+            VisionFamily::Qwen3Vl => {
+                let f = qwen3_vl_vision(&self.weights, &pixels_np, &grids);
+                (f.merged_mo, f.deepstack_mo)
+            }
+        };
+        Ok((grids, features_mh, deepstack_mh))
     }
 }
 
@@ -78,16 +90,24 @@ pub struct MicroImages {
     pub features_mh: Tensor,
     /// Every token's temporal, height and width position (3, B, T), on the device.
     pub pos_3bt: Tensor,
+    /// Qwen3-VL's deepstack features (M, H) each, layer i's output taking the i-th at the
+    /// image tokens; empty for Qwen2.5-VL.
+    pub deepstack_mh: Vec<Tensor>,
+    /// (M,): the image tokens' rows in the flattened (B T) micro-batch, in order; set where
+    /// there are deepstack features.
+    pub rows_m: Option<Tensor>,
 }
 
 impl MicroImages {
     /// `mb`'s images: their grids (patches, (t, h, w)) in the order their tokens appear and
-    /// the tower's features for them, which must hold one row per image token.
+    /// the tower's features and deepstack features for them, which must hold one row per
+    /// image token.
     pub fn new(
         spec: &ModelSpec,
         mb: &MicroBatch,
         grids: &[[u32; 3]],
         features_mh: Tensor,
+        deepstack_mh: Vec<Tensor>,
         device: Device,
     ) -> Result<MicroImages> {
         let Some(m) = &spec.mrope else {
@@ -111,10 +131,42 @@ impl MicroImages {
         let pos_3bt = Tensor::f_from_slice(&p.pos_3bt)?
             .f_view([3, b, t])?
             .f_to_device(device)?;
+        let rows: Vec<i64> = (mb.input_ids.iter().enumerate())
+            .filter(|&(_, &id)| i64::from(id) == m.image_token_id)
+            .map(|(i, _)| i as i64)
+            .collect();
+        for (i, f) in deepstack_mh.iter().enumerate() {
+            if f.size()[0] != rows.len() as i64 {
+                bail!(
+                    "deepstack feature {i} has {} rows for {} image tokens",
+                    f.size()[0],
+                    rows.len()
+                );
+            }
+        }
+        let rows_m = match deepstack_mh.is_empty() {
+            true => None,
+            false => Some(Tensor::f_from_slice(&rows)?.f_to_device(device)?),
+        };
         Ok(MicroImages {
             features_mh: features_mh.f_to_device(device)?,
             pos_3bt,
+            deepstack_mh: (deepstack_mh.into_iter())
+                .map(|f| f.f_to_device(device))
+                .collect::<Result<_, _>>()?,
+            rows_m,
         })
+    }
+
+    /// Decoder layer `layer`'s output `y_bth` (B, T, H) as the next layer reads it: with
+    /// the layer-th deepstack feature added at the image tokens where there is one
+    /// (Qwen3-VL's first layers), else unchanged. The stash of layer `layer + 1` is this
+    /// sum; the backward passes the gradient through unchanged (an added constant).
+    pub fn after_layer(&self, layer: usize, y_bth: Tensor) -> Tensor {
+        match (self.deepstack_mh.get(layer), &self.rows_m) {
+            (Some(f_mh), Some(rows_m)) => add_at_image_tokens(&y_bth, rows_m, f_mh),
+            _ => y_bth,
+        }
     }
 }
 
@@ -122,9 +174,10 @@ impl MicroImages {
 mod tests {
     use super::*;
 
-    /// A one-layer model of `model_type`, head_dim 128 (mrope's default sections).
+    /// A one-layer model of `model_type`, head_dim 128 (mrope's default sections); a
+    /// `qwen3_vl` wraps it in `text_config`.
     fn spec(model_type: &str) -> ModelSpec {
-        let hf = mt::config::hf::HfConfig {
+        let mut hf = mt::config::hf::HfConfig {
             model_type: Some(model_type.into()),
             vocab_size: Some(16),
             hidden_size: Some(128),
@@ -134,6 +187,10 @@ mod tests {
             image_token_id: Some(9),
             ..Default::default()
         };
+        if model_type == "qwen3_vl" {
+            hf.text_config = Some(serde_json::json!({"vocab_size": 16, "hidden_size": 128,
+                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}));
+        }
         ModelSpec::from_hf(&hf, std::path::Path::new("config.json")).unwrap()
     }
 
@@ -154,15 +211,33 @@ mod tests {
             images: vec![],
         };
         let f = Tensor::zeros([1, 128], (tch::Kind::Float, Device::Cpu));
-        let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap();
+        let new = |s: &ModelSpec, mb: &MicroBatch, grids: &[[u32; 3]], deep: Vec<Tensor>| {
+            MicroImages::new(s, mb, grids, f.copy(), deep, Device::Cpu)
+        };
+        let i = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap();
         assert_eq!(i.pos_3bt.size(), [3, 1, 4]);
-        let e = MicroImages::new(&vl, &mb, &[], f.copy(), Device::Cpu).unwrap_err();
+        let y = Tensor::ones([1, 4, 128], (tch::Kind::Float, Device::Cpu));
+        assert!(i.after_layer(0, y.copy()).equal(&y), "no deepstack: unchanged");
+        let e = new(&vl, &mb, &[], vec![]).unwrap_err();
         assert!(format!("{e:#}").contains("grids are placed"), "{e:#}");
+        // Qwen3-VL: layer 0's output takes the first deepstack feature at the image token
+        // (position 1), layer 1's the second, layer 2's none.
+        let deep = vec![f.copy() + 2.0, f.copy() + 5.0];
+        let i = new(&spec("qwen3_vl"), &mb, &[[1, 2, 2]], deep).unwrap();
+        for (layer, add) in [(0, 2.0), (1, 5.0), (2, 0.0)] {
+            let got = i.after_layer(layer, y.copy());
+            assert!(got.get(0).get(1).equal(&(y.get(0).get(1) + add)), "layer {layer}");
+            for t in [0, 2, 3] {
+                assert!(got.get(0).get(t).equal(&y.get(0).get(t)), "layer {layer}: text {t}");
+            }
+        }
+        let e = new(&spec("qwen3_vl"), &mb, &[[1, 2, 2]], vec![f.narrow(0, 0, 0)]).unwrap_err();
+        assert!(e.to_string().contains("deepstack feature 0"), "{e}");
         let text = spec("qwen2");
-        let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap_err();
+        let e = new(&text, &mb, &[[1, 2, 2]], vec![]).unwrap_err();
         assert!(e.to_string().contains("text-only model"), "{e}");
         mb.position_ids = vec![0, 1, 2, 0];
-        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f, Device::Cpu).unwrap_err();
+        let e = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
     }
 }
