@@ -1,11 +1,13 @@
-//! Vision-language training end to end (#49): a tiny Qwen2.5-VL built with the hub classes,
-//! trained one step by mt-launch on LlamaFactory-format multimodal records (PNG, JPEG and
-//! lossless WebP images, one and two per row, multi-turn, a text-only row), read, tokenized,
-//! decoded and resized by it, the frozen vision tower run in the workers, against the same
-//! step in transformers + torch (scripts/make_vlm_golden.py, in the data fixtures).
+//! Vision-language training end to end (#49): a tiny Qwen2.5-VL and a tiny Qwen3-VL built
+//! with the hub classes, each trained one step by mt-launch on LlamaFactory-format multimodal
+//! records (PNG, JPEG and lossless WebP images, one and two per row, multi-turn, a text-only
+//! row), read, tokenized, decoded and resized by it, the frozen vision tower run in the
+//! workers, against the same step in transformers + torch (scripts/make_vlm_golden.py, in
+//! the data fixtures). Qwen3-VL adds the interleaved mrope, the tower's learned positions and
+//! the deepstack features added after the first two of its three layers.
 //!
 //! Tolerance: 1e-4 relative, f32 on both sides; what differs is summation order (the
-//! tower's patch embedding as a matmul, its windows padded into one SDPA call, the
+//! tower's patch embedding as a matmul, its windows or frames padded into one SDPA call, the
 //! language model's chunked loss), about sqrt(K) x 2^-24 for sums of K <= ~1e3 terms, two
 //! orders below the bound, while a misplaced image feature or a wrong 3-D position moves
 //! the loss and every gradient by O(1e-2) or more.
@@ -20,12 +22,23 @@ const TOL: f64 = 1e-4;
 
 #[test]
 fn qwen2_5_vl_with_images_matches_transformers() {
-    let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
+    golden_matches("golden");
+}
+
+#[test]
+fn qwen3_vl_with_images_matches_transformers() {
+    golden_matches("golden-qwen3vl");
+}
+
+/// One step of `vlm/{case}`'s run with 1 and 2 workers against transformers': loss, grad
+/// norm and every gradient.
+fn golden_matches(case: &str) {
+    let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
     let expected = json(&dir.join("expected.json"));
     let torch_grads = tensors(&dir.join("grads0.safetensors"));
     let mut failures = Vec::new();
     for workers in [1, 2] {
-        let s = scratch(&format!("vlm-golden-{workers}"));
+        let s = scratch(&format!("vlm-{case}-{workers}"));
         let (m, g) = (s.join("metrics.jsonl"), s.join("grads.safetensors"));
         let out = run_cpu_ok(
             &dir.join("run.yaml"),
@@ -61,7 +74,7 @@ fn qwen2_5_vl_with_images_matches_transformers() {
                 failures.push(format!("{workers}w grad {name}: rel {e:.2e}"));
             }
         }
-        eprintln!("vlm golden, {workers} workers: worst relative error {worst:.1e}");
+        eprintln!("vlm {case}, {workers} workers: worst relative error {worst:.1e}");
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -72,13 +85,26 @@ fn qwen2_5_vl_with_images_matches_transformers() {
 /// image with `generate`.
 #[test]
 fn qwen2_5_vl_export_loads_in_transformers_and_answers_about_an_image() {
+    export_answers("golden", "visual.", "Qwen2VLProcessor");
+}
+
+/// The same for Qwen3-VL (its class's names: `model.language_model.*`, `model.visual.*`).
+#[test]
+fn qwen3_vl_export_loads_in_transformers_and_answers_about_an_image() {
+    export_answers("golden-qwen3vl", "model.visual.", "Qwen3VLProcessor");
+}
+
+/// Trains `vlm/{case}` two steps, exports, and checks the export in transformers: the tower
+/// (names under `tower`) bit for bit, every other tensor trained, `generate` through the
+/// processor class `processor`.
+fn export_answers(case: &str, tower: &str, processor: &str) {
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
     if !py.is_file() {
         eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
         return;
     }
-    let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
-    let s = scratch("vlm-export");
+    let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
+    let s = scratch(&format!("vlm-export-{case}"));
     let out = s.join("out");
     let set = format!("training.output_dir={}", out.display());
     run_cpu_ok(
@@ -94,18 +120,20 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_processing_utils import BaseVideoProcessor
-src, out, image = sys.argv[1:4]
+src, out, image, prefix, processor = sys.argv[1:6]
+Processor = {"Qwen2VLProcessor": Qwen2VLProcessor, "Qwen3VLProcessor": Qwen3VLProcessor}[processor]
 a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
 assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
-tower = [k for k in a if k.startswith("visual.")]
+tower = [k for k in a if k.startswith(prefix)]
 assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
 trained = [k for k in a if k not in tower]
 assert all(not torch.equal(a[k], b[k]) for k in trained), "a language-model tensor did not train"
 model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
 tok = AutoTokenizer.from_pretrained(out)
-Qwen2VLProcessor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-proc = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(out), tokenizer=tok,
+Processor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+proc = Processor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(out), tokenizer=tok,
                         video_processor=BaseVideoProcessor(), chat_template=tok.chat_template)
 msgs = [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>What is this?"}]
 text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -120,6 +148,7 @@ print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; ge
         .arg(dir.join("model"))
         .arg(&out)
         .arg(&image)
+        .args([tower, processor])
         .output()
         .unwrap();
     assert!(
