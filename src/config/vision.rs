@@ -114,15 +114,13 @@ impl HfVisionConfig {
             },
             num_position_embeddings: match family {
                 VisionFamily::Qwen2_5Vl => d.num_position_embeddings,
-                VisionFamily::Qwen3Vl => {
-                    self.num_position_embeddings.or(d.num_position_embeddings)
-                }
+                VisionFamily::Qwen3Vl => self.num_position_embeddings.or(d.num_position_embeddings),
             },
             deepstack_visual_indexes: match family {
                 VisionFamily::Qwen2_5Vl => d.deepstack_visual_indexes,
-                VisionFamily::Qwen3Vl => self
-                    .deepstack_visual_indexes
-                    .or(d.deepstack_visual_indexes),
+                VisionFamily::Qwen3Vl => {
+                    self.deepstack_visual_indexes.or(d.deepstack_visual_indexes)
+                }
             },
             rope_parameters: self.rope_parameters,
             rope_theta: self.rope_theta,
@@ -410,7 +408,11 @@ impl VisionSpec {
     }
 
     fn tensors_qwen3_vl(&self) -> Vec<(String, Vec<usize>)> {
-        let (e, i, o) = (self.hidden_size, self.intermediate_size, self.out_hidden_size);
+        let (e, i, o) = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.out_hidden_size,
+        );
         let (p, tp) = (self.patch_size, self.temporal_patch_size);
         let merged = e * self.merge_unit();
         let mut out = Vec::new();
@@ -420,7 +422,10 @@ impl VisionSpec {
             vec![e, self.in_channels, tp, p, p],
         );
         t("patch_embed.proj.bias".into(), vec![e]);
-        t("pos_embed.weight".into(), vec![self.num_position_embeddings, e]);
+        t(
+            "pos_embed.weight".into(),
+            vec![self.num_position_embeddings, e],
+        );
         for b in 0..self.depth {
             for (name, shape) in [
                 ("norm1.weight", vec![e]),
@@ -498,24 +503,47 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen3-vl-8b");
         let s = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
         assert_eq!(s.family, VisionFamily::Qwen3Vl);
-        assert_eq!((s.head_dim(), s.patch_len(), s.position_grid_side()), (72, 1536, 48));
+        assert_eq!(
+            (s.head_dim(), s.patch_len(), s.position_grid_side()),
+            (72, 1536, 48)
+        );
         assert_eq!(s.hidden_act, Activation::GeluTanh);
         assert_eq!(s.deepstack_taps(), [(8, 0), (16, 1), (24, 2)]);
-        let n: usize = s.tensors().iter().map(|(_, sh)| sh.iter().product::<usize>()).sum();
+        let n: usize = s
+            .tensors()
+            .iter()
+            .map(|(_, sh)| sh.iter().product::<usize>())
+            .sum();
         assert_eq!(n, 576_388_336);
         // Defaults (Qwen3VLVisionConfig's) where the keys are absent; Qwen2.5-VL's window
         // keys are not read.
         let cfg = json!({"model_type": "qwen3_vl", "vision_config": {"window_size": 1}});
-        let d = VisionSpec::from_json(&cfg, Path::new("c")).unwrap().unwrap();
-        assert_eq!((d.depth, d.hidden_size, d.patch_size, d.window_size), (27, 1152, 16, 0));
+        let d = VisionSpec::from_json(&cfg, Path::new("c"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (d.depth, d.hidden_size, d.patch_size, d.window_size),
+            (27, 1152, 16, 0)
+        );
         assert_eq!(d.deepstack_visual_indexes, [8, 16, 24]);
         for (bad, key) in [
-            (json!({"deepstack_visual_indexes": [1, 1]}), "deepstack_visual_indexes"),
-            (json!({"depth": 2, "deepstack_visual_indexes": [2]}), "deepstack_visual_indexes"),
-            (json!({"num_position_embeddings": 0}), "num_position_embeddings"),
+            (
+                json!({"deepstack_visual_indexes": [1, 1]}),
+                "deepstack_visual_indexes",
+            ),
+            (
+                json!({"depth": 2, "deepstack_visual_indexes": [2]}),
+                "deepstack_visual_indexes",
+            ),
+            (
+                json!({"num_position_embeddings": 0}),
+                "num_position_embeddings",
+            ),
         ] {
             let cfg = json!({"model_type": "qwen3_vl", "vision_config": bad});
-            let e = VisionSpec::from_json(&cfg, Path::new("c")).unwrap_err().to_string();
+            let e = VisionSpec::from_json(&cfg, Path::new("c"))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(key), "{e}");
         }
     }

@@ -399,10 +399,7 @@ impl DevicePlan {
         // deepstack features kept for the first layers.
         if let Some(vis) = o.vision {
             fixed.push(("vision tower (frozen)", vis.params * s));
-            fixed.push((
-                "image features",
-                m * vis.out_hidden * s * vis.feature_sets,
-            ));
+            fixed.push(("image features", m * vis.out_hidden * s * vis.feature_sets));
         }
 
         let tied_fwd = if tied { copy(embed) } else { 0 };

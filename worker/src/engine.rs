@@ -373,7 +373,15 @@ impl Engine {
             );
         };
         let (grids, features_mh, deepstack_mh) = tower.features(mb, self.kind, self.device)?;
-        MicroImages::new(&self.spec, mb, &grids, features_mh, deepstack_mh, self.device).map(Some)
+        MicroImages::new(
+            &self.spec,
+            mb,
+            &grids,
+            features_mh,
+            deepstack_mh,
+            self.device,
+        )
+        .map(Some)
     }
 
     fn head<'a>(&'a self, w: &'a BlockWeights, lm_head: &'a Tensor) -> Head<'a> {

@@ -65,7 +65,7 @@ pub use moe::RouterAux;
 // calls it (#49, not wired yet).
 #[allow(unused_imports)]
 pub use qwen2_vl_vision::{VisionWeights, qwen2_5_vl_vision};
-pub use qwen3_vl_vision::{Qwen3VlFeatures, qwen3_vl_vision};
+pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary

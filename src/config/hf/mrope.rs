@@ -169,16 +169,10 @@ mod tests {
 
     #[test]
     fn pairs_take_their_sections_axis() {
-        assert_eq!(
-            mrope([1, 2, 3], false).pair_axes(),
-            [0, 1, 1, 2, 2, 2]
-        );
+        assert_eq!(mrope([1, 2, 3], false).pair_axes(), [0, 1, 1, 2, 2, 2]);
         // Qwen3VLTextRotaryEmbedding.recomposition_frequencies on [2, 3, 3]: height at
         // 1, 4, 7 (slice(1, 9, 3)), width at 2, 5 (slice(2, 9, 3) stops at R/2 = 8 pairs).
-        assert_eq!(
-            mrope([2, 3, 3], true).pair_axes(),
-            [0, 1, 2, 0, 1, 2, 0, 1]
-        );
+        assert_eq!(mrope([2, 3, 3], true).pair_axes(), [0, 1, 2, 0, 1, 2, 0, 1]);
         // Qwen3-VL's [24, 20, 20]: 20 pairs each for height and width, then temporal only.
         let a = mrope([24, 20, 20], true).pair_axes();
         assert_eq!(a.len(), 64);

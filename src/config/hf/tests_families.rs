@@ -409,7 +409,10 @@ fn qwen3_vl_hub_config_loads_its_text_model() {
     );
     assert!(s.qk_norm && !s.qkv_bias && !s.o_bias && !s.tie_word_embeddings);
     assert_eq!(s.layer_types, vec![AttentionKind::Full; 36]);
-    assert_eq!((s.rope.theta, s.rope.scaling.clone()), (5e6, RopeScaling::Default));
+    assert_eq!(
+        (s.rope.theta, s.rope.scaling.clone()),
+        (5e6, RopeScaling::Default)
+    );
     assert_eq!(s.names, TextNames::Current);
     assert_eq!(
         s.mrope,
@@ -445,5 +448,8 @@ fn qwen3_vl_hub_config_loads_its_text_model() {
     ))
     .unwrap_err()
     .to_string();
-    assert!(e.contains("mrope_section") && e.contains("text_config"), "{e}");
+    assert!(
+        e.contains("mrope_section") && e.contains("text_config"),
+        "{e}"
+    );
 }

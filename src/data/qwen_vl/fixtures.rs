@@ -179,44 +179,44 @@ fn pixel_values_equal_the_processors() {
         (dir.clone(), 0.261_302_58_f64 as f32, 14),
         (dir.join("qwen3vl"), 0.5, 16),
     ] {
-    let images = QwenVlImages::load(&settings).unwrap();
-    assert_eq!((images.image_std[1], images.patch_size), (std_g, patch));
-    let bytes = std::fs::read(settings.join("processor.safetensors")).unwrap();
-    let want = SafeTensors::deserialize(&bytes).unwrap();
-    let mut worst = 0f32;
-    let mut differing = 0usize;
-    for name in names {
-        let name = name.as_str().unwrap();
-        let img = crate::data::image::decode(&dir.join("images").join(name)).unwrap();
-        let (grid, got) = images.pixel_values(&img);
-        let g = want.tensor(&format!("{name}.grid")).unwrap();
-        let g: Vec<i64> = g
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        assert_eq!(g, [grid.t, grid.h, grid.w].map(i64::from), "{name}: grid");
-        let pv = want.tensor(&format!("{name}.pixel_values")).unwrap();
-        let rows = (grid.t * grid.h * grid.w) as usize;
-        let row = 3 * 2 * patch as usize * patch as usize;
-        assert_eq!(pv.shape(), [rows, row], "{name}: pixel_values");
-        let pv: Vec<f32> = pv
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        assert_eq!(got.len(), pv.len(), "{name}");
-        for (a, b) in got.iter().zip(&pv) {
-            let d = (a - b).abs();
-            worst = worst.max(d);
-            differing += usize::from(d > 0.0);
+        let images = QwenVlImages::load(&settings).unwrap();
+        assert_eq!((images.image_std[1], images.patch_size), (std_g, patch));
+        let bytes = std::fs::read(settings.join("processor.safetensors")).unwrap();
+        let want = SafeTensors::deserialize(&bytes).unwrap();
+        let mut worst = 0f32;
+        let mut differing = 0usize;
+        for name in names {
+            let name = name.as_str().unwrap();
+            let img = crate::data::image::decode(&dir.join("images").join(name)).unwrap();
+            let (grid, got) = images.pixel_values(&img);
+            let g = want.tensor(&format!("{name}.grid")).unwrap();
+            let g: Vec<i64> = g
+                .data()
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(g, [grid.t, grid.h, grid.w].map(i64::from), "{name}: grid");
+            let pv = want.tensor(&format!("{name}.pixel_values")).unwrap();
+            let rows = (grid.t * grid.h * grid.w) as usize;
+            let row = 3 * 2 * patch as usize * patch as usize;
+            assert_eq!(pv.shape(), [rows, row], "{name}: pixel_values");
+            let pv: Vec<f32> = pv
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(got.len(), pv.len(), "{name}");
+            for (a, b) in got.iter().zip(&pv) {
+                let d = (a - b).abs();
+                worst = worst.max(d);
+                differing += usize::from(d > 0.0);
+            }
         }
-    }
-    eprintln!(
-        "pixel_values ({}): largest difference {worst:e} ({differing} values differ), bound {PIXEL_BOUND:e}",
-        settings.display()
-    );
-    assert!(worst <= PIXEL_BOUND, "largest difference {worst}");
+        eprintln!(
+            "pixel_values ({}): largest difference {worst:e} ({differing} values differ), bound {PIXEL_BOUND:e}",
+            settings.display()
+        );
+        assert!(worst <= PIXEL_BOUND, "largest difference {worst}");
     }
 }
 

@@ -217,7 +217,10 @@ mod tests {
         let i = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap();
         assert_eq!(i.pos_3bt.size(), [3, 1, 4]);
         let y = Tensor::ones([1, 4, 128], (tch::Kind::Float, Device::Cpu));
-        assert!(i.after_layer(0, y.copy()).equal(&y), "no deepstack: unchanged");
+        assert!(
+            i.after_layer(0, y.copy()).equal(&y),
+            "no deepstack: unchanged"
+        );
         let e = new(&vl, &mb, &[], vec![]).unwrap_err();
         assert!(format!("{e:#}").contains("grids are placed"), "{e:#}");
         // Qwen3-VL: layer 0's output takes the first deepstack feature at the image token
@@ -226,12 +229,24 @@ mod tests {
         let i = new(&spec("qwen3_vl"), &mb, &[[1, 2, 2]], deep).unwrap();
         for (layer, add) in [(0, 2.0), (1, 5.0), (2, 0.0)] {
             let got = i.after_layer(layer, y.copy());
-            assert!(got.get(0).get(1).equal(&(y.get(0).get(1) + add)), "layer {layer}");
+            assert!(
+                got.get(0).get(1).equal(&(y.get(0).get(1) + add)),
+                "layer {layer}"
+            );
             for t in [0, 2, 3] {
-                assert!(got.get(0).get(t).equal(&y.get(0).get(t)), "layer {layer}: text {t}");
+                assert!(
+                    got.get(0).get(t).equal(&y.get(0).get(t)),
+                    "layer {layer}: text {t}"
+                );
             }
         }
-        let e = new(&spec("qwen3_vl"), &mb, &[[1, 2, 2]], vec![f.narrow(0, 0, 0)]).unwrap_err();
+        let e = new(
+            &spec("qwen3_vl"),
+            &mb,
+            &[[1, 2, 2]],
+            vec![f.narrow(0, 0, 0)],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("deepstack feature 0"), "{e}");
         let text = spec("qwen2");
         let e = new(&text, &mb, &[[1, 2, 2]], vec![]).unwrap_err();

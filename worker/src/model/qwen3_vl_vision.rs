@@ -42,7 +42,11 @@ pub struct Qwen3VlFeatures {
 
 /// The features of every image: `pixel_values` (N, P), the rows of the images whose
 /// (t, h, w) patch grids are `grids`, in that order. Forward only, without gradient.
-pub fn qwen3_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Qwen3VlFeatures {
+pub fn qwen3_vl_vision(
+    w: &VisionWeights,
+    pixel_values: &Tensor,
+    grids: &[[u32; 3]],
+) -> Qwen3VlFeatures {
     let _no_grad = tch::no_grad_guard();
     let s = &w.spec;
     let (positions, frame_lens) = patch_positions(s, grids);
@@ -68,7 +72,12 @@ pub fn qwen3_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 
     for b in 0..s.depth {
         x_ne = block(w, b, &x_ne, &cos_nd, &sin_nd, &frames);
         if let Some((_, k)) = taps.next_if(|&(at, _)| at == b) {
-            deepstack_mo.push(merger(w, &format!("deepstack_merger_list.{k}"), &x_ne, true));
+            deepstack_mo.push(merger(
+                w,
+                &format!("deepstack_merger_list.{k}"),
+                &x_ne,
+                true,
+            ));
         }
     }
     Qwen3VlFeatures {

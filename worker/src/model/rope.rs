@@ -175,7 +175,11 @@ impl Rope {
         kind: Kind,
         device: Device,
     ) -> Rope {
-        assert_eq!(axes.len(), r.rotary_dim / 2, "an axis for every rotary pair");
+        assert_eq!(
+            axes.len(),
+            r.rotary_dim / 2,
+            "an axis for every rotary pair"
+        );
         assert!(axes.iter().all(|&a| a < 3), "axes are 0, 1, 2");
         let (freqs, scaling) = inv_freq(r, 0);
         let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();

@@ -114,7 +114,10 @@ fn tower_equals_transformers() {
     let _ = tensors.get_mut("pos_embed.weight").unwrap().zero_();
     let flat = VisionWeights::new(f.spec.clone(), tensors);
     let off = worst(&f, &qwen3_vl_vision(&flat, &f.io["pixel_values"], &f.grids));
-    assert!(off > 100.0 * BOUND, "no position embeddings still match ({off:e})");
+    assert!(
+        off > 100.0 * BOUND,
+        "no position embeddings still match ({off:e})"
+    );
 }
 
 #[test]
@@ -162,7 +165,10 @@ fn tower_through_the_shared_region_equals_transformers() {
 fn position_taps_align_the_corners() {
     let close = |(t, w): ([i64; 2], [f32; 2]), want_t: [i64; 2], want_w: [f32; 2]| {
         assert_eq!(t, want_t);
-        assert!((w[0] - want_w[0]).abs() < 1e-6 && (w[1] - want_w[1]).abs() < 1e-6, "{w:?}");
+        assert!(
+            (w[0] - want_w[0]).abs() < 1e-6 && (w[1] - want_w[1]).abs() < 1e-6,
+            "{w:?}"
+        );
     };
     close(axis_taps(0, 4, 6), [0, 1], [1.0, 0.0]);
     close(axis_taps(1, 4, 6), [1, 2], [1.0 / 3.0, 2.0 / 3.0]);
