@@ -12,7 +12,7 @@ data tests hold ours equal to); writes DIR/vlm/golden (Qwen2.5-VL) and DIR/vlm/g
 positions, and two deepstack features added after the first two of its three layers): model/
 (the tiny model beside that tokenizer and preprocessor_config.json), run.yaml, expected.json
 (the step's loss) and grads0.safetensors (every language-model gradient under its checkpoint
-name).
+name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, per grid).
 
 Usage: .venv/bin/python scripts/make_vlm_golden.py --dir target/data-fixtures
 (make_vlm_fixtures.py calls it last.)
@@ -26,6 +26,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -134,6 +135,24 @@ dataset: {{name: mllm_demo, dataset_dir: .., shuffle: false, max_seq_len: 1024}}
 training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 1000.0}}
 """)
     print(f"vlm golden ({family}): loss {loss.item():.6f}, grad norm {norm:.6f}, {B} rows, {len(images)} images")
+
+    # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
+    # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
+    # (VisionSpec::forward_flops). The records' grids, and a few of other shapes (partial
+    # windows, two frames).
+    grids = [list(map(int, g)) for g in pix["image_grid_thw"]] + [[1, 12, 20], [1, 6, 10], [2, 8, 8]]
+    v = cfg.vision_config
+    visual, patch = model.model.visual, v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    # The eager attention's two matmuls are counted; CPU SDPA's fused kernel is not.
+    visual.config._attn_implementation = "eager"
+    counted = []
+    for g in grids:
+        x = torch.randn(g[0] * g[1] * g[2], patch)
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            visual(x, grid_thw=torch.tensor([g]))
+        counted.append({"grid": g, "flops": fc.get_total_flops()})
+    json.dump(counted, open(os.path.join(out, "tower_flops.json"), "w"), indent=2)
+    print(f"vlm golden ({family}): tower FLOPs of {len(counted)} grids")
 
 
 golden("qwen2vl", qwen2_5_vl, "golden", 4949)

@@ -269,6 +269,10 @@ pub struct WorkerTimings {
     /// (the previous step's AdamW running behind this step's forward).
     #[serde(default)]
     pub update_wait_s: f64,
+    /// Time spent on the micro-batches' images before their forward: reading, decoding and
+    /// resizing the files (on the CPU), the pixels' upload and the vision tower's launch.
+    #[serde(default)]
+    pub images_s: f64,
     /// GPU: the most device memory in use (cuMemGetInfo, so torch's reserve included).
     /// CPU: the step's peak resident memory above the step's start (VmHWM).
     pub peak_device_bytes: u64,

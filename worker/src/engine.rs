@@ -220,7 +220,11 @@ impl Engine {
             crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
             enter(Phase::Upload, None);
             let batch = self.upload(mi, mb)?;
+            let t_images = Instant::now();
             let images = self.micro_images(mb)?;
+            if images.is_some() {
+                tm.images_s += t_images.elapsed().as_secs_f64();
+            }
             let (ctl, rx) = (&mut self.ctl, link.rx);
             self.streamer
                 .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
