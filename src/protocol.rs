@@ -204,6 +204,10 @@ pub enum ToWorker {
         /// The store is still being updated: block b may be read only after
         /// `BlockReady{block: b}`.
         weights_pending: bool,
+        /// The images this worker's next step will read, in its micro-batches' order, for
+        /// it to decode while this step computes (empty: none, or not known yet).
+        #[serde(default)]
+        next_images: Vec<crate::data::BatchImage>,
     },
     /// Store block `block` holds this step's weights.
     BlockReady {

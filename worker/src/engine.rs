@@ -33,8 +33,10 @@ use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
 
 mod control;
 mod images;
+mod prefetch;
 use control::Control;
 pub use images::{MicroImages, Tower};
+use prefetch::Prefetch;
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -61,6 +63,8 @@ pub struct Engine {
     resident: Option<Resident>,
     /// A vision-language model's frozen vision tower, on the device.
     tower: Option<Tower>,
+    /// The next step's images, being decoded ([`prefetch`]).
+    prefetch: Option<Prefetch>,
 }
 
 /// What a worker's step gave ([`FromWorker::StepDone`]'s fields).
@@ -147,6 +151,7 @@ impl Engine {
             objective: init.objective,
             resident,
             tower,
+            prefetch: None,
         })
     }
 
@@ -205,6 +210,7 @@ impl Engine {
     pub fn step(
         &mut self,
         micro: &[MicroBatch],
+        next_images: Vec<mt::data::BatchImage>,
         loss_scale: f64,
         weights_pending: bool,
         link: &Link,
@@ -216,12 +222,23 @@ impl Engine {
         self.ctl.ready.fill(!weights_pending);
         self.ctl.update_wait_s = 0.0;
         self.ctl.last_micro = micro.len().saturating_sub(1);
+        // This step's images where the previous step had them decoded; the next step's
+        // decoded from now on, while this one computes.
+        let t_images = Instant::now();
+        let mut decoded = match self.prefetch.take() {
+            Some(p) => p.take(micro)?.map(Vec::into_iter),
+            None => None,
+        };
+        tm.images_s += t_images.elapsed().as_secs_f64();
+        if let Some(px) = self.tower.as_ref().and_then(|t| t.pixels) {
+            self.prefetch = Prefetch::start(px, next_images);
+        }
         for (mi, mb) in micro.iter().enumerate() {
             crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
             enter(Phase::Upload, None);
             let batch = self.upload(mi, mb)?;
             let t_images = Instant::now();
-            let images = self.micro_images(mb)?;
+            let images = self.micro_images(mb, decoded.as_mut().and_then(Iterator::next))?;
             if images.is_some() {
                 tm.images_s += t_images.elapsed().as_secs_f64();
             }
@@ -286,7 +303,7 @@ impl Engine {
         crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
         enter(Phase::Upload, None);
         let batch = self.upload(0, mb)?;
-        let images = self.micro_images(mb)?;
+        let images = self.micro_images(mb, None)?;
         enter(Phase::Eval, None);
         let ctx = self.context(mb, &batch, images.as_ref());
         let layout = &self.layout;
@@ -366,7 +383,11 @@ impl Engine {
     /// the frozen tower's features over its images' pixels, and their grids); None for
     /// text only (a text-only row's 3-D positions are its 1-D ones, so text trains exactly
     /// without them).
-    fn micro_images(&self, mb: &MicroBatch) -> Result<Option<MicroImages>> {
+    fn micro_images(
+        &self,
+        mb: &MicroBatch,
+        decoded: Option<Vec<Vec<f32>>>,
+    ) -> Result<Option<MicroImages>> {
         if mb.images.is_empty() {
             return Ok(None);
         }
@@ -376,7 +397,8 @@ impl Engine {
                 mb.images.len()
             );
         };
-        let (grids, features_mh, deepstack_mh) = tower.features(mb, self.kind, self.device)?;
+        let (grids, features_mh, deepstack_mh) =
+            tower.features(mb, decoded, self.kind, self.device)?;
         MicroImages::new(
             &self.spec,
             mb,

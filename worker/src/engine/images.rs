@@ -10,7 +10,7 @@
 use anyhow::{Context as _, Result, bail};
 use mt::config::hf::ModelSpec;
 use mt::config::vision::VisionFamily;
-use mt::data::{MicroBatch, QwenVlImages, image};
+use mt::data::{BatchImage, MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
@@ -28,37 +28,23 @@ pub struct Tower {
 impl Tower {
     /// The tower's features (M, H) for `mb`'s images and their grids, in the order their
     /// tokens appear, and its deepstack features (M, H) each (Qwen3-VL; none for
-    /// Qwen2.5-VL): each file decoded and resized as the model's image processor does (on
-    /// the CPU, the images in parallel), the pixels' rows of all images in one (N, P) batch
-    /// through the tower.
+    /// Qwen2.5-VL): each file decoded and resized as the model's image processor does
+    /// ([`pixel_rows`], unless `decoded` holds them already: [`super::prefetch`]), the
+    /// pixels' rows of all images in one (N, P) batch through the tower.
     pub fn features(
         &self,
         mb: &MicroBatch,
+        decoded: Option<Vec<Vec<f32>>>,
         kind: Kind,
         device: Device,
     ) -> Result<(Vec<[u32; 3]>, Tensor, Vec<Tensor>)> {
         let Some(px) = &self.pixels else {
             bail!("the micro-batch has images but the model has no image processor settings");
         };
-        let per_image = mb
-            .images
-            .par_iter()
-            .map(|im| {
-                let rgb = image::decode(&im.path)?;
-                px.resize(rgb.height, rgb.width)
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", im.path.display()))?;
-                let (g, rows) = px.pixel_values(&rgb);
-                if [g.t, g.h, g.w] != im.grid {
-                    bail!(
-                        "{}: decoded to a {:?} patch grid, the batch was built for {:?} (the file changed since the data was read?)",
-                        im.path.display(),
-                        [g.t, g.h, g.w],
-                        im.grid
-                    );
-                }
-                Ok(rows)
-            })
-            .collect::<Result<Vec<Vec<f32>>>>()?;
+        let per_image = match decoded {
+            Some(rows) => rows,
+            None => pixel_rows(px, &mb.images)?,
+        };
         let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
         // One row per patch: channels x temporal patch x patch x patch. Each image's rows go
         // up by themselves and are joined on the device: no host copy of the whole batch's
@@ -86,6 +72,30 @@ impl Tower {
         };
         Ok((grids, features_mh, deepstack_mh))
     }
+}
+
+/// Each image's pixel rows (patches x values), the file decoded and resized as the model's
+/// image processor does, on the CPU, the images in parallel; a file whose grid is not the
+/// one the batch was built for (changed since the data was read) is an error naming it.
+pub fn pixel_rows(px: &QwenVlImages, images: &[BatchImage]) -> Result<Vec<Vec<f32>>> {
+    images
+        .par_iter()
+        .map(|im| {
+            let rgb = image::decode(&im.path)?;
+            px.resize(rgb.height, rgb.width)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", im.path.display()))?;
+            let (g, rows) = px.pixel_values(&rgb);
+            if [g.t, g.h, g.w] != im.grid {
+                bail!(
+                    "{}: decoded to a {:?} patch grid, the batch was built for {:?} (the file changed since the data was read?)",
+                    im.path.display(),
+                    [g.t, g.h, g.w],
+                    im.grid
+                );
+            }
+            Ok(rows)
+        })
+        .collect()
 }
 
 /// What a micro-batch's images bring to the language model.
