@@ -59,7 +59,8 @@
 #    3-D rotary positions. Losses over the steps within 2e-2 of the same run in f32 on CPU
 #    (1 GPU, and 2 when visible), and step 1's gradients within 2e-2 (relative L2, as the
 #    experts' check: a bf16 rounding is <= 2^-9, compounded over the tower, the decoder and
-#    the backward): each matrix, and all trained tensors together.
+#    the backward): each matrix, and all trained tensors together. The tiny Qwen3-VL
+#    (golden-qwen3vl: deepstack features, interleaved mrope) likewise, losses on 1 GPU.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -209,6 +210,12 @@ if part vlm; then
     if [ "$gpus" -ge 2 ]; then vrun gpu2_vlm --gpus 2 "${gpu[@]}" --set "training.num_steps=$STEPS"; fi
     vrun cpu_vlm_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_step1.grads"
     vrun gpu1_vlm_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_step1.grads"
+    # The tiny Qwen3-VL (deepstack features, interleaved mrope): losses, 1 GPU against CPU.
+    if [ -f "$VLM/golden-qwen3vl/run.yaml" ]; then
+      vlm=(--config "$VLM/golden-qwen3vl/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+      vrun cpu_vlm3 "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm3 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
   else
     echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
   fi
@@ -374,6 +381,8 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
     # The fixture's run has no held-out split: losses only.
     for name in ("gpu1_vlm", "gpu2_vlm"):
         check(name, "cpu_vlm", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm3.jsonl"):
+        check("gpu1_vlm3", "cpu_vlm3", 2e-2, keys=(("loss", "steps"),))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
     # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.

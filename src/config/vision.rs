@@ -380,10 +380,7 @@ impl VisionSpec {
         let mergers = 1.0 + self.deepstack_taps().len() as f64;
         let linear = 2.0 * n * (self.patch_len() as f64 * e)
             + self.depth as f64 * 2.0 * n * (4.0 * e * e + mlp * e * i)
-            + mergers
-                * 2.0
-                * (n / unit)
-                * (unit * e * unit * e + unit * e * self.out_hidden_size as f64);
+            + mergers * self.merger_flops(grid);
         let frame = (h * w).powi(2);
         if self.family == VisionFamily::Qwen3Vl {
             // Every block attends over each frame.
@@ -407,6 +404,14 @@ impl VisionSpec {
         let full = full.count() as f64;
         let attention = 4.0 * e * t * (full * frame + (self.depth as f64 - full) * windows);
         linear + attention
+    }
+
+    /// FLOPs of the merger's two Linear layers over one image of `grid` (t, h, w) patches
+    /// (part of [`Self::forward_flops`]; its backward is twice this).
+    pub fn merger_flops(&self, grid: [u32; 3]) -> f64 {
+        let n = grid.map(|x| x as f64).iter().product::<f64>();
+        let (e, unit) = (self.hidden_size as f64, self.merge_unit() as f64);
+        2.0 * (n / unit) * (unit * e * unit * e + unit * e * self.out_hidden_size as f64)
     }
 
     /// Every tensor of the tower, named inside it (`blocks.0.attn.qkv.weight`, as the

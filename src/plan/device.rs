@@ -47,6 +47,9 @@ use crate::protocol::{Device, Init};
 
 use super::acts::{self, Dims, F32, LayerActs};
 
+mod vision;
+pub use vision::VisionDevice;
+
 /// Gradient blocks whose device-to-host copy may be in flight at once
 /// (worker/src/stream/gpu.rs MAX_D2H_IN_FLIGHT).
 const GRADS_IN_FLIGHT: u64 = 2;
@@ -98,48 +101,6 @@ pub struct DeviceOpts {
     pub vision: Option<VisionDevice>,
 }
 
-/// A vision-language model's frozen tower as the device plan counts it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VisionDevice {
-    /// Its parameters, held on the device in the compute dtype for the whole run.
-    pub params: u64,
-    /// The width of its blocks and of their MLP.
-    pub hidden: u64,
-    pub intermediate: u64,
-    /// Values per patch (channels x temporal patch x patch x patch) and patches per image
-    /// token (the merge size squared).
-    pub patch_values: u64,
-    pub patches_per_token: u64,
-    /// The width of its output (the language model's hidden size).
-    pub out_hidden: u64,
-    /// Feature sets it hands the language model per image token: the merged features and
-    /// each deepstack feature (Qwen3-VL).
-    pub feature_sets: u64,
-    /// Bytes per patch of Qwen3-VL's learned positions as they are resampled (four taps of
-    /// width E in f32 and their weighted copy), before the blocks run; 0 for Qwen2.5-VL.
-    pub position_taps: u64,
-}
-
-impl VisionDevice {
-    /// The tower of `spec`, `params` parameters.
-    pub fn of(spec: &crate::config::vision::VisionSpec, params: usize) -> VisionDevice {
-        VisionDevice {
-            params: params as u64,
-            hidden: spec.hidden_size as u64,
-            intermediate: spec.intermediate_size as u64,
-            patch_values: (spec.in_channels * spec.temporal_patch_size * spec.patch_size.pow(2))
-                as u64,
-            patches_per_token: spec.spatial_merge_size.pow(2) as u64,
-            out_hidden: spec.out_hidden_size as u64,
-            feature_sets: 1 + spec.deepstack_taps().len() as u64,
-            position_taps: match spec.num_position_embeddings {
-                0 => 0,
-                _ => 2 * 4 * spec.hidden_size as u64 * 4,
-            },
-        }
-    }
-}
-
 impl DeviceOpts {
     /// The options of a worker's micro-batches (`packed`: with position ids), as the
     /// launcher planned them and sent them in `init`.
@@ -152,10 +113,9 @@ impl DeviceOpts {
             offload_activations: init.offload_activations,
             cpu: init.device == Device::Cpu,
             device_free: init.device_free,
-            vision: init
-                .vision
-                .as_ref()
-                .map(|v| VisionDevice::of(&v.layout.spec, v.layout.num_params())),
+            vision: init.vision.as_ref().map(|v| {
+                VisionDevice::of(&v.layout.spec, v.layout.num_params(), v.layout.training)
+            }),
         }
     }
 }
@@ -400,6 +360,10 @@ impl DevicePlan {
         if let Some(vis) = o.vision {
             fixed.push(("vision tower (frozen)", vis.params * s));
             fixed.push(("image features", m * vis.out_hidden * s * vis.feature_sets));
+            if vis.projector_trained {
+                let patches = m * vis.patches_per_token;
+                fixed.push(("the projector's input, kept", patches * vis.hidden * s));
+            }
         }
 
         let tied_fwd = if tied { copy(embed) } else { 0 };
@@ -458,7 +422,7 @@ impl DevicePlan {
         }
 
         // Embedding backward: dy, the looked-up rows, the block and its gradient.
-        let embed_phase: Parts = vec![
+        let mut embed_phase: Parts = vec![
             ("dy and the looked-up embeddings", 2 * hidden),
             ("embedding block and its gradient", copy(embed) + embed),
             (
@@ -466,6 +430,16 @@ impl DevicePlan {
                 copy(GRADS_IN_FLIGHT * layer_max),
             ),
         ];
+        // A trained projector recomputed with grad over every image token (the bound):
+        // per token its normed input and the two widths after the first Linear and the
+        // GELU (merge^2 x E each), its output, each with its gradient.
+        if let Some(vis) = o.vision.filter(|v| v.projector_trained) {
+            let merged = vis.patches_per_token * vis.hidden;
+            embed_phase.push((
+                "the projector's recompute graph + gradients",
+                2 * m * (3 * merged + vis.out_hidden) * s,
+            ));
+        }
 
         let mut phases = vec![
             Phase {

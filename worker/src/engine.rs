@@ -61,7 +61,7 @@ pub struct Engine {
     objective: Objective,
     /// `memory.resident_blocks`: the leading blocks kept and updated here.
     resident: Option<Resident>,
-    /// A vision-language model's frozen vision tower, on the device.
+    /// A vision-language model's vision tower (its frozen tensors), on the device.
     tower: Option<Tower>,
     /// The next step's images, being decoded ([`prefetch`]).
     prefetch: Option<Prefetch>,
@@ -380,7 +380,7 @@ impl Engine {
     }
 
     /// The micro-batch's images as the language model reads them ([`MicroImages::new`]:
-    /// the frozen tower's features over its images' pixels, and their grids); None for
+    /// the frozen tower's output over its images' pixels, and their grids); None for
     /// text only (a text-only row's 3-D positions are its 1-D ones, so text trains exactly
     /// without them).
     fn micro_images(
@@ -397,17 +397,9 @@ impl Engine {
                 mb.images.len()
             );
         };
-        let (grids, features_mh, deepstack_mh) =
+        let (grids, features, deepstack_mh) =
             tower.features(mb, decoded, self.kind, self.device)?;
-        MicroImages::new(
-            &self.spec,
-            mb,
-            &grids,
-            features_mh,
-            deepstack_mh,
-            self.device,
-        )
-        .map(Some)
+        MicroImages::new(&self.spec, mb, &grids, features, deepstack_mh, self.device).map(Some)
     }
 
     fn head<'a>(&'a self, w: &'a BlockWeights, lm_head: &'a Tensor) -> Head<'a> {
@@ -615,7 +607,7 @@ impl Engine {
             }
         };
         // The image tokens' rows hold the tower's features: no gradient reaches the
-        // embedding there.
+        // embedding there; a trained projector's leaves (in this block) take it.
         let e_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, input.images)?;
         crate::kernels::tape::backward_with_grads(vec![(e_bth, dy_bth)]);
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
@@ -697,7 +689,8 @@ struct Input<'a> {
 }
 
 /// The embedding of `ids_bt` (B, T) -> (B, T, H), with the images' features at their
-/// tokens ([`model::place_image_features`]) where the micro-batch has images.
+/// tokens ([`model::place_image_features`]) where the micro-batch has images (a trained
+/// projector's computed from `w`, the embedding block).
 fn embed_tokens(
     spec: &ModelSpec,
     w: &BlockWeights,
@@ -709,6 +702,7 @@ fn embed_tokens(
         return Ok(e_bth);
     };
     let id = spec.mrope.as_ref().map_or(-1, |m| m.image_token_id);
-    model::place_image_features(ids_bt, e_bth, Some(&images.features_mh), id)
+    let f_mh = images.features_mh(w);
+    model::place_image_features(ids_bt, e_bth, Some(&f_mh), id)
         .context("place the images' features at their tokens")
 }

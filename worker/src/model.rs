@@ -15,9 +15,9 @@
 //! | `deepseek_v3.rs`| deepseek_v3                                               |
 //! | `llama4.rs`     | llama4_text                                               |
 //!
-//! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger (frozen, forward
-//! only), whose features the model places at the image tokens; `qwen3_vl_vision.rs`
-//! Qwen3-VL's, whose deepstack features the first layers' outputs also take there
+//! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, whose features the
+//! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's (frozen, forward
+//! only), whose deepstack features the first layers' outputs also take there
 //! ([`add_at_image_tokens`]). Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
@@ -64,7 +64,9 @@ pub use moe::RouterAux;
 // The image features' entry point: the engine's hook that places them at the image tokens
 // calls it (#49, not wired yet).
 #[allow(unused_imports)]
-pub use qwen2_vl_vision::{VisionWeights, qwen2_5_vl_vision};
+pub use qwen2_vl_vision::{
+    Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
+};
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;
 
@@ -254,7 +256,8 @@ pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
 /// output for the micro-batch's images, in the order their tokens appear), in place of the
 /// embeddings `e_bth` (B, T, H) of the tokens whose id `ids_bt` (B, T) is `image_token_id`,
 /// as transformers' `masked_scatter` places them. The embedding's gradient at those rows is
-/// then 0 (the tower is frozen: nothing flows to it either). None: `e_bth` unchanged.
+/// then 0; the gradient there flows into the features (a trained projector's leaves) where
+/// they have a graph. None: `e_bth` unchanged.
 pub fn place_image_features(
     ids_bt: &Tensor,
     e_bth: Tensor,

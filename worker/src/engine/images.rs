@@ -1,43 +1,57 @@
 //! A micro-batch's images as the language model reads them (Qwen2.5-VL, Qwen3-VL): the
-//! frozen vision tower's features, which replace the embeddings of the image tokens
+//! vision tower's features, which replace the embeddings of the image tokens
 //! ([`crate::model::place_image_features`]), Qwen3-VL's deepstack features, which the first
 //! layers' outputs take at the image tokens ([`MicroImages::after_layer`]), and the 3-D
 //! positions of every token (`mt::mrope`), from which the rotary tables are built
 //! ([`crate::model::Context::with_positions_3d`]).
 //!
-//! Shapes: B rows, T padded length, M image tokens, H hidden size.
+//! The frozen part of the tower runs once per micro-batch, without grad, from the weights
+//! the worker copied from the read-only region. A trained projector
+//! (`vlm.freeze_projector: false`) runs where the embedding does, from the embedding
+//! block's weights: without grad in the forward, recomputed with grad on its leaves in the
+//! embedding's backward, where the gradient at the image tokens' rows flows into it. Its
+//! input (the encoder's output, N x E) is kept for that.
+//!
+//! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
+//! tower's width.
 
 use anyhow::{Context as _, Result, bail};
-use mt::config::hf::ModelSpec;
-use mt::config::vision::VisionFamily;
+use mt::config::TowerTraining;
+use mt::config::hf::{ModelSpec, TOWER};
+use mt::config::vision::{VisionFamily, VisionSpec};
 use mt::data::{BatchImage, MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{VisionWeights, add_at_image_tokens, qwen2_5_vl_vision, qwen3_vl_vision};
+use crate::model::{
+    BlockWeights, Encoded, VisionWeights, add_at_image_tokens, qwen2_5_vl_vision, qwen3_vl_vision,
+    vision_encoder, vision_merger,
+};
 
-/// The worker's frozen vision tower and how it reads an image file.
+/// The worker's vision tower (its frozen tensors) and how it reads an image file.
 pub struct Tower {
     pub weights: VisionWeights,
+    /// What of it trains (those tensors are the embedding block's).
+    pub training: TowerTraining,
     /// The image processor's settings (`preprocessor_config.json`); None where the model
     /// directory has none, and then no batch carries images (the data load refuses them).
     pub pixels: Option<QwenVlImages>,
 }
 
 impl Tower {
-    /// The tower's features (M, H) for `mb`'s images and their grids, in the order their
+    /// The frozen tower's output for `mb`'s images and their grids, in the order their
     /// tokens appear, and its deepstack features (M, H) each (Qwen3-VL; none for
     /// Qwen2.5-VL): each file decoded and resized as the model's image processor does
     /// ([`pixel_rows`], unless `decoded` holds them already: [`super::prefetch`]), the
-    /// pixels' rows of all images in one (N, P) batch through the tower.
+    /// pixels' rows of all images in one (N, P) batch through the tower, without grad.
     pub fn features(
         &self,
         mb: &MicroBatch,
         decoded: Option<Vec<Vec<f32>>>,
         kind: Kind,
         device: Device,
-    ) -> Result<(Vec<[u32; 3]>, Tensor, Vec<Tensor>)> {
+    ) -> Result<(Vec<[u32; 3]>, Features, Vec<Tensor>)> {
         let Some(px) = &self.pixels else {
             bail!("the micro-batch has images but the model has no image processor settings");
         };
@@ -60,17 +74,29 @@ impl Tower {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let pixels_np = Tensor::f_cat(&pixels_np, 0)?;
-        let (features_mh, deepstack_mh) = match self.weights.spec.family {
-            VisionFamily::Qwen2_5Vl => (
-                qwen2_5_vl_vision(&self.weights, &pixels_np, &grids),
+        let _no_grad = tch::no_grad_guard();
+        let (features, deepstack_mh) = match (self.weights.spec.family, self.training) {
+            (VisionFamily::Qwen2_5Vl, TowerTraining::Frozen) => (
+                Features::Frozen(qwen2_5_vl_vision(&self.weights, &pixels_np, &grids)),
                 Vec::new(),
             ),
-            VisionFamily::Qwen3Vl => {
+            (VisionFamily::Qwen2_5Vl, TowerTraining::Projector) => (
+                Features::Merger {
+                    enc: vision_encoder(&self.weights, &pixels_np, &grids),
+                    spec: self.weights.spec.clone(),
+                },
+                Vec::new(),
+            ),
+            (VisionFamily::Qwen3Vl, TowerTraining::Frozen) => {
                 let f = qwen3_vl_vision(&self.weights, &pixels_np, &grids);
-                (f.merged_mo, f.deepstack_mo)
+                (Features::Frozen(f.merged_mo), f.deepstack_mo)
             }
+            (VisionFamily::Qwen3Vl, TowerTraining::Projector) => bail!(
+                "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
+                 Qwen3-VL's tower is frozen (set vlm.freeze_projector: true)"
+            ),
         };
-        Ok((grids, features_mh, deepstack_mh))
+        Ok((grids, features, deepstack_mh))
     }
 }
 
@@ -98,12 +124,20 @@ pub fn pixel_rows(px: &QwenVlImages, images: &[BatchImage]) -> Result<Vec<Vec<f3
         .collect()
 }
 
+/// What the frozen part of the tower gave for a micro-batch's images.
+#[derive(Debug)]
+pub enum Features {
+    /// The tower's output (M, H) (the projector frozen).
+    Frozen(Tensor),
+    /// The projector's input; its weights are the embedding block's.
+    Merger { enc: Encoded, spec: VisionSpec },
+}
+
 /// What a micro-batch's images bring to the language model.
 #[derive(Debug)]
 pub struct MicroImages {
-    /// The vision tower's output (M, H): one row per image token, in the order the tokens
-    /// appear (row by row, left to right); no grad (the tower is frozen).
-    pub features_mh: Tensor,
+    /// The tower's output, or the trained projector's input.
+    pub features: Features,
     /// Every token's temporal, height and width position (3, B, T), on the device.
     pub pos_3bt: Tensor,
     /// Qwen3-VL's deepstack features (M, H) each, layer i's output taking the i-th at the
@@ -116,13 +150,13 @@ pub struct MicroImages {
 
 impl MicroImages {
     /// `mb`'s images: their grids (patches, (t, h, w)) in the order their tokens appear and
-    /// the tower's features and deepstack features for them, which must hold one row per
+    /// the tower's features and deepstack features for them, which must make one row per
     /// image token.
     pub fn new(
         spec: &ModelSpec,
         mb: &MicroBatch,
         grids: &[[u32; 3]],
-        features_mh: Tensor,
+        features: Features,
         deepstack_mh: Vec<Tensor>,
         device: Device,
     ) -> Result<MicroImages> {
@@ -165,13 +199,35 @@ impl MicroImages {
             false => Some(Tensor::f_from_slice(&rows)?.f_to_device(device)?),
         };
         Ok(MicroImages {
-            features_mh: features_mh.f_to_device(device)?,
+            features,
             pos_3bt,
             deepstack_mh: (deepstack_mh.into_iter())
                 .map(|f| f.f_to_device(device))
                 .collect::<Result<_, _>>()?,
             rows_m,
         })
+    }
+
+    /// The features (M, H) placed at the image tokens, one row per token in the order the
+    /// tokens appear (row by row, left to right): the frozen tower's, or a trained
+    /// projector's over its kept input with `embed_w`'s `visual.merger.*` (views or leaves:
+    /// with grad where they are leaves and grad mode is on).
+    pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
+        match &self.features {
+            Features::Frozen(f_mh) => f_mh.shallow_clone(),
+            Features::Merger { enc, spec } => {
+                let merger = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&format!("{TOWER}{name}")).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
+            }
+        }
     }
 
     /// Decoder layer `layer`'s output `y_bth` (B, T, H) as the next layer reads it: with
@@ -228,7 +284,7 @@ mod tests {
         };
         let f = Tensor::zeros([1, 128], (tch::Kind::Float, Device::Cpu));
         let new = |s: &ModelSpec, mb: &MicroBatch, grids: &[[u32; 3]], deep: Vec<Tensor>| {
-            MicroImages::new(s, mb, grids, f.copy(), deep, Device::Cpu)
+            MicroImages::new(s, mb, grids, Features::Frozen(f.copy()), deep, Device::Cpu)
         };
         let i = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap();
         assert_eq!(i.pos_3bt.size(), [3, 1, 4]);

@@ -137,6 +137,7 @@ fn tower_through_the_shared_region_equals_transformers() {
     let region = VisionRegion::build(
         "mt-test-vision3",
         &f.spec,
+        mt::config::TowerTraining::Frozen,
         &Carried { tensors },
         DType::Float32,
         &f.dir.join("model"),
