@@ -16,6 +16,8 @@ Written under OUT/vlm/pixels:
   for qwen2_vl / qwen2_5_vl when torchvision is absent, as here), with the config written
   beside them; one image above max_pixels (scaled down), one below min_pixels (scaled up),
   one already a multiple of 28, one JPEG.
+- qwen3vl/: the same for Qwen3-VL's settings (16-pixel patches, mean and std 0.5, the pixel
+  bounds in `size`, as its hub preprocessor_config.json spells them), over the same images.
 - manifest.json: the file lists.
 
 Usage: .venv/bin/python scripts/make_pixel_fixtures.py --out target/data-fixtures
@@ -206,6 +208,23 @@ for name in through:
     processed[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"], dtype=np.float32)
     processed[f"{name}.grid"] = np.asarray(enc["image_grid_thw"], dtype=np.int64)
 save_file(processed, os.path.join(out, "processor.safetensors"))
+
+# Qwen3-VL's settings: the same image processor class (AutoImageProcessor's pick for qwen3_vl).
+config3 = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "merge_size": 2,
+           "temporal_patch_size": 2, "size": {"shortest_edge": 65536 // 16, "longest_edge": 200_704},
+           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+os.makedirs(os.path.join(out, "qwen3vl"))
+with open(os.path.join(out, "qwen3vl", "preprocessor_config.json"), "w") as f:
+    json.dump(config3, f, indent=2)
+proc3 = Qwen2VLImageProcessorPil.from_pretrained(os.path.join(out, "qwen3vl"))
+processed3 = {}
+for name in through:
+    with Image.open(os.path.join(out, "images", name)) as im:
+        enc = proc3(images=[im.convert("RGB")])
+    processed3[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"], dtype=np.float32)
+    processed3[f"{name}.grid"] = np.asarray(enc["image_grid_thw"], dtype=np.int64)
+save_file(processed3, os.path.join(out, "qwen3vl", "processor.safetensors"))
 with open(os.path.join(out, "manifest.json"), "w") as f:
     json.dump({"decoded": sorted(decoded), "processed": through, "refused": [lossy]}, f, indent=2)
-print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil")
+print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil"
+      " (Qwen2-VL's and Qwen3-VL's settings)")

@@ -340,6 +340,16 @@ pub fn run_layout(
         )
         .into());
     };
+    if vision.family != mt::config::vision::VisionFamily::Qwen2_5Vl {
+        return Err(mt::Error::invalid(
+            key,
+            format!(
+                "false trains Qwen2.5-VL's projector only; `{}`'s tower (its merger and deepstack mergers) trains frozen for now (use vlm.freeze_projector: true)",
+                spec.wrapper.as_deref().unwrap_or(&spec.model_type),
+            ),
+        )
+        .into());
+    }
     if cfg.model.init == Init::Random {
         return Err(mt::Error::invalid(
             key,

@@ -197,7 +197,7 @@ pub(super) fn why_no_images(images: &Images) -> Option<String> {
     match images {
         Images::Qwen(_) => None,
         Images::TextOnly => Some(
-            "the model is text-only: train a vision-language model (qwen2_5_vl) or leave the `images` column out of the dataset's `columns`"
+            "the model is text-only: train a vision-language model (qwen2_5_vl, qwen3_vl) or leave the `images` column out of the dataset's `columns`"
                 .into(),
         ),
         Images::NoProcessor(path) => Some(format!(

@@ -173,5 +173,12 @@ mod tests {
             VisionLayout::new(&spec, "visual.", TowerTraining::Frozen).num_params(),
             676_550_144
         );
+        // Qwen3VLForConditionalGeneration from configs/qwen3-vl-8b, likewise.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen3-vl-8b");
+        let spec = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+        assert_eq!(
+            VisionLayout::new(&spec, "model.visual.", TowerTraining::Frozen).num_params(),
+            576_388_336
+        );
     }
 }
