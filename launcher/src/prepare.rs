@@ -301,16 +301,16 @@ const CPU_SOURCE: &str =
 
 /// The frozen vision tower of the run's model (a shipped architecture's where the run
 /// names one); None for a text-only model.
-fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::VisionSpec>> {
-    use mt::config::vision::VisionSpec;
+fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::TowerSpec>> {
+    use mt::config::vision::TowerSpec;
     Ok(match cfg.model.shipped {
         Some(s) => {
             let path = std::path::Path::new("configs")
                 .join(s.dir)
                 .join("config.json");
-            VisionSpec::from_text(s.config_json, &path)?
+            TowerSpec::from_text(s.config_json, &path)?
         }
-        None => VisionSpec::from_model_dir(&cfg.model.path)?,
+        None => TowerSpec::from_model_dir(&cfg.model.path)?,
     })
 }
 

@@ -10,14 +10,12 @@ use std::path::Path;
 use super::carried::Carried;
 use super::pieces;
 use crate::config::DType;
-use crate::config::vision::VisionSpec;
+use crate::config::vision::TowerSpec;
+use crate::config::vision::siglip::PROJECTOR;
 use crate::error::{Error, Result};
 use crate::layout::vision::VisionLayout;
 use crate::shm::host::Store;
 use crate::shm::{RegionHandle, RegionKind};
-
-/// The name every tower's patch embedding ends with; what precedes it is the prefix.
-const PATCH_EMBED: &str = "patch_embed.proj.weight";
 
 /// The tower's region, filled.
 pub struct VisionRegion {
@@ -33,22 +31,29 @@ impl VisionRegion {
     /// missing, of another shape or not a float.
     pub fn build(
         name: &str,
-        spec: &VisionSpec,
+        spec: &TowerSpec,
         carried: &Carried,
         dtype: DType,
         source: &Path,
     ) -> Result<VisionRegion> {
+        let patch_embed = spec.patch_embed();
         let prefix = carried
             .tensors
             .iter()
-            .find_map(|t| t.name.strip_suffix(PATCH_EMBED))
+            .find_map(|t| t.name.strip_suffix(patch_embed))
             .ok_or_else(|| Error::Tensor {
                 path: source.into(),
-                tensor: format!("visual.{PATCH_EMBED}"),
-                expected: format!("the vision tower of `{}`", spec.model_type),
-                got: "no tensor named `*patch_embed.proj.weight`".into(),
+                tensor: format!("*{patch_embed}"),
+                expected: format!("the vision tower of `{}`", spec.model_type()),
+                got: format!("no tensor named `*{patch_embed}`"),
             })?;
-        let layout = VisionLayout::new(spec, prefix);
+        let mut layout = VisionLayout::new(spec, prefix);
+        // Gemma 3's projector sits beside the tower, under the wrapper's own prefix.
+        if let Some(p) =
+            (carried.tensors.iter()).find_map(|t| Some(&t.name[..t.name.find(PROJECTOR)?]))
+        {
+            layout.projector_prefix = p.to_string();
+        }
         let mut store = Store::create_as(name, RegionKind::Vision, layout.total, dtype)?;
         let by_name: std::collections::HashMap<&str, _> = carried
             .tensors
@@ -103,13 +108,11 @@ mod tests {
     use half::bf16;
     use safetensors::Dtype;
 
-    fn spec() -> VisionSpec {
+    fn spec() -> TowerSpec {
         let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vision_config": {
             "depth": 1, "hidden_size": 8, "num_heads": 2, "intermediate_size": 6,
             "out_hidden_size": 4, "patch_size": 2, "window_size": 8}});
-        VisionSpec::from_json(&cfg, Path::new("c"))
-            .unwrap()
-            .unwrap()
+        TowerSpec::from_json(&cfg, Path::new("c")).unwrap().unwrap()
     }
 
     /// Every tensor of the tower under `prefix`, bf16, element i of tensor k = k + i / 1024.

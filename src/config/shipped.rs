@@ -40,6 +40,10 @@ pub const SHIPPED: &[Shipped] = &[
     ),
     shipped!("qwen2.5-vl-7b", ["Qwen/Qwen2.5-VL-7B-Instruct"]),
     shipped!(
+        "gemma3-27b",
+        ["google/gemma-3-27b-it", "google/gemma-3-27b-pt"]
+    ),
+    shipped!(
         "qwen2.5-14b",
         ["Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-14B-Instruct"]
     ),

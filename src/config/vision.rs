@@ -1,7 +1,9 @@
 //! A multimodal checkpoint's vision tower, from config.json's `vision_config`: the file
 //! format (`HfVisionConfig`, lenient, transformers' defaults for absent keys) and the
 //! validated architecture (`VisionSpec`) the launcher lays out and the worker computes
-//! (worker/src/model/qwen2_vl_vision.rs). Only Qwen2.5-VL's tower for now.
+//! (worker/src/model/qwen2_vl_vision.rs), and [`TowerSpec`], the tower of either family
+//! the worker computes: Qwen2.5-VL's (this file) or Gemma 3's SigLIP encoder and projector
+//! ([`siglip`]).
 //!
 //! The tower is frozen: it is carried, not trained (`layout::CarryRule`), and reaches the
 //! workers in a read-only region of its own (`checkpoint::vision`).
@@ -14,8 +16,86 @@ use serde_json::Value;
 use super::hf::Activation;
 use crate::error::{Error, Result};
 
+pub mod siglip;
+
+use siglip::SiglipSpec;
+
 /// The model types whose vision tower the worker computes.
-pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl"];
+pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "gemma3"];
+
+/// The Qwen2.5-VL model types ([`VisionSpec`]).
+const QWEN_MODEL_TYPES: &[&str] = &["qwen2_5_vl"];
+
+/// A vision-language model's frozen tower, of the family its `model_type` names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum TowerSpec {
+    /// Qwen2.5-VL's windowed tower and patch merger.
+    Qwen(VisionSpec),
+    /// Gemma 3's SigLIP encoder and multimodal projector.
+    Siglip(SiglipSpec),
+}
+
+impl TowerSpec {
+    /// The tower of `dir/config.json`, or None when its model type has none we compute.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<TowerSpec>> {
+        let path = dir.join("config.json");
+        let text = crate::bounded::read_text(&path, crate::bounded::SMALL_JSON, "model config")?;
+        TowerSpec::from_text(&text, &path)
+    }
+
+    /// The tower of config.json's text (`path` names it in errors).
+    pub fn from_text(text: &str, path: &Path) -> Result<Option<TowerSpec>> {
+        let v: Value = serde_json::from_str(text).map_err(|e| Error::ModelConfig {
+            path: path.into(),
+            msg: format!("not a valid config.json: {e}"),
+        })?;
+        TowerSpec::from_json(&v, path)
+    }
+
+    /// The tower of a parsed config.json (`path` names it in errors).
+    pub fn from_json(config: &Value, path: &Path) -> Result<Option<TowerSpec>> {
+        match config.get("model_type").and_then(Value::as_str) {
+            Some("gemma3") => {
+                SiglipSpec::from_json(config, "gemma3", path).map(|s| Some(TowerSpec::Siglip(s)))
+            }
+            _ => Ok(VisionSpec::from_json(config, path)?.map(TowerSpec::Qwen)),
+        }
+    }
+
+    /// The wrapper's `model_type`.
+    pub fn model_type(&self) -> &str {
+        match self {
+            TowerSpec::Qwen(s) => &s.model_type,
+            TowerSpec::Siglip(s) => &s.model_type,
+        }
+    }
+
+    /// Blocks (encoder layers) of the tower.
+    pub fn depth(&self) -> usize {
+        match self {
+            TowerSpec::Qwen(s) => s.depth,
+            TowerSpec::Siglip(s) => s.depth,
+        }
+    }
+
+    /// Every tensor of the tower (and its projector), named inside the tower, with its
+    /// shape, in transformers' module order.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        match self {
+            TowerSpec::Qwen(s) => s.tensors(),
+            TowerSpec::Siglip(s) => s.tensors(),
+        }
+    }
+
+    /// The suffix of the checkpoint name of the tower's patch embedding: what precedes it
+    /// is the tower's prefix.
+    pub fn patch_embed(&self) -> &'static str {
+        match self {
+            TowerSpec::Qwen(_) => "patch_embed.proj.weight",
+            TowerSpec::Siglip(_) => siglip::SIGLIP_PATCH_EMBED,
+        }
+    }
+}
 
 /// The keys of `vision_config` we read; absent keys take `Qwen2_5_VLVisionConfig`'s
 /// defaults (transformers 5.17).
@@ -153,7 +233,7 @@ impl VisionSpec {
         let Some(model_type) = config.get("model_type").and_then(Value::as_str) else {
             return Ok(None);
         };
-        if !VISION_MODEL_TYPES.contains(&model_type) {
+        if !QWEN_MODEL_TYPES.contains(&model_type) {
             return Ok(None);
         }
         let raw = config
@@ -349,6 +429,29 @@ mod tests {
         assert_eq!(t.len(), 1 + 32 * 12 + 5);
         assert_eq!(t[0].1, vec![1280, 3, 2, 14, 14]);
         assert_eq!(t.last().unwrap().1, vec![3584]);
+    }
+
+    #[test]
+    fn the_tower_follows_the_model_type() {
+        let c = Path::new("c");
+        let qwen = json!({"model_type": "qwen2_5_vl", "vision_config": {}});
+        assert!(matches!(
+            TowerSpec::from_json(&qwen, c),
+            Ok(Some(TowerSpec::Qwen(_)))
+        ));
+        let gemma = json!({"model_type": "gemma3", "mm_tokens_per_image": 4,
+            "vision_config": {"image_size": 56, "patch_size": 14}});
+        let t = TowerSpec::from_json(&gemma, c).unwrap().unwrap();
+        assert_eq!((t.model_type(), t.depth()), ("gemma3", 12));
+        let text = json!({"model_type": "gemma3_text"});
+        assert!(TowerSpec::from_json(&text, c).unwrap().is_none());
+        for t in VISION_MODEL_TYPES {
+            let cfg = json!({"model_type": t});
+            assert!(
+                TowerSpec::from_json(&cfg, c).is_err(),
+                "{t}: no vision_config"
+            );
+        }
     }
 
     #[test]

@@ -318,6 +318,8 @@ fn public_configs_have_their_transformers_parameter_counts() {
         // Qwen2_5_VLForConditionalGeneration less its `visual` (the frozen tower, in its
         // own region): the language model.
         ("qwen2.5-vl-7b", 7_615_616_512),
+        // Gemma3ForConditionalGeneration less its SigLIP tower and projector (tied head).
+        ("gemma3-27b", 27_009_346_304),
     ] {
         let spec = ModelSpec::from_model_dir(&configs.join(dir)).unwrap();
         assert_eq!(Layout::new(&spec).num_params(), params, "{dir}");

@@ -6,15 +6,21 @@
 use serde::{Deserialize, Serialize};
 
 use super::{TENSOR_ALIGN, TensorSpec};
-use crate::config::vision::VisionSpec;
+use crate::config::vision::TowerSpec;
+use crate::config::vision::siglip::PROJECTOR;
 
 /// The tower's tensors in its region.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VisionLayout {
-    pub spec: VisionSpec,
+    pub spec: TowerSpec,
     /// The checkpoint's prefix of the tower (`visual.` in the hub's names, `model.visual.`
-    /// in transformers 5's); a tensor's checkpoint name is `prefix + name`.
+    /// in transformers 5's; Gemma 3's `vision_tower.vision_model.` or `vision_tower.`); a
+    /// tensor's checkpoint name is `prefix + name`.
     pub prefix: String,
+    /// What precedes a projector tensor's name (`multi_modal_projector.…`, Gemma 3's) in the
+    /// checkpoint: empty, or `model.` under transformers 5's current names.
+    #[serde(default)]
+    pub projector_prefix: String,
     /// Names inside the tower (`blocks.0.attn.qkv.weight`), shapes, element offsets.
     pub tensors: Vec<TensorSpec>,
     /// Elements of the region (the last tensor's end).
@@ -24,7 +30,7 @@ pub struct VisionLayout {
 impl VisionLayout {
     /// Lays out every tensor of `spec`'s tower, in transformers' order, each at a
     /// multiple of `TENSOR_ALIGN` elements.
-    pub fn new(spec: &VisionSpec, prefix: &str) -> VisionLayout {
+    pub fn new(spec: &TowerSpec, prefix: &str) -> VisionLayout {
         let mut at = 0;
         let tensors = spec
             .tensors()
@@ -43,6 +49,7 @@ impl VisionLayout {
         VisionLayout {
             spec: spec.clone(),
             prefix: prefix.into(),
+            projector_prefix: String::new(),
             tensors,
             total,
         }
@@ -50,7 +57,10 @@ impl VisionLayout {
 
     /// The checkpoint's name of tensor `t`.
     pub fn hf_name(&self, t: &TensorSpec) -> String {
-        format!("{}{}", self.prefix, t.name)
+        match t.name.starts_with(PROJECTOR) {
+            true => format!("{}{}", self.projector_prefix, t.name),
+            false => format!("{}{}", self.prefix, t.name),
+        }
     }
 
     /// Parameters of the tower.
@@ -68,7 +78,7 @@ mod tests {
         let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vision_config": {
             "depth": 2, "hidden_size": 40, "num_heads": 2, "intermediate_size": 30,
             "out_hidden_size": 24, "window_size": 56, "fullatt_block_indexes": [1]}});
-        let spec = VisionSpec::from_json(&cfg, std::path::Path::new("c"))
+        let spec = TowerSpec::from_json(&cfg, std::path::Path::new("c"))
             .unwrap()
             .unwrap();
         let l = VisionLayout::new(&spec, "visual.");
@@ -97,10 +107,18 @@ mod tests {
         // Counted by transformers 5.17: Qwen2_5_VLForConditionalGeneration from
         // configs/qwen2.5-vl-7b/config.json on the meta device, the parameters under `visual`.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-vl-7b");
-        let spec = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+        let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
         assert_eq!(
             VisionLayout::new(&spec, "visual.").num_params(),
             676_550_144
+        );
+        // Gemma3ForConditionalGeneration from configs/gemma3-27b/config.json, the parameters
+        // under `vision_tower` and `multi_modal_projector`.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gemma3-27b");
+        let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
+        assert_eq!(
+            VisionLayout::new(&spec, "vision_tower.vision_model.").num_params(),
+            423_060_336
         );
     }
 }

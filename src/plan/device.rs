@@ -116,15 +116,27 @@ pub struct VisionDevice {
 
 impl VisionDevice {
     /// The tower of `spec`, `params` parameters.
-    pub fn of(spec: &crate::config::vision::VisionSpec, params: usize) -> VisionDevice {
-        VisionDevice {
-            params: params as u64,
-            hidden: spec.hidden_size as u64,
-            intermediate: spec.intermediate_size as u64,
-            patch_values: (spec.in_channels * spec.temporal_patch_size * spec.patch_size.pow(2))
-                as u64,
-            patches_per_token: spec.spatial_merge_size.pow(2) as u64,
-            out_hidden: spec.out_hidden_size as u64,
+    pub fn of(spec: &crate::config::vision::TowerSpec, params: usize) -> VisionDevice {
+        use crate::config::vision::TowerSpec;
+        match spec {
+            TowerSpec::Qwen(spec) => VisionDevice {
+                params: params as u64,
+                hidden: spec.hidden_size as u64,
+                intermediate: spec.intermediate_size as u64,
+                patch_values: (spec.in_channels * spec.temporal_patch_size * spec.patch_size.pow(2))
+                    as u64,
+                patches_per_token: spec.spatial_merge_size.pow(2) as u64,
+                out_hidden: spec.out_hidden_size as u64,
+            },
+            // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
+            TowerSpec::Siglip(spec) => VisionDevice {
+                params: params as u64,
+                hidden: spec.hidden_size as u64,
+                intermediate: spec.intermediate_size as u64,
+                patch_values: spec.patch_len() as u64,
+                patches_per_token: spec.pool().pow(2) as u64,
+                out_hidden: spec.out_hidden_size as u64,
+            },
         }
     }
 }

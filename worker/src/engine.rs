@@ -334,8 +334,9 @@ impl Engine {
         Ok(out)
     }
 
-    /// The micro-batch's rotary tables and masks: from its 3-D positions where it has
-    /// images, else from its 1-D positions (packed) or 0..T.
+    /// The micro-batch's rotary tables and masks: from its 1-D positions (packed) or 0..T,
+    /// changed where it has images ([`MicroImages::context`]: Qwen's 3-D positions,
+    /// Gemma 3's bidirectional image blocks).
     fn context(
         &self,
         mb: &MicroBatch,
@@ -350,15 +351,15 @@ impl Engine {
             self.device,
         );
         match images {
-            Some(i) => ctx.with_positions_3d(&self.spec, &i.pos_3bt, self.kind, self.device),
+            Some(i) => i.context(ctx, &self.spec, self.kind, self.device),
             None => ctx,
         }
     }
 
-    /// The micro-batch's images as the language model reads them ([`MicroImages::new`]:
-    /// the frozen tower's features over its images' pixels, and their grids); None for
-    /// text only (a text-only row's 3-D positions are its 1-D ones, so text trains exactly
-    /// without them).
+    /// The micro-batch's images as the language model reads them ([`Tower::micro_images`]:
+    /// the frozen tower's features over its images' pixels, and what the attention reads
+    /// of them); None for text only (a text-only row's 3-D positions are its 1-D ones, and
+    /// it has no image block, so text trains exactly without them).
     fn micro_images(&self, mb: &MicroBatch) -> Result<Option<MicroImages>> {
         if mb.images.is_empty() {
             return Ok(None);
@@ -369,8 +370,9 @@ impl Engine {
                 mb.images.len()
             );
         };
-        let (grids, features_mh) = tower.features(mb, self.kind, self.device)?;
-        MicroImages::new(&self.spec, mb, &grids, features_mh, self.device).map(Some)
+        tower
+            .micro_images(&self.spec, mb, self.kind, self.device)
+            .map(Some)
     }
 
     fn head<'a>(&'a self, w: &'a BlockWeights, lm_head: &'a Tensor) -> Head<'a> {
@@ -667,7 +669,11 @@ fn embed_tokens(
     let Some(images) = images else {
         return Ok(e_bth);
     };
-    let id = spec.mrope.as_ref().map_or(-1, |m| m.image_token_id);
-    model::place_image_features(ids_bt, e_bth, Some(&images.features_mh), id)
-        .context("place the images' features at their tokens")
+    model::place_image_features(
+        ids_bt,
+        e_bth,
+        Some(&images.features_mh),
+        images.image_token_id,
+    )
+    .context("place the images' features at their tokens")
 }

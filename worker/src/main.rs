@@ -123,7 +123,7 @@ fn run() -> Result<()> {
             .map(|v| {
                 Ok::<_, anyhow::Error>(engine::Tower {
                     weights: stream::vision::load(v, init.dtype, device)?,
-                    pixels: v.pixels,
+                    pixels: v.pixels.clone(),
                 })
             })
             .transpose()?;

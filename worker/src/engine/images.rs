@@ -1,43 +1,106 @@
-//! A micro-batch's images as the language model reads them (Qwen2.5-VL): the frozen vision
-//! tower's features, which replace the embeddings of the image tokens
-//! ([`crate::model::place_image_features`]), and the 3-D positions of every token
-//! (`mt::mrope`), from which the rotary tables are built
-//! ([`crate::model::Context::with_positions_3d`]).
+//! A micro-batch's images as the language model reads them: the frozen vision tower's
+//! features, which replace the embeddings of the image tokens
+//! ([`crate::model::place_image_features`]), and what the attention reads of them:
+//! Qwen2.5-VL's 3-D positions of every token (`mt::mrope`), from which the rotary tables are
+//! built ([`crate::model::Context::with_positions_3d`]), or Gemma 3's image blocks, each
+//! image's tokens attending to each other both ways
+//! ([`crate::model::Context::with_image_blocks`]).
 //!
-//! Shapes: B rows, T padded length, M image tokens, H hidden size.
+//! Shapes: B rows, T padded length, M image tokens, H hidden size, I images.
 
 use anyhow::{Context as _, Result, bail};
 use mt::config::hf::ModelSpec;
-use mt::data::{MicroBatch, QwenVlImages, image};
+use mt::data::{Gemma3Images, ImageProcessor, MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{VisionWeights, qwen2_5_vl_vision};
+use crate::model::{SiglipWeights, TowerWeights, VisionWeights, gemma3_vision, qwen2_5_vl_vision};
 
 /// The worker's frozen vision tower and how it reads an image file.
 pub struct Tower {
-    pub weights: VisionWeights,
+    pub weights: TowerWeights,
     /// The image processor's settings (`preprocessor_config.json`); None where the model
     /// directory has none, and then no batch carries images (the data load refuses them).
-    pub pixels: Option<QwenVlImages>,
+    pub pixels: Option<ImageProcessor>,
 }
 
 impl Tower {
-    /// The tower's features (M, H) for `mb`'s images and their grids, in the order their
-    /// tokens appear: each file decoded and resized as the model's image processor does
-    /// (on the CPU, the images in parallel), the pixels' rows of all images in one (N, P)
-    /// batch through the tower.
-    pub fn features(
+    /// The tower's features (M, H) for `mb`'s images, in the order their tokens appear, and
+    /// what the language model reads of them besides, on `device`.
+    pub fn micro_images(
         &self,
+        spec: &ModelSpec,
         mb: &MicroBatch,
         kind: Kind,
         device: Device,
-    ) -> Result<(Vec<[u32; 3]>, Tensor)> {
-        let Some(px) = &self.pixels else {
-            bail!("the micro-batch has images but the model has no image processor settings");
-        };
-        let per_image = mb
+    ) -> Result<MicroImages> {
+        match (&self.weights, &self.pixels) {
+            (_, None) => {
+                bail!("the micro-batch has images but the model has no image processor settings")
+            }
+            (TowerWeights::Qwen(w), Some(ImageProcessor::Qwen(px))) => {
+                let (grids, features_mh) = qwen_features(w, px, mb, kind, device)?;
+                MicroImages::new(spec, mb, &grids, features_mh, device)
+            }
+            (TowerWeights::Siglip(w), Some(ImageProcessor::Gemma3(px))) => {
+                let features_mh = gemma3_features(w, px, mb, kind, device)?;
+                MicroImages::image_blocks(mb, w.spec.image_token_id, features_mh, device)
+            }
+            _ => bail!("the image processor's settings are not for this model's vision tower"),
+        }
+    }
+}
+
+/// Gemma 3's features (M, H) for `mb`'s images: each file decoded and resized as the
+/// processor does (on the CPU, the images in parallel), all images in one (I, 3, S, S)
+/// batch through the tower and projector.
+fn gemma3_features(
+    w: &SiglipWeights,
+    px: &Gemma3Images,
+    mb: &MicroBatch,
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor> {
+    let per_image = mb
+        .images
+        .par_iter()
+        .map(|im| {
+            if im.grid != px.grid() {
+                bail!(
+                    "{}: the batch was built for a {:?} patch grid, the processor makes {:?}",
+                    im.path.display(),
+                    im.grid,
+                    px.grid()
+                );
+            }
+            Ok(px.pixel_values(&image::decode(&im.path)?))
+        })
+        .collect::<Result<Vec<Vec<f32>>>>()?;
+    let (i, h, wd) = (
+        per_image.len() as i64,
+        i64::from(px.height),
+        i64::from(px.width),
+    );
+    let pixels_i3ss = Tensor::f_from_slice(&per_image.concat())?
+        .f_view([i, 3, h, wd])?
+        .f_to_device(device)?
+        .f_to_kind(kind)?;
+    Ok(gemma3_vision(w, &pixels_i3ss))
+}
+
+/// Qwen2.5-VL's features (M, H) for `mb`'s images and their grids, in the order their
+/// tokens appear: each file decoded and resized as the model's image processor does (on
+/// the CPU, the images in parallel), the pixels' rows of all images in one (N, P) batch
+/// through the tower.
+fn qwen_features(
+    weights: &VisionWeights,
+    px: &QwenVlImages,
+    mb: &MicroBatch,
+    kind: Kind,
+    device: Device,
+) -> Result<(Vec<[u32; 3]>, Tensor)> {
+    let per_image = mb
             .images
             .par_iter()
             .map(|im| {
@@ -56,18 +119,17 @@ impl Tower {
                 Ok(rows)
             })
             .collect::<Result<Vec<Vec<f32>>>>()?;
-        let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
-        // One row per patch: channels x temporal patch x patch x patch.
-        let patch = 3 * i64::from(px.temporal_patch_size) * i64::from(px.patch_size).pow(2);
-        let flat: Vec<f32> = per_image.concat();
-        let n = flat.len() as i64 / patch;
-        let pixels_np = Tensor::f_from_slice(&flat)?
-            .f_view([n, patch])?
-            .f_to_device(device)?
-            .f_to_kind(kind)?;
-        let features_mh = qwen2_5_vl_vision(&self.weights, &pixels_np, &grids);
-        Ok((grids, features_mh))
-    }
+    let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
+    // One row per patch: channels x temporal patch x patch x patch.
+    let patch = 3 * i64::from(px.temporal_patch_size) * i64::from(px.patch_size).pow(2);
+    let flat: Vec<f32> = per_image.concat();
+    let n = flat.len() as i64 / patch;
+    let pixels_np = Tensor::f_from_slice(&flat)?
+        .f_view([n, patch])?
+        .f_to_device(device)?
+        .f_to_kind(kind)?;
+    let features_mh = qwen2_5_vl_vision(weights, &pixels_np, &grids);
+    Ok((grids, features_mh))
 }
 
 /// What a micro-batch's images bring to the language model.
@@ -76,8 +138,14 @@ pub struct MicroImages {
     /// The vision tower's output (M, H): one row per image token, in the order the tokens
     /// appear (row by row, left to right); no grad (the tower is frozen).
     pub features_mh: Tensor,
-    /// Every token's temporal, height and width position (3, B, T), on the device.
-    pub pos_3bt: Tensor,
+    /// The id of the image tokens, whose embeddings the features replace.
+    pub image_token_id: i64,
+    /// Every token's temporal, height and width position (3, B, T), on the device
+    /// (Qwen2.5-VL).
+    pub pos_3bt: Option<Tensor>,
+    /// Each token's image block (B, T): the run of image tokens it is in, counted from 0
+    /// in its row, or -1 for text (Gemma 3: a block attends to itself both ways).
+    pub block_bt: Option<Tensor>,
 }
 
 impl MicroImages {
@@ -113,9 +181,78 @@ impl MicroImages {
             .f_to_device(device)?;
         Ok(MicroImages {
             features_mh: features_mh.f_to_device(device)?,
-            pos_3bt,
+            image_token_id: m.image_token_id,
+            pos_3bt: Some(pos_3bt),
+            block_bt: None,
         })
     }
+
+    /// Gemma 3's images of `mb`: the features (M, H) of its tokens of id `image_token_id`,
+    /// and each token's image block, as transformers' `get_block_sequence_ids_for_mask`
+    /// numbers them from `token_type_ids` (1 exactly at the image tokens).
+    pub fn image_blocks(
+        mb: &MicroBatch,
+        image_token_id: i64,
+        features_mh: Tensor,
+        device: Device,
+    ) -> Result<MicroImages> {
+        if !mb.position_ids.is_empty() {
+            bail!(
+                "images in packed rows: an image's block would be matched across samples (set `data.packing: false`)"
+            );
+        }
+        let blocks = image_block_ids(&mb.input_ids, mb.seq_len, image_token_id);
+        let block_bt = Tensor::f_from_slice(&blocks)?
+            .f_view([mb.rows as i64, mb.seq_len as i64])?
+            .f_to_device(device)?;
+        Ok(MicroImages {
+            features_mh: features_mh.f_to_device(device)?,
+            image_token_id,
+            pos_3bt: None,
+            block_bt: Some(block_bt),
+        })
+    }
+
+    /// `ctx` with what the images change in it: the rotary tables of the 3-D positions, or
+    /// the image blocks' bidirectional attention.
+    pub fn context(
+        &self,
+        ctx: crate::model::Context,
+        spec: &ModelSpec,
+        kind: Kind,
+        device: Device,
+    ) -> crate::model::Context {
+        let ctx = match &self.pos_3bt {
+            Some(p) => ctx.with_positions_3d(spec, p, kind, device),
+            None => ctx,
+        };
+        match &self.block_bt {
+            Some(b) => ctx.with_image_blocks(spec, b),
+            None => ctx,
+        }
+    }
+}
+
+/// Per token of the rows (`seq_len` each) of `ids`: the index, within its row, of the run of
+/// `image_token_id` it is in, or -1 for any other token.
+fn image_block_ids(ids: &[i32], seq_len: usize, image_token_id: i64) -> Vec<i64> {
+    let mut out = Vec::with_capacity(ids.len());
+    for row in ids.chunks(seq_len.max(1)) {
+        let (mut next, mut prev_image) = (0, false);
+        for &id in row {
+            let image = i64::from(id) == image_token_id;
+            out.push(match (image, prev_image) {
+                (false, _) => -1,
+                (true, true) => next - 1,
+                (true, false) => {
+                    next += 1;
+                    next - 1
+                }
+            });
+            prev_image = image;
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -162,7 +299,18 @@ mod tests {
         let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("text-only model"), "{e}");
         mb.position_ids = vec![0, 1, 2, 0];
-        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f, Device::Cpu).unwrap_err();
+        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
+        let e = MicroImages::image_blocks(&mb, 9, f, Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("packed rows"), "{e}");
+    }
+
+    #[test]
+    fn image_blocks_are_numbered_per_row() {
+        let ids = [5, 9, 9, 5, 9, 5, 9, 9, 9, 5, 5, 0];
+        assert_eq!(
+            image_block_ids(&ids, 6, 9),
+            [-1, 0, 0, -1, 1, -1, 0, 0, 0, -1, -1, -1]
+        );
     }
 }
