@@ -88,22 +88,6 @@ fn matches_transformers(case: &str, scratch_name: &str) {
 /// image with `generate`.
 #[test]
 fn qwen2_5_vl_export_loads_in_transformers_and_answers_about_an_image() {
-    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !py.is_file() {
-        eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
-        return;
-    }
-    let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
-    let s = scratch("vlm-export");
-    let out = s.join("out");
-    let set = format!("training.output_dir={}", out.display());
-    run_cpu_ok(
-        &dir.join("run.yaml"),
-        1,
-        &s.join("metrics.jsonl"),
-        &["--set", &set, "--set", "training.num_steps=2"],
-    );
-    assert!(out.join("preprocessor_config.json").is_file());
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
@@ -130,6 +114,60 @@ gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
 assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
 print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
 "#;
+    export_and_check("vlm/golden", "vlm-export", check);
+}
+
+/// The export of a Gemma 3 run: the language model in the wrapper's legacy names
+/// (`language_model.model.*`), the SigLIP tower and projector bit for bit, the processor's
+/// settings beside the tokenizer; transformers loads it with `AutoModelForImageTextToText`
+/// and `AutoProcessor`, and answers about an image with `generate`.
+#[test]
+fn gemma3_export_loads_in_transformers_and_answers_about_an_image() {
+    let check = r#"
+import sys, torch, safetensors.torch as st
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+src, out, image = sys.argv[1:4]
+a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
+assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
+tower = [k for k in a if k.startswith(("vision_tower.", "multi_modal_projector."))]
+assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
+trained = [k for k in a if k not in tower]
+assert trained and all(k.startswith("language_model.model.") for k in trained), trained
+assert all(not torch.equal(a[k], b[k]) for k in trained), "a language-model tensor did not train"
+model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+assert type(model).__name__ == "Gemma3ForConditionalGeneration", type(model)
+proc = AutoProcessor.from_pretrained(out)
+msgs = [{"role": "user", "content": proc.boi_token + "What is this?"}]
+text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+assert int(enc["token_type_ids"].sum()) == model.config.mm_tokens_per_image
+gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
+print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+"#;
+    export_and_check("vlm/golden-gemma3", "vlm-gemma3-export", check);
+}
+
+/// Trains the golden case `case` two steps with an export, then runs the Python `check` on
+/// (the input model, the export, an image of the records).
+fn export_and_check(case: &str, scratch_name: &str, check: &str) {
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !py.is_file() {
+        eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
+        return;
+    }
+    let dir = data_fixtures(&format!("{case}/expected.json")).join(case);
+    let s = scratch(scratch_name);
+    let out = s.join("out");
+    let set = format!("training.output_dir={}", out.display());
+    run_cpu_ok(
+        &dir.join("run.yaml"),
+        1,
+        &s.join("metrics.jsonl"),
+        &["--set", &set, "--set", "training.num_steps=2"],
+    );
+    assert!(out.join("preprocessor_config.json").is_file());
     let image = dir.join("../images/a.png");
     let r = std::process::Command::new(&py)
         .args(["-c", check])
