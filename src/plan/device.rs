@@ -112,6 +112,9 @@ pub struct VisionDevice {
     pub patches_per_token: u64,
     /// The width of its output (the language model's hidden size).
     pub out_hidden: u64,
+    /// Each image's tokens attend to each other both ways (Gemma 3): a micro-batch with
+    /// images builds its attention masks per row.
+    pub image_blocks: bool,
 }
 
 impl VisionDevice {
@@ -127,6 +130,7 @@ impl VisionDevice {
                     as u64,
                 patches_per_token: spec.spatial_merge_size.pow(2) as u64,
                 out_hidden: spec.out_hidden_size as u64,
+                image_blocks: false,
             },
             // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
             TowerSpec::Siglip(spec) => VisionDevice {
@@ -136,6 +140,7 @@ impl VisionDevice {
                 patch_values: spec.patch_len() as u64,
                 patches_per_token: spec.pool().pow(2) as u64,
                 out_hidden: spec.out_hidden_size as u64,
+                image_blocks: true,
             },
         }
     }
@@ -583,10 +588,13 @@ fn chunk_bytes(spec: &ModelSpec, c: u64, v: u64, s: u64, fused: bool) -> u64 {
 /// ((T, T), or (B, 1, T, T) packed) and the batch's int64 ids, targets, selected positions
 /// and positions.
 fn tables(spec: &ModelSpec, o: DeviceOpts, d: &Dims) -> u64 {
+    // Gemma 3's image blocks make the masks per row (`Context::with_image_blocks`).
+    let blocks = o.vision.is_some_and(|v| v.image_blocks);
     let rows = if o.packed { d.b } else { 1 };
     let ropes = 1 + spec.rope_local.is_some() as u64;
     let rope = ropes * 2 * rows * d.t * spec.rope.rotary_dim as u64 * d.s;
-    let explicit = o.packed || spec.attn_softcap.is_some() || spec.attn_sinks;
+    let rows = if blocks { d.b } else { rows };
+    let explicit = o.packed || blocks || spec.attn_softcap.is_some() || spec.attn_sinks;
     let sliding = spec.sliding_window.is_some_and(|w| (w as u64) < d.t);
     let chunked = spec.attention_chunk.is_some_and(|c| (c as u64) < d.t);
     let masks = (explicit as u64 + sliding as u64 + chunked as u64) * rows * d.t * d.t;
