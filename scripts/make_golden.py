@@ -17,7 +17,7 @@ For each case this writes, under OUT/<case>/:
   dequantized.safetensors  (MXFP4 cases) the expert weights as transformers dequantizes
                       the packed checkpoint in model/ (bf16), to compare bit for bit
 
-The vision tower's fixtures (OUT/vision/qwen2_5_vl/): scripts/make_vlm_model_fixtures.py.
+The vision towers' fixtures (OUT/vision/qwen2_5_vl/, OUT/vision/gemma3/): scripts/make_vlm_model_fixtures.py.
 
 DPO cases (OUT/dpo/<case>/, training.stage: dpo; scripts/golden_dpo.py): model/, pairs.jsonl
 (tokenized preference pairs: a shared prompt, labels on each answer only), run.yaml, and
@@ -774,7 +774,7 @@ def main():
         make_schedules(os.path.join(args.out, "schedules"))
     if "mrope" in only:
         make_mrope(args.out)
-    if "vision/qwen2_5_vl" in only:  # the vision tower's (worker/src/model/qwen2_vl_vision)
+    if "vision/qwen2_5_vl" in only:  # the vision towers (worker/src/model/{qwen2_vl,siglip}_vision)
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
         subprocess.run([sys.executable, script, "--out", args.out], check=True)
     for name, case in golden_dpo.DPO_CASES.items():

@@ -162,6 +162,51 @@ mod tests {
     }
 
     #[test]
+    fn gemma3_tower_and_projector_take_their_own_prefixes() {
+        let cfg = serde_json::json!({"model_type": "gemma3", "mm_tokens_per_image": 1,
+            "text_config": {"hidden_size": 4}, "vision_config": {"hidden_size": 4,
+            "intermediate_size": 6, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "image_size": 4, "patch_size": 2}});
+        let spec = TowerSpec::from_json(&cfg, Path::new("c")).unwrap().unwrap();
+        // The hub's names, and transformers 5's current ones.
+        for (tower, projector) in [
+            ("vision_tower.vision_model.", ""),
+            ("model.vision_tower.", "model."),
+        ] {
+            let tensors = spec
+                .tensors()
+                .into_iter()
+                .map(|(name, shape)| {
+                    let n: usize = shape.iter().product();
+                    let name = match name.starts_with(PROJECTOR) {
+                        true => format!("{projector}{name}"),
+                        false => format!("{tower}{name}"),
+                    };
+                    CarriedTensor {
+                        name,
+                        dtype: Dtype::BF16,
+                        shape,
+                        bytes: vec![0; 2 * n],
+                    }
+                })
+                .collect();
+            let c = Carried { tensors };
+            let r =
+                VisionRegion::build("mt-test-vision", &spec, &c, DType::Float32, Path::new("m"))
+                    .unwrap();
+            assert_eq!(
+                (r.layout.prefix.as_str(), r.layout.projector_prefix.as_str()),
+                (tower, projector)
+            );
+            let last = r.layout.tensors.last().unwrap();
+            assert_eq!(
+                r.layout.hf_name(last),
+                format!("{projector}multi_modal_projector.mm_soft_emb_norm.weight")
+            );
+        }
+    }
+
+    #[test]
     fn missing_or_misshapen_tensors_are_named() {
         let mut c = carried("visual.");
         c.tensors
