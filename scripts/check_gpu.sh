@@ -52,7 +52,16 @@
 #    failure injected into the tiny model's backward of layer 1 (MT_TEST_FAIL_ALLOC) must
 #    give the same one line with CUDA's figures.
 #
-# PARTS ["train families experts delta errors resident sinks kernels serve"] picks the parts to run (each fits in a few
+# 9. Vision-language (part `vlm`, issue 49): the tiny Qwen2.5-VL of the data fixtures
+#    (scripts/make_data_fixtures.py; VLM, default target/data-fixtures/vlm) over its
+#    LlamaFactory-format image records: images decoded and resized by the launcher's
+#    workers, the frozen vision tower in bf16 on the GPU, the features at the image tokens,
+#    3-D rotary positions. Losses over the steps within 2e-2 of the same run in f32 on CPU
+#    (1 GPU, and 2 when visible), and step 1's gradients within 2e-2 (relative L2, as the
+#    experts' check: a bf16 rounding is <= 2^-9, compounded over the tower, the decoder and
+#    the backward): each matrix, and all trained tensors together.
+#
+# PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
 # 2 GPUs are skipped, and said so, when fewer are visible (nvidia-smi -L).
 # Needs the built binaries (BIN, default target/release) and a GPU machine; Python (no
@@ -62,7 +71,8 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release}
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-12}
-PARTS=${PARTS:-"train families experts delta errors resident sinks kernels serve"}
+PARTS=${PARTS:-"train families experts delta errors resident sinks kernels serve vlm"}
+VLM=${VLM:-target/data-fixtures/vlm}
 ERRORS_SEQ=${ERRORS_SEQ:-524288}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 work=$(mktemp -d)
@@ -190,6 +200,20 @@ if part families; then
   done
 fi
 
+if part vlm; then
+  if [ -f "$VLM/golden/run.yaml" ]; then
+    vlm=(--config "$VLM/golden/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+    vrun() { local name=$1; shift; "$BIN/mt-launch" "${vlm[@]}" "$@" --metrics-out "$work/$name.jsonl"; }
+    vrun cpu_vlm "${cpu[@]}" --set "training.num_steps=$STEPS"
+    vrun gpu1_vlm --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    if [ "$gpus" -ge 2 ]; then vrun gpu2_vlm --gpus 2 "${gpu[@]}" --set "training.num_steps=$STEPS"; fi
+    vrun cpu_vlm_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_step1.grads"
+    vrun gpu1_vlm_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_step1.grads"
+  else
+    echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
+  fi
+fi
+
 # Grouped against per-expert experts: step 1's logits and gradients.
 if part experts; then
   for m in moe mixtral gpt_oss; do
@@ -254,12 +278,12 @@ def load(n, key):
     rows = [json.loads(l) for l in open(f"{work}/{n}.jsonl")]
     return [r[key] for r in rows if key in r]
 ok = True
-def check(name, ref_name, bound):
+def check(name, ref_name, bound, keys=(("loss", "steps"), ("eval_loss", "evaluations"))):
     global ok
     if not os.path.exists(f"{work}/{name}.jsonl"):
         print(f"{name}: SKIPPED (needs 2 GPUs, {gpus} visible)")
         return
-    for key, what in (("loss", "steps"), ("eval_loss", "evaluations")):
+    for key, what in keys:
         got, ref = load(name, key), load(ref_name, key)
         if not got or len(got) != len(ref):
             ok = False
@@ -346,6 +370,28 @@ for m in ("moe", "mixtral", "gpt_oss") if "experts" in parts else ():
         fused, fwhat = worst_of(f"{stem}_grouped", f"{stem}_plain")
         ok &= fused <= bound
         print(f"fused combine vs tch ops, {m} {shape}: worst relative L2 {fused:.2e} ({fwhat}; bound {bound:.0e})")
+if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
+    # The fixture's run has no held-out split: losses only.
+    for name in ("gpu1_vlm", "gpu2_vlm"):
+        check(name, "cpu_vlm", 2e-2, keys=(("loss", "steps"),))
+    # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
+    # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
+    # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.
+    ga, gb = tensors(f"{work}/gpu1_vlm_step1.grads"), tensors(f"{work}/cpu_vlm_step1.grads")
+    same = ga.keys() == gb.keys() and len(gb) > 0
+    if not same:
+        ok = False
+        print(f"vlm gpu1 vs cpu step-1 gradients: tensor names differ: {sorted(ga)} vs {sorted(gb)}")
+    else:
+        errs = {n: rel_l2(ga[n][1], gb[n][1]) for n in gb}
+        mats = [n for n in gb if len(gb[n][0]) >= 2]
+        vecs = [n for n in gb if len(gb[n][0]) < 2]
+        whole = rel_l2([x for n in gb for x in ga[n][1]], [x for n in gb for x in gb[n][1]])
+        wm = max(mats, key=errs.get)
+        ok &= errs[wm] <= bound and whole <= bound
+        print(f"vlm gpu1 vs cpu step-1 gradients: all {len(gb)} tensors together relative L2 {whole:.2e}, "
+              f"worst of {len(mats)} matrices {errs[wm]:.2e} ({wm}) (bound {bound:.0e} each)"
+              + (f"; worst of {len(vecs)} vectors {max(errs[n] for n in vecs):.2e} ({max(vecs, key=errs.get)})" if vecs else ""))
 if "errors" in parts:
     failed = f"{work}/errors.failed"
     ok &= not os.path.exists(failed)

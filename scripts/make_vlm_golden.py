@@ -107,3 +107,22 @@ dataset: {{name: mllm_demo, dataset_dir: .., shuffle: false, max_seq_len: 1024}}
 training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 1000.0}}
 """)
 print(f"vlm golden: loss {loss.item():.6f}, grad norm {norm:.6f}, {B} rows, {len(images)} images")
+
+# The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
+# SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
+# (VisionSpec::forward_flops). The records' grids, and a few of other shapes (partial
+# windows, two frames).
+from torch.utils.flop_counter import FlopCounterMode
+
+grids = [list(map(int, g)) for g in pix["image_grid_thw"]] + [[1, 12, 20], [1, 6, 10], [2, 8, 8]]
+visual, patch = model.model.visual, 3 * 2 * 14 * 14
+# The eager attention's two matmuls are counted; CPU SDPA's fused kernel is not.
+visual.config._attn_implementation = "eager"
+counted = []
+for g in grids:
+    x = torch.randn(g[0] * g[1] * g[2], patch)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        visual(x, grid_thw=torch.tensor([g]))
+    counted.append({"grid": g, "flops": fc.get_total_flops()})
+json.dump(counted, open(os.path.join(out, "tower_flops.json"), "w"), indent=2)
+print(f"vlm golden: tower FLOPs of {len(counted)} grids")

@@ -8,7 +8,8 @@ runs mt-launch on the same records and compares.
 Reads DIR/vlm (the records, images, model-gemma3 and expected_gemma3.jsonl: the processor's ids,
 token_type_ids and the labels per record, which the data tests hold ours equal to); writes
 DIR/vlm/golden-gemma3: model/ (the tiny model beside the tokenizer and processor settings),
-run.yaml, expected.json (the step's loss and gradient norm, and the loss the same step gives
+run.yaml, tower_flops.json (FlopCounterMode's count of the tower's forward over one image),
+expected.json (the step's loss and gradient norm, and the loss the same step gives
 without the image blocks' bidirectional attention, `token_type_ids` left out: how far a causal
 mask lands) and grads0.safetensors (every language-model gradient under its checkpoint name).
 
@@ -105,3 +106,15 @@ training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 
 """)
 print(f"vlm gemma3 golden: loss {loss.item():.6f} (causal only: {loss_causal:.6f}), grad norm {norm:.6f}, "
       f"{B} rows, {len(images)} images")
+
+# The tower's and projector's forward FLOPs over one image as torch counts them
+# (FlopCounterMode: the convolution, matmuls; the eager attention's two matmuls, which CPU
+# SDPA's fused kernel would hide): what the metrics' model TFLOPS add per image
+# (SiglipSpec::forward_flops).
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+model.model.vision_tower.config._attn_implementation = "eager"
+with torch.no_grad(), FlopCounterMode(display=False) as fc:
+    model.model.get_image_features(pix["pixel_values"][:1])
+json.dump({"flops": fc.get_total_flops()}, open(os.path.join(out, "tower_flops.json"), "w"), indent=2)
+print(f"vlm gemma3 golden: tower FLOPs per image {fc.get_total_flops()}")

@@ -51,6 +51,11 @@ pub struct StepMetrics {
     /// Slowest worker's wait for the launcher's update of the blocks it reads (the
     /// previous step's AdamW, which runs behind this step's forward).
     pub update_wait_s: f64,
+    /// A vision-language step: the slowest worker's time on its micro-batches' images before
+    /// their forward (files read, decoded and resized on the CPU, pixels uploaded, the
+    /// tower launched); absent without images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images_s: Option<f64>,
     /// Launcher time spent on background checkpoints: staging the blocks the writer had
     /// not written before the optimizer changed them, waiting for it where the staging
     /// area was full, and waiting for the previous write at a checkpoint. The workers
@@ -90,7 +95,8 @@ pub struct StepMetrics {
     /// chunk, r value heads per key head), so for Qwen3.5-27B (48 value heads of 128) ~23
     /// MFLOP per token and layer forward and backward, 1% of the 2.3 GFLOP of its
     /// projections and MLP; left out as MegaTrain leaves it out, which keeps the figure
-    /// comparable.
+    /// comparable. A vision-language step adds its vision tower's forward over the step's
+    /// images (`TowerSpec::forward_flops`: frozen, it runs forward only).
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,

@@ -204,6 +204,10 @@ pub enum ToWorker {
         /// The store is still being updated: block b may be read only after
         /// `BlockReady{block: b}`.
         weights_pending: bool,
+        /// The images this worker's next step will read, in its micro-batches' order, for
+        /// it to decode while this step computes (empty: none, or not known yet).
+        #[serde(default)]
+        next_images: Vec<crate::data::BatchImage>,
     },
     /// Store block `block` holds this step's weights.
     BlockReady {
@@ -269,6 +273,10 @@ pub struct WorkerTimings {
     /// (the previous step's AdamW running behind this step's forward).
     #[serde(default)]
     pub update_wait_s: f64,
+    /// Time spent on the micro-batches' images before their forward: reading, decoding and
+    /// resizing the files (on the CPU), the pixels' upload and the vision tower's launch.
+    #[serde(default)]
+    pub images_s: f64,
     /// GPU: the most device memory in use (cuMemGetInfo, so torch's reserve included).
     /// CPU: the step's peak resident memory above the step's start (VmHWM).
     pub peak_device_bytes: u64,

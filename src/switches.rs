@@ -32,6 +32,7 @@ pub const NAMES: &[&str] = &[
     "MT_CHECKPOINT_STREAMS",
     "MT_DIRECT_IO",
     "MT_DEFER_MOMENTS",
+    "MT_IMAGE_PREFETCH",
     "MT_GATHER_WINDOW",
     "MT_MPI_MAX_COUNT",
     "MT_TORCH_PROFILE",
@@ -126,6 +127,9 @@ pub struct Switches {
     pub direct_io: bool,
     /// `MT_DEFER_MOMENTS` (default on): the checkpoint writes moments kept from the step.
     pub defer_moments: bool,
+    /// `MT_IMAGE_PREFETCH` (default on): workers decode the next step's images while the
+    /// step computes.
+    pub image_prefetch: bool,
     /// `MT_GATHER_WINDOW`: elements node 0 gathers at a time; None: [`GATHER_WINDOW`].
     pub gather_window: Option<usize>,
     /// `MT_MPI_MAX_COUNT`: elements per MPI call; None: [`MPI_MAX_COUNT`].
@@ -299,6 +303,7 @@ impl Switches {
                 .map(|n| n as usize),
             direct_io: env.choice("MT_DIRECT_IO", &on_off)?.unwrap_or(true),
             defer_moments: env.choice("MT_DEFER_MOMENTS", &on_off)?.unwrap_or(true),
+            image_prefetch: env.choice("MT_IMAGE_PREFETCH", &on_off)?.unwrap_or(true),
             gather_window: env
                 .count("MT_GATHER_WINDOW", 1..=GATHER_WINDOW as u64, "elements")?
                 .map(|n| n as usize),

@@ -43,6 +43,8 @@ use step::Flow;
 pub struct Trainer {
     cfg: RunConfig,
     spec: ModelSpec,
+    /// A vision-language model's tower, whose forward the step's FLOPs count.
+    vision: Option<mt::config::vision::TowerSpec>,
     data: Dataset,
     sampler: Sampler,
     host: HostState,
@@ -174,6 +176,7 @@ impl Trainer {
             progress,
             cfg,
             spec,
+            vision: host.vision.as_ref().map(|v| v.layout.spec.clone()),
             data,
             sampler,
             host: host.host,

@@ -184,3 +184,38 @@ fn export_and_check(case: &str, scratch_name: &str, check: &str) {
     );
     eprintln!("{}", String::from_utf8_lossy(&r.stdout));
 }
+
+/// The next step's images decoded while a step computes (worker/src/engine/prefetch.rs)
+/// give the bits of decoding them when the step starts (`MT_IMAGE_PREFETCH=0`): three
+/// steps of the four fixture records (one and two images per row, a text-only row), two
+/// workers with two micro-batches of one row each. A prefetch that handed one micro-batch
+/// another's pixels would move the loss of the step that reads them.
+#[test]
+fn prefetched_images_give_the_same_bits() {
+    let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
+    let steps = [
+        "--set",
+        "training.num_steps=3",
+        "--set",
+        "training.batch_size=4",
+        "--set",
+        "training.gradient_accumulation_steps=2",
+    ];
+    let mut runs = Vec::new();
+    for prefetch in ["1", "0"] {
+        let m = scratch(&format!("vlm-prefetch-{prefetch}")).join("metrics.jsonl");
+        let env = [("MT_IMAGE_PREFETCH", prefetch)];
+        run_cpu_env_ok(&dir.join("run.yaml"), 2, &m, &steps, &env);
+        let rows = metrics(&m);
+        assert_eq!(rows.len(), 3, "{rows:?}");
+        assert!(
+            rows.iter().take(2).all(|r| r["images_s"].is_f64()),
+            "{rows:?}"
+        );
+        runs.push((column(&rows, "loss"), column(&rows, "grad_norm")));
+    }
+    assert_eq!(
+        runs[0], runs[1],
+        "prefetched (left) against decoded at the step"
+    );
+}

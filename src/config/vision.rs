@@ -87,6 +87,15 @@ impl TowerSpec {
         }
     }
 
+    /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's
+    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid).
+    pub fn forward_flops(&self, grid: [u32; 3]) -> f64 {
+        match self {
+            TowerSpec::Qwen(s) => s.forward_flops(grid),
+            TowerSpec::Siglip(s) => s.forward_flops(),
+        }
+    }
+
     /// The suffix of the checkpoint name of the tower's patch embedding: what precedes it
     /// is the tower's prefix.
     pub fn patch_embed(&self) -> &'static str {
@@ -359,6 +368,39 @@ impl VisionSpec {
         self.fullatt_block_indexes.contains(&block)
     }
 
+    /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's
+    /// FlopCounterMode counts transformers' forward: the patch embedding, every block's
+    /// projections and MLP, its attention (QK^T and AV, 2 FLOPs per multiply-add each) within
+    /// each window or over each frame, and the merger; norms and activations not counted.
+    pub fn forward_flops(&self, grid: [u32; 3]) -> f64 {
+        let [t, h, w] = grid.map(|x| x as f64);
+        let (e, i) = (self.hidden_size as f64, self.intermediate_size as f64);
+        let n = t * h * w;
+        let unit = self.merge_unit() as f64;
+        let linear = 2.0 * n * (self.patch_len() as f64 * e)
+            + self.depth as f64 * 2.0 * n * (4.0 * e * e + 3.0 * e * i)
+            + 2.0 * (n / unit) * (unit * e * unit * e + unit * e * self.out_hidden_size as f64);
+        // Σ s^2 over the attention spans of one frame: the frame, or each window of at most
+        // merge_window^2 merged patches (the grid cut from its top-left corner).
+        let frame = (h * w).powi(2);
+        let (m, win) = (self.spatial_merge_size, self.merge_window());
+        let (gh, gw) = (grid[1] as usize / m, grid[2] as usize / m);
+        let windows: f64 = (0..gh.div_ceil(win))
+            .flat_map(|r| (0..gw.div_ceil(win)).map(move |c| (r, c)))
+            .map(|(r, c)| {
+                let units = (win.min(gh - r * win) * win.min(gw - c * win)) as f64;
+                (units * unit).powi(2)
+            })
+            .sum();
+        let full = self
+            .fullatt_block_indexes
+            .iter()
+            .filter(|&&b| b < self.depth);
+        let full = full.count() as f64;
+        let attention = 4.0 * e * t * (full * frame + (self.depth as f64 - full) * windows);
+        linear + attention
+    }
+
     /// Every tensor of the tower, named inside it (`blocks.0.attn.qkv.weight`, as the
     /// checkpoint names it after the tower's prefix), with its shape, in the order of
     /// transformers' module tree.
@@ -484,5 +526,29 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("vision_config"), "{e}");
+    }
+
+    /// `forward_flops` against torch's FlopCounterMode over transformers' tower
+    /// (scripts/make_vlm_golden.py: the golden model's tower on the records' grids and on
+    /// partial windows and two frames). Both count whole products, so they are equal.
+    #[test]
+    fn forward_flops_equal_torch_count() {
+        let Some(fx) = std::env::var_os("MT_DATA_FIXTURES") else {
+            eprintln!("no data fixtures (MT_DATA_FIXTURES): skipped");
+            return;
+        };
+        let dir = std::path::PathBuf::from(fx).join("vlm/golden");
+        let spec = VisionSpec::from_model_dir(&dir.join("model"))
+            .unwrap()
+            .unwrap();
+        let text = std::fs::read_to_string(dir.join("tower_flops.json")).unwrap();
+        let counted: Vec<Value> = serde_json::from_str(&text).unwrap();
+        assert!(counted.len() >= 4);
+        for c in counted {
+            let g: Vec<u32> = serde_json::from_value(c["grid"].clone()).unwrap();
+            let want = c["flops"].as_f64().unwrap();
+            let got = spec.forward_flops([g[0], g[1], g[2]]);
+            assert_eq!(got, want, "grid {g:?}");
+        }
     }
 }

@@ -33,8 +33,10 @@ use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
 
 mod control;
 mod images;
+mod prefetch;
 use control::Control;
 pub use images::{MicroImages, Tower};
+use prefetch::Prefetch;
 
 /// How long the worker waits for the launcher (a free slab slot, an updated block) before
 /// giving up.
@@ -61,6 +63,8 @@ pub struct Engine {
     resident: Option<Resident>,
     /// A vision-language model's frozen vision tower, on the device.
     tower: Option<Tower>,
+    /// The next step's images, being decoded ([`prefetch`]).
+    prefetch: Option<Prefetch>,
 }
 
 /// What a worker's step gave ([`FromWorker::StepDone`]'s fields).
@@ -147,6 +151,7 @@ impl Engine {
             objective: init.objective,
             resident,
             tower,
+            prefetch: None,
         })
     }
 
@@ -205,6 +210,7 @@ impl Engine {
     pub fn step(
         &mut self,
         micro: &[MicroBatch],
+        next_images: Vec<mt::data::BatchImage>,
         loss_scale: f64,
         weights_pending: bool,
         link: &Link,
@@ -216,11 +222,26 @@ impl Engine {
         self.ctl.ready.fill(!weights_pending);
         self.ctl.update_wait_s = 0.0;
         self.ctl.last_micro = micro.len().saturating_sub(1);
+        // This step's images where the previous step had them decoded; the next step's
+        // decoded from now on, while this one computes.
+        let t_images = Instant::now();
+        let mut decoded = match self.prefetch.take() {
+            Some(p) => p.take(micro)?.map(Vec::into_iter),
+            None => None,
+        };
+        tm.images_s += t_images.elapsed().as_secs_f64();
+        if let Some(px) = self.tower.as_ref().and_then(|t| t.pixels.clone()) {
+            self.prefetch = Prefetch::start(px, next_images);
+        }
         for (mi, mb) in micro.iter().enumerate() {
             crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
             enter(Phase::Upload, None);
             let batch = self.upload(mi, mb)?;
-            let images = self.micro_images(mb)?;
+            let t_images = Instant::now();
+            let images = self.micro_images(mb, decoded.as_mut().and_then(Iterator::next))?;
+            if images.is_some() {
+                tm.images_s += t_images.elapsed().as_secs_f64();
+            }
             let (ctl, rx) = (&mut self.ctl, link.rx);
             self.streamer
                 .begin_micro(&self.layout, &mut |b| ctl.wait_block(b, rx))?;
@@ -282,7 +303,7 @@ impl Engine {
         crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
         enter(Phase::Upload, None);
         let batch = self.upload(0, mb)?;
-        let images = self.micro_images(mb)?;
+        let images = self.micro_images(mb, None)?;
         enter(Phase::Eval, None);
         let ctx = self.context(mb, &batch, images.as_ref());
         let layout = &self.layout;
@@ -357,10 +378,15 @@ impl Engine {
     }
 
     /// The micro-batch's images as the language model reads them ([`Tower::micro_images`]:
-    /// the frozen tower's features over its images' pixels, and what the attention reads
-    /// of them); None for text only (a text-only row's 3-D positions are its 1-D ones, and
-    /// it has no image block, so text trains exactly without them).
-    fn micro_images(&self, mb: &MicroBatch) -> Result<Option<MicroImages>> {
+    /// the frozen tower's features over its images' pixels, `decoded` already where the
+    /// prefetch has them, and what the attention reads of them); None for text only (a
+    /// text-only row's 3-D positions are its 1-D ones, and it has no image block, so text
+    /// trains exactly without them).
+    fn micro_images(
+        &self,
+        mb: &MicroBatch,
+        decoded: Option<Vec<Vec<f32>>>,
+    ) -> Result<Option<MicroImages>> {
         if mb.images.is_empty() {
             return Ok(None);
         }
@@ -371,7 +397,7 @@ impl Engine {
             );
         };
         tower
-            .micro_images(&self.spec, mb, self.kind, self.device)
+            .micro_images(&self.spec, mb, decoded, self.kind, self.device)
             .map(Some)
     }
 

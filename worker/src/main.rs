@@ -200,11 +200,12 @@ fn serve(
                 micro,
                 loss_scale,
                 weights_pending,
+                next_images,
                 ..
             } => {
                 let link = Link { tx, rx };
                 profiler.step_begins()?;
-                let out = engine.step(&micro, loss_scale, weights_pending, &link)?;
+                let out = engine.step(&micro, next_images, loss_scale, weights_pending, &link)?;
                 profiler.step_ends()?;
                 tx.send(FromWorker::StepDone {
                     loss_sum: out.loss_sum,

@@ -68,7 +68,17 @@ pub fn warm_up(
     let x_mh = Tensor::randn([m, h], opts).set_requires_grad(true);
     let hn_mh = model::final_norm(spec, &head_w, &x_mh);
     let targets = Tensor::zeros([m], (Kind::Int64, device));
-    model::chunk_loss_sum(spec, &hn_mh, &lm_head, &targets).backward();
+    // The path the step's head takes (head/ce.rs): the fused cross-entropy where it runs.
+    // autograd's log-softmax over an f32 copy of the chunk's logits would hold three times
+    // the step's memory, which the caching allocator then keeps reserved for the whole run.
+    if crate::kernels::cross_entropy_enabled(kind, device) {
+        let logits_mv = model::compute_logits(spec, &hn_mh, &lm_head);
+        let weights_m = Tensor::ones([m], (Kind::Float, device));
+        let (_loss_m, dlogits_mv) = crate::kernels::cross_entropy(&logits_mv, &targets, &weights_m);
+        crate::kernels::tape::backward_with_grads(vec![(logits_mv, dlogits_mv)]);
+    } else {
+        model::chunk_loss_sum(spec, &hn_mh, &lm_head, &targets).backward();
+    }
     crate::kernels::tape::backward();
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);

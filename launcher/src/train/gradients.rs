@@ -46,6 +46,7 @@ fn slowest(s: &mut WorkerTimings, t: &WorkerTimings) {
     s.backward_s = s.backward_s.max(t.backward_s);
     s.slot_wait_s = s.slot_wait_s.max(t.slot_wait_s);
     s.update_wait_s = s.update_wait_s.max(t.update_wait_s);
+    s.images_s = s.images_s.max(t.images_s);
     s.h2d_wait_s = s.h2d_wait_s.max(t.h2d_wait_s);
     s.d2h_s = s.d2h_s.max(t.d2h_s);
     s.peak_device_bytes = s.peak_device_bytes.max(t.peak_device_bytes);
@@ -64,6 +65,7 @@ impl StepOutcome {
         s.backward_s += t.backward_s;
         s.slot_wait_s += t.slot_wait_s;
         s.update_wait_s += t.update_wait_s;
+        s.images_s += t.images_s;
         s.h2d_wait_s += t.h2d_wait_s;
         s.d2h_s += t.d2h_s;
         s.peak_device_bytes = s.peak_device_bytes.max(t.peak_device_bytes);

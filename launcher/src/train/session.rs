@@ -224,7 +224,7 @@ impl Trainer {
         let s = self.serving()?;
         let (step, fresh) = (s.step, s.pending.is_none());
         let units = units.unwrap_or_else(|| self.stage.loss_units(plan));
-        self.send_micro_batches(step, plan, units, false)
+        self.send_micro_batches(step, plan, units, false, Vec::new())
             .map_err(fatal)?;
         let out = self.collect_gradients(accum, fresh).map_err(fatal)?;
         let (dpo, grpo) = self.stage.metrics(&out.sums, plan);

@@ -219,7 +219,24 @@ impl Trainer {
         weights_pending: bool,
     ) -> Result<()> {
         let units = self.stage.loss_units(plan);
-        self.send_micro_batches(step, plan, units, weights_pending)
+        let next = self.next_images(step);
+        self.send_micro_batches(step, plan, units, weights_pending, next)
+    }
+
+    /// Per rank, the images its step `step + 1` will read, for the workers to decode while
+    /// step `step` computes (worker/src/engine/prefetch.rs): a vision-language model under
+    /// the LM objective, whose batches are the sampler's alone (a pure function of the
+    /// step); none otherwise.
+    fn next_images(&mut self, step: u64) -> Vec<Vec<mt::data::BatchImage>> {
+        let lm = matches!(self.stage, super::objective::Stage::Lm);
+        let on = mt::switches::get().image_prefetch;
+        if !on || self.vision.is_none() || !lm || step + 1 >= self.cfg.training.num_steps {
+            return Vec::new();
+        }
+        let next = self.fetch_batch(step + 1);
+        (next.per_rank.iter())
+            .map(|micro| micro.iter().flat_map(|m| m.images.clone()).collect())
+            .collect()
     }
 
     /// [`Trainer::send_step`] with the loss a mean over `units` (a server's batch split
@@ -230,10 +247,12 @@ impl Trainer {
         plan: &StepPlan,
         units: u64,
         weights_pending: bool,
+        mut next_images: Vec<Vec<mt::data::BatchImage>>,
     ) -> Result<()> {
         late_node_hook(self.mpi);
         let loss_scale = 1.0 / units.max(1) as f64;
-        for (rank, micro) in plan.per_rank.iter().enumerate() {
+        next_images.resize(plan.per_rank.len(), Vec::new());
+        for ((rank, micro), next_images) in plan.per_rank.iter().enumerate().zip(next_images) {
             let micro = micro.clone();
             self.sup.send(
                 rank,
@@ -242,6 +261,7 @@ impl Trainer {
                     micro,
                     loss_scale,
                     weights_pending,
+                    next_images,
                 },
             )?;
         }

@@ -7,7 +7,7 @@ use mt::config::hf::AttentionKind;
 use mt::data::StepPlan;
 use mt::layout::Layout;
 use mt::metrics::{
-    Bound, DriveMetrics, EvalMetrics, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
+    Bound, DriveMetrics, EvalMetrics, StepFlops, StepMetrics, peak_rss_bytes, rss_bytes, step_flops,
 };
 use mt::optim::{clip_coefficient, lr_at};
 
@@ -180,6 +180,15 @@ impl Trainer {
             plan.real_tokens,
             plan.causal_pairs,
         );
+        // A vision-language step also runs the frozen tower forward over its images.
+        let tower = self.vision.as_ref().map_or(0.0, |spec| {
+            let images = plan.per_rank.iter().flatten().flat_map(|m| &m.images);
+            images.map(|im| spec.forward_flops(im.grid)).sum()
+        });
+        let flops = StepFlops {
+            model: flops.model + tower,
+            ..flops
+        };
         let world = self.global_world() as f64;
         let per_device_tflops = |f: f64| f / step_time_s / world / 1e12;
         // Under mpirun: the step's exchanges with the other nodes, and the wait in them.
@@ -214,6 +223,7 @@ impl Trainer {
             h2d_wait_s: out.slowest.h2d_wait_s,
             d2h_s: out.slowest.d2h_s,
             update_wait_s: out.slowest.update_wait_s,
+            images_s: (out.slowest.images_s > 0.0).then_some(out.slowest.images_s),
             checkpoint_wait_s: self.host.take_checkpoint_wait()
                 + std::mem::take(&mut self.checkpoint_wait_s),
             drives: self.host.take_drive_io().map(|io| DriveMetrics {

@@ -255,6 +255,19 @@ impl SiglipSpec {
         self.in_channels * self.patch_size * self.patch_size
     }
 
+    /// FLOPs of the tower's and projector's forward over one image, as torch's
+    /// FlopCounterMode counts transformers' (eager attention): the patch convolution, every
+    /// layer's four projections, MLP and attention (QK^T and AV, 2 FLOPs per multiply-add
+    /// each), and the projection; norms, activations and the pooling not counted.
+    pub fn forward_flops(&self) -> f64 {
+        let (e, i) = (self.hidden_size as f64, self.intermediate_size as f64);
+        let n = self.patches_per_side().pow(2) as f64;
+        let layer = 2.0 * n * (4.0 * e * e + 2.0 * e * i) + 4.0 * n * n * e;
+        2.0 * n * self.patch_len() as f64 * e
+            + self.depth as f64 * layer
+            + 2.0 * self.tokens_per_image as f64 * e * self.out_hidden_size as f64
+    }
+
     /// Every tensor of the tower and the projector, with its shape, in transformers' module
     /// order: the tower's named inside it (`encoder.layers.0.mlp.fc1.weight`), the
     /// projector's under [`PROJECTOR`].
@@ -325,6 +338,24 @@ mod tests {
         assert_eq!(t.len(), 3 + 27 * 16 + 2 + 2);
         assert_eq!(t[2].1, vec![4096, 1152]);
         assert_eq!(t[t.len() - 2].1, vec![1152, 2560]);
+    }
+
+    /// `forward_flops` against torch's FlopCounterMode over transformers' tower and
+    /// projector (scripts/make_vlm_golden_gemma3.py, the golden model's): both count whole
+    /// products, so they are equal.
+    #[test]
+    fn forward_flops_equal_torch_count() {
+        let Some(fx) = std::env::var_os("MT_DATA_FIXTURES") else {
+            eprintln!("no data fixtures (MT_DATA_FIXTURES): skipped");
+            return;
+        };
+        let dir = std::path::PathBuf::from(fx).join("vlm/golden-gemma3");
+        let text = std::fs::read_to_string(dir.join("model/config.json")).unwrap();
+        let cfg: Value = serde_json::from_str(&text).unwrap();
+        let spec = SiglipSpec::from_json(&cfg, "gemma3", Path::new("c")).unwrap();
+        let text = std::fs::read_to_string(dir.join("tower_flops.json")).unwrap();
+        let counted: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(spec.forward_flops(), counted["flops"].as_f64().unwrap());
     }
 
     #[test]
