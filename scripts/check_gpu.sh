@@ -59,7 +59,8 @@
 #    3-D rotary positions. Losses over the steps within 2e-2 of the same run in f32 on CPU
 #    (1 GPU, and 2 when visible), and step 1's gradients within 2e-2 (relative L2, as the
 #    experts' check: a bf16 rounding is <= 2^-9, compounded over the tower, the decoder and
-#    the backward): each matrix, and all trained tensors together.
+#    the backward): each matrix, and all trained tensors together. Then the same model with
+#    its projector trained (`vlm.freeze_projector: false`): losses within 2e-2.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -209,6 +210,13 @@ if part vlm; then
     if [ "$gpus" -ge 2 ]; then vrun gpu2_vlm --gpus 2 "${gpu[@]}" --set "training.num_steps=$STEPS"; fi
     vrun cpu_vlm_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_step1.grads"
     vrun gpu1_vlm_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_step1.grads"
+    # The projector trained (`vlm.freeze_projector: false`, the golden's own config).
+    if [ -f "$VLM/golden/projector/run.yaml" ]; then
+      vlm=(--config "$VLM/golden/projector/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3
+           --set training.max_grad_norm=1000)
+      vrun cpu_vlm_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
   else
     echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
   fi
@@ -374,6 +382,8 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
     # The fixture's run has no held-out split: losses only.
     for name in ("gpu1_vlm", "gpu2_vlm"):
         check(name, "cpu_vlm", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm_projector.jsonl"):
+        check("gpu1_vlm_projector", "cpu_vlm_projector", 2e-2, keys=(("loss", "steps"),))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
     # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.

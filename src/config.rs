@@ -31,6 +31,7 @@ mod sources;
 mod stage;
 mod tile;
 pub mod vision;
+mod vlm;
 
 pub use checkpoint::{CheckpointContents, CheckpointSection};
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, REGISTRY, ValSize};
@@ -43,6 +44,7 @@ pub use resident::ResidentBlocks;
 pub use schedule::{LrScheduler, Ramp, SchedulerKwargs};
 pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
 pub use tile::TileTokens;
+pub use vlm::{TowerTraining, VlmSection};
 
 use std::path::{Path, PathBuf};
 
@@ -76,6 +78,9 @@ pub struct RunConfig {
     /// Several nodes (`mpirun -np N mt-launch …`).
     #[serde(default)]
     pub nodes: NodesSection,
+    /// A vision-language model's vision side: what of it trains.
+    #[serde(default)]
+    pub vlm: VlmSection,
     /// What reading the config noted for the user: keys of HF Trainer or LlamaFactory that
     /// mean nothing here, and which of two settings decided ([`aliases`]).
     #[serde(skip)]
@@ -760,6 +765,7 @@ impl RunConfig {
             }
         }
         self.validate_eval()?;
+        self.vlm.validate()?;
         self.tensorboard_dir()?;
         self.dataset.validate()
     }

@@ -1,8 +1,9 @@
-//! THE parameter layout. One function ([`Layout::new`]) owns every offset: the shared bf16
+//! THE parameter layout. One function (`Layout::build`) owns every offset: the shared bf16
 //! (or f32) store, the gradient slabs, the fp32 master weights, the Adam moments and the
 //! checkpoints all index through it.
 //!
-//! The parameters form one flat array of blocks. Block 0 is the embedding, blocks
+//! The parameters form one flat array of blocks. Block 0 is the embedding (with a
+//! vision-language model's trained projector, see [`Layout::with_tower`]), blocks
 //! 1..=L the decoder layers, block L+1 the head (final norm, and lm_head unless the
 //! embeddings are tied, in which case lm_head reads block 0). Each block is contiguous, so
 //! one layer is one host-to-device copy and one device-to-host copy. Tensors inside a block
@@ -21,7 +22,9 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::hf::{AttentionKind, ModelSpec, TextNames};
+use crate::config::TowerTraining;
+use crate::config::hf::{AttentionKind, ModelSpec, TOWER, TextNames};
+use crate::config::vision::VisionSpec;
 
 mod carry;
 pub mod drives;
@@ -297,13 +300,34 @@ impl Layout {
     }
 
     pub fn new(spec: &ModelSpec) -> Layout {
+        Layout::build(spec, Vec::new())
+    }
+
+    /// The layout of `spec` with the vision tower's tensors that `training` trains, under
+    /// their hub names (`visual.merger.ln_q.weight`), after the token embedding in the
+    /// embedding block: the image features enter the language model there, so the
+    /// embedding's backward is where their gradient arrives, and the tensors ride the
+    /// block's copies, reduce, update and checkpoints. The rest of the tower stays carried.
+    pub fn with_tower(spec: &ModelSpec, vision: &VisionSpec, training: TowerTraining) -> Layout {
+        let tower: Vec<NamedShape> = vision
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| training.trains(name))
+            .map(|(name, shape)| (format!("{TOWER}{name}"), shape))
+            .collect();
+        let mut layout = Layout::build(spec, tower.clone());
+        layout.carry.tower = tower.into_iter().map(|(name, _)| name).collect();
+        layout
+    }
+
+    /// The one owner of the offsets: the embedding block (the token embedding, then
+    /// `tower`), the decoder layers, the head.
+    fn build(spec: &ModelSpec, tower: Vec<NamedShape>) -> Layout {
         let (h, v) = (spec.hidden_size, spec.vocab_size);
         let mut defs: Vec<(BlockKind, String, Vec<NamedShape>)> = Vec::new();
-        defs.push((
-            BlockKind::Embed,
-            String::new(),
-            vec![("model.embed_tokens.weight".into(), vec![v, h])],
-        ));
+        let mut embed = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+        embed.extend(tower);
+        defs.push((BlockKind::Embed, String::new(), embed));
         for l in 0..spec.num_layers {
             defs.push((
                 BlockKind::Layer(l),

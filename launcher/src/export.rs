@@ -52,7 +52,7 @@ pub fn export(args: &ExportArgs) -> Result<()> {
     }
     let mut spec = ModelSpec::from_model_dir(&source)?;
     carried::resolve(&source, &mut spec)?;
-    let layout = Layout::checked(&spec, &source.join("config.json"))?;
+    let layout = source_layout(&source, &spec)?;
     let dtype = match args.dtype.as_deref() {
         Some("float32") => DType::Float32,
         Some(_) => DType::Bfloat16,
@@ -86,6 +86,25 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The layout `source` was trained with: the text model's, or with a vision tower's
+/// trained tensors in the embedding block (`vlm.freeze_projector: false`) where its
+/// trainer state's layout fingerprint is that one's. A source without a trainer state (an
+/// export) reads either way: the tensors outside the layout are carried from its files.
+fn source_layout(source: &Path, spec: &ModelSpec) -> Result<Layout> {
+    let layout = Layout::checked(spec, &source.join("config.json"))?;
+    let Some(vision) = mt::config::vision::VisionSpec::from_model_dir(source)? else {
+        return Ok(layout);
+    };
+    let Ok(saved) = state::read_state(source) else {
+        return Ok(layout);
+    };
+    let trained = Layout::with_tower(spec, &vision, mt::config::TowerTraining::Projector);
+    match saved.layout == state::fingerprint(&trained) {
+        true => Ok(trained),
+        false => Ok(layout),
+    }
 }
 
 /// `e`, saying OUT where the library's error would say "config key `OUT`".

@@ -4,7 +4,7 @@
 use anyhow::{Result, anyhow, bail};
 use mt::checkpoint;
 use mt::config::hf::{AttentionKind, ModelSpec};
-use mt::config::{Init, RunConfig, Stage};
+use mt::config::{Init, RunConfig, Stage, TowerTraining};
 use mt::data::Dataset;
 use mt::layout::Layout;
 use mt::plan::{DeviceOpts, DevicePlan, Fit, HostPlan};
@@ -90,7 +90,7 @@ impl Prepared {
                 .join("config.json"),
             None => cfg.model.path.join("config.json"),
         };
-        let layout = Layout::checked(&spec, &config_json)?;
+        let layout = run_layout(cfg, &spec, &config_json)?;
         // A vision-language model's frozen tower, in its region for the workers (a random
         // init has none).
         let vision = match cfg.model.init {
@@ -314,12 +314,61 @@ fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::TowerSpec>>
     })
 }
 
+/// The layout a run of `cfg` trains: `spec`'s, counted with checked arithmetic, with the
+/// vision tower's tensors that `vlm` trains in the embedding block. A `vlm` key that asks
+/// to train a tower the model lacks is an error: the run would train something else than
+/// asked (`true`, the default, is accepted on any model: nothing differs).
+pub fn run_layout(
+    cfg: &RunConfig,
+    spec: &ModelSpec,
+    config_json: &std::path::Path,
+) -> Result<Layout> {
+    let layout = Layout::checked(spec, config_json)?;
+    let training = cfg.vlm.training();
+    if training == TowerTraining::Frozen {
+        return Ok(layout);
+    }
+    let key = "vlm.freeze_projector";
+    let Some(vision) = vision_spec(cfg)? else {
+        return Err(mt::Error::invalid(
+            key,
+            format!(
+                "false asks to train a vision tower's projector, and `{}` has none this tool computes (a text-only model, or a tower not yet supported; vision-language models: {})",
+                spec.wrapper.as_deref().unwrap_or(&spec.model_type),
+                mt::config::vision::VISION_MODEL_TYPES.join(", ")
+            ),
+        )
+        .into());
+    };
+    if cfg.model.init == Init::Random {
+        return Err(mt::Error::invalid(
+            key,
+            "false trains the pretrained projector, and model.init: random carries no vision tower (use model.init: pretrained)",
+        )
+        .into());
+    }
+    match vision {
+        mt::config::vision::TowerSpec::Qwen(vision) => {
+            Ok(Layout::with_tower(spec, &vision, training))
+        }
+        mt::config::vision::TowerSpec::Siglip(s) => Err(mt::Error::invalid(
+            key,
+            format!(
+                "false is not supported yet for `{}` (Gemma 3's multi_modal_projector trains frozen; Qwen2.5-VL's merger trains)",
+                s.model_type
+            ),
+        )
+        .into()),
+    }
+}
+
 /// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for
 /// a text-only model.
 fn vision_bytes(cfg: &RunConfig) -> Result<u64> {
     Ok(match vision_spec(cfg)? {
         Some(spec) => {
-            let layout = mt::layout::vision::VisionLayout::new(&spec, "visual.");
+            let layout =
+                mt::layout::vision::VisionLayout::new(&spec, "visual.", cfg.vlm.training());
             (layout.total * cfg.model.dtype.size()) as u64
         }
         None => 0,
@@ -344,8 +393,10 @@ pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
         // A config.json that does not parse was refused when the run was prepared.
         vision: match cfg.model.init {
             Init::Pretrained => vision_spec(cfg).ok().flatten().map(|spec| {
-                let params = mt::layout::vision::VisionLayout::new(&spec, "visual.").num_params();
-                mt::plan::VisionDevice::of(&spec, params)
+                let training = cfg.vlm.training();
+                let params =
+                    mt::layout::vision::VisionLayout::new(&spec, "visual.", training).num_params();
+                mt::plan::VisionDevice::of(&spec, params, training)
             }),
             Init::Random => None,
         },

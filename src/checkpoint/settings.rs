@@ -75,6 +75,11 @@ impl RunSettings {
             ("optimizer.beta1", json(&o.beta1)),
             ("optimizer.beta2", json(&o.beta2)),
             ("optimizer.eps", json(&o.eps)),
+            (
+                "vlm.freeze_vision_encoder",
+                json(&cfg.vlm.freeze_vision_encoder),
+            ),
+            ("vlm.freeze_projector", json(&cfg.vlm.freeze_projector)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))

@@ -1,6 +1,7 @@
 //! The frozen vision tower for the workers: its carried tensors ([`super::carried`]) copied
 //! once, in the store's dtype, into a read-only shared region laid out by
-//! [`VisionLayout`]. The launcher builds it before the workers start and keeps it for the
+//! [`VisionLayout`] (the tensors a run trains, `vlm.freeze_projector: false`'s merger, are
+//! the layout's instead). The launcher builds it before the workers start and keeps it for the
 //! run (a server starting its workers again maps it again); each worker maps it, copies
 //! the tower to its device once and unmaps it. The tower is not trained: it has no master,
 //! no moments and no gradient, and the export writes the carried bytes, not these.
@@ -9,9 +10,9 @@ use std::path::Path;
 
 use super::carried::Carried;
 use super::pieces;
-use crate::config::DType;
 use crate::config::vision::TowerSpec;
 use crate::config::vision::siglip::PROJECTOR;
+use crate::config::{DType, TowerTraining};
 use crate::error::{Error, Result};
 use crate::layout::vision::VisionLayout;
 use crate::shm::host::Store;
@@ -25,13 +26,15 @@ pub struct VisionRegion {
 }
 
 impl VisionRegion {
-    /// Lays out `spec`'s tower under the prefix `carried` holds it at and copies its
-    /// tensors into a new region named `name`, converted to `dtype`. `source` (the model
+    /// Lays out `spec`'s frozen tower (all but what `training` trains) under the prefix
+    /// `carried` holds it at and copies its tensors into a new region named `name`,
+    /// converted to `dtype`. `source` (the model
     /// or checkpoint directory the tensors were read from) names errors: a tensor
     /// missing, of another shape or not a float.
     pub fn build(
         name: &str,
         spec: &TowerSpec,
+        training: TowerTraining,
         carried: &Carried,
         dtype: DType,
         source: &Path,
@@ -47,7 +50,7 @@ impl VisionRegion {
                 expected: format!("the vision tower of `{}`", spec.model_type()),
                 got: format!("no tensor named `*{patch_embed}`"),
             })?;
-        let mut layout = VisionLayout::new(spec, prefix);
+        let mut layout = VisionLayout::new(spec, prefix, training);
         // Gemma 3's projector sits beside the tower, under the wrapper's own prefix.
         if let Some(p) =
             (carried.tensors.iter()).find_map(|t| Some(&t.name[..t.name.find(PROJECTOR)?]))
@@ -144,8 +147,15 @@ mod tests {
         for prefix in ["visual.", "model.visual."] {
             let dtype = DType::Bfloat16;
             let c = carried(prefix);
-            let r =
-                VisionRegion::build("mt-test-vision", &spec(), &c, dtype, Path::new("m")).unwrap();
+            let r = VisionRegion::build(
+                "mt-test-vision",
+                &spec(),
+                TowerTraining::Frozen,
+                &c,
+                dtype,
+                Path::new("m"),
+            )
+            .unwrap();
             assert_eq!(r.layout.prefix, prefix);
             assert_eq!(r.bytes(), r.layout.total * dtype.size());
             for (k, t) in r.layout.tensors.iter().enumerate() {
@@ -159,6 +169,38 @@ mod tests {
                 assert_eq!(got[0], k as f32, "{}", t.name);
             }
         }
+    }
+
+    #[test]
+    fn a_trained_projector_is_left_out_of_the_region() {
+        // The carried tensors lack the merger (the layout holds it).
+        let mut c = carried("visual.");
+        c.tensors.retain(|t| !t.name.starts_with("visual.merger."));
+        let p = TowerTraining::Projector;
+        let r = VisionRegion::build(
+            "mt-test-vision",
+            &spec(),
+            p,
+            &c,
+            DType::Float32,
+            Path::new("m"),
+        )
+        .unwrap();
+        assert_eq!(r.layout.tensors.len(), c.tensors.len());
+        assert_eq!(r.layout.training, p);
+        // Frozen, the merger is the region's and must be there.
+        let e = VisionRegion::build(
+            "mt-test-vision",
+            &spec(),
+            TowerTraining::Frozen,
+            &c,
+            DType::Float32,
+            Path::new("m"),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("visual.merger.ln_q.weight"), "{e}");
     }
 
     #[test]
@@ -191,9 +233,15 @@ mod tests {
                 })
                 .collect();
             let c = Carried { tensors };
-            let r =
-                VisionRegion::build("mt-test-vision", &spec, &c, DType::Float32, Path::new("m"))
-                    .unwrap();
+            let r = VisionRegion::build(
+                "mt-test-vision",
+                &spec,
+                TowerTraining::Frozen,
+                &c,
+                DType::Float32,
+                Path::new("m"),
+            )
+            .unwrap();
             assert_eq!(
                 (r.layout.prefix.as_str(), r.layout.projector_prefix.as_str()),
                 (tower, projector)
@@ -214,6 +262,7 @@ mod tests {
         let e = VisionRegion::build(
             "mt-test-vision",
             &spec(),
+            TowerTraining::Frozen,
             &c,
             DType::Float32,
             Path::new("m"),
@@ -231,6 +280,7 @@ mod tests {
         let e = VisionRegion::build(
             "mt-test-vision",
             &spec(),
+            TowerTraining::Frozen,
             &c,
             DType::Float32,
             Path::new("m"),
@@ -246,6 +296,7 @@ mod tests {
         let e = VisionRegion::build(
             "mt-test-vision",
             &spec(),
+            TowerTraining::Frozen,
             &Carried::default(),
             DType::Float32,
             Path::new("m"),

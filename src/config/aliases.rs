@@ -33,6 +33,7 @@ const SECTIONS: &[&str] = &[
     "dpo",
     "grpo",
     "nodes",
+    "vlm",
 ];
 
 /// What a known key does.
@@ -196,6 +197,9 @@ const TABLE: &[(&str, Rule)] = &[
     ("eval_strategy", Check(eval_strategy)),
     ("evaluation_strategy", Check(eval_strategy)),
     ("eval_steps", To("training.eval_steps")),
+    // vision-language (LlamaFactory's names)
+    ("freeze_vision_tower", To("vlm.freeze_vision_encoder")),
+    ("freeze_multi_modal_projector", To("vlm.freeze_projector")),
     // DPO (LlamaFactory's names)
     ("pref_beta", To("training.pref_beta")),
     ("pref_loss", To("training.pref_loss")),

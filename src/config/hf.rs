@@ -34,7 +34,7 @@ pub use moe::{ExpertAct, ExpertNames, LinearAttnSpec, MoeSpec, Router};
 pub use mrope::Mrope;
 use rope::{RopeCtx, ropes};
 pub use rope::{RopeScaling, RopeSpec, SUPPORTED_ROPE_TYPES};
-pub use wrapper::TextNames;
+pub use wrapper::{TOWER, TextNames};
 
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
 /// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such. The multimodal

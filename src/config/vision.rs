@@ -96,6 +96,17 @@ impl TowerSpec {
         }
     }
 
+    /// FLOPs of the projector's matmuls over one image of `grid` (part of
+    /// [`Self::forward_flops`]; a trained projector's backward is twice this).
+    pub fn projector_flops(&self, grid: [u32; 3]) -> f64 {
+        match self {
+            TowerSpec::Qwen(s) => s.merger_flops(grid),
+            TowerSpec::Siglip(s) => {
+                2.0 * (s.tokens_per_image * s.hidden_size * s.out_hidden_size) as f64
+            }
+        }
+    }
+
     /// The suffix of the checkpoint name of the tower's patch embedding: what precedes it
     /// is the tower's prefix.
     pub fn patch_embed(&self) -> &'static str {
@@ -379,7 +390,7 @@ impl VisionSpec {
         let unit = self.merge_unit() as f64;
         let linear = 2.0 * n * (self.patch_len() as f64 * e)
             + self.depth as f64 * 2.0 * n * (4.0 * e * e + 3.0 * e * i)
-            + 2.0 * (n / unit) * (unit * e * unit * e + unit * e * self.out_hidden_size as f64);
+            + self.merger_flops(grid);
         // Σ s^2 over the attention spans of one frame: the frame, or each window of at most
         // merge_window^2 merged patches (the grid cut from its top-left corner).
         let frame = (h * w).powi(2);
@@ -399,6 +410,14 @@ impl VisionSpec {
         let full = full.count() as f64;
         let attention = 4.0 * e * t * (full * frame + (self.depth as f64 - full) * windows);
         linear + attention
+    }
+
+    /// FLOPs of the merger's two Linear layers over one image of `grid` (t, h, w) patches
+    /// (part of [`Self::forward_flops`]; its backward is twice this).
+    pub fn merger_flops(&self, grid: [u32; 3]) -> f64 {
+        let n = grid.map(|x| x as f64).iter().product::<f64>();
+        let (e, unit) = (self.hidden_size as f64, self.merge_unit() as f64);
+        2.0 * (n / unit) * (unit * e * unit * e + unit * e * self.out_hidden_size as f64)
     }
 
     /// Every tensor of the tower, named inside it (`blocks.0.attn.qkv.weight`, as the

@@ -14,6 +14,10 @@ pub struct CarryRule {
     mtp_layers: usize,
     /// Checkpoint names of the buffers: (layer, name inside the layer, shape).
     pub buffers: Vec<(usize, String, Vec<usize>)>,
+    /// The vision tower's tensors that train (hub names: `visual.merger.ln_q.weight`):
+    /// in the layout, so not carried.
+    #[serde(default)]
+    pub tower: Vec<String>,
 }
 
 impl CarryRule {
@@ -30,6 +34,7 @@ impl CarryRule {
             num_layers: spec.num_layers,
             mtp_layers: spec.mtp_layers,
             buffers,
+            tower: Vec::new(),
         }
     }
 
@@ -41,6 +46,9 @@ impl CarryRule {
 
     /// Whether checkpoint tensor `name` is carried rather than trained.
     pub fn carries(&self, name: &str) -> bool {
+        if self.tower.iter().any(|t| self.names.hf(t) == name) {
+            return false;
+        }
         let Some(canonical) = self.names.canonical(name) else {
             return true;
         };

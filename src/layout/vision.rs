@@ -1,11 +1,14 @@
 //! Where the frozen vision tower's tensors lie in its read-only shared region
 //! (`checkpoint::vision` fills it, the worker maps it): one contiguous run of elements in
-//! the store's dtype, each tensor at an aligned offset. The tower is not part of the
-//! trained [`super::Layout`]: no master, no moments, no gradient slabs.
+//! the store's dtype, each tensor at an aligned offset. The frozen tensors are not part of
+//! the trained [`super::Layout`]: no master, no moments, no gradient slabs. Those a run
+//! trains (`vlm.freeze_projector: false`: the merger) are in the layout's embedding block
+//! instead ([`super::Layout::with_tower`]) and not in the region.
 
 use serde::{Deserialize, Serialize};
 
 use super::{TENSOR_ALIGN, TensorSpec};
+use crate::config::TowerTraining;
 use crate::config::vision::TowerSpec;
 use crate::config::vision::siglip::PROJECTOR;
 
@@ -21,20 +24,24 @@ pub struct VisionLayout {
     /// checkpoint: empty, or `model.` under transformers 5's current names.
     #[serde(default)]
     pub projector_prefix: String,
-    /// Names inside the tower (`blocks.0.attn.qkv.weight`), shapes, element offsets.
+    /// What of the tower trains: those tensors are the layout's, not the region's.
+    pub training: TowerTraining,
+    /// The frozen tensors: names inside the tower (`blocks.0.attn.qkv.weight`), shapes,
+    /// element offsets.
     pub tensors: Vec<TensorSpec>,
     /// Elements of the region (the last tensor's end).
     pub total: usize,
 }
 
 impl VisionLayout {
-    /// Lays out every tensor of `spec`'s tower, in transformers' order, each at a
-    /// multiple of `TENSOR_ALIGN` elements.
-    pub fn new(spec: &TowerSpec, prefix: &str) -> VisionLayout {
+    /// Lays out every frozen tensor of `spec`'s tower (all but those `training` trains),
+    /// in transformers' order, each at a multiple of `TENSOR_ALIGN` elements.
+    pub fn new(spec: &TowerSpec, prefix: &str, training: TowerTraining) -> VisionLayout {
         let mut at = 0;
         let tensors = spec
             .tensors()
             .into_iter()
+            .filter(|(name, _)| !training.trains(name))
             .map(|(name, shape)| {
                 let t = TensorSpec {
                     name,
@@ -50,6 +57,7 @@ impl VisionLayout {
             spec: spec.clone(),
             prefix: prefix.into(),
             projector_prefix: String::new(),
+            training,
             tensors,
             total,
         }
@@ -63,7 +71,7 @@ impl VisionLayout {
         }
     }
 
-    /// Parameters of the tower.
+    /// Parameters of the frozen tower.
     pub fn num_params(&self) -> usize {
         self.tensors.iter().map(TensorSpec::numel).sum()
     }
@@ -81,7 +89,7 @@ mod tests {
         let spec = TowerSpec::from_json(&cfg, std::path::Path::new("c"))
             .unwrap()
             .unwrap();
-        let l = VisionLayout::new(&spec, "visual.");
+        let l = VisionLayout::new(&spec, "visual.", TowerTraining::Frozen);
         assert_eq!(l.tensors.len(), 1 + 2 * 12 + 5);
         let mut end = 0;
         for t in &l.tensors {
@@ -102,6 +110,72 @@ mod tests {
         assert_eq!(l.num_params(), expect);
     }
 
+    /// A trained projector: its tensors in the embedding block after the token embedding
+    /// under the hub's names (transformers 5's `model.visual.` where the checkpoint uses
+    /// the current names), not carried, not in the region's layout.
+    #[test]
+    fn a_trained_projector_is_in_the_embedding_block() {
+        use crate::config::hf::{ModelSpec, TextNames};
+        use crate::layout::Layout;
+        let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vocab_size": 32,
+            "hidden_size": 128, "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 1, "image_token_id": 9, "vision_config": {
+            "depth": 2, "hidden_size": 40, "num_heads": 2, "intermediate_size": 30,
+            "out_hidden_size": 128, "window_size": 56, "fullatt_block_indexes": [1]}});
+        let path = std::path::Path::new("c");
+        let vision = crate::config::vision::VisionSpec::from_json(&cfg, path)
+            .unwrap()
+            .unwrap();
+        let hf: crate::config::hf::HfConfig = serde_json::from_value(cfg).unwrap();
+        let mut spec = ModelSpec::from_hf(&hf, path).unwrap();
+        let text = Layout::new(&spec);
+        let l = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+        let embed = &l.blocks[Layout::EMBED];
+        let names: Vec<&str> = embed.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.embed_tokens.weight",
+                "visual.merger.ln_q.weight",
+                "visual.merger.mlp.0.weight",
+                "visual.merger.mlp.0.bias",
+                "visual.merger.mlp.2.weight",
+                "visual.merger.mlp.2.bias"
+            ]
+        );
+        let tower = TowerSpec::Qwen(vision.clone());
+        let region = VisionLayout::new(&tower, "visual.", TowerTraining::Projector);
+        let all = VisionLayout::new(&tower, "visual.", TowerTraining::Frozen);
+        assert!(
+            region
+                .tensors
+                .iter()
+                .all(|t| !t.name.starts_with("merger."))
+        );
+        assert_eq!(
+            l.num_params() - text.num_params(),
+            all.num_params() - region.num_params()
+        );
+        assert!(embed.tensors[2].decays() && !embed.tensors[3].decays());
+        assert_eq!(l.blocks.len(), text.blocks.len());
+        for (names, merger) in [
+            (TextNames::Plain, "visual.merger.mlp.0.weight"),
+            (TextNames::Current, "model.visual.merger.mlp.0.weight"),
+        ] {
+            spec.names = names;
+            let l = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+            let embed = &l.blocks[Layout::EMBED];
+            assert_eq!(embed.hf_name(&embed.tensors[2]), merger);
+            assert!(!l.carry.carries(merger), "{merger}");
+            let patch = format!(
+                "{}patch_embed.proj.weight",
+                merger.trim_end_matches("merger.mlp.0.weight")
+            );
+            assert!(l.carry.carries(&patch), "{patch}");
+            assert!(Layout::new(&spec).carry.carries(merger), "{merger}");
+        }
+    }
+
     #[test]
     fn the_shipped_7b_tower_has_transformers_parameter_count() {
         // Counted by transformers 5.17: Qwen2_5_VLForConditionalGeneration from
@@ -109,16 +183,14 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-vl-7b");
         let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
         assert_eq!(
-            VisionLayout::new(&spec, "visual.").num_params(),
+            VisionLayout::new(&spec, "visual.", TowerTraining::Frozen).num_params(),
             676_550_144
         );
         // Gemma3ForConditionalGeneration from configs/gemma3-27b/config.json, the parameters
         // under `vision_tower` and `multi_modal_projector`.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gemma3-27b");
         let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
-        assert_eq!(
-            VisionLayout::new(&spec, "vision_tower.vision_model.").num_params(),
-            423_060_336
-        );
+        let l = VisionLayout::new(&spec, "vision_tower.vision_model.", TowerTraining::Frozen);
+        assert_eq!(l.num_params(), 423_060_336);
     }
 }

@@ -47,6 +47,9 @@ use crate::protocol::{Device, Init};
 
 use super::acts::{self, Dims, F32, LayerActs};
 
+mod vision;
+pub use vision::VisionDevice;
+
 /// Gradient blocks whose device-to-host copy may be in flight at once
 /// (worker/src/stream/gpu.rs MAX_D2H_IN_FLIGHT).
 const GRADS_IN_FLIGHT: u64 = 2;
@@ -98,54 +101,6 @@ pub struct DeviceOpts {
     pub vision: Option<VisionDevice>,
 }
 
-/// A vision-language model's frozen tower as the device plan counts it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VisionDevice {
-    /// Its parameters, held on the device in the compute dtype for the whole run.
-    pub params: u64,
-    /// The width of its blocks and of their MLP.
-    pub hidden: u64,
-    pub intermediate: u64,
-    /// Values per patch (channels x temporal patch x patch x patch) and patches per image
-    /// token (the merge size squared).
-    pub patch_values: u64,
-    pub patches_per_token: u64,
-    /// The width of its output (the language model's hidden size).
-    pub out_hidden: u64,
-    /// Each image's tokens attend to each other both ways (Gemma 3): a micro-batch with
-    /// images builds its attention masks per row.
-    pub image_blocks: bool,
-}
-
-impl VisionDevice {
-    /// The tower of `spec`, `params` parameters.
-    pub fn of(spec: &crate::config::vision::TowerSpec, params: usize) -> VisionDevice {
-        use crate::config::vision::TowerSpec;
-        match spec {
-            TowerSpec::Qwen(spec) => VisionDevice {
-                params: params as u64,
-                hidden: spec.hidden_size as u64,
-                intermediate: spec.intermediate_size as u64,
-                patch_values: (spec.in_channels * spec.temporal_patch_size * spec.patch_size.pow(2))
-                    as u64,
-                patches_per_token: spec.spatial_merge_size.pow(2) as u64,
-                out_hidden: spec.out_hidden_size as u64,
-                image_blocks: false,
-            },
-            // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
-            TowerSpec::Siglip(spec) => VisionDevice {
-                params: params as u64,
-                hidden: spec.hidden_size as u64,
-                intermediate: spec.intermediate_size as u64,
-                patch_values: spec.patch_len() as u64,
-                patches_per_token: spec.pool().pow(2) as u64,
-                out_hidden: spec.out_hidden_size as u64,
-                image_blocks: true,
-            },
-        }
-    }
-}
-
 impl DeviceOpts {
     /// The options of a worker's micro-batches (`packed`: with position ids), as the
     /// launcher planned them and sent them in `init`.
@@ -158,10 +113,9 @@ impl DeviceOpts {
             offload_activations: init.offload_activations,
             cpu: init.device == Device::Cpu,
             device_free: init.device_free,
-            vision: init
-                .vision
-                .as_ref()
-                .map(|v| VisionDevice::of(&v.layout.spec, v.layout.num_params())),
+            vision: init.vision.as_ref().map(|v| {
+                VisionDevice::of(&v.layout.spec, v.layout.num_params(), v.layout.training)
+            }),
         }
     }
 }
@@ -405,6 +359,10 @@ impl DevicePlan {
         if let Some(vis) = o.vision {
             fixed.push(("vision tower (frozen)", vis.params * s));
             fixed.push(("image features", m * vis.out_hidden * s));
+            if vis.projector_trained {
+                let patches = m * vis.patches_per_token;
+                fixed.push(("the projector's input, kept", patches * vis.hidden * s));
+            }
         }
 
         let tied_fwd = if tied { copy(embed) } else { 0 };
@@ -463,7 +421,7 @@ impl DevicePlan {
         }
 
         // Embedding backward: dy, the looked-up rows, the block and its gradient.
-        let embed_phase: Parts = vec![
+        let mut embed_phase: Parts = vec![
             ("dy and the looked-up embeddings", 2 * hidden),
             ("embedding block and its gradient", copy(embed) + embed),
             (
@@ -471,6 +429,16 @@ impl DevicePlan {
                 copy(GRADS_IN_FLIGHT * layer_max),
             ),
         ];
+        // A trained projector recomputed with grad over every image token (the bound):
+        // per token its normed input and the two widths after the first Linear and the
+        // GELU (merge^2 x E each), its output, each with its gradient.
+        if let Some(vis) = o.vision.filter(|v| v.projector_trained) {
+            let merged = vis.patches_per_token * vis.hidden;
+            embed_phase.push((
+                "the projector's recompute graph + gradients",
+                2 * m * (3 * merged + vis.out_hidden) * s,
+            ));
+        }
 
         let mut phases = vec![
             Phase {

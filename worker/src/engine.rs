@@ -61,7 +61,7 @@ pub struct Engine {
     objective: Objective,
     /// `memory.resident_blocks`: the leading blocks kept and updated here.
     resident: Option<Resident>,
-    /// A vision-language model's frozen vision tower, on the device.
+    /// A vision-language model's vision tower (its frozen tensors), on the device.
     tower: Option<Tower>,
     /// The next step's images, being decoded ([`prefetch`]).
     prefetch: Option<Prefetch>,
@@ -378,7 +378,7 @@ impl Engine {
     }
 
     /// The micro-batch's images as the language model reads them ([`Tower::micro_images`]:
-    /// the frozen tower's features over its images' pixels, `decoded` already where the
+    /// the frozen tower's output over its images' pixels, `decoded` already where the
     /// prefetch has them, and what the attention reads of them); None for text only (a
     /// text-only row's 3-D positions are its 1-D ones, and it has no image block, so text
     /// trains exactly without them).
@@ -602,7 +602,7 @@ impl Engine {
             }
         };
         // The image tokens' rows hold the tower's features: no gradient reaches the
-        // embedding there.
+        // embedding there; a trained projector's leaves (in this block) take it.
         let e_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, input.images)?;
         crate::kernels::tape::backward_with_grads(vec![(e_bth, dy_bth)]);
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
@@ -684,7 +684,8 @@ struct Input<'a> {
 }
 
 /// The embedding of `ids_bt` (B, T) -> (B, T, H), with the images' features at their
-/// tokens ([`model::place_image_features`]) where the micro-batch has images.
+/// tokens ([`model::place_image_features`]) where the micro-batch has images (a trained
+/// projector's computed from `w`, the embedding block).
 fn embed_tokens(
     spec: &ModelSpec,
     w: &BlockWeights,
@@ -695,11 +696,7 @@ fn embed_tokens(
     let Some(images) = images else {
         return Ok(e_bth);
     };
-    model::place_image_features(
-        ids_bt,
-        e_bth,
-        Some(&images.features_mh),
-        images.image_token_id,
-    )
-    .context("place the images' features at their tokens")
+    let f_mh = images.features_mh(w);
+    model::place_image_features(ids_bt, e_bth, Some(&f_mh), images.image_token_id)
+        .context("place the images' features at their tokens")
 }

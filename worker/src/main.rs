@@ -118,11 +118,13 @@ fn run() -> Result<()> {
         let device = stream::device_of(init.device);
         let streamer =
             stream::Streamer::new(regions, &init.layout, device, init.offload_activations)?;
-        // The frozen vision tower, on the device from now on, for the images' features.
+        // The vision tower's frozen tensors, on the device from now on, for the images'
+        // features.
         let tower = (init.vision.as_ref())
             .map(|v| {
                 Ok::<_, anyhow::Error>(engine::Tower {
                     weights: stream::vision::load(v, init.dtype, device)?,
+                    training: v.layout.training,
                     pixels: v.pixels.clone(),
                 })
             })

@@ -16,8 +16,8 @@
 //! | `llama4.rs`     | llama4_text                                               |
 //!
 //! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, `siglip_vision.rs`
-//! Gemma 3's SigLIP tower and projector (both frozen, forward only), whose features the
-//! model places at the image tokens.
+//! Gemma 3's SigLIP tower and projector (frozen, forward only), whose features the model
+//! places at the image tokens.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -60,7 +60,9 @@ use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
 pub use moe::RouterAux;
-pub use qwen2_vl_vision::{VisionWeights, qwen2_5_vl_vision};
+pub use qwen2_vl_vision::{
+    Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
+};
 pub use siglip_vision::{SiglipWeights, gemma3_vision};
 
 /// A vision-language model's frozen tower, of its family.
@@ -280,7 +282,8 @@ pub fn embed(spec: &ModelSpec, w: &BlockWeights, ids_bt: &Tensor) -> Tensor {
 /// output for the micro-batch's images, in the order their tokens appear), in place of the
 /// embeddings `e_bth` (B, T, H) of the tokens whose id `ids_bt` (B, T) is `image_token_id`,
 /// as transformers' `masked_scatter` places them. The embedding's gradient at those rows is
-/// then 0 (the tower is frozen: nothing flows to it either). None: `e_bth` unchanged.
+/// then 0; the gradient there flows into the features (a trained projector's leaves) where
+/// they have a graph. None: `e_bth` unchanged.
 pub fn place_image_features(
     ids_bt: &Tensor,
     e_bth: Tensor,

@@ -422,9 +422,14 @@ fn vision_region(
         return Ok(None);
     };
     let name = format!("mt-{}-vision", std::process::id());
-    let region = VisionRegion::build(&name, &spec, carried, cfg.model.dtype, from)?;
+    let training = cfg.vlm.training();
+    let region = VisionRegion::build(&name, &spec, training, carried, cfg.model.dtype, from)?;
+    let trained = match training {
+        mt::config::TowerTraining::Frozen => "",
+        mt::config::TowerTraining::Projector => ", the projector trained",
+    };
     println!(
-        "vision tower: {} blocks, {:.1} M parameters frozen ({:.2} GB shared with the workers)",
+        "vision tower: {} blocks, {:.1} M parameters frozen ({:.2} GB shared with the workers){trained}",
         spec.depth(),
         region.layout.num_params() as f64 / 1e6,
         region.bytes() as f64 / 1e9

@@ -160,8 +160,12 @@ impl Trainer {
         let units = self.stage.loss_units(plan);
         let loss = loss.unwrap_or(out.loss_sum / units.max(1) as f64);
         let layout = &self.host.layout;
-        let embed_table = layout.blocks[Layout::EMBED].tensors[0].numel() as u64;
-        let params = layout.num_params() as u64;
+        let embed = &layout.blocks[Layout::EMBED];
+        let embed_table = embed.tensors[0].numel() as u64;
+        // A trained projector's tensors (after the table) multiply image tokens only:
+        // counted with the tower below, not per token.
+        let projector: u64 = embed.tensors[1..].iter().map(|t| t.numel() as u64).sum();
+        let params = layout.num_params() as u64 - projector;
         // A token multiplies by its routed experts only; Gated DeltaNet layers have no
         // quadratic attention (their delta rule is not counted: StepMetrics::tflops_model).
         let matmul_params = if layout.tied_embeddings {
@@ -180,10 +184,14 @@ impl Trainer {
             plan.real_tokens,
             plan.causal_pairs,
         );
-        // A vision-language step also runs the frozen tower forward over its images.
+        // A vision-language step also runs the tower forward over its images, and a
+        // trained projector's backward (twice its forward).
         let tower = self.vision.as_ref().map_or(0.0, |spec| {
             let images = plan.per_rank.iter().flatten().flat_map(|m| &m.images);
-            images.map(|im| spec.forward_flops(im.grid)).sum()
+            let backward = if projector > 0 { 2.0 } else { 0.0 };
+            images
+                .map(|im| spec.forward_flops(im.grid) + backward * spec.projector_flops(im.grid))
+                .sum()
         });
         let flops = StepFlops {
             model: flops.model + tower,

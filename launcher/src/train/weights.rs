@@ -56,7 +56,14 @@ pub(crate) fn check_resume(
     accept: bool,
 ) -> Result<()> {
     let state = checkpoint::state::read_state(dir)?;
-    checkpoint::state::check_layout(dir, &state, layout)?;
+    if let Err(e) = checkpoint::state::check_layout(dir, &state, layout) {
+        // A setting that shapes the layout (vlm.freeze_projector) is named where recorded.
+        let named = (state.schedule.as_ref()).map_or_else(Vec::new, |s| ours.differences(s));
+        match named.is_empty() {
+            true => return Err(e.into()),
+            false => bail!("{e}; this launch differs in: {}", named.join("; ")),
+        }
+    }
     let steps = cfg.training.num_steps;
     if state.step >= steps {
         bail!(

@@ -25,6 +25,9 @@ use serde_json::Value;
 use super::HfConfig;
 use crate::error::{Error, Result};
 
+/// The hub's prefix of a Qwen2.5-VL vision tower (`visual.patch_embed.proj.weight`).
+pub const TOWER: &str = "visual.";
+
 /// Where a checkpoint keeps the text model's tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TextNames {
@@ -38,8 +41,16 @@ pub enum TextNames {
 }
 
 impl TextNames {
-    /// The checkpoint name of a text-only class's tensor (`model.norm.weight`).
+    /// The checkpoint name of a text-only class's tensor (`model.norm.weight`), or of a
+    /// trained vision tower's tensor under its hub name (`visual.merger.ln_q.weight`),
+    /// which transformers 5's current names keep under `model.`.
     pub fn hf<'a>(self, canonical: &'a str) -> Cow<'a, str> {
+        if canonical.starts_with(TOWER) {
+            return match self {
+                TextNames::Current => Cow::Owned(format!("model.{canonical}")),
+                TextNames::Plain | TextNames::Legacy => Cow::Borrowed(canonical),
+            };
+        }
         match self {
             TextNames::Plain => Cow::Borrowed(canonical),
             TextNames::Current => match canonical.strip_prefix("model.") {

@@ -365,3 +365,63 @@ fn auto_keeps_the_delta_rule_whole_where_the_gpu_has_room() {
         "segments where only the bare plan fits"
     );
 }
+
+/// The shipped Qwen2.5-VL-7B with its projector trained: the projector's weights leave the
+/// tower's region for the embedding block (counted there), its input is kept through the
+/// step and its recompute with grad sits in the embedding's backward.
+#[test]
+fn a_trained_projector_is_counted() {
+    use crate::config::TowerTraining;
+    use crate::config::vision::VisionSpec;
+    use crate::layout::vision::VisionLayout;
+    let (spec, text) = model("qwen2.5-vl-7b");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-vl-7b");
+    let vision = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+    let tower = crate::config::vision::TowerSpec::Qwen(vision.clone());
+    let opts = |t: TowerTraining| DeviceOpts {
+        vision: Some(VisionDevice::of(
+            &tower,
+            VisionLayout::new(&tower, "visual.", t).num_params(),
+            t,
+        )),
+        ..OPTS
+    };
+    let trained = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+    let (rows, t) = (2, 1024);
+    let frozen = DevicePlan::new(&spec, &text, opts(TowerTraining::Frozen), rows, t);
+    let p = DevicePlan::new(&spec, &trained, opts(TowerTraining::Projector), rows, t);
+    let fixed = |p: &DevicePlan, name: &str| p.fixed.iter().find(|x| x.0 == name).map(|x| x.1);
+    // The merger: ln_q (1280) and two Linear of 5120 -> 5120 -> 3584, with biases.
+    let merger = 1280 + 5120 * 5120 + 5120 + 3584 * 5120 + 3584;
+    assert_eq!(
+        fixed(&frozen, "vision tower (frozen)").unwrap()
+            - fixed(&p, "vision tower (frozen)").unwrap(),
+        merger * 2
+    );
+    let m = (rows * t) as u64;
+    assert_eq!(fixed(&frozen, "the projector's input, kept"), None);
+    assert_eq!(
+        fixed(&p, "the projector's input, kept"),
+        Some(m * 4 * 1280 * 2)
+    );
+    let embed_bwd = |p: &DevicePlan| {
+        p.phases
+            .iter()
+            .find(|x| x.name == "embedding backward")
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(
+        part(
+            &embed_bwd(&p),
+            "the projector's recompute graph + gradients"
+        ),
+        2 * m * (3 * 4 * 1280 + 3584) * 2
+    );
+    let block = |l: &Layout| l.blocks[Layout::EMBED].len as u64 * 2;
+    assert_eq!(
+        part(&embed_bwd(&p), "embedding block and its gradient")
+            - part(&embed_bwd(&frozen), "embedding block and its gradient"),
+        2 * (block(&trained) - block(&text))
+    );
+}

@@ -1,35 +1,50 @@
-//! A micro-batch's images as the language model reads them: the frozen vision tower's
-//! features, which replace the embeddings of the image tokens
-//! ([`crate::model::place_image_features`]), and what the attention reads of them:
-//! Qwen2.5-VL's 3-D positions of every token (`mt::mrope`), from which the rotary tables are
-//! built ([`crate::model::Context::with_positions_3d`]), or Gemma 3's image blocks, each
-//! image's tokens attending to each other both ways
-//! ([`crate::model::Context::with_image_blocks`]).
+//! A micro-batch's images as the language model reads them: the vision tower's features,
+//! which replace the embeddings of the image tokens ([`crate::model::place_image_features`]),
+//! and what the attention reads of them: Qwen2.5-VL's 3-D positions of every token
+//! (`mt::mrope`), from which the rotary tables are built
+//! ([`crate::model::Context::with_positions_3d`]), or Gemma 3's image blocks, each image's
+//! tokens attending to each other both ways ([`crate::model::Context::with_image_blocks`]).
 //!
-//! Shapes: B rows, T padded length, M image tokens, H hidden size, I images.
+//! The frozen part of the tower runs once per micro-batch, without grad, from the weights
+//! the worker copied from the read-only region. A trained projector
+//! (`vlm.freeze_projector: false`, Qwen2.5-VL's merger) runs where the embedding does, from
+//! the embedding block's weights: without grad in the forward, recomputed with grad on its
+//! leaves in the embedding's backward, where the gradient at the image tokens' rows flows
+//! into it. Its input (the encoder's output, N x E) is kept for that.
+//!
+//! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
+//! tower's width, I images, S the side of Gemma 3's images.
 
 use anyhow::{Context as _, Result, bail};
-use mt::config::hf::ModelSpec;
+use mt::config::TowerTraining;
+use mt::config::hf::{ModelSpec, TOWER};
+use mt::config::vision::VisionSpec;
 use mt::data::{BatchImage, Gemma3Images, ImageProcessor, MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
-use crate::model::{SiglipWeights, TowerWeights, VisionWeights, gemma3_vision, qwen2_5_vl_vision};
+use crate::model::{
+    BlockWeights, Encoded, TowerWeights, VisionWeights, gemma3_vision, qwen2_5_vl_vision,
+    vision_encoder, vision_merger,
+};
 
-/// The worker's frozen vision tower and how it reads an image file.
+/// The worker's vision tower (its frozen tensors) and how it reads an image file.
 pub struct Tower {
     pub weights: TowerWeights,
+    /// What of it trains (those tensors are the embedding block's).
+    pub training: TowerTraining,
     /// The image processor's settings (`preprocessor_config.json`); None where the model
     /// directory has none, and then no batch carries images (the data load refuses them).
     pub pixels: Option<ImageProcessor>,
 }
 
 impl Tower {
-    /// The tower's features (M, H) for `mb`'s images, in the order their tokens appear, and
-    /// what the language model reads of them besides, on `device`: each file decoded and
-    /// resized as the model's image processor does ([`pixel_rows`], unless `decoded` holds
-    /// them already: [`super::prefetch`]), all images in one batch through the tower.
+    /// What `mb`'s images bring to the language model, on `device`: the frozen tower's
+    /// output for them, in the order their tokens appear, each file decoded and resized as
+    /// the model's image processor does ([`pixel_rows`], unless `decoded` holds them
+    /// already: [`super::prefetch`]), all images in one batch through the tower without
+    /// grad; and what the attention reads of them.
     pub fn micro_images(
         &self,
         spec: &ModelSpec,
@@ -45,18 +60,71 @@ impl Tower {
             Some(rows) => rows,
             None => pixel_rows(px, &mb.images)?,
         };
+        let _no_grad = tch::no_grad_guard();
         match (&self.weights, px) {
             (TowerWeights::Qwen(w), ImageProcessor::Qwen(px)) => {
-                let (grids, features_mh) = qwen_features(w, px, mb, &per_image, kind, device)?;
-                MicroImages::new(spec, mb, &grids, features_mh, device)
+                let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
+                let pixels_np = qwen_pixels(px, &per_image, kind, device)?;
+                let features = match self.training {
+                    TowerTraining::Frozen => {
+                        Features::Frozen(qwen2_5_vl_vision(w, &pixels_np, &grids))
+                    }
+                    TowerTraining::Projector => Features::Merger {
+                        enc: vision_encoder(w, &pixels_np, &grids),
+                        spec: w.spec.clone(),
+                    },
+                };
+                MicroImages::new(spec, mb, &grids, features, device)
             }
             (TowerWeights::Siglip(w), ImageProcessor::Gemma3(px)) => {
-                let features_mh = gemma3_features(w, px, &per_image, kind, device)?;
-                MicroImages::image_blocks(mb, w.spec.image_token_id, features_mh, device)
+                let f_mh = gemma3_vision(w, &gemma3_pixels(px, &per_image, kind, device)?);
+                MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
             }
             _ => bail!("the image processor's settings are not for this model's vision tower"),
         }
     }
+}
+
+/// Qwen2.5-VL's pixel rows of all images (N, P): one row per patch, channels x temporal
+/// patch x patch x patch. Each image's rows go up by themselves and are joined on the
+/// device: no host copy of the whole batch's f32 pixels (1.2 GB for 256 images of 448x448).
+fn qwen_pixels(
+    px: &QwenVlImages,
+    per_image: &[Vec<f32>],
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor> {
+    let patch = 3 * i64::from(px.temporal_patch_size) * i64::from(px.patch_size).pow(2);
+    let pixels_np = per_image
+        .iter()
+        .map(|rows| {
+            Tensor::f_from_slice(rows)?
+                .f_view([rows.len() as i64 / patch, patch])?
+                .f_to_device(device)?
+                .f_to_kind(kind)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_cat(&pixels_np, 0)?)
+}
+
+/// Gemma 3's images (I, 3, S, S), each uploaded by itself.
+fn gemma3_pixels(
+    px: &Gemma3Images,
+    per_image: &[Vec<f32>],
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor> {
+    let (h, w) = (i64::from(px.height), i64::from(px.width));
+    let pixels = per_image
+        .iter()
+        .map(|p| {
+            Tensor::f_from_slice(p)?
+                .f_view([3, h, w])?
+                .f_to_device(device)?
+                .f_to_kind(kind)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_stack(&pixels, 0)?)
 }
 
 /// Each image's pixels as the model's image processor makes them (Qwen's patch rows,
@@ -68,7 +136,7 @@ pub fn pixel_rows(px: &ImageProcessor, images: &[BatchImage]) -> Result<Vec<Vec<
         .par_iter()
         .map(|im| match px {
             ImageProcessor::Qwen(px) => qwen_rows(px, im),
-            ImageProcessor::Gemma3(px) => gemma3_pixels(px, im),
+            ImageProcessor::Gemma3(px) => gemma3_image(px, im),
         })
         .collect()
 }
@@ -89,7 +157,7 @@ fn qwen_rows(px: &QwenVlImages, im: &BatchImage) -> Result<Vec<f32>> {
     Ok(rows)
 }
 
-fn gemma3_pixels(px: &Gemma3Images, im: &BatchImage) -> Result<Vec<f32>> {
+fn gemma3_image(px: &Gemma3Images, im: &BatchImage) -> Result<Vec<f32>> {
     if im.grid != px.grid() {
         bail!(
             "{}: the batch was built for a {:?} patch grid, the processor makes {:?}",
@@ -101,64 +169,20 @@ fn gemma3_pixels(px: &Gemma3Images, im: &BatchImage) -> Result<Vec<f32>> {
     Ok(px.pixel_values(&image::decode(&im.path)?))
 }
 
-/// Qwen2.5-VL's features (M, H) and the images' grids: the pixels' rows of all images in
-/// one (N, P) batch through the tower. Each image's rows go up by themselves and are joined
-/// on the device: no host copy of the whole batch's f32 pixels (1.2 GB for 256 images of
-/// 448x448).
-fn qwen_features(
-    w: &VisionWeights,
-    px: &QwenVlImages,
-    mb: &MicroBatch,
-    per_image: &[Vec<f32>],
-    kind: Kind,
-    device: Device,
-) -> Result<(Vec<[u32; 3]>, Tensor)> {
-    let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
-    // One row per patch: channels x temporal patch x patch x patch.
-    let patch = 3 * i64::from(px.temporal_patch_size) * i64::from(px.patch_size).pow(2);
-    let pixels_np = per_image
-        .iter()
-        .map(|rows| {
-            Tensor::f_from_slice(rows)?
-                .f_view([rows.len() as i64 / patch, patch])?
-                .f_to_device(device)?
-                .f_to_kind(kind)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let pixels_np = Tensor::f_cat(&pixels_np, 0)?;
-    let features_mh = qwen2_5_vl_vision(w, &pixels_np, &grids);
-    Ok((grids, features_mh))
-}
-
-/// Gemma 3's features (M, H): all images in one (I, 3, S, S) batch through the tower and
-/// projector, each image uploaded by itself.
-fn gemma3_features(
-    w: &SiglipWeights,
-    px: &Gemma3Images,
-    per_image: &[Vec<f32>],
-    kind: Kind,
-    device: Device,
-) -> Result<Tensor> {
-    let (h, wd) = (i64::from(px.height), i64::from(px.width));
-    let pixels = per_image
-        .iter()
-        .map(|p| {
-            Tensor::f_from_slice(p)?
-                .f_view([3, h, wd])?
-                .f_to_device(device)?
-                .f_to_kind(kind)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let pixels_i3ss = Tensor::f_stack(&pixels, 0)?;
-    Ok(gemma3_vision(w, &pixels_i3ss))
+/// What the frozen part of the tower gave for a micro-batch's images.
+#[derive(Debug)]
+pub enum Features {
+    /// The tower's output (M, H) (the projector frozen).
+    Frozen(Tensor),
+    /// The projector's input; its weights are the embedding block's.
+    Merger { enc: Encoded, spec: VisionSpec },
 }
 
 /// What a micro-batch's images bring to the language model.
 #[derive(Debug)]
 pub struct MicroImages {
-    /// The vision tower's output (M, H): one row per image token, in the order the tokens
-    /// appear (row by row, left to right); no grad (the tower is frozen).
-    pub features_mh: Tensor,
+    /// The tower's output, or the trained projector's input.
+    pub features: Features,
     /// The id of the image tokens, whose embeddings the features replace.
     pub image_token_id: i64,
     /// Every token's temporal, height and width position (3, B, T), on the device
@@ -171,12 +195,12 @@ pub struct MicroImages {
 
 impl MicroImages {
     /// `mb`'s images: their grids (patches, (t, h, w)) in the order their tokens appear and
-    /// the tower's features for them, which must hold one row per image token.
+    /// the tower's features for them, which must make one row per image token.
     pub fn new(
         spec: &ModelSpec,
         mb: &MicroBatch,
         grids: &[[u32; 3]],
-        features_mh: Tensor,
+        features: Features,
         device: Device,
     ) -> Result<MicroImages> {
         let Some(m) = &spec.mrope else {
@@ -201,7 +225,7 @@ impl MicroImages {
             .f_view([3, b, t])?
             .f_to_device(device)?;
         Ok(MicroImages {
-            features_mh: features_mh.f_to_device(device)?,
+            features,
             image_token_id: m.image_token_id,
             pos_3bt: Some(pos_3bt),
             block_bt: None,
@@ -227,11 +251,33 @@ impl MicroImages {
             .f_view([mb.rows as i64, mb.seq_len as i64])?
             .f_to_device(device)?;
         Ok(MicroImages {
-            features_mh: features_mh.f_to_device(device)?,
+            features: Features::Frozen(features_mh.f_to_device(device)?),
             image_token_id,
             pos_3bt: None,
             block_bt: Some(block_bt),
         })
+    }
+
+    /// The features (M, H) placed at the image tokens, one row per token in the order the
+    /// tokens appear (row by row, left to right): the frozen tower's, or a trained
+    /// projector's over its kept input with `embed_w`'s `visual.merger.*` (views or leaves:
+    /// with grad where they are leaves and grad mode is on).
+    pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
+        match &self.features {
+            Features::Frozen(f_mh) => f_mh.shallow_clone(),
+            Features::Merger { enc, spec } => {
+                let merger = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&format!("{TOWER}{name}")).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
+            }
+        }
     }
 
     /// `ctx` with what the images change in it: the rotary tables of the 3-D positions, or
@@ -312,15 +358,16 @@ mod tests {
             images: vec![],
         };
         let f = Tensor::zeros([1, 128], (tch::Kind::Float, Device::Cpu));
-        let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap();
+        let frozen = |f: &Tensor| Features::Frozen(f.copy());
+        let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap();
         assert_eq!(i.pos_3bt.as_ref().map(Tensor::size), Some(vec![3, 1, 4]));
-        let e = MicroImages::new(&vl, &mb, &[], f.copy(), Device::Cpu).unwrap_err();
+        let e = MicroImages::new(&vl, &mb, &[], frozen(&f), Device::Cpu).unwrap_err();
         assert!(format!("{e:#}").contains("grids are placed"), "{e:#}");
         let text = spec("qwen2");
-        let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap_err();
+        let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("text-only model"), "{e}");
         mb.position_ids = vec![0, 1, 2, 0];
-        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], f.copy(), Device::Cpu).unwrap_err();
+        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
         let e = MicroImages::image_blocks(&mb, 9, f, Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");

@@ -1,6 +1,9 @@
-//! Qwen2.5-VL's vision tower and patch merger, forward only (frozen): the math of
-//! transformers' `Qwen2_5_VisionTransformerPretrainedModel`, whose merged output
-//! (`pooler_output`) the model places at the image tokens.
+//! Qwen2.5-VL's vision tower and patch merger: the math of transformers'
+//! `Qwen2_5_VisionTransformerPretrainedModel`, whose merged output (`pooler_output`) the
+//! model places at the image tokens. In two halves, the encoder ([`vision_encoder`]: up to
+//! the merger's input) and the merger ([`vision_merger`]), so that a frozen encoder runs
+//! without grad and a trained merger with it; the caller decides (no grad mode is set
+//! here).
 //!
 //! ```text
 //! patches (N, P) -> patch embed (a Conv3d whose stride is its kernel: one matmul)
@@ -33,19 +36,21 @@ use super::common::{activation, rms_norm};
 const NORM_EPS: f64 = 1e-6;
 
 /// The tower's tensors, by their names inside it (`blocks.0.attn.qkv.weight`), on the
-/// compute device, in the compute dtype.
+/// compute device, in the compute dtype: all of them, or those a half reads (the frozen
+/// encoder's from the region, a trained merger's from the store).
 pub struct VisionWeights {
     pub spec: VisionSpec,
     tensors: HashMap<String, Tensor>,
 }
 
 impl VisionWeights {
-    /// `tensors` must hold every tensor of `spec.tensors()`.
+    /// Each of `tensors` must be one of `spec.tensors()`, of its shape.
     pub fn new(spec: VisionSpec, tensors: HashMap<String, Tensor>) -> VisionWeights {
-        for (name, shape) in spec.tensors() {
-            let t = tensors
-                .get(&name)
-                .unwrap_or_else(|| panic!("vision tower has no tensor `{name}`"));
+        let shapes: HashMap<String, Vec<usize>> = spec.tensors().into_iter().collect();
+        for (name, t) in &tensors {
+            let shape = shapes
+                .get(name)
+                .unwrap_or_else(|| panic!("`{name}` is not a vision tower tensor"));
             let want: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
             assert_eq!(t.size(), want, "shape of vision tensor `{name}`");
         }
@@ -53,7 +58,9 @@ impl VisionWeights {
     }
 
     fn get(&self, name: &str) -> &Tensor {
-        &self.tensors[name]
+        self.tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("vision weights hold no tensor `{name}`"))
     }
 
     /// `x W^T + b` with `{name}.weight` and `{name}.bias`.
@@ -73,9 +80,22 @@ impl VisionWeights {
 
 /// The merged features of every image: `pixel_values` (N, P), the rows of the images whose
 /// (t, h, w) patch grids are `grids`, in that order -> (M, O), image after image, each
-/// image's tokens in raster order of its merge blocks. Forward only, without gradient.
+/// image's tokens in raster order of its merge blocks.
 pub fn qwen2_5_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Tensor {
-    let _no_grad = tch::no_grad_guard();
+    vision_merger(w, &vision_encoder(w, pixel_values, grids))
+}
+
+/// The encoder's output over a micro-batch's images: the merger's input.
+#[derive(Debug)]
+pub struct Encoded {
+    /// (N, E): each patch after the last block, in the window order.
+    pub x_ne: Tensor,
+    /// (M,): for each merged token in raster order, its row of the merger's output.
+    pub merged_back: Tensor,
+}
+
+/// The patch embedding and every block over `pixel_values` (N, P) of images `grids`.
+pub fn vision_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Encoded {
     let s = &w.spec;
     let order = Order::new(s, grids);
     let n = order.patches.len() as i64;
@@ -104,11 +124,21 @@ pub fn qwen2_5_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32
         };
         x_ne = block(w, b, &x_ne, &cos_nd, &sin_nd, seg);
     }
+    Encoded {
+        x_ne,
+        merged_back: idx(&order.merged_back),
+    }
+}
+
+/// The merger over the encoder's output: `ln_q`, merge^2 patches side by side, Linear,
+/// GELU, Linear, back to raster order -> (M, O).
+pub fn vision_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
+    let s = &w.spec;
     let merged = (s.merge_unit() * s.hidden_size) as i64;
-    let m_mx = rms_norm(&x_ne, w.get("merger.ln_q.weight"), NORM_EPS).reshape([-1, merged]);
+    let m_mx = rms_norm(&enc.x_ne, w.get("merger.ln_q.weight"), NORM_EPS).reshape([-1, merged]);
     let h_mx = w.linear(&m_mx, "merger.mlp.0").gelu("none");
     let out_mo = w.linear(&h_mx, "merger.mlp.2");
-    out_mo.index_select(0, &idx(&order.merged_back))
+    out_mo.index_select(0, &enc.merged_back)
 }
 
 /// Vision block `b`: `h = x + attn(norm1(x))`, `out = h + mlp(norm2(h))`: (N, E) -> (N, E).

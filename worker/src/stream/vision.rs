@@ -1,6 +1,7 @@
 //! The frozen vision tower's weights, from the read-only region the launcher filled
 //! (`mt::checkpoint::vision`): mapped once at start-up, every tensor copied to the compute
-//! device, the mapping dropped. No gradient, no optimizer state: the tower is not trained.
+//! device, the mapping dropped. No gradient, no optimizer state: these are not trained (a
+//! trained projector's tensors are the embedding block's, not the region's).
 
 use std::collections::HashMap;
 

@@ -126,6 +126,7 @@ fn tower_through_the_shared_region_equals_transformers() {
     let region = VisionRegion::build(
         "mt-test-vision",
         &mt::config::vision::TowerSpec::Qwen(f.spec.clone()),
+        mt::config::TowerTraining::Frozen,
         &carried,
         DType::Float32,
         &f.dir.join("model"),

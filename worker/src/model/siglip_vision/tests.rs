@@ -125,6 +125,7 @@ fn gemma3_tower_through_the_shared_region_equals_transformers() {
     let region = VisionRegion::build(
         "mt-test-vision-g3",
         &f.spec,
+        mt::config::TowerTraining::Frozen,
         &Carried { tensors },
         DType::Float32,
         &f.dir.join("model"),
