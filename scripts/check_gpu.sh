@@ -60,7 +60,8 @@
 #    (1 GPU, and 2 when visible), and step 1's gradients within 2e-2 (relative L2, as the
 #    experts' check: a bf16 rounding is <= 2^-9, compounded over the tower, the decoder and
 #    the backward): each matrix, and all trained tensors together. Then the same model with
-#    its projector trained (`vlm.freeze_projector: false`): losses within 2e-2.
+#    its projector trained (`vlm.freeze_projector: false`): losses within 2e-2. The tiny
+#    Qwen3-VL (golden-qwen3vl: deepstack features, interleaved mrope) likewise, losses on 1 GPU.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -216,6 +217,12 @@ if part vlm; then
            --set training.max_grad_norm=1000)
       vrun cpu_vlm_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
+    # The tiny Qwen3-VL (deepstack features, interleaved mrope): losses, 1 GPU against CPU.
+    if [ -f "$VLM/golden-qwen3vl/run.yaml" ]; then
+      vlm=(--config "$VLM/golden-qwen3vl/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+      vrun cpu_vlm3 "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm3 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
     fi
   else
     echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
@@ -384,6 +391,8 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
         check(name, "cpu_vlm", 2e-2, keys=(("loss", "steps"),))
     if os.path.exists(f"{work}/cpu_vlm_projector.jsonl"):
         check("gpu1_vlm_projector", "cpu_vlm_projector", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm3.jsonl"):
+        check("gpu1_vlm3", "cpu_vlm3", 2e-2, keys=(("loss", "steps"),))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
     # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.

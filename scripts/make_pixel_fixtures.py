@@ -16,6 +16,8 @@ Written under OUT/vlm/pixels:
   for qwen2_vl / qwen2_5_vl when torchvision is absent, as here), with the config written
   beside them; one image above max_pixels (scaled down), one below min_pixels (scaled up),
   one already a multiple of 28, one JPEG.
+- qwen3vl/: the same for Qwen3-VL's settings (16-pixel patches, mean and std 0.5, the pixel
+  bounds in `size`, as its hub preprocessor_config.json spells them), over the same images.
 - gemma3/: the same images through transformers' Gemma3ImageProcessorPil (bilinear resize to a
   fixed 224 x 224, rescale, normalise with mean and std 0.5), `pixel_values` (3, 224, 224) per
   file in processor.safetensors, beside the preprocessor_config.json and a config.json whose
@@ -212,6 +214,22 @@ for name in through:
     processed[f"{name}.grid"] = np.asarray(enc["image_grid_thw"], dtype=np.int64)
 save_file(processed, os.path.join(out, "processor.safetensors"))
 
+# Qwen3-VL's settings: the same image processor class (AutoImageProcessor's pick for qwen3_vl).
+config3 = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "merge_size": 2,
+           "temporal_patch_size": 2, "size": {"shortest_edge": 65536 // 16, "longest_edge": 200_704},
+           "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+os.makedirs(os.path.join(out, "qwen3vl"))
+with open(os.path.join(out, "qwen3vl", "preprocessor_config.json"), "w") as f:
+    json.dump(config3, f, indent=2)
+proc3 = Qwen2VLImageProcessorPil.from_pretrained(os.path.join(out, "qwen3vl"))
+processed3 = {}
+for name in through:
+    with Image.open(os.path.join(out, "images", name)) as im:
+        enc = proc3(images=[im.convert("RGB")])
+    processed3[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"], dtype=np.float32)
+    processed3[f"{name}.grid"] = np.asarray(enc["image_grid_thw"], dtype=np.int64)
+save_file(processed3, os.path.join(out, "qwen3vl", "processor.safetensors"))
+
 # Gemma 3's processor: its hub preprocessor_config.json's keys at a small fixed size (both
 # shrinking, antialiased, and enlarging images), and a config.json whose tower takes it.
 g3 = os.path.join(out, "gemma3")
@@ -235,4 +253,5 @@ for name in through:
 save_file(g3_processed, os.path.join(g3, "processor.safetensors"))
 with open(os.path.join(out, "manifest.json"), "w") as f:
     json.dump({"decoded": sorted(decoded), "processed": through, "refused": [lossy]}, f, indent=2)
-print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil and Gemma3ImageProcessorPil")
+print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil"
+      " (Qwen2-VL's and Qwen3-VL's settings) and Gemma3ImageProcessorPil")

@@ -9,7 +9,9 @@ their dataset_info.json, model-qwen2vl (the tiny demo tokenizer with Qwen2-VL's 
 tokens added, and a preprocessor_config.json with a small max_pixels so that one image is
 scaled down), and expected_qwen2vl.jsonl: per record, input_ids and labels (the assistant
 answers, as make_data_fixtures.py labels them), plus each image's (width, height) and
-image_grid_thw.
+image_grid_thw. model-qwen3vl and expected_qwen3vl.jsonl are the same for Qwen3-VL: its
+processor (`Qwen3VLProcessor`) over the same image processor class with Qwen3-VL's settings
+(16-pixel patches, mean and std 0.5, the pixel bounds in `size`), fewer tokens per image.
 
 The ids are the processor's: each `<image>` becomes `<|vision_start|><|image_pad|><|vision_end|>`
 (LlamaFactory's Qwen2-VL plugin text before the processor), the conversation is rendered with
@@ -31,11 +33,14 @@ from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_processing_utils import BaseVideoProcessor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 MAX_PIXELS = 200_704  # 256 tokens' worth (16 x 16 merged patches of 28 x 28)
+# Qwen3-VL: merged patches of 32 x 32; at most 48 tokens an image, at least 4.
+QWEN3VL_SIZE = {"shortest_edge": 32 * 32 * 4, "longest_edge": 32 * 32 * 48}
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
@@ -108,7 +113,9 @@ def labelled(msgs):
     return full, enc["input_ids"], labels
 
 
-with open(os.path.join(out, "expected_qwen2vl.jsonl"), "w") as f:
+def expected(proc, merge, name):
+    """The processor's rows of every record, checked against our expansion of the text."""
+    f = open(os.path.join(out, name), "w")
     for rec in records:
         pil = [Image.open(os.path.join(out, p)).convert("RGB") for p in rec["images"]]
         one = "".join(VISION[i] for i in (0, 2, 1))
@@ -117,7 +124,7 @@ with open(os.path.join(out, "expected_qwen2vl.jsonl"), "w") as f:
         enc = proc(text=[text], images=pil or None)
         ids = [int(i) for i in enc["input_ids"][0]]
         grids = [[int(x) for x in g] for g in enc["image_grid_thw"]] if pil else []
-        counts = iter([t * h * w // 4 for t, h, w in grids])
+        counts = iter([t * h * w // merge ** 2 for t, h, w in grids])
         expanded = []
         for m in rec["messages"]:
             parts = m["content"].split("<image>")
@@ -127,7 +134,28 @@ with open(os.path.join(out, "expected_qwen2vl.jsonl"), "w") as f:
         assert ours == ids, "the expanded text's ids differ from the processor's"
         f.write(json.dumps({"input_ids": ids, "labels": labels, "grids": grids,
                             "sizes": [list(im.size) for im in pil]}) + "\n")
-print(f"vlm fixtures: {len(records)} records, {len(IMAGES)} images, Qwen2VLProcessor (max_pixels {MAX_PIXELS})")
+    f.close()
+
+
+expected(proc, 2, "expected_qwen2vl.jsonl")
+
+# Qwen3-VL: the same tokenizer, its own processor settings as the hub's preprocessor_config.json
+# spells them (`size`, not min/max_pixels).
+model3 = os.path.join(out, "model-qwen3vl")
+shutil.copytree(model, model3)
+cfg3 = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "size": QWEN3VL_SIZE,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+with open(os.path.join(model3, "preprocessor_config.json"), "w") as f:
+    json.dump(cfg3, f, indent=2)
+Qwen3VLProcessor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+improc3 = Qwen2VLImageProcessorPil.from_pretrained(model3)
+assert improc3.patch_size == 16 and improc3.size["longest_edge"] == QWEN3VL_SIZE["longest_edge"]
+proc3 = Qwen3VLProcessor(image_processor=improc3, tokenizer=tok, video_processor=BaseVideoProcessor(),
+                         chat_template=tok.chat_template)
+expected(proc3, 2, "expected_qwen3vl.jsonl")
+print(f"vlm fixtures: {len(records)} records, {len(IMAGES)} images, Qwen2VLProcessor (max_pixels {MAX_PIXELS}),"
+      f" Qwen3VLProcessor ({QWEN3VL_SIZE})")
 
 # The pixels: decoded images and the image processor's pixel_values (OUT/vlm/pixels).
 subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_pixel_fixtures.py"),

@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
-"""End-to-end vision-language golden case (issue #49): a tiny Qwen2.5-VL built with the hub
-classes trained one step by transformers + torch on the multimodal records of
-make_vlm_fixtures.py (images in PNG, JPEG and lossless WebP, one and two per row, a text-only
-row), its vision tower and merger frozen; launcher/tests/vlm.rs runs mt-launch on the same
-records (read, tokenized, decoded and resized by it) and compares.
+"""End-to-end vision-language golden cases (issue #49): a tiny Qwen2.5-VL and a tiny Qwen3-VL
+built with the hub classes, each trained one step by transformers + torch on the multimodal
+records of make_vlm_fixtures.py (images in PNG, JPEG and lossless WebP, one and two per row, a
+text-only row), their vision towers and mergers frozen; launcher/tests/vlm.rs runs mt-launch on
+the same records (read, tokenized, decoded and resized by it) and compares.
 
-Reads DIR/vlm (the records, images, model-qwen2vl's tokenizer and processor settings, and
-expected_qwen2vl.jsonl: the processor's ids and the labels per record, which the data tests
-hold ours equal to); writes DIR/vlm/golden: model/ (the tiny model beside that tokenizer and
-preprocessor_config.json), run.yaml, expected.json (the step's loss) and grads0.safetensors
-(every language-model gradient under its checkpoint name). The projector case
-(`vlm.freeze_projector: false`, LlamaFactory's `freeze_multi_modal_projector: false`): the
-same step with `visual.merger` trained too, then torch's AdamW step (weight decay on the
-tensors of >= 2 dims, clipped to max_grad_norm): DIR/vlm/golden/projector/run.yaml,
-expected.json, grads0.safetensors (the merger's gradients beside the language model's) and
-step1.safetensors (every trained tensor after the step, checkpoint names).
+Reads DIR/vlm (the records, images, model-qwen2vl's and model-qwen3vl's tokenizer and processor
+settings, and expected_<family>.jsonl: the processor's ids and the labels per record, which the
+data tests hold ours equal to); writes DIR/vlm/golden (Qwen2.5-VL) and DIR/vlm/golden-qwen3vl
+(Qwen3-VL: Qwen3's layers with q/k norms under the interleaved mrope, the tower's learned
+positions, and two deepstack features added after the first two of its three layers): model/
+(the tiny model beside that tokenizer and preprocessor_config.json), run.yaml, expected.json
+(the step's loss) and grads0.safetensors (every language-model gradient under its checkpoint
+name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, per grid).
+Qwen2.5-VL's projector case (`vlm.freeze_projector: false`, LlamaFactory's
+`freeze_multi_modal_projector: false`): the same step with `visual.merger` trained too, then
+torch's AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
+DIR/vlm/golden/projector/run.yaml, expected.json, grads0.safetensors (the merger's gradients
+beside the language model's) and step1.safetensors (every trained tensor after the step,
+checkpoint names).
 
 Usage: .venv/bin/python scripts/make_vlm_golden.py --dir target/data-fixtures
 (make_vlm_fixtures.py calls it last.)
@@ -28,149 +32,175 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--dir", required=True)
 vlm = os.path.join(os.path.abspath(ap.parse_args().dir), "vlm")
-out = os.path.join(vlm, "golden")
-shutil.rmtree(out, ignore_errors=True)
-model_dir = os.path.join(out, "model")
-shutil.copytree(os.path.join(vlm, "model-qwen2vl"), model_dir)
-tok_cfg = json.load(open(os.path.join(model_dir, "tokenizer.json")))
-vocab = max([t["id"] for t in tok_cfg["added_tokens"]] + list(tok_cfg["model"]["vocab"].values())) + 1
-ids_of = {t["content"]: t["id"] for t in tok_cfg["added_tokens"]}
-
-torch.manual_seed(4949)
-torch.use_deterministic_algorithms(True)
-cfg = Qwen2_5_VLConfig(
-    text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                     rms_norm_eps=1e-6, tie_word_embeddings=False,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                      "mrope_section": [2, 3, 3]}),
-    vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                       fullatt_block_indexes=[1], in_channels=3),
-    image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
-    vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
-)
-model = Qwen2_5_VLForConditionalGeneration(cfg).float()
-with torch.no_grad():  # wider than the default init, so every path moves the loss
-    for n, p in model.named_parameters():
-        if "norm" in n and n.endswith("weight"):
-            p.add_(0.1 * torch.randn_like(p))
-        elif p.ndim >= 2:
-            p.normal_(0.0, 0.08)
-        else:
-            p.normal_(0.0, 0.02)
-model.save_pretrained(model_dir)
-
-improc = Qwen2VLImageProcessorPil(**{k: v for k, v in json.load(open(os.path.join(model_dir, "preprocessor_config.json"))).items()
-                                     if k in ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size")})
-records = json.load(open(os.path.join(vlm, "mllm.json")))
-expected = [json.loads(line) for line in open(os.path.join(vlm, "expected_qwen2vl.jsonl"))]
-images = [Image.open(os.path.join(vlm, p)).convert("RGB") for r in records for p in r["images"]]
-pix = improc(images=images, return_tensors="pt")
-B, T = len(expected), max(len(e["input_ids"]) for e in expected)
-ids = torch.zeros(B, T, dtype=torch.long)
-labels = torch.full((B, T), -100, dtype=torch.long)
-mask = torch.zeros(B, T, dtype=torch.long)
-for i, e in enumerate(expected):
-    n = len(e["input_ids"])
-    ids[i, :n] = torch.tensor(e["input_ids"])
-    labels[i, :n] = torch.tensor(e["labels"])
-    mask[i, :n] = 1
-assert [list(map(int, g)) for g in pix["image_grid_thw"]] == [g for e in expected for g in e["grids"]]
-
-saved = set(safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors")))
 
 
-def checkpoint_name(n):
-    """The hub's name of parameter `n` (transformers 5 reads `visual.` into `model.visual.`)."""
-    name = n.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
-    assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
-    return name
+def qwen2_5_vl(vocab, ids_of):
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1], in_channels=3),
+        image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
+        vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    return cfg, Qwen2_5_VLForConditionalGeneration(cfg).float()
 
 
-def step(train_merger):
-    """One forward and backward on every record, the tower frozen (and its merger unless
-    `train_merger`): (loss, {checkpoint name: gradient}, grad norm)."""
-    model.zero_grad(set_to_none=True)
-    for n, p in model.model.visual.named_parameters():
-        p.requires_grad_(train_merger and n.startswith("merger."))
-    out_ = model(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"],
-                 image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == cfg.image_token_id).long())
-    logits = out_.logits
-    targets = labels[:, 1:]
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=-100, reduction="sum") / (targets != -100).sum()
-    loss.backward()
-    grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
-             for n, p in model.named_parameters() if p.grad is not None}
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
-    return loss, grads, norm
+def qwen3_vl(vocab, ids_of):
+    cfg = Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=16, deepstack_visual_indexes=[2, 0]),
+        image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
+        vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    return cfg, Qwen3VLForConditionalGeneration(cfg).float()
 
 
-def write_case(case_dir, loss, grads, norm, extra_yaml=""):
-    os.makedirs(case_dir, exist_ok=True)
-    safetensors.torch.save_file(grads, os.path.join(case_dir, "grads0.safetensors"))
-    json.dump({"loss": loss.item(), "grad_norm": norm, "rows": B, "images": len(images)},
-              open(os.path.join(case_dir, "expected.json"), "w"), indent=2)
-    up = os.path.relpath(out, case_dir)
-    join = lambda *p: os.path.normpath(os.path.join(up, *p))
-    with open(os.path.join(case_dir, "run.yaml"), "w") as f:
-        f.write(f"""# generated by scripts/make_vlm_golden.py
+def golden(family, build, out_name, seed, projector):
+    out = os.path.join(vlm, out_name)
+    shutil.rmtree(out, ignore_errors=True)
+    model_dir = os.path.join(out, "model")
+    shutil.copytree(os.path.join(vlm, f"model-{family}"), model_dir)
+    tok_cfg = json.load(open(os.path.join(model_dir, "tokenizer.json")))
+    vocab = max([t["id"] for t in tok_cfg["added_tokens"]] + list(tok_cfg["model"]["vocab"].values())) + 1
+    ids_of = {t["content"]: t["id"] for t in tok_cfg["added_tokens"]}
+
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    cfg, model = build(vocab, ids_of)
+    with torch.no_grad():  # wider than the default init, so every path moves the loss
+        for n, p in model.named_parameters():
+            if "norm" in n and n.endswith("weight"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif p.ndim >= 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(model_dir)
+
+    improc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    records = json.load(open(os.path.join(vlm, "mllm.json")))
+    expected = [json.loads(line) for line in open(os.path.join(vlm, f"expected_{family}.jsonl"))]
+    images = [Image.open(os.path.join(vlm, p)).convert("RGB") for r in records for p in r["images"]]
+    pix = improc(images=images, return_tensors="pt")
+    B, T = len(expected), max(len(e["input_ids"]) for e in expected)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for i, e in enumerate(expected):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        mask[i, :n] = 1
+    assert [list(map(int, g)) for g in pix["image_grid_thw"]] == [g for e in expected for g in e["grids"]]
+
+    saved = set(safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors")))
+
+    def checkpoint_name(n):
+        """The checkpoint's name of parameter `n`: Qwen2.5-VL saves the hub's names
+        (`model.layers.*`, `visual.*`), Qwen3-VL its class's own."""
+        name = n if n in saved else n.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+        assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
+        return name
+
+    def step(train_merger):
+        """One forward and backward on every record, the tower frozen (and its merger unless
+        `train_merger`): (loss, {checkpoint name: gradient}, grad norm)."""
+        model.zero_grad(set_to_none=True)
+        for n, p in model.model.visual.named_parameters():
+            p.requires_grad_(train_merger and n.startswith("merger."))
+        out_ = model(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"],
+                     image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == cfg.image_token_id).long())
+        logits = out_.logits
+        targets = labels[:, 1:]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-100, reduction="sum") / (targets != -100).sum()
+        loss.backward()
+        grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
+                 for n, p in model.named_parameters() if p.grad is not None}
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+        return loss, grads, norm
+
+    def write_case(case_dir, loss, grads, norm, extra_yaml=""):
+        os.makedirs(case_dir, exist_ok=True)
+        safetensors.torch.save_file(grads, os.path.join(case_dir, "grads0.safetensors"))
+        json.dump({"loss": loss.item(), "grad_norm": norm, "rows": B, "images": len(images)},
+                  open(os.path.join(case_dir, "expected.json"), "w"), indent=2)
+        up = os.path.relpath(out, case_dir)
+        join = lambda *p: os.path.normpath(os.path.join(up, *p))
+        with open(os.path.join(case_dir, "run.yaml"), "w") as f:
+            f.write(f"""# generated by scripts/make_vlm_golden.py
 model: {{path: {join("model")}, init: pretrained, dtype: float32}}
 dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_len: 1024}}
 {extra_yaml}""")
 
+    # The tower and its mergers frozen.
+    loss, grads, norm = step(False)
+    write_case(out, loss, grads, norm,
+               f"training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 1000.0}}\n")
+    print(f"vlm golden ({family}): loss {loss.item():.6f}, grad norm {norm:.6f}, {B} rows, {len(images)} images")
 
-# The tower and its merger frozen.
-loss, grads, norm = step(False)
-write_case(out, loss, grads, norm,
-           f"training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 1000.0}}\n")
-print(f"vlm golden: loss {loss.item():.6f}, grad norm {norm:.6f}, {B} rows, {len(images)} images")
+    if projector:
+        # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false),
+        # then one AdamW step: decay on >= 2-dim tensors, the gradients clipped to half their
+        # norm, an epsilon (1e-3) above the gradients' rounding, so that the step is a smooth
+        # function of them (at 1e-8 the first step is lr x sign(g), which rounding flips where
+        # g is ~0).
+        loss, grads, norm = step(True)
+        assert any(n.startswith("visual.merger.") for n in grads) and not any(
+            n.startswith("visual.") and not n.startswith("visual.merger.") for n in grads)
+        LR, WD, EPS, CLIP = 0.001, 0.1, 1e-3, norm / 2
+        params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
+        torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
+        opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": WD},
+                                 {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}],
+                                lr=LR, betas=(0.9, 0.999), eps=EPS)
+        opt.step()
+        proj = os.path.join(out, "projector")
+        write_case(proj, loss, grads, norm,
+                   f"freeze_multi_modal_projector: false\nadam_epsilon: {EPS}\n"
+                   f"training: {{batch_size: {B}, num_steps: 1, learning_rate: {LR}, weight_decay: {WD}, max_grad_norm: {CLIP!r}}}\n")
+        safetensors.torch.save_file({n: p.detach().contiguous() for n, p in params.items()},
+                                    os.path.join(proj, "step1.safetensors"))
+        print(f"vlm golden ({family}), projector trained: loss {loss.item():.6f}, grad norm {norm:.6f}, "
+              f"{sum(n.startswith('visual.') for n in grads)} merger tensors")
 
-# The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false), then
-# one AdamW step: decay on >= 2-dim tensors, the gradients clipped to half their norm, an
-# epsilon (1e-3) above the gradients' rounding, so that the step is a smooth function of
-# them (at 1e-8 the first step is lr x sign(g), which rounding flips where g is ~0).
-loss, grads, norm = step(True)
-assert any(n.startswith("visual.merger.") for n in grads) and not any(
-    n.startswith("visual.") and not n.startswith("visual.merger.") for n in grads)
-LR, WD, EPS, CLIP = 0.001, 0.1, 1e-3, norm / 2
-params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
-torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
-opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": WD},
-                         {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}],
-                        lr=LR, betas=(0.9, 0.999), eps=EPS)
-opt.step()
-proj = os.path.join(out, "projector")
-write_case(proj, loss, grads, norm,
-           f"freeze_multi_modal_projector: false\nadam_epsilon: {EPS}\n"
-           f"training: {{batch_size: {B}, num_steps: 1, learning_rate: {LR}, weight_decay: {WD}, max_grad_norm: {CLIP!r}}}\n")
-safetensors.torch.save_file({n: p.detach().contiguous() for n, p in params.items()},
-                            os.path.join(proj, "step1.safetensors"))
-print(f"vlm golden, projector trained: loss {loss.item():.6f}, grad norm {norm:.6f}, "
-      f"{sum(n.startswith('visual.') for n in grads)} merger tensors")
+    # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
+    # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
+    # (VisionSpec::forward_flops). The records' grids, and a few of other shapes (partial
+    # windows, two frames).
+    grids = [list(map(int, g)) for g in pix["image_grid_thw"]] + [[1, 12, 20], [1, 6, 10], [2, 8, 8]]
+    v = cfg.vision_config
+    visual, patch = model.model.visual, v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    # The eager attention's two matmuls are counted; CPU SDPA's fused kernel is not.
+    visual.config._attn_implementation = "eager"
+    counted = []
+    for g in grids:
+        x = torch.randn(g[0] * g[1] * g[2], patch)
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            visual(x, grid_thw=torch.tensor([g]))
+        counted.append({"grid": g, "flops": fc.get_total_flops()})
+    json.dump(counted, open(os.path.join(out, "tower_flops.json"), "w"), indent=2)
+    print(f"vlm golden ({family}): tower FLOPs of {len(counted)} grids")
 
-# The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
-# SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
-# (VisionSpec::forward_flops). The records' grids, and a few of other shapes (partial
-# windows, two frames).
-from torch.utils.flop_counter import FlopCounterMode
 
-grids = [list(map(int, g)) for g in pix["image_grid_thw"]] + [[1, 12, 20], [1, 6, 10], [2, 8, 8]]
-visual, patch = model.model.visual, 3 * 2 * 14 * 14
-# The eager attention's two matmuls are counted; CPU SDPA's fused kernel is not.
-visual.config._attn_implementation = "eager"
-counted = []
-for g in grids:
-    x = torch.randn(g[0] * g[1] * g[2], patch)
-    with torch.no_grad(), FlopCounterMode(display=False) as fc:
-        visual(x, grid_thw=torch.tensor([g]))
-    counted.append({"grid": g, "flops": fc.get_total_flops()})
-json.dump(counted, open(os.path.join(out, "tower_flops.json"), "w"), indent=2)
-print(f"vlm golden: tower FLOPs of {len(counted)} grids")
+golden("qwen2vl", qwen2_5_vl, "golden", 4949, projector=True)
+golden("qwen3vl", qwen3_vl, "golden-qwen3vl", 4950, projector=False)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Vision-tower fixtures (issue #49): a tiny random Qwen2.5-VL built with transformers' own
-classes, and what its vision tower makes of random pixels, for the worker's
-`qwen2_5_vl_vision` (worker/src/model/qwen2_vl_vision.rs) to compare with.
+"""Vision-tower fixtures (issue #49): a tiny random Qwen2.5-VL (and, with `--family qwen3_vl`,
+a tiny Qwen3-VL) built with transformers' own classes, and what its vision tower makes of
+random pixels, for the worker's `qwen2_5_vl_vision` (worker/src/model/qwen2_vl_vision.rs) and
+`qwen3_vl_vision` (worker/src/model/qwen3_vl_vision.rs) to compare with.
 
 Written under OUT/vision/qwen2_5_vl/ (and Gemma 3's SigLIP tower and projector under
 OUT/vision/gemma3/, described at the end):
@@ -18,7 +19,13 @@ padding column of windows), one entry with two temporal patches; weights drawn w
 the init (std 0.15, norm weights around 1) so that attention is far from uniform and a
 permutation or a norm bug moves the output.
 
-Usage: .venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden
+Qwen3-VL (OUT/vision/qwen3_vl/, same files; io.safetensors adds `deepstack.K`, the K-th
+deepstack feature): 3 blocks with deepstack mergers after blocks 2 and 0 (listed out of order:
+the features come in block order, each from its own merger), learned position embeddings on a
+6 x 6 grid resampled to grids smaller and larger than it, one entry with two frames (attention
+within each frame), the same wide weights.
+
+Usage: .venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden [--family qwen3_vl]
 """
 import argparse
 import os
@@ -26,15 +33,67 @@ import shutil
 
 import safetensors.torch
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration)
 
 GRIDS = [(1, 6, 8), (1, 4, 10), (2, 4, 4)]  # (t, h, w) in patches
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
-out = os.path.join(os.path.abspath(ap.parse_args().out), "vision", "qwen2_5_vl")
+ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+args = ap.parse_args()
+out = os.path.join(os.path.abspath(args.out), "vision", args.family)
 shutil.rmtree(out, ignore_errors=True)
 os.makedirs(out)
+
+
+def qwen3_vl():
+    """The Qwen3-VL case: its own model, inputs and outputs (with the deepstack features)."""
+    torch.manual_seed(1)
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=3, hidden_size=48, intermediate_size=80, num_heads=3, out_hidden_size=64,
+            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=36,
+            deepstack_visual_indexes=[2, 0],
+        ),
+        image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93,
+    )
+    model = Qwen3VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.model.visual.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.startswith("pos_embed"):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(os.path.join(out, "model"))
+    grids = GRIDS + [(1, 10, 2)]
+    grid_thw = torch.tensor(grids, dtype=torch.int64)
+    n = int(grid_thw.prod(-1).sum())
+    v = config.vision_config
+    pixel_values = torch.randn(n, v.in_channels * v.temporal_patch_size * v.patch_size ** 2)
+    with torch.no_grad():
+        o = model.model.visual(pixel_values, grid_thw=grid_thw)
+        per_image = model.model.get_image_features(pixel_values, grid_thw)
+    assert torch.equal(torch.cat(per_image.pooler_output), o.pooler_output)
+    assert len(o.deepstack_features) == 2 and o.pooler_output.shape == (n // 4, 64)
+    io = {"pixel_values": pixel_values.contiguous(), "grid_thw": grid_thw,
+          "merged": o.pooler_output.contiguous()}
+    io.update({f"deepstack.{k}": f.contiguous() for k, f in enumerate(o.deepstack_features)})
+    safetensors.torch.save_file(io, os.path.join(out, "io.safetensors"))
+    print(f"wrote {out}: {n} patches of {len(grids)} grids -> merged {tuple(o.pooler_output.shape)}"
+          f" and {len(o.deepstack_features)} deepstack features")
+
+
+if args.family == "qwen3_vl":
+    qwen3_vl()
+    raise SystemExit(0)
 
 torch.manual_seed(0)
 config = Qwen2_5_VLConfig(

@@ -150,7 +150,7 @@ pub use device::{
     tiled_layer,
 };
 pub use disk::DiskPlan;
-pub use drives::DrivePlan;
+pub use drives::{DrivePlan, DriveSpeed, SpeedSource};
 pub use fit::{
     DeviceMemory, Largest, Short, check as check_device_fit, resident_block_bytes, resident_fit,
 };

@@ -145,6 +145,19 @@ pub struct PlanArgs {
     #[arg(long, value_name = "GB")]
     pub drive_size: Option<f64>,
 
+    /// With `memory.optimizer_offload: nvme`: each drive's bandwidth in GB/s, READ or
+    /// READ,WRITE, for the update's drive time, instead of measuring it (plan writes then
+    /// reads 256 MiB in each directory of `memory.nvme_path` at once, direct, the file
+    /// removed at once; nothing is measured with --drive-size).
+    #[arg(long, value_name = "GB/s", allow_negative_numbers = true, value_parser = drive_speed)]
+    pub drive_speed: Option<DriveSpeed>,
+
+    /// The GPUs' compute in TFLOPS per device, MegaTrain's count (the TFLOPS/dev of a step
+    /// line of this model not bound by the drives), for the gradient accumulation that
+    /// keeps the drives' time within the compute's.
+    #[arg(long, value_name = "TFLOPS", allow_negative_numbers = true, value_parser = positive)]
+    pub tflops: Option<f64>,
+
     /// Nodes (launchers under `mpirun -np N`): adds each node's host bytes per parameter
     /// and the network traffic of a step.
     #[arg(long, value_name = "N", default_value_t = 1)]
@@ -322,4 +335,28 @@ fn visible_gpus() -> usize {
     std::fs::read_dir("/proc/driver/nvidia/gpus")
         .map(|d| d.count())
         .unwrap_or(0)
+}
+
+/// `plan --drive-speed`: a drive's read and write bandwidth, GB/s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DriveSpeed {
+    pub read: f64,
+    pub write: f64,
+}
+
+/// `READ` or `READ,WRITE`, each a number of GB/s above 0.
+fn drive_speed(s: &str) -> std::result::Result<DriveSpeed, String> {
+    let (r, w) = s.split_once(',').unwrap_or((s, s));
+    Ok(DriveSpeed {
+        read: positive(r.trim())?,
+        write: positive(w.trim())?,
+    })
+}
+
+/// A finite number above 0.
+fn positive(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("expected a number above 0, got '{s}'")),
+    }
 }

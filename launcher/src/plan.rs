@@ -67,6 +67,18 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
         ),
         (d, None) => d,
     };
+    let drives = match (drives, p.drive_speed) {
+        (None, Some(_)) => anyhow::bail!(
+            "--drive-speed is the bandwidth of the drives of memory.optimizer_offload: nvme; \
+             this run keeps the optimizer state in RAM"
+        ),
+        (d, speed) => d
+            .map(|d| drive_speed(d, speed, p.drive_size.is_some()))
+            .transpose()?,
+    };
+    let bound = drives
+        .as_ref()
+        .and_then(|d| DriveBound::new(&cfg, &prep, d, placement.world(), p.tflops));
     // --host-memory stands for the RAM of the machine planned for.
     let host = match p.host_memory {
         Some(gb) => Host::Given((gb * 1e9) as u64),
@@ -99,6 +111,19 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
                 "total_bytes": d.total(),
                 "host_window_bytes": d.windows,
                 "stated_drive_bytes": d.stated,
+                "update_read_bytes": d.update,
+                "update_write_bytes": d.update,
+                "read_bytes_per_s": d.speed.as_ref().map(|s| s.per_drive.iter().map(|x| x.0).collect::<Vec<_>>()),
+                "write_bytes_per_s": d.speed.as_ref().map(|s| s.per_drive.iter().map(|x| x.1).collect::<Vec<_>>()),
+                "speed_source": d.speed.as_ref().map(|s| match s.source {
+                    mt::plan::SpeedSource::Stated => "stated",
+                    mt::plan::SpeedSource::Measured { .. } => "measured",
+                }),
+                "update_s": d.update_s(),
+                "tokens_per_update": bound.as_ref().map(|b| b.tokens),
+                "max_tokens_per_s": bound.as_ref().map(|b| b.tokens_per_s),
+                "max_tflops_per_device": bound.as_ref().map(|b| b.tflops),
+                "gradient_accumulation_steps": bound.as_ref().and_then(|b| b.accumulation.map(|a| a.0)),
             });
             v["host"]["drive_windows"] = serde_json::json!(prep.plan.drive_windows);
         }
@@ -123,6 +148,9 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     describe(&cfg, &placement, &prep, host);
     if let Some(d) = &drives {
         print!("{d}");
+    }
+    if let Some(b) = &bound {
+        println!("{b}");
     }
     println!(
         "host memory modes (the same training; {}):\n{}",
@@ -151,6 +179,114 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     }
     // The state must fit the drives: refused as the launch refuses it.
     drives.map_or(Ok(()), |d| Ok(d.check()?))
+}
+
+/// `d` with the drives' bandwidth: `stated` (`--drive-speed`), else measured in its
+/// directories unless they stand for drives elsewhere (`elsewhere`: `--drive-size`) or do
+/// not hold the state (the plan refuses it at its end).
+fn drive_speed(
+    d: mt::plan::DrivePlan,
+    stated: Option<cli::DriveSpeed>,
+    elsewhere: bool,
+) -> Result<mt::plan::DrivePlan> {
+    use mt::plan::{DriveSpeed, SpeedSource};
+    if let Some(s) = stated {
+        let per_drive = vec![(s.read * 1e9, s.write * 1e9); d.dirs.len()];
+        let source = SpeedSource::Stated;
+        return Ok(d.with_speed(DriveSpeed { per_drive, source }));
+    }
+    if elsewhere || d.check().is_err() {
+        return Ok(d);
+    }
+    let bytes = mt::host::nvme::probe::PROBE_BYTES;
+    let tag = format!("mt-{}-plan", std::process::id());
+    let measured = mt::host::nvme::probe::probe(&d.dirs, bytes, &tag)?;
+    let speed = DriveSpeed {
+        per_drive: measured.iter().map(|m| (m.read, m.write)).collect(),
+        source: SpeedSource::Measured {
+            bytes,
+            direct: measured.iter().all(|m| m.direct),
+        },
+    };
+    Ok(d.with_speed(speed))
+}
+
+/// What the drives' time per update means for a step: the tokens an update trains on
+/// against that time, and with `--tflops`, the gradient accumulation whose compute takes as
+/// long. The update overlaps only the next step's first forward (the workers take each
+/// block as it is written), so accumulation shares the drives' time over more tokens; it
+/// does not hide it.
+struct DriveBound {
+    /// Tokens per update (padded: MegaTrain's count) and its parts.
+    tokens: u64,
+    batch: usize,
+    seq_len: usize,
+    /// The most tokens per second, and TFLOPS per device (MegaTrain's count: 6 x
+    /// parameters x tokens), the drives' time allows.
+    tokens_per_s: f64,
+    tflops: f64,
+    /// With `--tflops F`: the least gradient accumulation whose compute at F takes the
+    /// drives' time or longer, the seconds of one micro-batch at F and F.
+    accumulation: Option<(usize, f64, f64)>,
+    /// The micro-batch rows per worker and the workers.
+    rows: usize,
+    world: usize,
+}
+
+impl DriveBound {
+    fn new(
+        cfg: &RunConfig,
+        prep: &Prepared,
+        d: &mt::plan::DrivePlan,
+        world: usize,
+        tflops: Option<f64>,
+    ) -> Option<DriveBound> {
+        let update_s = d.update_s()?;
+        let (rows, seq_len) = prep.micro_batch(cfg, world);
+        let batch = cfg.rows_per_step();
+        let tokens = (batch * seq_len) as u64;
+        let params = prep.layout.num_params() as f64;
+        let flops = |tokens: f64| 6.0 * params * tokens;
+        let accumulation = tflops.map(|f| {
+            let micro_s = flops((rows * seq_len) as f64) / (f * 1e12);
+            (((update_s / micro_s).ceil() as usize).max(1), micro_s, f)
+        });
+        Some(DriveBound {
+            tokens,
+            batch,
+            seq_len,
+            tokens_per_s: tokens as f64 / update_s,
+            tflops: flops(tokens as f64) / update_s / world as f64 / 1e12,
+            accumulation,
+            rows,
+            world,
+        })
+    }
+}
+
+impl std::fmt::Display for DriveBound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "at {} tokens per update (training.batch_size {} x {}) that allows about {:.0} \
+             tokens/s, {:.1} TFLOPS/dev (MegaTrain's count): the update overlaps only the next \
+             step's first forward, so gradient accumulation spreads its time over more tokens \
+             but does not hide it",
+            self.tokens, self.batch, self.seq_len, self.tokens_per_s, self.tflops
+        )?;
+        match self.accumulation {
+            Some((a, micro_s, tf)) => write!(
+                f,
+                "\nat {tf} TFLOPS/dev (--tflops, not measured) a micro-batch of {} x {} computes \
+                 in {micro_s:.1} s: gradient_accumulation_steps >= {a} (training.batch_size {}) \
+                 computes for as long as the drives take (they then take half the step or less)",
+                self.rows,
+                self.seq_len,
+                self.world * a * self.rows
+            ),
+            None => write!(f, " (--tflops: the accumulation that matches it)"),
+        }
+    }
 }
 
 /// The plan as JSON: host bytes by component, the device plan's phases, the largest batch.

@@ -340,6 +340,20 @@ pub fn run_layout(
         )
         .into());
     };
+    use mt::config::vision::{TowerSpec, VisionFamily};
+    let vision = match vision {
+        TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl => v,
+        other => {
+            return Err(mt::Error::invalid(
+                key,
+                format!(
+                    "false trains Qwen2.5-VL's projector only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
+                    other.model_type(),
+                ),
+            )
+            .into());
+        }
+    };
     if cfg.model.init == Init::Random {
         return Err(mt::Error::invalid(
             key,
@@ -347,19 +361,7 @@ pub fn run_layout(
         )
         .into());
     }
-    match vision {
-        mt::config::vision::TowerSpec::Qwen(vision) => {
-            Ok(Layout::with_tower(spec, &vision, training))
-        }
-        mt::config::vision::TowerSpec::Siglip(s) => Err(mt::Error::invalid(
-            key,
-            format!(
-                "false is not supported yet for `{}` (Gemma 3's multi_modal_projector trains frozen; Qwen2.5-VL's merger trains)",
-                s.model_type
-            ),
-        )
-        .into()),
-    }
+    Ok(Layout::with_tower(spec, &vision, training))
 }
 
 /// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for

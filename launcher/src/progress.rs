@@ -162,8 +162,23 @@ fn bound_note(m: &StepMetrics) -> String {
 /// What to change when a step after the first is bounded by the host or PCIe (printed
 /// once per run).
 fn bound_hint(m: &StepMetrics) -> Option<String> {
+    let drives;
     let what = match m.bound {
         Bound::Compute => return None,
+        // With the state on the drives, the update mostly waits for them.
+        Bound::Optimizer
+            if m.drives
+                .is_some_and(|d| 2.0 * d.drive_wait_s > m.update_wait_s) =>
+        {
+            let d = m.drives.expect("checked");
+            drives = format!(
+                "the workers waited for the host's AdamW, which waited {:.1} s for the drives \
+                 (memory.nvme_path: {:.2} GB/s read, {:.2} GB/s write); more drives (striped) \
+                 shorten that",
+                d.drive_wait_s, d.drive_read_gb_s, d.drive_write_gb_s
+            );
+            &drives
+        }
         Bound::Optimizer => {
             "the workers waited for the host's AdamW, which updates every parameter once per step"
         }
@@ -214,6 +229,38 @@ pub struct Totals {
     pub tokens: u64,
     pub eval_loss: Option<f64>,
     pub peak_gpu_bytes: u64,
+    /// With the optimizer's state on the drives: the steps' bytes read and written, the
+    /// seconds their transfers took, the update's wait for them, and the steps' time.
+    pub drives: Option<DriveTotals>,
+}
+
+/// [`Totals`] of the drives (`memory.optimizer_offload: nvme`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DriveTotals {
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub read_s: f64,
+    pub write_s: f64,
+    pub wait_s: f64,
+    pub step_s: f64,
+}
+
+impl DriveTotals {
+    /// `1.00 GB/s read, 0.90 GB/s write (45.70 / 45.70 GB a step), waited 40.8 s (73%)`
+    /// over `steps` steps.
+    fn summary(&self, steps: u64) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        format!(
+            "{:.2} GB/s read, {:.2} GB/s write ({:.2} / {:.2} GB a step); the update waited for \
+             them {:.1} s ({:.0}% of the steps' time)",
+            gb(self.read_bytes) / self.read_s.max(1e-9),
+            gb(self.write_bytes) / self.write_s.max(1e-9),
+            gb(self.read_bytes) / steps.max(1) as f64,
+            gb(self.write_bytes) / steps.max(1) as f64,
+            self.wait_s,
+            100.0 * self.wait_s / self.step_s.max(1e-9)
+        )
+    }
 }
 
 enum Kind {
@@ -296,6 +343,17 @@ impl Progress {
         t.tokens += m.tokens;
         t.eval_loss = m.eval.map(|e| e.eval_loss).or(t.eval_loss);
         t.peak_gpu_bytes = t.peak_gpu_bytes.max(m.peak_gpu_bytes);
+        if let Some(d) = &m.drives {
+            let mut all = t.drives.unwrap_or_default();
+            let secs = |b: u64, gb_s: f64| b as f64 / 1e9 / gb_s.max(1e-9);
+            all.read_bytes += d.drive_read_bytes;
+            all.write_bytes += d.drive_write_bytes;
+            all.read_s += secs(d.drive_read_bytes, d.drive_read_gb_s);
+            all.write_s += secs(d.drive_write_bytes, d.drive_write_gb_s);
+            all.wait_s += d.drive_wait_s;
+            all.step_s += m.step_time_s;
+            t.drives = Some(all);
+        }
         self.totals.set(t);
         // The first step starts with no update to wait for: judge from the second on.
         if m.step >= 2
@@ -352,8 +410,16 @@ impl Progress {
                     (true, b) if b > 0 => format!(" gpu {:.1} GB", b as f64 / 1e9),
                     _ => String::new(),
                 };
+                let drives = m.drives.map_or(String::new(), |d| {
+                    format!(
+                        " drives {:.2}/{:.2} GB/s ({:.0}% waiting)",
+                        d.drive_read_gb_s,
+                        d.drive_write_gb_s,
+                        100.0 * d.drive_wait_s / m.step_time_s.max(1e-9)
+                    )
+                });
                 bar.set_message(format!(
-                    "epoch {:.2} loss {:.4}{dpo} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{gpu} host {:.1} GB{}{}",
+                    "epoch {:.2} loss {:.4}{dpo} lr {:.2e} {:.0} tok/s {:.1} TFLOPS/dev{gpu} host {:.1} GB{drives}{}{}",
                     self.epoch(m.step),
                     m.loss,
                     m.lr,
@@ -376,8 +442,11 @@ impl Progress {
                     // With the optimizer's state on the drives: their rates and the wait.
                     let exchange = match &m.drives {
                         Some(d) => format!(
-                            "{exchange}  drives r {:.2} w {:.2} GB/s (waited {:.2}s)",
-                            d.drive_read_gb_s, d.drive_write_gb_s, d.drive_wait_s
+                            "{exchange}  drives r {:.2} w {:.2} GB/s (waited {:.2}s, {:.0}%)",
+                            d.drive_read_gb_s,
+                            d.drive_write_gb_s,
+                            d.drive_wait_s,
+                            100.0 * d.drive_wait_s / m.step_time_s.max(1e-9)
                         ),
                         None => exchange,
                     };
@@ -425,6 +494,9 @@ impl Progress {
             per_s(t.tokens as f64)
         );
         s += &format!("  epoch = {:.2}\n", self.epoch(self.first + t.steps));
+        if let Some(d) = &t.drives {
+            s += &format!("  drives = {}\n", d.summary(t.steps));
+        }
         if self.on_gpu && t.peak_gpu_bytes > 0 {
             s += &format!(
                 "  peak GPU memory = {:.2} GB\n",

@@ -89,6 +89,30 @@ fn launch(
     run_cpu_env(&tiny(), 2, &m, &args, env)
 }
 
+/// The bytes `mt-launch plan --json` says one update of `mode` moves each way, measured on
+/// `drive`.
+fn planned_update_bytes(dir: &Path, drive: &Path, mode: &[&str]) -> u64 {
+    let on = [
+        "memory.optimizer_offload=nvme".to_string(),
+        format!("memory.nvme_path={}", drive.display()),
+        format!("training.output_dir={}", dir.join("out-plan").display()),
+        "dataset.max_seq_len=32".into(),
+        "training.batch_size=4".into(),
+    ];
+    let config = tiny();
+    let mut args = vec!["plan", "--config", path_str(&config), "--gpus", "0"];
+    args.extend(["--workers", "2", "--json", "--drive-speed", "1"]);
+    for kv in mode.iter().copied().chain(on.iter().map(String::as_str)) {
+        args.extend(["--set", kv]);
+    }
+    let out = mt_launch().args(&args).output().unwrap();
+    assert_ok(&out, &args);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["drives"]["update_write_bytes"]
+        .as_u64()
+        .expect("update bytes")
+}
+
 fn bits(rows: &[serde_json::Value], key: &str) -> Vec<u64> {
     column(rows, key).iter().map(|x| x.to_bits()).collect()
 }
@@ -123,10 +147,24 @@ fn equal_on_the_drive(name: &str, mode: &[&str]) {
         !ram.model.is_empty() && ram.model == nvme.model,
         "the exports differ"
     );
+    // Every update writes back what `mt-launch plan` counts; it reads as much, and a
+    // checkpoint of the step reads the state once more.
+    let update = planned_update_bytes(&dir, &drive, mode);
     for row in &nvme.rows {
         let read = row["drive_read_bytes"].as_u64().expect("drive_read_bytes");
-        assert!(read > 0 && row["drive_wait_s"].is_number(), "{row}");
+        let written = row["drive_write_bytes"]
+            .as_u64()
+            .expect("drive_write_bytes");
+        assert!(read >= update && row["drive_wait_s"].is_number(), "{row}");
+        assert_eq!(written, update, "{row}");
     }
+    // The end's summary: the rates achieved and the share of the steps waiting for them.
+    let summary = nvme.stdout.lines().find(|l| l.starts_with("  drives = "));
+    let summary = summary.unwrap_or_else(|| panic!("no drives summary: {}", nvme.stdout));
+    assert!(
+        summary.contains("GB/s read") && summary.contains("% of the steps' time"),
+        "{summary}"
+    );
     assert!(ram.rows[0].get("drive_read_bytes").is_none());
     let left = std::fs::read_dir(&drive).unwrap().count();
     assert_eq!(left, 0, "files left on the drive");

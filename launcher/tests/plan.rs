@@ -708,3 +708,83 @@ fn plan_sizes_a_machine_elsewhere_from_its_ram_and_drives() {
         "{err}"
     );
 }
+
+/// The drives' speed with the state on them (`memory.optimizer_offload: nvme`, the tiny
+/// model, a scratch directory as the drive): `plan` measures the directory (a speed printed,
+/// nothing left there), or takes `--drive-speed READ,WRITE`, and the update's drive time is
+/// then the update's bytes read at READ plus written at WRITE, exactly; a speed of 0, below
+/// 0 or not a number is refused naming the flag, as is `--drive-speed` without drives; a
+/// drive directory that is a symbolic link is refused, as the run refuses it.
+#[test]
+fn plan_measures_the_drives_or_takes_their_stated_speed() {
+    let dir = scratch("plan-drive-speed");
+    let drive = dir.join("nvme0");
+    std::fs::create_dir(&drive).unwrap();
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tiny.yaml");
+    let plan = |drive: &std::path::Path, extra: &[&str]| {
+        let path = format!("memory.nvme_path={}", drive.display());
+        let mut args = vec!["plan", "--config", path_str(&tiny), "--gpus", "0", "--set"];
+        args.extend(["memory.optimizer_offload=nvme", "--set", &path]);
+        args.extend(extra);
+        mt_launch().args(&args).output().unwrap()
+    };
+    let out = plan(&drive, &[]);
+    assert_ok(&out, &["plan"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&drive.display().to_string()) && l.contains("GB/s read"))
+        .unwrap_or_else(|| panic!("no measured speed: {text}"));
+    assert!(line.contains("GB/s write"), "{line}");
+    assert!(
+        text.contains("at the speeds measured here (256 MiB written then read"),
+        "{text}"
+    );
+    assert_eq!(std::fs::read_dir(&drive).unwrap().count(), 0, "probe left");
+
+    let out = plan(&drive, &["--drive-speed", "2,0.5", "--json"]);
+    assert_ok(&out, &["--drive-speed"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = &v["drives"];
+    let bytes = d["update_read_bytes"].as_u64().unwrap();
+    assert_eq!(d["update_write_bytes"].as_u64(), Some(bytes));
+    // configs/tiny.yaml, fp32 master and moments: 12 bytes each way per position.
+    assert_eq!(bytes % 12, 0, "{bytes}");
+    let want = bytes as f64 / 2e9 + bytes as f64 / 0.5e9;
+    let got = d["update_s"].as_f64().unwrap();
+    assert!((got - want).abs() <= 1e-12 * want, "{got} s, want {want}");
+    assert_eq!(d["speed_source"], "stated");
+
+    for bad in ["0", "-1", "fast", "1,0", "inf"] {
+        let out = plan(&drive, &["--drive-speed", bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("--drive-speed") && err.contains(bad),
+            "{bad}: {err}"
+        );
+    }
+    let out = plan(&drive, &["--tflops", "0"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--tflops"));
+    let out = mt_launch()
+        .args(["plan", "--config", path_str(&tiny), "--gpus", "0"])
+        .args(["--drive-speed", "7"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--drive-speed is the bandwidth"),
+        "{err}"
+    );
+
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&drive, &link).unwrap();
+    let out = plan(&link, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains(&link.display().to_string())
+            && err.contains("symbolic link"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(&drive).unwrap().count(), 0);
+}

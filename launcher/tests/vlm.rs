@@ -1,15 +1,17 @@
-//! Vision-language training end to end (#49): a tiny Qwen2.5-VL built with the hub classes,
-//! trained one step by mt-launch on LlamaFactory-format multimodal records (PNG, JPEG and
-//! lossless WebP images, one and two per row, multi-turn, a text-only row), read, tokenized,
-//! decoded and resized by it, the frozen vision tower run in the workers, against the same
-//! step in transformers + torch (scripts/make_vlm_golden.py, in the data fixtures).
+//! Vision-language training end to end (#49): a tiny Qwen2.5-VL and a tiny Qwen3-VL built
+//! with the hub classes, each trained one step by mt-launch on LlamaFactory-format multimodal
+//! records (PNG, JPEG and lossless WebP images, one and two per row, multi-turn, a text-only
+//! row), read, tokenized, decoded and resized by it, the frozen vision tower run in the
+//! workers, against the same step in transformers + torch (scripts/make_vlm_golden.py, in
+//! the data fixtures). Qwen3-VL adds the interleaved mrope, the tower's learned positions and
+//! the deepstack features added after the first two of its three layers.
 //!
 //! The same with the projector (the merger) trained: its gradients too, and the step's
 //! weights against torch's AdamW. And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py):
 //! its SigLIP tower and projector, the image blocks' bidirectional attention.
 //!
 //! Tolerance: 1e-4 relative, f32 on both sides; what differs is summation order (the
-//! tower's patch embedding as a matmul, its windows padded into one SDPA call, the
+//! tower's patch embedding as a matmul, its windows or frames padded into one SDPA call, the
 //! language model's chunked loss), about sqrt(K) x 2^-24 for sums of K <= ~1e3 terms, two
 //! orders below the bound, while a misplaced image feature or a wrong 3-D position moves
 //! the loss and every gradient by O(1e-2) or more.
@@ -25,8 +27,19 @@ const TOL: f64 = 1e-4;
 
 #[test]
 fn qwen2_5_vl_with_images_matches_transformers() {
-    let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
-    let failures = golden_step(&dir, "vlm-golden", |_, _, _| Vec::new());
+    golden_matches("golden");
+}
+
+#[test]
+fn qwen3_vl_with_images_matches_transformers() {
+    golden_matches("golden-qwen3vl");
+}
+
+/// One step of `vlm/{case}`'s run with 1 and 2 workers against transformers': loss, grad
+/// norm and every gradient.
+fn golden_matches(case: &str) {
+    let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
+    let failures = golden_step(&dir, &format!("vlm-{case}"), |_, _, _| Vec::new());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -89,6 +102,22 @@ fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
         bad
     });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A trained projector is Qwen2.5-VL's only: on Qwen3-VL `vlm.freeze_projector: false` is
+/// refused before training, naming the key.
+#[test]
+fn qwen3_vl_with_the_projector_trained_is_refused() {
+    let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
+    let s = scratch("vlm-qwen3vl-projector");
+    let set = ["--set", "vlm.freeze_projector=false"];
+    let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained: {err}");
+    assert!(
+        err.contains("vlm.freeze_projector") && err.contains("Qwen2.5-VL's projector only"),
+        "{err}"
+    );
 }
 
 /// Runs `dir/run.yaml` for one step with 1 and 2 workers, its export in a scratch
@@ -156,15 +185,34 @@ fn golden_step(
 /// image with `generate`.
 #[test]
 fn qwen2_5_vl_export_loads_in_transformers_and_answers_about_an_image() {
+    export_answers("golden", "visual.", "Qwen2VLProcessor", &["true", "false"]);
+}
+
+/// The same for Qwen3-VL (its class's names: `model.language_model.*`, `model.visual.*`).
+#[test]
+fn qwen3_vl_export_loads_in_transformers_and_answers_about_an_image() {
+    export_answers(
+        "golden-qwen3vl",
+        "model.visual.",
+        "Qwen3VLProcessor",
+        &["true"],
+    );
+}
+
+/// Trains `vlm/{case}` two steps, exports, and checks the export in transformers: the tower
+/// (names under `tower`) bit for bit, every other tensor trained, `generate` through the
+/// processor class `processor`; once per `vlm.freeze_projector` in `projectors` (`true`, then
+/// `false`: the merger trained as well).
+fn export_answers(case: &str, tower: &str, processor: &str, projectors: &[&str]) {
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
     if !py.is_file() {
         eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
         return;
     }
-    let dir = data_fixtures("vlm/golden/expected.json").join("vlm/golden");
-    let s = scratch("vlm-export");
+    let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
+    let s = scratch(&format!("vlm-export-{case}"));
     let mut outs = Vec::new();
-    for projector in ["true", "false"] {
+    for projector in projectors {
         let out = s.join(format!("out-freeze-projector-{projector}"));
         let set = format!("training.output_dir={}", out.display());
         let freeze = format!("vlm.freeze_projector={projector}");
@@ -190,22 +238,25 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_processing_utils import BaseVideoProcessor
-src, image, frozen_out, trained_out = sys.argv[1:5]
-Qwen2VLProcessor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-for out, projector in [(frozen_out, False), (trained_out, True)]:
+src, image, prefix, processor = sys.argv[1:5]
+outs = sys.argv[5:]
+Processor = {"Qwen2VLProcessor": Qwen2VLProcessor, "Qwen3VLProcessor": Qwen3VLProcessor}[processor]
+Processor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+for out, projector in zip(outs, [False, True]):
     a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
     assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
-    merger = lambda k: k.startswith("visual.merger.")
-    tower = [k for k in a if k.startswith("visual.") and not (projector and merger(k))]
+    merger = lambda k: k.startswith(prefix + "merger.")
+    tower = [k for k in a if k.startswith(prefix) and not (projector and merger(k))]
     assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
     trained = [k for k in a if k not in tower]
     assert not projector or any(merger(k) for k in trained)
     assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(out)
-    proc = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(out), tokenizer=tok,
-                            video_processor=BaseVideoProcessor(), chat_template=tok.chat_template)
+    proc = Processor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(out), tokenizer=tok,
+                     video_processor=BaseVideoProcessor(), chat_template=tok.chat_template)
     msgs = [{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>What is this?"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
@@ -218,6 +269,7 @@ for out, projector in [(frozen_out, False), (trained_out, True)]:
         .args(["-c", check])
         .arg(dir.join("model"))
         .arg(&image)
+        .args([tower, processor])
         .args(&outs)
         .output()
         .unwrap();

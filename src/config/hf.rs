@@ -38,9 +38,10 @@ pub use wrapper::{TOWER, TextNames};
 
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
 /// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such. The multimodal
-/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`, `qwen2_5_vl`) train their text
-/// model, which must be one of these; `qwen2_5_vl` wraps `qwen2_5_vl_text` (Qwen2's layer
-/// under a multimodal RoPE).
+/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`, `qwen2_5_vl`, `qwen3_vl`)
+/// train their text model, which must be one of these; `qwen2_5_vl` wraps `qwen2_5_vl_text`
+/// (Qwen2's layer under a multimodal RoPE), `qwen3_vl` wraps `qwen3_vl_text` (Qwen3's layer
+/// under an interleaved multimodal RoPE).
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "llama",
     "mistral",
@@ -62,6 +63,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "deepseek_v3",
     "llama4_text",
     "qwen2_5_vl_text",
+    "qwen3_vl_text",
 ];
 
 /// The subset of an HF `config.json` we read. `Option<Option<T>>` fields tell an absent key
@@ -304,8 +306,8 @@ pub struct ModelSpec {
     /// Multi-token-prediction layers the checkpoint numbers after the decoder layers
     /// (`num_nextn_predict_layers` of GLM-4.5 and DeepSeek-V3): carried, not trained.
     pub mtp_layers: usize,
-    /// Qwen2.5-VL's multimodal RoPE: 3-D positions (temporal, height, width), each rotating
-    /// its own section of the frequencies; None for a 1-D RoPE.
+    /// Qwen2.5-VL's and Qwen3-VL's multimodal RoPE: 3-D positions (temporal, height, width),
+    /// each rotating its own section of the frequencies; None for a 1-D RoPE.
     pub mrope: Option<Mrope>,
 }
 
@@ -437,6 +439,7 @@ impl ModelSpec {
         }
         let mla = attn::mla_spec(hf, &model_type, num_heads, num_kv_heads, &err)?;
         let qwen2_5_vl = model_type == "qwen2_5_vl_text";
+        let qwen3_vl = model_type == "qwen3_vl_text";
         // DeepSeek-V3's config sets head_dim to the rotary part of a head; Qwen2.5-VL's
         // attention ignores `head_dim` (hidden_size / heads).
         let head_dim = match mla
@@ -535,9 +538,10 @@ impl ModelSpec {
             default_theta: match family {
                 Family::Llama4 => 500_000.0,
                 _ if qwen2_5_vl => 1_000_000.0,
+                _ if qwen3_vl => 500_000.0,
                 _ => 10_000.0,
             },
-            mrope: qwen2_5_vl,
+            mrope: qwen2_5_vl || qwen3_vl,
         };
         let (rope, rope_local) = if family == Family::GptOss && hf.rope_scaling.is_none() {
             // GptOssConfig's default when config.json names no RoPE: YaRN x32 from 4096.
@@ -611,11 +615,11 @@ impl ModelSpec {
             _ => 0,
         };
         let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
-        let mrope = match qwen2_5_vl {
-            true => Some(Mrope::of_text(hf, rope.rotary_dim, &err)?),
+        let mrope = match qwen2_5_vl || qwen3_vl {
+            true => Some(Mrope::of_text(hf, rope.rotary_dim, qwen3_vl, &err)?),
             false if mrope::names_mrope(hf) => {
                 return Err(err(format!(
-                    "rope type `mrope` is only supported for qwen2_5_vl (`{model_type}` given)"
+                    "rope type `mrope` is only supported for qwen2_5_vl and qwen3_vl (`{model_type}` given)"
                 )));
             }
             false => None,

@@ -40,6 +40,10 @@ pub const SHIPPED: &[Shipped] = &[
     ),
     shipped!("qwen2.5-vl-7b", ["Qwen/Qwen2.5-VL-7B-Instruct"]),
     shipped!(
+        "qwen3-vl-8b",
+        ["Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3-VL-8B-Thinking"]
+    ),
+    shipped!(
         "gemma3-27b",
         ["google/gemma-3-27b-it", "google/gemma-3-27b-pt"]
     ),

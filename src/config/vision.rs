@@ -1,9 +1,9 @@
 //! A multimodal checkpoint's vision tower, from config.json's `vision_config`: the file
 //! format (`HfVisionConfig`, lenient, transformers' defaults for absent keys) and the
 //! validated architecture (`VisionSpec`) the launcher lays out and the worker computes
-//! (worker/src/model/qwen2_vl_vision.rs), and [`TowerSpec`], the tower of either family
-//! the worker computes: Qwen2.5-VL's (this file) or Gemma 3's SigLIP encoder and projector
-//! ([`siglip`]).
+//! (worker/src/model/qwen2_vl_vision.rs, qwen3_vl_vision.rs): Qwen2.5-VL's and Qwen3-VL's; and
+//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file) or
+//! Gemma 3's SigLIP encoder and projector ([`siglip`]).
 //!
 //! The tower is frozen: it is carried, not trained (`layout::CarryRule`), and reaches the
 //! workers in a read-only region of its own (`checkpoint::vision`).
@@ -21,15 +21,12 @@ pub mod siglip;
 use siglip::SiglipSpec;
 
 /// The model types whose vision tower the worker computes.
-pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "gemma3"];
-
-/// The Qwen2.5-VL model types ([`VisionSpec`]).
-const QWEN_MODEL_TYPES: &[&str] = &["qwen2_5_vl"];
+pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "qwen3_vl", "gemma3"];
 
 /// A vision-language model's frozen tower, of the family its `model_type` names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum TowerSpec {
-    /// Qwen2.5-VL's windowed tower and patch merger.
+    /// Qwen2.5-VL's and Qwen3-VL's towers and mergers.
     Qwen(VisionSpec),
     /// Gemma 3's SigLIP encoder and multimodal projector.
     Siglip(SiglipSpec),
@@ -117,78 +114,114 @@ impl TowerSpec {
     }
 }
 
-/// The keys of `vision_config` we read; absent keys take `Qwen2_5_VLVisionConfig`'s
-/// defaults (transformers 5.17).
-#[derive(Debug, Clone, Deserialize)]
+/// Which tower a wrapper has (the worker's model file that computes it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VisionFamily {
+    /// Qwen2.5-VL: RMSNorm blocks with a gated MLP, window attention but at
+    /// `fullatt_block_indexes`, one merger (worker/src/model/qwen2_vl_vision.rs).
+    Qwen2_5Vl,
+    /// Qwen3-VL: LayerNorm blocks with a plain MLP, full attention per image, learned
+    /// position embeddings resampled to each grid, a merger and the deepstack mergers
+    /// (worker/src/model/qwen3_vl_vision.rs).
+    Qwen3Vl,
+}
+
+/// The keys of `vision_config` we read; absent keys take the family's defaults
+/// (`Qwen2_5_VLVisionConfig`, `Qwen3VLVisionConfig`, transformers 5.17).
+#[derive(Debug, Clone, Default, Deserialize)]
 struct HfVisionConfig {
-    #[serde(default = "d::depth")]
-    depth: usize,
-    #[serde(default = "d::hidden_size")]
-    hidden_size: usize,
-    #[serde(default = "d::hidden_act")]
-    hidden_act: String,
-    #[serde(default = "d::intermediate_size")]
-    intermediate_size: usize,
-    #[serde(default = "d::num_heads")]
-    num_heads: usize,
+    depth: Option<usize>,
+    hidden_size: Option<usize>,
+    hidden_act: Option<String>,
+    intermediate_size: Option<usize>,
+    num_heads: Option<usize>,
     /// The hub's configs spell it `in_chans`; transformers reads `in_channels` (both 3).
-    #[serde(default = "d::in_channels", alias = "in_chans")]
-    in_channels: usize,
-    #[serde(default = "d::patch_size")]
-    patch_size: usize,
-    #[serde(default = "d::spatial_merge_size")]
-    spatial_merge_size: usize,
-    #[serde(default = "d::temporal_patch_size")]
-    temporal_patch_size: usize,
-    #[serde(default = "d::window_size")]
-    window_size: usize,
-    #[serde(default = "d::out_hidden_size")]
-    out_hidden_size: usize,
-    #[serde(default = "d::fullatt_block_indexes")]
-    fullatt_block_indexes: Vec<usize>,
-    #[serde(default)]
+    #[serde(alias = "in_chans")]
+    in_channels: Option<usize>,
+    patch_size: Option<usize>,
+    spatial_merge_size: Option<usize>,
+    temporal_patch_size: Option<usize>,
+    window_size: Option<usize>,
+    out_hidden_size: Option<usize>,
+    fullatt_block_indexes: Option<Vec<usize>>,
+    num_position_embeddings: Option<usize>,
+    deepstack_visual_indexes: Option<Vec<usize>>,
     rope_parameters: Option<Value>,
-    #[serde(default)]
     rope_theta: Option<f64>,
 }
 
-/// transformers' `Qwen2_5_VLVisionConfig` defaults.
-mod d {
-    pub fn depth() -> usize {
-        32
-    }
-    pub fn hidden_size() -> usize {
-        3584
-    }
-    pub fn hidden_act() -> String {
-        "silu".into()
-    }
-    pub fn intermediate_size() -> usize {
-        3420
-    }
-    pub fn num_heads() -> usize {
-        16
-    }
-    pub fn in_channels() -> usize {
-        3
-    }
-    pub fn patch_size() -> usize {
-        14
-    }
-    pub fn spatial_merge_size() -> usize {
-        2
-    }
-    pub fn temporal_patch_size() -> usize {
-        2
-    }
-    pub fn window_size() -> usize {
-        112
-    }
-    pub fn out_hidden_size() -> usize {
-        3584
-    }
-    pub fn fullatt_block_indexes() -> Vec<usize> {
-        vec![7, 15, 23, 31]
+impl HfVisionConfig {
+    /// The family's config class defaults for every absent key.
+    fn with_defaults(self, family: VisionFamily) -> HfVisionConfig {
+        let d = match family {
+            VisionFamily::Qwen2_5Vl => HfVisionConfig {
+                depth: Some(32),
+                hidden_size: Some(3584),
+                hidden_act: Some("silu".into()),
+                intermediate_size: Some(3420),
+                num_heads: Some(16),
+                in_channels: Some(3),
+                patch_size: Some(14),
+                spatial_merge_size: Some(2),
+                temporal_patch_size: Some(2),
+                window_size: Some(112),
+                out_hidden_size: Some(3584),
+                fullatt_block_indexes: Some(vec![7, 15, 23, 31]),
+                num_position_embeddings: Some(0),
+                deepstack_visual_indexes: Some(vec![]),
+                ..Default::default()
+            },
+            VisionFamily::Qwen3Vl => HfVisionConfig {
+                depth: Some(27),
+                hidden_size: Some(1152),
+                hidden_act: Some("gelu_pytorch_tanh".into()),
+                intermediate_size: Some(4304),
+                num_heads: Some(16),
+                in_channels: Some(3),
+                patch_size: Some(16),
+                spatial_merge_size: Some(2),
+                temporal_patch_size: Some(2),
+                // No windows: every block attends over the whole frame.
+                window_size: Some(0),
+                out_hidden_size: Some(3584),
+                fullatt_block_indexes: Some(vec![]),
+                num_position_embeddings: Some(2304),
+                deepstack_visual_indexes: Some(vec![8, 16, 24]),
+                ..Default::default()
+            },
+        };
+        HfVisionConfig {
+            depth: self.depth.or(d.depth),
+            hidden_size: self.hidden_size.or(d.hidden_size),
+            hidden_act: self.hidden_act.or(d.hidden_act),
+            intermediate_size: self.intermediate_size.or(d.intermediate_size),
+            num_heads: self.num_heads.or(d.num_heads),
+            in_channels: self.in_channels.or(d.in_channels),
+            patch_size: self.patch_size.or(d.patch_size),
+            spatial_merge_size: self.spatial_merge_size.or(d.spatial_merge_size),
+            temporal_patch_size: self.temporal_patch_size.or(d.temporal_patch_size),
+            window_size: match family {
+                VisionFamily::Qwen2_5Vl => self.window_size.or(d.window_size),
+                VisionFamily::Qwen3Vl => d.window_size,
+            },
+            out_hidden_size: self.out_hidden_size.or(d.out_hidden_size),
+            fullatt_block_indexes: match family {
+                VisionFamily::Qwen2_5Vl => self.fullatt_block_indexes.or(d.fullatt_block_indexes),
+                VisionFamily::Qwen3Vl => d.fullatt_block_indexes,
+            },
+            num_position_embeddings: match family {
+                VisionFamily::Qwen2_5Vl => d.num_position_embeddings,
+                VisionFamily::Qwen3Vl => self.num_position_embeddings.or(d.num_position_embeddings),
+            },
+            deepstack_visual_indexes: match family {
+                VisionFamily::Qwen2_5Vl => d.deepstack_visual_indexes,
+                VisionFamily::Qwen3Vl => {
+                    self.deepstack_visual_indexes.or(d.deepstack_visual_indexes)
+                }
+            },
+            rope_parameters: self.rope_parameters,
+            rope_theta: self.rope_theta,
+        }
     }
 }
 
@@ -198,17 +231,18 @@ const DEFAULT_ROPE_THETA: f64 = 10000.0;
 /// Largest accepted size of any one dimension (a corrupt config must not size a region).
 const MAX_DIM: usize = 1 << 20;
 
-/// Qwen2.5-VL's vision tower and patch merger, validated.
+/// A vision tower and its patch merger(s), validated.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VisionSpec {
-    /// The wrapper's `model_type` (`qwen2_5_vl`).
+    /// The wrapper's `model_type` (`qwen2_5_vl`, `qwen3_vl`).
     pub model_type: String,
+    pub family: VisionFamily,
     /// Vision blocks.
     pub depth: usize,
     /// Width E of the blocks.
     pub hidden_size: usize,
     pub num_heads: usize,
-    /// The blocks' gated MLP width.
+    /// The blocks' MLP width.
     pub intermediate_size: usize,
     pub hidden_act: Activation,
     pub in_channels: usize,
@@ -218,13 +252,19 @@ pub struct VisionSpec {
     pub temporal_patch_size: usize,
     /// Patches merged per side into one token by the merger.
     pub spatial_merge_size: usize,
-    /// Side of an attention window, in pixels.
+    /// Side of an attention window, in pixels (Qwen2.5-VL; 0 for Qwen3-VL, no windows).
     pub window_size: usize,
     /// The merger's output width: the text model's hidden size.
     pub out_hidden_size: usize,
-    /// Blocks attending over the whole image rather than its windows.
+    /// Blocks attending over the whole image rather than its windows (Qwen2.5-VL).
     pub fullatt_block_indexes: Vec<usize>,
     pub rope_theta: f64,
+    /// Learned position embeddings, a square grid of this many resampled to each image's
+    /// grid (Qwen3-VL; 0 for Qwen2.5-VL).
+    pub num_position_embeddings: usize,
+    /// Blocks whose output the deepstack mergers take, merger k after block
+    /// `deepstack_visual_indexes[k]` (Qwen3-VL; empty for Qwen2.5-VL).
+    pub deepstack_visual_indexes: Vec<usize>,
 }
 
 impl VisionSpec {
@@ -253,9 +293,11 @@ impl VisionSpec {
         let Some(model_type) = config.get("model_type").and_then(Value::as_str) else {
             return Ok(None);
         };
-        if !QWEN_MODEL_TYPES.contains(&model_type) {
-            return Ok(None);
-        }
+        let family = match model_type {
+            "qwen2_5_vl" => VisionFamily::Qwen2_5Vl,
+            "qwen3_vl" => VisionFamily::Qwen3Vl,
+            _ => return Ok(None),
+        };
         let raw = config
             .get("vision_config")
             .ok_or_else(|| err(format!("`vision_config` is missing (`{model_type}`)")))?;
@@ -266,7 +308,9 @@ impl VisionSpec {
                 e.inner()
             ))
         })?;
-        let hidden_act = match hf.hidden_act.as_str() {
+        let hf = hf.with_defaults(family);
+        let act = hf.hidden_act.as_deref().unwrap_or_default();
+        let hidden_act = match act {
             "silu" | "swish" => Activation::Silu,
             "gelu" => Activation::Gelu,
             "gelu_pytorch_tanh" => Activation::GeluTanh,
@@ -292,21 +336,25 @@ impl VisionSpec {
                 "`vision_config.rope_parameters.rope_type`: `{t}` (the tower's RoPE is axial)"
             )));
         }
+        // Every key has a default (`with_defaults`).
         let spec = VisionSpec {
             model_type: model_type.into(),
-            depth: hf.depth,
-            hidden_size: hf.hidden_size,
-            num_heads: hf.num_heads,
-            intermediate_size: hf.intermediate_size,
+            family,
+            depth: hf.depth.unwrap_or_default(),
+            hidden_size: hf.hidden_size.unwrap_or_default(),
+            num_heads: hf.num_heads.unwrap_or_default(),
+            intermediate_size: hf.intermediate_size.unwrap_or_default(),
             hidden_act,
-            in_channels: hf.in_channels,
-            patch_size: hf.patch_size,
-            temporal_patch_size: hf.temporal_patch_size,
-            spatial_merge_size: hf.spatial_merge_size,
-            window_size: hf.window_size,
-            out_hidden_size: hf.out_hidden_size,
-            fullatt_block_indexes: hf.fullatt_block_indexes,
+            in_channels: hf.in_channels.unwrap_or_default(),
+            patch_size: hf.patch_size.unwrap_or_default(),
+            temporal_patch_size: hf.temporal_patch_size.unwrap_or_default(),
+            spatial_merge_size: hf.spatial_merge_size.unwrap_or_default(),
+            window_size: hf.window_size.unwrap_or_default(),
+            out_hidden_size: hf.out_hidden_size.unwrap_or_default(),
+            fullatt_block_indexes: hf.fullatt_block_indexes.unwrap_or_default(),
             rope_theta,
+            num_position_embeddings: hf.num_position_embeddings.unwrap_or_default(),
+            deepstack_visual_indexes: hf.deepstack_visual_indexes.unwrap_or_default(),
         };
         spec.validate()
             .map_err(|m| err(format!("`vision_config`: {m}")))?;
@@ -314,7 +362,7 @@ impl VisionSpec {
     }
 
     fn validate(&self) -> std::result::Result<(), String> {
-        let sizes = [
+        let mut sizes = vec![
             ("depth", self.depth),
             ("hidden_size", self.hidden_size),
             ("num_heads", self.num_heads),
@@ -323,9 +371,13 @@ impl VisionSpec {
             ("patch_size", self.patch_size),
             ("temporal_patch_size", self.temporal_patch_size),
             ("spatial_merge_size", self.spatial_merge_size),
-            ("window_size", self.window_size),
             ("out_hidden_size", self.out_hidden_size),
         ];
+        let qwen2_5 = self.family == VisionFamily::Qwen2_5Vl;
+        match qwen2_5 {
+            true => sizes.push(("window_size", self.window_size)),
+            false => sizes.push(("num_position_embeddings", self.num_position_embeddings)),
+        }
         for (key, v) in sizes {
             if v == 0 || v > MAX_DIM {
                 return Err(format!("`{key}` is {v}, expected 1..={MAX_DIM}"));
@@ -344,12 +396,22 @@ impl VisionSpec {
                 self.head_dim()
             ));
         }
-        if self.merge_window() == 0 {
+        if qwen2_5 && self.merge_window() == 0 {
             return Err(format!(
                 "`window_size` {} is smaller than a merged patch ({} pixels)",
                 self.window_size,
                 self.spatial_merge_size * self.patch_size
             ));
+        }
+        let mut seen = Vec::new();
+        for &b in &self.deepstack_visual_indexes {
+            if b >= self.depth || seen.contains(&b) {
+                return Err(format!(
+                    "`deepstack_visual_indexes` {:?}: each must be a distinct block below `depth` {}",
+                    self.deepstack_visual_indexes, self.depth
+                ));
+            }
+            seen.push(b);
         }
         Ok(())
     }
@@ -379,21 +441,50 @@ impl VisionSpec {
         self.fullatt_block_indexes.contains(&block)
     }
 
+    /// Side of the learned position embeddings' square grid (Qwen3-VL's
+    /// `num_grid_per_side`: the integer square root of `num_position_embeddings`).
+    pub fn position_grid_side(&self) -> usize {
+        self.num_position_embeddings.isqrt()
+    }
+
+    /// The deepstack features the tower yields, in the order the language model's first
+    /// layers add them: (block, merger) for each block in `deepstack_visual_indexes`, by
+    /// block (transformers appends them as the blocks run).
+    pub fn deepstack_taps(&self) -> Vec<(usize, usize)> {
+        (0..self.depth)
+            .filter_map(|b| {
+                let k = self.deepstack_visual_indexes.iter().position(|&i| i == b)?;
+                Some((b, k))
+            })
+            .collect()
+    }
+
     /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's
     /// FlopCounterMode counts transformers' forward: the patch embedding, every block's
     /// projections and MLP, its attention (QK^T and AV, 2 FLOPs per multiply-add each) within
-    /// each window or over each frame, and the merger; norms and activations not counted.
+    /// each window or over each frame, and the merger (Qwen3-VL: and each deepstack merger);
+    /// norms, activations and Qwen3-VL's position resampling (a weighted gather) not counted.
     pub fn forward_flops(&self, grid: [u32; 3]) -> f64 {
         let [t, h, w] = grid.map(|x| x as f64);
         let (e, i) = (self.hidden_size as f64, self.intermediate_size as f64);
         let n = t * h * w;
         let unit = self.merge_unit() as f64;
+        // Qwen2.5-VL's MLP is gated (three matmuls), Qwen3-VL's plain (two).
+        let mlp = match self.family {
+            VisionFamily::Qwen2_5Vl => 3.0,
+            VisionFamily::Qwen3Vl => 2.0,
+        };
+        let mergers = 1.0 + self.deepstack_taps().len() as f64;
         let linear = 2.0 * n * (self.patch_len() as f64 * e)
-            + self.depth as f64 * 2.0 * n * (4.0 * e * e + 3.0 * e * i)
-            + self.merger_flops(grid);
+            + self.depth as f64 * 2.0 * n * (4.0 * e * e + mlp * e * i)
+            + mergers * self.merger_flops(grid);
+        let frame = (h * w).powi(2);
+        if self.family == VisionFamily::Qwen3Vl {
+            // Every block attends over each frame.
+            return linear + 4.0 * e * t * self.depth as f64 * frame;
+        }
         // Σ s^2 over the attention spans of one frame: the frame, or each window of at most
         // merge_window^2 merged patches (the grid cut from its top-left corner).
-        let frame = (h * w).powi(2);
         let (m, win) = (self.spatial_merge_size, self.merge_window());
         let (gh, gw) = (grid[1] as usize / m, grid[2] as usize / m);
         let windows: f64 = (0..gh.div_ceil(win))
@@ -424,6 +515,13 @@ impl VisionSpec {
     /// checkpoint names it after the tower's prefix), with its shape, in the order of
     /// transformers' module tree.
     pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        match self.family {
+            VisionFamily::Qwen2_5Vl => self.tensors_qwen2_5_vl(),
+            VisionFamily::Qwen3Vl => self.tensors_qwen3_vl(),
+        }
+    }
+
+    fn tensors_qwen2_5_vl(&self) -> Vec<(String, Vec<usize>)> {
         let (e, i) = (self.hidden_size, self.intermediate_size);
         let (p, tp) = (self.patch_size, self.temporal_patch_size);
         let merged = e * self.merge_unit();
@@ -455,6 +553,60 @@ impl VisionSpec {
             vec![self.out_hidden_size, merged],
         ));
         out.push(("merger.mlp.2.bias".into(), vec![self.out_hidden_size]));
+        out
+    }
+
+    fn tensors_qwen3_vl(&self) -> Vec<(String, Vec<usize>)> {
+        let (e, i, o) = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.out_hidden_size,
+        );
+        let (p, tp) = (self.patch_size, self.temporal_patch_size);
+        let merged = e * self.merge_unit();
+        let mut out = Vec::new();
+        let mut t = |name: String, shape: Vec<usize>| out.push((name, shape));
+        t(
+            "patch_embed.proj.weight".into(),
+            vec![e, self.in_channels, tp, p, p],
+        );
+        t("patch_embed.proj.bias".into(), vec![e]);
+        t(
+            "pos_embed.weight".into(),
+            vec![self.num_position_embeddings, e],
+        );
+        for b in 0..self.depth {
+            for (name, shape) in [
+                ("norm1.weight", vec![e]),
+                ("norm1.bias", vec![e]),
+                ("norm2.weight", vec![e]),
+                ("norm2.bias", vec![e]),
+                ("attn.qkv.weight", vec![3 * e, e]),
+                ("attn.qkv.bias", vec![3 * e]),
+                ("attn.proj.weight", vec![e, e]),
+                ("attn.proj.bias", vec![e]),
+                ("mlp.linear_fc1.weight", vec![i, e]),
+                ("mlp.linear_fc1.bias", vec![i]),
+                ("mlp.linear_fc2.weight", vec![e, i]),
+                ("mlp.linear_fc2.bias", vec![e]),
+            ] {
+                t(format!("blocks.{b}.{name}"), shape);
+            }
+        }
+        // The merger normalises each patch (width E), the deepstack mergers the merged
+        // group (width merge^2 x E).
+        let mergers = std::iter::once(("merger".to_string(), e)).chain(
+            (0..self.deepstack_visual_indexes.len())
+                .map(|k| (format!("deepstack_merger_list.{k}"), merged)),
+        );
+        for (m, norm) in mergers {
+            t(format!("{m}.norm.weight"), vec![norm]);
+            t(format!("{m}.norm.bias"), vec![norm]);
+            t(format!("{m}.linear_fc1.weight"), vec![merged, merged]);
+            t(format!("{m}.linear_fc1.bias"), vec![merged]);
+            t(format!("{m}.linear_fc2.weight"), vec![o, merged]);
+            t(format!("{m}.linear_fc2.bias"), vec![o]);
+        }
         out
     }
 }
@@ -516,6 +668,59 @@ mod tests {
     }
 
     #[test]
+    fn qwen3_vl_hub_config_reads() {
+        // configs/qwen3-vl-8b (Qwen/Qwen3-VL-8B-Instruct); the tower's parameters counted
+        // by transformers 5.17 (the model on the meta device, the parameters under
+        // `model.visual`).
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen3-vl-8b");
+        let s = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+        assert_eq!(s.family, VisionFamily::Qwen3Vl);
+        assert_eq!(
+            (s.head_dim(), s.patch_len(), s.position_grid_side()),
+            (72, 1536, 48)
+        );
+        assert_eq!(s.hidden_act, Activation::GeluTanh);
+        assert_eq!(s.deepstack_taps(), [(8, 0), (16, 1), (24, 2)]);
+        let n: usize = s
+            .tensors()
+            .iter()
+            .map(|(_, sh)| sh.iter().product::<usize>())
+            .sum();
+        assert_eq!(n, 576_388_336);
+        // Defaults (Qwen3VLVisionConfig's) where the keys are absent; Qwen2.5-VL's window
+        // keys are not read.
+        let cfg = json!({"model_type": "qwen3_vl", "vision_config": {"window_size": 1}});
+        let d = VisionSpec::from_json(&cfg, Path::new("c"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (d.depth, d.hidden_size, d.patch_size, d.window_size),
+            (27, 1152, 16, 0)
+        );
+        assert_eq!(d.deepstack_visual_indexes, [8, 16, 24]);
+        for (bad, key) in [
+            (
+                json!({"deepstack_visual_indexes": [1, 1]}),
+                "deepstack_visual_indexes",
+            ),
+            (
+                json!({"depth": 2, "deepstack_visual_indexes": [2]}),
+                "deepstack_visual_indexes",
+            ),
+            (
+                json!({"num_position_embeddings": 0}),
+                "num_position_embeddings",
+            ),
+        ] {
+            let cfg = json!({"model_type": "qwen3_vl", "vision_config": bad});
+            let e = VisionSpec::from_json(&cfg, Path::new("c"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{e}");
+        }
+    }
+
+    #[test]
     fn other_model_types_have_no_tower() {
         let cfg = json!({"model_type": "qwen2", "vision_config": {}});
         assert!(
@@ -556,7 +761,13 @@ mod tests {
             eprintln!("no data fixtures (MT_DATA_FIXTURES): skipped");
             return;
         };
-        let dir = std::path::PathBuf::from(fx).join("vlm/golden");
+        // Qwen2.5-VL's tower, then Qwen3-VL's (with its two deepstack mergers).
+        for case in ["vlm/golden", "vlm/golden-qwen3vl"] {
+            flops_equal(&std::path::PathBuf::from(&fx).join(case));
+        }
+    }
+
+    fn flops_equal(dir: &Path) {
         let spec = VisionSpec::from_model_dir(&dir.join("model"))
             .unwrap()
             .unwrap();
@@ -567,7 +778,7 @@ mod tests {
             let g: Vec<u32> = serde_json::from_value(c["grid"].clone()).unwrap();
             let want = c["flops"].as_f64().unwrap();
             let got = spec.forward_flops([g[0], g[1], g[2]]);
-            assert_eq!(got, want, "grid {g:?}");
+            assert_eq!(got, want, "{}: grid {g:?}", dir.display());
         }
     }
 }

@@ -220,7 +220,7 @@ pub(super) fn why_no_images(images: &Images) -> Option<String> {
     match images {
         Images::Qwen(_) | Images::Gemma3(_) => None,
         Images::TextOnly => Some(
-            "the model is text-only: train a vision-language model (qwen2_5_vl, gemma3) or leave the `images` column out of the dataset's `columns`"
+            "the model is text-only: train a vision-language model (qwen2_5_vl, qwen3_vl, gemma3) or leave the `images` column out of the dataset's `columns`"
                 .into(),
         ),
         Images::NoProcessor(path) => Some(format!(

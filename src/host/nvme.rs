@@ -42,6 +42,8 @@ use crate::layout::drives::{block_starts, field_sizes, file_len, window_len};
 use crate::shm::aligned::Aligned;
 use crate::{Error, Result};
 
+pub mod probe;
+
 /// One window's values of a field.
 pub(super) enum WinBuf {
     F32(Aligned<f32>),
@@ -117,6 +119,53 @@ struct DriveFile {
     /// Opened with `O_DIRECT`; None where the filesystem refused it.
     direct: Option<File>,
     buffered: File,
+}
+
+impl DriveFile {
+    /// Reads `buf` at byte `off`: direct unless `direct_off` (set here once the filesystem
+    /// refuses a direct transfer).
+    fn read_at(&self, direct_off: &AtomicBool, buf: &mut [u8], off: u64) -> Result<usize> {
+        let direct = self.direct.as_ref();
+        if let Some(direct) = direct.filter(|_| !direct_off.load(Ordering::Relaxed)) {
+            match direct.read_exact_at(buf, off) {
+                Ok(()) => return Ok(buf.len()),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => refused(direct_off, &self.path),
+                Err(e) => return Err(drive_error(&self.path, "read", e)),
+            }
+        }
+        self.buffered
+            .read_exact_at(buf, off)
+            .map_err(|e| drive_error(&self.path, "read", e))?;
+        Ok(buf.len())
+    }
+
+    /// Writes `buf` at byte `off`: direct unless `direct_off`, as [`DriveFile::read_at`].
+    fn write_at(&self, direct_off: &AtomicBool, buf: &[u8], off: u64) -> Result<usize> {
+        let direct = self.direct.as_ref();
+        if let Some(direct) = direct.filter(|_| !direct_off.load(Ordering::Relaxed)) {
+            match direct.write_all_at(buf, off) {
+                Ok(()) => return Ok(buf.len()),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => refused(direct_off, &self.path),
+                Err(e) => return Err(drive_error(&self.path, "write", e)),
+            }
+        }
+        self.buffered
+            .write_all_at(buf, off)
+            .map_err(|e| drive_error(&self.path, "write", e))?;
+        Ok(buf.len())
+    }
+}
+
+/// A direct transfer the filesystem took the open for but refused: the page cache from
+/// here on (`direct_off` set, said once).
+fn refused(direct_off: &AtomicBool, path: &Path) {
+    if !direct_off.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            path = %path.display(),
+            "the filesystem refused a direct transfer of the optimizer state: the page \
+             cache from here on, each pass ending with fdatasync"
+        );
+    }
 }
 
 /// A field: its element type and its file on each drive.
@@ -400,44 +449,19 @@ impl Drives {
 
     /// Reads `buf` at byte `off` of `file`: direct while the filesystem takes it.
     fn read_at(&self, file: &DriveFile, buf: &mut [u8], off: u64) -> Result<usize> {
-        if let Some(direct) = file.direct.as_ref().filter(|_| self.direct()) {
-            match direct.read_exact_at(buf, off) {
-                Ok(()) => return Ok(buf.len()),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.refused(&file.path),
-                Err(e) => return Err(drive_error(&file.path, "read", e)),
-            }
-        }
-        file.buffered
-            .read_exact_at(buf, off)
-            .map_err(|e| drive_error(&file.path, "read", e))?;
-        Ok(buf.len())
+        file.read_at(&self.direct_off, buf, off)
     }
 
     /// Writes `buf` at byte `off` of `file`: direct while the filesystem takes it.
     fn write_at(&self, file: &DriveFile, buf: &[u8], off: u64) -> Result<usize> {
-        if let Some(direct) = file.direct.as_ref().filter(|_| self.direct()) {
-            match direct.write_all_at(buf, off) {
-                Ok(()) => return Ok(buf.len()),
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.refused(&file.path),
-                Err(e) => return Err(drive_error(&file.path, "write", e)),
-            }
-        }
-        file.buffered
-            .write_all_at(buf, off)
-            .map_err(|e| drive_error(&file.path, "write", e))?;
-        Ok(buf.len())
+        file.write_at(&self.direct_off, buf, off)
     }
 
     /// A direct transfer the filesystem took the open for but refused: the page cache from
     /// here on.
+    #[cfg(test)]
     fn refused(&self, path: &Path) {
-        if !self.direct_off.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                path = %path.display(),
-                "the filesystem refused a direct transfer of the optimizer state: the page \
-                 cache from here on, each pass ending with fdatasync"
-            );
-        }
+        refused(&self.direct_off, path)
     }
 
     /// Writes `bytes` (elements of `slot` from position `pos` on) through the page cache,

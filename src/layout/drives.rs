@@ -83,6 +83,16 @@ pub fn drive_bytes(layout: &Layout, master: MasterWeights, moments: DType, drive
         .sum()
 }
 
+/// Bytes one update reads from the drives, and as many it writes back: every field on the
+/// drives at every block's positions (a block's windows are transferred whole pages at a
+/// time, [`PAD`] elements, so its length rounded up to them), whatever the gradient or the
+/// frozen parameters.
+pub fn update_bytes(layout: &Layout, master: MasterWeights, moments: DType) -> u64 {
+    let n = *block_starts(layout).last().expect("starts at 0");
+    let per: usize = field_sizes(master, moments).iter().map(|&(_, e)| e).sum();
+    (n * per) as u64
+}
+
 /// Elements per window for `layout`: [`WINDOW`], or the largest block rounded up to
 /// [`PAD`] where that is shorter.
 pub fn window_len(layout: &Layout) -> usize {

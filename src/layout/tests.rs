@@ -318,6 +318,8 @@ fn public_configs_have_their_transformers_parameter_counts() {
         // Qwen2_5_VLForConditionalGeneration less its `visual` (the frozen tower, in its
         // own region): the language model.
         ("qwen2.5-vl-7b", 7_615_616_512),
+        // Qwen3VLForConditionalGeneration (8,767,123,696) less its `visual` (576,388,336).
+        ("qwen3-vl-8b", 8_190_735_360),
         // Gemma3ForConditionalGeneration less its SigLIP tower and projector (tied head).
         ("gemma3-27b", 27_009_346_304),
     ] {

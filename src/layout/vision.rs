@@ -186,6 +186,13 @@ mod tests {
             VisionLayout::new(&spec, "visual.", TowerTraining::Frozen).num_params(),
             676_550_144
         );
+        // Qwen3VLForConditionalGeneration from configs/qwen3-vl-8b, likewise.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen3-vl-8b");
+        let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
+        assert_eq!(
+            VisionLayout::new(&spec, "model.visual.", TowerTraining::Frozen).num_params(),
+            576_388_336
+        );
         // Gemma3ForConditionalGeneration from configs/gemma3-27b/config.json, the parameters
         // under `vision_tower` and `multi_modal_projector`.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gemma3-27b");

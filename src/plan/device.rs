@@ -355,10 +355,11 @@ impl DevicePlan {
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
         // A vision-language model's tower: its weights, and the image features placed at
-        // the image tokens (at most every token of the micro-batch).
+        // the image tokens (at most every token of the micro-batch), with Qwen3-VL's
+        // deepstack features kept for the first layers.
         if let Some(vis) = o.vision {
             fixed.push(("vision tower (frozen)", vis.params * s));
-            fixed.push(("image features", m * vis.out_hidden * s));
+            fixed.push(("image features", m * vis.out_hidden * s * vis.feature_sets));
             if vis.projector_trained {
                 let patches = m * vis.patches_per_token;
                 fixed.push(("the projector's input, kept", patches * vis.hidden * s));
@@ -466,7 +467,8 @@ impl DevicePlan {
         if let Some(vis) = o.vision {
             let patches = m * vis.patches_per_token;
             let per_patch = vis.patch_values * (4 + s)
-                + s * (8 * vis.hidden).max(3 * vis.hidden + 3 * vis.intermediate);
+                + (s * (8 * vis.hidden).max(3 * vis.hidden + 3 * vis.intermediate))
+                    .max(vis.position_taps);
             phases.push(Phase {
                 name: VISION_FORWARD,
                 parts: vec![(

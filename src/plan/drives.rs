@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use crate::config::{OptimizerOffload, RunConfig};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
-use crate::layout::drives::{drive_bytes, window_bytes};
+use crate::layout::drives::{Field, drive_bytes, field_sizes, update_bytes, window_bytes};
 
 /// Disk bytes of the optimizer's state on the drives, and the host bytes streaming it.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +25,30 @@ pub struct DrivePlan {
     /// Room on each drive as the user stated it (`plan --drive-size`), instead of the free
     /// space read from the directories here.
     pub stated: Option<u64>,
+    /// Bytes one update reads from the drives, and as many it writes back.
+    pub update: u64,
+    /// The fields on the drives and their bytes per parameter.
+    pub fields: Vec<(Field, usize)>,
+    /// Each drive's bandwidth, where known.
+    pub speed: Option<DriveSpeed>,
+}
+
+/// The drives' bandwidth: measured in the directories here, or stated by the user.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DriveSpeed {
+    /// (read, write) bytes per second of each drive, in the order of the directories.
+    pub per_drive: Vec<(f64, f64)>,
+    pub source: SpeedSource,
+}
+
+/// Where a [`DriveSpeed`] comes from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SpeedSource {
+    /// `plan --drive-speed`.
+    Stated,
+    /// Written then read here, `bytes` in each directory, direct or (`direct` false)
+    /// through the page cache.
+    Measured { bytes: u64, direct: bool },
 }
 
 impl DrivePlan {
@@ -40,7 +64,29 @@ impl DrivePlan {
             per_drive: drive_bytes(layout, m.master_weights, m.moments_dtype, n),
             windows: window_bytes(layout, m.master_weights, m.moments_dtype),
             stated: None,
+            update: update_bytes(layout, m.master_weights, m.moments_dtype),
+            fields: field_sizes(m.master_weights, m.moments_dtype),
+            speed: None,
         })
+    }
+
+    /// The plan with the drives' bandwidth known.
+    pub fn with_speed(self, speed: DriveSpeed) -> DrivePlan {
+        DrivePlan {
+            speed: Some(speed),
+            ..self
+        }
+    }
+
+    /// Seconds the drives take for one update's transfers: the update striped evenly over
+    /// them, each drive reading its share and writing it back, its read and write times
+    /// added (the update reads and writes at once, but one drive serves both), the slowest
+    /// drive's. None where the speed is not known.
+    pub fn update_s(&self) -> Option<f64> {
+        let speed = self.speed.as_ref()?;
+        let share = self.update as f64 / self.dirs.len() as f64;
+        let each = speed.per_drive.iter().map(|&(r, w)| share / r + share / w);
+        each.reduce(f64::max)
     }
 
     /// The plan with each directory standing for a drive of `bytes` of room: its check
@@ -120,17 +166,61 @@ impl std::fmt::Display for DrivePlan {
             gb(self.total()),
             gb(self.per_drive)
         )?;
-        for d in &self.dirs {
-            if let Some(room) = self.stated {
-                writeln!(f, "  {} ({:.2} GB stated)", d.display(), gb(room))?;
-                continue;
-            }
-            let free = crate::sysmem::free_disk_bytes(d).map_or("free space unknown".into(), |b| {
-                format!("{:.2} GB free", gb(b))
+        for (i, d) in self.dirs.iter().enumerate() {
+            let room = match self.stated {
+                Some(room) => format!("{:.2} GB stated", gb(room)),
+                None => crate::sysmem::free_disk_bytes(d)
+                    .map_or("free space unknown".into(), |b| {
+                        format!("{:.2} GB free", gb(b))
+                    }),
+            };
+            let speed = self.speed.as_ref().map_or(String::new(), |s| {
+                let (r, w) = s.per_drive[i];
+                format!("; {:.2} GB/s read, {:.2} GB/s write", r / 1e9, w / 1e9)
             });
-            writeln!(f, "  {} ({free})", d.display())?;
+            writeln!(f, "  {} ({room}{speed})", d.display())?;
         }
-        Ok(())
+        let parts: Vec<String> = (self.fields.iter())
+            .map(|&(field, e)| match field {
+                Field::Master if e == 2 => "master's low halves 2".to_string(),
+                _ => format!("{} {e}", field.name()),
+            })
+            .collect();
+        let time = match (&self.speed, self.update_s()) {
+            (Some(s), Some(t)) => format!(
+                "about {} s at the speeds {}, a drive's reads and writes taken in turn",
+                seconds(t),
+                match s.source {
+                    SpeedSource::Stated => "stated by --drive-speed".to_string(),
+                    SpeedSource::Measured { bytes, direct } => format!(
+                        "measured here ({} MiB written then read in each directory{})",
+                        bytes >> 20,
+                        if direct {
+                            ""
+                        } else {
+                            " through the page cache"
+                        }
+                    ),
+                }
+            ),
+            _ => "pass --drive-speed GB/s for its time".into(),
+        };
+        writeln!(
+            f,
+            "each update reads {:.2} GB and writes {:.2} GB ({} B/param): {time}",
+            gb(self.update),
+            gb(self.update),
+            parts.join(" + "),
+        )
+    }
+}
+
+/// `67.2`, `1.38`, `0.012`: three figures or one decimal.
+fn seconds(t: f64) -> String {
+    match t {
+        t if t >= 10.0 => format!("{t:.1}"),
+        t if t >= 1.0 => format!("{t:.2}"),
+        t => format!("{t:.3}"),
     }
 }
 
@@ -151,6 +241,9 @@ mod tests {
             per_drive,
             windows: 0,
             stated: None,
+            update: 0,
+            fields: Vec::new(),
+            speed: None,
         };
         plan(free / 4, vec![dir.clone()]).check().unwrap();
         let err = plan(free + (1 << 40), vec![dir.clone()])
@@ -189,6 +282,9 @@ mod tests {
             per_drive: 3_000_000_000,
             windows: 0,
             stated: None,
+            update: 0,
+            fields: Vec::new(),
+            speed: None,
         };
         assert!(plan.clone().check().is_err(), "no such directory here");
         plan.clone().with_drive_size(3_000_000_000).check().unwrap();
@@ -207,6 +303,40 @@ mod tests {
         let shown = plan.with_drive_size(4_000_000_000).to_string();
         assert!(
             shown.contains("/nonexistent/nvme1 (4.00 GB stated)"),
+            "{shown}"
+        );
+    }
+
+    /// The update's drive time: each drive's even share read and written at its speeds,
+    /// the times added, the slowest drive's; unknown without a speed.
+    #[test]
+    fn the_update_time_is_the_slowest_drives_share() {
+        let plan = DrivePlan {
+            dirs: vec!["/a".into(), "/b".into()],
+            per_drive: 0,
+            windows: 0,
+            stated: None,
+            update: 12_000_000_000,
+            fields: vec![(Field::Master, 2), (Field::M, 2), (Field::V, 2)],
+            speed: None,
+        };
+        assert_eq!(plan.update_s(), None);
+        let plan = plan.with_speed(DriveSpeed {
+            per_drive: vec![(2e9, 1e9), (3e9, 3e9)],
+            source: SpeedSource::Stated,
+        });
+        // 6 GB each: 3 s + 6 s on the first, 2 s + 2 s on the second.
+        assert_eq!(plan.update_s(), Some(9.0));
+        let shown = plan.to_string();
+        assert!(
+            shown.contains("/a (free space unknown; 2.00 GB/s read, 1.00 GB/s write)"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains(
+                "each update reads 12.00 GB and writes 12.00 GB (master's low halves 2 + m 2 \
+                 + v 2 B/param): about 9.00 s at the speeds stated by --drive-speed"
+            ),
             "{shown}"
         );
     }

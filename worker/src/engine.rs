@@ -324,6 +324,9 @@ impl Engine {
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
             x_bth = layer::forward(&self.spec, l, &w, &x_bth, &ctx, batch.tile);
+            if let Some(i) = &images {
+                x_bth = i.after_layer(l, x_bth);
+            }
         }
         enter(Phase::Eval, None);
         let head = self.streamer.head(layout, ready)?;
@@ -494,7 +497,11 @@ impl Engine {
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            let y_bth = layer::forward(&self.spec, l, &w, &x_bth, ctx, batch.tile);
+            let mut y_bth = layer::forward(&self.spec, l, &w, &x_bth, ctx, batch.tile);
+            // Qwen3-VL's deepstack: the next layer's input (and stash) is the sum.
+            if let Some(i) = images {
+                y_bth = i.after_layer(l, y_bth);
+            }
             self.streamer
                 .stash_input(l, std::mem::replace(&mut x_bth, y_bth))?;
         }

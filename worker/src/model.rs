@@ -15,9 +15,11 @@
 //! | `deepseek_v3.rs`| deepseek_v3                                               |
 //! | `llama4.rs`     | llama4_text                                               |
 //!
-//! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, `siglip_vision.rs`
-//! Gemma 3's SigLIP tower and projector (frozen, forward only), whose features the model
-//! places at the image tokens.
+//! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, whose features the
+//! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's (frozen, forward
+//! only), whose deepstack features the first layers' outputs also take there
+//! ([`add_at_image_tokens`]); `siglip_vision.rs` Gemma 3's SigLIP tower and projector
+//! (frozen, forward only). Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -48,6 +50,7 @@ mod phi3;
 mod qwen2_vl_vision;
 mod qwen3;
 mod qwen3_next;
+mod qwen3_vl_vision;
 mod rope;
 mod siglip_vision;
 #[cfg(test)]
@@ -63,6 +66,8 @@ pub use moe::RouterAux;
 pub use qwen2_vl_vision::{
     Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
 };
+pub use qwen3_vl_vision::qwen3_vl_vision;
+use rope::Rope;
 pub use siglip_vision::{SiglipWeights, gemma3_vision};
 
 /// A vision-language model's frozen tower, of its family.
@@ -70,7 +75,6 @@ pub enum TowerWeights {
     Qwen(VisionWeights),
     Siglip(SiglipWeights),
 }
-use rope::Rope;
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary
 /// cos/sin per layer kind and the attention masks (T, T), or (B, 1, T, T) for packed rows,
@@ -200,7 +204,7 @@ impl Context {
         }
     }
 
-    /// The rotary tables of Qwen2.5-VL's 3-D positions `pos_3bt` (3, B, T) (`mt::mrope`)
+    /// The rotary tables of Qwen2.5-VL's or Qwen3-VL's 3-D positions `pos_3bt` (3, B, T) (`mt::mrope`)
     /// in place of the 1-D ones; the masks stay as built (rows right-padded, or packed by
     /// their 1-D positions).
     pub fn with_positions_3d(
@@ -214,7 +218,7 @@ impl Context {
             .mrope
             .as_ref()
             .expect("3-D positions only for a model with mrope");
-        self.rope = Rope::mrope(&spec.rope, m.section, pos_3bt, kind, device);
+        self.rope = Rope::mrope(&spec.rope, &m.pair_axes(), pos_3bt, kind, device);
         self
     }
 
@@ -306,6 +310,19 @@ pub fn place_image_features(
     }
     let f_mh = f_mh.to_kind(e_bth.kind()).to_device(e_bth.device());
     Ok(e_bth.masked_scatter(&mask_bt.unsqueeze(-1), &f_mh))
+}
+
+/// `x_bth` (B, T, H) with `f_mh` (M, H) added at the rows `rows_m` (M,) of its flattened
+/// (B T, H) view, the image tokens' in order: Qwen3-VL's deepstack, as transformers'
+/// `_deepstack_process` adds a feature after each of the first decoder layers. The sum is
+/// elementwise, so equal to theirs bit for bit; its gradient with respect to `x_bth` is the
+/// identity (the feature is a constant: the tower is frozen).
+pub fn add_at_image_tokens(x_bth: &Tensor, rows_m: &Tensor, f_mh: &Tensor) -> Tensor {
+    let (b, t, h) = x_bth.size3().expect("(B, T, H) hidden states");
+    x_bth
+        .reshape([b * t, h])
+        .index_add(0, rows_m, &f_mh.to_kind(x_bth.kind()))
+        .view([b, t, h])
 }
 
 /// Image features that do not fit the micro-batch's image tokens.

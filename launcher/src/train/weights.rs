@@ -39,6 +39,8 @@ pub(super) fn load_initial(host: &mut HostState, cfg: &RunConfig, spec: &ModelSp
             Ok(())
         })?,
     }
+    // The loading's transfers to the drives are not the first step's.
+    host.take_drive_io();
     Ok(())
 }
 
@@ -121,6 +123,7 @@ pub(super) fn restore(host: &mut HostState, dir: &Path, cfg: &RunConfig) -> Resu
         verified(dir)?;
     }
     let state = host.restore(dir)?;
+    host.take_drive_io();
     println!("resumed from {} at step {}", dir.display(), state.step);
     Ok((state.step, state.nan_run))
 }

@@ -32,6 +32,7 @@ pub(super) fn defaults(model_type: &str) -> Option<Defaults> {
         "qwen2" => d(Family::Llama, 1e-6, "silu", false, 32_768, win, None),
         "qwen2_5_vl_text" => d(Family::Llama, 1e-5, "silu", false, 32_768, win, None),
         "qwen3" => d(Family::Qwen3, 1e-6, "silu", false, 32_768, win, Some(128)),
+        "qwen3_vl_text" => d(Family::Qwen3, 1e-6, "silu", false, 128_000, None, Some(128)),
         "gemma2" => d(Family::Gemma, 1e-6, gelu, true, 8192, win, Some(256)),
         "gemma3_text" => d(Family::Gemma, 1e-6, gelu, true, 131_072, win, Some(256)),
         "phi3" => d(Family::Phi3, 1e-5, "silu", false, 4096, None, None),

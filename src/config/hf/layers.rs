@@ -31,9 +31,8 @@ pub(super) fn attention_kinds(
     let window = hf.sliding_window.unwrap_or(def.sliding_window);
     let (window, kinds) = match model_type {
         // Llama 4's chunked layers come from `attn.rs`.
-        "llama" | "olmo2" | "glm4" | "glm4_moe" | "deepseek_v3" | "llama4_text" => {
-            (None, pattern(&|_| false))
-        }
+        "llama" | "olmo2" | "glm4" | "glm4_moe" | "deepseek_v3" | "llama4_text"
+        | "qwen3_vl_text" => (None, pattern(&|_| false)),
         "qwen3_next" | "qwen3_5_text" | "qwen3_5_moe_text" => {
             (None, moe::hybrid_layer_types(hf, num_layers, err)?)
         }

@@ -304,6 +304,7 @@ fn qwen2_5_vl_flat_hub_config_and_text_config_both_load() {
         s.mrope,
         Some(Mrope {
             section: [16, 24, 24],
+            interleaved: false,
             image_token_id: 151_655,
             spatial_merge_size: 2
         })
@@ -390,4 +391,65 @@ fn qwen2_5_vl_flat_hub_config_and_text_config_both_load() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("mrope"), "{e}");
+}
+
+/// Qwen/Qwen3-VL-8B-Instruct's config.json (configs/qwen3-vl-8b): `text_config` with a legacy
+/// `rope_scaling` naming the interleaved sections, the tower's keys in `vision_config`.
+#[test]
+fn qwen3_vl_hub_config_loads_its_text_model() {
+    let hub = include_str!("../../../configs/qwen3-vl-8b/config.json");
+    let s = spec(hub).unwrap();
+    assert_eq!(
+        (s.model_type.as_str(), s.wrapper.as_deref(), s.family),
+        ("qwen3_vl_text", Some("qwen3_vl"), Family::Qwen3)
+    );
+    assert_eq!(
+        (s.hidden_size, s.num_layers, s.head_dim, s.num_kv_heads),
+        (4096, 36, 128, 8)
+    );
+    assert!(s.qk_norm && !s.qkv_bias && !s.o_bias && !s.tie_word_embeddings);
+    assert_eq!(s.layer_types, vec![AttentionKind::Full; 36]);
+    assert_eq!(
+        (s.rope.theta, s.rope.scaling.clone()),
+        (5e6, RopeScaling::Default)
+    );
+    assert_eq!(s.names, TextNames::Current);
+    assert_eq!(
+        s.mrope,
+        Some(Mrope {
+            section: [24, 20, 20],
+            interleaved: true,
+            image_token_id: 151_655,
+            spatial_merge_size: 2
+        })
+    );
+    // transformers 5's save (`rope_parameters`), defaults where absent: theta 5e5, the
+    // section [24, 20, 20], untied unless the wrapper ties (the text config's flag is not
+    // read by Qwen3VLForConditionalGeneration).
+    let t = r#""vocab_size":32,"hidden_size":64,"intermediate_size":8,"num_hidden_layers":1,
+        "num_attention_heads":1"#;
+    let s = spec(&format!(
+        r#"{{"model_type":"qwen3_vl","text_config":{{{t},"tie_word_embeddings":true}}}}"#
+    ))
+    .unwrap();
+    let m = s.mrope.clone().unwrap();
+    assert_eq!((s.head_dim, s.rope.theta), (128, 5e5));
+    assert_eq!((m.section, m.interleaved), ([24, 20, 20], true));
+    assert!(!s.tie_word_embeddings);
+    let s = spec(&format!(
+        r#"{{"model_type":"qwen3_vl","tie_word_embeddings":true,"text_config":{{{t},"head_dim":16,
+        "rope_parameters":{{"rope_type":"default","rope_theta":1e4,"mrope_section":[2,3,3]}}}}}}"#
+    ))
+    .unwrap();
+    assert!(s.tie_word_embeddings);
+    assert_eq!(s.mrope.unwrap().pair_axes(), [0, 1, 2, 0, 1, 2, 0, 1]);
+    let e = spec(&format!(
+        r#"{{"model_type":"qwen3_vl","text_config":{{{t},"head_dim":16}}}}"#
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("mrope_section") && e.contains("text_config"),
+        "{e}"
+    );
 }

@@ -164,6 +164,13 @@ const WRAPPERS: &[WrapperClass] = &[
         tie: Tie::Either,
         flat: true,
     },
+    WrapperClass {
+        model_type: "qwen3_vl",
+        text_model_type: "qwen3_vl_text",
+        names: TextNames::Current,
+        tie: Tie::Top(false),
+        flat: false,
+    },
 ];
 
 /// The wrapper `model_type`s, for the list of supported types.

@@ -31,14 +31,33 @@ fn qwen2_vl_rows_equal_the_processors() {
         eprintln!("no vlm data fixtures (MT_DATA_FIXTURES): skipped");
         return;
     };
-    let model = dir.join("model-qwen2vl");
+    rows_equal_the_processors(&dir, "qwen2vl");
+}
+
+/// Qwen3-VL's processor: the same expansion, its settings (`size`, 16-pixel patches).
+#[test]
+fn qwen3_vl_rows_equal_the_processors() {
+    let Some(dir) = fixtures() else {
+        eprintln!("no vlm data fixtures (MT_DATA_FIXTURES): skipped");
+        return;
+    };
+    assert!(
+        dir.join("expected_qwen3vl.jsonl").is_file(),
+        "stale vlm fixtures: rerun scripts/make_vlm_fixtures.py"
+    );
+    rows_equal_the_processors(&dir, "qwen3vl");
+}
+
+/// The records through `model-{which}` equal `expected_{which}.jsonl`, the processor's.
+fn rows_equal_the_processors(dir: &Path, which: &str) {
+    let model = dir.join(format!("model-{which}"));
     let chat = ChatTokenizer::load(&model, None, true).unwrap();
     let images = QwenVlImages::load(&model).unwrap();
-    let schema = schema(&dir);
+    let schema = schema(dir);
     let text = std::fs::read_to_string(dir.join("mllm.json")).unwrap();
     let recs = split_records(Path::new("mllm.json"), &text).unwrap();
     let expected: Vec<serde_json::Value> =
-        std::fs::read_to_string(dir.join("expected_qwen2vl.jsonl"))
+        std::fs::read_to_string(dir.join(format!("expected_{which}.jsonl")))
             .unwrap()
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
@@ -140,7 +159,8 @@ fn bad_image_records_name_line_and_key() {
 /// 1 / (255 x std) after normalising: 1 / (255 x 0.26130258) = 0.01501 on the smallest
 /// std (G). The rescale and normalisation are the same f64/f32 IEEE operations in the
 /// same order, exact. So: one level on the smallest std, plus f32 rounding of the
-/// normalised value (|x| < 2.2, eps 2.4e-7).
+/// normalised value (|x| < 2.2, eps 2.4e-7). Qwen3-VL's std (0.5) makes a level 0.0078,
+/// within the same bound.
 const PIXEL_BOUND: f32 = (1.0 / (255.0 * 0.261_302_58_f64) + 1e-6) as f32;
 
 #[test]
@@ -150,46 +170,54 @@ fn pixel_values_equal_the_processors() {
         eprintln!("no pixel fixtures (MT_DATA_FIXTURES): skipped");
         return;
     };
-    let images = QwenVlImages::load(&dir).unwrap();
-    assert_eq!(images.image_std[1], 0.261_302_58_f64 as f32);
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
-    let bytes = std::fs::read(dir.join("processor.safetensors")).unwrap();
-    let want = SafeTensors::deserialize(&bytes).unwrap();
-    let mut worst = 0f32;
-    let mut differing = 0usize;
     let names = manifest["processed"].as_array().unwrap();
     assert!(names.len() >= 4);
-    for name in names {
-        let name = name.as_str().unwrap();
-        let img = crate::data::image::decode(&dir.join("images").join(name)).unwrap();
-        let (grid, got) = images.pixel_values(&img);
-        let g = want.tensor(&format!("{name}.grid")).unwrap();
-        let g: Vec<i64> = g
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        assert_eq!(g, [grid.t, grid.h, grid.w].map(i64::from), "{name}: grid");
-        let pv = want.tensor(&format!("{name}.pixel_values")).unwrap();
-        let rows = (grid.t * grid.h * grid.w) as usize;
-        assert_eq!(pv.shape(), [rows, 3 * 2 * 14 * 14], "{name}: pixel_values");
-        let pv: Vec<f32> = pv
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        assert_eq!(got.len(), pv.len(), "{name}");
-        for (a, b) in got.iter().zip(&pv) {
-            let d = (a - b).abs();
-            worst = worst.max(d);
-            differing += usize::from(d > 0.0);
+    // Qwen2-VL's settings, then Qwen3-VL's (16-pixel patches, mean and std 0.5, `size`).
+    for (settings, std_g, patch) in [
+        (dir.clone(), 0.261_302_58_f64 as f32, 14),
+        (dir.join("qwen3vl"), 0.5, 16),
+    ] {
+        let images = QwenVlImages::load(&settings).unwrap();
+        assert_eq!((images.image_std[1], images.patch_size), (std_g, patch));
+        let bytes = std::fs::read(settings.join("processor.safetensors")).unwrap();
+        let want = SafeTensors::deserialize(&bytes).unwrap();
+        let mut worst = 0f32;
+        let mut differing = 0usize;
+        for name in names {
+            let name = name.as_str().unwrap();
+            let img = crate::data::image::decode(&dir.join("images").join(name)).unwrap();
+            let (grid, got) = images.pixel_values(&img);
+            let g = want.tensor(&format!("{name}.grid")).unwrap();
+            let g: Vec<i64> = g
+                .data()
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(g, [grid.t, grid.h, grid.w].map(i64::from), "{name}: grid");
+            let pv = want.tensor(&format!("{name}.pixel_values")).unwrap();
+            let rows = (grid.t * grid.h * grid.w) as usize;
+            let row = 3 * 2 * patch as usize * patch as usize;
+            assert_eq!(pv.shape(), [rows, row], "{name}: pixel_values");
+            let pv: Vec<f32> = pv
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(got.len(), pv.len(), "{name}");
+            for (a, b) in got.iter().zip(&pv) {
+                let d = (a - b).abs();
+                worst = worst.max(d);
+                differing += usize::from(d > 0.0);
+            }
         }
+        eprintln!(
+            "pixel_values ({}): largest difference {worst:e} ({differing} values differ), bound {PIXEL_BOUND:e}",
+            settings.display()
+        );
+        assert!(worst <= PIXEL_BOUND, "largest difference {worst}");
     }
-    eprintln!(
-        "pixel_values: largest difference {worst:e} ({differing} values differ), bound {PIXEL_BOUND:e}"
-    );
-    assert!(worst <= PIXEL_BOUND, "largest difference {worst}");
 }
 
 /// The multimodal records through to a micro-batch: each row's images, with their grids,

@@ -19,6 +19,12 @@ pub struct VisionDevice {
     /// kept from the tower's forward and it is recomputed with grad in the embedding's
     /// backward. Its weights are the embedding block's.
     pub projector_trained: bool,
+    /// Feature sets it hands the language model per image token: the merged features and
+    /// each deepstack feature (Qwen3-VL).
+    pub feature_sets: u64,
+    /// Bytes per patch of Qwen3-VL's learned positions as they are resampled (four taps of
+    /// width E in f32 and their weighted copy), before the blocks run; 0 for Qwen2.5-VL.
+    pub position_taps: u64,
     /// Each image's tokens attend to each other both ways (Gemma 3): a micro-batch with
     /// images builds its attention masks per row.
     pub image_blocks: bool,
@@ -43,6 +49,11 @@ impl VisionDevice {
                     as u64,
                 patches_per_token: spec.spatial_merge_size.pow(2) as u64,
                 out_hidden: spec.out_hidden_size as u64,
+                feature_sets: 1 + spec.deepstack_taps().len() as u64,
+                position_taps: match spec.num_position_embeddings {
+                    0 => 0,
+                    _ => 2 * 4 * spec.hidden_size as u64 * 4,
+                },
                 image_blocks: false,
             },
             // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
@@ -54,6 +65,8 @@ impl VisionDevice {
                 patch_values: spec.patch_len() as u64,
                 patches_per_token: spec.pool().pow(2) as u64,
                 out_hidden: spec.out_hidden_size as u64,
+                feature_sets: 1,
+                position_taps: 0,
                 image_blocks: true,
             },
         }

@@ -1,7 +1,8 @@
 //! A micro-batch's images as the language model reads them: the vision tower's features,
 //! which replace the embeddings of the image tokens ([`crate::model::place_image_features`]),
-//! and what the attention reads of them: Qwen2.5-VL's 3-D positions of every token
-//! (`mt::mrope`), from which the rotary tables are built
+//! Qwen3-VL's deepstack features, which the first layers' outputs take at the image tokens
+//! ([`MicroImages::after_layer`]), and what the attention reads of them: the Qwen models' 3-D
+//! positions of every token (`mt::mrope`), from which the rotary tables are built
 //! ([`crate::model::Context::with_positions_3d`]), or Gemma 3's image blocks, each image's
 //! tokens attending to each other both ways ([`crate::model::Context::with_image_blocks`]).
 //!
@@ -18,15 +19,15 @@
 use anyhow::{Context as _, Result, bail};
 use mt::config::TowerTraining;
 use mt::config::hf::{ModelSpec, TOWER};
-use mt::config::vision::VisionSpec;
+use mt::config::vision::{VisionFamily, VisionSpec};
 use mt::data::{BatchImage, Gemma3Images, ImageProcessor, MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{
-    BlockWeights, Encoded, TowerWeights, VisionWeights, gemma3_vision, qwen2_5_vl_vision,
-    vision_encoder, vision_merger,
+    BlockWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens, gemma3_vision,
+    qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder, vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
@@ -65,16 +66,28 @@ impl Tower {
             (TowerWeights::Qwen(w), ImageProcessor::Qwen(px)) => {
                 let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
                 let pixels_np = qwen_pixels(px, &per_image, kind, device)?;
-                let features = match self.training {
-                    TowerTraining::Frozen => {
-                        Features::Frozen(qwen2_5_vl_vision(w, &pixels_np, &grids))
+                let (features, deepstack_mh) = match (w.spec.family, self.training) {
+                    (VisionFamily::Qwen2_5Vl, TowerTraining::Frozen) => (
+                        Features::Frozen(qwen2_5_vl_vision(w, &pixels_np, &grids)),
+                        Vec::new(),
+                    ),
+                    (VisionFamily::Qwen2_5Vl, TowerTraining::Projector) => (
+                        Features::Merger {
+                            enc: vision_encoder(w, &pixels_np, &grids),
+                            spec: w.spec.clone(),
+                        },
+                        Vec::new(),
+                    ),
+                    (VisionFamily::Qwen3Vl, TowerTraining::Frozen) => {
+                        let f = qwen3_vl_vision(w, &pixels_np, &grids);
+                        (Features::Frozen(f.merged_mo), f.deepstack_mo)
                     }
-                    TowerTraining::Projector => Features::Merger {
-                        enc: vision_encoder(w, &pixels_np, &grids),
-                        spec: w.spec.clone(),
-                    },
+                    (VisionFamily::Qwen3Vl, TowerTraining::Projector) => bail!(
+                        "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
+                         Qwen3-VL's tower is frozen (set vlm.freeze_projector: true)"
+                    ),
                 };
-                MicroImages::new(spec, mb, &grids, features, device)
+                MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
             }
             (TowerWeights::Siglip(w), ImageProcessor::Gemma3(px)) => {
                 let f_mh = gemma3_vision(w, &gemma3_pixels(px, &per_image, kind, device)?);
@@ -191,16 +204,24 @@ pub struct MicroImages {
     /// Each token's image block (B, T): the run of image tokens it is in, counted from 0
     /// in its row, or -1 for text (Gemma 3: a block attends to itself both ways).
     pub block_bt: Option<Tensor>,
+    /// Qwen3-VL's deepstack features (M, H) each, layer i's output taking the i-th at the
+    /// image tokens; empty otherwise.
+    pub deepstack_mh: Vec<Tensor>,
+    /// (M,): the image tokens' rows in the flattened (B T) micro-batch, in order; set where
+    /// there are deepstack features.
+    pub rows_m: Option<Tensor>,
 }
 
 impl MicroImages {
     /// `mb`'s images: their grids (patches, (t, h, w)) in the order their tokens appear and
-    /// the tower's features for them, which must make one row per image token.
+    /// the tower's features and deepstack features for them, which must make one row per
+    /// image token.
     pub fn new(
         spec: &ModelSpec,
         mb: &MicroBatch,
         grids: &[[u32; 3]],
         features: Features,
+        deepstack_mh: Vec<Tensor>,
         device: Device,
     ) -> Result<MicroImages> {
         let Some(m) = &spec.mrope else {
@@ -224,11 +245,32 @@ impl MicroImages {
         let pos_3bt = Tensor::f_from_slice(&p.pos_3bt)?
             .f_view([3, b, t])?
             .f_to_device(device)?;
+        let rows: Vec<i64> = (mb.input_ids.iter().enumerate())
+            .filter(|&(_, &id)| i64::from(id) == m.image_token_id)
+            .map(|(i, _)| i as i64)
+            .collect();
+        for (i, f) in deepstack_mh.iter().enumerate() {
+            if f.size()[0] != rows.len() as i64 {
+                bail!(
+                    "deepstack feature {i} has {} rows for {} image tokens",
+                    f.size()[0],
+                    rows.len()
+                );
+            }
+        }
+        let rows_m = match deepstack_mh.is_empty() {
+            true => None,
+            false => Some(Tensor::f_from_slice(&rows)?.f_to_device(device)?),
+        };
         Ok(MicroImages {
             features,
             image_token_id: m.image_token_id,
             pos_3bt: Some(pos_3bt),
             block_bt: None,
+            deepstack_mh: (deepstack_mh.into_iter())
+                .map(|f| f.f_to_device(device))
+                .collect::<Result<_, _>>()?,
+            rows_m,
         })
     }
 
@@ -255,6 +297,8 @@ impl MicroImages {
             image_token_id,
             pos_3bt: None,
             block_bt: Some(block_bt),
+            deepstack_mh: Vec::new(),
+            rows_m: None,
         })
     }
 
@@ -277,6 +321,17 @@ impl MicroImages {
                     .collect();
                 vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
             }
+        }
+    }
+
+    /// Decoder layer `layer`'s output `y_bth` (B, T, H) as the next layer reads it: with
+    /// the layer-th deepstack feature added at the image tokens where there is one
+    /// (Qwen3-VL's first layers), else unchanged. The stash of layer `layer + 1` is this
+    /// sum; the backward passes the gradient through unchanged (an added constant).
+    pub fn after_layer(&self, layer: usize, y_bth: Tensor) -> Tensor {
+        match (self.deepstack_mh.get(layer), &self.rows_m) {
+            (Some(f_mh), Some(rows_m)) => add_at_image_tokens(&y_bth, rows_m, f_mh),
+            _ => y_bth,
         }
     }
 
@@ -326,9 +381,10 @@ fn image_block_ids(ids: &[i32], seq_len: usize, image_token_id: i64) -> Vec<i64>
 mod tests {
     use super::*;
 
-    /// A one-layer model of `model_type`, head_dim 128 (mrope's default sections).
+    /// A one-layer model of `model_type`, head_dim 128 (mrope's default sections); a
+    /// `qwen3_vl` wraps it in `text_config`.
     fn spec(model_type: &str) -> ModelSpec {
-        let hf = mt::config::hf::HfConfig {
+        let mut hf = mt::config::hf::HfConfig {
             model_type: Some(model_type.into()),
             vocab_size: Some(16),
             hidden_size: Some(128),
@@ -338,6 +394,10 @@ mod tests {
             image_token_id: Some(9),
             ..Default::default()
         };
+        if model_type == "qwen3_vl" {
+            hf.text_config = Some(serde_json::json!({"vocab_size": 16, "hidden_size": 128,
+                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}));
+        }
         ModelSpec::from_hf(&hf, std::path::Path::new("config.json")).unwrap()
     }
 
@@ -358,18 +418,50 @@ mod tests {
             images: vec![],
         };
         let f = Tensor::zeros([1, 128], (tch::Kind::Float, Device::Cpu));
-        let frozen = |f: &Tensor| Features::Frozen(f.copy());
-        let i = MicroImages::new(&vl, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap();
+        let new = |s: &ModelSpec, mb: &MicroBatch, grids: &[[u32; 3]], deep: Vec<Tensor>| {
+            MicroImages::new(s, mb, grids, Features::Frozen(f.copy()), deep, Device::Cpu)
+        };
+        let i = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap();
         assert_eq!(i.pos_3bt.as_ref().map(Tensor::size), Some(vec![3, 1, 4]));
-        let e = MicroImages::new(&vl, &mb, &[], frozen(&f), Device::Cpu).unwrap_err();
+        let y = Tensor::ones([1, 4, 128], (tch::Kind::Float, Device::Cpu));
+        assert!(
+            i.after_layer(0, y.copy()).equal(&y),
+            "no deepstack: unchanged"
+        );
+        let e = new(&vl, &mb, &[], vec![]).unwrap_err();
         assert!(format!("{e:#}").contains("grids are placed"), "{e:#}");
+        // Qwen3-VL: layer 0's output takes the first deepstack feature at the image token
+        // (position 1), layer 1's the second, layer 2's none.
+        let deep = vec![f.copy() + 2.0, f.copy() + 5.0];
+        let i = new(&spec("qwen3_vl"), &mb, &[[1, 2, 2]], deep).unwrap();
+        for (layer, add) in [(0, 2.0), (1, 5.0), (2, 0.0)] {
+            let got = i.after_layer(layer, y.copy());
+            assert!(
+                got.get(0).get(1).equal(&(y.get(0).get(1) + add)),
+                "layer {layer}"
+            );
+            for t in [0, 2, 3] {
+                assert!(
+                    got.get(0).get(t).equal(&y.get(0).get(t)),
+                    "layer {layer}: text {t}"
+                );
+            }
+        }
+        let e = new(
+            &spec("qwen3_vl"),
+            &mb,
+            &[[1, 2, 2]],
+            vec![f.narrow(0, 0, 0)],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("deepstack feature 0"), "{e}");
         let text = spec("qwen2");
-        let e = MicroImages::new(&text, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap_err();
+        let e = new(&text, &mb, &[[1, 2, 2]], vec![]).unwrap_err();
         assert!(e.to_string().contains("text-only model"), "{e}");
         mb.position_ids = vec![0, 1, 2, 0];
-        let e = MicroImages::new(&vl, &mb, &[[1, 2, 2]], frozen(&f), Device::Cpu).unwrap_err();
+        let e = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
-        let e = MicroImages::image_blocks(&mb, 9, f, Device::Cpu).unwrap_err();
+        let e = MicroImages::image_blocks(&mb, 9, f.copy(), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
     }
 

@@ -57,23 +57,23 @@ impl VisionWeights {
         VisionWeights { spec, tensors }
     }
 
-    fn get(&self, name: &str) -> &Tensor {
+    pub(super) fn get(&self, name: &str) -> &Tensor {
         self.tensors
             .get(name)
             .unwrap_or_else(|| panic!("vision weights hold no tensor `{name}`"))
     }
 
     /// `x W^T + b` with `{name}.weight` and `{name}.bias`.
-    fn linear(&self, x: &Tensor, name: &str) -> Tensor {
+    pub(super) fn linear(&self, x: &Tensor, name: &str) -> Tensor {
         let b = self.get(&format!("{name}.bias"));
         x.linear(self.get(&format!("{name}.weight")), Some(b))
     }
 
-    fn kind(&self) -> Kind {
+    pub(super) fn kind(&self) -> Kind {
         self.get("patch_embed.proj.weight").kind()
     }
 
-    fn device(&self) -> Device {
+    pub(super) fn device(&self) -> Device {
         self.get("patch_embed.proj.weight").device()
     }
 }
@@ -186,7 +186,7 @@ fn attention(
 }
 
 /// RoPE in f32 (`apply_rotary_pos_emb_vision`), cast back: (N, NH, D) -> (N, NH, D).
-fn rotate(x_nhd: &Tensor, cos_nd: &Tensor, sin_nd: &Tensor) -> Tensor {
+pub(super) fn rotate(x_nhd: &Tensor, cos_nd: &Tensor, sin_nd: &Tensor) -> Tensor {
     let xf = x_nhd.to_kind(Kind::Float);
     let half = xf.size()[2] / 2;
     let rot = Tensor::cat(
@@ -198,7 +198,7 @@ fn rotate(x_nhd: &Tensor, cos_nd: &Tensor, sin_nd: &Tensor) -> Tensor {
 
 /// cos and sin (N, D) f32 of each patch's (row, column): D / 4 frequencies of the row,
 /// D / 4 of the column, the two halves of the head alike.
-fn rotary(s: &VisionSpec, positions: &[[i64; 2]], device: Device) -> (Tensor, Tensor) {
+pub(super) fn rotary(s: &VisionSpec, positions: &[[i64; 2]], device: Device) -> (Tensor, Tensor) {
     let half = (s.head_dim() / 2) as i64;
     // 1 / theta^(2i / (D / 2)), in f32 as transformers computes it.
     let exps_f = Tensor::arange_start_step(0, half, 2, (Kind::Float, device)) / half as f64;
@@ -295,7 +295,7 @@ impl Order {
 }
 
 /// (a, b, c, d) over 0..na x 0..nb x 0..nc x 0..nd, the last fastest.
-fn iproduct4(
+pub(super) fn iproduct4(
     na: usize,
     nb: usize,
     nc: usize,
@@ -308,7 +308,7 @@ fn iproduct4(
 
 /// Consecutive segments of the rows, padded to the longest (L) to be attended in one
 /// batch of S.
-struct Segments {
+pub(super) struct Segments {
     s: i64,
     l: i64,
     /// (S L,): the row at each padded position; N (a zero row appended) where padding.
@@ -320,7 +320,7 @@ struct Segments {
 }
 
 impl Segments {
-    fn new(lens: &[i64], device: Device) -> Segments {
+    pub(super) fn new(lens: &[i64], device: Device) -> Segments {
         let (s, l) = (lens.len() as i64, lens.iter().copied().max().unwrap_or(0));
         let n: i64 = lens.iter().sum();
         let (mut gather, mut valid, mut keys) = (Vec::new(), Vec::new(), Vec::new());
@@ -351,7 +351,7 @@ impl Segments {
     }
 
     /// Each row's query attends to the keys of its segment: (N, NH, D) x3 -> (N, NH, D).
-    fn attend(&self, q_nhd: &Tensor, k_nhd: &Tensor, v_nhd: &Tensor) -> Tensor {
+    pub(super) fn attend(&self, q_nhd: &Tensor, k_nhd: &Tensor, v_nhd: &Tensor) -> Tensor {
         let (nh, d) = (q_nhd.size()[1], q_nhd.size()[2]);
         let pad = |x: &Tensor| {
             Tensor::cat(&[x, &Tensor::zeros([1, nh, d], (x.kind(), x.device()))], 0)

@@ -10,10 +10,10 @@
 //! pairs them, or adjacent dims (2i, 2i + 1) where the family interleaves them (GLM-4,
 //! DeepSeek-V3, Llama 4's complex product); each pair turns by frequency i either way.
 //!
-//! Qwen2.5-VL's multimodal RoPE ([`Rope::mrope`]) turns each pair by one of three positions
-//! (temporal, height, width), the pairs split into three consecutive sections, as
-//! transformers' `Qwen2_5_VLRotaryEmbedding` recomposes its frequencies (Qwen3-VL's
-//! interleaved sections are another layout).
+//! Qwen2.5-VL's and Qwen3-VL's multimodal RoPE ([`Rope::mrope`]) turns each pair by one of
+//! three positions (temporal, height, width): the pairs split into three consecutive sections
+//! as transformers' `Qwen2_5_VLRotaryEmbedding` recomposes its frequencies, or interleaved as
+//! `Qwen3VLTextRotaryEmbedding` does (`mt::config::hf::Mrope::pair_axes`).
 //!
 //! Shapes: B rows, T sequence length, D head dim, R rotary dims (R <= D; partial rotary).
 
@@ -164,39 +164,37 @@ impl Rope {
         }
     }
 
-    /// Qwen2.5-VL's multimodal tables (B, 1, T, R) from 3-D positions `pos_3bt` (temporal,
-    /// height, width; `mt::mrope`): rotary pair i turns by the temporal position for i <
-    /// section[0], the height position for the next section[1] pairs, the width position
-    /// for the last section[2]; both halves of the rotary dims repeat that layout.
+    /// The multimodal tables (B, 1, T, R) from 3-D positions `pos_3bt` (temporal, height,
+    /// width; `mt::mrope`): rotary pair i turns by the position of axis `axes[i]`
+    /// (`Mrope::pair_axes`: consecutive sections for Qwen2.5-VL, interleaved for Qwen3-VL);
+    /// both halves of the rotary dims repeat that layout.
     pub fn mrope(
         r: &RopeSpec,
-        section: [usize; 3],
+        axes: &[usize],
         pos_3bt: &Tensor,
         kind: Kind,
         device: Device,
     ) -> Rope {
         assert_eq!(
-            section.iter().sum::<usize>(),
+            axes.len(),
             r.rotary_dim / 2,
-            "mrope sections cover the rotary pairs"
+            "an axis for every rotary pair"
         );
+        assert!(axes.iter().all(|&a| a < 3), "axes are 0, 1, 2");
         let (freqs, scaling) = inv_freq(r, 0);
         let freqs: Vec<f32> = freqs.iter().map(|&f| f as f32).collect();
         let inv_freq_r2 = Tensor::from_slice(&freqs).to_device(device);
         // Angles in f32 per axis (3, B, T, R/2), then each pair's axis picked.
         let angle_3btr2 = pos_3bt.to_device(device).to_kind(Kind::Float).unsqueeze(-1)
             * inv_freq_r2.view([1, 1, 1, -1]);
-        let mut start = 0;
-        let parts: Vec<Tensor> = section
-            .iter()
-            .enumerate()
-            .map(|(axis, &len)| {
-                let part = angle_3btr2.get(axis as i64).narrow(-1, start, len as i64);
-                start += len as i64;
-                part
-            })
-            .collect();
-        let angle_btr2 = Tensor::cat(&parts, -1);
+        let axes: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
+        let mut size = angle_3btr2.size();
+        size[0] = 1;
+        let pick = Tensor::from_slice(&axes)
+            .to_device(device)
+            .view([1, 1, 1, -1])
+            .expand(&size, false);
+        let angle_btr2 = angle_3btr2.gather(0, &pick, false).squeeze_dim(0);
         let emb_b1tr = Tensor::cat(&[&angle_btr2, &angle_btr2], -1).unsqueeze(1);
         Rope {
             cos_b1tr: (emb_b1tr.cos() * scaling).to_kind(kind),
@@ -314,7 +312,7 @@ mod tests {
         let plain = Rope::new(&r, false, 10, Some(&pos_1t), Kind::Float, Device::Cpu);
         let same = Rope::mrope(
             &r,
-            [1, 2, 1],
+            &[0, 1, 1, 2],
             &Tensor::stack(&[&pos_1t, &pos_1t, &pos_1t], 0),
             Kind::Float,
             Device::Cpu,
@@ -322,7 +320,7 @@ mod tests {
         assert!(plain.cos_b1tr.equal(&same.cos_b1tr) && plain.sin_b1tr.equal(&same.sin_b1tr));
         // Axis positions 10, 20, 30 for every token: pair 0 by 10, pairs 1-2 by 20, 3 by 30.
         let pos_3bt = Tensor::from_slice(&[10i64, 20, 30]).view([3, 1, 1]);
-        let m = Rope::mrope(&r, [1, 2, 1], &pos_3bt, Kind::Float, Device::Cpu);
+        let m = Rope::mrope(&r, &[0, 1, 1, 2], &pos_3bt, Kind::Float, Device::Cpu);
         let f = [1.0, 0.1, 0.01, 0.001];
         let angles = [10.0 * f[0], 20.0 * f[1], 20.0 * f[2], 30.0 * f[3]];
         let want: Vec<f64> = angles
@@ -330,6 +328,12 @@ mod tests {
             .chain(&angles)
             .map(|a: &f64| a.cos())
             .collect();
+        let got = Vec::<f64>::try_from(m.cos_b1tr.reshape([-1]).to_kind(Kind::Double)).unwrap();
+        close(&got, &want);
+        // Interleaved (Qwen3-VL): pairs by axes 0, 1, 2, 0.
+        let m = Rope::mrope(&r, &[0, 1, 2, 0], &pos_3bt, Kind::Float, Device::Cpu);
+        let angles = [10.0 * f[0], 20.0 * f[1], 30.0 * f[2], 10.0 * f[3]];
+        let want: Vec<f64> = angles.iter().chain(&angles).map(|a| a.cos()).collect();
         let got = Vec::<f64>::try_from(m.cos_b1tr.reshape([-1]).to_kind(Kind::Double)).unwrap();
         close(&got, &want);
     }
