@@ -17,7 +17,7 @@ For each case this writes, under OUT/<case>/:
   dequantized.safetensors  (MXFP4 cases) the expert weights as transformers dequantizes
                       the packed checkpoint in model/ (bf16), to compare bit for bit
 
-The vision towers' fixtures (OUT/vision/qwen2_5_vl/, OUT/vision/qwen3_vl/):
+The vision towers' fixtures (OUT/vision/qwen2_5_vl/, OUT/vision/qwen3_vl/, OUT/vision/gemma3/):
 scripts/make_vlm_model_fixtures.py.
 
 DPO cases (OUT/dpo/<case>/, training.stage: dpo; scripts/golden_dpo.py): model/, pairs.jsonl
@@ -769,6 +769,7 @@ def main():
     staged.add("mrope")
     staged.add("vision/qwen2_5_vl")
     staged.add("vision/qwen3_vl")
+    staged.add("vision/gemma3")
     only = set(args.cases.split(",")) if args.cases else set(CASES) | staged
     if only - set(CASES) - staged:
         raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - staged)}")
@@ -776,12 +777,15 @@ def main():
         make_schedules(os.path.join(args.out, "schedules"))
     if "mrope" in only:
         make_mrope(args.out)
-    if "vision/qwen2_5_vl" in only:  # the vision tower's (worker/src/model/qwen2_vl_vision)
+    if "vision/qwen2_5_vl" in only:  # worker/src/model/qwen2_vl_vision
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
         subprocess.run([sys.executable, script, "--out", args.out], check=True)
     if "vision/qwen3_vl" in only:  # worker/src/model/qwen3_vl_vision
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
         subprocess.run([sys.executable, script, "--out", args.out, "--family", "qwen3_vl"], check=True)
+    if "vision/gemma3" in only:  # worker/src/model/siglip_vision
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
+        subprocess.run([sys.executable, script, "--out", args.out, "--family", "gemma3"], check=True)
     for name, case in golden_dpo.DPO_CASES.items():
         if f"dpo/{name}" in only:
             golden_dpo.make_case(args.out, name, case)

@@ -18,6 +18,10 @@ Written under OUT/vlm/pixels:
   one already a multiple of 28, one JPEG.
 - qwen3vl/: the same for Qwen3-VL's settings (16-pixel patches, mean and std 0.5, the pixel
   bounds in `size`, as its hub preprocessor_config.json spells them), over the same images.
+- gemma3/: the same images through transformers' Gemma3ImageProcessorPil (bilinear resize to a
+  fixed 224 x 224, rescale, normalise with mean and std 0.5), `pixel_values` (3, 224, 224) per
+  file in processor.safetensors, beside the preprocessor_config.json and a config.json whose
+  SigLIP tower takes that size.
 - manifest.json: the file lists.
 
 Usage: .venv/bin/python scripts/make_pixel_fixtures.py --out target/data-fixtures
@@ -33,6 +37,7 @@ import zlib
 import numpy as np
 from PIL import Image
 from safetensors.numpy import save_file
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 ap = argparse.ArgumentParser()
@@ -224,7 +229,29 @@ for name in through:
     processed3[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"], dtype=np.float32)
     processed3[f"{name}.grid"] = np.asarray(enc["image_grid_thw"], dtype=np.int64)
 save_file(processed3, os.path.join(out, "qwen3vl", "processor.safetensors"))
+
+# Gemma 3's processor: its hub preprocessor_config.json's keys at a small fixed size (both
+# shrinking, antialiased, and enlarging images), and a config.json whose tower takes it.
+g3 = os.path.join(out, "gemma3")
+os.makedirs(g3)
+g3_config = {"image_processor_type": "Gemma3ImageProcessor", "do_convert_rgb": None, "do_normalize": True,
+             "do_pan_and_scan": None, "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+             "image_std": [0.5, 0.5, 0.5], "resample": 2, "rescale_factor": 1 / 255,
+             "size": {"height": 224, "width": 224}}
+with open(os.path.join(g3, "preprocessor_config.json"), "w") as f:
+    json.dump(g3_config, f, indent=2)
+with open(os.path.join(g3, "config.json"), "w") as f:
+    json.dump({"model_type": "gemma3", "mm_tokens_per_image": 256,
+               "vision_config": {"image_size": 224, "patch_size": 14}}, f, indent=2)
+g3_proc = Gemma3ImageProcessorPil(**{k: v for k, v in g3_config.items() if k != "image_processor_type"})
+g3_processed = {}
+for name in through:
+    with Image.open(os.path.join(out, "images", name)) as im:
+        enc = g3_proc(images=[im.convert("RGB")])
+    assert list(enc["num_crops"]) == [0]
+    g3_processed[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"][0], dtype=np.float32)
+save_file(g3_processed, os.path.join(g3, "processor.safetensors"))
 with open(os.path.join(out, "manifest.json"), "w") as f:
     json.dump({"decoded": sorted(decoded), "processed": through, "refused": [lossy]}, f, indent=2)
 print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil"
-      " (Qwen2-VL's and Qwen3-VL's settings)")
+      " (Qwen2-VL's and Qwen3-VL's settings) and Gemma3ImageProcessorPil")

@@ -19,7 +19,8 @@ the chat template, and `Qwen2VLProcessor(text, images)` expands each `<|image_pa
 grid's count. The labels come from rendering the expanded messages (the same text, checked).
 
 Usage: .venv/bin/python scripts/make_vlm_fixtures.py --out target/data-fixtures
-(make_data_fixtures.py calls it; it calls make_pixel_fixtures.py.)
+(make_data_fixtures.py calls it; it calls make_pixel_fixtures.py, make_vlm_golden.py and Gemma 3's
+make_vlm_gemma3_fixtures.py and make_vlm_golden_gemma3.py.)
 """
 import argparse
 import json
@@ -163,3 +164,9 @@ subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_pixel_fixtures.
 # The end-to-end golden case on these records (OUT/vlm/golden).
 subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_vlm_golden.py"),
                 "--dir", os.path.dirname(out)], check=True)
+
+# Gemma 3: the same records through its processor and chat template (OUT/vlm/model-gemma3,
+# expected_gemma3.jsonl), then its end-to-end golden case (OUT/vlm/golden-gemma3).
+for script in ("make_vlm_gemma3_fixtures.py", "make_vlm_golden_gemma3.py"):
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--dir", os.path.dirname(out)],
+                   check=True)

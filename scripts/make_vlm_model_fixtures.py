@@ -24,7 +24,11 @@ the features come in block order, each from its own merger), learned position em
 6 x 6 grid resampled to grids smaller and larger than it, one entry with two frames (attention
 within each frame), the same wide weights.
 
-Usage: .venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden [--family qwen3_vl]
+Gemma 3 (`--family gemma3`, OUT/vision/gemma3/): its SigLIP tower and projector, described at
+`gemma3()` below; worker/src/model/siglip_vision.rs compares with it.
+
+Usage: .venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden
+       [--family qwen3_vl|gemma3]
 """
 import argparse
 import os
@@ -32,14 +36,15 @@ import shutil
 
 import safetensors.torch
 import torch
-from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
 
 GRIDS = [(1, 6, 8), (1, 4, 10), (2, 4, 4)]  # (t, h, w) in patches
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
-ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"])
+ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "gemma3"])
 args = ap.parse_args()
 out = os.path.join(os.path.abspath(args.out), "vision", args.family)
 shutil.rmtree(out, ignore_errors=True)
@@ -90,8 +95,51 @@ def qwen3_vl():
           f" and {len(o.deepstack_features)} deepstack features")
 
 
+# Gemma 3 (OUT/vision/gemma3/): a tiny Gemma3ForConditionalGeneration's SigLIP tower and
+# projector. io.safetensors: pixel_values (3 images, 3, 84, 84) and `features` =
+# `get_image_features(pixel_values).pooler_output` flattened to (3 x 9, text hidden): 6 x 6
+# patches of 14 pooled 2 x 2 into 9 tokens per image, 2 encoder layers, weights drawn wide
+# (std 0.15, norm weights around 1, the projector's RMSNorm weight around 0 as it acts as 1 + w)
+# so that attention is far from uniform.
+def gemma3():
+    out_g = out
+    shutil.rmtree(out_g, ignore_errors=True)
+    os.makedirs(out_g)
+    torch.manual_seed(3)
+    g_config = Gemma3Config(
+        text_config=dict(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        vision_config=dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=3,
+                           image_size=84, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=9, image_token_index=90, boi_token_index=91, eoi_token_index=92,
+    )
+    g_model = Gemma3ForConditionalGeneration(g_config).float().eval()
+    with torch.no_grad():
+        for name, p in list(g_model.model.vision_tower.named_parameters()) + list(
+                g_model.model.multi_modal_projector.named_parameters()):
+            if "layer_norm" in name or "layernorm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+            elif "mm_soft_emb_norm" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    g_model.save_pretrained(os.path.join(out_g, "model"))
+    g_pixels = torch.randn(3, 3, 84, 84)
+    with torch.no_grad():
+        g_features = g_model.model.get_image_features(g_pixels).pooler_output
+    assert g_features.shape == (3, 9, 64), g_features.shape
+    safetensors.torch.save_file(
+        {"pixel_values": g_pixels.contiguous(), "features": g_features.reshape(-1, 64).contiguous()},
+        os.path.join(out_g, "io.safetensors"),
+    )
+    print(f"wrote {out_g}: 3 images of 84 x 84 -> features {tuple(g_features.shape)}")
+
+
 if args.family == "qwen3_vl":
     qwen3_vl()
+    raise SystemExit(0)
+if args.family == "gemma3":
+    gemma3()
     raise SystemExit(0)
 
 torch.manual_seed(0)

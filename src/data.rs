@@ -23,6 +23,7 @@
 mod batch;
 mod chat;
 mod files;
+mod gemma3_vl;
 mod hub;
 pub mod image;
 mod pairs;
@@ -50,6 +51,7 @@ pub use batch::{
     plan_rollouts, plan_step,
 };
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
+pub use gemma3_vl::Gemma3Images;
 pub use image::ImageSize;
 pub use qwen_vl::{Grid, QwenVlImages};
 pub use records::{BadRecord, Conversation, Image, Message, Role};
@@ -59,7 +61,7 @@ pub use split::held_out;
 
 use crate::config::{DatasetSection, Stage};
 use crate::error::{Error, Result};
-pub use read::Images;
+pub use read::{ImageProcessor, Images};
 use read::{Read, Reader, read_all};
 use sources::{Source, check_tools, train_and_eval_sources};
 

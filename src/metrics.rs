@@ -96,7 +96,7 @@ pub struct StepMetrics {
     /// MFLOP per token and layer forward and backward, 1% of the 2.3 GFLOP of its
     /// projections and MLP; left out as MegaTrain leaves it out, which keeps the figure
     /// comparable. A vision-language step adds its vision tower's forward over the step's
-    /// images (`VisionSpec::forward_flops`: frozen, it runs forward only).
+    /// images (`TowerSpec::forward_flops`: frozen, it runs forward only).
     pub tflops_model: f64,
     /// The update was skipped: the loss or the gradient norm was not finite.
     pub skipped: bool,

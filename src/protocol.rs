@@ -155,7 +155,7 @@ pub struct VisionInit {
     /// How an image file becomes the tower's pixels (`preprocessor_config.json`); None
     /// where the model directory has none (no batch then carries images).
     #[serde(default)]
-    pub pixels: Option<crate::data::QwenVlImages>,
+    pub pixels: Option<crate::data::ImageProcessor>,
 }
 
 /// The leading blocks a worker keeps on its device, master weights, moments and compute

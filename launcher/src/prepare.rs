@@ -301,16 +301,16 @@ const CPU_SOURCE: &str =
 
 /// The frozen vision tower of the run's model (a shipped architecture's where the run
 /// names one); None for a text-only model.
-fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::VisionSpec>> {
-    use mt::config::vision::VisionSpec;
+fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::TowerSpec>> {
+    use mt::config::vision::TowerSpec;
     Ok(match cfg.model.shipped {
         Some(s) => {
             let path = std::path::Path::new("configs")
                 .join(s.dir)
                 .join("config.json");
-            VisionSpec::from_text(s.config_json, &path)?
+            TowerSpec::from_text(s.config_json, &path)?
         }
-        None => VisionSpec::from_model_dir(&cfg.model.path)?,
+        None => TowerSpec::from_model_dir(&cfg.model.path)?,
     })
 }
 
@@ -340,16 +340,20 @@ pub fn run_layout(
         )
         .into());
     };
-    if vision.family != mt::config::vision::VisionFamily::Qwen2_5Vl {
-        return Err(mt::Error::invalid(
-            key,
-            format!(
-                "false trains Qwen2.5-VL's projector only; `{}`'s tower (its merger and deepstack mergers) trains frozen for now (use vlm.freeze_projector: true)",
-                spec.wrapper.as_deref().unwrap_or(&spec.model_type),
-            ),
-        )
-        .into());
-    }
+    use mt::config::vision::{TowerSpec, VisionFamily};
+    let vision = match vision {
+        TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl => v,
+        other => {
+            return Err(mt::Error::invalid(
+                key,
+                format!(
+                    "false trains Qwen2.5-VL's projector only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
+                    other.model_type(),
+                ),
+            )
+            .into());
+        }
+    };
     if cfg.model.init == Init::Random {
         return Err(mt::Error::invalid(
             key,

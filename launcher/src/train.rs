@@ -44,7 +44,7 @@ pub struct Trainer {
     cfg: RunConfig,
     spec: ModelSpec,
     /// A vision-language model's tower, whose forward the step's FLOPs count.
-    vision: Option<mt::config::vision::VisionSpec>,
+    vision: Option<mt::config::vision::TowerSpec>,
     data: Dataset,
     sampler: Sampler,
     host: HostState,

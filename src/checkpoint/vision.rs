@@ -10,15 +10,13 @@ use std::path::Path;
 
 use super::carried::Carried;
 use super::pieces;
-use crate::config::vision::VisionSpec;
+use crate::config::vision::TowerSpec;
+use crate::config::vision::siglip::PROJECTOR;
 use crate::config::{DType, TowerTraining};
 use crate::error::{Error, Result};
 use crate::layout::vision::VisionLayout;
 use crate::shm::host::Store;
 use crate::shm::{RegionHandle, RegionKind};
-
-/// The name every tower's patch embedding ends with; what precedes it is the prefix.
-const PATCH_EMBED: &str = "patch_embed.proj.weight";
 
 /// The tower's region, filled.
 pub struct VisionRegion {
@@ -35,23 +33,30 @@ impl VisionRegion {
     /// missing, of another shape or not a float.
     pub fn build(
         name: &str,
-        spec: &VisionSpec,
+        spec: &TowerSpec,
         training: TowerTraining,
         carried: &Carried,
         dtype: DType,
         source: &Path,
     ) -> Result<VisionRegion> {
+        let patch_embed = spec.patch_embed();
         let prefix = carried
             .tensors
             .iter()
-            .find_map(|t| t.name.strip_suffix(PATCH_EMBED))
+            .find_map(|t| t.name.strip_suffix(patch_embed))
             .ok_or_else(|| Error::Tensor {
                 path: source.into(),
-                tensor: format!("visual.{PATCH_EMBED}"),
-                expected: format!("the vision tower of `{}`", spec.model_type),
-                got: "no tensor named `*patch_embed.proj.weight`".into(),
+                tensor: format!("*{patch_embed}"),
+                expected: format!("the vision tower of `{}`", spec.model_type()),
+                got: format!("no tensor named `*{patch_embed}`"),
             })?;
-        let layout = VisionLayout::new(spec, prefix, training);
+        let mut layout = VisionLayout::new(spec, prefix, training);
+        // Gemma 3's projector sits beside the tower, under the wrapper's own prefix.
+        if let Some(p) =
+            (carried.tensors.iter()).find_map(|t| Some(&t.name[..t.name.find(PROJECTOR)?]))
+        {
+            layout.projector_prefix = p.to_string();
+        }
         let mut store = Store::create_as(name, RegionKind::Vision, layout.total, dtype)?;
         let by_name: std::collections::HashMap<&str, _> = carried
             .tensors
@@ -106,13 +111,11 @@ mod tests {
     use half::bf16;
     use safetensors::Dtype;
 
-    fn spec() -> VisionSpec {
+    fn spec() -> TowerSpec {
         let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vision_config": {
             "depth": 1, "hidden_size": 8, "num_heads": 2, "intermediate_size": 6,
             "out_hidden_size": 4, "patch_size": 2, "window_size": 8}});
-        VisionSpec::from_json(&cfg, Path::new("c"))
-            .unwrap()
-            .unwrap()
+        TowerSpec::from_json(&cfg, Path::new("c")).unwrap().unwrap()
     }
 
     /// Every tensor of the tower under `prefix`, bf16, element i of tensor k = k + i / 1024.
@@ -198,6 +201,57 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(e.contains("visual.merger.ln_q.weight"), "{e}");
+    }
+
+    #[test]
+    fn gemma3_tower_and_projector_take_their_own_prefixes() {
+        let cfg = serde_json::json!({"model_type": "gemma3", "mm_tokens_per_image": 1,
+            "text_config": {"hidden_size": 4}, "vision_config": {"hidden_size": 4,
+            "intermediate_size": 6, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "image_size": 4, "patch_size": 2}});
+        let spec = TowerSpec::from_json(&cfg, Path::new("c")).unwrap().unwrap();
+        // The hub's names, and transformers 5's current ones.
+        for (tower, projector) in [
+            ("vision_tower.vision_model.", ""),
+            ("model.vision_tower.", "model."),
+        ] {
+            let tensors = spec
+                .tensors()
+                .into_iter()
+                .map(|(name, shape)| {
+                    let n: usize = shape.iter().product();
+                    let name = match name.starts_with(PROJECTOR) {
+                        true => format!("{projector}{name}"),
+                        false => format!("{tower}{name}"),
+                    };
+                    CarriedTensor {
+                        name,
+                        dtype: Dtype::BF16,
+                        shape,
+                        bytes: vec![0; 2 * n],
+                    }
+                })
+                .collect();
+            let c = Carried { tensors };
+            let r = VisionRegion::build(
+                "mt-test-vision",
+                &spec,
+                TowerTraining::Frozen,
+                &c,
+                DType::Float32,
+                Path::new("m"),
+            )
+            .unwrap();
+            assert_eq!(
+                (r.layout.prefix.as_str(), r.layout.projector_prefix.as_str()),
+                (tower, projector)
+            );
+            let last = r.layout.tensors.last().unwrap();
+            assert_eq!(
+                r.layout.hf_name(last),
+                format!("{projector}multi_modal_projector.mm_soft_emb_norm.weight")
+            );
+        }
     }
 
     #[test]

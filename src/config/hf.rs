@@ -578,7 +578,9 @@ impl ModelSpec {
             None
         };
 
-        let vocab_size = need(hf.vocab_size, "vocab_size")?;
+        // Gemma 3's hub configs leave it to `Gemma3TextConfig`'s default.
+        let vocab_default = gemma3.then_some(262_208);
+        let vocab_size = need(hf.vocab_size.or(vocab_default), "vocab_size")?;
         let pad = match &hf.pad_token_id {
             Some(Value::Number(n)) => n.as_i64(),
             _ => None,

@@ -44,6 +44,10 @@ pub const SHIPPED: &[Shipped] = &[
         ["Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3-VL-8B-Thinking"]
     ),
     shipped!(
+        "gemma3-27b",
+        ["google/gemma-3-27b-it", "google/gemma-3-27b-pt"]
+    ),
+    shipped!(
         "qwen2.5-14b",
         ["Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-14B-Instruct"]
     ),

@@ -1,7 +1,9 @@
 //! A multimodal checkpoint's vision tower, from config.json's `vision_config`: the file
 //! format (`HfVisionConfig`, lenient, transformers' defaults for absent keys) and the
 //! validated architecture (`VisionSpec`) the launcher lays out and the worker computes
-//! (worker/src/model/qwen2_vl_vision.rs, qwen3_vl_vision.rs): Qwen2.5-VL's and Qwen3-VL's.
+//! (worker/src/model/qwen2_vl_vision.rs, qwen3_vl_vision.rs): Qwen2.5-VL's and Qwen3-VL's; and
+//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file) or
+//! Gemma 3's SigLIP encoder and projector ([`siglip`]).
 //!
 //! The tower is frozen: it is carried, not trained (`layout::CarryRule`), and reaches the
 //! workers in a read-only region of its own (`checkpoint::vision`).
@@ -14,8 +16,103 @@ use serde_json::Value;
 use super::hf::Activation;
 use crate::error::{Error, Result};
 
+pub mod siglip;
+
+use siglip::SiglipSpec;
+
 /// The model types whose vision tower the worker computes.
-pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "qwen3_vl"];
+pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "qwen3_vl", "gemma3"];
+
+/// A vision-language model's frozen tower, of the family its `model_type` names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum TowerSpec {
+    /// Qwen2.5-VL's and Qwen3-VL's towers and mergers.
+    Qwen(VisionSpec),
+    /// Gemma 3's SigLIP encoder and multimodal projector.
+    Siglip(SiglipSpec),
+}
+
+impl TowerSpec {
+    /// The tower of `dir/config.json`, or None when its model type has none we compute.
+    pub fn from_model_dir(dir: &Path) -> Result<Option<TowerSpec>> {
+        let path = dir.join("config.json");
+        let text = crate::bounded::read_text(&path, crate::bounded::SMALL_JSON, "model config")?;
+        TowerSpec::from_text(&text, &path)
+    }
+
+    /// The tower of config.json's text (`path` names it in errors).
+    pub fn from_text(text: &str, path: &Path) -> Result<Option<TowerSpec>> {
+        let v: Value = serde_json::from_str(text).map_err(|e| Error::ModelConfig {
+            path: path.into(),
+            msg: format!("not a valid config.json: {e}"),
+        })?;
+        TowerSpec::from_json(&v, path)
+    }
+
+    /// The tower of a parsed config.json (`path` names it in errors).
+    pub fn from_json(config: &Value, path: &Path) -> Result<Option<TowerSpec>> {
+        match config.get("model_type").and_then(Value::as_str) {
+            Some("gemma3") => {
+                SiglipSpec::from_json(config, "gemma3", path).map(|s| Some(TowerSpec::Siglip(s)))
+            }
+            _ => Ok(VisionSpec::from_json(config, path)?.map(TowerSpec::Qwen)),
+        }
+    }
+
+    /// The wrapper's `model_type`.
+    pub fn model_type(&self) -> &str {
+        match self {
+            TowerSpec::Qwen(s) => &s.model_type,
+            TowerSpec::Siglip(s) => &s.model_type,
+        }
+    }
+
+    /// Blocks (encoder layers) of the tower.
+    pub fn depth(&self) -> usize {
+        match self {
+            TowerSpec::Qwen(s) => s.depth,
+            TowerSpec::Siglip(s) => s.depth,
+        }
+    }
+
+    /// Every tensor of the tower (and its projector), named inside the tower, with its
+    /// shape, in transformers' module order.
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        match self {
+            TowerSpec::Qwen(s) => s.tensors(),
+            TowerSpec::Siglip(s) => s.tensors(),
+        }
+    }
+
+    /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's
+    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid).
+    pub fn forward_flops(&self, grid: [u32; 3]) -> f64 {
+        match self {
+            TowerSpec::Qwen(s) => s.forward_flops(grid),
+            TowerSpec::Siglip(s) => s.forward_flops(),
+        }
+    }
+
+    /// FLOPs of the projector's matmuls over one image of `grid` (part of
+    /// [`Self::forward_flops`]; a trained projector's backward is twice this).
+    pub fn projector_flops(&self, grid: [u32; 3]) -> f64 {
+        match self {
+            TowerSpec::Qwen(s) => s.merger_flops(grid),
+            TowerSpec::Siglip(s) => {
+                2.0 * (s.tokens_per_image * s.hidden_size * s.out_hidden_size) as f64
+            }
+        }
+    }
+
+    /// The suffix of the checkpoint name of the tower's patch embedding: what precedes it
+    /// is the tower's prefix.
+    pub fn patch_embed(&self) -> &'static str {
+        match self {
+            TowerSpec::Qwen(_) => "patch_embed.proj.weight",
+            TowerSpec::Siglip(_) => siglip::SIGLIP_PATCH_EMBED,
+        }
+    }
+}
 
 /// Which tower a wrapper has (the worker's model file that computes it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -545,6 +642,29 @@ mod tests {
         assert_eq!(t.len(), 1 + 32 * 12 + 5);
         assert_eq!(t[0].1, vec![1280, 3, 2, 14, 14]);
         assert_eq!(t.last().unwrap().1, vec![3584]);
+    }
+
+    #[test]
+    fn the_tower_follows_the_model_type() {
+        let c = Path::new("c");
+        let qwen = json!({"model_type": "qwen2_5_vl", "vision_config": {}});
+        assert!(matches!(
+            TowerSpec::from_json(&qwen, c),
+            Ok(Some(TowerSpec::Qwen(_)))
+        ));
+        let gemma = json!({"model_type": "gemma3", "mm_tokens_per_image": 4,
+            "vision_config": {"image_size": 56, "patch_size": 14}});
+        let t = TowerSpec::from_json(&gemma, c).unwrap().unwrap();
+        assert_eq!((t.model_type(), t.depth()), ("gemma3", 12));
+        let text = json!({"model_type": "gemma3_text"});
+        assert!(TowerSpec::from_json(&text, c).unwrap().is_none());
+        for t in VISION_MODEL_TYPES {
+            let cfg = json!({"model_type": t});
+            assert!(
+                TowerSpec::from_json(&cfg, c).is_err(),
+                "{t}: no vision_config"
+            );
+        }
     }
 
     #[test]

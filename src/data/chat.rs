@@ -330,6 +330,15 @@ impl ChatTokenizer {
         conv: &Conversation,
         train_on_prompt: bool,
     ) -> std::result::Result<Example, RenderError> {
+        let (full, spans) = self.answer_spans(conv)?;
+        Ok(self.labelled(&full, &spans, train_on_prompt)?)
+    }
+
+    /// The conversation's text and the byte spans of its assistant answers in it.
+    pub fn answer_spans(
+        &self,
+        conv: &Conversation,
+    ) -> std::result::Result<(String, Vec<std::ops::Range<usize>>), RenderError> {
         let full = self.render(conv, conv.messages.len(), false)?;
         let mut spans = Vec::new();
         let mut from = 0;
@@ -353,7 +362,7 @@ impl ChatTokenizer {
             spans.push(start..start + answer.len());
             from = start + answer.len();
         }
-        Ok(self.labelled(&full, &spans, train_on_prompt)?)
+        Ok((full, spans))
     }
 
     /// The token row of a conversation ending in an assistant answer, labelled on that
@@ -378,7 +387,7 @@ impl ChatTokenizer {
 
     /// `text` tokenized, a token labelled when it starts inside one of `spans` (every
     /// token with `all`).
-    fn labelled(
+    pub fn labelled(
         &self,
         text: &str,
         spans: &[std::ops::Range<usize>],

@@ -276,6 +276,7 @@ pub fn expand(text: &str, tokens: &[usize]) -> String {
 }
 
 mod pixels;
+pub(crate) use pixels::{config_flag, config_triple};
 
 #[cfg(test)]
 mod fixtures;

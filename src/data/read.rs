@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use super::files::FileRecords;
 use super::records::{self, BadRecord, Conversation, RawRecord};
 use super::sources::Source;
-use super::{ChatTokenizer, Example, QwenVlImages, Skipped, chat, pairs, tokenized};
+use super::{ChatTokenizer, Example, Gemma3Images, QwenVlImages, Skipped, chat, pairs, tokenized};
 use crate::cancel;
 use crate::config::{DatasetSection, Overlong, Stage};
 use crate::error::{Error, Result};
@@ -38,6 +38,15 @@ pub enum Images {
     /// A Qwen2-VL-style model: `<image>` expanded to the image's tokens, the image carried
     /// to the workers.
     Qwen(QwenVlImages),
+    /// A Gemma 3 model: `<image>` expanded to its fixed image sequence after the template.
+    Gemma3(Gemma3Images),
+}
+
+/// How the workers turn an image file into the tower's pixels, by family.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum ImageProcessor {
+    Qwen(QwenVlImages),
+    Gemma3(Gemma3Images),
 }
 
 impl Images {
@@ -45,15 +54,29 @@ impl Images {
     /// processor settings (`preprocessor_config.json`), or text only.
     pub fn of_model(model_dir: &Path) -> Result<Images> {
         // A tokenizer's directory without a model config (data tooling) reads text.
-        if !model_dir.join("config.json").is_file()
-            || crate::config::vision::VisionSpec::from_model_dir(model_dir)?.is_none()
-        {
+        use crate::config::vision::TowerSpec;
+        if !model_dir.join("config.json").is_file() {
             return Ok(Images::TextOnly);
         }
+        let Some(tower) = TowerSpec::from_model_dir(model_dir)? else {
+            return Ok(Images::TextOnly);
+        };
         let path = model_dir.join("preprocessor_config.json");
-        match path.exists() {
-            true => QwenVlImages::load(model_dir).map(Images::Qwen),
-            false => Ok(Images::NoProcessor(path)),
+        match (path.exists(), tower) {
+            (false, _) => Ok(Images::NoProcessor(path)),
+            (true, TowerSpec::Qwen(_)) => QwenVlImages::load(model_dir).map(Images::Qwen),
+            (true, TowerSpec::Siglip(spec)) => {
+                Gemma3Images::load(model_dir, &spec).map(Images::Gemma3)
+            }
+        }
+    }
+
+    /// What the workers read image files with, for a model that takes images.
+    pub fn processor(self) -> Option<ImageProcessor> {
+        match self {
+            Images::Qwen(s) => Some(ImageProcessor::Qwen(s)),
+            Images::Gemma3(s) => Some(ImageProcessor::Gemma3(s)),
+            Images::TextOnly | Images::NoProcessor(_) => None,
         }
     }
 }
@@ -195,9 +218,9 @@ pub(super) fn no_images(
 /// The reason `images` cannot train a record's images, if any.
 pub(super) fn why_no_images(images: &Images) -> Option<String> {
     match images {
-        Images::Qwen(_) => None,
+        Images::Qwen(_) | Images::Gemma3(_) => None,
         Images::TextOnly => Some(
-            "the model is text-only: train a vision-language model (qwen2_5_vl, qwen3_vl) or leave the `images` column out of the dataset's `columns`"
+            "the model is text-only: train a vision-language model (qwen2_5_vl, qwen3_vl, gemma3) or leave the `images` column out of the dataset's `columns`"
                 .into(),
         ),
         Images::NoProcessor(path) => Some(format!(
@@ -227,6 +250,9 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                     renders_tools(chat, &conv, rec, &schema.columns.messages)?;
                     match reader.images {
                         Images::Qwen(im) if !conv.images.is_empty() => {
+                            im.example(chat, &conv, ds.train_on_prompt)
+                        }
+                        Images::Gemma3(im) if !conv.images.is_empty() => {
                             im.example(chat, &conv, ds.train_on_prompt)
                         }
                         _ => chat.example(&conv, ds.train_on_prompt),

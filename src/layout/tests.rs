@@ -320,6 +320,8 @@ fn public_configs_have_their_transformers_parameter_counts() {
         ("qwen2.5-vl-7b", 7_615_616_512),
         // Qwen3VLForConditionalGeneration (8,767,123,696) less its `visual` (576,388,336).
         ("qwen3-vl-8b", 8_190_735_360),
+        // Gemma3ForConditionalGeneration less its SigLIP tower and projector (tied head).
+        ("gemma3-27b", 27_009_346_304),
     ] {
         let spec = ModelSpec::from_model_dir(&configs.join(dir)).unwrap();
         assert_eq!(Layout::new(&spec).num_params(), params, "{dir}");

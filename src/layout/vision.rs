@@ -9,15 +9,21 @@ use serde::{Deserialize, Serialize};
 
 use super::{TENSOR_ALIGN, TensorSpec};
 use crate::config::TowerTraining;
-use crate::config::vision::VisionSpec;
+use crate::config::vision::TowerSpec;
+use crate::config::vision::siglip::PROJECTOR;
 
 /// The tower's tensors in its region.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VisionLayout {
-    pub spec: VisionSpec,
+    pub spec: TowerSpec,
     /// The checkpoint's prefix of the tower (`visual.` in the hub's names, `model.visual.`
-    /// in transformers 5's); a tensor's checkpoint name is `prefix + name`.
+    /// in transformers 5's; Gemma 3's `vision_tower.vision_model.` or `vision_tower.`); a
+    /// tensor's checkpoint name is `prefix + name`.
     pub prefix: String,
+    /// What precedes a projector tensor's name (`multi_modal_projector.…`, Gemma 3's) in the
+    /// checkpoint: empty, or `model.` under transformers 5's current names.
+    #[serde(default)]
+    pub projector_prefix: String,
     /// What of the tower trains: those tensors are the layout's, not the region's.
     pub training: TowerTraining,
     /// The frozen tensors: names inside the tower (`blocks.0.attn.qkv.weight`), shapes,
@@ -30,7 +36,7 @@ pub struct VisionLayout {
 impl VisionLayout {
     /// Lays out every frozen tensor of `spec`'s tower (all but those `training` trains),
     /// in transformers' order, each at a multiple of `TENSOR_ALIGN` elements.
-    pub fn new(spec: &VisionSpec, prefix: &str, training: TowerTraining) -> VisionLayout {
+    pub fn new(spec: &TowerSpec, prefix: &str, training: TowerTraining) -> VisionLayout {
         let mut at = 0;
         let tensors = spec
             .tensors()
@@ -50,6 +56,7 @@ impl VisionLayout {
         VisionLayout {
             spec: spec.clone(),
             prefix: prefix.into(),
+            projector_prefix: String::new(),
             training,
             tensors,
             total,
@@ -58,7 +65,10 @@ impl VisionLayout {
 
     /// The checkpoint's name of tensor `t`.
     pub fn hf_name(&self, t: &TensorSpec) -> String {
-        format!("{}{}", self.prefix, t.name)
+        match t.name.starts_with(PROJECTOR) {
+            true => format!("{}{}", self.projector_prefix, t.name),
+            false => format!("{}{}", self.prefix, t.name),
+        }
     }
 
     /// Parameters of the frozen tower.
@@ -76,7 +86,7 @@ mod tests {
         let cfg = serde_json::json!({"model_type": "qwen2_5_vl", "vision_config": {
             "depth": 2, "hidden_size": 40, "num_heads": 2, "intermediate_size": 30,
             "out_hidden_size": 24, "window_size": 56, "fullatt_block_indexes": [1]}});
-        let spec = VisionSpec::from_json(&cfg, std::path::Path::new("c"))
+        let spec = TowerSpec::from_json(&cfg, std::path::Path::new("c"))
             .unwrap()
             .unwrap();
         let l = VisionLayout::new(&spec, "visual.", TowerTraining::Frozen);
@@ -113,7 +123,9 @@ mod tests {
             "depth": 2, "hidden_size": 40, "num_heads": 2, "intermediate_size": 30,
             "out_hidden_size": 128, "window_size": 56, "fullatt_block_indexes": [1]}});
         let path = std::path::Path::new("c");
-        let vision = VisionSpec::from_json(&cfg, path).unwrap().unwrap();
+        let vision = crate::config::vision::VisionSpec::from_json(&cfg, path)
+            .unwrap()
+            .unwrap();
         let hf: crate::config::hf::HfConfig = serde_json::from_value(cfg).unwrap();
         let mut spec = ModelSpec::from_hf(&hf, path).unwrap();
         let text = Layout::new(&spec);
@@ -131,8 +143,9 @@ mod tests {
                 "visual.merger.mlp.2.bias"
             ]
         );
-        let region = VisionLayout::new(&vision, "visual.", TowerTraining::Projector);
-        let all = VisionLayout::new(&vision, "visual.", TowerTraining::Frozen);
+        let tower = TowerSpec::Qwen(vision.clone());
+        let region = VisionLayout::new(&tower, "visual.", TowerTraining::Projector);
+        let all = VisionLayout::new(&tower, "visual.", TowerTraining::Frozen);
         assert!(
             region
                 .tensors
@@ -168,17 +181,23 @@ mod tests {
         // Counted by transformers 5.17: Qwen2_5_VLForConditionalGeneration from
         // configs/qwen2.5-vl-7b/config.json on the meta device, the parameters under `visual`.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-vl-7b");
-        let spec = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+        let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
         assert_eq!(
             VisionLayout::new(&spec, "visual.", TowerTraining::Frozen).num_params(),
             676_550_144
         );
         // Qwen3VLForConditionalGeneration from configs/qwen3-vl-8b, likewise.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen3-vl-8b");
-        let spec = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+        let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
         assert_eq!(
             VisionLayout::new(&spec, "model.visual.", TowerTraining::Frozen).num_params(),
             576_388_336
         );
+        // Gemma3ForConditionalGeneration from configs/gemma3-27b/config.json, the parameters
+        // under `vision_tower` and `multi_modal_projector`.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gemma3-27b");
+        let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
+        let l = VisionLayout::new(&spec, "vision_tower.vision_model.", TowerTraining::Frozen);
+        assert_eq!(l.num_params(), 423_060_336);
     }
 }

@@ -558,10 +558,13 @@ fn chunk_bytes(spec: &ModelSpec, c: u64, v: u64, s: u64, fused: bool) -> u64 {
 /// ((T, T), or (B, 1, T, T) packed) and the batch's int64 ids, targets, selected positions
 /// and positions.
 fn tables(spec: &ModelSpec, o: DeviceOpts, d: &Dims) -> u64 {
+    // Gemma 3's image blocks make the masks per row (`Context::with_image_blocks`).
+    let blocks = o.vision.is_some_and(|v| v.image_blocks);
     let rows = if o.packed { d.b } else { 1 };
     let ropes = 1 + spec.rope_local.is_some() as u64;
     let rope = ropes * 2 * rows * d.t * spec.rope.rotary_dim as u64 * d.s;
-    let explicit = o.packed || spec.attn_softcap.is_some() || spec.attn_sinks;
+    let rows = if blocks { d.b } else { rows };
+    let explicit = o.packed || blocks || spec.attn_softcap.is_some() || spec.attn_sinks;
     let sliding = spec.sliding_window.is_some_and(|w| (w as u64) < d.t);
     let chunked = spec.attention_chunk.is_some_and(|c| (c as u64) < d.t);
     let masks = (explicit as u64 + sliding as u64 + chunked as u64) * rows * d.t * d.t;

@@ -230,7 +230,7 @@ impl Engine {
             None => None,
         };
         tm.images_s += t_images.elapsed().as_secs_f64();
-        if let Some(px) = self.tower.as_ref().and_then(|t| t.pixels) {
+        if let Some(px) = self.tower.as_ref().and_then(|t| t.pixels.clone()) {
             self.prefetch = Prefetch::start(px, next_images);
         }
         for (mi, mb) in micro.iter().enumerate() {
@@ -358,8 +358,9 @@ impl Engine {
         Ok(out)
     }
 
-    /// The micro-batch's rotary tables and masks: from its 3-D positions where it has
-    /// images, else from its 1-D positions (packed) or 0..T.
+    /// The micro-batch's rotary tables and masks: from its 1-D positions (packed) or 0..T,
+    /// changed where it has images ([`MicroImages::context`]: Qwen's 3-D positions,
+    /// Gemma 3's bidirectional image blocks).
     fn context(
         &self,
         mb: &MicroBatch,
@@ -374,15 +375,16 @@ impl Engine {
             self.device,
         );
         match images {
-            Some(i) => ctx.with_positions_3d(&self.spec, &i.pos_3bt, self.kind, self.device),
+            Some(i) => i.context(ctx, &self.spec, self.kind, self.device),
             None => ctx,
         }
     }
 
-    /// The micro-batch's images as the language model reads them ([`MicroImages::new`]:
-    /// the frozen tower's output over its images' pixels, and their grids); None for
-    /// text only (a text-only row's 3-D positions are its 1-D ones, so text trains exactly
-    /// without them).
+    /// The micro-batch's images as the language model reads them ([`Tower::micro_images`]:
+    /// the frozen tower's output over its images' pixels, `decoded` already where the
+    /// prefetch has them, and what the attention reads of them); None for text only (a
+    /// text-only row's 3-D positions are its 1-D ones, and it has no image block, so text
+    /// trains exactly without them).
     fn micro_images(
         &self,
         mb: &MicroBatch,
@@ -397,9 +399,9 @@ impl Engine {
                 mb.images.len()
             );
         };
-        let (grids, features, deepstack_mh) =
-            tower.features(mb, decoded, self.kind, self.device)?;
-        MicroImages::new(&self.spec, mb, &grids, features, deepstack_mh, self.device).map(Some)
+        tower
+            .micro_images(&self.spec, mb, decoded, self.kind, self.device)
+            .map(Some)
     }
 
     fn head<'a>(&'a self, w: &'a BlockWeights, lm_head: &'a Tensor) -> Head<'a> {
@@ -701,8 +703,7 @@ fn embed_tokens(
     let Some(images) = images else {
         return Ok(e_bth);
     };
-    let id = spec.mrope.as_ref().map_or(-1, |m| m.image_token_id);
     let f_mh = images.features_mh(w);
-    model::place_image_features(ids_bt, e_bth, Some(&f_mh), id)
+    model::place_image_features(ids_bt, e_bth, Some(&f_mh), images.image_token_id)
         .context("place the images' features at their tokens")
 }

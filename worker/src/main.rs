@@ -125,7 +125,7 @@ fn run() -> Result<()> {
                 Ok::<_, anyhow::Error>(engine::Tower {
                     weights: stream::vision::load(v, init.dtype, device)?,
                     training: v.layout.training,
-                    pixels: v.pixels,
+                    pixels: v.pixels.clone(),
                 })
             })
             .transpose()?;

@@ -18,7 +18,8 @@
 //! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, whose features the
 //! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's (frozen, forward
 //! only), whose deepstack features the first layers' outputs also take there
-//! ([`add_at_image_tokens`]). Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`.
+//! ([`add_at_image_tokens`]); `siglip_vision.rs` Gemma 3's SigLIP tower and projector
+//! (frozen, forward only). Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -51,6 +52,7 @@ mod qwen3;
 mod qwen3_next;
 mod qwen3_vl_vision;
 mod rope;
+mod siglip_vision;
 #[cfg(test)]
 mod tests_qwen2_5_vl;
 
@@ -61,14 +63,18 @@ use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
 pub use moe::RouterAux;
-// The image features' entry point: the engine's hook that places them at the image tokens
-// calls it (#49, not wired yet).
-#[allow(unused_imports)]
 pub use qwen2_vl_vision::{
     Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
 };
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;
+pub use siglip_vision::{SiglipWeights, gemma3_vision};
+
+/// A vision-language model's frozen tower, of its family.
+pub enum TowerWeights {
+    Qwen(VisionWeights),
+    Siglip(SiglipWeights),
+}
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary
 /// cos/sin per layer kind and the attention masks (T, T), or (B, 1, T, T) for packed rows,
@@ -213,6 +219,30 @@ impl Context {
             .as_ref()
             .expect("3-D positions only for a model with mrope");
         self.rope = Rope::mrope(&spec.rope, &m.pair_axes(), pos_3bt, kind, device);
+        self
+    }
+
+    /// The masks with Gemma 3's image blocks: each image's tokens also see each other
+    /// (later ones too), as transformers' `create_masks_for_vision_model` builds them from
+    /// the blocks (`block_bt` (B, T): an image's run index in its row, -1 for text): full
+    /// layers `causal | same block`, sliding layers `(causal | same block) & window` (the
+    /// window cuts inside a block too). Rows are right-padded and not packed (padding is
+    /// never an image token, so no real query sees it); the masks become (B, 1, T, T).
+    pub fn with_image_blocks(mut self, spec: &ModelSpec, block_bt: &Tensor) -> Context {
+        let (t, device) = (block_bt.size()[1], block_bt.device());
+        let q_t1 = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(1);
+        let k_1t = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(0);
+        let same_b1tt = block_bt
+            .unsqueeze(2)
+            .eq_tensor(&block_bt.unsqueeze(1))
+            .logical_and(&block_bt.ge(0).unsqueeze(2))
+            .unsqueeze(1);
+        let full_b1tt = k_1t.le_tensor(&q_t1).logical_or(&same_b1tt);
+        self.sliding_mask = spec
+            .sliding_window
+            .filter(|&w| (w as i64) < t)
+            .map(|w| full_b1tt.logical_and(&(&q_t1 - &k_1t).lt(w as i64)));
+        self.causal_mask = Some(full_b1tt);
         self
     }
 

@@ -21,7 +21,7 @@ use mt::checkpoint::carried::Carried;
 use mt::checkpoint::vision::VisionRegion;
 use mt::checkpoint::{self, ExportOptions, lock::DirLock, writer::Writer};
 use mt::config::hf::ModelSpec;
-use mt::config::vision::VisionSpec;
+use mt::config::vision::TowerSpec;
 use mt::config::{Init as InitKind, MasterWeights, RunConfig};
 use mt::data::Dataset;
 use mt::host::HostState;
@@ -418,7 +418,7 @@ fn vision_region(
     carried: &Carried,
     from: &Path,
 ) -> Result<Option<Arc<VisionRegion>>> {
-    let Some(spec) = VisionSpec::from_model_dir(&cfg.model.path)? else {
+    let Some(spec) = TowerSpec::from_model_dir(&cfg.model.path)? else {
         return Ok(None);
     };
     let name = format!("mt-{}-vision", std::process::id());
@@ -430,7 +430,7 @@ fn vision_region(
     };
     println!(
         "vision tower: {} blocks, {:.1} M parameters frozen ({:.2} GB shared with the workers){trained}",
-        spec.depth,
+        spec.depth(),
         region.layout.num_params() as f64 / 1e6,
         region.bytes() as f64 / 1e9
     );
@@ -464,10 +464,7 @@ pub(super) fn workers(
     let dump_logits = pre.outputs.dump_logits.as_ref();
     // How the workers read image files, for a model with a vision tower.
     let pixels = match &host.vision {
-        Some(_) => match mt::data::Images::of_model(&cfg.model.path)? {
-            mt::data::Images::Qwen(settings) => Some(settings),
-            _ => None,
-        },
+        Some(_) => mt::data::Images::of_model(&cfg.model.path)?.processor(),
         None => None,
     };
     let inits = (0..placement.workers)
@@ -502,7 +499,7 @@ pub(super) fn workers(
                 vision: host.vision.as_ref().map(|v| VisionInit {
                     layout: v.layout.clone(),
                     region: v.handle(),
-                    pixels,
+                    pixels: pixels.clone(),
                 }),
             }
         })

@@ -190,7 +190,7 @@ impl Trainer {
             let images = plan.per_rank.iter().flatten().flat_map(|m| &m.images);
             let backward = if projector > 0 { 2.0 } else { 0.0 };
             images
-                .map(|im| spec.forward_flops(im.grid) + backward * spec.merger_flops(im.grid))
+                .map(|im| spec.forward_flops(im.grid) + backward * spec.projector_flops(im.grid))
                 .sum()
         });
         let flops = StepFlops {

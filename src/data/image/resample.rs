@@ -1,12 +1,13 @@
-//! Pillow's `Image.resize(size, Image.BICUBIC)` of an 8-bit RGB image, to the byte (what
-//! transformers' PIL image processors call; written from Pillow's documented algorithm,
-//! `libImaging/Resample.c`'s convolution):
+//! Pillow's `Image.resize(size, Image.BICUBIC)` and `Image.BILINEAR` of an 8-bit RGB image,
+//! to the byte (what transformers' PIL image processors call; written from Pillow's
+//! documented algorithm, `libImaging/Resample.c`'s convolution):
 //!
 //! - a separable convolution, the horizontal pass first into an 8-bit image of the rows the
 //!   vertical pass reads, then the vertical pass; a pass whose size does not change is
 //!   skipped (and a resize to the same size is a copy);
-//! - the bicubic kernel with a = -0.5 and support 2, stretched by the scale when the image
-//!   shrinks (antialiasing: support 2 x scale input pixels);
+//! - the bicubic kernel with a = -0.5 and support 2 (bilinear: the triangle 1 - |x|, support
+//!   1), stretched by the scale when the image shrinks (antialiasing: support x scale input
+//!   pixels);
 //! - output pixel i is centred at input coordinate (i + 0.5) x scale; its taps are the input
 //!   pixels within the support (clipped to the image), their weights normalised to sum 1,
 //!   then rounded to fixed point with 22 fractional bits (away from zero);
@@ -30,12 +31,33 @@ fn bicubic(x: f64) -> f64 {
     }
 }
 
-/// The taps of each of `out_size` outputs resampling `in_size` inputs: (first input,
-/// fixed-point weights).
-fn taps(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
+fn bilinear(x: f64) -> f64 {
+    let x = x.abs();
+    if x < 1.0 { 1.0 - x } else { 0.0 }
+}
+
+/// A resampling filter: its kernel and the kernel's support (half width) in input pixels.
+#[derive(Clone, Copy)]
+struct Filter {
+    kernel: fn(f64) -> f64,
+    support: f64,
+}
+
+const BICUBIC: Filter = Filter {
+    kernel: bicubic,
+    support: 2.0,
+};
+const BILINEAR: Filter = Filter {
+    kernel: bilinear,
+    support: 1.0,
+};
+
+/// The taps of each of `out_size` outputs resampling `in_size` inputs with `filter`:
+/// (first input, fixed-point weights).
+fn taps(in_size: usize, out_size: usize, filter: Filter) -> Vec<(usize, Vec<i32>)> {
     let scale = in_size as f64 / out_size as f64;
     let filter_scale = scale.max(1.0);
-    let support = 2.0 * filter_scale;
+    let support = filter.support * filter_scale;
     let inv = 1.0 / filter_scale;
     (0..out_size)
         .map(|i| {
@@ -44,7 +66,7 @@ fn taps(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
             let lo = ((centre - support + 0.5) as i64).max(0) as usize;
             let hi = ((centre + support + 0.5) as i64).min(in_size as i64) as usize;
             let w: Vec<f64> = (lo..hi)
-                .map(|x| bicubic((x as f64 - centre + 0.5) * inv))
+                .map(|x| (filter.kernel)((x as f64 - centre + 0.5) * inv))
                 .collect();
             let sum: f64 = w.iter().sum();
             let one = f64::from(1u32 << PRECISION_BITS);
@@ -70,16 +92,25 @@ fn clip8(acc: i64) -> u8 {
 
 /// `img` resized to `width` x `height` with Pillow's bicubic filter.
 pub fn bicubic_resize(img: &Rgb8, width: u32, height: u32) -> Rgb8 {
+    resize(img, width, height, BICUBIC)
+}
+
+/// `img` resized to `width` x `height` with Pillow's bilinear filter.
+pub fn bilinear_resize(img: &Rgb8, width: u32, height: u32) -> Rgb8 {
+    resize(img, width, height, BILINEAR)
+}
+
+fn resize(img: &Rgb8, width: u32, height: u32, filter: Filter) -> Rgb8 {
     assert!(width > 0 && height > 0, "a resize to a non-empty image");
     let (iw, ih) = (img.width as usize, img.height as usize);
     let (ow, oh) = (width as usize, height as usize);
     let half = 1i64 << (PRECISION_BITS - 1);
-    let vert = taps(ih, oh);
+    let vert = taps(ih, oh, filter);
     // Horizontal pass over the input rows the vertical taps read.
     let (rows_from, mut cur) = if ow != iw {
         let first = vert.first().map_or(0, |t| t.0);
         let last = vert.last().map_or(0, |t| t.0 + t.1.len());
-        let hz = taps(iw, ow);
+        let hz = taps(iw, ow, filter);
         let mut out = vec![0u8; (last - first) * ow * 3];
         for (y, row) in out.chunks_exact_mut(ow * 3).enumerate() {
             let src = &img.data[(first + y) * iw * 3..(first + y + 1) * iw * 3];
@@ -124,7 +155,7 @@ mod tests {
     #[test]
     fn weights_sum_to_one_in_fixed_point() {
         for (i, o) in [(10, 3), (3, 10), (100, 99), (7, 7)] {
-            for (_, k) in taps(i, o) {
+            for (_, k) in taps(i, o, BICUBIC).into_iter().chain(taps(i, o, BILINEAR)) {
                 let s: i64 = k.iter().map(|&w| i64::from(w)).sum();
                 assert!(
                     (s - (1 << PRECISION_BITS)).abs() <= k.len() as i64,
@@ -146,5 +177,6 @@ mod tests {
         assert_eq!(big.data, [9u8, 128, 250].repeat(13 * 8));
         let small = bicubic_resize(&img, 2, 1);
         assert_eq!(small.data, [9u8, 128, 250].repeat(2));
+        assert_eq!(bilinear_resize(&img, 7, 2).data, [9u8, 128, 250].repeat(14));
     }
 }

@@ -19,26 +19,34 @@ use serde_json::Value;
 use super::{Grid, QwenVlImages};
 use crate::data::image::{Rgb8, resample};
 
-/// The pixel keys of a `preprocessor_config.json` into `s`; settings we do not reproduce
-/// (no resize, another filter) are errors naming the key.
-pub(super) fn read_config(cfg: &Value, s: &mut QwenVlImages) -> Result<(), String> {
-    let flag = |key: &str, default: bool| match cfg.get(key) {
+/// `preprocessor_config.json`'s flag `key` (absent or null: `default`).
+pub(crate) fn config_flag(cfg: &Value, key: &str, default: bool) -> Result<bool, String> {
+    match cfg.get(key) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),
         Some(x) => Err(format!("`{key}`: expected true or false, found {x}")),
+    }
+}
+
+/// `preprocessor_config.json`'s per-channel triple `key` (absent or null: `default`).
+pub(crate) fn config_triple(cfg: &Value, key: &str, default: [f32; 3]) -> Result<[f32; 3], String> {
+    let Some(v) = cfg.get(key).filter(|v| !v.is_null()) else {
+        return Ok(default);
     };
-    let triple = |key: &str, default: [f32; 3]| -> Result<[f32; 3], String> {
-        let Some(v) = cfg.get(key).filter(|v| !v.is_null()) else {
-            return Ok(default);
-        };
-        let bad = || format!("`{key}`: expected three numbers (R, G, B), found {v}");
-        let list = v.as_array().filter(|a| a.len() == 3).ok_or_else(bad)?;
-        let mut out = [0f32; 3];
-        for (o, x) in out.iter_mut().zip(list) {
-            *o = x.as_f64().ok_or_else(bad)? as f32;
-        }
-        Ok(out)
-    };
+    let bad = || format!("`{key}`: expected three numbers (R, G, B), found {v}");
+    let list = v.as_array().filter(|a| a.len() == 3).ok_or_else(bad)?;
+    let mut out = [0f32; 3];
+    for (o, x) in out.iter_mut().zip(list) {
+        *o = x.as_f64().ok_or_else(bad)? as f32;
+    }
+    Ok(out)
+}
+
+/// The pixel keys of a `preprocessor_config.json` into `s`; settings we do not reproduce
+/// (no resize, another filter) are errors naming the key.
+pub(super) fn read_config(cfg: &Value, s: &mut QwenVlImages) -> Result<(), String> {
+    let flag = |key: &str, default: bool| config_flag(cfg, key, default);
+    let triple = |key: &str, default: [f32; 3]| config_triple(cfg, key, default);
     if !flag("do_resize", true)? {
         return Err("`do_resize`: false is not supported (patches need the resize)".into());
     }

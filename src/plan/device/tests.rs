@@ -377,10 +377,11 @@ fn a_trained_projector_is_counted() {
     let (spec, text) = model("qwen2.5-vl-7b");
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen2.5-vl-7b");
     let vision = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
+    let tower = crate::config::vision::TowerSpec::Qwen(vision.clone());
     let opts = |t: TowerTraining| DeviceOpts {
         vision: Some(VisionDevice::of(
-            &vision,
-            VisionLayout::new(&vision, "visual.", t).num_params(),
+            &tower,
+            VisionLayout::new(&tower, "visual.", t).num_params(),
             t,
         )),
         ..OPTS

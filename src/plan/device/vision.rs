@@ -25,28 +25,49 @@ pub struct VisionDevice {
     /// Bytes per patch of Qwen3-VL's learned positions as they are resampled (four taps of
     /// width E in f32 and their weighted copy), before the blocks run; 0 for Qwen2.5-VL.
     pub position_taps: u64,
+    /// Each image's tokens attend to each other both ways (Gemma 3): a micro-batch with
+    /// images builds its attention masks per row.
+    pub image_blocks: bool,
 }
 
 impl VisionDevice {
     /// The tower of `spec`, `params` frozen parameters, `training` what of it trains.
     pub fn of(
-        spec: &crate::config::vision::VisionSpec,
+        spec: &crate::config::vision::TowerSpec,
         params: usize,
         training: crate::config::TowerTraining,
     ) -> VisionDevice {
-        VisionDevice {
-            projector_trained: training != crate::config::TowerTraining::Frozen,
-            params: params as u64,
-            hidden: spec.hidden_size as u64,
-            intermediate: spec.intermediate_size as u64,
-            patch_values: (spec.in_channels * spec.temporal_patch_size * spec.patch_size.pow(2))
-                as u64,
-            patches_per_token: spec.spatial_merge_size.pow(2) as u64,
-            out_hidden: spec.out_hidden_size as u64,
-            feature_sets: 1 + spec.deepstack_taps().len() as u64,
-            position_taps: match spec.num_position_embeddings {
-                0 => 0,
-                _ => 2 * 4 * spec.hidden_size as u64 * 4,
+        use crate::config::vision::TowerSpec;
+        let projector_trained = training != crate::config::TowerTraining::Frozen;
+        match spec {
+            TowerSpec::Qwen(spec) => VisionDevice {
+                projector_trained,
+                params: params as u64,
+                hidden: spec.hidden_size as u64,
+                intermediate: spec.intermediate_size as u64,
+                patch_values: (spec.in_channels * spec.temporal_patch_size * spec.patch_size.pow(2))
+                    as u64,
+                patches_per_token: spec.spatial_merge_size.pow(2) as u64,
+                out_hidden: spec.out_hidden_size as u64,
+                feature_sets: 1 + spec.deepstack_taps().len() as u64,
+                position_taps: match spec.num_position_embeddings {
+                    0 => 0,
+                    _ => 2 * 4 * spec.hidden_size as u64 * 4,
+                },
+                image_blocks: false,
+            },
+            // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
+            TowerSpec::Siglip(spec) => VisionDevice {
+                projector_trained,
+                params: params as u64,
+                hidden: spec.hidden_size as u64,
+                intermediate: spec.intermediate_size as u64,
+                patch_values: spec.patch_len() as u64,
+                patches_per_token: spec.pool().pow(2) as u64,
+                out_hidden: spec.out_hidden_size as u64,
+                feature_sets: 1,
+                position_taps: 0,
+                image_blocks: true,
             },
         }
     }

@@ -1,57 +1,59 @@
-//! A micro-batch's images as the language model reads them (Qwen2.5-VL, Qwen3-VL): the
-//! vision tower's features, which replace the embeddings of the image tokens
-//! ([`crate::model::place_image_features`]), Qwen3-VL's deepstack features, which the first
-//! layers' outputs take at the image tokens ([`MicroImages::after_layer`]), and the 3-D
+//! A micro-batch's images as the language model reads them: the vision tower's features,
+//! which replace the embeddings of the image tokens ([`crate::model::place_image_features`]),
+//! Qwen3-VL's deepstack features, which the first layers' outputs take at the image tokens
+//! ([`MicroImages::after_layer`]), and what the attention reads of them: the Qwen models' 3-D
 //! positions of every token (`mt::mrope`), from which the rotary tables are built
-//! ([`crate::model::Context::with_positions_3d`]).
+//! ([`crate::model::Context::with_positions_3d`]), or Gemma 3's image blocks, each image's
+//! tokens attending to each other both ways ([`crate::model::Context::with_image_blocks`]).
 //!
 //! The frozen part of the tower runs once per micro-batch, without grad, from the weights
 //! the worker copied from the read-only region. A trained projector
-//! (`vlm.freeze_projector: false`) runs where the embedding does, from the embedding
-//! block's weights: without grad in the forward, recomputed with grad on its leaves in the
-//! embedding's backward, where the gradient at the image tokens' rows flows into it. Its
-//! input (the encoder's output, N x E) is kept for that.
+//! (`vlm.freeze_projector: false`, Qwen2.5-VL's merger) runs where the embedding does, from
+//! the embedding block's weights: without grad in the forward, recomputed with grad on its
+//! leaves in the embedding's backward, where the gradient at the image tokens' rows flows
+//! into it. Its input (the encoder's output, N x E) is kept for that.
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
-//! tower's width.
+//! tower's width, I images, S the side of Gemma 3's images.
 
 use anyhow::{Context as _, Result, bail};
 use mt::config::TowerTraining;
 use mt::config::hf::{ModelSpec, TOWER};
 use mt::config::vision::{VisionFamily, VisionSpec};
-use mt::data::{BatchImage, MicroBatch, QwenVlImages, image};
+use mt::data::{BatchImage, Gemma3Images, ImageProcessor, MicroBatch, QwenVlImages, image};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{
-    BlockWeights, Encoded, VisionWeights, add_at_image_tokens, qwen2_5_vl_vision, qwen3_vl_vision,
-    vision_encoder, vision_merger,
+    BlockWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens, gemma3_vision,
+    qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder, vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
 pub struct Tower {
-    pub weights: VisionWeights,
+    pub weights: TowerWeights,
     /// What of it trains (those tensors are the embedding block's).
     pub training: TowerTraining,
     /// The image processor's settings (`preprocessor_config.json`); None where the model
     /// directory has none, and then no batch carries images (the data load refuses them).
-    pub pixels: Option<QwenVlImages>,
+    pub pixels: Option<ImageProcessor>,
 }
 
 impl Tower {
-    /// The frozen tower's output for `mb`'s images and their grids, in the order their
-    /// tokens appear, and its deepstack features (M, H) each (Qwen3-VL; none for
-    /// Qwen2.5-VL): each file decoded and resized as the model's image processor does
-    /// ([`pixel_rows`], unless `decoded` holds them already: [`super::prefetch`]), the
-    /// pixels' rows of all images in one (N, P) batch through the tower, without grad.
-    pub fn features(
+    /// What `mb`'s images bring to the language model, on `device`: the frozen tower's
+    /// output for them, in the order their tokens appear, each file decoded and resized as
+    /// the model's image processor does ([`pixel_rows`], unless `decoded` holds them
+    /// already: [`super::prefetch`]), all images in one batch through the tower without
+    /// grad; and what the attention reads of them.
+    pub fn micro_images(
         &self,
+        spec: &ModelSpec,
         mb: &MicroBatch,
         decoded: Option<Vec<Vec<f32>>>,
         kind: Kind,
         device: Device,
-    ) -> Result<(Vec<[u32; 3]>, Features, Vec<Tensor>)> {
+    ) -> Result<MicroImages> {
         let Some(px) = &self.pixels else {
             bail!("the micro-batch has images but the model has no image processor settings");
         };
@@ -59,69 +61,125 @@ impl Tower {
             Some(rows) => rows,
             None => pixel_rows(px, &mb.images)?,
         };
-        let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
-        // One row per patch: channels x temporal patch x patch x patch. Each image's rows go
-        // up by themselves and are joined on the device: no host copy of the whole batch's
-        // f32 pixels (1.2 GB for 256 images of 448x448).
-        let patch = 3 * i64::from(px.temporal_patch_size) * i64::from(px.patch_size).pow(2);
-        let pixels_np = per_image
-            .iter()
-            .map(|rows| {
-                Tensor::f_from_slice(rows)?
-                    .f_view([rows.len() as i64 / patch, patch])?
-                    .f_to_device(device)?
-                    .f_to_kind(kind)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let pixels_np = Tensor::f_cat(&pixels_np, 0)?;
         let _no_grad = tch::no_grad_guard();
-        let (features, deepstack_mh) = match (self.weights.spec.family, self.training) {
-            (VisionFamily::Qwen2_5Vl, TowerTraining::Frozen) => (
-                Features::Frozen(qwen2_5_vl_vision(&self.weights, &pixels_np, &grids)),
-                Vec::new(),
-            ),
-            (VisionFamily::Qwen2_5Vl, TowerTraining::Projector) => (
-                Features::Merger {
-                    enc: vision_encoder(&self.weights, &pixels_np, &grids),
-                    spec: self.weights.spec.clone(),
-                },
-                Vec::new(),
-            ),
-            (VisionFamily::Qwen3Vl, TowerTraining::Frozen) => {
-                let f = qwen3_vl_vision(&self.weights, &pixels_np, &grids);
-                (Features::Frozen(f.merged_mo), f.deepstack_mo)
+        match (&self.weights, px) {
+            (TowerWeights::Qwen(w), ImageProcessor::Qwen(px)) => {
+                let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
+                let pixels_np = qwen_pixels(px, &per_image, kind, device)?;
+                let (features, deepstack_mh) = match (w.spec.family, self.training) {
+                    (VisionFamily::Qwen2_5Vl, TowerTraining::Frozen) => (
+                        Features::Frozen(qwen2_5_vl_vision(w, &pixels_np, &grids)),
+                        Vec::new(),
+                    ),
+                    (VisionFamily::Qwen2_5Vl, TowerTraining::Projector) => (
+                        Features::Merger {
+                            enc: vision_encoder(w, &pixels_np, &grids),
+                            spec: w.spec.clone(),
+                        },
+                        Vec::new(),
+                    ),
+                    (VisionFamily::Qwen3Vl, TowerTraining::Frozen) => {
+                        let f = qwen3_vl_vision(w, &pixels_np, &grids);
+                        (Features::Frozen(f.merged_mo), f.deepstack_mo)
+                    }
+                    (VisionFamily::Qwen3Vl, TowerTraining::Projector) => bail!(
+                        "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
+                         Qwen3-VL's tower is frozen (set vlm.freeze_projector: true)"
+                    ),
+                };
+                MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
             }
-            (VisionFamily::Qwen3Vl, TowerTraining::Projector) => bail!(
-                "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
-                 Qwen3-VL's tower is frozen (set vlm.freeze_projector: true)"
-            ),
-        };
-        Ok((grids, features, deepstack_mh))
+            (TowerWeights::Siglip(w), ImageProcessor::Gemma3(px)) => {
+                let f_mh = gemma3_vision(w, &gemma3_pixels(px, &per_image, kind, device)?);
+                MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
+            }
+            _ => bail!("the image processor's settings are not for this model's vision tower"),
+        }
     }
 }
 
-/// Each image's pixel rows (patches x values), the file decoded and resized as the model's
-/// image processor does, on the CPU, the images in parallel; a file whose grid is not the
-/// one the batch was built for (changed since the data was read) is an error naming it.
-pub fn pixel_rows(px: &QwenVlImages, images: &[BatchImage]) -> Result<Vec<Vec<f32>>> {
+/// Qwen2.5-VL's pixel rows of all images (N, P): one row per patch, channels x temporal
+/// patch x patch x patch. Each image's rows go up by themselves and are joined on the
+/// device: no host copy of the whole batch's f32 pixels (1.2 GB for 256 images of 448x448).
+fn qwen_pixels(
+    px: &QwenVlImages,
+    per_image: &[Vec<f32>],
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor> {
+    let patch = 3 * i64::from(px.temporal_patch_size) * i64::from(px.patch_size).pow(2);
+    let pixels_np = per_image
+        .iter()
+        .map(|rows| {
+            Tensor::f_from_slice(rows)?
+                .f_view([rows.len() as i64 / patch, patch])?
+                .f_to_device(device)?
+                .f_to_kind(kind)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_cat(&pixels_np, 0)?)
+}
+
+/// Gemma 3's images (I, 3, S, S), each uploaded by itself.
+fn gemma3_pixels(
+    px: &Gemma3Images,
+    per_image: &[Vec<f32>],
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor> {
+    let (h, w) = (i64::from(px.height), i64::from(px.width));
+    let pixels = per_image
+        .iter()
+        .map(|p| {
+            Tensor::f_from_slice(p)?
+                .f_view([3, h, w])?
+                .f_to_device(device)?
+                .f_to_kind(kind)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_stack(&pixels, 0)?)
+}
+
+/// Each image's pixels as the model's image processor makes them (Qwen's patch rows,
+/// patches x values; Gemma 3's (3, S, S) image), the file decoded and resized on the CPU,
+/// the images in parallel; a file whose grid is not the one the batch was built for
+/// (changed since the data was read) is an error naming it.
+pub fn pixel_rows(px: &ImageProcessor, images: &[BatchImage]) -> Result<Vec<Vec<f32>>> {
     images
         .par_iter()
-        .map(|im| {
-            let rgb = image::decode(&im.path)?;
-            px.resize(rgb.height, rgb.width)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", im.path.display()))?;
-            let (g, rows) = px.pixel_values(&rgb);
-            if [g.t, g.h, g.w] != im.grid {
-                bail!(
-                    "{}: decoded to a {:?} patch grid, the batch was built for {:?} (the file changed since the data was read?)",
-                    im.path.display(),
-                    [g.t, g.h, g.w],
-                    im.grid
-                );
-            }
-            Ok(rows)
+        .map(|im| match px {
+            ImageProcessor::Qwen(px) => qwen_rows(px, im),
+            ImageProcessor::Gemma3(px) => gemma3_image(px, im),
         })
         .collect()
+}
+
+fn qwen_rows(px: &QwenVlImages, im: &BatchImage) -> Result<Vec<f32>> {
+    let rgb = image::decode(&im.path)?;
+    px.resize(rgb.height, rgb.width)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", im.path.display()))?;
+    let (g, rows) = px.pixel_values(&rgb);
+    if [g.t, g.h, g.w] != im.grid {
+        bail!(
+            "{}: decoded to a {:?} patch grid, the batch was built for {:?} (the file changed since the data was read?)",
+            im.path.display(),
+            [g.t, g.h, g.w],
+            im.grid
+        );
+    }
+    Ok(rows)
+}
+
+fn gemma3_image(px: &Gemma3Images, im: &BatchImage) -> Result<Vec<f32>> {
+    if im.grid != px.grid() {
+        bail!(
+            "{}: the batch was built for a {:?} patch grid, the processor makes {:?}",
+            im.path.display(),
+            im.grid,
+            px.grid()
+        );
+    }
+    Ok(px.pixel_values(&image::decode(&im.path)?))
 }
 
 /// What the frozen part of the tower gave for a micro-batch's images.
@@ -138,10 +196,16 @@ pub enum Features {
 pub struct MicroImages {
     /// The tower's output, or the trained projector's input.
     pub features: Features,
-    /// Every token's temporal, height and width position (3, B, T), on the device.
-    pub pos_3bt: Tensor,
+    /// The id of the image tokens, whose embeddings the features replace.
+    pub image_token_id: i64,
+    /// Every token's temporal, height and width position (3, B, T), on the device
+    /// (Qwen2.5-VL).
+    pub pos_3bt: Option<Tensor>,
+    /// Each token's image block (B, T): the run of image tokens it is in, counted from 0
+    /// in its row, or -1 for text (Gemma 3: a block attends to itself both ways).
+    pub block_bt: Option<Tensor>,
     /// Qwen3-VL's deepstack features (M, H) each, layer i's output taking the i-th at the
-    /// image tokens; empty for Qwen2.5-VL.
+    /// image tokens; empty otherwise.
     pub deepstack_mh: Vec<Tensor>,
     /// (M,): the image tokens' rows in the flattened (B T) micro-batch, in order; set where
     /// there are deepstack features.
@@ -200,11 +264,41 @@ impl MicroImages {
         };
         Ok(MicroImages {
             features,
-            pos_3bt,
+            image_token_id: m.image_token_id,
+            pos_3bt: Some(pos_3bt),
+            block_bt: None,
             deepstack_mh: (deepstack_mh.into_iter())
                 .map(|f| f.f_to_device(device))
                 .collect::<Result<_, _>>()?,
             rows_m,
+        })
+    }
+
+    /// Gemma 3's images of `mb`: the features (M, H) of its tokens of id `image_token_id`,
+    /// and each token's image block, as transformers' `get_block_sequence_ids_for_mask`
+    /// numbers them from `token_type_ids` (1 exactly at the image tokens).
+    pub fn image_blocks(
+        mb: &MicroBatch,
+        image_token_id: i64,
+        features_mh: Tensor,
+        device: Device,
+    ) -> Result<MicroImages> {
+        if !mb.position_ids.is_empty() {
+            bail!(
+                "images in packed rows: an image's block would be matched across samples (set `data.packing: false`)"
+            );
+        }
+        let blocks = image_block_ids(&mb.input_ids, mb.seq_len, image_token_id);
+        let block_bt = Tensor::f_from_slice(&blocks)?
+            .f_view([mb.rows as i64, mb.seq_len as i64])?
+            .f_to_device(device)?;
+        Ok(MicroImages {
+            features: Features::Frozen(features_mh.f_to_device(device)?),
+            image_token_id,
+            pos_3bt: None,
+            block_bt: Some(block_bt),
+            deepstack_mh: Vec::new(),
+            rows_m: None,
         })
     }
 
@@ -240,6 +334,47 @@ impl MicroImages {
             _ => y_bth,
         }
     }
+
+    /// `ctx` with what the images change in it: the rotary tables of the 3-D positions, or
+    /// the image blocks' bidirectional attention.
+    pub fn context(
+        &self,
+        ctx: crate::model::Context,
+        spec: &ModelSpec,
+        kind: Kind,
+        device: Device,
+    ) -> crate::model::Context {
+        let ctx = match &self.pos_3bt {
+            Some(p) => ctx.with_positions_3d(spec, p, kind, device),
+            None => ctx,
+        };
+        match &self.block_bt {
+            Some(b) => ctx.with_image_blocks(spec, b),
+            None => ctx,
+        }
+    }
+}
+
+/// Per token of the rows (`seq_len` each) of `ids`: the index, within its row, of the run of
+/// `image_token_id` it is in, or -1 for any other token.
+fn image_block_ids(ids: &[i32], seq_len: usize, image_token_id: i64) -> Vec<i64> {
+    let mut out = Vec::with_capacity(ids.len());
+    for row in ids.chunks(seq_len.max(1)) {
+        let (mut next, mut prev_image) = (0, false);
+        for &id in row {
+            let image = i64::from(id) == image_token_id;
+            out.push(match (image, prev_image) {
+                (false, _) => -1,
+                (true, true) => next - 1,
+                (true, false) => {
+                    next += 1;
+                    next - 1
+                }
+            });
+            prev_image = image;
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -287,7 +422,7 @@ mod tests {
             MicroImages::new(s, mb, grids, Features::Frozen(f.copy()), deep, Device::Cpu)
         };
         let i = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap();
-        assert_eq!(i.pos_3bt.size(), [3, 1, 4]);
+        assert_eq!(i.pos_3bt.as_ref().map(Tensor::size), Some(vec![3, 1, 4]));
         let y = Tensor::ones([1, 4, 128], (tch::Kind::Float, Device::Cpu));
         assert!(
             i.after_layer(0, y.copy()).equal(&y),
@@ -326,5 +461,16 @@ mod tests {
         mb.position_ids = vec![0, 1, 2, 0];
         let e = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
+        let e = MicroImages::image_blocks(&mb, 9, f.copy(), Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("packed rows"), "{e}");
+    }
+
+    #[test]
+    fn image_blocks_are_numbered_per_row() {
+        let ids = [5, 9, 9, 5, 9, 5, 9, 9, 9, 5, 5, 0];
+        assert_eq!(
+            image_block_ids(&ids, 6, 9),
+            [-1, 0, 0, -1, 1, -1, 0, 0, 0, -1, -1, -1]
+        );
     }
 }

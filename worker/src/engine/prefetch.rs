@@ -10,7 +10,7 @@
 use std::thread::JoinHandle;
 
 use anyhow::{Result, anyhow};
-use mt::data::{BatchImage, MicroBatch, QwenVlImages};
+use mt::data::{BatchImage, ImageProcessor, MicroBatch};
 
 use super::images::pixel_rows;
 
@@ -23,7 +23,7 @@ pub struct Prefetch {
 
 impl Prefetch {
     /// Starts decoding `images` (None when there are none).
-    pub fn start(px: QwenVlImages, images: Vec<BatchImage>) -> Option<Prefetch> {
+    pub fn start(px: ImageProcessor, images: Vec<BatchImage>) -> Option<Prefetch> {
         if images.is_empty() {
             return None;
         }

@@ -12,11 +12,13 @@ use mt::shm::Region;
 use tch::{Device, Tensor};
 
 use super::{kind_of, region_view};
-use crate::model::VisionWeights;
+use mt::config::vision::TowerSpec;
+
+use crate::model::{SiglipWeights, TowerWeights, VisionWeights};
 
 /// Adopts the tower's region named in `init` (an fd this process inherited, taken over
 /// once), copies its tensors, in `dtype`, to `device`.
-pub fn load(init: &VisionInit, dtype: DType, device: Device) -> Result<VisionWeights> {
+pub fn load(init: &VisionInit, dtype: DType, device: Device) -> Result<TowerWeights> {
     // SAFETY: the launcher cleared close-on-exec on this fd for this process alone, and
     // nothing else in the worker uses it; the region takes it over.
     let region = unsafe { Region::from_inherited_fd(&init.region) }?;
@@ -41,5 +43,8 @@ pub fn load(init: &VisionInit, dtype: DType, device: Device) -> Result<VisionWei
         on_device.copy_(&view.view(shape.as_slice()));
         tensors.insert(t.name.clone(), on_device);
     }
-    Ok(VisionWeights::new(layout.spec.clone(), tensors))
+    Ok(match &layout.spec {
+        TowerSpec::Qwen(spec) => TowerWeights::Qwen(VisionWeights::new(spec.clone(), tensors)),
+        TowerSpec::Siglip(spec) => TowerWeights::Siglip(SiglipWeights::new(spec.clone(), tensors)),
+    })
 }

@@ -125,7 +125,7 @@ fn tower_through_the_shared_region_equals_transformers() {
     let carried = Carried { tensors };
     let region = VisionRegion::build(
         "mt-test-vision",
-        &f.spec,
+        &mt::config::vision::TowerSpec::Qwen(f.spec.clone()),
         mt::config::TowerTraining::Frozen,
         &carried,
         DType::Float32,
@@ -144,7 +144,11 @@ fn tower_through_the_shared_region_equals_transformers() {
         region: handle,
         pixels: None,
     };
-    let w = crate::stream::vision::load(&init, DType::Float32, Device::Cpu).unwrap();
+    let crate::model::TowerWeights::Qwen(w) =
+        crate::stream::vision::load(&init, DType::Float32, Device::Cpu).unwrap()
+    else {
+        panic!("a Qwen tower");
+    };
     drop(region);
     let got = qwen2_5_vl_vision(&w, &f.pixel_values, &f.grids);
     let err = rel_err(&got, &f.merged);

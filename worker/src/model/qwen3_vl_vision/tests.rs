@@ -136,7 +136,7 @@ fn tower_through_the_shared_region_equals_transformers() {
         .collect();
     let region = VisionRegion::build(
         "mt-test-vision3",
-        &f.spec,
+        &mt::config::vision::TowerSpec::Qwen(f.spec.clone()),
         mt::config::TowerTraining::Frozen,
         &Carried { tensors },
         DType::Float32,
@@ -154,7 +154,11 @@ fn tower_through_the_shared_region_equals_transformers() {
         region: handle,
         pixels: None,
     };
-    let w = crate::stream::vision::load(&init, DType::Float32, Device::Cpu).unwrap();
+    let crate::model::TowerWeights::Qwen(w) =
+        crate::stream::vision::load(&init, DType::Float32, Device::Cpu).unwrap()
+    else {
+        panic!("a Qwen tower");
+    };
     drop(region);
     let err = worst(&f, &qwen3_vl_vision(&w, &f.io["pixel_values"], &f.grids));
     assert!(err <= BOUND, "relative error {err:e} > {BOUND:e}");

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""End-to-end Gemma 3 vision-language golden case (issue #49): the tiny
+Gemma3ForConditionalGeneration of make_vlm_gemma3_fixtures.py (its config.json, built with the
+hub classes, random init, seeded) trained one step by transformers + torch on the multimodal
+records of make_vlm_fixtures.py, its SigLIP tower and projector frozen; launcher/tests/vlm.rs
+runs mt-launch on the same records and compares.
+
+Reads DIR/vlm (the records, images, model-gemma3 and expected_gemma3.jsonl: the processor's ids,
+token_type_ids and the labels per record, which the data tests hold ours equal to); writes
+DIR/vlm/golden-gemma3: model/ (the tiny model beside the tokenizer and processor settings),
+run.yaml, tower_flops.json (FlopCounterMode's count of the tower's forward over one image),
+expected.json (the step's loss and gradient norm, and the loss the same step gives
+without the image blocks' bidirectional attention, `token_type_ids` left out: how far a causal
+mask lands) and grads0.safetensors (every language-model gradient under its checkpoint name).
+
+Usage: .venv/bin/python scripts/make_vlm_golden_gemma3.py --dir target/data-fixtures
+(make_vlm_fixtures.py calls it.)
+"""
+import argparse
+import json
+import os
+import shutil
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--dir", required=True)
+vlm = os.path.join(os.path.abspath(ap.parse_args().dir), "vlm")
+out = os.path.join(vlm, "golden-gemma3")
+shutil.rmtree(out, ignore_errors=True)
+model_dir = os.path.join(out, "model")
+shutil.copytree(os.path.join(vlm, "model-gemma3"), model_dir)
+
+torch.manual_seed(4950)
+torch.use_deterministic_algorithms(True)
+cfg = Gemma3Config.from_pretrained(model_dir)
+model = Gemma3ForConditionalGeneration(cfg).float()
+with torch.no_grad():  # wider than the default init, so every path moves the loss
+    for n, p in model.named_parameters():
+        if "norm" in n and n.endswith("weight"):
+            base = 1.0 if "vision_tower" in n else 0.0  # LayerNorm w vs Gemma's 1 + w
+            p.copy_(base + 0.1 * torch.randn_like(p))
+        elif p.ndim >= 2:
+            p.normal_(0.0, 0.08)
+        else:
+            p.normal_(0.0, 0.02)
+model.save_pretrained(model_dir)
+
+pre = json.load(open(os.path.join(model_dir, "preprocessor_config.json")))
+improc = Gemma3ImageProcessorPil(**{k: v for k, v in pre.items() if k != "image_processor_type"})
+records = json.load(open(os.path.join(vlm, "mllm.json")))
+expected = [json.loads(line) for line in open(os.path.join(vlm, "expected_gemma3.jsonl"))]
+images = [Image.open(os.path.join(vlm, p)).convert("RGB") for r in records for p in r["images"]]
+pix = improc(images=images, return_tensors="pt")
+B, T = len(expected), max(len(e["input_ids"]) for e in expected)
+ids = torch.zeros(B, T, dtype=torch.long)
+labels = torch.full((B, T), -100, dtype=torch.long)
+types = torch.zeros(B, T, dtype=torch.long)
+mask = torch.zeros(B, T, dtype=torch.long)
+for i, e in enumerate(expected):
+    n = len(e["input_ids"])
+    ids[i, :n] = torch.tensor(e["input_ids"])
+    labels[i, :n] = torch.tensor(e["labels"])
+    types[i, :n] = torch.tensor(e["token_type_ids"])
+    mask[i, :n] = 1
+assert int(types.sum()) == cfg.mm_tokens_per_image * len(images)
+
+for p in list(model.model.vision_tower.parameters()) + list(model.model.multi_modal_projector.parameters()):
+    p.requires_grad_(False)  # frozen: the tower and its projector
+targets = labels[:, 1:]
+
+
+def step_loss(token_type_ids):
+    logits = model(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"],
+                   token_type_ids=token_type_ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=-100, reduction="sum") / (targets != -100).sum()
+
+
+with torch.no_grad():
+    loss_causal = step_loss(None).item()
+loss = step_loss(types)
+loss.backward()
+saved = set(safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors")))
+grads = {}
+for n, p in model.named_parameters():
+    if p.grad is None:
+        continue
+    name = n.replace("model.language_model.", "language_model.model.")
+    assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
+    grads[name] = p.grad.detach().contiguous()
+norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+safetensors.torch.save_file(grads, os.path.join(out, "grads0.safetensors"))
+json.dump({"loss": loss.item(), "grad_norm": norm, "loss_causal": loss_causal, "rows": B,
+           "images": len(images)}, open(os.path.join(out, "expected.json"), "w"), indent=2)
+with open(os.path.join(out, "run.yaml"), "w") as f:
+    f.write(f"""# generated by scripts/make_vlm_golden_gemma3.py
+model: {{path: model, init: pretrained, dtype: float32}}
+dataset: {{name: mllm_demo, dataset_dir: .., shuffle: false, max_seq_len: 1024}}
+training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 1000.0}}
+""")
+print(f"vlm gemma3 golden: loss {loss.item():.6f} (causal only: {loss_causal:.6f}), grad norm {norm:.6f}, "
+      f"{B} rows, {len(images)} images")
+
+# The tower's and projector's forward FLOPs over one image as torch counts them
+# (FlopCounterMode: the convolution, matmuls; the eager attention's two matmuls, which CPU
+# SDPA's fused kernel would hide): what the metrics' model TFLOPS add per image
+# (SiglipSpec::forward_flops).
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+model.model.vision_tower.config._attn_implementation = "eager"
+with torch.no_grad(), FlopCounterMode(display=False) as fc:
+    model.model.get_image_features(pix["pixel_values"][:1])
+json.dump({"flops": fc.get_total_flops()}, open(os.path.join(out, "tower_flops.json"), "w"), indent=2)
+print(f"vlm gemma3 golden: tower FLOPs per image {fc.get_total_flops()}")

@@ -1,0 +1,163 @@
+//! Gemma 3's vision tower (SigLIP's vision encoder) and multimodal projector, forward only
+//! (frozen): the math of transformers' `Gemma3Model.get_image_features`, whose output
+//! (`pooler_output`) the model places at the image tokens.
+//!
+//! ```text
+//! pixels (B, C, S, S) -> patch embed (a Conv2d whose stride is its kernel: one matmul)
+//!   + a learned position per patch
+//!   -> depth x [x + attn(layer_norm1(x)); x + mlp(layer_norm2(x))]   bidirectional, per image
+//!   -> post_layernorm
+//!   -> projector: average-pool the G x G patch grid to g x g tokens, Gemma's RMSNorm
+//!      (`1 + w`), times `mm_input_projection_weight`
+//! ```
+//!
+//! Shapes: B images, C channels, S image side, p patch side, G = S / p patches per side,
+//! N = G² patches, E tower width, NH heads, D head dim, I MLP width, T image tokens per image
+//! (g² with g = G / k, k the pooling window), O the text model's hidden size.
+
+use std::collections::HashMap;
+
+use mt::config::vision::siglip::SiglipSpec;
+use tch::{Kind, Tensor};
+
+use super::common::{activation, rms_norm_plus_one};
+
+/// The tower's and projector's tensors, by their names in the layout
+/// (`encoder.layers.0.mlp.fc1.weight`, `multi_modal_projector.mm_input_projection_weight`),
+/// on the compute device, in the compute dtype.
+pub struct SiglipWeights {
+    pub spec: SiglipSpec,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl SiglipWeights {
+    /// `tensors` must hold every tensor of `spec.tensors()`.
+    pub fn new(spec: SiglipSpec, tensors: HashMap<String, Tensor>) -> SiglipWeights {
+        for (name, shape) in spec.tensors() {
+            let t = tensors
+                .get(&name)
+                .unwrap_or_else(|| panic!("vision tower has no tensor `{name}`"));
+            let want: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+            assert_eq!(t.size(), want, "shape of vision tensor `{name}`");
+        }
+        SiglipWeights { spec, tensors }
+    }
+
+    fn get(&self, name: &str) -> &Tensor {
+        &self.tensors[name]
+    }
+
+    /// `x W^T + b` with `{name}.weight` and `{name}.bias`.
+    fn linear(&self, x: &Tensor, name: &str) -> Tensor {
+        let b = self.get(&format!("{name}.bias"));
+        x.linear(self.get(&format!("{name}.weight")), Some(b))
+    }
+
+    /// LayerNorm with `{name}.weight` and `{name}.bias`.
+    fn layer_norm(&self, x: &Tensor, name: &str) -> Tensor {
+        let e = self.spec.hidden_size as i64;
+        x.layer_norm(
+            [e],
+            Some(self.get(&format!("{name}.weight"))),
+            Some(self.get(&format!("{name}.bias"))),
+            self.spec.layer_norm_eps,
+            true,
+        )
+    }
+
+    /// The compute dtype.
+    pub fn kind(&self) -> Kind {
+        self.get("embeddings.patch_embedding.weight").kind()
+    }
+}
+
+/// The image tokens' features of `pixels_bcss` (B, C, S, S), image after image: (B T, O).
+/// Forward only, without gradient.
+pub fn gemma3_vision(w: &SiglipWeights, pixels_bcss: &Tensor) -> Tensor {
+    let _no_grad = tch::no_grad_guard();
+    let s = &w.spec;
+    let (c, side, p) = (
+        s.in_channels as i64,
+        s.image_size as i64,
+        s.patch_size as i64,
+    );
+    let b = pixels_bcss.size()[0];
+    assert_eq!(
+        pixels_bcss.size(),
+        [b, c, side, side],
+        "pixels of {b} images"
+    );
+    let (g, e) = (side / p, s.hidden_size as i64);
+    // Each patch's (C, p, p) values in the conv weight's order, patches in raster order.
+    let patches_bnp = pixels_bcss
+        .to_kind(w.kind())
+        .reshape([b, c, g, p, g, p])
+        .permute([0, 2, 4, 1, 3, 5])
+        .reshape([b, g * g, c * p * p]);
+    let w_pe = w.get("embeddings.patch_embedding.weight").reshape([e, -1]);
+    let mut x_bne = patches_bnp.linear(&w_pe, Some(w.get("embeddings.patch_embedding.bias")))
+        + w.get("embeddings.position_embedding.weight");
+    for l in 0..s.depth {
+        x_bne = encoder_layer(w, l, &x_bne);
+    }
+    let x_bne = w.layer_norm(&x_bne, "post_layernorm");
+    projector(w, &x_bne).reshape([-1, s.out_hidden_size as i64])
+}
+
+/// Encoder layer `l`: `h = x + attn(layer_norm1(x))`, `out = h + mlp(layer_norm2(h))`:
+/// (B, N, E) -> (B, N, E).
+fn encoder_layer(w: &SiglipWeights, l: usize, x_bne: &Tensor) -> Tensor {
+    let p = format!("encoder.layers.{l}");
+    let h_bne = x_bne + attention(w, &p, &w.layer_norm(x_bne, &format!("{p}.layer_norm1")));
+    let m_bne = w.layer_norm(&h_bne, &format!("{p}.layer_norm2"));
+    let fc1_bni = w.linear(&m_bne, &format!("{p}.mlp.fc1"));
+    let mlp_bne = w.linear(
+        &activation(&fc1_bni, w.spec.hidden_act),
+        &format!("{p}.mlp.fc2"),
+    );
+    h_bne + mlp_bne
+}
+
+/// Bidirectional attention over each image's patches, scaled by D^-1/2: (B, N, E) -> (B, N, E).
+fn attention(w: &SiglipWeights, p: &str, x_bne: &Tensor) -> Tensor {
+    let (b, n) = (x_bne.size()[0], x_bne.size()[1]);
+    let (nh, d) = (w.spec.num_heads as i64, w.spec.head_dim() as i64);
+    let heads = |name: &str| {
+        w.linear(x_bne, &format!("{p}.self_attn.{name}"))
+            .view([b, n, nh, d])
+            .transpose(1, 2) // (B, NH, N, D)
+    };
+    let o_bhnd = Tensor::scaled_dot_product_attention(
+        &heads("q_proj"),
+        &heads("k_proj"),
+        &heads("v_proj"),
+        None::<Tensor>,
+        0.0,
+        false,
+        None,
+        false,
+    );
+    let o_bne = o_bhnd.transpose(1, 2).reshape([b, n, nh * d]);
+    w.linear(&o_bne, &format!("{p}.self_attn.out_proj"))
+}
+
+/// Gemma3MultiModalProjector: (B, N, E) -> (B, T, O).
+fn projector(w: &SiglipWeights, x_bne: &Tensor) -> Tensor {
+    let s = &w.spec;
+    let (b, e) = (x_bne.size()[0], s.hidden_size as i64);
+    let (g, k) = (s.patches_per_side() as i64, s.pool() as i64);
+    let grid_begg = x_bne.transpose(1, 2).reshape([b, e, g, g]);
+    let pooled_bte = grid_begg
+        .avg_pool2d([k, k], [k, k], [0, 0], false, true, None::<i64>)
+        .flatten(2, -1)
+        .transpose(1, 2);
+    let normed_bte = rms_norm_plus_one(
+        &pooled_bte,
+        w.get("multi_modal_projector.mm_soft_emb_norm.weight"),
+        s.layer_norm_eps,
+    );
+    normed_bte.matmul(w.get("multi_modal_projector.mm_input_projection_weight"))
+}
+
+#[cfg(test)]
+mod tests;
