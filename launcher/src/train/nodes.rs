@@ -292,15 +292,17 @@ pub(super) fn shards(
 /// The host plan of one node of a multi-node run: the MPI shim's ring buffers; with the
 /// state sharded, 1/N of the master and moments, and on node 0 its buffers to gather a
 /// window of a block of them for a checkpoint or the export and the staging area background
-/// checkpoints are gathered into (the other nodes only send, and hold neither).
+/// checkpoints are gathered into (the other nodes only send, and hold neither). A run
+/// that writes nothing (`training.save_model: false`, no `checkpoint.dir`) gathers nothing.
 pub(crate) fn shard_plan(prepared: &mut Prepared, cfg: &RunConfig, mpi: Option<&'static Mpi>) {
     if mpi.is_some() {
         prepared.plan = prepared.plan.on_nodes();
     }
     if let Some(m) = mpi.filter(|_| cfg.nodes.shard_state) {
         let sharded = prepared.plan.sharded(&prepared.layout, m.size);
+        let writes = cfg.training.save_model || cfg.checkpoint.dir.is_some();
         prepared.plan = match m.rank {
-            0 => sharded,
+            0 if writes => sharded,
             _ => mt::plan::HostPlan {
                 gather: 0,
                 ..sharded.without_staging()
