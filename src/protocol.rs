@@ -123,6 +123,10 @@ pub struct Init {
     /// `memory.tile_tokens`: the worker resolves it per micro-batch shape through the
     /// device plan (`DevicePlan::new(..).tile`).
     pub tile_tokens: crate::config::TileTokens,
+    /// `memory.recompute`, as the launcher resolved it (the device plan's
+    /// `DeviceOpts::recompute`): the worker keeps the MLP activations of the layers its
+    /// plan says per micro-batch shape.
+    pub recompute: crate::config::Recompute,
     /// The device plan's `device_free` (`mt::plan::DeviceOpts`), as the launcher
     /// planned with it.
     pub device_free: Option<u64>,

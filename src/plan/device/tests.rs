@@ -1,8 +1,8 @@
 //! Unit tests of the device plan.
 
 use super::*;
-use crate::config::TileTokens;
 use crate::config::hf::HfConfig;
+use crate::config::{Recompute, TileTokens};
 
 fn model(dir: &str) -> (ModelSpec, Layout) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -19,6 +19,7 @@ const OPTS: DeviceOpts = DeviceOpts {
     dtype: DType::Bfloat16,
     ce_chunk_tokens: 8192,
     tile_tokens: TileTokens::Off,
+    recompute: Recompute::Full,
     packed: false,
     offload_activations: false,
     cpu: false,
