@@ -281,6 +281,10 @@ pub struct WorkerTimings {
     /// resizing the files (on the CPU), the pixels' upload and the vision tower's launch.
     #[serde(default)]
     pub images_s: f64,
+    /// The most decoder layers any micro-batch kept its MLP activations for (the device
+    /// plan's `keep`, `memory.recompute`).
+    #[serde(default)]
+    pub kept_layers: usize,
     /// GPU: the most device memory in use (cuMemGetInfo, so torch's reserve included).
     /// CPU: the step's peak resident memory above the step's start (VmHWM).
     pub peak_device_bytes: u64,

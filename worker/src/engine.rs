@@ -241,6 +241,8 @@ impl Engine {
             crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
             enter(Phase::Upload, None);
             let batch = self.upload(mi, mb)?;
+            let kept = batch.kept.iter().filter(|&&k| k).count();
+            tm.kept_layers = tm.kept_layers.max(kept);
             let t_images = Instant::now();
             let images = self.micro_images(mb, decoded.as_mut().and_then(Iterator::next))?;
             if images.is_some() {
