@@ -13,6 +13,7 @@ cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+[ -n "${LAYERS:-}" ] && export LAYERS
 variants="full auto"
 [ -n "${BEFORE:-}" ] && variants="before $variants"
 for v in $variants; do
@@ -23,7 +24,7 @@ for v in $variants; do
   esac
   echo "== $v" >&2
   BIN=$bin EXTRA="$extra" CONFIG=${CONFIG:-configs/bench/qwen_7b.yaml} BATCHES=${BATCH:-128} \
-    GPUS=1 WARMUP=${WARMUP:-1} STEPS=${STEPS:-3} RESULTS=$out/$v ${LAYERS:+LAYERS=$LAYERS} \
+    GPUS=1 WARMUP=${WARMUP:-1} STEPS=${STEPS:-3} RESULTS=$out/$v \
     scripts/bench_gpu.sh >&2
 done
 python3 - "$out" $variants <<'PY'
