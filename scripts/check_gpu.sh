@@ -152,7 +152,7 @@ configs = {
                           text_config=dict(qwen3_5, model_type="qwen3_5_moe_text", num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=96,
                                            shared_expert_intermediate_size=128)),
-    "w_gemma3": dict(model_type="gemma3", vision_config={},
+    "w_gemma3": dict(model_type="gemma3", vision_config={}, mm_tokens_per_image=49,
                      text_config=dict(tiny, model_type="gemma3_text", head_dim=16, sliding_window=64)),
     "w_mistral3": dict(model_type="mistral3", tie_word_embeddings=False, vision_config={},
                        text_config=dict(tiny, model_type="mistral", sliding_window=None)),

@@ -7,7 +7,9 @@
 #
 # Environment (defaults in brackets): CONFIG [configs/bench/qwen_7b.yaml] BATCH [128]
 # WARMUP [1] STEPS [3] LAYERS (fewer layers, for a quick probe) BIN [target/release]
-# BEFORE (none) MACHINE (from nvidia-smi). Prints the table; copy it into benches/results/.
+# BEFORE (none) MACHINE (from nvidia-smi) EXTRA (more `--set`s for every variant; on a 125 GiB
+# host the 7B b128 needs the 14 B/param mode: EXTRA="--set memory.grad_dtype=bfloat16
+# --set memory.master_weights=split"). Prints the table; copy it into benches/results/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-target/release}
@@ -18,9 +20,9 @@ variants="full auto"
 [ -n "${BEFORE:-}" ] && variants="before $variants"
 for v in $variants; do
   case $v in
-    before) bin=$BEFORE; extra="";;
-    full) bin=$BIN; extra="--set memory.recompute=full";;
-    auto) bin=$BIN; extra="--set memory.recompute=auto";;
+    before) bin=$BEFORE; extra="${EXTRA:-}";;
+    full) bin=$BIN; extra="${EXTRA:-} --set memory.recompute=full";;
+    auto) bin=$BIN; extra="${EXTRA:-} --set memory.recompute=auto";;
   esac
   echo "== $v" >&2
   BIN=$bin EXTRA="$extra" CONFIG=${CONFIG:-configs/bench/qwen_7b.yaml} BATCHES=${BATCH:-128} \
