@@ -305,6 +305,7 @@ fn qwen2_5_vl_flat_hub_config_and_text_config_both_load() {
         Some(Mrope {
             section: [16, 24, 24],
             interleaved: false,
+            pairs: 64,
             image_token_id: 151_655,
             spatial_merge_size: 2
         })
@@ -419,6 +420,7 @@ fn qwen3_vl_hub_config_loads_its_text_model() {
         Some(Mrope {
             section: [24, 20, 20],
             interleaved: true,
+            pairs: 64,
             image_token_id: 151_655,
             spatial_merge_size: 2
         })
