@@ -1,24 +1,26 @@
 #!/usr/bin/env python3
-"""End-to-end vision-language golden cases (issue #49): a tiny Qwen2.5-VL and a tiny Qwen3-VL
-built with the hub classes, each trained one step by transformers + torch on the multimodal
+"""End-to-end vision-language golden cases (issue #49): a tiny Qwen2.5-VL, a tiny Qwen3-VL and a
+tiny Qwen3.5 built with the hub classes, each trained one step by transformers + torch on the multimodal
 records of make_vlm_fixtures.py (images in PNG, JPEG and lossless WebP, one and two per row, a
 text-only row), their vision towers and mergers frozen; launcher/tests/vlm.rs runs mt-launch on
 the same records (read, tokenized, decoded and resized by it) and compares.
 
-Reads DIR/vlm (the records, images, model-qwen2vl's and model-qwen3vl's tokenizer and processor
+Reads DIR/vlm (the records, images, model-<family>'s tokenizer and processor
 settings, and expected_<family>.jsonl: the processor's ids and the labels per record, which the
 data tests hold ours equal to); writes DIR/vlm/golden (Qwen2.5-VL) and DIR/vlm/golden-qwen3vl
 (Qwen3-VL: Qwen3's layers with q/k norms under the interleaved mrope, the tower's learned
-positions, and two deepstack features added after the first two of its three layers): model/
+positions, and two deepstack features added after the first two of its three layers) and
+DIR/vlm/golden-qwen3_5 (Qwen3.5: Gated DeltaNet and gated attention layers, the attention's
+partial RoPE under the interleaved mrope, the tower without deepstack mergers): model/
 (the tiny model beside that tokenizer and preprocessor_config.json), run.yaml, expected.json
 (the step's loss) and grads0.safetensors (every language-model gradient under its checkpoint
 name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, per grid).
-Qwen2.5-VL's projector case (`vlm.freeze_projector: false`, LlamaFactory's
-`freeze_multi_modal_projector: false`): the same step with `visual.merger` trained too, then
+The projector cases of Qwen2.5-VL and Qwen3.5 (`vlm.freeze_projector: false`, LlamaFactory's
+`freeze_multi_modal_projector: false`): the same step with the tower's merger trained too, then
 torch's AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
-DIR/vlm/golden/projector/run.yaml, expected.json, grads0.safetensors (the merger's gradients
-beside the language model's) and step1.safetensors (every trained tensor after the step,
-checkpoint names).
+DIR/vlm/golden{,-qwen3_5}/projector/run.yaml, expected.json, grads0.safetensors (the merger's
+gradients beside the language model's) and step1.safetensors (every trained tensor after the
+step, checkpoint names).
 
 Usage: .venv/bin/python scripts/make_vlm_golden.py --dir target/data-fixtures
 (make_vlm_fixtures.py calls it last.)
@@ -33,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                          Qwen3VLForConditionalGeneration)
+from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
+                          Qwen3_5ForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 ap = argparse.ArgumentParser()
@@ -72,6 +74,31 @@ def qwen3_vl(vocab, ids_of):
         vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
     )
     return cfg, Qwen3VLForConditionalGeneration(cfg).float()
+
+
+def qwen3_5(vocab, ids_of):
+    """Qwen3.5: Gated DeltaNet layers (no positions) and gated attention layers whose partial
+    RoPE (16 of 32 dims: 8 pairs) turns under the interleaved sections [3, 3, 2] (pairs 0, 3, 6
+    temporal, 1, 4, 7 height, 2, 5 width); the tower without deepstack mergers."""
+    cfg = Qwen3_5Config(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [3, 3, 2], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=16),
+        image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
+        vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    model = Qwen3_5ForConditionalGeneration(cfg).float()
+    assert model.model.language_model.rotary_emb.inv_freq.numel() == 8, "8 rotary pairs"
+    assert not hasattr(model.model.visual, "deepstack_merger_list")
+    return cfg, model
 
 
 def golden(family, build, out_name, seed, projector):
@@ -165,8 +192,10 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
         # function of them (at 1e-8 the first step is lr x sign(g), which rounding flips where
         # g is ~0).
         loss, grads, norm = step(True)
-        assert any(n.startswith("visual.merger.") for n in grads) and not any(
-            n.startswith("visual.") and not n.startswith("visual.merger.") for n in grads)
+        # The tower's checkpoint prefix: `visual.` (Qwen2.5-VL's hub names), `model.visual.`.
+        tower = checkpoint_name("model.visual.patch_embed.proj.weight").removesuffix("patch_embed.proj.weight")
+        assert any(n.startswith(tower + "merger.") for n in grads) and not any(
+            n.startswith(tower) and not n.startswith(tower + "merger.") for n in grads)
         LR, WD, EPS, CLIP = 0.001, 0.1, 1e-3, norm / 2
         params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
         torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
@@ -181,7 +210,7 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
         safetensors.torch.save_file({n: p.detach().contiguous() for n, p in params.items()},
                                     os.path.join(proj, "step1.safetensors"))
         print(f"vlm golden ({family}), projector trained: loss {loss.item():.6f}, grad norm {norm:.6f}, "
-              f"{sum(n.startswith('visual.') for n in grads)} merger tensors")
+              f"{sum(n.startswith(tower) for n in grads)} merger tensors")
 
     # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
     # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
@@ -204,3 +233,4 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
 
 golden("qwen2vl", qwen2_5_vl, "golden", 4949, projector=True)
 golden("qwen3vl", qwen3_vl, "golden-qwen3vl", 4950, projector=False)
+golden("qwen3_5", qwen3_5, "golden-qwen3_5", 4951, projector=True)

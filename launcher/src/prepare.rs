@@ -340,14 +340,17 @@ pub fn run_layout(
         )
         .into());
     };
-    use mt::config::vision::{TowerSpec, VisionFamily};
+    use mt::config::vision::TowerSpec;
+    // Qwen2.5-VL's merger and Qwen3.5's (Qwen3-VL's tower without deepstack mergers) train;
+    // Qwen3-VL's deepstack mergers read the blocks beside its merger, and Gemma 3's projector
+    // follows a SigLIP tower: those train frozen.
     let vision = match vision {
-        TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl => v,
+        TowerSpec::Qwen(v) if v.deepstack_taps().is_empty() => v,
         other => {
             return Err(mt::Error::invalid(
                 key,
                 format!(
-                    "false trains Qwen2.5-VL's projector only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
+                    "false trains the projector of Qwen2.5-VL and Qwen3.5 only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
                     other.model_type(),
                 ),
             )

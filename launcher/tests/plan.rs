@@ -292,6 +292,56 @@ fn plan_for_gemma3_27b_counts_its_tower() {
     );
 }
 
+/// Qwen3.5-27B from its shipped architecture (the hub's config.json, its vision_config
+/// included): the bench shape (random init: the text model alone, 26.90B) and the recipe on
+/// the hub's weights, whose plan counts the frozen tower and merger (460.7M parameters as
+/// transformers counts them: 0.92 GB in bf16) on the host and the GPU; with the merger
+/// trained (`vlm.freeze_projector: false`), its 44.8M parameters join the trained ones and
+/// leave the frozen region (0.83 GB), and its kept input is counted.
+#[test]
+fn plan_for_qwen3_5_27b_counts_its_tower() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let plan = |yaml: &str, set: &[&str]| {
+        let config = root.join(yaml);
+        let mut args = vec![
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "141",
+        ];
+        args.extend_from_slice(set);
+        let out = mt_launch().args(&args).output().unwrap();
+        assert_ok(&out, &args);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let bench = plan("bench/qwen3_5_27b.yaml", &[]);
+    assert!(
+        bench.contains("host memory for 2.690e10 parameters"),
+        "{bench}"
+    );
+    assert!(!bench.contains("vision tower"), "{bench}");
+    let recipe = plan("qwen3_5_27b.yaml", &[]);
+    for line in [
+        "host memory for 2.690e10 parameters",
+        "vision tower               0.92 GB",
+        "vision tower (frozen)                            0.92 GB",
+        "vision tower forward",
+    ] {
+        assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
+    }
+    let trained = plan("qwen3_5_27b.yaml", &["--set", "vlm.freeze_projector=false"]);
+    for line in [
+        "host memory for 2.694e10 parameters",
+        "vision tower               0.83 GB",
+        "the projector's input, kept",
+    ] {
+        assert!(trained.contains(line), "no `{line}` in:\n{trained}");
+    }
+}
+
 /// The GPUs' free memory reaches the automatic tile of a model with linear attention:
 /// Qwen3.5-27B at batch 128 runs its delta rule whole where the GPU has room for the whole
 /// micro-batch (the driver's reading, here `MT_TEST_DEVICE_MEMORY`, or `--gpu-memory`), and

@@ -1,20 +1,26 @@
-//! Vision-language training end to end (#49): a tiny Qwen2.5-VL and a tiny Qwen3-VL built
-//! with the hub classes, each trained one step by mt-launch on LlamaFactory-format multimodal
+//! Vision-language training end to end (#49): a tiny Qwen2.5-VL, a tiny Qwen3-VL and a tiny
+//! Qwen3.5 built with the hub classes, each trained one step by mt-launch on LlamaFactory-format
+//! multimodal
 //! records (PNG, JPEG and lossless WebP images, one and two per row, multi-turn, a text-only
 //! row), read, tokenized, decoded and resized by it, the frozen vision tower run in the
 //! workers, against the same step in transformers + torch (scripts/make_vlm_golden.py, in
 //! the data fixtures). Qwen3-VL adds the interleaved mrope, the tower's learned positions and
-//! the deepstack features added after the first two of its three layers.
+//! the deepstack features added after the first two of its three layers; Qwen3.5 the hybrid
+//! text model (Gated DeltaNet layers, which take no positions, and gated attention layers
+//! whose partial RoPE turns under the interleaved mrope) behind Qwen3-VL's tower without
+//! deepstack mergers.
 //!
-//! The same with the projector (the merger) trained: its gradients too, and the step's
-//! weights against torch's AdamW. And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py):
-//! its SigLIP tower and projector, the image blocks' bidirectional attention.
+//! The same with the projector (the merger) trained, Qwen2.5-VL's and Qwen3.5's: its
+//! gradients too, and the step's weights against torch's AdamW. And a tiny Gemma 3
+//! (scripts/make_vlm_golden_gemma3.py): its SigLIP tower and projector, the image blocks'
+//! bidirectional attention.
 //!
 //! Tolerance: 1e-4 relative, f32 on both sides; what differs is summation order (the
 //! tower's patch embedding as a matmul, its windows or frames padded into one SDPA call, the
 //! language model's chunked loss), about sqrt(K) x 2^-24 for sums of K <= ~1e3 terms, two
 //! orders below the bound, while a misplaced image feature or a wrong 3-D position moves
-//! the loss and every gradient by O(1e-2) or more.
+//! the loss and every gradient by O(1e-2) or more. Gated DeltaNet's decay path is held to
+//! 1e-3 ([`grad_tol`]).
 
 mod common;
 
@@ -25,6 +31,19 @@ use common::*;
 
 const TOL: f64 = 1e-4;
 
+/// The bound of gradient `name`: [`TOL`], but 1e-3 on Gated DeltaNet's decay path (A_log,
+/// dt_bias and the projection feeding a), whose terms cancel ~1e3-fold, so that two correct
+/// f32 orders of summation (ours, and transformers' chunked torch fallback, whose CPU
+/// kernels sum in a CPU-dependent order) differ there by up to several 1e-4
+/// (launcher/tests/golden.rs's `grad_tol`, measured on the text cases); a wrong term is
+/// O(1e-2).
+fn grad_tol(name: &str) -> f64 {
+    let decay_path = ["A_log", "dt_bias", "in_proj_a.", "in_proj_ba."]
+        .iter()
+        .any(|n| name.contains(n));
+    if decay_path { 1e-3 } else { TOL }
+}
+
 #[test]
 fn qwen2_5_vl_with_images_matches_transformers() {
     golden_matches("golden");
@@ -33,6 +52,14 @@ fn qwen2_5_vl_with_images_matches_transformers() {
 #[test]
 fn qwen3_vl_with_images_matches_transformers() {
     golden_matches("golden-qwen3vl");
+}
+
+/// Qwen3.5 (`Qwen3_5ForConditionalGeneration`): the tower without deepstack, the features
+/// at the image tokens, the 3-D positions through the gated attention layers' partial RoPE
+/// (8 pairs under the sections [3, 3, 2]), the Gated DeltaNet layers between them.
+#[test]
+fn qwen3_5_with_images_matches_transformers() {
+    golden_matches("golden-qwen3_5");
 }
 
 /// One step of `vlm/{case}`'s run with 1 and 2 workers against transformers': loss, grad
@@ -66,46 +93,64 @@ fn gemma3_with_images_matches_transformers() {
 /// plus a few f32 roundings of the weight.
 #[test]
 fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
-    let dir = data_fixtures("vlm/golden/projector/expected.json").join("vlm/golden/projector");
+    projector_matches("golden");
+}
+
+/// The same for Qwen3.5's merger (`model.visual.merger.*`: a LayerNorm with its bias, two
+/// Linear layers).
+#[test]
+fn qwen3_5_with_the_projector_trained_matches_transformers() {
+    projector_matches("golden-qwen3_5");
+}
+
+/// `vlm/{case}/projector`'s step: gradients and the weights after it against torch's.
+fn projector_matches(case: &str) {
+    let dir = data_fixtures(&format!("vlm/{case}/projector/expected.json"))
+        .join(format!("vlm/{case}/projector"));
     let step1 = tensors(&dir.join("step1.safetensors"));
     let torch_grads = tensors(&dir.join("grads0.safetensors"));
     let (lr, eps) = (1e-3, 1e-3);
     let max_abs = |v: &[f32]| v.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
-    let failures = golden_step(&dir, "vlm-projector", |workers, out, grads| {
-        let ours = tensors(&out.join("model.safetensors"));
-        let (mut worst, mut bad) = (0.0f64, Vec::new());
-        for (name, want) in &step1 {
-            let (g, tg) = (&grads[name], &torch_grads[name]);
-            let dg = g
-                .iter()
-                .zip(tg)
-                .map(|(a, b)| f64::from((a - b).abs()))
-                .fold(0.0, f64::max);
-            let tol = lr / eps * (dg + 1e-6 * max_abs(tg))
-                + 4.0 * f64::from(f32::EPSILON) * max_abs(want);
-            let got = &ours[name];
-            let e = got
-                .iter()
-                .zip(want)
-                .map(|(a, b)| f64::from((a - b).abs()))
-                .fold(0.0, f64::max);
-            worst = worst.max(e / tol);
-            if e > tol {
-                bad.push(format!(
-                    "{workers}w after the step: {name} off by {e:.2e} (bound {tol:.2e})"
-                ));
+    let failures = golden_step(
+        &dir,
+        &format!("vlm-{case}-projector"),
+        |workers, out, grads| {
+            let ours = tensors(&out.join("model.safetensors"));
+            let (mut worst, mut bad) = (0.0f64, Vec::new());
+            for (name, want) in &step1 {
+                let (g, tg) = (&grads[name], &torch_grads[name]);
+                let dg = g
+                    .iter()
+                    .zip(tg)
+                    .map(|(a, b)| f64::from((a - b).abs()))
+                    .fold(0.0, f64::max);
+                let tol = lr / eps * (dg + 1e-6 * max_abs(tg))
+                    + 4.0 * f64::from(f32::EPSILON) * max_abs(want);
+                let got = &ours[name];
+                let e = got
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| f64::from((a - b).abs()))
+                    .fold(0.0, f64::max);
+                worst = worst.max(e / tol);
+                if e > tol {
+                    bad.push(format!(
+                        "{workers}w after the step: {name} off by {e:.2e} (bound {tol:.2e})"
+                    ));
+                }
             }
-        }
-        eprintln!(
-            "vlm projector, {workers} workers: after the step, worst diff / bound {worst:.2}"
-        );
-        bad
-    });
+            eprintln!(
+                "vlm {case} projector, {workers} workers: after the step, worst diff / bound {worst:.2}"
+            );
+            bad
+        },
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A trained projector is Qwen2.5-VL's only: on Qwen3-VL `vlm.freeze_projector: false` is
-/// refused before training, naming the key.
+/// A trained projector is Qwen2.5-VL's and Qwen3.5's only: on Qwen3-VL (whose deepstack
+/// mergers read the blocks beside its merger) `vlm.freeze_projector: false` is refused
+/// before training, naming the key.
 #[test]
 fn qwen3_vl_with_the_projector_trained_is_refused() {
     let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
@@ -115,7 +160,9 @@ fn qwen3_vl_with_the_projector_trained_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "trained: {err}");
     assert!(
-        err.contains("vlm.freeze_projector") && err.contains("Qwen2.5-VL's projector only"),
+        err.contains("vlm.freeze_projector")
+            && err.contains("projector of Qwen2.5-VL and Qwen3.5 only")
+            && err.contains("qwen3_vl"),
         "{err}"
     );
 }
@@ -168,7 +215,7 @@ fn golden_step(
         for (name, t) in &torch_grads {
             let e = rel_l2(&ours[name], t);
             worst = worst.max(e);
-            if e > TOL {
+            if e > grad_tol(name) {
                 failures.push(format!("{workers}w grad {name}: rel {e:.2e}"));
             }
         }
@@ -196,6 +243,18 @@ fn qwen3_vl_export_loads_in_transformers_and_answers_about_an_image() {
         "model.visual.",
         "Qwen3VLProcessor",
         &["true"],
+    );
+}
+
+/// The same for Qwen3.5 (`Qwen3_5ForConditionalGeneration`, AutoProcessor's Qwen3VLProcessor),
+/// with its projector frozen and trained.
+#[test]
+fn qwen3_5_export_loads_in_transformers_and_answers_about_an_image() {
+    export_answers(
+        "golden-qwen3_5",
+        "model.visual.",
+        "Qwen3VLProcessor",
+        &["true", "false"],
     );
 }
 

@@ -14,10 +14,10 @@ pub struct VlmSection {
     /// Keep the vision encoder (the patch embedding and the tower's blocks) frozen. false
     /// is not supported yet.
     pub freeze_vision_encoder: bool,
-    /// Keep the projector (Qwen2.5-VL's patch merger, `visual.merger.*`) frozen; false
-    /// trains it with the language model: fp32 master and Adam moments, weight decay on
-    /// its matrices, clipped in the global norm, checkpointed and exported under its hub
-    /// names.
+    /// Keep the projector (the patch merger of Qwen2.5-VL or Qwen3.5, `visual.merger.*`)
+    /// frozen; false trains it with the language model: fp32 master and Adam moments,
+    /// weight decay on its matrices, clipped in the global norm, checkpointed and exported
+    /// under its hub names.
     pub freeze_projector: bool,
 }
 

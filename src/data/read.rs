@@ -219,10 +219,10 @@ pub(super) fn no_images(
 pub(super) fn why_no_images(images: &Images) -> Option<String> {
     match images {
         Images::Qwen(_) | Images::Gemma3(_) => None,
-        Images::TextOnly => Some(
-            "the model is text-only: train a vision-language model (qwen2_5_vl, qwen3_vl, gemma3) or leave the `images` column out of the dataset's `columns`"
-                .into(),
-        ),
+        Images::TextOnly => Some(format!(
+            "the model is text-only: train a vision-language model ({}) or leave the `images` column out of the dataset's `columns`",
+            crate::config::vision::VISION_MODEL_TYPES.join(", ")
+        )),
         Images::NoProcessor(path) => Some(format!(
             "the model's image processor settings are missing: {} (copy it from the model's hub repository)",
             path.display()

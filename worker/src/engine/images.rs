@@ -8,7 +8,8 @@
 //!
 //! The frozen part of the tower runs once per micro-batch, without grad, from the weights
 //! the worker copied from the read-only region. A trained projector
-//! (`vlm.freeze_projector: false`, Qwen2.5-VL's merger) runs where the embedding does, from
+//! (`vlm.freeze_projector: false`, Qwen2.5-VL's or Qwen3.5's merger) runs where the embedding
+//! does, from
 //! the embedding block's weights: without grad in the forward, recomputed with grad on its
 //! leaves in the embedding's backward, where the gradient at the image tokens' rows flows
 //! into it. Its input (the encoder's output, N x E) is kept for that.
@@ -66,25 +67,28 @@ impl Tower {
             (TowerWeights::Qwen(w), ImageProcessor::Qwen(px)) => {
                 let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
                 let pixels_np = qwen_pixels(px, &per_image, kind, device)?;
+                let deepstack = !w.spec.deepstack_taps().is_empty();
                 let (features, deepstack_mh) = match (w.spec.family, self.training) {
                     (VisionFamily::Qwen2_5Vl, TowerTraining::Frozen) => (
                         Features::Frozen(qwen2_5_vl_vision(w, &pixels_np, &grids)),
-                        Vec::new(),
-                    ),
-                    (VisionFamily::Qwen2_5Vl, TowerTraining::Projector) => (
-                        Features::Merger {
-                            enc: vision_encoder(w, &pixels_np, &grids),
-                            spec: w.spec.clone(),
-                        },
                         Vec::new(),
                     ),
                     (VisionFamily::Qwen3Vl, TowerTraining::Frozen) => {
                         let f = qwen3_vl_vision(w, &pixels_np, &grids);
                         (Features::Frozen(f.merged_mo), f.deepstack_mo)
                     }
-                    (VisionFamily::Qwen3Vl, TowerTraining::Projector) => bail!(
-                        "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
-                         Qwen3-VL's tower is frozen (set vlm.freeze_projector: true)"
+                    (_, TowerTraining::Projector) if deepstack => bail!(
+                        "vlm.freeze_projector: false trains the projector of Qwen2.5-VL and \
+                         Qwen3.5 only; `{}`'s tower (with deepstack mergers) is frozen (set \
+                         vlm.freeze_projector: true)",
+                        w.spec.model_type
+                    ),
+                    (_, TowerTraining::Projector) => (
+                        Features::Merger {
+                            enc: vision_encoder(w, &pixels_np, &grids),
+                            spec: w.spec.clone(),
+                        },
+                        Vec::new(),
                     ),
                 };
                 MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
@@ -199,7 +203,7 @@ pub struct MicroImages {
     /// The id of the image tokens, whose embeddings the features replace.
     pub image_token_id: i64,
     /// Every token's temporal, height and width position (3, B, T), on the device
-    /// (Qwen2.5-VL).
+    /// (Qwen2.5-VL, Qwen3-VL, Qwen3.5).
     pub pos_3bt: Option<Tensor>,
     /// Each token's image block (B, T): the run of image tokens it is in, counted from 0
     /// in its row, or -1 for text (Gemma 3: a block attends to itself both ways).
@@ -305,7 +309,7 @@ impl MicroImages {
     /// The features (M, H) placed at the image tokens, one row per token in the order the
     /// tokens appear (row by row, left to right): the frozen tower's, or a trained
     /// projector's over its kept input with `embed_w`'s `visual.merger.*` (views or leaves:
-    /// with grad where they are leaves and grad mode is on).
+    /// with grad where they are leaves and grad mode is on), Qwen2.5-VL's or Qwen3.5's.
     pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
         match &self.features {
             Features::Frozen(f_mh) => f_mh.shallow_clone(),

@@ -1,8 +1,8 @@
 //! Qwen2.5-VL's vision tower and patch merger: the math of transformers'
 //! `Qwen2_5_VisionTransformerPretrainedModel`, whose merged output (`pooler_output`) the
-//! model places at the image tokens. In two halves, the encoder ([`vision_encoder`]: up to
-//! the merger's input) and the merger ([`vision_merger`]), so that a frozen encoder runs
-//! without grad and a trained merger with it; the caller decides (no grad mode is set
+//! model places at the image tokens. In two halves, the encoder ([`qwen2_5_vl_encoder`]: up
+//! to the merger's input) and the merger ([`qwen2_5_vl_merger`]), so that a frozen encoder
+//! runs without grad and a trained merger with it; the caller decides (no grad mode is set
 //! here).
 //!
 //! ```text
@@ -82,20 +82,22 @@ impl VisionWeights {
 /// (t, h, w) patch grids are `grids`, in that order -> (M, O), image after image, each
 /// image's tokens in raster order of its merge blocks.
 pub fn qwen2_5_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Tensor {
-    vision_merger(w, &vision_encoder(w, pixel_values, grids))
+    qwen2_5_vl_merger(w, &qwen2_5_vl_encoder(w, pixel_values, grids))
 }
 
-/// The encoder's output over a micro-batch's images: the merger's input.
+/// A Qwen tower's encoder output over a micro-batch's images: the merger's input.
 #[derive(Debug)]
 pub struct Encoded {
-    /// (N, E): each patch after the last block, in the window order.
+    /// (N, E): each patch after the last block, in the tower's order (Qwen2.5-VL's window
+    /// order, Qwen3-VL's and Qwen3.5's raster order of merge blocks).
     pub x_ne: Tensor,
-    /// (M,): for each merged token in raster order, its row of the merger's output.
-    pub merged_back: Tensor,
+    /// (M,): for each merged token in raster order, its row of the merger's output; None
+    /// where that is the raster order already.
+    pub merged_back: Option<Tensor>,
 }
 
 /// The patch embedding and every block over `pixel_values` (N, P) of images `grids`.
-pub fn vision_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Encoded {
+pub fn qwen2_5_vl_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Encoded {
     let s = &w.spec;
     let order = Order::new(s, grids);
     let n = order.patches.len() as i64;
@@ -126,19 +128,22 @@ pub fn vision_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3
     }
     Encoded {
         x_ne,
-        merged_back: idx(&order.merged_back),
+        merged_back: Some(idx(&order.merged_back)),
     }
 }
 
 /// The merger over the encoder's output: `ln_q`, merge^2 patches side by side, Linear,
 /// GELU, Linear, back to raster order -> (M, O).
-pub fn vision_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
+pub fn qwen2_5_vl_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
     let s = &w.spec;
     let merged = (s.merge_unit() * s.hidden_size) as i64;
     let m_mx = rms_norm(&enc.x_ne, w.get("merger.ln_q.weight"), NORM_EPS).reshape([-1, merged]);
     let h_mx = w.linear(&m_mx, "merger.mlp.0").gelu("none");
     let out_mo = w.linear(&h_mx, "merger.mlp.2");
-    out_mo.index_select(0, &enc.merged_back)
+    match &enc.merged_back {
+        Some(back) => out_mo.index_select(0, back),
+        None => out_mo,
+    }
 }
 
 /// Vision block `b`: `h = x + attn(norm1(x))`, `out = h + mlp(norm2(h))`: (N, E) -> (N, E).
