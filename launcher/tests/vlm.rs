@@ -8,7 +8,9 @@
 //!
 //! The same with the projector (the merger) trained: its gradients too, and the step's
 //! weights against torch's AdamW. And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py):
-//! its SigLIP tower and projector, the image blocks' bidirectional attention.
+//! its SigLIP tower and projector, the image blocks' bidirectional attention; and a tiny
+//! LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py): its CLIP tower over any-resolution
+//! tiles, the projector, the unpadding and the newline embedding after each row.
 //!
 //! Tolerance: 1e-4 relative, f32 on both sides; what differs is summation order (the
 //! tower's patch embedding as a matmul, its windows or frames padded into one SDPA call, the
@@ -54,6 +56,33 @@ fn gemma3_with_images_matches_transformers() {
     let dir = data_fixtures("vlm/golden-gemma3/expected.json").join("vlm/golden-gemma3");
     let failures = golden_step(&dir, "vlm-gemma3", |_, _, _| Vec::new());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py): five images of five sizes, each cut
+/// into the tiles of the pinpoint it fits best (two to four, plus the whole image), through
+/// the CLIP tower and projector in the workers, each image's tiles unpadded to its aspect
+/// with `image_newline` after each row, placed at its 114 to 162 image tokens.
+#[test]
+fn llava_next_with_images_matches_transformers() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let failures = golden_step(&dir, "vlm-llava_next", |_, _, _| Vec::new());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// LLaVA-NeXT's projector does not train yet: `vlm.freeze_projector: false` is refused
+/// before training, naming the key and the model type.
+#[test]
+fn llava_next_with_the_projector_trained_is_refused() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-projector");
+    let set = ["--set", "vlm.freeze_projector=false"];
+    let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained: {err}");
+    assert!(
+        err.contains("vlm.freeze_projector") && err.contains("llava_next"),
+        "{err}"
+    );
 }
 
 /// `vlm.freeze_projector: false` (given as LlamaFactory's `freeze_multi_modal_projector`):
@@ -342,6 +371,129 @@ print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; ge
         String::from_utf8_lossy(&r.stderr)
     );
     eprintln!("{}", String::from_utf8_lossy(&r.stdout));
+}
+
+/// The export of a LLaVA-NeXT run (two steps: the second's images prefetched): the language
+/// model in the wrapper's legacy names (`language_model.model.*`), the CLIP tower, the
+/// projector and `image_newline` bit for bit, the processor's settings beside the tokenizer;
+/// transformers loads it with `AutoModelForImageTextToText` and `AutoProcessor` (whose image
+/// processor is `LlavaNextImageProcessorPil` without torchvision), and answers about an
+/// image with `generate`.
+#[test]
+fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !py.is_file() {
+        eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
+        return;
+    }
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-export");
+    let out = s.join("out");
+    let set = format!("training.output_dir={}", out.display());
+    run_cpu_ok(
+        &dir.join("run.yaml"),
+        1,
+        &s.join("metrics.jsonl"),
+        &["--set", &set, "--set", "training.num_steps=2"],
+    );
+    assert!(out.join("preprocessor_config.json").is_file());
+    let check = r#"
+import sys, torch, safetensors.torch as st
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+src, out, image = sys.argv[1:4]
+a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
+assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
+tower = [k for k in a if k.startswith(("vision_tower.", "multi_modal_projector.", "image_newline"))]
+assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
+trained = [k for k in a if k not in tower]
+assert trained and all(k.startswith("language_model.") for k in trained), trained
+assert all(not torch.equal(a[k], b[k]) for k in trained), "a language-model tensor did not train"
+model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+assert type(model).__name__ == "LlavaNextForConditionalGeneration", type(model)
+proc = AutoProcessor.from_pretrained(out)
+assert type(proc.image_processor).__name__ == "LlavaNextImageProcessorPil", type(proc.image_processor)
+msgs = [{"role": "user", "content": "<image>What is this?"}]
+text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+assert int((enc["input_ids"] == model.config.image_token_id).sum()) > 36
+gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
+print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+"#;
+    let r = std::process::Command::new(&py)
+        .args(["-c", check])
+        .arg(dir.join("model"))
+        .arg(&out)
+        .arg(dir.join("../images/a.png"))
+        .output()
+        .unwrap();
+    assert!(
+        r.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    eprintln!("{}", String::from_utf8_lossy(&r.stdout));
+}
+
+/// LLaVA-NeXT's records with bad images, each refused naming the file, the record's line and
+/// the key: more `<image>` tags than images, fewer, a missing file, a file that is not an
+/// image; with every record bad the load stops, listing them.
+#[test]
+fn llava_next_bad_image_records_are_named() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-bad");
+    let data = s.join("data");
+    std::fs::create_dir_all(data.join("images")).unwrap();
+    std::fs::copy(dir.join("../images/a.png"), data.join("images/a.png")).unwrap();
+    std::fs::write(data.join("images/not.png"), b"text").unwrap();
+    let turn = |user: &str| {
+        format!(r#"[{{"role": "user", "content": "{user}"}}, {{"role": "assistant", "content": "ok"}}]"#)
+    };
+    let records = [
+        (turn("<image><image>two?"), r#"["images/a.png"]"#),
+        (turn("none?"), r#"["images/a.png"]"#),
+        (turn("<image>gone?"), r#"["images/gone.png"]"#),
+        (turn("<image>text?"), r#"["images/not.png"]"#),
+    ];
+    let body: Vec<String> = (records.iter())
+        .map(|(m, i)| format!(r#"{{"messages": {m}, "images": {i}}}"#))
+        .collect();
+    std::fs::write(data.join("bad.json"), format!("[\n{}\n]\n", body.join(",\n"))).unwrap();
+    std::fs::write(
+        data.join("dataset_info.json"),
+        r#"{"bad": {"file_name": "bad.json", "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                     "assistant_tag": "assistant"}}}"#,
+    )
+    .unwrap();
+    let yaml = s.join("run.yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "model: {{path: {}, init: pretrained, dtype: float32}}\n\
+             dataset: {{name: bad, dataset_dir: {}, max_seq_len: 1024}}\n\
+             training: {{batch_size: 1, num_steps: 1}}\n",
+            dir.join("model").display(),
+            data.display()
+        ),
+    )
+    .unwrap();
+    let (out, _) = run_cpu(&yaml, 1, &s.join("metrics.jsonl"), &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained: {err}");
+    for want in [
+        "bad.json",
+        "4 skipped",
+        "line 2: field `images`: 1 images, but 2 `<image>`",
+        "line 3: field `images`: 1 images, but 0 `<image>`",
+        "line 4: field `images[0]`",
+        "line 5: field `images[0]`",
+    ] {
+        assert!(err.contains(want), "no `{want}` in: {err}");
+    }
 }
 
 /// The next step's images decoded while a step computes (worker/src/engine/prefetch.rs)

@@ -2,8 +2,9 @@
 //! format (`HfVisionConfig`, lenient, transformers' defaults for absent keys) and the
 //! validated architecture (`VisionSpec`) the launcher lays out and the worker computes
 //! (worker/src/model/qwen2_vl_vision.rs, qwen3_vl_vision.rs): Qwen2.5-VL's and Qwen3-VL's; and
-//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file) or
-//! Gemma 3's SigLIP encoder and projector ([`siglip`]).
+//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file),
+//! Gemma 3's SigLIP encoder and projector ([`siglip`]) or LLaVA-NeXT's CLIP tower, projector
+//! and any-resolution tiles ([`clip`]).
 //!
 //! The tower is frozen: it is carried, not trained (`layout::CarryRule`), and reaches the
 //! workers in a read-only region of its own (`checkpoint::vision`).
@@ -16,12 +17,14 @@ use serde_json::Value;
 use super::hf::Activation;
 use crate::error::{Error, Result};
 
+pub mod clip;
 pub mod siglip;
 
+use clip::ClipSpec;
 use siglip::SiglipSpec;
 
 /// The model types whose vision tower the worker computes.
-pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "qwen3_vl", "gemma3"];
+pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "qwen3_vl", "gemma3", "llava_next"];
 
 /// A vision-language model's frozen tower, of the family its `model_type` names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -30,6 +33,15 @@ pub enum TowerSpec {
     Qwen(VisionSpec),
     /// Gemma 3's SigLIP encoder and multimodal projector.
     Siglip(SiglipSpec),
+    /// LLaVA-NeXT's CLIP tower, projector and `image_newline`.
+    Clip(ClipSpec),
+}
+
+/// Whether the tower's tensor `name` (as [`TowerSpec::tensors`] names it) sits beside the
+/// tower under the wrapper's own prefix (the projector, LLaVA-NeXT's `image_newline`)
+/// rather than inside the tower.
+pub fn beside_tower(name: &str) -> bool {
+    name.starts_with(siglip::PROJECTOR) || name == clip::IMAGE_NEWLINE
 }
 
 impl TowerSpec {
@@ -55,6 +67,9 @@ impl TowerSpec {
             Some("gemma3") => {
                 SiglipSpec::from_json(config, "gemma3", path).map(|s| Some(TowerSpec::Siglip(s)))
             }
+            Some("llava_next") => {
+                ClipSpec::from_json(config, "llava_next", path).map(|s| Some(TowerSpec::Clip(s)))
+            }
             _ => Ok(VisionSpec::from_json(config, path)?.map(TowerSpec::Qwen)),
         }
     }
@@ -64,6 +79,7 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => &s.model_type,
             TowerSpec::Siglip(s) => &s.model_type,
+            TowerSpec::Clip(s) => &s.model_type,
         }
     }
 
@@ -72,6 +88,7 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => s.depth,
             TowerSpec::Siglip(s) => s.depth,
+            TowerSpec::Clip(s) => s.depth,
         }
     }
 
@@ -81,15 +98,18 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => s.tensors(),
             TowerSpec::Siglip(s) => s.tensors(),
+            TowerSpec::Clip(s) => s.tensors(),
         }
     }
 
     /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's
-    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid).
+    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid; LLaVA-NeXT's
+    /// `grid` is (1, height, width) in pixels, which set its tiles).
     pub fn forward_flops(&self, grid: [u32; 3]) -> f64 {
         match self {
             TowerSpec::Qwen(s) => s.forward_flops(grid),
             TowerSpec::Siglip(s) => s.forward_flops(),
+            TowerSpec::Clip(s) => s.forward_flops(grid[1], grid[2]),
         }
     }
 
@@ -101,6 +121,7 @@ impl TowerSpec {
             TowerSpec::Siglip(s) => {
                 2.0 * (s.tokens_per_image * s.hidden_size * s.out_hidden_size) as f64
             }
+            TowerSpec::Clip(s) => s.projector_flops(grid[1], grid[2]),
         }
     }
 
@@ -109,7 +130,7 @@ impl TowerSpec {
     pub fn patch_embed(&self) -> &'static str {
         match self {
             TowerSpec::Qwen(_) => "patch_embed.proj.weight",
-            TowerSpec::Siglip(_) => siglip::SIGLIP_PATCH_EMBED,
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => siglip::SIGLIP_PATCH_EMBED,
         }
     }
 }
@@ -658,7 +679,13 @@ mod tests {
         assert_eq!((t.model_type(), t.depth()), ("gemma3", 12));
         let text = json!({"model_type": "gemma3_text"});
         assert!(TowerSpec::from_json(&text, c).unwrap().is_none());
-        for t in VISION_MODEL_TYPES {
+        let llava = json!({"model_type": "llava_next", "vision_config": {"num_hidden_layers": 3,
+            "image_size": 336, "patch_size": 14}});
+        let t = TowerSpec::from_json(&llava, c).unwrap().unwrap();
+        assert_eq!((t.model_type(), t.depth()), ("llava_next", 3));
+        assert!(beside_tower("image_newline") && beside_tower("multi_modal_projector.linear_1.bias"));
+        assert!(!beside_tower("embeddings.class_embedding"));
+        for t in VISION_MODEL_TYPES.iter().filter(|&&t| t != "llava_next") {
             let cfg = json!({"model_type": t});
             assert!(
                 TowerSpec::from_json(&cfg, c).is_err(),

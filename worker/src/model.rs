@@ -19,7 +19,9 @@
 //! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's (frozen, forward
 //! only), whose deepstack features the first layers' outputs also take there
 //! ([`add_at_image_tokens`]); `siglip_vision.rs` Gemma 3's SigLIP tower and projector
-//! (frozen, forward only). Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`.
+//! (frozen, forward only); `clip_vision.rs` LLaVA-NeXT's CLIP tower, projector and image
+//! newline over any-resolution tiles (frozen, forward only). Qwen3-VL's text model
+//! (`qwen3_vl_text`) is `qwen3.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -35,6 +37,7 @@
 //! Shapes: B batch rows, T sequence length, H hidden size, M selected tokens, C tokens in a
 //! loss chunk, V vocabulary.
 
+mod clip_vision;
 mod common;
 mod deepseek_v3;
 mod experts;
@@ -62,6 +65,7 @@ use mt::config::hf::{AttentionKind, Family, ModelSpec};
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
+pub use clip_vision::{ClipWeights, llava_next_vision};
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{
     Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
@@ -74,6 +78,7 @@ pub use siglip_vision::{SiglipWeights, gemma3_vision};
 pub enum TowerWeights {
     Qwen(VisionWeights),
     Siglip(SiglipWeights),
+    Clip(ClipWeights),
 }
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary

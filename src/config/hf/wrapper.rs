@@ -1,13 +1,14 @@
 //! Multimodal wrappers trained on their text model. The hub serves the newest models as
 //! image-text classes (`Qwen3_5ForConditionalGeneration`, `Gemma3ForConditionalGeneration`,
-//! `Mistral3ForConditionalGeneration`, `Llama4ForConditionalGeneration`): a config.json whose
+//! `Mistral3ForConditionalGeneration`, `Llama4ForConditionalGeneration`,
+//! `LlavaNextForConditionalGeneration`): a config.json whose
 //! `text_config` is the text model's config, and a checkpoint that keeps the text model under
 //! a prefix beside a vision tower, a projector and extra heads. The text model trains exactly
 //! as its text-only class would; the rest is carried (`checkpoint::carried`).
 //!
 //! Three name layouts exist for the text model's tensors: the current one
 //! (`model.language_model.layers.N.…`, `lm_head.weight`), the legacy one the original hub
-//! uploads of Gemma 3, Mistral 3 and Llama 4 use and transformers 5 still writes for them
+//! uploads of Gemma 3, Mistral 3, Llama 4 and LLaVA-NeXT use and transformers 5 still writes for them
 //! (`language_model.model.layers.N.…`, `language_model.lm_head.weight`), and the text-only
 //! class's own names beside a top-level `visual.*` (the hub's Qwen2.5-VL uploads, which
 //! transformers 5.17 reads into its current names and writes back as they were; other
@@ -155,6 +156,16 @@ const WRAPPERS: &[WrapperClass] = &[
         text_model_type: "llama4_text",
         names: TextNames::Legacy,
         tie: Tie::Text,
+        flat: false,
+    },
+    // LLaVA-NeXT (llava-hf/llava-v1.6-*): transformers 5.17 writes the legacy names, as the
+    // hub's uploads have them, beside `vision_tower.*`, `multi_modal_projector.*` and
+    // `image_newline`.
+    WrapperClass {
+        model_type: "llava_next",
+        text_model_type: "llama",
+        names: TextNames::Legacy,
+        tie: Tie::Top(false),
         flat: false,
     },
     WrapperClass {

@@ -4,7 +4,8 @@
 //! ([`MicroImages::after_layer`]), and what the attention reads of them: the Qwen models' 3-D
 //! positions of every token (`mt::mrope`), from which the rotary tables are built
 //! ([`crate::model::Context::with_positions_3d`]), or Gemma 3's image blocks, each image's
-//! tokens attending to each other both ways ([`crate::model::Context::with_image_blocks`]).
+//! tokens attending to each other both ways ([`crate::model::Context::with_image_blocks`]);
+//! LLaVA-NeXT's features change nothing else (1-D positions, causal attention).
 //!
 //! The frozen part of the tower runs once per micro-batch, without grad, from the weights
 //! the worker copied from the read-only region. A trained projector
@@ -14,20 +15,23 @@
 //! into it. Its input (the encoder's output, N x E) is kept for that.
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
-//! tower's width, I images, S the side of Gemma 3's images.
+//! tower's width, I images, S the side of Gemma 3's images and of LLaVA-NeXT's tiles, Tt
+//! LLaVA-NeXT's tiles of all images.
 
 use anyhow::{Context as _, Result, bail};
 use mt::config::TowerTraining;
 use mt::config::hf::{ModelSpec, TOWER};
 use mt::config::vision::{VisionFamily, VisionSpec};
-use mt::data::{BatchImage, Gemma3Images, ImageProcessor, MicroBatch, QwenVlImages, image};
+use mt::data::{
+    BatchImage, Gemma3Images, ImageProcessor, LlavaNextImages, MicroBatch, QwenVlImages, image,
+};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{
     BlockWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens, gemma3_vision,
-    qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder, vision_merger,
+    llava_next_vision, qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder, vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
@@ -93,6 +97,19 @@ impl Tower {
                 let f_mh = gemma3_vision(w, &gemma3_pixels(px, &per_image, kind, device)?);
                 MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
             }
+            (TowerWeights::Clip(w), ImageProcessor::LlavaNext(px)) => {
+                if self.training != TowerTraining::Frozen {
+                    bail!(
+                        "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
+                         LLaVA-NeXT's tower and projector are frozen (set vlm.freeze_projector: true)"
+                    );
+                }
+                let sizes: Vec<[u32; 2]> =
+                    mb.images.iter().map(|im| [im.grid[1], im.grid[2]]).collect();
+                let tiles = llava_next_tiles(px, &per_image, kind, device)?;
+                let f_mh = llava_next_vision(w, &tiles, &sizes);
+                Ok(MicroImages::placed(w.spec.image_token_id, f_mh.f_to_device(device)?))
+            }
             _ => bail!("the image processor's settings are not for this model's vision tower"),
         }
     }
@@ -140,8 +157,29 @@ fn gemma3_pixels(
     Ok(Tensor::f_stack(&pixels, 0)?)
 }
 
+/// LLaVA-NeXT's tiles of all images (Tt, 3, S, S), each image's uploaded by itself.
+fn llava_next_tiles(
+    px: &LlavaNextImages,
+    per_image: &[Vec<f32>],
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor> {
+    let s = px.spec.image_size as i64;
+    let tiles = per_image
+        .iter()
+        .map(|p| {
+            Tensor::f_from_slice(p)?
+                .f_view([-1, 3, s, s])?
+                .f_to_device(device)?
+                .f_to_kind(kind)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_cat(&tiles, 0)?)
+}
+
 /// Each image's pixels as the model's image processor makes them (Qwen's patch rows,
-/// patches x values; Gemma 3's (3, S, S) image), the file decoded and resized on the CPU,
+/// patches x values; Gemma 3's (3, S, S) image; LLaVA-NeXT's (tiles, 3, S, S)), the file
+/// decoded and resized on the CPU,
 /// the images in parallel; a file whose grid is not the one the batch was built for
 /// (changed since the data was read) is an error naming it.
 pub fn pixel_rows(px: &ImageProcessor, images: &[BatchImage]) -> Result<Vec<Vec<f32>>> {
@@ -150,8 +188,25 @@ pub fn pixel_rows(px: &ImageProcessor, images: &[BatchImage]) -> Result<Vec<Vec<
         .map(|im| match px {
             ImageProcessor::Qwen(px) => qwen_rows(px, im),
             ImageProcessor::Gemma3(px) => gemma3_image(px, im),
+            ImageProcessor::LlavaNext(px) => llava_next_image(px, im),
         })
         .collect()
+}
+
+fn llava_next_image(px: &LlavaNextImages, im: &BatchImage) -> Result<Vec<f32>> {
+    let rgb = image::decode(&im.path)?;
+    let grid = LlavaNextImages::grid(rgb.height, rgb.width);
+    if grid != im.grid {
+        bail!(
+            "{}: decoded to {} x {} pixels, the batch was built for {} x {} (the file changed since the data was read?)",
+            im.path.display(),
+            rgb.height,
+            rgb.width,
+            im.grid[1],
+            im.grid[2]
+        );
+    }
+    Ok(px.pixel_values(&rgb))
 }
 
 fn qwen_rows(px: &QwenVlImages, im: &BatchImage) -> Result<Vec<f32>> {
@@ -272,6 +327,19 @@ impl MicroImages {
                 .collect::<Result<_, _>>()?,
             rows_m,
         })
+    }
+
+    /// Features (M, H) that replace the embeddings of the tokens of id `image_token_id`, in
+    /// order, and change nothing else the attention reads (LLaVA-NeXT's).
+    pub fn placed(image_token_id: i64, features_mh: Tensor) -> MicroImages {
+        MicroImages {
+            features: Features::Frozen(features_mh),
+            image_token_id,
+            pos_3bt: None,
+            block_bt: None,
+            deepstack_mh: Vec::new(),
+            rows_m: None,
+        }
     }
 
     /// Gemma 3's images of `mb`: the features (M, H) of its tokens of id `image_token_id`,
