@@ -487,10 +487,10 @@ fn llava_next_bad_image_records_are_named() {
     for want in [
         "bad.json",
         "4 skipped",
-        "line 2: field `images`: 1 images, but 2 `<image>`",
-        "line 3: field `images`: 1 images, but 0 `<image>`",
-        "line 4: field `images[0]`",
-        "line 5: field `images[0]`",
+        "bad.json:2: field `images`: 1 images, but 2 `<image>`",
+        "bad.json:3: field `images`: 1 images, but 0 `<image>`",
+        "bad.json:4: field `images[0]`: image `images/gone.png` not found",
+        "bad.json:5: field `images[0]`: `images/not.png`: not a PNG, JPEG or WebP",
     ] {
         assert!(err.contains(want), "no `{want}` in: {err}");
     }
