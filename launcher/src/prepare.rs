@@ -340,20 +340,16 @@ pub fn run_layout(
         )
         .into());
     };
-    use mt::config::vision::{TowerSpec, VisionFamily};
-    let vision = match vision {
-        TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl => v,
-        other => {
-            return Err(mt::Error::invalid(
-                key,
-                format!(
-                    "false trains Qwen2.5-VL's projector only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
-                    other.model_type(),
-                ),
-            )
-            .into());
-        }
-    };
+    if !trains_projector(&vision) {
+        return Err(mt::Error::invalid(
+            key,
+            format!(
+                "false trains Qwen2.5-VL's and LLaVA-NeXT's projectors only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
+                vision.model_type(),
+            ),
+        )
+        .into());
+    }
     if cfg.model.init == Init::Random {
         return Err(mt::Error::invalid(
             key,
@@ -362,6 +358,17 @@ pub fn run_layout(
         .into());
     }
     Ok(Layout::with_tower(spec, &vision, training))
+}
+
+/// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): Qwen2.5-VL's
+/// merger, LLaVA-NeXT's projector and newline.
+pub fn trains_projector(vision: &mt::config::vision::TowerSpec) -> bool {
+    use mt::config::vision::{TowerSpec, VisionFamily};
+    match vision {
+        TowerSpec::Qwen(v) => v.family == VisionFamily::Qwen2_5Vl,
+        TowerSpec::Clip(_) => true,
+        TowerSpec::Siglip(_) => false,
+    }
 }
 
 /// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for

@@ -69,22 +69,6 @@ fn llava_next_with_images_matches_transformers() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// LLaVA-NeXT's projector does not train yet: `vlm.freeze_projector: false` is refused
-/// before training, naming the key and the model type.
-#[test]
-fn llava_next_with_the_projector_trained_is_refused() {
-    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
-    let s = scratch("vlm-llava_next-projector");
-    let set = ["--set", "vlm.freeze_projector=false"];
-    let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "trained: {err}");
-    assert!(
-        err.contains("vlm.freeze_projector") && err.contains("llava_next"),
-        "{err}"
-    );
-}
-
 /// `vlm.freeze_projector: false` (given as LlamaFactory's `freeze_multi_modal_projector`):
 /// the merger's gradients as well, and after the step (weight decay on its matrices, the
 /// gradients clipped to half their norm) every trained tensor the export wrote equals
@@ -95,12 +79,28 @@ fn llava_next_with_the_projector_trained_is_refused() {
 /// plus a few f32 roundings of the weight.
 #[test]
 fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
-    let dir = data_fixtures("vlm/golden/projector/expected.json").join("vlm/golden/projector");
+    projector_step_matches("golden/projector", "vlm-projector");
+}
+
+/// The same for LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py's projector case): its
+/// projector (`multi_modal_projector.*`) and `image_newline` trained, recomputed with grad in
+/// the embedding's backward over the frozen tower's kept features: their gradients, the
+/// language model's, and every trained tensor after the AdamW step.
+#[test]
+fn llava_next_with_the_projector_trained_matches_transformers() {
+    projector_step_matches("golden-llava_next/projector", "vlm-llava_next-projector");
+}
+
+/// One step of `vlm/{case}` (a projector case: its step1.safetensors holds every trained
+/// tensor after torch's AdamW step) with 1 and 2 workers: [`golden_step`]'s checks, and the
+/// export's trained tensors against torch's step.
+fn projector_step_matches(case: &str, tag: &str) {
+    let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
     let step1 = tensors(&dir.join("step1.safetensors"));
     let torch_grads = tensors(&dir.join("grads0.safetensors"));
     let (lr, eps) = (1e-3, 1e-3);
     let max_abs = |v: &[f32]| v.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
-    let failures = golden_step(&dir, "vlm-projector", |workers, out, grads| {
+    let failures = golden_step(&dir, tag, |workers, out, grads| {
         let ours = tensors(&out.join("model.safetensors"));
         let (mut worst, mut bad) = (0.0f64, Vec::new());
         for (name, want) in &step1 {
@@ -125,16 +125,14 @@ fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
                 ));
             }
         }
-        eprintln!(
-            "vlm projector, {workers} workers: after the step, worst diff / bound {worst:.2}"
-        );
+        eprintln!("{tag}, {workers} workers: after the step, worst diff / bound {worst:.2}");
         bad
     });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A trained projector is Qwen2.5-VL's only: on Qwen3-VL `vlm.freeze_projector: false` is
-/// refused before training, naming the key.
+/// A trained projector is Qwen2.5-VL's and LLaVA-NeXT's only: on Qwen3-VL
+/// `vlm.freeze_projector: false` is refused before training, naming the key.
 #[test]
 fn qwen3_vl_with_the_projector_trained_is_refused() {
     let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
@@ -144,7 +142,7 @@ fn qwen3_vl_with_the_projector_trained_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "trained: {err}");
     assert!(
-        err.contains("vlm.freeze_projector") && err.contains("Qwen2.5-VL's projector only"),
+        err.contains("vlm.freeze_projector") && err.contains("qwen3_vl"),
         "{err}"
     );
 }
@@ -374,11 +372,12 @@ print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; ge
 }
 
 /// The export of a LLaVA-NeXT run (two steps: the second's images prefetched): the language
-/// model in the wrapper's legacy names (`language_model.model.*`), the CLIP tower, the
-/// projector and `image_newline` bit for bit, the processor's settings beside the tokenizer;
-/// transformers loads it with `AutoModelForImageTextToText` and `AutoProcessor` (whose image
-/// processor is `LlavaNextImageProcessorPil` without torchvision), and answers about an
-/// image with `generate`.
+/// model in the wrapper's legacy names (`language_model.model.*`), the CLIP tower bit for
+/// bit, the projector and `image_newline` too, or trained with `vlm.freeze_projector: false`;
+/// the processor's settings beside the tokenizer. transformers loads it with
+/// `AutoModelForImageTextToText` and `AutoProcessor` (whose image processor is
+/// `LlavaNextImageProcessorPil` without torchvision), and answers about an image with
+/// `generate`.
 #[test]
 fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
@@ -388,44 +387,52 @@ fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
     }
     let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
     let s = scratch("vlm-llava_next-export");
-    let out = s.join("out");
-    let set = format!("training.output_dir={}", out.display());
-    run_cpu_ok(
-        &dir.join("run.yaml"),
-        1,
-        &s.join("metrics.jsonl"),
-        &["--set", &set, "--set", "training.num_steps=2"],
-    );
-    assert!(out.join("preprocessor_config.json").is_file());
+    let mut outs = Vec::new();
+    for projector in ["true", "false"] {
+        let out = s.join(format!("out-freeze-projector-{projector}"));
+        let set = format!("training.output_dir={}", out.display());
+        let freeze = format!("vlm.freeze_projector={projector}");
+        run_cpu_ok(
+            &dir.join("run.yaml"),
+            1,
+            &s.join("metrics.jsonl"),
+            &["--set", &set, "--set", "training.num_steps=2", "--set", &freeze],
+        );
+        assert!(out.join("preprocessor_config.json").is_file());
+        outs.push(out);
+    }
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
-src, out, image = sys.argv[1:4]
-a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
-assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
-tower = [k for k in a if k.startswith(("vision_tower.", "multi_modal_projector.", "image_newline"))]
-assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
-trained = [k for k in a if k not in tower]
-assert trained and all(k.startswith("language_model.") for k in trained), trained
-assert all(not torch.equal(a[k], b[k]) for k in trained), "a language-model tensor did not train"
-model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
-assert type(model).__name__ == "LlavaNextForConditionalGeneration", type(model)
-proc = AutoProcessor.from_pretrained(out)
-assert type(proc.image_processor).__name__ == "LlavaNextImageProcessorPil", type(proc.image_processor)
-msgs = [{"role": "user", "content": "<image>What is this?"}]
-text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
-assert int((enc["input_ids"] == model.config.image_token_id).sum()) > 36
-gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
-assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
-print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+src, image = sys.argv[1:3]
+for out, trained_projector in zip(sys.argv[3:], [False, True]):
+    a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
+    assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
+    projector = [k for k in a if k.startswith(("multi_modal_projector.", "image_newline"))]
+    tower = [k for k in a if k.startswith("vision_tower.") or (k in projector and not trained_projector)]
+    assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
+    trained = [k for k in a if k not in tower]
+    assert all(k.startswith("language_model.") or trained_projector and k in projector for k in trained), trained
+    assert not trained_projector or len(projector) == 5 and set(projector) <= set(trained)
+    assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "LlavaNextForConditionalGeneration", type(model)
+    proc = AutoProcessor.from_pretrained(out)
+    assert type(proc.image_processor).__name__ == "LlavaNextImageProcessorPil", type(proc.image_processor)
+    msgs = [{"role": "user", "content": "<image>What is this?"}]
+    text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    assert int((enc["input_ids"] == model.config.image_token_id).sum()) > 36
+    gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
+    print(f"export (projector trained: {trained_projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
 "#;
     let r = std::process::Command::new(&py)
         .args(["-c", check])
         .arg(dir.join("model"))
-        .arg(&out)
         .arg(dir.join("../images/a.png"))
+        .args(&outs)
         .output()
         .unwrap();
     assert!(

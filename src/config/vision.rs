@@ -14,6 +14,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::TowerTraining;
 use super::hf::Activation;
 use crate::error::{Error, Result};
 
@@ -99,6 +100,21 @@ impl TowerSpec {
             TowerSpec::Qwen(s) => s.tensors(),
             TowerSpec::Siglip(s) => s.tensors(),
             TowerSpec::Clip(s) => s.tensors(),
+        }
+    }
+
+    /// The tensors `training` trains, under the names the layout gives them in the
+    /// embedding block (the hub's, as [`crate::config::hf::TextNames::hf`] maps them):
+    /// Qwen's under `visual.` (`visual.merger.mlp.0.weight`), those beside the tower as they
+    /// are (`multi_modal_projector.linear_1.weight`, `image_newline`).
+    pub fn trained_tensors(&self, training: TowerTraining) -> Vec<(String, Vec<usize>)> {
+        let trained = self.tensors().into_iter();
+        let trained = trained.filter(|(name, _)| training.trains(name));
+        match self {
+            TowerSpec::Qwen(_) => trained
+                .map(|(name, shape)| (format!("{}{name}", super::hf::TOWER), shape))
+                .collect(),
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => trained.collect(),
         }
     }
 

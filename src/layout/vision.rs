@@ -129,7 +129,8 @@ mod tests {
         let hf: crate::config::hf::HfConfig = serde_json::from_value(cfg).unwrap();
         let mut spec = ModelSpec::from_hf(&hf, path).unwrap();
         let text = Layout::new(&spec);
-        let l = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+        let tower = TowerSpec::Qwen(vision.clone());
+        let l = Layout::with_tower(&spec, &tower, TowerTraining::Projector);
         let embed = &l.blocks[Layout::EMBED];
         let names: Vec<&str> = embed.tensors.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(
@@ -143,7 +144,6 @@ mod tests {
                 "visual.merger.mlp.2.bias"
             ]
         );
-        let tower = TowerSpec::Qwen(vision.clone());
         let region = VisionLayout::new(&tower, "visual.", TowerTraining::Projector);
         let all = VisionLayout::new(&tower, "visual.", TowerTraining::Frozen);
         assert!(
@@ -163,7 +163,7 @@ mod tests {
             (TextNames::Current, "model.visual.merger.mlp.0.weight"),
         ] {
             spec.names = names;
-            let l = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+            let l = Layout::with_tower(&spec, &tower, TowerTraining::Projector);
             let embed = &l.blocks[Layout::EMBED];
             assert_eq!(embed.hf_name(&embed.tensors[2]), merger);
             assert!(!l.carry.carries(merger), "{merger}");

@@ -432,12 +432,17 @@ impl DevicePlan {
         ];
         // A trained projector recomputed with grad over every image token (the bound):
         // per token its normed input and the two widths after the first Linear and the
-        // GELU (merge^2 x E each), its output, each with its gradient.
+        // GELU (merge^2 x E each), its output, each with its gradient; LLaVA-NeXT's holds
+        // its wider values (`projector_values`) per patch instead, and its packed output.
         if let Some(vis) = o.vision.filter(|v| v.projector_trained) {
             let merged = vis.patches_per_token * vis.hidden;
+            let per_token = match vis.projector_values {
+                0 => 3 * merged + vis.out_hidden,
+                wide => vis.patches_per_token * (vis.hidden + wide) + vis.out_hidden,
+            };
             embed_phase.push((
                 "the projector's recompute graph + gradients",
-                2 * m * (3 * merged + vis.out_hidden) * s,
+                2 * m * per_token * s,
             ));
         }
 

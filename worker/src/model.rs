@@ -65,7 +65,7 @@ use mt::config::hf::{AttentionKind, Family, ModelSpec};
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
-pub use clip_vision::{ClipWeights, llava_next_vision};
+pub use clip_vision::{ClipWeights, llava_next_encoder, llava_next_projected, llava_next_vision};
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{
     Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,

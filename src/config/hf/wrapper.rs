@@ -43,10 +43,11 @@ pub enum TextNames {
 
 impl TextNames {
     /// The checkpoint name of a text-only class's tensor (`model.norm.weight`), or of a
-    /// trained vision tower's tensor under its hub name (`visual.merger.ln_q.weight`),
-    /// which transformers 5's current names keep under `model.`.
+    /// trained vision tower's tensor under its hub name (`visual.merger.ln_q.weight`,
+    /// LLaVA-NeXT's `multi_modal_projector.linear_1.weight` and `image_newline`), which
+    /// transformers 5's current names keep under `model.`.
     pub fn hf<'a>(self, canonical: &'a str) -> Cow<'a, str> {
-        if canonical.starts_with(TOWER) {
+        if canonical.starts_with(TOWER) || crate::config::vision::beside_tower(canonical) {
             return match self {
                 TextNames::Current => Cow::Owned(format!("model.{canonical}")),
                 TextNames::Plain | TextNames::Legacy => Cow::Borrowed(canonical),
@@ -302,5 +303,11 @@ mod tests {
             TextNames::Plain.canonical("visual.merger.mlp.0.weight"),
             None
         );
+        // A trained LLaVA-NeXT projector: the hub's names, or under `model.`.
+        for name in ["multi_modal_projector.linear_1.weight", "image_newline"] {
+            assert_eq!(TextNames::Legacy.hf(name), name);
+            assert_eq!(TextNames::Current.hf(name), format!("model.{name}"));
+            assert_eq!(TextNames::Legacy.canonical(name), None);
+        }
     }
 }

@@ -9,10 +9,11 @@
 //!
 //! The frozen part of the tower runs once per micro-batch, without grad, from the weights
 //! the worker copied from the read-only region. A trained projector
-//! (`vlm.freeze_projector: false`, Qwen2.5-VL's merger) runs where the embedding does, from
-//! the embedding block's weights: without grad in the forward, recomputed with grad on its
-//! leaves in the embedding's backward, where the gradient at the image tokens' rows flows
-//! into it. Its input (the encoder's output, N x E) is kept for that.
+//! (`vlm.freeze_projector: false`, Qwen2.5-VL's merger, LLaVA-NeXT's projector and newline)
+//! runs where the embedding does, from the embedding block's weights: without grad in the
+//! forward, recomputed with grad on its leaves in the embedding's backward, where the
+//! gradient at the image tokens' rows flows into it. Its input (the encoder's output,
+//! N x E) is kept for that.
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
 //! tower's width, I images, S the side of Gemma 3's images and of LLaVA-NeXT's tiles, Tt
@@ -21,6 +22,7 @@
 use anyhow::{Context as _, Result, bail};
 use mt::config::TowerTraining;
 use mt::config::hf::{ModelSpec, TOWER};
+use mt::config::vision::clip::ClipSpec;
 use mt::config::vision::{VisionFamily, VisionSpec};
 use mt::data::{
     BatchImage, Gemma3Images, ImageProcessor, LlavaNextImages, MicroBatch, QwenVlImages, image,
@@ -30,8 +32,9 @@ use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use crate::model::{
-    BlockWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens, gemma3_vision,
-    llava_next_vision, qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder, vision_merger,
+    BlockWeights, ClipWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens,
+    gemma3_vision, llava_next_encoder, llava_next_projected, llava_next_vision, qwen2_5_vl_vision,
+    qwen3_vl_vision, vision_encoder, vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
@@ -98,17 +101,20 @@ impl Tower {
                 MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
             }
             (TowerWeights::Clip(w), ImageProcessor::LlavaNext(px)) => {
-                if self.training != TowerTraining::Frozen {
-                    bail!(
-                        "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
-                         LLaVA-NeXT's tower and projector are frozen (set vlm.freeze_projector: true)"
-                    );
-                }
                 let sizes: Vec<[u32; 2]> =
                     mb.images.iter().map(|im| [im.grid[1], im.grid[2]]).collect();
                 let tiles = llava_next_tiles(px, &per_image, kind, device)?;
-                let f_mh = llava_next_vision(w, &tiles, &sizes);
-                Ok(MicroImages::placed(w.spec.image_token_id, f_mh.f_to_device(device)?))
+                let features = match self.training {
+                    TowerTraining::Frozen => {
+                        Features::Frozen(llava_next_vision(w, &tiles, &sizes).f_to_device(device)?)
+                    }
+                    TowerTraining::Projector => Features::Projector {
+                        enc_tne: llava_next_encoder(w, &tiles, &sizes),
+                        sizes,
+                        spec: w.spec.clone(),
+                    },
+                };
+                Ok(MicroImages::placed(w.spec.image_token_id, features))
             }
             _ => bail!("the image processor's settings are not for this model's vision tower"),
         }
@@ -244,6 +250,14 @@ pub enum Features {
     Frozen(Tensor),
     /// The projector's input; its weights are the embedding block's.
     Merger { enc: Encoded, spec: VisionSpec },
+    /// LLaVA-NeXT's projector's input, the tower's patch features (Tt, N, E) of images of
+    /// `sizes` (height, width); the projector's weights and the newline are the embedding
+    /// block's.
+    Projector {
+        enc_tne: Tensor,
+        sizes: Vec<[u32; 2]>,
+        spec: ClipSpec,
+    },
 }
 
 /// What a micro-batch's images bring to the language model.
@@ -331,9 +345,9 @@ impl MicroImages {
 
     /// Features (M, H) that replace the embeddings of the tokens of id `image_token_id`, in
     /// order, and change nothing else the attention reads (LLaVA-NeXT's).
-    pub fn placed(image_token_id: i64, features_mh: Tensor) -> MicroImages {
+    pub fn placed(image_token_id: i64, features: Features) -> MicroImages {
         MicroImages {
-            features: Features::Frozen(features_mh),
+            features,
             image_token_id,
             pos_3bt: None,
             block_bt: None,
@@ -372,8 +386,9 @@ impl MicroImages {
 
     /// The features (M, H) placed at the image tokens, one row per token in the order the
     /// tokens appear (row by row, left to right): the frozen tower's, or a trained
-    /// projector's over its kept input with `embed_w`'s `visual.merger.*` (views or leaves:
-    /// with grad where they are leaves and grad mode is on).
+    /// projector's over its kept input with `embed_w`'s `visual.merger.*` (LLaVA-NeXT's
+    /// `multi_modal_projector.*` and `image_newline`; views or leaves: with grad where they
+    /// are leaves and grad mode is on).
     pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
         match &self.features {
             Features::Frozen(f_mh) => f_mh.shallow_clone(),
@@ -388,6 +403,22 @@ impl MicroImages {
                     })
                     .collect();
                 vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
+            }
+            Features::Projector {
+                enc_tne,
+                sizes,
+                spec,
+            } => {
+                let projector = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&name).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                llava_next_projected(&ClipWeights::new(spec.clone(), projector), enc_tne, sizes)
             }
         }
     }

@@ -35,12 +35,16 @@ pub struct ClipWeights {
 }
 
 impl ClipWeights {
-    /// `tensors` must hold every tensor of `spec.tensors()`.
+    /// Each of `tensors` must be one of `spec.tensors()`, of its shape: all of them for
+    /// [`llava_next_vision`]; the tower's for [`llava_next_encoder`]; the projector's and
+    /// the newline for [`llava_next_projected`] (a trained projector's, from the embedding
+    /// block).
     pub fn new(spec: ClipSpec, tensors: HashMap<String, Tensor>) -> ClipWeights {
-        for (name, shape) in spec.tensors() {
-            let t = tensors
-                .get(&name)
-                .unwrap_or_else(|| panic!("vision tower has no tensor `{name}`"));
+        let shapes: HashMap<String, Vec<usize>> = spec.tensors().into_iter().collect();
+        for (name, t) in &tensors {
+            let shape = shapes
+                .get(name)
+                .unwrap_or_else(|| panic!("`{name}` is not a LLaVA-NeXT vision tensor"));
             let want: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
             assert_eq!(t.size(), want, "shape of vision tensor `{name}`");
         }
@@ -48,7 +52,9 @@ impl ClipWeights {
     }
 
     fn get(&self, name: &str) -> &Tensor {
-        &self.tensors[name]
+        self.tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("vision weights hold no tensor `{name}`"))
     }
 
     /// `x W^T + b` with `{name}.weight` and, where the checkpoint has it, `{name}.bias`.
@@ -80,16 +86,33 @@ impl ClipWeights {
 /// [`ClipSpec::tiles`] counts them. Forward only, without gradient.
 pub fn llava_next_vision(w: &ClipWeights, tiles_tcss: &Tensor, sizes: &[[u32; 2]]) -> Tensor {
     let _no_grad = tch::no_grad_guard();
+    llava_next_projected(w, &llava_next_encoder(w, tiles_tcss, sizes), sizes)
+}
+
+/// The projector's input (Tt, N, E) for images of `sizes` whose tiles are `tiles_tcss`:
+/// the tower's patch features, computed without gradient (a trained projector keeps them
+/// for its recompute in the embedding's backward).
+pub fn llava_next_encoder(w: &ClipWeights, tiles_tcss: &Tensor, sizes: &[[u32; 2]]) -> Tensor {
+    let _no_grad = tch::no_grad_guard();
     let s = &w.spec;
-    let counts: Vec<i64> = sizes.iter().map(|&[h, wd]| s.tiles(h, wd) as i64).collect();
+    let tiles: usize = sizes.iter().map(|&[h, wd]| s.tiles(h, wd)).sum();
     let (c, side) = (s.in_channels as i64, s.image_size as i64);
     assert_eq!(
         tiles_tcss.size(),
-        [counts.iter().sum::<i64>(), c, side, side],
+        [tiles as i64, c, side, side],
         "tiles of {} images",
         sizes.len()
     );
-    let f_tnh = projector(w, &tower(w, tiles_tcss));
+    tower(w, tiles_tcss)
+}
+
+/// The image tokens' features (M, H) from the projector's input `enc_tne` (Tt, N, E) of
+/// images of `sizes`: the projector, then each image's tiles packed. With `w`'s projector
+/// tensors as leaves and grad mode on, differentiable in them (a trained projector).
+pub fn llava_next_projected(w: &ClipWeights, enc_tne: &Tensor, sizes: &[[u32; 2]]) -> Tensor {
+    let s = &w.spec;
+    let counts: Vec<i64> = sizes.iter().map(|&[h, wd]| s.tiles(h, wd) as i64).collect();
+    let f_tnh = projector(w, enc_tne);
     let per_image = f_tnh.split_with_sizes(counts.as_slice(), 0);
     let images: Vec<Tensor> = (per_image.iter().zip(sizes))
         .map(|(f, &[h, wd])| pack(w, f, h, wd))
