@@ -317,10 +317,16 @@ fn plan_for_llava_next_7b_counts_its_tower() {
         String::from_utf8(out.stdout).unwrap()
     };
     let bench = plan("bench/llava_next_7b.yaml", &[]);
-    assert!(bench.contains("host memory for 7.242e9 parameters"), "{bench}");
+    assert!(
+        bench.contains("host memory for 7.242e9 parameters"),
+        "{bench}"
+    );
     assert!(!bench.contains("vision tower"), "{bench}");
     let recipe = plan("llava_next_7b.yaml", &[]);
-    assert!(recipe.contains("host memory for 7.242e9 parameters"), "{recipe}");
+    assert!(
+        recipe.contains("host memory for 7.242e9 parameters"),
+        "{recipe}"
+    );
     for line in [
         "vision tower               0.65 GB",
         "vision tower (frozen)                            0.65 GB",
@@ -328,8 +334,14 @@ fn plan_for_llava_next_7b_counts_its_tower() {
     ] {
         assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
     }
-    let trained = plan("llava_next_7b.yaml", &["--set", "vlm.freeze_projector=false"]);
-    assert!(trained.contains("host memory for 7.263e9 parameters"), "{trained}");
+    let trained = plan(
+        "llava_next_7b.yaml",
+        &["--set", "vlm.freeze_projector=false"],
+    );
+    assert!(
+        trained.contains("host memory for 7.263e9 parameters"),
+        "{trained}"
+    );
     assert!(trained.contains("the projector's input, kept"), "{trained}");
 }
 

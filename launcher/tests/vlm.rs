@@ -396,7 +396,14 @@ fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
             &dir.join("run.yaml"),
             1,
             &s.join("metrics.jsonl"),
-            &["--set", &set, "--set", "training.num_steps=2", "--set", &freeze],
+            &[
+                "--set",
+                &set,
+                "--set",
+                "training.num_steps=2",
+                "--set",
+                &freeze,
+            ],
         );
         assert!(out.join("preprocessor_config.json").is_file());
         outs.push(out);
@@ -456,7 +463,9 @@ fn llava_next_bad_image_records_are_named() {
     std::fs::copy(dir.join("../images/a.png"), data.join("images/a.png")).unwrap();
     std::fs::write(data.join("images/not.png"), b"text").unwrap();
     let turn = |user: &str| {
-        format!(r#"[{{"role": "user", "content": "{user}"}}, {{"role": "assistant", "content": "ok"}}]"#)
+        format!(
+            r#"[{{"role": "user", "content": "{user}"}}, {{"role": "assistant", "content": "ok"}}]"#
+        )
     };
     let records = [
         (turn("<image><image>two?"), r#"["images/a.png"]"#),
@@ -467,7 +476,11 @@ fn llava_next_bad_image_records_are_named() {
     let body: Vec<String> = (records.iter())
         .map(|(m, i)| format!(r#"{{"messages": {m}, "images": {i}}}"#))
         .collect();
-    std::fs::write(data.join("bad.json"), format!("[\n{}\n]\n", body.join(",\n"))).unwrap();
+    std::fs::write(
+        data.join("bad.json"),
+        format!("[\n{}\n]\n", body.join(",\n")),
+    )
+    .unwrap();
     std::fs::write(
         data.join("dataset_info.json"),
         r#"{"bad": {"file_name": "bad.json", "formatting": "sharegpt",

@@ -699,7 +699,9 @@ mod tests {
             "image_size": 336, "patch_size": 14}});
         let t = TowerSpec::from_json(&llava, c).unwrap().unwrap();
         assert_eq!((t.model_type(), t.depth()), ("llava_next", 3));
-        assert!(beside_tower("image_newline") && beside_tower("multi_modal_projector.linear_1.bias"));
+        assert!(
+            beside_tower("image_newline") && beside_tower("multi_modal_projector.linear_1.bias")
+        );
         assert!(!beside_tower("embeddings.class_embedding"));
         for t in VISION_MODEL_TYPES.iter().filter(|&&t| t != "llava_next") {
             let cfg = json!({"model_type": t});

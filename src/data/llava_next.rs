@@ -73,7 +73,8 @@ impl LlavaNextImages {
             move |msg: String| crate::error::Error::Config { path, msg }
         };
         let pre = read("preprocessor_config.json", "image processor config")?.unwrap_or_default();
-        let mut s = LlavaNextImages::from_config(&pre, spec).map_err(err("preprocessor_config.json"))?;
+        let mut s =
+            LlavaNextImages::from_config(&pre, spec).map_err(err("preprocessor_config.json"))?;
         if let Some(proc) = read("processor_config.json", "processor config")? {
             s.image_token = processor_token(&proc, spec).map_err(err("processor_config.json"))?;
         }
@@ -279,7 +280,9 @@ fn processor_token(cfg: &Value, spec: &ClipSpec) -> Result<String, String> {
             spec.patch_size
         ));
     }
-    if let Some(s) = cfg.get("vision_feature_select_strategy").filter(|v| !v.is_null())
+    if let Some(s) = cfg
+        .get("vision_feature_select_strategy")
+        .filter(|v| !v.is_null())
         && s.as_str() != Some("default")
     {
         return Err(format!(
@@ -292,7 +295,11 @@ fn processor_token(cfg: &Value, spec: &ClipSpec) -> Result<String, String> {
         Some(n) => {
             return Err(format!(
                 "`num_additional_image_tokens` is {n}: the processor would count {} image tokens per image the model does not have (expected 1, CLIP's class token)",
-                if n.as_u64() == Some(0) { "one fewer" } else { "other" }
+                if n.as_u64() == Some(0) {
+                    "one fewer"
+                } else {
+                    "other"
+                }
             ));
         }
     }
@@ -311,9 +318,15 @@ fn patch_output_size(height: u32, width: u32, target_h: u32, target_w: u32) -> (
     let scale_w = f64::from(target_w) / ow;
     let scale_h = f64::from(target_h) / oh;
     if scale_w < scale_h {
-        ((oh * scale_w).ceil().min(f64::from(target_h)) as u32, target_w)
+        (
+            (oh * scale_w).ceil().min(f64::from(target_h)) as u32,
+            target_w,
+        )
     } else {
-        (target_h, (ow * scale_h).ceil().min(f64::from(target_w)) as u32)
+        (
+            target_h,
+            (ow * scale_h).ceil().min(f64::from(target_w)) as u32,
+        )
     }
 }
 

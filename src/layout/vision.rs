@@ -208,8 +208,14 @@ mod tests {
         assert_eq!(l.num_params(), 324_491_264);
         l.projector_prefix = "model.".into();
         let names: Vec<String> = l.tensors.iter().map(|t| l.hf_name(t)).collect();
-        assert_eq!(names[0], "vision_tower.vision_model.embeddings.class_embedding");
+        assert_eq!(
+            names[0],
+            "vision_tower.vision_model.embeddings.class_embedding"
+        );
         assert_eq!(names[names.len() - 1], "model.image_newline");
-        assert_eq!(names[names.len() - 2], "model.multi_modal_projector.linear_2.bias");
+        assert_eq!(
+            names[names.len() - 2],
+            "model.multi_modal_projector.linear_2.bias"
+        );
     }
 }

@@ -85,7 +85,8 @@ mod d {
     pub const IMAGE_TOKEN_INDEX: i64 = 32_000;
     pub const FEATURE_LAYER: i64 = -2;
     pub const TEXT_HIDDEN_SIZE: u64 = 4096;
-    pub const PINPOINTS: [[u32; 2]; 5] = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]];
+    pub const PINPOINTS: [[u32; 2]; 5] =
+        [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]];
 }
 
 /// Largest accepted size of any one dimension (a corrupt config must not size a region).
@@ -285,7 +286,9 @@ impl ClipSpec {
             return Err("`image_grid_pinpoints` is empty".into());
         }
         for p in &self.pinpoints {
-            if p.iter().any(|&x| x == 0 || !x.is_multiple_of(s) || x > 64 * s) {
+            if p.iter()
+                .any(|&x| x == 0 || !x.is_multiple_of(s) || x > 64 * s)
+            {
                 return Err(format!(
                     "`image_grid_pinpoints` holds {p:?}: each side must be a multiple of `vision_config.image_size` {s} (at most 64 tiles), as the tiles are cut"
                 ));

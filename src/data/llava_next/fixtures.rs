@@ -12,7 +12,9 @@ use crate::data::registry;
 
 fn fixtures() -> Option<PathBuf> {
     let dir = PathBuf::from(std::env::var_os("MT_DATA_FIXTURES")?).join("vlm");
-    dir.join("expected_llava_next.jsonl").exists().then_some(dir)
+    dir.join("expected_llava_next.jsonl")
+        .exists()
+        .then_some(dir)
 }
 
 #[test]
@@ -63,13 +65,25 @@ fn llava_next_rows_equal_the_processors() {
             "line {line}"
         );
         // Each image's (height, width) and token count, as the processor has them.
-        let sizes: Vec<[u32; 2]> = ex.images.iter().map(|im| [im.grid[1], im.grid[2]]).collect();
-        assert_eq!(serde_json::to_value(&sizes).unwrap(), want["image_sizes"], "line {line}");
+        let sizes: Vec<[u32; 2]> = ex
+            .images
+            .iter()
+            .map(|im| [im.grid[1], im.grid[2]])
+            .collect();
+        assert_eq!(
+            serde_json::to_value(&sizes).unwrap(),
+            want["image_sizes"],
+            "line {line}"
+        );
         let counts: Vec<usize> = sizes
             .iter()
             .map(|&[h, w]| images.spec.image_tokens(h, w))
             .collect();
-        assert_eq!(serde_json::to_value(&counts).unwrap(), want["image_tokens"], "line {line}");
+        assert_eq!(
+            serde_json::to_value(&counts).unwrap(),
+            want["image_tokens"],
+            "line {line}"
+        );
     }
     assert_eq!(with_images, 3);
 }
@@ -108,7 +122,11 @@ fn llava_next_pixel_values_equal_the_processors() {
             .chunks_exact(8)
             .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
             .collect();
-        assert_eq!(size, [i64::from(img.height), i64::from(img.width)], "{name}");
+        assert_eq!(
+            size,
+            [i64::from(img.height), i64::from(img.width)],
+            "{name}"
+        );
         let got = images.pixel_values(&img);
         let pv = want.tensor(&format!("{name}.pixel_values")).unwrap();
         let tiles = images.spec.tiles(img.height, img.width);

@@ -20,7 +20,11 @@ fn spans_move_with_each_images_count() {
     let t = "<image>";
     let text = format!("ab{t}cd{t}e");
     // "cd" and the second image; "ab"; "e".
-    let spans = [2 + t.len()..text.len() - 1, 0..2, text.len() - 1..text.len()];
+    let spans = [
+        2 + t.len()..text.len() - 1,
+        0..2,
+        text.len() - 1..text.len(),
+    ];
     let (out, moved) = expand(&text, &spans, t, &[2, 3]);
     assert_eq!(out, format!("ab{}cd{}e", t.repeat(2), t.repeat(3)));
     assert_eq!(&out[moved[0].clone()], format!("cd{}", t.repeat(3)));
@@ -40,9 +44,18 @@ fn config_keys_and_refusals() {
     };
     for (bad, key) in [
         (with("resample", 2.into()), "resample"),
-        (with("size", serde_json::json!({"shortest_edge": 28})), "size"),
-        (with("crop_size", serde_json::json!({"height": 14, "width": 28})), "crop_size"),
-        (with("image_grid_pinpoints", serde_json::json!([[14, 28]])), "image_grid_pinpoints"),
+        (
+            with("size", serde_json::json!({"shortest_edge": 28})),
+            "size",
+        ),
+        (
+            with("crop_size", serde_json::json!({"height": 14, "width": 28})),
+            "crop_size",
+        ),
+        (
+            with("image_grid_pinpoints", serde_json::json!([[14, 28]])),
+            "image_grid_pinpoints",
+        ),
         (with("image_std", serde_json::json!([1, 0, 1])), "image_std"),
     ] {
         let e = LlavaNextImages::from_config(&bad, &s).unwrap_err();
@@ -57,8 +70,14 @@ fn config_keys_and_refusals() {
     assert_eq!(processor_token(&ok, &s).unwrap(), "<img>");
     for (bad, key) in [
         (serde_json::json!({"patch_size": 14}), "patch_size"),
-        (serde_json::json!({"num_additional_image_tokens": 0}), "num_additional_image_tokens"),
-        (serde_json::json!({"vision_feature_select_strategy": "full"}), "vision_feature_select_strategy"),
+        (
+            serde_json::json!({"num_additional_image_tokens": 0}),
+            "num_additional_image_tokens",
+        ),
+        (
+            serde_json::json!({"vision_feature_select_strategy": "full"}),
+            "vision_feature_select_strategy",
+        ),
     ] {
         let e = processor_token(&bad, &s).unwrap_err();
         assert!(e.contains(key), "{key}: {e}");
@@ -97,7 +116,10 @@ fn tiles_are_the_base_image_then_the_padded_pinpoint_row_by_row() {
     let v = g.pixel_values(&small);
     assert_eq!(v.len(), 3 * tile);
     let at = |t: usize, c: usize, y: usize, x: usize| v[t * tile + c * 196 + y * 14 + x];
-    assert_eq!((at(1, 0, 1, 0), at(1, 0, 2, 0), at(2, 2, 11, 13)), (0.0, 200.0, 50.0));
+    assert_eq!(
+        (at(1, 0, 1, 0), at(1, 0, 2, 0), at(2, 2, 11, 13)),
+        (0.0, 200.0, 50.0)
+    );
     assert_eq!(at(2, 0, 12, 5), 0.0);
     assert_eq!(patch_output_size(10, 28, 14, 28), (10, 28));
     // 45 x 77 into 28 x 28: the width limits (28), the height ceil(45 x 28 / 77) = 17.

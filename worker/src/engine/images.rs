@@ -101,8 +101,11 @@ impl Tower {
                 MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
             }
             (TowerWeights::Clip(w), ImageProcessor::LlavaNext(px)) => {
-                let sizes: Vec<[u32; 2]> =
-                    mb.images.iter().map(|im| [im.grid[1], im.grid[2]]).collect();
+                let sizes: Vec<[u32; 2]> = mb
+                    .images
+                    .iter()
+                    .map(|im| [im.grid[1], im.grid[2]])
+                    .collect();
                 let tiles = llava_next_tiles(px, &per_image, kind, device)?;
                 let features = match self.training {
                     TowerTraining::Frozen => {

@@ -143,7 +143,8 @@ fn tower(w: &ClipWeights, tiles_tcss: &Tensor) -> Tensor {
         .get("embeddings.class_embedding")
         .view([1, 1, e])
         .expand([t, 1, e], false);
-    let x_tne = Tensor::cat(&[class_t1e, patch_tne], 1) + w.get("embeddings.position_embedding.weight");
+    let x_tne =
+        Tensor::cat(&[class_t1e, patch_tne], 1) + w.get("embeddings.position_embedding.weight");
     let mut x_tne = w.layer_norm(&x_tne, "pre_layrnorm");
     for l in 0..s.layers_run() {
         x_tne = encoder_layer(w, l, &x_tne);
@@ -214,7 +215,9 @@ fn pack(w: &ClipWeights, f_tnh: &Tensor, height: u32, width: u32) -> Tensor {
         .permute([0, 2, 1, 3, 4])
         .reshape([r * g, c * g, hid]);
     let [top, keep_rows, left, keep_cols] = s.unpadded(height, width).map(|x| x as i64);
-    let crop_yxh = grid_yxh.narrow(0, top, keep_rows).narrow(1, left, keep_cols);
+    let crop_yxh = grid_yxh
+        .narrow(0, top, keep_rows)
+        .narrow(1, left, keep_cols);
     let newline_yxh = w
         .get(IMAGE_NEWLINE)
         .to_kind(crop_yxh.kind())

@@ -14,7 +14,10 @@ fn hub_config_reads_with_its_tower_and_projector() {
     // 303,507,456 in `vision_tower`, 20,979,712 in `multi_modal_projector`, 4,096 in
     // `image_newline`.
     let s = hub();
-    assert_eq!((s.patches_per_side(), s.tile_features(), s.head_dim()), (24, 576, 64));
+    assert_eq!(
+        (s.patches_per_side(), s.tile_features(), s.head_dim()),
+        (24, 576, 64)
+    );
     assert_eq!((s.layers_run(), s.max_tiles()), (23, 5));
     assert_eq!(s.hidden_act, Activation::QuickGelu);
     assert_eq!(s.projector_act, Activation::Gelu);
@@ -62,8 +65,14 @@ fn defaults_and_refusals_name_the_key() {
     let c = Path::new("m/config.json");
     // No vision_config: LlavaNextConfig's CLIP ViT-L/14-336.
     let d = ClipSpec::from_json(&json!({}), "llava_next", c).unwrap();
-    assert_eq!((d.depth, d.hidden_size, d.image_size, d.patch_size), (24, 1024, 336, 14));
-    assert_eq!((d.feature_layer, d.image_token_id, d.out_hidden_size), (-2, 32000, 4096));
+    assert_eq!(
+        (d.depth, d.hidden_size, d.image_size, d.patch_size),
+        (24, 1024, 336, 14)
+    );
+    assert_eq!(
+        (d.feature_layer, d.image_token_id, d.out_hidden_size),
+        (-2, 32000, 4096)
+    );
     assert_eq!(d.pinpoints.len(), 5);
     let e = |v: Value| {
         ClipSpec::from_json(&v, "llava_next", c)
@@ -71,24 +80,62 @@ fn defaults_and_refusals_name_the_key() {
             .to_string()
     };
     for (bad, key) in [
-        (json!({"vision_feature_select_strategy": "full"}), "vision_feature_select_strategy"),
-        (json!({"vision_feature_layer": [-2, -5]}), "vision_feature_layer"),
+        (
+            json!({"vision_feature_select_strategy": "full"}),
+            "vision_feature_select_strategy",
+        ),
+        (
+            json!({"vision_feature_layer": [-2, -5]}),
+            "vision_feature_layer",
+        ),
         (json!({"vision_feature_layer": -26}), "vision_feature_layer"),
-        (json!({"image_grid_pinpoints": [[336, 600]]}), "image_grid_pinpoints"),
+        (
+            json!({"image_grid_pinpoints": [[336, 600]]}),
+            "image_grid_pinpoints",
+        ),
         (json!({"image_grid_pinpoints": []}), "image_grid_pinpoints"),
-        (json!({"image_grid_pinpoints": [[336]]}), "image_grid_pinpoints"),
-        (json!({"vision_config": {"model_type": "siglip_vision_model"}}), "vision_config.model_type"),
-        (json!({"vision_config": {"hidden_act": "relu"}}), "vision_config.hidden_act"),
-        (json!({"vision_config": {"image_size": 30, "patch_size": 14}}), "image_size"),
-        (json!({"vision_config": {"num_hidden_layers": "x"}}), "vision_config.num_hidden_layers"),
-        (json!({"projector_hidden_act": "relu"}), "projector_hidden_act"),
+        (
+            json!({"image_grid_pinpoints": [[336]]}),
+            "image_grid_pinpoints",
+        ),
+        (
+            json!({"vision_config": {"model_type": "siglip_vision_model"}}),
+            "vision_config.model_type",
+        ),
+        (
+            json!({"vision_config": {"hidden_act": "relu"}}),
+            "vision_config.hidden_act",
+        ),
+        (
+            json!({"vision_config": {"image_size": 30, "patch_size": 14}}),
+            "image_size",
+        ),
+        (
+            json!({"vision_config": {"num_hidden_layers": "x"}}),
+            "vision_config.num_hidden_layers",
+        ),
+        (
+            json!({"projector_hidden_act": "relu"}),
+            "projector_hidden_act",
+        ),
     ] {
         let msg = e(bad);
-        assert!(msg.contains("m/config.json") && msg.contains(key), "{key}: {msg}");
+        assert!(
+            msg.contains("m/config.json") && msg.contains(key),
+            "{key}: {msg}"
+        );
     }
-    let nb = ClipSpec::from_json(&json!({"multimodal_projector_bias": false}), "llava_next", c)
-        .unwrap();
-    assert!(nb.tensors().iter().all(|(n, _)| !n.ends_with("linear_1.bias")));
+    let nb = ClipSpec::from_json(
+        &json!({"multimodal_projector_bias": false}),
+        "llava_next",
+        c,
+    )
+    .unwrap();
+    assert!(
+        nb.tensors()
+            .iter()
+            .all(|(n, _)| !n.ends_with("linear_1.bias"))
+    );
 }
 
 #[test]
@@ -116,8 +163,19 @@ fn forward_flops_equal_torch_count() {
     let counted: Vec<Value> = serde_json::from_str(&text).unwrap();
     assert!(counted.len() >= 5);
     for c in counted {
-        let (h, w) = (c["size"][0].as_u64().unwrap() as u32, c["size"][1].as_u64().unwrap() as u32);
-        assert_eq!(spec.tiles(h, w) as u64, c["tiles"].as_u64().unwrap(), "{h} x {w}");
-        assert_eq!(spec.forward_flops(h, w), c["flops"].as_f64().unwrap(), "{h} x {w}");
+        let (h, w) = (
+            c["size"][0].as_u64().unwrap() as u32,
+            c["size"][1].as_u64().unwrap() as u32,
+        );
+        assert_eq!(
+            spec.tiles(h, w) as u64,
+            c["tiles"].as_u64().unwrap(),
+            "{h} x {w}"
+        );
+        assert_eq!(
+            spec.forward_flops(h, w),
+            c["flops"].as_f64().unwrap(),
+            "{h} x {w}"
+        );
     }
 }

@@ -105,8 +105,14 @@ fn llava_next_tower_equals_transformers() {
     assert!(err <= BOUND, "relative error {err:e} > {BOUND:e}");
     eprintln!("llava_next tower vs transformers: relative error {err:e}");
     // The bound sees the patch order: the tiles transposed move the output by O(1).
-    let off = rel_err(&llava_next_vision(&w, &f.tiles.transpose(2, 3), &f.sizes), &f.features);
-    assert!(off > 100.0 * BOUND, "transposed tiles still match ({off:e})");
+    let off = rel_err(
+        &llava_next_vision(&w, &f.tiles.transpose(2, 3), &f.sizes),
+        &f.features,
+    );
+    assert!(
+        off > 100.0 * BOUND,
+        "transposed tiles still match ({off:e})"
+    );
 }
 
 #[test]
