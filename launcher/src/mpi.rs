@@ -235,8 +235,10 @@ impl Mpi {
             .store(timeout.as_secs().max(1), Ordering::Relaxed);
     }
 
-    /// Ends every rank's process (never returns).
+    /// Ends every rank's process (never returns), once what this rank printed has had
+    /// time to leave it ([`drain_output`]).
     pub fn abort(&self, code: i32) -> ! {
+        drain_output();
         // SAFETY: MPI_Abort may be called from any thread once MPI is initialized.
         unsafe { (self.fns.abort)(code) };
         std::process::exit(code)
@@ -264,6 +266,7 @@ impl Mpi {
                         "mt-launch ({who}): error: {what} waited more than {limit} s after every \
                          rank had reached it (training.worker_timeout_s): one of them hangs or is gone; ending every rank"
                     );
+                    drain_output();
                     // SAFETY: MPI was initialized with MPI_THREAD_MULTIPLE (the watchdog may
                     // call in while the main thread waits in the collective).
                     unsafe { abort(1) };
@@ -591,6 +594,17 @@ fn counts(w: &Window) -> (Vec<c_int>, Vec<c_int>) {
 /// this makes their collectives run over several windows). Read once, at start-up.
 fn max_count() -> Result<usize> {
     Ok(mt::switches::get().mpi_max_count.unwrap_or(MAX_COUNT))
+}
+
+/// Flushes this rank's output and waits a moment before `MPI_Abort`: the launcher's
+/// (mpiexec's) forwarder reads each rank's output from a pipe, and an abort that follows the
+/// last line at once can tear the job down before the line is read (seen under MPICH: a
+/// hung rank's job ended at the timeout with rank 0's error lost, about one run in three).
+fn drain_output() {
+    use std::io::Write;
+    let _ = std::io::stderr().flush();
+    let _ = std::io::stdout().flush();
+    std::thread::sleep(Duration::from_millis(250));
 }
 
 #[cfg(test)]
