@@ -64,6 +64,8 @@
 #    Qwen3-VL (golden-qwen3vl: deepstack features, interleaved mrope) likewise, losses on 1 GPU;
 #    the tiny Qwen3.5 (golden-qwen3_5: Gated DeltaNet and gated attention layers, the
 #    interleaved mrope over a partial RoPE, the tower without deepstack) likewise, and with its
+#    projector trained; and the tiny LLaVA-NeXT (golden-llava_next: CLIP tower over
+#    any-resolution tiles, unpadded with its newline), losses on 1 GPU, frozen and with its
 #    projector trained.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
@@ -238,6 +240,16 @@ if part vlm; then
       vrun cpu_vlm35_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm35_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
     fi
+    # The tiny LLaVA-NeXT: losses, 1 GPU against CPU; and its projector trained.
+    if [ -f "$VLM/golden-llava_next/run.yaml" ]; then
+      vlm=(--config "$VLM/golden-llava_next/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+      vrun cpu_vlm_llava "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_llava --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      vlm=(--config "$VLM/golden-llava_next/projector/run.yaml" --set training.save_model=false
+           --set training.learning_rate=3e-3 --set training.max_grad_norm=1000)
+      vrun cpu_vlm_llava_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_llava_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
   else
     echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
   fi
@@ -410,6 +422,9 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
     for name in ("vlm35", "vlm35_projector"):
         if os.path.exists(f"{work}/cpu_{name}.jsonl"):
             check(f"gpu1_{name}", f"cpu_{name}", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm_llava.jsonl"):
+        check("gpu1_vlm_llava", "cpu_vlm_llava", 2e-2, keys=(("loss", "steps"),))
+        check("gpu1_vlm_llava_projector", "cpu_vlm_llava_projector", 2e-2, keys=(("loss", "steps"),))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
     # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.

@@ -23,8 +23,9 @@ the chat template, and `Qwen2VLProcessor(text, images)` expands each `<|image_pa
 grid's count. The labels come from rendering the expanded messages (the same text, checked).
 
 Usage: .venv/bin/python scripts/make_vlm_fixtures.py --out target/data-fixtures
-(make_data_fixtures.py calls it; it calls make_pixel_fixtures.py, make_vlm_golden.py and Gemma 3's
-make_vlm_gemma3_fixtures.py and make_vlm_golden_gemma3.py.)
+(make_data_fixtures.py calls it; it calls make_pixel_fixtures.py, make_vlm_golden.py, Gemma 3's
+make_vlm_gemma3_fixtures.py and make_vlm_golden_gemma3.py, and LLaVA-NeXT's
+make_vlm_llava_next_fixtures.py and make_vlm_golden_llava_next.py.)
 """
 import argparse
 import json
@@ -185,7 +186,9 @@ subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_vlm_golden.py")
                 "--dir", os.path.dirname(out)], check=True)
 
 # Gemma 3: the same records through its processor and chat template (OUT/vlm/model-gemma3,
-# expected_gemma3.jsonl), then its end-to-end golden case (OUT/vlm/golden-gemma3).
-for script in ("make_vlm_gemma3_fixtures.py", "make_vlm_golden_gemma3.py"):
+# expected_gemma3.jsonl), then its end-to-end golden case (OUT/vlm/golden-gemma3); LLaVA-NeXT's
+# likewise (model-llava_next, expected_llava_next.jsonl, golden-llava_next).
+for script in ("make_vlm_gemma3_fixtures.py", "make_vlm_golden_gemma3.py", "make_vlm_llava_next_fixtures.py",
+               "make_vlm_golden_llava_next.py"):
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--dir", os.path.dirname(out)],
                    check=True)

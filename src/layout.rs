@@ -23,8 +23,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TowerTraining;
-use crate::config::hf::{AttentionKind, ModelSpec, TOWER, TextNames};
-use crate::config::vision::VisionSpec;
+use crate::config::hf::{AttentionKind, ModelSpec, TextNames};
+use crate::config::vision::TowerSpec;
 
 mod carry;
 pub mod drives;
@@ -304,17 +304,13 @@ impl Layout {
     }
 
     /// The layout of `spec` with the vision tower's tensors that `training` trains, under
-    /// their hub names (`visual.merger.ln_q.weight`), after the token embedding in the
-    /// embedding block: the image features enter the language model there, so the
-    /// embedding's backward is where their gradient arrives, and the tensors ride the
-    /// block's copies, reduce, update and checkpoints. The rest of the tower stays carried.
-    pub fn with_tower(spec: &ModelSpec, vision: &VisionSpec, training: TowerTraining) -> Layout {
-        let tower: Vec<NamedShape> = vision
-            .tensors()
-            .into_iter()
-            .filter(|(name, _)| training.trains(name))
-            .map(|(name, shape)| (format!("{TOWER}{name}"), shape))
-            .collect();
+    /// their hub names (`visual.merger.ln_q.weight`, `multi_modal_projector.linear_1.weight`,
+    /// [`TowerSpec::trained_tensors`]), after the token embedding in the embedding block:
+    /// the image features enter the language model there, so the embedding's backward is
+    /// where their gradient arrives, and the tensors ride the block's copies, reduce, update
+    /// and checkpoints. The rest of the tower stays carried.
+    pub fn with_tower(spec: &ModelSpec, vision: &TowerSpec, training: TowerTraining) -> Layout {
+        let tower: Vec<NamedShape> = vision.trained_tensors(training);
         let mut layout = Layout::build(spec, tower.clone());
         layout.carry.tower = tower.into_iter().map(|(name, _)| name).collect();
         layout

@@ -94,9 +94,12 @@ pub fn export(args: &ExportArgs) -> Result<()> {
 /// export) reads either way: the tensors outside the layout are carried from its files.
 fn source_layout(source: &Path, spec: &ModelSpec) -> Result<Layout> {
     let layout = Layout::checked(spec, &source.join("config.json"))?;
-    let Some(vision) = mt::config::vision::VisionSpec::from_model_dir(source)? else {
+    let Some(vision) = mt::config::vision::TowerSpec::from_model_dir(source)? else {
         return Ok(layout);
     };
+    if !crate::prepare::trains_projector(&vision) {
+        return Ok(layout);
+    }
     let Ok(saved) = state::read_state(source) else {
         return Ok(layout);
     };

@@ -340,23 +340,16 @@ pub fn run_layout(
         )
         .into());
     };
-    use mt::config::vision::TowerSpec;
-    // Qwen2.5-VL's merger and Qwen3.5's (Qwen3-VL's tower without deepstack mergers) train;
-    // Qwen3-VL's deepstack mergers read the blocks beside its merger, and Gemma 3's projector
-    // follows a SigLIP tower: those train frozen.
-    let vision = match vision {
-        TowerSpec::Qwen(v) if v.deepstack_taps().is_empty() => v,
-        other => {
-            return Err(mt::Error::invalid(
-                key,
-                format!(
-                    "false trains the projector of Qwen2.5-VL and Qwen3.5 only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
-                    other.model_type(),
-                ),
-            )
-            .into());
-        }
-    };
+    if !trains_projector(&vision) {
+        return Err(mt::Error::invalid(
+            key,
+            format!(
+                "false trains the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
+                vision.model_type(),
+            ),
+        )
+        .into());
+    }
     if cfg.model.init == Init::Random {
         return Err(mt::Error::invalid(
             key,
@@ -365,6 +358,19 @@ pub fn run_layout(
         .into());
     }
     Ok(Layout::with_tower(spec, &vision, training))
+}
+
+/// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): Qwen2.5-VL's
+/// merger and Qwen3.5's (Qwen3-VL's tower without deepstack mergers), LLaVA-NeXT's projector
+/// and newline. Qwen3-VL's deepstack mergers read the blocks beside its merger, and Gemma 3's
+/// projector follows a SigLIP tower: those train frozen.
+pub fn trains_projector(vision: &mt::config::vision::TowerSpec) -> bool {
+    use mt::config::vision::TowerSpec;
+    match vision {
+        TowerSpec::Qwen(v) => v.deepstack_taps().is_empty(),
+        TowerSpec::Clip(_) => true,
+        TowerSpec::Siglip(_) => false,
+    }
 }
 
 /// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for

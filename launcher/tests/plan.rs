@@ -292,6 +292,59 @@ fn plan_for_gemma3_27b_counts_its_tower() {
     );
 }
 
+/// LLaVA-NeXT 7B from its shipped architecture: the bench shape (random init: the Mistral
+/// text model alone, 7.24B) and the recipe on the hub's weights, whose plan counts the frozen
+/// CLIP tower, projector and image_newline (0.32B parameters: 0.65 GB in bf16) on the host and
+/// the GPU, and the tower's forward; with `vlm.freeze_projector: false` the projector and the
+/// newline (21.0M) move into the trained layout and its kept input is counted.
+#[test]
+fn plan_for_llava_next_7b_counts_its_tower() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let plan = |yaml: &str, extra: &[&str]| {
+        let config = root.join(yaml);
+        let mut args = vec![
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "141",
+        ];
+        args.extend(extra);
+        let out = mt_launch().args(&args).output().unwrap();
+        assert_ok(&out, &args);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let bench = plan("bench/llava_next_7b.yaml", &[]);
+    assert!(
+        bench.contains("host memory for 7.242e9 parameters"),
+        "{bench}"
+    );
+    assert!(!bench.contains("vision tower"), "{bench}");
+    let recipe = plan("llava_next_7b.yaml", &[]);
+    assert!(
+        recipe.contains("host memory for 7.242e9 parameters"),
+        "{recipe}"
+    );
+    for line in [
+        "vision tower               0.65 GB",
+        "vision tower (frozen)                            0.65 GB",
+        "vision tower forward",
+    ] {
+        assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
+    }
+    let trained = plan(
+        "llava_next_7b.yaml",
+        &["--set", "vlm.freeze_projector=false"],
+    );
+    assert!(
+        trained.contains("host memory for 7.263e9 parameters"),
+        "{trained}"
+    );
+    assert!(trained.contains("the projector's input, kept"), "{trained}");
+}
+
 /// Qwen3.5-27B from its shipped architecture (the hub's config.json, its vision_config
 /// included): the bench shape (random init: the text model alone, 26.90B) and the recipe on
 /// the hub's weights, whose plan counts the frozen tower and merger (460.7M parameters as

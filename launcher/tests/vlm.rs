@@ -10,10 +10,12 @@
 //! whose partial RoPE turns under the interleaved mrope) behind Qwen3-VL's tower without
 //! deepstack mergers.
 //!
-//! The same with the projector (the merger) trained, Qwen2.5-VL's and Qwen3.5's: its
-//! gradients too, and the step's weights against torch's AdamW. And a tiny Gemma 3
-//! (scripts/make_vlm_golden_gemma3.py): its SigLIP tower and projector, the image blocks'
-//! bidirectional attention.
+//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, LLaVA-NeXT's
+//! projector and newline): its gradients too, and the step's weights against torch's AdamW.
+//! And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py): its SigLIP tower and projector,
+//! the image blocks' bidirectional attention; and a tiny LLaVA-NeXT
+//! (scripts/make_vlm_golden_llava_next.py): its CLIP tower over any-resolution tiles, the
+//! projector, the unpadding and the newline embedding after each row.
 //!
 //! Tolerance: 1e-4 relative, f32 on both sides; what differs is summation order (the
 //! tower's patch embedding as a matmul, its windows or frames padded into one SDPA call, the
@@ -83,6 +85,17 @@ fn gemma3_with_images_matches_transformers() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py): five images of five sizes, each cut
+/// into the tiles of the pinpoint it fits best (two to four, plus the whole image), through
+/// the CLIP tower and projector in the workers, each image's tiles unpadded to its aspect
+/// with `image_newline` after each row, placed at its 114 to 162 image tokens.
+#[test]
+fn llava_next_with_images_matches_transformers() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let failures = golden_step(&dir, "vlm-llava_next", |_, _, _| Vec::new());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// `vlm.freeze_projector: false` (given as LlamaFactory's `freeze_multi_modal_projector`):
 /// the merger's gradients as well, and after the step (weight decay on its matrices, the
 /// gradients clipped to half their norm) every trained tensor the export wrote equals
@@ -93,64 +106,68 @@ fn gemma3_with_images_matches_transformers() {
 /// plus a few f32 roundings of the weight.
 #[test]
 fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
-    projector_matches("golden");
+    projector_step_matches("golden/projector", "vlm-projector");
 }
 
 /// The same for Qwen3.5's merger (`model.visual.merger.*`: a LayerNorm with its bias, two
 /// Linear layers).
 #[test]
 fn qwen3_5_with_the_projector_trained_matches_transformers() {
-    projector_matches("golden-qwen3_5");
+    projector_step_matches("golden-qwen3_5/projector", "vlm-qwen3_5-projector");
 }
 
-/// `vlm/{case}/projector`'s step: gradients and the weights after it against torch's.
-fn projector_matches(case: &str) {
-    let dir = data_fixtures(&format!("vlm/{case}/projector/expected.json"))
-        .join(format!("vlm/{case}/projector"));
+/// The same for LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py's projector case): its
+/// projector (`multi_modal_projector.*`) and `image_newline` trained, recomputed with grad in
+/// the embedding's backward over the frozen tower's kept features: their gradients, the
+/// language model's, and every trained tensor after the AdamW step.
+#[test]
+fn llava_next_with_the_projector_trained_matches_transformers() {
+    projector_step_matches("golden-llava_next/projector", "vlm-llava_next-projector");
+}
+
+/// One step of `vlm/{case}` (a projector case: its step1.safetensors holds every trained
+/// tensor after torch's AdamW step) with 1 and 2 workers: [`golden_step`]'s checks, and the
+/// export's trained tensors against torch's step.
+fn projector_step_matches(case: &str, tag: &str) {
+    let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
     let step1 = tensors(&dir.join("step1.safetensors"));
     let torch_grads = tensors(&dir.join("grads0.safetensors"));
     let (lr, eps) = (1e-3, 1e-3);
     let max_abs = |v: &[f32]| v.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
-    let failures = golden_step(
-        &dir,
-        &format!("vlm-{case}-projector"),
-        |workers, out, grads| {
-            let ours = tensors(&out.join("model.safetensors"));
-            let (mut worst, mut bad) = (0.0f64, Vec::new());
-            for (name, want) in &step1 {
-                let (g, tg) = (&grads[name], &torch_grads[name]);
-                let dg = g
-                    .iter()
-                    .zip(tg)
-                    .map(|(a, b)| f64::from((a - b).abs()))
-                    .fold(0.0, f64::max);
-                let tol = lr / eps * (dg + 1e-6 * max_abs(tg))
-                    + 4.0 * f64::from(f32::EPSILON) * max_abs(want);
-                let got = &ours[name];
-                let e = got
-                    .iter()
-                    .zip(want)
-                    .map(|(a, b)| f64::from((a - b).abs()))
-                    .fold(0.0, f64::max);
-                worst = worst.max(e / tol);
-                if e > tol {
-                    bad.push(format!(
-                        "{workers}w after the step: {name} off by {e:.2e} (bound {tol:.2e})"
-                    ));
-                }
+    let failures = golden_step(&dir, tag, |workers, out, grads| {
+        let ours = tensors(&out.join("model.safetensors"));
+        let (mut worst, mut bad) = (0.0f64, Vec::new());
+        for (name, want) in &step1 {
+            let (g, tg) = (&grads[name], &torch_grads[name]);
+            let dg = g
+                .iter()
+                .zip(tg)
+                .map(|(a, b)| f64::from((a - b).abs()))
+                .fold(0.0, f64::max);
+            let tol = lr / eps * (dg + 1e-6 * max_abs(tg))
+                + 4.0 * f64::from(f32::EPSILON) * max_abs(want);
+            let got = &ours[name];
+            let e = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| f64::from((a - b).abs()))
+                .fold(0.0, f64::max);
+            worst = worst.max(e / tol);
+            if e > tol {
+                bad.push(format!(
+                    "{workers}w after the step: {name} off by {e:.2e} (bound {tol:.2e})"
+                ));
             }
-            eprintln!(
-                "vlm {case} projector, {workers} workers: after the step, worst diff / bound {worst:.2}"
-            );
-            bad
-        },
-    );
+        }
+        eprintln!("{tag}, {workers} workers: after the step, worst diff / bound {worst:.2}");
+        bad
+    });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A trained projector is Qwen2.5-VL's and Qwen3.5's only: on Qwen3-VL (whose deepstack
-/// mergers read the blocks beside its merger) `vlm.freeze_projector: false` is refused
-/// before training, naming the key.
+/// A trained projector is Qwen2.5-VL's, Qwen3.5's and LLaVA-NeXT's only: on Qwen3-VL (whose
+/// deepstack mergers read the blocks beside its merger) `vlm.freeze_projector: false` is
+/// refused before training, naming the key.
 #[test]
 fn qwen3_vl_with_the_projector_trained_is_refused() {
     let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
@@ -161,7 +178,7 @@ fn qwen3_vl_with_the_projector_trained_is_refused() {
     assert!(!out.status.success(), "trained: {err}");
     assert!(
         err.contains("vlm.freeze_projector")
-            && err.contains("projector of Qwen2.5-VL and Qwen3.5 only")
+            && err.contains("projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only")
             && err.contains("qwen3_vl"),
         "{err}"
     );
@@ -401,6 +418,151 @@ print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; ge
         String::from_utf8_lossy(&r.stderr)
     );
     eprintln!("{}", String::from_utf8_lossy(&r.stdout));
+}
+
+/// The export of a LLaVA-NeXT run (two steps: the second's images prefetched): the language
+/// model in the wrapper's legacy names (`language_model.model.*`), the CLIP tower bit for
+/// bit, the projector and `image_newline` too, or trained with `vlm.freeze_projector: false`;
+/// the processor's settings beside the tokenizer. transformers loads it with
+/// `AutoModelForImageTextToText` and `AutoProcessor` (whose image processor is
+/// `LlavaNextImageProcessorPil` without torchvision), and answers about an image with
+/// `generate`.
+#[test]
+fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !py.is_file() {
+        eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
+        return;
+    }
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-export");
+    let mut outs = Vec::new();
+    for projector in ["true", "false"] {
+        let out = s.join(format!("out-freeze-projector-{projector}"));
+        let set = format!("training.output_dir={}", out.display());
+        let freeze = format!("vlm.freeze_projector={projector}");
+        run_cpu_ok(
+            &dir.join("run.yaml"),
+            1,
+            &s.join("metrics.jsonl"),
+            &[
+                "--set",
+                &set,
+                "--set",
+                "training.num_steps=2",
+                "--set",
+                &freeze,
+            ],
+        );
+        assert!(out.join("preprocessor_config.json").is_file());
+        outs.push(out);
+    }
+    let check = r#"
+import sys, torch, safetensors.torch as st
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+src, image = sys.argv[1:3]
+for out, trained_projector in zip(sys.argv[3:], [False, True]):
+    a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
+    assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
+    projector = [k for k in a if k.startswith(("multi_modal_projector.", "image_newline"))]
+    tower = [k for k in a if k.startswith("vision_tower.") or (k in projector and not trained_projector)]
+    assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
+    trained = [k for k in a if k not in tower]
+    assert all(k.startswith("language_model.") or trained_projector and k in projector for k in trained), trained
+    assert not trained_projector or len(projector) == 5 and set(projector) <= set(trained)
+    assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "LlavaNextForConditionalGeneration", type(model)
+    proc = AutoProcessor.from_pretrained(out)
+    assert type(proc.image_processor).__name__ == "LlavaNextImageProcessorPil", type(proc.image_processor)
+    msgs = [{"role": "user", "content": "<image>What is this?"}]
+    text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    assert int((enc["input_ids"] == model.config.image_token_id).sum()) > 36
+    gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
+    print(f"export (projector trained: {trained_projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+"#;
+    let r = std::process::Command::new(&py)
+        .args(["-c", check])
+        .arg(dir.join("model"))
+        .arg(dir.join("../images/a.png"))
+        .args(&outs)
+        .output()
+        .unwrap();
+    assert!(
+        r.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    eprintln!("{}", String::from_utf8_lossy(&r.stdout));
+}
+
+/// LLaVA-NeXT's records with bad images, each refused naming the file, the record's line and
+/// the key: more `<image>` tags than images, fewer, a missing file, a file that is not an
+/// image; with every record bad the load stops, listing them.
+#[test]
+fn llava_next_bad_image_records_are_named() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-bad");
+    let data = s.join("data");
+    std::fs::create_dir_all(data.join("images")).unwrap();
+    std::fs::copy(dir.join("../images/a.png"), data.join("images/a.png")).unwrap();
+    std::fs::write(data.join("images/not.png"), b"text").unwrap();
+    let turn = |user: &str| {
+        format!(
+            r#"[{{"role": "user", "content": "{user}"}}, {{"role": "assistant", "content": "ok"}}]"#
+        )
+    };
+    let records = [
+        (turn("<image><image>two?"), r#"["images/a.png"]"#),
+        (turn("none?"), r#"["images/a.png"]"#),
+        (turn("<image>gone?"), r#"["images/gone.png"]"#),
+        (turn("<image>text?"), r#"["images/not.png"]"#),
+    ];
+    let body: Vec<String> = (records.iter())
+        .map(|(m, i)| format!(r#"{{"messages": {m}, "images": {i}}}"#))
+        .collect();
+    std::fs::write(
+        data.join("bad.json"),
+        format!("[\n{}\n]\n", body.join(",\n")),
+    )
+    .unwrap();
+    std::fs::write(
+        data.join("dataset_info.json"),
+        r#"{"bad": {"file_name": "bad.json", "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                     "assistant_tag": "assistant"}}}"#,
+    )
+    .unwrap();
+    let yaml = s.join("run.yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "model: {{path: {}, init: pretrained, dtype: float32}}\n\
+             dataset: {{name: bad, dataset_dir: {}, max_seq_len: 1024}}\n\
+             training: {{batch_size: 1, num_steps: 1}}\n",
+            dir.join("model").display(),
+            data.display()
+        ),
+    )
+    .unwrap();
+    let (out, _) = run_cpu(&yaml, 1, &s.join("metrics.jsonl"), &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained: {err}");
+    for want in [
+        "bad.json",
+        "4 skipped",
+        "bad.json:2: field `images`: 1 images, but 2 `<image>`",
+        "bad.json:3: field `images`: 1 images, but 0 `<image>`",
+        "bad.json:4: field `images[0]`: image `images/gone.png` not found",
+        "bad.json:5: field `images[0]`: `images/not.png`: not a PNG, JPEG or WebP",
+    ] {
+        assert!(err.contains(want), "no `{want}` in: {err}");
+    }
 }
 
 /// The next step's images decoded while a step computes (worker/src/engine/prefetch.rs)

@@ -51,7 +51,8 @@ impl VisionRegion {
                 got: format!("no tensor named `*{patch_embed}`"),
             })?;
         let mut layout = VisionLayout::new(spec, prefix, training);
-        // Gemma 3's projector sits beside the tower, under the wrapper's own prefix.
+        // Gemma 3's and LLaVA-NeXT's projector (and LLaVA-NeXT's image_newline) sit beside
+        // the tower, under the wrapper's own prefix.
         if let Some(p) =
             (carried.tensors.iter()).find_map(|t| Some(&t.name[..t.name.find(PROJECTOR)?]))
         {

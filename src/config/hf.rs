@@ -39,7 +39,8 @@ pub use wrapper::{TOWER, TextNames};
 
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
 /// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such. The multimodal
-/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`, `qwen2_5_vl`, `qwen3_vl`)
+/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`, `qwen2_5_vl`, `qwen3_vl`,
+/// `llava_next`)
 /// train their text model, which must be one of these; `qwen2_5_vl` wraps `qwen2_5_vl_text`
 /// (Qwen2's layer under a multimodal RoPE), `qwen3_vl` wraps `qwen3_vl_text` (Qwen3's layer
 /// under an interleaved multimodal RoPE).
@@ -221,6 +222,8 @@ pub enum Activation {
     GeluTanh,
     /// `gelu`: exact GELU.
     Gelu,
+    /// `quick_gelu`: `x * sigmoid(1.702 x)` (CLIP's towers; no text model uses it).
+    QuickGelu,
 }
 
 /// Attention pattern of one layer.

@@ -3,8 +3,9 @@
 //! validated architecture (`VisionSpec`) the launcher lays out and the worker computes
 //! (worker/src/model/qwen2_vl_vision.rs, qwen3_vl_vision.rs): Qwen2.5-VL's, Qwen3-VL's and
 //! Qwen3.5's (Qwen3-VL's tower without its deepstack mergers: `Qwen3_5VisionModel`); and
-//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file) or
-//! Gemma 3's SigLIP encoder and projector ([`siglip`]).
+//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file), Gemma 3's
+//! SigLIP encoder and projector ([`siglip`]) or LLaVA-NeXT's CLIP tower, projector and
+//! any-resolution tiles ([`clip`]).
 //!
 //! The tower is frozen: it is carried, not trained (`layout::CarryRule`), and reaches the
 //! workers in a read-only region of its own (`checkpoint::vision`).
@@ -14,15 +15,19 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::TowerTraining;
 use super::hf::Activation;
 use crate::error::{Error, Result};
 
+pub mod clip;
 pub mod siglip;
 
+use clip::ClipSpec;
 use siglip::SiglipSpec;
 
 /// The model types whose vision tower the worker computes.
-pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3"];
+pub const VISION_MODEL_TYPES: &[&str] =
+    &["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava_next"];
 
 /// A vision-language model's frozen tower, of the family its `model_type` names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -31,6 +36,15 @@ pub enum TowerSpec {
     Qwen(VisionSpec),
     /// Gemma 3's SigLIP encoder and multimodal projector.
     Siglip(SiglipSpec),
+    /// LLaVA-NeXT's CLIP tower, projector and `image_newline`.
+    Clip(ClipSpec),
+}
+
+/// Whether the tower's tensor `name` (as [`TowerSpec::tensors`] names it) sits beside the
+/// tower under the wrapper's own prefix (the projector, LLaVA-NeXT's `image_newline`)
+/// rather than inside the tower.
+pub fn beside_tower(name: &str) -> bool {
+    name.starts_with(siglip::PROJECTOR) || name == clip::IMAGE_NEWLINE
 }
 
 impl TowerSpec {
@@ -56,6 +70,9 @@ impl TowerSpec {
             Some("gemma3") => {
                 SiglipSpec::from_json(config, "gemma3", path).map(|s| Some(TowerSpec::Siglip(s)))
             }
+            Some("llava_next") => {
+                ClipSpec::from_json(config, "llava_next", path).map(|s| Some(TowerSpec::Clip(s)))
+            }
             _ => Ok(VisionSpec::from_json(config, path)?.map(TowerSpec::Qwen)),
         }
     }
@@ -65,6 +82,7 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => &s.model_type,
             TowerSpec::Siglip(s) => &s.model_type,
+            TowerSpec::Clip(s) => &s.model_type,
         }
     }
 
@@ -73,6 +91,7 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => s.depth,
             TowerSpec::Siglip(s) => s.depth,
+            TowerSpec::Clip(s) => s.depth,
         }
     }
 
@@ -82,15 +101,33 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => s.tensors(),
             TowerSpec::Siglip(s) => s.tensors(),
+            TowerSpec::Clip(s) => s.tensors(),
+        }
+    }
+
+    /// The tensors `training` trains, under the names the layout gives them in the
+    /// embedding block (the hub's, as [`crate::config::hf::TextNames::hf`] maps them):
+    /// Qwen's under `visual.` (`visual.merger.mlp.0.weight`), those beside the tower as they
+    /// are (`multi_modal_projector.linear_1.weight`, `image_newline`).
+    pub fn trained_tensors(&self, training: TowerTraining) -> Vec<(String, Vec<usize>)> {
+        let trained = self.tensors().into_iter();
+        let trained = trained.filter(|(name, _)| training.trains(name));
+        match self {
+            TowerSpec::Qwen(_) => trained
+                .map(|(name, shape)| (format!("{}{name}", super::hf::TOWER), shape))
+                .collect(),
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => trained.collect(),
         }
     }
 
     /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's
-    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid).
+    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid; LLaVA-NeXT's
+    /// `grid` is (1, height, width) in pixels, which set its tiles).
     pub fn forward_flops(&self, grid: [u32; 3]) -> f64 {
         match self {
             TowerSpec::Qwen(s) => s.forward_flops(grid),
             TowerSpec::Siglip(s) => s.forward_flops(),
+            TowerSpec::Clip(s) => s.forward_flops(grid[1], grid[2]),
         }
     }
 
@@ -102,6 +139,7 @@ impl TowerSpec {
             TowerSpec::Siglip(s) => {
                 2.0 * (s.tokens_per_image * s.hidden_size * s.out_hidden_size) as f64
             }
+            TowerSpec::Clip(s) => s.projector_flops(grid[1], grid[2]),
         }
     }
 
@@ -110,7 +148,7 @@ impl TowerSpec {
     pub fn patch_embed(&self) -> &'static str {
         match self {
             TowerSpec::Qwen(_) => "patch_embed.proj.weight",
-            TowerSpec::Siglip(_) => siglip::SIGLIP_PATCH_EMBED,
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => siglip::SIGLIP_PATCH_EMBED,
         }
     }
 }

@@ -14,10 +14,10 @@ pub struct VlmSection {
     /// Keep the vision encoder (the patch embedding and the tower's blocks) frozen. false
     /// is not supported yet.
     pub freeze_vision_encoder: bool,
-    /// Keep the projector (the patch merger of Qwen2.5-VL or Qwen3.5, `visual.merger.*`)
-    /// frozen; false trains it with the language model: fp32 master and Adam moments,
-    /// weight decay on its matrices, clipped in the global norm, checkpointed and exported
-    /// under its hub names.
+    /// Keep the projector (the patch merger of Qwen2.5-VL or Qwen3.5, `visual.merger.*`;
+    /// LLaVA-NeXT's `multi_modal_projector.*` and `image_newline`) frozen; false trains it
+    /// with the language model: fp32 master and Adam moments, weight decay on its matrices,
+    /// clipped in the global norm, checkpointed and exported under its hub names.
     pub freeze_projector: bool,
 }
 
@@ -36,16 +36,20 @@ pub enum TowerTraining {
     /// None: the tower and its projector are carried (the default).
     #[default]
     Frozen,
-    /// The projector (`merger.*`): the encoder's output is computed without grad.
+    /// The projector (`merger.*`; beside the tower, `multi_modal_projector.*` and
+    /// LLaVA-NeXT's `image_newline`): the encoder's output is computed without grad.
     Projector,
 }
 
 impl TowerTraining {
-    /// Whether the tower's tensor `name` (inside the tower: `merger.ln_q.weight`) trains.
+    /// Whether the tower's tensor `name` (as `TowerSpec::tensors` names it:
+    /// `merger.ln_q.weight`, `multi_modal_projector.linear_1.weight`) trains.
     pub fn trains(self, name: &str) -> bool {
         match self {
             TowerTraining::Frozen => false,
-            TowerTraining::Projector => name.starts_with("merger."),
+            TowerTraining::Projector => {
+                name.starts_with("merger.") || crate::config::vision::beside_tower(name)
+            }
         }
     }
 }
@@ -117,5 +121,8 @@ mod tests {
         assert!(TowerTraining::Projector.trains("merger.mlp.0.weight"));
         assert!(!TowerTraining::Projector.trains("blocks.0.attn.qkv.weight"));
         assert!(!TowerTraining::Frozen.trains("merger.mlp.0.weight"));
+        assert!(TowerTraining::Projector.trains("multi_modal_projector.linear_2.bias"));
+        assert!(TowerTraining::Projector.trains("image_newline"));
+        assert!(!TowerTraining::Projector.trains("encoder.layers.0.mlp.fc1.weight"));
     }
 }

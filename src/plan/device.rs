@@ -443,12 +443,17 @@ impl DevicePlan {
         ];
         // A trained projector recomputed with grad over every image token (the bound):
         // per token its normed input and the two widths after the first Linear and the
-        // GELU (merge^2 x E each), its output, each with its gradient.
+        // GELU (merge^2 x E each), its output, each with its gradient; LLaVA-NeXT's holds
+        // its wider values (`projector_values`) per patch instead, and its packed output.
         if let Some(vis) = o.vision.filter(|v| v.projector_trained) {
             let merged = vis.patches_per_token * vis.hidden;
+            let per_token = match vis.projector_values {
+                0 => 3 * merged + vis.out_hidden,
+                wide => vis.patches_per_token * (vis.hidden + wide) + vis.out_hidden,
+            };
             embed_phase.push((
                 "the projector's recompute graph + gradients",
-                2 * m * (3 * merged + vis.out_hidden) * s,
+                2 * m * per_token * s,
             ));
         }
 
@@ -473,13 +478,15 @@ impl DevicePlan {
         // The tower's forward over the micro-batch's images (no grad, before the layers),
         // bounded by every token an image's: per patch its pixels (f32, then the compute
         // dtype) and the larger of a block's attention half (x, norm, q k v, rotated q k,
-        // output: 8 widths) and its MLP half (x, residual, norm: 3 widths; gate, up, act:
-        // 3 MLP widths).
+        // output: 8 widths), its MLP half (x, residual, norm: 3 widths; gate, up, act:
+        // 3 MLP widths) and a projector wider than the tower (LLaVA-NeXT's).
         if let Some(vis) = o.vision {
             let patches = m * vis.patches_per_token;
             let per_patch = vis.patch_values * (4 + s)
-                + (s * (8 * vis.hidden).max(3 * vis.hidden + 3 * vis.intermediate))
-                    .max(vis.position_taps);
+                + (s * (8 * vis.hidden)
+                    .max(3 * vis.hidden + 3 * vis.intermediate)
+                    .max(vis.projector_values))
+                .max(vis.position_taps);
             phases.push(Phase {
                 name: VISION_FORWARD,
                 parts: vec![(

@@ -19,8 +19,9 @@
 //! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's, whose deepstack
 //! features the first layers' outputs also take there ([`add_at_image_tokens`]), and
 //! Qwen3.5's (the same tower without deepstack mergers); `siglip_vision.rs` Gemma 3's SigLIP
-//! tower and projector (frozen, forward only). Qwen3-VL's text model (`qwen3_vl_text`) is
-//! `qwen3.rs`, Qwen3.5's (`qwen3_5_text`) `qwen3_next.rs`.
+//! tower and projector (frozen, forward only); `clip_vision.rs` LLaVA-NeXT's CLIP tower,
+//! projector and image newline over any-resolution tiles. Qwen3-VL's text model
+//! (`qwen3_vl_text`) is `qwen3.rs`, Qwen3.5's (`qwen3_5_text`) `qwen3_next.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -36,6 +37,7 @@
 //! Shapes: B batch rows, T sequence length, H hidden size, M selected tokens, C tokens in a
 //! loss chunk, V vocabulary.
 
+mod clip_vision;
 mod common;
 mod deepseek_v3;
 mod experts;
@@ -64,6 +66,7 @@ use mt::config::vision::VisionFamily;
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
+pub use clip_vision::{ClipWeights, llava_next_encoder, llava_next_projected, llava_next_vision};
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{Encoded, VisionWeights, qwen2_5_vl_vision};
 pub use qwen3_vl_vision::qwen3_vl_vision;
@@ -74,6 +77,7 @@ pub use siglip_vision::{SiglipWeights, gemma3_vision};
 pub enum TowerWeights {
     Qwen(VisionWeights),
     Siglip(SiglipWeights),
+    Clip(ClipWeights),
 }
 
 /// A Qwen tower's encoder (all but its merger) over `pixel_values` (N, P) of images

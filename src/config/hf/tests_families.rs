@@ -245,6 +245,16 @@ fn wrappers_resolve_to_their_text_model() {
     .unwrap();
     assert_eq!(s.model_type, "llama4_text");
     assert!(s.tie_word_embeddings);
+    // LLaVA-NeXT: a llama by default (LlavaNextConfig's), untied, legacy names; the hub's
+    // llava-v1.6-mistral wraps a mistral.
+    let s = wrap("llava_next", "", "").unwrap();
+    assert_eq!(
+        (s.model_type.as_str(), s.names, s.wrapper.as_deref()),
+        ("llama", TextNames::Legacy, Some("llava_next"))
+    );
+    assert!(!s.tie_word_embeddings);
+    let s = wrap("llava_next", r#""model_type":"mistral","#, "").unwrap();
+    assert_eq!(s.model_type, "mistral");
 
     let e = spec(r#"{"model_type":"gemma3"}"#).unwrap_err().to_string();
     assert!(e.contains("text_config"), "{e}");

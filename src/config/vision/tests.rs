@@ -45,7 +45,13 @@ fn the_tower_follows_the_model_type() {
     assert_eq!((t.model_type(), t.depth()), ("gemma3", 12));
     let text = json!({"model_type": "gemma3_text"});
     assert!(TowerSpec::from_json(&text, c).unwrap().is_none());
-    for t in VISION_MODEL_TYPES {
+    let llava = json!({"model_type": "llava_next", "vision_config": {"num_hidden_layers": 3,
+        "image_size": 336, "patch_size": 14}});
+    let t = TowerSpec::from_json(&llava, c).unwrap().unwrap();
+    assert_eq!((t.model_type(), t.depth()), ("llava_next", 3));
+    assert!(beside_tower("image_newline") && beside_tower("multi_modal_projector.linear_1.bias"));
+    assert!(!beside_tower("embeddings.class_embedding"));
+    for t in VISION_MODEL_TYPES.iter().filter(|&&t| t != "llava_next") {
         let cfg = json!({"model_type": t});
         assert!(
             TowerSpec::from_json(&cfg, c).is_err(),

@@ -28,6 +28,10 @@ pub struct VisionDevice {
     /// Each image's tokens attend to each other both ways (Gemma 3): a micro-batch with
     /// images builds its attention masks per row.
     pub image_blocks: bool,
+    /// Values per patch the projector holds at once where it is wider than the tower
+    /// (LLaVA-NeXT's: its first Linear's output, the GELU's and the second's, each of the
+    /// text model's width, over every tile's patches); 0 where the tower's forward bounds it.
+    pub projector_values: u64,
 }
 
 impl VisionDevice {
@@ -55,6 +59,7 @@ impl VisionDevice {
                     _ => 2 * 4 * spec.hidden_size as u64 * 4,
                 },
                 image_blocks: false,
+                projector_values: 0,
             },
             // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
             TowerSpec::Siglip(spec) => VisionDevice {
@@ -68,7 +73,27 @@ impl VisionDevice {
                 feature_sets: 1,
                 position_taps: 0,
                 image_blocks: true,
+                projector_values: 0,
             },
+            // LLaVA-NeXT: every image has at least a tile's G² tokens (the base tile's) and
+            // at most `max_tiles` tiles of G² + 1 patches (the class token too), so the tower
+            // runs at most that many patches per token (rounded up).
+            TowerSpec::Clip(spec) => {
+                let n = spec.tile_features() as u64;
+                VisionDevice {
+                    projector_trained,
+                    params: params as u64,
+                    hidden: spec.hidden_size as u64,
+                    intermediate: spec.intermediate_size as u64,
+                    patch_values: spec.patch_len() as u64,
+                    patches_per_token: (spec.max_tiles() as u64 * (n + 1)).div_ceil(n),
+                    out_hidden: spec.out_hidden_size as u64,
+                    feature_sets: 1,
+                    position_taps: 0,
+                    image_blocks: false,
+                    projector_values: 3 * spec.out_hidden_size as u64,
+                }
+            }
         }
     }
 }
