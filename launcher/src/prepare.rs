@@ -316,8 +316,9 @@ fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::TowerSpec>>
 
 /// The layout a run of `cfg` trains: `spec`'s, counted with checked arithmetic, with the
 /// vision tower's tensors that `vlm` trains in the embedding block. A `vlm` key that asks
-/// to train a tower the model lacks is an error: the run would train something else than
-/// asked (`true`, the default, is accepted on any model: nothing differs).
+/// to train a tower the model lacks, or one whose training is not written here, is an
+/// error naming the key: the run would train something else than asked (`true`, the
+/// default, is accepted on any model: nothing differs).
 pub fn run_layout(
     cfg: &RunConfig,
     spec: &ModelSpec,
@@ -328,12 +329,16 @@ pub fn run_layout(
     if training == TowerTraining::Frozen {
         return Ok(layout);
     }
-    let key = "vlm.freeze_projector";
+    let key = training.key();
+    let what = match training.encoder() {
+        true => "vision encoder",
+        false => "projector",
+    };
     let Some(vision) = vision_spec(cfg)? else {
         return Err(mt::Error::invalid(
             key,
             format!(
-                "false asks to train a vision tower's projector, and `{}` has none this tool computes (a text-only model, or a tower not yet supported; vision-language models: {})",
+                "false asks to train a vision tower's {what}, and `{}` has none this tool computes (a text-only model, or a tower not yet supported; vision-language models: {})",
                 spec.wrapper.as_deref().unwrap_or(&spec.model_type),
                 mt::config::vision::VISION_MODEL_TYPES.join(", ")
             ),
@@ -344,10 +349,21 @@ pub fn run_layout(
     let vision = match vision {
         TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl => v,
         other => {
+            // Qwen3-VL's deepstack features enter the first decoder layers' outputs: their
+            // gradient arrives in those layers' backward, before the embedding's, where
+            // nothing gathers it yet; Gemma 3's SigLIP tower and projector run forward only.
+            let why = match &other {
+                TowerSpec::Qwen(_) => {
+                    "its deepstack features join the first decoder layers, whose backward does not hand their gradient to the tower"
+                }
+                TowerSpec::Siglip(_) => {
+                    "its SigLIP tower and projector have no backward here"
+                }
+            };
             return Err(mt::Error::invalid(
                 key,
                 format!(
-                    "false trains Qwen2.5-VL's projector only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
+                    "false trains Qwen2.5-VL's {what} only; `{}`'s tower and projector train frozen for now ({why}; use {key}: true)",
                     other.model_type(),
                 ),
             )
@@ -357,7 +373,9 @@ pub fn run_layout(
     if cfg.model.init == Init::Random {
         return Err(mt::Error::invalid(
             key,
-            "false trains the pretrained projector, and model.init: random carries no vision tower (use model.init: pretrained)",
+            format!(
+                "false trains the pretrained {what}, and model.init: random carries no vision tower (use model.init: pretrained)"
+            ),
         )
         .into());
     }

@@ -2,8 +2,10 @@
 //! (`checkpoint::vision` fills it, the worker maps it): one contiguous run of elements in
 //! the store's dtype, each tensor at an aligned offset. The frozen tensors are not part of
 //! the trained [`super::Layout`]: no master, no moments, no gradient slabs. Those a run
-//! trains (`vlm.freeze_projector: false`: the merger) are in the layout's embedding block
-//! instead ([`super::Layout::with_tower`]) and not in the region.
+//! trains (`vlm.freeze_projector: false`: the merger; `vlm.freeze_vision_encoder: false`:
+//! the patch embedding and the blocks) are in the layout's embedding block instead
+//! ([`super::Layout::with_tower`]) and not in the region, which holds nothing where the
+//! whole tower trains.
 
 use serde::{Deserialize, Serialize};
 

@@ -16,7 +16,7 @@
 //! | `llama4.rs`     | llama4_text                                               |
 //!
 //! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, whose features the
-//! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's (frozen, forward
+//! model places at the image tokens (block by block where the encoder trains); `qwen3_vl_vision.rs` Qwen3-VL's (frozen, forward
 //! only), whose deepstack features the first layers' outputs also take there
 //! ([`add_at_image_tokens`]); `siglip_vision.rs` Gemma 3's SigLIP tower and projector
 //! (frozen, forward only). Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`.
@@ -64,7 +64,8 @@ use tch::{Device, Kind, Tensor};
 
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{
-    Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
+    Encoded, Geometry, VisionWeights, patch_embed, qwen2_5_vl_vision, vision_block,
+    vision_encoder, vision_merger,
 };
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;

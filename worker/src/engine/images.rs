@@ -11,7 +11,9 @@
 //! (`vlm.freeze_projector: false`, Qwen2.5-VL's merger) runs where the embedding does, from
 //! the embedding block's weights: without grad in the forward, recomputed with grad on its
 //! leaves in the embedding's backward, where the gradient at the image tokens' rows flows
-//! into it. Its input (the encoder's output, N x E) is kept for that.
+//! into it. Its input (the encoder's output, N x E) is kept for that. A trained encoder
+//! (`vlm.freeze_vision_encoder: false`) runs where the embedding does too, block by block
+//! ([`super::tower`]).
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
 //! tower's width, I images, S the side of Gemma 3's images.
@@ -25,6 +27,7 @@ use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
+use super::tower::EncoderPass;
 use crate::model::{
     BlockWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens, gemma3_vision,
     qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder, vision_merger,
@@ -78,13 +81,18 @@ impl Tower {
                         },
                         Vec::new(),
                     ),
+                    (VisionFamily::Qwen2_5Vl, t) => {
+                        let pass = EncoderPass::new(w, t, pixels_np, &grids);
+                        (Features::Encoder(Box::new(pass)), Vec::new())
+                    }
                     (VisionFamily::Qwen3Vl, TowerTraining::Frozen) => {
                         let f = qwen3_vl_vision(w, &pixels_np, &grids);
                         (Features::Frozen(f.merged_mo), f.deepstack_mo)
                     }
-                    (VisionFamily::Qwen3Vl, TowerTraining::Projector) => bail!(
-                        "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
-                         Qwen3-VL's tower is frozen (set vlm.freeze_projector: true)"
+                    (VisionFamily::Qwen3Vl, t) => bail!(
+                        "{}: false trains Qwen2.5-VL's tower only; Qwen3-VL's is frozen (set {}: true)",
+                        t.key(),
+                        t.key()
                     ),
                 };
                 MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
@@ -189,6 +197,8 @@ pub enum Features {
     Frozen(Tensor),
     /// The projector's input; its weights are the embedding block's.
     Merger { enc: Encoded, spec: VisionSpec },
+    /// Nothing yet: the encoder trains, and runs from the embedding block's weights.
+    Encoder(Box<EncoderPass>),
 }
 
 /// What a micro-batch's images bring to the language model.
@@ -321,6 +331,27 @@ impl MicroImages {
                     .collect();
                 vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
             }
+            Features::Encoder(pass) => pass.features_mh(embed_w),
+        }
+    }
+
+    /// Runs a trained encoder over the images from `embed_w`'s views (the forward's: no
+    /// grad), each block's input kept where `keep` (a training step), before
+    /// [`Self::features_mh`] reads its output; nothing for a frozen one, which ran when
+    /// the images were read.
+    pub fn encode(&mut self, embed_w: &BlockWeights, keep: bool) {
+        if let Features::Encoder(pass) = &mut self.features {
+            pass.forward(embed_w, keep);
+        }
+    }
+
+    /// After the embedding's backward (which reached the features through
+    /// [`Self::features_mh`] with `embed_w`'s leaves): a trained encoder's blocks
+    /// recomputed and backpropagated into those leaves; nothing otherwise.
+    pub fn encoder_backward(&mut self, embed_w: &BlockWeights) -> Result<()> {
+        match &mut self.features {
+            Features::Encoder(pass) => pass.backward(embed_w),
+            _ => Ok(()),
         }
     }
 
