@@ -356,9 +356,7 @@ pub fn run_layout(
                 TowerSpec::Qwen(_) => {
                     "its deepstack features join the first decoder layers, whose backward does not hand their gradient to the tower"
                 }
-                TowerSpec::Siglip(_) => {
-                    "its SigLIP tower and projector have no backward here"
-                }
+                TowerSpec::Siglip(_) => "its SigLIP tower and projector have no backward here",
             };
             return Err(mt::Error::invalid(
                 key,

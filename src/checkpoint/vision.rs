@@ -42,7 +42,10 @@ impl VisionRegion {
     ) -> Result<VisionRegion> {
         // The prefix, from the first tensor the region holds (the patch embedding, or with
         // the encoder trained the merger's norm); none where the whole tower trains.
-        let first = spec.tensors().into_iter().find(|(n, _)| !training.trains(n));
+        let first = spec
+            .tensors()
+            .into_iter()
+            .find(|(n, _)| !training.trains(n));
         let prefix = match first {
             None => "",
             Some((probe, _)) => carried
@@ -229,7 +232,12 @@ mod tests {
         };
         let r = build(TowerTraining::Encoder, &c).unwrap();
         assert_eq!(r.layout.prefix, "model.visual.");
-        let names: Vec<String> = r.layout.tensors.iter().map(|t| r.layout.hf_name(t)).collect();
+        let names: Vec<String> = r
+            .layout
+            .tensors
+            .iter()
+            .map(|t| r.layout.hf_name(t))
+            .collect();
         let want: Vec<&str> = c.tensors.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, want);
         // ln_q (E = 8), then 4E -> 4E -> 4 with biases.

@@ -143,7 +143,10 @@ mod tests {
         // The same setting under both names with the same value is accepted, with
         // different values refused naming both.
         let same = "vlm: {freeze_vision_encoder: false}\nfreeze_vision_tower: false\n";
-        assert_eq!(parse("same", same).unwrap().vlm.training(), TowerTraining::Encoder);
+        assert_eq!(
+            parse("same", same).unwrap().vlm.training(),
+            TowerTraining::Encoder
+        );
         let e = parse(
             "tower-twice",
             "vlm: {freeze_vision_encoder: true}\nfreeze_vision_tower: false\n",

@@ -64,8 +64,8 @@ use tch::{Device, Kind, Tensor};
 
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{
-    Encoded, Geometry, VisionWeights, patch_embed, qwen2_5_vl_vision, vision_block,
-    vision_encoder, vision_merger,
+    Encoded, Geometry, VisionWeights, patch_embed, qwen2_5_vl_vision, vision_block, vision_encoder,
+    vision_merger,
 };
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;

@@ -193,7 +193,8 @@ impl Trainer {
             let images = plan.per_rank.iter().flatten().flat_map(|m| &m.images);
             images
                 .map(|im| {
-                    let (all, merger) = (spec.forward_flops(im.grid), spec.projector_flops(im.grid));
+                    let (all, merger) =
+                        (spec.forward_flops(im.grid), spec.projector_flops(im.grid));
                     let backward = match (training.encoder(), training.projector()) {
                         (false, false) => 0.0,
                         (false, true) => 2.0 * merger,

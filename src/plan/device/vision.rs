@@ -96,14 +96,20 @@ impl VisionDevice {
     pub(super) fn fixed(&self, m: u64, s: u64) -> Parts {
         let mut parts: Parts = vec![
             ("vision tower (frozen)", self.params * s),
-            ("image features", m * self.out_hidden * s * self.feature_sets),
+            (
+                "image features",
+                m * self.out_hidden * s * self.feature_sets,
+            ),
         ];
         let patches = m * self.patches_per_token;
         if self.encoder_trained {
             // Its pixels (for the patch embedding's recompute), each block's input and
             // the encoder's output (the merger's input).
             let per_patch = self.patch_values + (self.depth + 1) * self.hidden;
-            parts.push(("the tower's pixels and block inputs, kept", patches * per_patch * s));
+            parts.push((
+                "the tower's pixels and block inputs, kept",
+                patches * per_patch * s,
+            ));
         } else if self.projector_trained {
             parts.push(("the projector's input, kept", patches * self.hidden * s));
         }
