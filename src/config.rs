@@ -23,6 +23,7 @@ pub mod hub;
 mod logging;
 mod nodes;
 mod overrides;
+mod recompute;
 mod resident;
 mod schedule;
 pub mod shipped;
@@ -40,6 +41,7 @@ pub use logging::{LoggingSection, ReportTo, Tracker};
 pub use nodes::NodesSection;
 pub use overrides::apply_override;
 use overrides::{did_you_mean, edit_distance};
+pub use recompute::Recompute;
 pub use resident::ResidentBlocks;
 pub use schedule::{LrScheduler, Ramp, SchedulerKwargs};
 pub use stage::{DpoLoss, DpoParams, DpoSection, Stage};
@@ -373,6 +375,12 @@ pub struct MemorySection {
     /// micro-batch's: `auto` (or 0; the device plan's choice), `off`, or a number.
     #[serde(with = "tile::human")]
     pub tile_tokens: TileTokens,
+    /// What the backward recomputes: `auto` (the device plan keeps the MLP activations of
+    /// as many of the last layers as the GPU's free memory holds, so their backward
+    /// recomputes only the attention half), `full` (every layer from its input), or a
+    /// number of layers that keep them.
+    #[serde(with = "recompute::human")]
+    pub recompute: Recompute,
     /// Keep each layer's input between forward and backward in pinned host memory
     /// instead of on the GPU (long sequences); ignored by CPU workers.
     pub offload_activations: bool,
@@ -465,6 +473,7 @@ impl Default for MemorySection {
             num_grad_slabs: 4,
             ce_chunk_tokens: 4096,
             tile_tokens: TileTokens::Auto,
+            recompute: Recompute::Auto,
             offload_activations: false,
             checkpoint_interval: 1,
             grad_dtype: DType::Float32,

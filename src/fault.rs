@@ -209,6 +209,8 @@ pub struct Settings {
     pub tile_tokens: TileTokens,
     /// The tile the failing micro-batch ran its layers' MLP half in (None: whole).
     pub tile: Option<usize>,
+    /// The layers that kept their MLP activations for the backward (`memory.recompute`).
+    pub kept_layers: usize,
 }
 
 /// A worker's libtorch (or allocation) failure, located.
@@ -265,6 +267,12 @@ impl Fault {
             (Some(t), _) if in_layer => out.push(format!("a smaller memory.tile_tokens (now {t})")),
             (None, TileTokens::Off) if in_layer => out.push("memory.tile_tokens: auto".into()),
             _ => {}
+        }
+        if self.settings.kept_layers > 0 && self.phase != Phase::Eval {
+            out.push(format!(
+                "memory.recompute: full, or fewer layers (now {} keep their MLP activations)",
+                self.settings.kept_layers
+            ));
         }
         if self.phase == Phase::Head {
             out.push(format!(
@@ -377,6 +385,7 @@ mod tests {
                 ce_chunk_tokens: 8192,
                 tile_tokens: TileTokens::Auto,
                 tile: None,
+                kept_layers: 0,
             },
         }
     }
@@ -453,6 +462,21 @@ mod tests {
                 .ends_with("To fit: memory.tile_tokens: auto"),
             "{off}"
         );
+        // Layers that keep their MLP activations are named with the setting that frees it.
+        let kept = Fault {
+            settings: Settings {
+                kept_layers: 6,
+                ..tiled.settings
+            },
+            ..tiled.clone()
+        };
+        assert!(
+            kept.to_string().contains(
+                "memory.recompute: full, or fewer layers (now 6 keep their MLP activations)"
+            ),
+            "{kept}"
+        );
+        assert!(!tiled.to_string().contains("memory.recompute"), "{tiled}");
         // The head's memory is not the layers'.
         let head = Fault {
             phase: Phase::Head,

@@ -56,6 +56,11 @@ pub struct StepMetrics {
     /// tower launched); absent without images.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub images_s: Option<f64>,
+    /// The most decoder layers a micro-batch of the step kept its MLP activations for
+    /// (`memory.recompute`), the backward recomputing only their attention half; absent
+    /// where none did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_layers: Option<usize>,
     /// Launcher time spent on background checkpoints: staging the blocks the writer had
     /// not written before the optimizer changed them, waiting for it where the staging
     /// area was full, and waiting for the previous write at a checkpoint. The workers

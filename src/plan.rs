@@ -146,8 +146,8 @@ mod drives;
 mod fit;
 mod nodes;
 pub use device::{
-    DeviceOpts, DevicePlan, Phase, TILE_ALIGN, VisionDevice, delta_segment, segmented_layer,
-    tiled_layer,
+    DeviceOpts, DevicePlan, KEEP_FIT, Phase, TILE_ALIGN, VisionDevice, delta_segment, keeps_mlp,
+    kept_bytes, kept_layers, segmented_layer, tiled_layer,
 };
 pub use disk::DiskPlan;
 pub use drives::{DrivePlan, DriveSpeed, SpeedSource};

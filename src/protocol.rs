@@ -123,6 +123,10 @@ pub struct Init {
     /// `memory.tile_tokens`: the worker resolves it per micro-batch shape through the
     /// device plan (`DevicePlan::new(..).tile`).
     pub tile_tokens: crate::config::TileTokens,
+    /// `memory.recompute`, as the launcher resolved it (the device plan's
+    /// `DeviceOpts::recompute`): the worker keeps the MLP activations of the layers its
+    /// plan says per micro-batch shape.
+    pub recompute: crate::config::Recompute,
     /// The device plan's `device_free` (`mt::plan::DeviceOpts`), as the launcher
     /// planned with it.
     pub device_free: Option<u64>,
@@ -277,6 +281,10 @@ pub struct WorkerTimings {
     /// resizing the files (on the CPU), the pixels' upload and the vision tower's launch.
     #[serde(default)]
     pub images_s: f64,
+    /// The most decoder layers any micro-batch kept its MLP activations for (the device
+    /// plan's `keep`, `memory.recompute`).
+    #[serde(default)]
+    pub kept_layers: usize,
     /// GPU: the most device memory in use (cuMemGetInfo, so torch's reserve included).
     /// CPU: the step's peak resident memory above the step's start (VmHWM).
     pub peak_device_bytes: u64,

@@ -393,12 +393,23 @@ fn vision_bytes(cfg: &RunConfig) -> Result<u64> {
     })
 }
 
+/// `memory.recompute` as the workers plan with it: `auto` keeps nothing where blocks are
+/// resident (`memory.resident_blocks`), which take the memory the step leaves free.
+pub fn recompute(cfg: &RunConfig) -> mt::config::Recompute {
+    use mt::config::{Recompute, ResidentBlocks};
+    match (cfg.memory.recompute, cfg.memory.resident_blocks) {
+        (Recompute::Auto, r) if r != ResidentBlocks::Off => Recompute::Full,
+        (r, _) => r,
+    }
+}
+
 /// The device plan's options for `cfg` on `placement`.
 pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
     DeviceOpts {
         dtype: cfg.model.dtype,
         ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
         tile_tokens: cfg.memory.tile_tokens,
+        recompute: recompute(cfg),
         packed: cfg.dataset.packing,
         offload_activations: cfg.memory.offload_activations,
         cpu: placement.gpus == 0,

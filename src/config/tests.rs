@@ -426,6 +426,29 @@ fn tile_tokens_is_auto_off_or_a_count_and_bad_values_name_the_key() {
 }
 
 #[test]
+fn recompute_is_auto_full_or_a_count_and_bad_values_name_the_key() {
+    assert_eq!(parse(OK).unwrap().memory.recompute, Recompute::Auto);
+    for (yaml, want) in [
+        ("auto", Recompute::Auto),
+        ("full", Recompute::Full),
+        ("0", Recompute::Full),
+        ("6", Recompute::Layers(6)),
+    ] {
+        let c = parse(&format!("{OK}memory: {{recompute: {yaml}}}\n")).unwrap();
+        assert_eq!(c.memory.recompute, want, "{yaml}");
+    }
+    for bad in ["-1", "1.5", "true", "selective"] {
+        let e = parse(&format!("{OK}memory: {{recompute: {bad}}}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("memory.recompute") && e.contains("`auto`, `full` or a number of layers"),
+            "{bad}: {e}"
+        );
+    }
+}
+
+#[test]
 fn dpo_settings_default_resolve_llamafactory_names_and_name_bad_values() {
     let dpo = |extra: &str| parse(&format!("{OK}training: {{stage: dpo{extra}}}\n"));
     let c = dpo("").unwrap();

@@ -41,13 +41,15 @@
 //! main tensors only, for the path the worker takes (chunked on GPUs, the reference on CPU).
 
 use crate::config::hf::{AttentionKind, ModelSpec};
-use crate::config::{DType, TileTokens};
+use crate::config::{DType, Recompute, TileTokens};
 use crate::layout::Layout;
 use crate::protocol::{Device, Init};
 
 use super::acts::{self, Dims, F32, LayerActs};
 
+mod keep;
 mod vision;
+pub use keep::{KEEP_FIT, keeps_mlp, kept_bytes, kept_layers};
 pub use vision::VisionDevice;
 
 /// Gradient blocks whose device-to-host copy may be in flight at once
@@ -86,6 +88,9 @@ pub struct DeviceOpts {
     pub ce_chunk_tokens: usize,
     /// `memory.tile_tokens`.
     pub tile_tokens: TileTokens,
+    /// `memory.recompute`, as the launcher resolved it (`auto` keeps nothing beside
+    /// resident blocks).
+    pub recompute: Recompute,
     /// Packed rows: a (B, 1, T, T) mask and (B, T) positions per micro-batch.
     pub packed: bool,
     /// Layer inputs are stashed in pinned host memory.
@@ -109,6 +114,7 @@ impl DeviceOpts {
             dtype: init.dtype,
             ce_chunk_tokens: init.ce_chunk_tokens,
             tile_tokens: init.tile_tokens,
+            recompute: init.recompute,
             packed,
             offload_activations: init.offload_activations,
             cpu: init.device == Device::Cpu,
@@ -146,6 +152,11 @@ pub struct DevicePlan {
     pub tile: Option<usize>,
     /// The `memory.tile_tokens` it comes from.
     pub tile_setting: TileTokens,
+    /// How many of the last layers keep their MLP activations for the backward
+    /// ([`kept_layers`]); the rest are recomputed from their input.
+    pub keep: usize,
+    /// The `memory.recompute` it comes from.
+    pub recompute: Recompute,
     /// The model has linear-attention layers, whose delta rule runs in segments when the
     /// micro-batch is tiled ([`segmented_layer`], [`delta_segment`]).
     pub segmented: bool,
@@ -206,7 +217,7 @@ impl DevicePlan {
             TileTokens::Tokens(n) => Some(n),
             TileTokens::Auto => Self::auto_tile(spec, layout, o, rows, seq_len),
         };
-        Self::tiled(spec, layout, o, (rows, seq_len), tile.filter(|&t| t < m))
+        Self::tiled(spec, layout, o, (rows, seq_len), tile.filter(|&t| t < m)).resolve_keep(spec, o)
     }
 
     /// The automatic tile (module doc): None where the whole micro-batch's MLP already
@@ -474,6 +485,8 @@ impl DevicePlan {
             seq_len,
             tile: tile.map(|t| t as usize),
             tile_setting: o.tile_tokens,
+            keep: 0,
+            recompute: o.recompute,
             segmented: (0..spec.num_layers).any(|l| segmented_layer(spec, l)),
             fixed,
             phases,
@@ -576,6 +589,19 @@ impl std::fmt::Display for DevicePlan {
                 f,
                 "  MLP half of each layer whole (memory.tile_tokens: {})",
                 self.tile_setting
+            )?,
+        }
+        match self.keep {
+            0 => writeln!(
+                f,
+                "  every layer recomputed from its input in the backward (memory.recompute: {})",
+                self.recompute
+            )?,
+            n => writeln!(
+                f,
+                "  the last {n} layers keep their MLP activations, the backward recomputes \
+                 their attention half only (memory.recompute: {})",
+                self.recompute
             )?,
         }
         for (name, bytes) in &self.fixed {

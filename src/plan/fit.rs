@@ -195,8 +195,8 @@ pub fn resident_fit(layout: &Layout, dtype: DType, grad_dtype: DType, budget: u6
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::TileTokens;
     use crate::config::hf::HfConfig;
+    use crate::config::{Recompute, TileTokens};
 
     fn qwen_7b() -> (ModelSpec, Layout) {
         let path =
@@ -211,6 +211,7 @@ mod tests {
         dtype: DType::Bfloat16,
         ce_chunk_tokens: 8192,
         tile_tokens: TileTokens::Off,
+        recompute: Recompute::Full,
         packed: false,
         offload_activations: false,
         cpu: false,

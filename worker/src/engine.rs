@@ -66,6 +66,9 @@ pub struct Engine {
     tower: Option<Tower>,
     /// The next step's images, being decoded ([`prefetch`]).
     prefetch: Option<Prefetch>,
+    /// Per layer: what it kept from the micro-batch's forward for its backward
+    /// (`memory.recompute`), taken by the backward.
+    kept: Vec<Option<layer::Kept>>,
 }
 
 /// What a worker's step gave ([`FromWorker::StepDone`]'s fields).
@@ -153,6 +156,7 @@ impl Engine {
             resident,
             tower,
             prefetch: None,
+            kept: Vec::new(),
         })
     }
 
@@ -238,6 +242,8 @@ impl Engine {
             crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
             enter(Phase::Upload, None);
             let batch = self.upload(mi, mb)?;
+            let kept = batch.kept.iter().filter(|&&k| k).count();
+            tm.kept_layers = tm.kept_layers.max(kept);
             let t_images = Instant::now();
             let mut images = self.micro_images(mb, decoded.as_mut().and_then(Iterator::next))?;
             if images.is_some() {
@@ -458,7 +464,8 @@ impl Engine {
             packed: pos_bt.is_some(),
             ..self.plan_opts
         };
-        let tile = DevicePlan::new(&self.spec, &self.layout, o, mb.rows, mb.seq_len).tile;
+        let plan = DevicePlan::new(&self.spec, &self.layout, o, mb.rows, mb.seq_len);
+        let (tile, kept) = (plan.tile, mt::plan::kept_layers(&self.spec, plan.keep));
         Ok(DeviceBatch {
             ids_bt,
             pos_bt,
@@ -467,6 +474,7 @@ impl Engine {
             rows_m,
             row_tokens,
             tile,
+            kept,
         })
     }
 
@@ -485,6 +493,8 @@ impl Engine {
         let (ctl, rx) = (&mut self.ctl, link.rx);
         let gate = &mut |b| ctl.wait_block(b, rx);
         enter(Phase::Forward, None);
+        self.kept.clear();
+        self.kept.resize_with(layout.num_layers(), || None);
         let embed = self.streamer.embed(layout, gate)?;
         let embed_w = BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]);
         let images = images.map(|i| {
@@ -502,7 +512,15 @@ impl Engine {
             let flat = self.streamer.layer(layout, l, gate)?;
             let w = BlockWeights::views(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
-            let mut y_bth = layer::forward(&self.spec, l, &w, &x_bth, ctx, batch.tile);
+            let mut y_bth = match batch.kept[l] {
+                true => {
+                    let (y_bth, kept) =
+                        layer::forward_keeping(&self.spec, l, &w, &x_bth, ctx, batch.tile);
+                    self.kept[l] = Some(kept);
+                    y_bth
+                }
+                false => layer::forward(&self.spec, l, &w, &x_bth, ctx, batch.tile),
+            };
             // Qwen3-VL's deepstack: the next layer's input (and stash) is the sum.
             if let Some(i) = images {
                 y_bth = i.after_layer(l, y_bth);
@@ -597,7 +615,12 @@ impl Engine {
             let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
             let x_bth = self.streamer.stashed_input(l)?;
-            dy_bth = layer::backward(&self.spec, l, &w, x_bth, dy_bth, ctx, batch.tile);
+            dy_bth = match self.kept[l].take() {
+                Some(kept) => {
+                    layer::backward_kept(&self.spec, l, &w, x_bth, kept, dy_bth, ctx, batch.tile)
+                }
+                None => layer::backward(&self.spec, l, &w, x_bth, dy_bth, ctx, batch.tile),
+            };
             self.send(mi, layout.layer_block(l), &w, link, tm)?;
         }
 

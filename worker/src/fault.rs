@@ -274,7 +274,8 @@ pub fn report(e: &anyhow::Error) -> String {
             offload_activations: run.opts.offload_activations,
             ce_chunk_tokens: run.ce_chunk_tokens,
             tile_tokens: run.opts.tile_tokens,
-            tile: device_plan.and_then(|(_, p)| p.tile),
+            tile: device_plan.as_ref().and_then(|(_, p)| p.tile),
+            kept_layers: device_plan.map_or(0, |(_, p)| p.keep),
         },
     }
     .to_string()

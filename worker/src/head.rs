@@ -51,6 +51,9 @@ pub struct DeviceBatch {
     pub row_tokens: Vec<u64>,
     /// Tokens per tile of the layers' MLP half (worker/src/layer.rs); None: whole.
     pub tile: Option<usize>,
+    /// Per layer: whether it keeps its MLP activations for the backward (the device
+    /// plan's `keep`, `mt::plan::kept_layers`).
+    pub kept: Vec<bool>,
 }
 
 /// The head's weights: the final norm's block and the lm_head (the embedding when tied).

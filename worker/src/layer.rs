@@ -39,6 +39,9 @@ use crate::kernels;
 use crate::model::{self, BlockWeights, Context, RouterAux};
 use crate::segments;
 
+mod kept;
+pub use kept::{Kept, backward_kept, forward_keeping};
+
 /// The tile layer `layer` runs its MLP half in for `m` tokens; None: whole.
 fn tile_of(spec: &ModelSpec, layer: usize, tile: Option<usize>, m: i64) -> Option<i64> {
     let t = tile? as i64;
@@ -101,7 +104,10 @@ pub fn backward(
     if let Some(chunks) = segment {
         return segments::backward(spec, layer, w, &x_bth, dy_bth, ctx, chunks, tile);
     }
-    if tile.is_none() && !model::mlp_on_tape(spec, layer, x_bth.kind(), x_bth.device()) {
+    let split = tile.is_some()
+        || model::mlp_on_tape(spec, layer, x_bth.kind(), x_bth.device())
+        || model::mlp_ends_in_down(spec, layer);
+    if !split {
         let y_bth = model::decoder_layer(spec, layer, w, &x_bth, ctx);
         backpropagate(y_bth, dy_bth, ctx);
         kernels::tape::backward();
@@ -131,6 +137,12 @@ pub fn mlp_backward(
     let mark = kernels::tape::depth();
     let Some(tile) = tile else {
         let h_leaf_bth = h_bth.detach().set_requires_grad(true);
+        if model::mlp_ends_in_down(spec, layer) {
+            let mut dy_bth = dy_bth.contiguous();
+            down_backward(spec, layer, w, &h_leaf_bth, &dy_bth, mark);
+            let _ = dy_bth.g_add_(&h_leaf_bth.grad());
+            return dy_bth;
+        }
         let out_bth = model::mlp_half(spec, layer, w, &h_leaf_bth, ctx);
         backpropagate(out_bth, dy_bth, ctx);
         kernels::tape::backward_to(mark);
@@ -140,9 +152,16 @@ pub fn mlp_backward(
     let dy_bth = dy_bth.contiguous();
     let h_1mh = h_bth.view([1, b * t, h]);
     let dy_1mh = dy_bth.view([1, b * t, h]);
+    let skip_down = model::mlp_ends_in_down(spec, layer);
     for (start, len) in tiles(b * t, tile) {
         let h_leaf_1th = h_1mh.narrow(1, start, len).detach().set_requires_grad(true);
         let mut dy_1th = dy_1mh.narrow(1, start, len);
+        if skip_down {
+            down_backward(spec, layer, w, &h_leaf_1th, &dy_1th, mark);
+            // dh = dy (the residual) + the MLP's share, over the tile's rows of dy.
+            let _ = dy_1th.g_add_(&h_leaf_1th.grad());
+            continue;
+        }
         let out_1th = model::mlp_half(spec, layer, w, &h_leaf_1th, ctx);
         kernels::tape::backward_with_grads(vec![(out_1th, dy_1th.shallow_clone())]);
         kernels::tape::backward_to(mark);
@@ -150,6 +169,28 @@ pub fn mlp_backward(
         dy_1th.copy_(&h_leaf_1th.grad());
     }
     dy_bth
+}
+
+/// The MLP half `h + down_proj(a)` ([`model::mlp_ends_in_down`]) backpropagated from `dy`
+/// without its down projection's forward, whose output the backward never reads: `a`
+/// recomputed with grad from the leaf `h_leaf`, the projection's gradients by hand
+/// ([`kept::linear_grads`]) handed to a's graph and the weights' leaves, and the ops
+/// recorded since `mark` run from the tape. Leaves the MLP's share of dh in `h_leaf`'s
+/// gradient; the residual's, dy itself, is the caller's to add. This saves a third of the
+/// MLP's recomputed matrix work (H x I of 3 H x I per token).
+fn down_backward(
+    spec: &ModelSpec,
+    layer: usize,
+    w: &BlockWeights,
+    h_leaf: &Tensor,
+    dy: &Tensor,
+    mark: usize,
+) {
+    let a = model::mlp_down_input(spec, layer, w, h_leaf);
+    let (da, mut pairs) = kept::linear_grads(&a, w, "mlp.down_proj", dy);
+    pairs.push((a, da));
+    kernels::tape::backward_with_grads(pairs);
+    kernels::tape::backward_to(mark);
 }
 
 /// Backpropagates `y` (consumed: its memory is not needed by its backward) from its

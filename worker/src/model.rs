@@ -417,6 +417,59 @@ pub fn delta_layer(spec: &ModelSpec, layer: usize) -> bool {
     spec.family == Family::Qwen3Next && spec.layer_types[layer] == AttentionKind::Linear
 }
 
+/// Whether layer `layer`'s MLP half is `h + mlp.down_proj(a)`, the projection's output read
+/// by nothing but the residual add (the dense MLPs of Llama, Mistral, Qwen2, Qwen3,
+/// DeepSeek-V3 and Phi-3; not where a norm follows the MLP, as in Gemma, OLMo 2 and GLM-4,
+/// nor a mixture of experts): its backward needs the projection's input `a`
+/// ([`mlp_down_input`]), never its output, so the recompute skips the projection
+/// (worker/src/layer.rs).
+pub fn mlp_ends_in_down(spec: &ModelSpec, layer: usize) -> bool {
+    let dense = !(spec.moe.is_some() && spec.is_sparse(layer));
+    dense
+        && matches!(
+            spec.family,
+            Family::Llama | Family::Qwen3 | Family::DeepseekV3 | Family::Phi3
+        )
+}
+
+/// The input of `mlp.down_proj` in layer `layer`'s MLP half, from the half's input `h_bth`
+/// (B, T, H) -> (B, T, I): the half is `h + down_proj(a)` ([`mlp_ends_in_down`]).
+pub fn mlp_down_input(spec: &ModelSpec, layer: usize, w: &BlockWeights, h_bth: &Tensor) -> Tensor {
+    assert!(
+        mlp_ends_in_down(spec, layer),
+        "layer {layer}'s MLP half has more after its down projection"
+    );
+    let mlp_in_bth = mlp_norm(spec, w, h_bth);
+    match spec.family {
+        Family::Phi3 => common::fused_gated_act(w, spec, &mlp_in_bth, "mlp"),
+        _ => common::dense_mlp_act(w, spec, &mlp_in_bth, "mlp"),
+    }
+}
+
+/// The norm before the MLP of a layer that [`mt::plan::keeps_mlp`]: (B, T, H) -> (B, T, H).
+pub fn mlp_norm(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor) -> Tensor {
+    common::rms_norm(
+        h_bth,
+        w.get("post_attention_layernorm.weight"),
+        spec.rms_norm_eps,
+    )
+}
+
+/// The gate and up projections of a layer that [`mt::plan::keeps_mlp`], from the MLP
+/// half's input `h_bth`: (B, T, H) -> two (B, T, I).
+pub fn mlp_gate_up(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor) -> (Tensor, Tensor) {
+    let n_bth = mlp_norm(spec, w, h_bth);
+    (
+        common::linear(&n_bth, w, "mlp.gate_proj"),
+        common::linear(&n_bth, w, "mlp.up_proj"),
+    )
+}
+
+/// `act(gate) * up`, the down projection's input, as the dense MLP computes it.
+pub fn mlp_glu(spec: &ModelSpec, gate: &Tensor, up: &Tensor) -> Tensor {
+    common::glu(spec, gate, up)
+}
+
 /// Whether layer `layer`'s MLP half over activations of `kind` on `device` may record ops
 /// on the kernels' tape (a mixture of experts with the fused combine,
 /// `experts::fused_combine`; a dense SiLU MLP with the fused SwiGLU,

@@ -47,6 +47,7 @@ fn slowest(s: &mut WorkerTimings, t: &WorkerTimings) {
     s.slot_wait_s = s.slot_wait_s.max(t.slot_wait_s);
     s.update_wait_s = s.update_wait_s.max(t.update_wait_s);
     s.images_s = s.images_s.max(t.images_s);
+    s.kept_layers = s.kept_layers.max(t.kept_layers);
     s.h2d_wait_s = s.h2d_wait_s.max(t.h2d_wait_s);
     s.d2h_s = s.d2h_s.max(t.d2h_s);
     s.peak_device_bytes = s.peak_device_bytes.max(t.peak_device_bytes);
@@ -66,6 +67,7 @@ impl StepOutcome {
         s.slot_wait_s += t.slot_wait_s;
         s.update_wait_s += t.update_wait_s;
         s.images_s += t.images_s;
+        s.kept_layers = s.kept_layers.max(t.kept_layers);
         s.h2d_wait_s += t.h2d_wait_s;
         s.d2h_s += t.d2h_s;
         s.peak_device_bytes = s.peak_device_bytes.max(t.peak_device_bytes);

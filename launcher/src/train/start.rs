@@ -486,6 +486,7 @@ pub(super) fn workers(
                 num_slots: cfg.memory.num_grad_slabs,
                 ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
                 tile_tokens: cfg.memory.tile_tokens,
+                recompute: opts.recompute,
                 device_free: opts.device_free,
                 offload_activations: cfg.memory.offload_activations,
                 dump_logits: dump_logits.map(|p| match placement.workers {

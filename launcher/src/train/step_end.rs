@@ -244,6 +244,7 @@ impl Trainer {
             d2h_s: out.slowest.d2h_s,
             update_wait_s: out.slowest.update_wait_s,
             images_s: (out.slowest.images_s > 0.0).then_some(out.slowest.images_s),
+            kept_layers: (out.slowest.kept_layers > 0).then_some(out.slowest.kept_layers),
             checkpoint_wait_s: self.host.take_checkpoint_wait()
                 + std::mem::take(&mut self.checkpoint_wait_s),
             drives: self.host.take_drive_io().map(|io| DriveMetrics {

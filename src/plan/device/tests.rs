@@ -1,8 +1,8 @@
 //! Unit tests of the device plan.
 
 use super::*;
-use crate::config::TileTokens;
 use crate::config::hf::HfConfig;
+use crate::config::{Recompute, TileTokens};
 
 fn model(dir: &str) -> (ModelSpec, Layout) {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -19,6 +19,7 @@ const OPTS: DeviceOpts = DeviceOpts {
     dtype: DType::Bfloat16,
     ce_chunk_tokens: 8192,
     tile_tokens: TileTokens::Off,
+    recompute: Recompute::Full,
     packed: false,
     offload_activations: false,
     cpu: false,
@@ -424,4 +425,100 @@ fn a_trained_projector_is_counted() {
             - part(&embed_bwd(&frozen), "embedding block and its gradient"),
         2 * (block(&trained) - block(&text))
     );
+}
+
+/// `memory.recompute`: `auto` keeps the MLP activations of as many of the last layers as
+/// keep the plan within [`KEEP_FIT`] of the GPU's free memory (one more would not), each
+/// (H + 2 I) elements per token, held by every phase from the forward to the first layer's
+/// backward and not by the embedding's backward; `full`, a CPU worker and an unknown GPU
+/// keep none; a number is capped at the layers that can (a mixture of experts' cannot).
+#[test]
+fn recompute_keeps_what_the_gpu_has_room_for() {
+    let (spec, layout) = model("qwen2.5-7b");
+    let (rows, seq) = (128, 1024);
+    let free = 139 * (1u64 << 30);
+    let opts = |recompute, device_free, cpu| DeviceOpts {
+        recompute,
+        device_free,
+        cpu,
+        ..OPTS
+    };
+    let full = DevicePlan::new(
+        &spec,
+        &layout,
+        opts(Recompute::Full, Some(free), false),
+        rows,
+        seq,
+    );
+    assert_eq!(full.keep, 0);
+    let auto = DevicePlan::new(
+        &spec,
+        &layout,
+        opts(Recompute::Auto, Some(free), false),
+        rows,
+        seq,
+    );
+    let per_layer = (rows * seq) as u64 * (3584 + 2 * 18944) * 2;
+    assert_eq!(kept_bytes(&spec, (rows * seq) as u64, 2), per_layer);
+    assert!(auto.keep >= 1, "{auto}");
+    let room = (KEEP_FIT * free as f64) as u64;
+    assert!(auto.total() <= room, "{auto}");
+    assert!(
+        auto.total() + per_layer > room,
+        "one more layer would fit: {auto}"
+    );
+    assert_eq!(auto.total(), full.total() + auto.keep as u64 * per_layer);
+    for phase in &auto.phases {
+        let kept = phase
+            .parts
+            .iter()
+            .find(|p| p.0 == "MLP activations kept by the last layers")
+            .map_or(0, |p| p.1);
+        let want = match phase.name {
+            EMBED_BACKWARD => 0,
+            _ => auto.keep as u64 * per_layer,
+        };
+        assert_eq!(kept, want, "{}", phase.name);
+    }
+    for (recompute, device_free, cpu) in [
+        (Recompute::Auto, None, false),
+        (Recompute::Auto, Some(free), true),
+    ] {
+        let p = DevicePlan::new(&spec, &layout, opts(recompute, device_free, cpu), rows, seq);
+        assert_eq!(p.keep, 0, "{recompute} {device_free:?} cpu {cpu}");
+    }
+    let three = DevicePlan::new(
+        &spec,
+        &layout,
+        opts(Recompute::Layers(3), None, false),
+        rows,
+        seq,
+    );
+    assert_eq!(three.keep, 3);
+    assert_eq!(
+        kept_layers(&spec, 3),
+        [vec![false; 25], vec![true; 3]].concat()
+    );
+    let all = DevicePlan::new(
+        &spec,
+        &layout,
+        opts(Recompute::Layers(99), None, false),
+        rows,
+        seq,
+    );
+    assert_eq!(all.keep, 28);
+    assert!(
+        all.to_string()
+            .contains("the last 28 layers keep their MLP activations"),
+        "{all}"
+    );
+    let (moe, moe_layout) = model("qwen3-30b-a3b");
+    let p = DevicePlan::new(
+        &moe,
+        &moe_layout,
+        opts(Recompute::Layers(4), None, false),
+        2,
+        seq,
+    );
+    assert_eq!(p.keep, 0);
 }

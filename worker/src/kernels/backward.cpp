@@ -17,10 +17,12 @@
 // `outputs[i]` receives gradient `grads[i]` (tch's tensors are at::Tensor pointers). Each
 // output is released (reset to an undefined tensor) once its place in the graph is taken,
 // before the pass runs: the pass needs the output's graph node, not its memory, which so
-// is free for the backward unless something else holds it. Returns null, or the error's
-// text (malloc'd: the caller frees it).
-extern "C" char* mt_backward_with_grads(at::Tensor* const* outputs,
-                                        const at::Tensor* const* grads, int n) {
+// is free for the backward unless something else holds it. Each gradient is handed over
+// (moved, leaving the caller's handle undefined): a leaf's accumulator then takes it as
+// the leaf's gradient instead of copying it, unless something else holds it. Returns
+// null, or the error's text (malloc'd: the caller frees it).
+extern "C" char* mt_backward_with_grads(at::Tensor* const* outputs, at::Tensor* const* grads,
+                                        int n) {
   try {
     torch::autograd::edge_list roots;
     torch::autograd::variable_list g;
@@ -32,7 +34,7 @@ extern "C" char* mt_backward_with_grads(at::Tensor* const* outputs,
       TORCH_CHECK(out.sizes() == grads[i]->sizes(), "output ", i, " is ", out.sizes(),
                   " but its gradient is ", grads[i]->sizes());
       roots.push_back(torch::autograd::impl::gradient_edge(out));
-      g.push_back(*grads[i]);
+      g.push_back(std::move(*grads[i]));
       out = at::Tensor();
     }
     torch::autograd::Engine::get_default_engine().execute(roots, g, /*keep_graph=*/false,

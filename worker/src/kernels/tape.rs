@@ -67,7 +67,7 @@ unsafe extern "C" {
     /// runs; null, or the error's text (malloc'd).
     fn mt_backward_with_grads(
         outputs: *const *mut c_void,
-        grads: *const *const c_void,
+        grads: *const *mut c_void,
         n: c_int,
     ) -> *mut c_char;
 }
@@ -82,7 +82,10 @@ pub fn backward_with_grads(mut pairs: Vec<(Tensor, Tensor)>) {
         .iter_mut()
         .map(|(o, _)| o.as_mut_ptr().cast())
         .collect();
-    let grads: Vec<*const c_void> = pairs.iter().map(|(_, g)| g.as_ptr().cast()).collect();
+    let grads: Vec<*mut c_void> = pairs
+        .iter_mut()
+        .map(|(_, g)| g.as_mut_ptr().cast())
+        .collect();
     // SAFETY: `pairs` holds valid tch tensors (at::Tensor pointers) for the call's length;
     // the C++ side resets each output in place (tch frees the undefined tensor on drop) and
     // returns an owned C string or null.

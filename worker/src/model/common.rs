@@ -101,17 +101,30 @@ pub fn gated_mlp(w: &BlockWeights, spec: &ModelSpec, x_bth: &Tensor) -> Tensor {
 /// x's graph, which nothing else in the MLP half reads (worker/src/layer.rs backpropagates
 /// that half on its own first: `super::mlp_on_tape`).
 pub fn dense_mlp_named(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
+    let a = dense_mlp_act(w, spec, x, prefix);
+    linear(&a, w, &format!("{prefix}.down_proj"))
+}
+
+/// [`dense_mlp_named`] up to its down projection: `act(gate(x)) * up(x)`, the projection's
+/// input: (.., H) -> (.., I).
+pub fn dense_mlp_act(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
     let gate = linear(x, w, &format!("{prefix}.gate_proj"));
     let up = linear(x, w, &format!("{prefix}.up_proj"));
+    glu(spec, &gate, &up)
+}
+
+/// `act(gate) * up` of a dense MLP, SiLU's as one fused op where [`kernels::swiglu_enabled`]
+/// (its backward then runs from the kernels' tape): (.., I) twice -> (.., I).
+pub fn glu(spec: &ModelSpec, gate: &Tensor, up: &Tensor) -> Tensor {
+    let x = gate;
     let i = gate.size()[gate.dim() - 1];
     let fused = spec.hidden_act == Activation::Silu
         && kernels::swiglu_enabled(x.kind(), x.device())
         && kernels::swiglu_supported(x.kind(), i, x.device());
-    let h = match fused {
-        true => kernels::swiglu(&gate, &up),
-        false => activation(&gate, spec.hidden_act) * up,
-    };
-    linear(&h, w, &format!("{prefix}.down_proj"))
+    match fused {
+        true => kernels::swiglu(gate, up),
+        false => activation(gate, spec.hidden_act) * up,
+    }
 }
 
 /// [`gated_mlp`] with the projections under `{prefix}.gate_proj` etc., in tch ops (a
@@ -128,15 +141,18 @@ pub fn gated_mlp_named(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &
 /// `down(up * act(gate))` with `[gate; up] = gate_up(x)` fused in `{prefix}.gate_up_proj`
 /// (Phi-3, GLM-4): (.., H) -> (.., H).
 pub fn fused_gated_mlp(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
+    let a = fused_gated_act(w, spec, x, prefix);
+    linear(&a, w, &format!("{prefix}.down_proj"))
+}
+
+/// [`fused_gated_mlp`] up to its down projection: `up * act(gate)`, the projection's input:
+/// (.., H) -> (.., I).
+pub fn fused_gated_act(w: &BlockWeights, spec: &ModelSpec, x: &Tensor, prefix: &str) -> Tensor {
     let gate_up = linear(x, w, &format!("{prefix}.gate_up_proj"));
     let i = spec.intermediate_size as i64;
     let gate = gate_up.narrow(-1, 0, i);
     let up = gate_up.narrow(-1, i, i);
-    linear(
-        &(up * activation(&gate, spec.hidden_act)),
-        w,
-        &format!("{prefix}.down_proj"),
-    )
+    up * activation(&gate, spec.hidden_act)
 }
 
 /// The layer's MLP: the sparse mixture-of-experts block where the layer has one, else the
