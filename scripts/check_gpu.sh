@@ -60,13 +60,15 @@
 #    (1 GPU, and 2 when visible), and step 1's gradients within 2e-2 (relative L2, as the
 #    experts' check: a bf16 rounding is <= 2^-9, compounded over the tower, the decoder and
 #    the backward): each matrix, and all trained tensors together. Then the same model with
-#    its projector trained (`vlm.freeze_projector: false`): losses within 2e-2. The tiny
-#    Qwen3-VL (golden-qwen3vl: deepstack features, interleaved mrope) likewise, losses on 1 GPU;
-#    the tiny Qwen3.5 (golden-qwen3_5: Gated DeltaNet and gated attention layers, the
-#    interleaved mrope over a partial RoPE, the tower without deepstack) likewise, and with its
-#    projector trained; and the tiny LLaVA-NeXT (golden-llava_next: CLIP tower over
-#    any-resolution tiles, unpadded with its newline), losses on 1 GPU, frozen and with its
-#    projector trained.
+#    its projector trained (`vlm.freeze_projector: false`), and with its whole tower trained
+#    (`vlm.freeze_vision_encoder: false` too: the blocks recomputed with grad in bf16, the
+#    masked SDPA's backward on the GPU): losses within 2e-2, and the tower's step-1
+#    gradients within 2e-2 together (relative L2). The tiny Qwen3-VL (golden-qwen3vl:
+#    deepstack features, interleaved mrope) likewise, losses on 1 GPU; the tiny Qwen3.5
+#    (golden-qwen3_5: Gated DeltaNet and gated attention layers, the interleaved mrope over a
+#    partial RoPE, the tower without deepstack) likewise, and with its projector trained; and
+#    the tiny LLaVA-NeXT (golden-llava_next: CLIP tower over any-resolution tiles, unpadded
+#    with its newline), losses on 1 GPU, frozen and with its projector trained.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -222,6 +224,15 @@ if part vlm; then
            --set training.max_grad_norm=1000)
       vrun cpu_vlm_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
+    # The whole tower trained (the golden's own config).
+    if [ -f "$VLM/golden/tower/run.yaml" ]; then
+      vlm=(--config "$VLM/golden/tower/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3
+           --set training.max_grad_norm=1000)
+      vrun cpu_vlm_tower "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_tower --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      vrun cpu_vlm_tower_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_tower_step1.grads"
+      vrun gpu1_vlm_tower_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_tower_step1.grads"
     fi
     # The tiny Qwen3-VL (deepstack features, interleaved mrope): losses, 1 GPU against CPU.
     if [ -f "$VLM/golden-qwen3vl/run.yaml" ]; then
@@ -425,6 +436,16 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
     if os.path.exists(f"{work}/cpu_vlm_llava.jsonl"):
         check("gpu1_vlm_llava", "cpu_vlm_llava", 2e-2, keys=(("loss", "steps"),))
         check("gpu1_vlm_llava_projector", "cpu_vlm_llava_projector", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm_tower.jsonl"):
+        check("gpu1_vlm_tower", "cpu_vlm_tower", 2e-2, keys=(("loss", "steps"),))
+        ga = tensors(f"{work}/gpu1_vlm_tower_step1.grads")
+        gb = tensors(f"{work}/cpu_vlm_tower_step1.grads")
+        tower = sorted(n for n in gb if n.startswith("visual."))
+        good = ga.keys() == gb.keys() and len(tower) > 0
+        whole = rel_l2([x for n in tower for x in ga[n][1]], [x for n in tower for x in gb[n][1]]) if good else 1.0
+        ok &= good and whole <= bound
+        print(f"vlm tower trained, gpu1 vs cpu step-1 gradients: the tower's {len(tower)} tensors together "
+              f"relative L2 {whole:.2e} (bound {bound:.0e})" + ("" if good else " (FAIL: tensor names differ)"))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
     # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.

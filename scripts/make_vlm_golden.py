@@ -15,10 +15,14 @@ partial RoPE under the interleaved mrope, the tower without deepstack mergers): 
 (the tiny model beside that tokenizer and preprocessor_config.json), run.yaml, expected.json
 (the step's loss) and grads0.safetensors (every language-model gradient under its checkpoint
 name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, per grid).
-The projector cases of Qwen2.5-VL and Qwen3.5 (`vlm.freeze_projector: false`, LlamaFactory's
-`freeze_multi_modal_projector: false`): the same step with the tower's merger trained too, then
-torch's AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
-DIR/vlm/golden{,-qwen3_5}/projector/run.yaml, expected.json, grads0.safetensors (the merger's
+The trained-tower cases, each the same step with parts of the tower trained too, then torch's
+AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
+DIR/vlm/golden{,-qwen3_5}/projector (Qwen2.5-VL and Qwen3.5: `vlm.freeze_projector: false`,
+as LlamaFactory's `freeze_multi_modal_projector: false`: the merger), and Qwen2.5-VL's
+DIR/vlm/golden/tower (`vlm: {freeze_vision_encoder: false, freeze_projector: false}`: every
+tensor of the tower) and DIR/vlm/golden/encoder (LlamaFactory's `freeze_vision_tower: false`:
+the patch embedding and the blocks under a frozen merger): run.yaml, expected.json,
+grads0.safetensors (the tower's
 gradients beside the language model's) and step1.safetensors (every trained tensor after the
 step, checkpoint names).
 
@@ -148,12 +152,14 @@ def golden(family, build, out_name, seed, projector):
         assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
         return name
 
-    def step(train_merger):
-        """One forward and backward on every record, the tower frozen (and its merger unless
-        `train_merger`): (loss, {checkpoint name: gradient}, grad norm)."""
+    def step(train_merger, train_encoder=False):
+        """One forward and backward on every record, the tower's merger trained where
+        `train_merger`, its encoder (patch embedding and blocks) where `train_encoder`, else
+        frozen: (loss, {checkpoint name: gradient}, grad norm)."""
         model.zero_grad(set_to_none=True)
         for n, p in model.model.visual.named_parameters():
-            p.requires_grad_(train_merger and n.startswith("merger."))
+            merger = n.startswith("merger.")
+            p.requires_grad_(train_merger if merger else train_encoder)
         out_ = model(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"],
                      image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == cfg.image_token_id).long())
         logits = out_.logits
@@ -185,17 +191,22 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
                f"training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 1000.0}}\n")
     print(f"vlm golden ({family}): loss {loss.item():.6f}, grad norm {norm:.6f}, {B} rows, {len(images)} images")
 
-    if projector:
-        # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false),
-        # then one AdamW step: decay on >= 2-dim tensors, the gradients clipped to half their
-        # norm, an epsilon (1e-3) above the gradients' rounding, so that the step is a smooth
-        # function of them (at 1e-8 the first step is lr x sign(g), which rounding flips where
-        # g is ~0).
-        loss, grads, norm = step(True)
-        # The tower's checkpoint prefix: `visual.` (Qwen2.5-VL's hub names), `model.visual.`.
-        tower = checkpoint_name("model.visual.patch_embed.proj.weight").removesuffix("patch_embed.proj.weight")
-        assert any(n.startswith(tower + "merger.") for n in grads) and not any(
-            n.startswith(tower) and not n.startswith(tower + "merger.") for n in grads)
+    # The tower's checkpoint prefix: `visual.` (Qwen2.5-VL's hub names), `model.visual.`.
+    tower = checkpoint_name("model.visual.patch_embed.proj.weight").removesuffix("patch_embed.proj.weight")
+
+    def adamw_case(name, train_merger, train_encoder, keys):
+        """One step with the tower's parts trained as asked, then torch's AdamW step (decay
+        on >= 2-dim tensors, the gradients clipped to half their norm, an epsilon (1e-3)
+        above the gradients' rounding, so that the step is a smooth function of them: at
+        1e-8 the first step is lr x sign(g), which rounding flips where g is ~0), written to
+        OUT/<name>: run.yaml (with `keys`, the config lines asking for it), expected.json,
+        grads0.safetensors and step1.safetensors (every trained tensor after the step,
+        checkpoint names). The model's weights are put back after."""
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss, grads, norm = step(train_merger, train_encoder)
+        visual = [n for n in grads if n.startswith(tower)]
+        assert train_merger == any(n.startswith(tower + "merger.") for n in visual)
+        assert train_encoder == any(not n.startswith(tower + "merger.") for n in visual)
         LR, WD, EPS, CLIP = 0.001, 0.1, 1e-3, norm / 2
         params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
         torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
@@ -203,14 +214,26 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
                                  {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}],
                                 lr=LR, betas=(0.9, 0.999), eps=EPS)
         opt.step()
-        proj = os.path.join(out, "projector")
-        write_case(proj, loss, grads, norm,
-                   f"freeze_multi_modal_projector: false\nadam_epsilon: {EPS}\n"
+        case = os.path.join(out, name)
+        write_case(case, loss, grads, norm,
+                   f"{keys}adam_epsilon: {EPS}\n"
                    f"training: {{batch_size: {B}, num_steps: 1, learning_rate: {LR}, weight_decay: {WD}, max_grad_norm: {CLIP!r}}}\n")
         safetensors.torch.save_file({n: p.detach().contiguous() for n, p in params.items()},
-                                    os.path.join(proj, "step1.safetensors"))
-        print(f"vlm golden ({family}), projector trained: loss {loss.item():.6f}, grad norm {norm:.6f}, "
-              f"{sum(n.startswith(tower) for n in grads)} merger tensors")
+                                    os.path.join(case, "step1.safetensors"))
+        print(f"vlm golden ({family}), {name}: loss {loss.item():.6f}, grad norm {norm:.6f}, "
+              f"{len(visual)} tower tensors trained")
+        model.load_state_dict(before)
+
+    if projector:
+        # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false).
+        adamw_case("projector", True, False, "freeze_multi_modal_projector: false\n")
+    if family == "qwen2vl":
+        # The whole tower trained (MegaTrain's keys): the encoder's blocks (a window one and
+        # a full one) and patch embedding too.
+        adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+        # The encoder under a frozen merger (LlamaFactory's key): the gradient passes
+        # through the merger.
+        adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
 
     # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
     # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step

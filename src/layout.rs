@@ -3,7 +3,7 @@
 //! checkpoints all index through it.
 //!
 //! The parameters form one flat array of blocks. Block 0 is the embedding (with a
-//! vision-language model's trained projector, see [`Layout::with_tower`]), blocks
+//! vision-language model's trained tower tensors, see [`Layout::with_tower`]), blocks
 //! 1..=L the decoder layers, block L+1 the head (final norm, and lm_head unless the
 //! embeddings are tied, in which case lm_head reads block 0). Each block is contiguous, so
 //! one layer is one host-to-device copy and one device-to-host copy. Tensors inside a block
@@ -309,6 +309,15 @@ impl Layout {
     /// the image features enter the language model there, so the embedding's backward is
     /// where their gradient arrives, and the tensors ride the block's copies, reduce, update
     /// and checkpoints. The rest of the tower stays carried.
+    ///
+    /// A trained encoder (Qwen2.5-VL-7B's: 0.68B parameters, beside a 0.55B token
+    /// embedding) joins the same block rather than one block per tower layer: the tower
+    /// runs where the embedding does, at the start of the forward and the end of the
+    /// backward, so the block's one copy each way brings it. One block per tower layer
+    /// would hold one layer's weights and gradient on the device at a time instead of the
+    /// whole tower's (1.35 GB each in bf16 at 7B, a few percent of a GPU's memory), at the
+    /// cost of a new kind of block in every index the layout serves (store, slabs,
+    /// reduce, checkpoints, node shards, the workers' streaming).
     pub fn with_tower(spec: &ModelSpec, vision: &TowerSpec, training: TowerTraining) -> Layout {
         let tower: Vec<NamedShape> = vision.trained_tensors(training);
         let mut layout = Layout::build(spec, tower.clone());

@@ -2,8 +2,10 @@
 //! (`checkpoint::vision` fills it, the worker maps it): one contiguous run of elements in
 //! the store's dtype, each tensor at an aligned offset. The frozen tensors are not part of
 //! the trained [`super::Layout`]: no master, no moments, no gradient slabs. Those a run
-//! trains (`vlm.freeze_projector: false`: the merger) are in the layout's embedding block
-//! instead ([`super::Layout::with_tower`]) and not in the region.
+//! trains (`vlm.freeze_projector: false`: the merger; `vlm.freeze_vision_encoder: false`:
+//! the patch embedding and the blocks) are in the layout's embedding block instead
+//! ([`super::Layout::with_tower`]) and not in the region, which holds nothing where the
+//! whole tower trains.
 
 use serde::{Deserialize, Serialize};
 
@@ -173,6 +175,30 @@ mod tests {
             );
             assert!(l.carry.carries(&patch), "{patch}");
             assert!(Layout::new(&spec).carry.carries(merger), "{merger}");
+            // A trained encoder: the patch embedding and the blocks join the block, in the
+            // tower's order, the merger too where it trains; what does not train stays
+            // carried, and the region holds it alone.
+            for (t, merger_trains) in [
+                (TowerTraining::Encoder, false),
+                (TowerTraining::Whole, true),
+            ] {
+                let l = Layout::with_tower(&spec, &tower, t);
+                let embed = &l.blocks[Layout::EMBED];
+                let names: Vec<String> = embed.tensors.iter().map(|x| embed.hf_name(x)).collect();
+                assert_eq!(names[1], patch);
+                assert_eq!(
+                    names.len(),
+                    1 + 1 + 2 * 12 + if merger_trains { 5 } else { 0 }
+                );
+                assert!(names.iter().all(|n| !l.carry.carries(n)), "{names:?}");
+                assert_eq!(l.carry.carries(merger), !merger_trains, "{merger}");
+                let region = VisionLayout::new(&tower, "visual.", t);
+                assert_eq!(region.tensors.len(), if merger_trains { 0 } else { 5 });
+                assert_eq!(
+                    l.num_params() - text.num_params() + region.num_params(),
+                    all.num_params()
+                );
+            }
         }
     }
 

@@ -16,12 +16,13 @@
 //! | `llama4.rs`     | llama4_text                                               |
 //!
 //! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, whose features the
-//! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's, whose deepstack
-//! features the first layers' outputs also take there ([`add_at_image_tokens`]), and
-//! Qwen3.5's (the same tower without deepstack mergers); `siglip_vision.rs` Gemma 3's SigLIP
-//! tower and projector (frozen, forward only); `clip_vision.rs` LLaVA-NeXT's CLIP tower,
-//! projector and image newline over any-resolution tiles. Qwen3-VL's text model
-//! (`qwen3_vl_text`) is `qwen3.rs`, Qwen3.5's (`qwen3_5_text`) `qwen3_next.rs`.
+//! model places at the image tokens (block by block where the encoder trains);
+//! `qwen3_vl_vision.rs` Qwen3-VL's, whose deepstack features the first layers' outputs also
+//! take there ([`add_at_image_tokens`]), and Qwen3.5's (the same tower without deepstack
+//! mergers); `siglip_vision.rs` Gemma 3's SigLIP tower and projector (frozen, forward only);
+//! `clip_vision.rs` LLaVA-NeXT's CLIP tower, projector and image newline over any-resolution
+//! tiles. Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`, Qwen3.5's (`qwen3_5_text`)
+//! `qwen3_next.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -68,7 +69,9 @@ use tch::{Device, Kind, Tensor};
 
 pub use clip_vision::{ClipWeights, llava_next_encoder, llava_next_projected, llava_next_vision};
 pub use moe::RouterAux;
-pub use qwen2_vl_vision::{Encoded, VisionWeights, qwen2_5_vl_vision};
+pub use qwen2_vl_vision::{
+    Encoded, Geometry, VisionWeights, patch_embed, qwen2_5_vl_vision, vision_block,
+};
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;
 pub use siglip_vision::{SiglipWeights, gemma3_vision};

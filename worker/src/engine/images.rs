@@ -13,7 +13,8 @@
 //! and newline) runs where the embedding does, from the embedding block's weights: without
 //! grad in the forward, recomputed with grad on its leaves in the embedding's backward, where
 //! the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
-//! N x E) is kept for that.
+//! N x E) is kept for that. A trained encoder (`vlm.freeze_vision_encoder: false`,
+//! Qwen2.5-VL's) runs where the embedding does too, block by block ([`super::tower`]).
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
 //! tower's width, I images, S the side of Gemma 3's images and of LLaVA-NeXT's tiles, Tt
@@ -31,6 +32,7 @@ use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
+use super::tower::EncoderPass;
 use crate::model::{
     BlockWeights, ClipWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens,
     gemma3_vision, llava_next_encoder, llava_next_projected, llava_next_vision, qwen2_5_vl_vision,
@@ -84,9 +86,9 @@ impl Tower {
                         (Features::Frozen(f.merged_mo), f.deepstack_mo)
                     }
                     (_, TowerTraining::Projector) if deepstack => bail!(
-                        "vlm.freeze_projector: false trains the projector of Qwen2.5-VL and \
-                         Qwen3.5 only; `{}`'s tower (with deepstack mergers) is frozen (set \
-                         vlm.freeze_projector: true)",
+                        "vlm.freeze_projector: false trains the projectors of Qwen2.5-VL, \
+                         Qwen3.5 and LLaVA-NeXT only; `{}`'s tower (with deepstack mergers) is \
+                         frozen (set vlm.freeze_projector: true)",
                         w.spec.model_type
                     ),
                     (_, TowerTraining::Projector) => (
@@ -95,6 +97,16 @@ impl Tower {
                             spec: w.spec.clone(),
                         },
                         Vec::new(),
+                    ),
+                    (VisionFamily::Qwen2_5Vl, t) => {
+                        let pass = EncoderPass::new(w, t, pixels_np, &grids);
+                        (Features::Encoder(Box::new(pass)), Vec::new())
+                    }
+                    (VisionFamily::Qwen3Vl, t) => bail!(
+                        "{}: false trains Qwen2.5-VL's encoder only; `{}`'s is frozen (set {}: true)",
+                        t.key(),
+                        w.spec.model_type,
+                        t.key()
                     ),
                 };
                 MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
@@ -119,6 +131,11 @@ impl Tower {
                         sizes,
                         spec: w.spec.clone(),
                     },
+                    t => bail!(
+                        "{}: false trains Qwen2.5-VL's encoder only; `llava_next`'s is frozen (set {}: true)",
+                        t.key(),
+                        t.key()
+                    ),
                 };
                 Ok(MicroImages::placed(w.spec.image_token_id, features))
             }
@@ -264,6 +281,8 @@ pub enum Features {
         sizes: Vec<[u32; 2]>,
         spec: ClipSpec,
     },
+    /// Nothing yet: the encoder trains, and runs from the embedding block's weights.
+    Encoder(Box<EncoderPass>),
 }
 
 /// What a micro-batch's images bring to the language model.
@@ -426,6 +445,27 @@ impl MicroImages {
                     .collect();
                 llava_next_projected(&ClipWeights::new(spec.clone(), projector), enc_tne, sizes)
             }
+            Features::Encoder(pass) => pass.features_mh(embed_w),
+        }
+    }
+
+    /// Runs a trained encoder over the images from `embed_w`'s views (the forward's: no
+    /// grad), each block's input kept where `keep` (a training step), before
+    /// [`Self::features_mh`] reads its output; nothing for a frozen one, which ran when
+    /// the images were read.
+    pub fn encode(&mut self, embed_w: &BlockWeights, keep: bool) {
+        if let Features::Encoder(pass) = &mut self.features {
+            pass.forward(embed_w, keep);
+        }
+    }
+
+    /// After the embedding's backward (which reached the features through
+    /// [`Self::features_mh`] with `embed_w`'s leaves): a trained encoder's blocks
+    /// recomputed and backpropagated into those leaves; nothing otherwise.
+    pub fn encoder_backward(&mut self, embed_w: &BlockWeights) -> Result<()> {
+        match &mut self.features {
+            Features::Encoder(pass) => pass.backward(embed_w),
+            _ => Ok(()),
         }
     }
 
