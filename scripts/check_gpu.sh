@@ -4,7 +4,8 @@
 # 1. Training: the tiny model trained in bfloat16 on GPUs must give per-step losses within
 #    2e-2 (relative) of the same run in float32 on CPU: on 1 and 2 GPUs, with two
 #    micro-batches per step, with layer inputs offloaded to host memory (which must also
-#    match the plain 1-GPU run to 1e-6), with tied embeddings, and for variants of the tiny
+#    match the plain 1-GPU run to 1e-6; the plain run keeps its layers' MLP activations,
+#    `memory.recompute: auto`, and must say so in its metrics), with tied embeddings, and for variants of the tiny
 #    model: a Qwen3-MoE (routed experts, router aux loss; also on 2 GPUs), a Mixtral and a
 #    GPT-OSS (sinks, sliding windows, biased experts with the clamped SwiGLU), a Qwen3-Next
 #    hybrid (Gated DeltaNet + gated full attention, shared expert) and a Qwen3.5 one (split
@@ -353,6 +354,12 @@ if "train" in parts:
         check(f"gpu1_{m}", f"cpu_{m}", 2e-2)
     check("gpu2_moe", "cpu_moe", 2e-2)
     check("gpu1_offload", "gpu1", 1e-6)
+    # GPU runs take memory.recompute: auto, so the tiny model's layers keep their MLP
+    # activations there: gpu1 compares the kept path in bf16 with the f32 recompute on CPU.
+    kept = max(load("gpu1", "kept_layers"), default=0)
+    ok &= kept > 0
+    print(f"gpu1 kept the MLP activations of {kept} layers (memory.recompute: auto)"
+          + ("" if kept else " (FAIL: the kept path did not run)"))
 if "families" in parts:
     for m in families:
         check(f"gpu1_{m}", f"cpu_{m}", 2e-2)
