@@ -4,7 +4,8 @@
 # 1. Training: the tiny model trained in bfloat16 on GPUs must give per-step losses within
 #    2e-2 (relative) of the same run in float32 on CPU: on 1 and 2 GPUs, with two
 #    micro-batches per step, with layer inputs offloaded to host memory (which must also
-#    match the plain 1-GPU run to 1e-6), with tied embeddings, and for variants of the tiny
+#    match the plain 1-GPU run to 1e-6; the plain run keeps its layers' MLP activations,
+#    `memory.recompute: auto`, and must say so in its metrics), with tied embeddings, and for variants of the tiny
 #    model: a Qwen3-MoE (routed experts, router aux loss; also on 2 GPUs), a Mixtral and a
 #    GPT-OSS (sinks, sliding windows, biased experts with the clamped SwiGLU), a Qwen3-Next
 #    hybrid (Gated DeltaNet + gated full attention, shared expert) and a Qwen3.5 one (split
@@ -60,8 +61,15 @@
 #    (1 GPU, and 2 when visible), and step 1's gradients within 2e-2 (relative L2, as the
 #    experts' check: a bf16 rounding is <= 2^-9, compounded over the tower, the decoder and
 #    the backward): each matrix, and all trained tensors together. Then the same model with
-#    its projector trained (`vlm.freeze_projector: false`): losses within 2e-2. The tiny
-#    Qwen3-VL (golden-qwen3vl: deepstack features, interleaved mrope) likewise, losses on 1 GPU.
+#    its projector trained (`vlm.freeze_projector: false`), and with its whole tower trained
+#    (`vlm.freeze_vision_encoder: false` too: the blocks recomputed with grad in bf16, the
+#    masked SDPA's backward on the GPU): losses within 2e-2, and the tower's step-1
+#    gradients within 2e-2 together (relative L2). The tiny Qwen3-VL (golden-qwen3vl:
+#    deepstack features, interleaved mrope) likewise, losses on 1 GPU; the tiny Qwen3.5
+#    (golden-qwen3_5: Gated DeltaNet and gated attention layers, the interleaved mrope over a
+#    partial RoPE, the tower without deepstack) likewise, and with its projector trained; and
+#    the tiny LLaVA-NeXT (golden-llava_next: CLIP tower over any-resolution tiles, unpadded
+#    with its newline), losses on 1 GPU, frozen and with its projector trained.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -218,11 +226,41 @@ if part vlm; then
       vrun cpu_vlm_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
     fi
+    # The whole tower trained (the golden's own config).
+    if [ -f "$VLM/golden/tower/run.yaml" ]; then
+      vlm=(--config "$VLM/golden/tower/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3
+           --set training.max_grad_norm=1000)
+      vrun cpu_vlm_tower "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_tower --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      vrun cpu_vlm_tower_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_tower_step1.grads"
+      vrun gpu1_vlm_tower_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_tower_step1.grads"
+    fi
     # The tiny Qwen3-VL (deepstack features, interleaved mrope): losses, 1 GPU against CPU.
     if [ -f "$VLM/golden-qwen3vl/run.yaml" ]; then
       vlm=(--config "$VLM/golden-qwen3vl/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
       vrun cpu_vlm3 "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm3 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
+    # The tiny Qwen3.5 (hybrid text model, tower without deepstack): losses, 1 GPU against
+    # CPU, the projector frozen (the golden's config) and trained (its projector config).
+    if [ -f "$VLM/golden-qwen3_5/run.yaml" ]; then
+      vlm=(--config "$VLM/golden-qwen3_5/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+      vrun cpu_vlm35 "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm35 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      vlm=(--config "$VLM/golden-qwen3_5/projector/run.yaml" --set training.save_model=false
+           --set training.learning_rate=3e-3 --set training.max_grad_norm=1000)
+      vrun cpu_vlm35_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm35_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
+    # The tiny LLaVA-NeXT: losses, 1 GPU against CPU; and its projector trained.
+    if [ -f "$VLM/golden-llava_next/run.yaml" ]; then
+      vlm=(--config "$VLM/golden-llava_next/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+      vrun cpu_vlm_llava "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_llava --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      vlm=(--config "$VLM/golden-llava_next/projector/run.yaml" --set training.save_model=false
+           --set training.learning_rate=3e-3 --set training.max_grad_norm=1000)
+      vrun cpu_vlm_llava_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_llava_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
     fi
   else
     echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
@@ -316,6 +354,12 @@ if "train" in parts:
         check(f"gpu1_{m}", f"cpu_{m}", 2e-2)
     check("gpu2_moe", "cpu_moe", 2e-2)
     check("gpu1_offload", "gpu1", 1e-6)
+    # GPU runs take memory.recompute: auto, so the tiny model's layers keep their MLP
+    # activations there: gpu1 compares the kept path in bf16 with the f32 recompute on CPU.
+    kept = max(load("gpu1", "kept_layers"), default=0)
+    ok &= kept > 0
+    print(f"gpu1 kept the MLP activations of {kept} layers (memory.recompute: auto)"
+          + ("" if kept else " (FAIL: the kept path did not run)"))
 if "families" in parts:
     for m in families:
         check(f"gpu1_{m}", f"cpu_{m}", 2e-2)
@@ -393,6 +437,22 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
         check("gpu1_vlm_projector", "cpu_vlm_projector", 2e-2, keys=(("loss", "steps"),))
     if os.path.exists(f"{work}/cpu_vlm3.jsonl"):
         check("gpu1_vlm3", "cpu_vlm3", 2e-2, keys=(("loss", "steps"),))
+    for name in ("vlm35", "vlm35_projector"):
+        if os.path.exists(f"{work}/cpu_{name}.jsonl"):
+            check(f"gpu1_{name}", f"cpu_{name}", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm_llava.jsonl"):
+        check("gpu1_vlm_llava", "cpu_vlm_llava", 2e-2, keys=(("loss", "steps"),))
+        check("gpu1_vlm_llava_projector", "cpu_vlm_llava_projector", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm_tower.jsonl"):
+        check("gpu1_vlm_tower", "cpu_vlm_tower", 2e-2, keys=(("loss", "steps"),))
+        ga = tensors(f"{work}/gpu1_vlm_tower_step1.grads")
+        gb = tensors(f"{work}/cpu_vlm_tower_step1.grads")
+        tower = sorted(n for n in gb if n.startswith("visual."))
+        good = ga.keys() == gb.keys() and len(tower) > 0
+        whole = rel_l2([x for n in tower for x in ga[n][1]], [x for n in tower for x in gb[n][1]]) if good else 1.0
+        ok &= good and whole <= bound
+        print(f"vlm tower trained, gpu1 vs cpu step-1 gradients: the tower's {len(tower)} tensors together "
+              f"relative L2 {whole:.2e} (bound {bound:.0e})" + ("" if good else " (FAIL: tensor names differ)"))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
     # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.

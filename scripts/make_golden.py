@@ -17,8 +17,8 @@ For each case this writes, under OUT/<case>/:
   dequantized.safetensors  (MXFP4 cases) the expert weights as transformers dequantizes
                       the packed checkpoint in model/ (bf16), to compare bit for bit
 
-The vision towers' fixtures (OUT/vision/qwen2_5_vl/, OUT/vision/qwen3_vl/, OUT/vision/gemma3/):
-scripts/make_vlm_model_fixtures.py.
+The vision towers' fixtures (OUT/vision/qwen2_5_vl/, OUT/vision/qwen3_vl/, OUT/vision/qwen3_5/,
+OUT/vision/gemma3/, OUT/vision/llava_next/): scripts/make_vlm_model_fixtures.py.
 
 DPO cases (OUT/dpo/<case>/, training.stage: dpo; scripts/golden_dpo.py): model/, pairs.jsonl
 (tokenized preference pairs: a shared prompt, labels on each answer only), run.yaml, and
@@ -769,7 +769,9 @@ def main():
     staged.add("mrope")
     staged.add("vision/qwen2_5_vl")
     staged.add("vision/qwen3_vl")
+    staged.add("vision/qwen3_5")
     staged.add("vision/gemma3")
+    staged.add("vision/llava_next")
     only = set(args.cases.split(",")) if args.cases else set(CASES) | staged
     if only - set(CASES) - staged:
         raise SystemExit(f"unknown cases: {sorted(only - set(CASES) - staged)}")
@@ -783,9 +785,15 @@ def main():
     if "vision/qwen3_vl" in only:  # worker/src/model/qwen3_vl_vision
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
         subprocess.run([sys.executable, script, "--out", args.out, "--family", "qwen3_vl"], check=True)
+    if "vision/qwen3_5" in only:  # worker/src/model/qwen3_vl_vision, no deepstack
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
+        subprocess.run([sys.executable, script, "--out", args.out, "--family", "qwen3_5"], check=True)
     if "vision/gemma3" in only:  # worker/src/model/siglip_vision
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
         subprocess.run([sys.executable, script, "--out", args.out, "--family", "gemma3"], check=True)
+    if "vision/llava_next" in only:  # worker/src/model/clip_vision
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_vlm_model_fixtures.py")
+        subprocess.run([sys.executable, script, "--out", args.out, "--family", "llava_next"], check=True)
     for name, case in golden_dpo.DPO_CASES.items():
         if f"dpo/{name}" in only:
             golden_dpo.make_case(args.out, name, case)

@@ -22,6 +22,12 @@ Written under OUT/vlm/pixels:
   fixed 224 x 224, rescale, normalise with mean and std 0.5), `pixel_values` (3, 224, 224) per
   file in processor.safetensors, beside the preprocessor_config.json and a config.json whose
   SigLIP tower takes that size.
+- llava_next/: the same images through transformers' LlavaNextImageProcessorPil (what
+  AutoImageProcessor picks for llava_next without torchvision) with the hub's
+  preprocessor_config.json keys at 112-pixel tiles (llava-v1.6's pinpoints scaled by 1/3): the
+  image resized keeping its aspect (bicubic) into the best pinpoint, padded, cut into tiles, the
+  whole image resized to one tile before them; `pixel_values` (tiles, 3, 112, 112) per file,
+  beside a config.json whose CLIP tower takes that size.
 - manifest.json: the file lists.
 
 Usage: .venv/bin/python scripts/make_pixel_fixtures.py --out target/data-fixtures
@@ -38,6 +44,7 @@ import numpy as np
 from PIL import Image
 from safetensors.numpy import save_file
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 ap = argparse.ArgumentParser()
@@ -251,7 +258,36 @@ for name in through:
     assert list(enc["num_crops"]) == [0]
     g3_processed[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"][0], dtype=np.float32)
 save_file(g3_processed, os.path.join(g3, "processor.safetensors"))
+
+# LLaVA-NeXT's processor: the hub's preprocessor_config.json keys (llava-hf/llava-v1.6-*) at
+# 112-pixel tiles, and a config.json whose CLIP tower and pinpoints match them.
+ln = os.path.join(out, "llava_next")
+os.makedirs(ln)
+ln_pins = [[112, 224], [224, 112], [224, 224], [336, 112], [112, 336]]
+ln_config = {"image_processor_type": "LlavaNextImageProcessor", "processor_class": "LlavaNextProcessor",
+             "aspect_ratio_setting": "anyres", "crop_size": {"height": 112, "width": 112},
+             "do_center_crop": True, "do_convert_rgb": True, "do_normalize": True, "do_pad": True,
+             "do_rescale": True, "do_resize": True, "image_grid_pinpoints": ln_pins,
+             "image_mean": [0.48145466, 0.4578275, 0.40821073],
+             "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3,
+             "rescale_factor": 0.00392156862745098, "size": {"shortest_edge": 112}}
+with open(os.path.join(ln, "preprocessor_config.json"), "w") as f:
+    json.dump(ln_config, f, indent=2)
+with open(os.path.join(ln, "config.json"), "w") as f:
+    json.dump({"model_type": "llava_next", "image_grid_pinpoints": ln_pins, "text_config": {"hidden_size": 64},
+               "vision_config": {"image_size": 112, "patch_size": 14, "hidden_size": 32,
+                                 "intermediate_size": 48, "num_attention_heads": 2, "num_hidden_layers": 2}},
+              f, indent=2)
+drop = ("image_processor_type", "processor_class", "aspect_ratio_setting")
+ln_proc = LlavaNextImageProcessorPil(**{k: v for k, v in ln_config.items() if k not in drop})
+ln_processed = {}
+for name in through:
+    with Image.open(os.path.join(out, "images", name)) as im:
+        enc = ln_proc(images=[im.convert("RGB")])
+    ln_processed[f"{name}.pixel_values"] = np.ascontiguousarray(enc["pixel_values"][0], dtype=np.float32)
+    ln_processed[f"{name}.image_size"] = np.asarray(enc["image_sizes"][0], dtype=np.int64)
+save_file(ln_processed, os.path.join(ln, "processor.safetensors"))
 with open(os.path.join(out, "manifest.json"), "w") as f:
     json.dump({"decoded": sorted(decoded), "processed": through, "refused": [lossy]}, f, indent=2)
 print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil"
-      " (Qwen2-VL's and Qwen3-VL's settings) and Gemma3ImageProcessorPil")
+      " (Qwen2-VL's and Qwen3-VL's settings), Gemma3ImageProcessorPil and LlavaNextImageProcessorPil")

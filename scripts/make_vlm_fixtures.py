@@ -12,6 +12,10 @@ answers, as make_data_fixtures.py labels them), plus each image's (width, height
 image_grid_thw. model-qwen3vl and expected_qwen3vl.jsonl are the same for Qwen3-VL: its
 processor (`Qwen3VLProcessor`) over the same image processor class with Qwen3-VL's settings
 (16-pixel patches, mean and std 0.5, the pixel bounds in `size`), fewer tokens per image.
+model-qwen3_5 and expected_qwen3_5.jsonl: Qwen3.5, whose processor AutoProcessor also makes a
+`Qwen3VLProcessor` over `Qwen2VLImageProcessor` (checked against transformers' auto mappings),
+with the settings of Qwen/Qwen3.5-27B's preprocessor_config.json but the fixture's pixel
+bounds (the pixel fixtures' qwen3vl settings, so the same pixel check covers it).
 
 The ids are the processor's: each `<image>` becomes `<|vision_start|><|image_pad|><|vision_end|>`
 (LlamaFactory's Qwen2-VL plugin text before the processor), the conversation is rendered with
@@ -19,8 +23,9 @@ the chat template, and `Qwen2VLProcessor(text, images)` expands each `<|image_pa
 grid's count. The labels come from rendering the expanded messages (the same text, checked).
 
 Usage: .venv/bin/python scripts/make_vlm_fixtures.py --out target/data-fixtures
-(make_data_fixtures.py calls it; it calls make_pixel_fixtures.py, make_vlm_golden.py and Gemma 3's
-make_vlm_gemma3_fixtures.py and make_vlm_golden_gemma3.py.)
+(make_data_fixtures.py calls it; it calls make_pixel_fixtures.py, make_vlm_golden.py, Gemma 3's
+make_vlm_gemma3_fixtures.py and make_vlm_golden_gemma3.py, and LLaVA-NeXT's
+make_vlm_llava_next_fixtures.py and make_vlm_golden_llava_next.py.)
 """
 import argparse
 import json
@@ -154,8 +159,23 @@ assert improc3.patch_size == 16 and improc3.size["longest_edge"] == QWEN3VL_SIZE
 proc3 = Qwen3VLProcessor(image_processor=improc3, tokenizer=tok, video_processor=BaseVideoProcessor(),
                          chat_template=tok.chat_template)
 expected(proc3, 2, "expected_qwen3vl.jsonl")
+
+# Qwen3.5: the processor classes transformers' auto mappings give a `qwen3_5` checkpoint (the
+# video processor, which needs torchvision, stands in as above).
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES  # noqa: E402
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES  # noqa: E402
+assert PROCESSOR_MAPPING_NAMES["qwen3_5"] == "Qwen3VLProcessor", PROCESSOR_MAPPING_NAMES["qwen3_5"]
+assert IMAGE_PROCESSOR_MAPPING_NAMES["qwen3_5"]["pil"] == "Qwen2VLImageProcessorPil"
+model35 = os.path.join(out, "model-qwen3_5")
+shutil.copytree(model, model35)
+with open(os.path.join(model35, "preprocessor_config.json"), "w") as f:
+    json.dump(cfg3, f, indent=2)
+improc35 = Qwen2VLImageProcessorPil.from_pretrained(model35)
+proc35 = Qwen3VLProcessor(image_processor=improc35, tokenizer=tok, video_processor=BaseVideoProcessor(),
+                          chat_template=tok.chat_template)
+expected(proc35, 2, "expected_qwen3_5.jsonl")
 print(f"vlm fixtures: {len(records)} records, {len(IMAGES)} images, Qwen2VLProcessor (max_pixels {MAX_PIXELS}),"
-      f" Qwen3VLProcessor ({QWEN3VL_SIZE})")
+      f" Qwen3VLProcessor ({QWEN3VL_SIZE}) for Qwen3-VL and Qwen3.5")
 
 # The pixels: decoded images and the image processor's pixel_values (OUT/vlm/pixels).
 subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_pixel_fixtures.py"),
@@ -166,7 +186,9 @@ subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_vlm_golden.py")
                 "--dir", os.path.dirname(out)], check=True)
 
 # Gemma 3: the same records through its processor and chat template (OUT/vlm/model-gemma3,
-# expected_gemma3.jsonl), then its end-to-end golden case (OUT/vlm/golden-gemma3).
-for script in ("make_vlm_gemma3_fixtures.py", "make_vlm_golden_gemma3.py"):
+# expected_gemma3.jsonl), then its end-to-end golden case (OUT/vlm/golden-gemma3); LLaVA-NeXT's
+# likewise (model-llava_next, expected_llava_next.jsonl, golden-llava_next).
+for script in ("make_vlm_gemma3_fixtures.py", "make_vlm_golden_gemma3.py", "make_vlm_llava_next_fixtures.py",
+               "make_vlm_golden_llava_next.py"):
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), "--dir", os.path.dirname(out)],
                    check=True)

@@ -1,24 +1,30 @@
 #!/usr/bin/env python3
-"""End-to-end vision-language golden cases (issue #49): a tiny Qwen2.5-VL and a tiny Qwen3-VL
-built with the hub classes, each trained one step by transformers + torch on the multimodal
+"""End-to-end vision-language golden cases (issue #49): a tiny Qwen2.5-VL, a tiny Qwen3-VL and a
+tiny Qwen3.5 built with the hub classes, each trained one step by transformers + torch on the multimodal
 records of make_vlm_fixtures.py (images in PNG, JPEG and lossless WebP, one and two per row, a
 text-only row), their vision towers and mergers frozen; launcher/tests/vlm.rs runs mt-launch on
 the same records (read, tokenized, decoded and resized by it) and compares.
 
-Reads DIR/vlm (the records, images, model-qwen2vl's and model-qwen3vl's tokenizer and processor
+Reads DIR/vlm (the records, images, model-<family>'s tokenizer and processor
 settings, and expected_<family>.jsonl: the processor's ids and the labels per record, which the
 data tests hold ours equal to); writes DIR/vlm/golden (Qwen2.5-VL) and DIR/vlm/golden-qwen3vl
 (Qwen3-VL: Qwen3's layers with q/k norms under the interleaved mrope, the tower's learned
-positions, and two deepstack features added after the first two of its three layers): model/
+positions, and two deepstack features added after the first two of its three layers) and
+DIR/vlm/golden-qwen3_5 (Qwen3.5: Gated DeltaNet and gated attention layers, the attention's
+partial RoPE under the interleaved mrope, the tower without deepstack mergers): model/
 (the tiny model beside that tokenizer and preprocessor_config.json), run.yaml, expected.json
 (the step's loss) and grads0.safetensors (every language-model gradient under its checkpoint
 name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, per grid).
-Qwen2.5-VL's projector case (`vlm.freeze_projector: false`, LlamaFactory's
-`freeze_multi_modal_projector: false`): the same step with `visual.merger` trained too, then
-torch's AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
-DIR/vlm/golden/projector/run.yaml, expected.json, grads0.safetensors (the merger's gradients
-beside the language model's) and step1.safetensors (every trained tensor after the step,
-checkpoint names).
+The trained-tower cases, each the same step with parts of the tower trained too, then torch's
+AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
+DIR/vlm/golden{,-qwen3_5}/projector (Qwen2.5-VL and Qwen3.5: `vlm.freeze_projector: false`,
+as LlamaFactory's `freeze_multi_modal_projector: false`: the merger), and Qwen2.5-VL's
+DIR/vlm/golden/tower (`vlm: {freeze_vision_encoder: false, freeze_projector: false}`: every
+tensor of the tower) and DIR/vlm/golden/encoder (LlamaFactory's `freeze_vision_tower: false`:
+the patch embedding and the blocks under a frozen merger): run.yaml, expected.json,
+grads0.safetensors (the tower's
+gradients beside the language model's) and step1.safetensors (every trained tensor after the
+step, checkpoint names).
 
 Usage: .venv/bin/python scripts/make_vlm_golden.py --dir target/data-fixtures
 (make_vlm_fixtures.py calls it last.)
@@ -33,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                          Qwen3VLForConditionalGeneration)
+from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
+                          Qwen3_5ForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 ap = argparse.ArgumentParser()
@@ -72,6 +78,31 @@ def qwen3_vl(vocab, ids_of):
         vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
     )
     return cfg, Qwen3VLForConditionalGeneration(cfg).float()
+
+
+def qwen3_5(vocab, ids_of):
+    """Qwen3.5: Gated DeltaNet layers (no positions) and gated attention layers whose partial
+    RoPE (16 of 32 dims: 8 pairs) turns under the interleaved sections [3, 3, 2] (pairs 0, 3, 6
+    temporal, 1, 4, 7 height, 2, 5 width); the tower without deepstack mergers."""
+    cfg = Qwen3_5Config(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [3, 3, 2], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=16),
+        image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
+        vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    model = Qwen3_5ForConditionalGeneration(cfg).float()
+    assert model.model.language_model.rotary_emb.inv_freq.numel() == 8, "8 rotary pairs"
+    assert not hasattr(model.model.visual, "deepstack_merger_list")
+    return cfg, model
 
 
 def golden(family, build, out_name, seed, projector):
@@ -121,12 +152,14 @@ def golden(family, build, out_name, seed, projector):
         assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
         return name
 
-    def step(train_merger):
-        """One forward and backward on every record, the tower frozen (and its merger unless
-        `train_merger`): (loss, {checkpoint name: gradient}, grad norm)."""
+    def step(train_merger, train_encoder=False):
+        """One forward and backward on every record, the tower's merger trained where
+        `train_merger`, its encoder (patch embedding and blocks) where `train_encoder`, else
+        frozen: (loss, {checkpoint name: gradient}, grad norm)."""
         model.zero_grad(set_to_none=True)
         for n, p in model.model.visual.named_parameters():
-            p.requires_grad_(train_merger and n.startswith("merger."))
+            merger = n.startswith("merger.")
+            p.requires_grad_(train_merger if merger else train_encoder)
         out_ = model(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"],
                      image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == cfg.image_token_id).long())
         logits = out_.logits
@@ -158,15 +191,22 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
                f"training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 1000.0}}\n")
     print(f"vlm golden ({family}): loss {loss.item():.6f}, grad norm {norm:.6f}, {B} rows, {len(images)} images")
 
-    if projector:
-        # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false),
-        # then one AdamW step: decay on >= 2-dim tensors, the gradients clipped to half their
-        # norm, an epsilon (1e-3) above the gradients' rounding, so that the step is a smooth
-        # function of them (at 1e-8 the first step is lr x sign(g), which rounding flips where
-        # g is ~0).
-        loss, grads, norm = step(True)
-        assert any(n.startswith("visual.merger.") for n in grads) and not any(
-            n.startswith("visual.") and not n.startswith("visual.merger.") for n in grads)
+    # The tower's checkpoint prefix: `visual.` (Qwen2.5-VL's hub names), `model.visual.`.
+    tower = checkpoint_name("model.visual.patch_embed.proj.weight").removesuffix("patch_embed.proj.weight")
+
+    def adamw_case(name, train_merger, train_encoder, keys):
+        """One step with the tower's parts trained as asked, then torch's AdamW step (decay
+        on >= 2-dim tensors, the gradients clipped to half their norm, an epsilon (1e-3)
+        above the gradients' rounding, so that the step is a smooth function of them: at
+        1e-8 the first step is lr x sign(g), which rounding flips where g is ~0), written to
+        OUT/<name>: run.yaml (with `keys`, the config lines asking for it), expected.json,
+        grads0.safetensors and step1.safetensors (every trained tensor after the step,
+        checkpoint names). The model's weights are put back after."""
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss, grads, norm = step(train_merger, train_encoder)
+        visual = [n for n in grads if n.startswith(tower)]
+        assert train_merger == any(n.startswith(tower + "merger.") for n in visual)
+        assert train_encoder == any(not n.startswith(tower + "merger.") for n in visual)
         LR, WD, EPS, CLIP = 0.001, 0.1, 1e-3, norm / 2
         params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
         torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
@@ -174,14 +214,26 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
                                  {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}],
                                 lr=LR, betas=(0.9, 0.999), eps=EPS)
         opt.step()
-        proj = os.path.join(out, "projector")
-        write_case(proj, loss, grads, norm,
-                   f"freeze_multi_modal_projector: false\nadam_epsilon: {EPS}\n"
+        case = os.path.join(out, name)
+        write_case(case, loss, grads, norm,
+                   f"{keys}adam_epsilon: {EPS}\n"
                    f"training: {{batch_size: {B}, num_steps: 1, learning_rate: {LR}, weight_decay: {WD}, max_grad_norm: {CLIP!r}}}\n")
         safetensors.torch.save_file({n: p.detach().contiguous() for n, p in params.items()},
-                                    os.path.join(proj, "step1.safetensors"))
-        print(f"vlm golden ({family}), projector trained: loss {loss.item():.6f}, grad norm {norm:.6f}, "
-              f"{sum(n.startswith('visual.') for n in grads)} merger tensors")
+                                    os.path.join(case, "step1.safetensors"))
+        print(f"vlm golden ({family}), {name}: loss {loss.item():.6f}, grad norm {norm:.6f}, "
+              f"{len(visual)} tower tensors trained")
+        model.load_state_dict(before)
+
+    if projector:
+        # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false).
+        adamw_case("projector", True, False, "freeze_multi_modal_projector: false\n")
+    if family == "qwen2vl":
+        # The whole tower trained (MegaTrain's keys): the encoder's blocks (a window one and
+        # a full one) and patch embedding too.
+        adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+        # The encoder under a frozen merger (LlamaFactory's key): the gradient passes
+        # through the merger.
+        adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
 
     # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
     # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
@@ -204,3 +256,4 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
 
 golden("qwen2vl", qwen2_5_vl, "golden", 4949, projector=True)
 golden("qwen3vl", qwen3_vl, "golden-qwen3vl", 4950, projector=False)
+golden("qwen3_5", qwen3_5, "golden-qwen3_5", 4951, projector=True)

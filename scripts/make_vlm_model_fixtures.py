@@ -24,11 +24,19 @@ the features come in block order, each from its own merger), learned position em
 6 x 6 grid resampled to grids smaller and larger than it, one entry with two frames (attention
 within each frame), the same wide weights.
 
+Qwen3.5 (`--family qwen3_5`, OUT/vision/qwen3_5/): `Qwen3_5VisionModel`, Qwen3-VL's tower
+without deepstack mergers, sized and drawn as Qwen3-VL's (io.safetensors without `deepstack.K`);
+`qwen3_vl_vision` computes it with its spec's empty deepstack list.
+
 Gemma 3 (`--family gemma3`, OUT/vision/gemma3/): its SigLIP tower and projector, described at
 `gemma3()` below; worker/src/model/siglip_vision.rs compares with it.
 
+LLaVA-NeXT (`--family llava_next`, OUT/vision/llava_next/): its CLIP tower, projector and
+image_newline over any-resolution tiles, described at `llava_next()` below;
+worker/src/model/clip_vision.rs compares with it.
+
 Usage: .venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden
-       [--family qwen3_vl|gemma3]
+       [--family qwen3_vl|qwen3_5|gemma3|llava_next]
 """
 import argparse
 import os
@@ -36,38 +44,49 @@ import shutil
 
 import safetensors.torch
 import torch
-from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, LlavaNextConfig,
+                          LlavaNextForConditionalGeneration, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
+                          Qwen3_5ForConditionalGeneration, Qwen3VLConfig,
                           Qwen3VLForConditionalGeneration)
+from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 GRIDS = [(1, 6, 8), (1, 4, 10), (2, 4, 4)]  # (t, h, w) in patches
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
-ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl", "gemma3"])
+ap.add_argument("--family", default="qwen2_5_vl",
+                choices=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava_next"])
 args = ap.parse_args()
 out = os.path.join(os.path.abspath(args.out), "vision", args.family)
 shutil.rmtree(out, ignore_errors=True)
 os.makedirs(out)
 
 
-def qwen3_vl():
-    """The Qwen3-VL case: its own model, inputs and outputs (with the deepstack features)."""
+def qwen3_vl(qwen3_5=False):
+    """The Qwen3-VL case: its own model, inputs and outputs (with the deepstack features); or
+    Qwen3.5's, the same tower without deepstack mergers (`qwen3_5`)."""
     torch.manual_seed(1)
-    config = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        ),
-        vision_config=dict(
-            depth=3, hidden_size=48, intermediate_size=80, num_heads=3, out_hidden_size=64,
-            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=36,
-            deepstack_visual_indexes=[2, 0],
-        ),
-        image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93,
-    )
-    model = Qwen3VLForConditionalGeneration(config).float().eval()
+    vision = dict(depth=3, hidden_size=48, intermediate_size=80, num_heads=3, out_hidden_size=64,
+                  patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=36)
+    tokens = dict(image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93)
+    if qwen3_5:
+        config = Qwen3_5Config(
+            text_config=dict(vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                             linear_value_head_dim=8, layer_types=["full_attention"]),
+            vision_config=vision, **tokens)
+        model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    else:
+        config = Qwen3VLConfig(
+            text_config=dict(
+                vocab_size=96, hidden_size=64, intermediate_size=88, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            ),
+            vision_config=dict(vision, deepstack_visual_indexes=[2, 0]), **tokens)
+        model = Qwen3VLForConditionalGeneration(config).float().eval()
     with torch.no_grad():
         for name, p in model.model.visual.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -86,13 +105,14 @@ def qwen3_vl():
         o = model.model.visual(pixel_values, grid_thw=grid_thw)
         per_image = model.model.get_image_features(pixel_values, grid_thw)
     assert torch.equal(torch.cat(per_image.pooler_output), o.pooler_output)
-    assert len(o.deepstack_features) == 2 and o.pooler_output.shape == (n // 4, 64)
+    deepstack = getattr(o, "deepstack_features", None) or []
+    assert len(deepstack) == (0 if qwen3_5 else 2) and o.pooler_output.shape == (n // 4, 64)
     io = {"pixel_values": pixel_values.contiguous(), "grid_thw": grid_thw,
           "merged": o.pooler_output.contiguous()}
-    io.update({f"deepstack.{k}": f.contiguous() for k, f in enumerate(o.deepstack_features)})
+    io.update({f"deepstack.{k}": f.contiguous() for k, f in enumerate(deepstack)})
     safetensors.torch.save_file(io, os.path.join(out, "io.safetensors"))
     print(f"wrote {out}: {n} patches of {len(grids)} grids -> merged {tuple(o.pooler_output.shape)}"
-          f" and {len(o.deepstack_features)} deepstack features")
+          f" and {len(deepstack)} deepstack features")
 
 
 # Gemma 3 (OUT/vision/gemma3/): a tiny Gemma3ForConditionalGeneration's SigLIP tower and
@@ -135,8 +155,55 @@ def gemma3():
     print(f"wrote {out_g}: 3 images of 84 x 84 -> features {tuple(g_features.shape)}")
 
 
-if args.family == "qwen3_vl":
-    qwen3_vl()
+# LLaVA-NeXT (OUT/vision/llava_next/): a tiny LlavaNextForConditionalGeneration's CLIP tower (3
+# layers, the projector reading the second's output: `vision_feature_layer` -2, the class token
+# dropped), projector and image_newline. io.safetensors: pixel_values (every image's tiles, the
+# base image first, (tiles, 3, 42, 42)), image_sizes (images, 2: height, width; wide, tall, tiny
+# and large, each picking another pinpoint) and `features` = `get_image_features(...)
+# .pooler_output` concatenated (image tokens, text hidden): the base tile's 36 features, then the
+# tiles' grid unpadded to the image's aspect with image_newline after each row. Weights drawn
+# wide (std 0.15, LayerNorm weights around 1), so attention is far from uniform.
+def llava_next():
+    torch.manual_seed(5)
+    side = 42
+    config = LlavaNextConfig(
+        text_config=dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=88,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=48, intermediate_size=80,
+                           num_hidden_layers=3, num_attention_heads=3, image_size=side, patch_size=7),
+        image_token_index=90, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        image_grid_pinpoints=[[side, 2 * side], [2 * side, side], [2 * side, 2 * side], [3 * side, side],
+                              [side, 3 * side]],
+    )
+    model = LlavaNextForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        vision = list(model.model.vision_tower.named_parameters()) + list(
+            model.model.multi_modal_projector.named_parameters()) + [("image_newline", model.model.image_newline)]
+        for name, p in vision:
+            if "layer_norm" in name or "layrnorm" in name or "layernorm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(os.path.join(out, "model"))
+    sizes = torch.tensor([[45, 77], [190, 61], [9, 20], [500, 700], [113, 300]], dtype=torch.int64)
+    tiles = [image_size_to_num_patches(s, config.image_grid_pinpoints, side) for s in sizes]
+    pixel_values = torch.randn(sum(tiles), 3, side, side)
+    with torch.no_grad():
+        features = model.model.get_image_features(pixel_values, sizes).pooler_output
+    features = torch.cat(features)
+    safetensors.torch.save_file(
+        {"pixel_values": pixel_values.contiguous(), "image_sizes": sizes, "features": features.contiguous()},
+        os.path.join(out, "io.safetensors"),
+    )
+    print(f"wrote {out}: {len(tiles)} images, {sum(tiles)} tiles of {side} x {side} -> features "
+          f"{tuple(features.shape)}")
+
+
+if args.family == "llava_next":
+    llava_next()
+    raise SystemExit(0)
+if args.family in ("qwen3_vl", "qwen3_5"):
+    qwen3_vl(qwen3_5=args.family == "qwen3_5")
     raise SystemExit(0)
 if args.family == "gemma3":
     gemma3()

@@ -774,7 +774,6 @@ impl RunConfig {
             }
         }
         self.validate_eval()?;
-        self.vlm.validate()?;
         self.tensorboard_dir()?;
         self.dataset.validate()
     }

@@ -26,6 +26,7 @@ mod files;
 mod gemma3_vl;
 mod hub;
 pub mod image;
+mod llava_next;
 mod pairs;
 mod pretrain;
 mod pyjson;
@@ -53,6 +54,7 @@ pub use batch::{
 pub use chat::{ChatTokenizer, Origin as TemplateOrigin};
 pub use gemma3_vl::Gemma3Images;
 pub use image::ImageSize;
+pub use llava_next::LlavaNextImages;
 pub use qwen_vl::{Grid, QwenVlImages};
 pub use records::{BadRecord, Conversation, Image, Message, Role};
 pub use rollouts::Rollouts;
@@ -80,7 +82,8 @@ pub struct Example {
 }
 
 /// An image of a row: its file and its patch grid (`image_grid_thw`: temporal, height,
-/// width patches), which sets how many image tokens it has in the row.
+/// width patches), which sets how many image tokens it has in the row; for LLaVA-NeXT,
+/// whose tiles and tokens follow from the image's size, (1, height, width) in pixels.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowImage {
     pub path: PathBuf,

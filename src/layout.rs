@@ -3,7 +3,7 @@
 //! checkpoints all index through it.
 //!
 //! The parameters form one flat array of blocks. Block 0 is the embedding (with a
-//! vision-language model's trained projector, see [`Layout::with_tower`]), blocks
+//! vision-language model's trained tower tensors, see [`Layout::with_tower`]), blocks
 //! 1..=L the decoder layers, block L+1 the head (final norm, and lm_head unless the
 //! embeddings are tied, in which case lm_head reads block 0). Each block is contiguous, so
 //! one layer is one host-to-device copy and one device-to-host copy. Tensors inside a block
@@ -23,8 +23,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::config::TowerTraining;
-use crate::config::hf::{AttentionKind, ModelSpec, TOWER, TextNames};
-use crate::config::vision::VisionSpec;
+use crate::config::hf::{AttentionKind, ModelSpec, TextNames};
+use crate::config::vision::TowerSpec;
 
 mod carry;
 pub mod drives;
@@ -304,17 +304,22 @@ impl Layout {
     }
 
     /// The layout of `spec` with the vision tower's tensors that `training` trains, under
-    /// their hub names (`visual.merger.ln_q.weight`), after the token embedding in the
-    /// embedding block: the image features enter the language model there, so the
-    /// embedding's backward is where their gradient arrives, and the tensors ride the
-    /// block's copies, reduce, update and checkpoints. The rest of the tower stays carried.
-    pub fn with_tower(spec: &ModelSpec, vision: &VisionSpec, training: TowerTraining) -> Layout {
-        let tower: Vec<NamedShape> = vision
-            .tensors()
-            .into_iter()
-            .filter(|(name, _)| training.trains(name))
-            .map(|(name, shape)| (format!("{TOWER}{name}"), shape))
-            .collect();
+    /// their hub names (`visual.merger.ln_q.weight`, `multi_modal_projector.linear_1.weight`,
+    /// [`TowerSpec::trained_tensors`]), after the token embedding in the embedding block:
+    /// the image features enter the language model there, so the embedding's backward is
+    /// where their gradient arrives, and the tensors ride the block's copies, reduce, update
+    /// and checkpoints. The rest of the tower stays carried.
+    ///
+    /// A trained encoder (Qwen2.5-VL-7B's: 0.68B parameters, beside a 0.55B token
+    /// embedding) joins the same block rather than one block per tower layer: the tower
+    /// runs where the embedding does, at the start of the forward and the end of the
+    /// backward, so the block's one copy each way brings it. One block per tower layer
+    /// would hold one layer's weights and gradient on the device at a time instead of the
+    /// whole tower's (1.35 GB each in bf16 at 7B, a few percent of a GPU's memory), at the
+    /// cost of a new kind of block in every index the layout serves (store, slabs,
+    /// reduce, checkpoints, node shards, the workers' streaming).
+    pub fn with_tower(spec: &ModelSpec, vision: &TowerSpec, training: TowerTraining) -> Layout {
+        let tower: Vec<NamedShape> = vision.trained_tensors(training);
         let mut layout = Layout::build(spec, tower.clone());
         layout.carry.tower = tower.into_iter().map(|(name, _)| name).collect();
         layout

@@ -182,6 +182,10 @@ pub struct HostPlan {
     pub staging_grown: bool,
     /// Tensors carried as read, not trained (a wrapper's vision tower and extra heads).
     pub carried: u64,
+    /// Of `params`, a vision-language model's trained tower tensors (`vlm.freeze_*:
+    /// false`, in the embedding block: master, moments, gradient and store as any other
+    /// trained tensor); 0 otherwise.
+    pub tower_params: u64,
     /// A vision-language model's frozen tower copied, in the store's dtype, into its
     /// region shared with the workers (besides its carried copy, which the export writes),
     /// or 0.
@@ -218,8 +222,11 @@ impl HostPlan {
         let dtype = opts.store;
         let slot_len = layout.grad_slot_len();
         let slab = (opts.slots * slot_len * dtype.size() + HEADER_LEN) as u64;
+        let embed = &layout.blocks[Layout::EMBED].tensors;
         HostPlan {
             params: layout.num_params() as u64,
+            // The embedding block holds the token table, then the trained tower's tensors.
+            tower_params: embed[1..].iter().map(|t| t.numel() as u64).sum(),
             opts,
             master: match opts.master {
                 _ if opts.offload => 0,
@@ -433,6 +440,13 @@ impl std::fmt::Display for HostPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let gb = |b: u64| b as f64 / 1e9;
         writeln!(f, "host memory for {:.3e} parameters:", self.params as f64)?;
+        if self.tower_params > 0 {
+            writeln!(
+                f,
+                "  of which the vision tower's {:.3e} (trained: master, moments, gradient and store as the language model's)",
+                self.tower_params as f64
+            )?;
+        }
         if self.opts.offload {
             writeln!(
                 f,

@@ -89,22 +89,31 @@ pub fn export(args: &ExportArgs) -> Result<()> {
 }
 
 /// The layout `source` was trained with: the text model's, or with a vision tower's
-/// trained tensors in the embedding block (`vlm.freeze_projector: false`) where its
+/// trained tensors in the embedding block (`vlm.freeze_projector: false`,
+/// `vlm.freeze_vision_encoder: false`, or both) where its
 /// trainer state's layout fingerprint is that one's. A source without a trainer state (an
 /// export) reads either way: the tensors outside the layout are carried from its files.
 fn source_layout(source: &Path, spec: &ModelSpec) -> Result<Layout> {
     let layout = Layout::checked(spec, &source.join("config.json"))?;
-    let Some(vision) = mt::config::vision::VisionSpec::from_model_dir(source)? else {
+    let Some(vision) = mt::config::vision::TowerSpec::from_model_dir(source)? else {
         return Ok(layout);
     };
+    if !crate::prepare::trains_projector(&vision) {
+        return Ok(layout);
+    }
     let Ok(saved) = state::read_state(source) else {
         return Ok(layout);
     };
-    let trained = Layout::with_tower(spec, &vision, mt::config::TowerTraining::Projector);
-    match saved.layout == state::fingerprint(&trained) {
-        true => Ok(trained),
-        false => Ok(layout),
-    }
+    use mt::config::TowerTraining;
+    let trained = [
+        TowerTraining::Projector,
+        TowerTraining::Encoder,
+        TowerTraining::Whole,
+    ]
+    .into_iter()
+    .map(|t| Layout::with_tower(spec, &vision, t))
+    .find(|l| saved.layout == state::fingerprint(l));
+    Ok(trained.unwrap_or(layout))
 }
 
 /// `e`, saying OUT where the library's error would say "config key `OUT`".

@@ -317,6 +317,8 @@ fn json(
             "slabs": h.slabs,
             "checkpoint_staging": h.staging,
             "carried": h.carried,
+            "vision_region": h.vision,
+            "tower_params": h.tower_params,
             "offloaded_inputs": h.offloaded,
             "exchange_buffers": h.exchange,
             "grpo_reference": h.grpo_reference,

@@ -316,8 +316,9 @@ fn vision_spec(cfg: &RunConfig) -> Result<Option<mt::config::vision::TowerSpec>>
 
 /// The layout a run of `cfg` trains: `spec`'s, counted with checked arithmetic, with the
 /// vision tower's tensors that `vlm` trains in the embedding block. A `vlm` key that asks
-/// to train a tower the model lacks is an error: the run would train something else than
-/// asked (`true`, the default, is accepted on any model: nothing differs).
+/// to train a tower the model lacks, or one whose training is not written here, is an
+/// error naming the key: the run would train something else than asked (`true`, the
+/// default, is accepted on any model: nothing differs).
 pub fn run_layout(
     cfg: &RunConfig,
     spec: &ModelSpec,
@@ -328,40 +329,87 @@ pub fn run_layout(
     if training == TowerTraining::Frozen {
         return Ok(layout);
     }
-    let key = "vlm.freeze_projector";
+    let key = training.key();
+    let what = match training.encoder() {
+        true => "vision encoder",
+        false => "projector",
+    };
     let Some(vision) = vision_spec(cfg)? else {
         return Err(mt::Error::invalid(
             key,
             format!(
-                "false asks to train a vision tower's projector, and `{}` has none this tool computes (a text-only model, or a tower not yet supported; vision-language models: {})",
+                "false asks to train a vision tower's {what}, and `{}` has none this tool computes (a text-only model, or a tower not yet supported; vision-language models: {})",
                 spec.wrapper.as_deref().unwrap_or(&spec.model_type),
                 mt::config::vision::VISION_MODEL_TYPES.join(", ")
             ),
         )
         .into());
     };
-    use mt::config::vision::{TowerSpec, VisionFamily};
-    let vision = match vision {
-        TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl => v,
-        other => {
-            return Err(mt::Error::invalid(
-                key,
-                format!(
-                    "false trains Qwen2.5-VL's projector only; `{}`'s tower and projector train frozen for now (use vlm.freeze_projector: true)",
-                    other.model_type(),
-                ),
-            )
-            .into());
-        }
-    };
+    if training.encoder() && !trains_encoder(&vision) {
+        // Qwen3-VL's deepstack features enter the first decoder layers' outputs: their
+        // gradient arrives in those layers' backward, before the embedding's, where nothing
+        // gathers it yet; the other towers' encoders run forward only.
+        use mt::config::vision::TowerSpec;
+        let why = match &vision {
+            TowerSpec::Qwen(v) if !v.deepstack_taps().is_empty() => {
+                "its deepstack features join the first decoder layers, whose backward does not hand their gradient to the tower"
+            }
+            TowerSpec::Qwen(_) => "its Qwen3-VL-style encoder has no backward here yet",
+            TowerSpec::Siglip(_) => "its SigLIP tower has no backward here",
+            TowerSpec::Clip(_) => "its CLIP tower has no backward here",
+        };
+        return Err(mt::Error::invalid(
+            key,
+            format!(
+                "false trains Qwen2.5-VL's vision encoder only; `{}`'s encoder trains frozen for now ({why}; use {key}: true)",
+                vision.model_type(),
+            ),
+        )
+        .into());
+    }
+    if training.projector() && !trains_projector(&vision) {
+        let why = match &vision {
+            mt::config::vision::TowerSpec::Siglip(_) => "its SigLIP projector has no backward here",
+            _ => "its deepstack mergers read the tower's blocks beside its merger",
+        };
+        return Err(mt::Error::invalid(
+            "vlm.freeze_projector",
+            format!(
+                "false trains the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only; `{}`'s tower and projector train frozen for now ({why}; use vlm.freeze_projector: true)",
+                vision.model_type(),
+            ),
+        )
+        .into());
+    }
     if cfg.model.init == Init::Random {
         return Err(mt::Error::invalid(
             key,
-            "false trains the pretrained projector, and model.init: random carries no vision tower (use model.init: pretrained)",
+            format!(
+                "false trains the pretrained {what}, and model.init: random carries no vision tower (use model.init: pretrained)"
+            ),
         )
         .into());
     }
     Ok(Layout::with_tower(spec, &vision, training))
+}
+
+/// Whether `vision`'s encoder can train (`vlm.freeze_vision_encoder: false`): Qwen2.5-VL's.
+pub fn trains_encoder(vision: &mt::config::vision::TowerSpec) -> bool {
+    use mt::config::vision::{TowerSpec, VisionFamily};
+    matches!(vision, TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl)
+}
+
+/// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): Qwen2.5-VL's
+/// merger and Qwen3.5's (Qwen3-VL's tower without deepstack mergers), LLaVA-NeXT's projector
+/// and newline. Qwen3-VL's deepstack mergers read the blocks beside its merger, and Gemma 3's
+/// projector follows a SigLIP tower: those train frozen.
+pub fn trains_projector(vision: &mt::config::vision::TowerSpec) -> bool {
+    use mt::config::vision::TowerSpec;
+    match vision {
+        TowerSpec::Qwen(v) => v.deepstack_taps().is_empty(),
+        TowerSpec::Clip(_) => true,
+        TowerSpec::Siglip(_) => false,
+    }
 }
 
 /// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for

@@ -278,18 +278,204 @@ fn plan_for_gemma3_27b_counts_its_tower() {
     ] {
         assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
     }
-    // Gemma 3's projector does not train yet: asking is an error naming the key.
+    // Gemma 3's projector and encoder do not train yet: asking is an error naming the key.
     let config = root.join("gemma3_27b.yaml");
-    let out = mt_launch()
-        .args(["plan", "--config", config.to_str().unwrap()])
-        .args(["--gpus", "1", "--set", "vlm.freeze_projector=false"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("vlm.freeze_projector") && err.contains("gemma3"),
-        "{err}"
+    for key in ["vlm.freeze_projector", "vlm.freeze_vision_encoder"] {
+        let out = mt_launch()
+            .args(["plan", "--config", config.to_str().unwrap()])
+            .args(["--gpus", "1", "--set", &format!("{key}=false")])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(key) && err.contains("gemma3"),
+            "{err}"
+        );
+    }
+}
+
+/// Qwen2.5-VL-7B from its shipped architecture with its tower trained
+/// (`vlm.freeze_vision_encoder: false`, `vlm.freeze_projector: false`): the plan counts the
+/// tower's 676,550,144 parameters (transformers' count, src/layout/vision.rs) as trained
+/// ones on the host (master, moments, gradient, store) with no frozen region left, and on
+/// the device the block inputs kept per patch and the blocks' recompute in the
+/// embedding's backward.
+#[test]
+fn plan_for_qwen2_5_vl_7b_counts_a_trained_tower() {
+    let config =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen2.5_vl_7b.yaml");
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["plan", "--config", config.to_str().unwrap(), "--gpus", "1"];
+        args.extend(["--gpu-memory", "141"]);
+        args.extend(extra);
+        let out = mt_launch().args(&args).output().unwrap();
+        assert_ok(&out, &args);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let trained = [
+        "--set",
+        "vlm.freeze_vision_encoder=false",
+        "--set",
+        "vlm.freeze_projector=false",
+    ];
+    let json = |extra: &[&str]| -> serde_json::Value {
+        serde_json::from_str(&plan(&[extra, &["--json"]].concat())).unwrap()
+    };
+    let (frozen, tower) = (json(&[]), json(&trained));
+    let tower_params = 676_550_144;
+    let n = |v: &serde_json::Value, k: &str| v["host"][k].as_u64().unwrap();
+    assert_eq!(n(&tower, "params") - n(&frozen, "params"), tower_params);
+    assert_eq!(n(&tower, "tower_params"), tower_params);
+    assert_eq!(
+        (n(&frozen, "tower_params"), n(&tower, "vision_region")),
+        (0, 0)
     );
+    // fp32 master, Adam m and v, fp32 gradient and the bf16 store: 18 bytes a parameter
+    // (the tensors' alignment adds < 64 elements to each of its 390), less the frozen
+    // region's 2; and the default checkpoint staging, two of the largest blocks' master and
+    // moments (12 bytes an element), now two embedding blocks with the tower in them
+    // (+16.2 GB, the price of one block: `checkpoint.staging_size` sets it).
+    let state = |v: &serde_json::Value| n(v, "total") - n(v, "checkpoint_staging");
+    let grown = state(&tower) - state(&frozen);
+    let (low, high) = (16 * tower_params, 16 * (tower_params + 64 * 390));
+    assert!(
+        grown >= low && grown <= high,
+        "{grown} not in {low}..={high}"
+    );
+    let staging = n(&tower, "checkpoint_staging") - n(&frozen, "checkpoint_staging");
+    let want = 2 * 12 * tower_params;
+    assert!(staging.abs_diff(want) < want / 100, "{staging} vs {want}");
+    // Device, the micro-batch's tokens all image tokens (the bound): 4 patches each, every
+    // patch's pixels (3 x 2 x 14 x 14 values) and the inputs of the 32 blocks and the
+    // encoder's output (1280 wide), bf16.
+    let d = &tower["device"];
+    let m = d["rows"].as_u64().unwrap() * d["seq_len"].as_u64().unwrap();
+    let kept = &d["fixed"]["the tower's pixels and block inputs, kept"];
+    assert_eq!(kept.as_u64(), Some(4 * m * (1176 + 33 * 1280) * 2));
+    assert_eq!(d["fixed"]["vision tower (frozen)"].as_u64(), Some(0));
+    let embed_bwd = &d["phases"]["embedding backward"]["parts"];
+    let recompute = "the tower's recompute graph + gradients (the merger's or one block's)";
+    assert!(embed_bwd[recompute].as_u64().unwrap() > 0, "{embed_bwd}");
+    let fwd = &d["phases"]["vision tower forward"]["parts"];
+    assert!(
+        fwd["embedding block (the trained tower in it)"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+    assert!(d["total"].as_u64().unwrap() > frozen["device"]["total"].as_u64().unwrap());
+    // The report (the embedding's backward, not the peak phase, is summed in one line).
+    let text = plan(&trained);
+    for line in [
+        "of which the vision tower's 6.766e8 (trained",
+        "the tower's pixels and block inputs, kept",
+    ] {
+        assert!(text.contains(line), "no `{line}` in:\n{text}");
+    }
+    assert!(!plan(&[]).contains("of which the vision tower"));
+}
+
+/// LLaVA-NeXT 7B from its shipped architecture: the bench shape (random init: the Mistral
+/// text model alone, 7.24B) and the recipe on the hub's weights, whose plan counts the frozen
+/// CLIP tower, projector and image_newline (0.32B parameters: 0.65 GB in bf16) on the host and
+/// the GPU, and the tower's forward; with `vlm.freeze_projector: false` the projector and the
+/// newline (21.0M) move into the trained layout and its kept input is counted.
+#[test]
+fn plan_for_llava_next_7b_counts_its_tower() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let plan = |yaml: &str, extra: &[&str]| {
+        let config = root.join(yaml);
+        let mut args = vec![
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "141",
+        ];
+        args.extend(extra);
+        let out = mt_launch().args(&args).output().unwrap();
+        assert_ok(&out, &args);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let bench = plan("bench/llava_next_7b.yaml", &[]);
+    assert!(
+        bench.contains("host memory for 7.242e9 parameters"),
+        "{bench}"
+    );
+    assert!(!bench.contains("vision tower"), "{bench}");
+    let recipe = plan("llava_next_7b.yaml", &[]);
+    assert!(
+        recipe.contains("host memory for 7.242e9 parameters"),
+        "{recipe}"
+    );
+    for line in [
+        "vision tower               0.65 GB",
+        "vision tower (frozen)                            0.65 GB",
+        "vision tower forward",
+    ] {
+        assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
+    }
+    let trained = plan(
+        "llava_next_7b.yaml",
+        &["--set", "vlm.freeze_projector=false"],
+    );
+    assert!(
+        trained.contains("host memory for 7.263e9 parameters"),
+        "{trained}"
+    );
+    assert!(trained.contains("the projector's input, kept"), "{trained}");
+}
+
+/// Qwen3.5-27B from its shipped architecture (the hub's config.json, its vision_config
+/// included): the bench shape (random init: the text model alone, 26.90B) and the recipe on
+/// the hub's weights, whose plan counts the frozen tower and merger (460.7M parameters as
+/// transformers counts them: 0.92 GB in bf16) on the host and the GPU; with the merger
+/// trained (`vlm.freeze_projector: false`), its 44.8M parameters join the trained ones and
+/// leave the frozen region (0.83 GB), and its kept input is counted.
+#[test]
+fn plan_for_qwen3_5_27b_counts_its_tower() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let plan = |yaml: &str, set: &[&str]| {
+        let config = root.join(yaml);
+        let mut args = vec![
+            "plan",
+            "--config",
+            config.to_str().unwrap(),
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "141",
+        ];
+        args.extend_from_slice(set);
+        let out = mt_launch().args(&args).output().unwrap();
+        assert_ok(&out, &args);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let bench = plan("bench/qwen3_5_27b.yaml", &[]);
+    assert!(
+        bench.contains("host memory for 2.690e10 parameters"),
+        "{bench}"
+    );
+    assert!(!bench.contains("vision tower"), "{bench}");
+    let recipe = plan("qwen3_5_27b.yaml", &[]);
+    for line in [
+        "host memory for 2.690e10 parameters",
+        "vision tower               0.92 GB",
+        "vision tower (frozen)                            0.92 GB",
+        "vision tower forward",
+    ] {
+        assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
+    }
+    let trained = plan("qwen3_5_27b.yaml", &["--set", "vlm.freeze_projector=false"]);
+    for line in [
+        "host memory for 2.694e10 parameters",
+        "vision tower               0.83 GB",
+        "the projector's input, kept",
+    ] {
+        assert!(trained.contains(line), "no `{line}` in:\n{trained}");
+    }
 }
 
 /// The GPUs' free memory reaches the automatic tile of a model with linear attention:

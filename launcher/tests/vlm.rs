@@ -1,20 +1,28 @@
-//! Vision-language training end to end (#49): a tiny Qwen2.5-VL and a tiny Qwen3-VL built
-//! with the hub classes, each trained one step by mt-launch on LlamaFactory-format multimodal
+//! Vision-language training end to end (#49): a tiny Qwen2.5-VL, a tiny Qwen3-VL and a tiny
+//! Qwen3.5 built with the hub classes, each trained one step by mt-launch on LlamaFactory-format
+//! multimodal
 //! records (PNG, JPEG and lossless WebP images, one and two per row, multi-turn, a text-only
 //! row), read, tokenized, decoded and resized by it, the frozen vision tower run in the
 //! workers, against the same step in transformers + torch (scripts/make_vlm_golden.py, in
 //! the data fixtures). Qwen3-VL adds the interleaved mrope, the tower's learned positions and
-//! the deepstack features added after the first two of its three layers.
+//! the deepstack features added after the first two of its three layers; Qwen3.5 the hybrid
+//! text model (Gated DeltaNet layers, which take no positions, and gated attention layers
+//! whose partial RoPE turns under the interleaved mrope) behind Qwen3-VL's tower without
+//! deepstack mergers.
 //!
-//! The same with the projector (the merger) trained: its gradients too, and the step's
-//! weights against torch's AdamW. And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py):
-//! its SigLIP tower and projector, the image blocks' bidirectional attention.
+//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, LLaVA-NeXT's
+//! projector and newline): its gradients too, and the step's weights against torch's AdamW.
+//! And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py): its SigLIP tower and projector,
+//! the image blocks' bidirectional attention; and a tiny LLaVA-NeXT
+//! (scripts/make_vlm_golden_llava_next.py): its CLIP tower over any-resolution tiles, the
+//! projector, the unpadding and the newline embedding after each row.
 //!
 //! Tolerance: 1e-4 relative, f32 on both sides; what differs is summation order (the
 //! tower's patch embedding as a matmul, its windows or frames padded into one SDPA call, the
 //! language model's chunked loss), about sqrt(K) x 2^-24 for sums of K <= ~1e3 terms, two
 //! orders below the bound, while a misplaced image feature or a wrong 3-D position moves
-//! the loss and every gradient by O(1e-2) or more.
+//! the loss and every gradient by O(1e-2) or more. Gated DeltaNet's decay path is held to
+//! 1e-3 ([`grad_tol`]).
 
 mod common;
 
@@ -25,6 +33,19 @@ use common::*;
 
 const TOL: f64 = 1e-4;
 
+/// The bound of gradient `name`: [`TOL`], but 1e-3 on Gated DeltaNet's decay path (A_log,
+/// dt_bias and the projection feeding a), whose terms cancel ~1e3-fold, so that two correct
+/// f32 orders of summation (ours, and transformers' chunked torch fallback, whose CPU
+/// kernels sum in a CPU-dependent order) differ there by up to several 1e-4
+/// (launcher/tests/golden.rs's `grad_tol`, measured on the text cases); a wrong term is
+/// O(1e-2).
+fn grad_tol(name: &str) -> f64 {
+    let decay_path = ["A_log", "dt_bias", "in_proj_a.", "in_proj_ba."]
+        .iter()
+        .any(|n| name.contains(n));
+    if decay_path { 1e-3 } else { TOL }
+}
+
 #[test]
 fn qwen2_5_vl_with_images_matches_transformers() {
     golden_matches("golden");
@@ -33,6 +54,14 @@ fn qwen2_5_vl_with_images_matches_transformers() {
 #[test]
 fn qwen3_vl_with_images_matches_transformers() {
     golden_matches("golden-qwen3vl");
+}
+
+/// Qwen3.5 (`Qwen3_5ForConditionalGeneration`): the tower without deepstack, the features
+/// at the image tokens, the 3-D positions through the gated attention layers' partial RoPE
+/// (8 pairs under the sections [3, 3, 2]), the Gated DeltaNet layers between them.
+#[test]
+fn qwen3_5_with_images_matches_transformers() {
+    golden_matches("golden-qwen3_5");
 }
 
 /// One step of `vlm/{case}`'s run with 1 and 2 workers against transformers': loss, grad
@@ -56,6 +85,17 @@ fn gemma3_with_images_matches_transformers() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py): five images of five sizes, each cut
+/// into the tiles of the pinpoint it fits best (two to four, plus the whole image), through
+/// the CLIP tower and projector in the workers, each image's tiles unpadded to its aspect
+/// with `image_newline` after each row, placed at its 114 to 162 image tokens.
+#[test]
+fn llava_next_with_images_matches_transformers() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let failures = golden_step(&dir, "vlm-llava_next", |_, _, _| Vec::new());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// `vlm.freeze_projector: false` (given as LlamaFactory's `freeze_multi_modal_projector`):
 /// the merger's gradients as well, and after the step (weight decay on its matrices, the
 /// gradients clipped to half their norm) every trained tensor the export wrote equals
@@ -66,12 +106,57 @@ fn gemma3_with_images_matches_transformers() {
 /// plus a few f32 roundings of the weight.
 #[test]
 fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
-    let dir = data_fixtures("vlm/golden/projector/expected.json").join("vlm/golden/projector");
+    trained_step_matches("golden/projector", "vlm-projector");
+}
+
+/// `vlm: {freeze_vision_encoder: false, freeze_projector: false}` (MegaTrain's keys): the
+/// whole tower trains, its patch embedding and both blocks (block 0 attends within
+/// windows, block 1 within each image) recomputed with grad in the embedding's backward;
+/// every gradient (the tower's 30 tensors and the language model's) and the AdamW step as
+/// above. Measured: 2.1e-6 (the worst of the loss, the norm and every gradient), the step
+/// within 0.18 of its bound. Shown failing: with the blocks' backward skipped (the patch
+/// embedding's and the blocks' leaves keep no gradient) each of their gradients is off by
+/// 1.0 and the step by 5.7 x its bound; with block 1 recomputed from block 0's kept input
+/// instead of its own, block 1's gradients are 27-51% off and block 0's 4-7%.
+#[test]
+fn qwen2_5_vl_with_the_tower_trained_matches_transformers() {
+    trained_step_matches("golden/tower", "vlm-tower");
+}
+
+/// LlamaFactory's `freeze_vision_tower: false` alone: the encoder trains under the frozen
+/// merger (from the region), whose recompute passes the gradient on to the blocks.
+#[test]
+fn qwen2_5_vl_with_the_encoder_trained_matches_transformers() {
+    trained_step_matches("golden/encoder", "vlm-encoder");
+}
+
+/// The same for Qwen3.5's merger (`model.visual.merger.*`: a LayerNorm with its bias, two
+/// Linear layers).
+#[test]
+fn qwen3_5_with_the_projector_trained_matches_transformers() {
+    trained_step_matches("golden-qwen3_5/projector", "vlm-qwen3_5-projector");
+}
+
+/// The same for LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py's projector case): its
+/// projector (`multi_modal_projector.*`) and `image_newline` trained, recomputed with grad in
+/// the embedding's backward over the frozen tower's kept features: their gradients, the
+/// language model's, and every trained tensor after the AdamW step.
+#[test]
+fn llava_next_with_the_projector_trained_matches_transformers() {
+    trained_step_matches("golden-llava_next/projector", "vlm-llava_next-projector");
+}
+
+/// One step of `vlm/{case}` (a trained-tower case of the make_vlm_golden scripts: its
+/// step1.safetensors holds every trained tensor after torch's AdamW step) with 1 and 2
+/// workers: [`golden_step`]'s checks (loss, grad norm and every trained tensor's gradient
+/// against transformers'), and the export's trained tensors against torch's step.
+fn trained_step_matches(case: &str, tag: &str) {
+    let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
     let step1 = tensors(&dir.join("step1.safetensors"));
     let torch_grads = tensors(&dir.join("grads0.safetensors"));
     let (lr, eps) = (1e-3, 1e-3);
     let max_abs = |v: &[f32]| v.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())));
-    let failures = golden_step(&dir, "vlm-projector", |workers, out, grads| {
+    let failures = golden_step(&dir, tag, |workers, out, grads| {
         let ours = tensors(&out.join("model.safetensors"));
         let (mut worst, mut bad) = (0.0f64, Vec::new());
         for (name, want) in &step1 {
@@ -96,28 +181,97 @@ fn qwen2_5_vl_with_the_projector_trained_matches_transformers() {
                 ));
             }
         }
-        eprintln!(
-            "vlm projector, {workers} workers: after the step, worst diff / bound {worst:.2}"
-        );
+        eprintln!("{tag}, {workers} workers: after the step, worst diff / bound {worst:.2}");
         bad
     });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A trained projector is Qwen2.5-VL's only: on Qwen3-VL `vlm.freeze_projector: false` is
-/// refused before training, naming the key.
+/// The whole tower trained, checkpointed and resumed: 2 steps, a checkpoint, 2 more from
+/// it give the losses and gradient norms of 4 straight steps bit for bit (the tower's
+/// master weights and moments are the embedding block's, saved and restored with it). A
+/// resume with the encoder frozen is refused, naming the recorded setting.
 #[test]
-fn qwen3_vl_with_the_projector_trained_is_refused() {
-    let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
-    let s = scratch("vlm-qwen3vl-projector");
-    let set = ["--set", "vlm.freeze_projector=false"];
-    let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
+fn qwen2_5_vl_with_the_tower_trained_resumes_exactly() {
+    let dir = data_fixtures("vlm/golden/tower/expected.json").join("vlm/golden/tower");
+    let s = scratch("vlm-tower-resume");
+    let ck = format!("checkpoint.dir={}", s.join("ck").display());
+    let run = |tag: &str, extra: &[&str]| {
+        let m = s.join(format!("{tag}.jsonl"));
+        let mut args = vec!["--set", "training.save_model=false"];
+        args.extend(extra);
+        let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &m, &args);
+        (out, m)
+    };
+    let (out, straight) = run("straight", &["--set", "training.num_steps=4"]);
+    assert_ok(&out, &[]);
+    let first = [
+        "--set",
+        "training.num_steps=2",
+        "--set",
+        &ck,
+        "--set",
+        "checkpoint.every_steps=2",
+    ];
+    let (out, first) = run("first", &first);
+    assert_ok(&out, &[]);
+    let resume = [
+        "--set",
+        "training.num_steps=4",
+        "--set",
+        &ck,
+        "--resume",
+        "latest",
+    ];
+    let frozen = [&resume[..], &["--set", "vlm.freeze_vision_encoder=true"]].concat();
+    let (out, _) = run("frozen", &frozen);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "trained: {err}");
     assert!(
-        err.contains("vlm.freeze_projector") && err.contains("Qwen2.5-VL's projector only"),
+        !out.status.success() && err.contains("vlm.freeze_vision_encoder"),
         "{err}"
     );
+    let (out, second) = run("second", &resume);
+    assert_ok(&out, &[]);
+    assert_eq!(
+        metrics(&second)[0]["step"],
+        3,
+        "the resumed run starts at step 3"
+    );
+    for key in ["loss", "grad_norm"] {
+        let resumed: Vec<f64> = [&first, &second]
+            .iter()
+            .flat_map(|m| column(&metrics(m), key))
+            .collect();
+        assert_eq!(resumed, column(&metrics(&straight), key), "{key}");
+    }
+}
+
+/// A trained projector is Qwen2.5-VL's, Qwen3.5's and LLaVA-NeXT's only, a trained encoder
+/// Qwen2.5-VL's: on Qwen3-VL `vlm.freeze_projector: false` and `vlm.freeze_vision_encoder:
+/// false` are refused before training, naming the key and why (its deepstack features).
+#[test]
+fn qwen3_vl_with_the_projector_or_encoder_trained_is_refused() {
+    let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
+    let s = scratch("vlm-qwen3vl-projector");
+    for (key, only) in [
+        (
+            "vlm.freeze_projector",
+            "the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only",
+        ),
+        (
+            "vlm.freeze_vision_encoder",
+            "Qwen2.5-VL's vision encoder only",
+        ),
+    ] {
+        let set = ["--set", &format!("{key}=false")];
+        let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "trained: {err}");
+        assert!(
+            err.contains(key) && err.contains(only) && err.contains("deepstack"),
+            "{err}"
+        );
+    }
 }
 
 /// Runs `dir/run.yaml` for one step with 1 and 2 workers, its export in a scratch
@@ -168,7 +322,7 @@ fn golden_step(
         for (name, t) in &torch_grads {
             let e = rel_l2(&ours[name], t);
             worst = worst.max(e);
-            if e > TOL {
+            if e > grad_tol(name) {
                 failures.push(format!("{workers}w grad {name}: rel {e:.2e}"));
             }
         }
@@ -180,12 +334,19 @@ fn golden_step(
 
 /// The export of a Qwen2.5-VL run: the trained language model in the wrapper's names, the
 /// frozen tower and projector bit for bit (with `vlm.freeze_projector: false`, the tower
-/// bit for bit and the projector trained), the image processor's settings beside the
-/// tokenizer; transformers loads it with `AutoModelForImageTextToText` and answers about an
-/// image with `generate`.
+/// bit for bit and the projector trained; with `vlm.freeze_vision_encoder: false`, the
+/// patch embedding and blocks trained, written back under the tower's names, and the
+/// projector bit for bit), the image processor's settings beside the tokenizer;
+/// transformers loads it with `AutoModelForImageTextToText` and answers about an image with
+/// `generate`.
 #[test]
 fn qwen2_5_vl_export_loads_in_transformers_and_answers_about_an_image() {
-    export_answers("golden", "visual.", "Qwen2VLProcessor", &["true", "false"]);
+    export_answers(
+        "golden",
+        "visual.",
+        "Qwen2VLProcessor",
+        &["frozen", "projector", "encoder"],
+    );
 }
 
 /// The same for Qwen3-VL (its class's names: `model.language_model.*`, `model.visual.*`).
@@ -195,15 +356,27 @@ fn qwen3_vl_export_loads_in_transformers_and_answers_about_an_image() {
         "golden-qwen3vl",
         "model.visual.",
         "Qwen3VLProcessor",
-        &["true"],
+        &["frozen"],
+    );
+}
+
+/// The same for Qwen3.5 (`Qwen3_5ForConditionalGeneration`, AutoProcessor's Qwen3VLProcessor),
+/// with its projector frozen and trained.
+#[test]
+fn qwen3_5_export_loads_in_transformers_and_answers_about_an_image() {
+    export_answers(
+        "golden-qwen3_5",
+        "model.visual.",
+        "Qwen3VLProcessor",
+        &["frozen", "projector"],
     );
 }
 
 /// Trains `vlm/{case}` two steps, exports, and checks the export in transformers: the tower
-/// (names under `tower`) bit for bit, every other tensor trained, `generate` through the
-/// processor class `processor`; once per `vlm.freeze_projector` in `projectors` (`true`, then
-/// `false`: the merger trained as well).
-fn export_answers(case: &str, tower: &str, processor: &str, projectors: &[&str]) {
+/// (names under `tower`) bit for bit but for what trains, every other tensor trained,
+/// `generate` through the processor class `processor`; once per mode in `modes` (`frozen`,
+/// `projector`: the merger trained as well, `encoder`: the patch embedding and the blocks).
+fn export_answers(case: &str, tower: &str, processor: &str, modes: &[&str]) {
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
     if !py.is_file() {
         eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
@@ -212,10 +385,19 @@ fn export_answers(case: &str, tower: &str, processor: &str, projectors: &[&str])
     let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
     let s = scratch(&format!("vlm-export-{case}"));
     let mut outs = Vec::new();
-    for projector in projectors {
-        let out = s.join(format!("out-freeze-projector-{projector}"));
+    for mode in modes {
+        let out = s.join(format!("out-{mode}"));
         let set = format!("training.output_dir={}", out.display());
-        let freeze = format!("vlm.freeze_projector={projector}");
+        let (encoder, projector) = match *mode {
+            "frozen" => (true, true),
+            "projector" => (true, false),
+            "encoder" => (false, true),
+            other => panic!("no export mode `{other}`"),
+        };
+        let freeze = [
+            format!("vlm.freeze_vision_encoder={encoder}"),
+            format!("vlm.freeze_projector={projector}"),
+        ];
         run_cpu_ok(
             &dir.join("run.yaml"),
             1,
@@ -226,11 +408,14 @@ fn export_answers(case: &str, tower: &str, processor: &str, projectors: &[&str])
                 "--set",
                 "training.num_steps=2",
                 "--set",
-                &freeze,
+                &freeze[0],
+                "--set",
+                &freeze[1],
             ],
         );
         assert!(out.join("preprocessor_config.json").is_file());
-        outs.push(out);
+        outs.push(out.display().to_string());
+        outs.push(mode.to_string());
     }
     let check = r#"
 import sys, torch, safetensors.torch as st
@@ -241,17 +426,18 @@ from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_processing_utils import BaseVideoProcessor
 src, image, prefix, processor = sys.argv[1:5]
-outs = sys.argv[5:]
+runs = list(zip(sys.argv[5::2], sys.argv[6::2]))
 Processor = {"Qwen2VLProcessor": Qwen2VLProcessor, "Qwen3VLProcessor": Qwen3VLProcessor}[processor]
 Processor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-for out, projector in zip(outs, [False, True]):
+for out, mode in runs:
     a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
     assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
     merger = lambda k: k.startswith(prefix + "merger.")
-    tower = [k for k in a if k.startswith(prefix) and not (projector and merger(k))]
+    trains = {"frozen": lambda k: False, "projector": merger, "encoder": lambda k: not merger(k)}[mode]
+    tower = [k for k in a if k.startswith(prefix) and not trains(k)]
     assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
     trained = [k for k in a if k not in tower]
-    assert not projector or any(merger(k) for k in trained)
+    assert mode == "frozen" or any(k.startswith(prefix) for k in trained)
     assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(out)
@@ -262,7 +448,7 @@ for out, projector in zip(outs, [False, True]):
     enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
     gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
     assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
-    print(f"export (projector trained: {projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+    print(f"export ({mode}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
 "#;
     let image = dir.join("../images/a.png");
     let r = std::process::Command::new(&py)
@@ -342,6 +528,151 @@ print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; ge
         String::from_utf8_lossy(&r.stderr)
     );
     eprintln!("{}", String::from_utf8_lossy(&r.stdout));
+}
+
+/// The export of a LLaVA-NeXT run (two steps: the second's images prefetched): the language
+/// model in the wrapper's legacy names (`language_model.model.*`), the CLIP tower bit for
+/// bit, the projector and `image_newline` too, or trained with `vlm.freeze_projector: false`;
+/// the processor's settings beside the tokenizer. transformers loads it with
+/// `AutoModelForImageTextToText` and `AutoProcessor` (whose image processor is
+/// `LlavaNextImageProcessorPil` without torchvision), and answers about an image with
+/// `generate`.
+#[test]
+fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !py.is_file() {
+        eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
+        return;
+    }
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-export");
+    let mut outs = Vec::new();
+    for projector in ["true", "false"] {
+        let out = s.join(format!("out-freeze-projector-{projector}"));
+        let set = format!("training.output_dir={}", out.display());
+        let freeze = format!("vlm.freeze_projector={projector}");
+        run_cpu_ok(
+            &dir.join("run.yaml"),
+            1,
+            &s.join("metrics.jsonl"),
+            &[
+                "--set",
+                &set,
+                "--set",
+                "training.num_steps=2",
+                "--set",
+                &freeze,
+            ],
+        );
+        assert!(out.join("preprocessor_config.json").is_file());
+        outs.push(out);
+    }
+    let check = r#"
+import sys, torch, safetensors.torch as st
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+src, image = sys.argv[1:3]
+for out, trained_projector in zip(sys.argv[3:], [False, True]):
+    a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
+    assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
+    projector = [k for k in a if k.startswith(("multi_modal_projector.", "image_newline"))]
+    tower = [k for k in a if k.startswith("vision_tower.") or (k in projector and not trained_projector)]
+    assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
+    trained = [k for k in a if k not in tower]
+    assert all(k.startswith("language_model.") or trained_projector and k in projector for k in trained), trained
+    assert not trained_projector or len(projector) == 5 and set(projector) <= set(trained)
+    assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "LlavaNextForConditionalGeneration", type(model)
+    proc = AutoProcessor.from_pretrained(out)
+    assert type(proc.image_processor).__name__ == "LlavaNextImageProcessorPil", type(proc.image_processor)
+    msgs = [{"role": "user", "content": "<image>What is this?"}]
+    text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    assert int((enc["input_ids"] == model.config.image_token_id).sum()) > 36
+    gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
+    print(f"export (projector trained: {trained_projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+"#;
+    let r = std::process::Command::new(&py)
+        .args(["-c", check])
+        .arg(dir.join("model"))
+        .arg(dir.join("../images/a.png"))
+        .args(&outs)
+        .output()
+        .unwrap();
+    assert!(
+        r.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr)
+    );
+    eprintln!("{}", String::from_utf8_lossy(&r.stdout));
+}
+
+/// LLaVA-NeXT's records with bad images, each refused naming the file, the record's line and
+/// the key: more `<image>` tags than images, fewer, a missing file, a file that is not an
+/// image; with every record bad the load stops, listing them.
+#[test]
+fn llava_next_bad_image_records_are_named() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-bad");
+    let data = s.join("data");
+    std::fs::create_dir_all(data.join("images")).unwrap();
+    std::fs::copy(dir.join("../images/a.png"), data.join("images/a.png")).unwrap();
+    std::fs::write(data.join("images/not.png"), b"text").unwrap();
+    let turn = |user: &str| {
+        format!(
+            r#"[{{"role": "user", "content": "{user}"}}, {{"role": "assistant", "content": "ok"}}]"#
+        )
+    };
+    let records = [
+        (turn("<image><image>two?"), r#"["images/a.png"]"#),
+        (turn("none?"), r#"["images/a.png"]"#),
+        (turn("<image>gone?"), r#"["images/gone.png"]"#),
+        (turn("<image>text?"), r#"["images/not.png"]"#),
+    ];
+    let body: Vec<String> = (records.iter())
+        .map(|(m, i)| format!(r#"{{"messages": {m}, "images": {i}}}"#))
+        .collect();
+    std::fs::write(
+        data.join("bad.json"),
+        format!("[\n{}\n]\n", body.join(",\n")),
+    )
+    .unwrap();
+    std::fs::write(
+        data.join("dataset_info.json"),
+        r#"{"bad": {"file_name": "bad.json", "formatting": "sharegpt",
+            "columns": {"messages": "messages", "images": "images"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                     "assistant_tag": "assistant"}}}"#,
+    )
+    .unwrap();
+    let yaml = s.join("run.yaml");
+    std::fs::write(
+        &yaml,
+        format!(
+            "model: {{path: {}, init: pretrained, dtype: float32}}\n\
+             dataset: {{name: bad, dataset_dir: {}, max_seq_len: 1024}}\n\
+             training: {{batch_size: 1, num_steps: 1}}\n",
+            dir.join("model").display(),
+            data.display()
+        ),
+    )
+    .unwrap();
+    let (out, _) = run_cpu(&yaml, 1, &s.join("metrics.jsonl"), &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained: {err}");
+    for want in [
+        "bad.json",
+        "4 skipped",
+        "bad.json:2: field `images`: 1 images, but 2 `<image>`",
+        "bad.json:3: field `images`: 1 images, but 0 `<image>`",
+        "bad.json:4: field `images[0]`: image `images/gone.png` not found",
+        "bad.json:5: field `images[0]`: `images/not.png`: not a PNG, JPEG or WebP",
+    ] {
+        assert!(err.contains(want), "no `{want}` in: {err}");
+    }
 }
 
 /// The next step's images decoded while a step computes (worker/src/engine/prefetch.rs)

@@ -1,7 +1,8 @@
 //! The frozen vision tower for the workers: its carried tensors ([`super::carried`]) copied
 //! once, in the store's dtype, into a read-only shared region laid out by
-//! [`VisionLayout`] (the tensors a run trains, `vlm.freeze_projector: false`'s merger, are
-//! the layout's instead). The launcher builds it before the workers start and keeps it for the
+//! [`VisionLayout`] (the tensors a run trains, `vlm.freeze_projector: false`'s merger,
+//! `vlm.freeze_vision_encoder: false`'s patch embedding and blocks, are the layout's
+//! instead; the region is empty where both train). The launcher builds it before the workers start and keeps it for the
 //! run (a server starting its workers again maps it again); each worker maps it, copies
 //! the tower to its device once and unmaps it. The tower is not trained: it has no master,
 //! no moments and no gradient, and the export writes the carried bytes, not these.
@@ -39,19 +40,28 @@ impl VisionRegion {
         dtype: DType,
         source: &Path,
     ) -> Result<VisionRegion> {
-        let patch_embed = spec.patch_embed();
-        let prefix = carried
-            .tensors
-            .iter()
-            .find_map(|t| t.name.strip_suffix(patch_embed))
-            .ok_or_else(|| Error::Tensor {
-                path: source.into(),
-                tensor: format!("*{patch_embed}"),
-                expected: format!("the vision tower of `{}`", spec.model_type()),
-                got: format!("no tensor named `*{patch_embed}`"),
-            })?;
+        // The prefix, from the first tensor the region holds (the patch embedding, or with
+        // the encoder trained the merger's norm); none where the whole tower trains.
+        let first = spec
+            .tensors()
+            .into_iter()
+            .find(|(n, _)| !training.trains(n));
+        let prefix = match first {
+            None => "",
+            Some((probe, _)) => carried
+                .tensors
+                .iter()
+                .find_map(|t| t.name.strip_suffix(probe.as_str()))
+                .ok_or_else(|| Error::Tensor {
+                    path: source.into(),
+                    tensor: format!("*{probe}"),
+                    expected: format!("the vision tower of `{}`", spec.model_type()),
+                    got: format!("no tensor named `*{probe}`"),
+                })?,
+        };
         let mut layout = VisionLayout::new(spec, prefix, training);
-        // Gemma 3's projector sits beside the tower, under the wrapper's own prefix.
+        // Gemma 3's and LLaVA-NeXT's projector (and LLaVA-NeXT's image_newline) sit beside
+        // the tower, under the wrapper's own prefix.
         if let Some(p) =
             (carried.tensors.iter()).find_map(|t| Some(&t.name[..t.name.find(PROJECTOR)?]))
         {
@@ -201,6 +211,47 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(e.contains("visual.merger.ln_q.weight"), "{e}");
+    }
+
+    /// A trained encoder: the region holds the merger alone, under the prefix found from
+    /// it (the patch embedding is not carried); the whole tower trained, nothing.
+    #[test]
+    fn a_trained_encoder_is_left_out_of_the_region() {
+        let full = carried("model.visual.");
+        let mut c = carried("model.visual.");
+        c.tensors
+            .retain(|t| t.name.starts_with("model.visual.merger."));
+        let build = |t: TowerTraining, c: &Carried| {
+            VisionRegion::build(
+                "mt-test-vision",
+                &spec(),
+                t,
+                c,
+                DType::Bfloat16,
+                Path::new("m"),
+            )
+        };
+        let r = build(TowerTraining::Encoder, &c).unwrap();
+        assert_eq!(r.layout.prefix, "model.visual.");
+        let names: Vec<String> = r
+            .layout
+            .tensors
+            .iter()
+            .map(|t| r.layout.hf_name(t))
+            .collect();
+        let want: Vec<&str> = c.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, want);
+        // ln_q (E = 8), then 4E -> 4E -> 4 with biases.
+        assert_eq!(r.layout.num_params(), 8 + 32 * 32 + 32 + 4 * 32 + 4);
+        let r = build(TowerTraining::Whole, &Carried::default()).unwrap();
+        assert!(r.layout.tensors.is_empty() && r.bytes() == 0);
+        // The merger frozen is the region's: without it the error names it.
+        let e = build(TowerTraining::Encoder, &Carried::default())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("*merger.ln_q.weight"), "{e}");
+        assert!(build(TowerTraining::Encoder, &full).is_ok());
     }
 
     #[test]

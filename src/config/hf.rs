@@ -32,13 +32,15 @@ use defaults::{Defaults, defaults};
 use layers::attention_kinds;
 pub use moe::{ExpertAct, ExpertNames, LinearAttnSpec, MoeSpec, Router};
 pub use mrope::Mrope;
+use mrope::MropeKind;
 use rope::{RopeCtx, ropes};
 pub use rope::{RopeScaling, RopeSpec, SUPPORTED_ROPE_TYPES};
 pub use wrapper::{TOWER, TextNames};
 
 /// Model families the worker can compute, by HF `model_type`. Llama-shaped checkpoints of
 /// other projects (Yi, DeepSeek-LLM) declare `llama` and load as such. The multimodal
-/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`, `qwen2_5_vl`, `qwen3_vl`)
+/// wrappers (`qwen3_5`, `qwen3_5_moe`, `gemma3`, `mistral3`, `llama4`, `qwen2_5_vl`, `qwen3_vl`,
+/// `llava_next`)
 /// train their text model, which must be one of these; `qwen2_5_vl` wraps `qwen2_5_vl_text`
 /// (Qwen2's layer under a multimodal RoPE), `qwen3_vl` wraps `qwen3_vl_text` (Qwen3's layer
 /// under an interleaved multimodal RoPE).
@@ -220,6 +222,8 @@ pub enum Activation {
     GeluTanh,
     /// `gelu`: exact GELU.
     Gelu,
+    /// `quick_gelu`: `x * sigmoid(1.702 x)` (CLIP's towers; no text model uses it).
+    QuickGelu,
 }
 
 /// Attention pattern of one layer.
@@ -306,8 +310,9 @@ pub struct ModelSpec {
     /// Multi-token-prediction layers the checkpoint numbers after the decoder layers
     /// (`num_nextn_predict_layers` of GLM-4.5 and DeepSeek-V3): carried, not trained.
     pub mtp_layers: usize,
-    /// Qwen2.5-VL's and Qwen3-VL's multimodal RoPE: 3-D positions (temporal, height, width),
-    /// each rotating its own section of the frequencies; None for a 1-D RoPE.
+    /// Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's multimodal RoPE: 3-D positions (temporal,
+    /// height, width), each rotating its own section of the frequencies; None for a 1-D
+    /// RoPE.
     pub mrope: Option<Mrope>,
 }
 
@@ -615,14 +620,22 @@ impl ModelSpec {
             _ => 0,
         };
         let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
-        let mrope = match qwen2_5_vl || qwen3_vl {
-            true => Some(Mrope::of_text(hf, rope.rotary_dim, qwen3_vl, &err)?),
-            false if mrope::names_mrope(hf) => {
+        // Qwen3.5's text model always computes the interleaved mrope (text alone gives
+        // three equal positions, the plain RoPE); Qwen3.5-MoE's images are not taken yet.
+        let mrope_kind = match model_type.as_str() {
+            "qwen2_5_vl_text" => Some(MropeKind::Qwen2_5Vl),
+            "qwen3_vl_text" => Some(MropeKind::Qwen3Vl),
+            "qwen3_5_text" => Some(MropeKind::Qwen3_5),
+            _ => None,
+        };
+        let mrope = match mrope_kind {
+            Some(kind) => Some(Mrope::of_text(hf, rope.rotary_dim, kind, &err)?),
+            None if mrope::names_mrope(hf) => {
                 return Err(err(format!(
                     "rope type `mrope` is only supported for qwen2_5_vl and qwen3_vl (`{model_type}` given)"
                 )));
             }
-            false => None,
+            None => None,
         };
         let intermediate_size = match model_type.as_str() {
             // Llama 4's dense layers; `intermediate_size` is an expert's.

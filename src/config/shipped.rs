@@ -47,6 +47,7 @@ pub const SHIPPED: &[Shipped] = &[
         "gemma3-27b",
         ["google/gemma-3-27b-it", "google/gemma-3-27b-pt"]
     ),
+    shipped!("llava-next-7b", ["llava-hf/llava-v1.6-mistral-7b-hf"]),
     shipped!(
         "qwen2.5-14b",
         ["Qwen/Qwen2.5-14B", "Qwen/Qwen2.5-14B-Instruct"]

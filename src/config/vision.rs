@@ -1,9 +1,11 @@
 //! A multimodal checkpoint's vision tower, from config.json's `vision_config`: the file
 //! format (`HfVisionConfig`, lenient, transformers' defaults for absent keys) and the
 //! validated architecture (`VisionSpec`) the launcher lays out and the worker computes
-//! (worker/src/model/qwen2_vl_vision.rs, qwen3_vl_vision.rs): Qwen2.5-VL's and Qwen3-VL's; and
-//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file) or
-//! Gemma 3's SigLIP encoder and projector ([`siglip`]).
+//! (worker/src/model/qwen2_vl_vision.rs, qwen3_vl_vision.rs): Qwen2.5-VL's, Qwen3-VL's and
+//! Qwen3.5's (Qwen3-VL's tower without its deepstack mergers: `Qwen3_5VisionModel`); and
+//! [`TowerSpec`], the tower of any family the worker computes: Qwen's (this file), Gemma 3's
+//! SigLIP encoder and projector ([`siglip`]) or LLaVA-NeXT's CLIP tower, projector and
+//! any-resolution tiles ([`clip`]).
 //!
 //! The tower is frozen: it is carried, not trained (`layout::CarryRule`), and reaches the
 //! workers in a read-only region of its own (`checkpoint::vision`).
@@ -13,23 +15,36 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::TowerTraining;
 use super::hf::Activation;
 use crate::error::{Error, Result};
 
+pub mod clip;
 pub mod siglip;
 
+use clip::ClipSpec;
 use siglip::SiglipSpec;
 
 /// The model types whose vision tower the worker computes.
-pub const VISION_MODEL_TYPES: &[&str] = &["qwen2_5_vl", "qwen3_vl", "gemma3"];
+pub const VISION_MODEL_TYPES: &[&str] =
+    &["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava_next"];
 
 /// A vision-language model's frozen tower, of the family its `model_type` names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum TowerSpec {
-    /// Qwen2.5-VL's and Qwen3-VL's towers and mergers.
+    /// Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's towers and mergers.
     Qwen(VisionSpec),
     /// Gemma 3's SigLIP encoder and multimodal projector.
     Siglip(SiglipSpec),
+    /// LLaVA-NeXT's CLIP tower, projector and `image_newline`.
+    Clip(ClipSpec),
+}
+
+/// Whether the tower's tensor `name` (as [`TowerSpec::tensors`] names it) sits beside the
+/// tower under the wrapper's own prefix (the projector, LLaVA-NeXT's `image_newline`)
+/// rather than inside the tower.
+pub fn beside_tower(name: &str) -> bool {
+    name.starts_with(siglip::PROJECTOR) || name == clip::IMAGE_NEWLINE
 }
 
 impl TowerSpec {
@@ -55,6 +70,9 @@ impl TowerSpec {
             Some("gemma3") => {
                 SiglipSpec::from_json(config, "gemma3", path).map(|s| Some(TowerSpec::Siglip(s)))
             }
+            Some("llava_next") => {
+                ClipSpec::from_json(config, "llava_next", path).map(|s| Some(TowerSpec::Clip(s)))
+            }
             _ => Ok(VisionSpec::from_json(config, path)?.map(TowerSpec::Qwen)),
         }
     }
@@ -64,6 +82,7 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => &s.model_type,
             TowerSpec::Siglip(s) => &s.model_type,
+            TowerSpec::Clip(s) => &s.model_type,
         }
     }
 
@@ -72,6 +91,7 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => s.depth,
             TowerSpec::Siglip(s) => s.depth,
+            TowerSpec::Clip(s) => s.depth,
         }
     }
 
@@ -81,15 +101,33 @@ impl TowerSpec {
         match self {
             TowerSpec::Qwen(s) => s.tensors(),
             TowerSpec::Siglip(s) => s.tensors(),
+            TowerSpec::Clip(s) => s.tensors(),
+        }
+    }
+
+    /// The tensors `training` trains, under the names the layout gives them in the
+    /// embedding block (the hub's, as [`crate::config::hf::TextNames::hf`] maps them):
+    /// Qwen's under `visual.` (`visual.merger.mlp.0.weight`), those beside the tower as they
+    /// are (`multi_modal_projector.linear_1.weight`, `image_newline`).
+    pub fn trained_tensors(&self, training: TowerTraining) -> Vec<(String, Vec<usize>)> {
+        let trained = self.tensors().into_iter();
+        let trained = trained.filter(|(name, _)| training.trains(name));
+        match self {
+            TowerSpec::Qwen(_) => trained
+                .map(|(name, shape)| (format!("{}{name}", super::hf::TOWER), shape))
+                .collect(),
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => trained.collect(),
         }
     }
 
     /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's
-    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid).
+    /// FlopCounterMode counts transformers' (Gemma 3's images all have one grid; LLaVA-NeXT's
+    /// `grid` is (1, height, width) in pixels, which set its tiles).
     pub fn forward_flops(&self, grid: [u32; 3]) -> f64 {
         match self {
             TowerSpec::Qwen(s) => s.forward_flops(grid),
             TowerSpec::Siglip(s) => s.forward_flops(),
+            TowerSpec::Clip(s) => s.forward_flops(grid[1], grid[2]),
         }
     }
 
@@ -101,6 +139,7 @@ impl TowerSpec {
             TowerSpec::Siglip(s) => {
                 2.0 * (s.tokens_per_image * s.hidden_size * s.out_hidden_size) as f64
             }
+            TowerSpec::Clip(s) => s.projector_flops(grid[1], grid[2]),
         }
     }
 
@@ -109,7 +148,7 @@ impl TowerSpec {
     pub fn patch_embed(&self) -> &'static str {
         match self {
             TowerSpec::Qwen(_) => "patch_embed.proj.weight",
-            TowerSpec::Siglip(_) => siglip::SIGLIP_PATCH_EMBED,
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => siglip::SIGLIP_PATCH_EMBED,
         }
     }
 }
@@ -122,12 +161,14 @@ pub enum VisionFamily {
     Qwen2_5Vl,
     /// Qwen3-VL: LayerNorm blocks with a plain MLP, full attention per image, learned
     /// position embeddings resampled to each grid, a merger and the deepstack mergers
-    /// (worker/src/model/qwen3_vl_vision.rs).
+    /// (worker/src/model/qwen3_vl_vision.rs). Qwen3.5's tower is this one with no deepstack
+    /// merger (`deepstack_visual_indexes` empty).
     Qwen3Vl,
 }
 
 /// The keys of `vision_config` we read; absent keys take the family's defaults
-/// (`Qwen2_5_VLVisionConfig`, `Qwen3VLVisionConfig`, transformers 5.17).
+/// (`Qwen2_5_VLVisionConfig`, `Qwen3VLVisionConfig`, transformers 5.17; `Qwen3_5VisionConfig`
+/// has Qwen3-VL's but for the deepstack mergers, which its tower does not build).
 #[derive(Debug, Clone, Default, Deserialize)]
 struct HfVisionConfig {
     depth: Option<usize>,
@@ -151,8 +192,10 @@ struct HfVisionConfig {
 }
 
 impl HfVisionConfig {
-    /// The family's config class defaults for every absent key.
-    fn with_defaults(self, family: VisionFamily) -> HfVisionConfig {
+    /// The family's config class defaults for every absent key; `deepstack` false (Qwen3.5)
+    /// leaves no deepstack merger whatever the config lists (`Qwen3_5VisionModel` reads no
+    /// such key; the hub's configs list none).
+    fn with_defaults(self, family: VisionFamily, deepstack: bool) -> HfVisionConfig {
         let d = match family {
             VisionFamily::Qwen2_5Vl => HfVisionConfig {
                 depth: Some(32),
@@ -214,10 +257,10 @@ impl HfVisionConfig {
                 VisionFamily::Qwen3Vl => self.num_position_embeddings.or(d.num_position_embeddings),
             },
             deepstack_visual_indexes: match family {
-                VisionFamily::Qwen2_5Vl => d.deepstack_visual_indexes,
-                VisionFamily::Qwen3Vl => {
+                VisionFamily::Qwen3Vl if deepstack => {
                     self.deepstack_visual_indexes.or(d.deepstack_visual_indexes)
                 }
+                VisionFamily::Qwen3Vl | VisionFamily::Qwen2_5Vl => Some(vec![]),
             },
             rope_parameters: self.rope_parameters,
             rope_theta: self.rope_theta,
@@ -234,7 +277,7 @@ const MAX_DIM: usize = 1 << 20;
 /// A vision tower and its patch merger(s), validated.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VisionSpec {
-    /// The wrapper's `model_type` (`qwen2_5_vl`, `qwen3_vl`).
+    /// The wrapper's `model_type` (`qwen2_5_vl`, `qwen3_vl`, `qwen3_5`).
     pub model_type: String,
     pub family: VisionFamily,
     /// Vision blocks.
@@ -263,7 +306,7 @@ pub struct VisionSpec {
     /// grid (Qwen3-VL; 0 for Qwen2.5-VL).
     pub num_position_embeddings: usize,
     /// Blocks whose output the deepstack mergers take, merger k after block
-    /// `deepstack_visual_indexes[k]` (Qwen3-VL; empty for Qwen2.5-VL).
+    /// `deepstack_visual_indexes[k]` (Qwen3-VL; empty for Qwen2.5-VL and Qwen3.5).
     pub deepstack_visual_indexes: Vec<usize>,
 }
 
@@ -293,9 +336,10 @@ impl VisionSpec {
         let Some(model_type) = config.get("model_type").and_then(Value::as_str) else {
             return Ok(None);
         };
-        let family = match model_type {
-            "qwen2_5_vl" => VisionFamily::Qwen2_5Vl,
-            "qwen3_vl" => VisionFamily::Qwen3Vl,
+        let (family, deepstack) = match model_type {
+            "qwen2_5_vl" => (VisionFamily::Qwen2_5Vl, false),
+            "qwen3_vl" => (VisionFamily::Qwen3Vl, true),
+            "qwen3_5" => (VisionFamily::Qwen3Vl, false),
             _ => return Ok(None),
         };
         let raw = config
@@ -308,7 +352,7 @@ impl VisionSpec {
                 e.inner()
             ))
         })?;
-        let hf = hf.with_defaults(family);
+        let hf = hf.with_defaults(family, deepstack);
         let act = hf.hidden_act.as_deref().unwrap_or_default();
         let hidden_act = match act {
             "silu" | "swish" => Activation::Silu,
@@ -612,173 +656,4 @@ impl VisionSpec {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn spec(vision: Value) -> Result<Option<VisionSpec>> {
-        let cfg = json!({"model_type": "qwen2_5_vl", "vision_config": vision});
-        VisionSpec::from_json(&cfg, Path::new("m/config.json"))
-    }
-
-    #[test]
-    fn hub_config_reads_with_defaults() {
-        // Qwen2.5-VL-7B-Instruct's vision_config as the hub has it (`in_chans`, no rope key).
-        let s = spec(json!({
-            "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
-            "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
-            "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
-            "temporal_patch_size": 2
-        }))
-        .unwrap()
-        .unwrap();
-        assert_eq!(s.head_dim(), 80);
-        assert_eq!(s.patch_len(), 1176);
-        assert_eq!(s.merge_window(), 4);
-        assert_eq!(s.rope_theta, 10000.0);
-        assert!(s.full_attention(31) && !s.full_attention(30));
-        let t = s.tensors();
-        assert_eq!(t.len(), 1 + 32 * 12 + 5);
-        assert_eq!(t[0].1, vec![1280, 3, 2, 14, 14]);
-        assert_eq!(t.last().unwrap().1, vec![3584]);
-    }
-
-    #[test]
-    fn the_tower_follows_the_model_type() {
-        let c = Path::new("c");
-        let qwen = json!({"model_type": "qwen2_5_vl", "vision_config": {}});
-        assert!(matches!(
-            TowerSpec::from_json(&qwen, c),
-            Ok(Some(TowerSpec::Qwen(_)))
-        ));
-        let gemma = json!({"model_type": "gemma3", "mm_tokens_per_image": 4,
-            "vision_config": {"image_size": 56, "patch_size": 14}});
-        let t = TowerSpec::from_json(&gemma, c).unwrap().unwrap();
-        assert_eq!((t.model_type(), t.depth()), ("gemma3", 12));
-        let text = json!({"model_type": "gemma3_text"});
-        assert!(TowerSpec::from_json(&text, c).unwrap().is_none());
-        for t in VISION_MODEL_TYPES {
-            let cfg = json!({"model_type": t});
-            assert!(
-                TowerSpec::from_json(&cfg, c).is_err(),
-                "{t}: no vision_config"
-            );
-        }
-    }
-
-    #[test]
-    fn qwen3_vl_hub_config_reads() {
-        // configs/qwen3-vl-8b (Qwen/Qwen3-VL-8B-Instruct); the tower's parameters counted
-        // by transformers 5.17 (the model on the meta device, the parameters under
-        // `model.visual`).
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/qwen3-vl-8b");
-        let s = VisionSpec::from_model_dir(&dir).unwrap().unwrap();
-        assert_eq!(s.family, VisionFamily::Qwen3Vl);
-        assert_eq!(
-            (s.head_dim(), s.patch_len(), s.position_grid_side()),
-            (72, 1536, 48)
-        );
-        assert_eq!(s.hidden_act, Activation::GeluTanh);
-        assert_eq!(s.deepstack_taps(), [(8, 0), (16, 1), (24, 2)]);
-        let n: usize = s
-            .tensors()
-            .iter()
-            .map(|(_, sh)| sh.iter().product::<usize>())
-            .sum();
-        assert_eq!(n, 576_388_336);
-        // Defaults (Qwen3VLVisionConfig's) where the keys are absent; Qwen2.5-VL's window
-        // keys are not read.
-        let cfg = json!({"model_type": "qwen3_vl", "vision_config": {"window_size": 1}});
-        let d = VisionSpec::from_json(&cfg, Path::new("c"))
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            (d.depth, d.hidden_size, d.patch_size, d.window_size),
-            (27, 1152, 16, 0)
-        );
-        assert_eq!(d.deepstack_visual_indexes, [8, 16, 24]);
-        for (bad, key) in [
-            (
-                json!({"deepstack_visual_indexes": [1, 1]}),
-                "deepstack_visual_indexes",
-            ),
-            (
-                json!({"depth": 2, "deepstack_visual_indexes": [2]}),
-                "deepstack_visual_indexes",
-            ),
-            (
-                json!({"num_position_embeddings": 0}),
-                "num_position_embeddings",
-            ),
-        ] {
-            let cfg = json!({"model_type": "qwen3_vl", "vision_config": bad});
-            let e = VisionSpec::from_json(&cfg, Path::new("c"))
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains(key), "{e}");
-        }
-    }
-
-    #[test]
-    fn other_model_types_have_no_tower() {
-        let cfg = json!({"model_type": "qwen2", "vision_config": {}});
-        assert!(
-            VisionSpec::from_json(&cfg, Path::new("c"))
-                .unwrap()
-                .is_none()
-        );
-    }
-
-    #[test]
-    fn bad_values_are_named() {
-        let e = spec(json!({"hidden_size": 100, "num_heads": 16}))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("m/config.json") && e.contains("num_heads"),
-            "{e}"
-        );
-        let e = spec(json!({"window_size": 20})).unwrap_err().to_string();
-        assert!(e.contains("window_size"), "{e}");
-        let e = spec(json!({"depth": "x"})).unwrap_err().to_string();
-        assert!(e.contains("vision_config.depth"), "{e}");
-        let e = spec(json!({"hidden_act": "relu"})).unwrap_err().to_string();
-        assert!(e.contains("hidden_act"), "{e}");
-        let cfg = json!({"model_type": "qwen2_5_vl"});
-        let e = VisionSpec::from_json(&cfg, Path::new("c"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("vision_config"), "{e}");
-    }
-
-    /// `forward_flops` against torch's FlopCounterMode over transformers' tower
-    /// (scripts/make_vlm_golden.py: the golden model's tower on the records' grids and on
-    /// partial windows and two frames). Both count whole products, so they are equal.
-    #[test]
-    fn forward_flops_equal_torch_count() {
-        let Some(fx) = std::env::var_os("MT_DATA_FIXTURES") else {
-            eprintln!("no data fixtures (MT_DATA_FIXTURES): skipped");
-            return;
-        };
-        // Qwen2.5-VL's tower, then Qwen3-VL's (with its two deepstack mergers).
-        for case in ["vlm/golden", "vlm/golden-qwen3vl"] {
-            flops_equal(&std::path::PathBuf::from(&fx).join(case));
-        }
-    }
-
-    fn flops_equal(dir: &Path) {
-        let spec = VisionSpec::from_model_dir(&dir.join("model"))
-            .unwrap()
-            .unwrap();
-        let text = std::fs::read_to_string(dir.join("tower_flops.json")).unwrap();
-        let counted: Vec<Value> = serde_json::from_str(&text).unwrap();
-        assert!(counted.len() >= 4);
-        for c in counted {
-            let g: Vec<u32> = serde_json::from_value(c["grid"].clone()).unwrap();
-            let want = c["flops"].as_f64().unwrap();
-            let got = spec.forward_flops([g[0], g[1], g[2]]);
-            assert_eq!(got, want, "{}: grid {g:?}", dir.display());
-        }
-    }
-}
+mod tests;

@@ -1,23 +1,26 @@
 //! The `vlm` section: which parts of a vision-language model's vision side train
 //! (MegaTrain's keys; LlamaFactory's `freeze_vision_tower` and
 //! `freeze_multi_modal_projector` are read as these, see `aliases`). Both default to
-//! frozen, as in MegaTrain and LlamaFactory: only the language model trains.
+//! frozen, as in MegaTrain and LlamaFactory: only the language model trains. The two keys
+//! are independent, as LlamaFactory's are: the encoder may train under a frozen projector
+//! (the gradient then passes through the projector to the encoder) and the other way round.
 
 use serde::{Deserialize, Serialize};
-
-use crate::error::{Error, Result};
 
 /// What of the vision tower trains.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct VlmSection {
-    /// Keep the vision encoder (the patch embedding and the tower's blocks) frozen. false
-    /// is not supported yet.
+    /// Keep the vision encoder (the patch embedding and the tower's blocks) frozen; false
+    /// trains it with the language model (Qwen2.5-VL): its tensors join the embedding
+    /// block (fp32 master and Adam moments, weight decay on its matrices, clipped in the
+    /// global norm, checkpointed and exported under their hub names), each block's input
+    /// kept from the forward and the block recomputed with grad in the embedding's
+    /// backward.
     pub freeze_vision_encoder: bool,
-    /// Keep the projector (Qwen2.5-VL's patch merger, `visual.merger.*`) frozen; false
-    /// trains it with the language model: fp32 master and Adam moments, weight decay on
-    /// its matrices, clipped in the global norm, checkpointed and exported under its hub
-    /// names.
+    /// Keep the projector (the patch merger of Qwen2.5-VL or Qwen3.5, `visual.merger.*`;
+    /// LLaVA-NeXT's `multi_modal_projector.*` and `image_newline`) frozen; false trains it
+    /// with the language model, as the encoder above.
     pub freeze_projector: bool,
 }
 
@@ -36,37 +39,75 @@ pub enum TowerTraining {
     /// None: the tower and its projector are carried (the default).
     #[default]
     Frozen,
-    /// The projector (`merger.*`): the encoder's output is computed without grad.
+    /// The projector (`merger.*`; beside the tower, `multi_modal_projector.*` and
+    /// LLaVA-NeXT's `image_newline`): the encoder's output is computed without grad.
     Projector,
+    /// The encoder (the patch embedding and the blocks), under a frozen projector.
+    Encoder,
+    /// Every tensor of the tower: the encoder and the projector.
+    Whole,
 }
 
 impl TowerTraining {
-    /// Whether the tower's tensor `name` (inside the tower: `merger.ln_q.weight`) trains.
+    /// What `vlm.freeze_vision_encoder` and `vlm.freeze_projector` ask for.
+    pub fn of(freeze_encoder: bool, freeze_projector: bool) -> TowerTraining {
+        match (freeze_encoder, freeze_projector) {
+            (true, true) => TowerTraining::Frozen,
+            (true, false) => TowerTraining::Projector,
+            (false, true) => TowerTraining::Encoder,
+            (false, false) => TowerTraining::Whole,
+        }
+    }
+
+    /// Whether the tower's tensor `name` (as `TowerSpec::tensors` names it:
+    /// `merger.ln_q.weight`, `multi_modal_projector.linear_1.weight`) trains.
     pub fn trains(self, name: &str) -> bool {
+        let merger = name.starts_with("merger.") || crate::config::vision::beside_tower(name);
         match self {
             TowerTraining::Frozen => false,
-            TowerTraining::Projector => name.starts_with("merger."),
+            TowerTraining::Projector => merger,
+            TowerTraining::Encoder => !merger,
+            TowerTraining::Whole => true,
+        }
+    }
+
+    /// Whether the encoder trains: its blocks are then recomputed with grad in the
+    /// embedding's backward.
+    pub fn encoder(self) -> bool {
+        matches!(self, TowerTraining::Encoder | TowerTraining::Whole)
+    }
+
+    /// Whether the projector trains.
+    pub fn projector(self) -> bool {
+        matches!(self, TowerTraining::Projector | TowerTraining::Whole)
+    }
+
+    /// The config key that asks for the training of a tower (the encoder's where it
+    /// trains): what an error about a model that cannot do it names.
+    pub fn key(self) -> &'static str {
+        match self.encoder() {
+            true => "vlm.freeze_vision_encoder",
+            false => "vlm.freeze_projector",
+        }
+    }
+
+    /// What trains, in words, for the launch's `vision tower:` line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            TowerTraining::Frozen => "",
+            TowerTraining::Projector => "the projector trained",
+            TowerTraining::Encoder => "the encoder trained",
+            TowerTraining::Whole => "the encoder and the projector trained",
         }
     }
 }
 
 impl VlmSection {
-    /// What the section asks to train.
+    /// What the section asks to train. Every combination of the two keys is valid here;
+    /// whether the model's tower can train is the layout's question (`mt-launch`'s
+    /// `run_layout`), which names the key.
     pub fn training(&self) -> TowerTraining {
-        match self.freeze_projector {
-            true => TowerTraining::Frozen,
-            false => TowerTraining::Projector,
-        }
-    }
-
-    pub fn validate(&self) -> Result<()> {
-        if !self.freeze_vision_encoder {
-            return Err(Error::invalid(
-                "vlm.freeze_vision_encoder",
-                "false is not supported yet: the vision encoder trains frozen (vlm.freeze_projector: false trains the projector)",
-            ));
-        }
-        Ok(())
+        TowerTraining::of(self.freeze_vision_encoder, self.freeze_projector)
     }
 }
 
@@ -74,6 +115,7 @@ impl VlmSection {
 mod tests {
     use super::*;
     use crate::config::RunConfig;
+    use crate::error::Result;
 
     fn parse(name: &str, extra: &str) -> Result<RunConfig> {
         let dir = std::env::temp_dir().join(format!("mt-vlm-cfg-{}", std::process::id()));
@@ -93,10 +135,29 @@ mod tests {
         // LlamaFactory's flat names.
         let c = parse("llamafactory", "freeze_multi_modal_projector: false\n").unwrap();
         assert_eq!(c.vlm.training(), TowerTraining::Projector);
-        let e = parse("tower", "freeze_vision_tower: false\n").unwrap_err();
+        // The encoder: MegaTrain's key and LlamaFactory's, alone or with the projector.
+        let c = parse("encoder", "vlm: {freeze_vision_encoder: false}\n").unwrap();
+        assert_eq!(c.vlm.training(), TowerTraining::Encoder);
+        let c = parse("tower", "freeze_vision_tower: false\n").unwrap();
+        assert_eq!(c.vlm.training(), TowerTraining::Encoder);
+        let both = "freeze_vision_tower: false\nfreeze_multi_modal_projector: false\n";
+        let c = parse("whole", both).unwrap();
+        assert_eq!(c.vlm.training(), TowerTraining::Whole);
+        // The same setting under both names with the same value is accepted, with
+        // different values refused naming both.
+        let same = "vlm: {freeze_vision_encoder: false}\nfreeze_vision_tower: false\n";
+        assert_eq!(
+            parse("same", same).unwrap().vlm.training(),
+            TowerTraining::Encoder
+        );
+        let e = parse(
+            "tower-twice",
+            "vlm: {freeze_vision_encoder: true}\nfreeze_vision_tower: false\n",
+        )
+        .unwrap_err();
         assert!(
-            e.to_string().contains("vlm.freeze_vision_encoder")
-                && e.to_string().contains("not supported yet"),
+            e.to_string().contains("freeze_vision_tower")
+                && e.to_string().contains("vlm.freeze_vision_encoder"),
             "{e}"
         );
         let e = parse("unknown", "vlm: {freeze_projektor: false}\n").unwrap_err();
@@ -117,5 +178,15 @@ mod tests {
         assert!(TowerTraining::Projector.trains("merger.mlp.0.weight"));
         assert!(!TowerTraining::Projector.trains("blocks.0.attn.qkv.weight"));
         assert!(!TowerTraining::Frozen.trains("merger.mlp.0.weight"));
+        assert!(TowerTraining::Projector.trains("multi_modal_projector.linear_2.bias"));
+        assert!(TowerTraining::Projector.trains("image_newline"));
+        assert!(!TowerTraining::Projector.trains("encoder.layers.0.mlp.fc1.weight"));
+        assert!(TowerTraining::Encoder.trains("blocks.0.attn.qkv.weight"));
+        assert!(TowerTraining::Encoder.trains("patch_embed.proj.weight"));
+        assert!(!TowerTraining::Encoder.trains("merger.mlp.0.weight"));
+        assert!(TowerTraining::Whole.trains("merger.mlp.0.weight"));
+        assert!(TowerTraining::Whole.trains("patch_embed.proj.weight"));
+        assert_eq!(TowerTraining::Whole.key(), "vlm.freeze_vision_encoder");
+        assert_eq!(TowerTraining::Projector.key(), "vlm.freeze_projector");
     }
 }

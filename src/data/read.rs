@@ -8,7 +8,10 @@ use rayon::prelude::*;
 use super::files::FileRecords;
 use super::records::{self, BadRecord, Conversation, RawRecord};
 use super::sources::Source;
-use super::{ChatTokenizer, Example, Gemma3Images, QwenVlImages, Skipped, chat, pairs, tokenized};
+use super::{
+    ChatTokenizer, Example, Gemma3Images, LlavaNextImages, QwenVlImages, Skipped, chat, pairs,
+    tokenized,
+};
 use crate::cancel;
 use crate::config::{DatasetSection, Overlong, Stage};
 use crate::error::{Error, Result};
@@ -40,6 +43,8 @@ pub enum Images {
     Qwen(QwenVlImages),
     /// A Gemma 3 model: `<image>` expanded to its fixed image sequence after the template.
     Gemma3(Gemma3Images),
+    /// A LLaVA-NeXT model: `<image>` expanded after the template to its image's count.
+    LlavaNext(LlavaNextImages),
 }
 
 /// How the workers turn an image file into the tower's pixels, by family.
@@ -47,6 +52,7 @@ pub enum Images {
 pub enum ImageProcessor {
     Qwen(QwenVlImages),
     Gemma3(Gemma3Images),
+    LlavaNext(LlavaNextImages),
 }
 
 impl Images {
@@ -68,6 +74,9 @@ impl Images {
             (true, TowerSpec::Siglip(spec)) => {
                 Gemma3Images::load(model_dir, &spec).map(Images::Gemma3)
             }
+            (true, TowerSpec::Clip(spec)) => {
+                LlavaNextImages::load(model_dir, &spec).map(Images::LlavaNext)
+            }
         }
     }
 
@@ -76,6 +85,7 @@ impl Images {
         match self {
             Images::Qwen(s) => Some(ImageProcessor::Qwen(s)),
             Images::Gemma3(s) => Some(ImageProcessor::Gemma3(s)),
+            Images::LlavaNext(s) => Some(ImageProcessor::LlavaNext(s)),
             Images::TextOnly | Images::NoProcessor(_) => None,
         }
     }
@@ -218,11 +228,11 @@ pub(super) fn no_images(
 /// The reason `images` cannot train a record's images, if any.
 pub(super) fn why_no_images(images: &Images) -> Option<String> {
     match images {
-        Images::Qwen(_) | Images::Gemma3(_) => None,
-        Images::TextOnly => Some(
-            "the model is text-only: train a vision-language model (qwen2_5_vl, qwen3_vl, gemma3) or leave the `images` column out of the dataset's `columns`"
-                .into(),
-        ),
+        Images::Qwen(_) | Images::Gemma3(_) | Images::LlavaNext(_) => None,
+        Images::TextOnly => Some(format!(
+            "the model is text-only: train a vision-language model ({}) or leave the `images` column out of the dataset's `columns`",
+            crate::config::vision::VISION_MODEL_TYPES.join(", ")
+        )),
         Images::NoProcessor(path) => Some(format!(
             "the model's image processor settings are missing: {} (copy it from the model's hub repository)",
             path.display()
@@ -253,6 +263,9 @@ fn row(src: &Source, rec: &RawRecord, reader: &Reader) -> std::result::Result<Ex
                             im.example(chat, &conv, ds.train_on_prompt)
                         }
                         Images::Gemma3(im) if !conv.images.is_empty() => {
+                            im.example(chat, &conv, ds.train_on_prompt)
+                        }
+                        Images::LlavaNext(im) if !conv.images.is_empty() => {
                             im.example(chat, &conv, ds.train_on_prompt)
                         }
                         _ => chat.example(&conv, ds.train_on_prompt),

@@ -322,6 +322,9 @@ fn public_configs_have_their_transformers_parameter_counts() {
         ("qwen3-vl-8b", 8_190_735_360),
         // Gemma3ForConditionalGeneration less its SigLIP tower and projector (tied head).
         ("gemma3-27b", 27_009_346_304),
+        // LlavaNextForConditionalGeneration (7,566,747,648) less its CLIP tower, projector
+        // and image_newline (324,491,264): the Mistral-7B language model, untied.
+        ("llava-next-7b", 7_242_256_384),
     ] {
         let spec = ModelSpec::from_model_dir(&configs.join(dir)).unwrap();
         assert_eq!(Layout::new(&spec).num_params(), params, "{dir}");

@@ -2,26 +2,28 @@
 //! (`checkpoint::vision` fills it, the worker maps it): one contiguous run of elements in
 //! the store's dtype, each tensor at an aligned offset. The frozen tensors are not part of
 //! the trained [`super::Layout`]: no master, no moments, no gradient slabs. Those a run
-//! trains (`vlm.freeze_projector: false`: the merger) are in the layout's embedding block
-//! instead ([`super::Layout::with_tower`]) and not in the region.
+//! trains (`vlm.freeze_projector: false`: the merger; `vlm.freeze_vision_encoder: false`:
+//! the patch embedding and the blocks) are in the layout's embedding block instead
+//! ([`super::Layout::with_tower`]) and not in the region, which holds nothing where the
+//! whole tower trains.
 
 use serde::{Deserialize, Serialize};
 
 use super::{TENSOR_ALIGN, TensorSpec};
 use crate::config::TowerTraining;
-use crate::config::vision::TowerSpec;
-use crate::config::vision::siglip::PROJECTOR;
+use crate::config::vision::{TowerSpec, beside_tower};
 
 /// The tower's tensors in its region.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VisionLayout {
     pub spec: TowerSpec,
     /// The checkpoint's prefix of the tower (`visual.` in the hub's names, `model.visual.`
-    /// in transformers 5's; Gemma 3's `vision_tower.vision_model.` or `vision_tower.`); a
-    /// tensor's checkpoint name is `prefix + name`.
+    /// in transformers 5's; Gemma 3's and LLaVA-NeXT's `vision_tower.vision_model.` or
+    /// `vision_tower.`); a tensor's checkpoint name is `prefix + name`.
     pub prefix: String,
-    /// What precedes a projector tensor's name (`multi_modal_projector.…`, Gemma 3's) in the
-    /// checkpoint: empty, or `model.` under transformers 5's current names.
+    /// What precedes a projector tensor's name (`multi_modal_projector.…`, Gemma 3's and
+    /// LLaVA-NeXT's, and LLaVA-NeXT's `image_newline`) in the checkpoint: empty, or `model.`
+    /// under transformers 5's current names.
     #[serde(default)]
     pub projector_prefix: String,
     /// What of the tower trains: those tensors are the layout's, not the region's.
@@ -65,7 +67,7 @@ impl VisionLayout {
 
     /// The checkpoint's name of tensor `t`.
     pub fn hf_name(&self, t: &TensorSpec) -> String {
-        match t.name.starts_with(PROJECTOR) {
+        match beside_tower(&t.name) {
             true => format!("{}{}", self.projector_prefix, t.name),
             false => format!("{}{}", self.prefix, t.name),
         }
@@ -129,7 +131,8 @@ mod tests {
         let hf: crate::config::hf::HfConfig = serde_json::from_value(cfg).unwrap();
         let mut spec = ModelSpec::from_hf(&hf, path).unwrap();
         let text = Layout::new(&spec);
-        let l = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+        let tower = TowerSpec::Qwen(vision.clone());
+        let l = Layout::with_tower(&spec, &tower, TowerTraining::Projector);
         let embed = &l.blocks[Layout::EMBED];
         let names: Vec<&str> = embed.tensors.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(
@@ -143,7 +146,6 @@ mod tests {
                 "visual.merger.mlp.2.bias"
             ]
         );
-        let tower = TowerSpec::Qwen(vision.clone());
         let region = VisionLayout::new(&tower, "visual.", TowerTraining::Projector);
         let all = VisionLayout::new(&tower, "visual.", TowerTraining::Frozen);
         assert!(
@@ -163,7 +165,7 @@ mod tests {
             (TextNames::Current, "model.visual.merger.mlp.0.weight"),
         ] {
             spec.names = names;
-            let l = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+            let l = Layout::with_tower(&spec, &tower, TowerTraining::Projector);
             let embed = &l.blocks[Layout::EMBED];
             assert_eq!(embed.hf_name(&embed.tensors[2]), merger);
             assert!(!l.carry.carries(merger), "{merger}");
@@ -173,6 +175,30 @@ mod tests {
             );
             assert!(l.carry.carries(&patch), "{patch}");
             assert!(Layout::new(&spec).carry.carries(merger), "{merger}");
+            // A trained encoder: the patch embedding and the blocks join the block, in the
+            // tower's order, the merger too where it trains; what does not train stays
+            // carried, and the region holds it alone.
+            for (t, merger_trains) in [
+                (TowerTraining::Encoder, false),
+                (TowerTraining::Whole, true),
+            ] {
+                let l = Layout::with_tower(&spec, &tower, t);
+                let embed = &l.blocks[Layout::EMBED];
+                let names: Vec<String> = embed.tensors.iter().map(|x| embed.hf_name(x)).collect();
+                assert_eq!(names[1], patch);
+                assert_eq!(
+                    names.len(),
+                    1 + 1 + 2 * 12 + if merger_trains { 5 } else { 0 }
+                );
+                assert!(names.iter().all(|n| !l.carry.carries(n)), "{names:?}");
+                assert_eq!(l.carry.carries(merger), !merger_trains, "{merger}");
+                let region = VisionLayout::new(&tower, "visual.", t);
+                assert_eq!(region.tensors.len(), if merger_trains { 0 } else { 5 });
+                assert_eq!(
+                    l.num_params() - text.num_params() + region.num_params(),
+                    all.num_params()
+                );
+            }
         }
     }
 
@@ -199,5 +225,23 @@ mod tests {
         let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
         let l = VisionLayout::new(&spec, "vision_tower.vision_model.", TowerTraining::Frozen);
         assert_eq!(l.num_params(), 423_060_336);
+        // LlavaNextForConditionalGeneration from configs/llava-next-7b, the parameters under
+        // `vision_tower`, `multi_modal_projector` and `image_newline`; the newline is named
+        // beside the projector.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/llava-next-7b");
+        let spec = TowerSpec::from_model_dir(&dir).unwrap().unwrap();
+        let mut l = VisionLayout::new(&spec, "vision_tower.vision_model.", TowerTraining::Frozen);
+        assert_eq!(l.num_params(), 324_491_264);
+        l.projector_prefix = "model.".into();
+        let names: Vec<String> = l.tensors.iter().map(|t| l.hf_name(t)).collect();
+        assert_eq!(
+            names[0],
+            "vision_tower.vision_model.embeddings.class_embedding"
+        );
+        assert_eq!(names[names.len() - 1], "model.image_newline");
+        assert_eq!(
+            names[names.len() - 2],
+            "model.multi_modal_projector.linear_2.bias"
+        );
     }
 }

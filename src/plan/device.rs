@@ -365,16 +365,8 @@ impl DevicePlan {
 
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
-        // A vision-language model's tower: its weights, and the image features placed at
-        // the image tokens (at most every token of the micro-batch), with Qwen3-VL's
-        // deepstack features kept for the first layers.
         if let Some(vis) = o.vision {
-            fixed.push(("vision tower (frozen)", vis.params * s));
-            fixed.push(("image features", m * vis.out_hidden * s * vis.feature_sets));
-            if vis.projector_trained {
-                let patches = m * vis.patches_per_token;
-                fixed.push(("the projector's input, kept", patches * vis.hidden * s));
-            }
+            fixed.extend(vis.fixed(m, s));
         }
 
         let tied_fwd = if tied { copy(embed) } else { 0 };
@@ -441,15 +433,8 @@ impl DevicePlan {
                 copy(GRADS_IN_FLIGHT * layer_max),
             ),
         ];
-        // A trained projector recomputed with grad over every image token (the bound):
-        // per token its normed input and the two widths after the first Linear and the
-        // GELU (merge^2 x E each), its output, each with its gradient.
-        if let Some(vis) = o.vision.filter(|v| v.projector_trained) {
-            let merged = vis.patches_per_token * vis.hidden;
-            embed_phase.push((
-                "the projector's recompute graph + gradients",
-                2 * m * (3 * merged + vis.out_hidden) * s,
-            ));
+        if let Some(vis) = o.vision {
+            embed_phase.extend(vis.embedding_backward(m, s));
         }
 
         let mut phases = vec![
@@ -470,22 +455,10 @@ impl DevicePlan {
                 parts: embed_phase,
             },
         ];
-        // The tower's forward over the micro-batch's images (no grad, before the layers),
-        // bounded by every token an image's: per patch its pixels (f32, then the compute
-        // dtype) and the larger of a block's attention half (x, norm, q k v, rotated q k,
-        // output: 8 widths) and its MLP half (x, residual, norm: 3 widths; gate, up, act:
-        // 3 MLP widths).
         if let Some(vis) = o.vision {
-            let patches = m * vis.patches_per_token;
-            let per_patch = vis.patch_values * (4 + s)
-                + (s * (8 * vis.hidden).max(3 * vis.hidden + 3 * vis.intermediate))
-                    .max(vis.position_taps);
             phases.push(Phase {
                 name: VISION_FORWARD,
-                parts: vec![(
-                    "the tower's forward (the bound: every token an image's)",
-                    patches * per_patch,
-                )],
+                parts: vis.forward(m, s, copy(embed)),
             });
         }
         // MLP tiles: the tile's gradient lands in dy's rows (dy becomes the attention

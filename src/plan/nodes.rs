@@ -205,6 +205,7 @@ mod tests {
         };
         HostPlan {
             params,
+            tower_params: 0,
             opts,
             master: 4 * params,
             adam: 8 * params,

@@ -34,6 +34,7 @@ use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
 mod control;
 mod images;
 mod prefetch;
+mod tower;
 use control::Control;
 pub use images::{MicroImages, Tower};
 use prefetch::Prefetch;
@@ -244,7 +245,7 @@ impl Engine {
             let kept = batch.kept.iter().filter(|&&k| k).count();
             tm.kept_layers = tm.kept_layers.max(kept);
             let t_images = Instant::now();
-            let images = self.micro_images(mb, decoded.as_mut().and_then(Iterator::next))?;
+            let mut images = self.micro_images(mb, decoded.as_mut().and_then(Iterator::next))?;
             if images.is_some() {
                 tm.images_s += t_images.elapsed().as_secs_f64();
             }
@@ -261,18 +262,18 @@ impl Engine {
             let share = units as f64 * loss_scale;
             ctx.router_aux =
                 RouterAux::new(&self.spec, &mb.row_lens, mb.seq_len, share, self.device);
-            let x_bth = self.forward(&batch, images.as_ref(), &ctx, link)?;
+            let x_bth = self.forward(&batch, images.as_mut(), &ctx, link)?;
             if let Some(path) = self.dump_logits.take() {
                 self.write_logits(&path, &x_bth, link)?;
             }
             tm.forward_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let input = Input {
+            let mut input = Input {
                 mb,
                 batch: &batch,
-                images: images.as_ref(),
+                images: images.as_mut(),
             };
-            let out = self.backward(mi, &input, &ctx, loss_scale, x_bth, link, &mut tm)?;
+            let out = self.backward(mi, &mut input, &ctx, loss_scale, x_bth, link, &mut tm)?;
             loss_sum += out.loss_sum;
             if !sums.add(&out.sums) {
                 bail!("micro-batch {mi}: the head gave the sums of another objective");
@@ -309,7 +310,7 @@ impl Engine {
         crate::fault::micro_batch(mb.rows, mb.seq_len, !mb.position_ids.is_empty());
         enter(Phase::Upload, None);
         let batch = self.upload(0, mb)?;
-        let images = self.micro_images(mb, None)?;
+        let mut images = self.micro_images(mb, None)?;
         enter(Phase::Eval, None);
         let ctx = self.context(mb, &batch, images.as_ref());
         let layout = &self.layout;
@@ -317,6 +318,9 @@ impl Engine {
         self.streamer.begin_forward(layout, ready)?;
         let embed = self.streamer.embed(layout, ready)?;
         let embed_w = BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]);
+        if let Some(i) = images.as_mut() {
+            i.encode(&embed_w, false);
+        }
         let mut x_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, images.as_ref())?;
         // A tied head reads the embedding: keep it until then.
         let tied = layout.tied_embeddings.then_some(embed_w);
@@ -475,11 +479,12 @@ impl Engine {
     }
 
     /// Embedding and every layer without grad, each layer's input stashed for the
-    /// backward; returns the last layer's output.
+    /// backward (a trained vision encoder's block inputs too, in `images`); returns the
+    /// last layer's output.
     fn forward(
         &mut self,
         batch: &DeviceBatch,
-        images: Option<&MicroImages>,
+        images: Option<&mut MicroImages>,
         ctx: &model::Context,
         link: &Link,
     ) -> Result<Tensor> {
@@ -491,13 +496,13 @@ impl Engine {
         self.kept.clear();
         self.kept.resize_with(layout.num_layers(), || None);
         let embed = self.streamer.embed(layout, gate)?;
-        let mut x_bth = embed_tokens(
-            &self.spec,
-            &BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]),
-            &batch.ids_bt,
-            images,
-        )?;
-        drop(embed);
+        let embed_w = BlockWeights::views(&embed, &layout.blocks[Layout::EMBED]);
+        let images = images.map(|i| {
+            i.encode(&embed_w, true);
+            &*i
+        });
+        let mut x_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, images)?;
+        drop((embed_w, embed));
         if !layout.tied_embeddings {
             // Not needed again before the end of the backward.
             self.streamer.release_embed();
@@ -560,7 +565,7 @@ impl Engine {
     fn backward(
         &mut self,
         mi: usize,
-        input: &Input,
+        input: &mut Input,
         ctx: &model::Context,
         scale: f64,
         x_bth: Tensor,
@@ -632,9 +637,13 @@ impl Engine {
             }
         };
         // The image tokens' rows hold the tower's features: no gradient reaches the
-        // embedding there; a trained projector's leaves (in this block) take it.
-        let e_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, input.images)?;
+        // embedding there; a trained projector's leaves (in this block) take it, and a
+        // trained encoder's, block by block, after.
+        let e_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, input.images.as_deref())?;
         crate::kernels::tape::backward_with_grads(vec![(e_bth, dy_bth)]);
+        if let Some(i) = input.images.as_deref_mut() {
+            i.encoder_backward(&embed_w)?;
+        }
         self.send(mi, Layout::EMBED, &embed_w, link, tm)?;
         let aux = ctx.router_aux.as_ref().map_or(0.0, RouterAux::loss);
         out.loss_sum += aux / scale;
@@ -706,11 +715,12 @@ impl Engine {
     }
 }
 
-/// One micro-batch as the backward reads it: the data, its device copy, its images.
+/// One micro-batch as the backward reads it: the data, its device copy, its images (a
+/// trained encoder's kept block inputs, which its backward releases).
 struct Input<'a> {
     mb: &'a MicroBatch,
     batch: &'a DeviceBatch,
-    images: Option<&'a MicroImages>,
+    images: Option<&'a mut MicroImages>,
 }
 
 /// The embedding of `ids_bt` (B, T) -> (B, T, H), with the images' features at their

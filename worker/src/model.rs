@@ -16,10 +16,13 @@
 //! | `llama4.rs`     | llama4_text                                               |
 //!
 //! `qwen2_vl_vision.rs` computes Qwen2.5-VL's vision tower and merger, whose features the
-//! model places at the image tokens; `qwen3_vl_vision.rs` Qwen3-VL's (frozen, forward
-//! only), whose deepstack features the first layers' outputs also take there
-//! ([`add_at_image_tokens`]); `siglip_vision.rs` Gemma 3's SigLIP tower and projector
-//! (frozen, forward only). Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`.
+//! model places at the image tokens (block by block where the encoder trains);
+//! `qwen3_vl_vision.rs` Qwen3-VL's, whose deepstack features the first layers' outputs also
+//! take there ([`add_at_image_tokens`]), and Qwen3.5's (the same tower without deepstack
+//! mergers); `siglip_vision.rs` Gemma 3's SigLIP tower and projector (frozen, forward only);
+//! `clip_vision.rs` LLaVA-NeXT's CLIP tower, projector and image newline over any-resolution
+//! tiles. Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`, Qwen3.5's (`qwen3_5_text`)
+//! `qwen3_next.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -35,6 +38,7 @@
 //! Shapes: B batch rows, T sequence length, H hidden size, M selected tokens, C tokens in a
 //! loss chunk, V vocabulary.
 
+mod clip_vision;
 mod common;
 mod deepseek_v3;
 mod experts;
@@ -59,12 +63,14 @@ mod tests_qwen2_5_vl;
 use std::collections::HashMap;
 
 use mt::config::hf::{AttentionKind, Family, ModelSpec};
+use mt::config::vision::VisionFamily;
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
+pub use clip_vision::{ClipWeights, llava_next_encoder, llava_next_projected, llava_next_vision};
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{
-    Encoded, VisionWeights, qwen2_5_vl_vision, vision_encoder, vision_merger,
+    Encoded, Geometry, VisionWeights, patch_embed, qwen2_5_vl_vision, vision_block,
 };
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;
@@ -74,6 +80,34 @@ pub use siglip_vision::{SiglipWeights, gemma3_vision};
 pub enum TowerWeights {
     Qwen(VisionWeights),
     Siglip(SiglipWeights),
+    Clip(ClipWeights),
+}
+
+/// A Qwen tower's encoder (all but its merger) over `pixel_values` (N, P) of images
+/// `grids`, for a merger that trains (`vlm.freeze_projector: false`): Qwen2.5-VL's or
+/// Qwen3.5's. Qwen3-VL's deepstack mergers read the blocks' outputs beside it, so its
+/// merger trains frozen (the launch refuses it).
+pub fn vision_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Encoded {
+    match w.spec.family {
+        VisionFamily::Qwen2_5Vl => qwen2_vl_vision::qwen2_5_vl_encoder(w, pixel_values, grids),
+        VisionFamily::Qwen3Vl => {
+            let (enc, deepstack) = qwen3_vl_vision::qwen3_vl_encoder(w, pixel_values, grids);
+            assert!(
+                deepstack.is_empty(),
+                "a trained merger beside deepstack mergers"
+            );
+            enc
+        }
+    }
+}
+
+/// The merger of a Qwen tower over its encoder's output -> (M, O), one row per image token
+/// in order; with grad where `w`'s tensors are leaves and grad mode is on.
+pub fn vision_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
+    match w.spec.family {
+        VisionFamily::Qwen2_5Vl => qwen2_vl_vision::qwen2_5_vl_merger(w, enc),
+        VisionFamily::Qwen3Vl => qwen3_vl_vision::qwen3_vl_merger(w, enc),
+    }
 }
 
 /// Per-micro-batch tables a model precomputes once for its sequence length T: rotary

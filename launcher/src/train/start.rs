@@ -424,9 +424,9 @@ fn vision_region(
     let name = format!("mt-{}-vision", std::process::id());
     let training = cfg.vlm.training();
     let region = VisionRegion::build(&name, &spec, training, carried, cfg.model.dtype, from)?;
-    let trained = match training {
-        mt::config::TowerTraining::Frozen => "",
-        mt::config::TowerTraining::Projector => ", the projector trained",
+    let trained = match training.describe() {
+        "" => String::new(),
+        what => format!(", {what}"),
     };
     println!(
         "vision tower: {} blocks, {:.1} M parameters frozen ({:.2} GB shared with the workers){trained}",

@@ -162,10 +162,10 @@ impl Trainer {
         let layout = &self.host.layout;
         let embed = &layout.blocks[Layout::EMBED];
         let embed_table = embed.tensors[0].numel() as u64;
-        // A trained projector's tensors (after the table) multiply image tokens only:
+        // A trained tower's tensors (after the table) multiply image patches only:
         // counted with the tower below, not per token.
-        let projector: u64 = embed.tensors[1..].iter().map(|t| t.numel() as u64).sum();
-        let params = layout.num_params() as u64 - projector;
+        let tower_params: u64 = embed.tensors[1..].iter().map(|t| t.numel() as u64).sum();
+        let params = layout.num_params() as u64 - tower_params;
         // A token multiplies by its routed experts only; Gated DeltaNet layers have no
         // quadratic attention (their delta rule is not counted: StepMetrics::tflops_model).
         let matmul_params = if layout.tied_embeddings {
@@ -184,13 +184,25 @@ impl Trainer {
             plan.real_tokens,
             plan.causal_pairs,
         );
-        // A vision-language step also runs the tower forward over its images, and a
-        // trained projector's backward (twice its forward).
+        // A vision-language step also runs the tower forward over its images, and the
+        // backward of what trains: twice a trained part's forward (its input's and its
+        // weights' gradients), once a frozen projector's under a trained encoder (its
+        // input's alone).
+        let training = self.cfg.vlm.training();
         let tower = self.vision.as_ref().map_or(0.0, |spec| {
             let images = plan.per_rank.iter().flatten().flat_map(|m| &m.images);
-            let backward = if projector > 0 { 2.0 } else { 0.0 };
             images
-                .map(|im| spec.forward_flops(im.grid) + backward * spec.projector_flops(im.grid))
+                .map(|im| {
+                    let (all, merger) =
+                        (spec.forward_flops(im.grid), spec.projector_flops(im.grid));
+                    let backward = match (training.encoder(), training.projector()) {
+                        (false, false) => 0.0,
+                        (false, true) => 2.0 * merger,
+                        (true, false) => 2.0 * (all - merger) + merger,
+                        (true, true) => 2.0 * all,
+                    };
+                    all + backward
+                })
                 .sum()
         });
         let flops = StepFlops {

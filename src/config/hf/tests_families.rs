@@ -245,6 +245,16 @@ fn wrappers_resolve_to_their_text_model() {
     .unwrap();
     assert_eq!(s.model_type, "llama4_text");
     assert!(s.tie_word_embeddings);
+    // LLaVA-NeXT: a llama by default (LlavaNextConfig's), untied, legacy names; the hub's
+    // llava-v1.6-mistral wraps a mistral.
+    let s = wrap("llava_next", "", "").unwrap();
+    assert_eq!(
+        (s.model_type.as_str(), s.names, s.wrapper.as_deref()),
+        ("llama", TextNames::Legacy, Some("llava_next"))
+    );
+    assert!(!s.tie_word_embeddings);
+    let s = wrap("llava_next", r#""model_type":"mistral","#, "").unwrap();
+    assert_eq!(s.model_type, "mistral");
 
     let e = spec(r#"{"model_type":"gemma3"}"#).unwrap_err().to_string();
     assert!(e.contains("text_config"), "{e}");
@@ -305,6 +315,7 @@ fn qwen2_5_vl_flat_hub_config_and_text_config_both_load() {
         Some(Mrope {
             section: [16, 24, 24],
             interleaved: false,
+            pairs: 64,
             image_token_id: 151_655,
             spatial_merge_size: 2
         })
@@ -419,6 +430,7 @@ fn qwen3_vl_hub_config_loads_its_text_model() {
         Some(Mrope {
             section: [24, 20, 20],
             interleaved: true,
+            pairs: 64,
             image_token_id: 151_655,
             spatial_merge_size: 2
         })
@@ -452,4 +464,52 @@ fn qwen3_vl_hub_config_loads_its_text_model() {
         e.contains("mrope_section") && e.contains("text_config"),
         "{e}"
     );
+}
+
+/// Qwen/Qwen3.5-27B's config.json (configs/qwen3.5-27b): the text model's interleaved mrope over
+/// the 32 pairs of its partial RoPE (64 of head_dim 256), the wrapper's image token. A
+/// text-only `qwen3_5_text` reads the same, `Qwen3_5Config`'s image token by default; its
+/// sections need not sum to the pairs (`Qwen3_5TextConfig` does not check them, and the
+/// default [11, 11, 10] meets a 2-pair RoPE in the tiny text cases).
+#[test]
+fn qwen3_5_hub_config_has_the_interleaved_mrope() {
+    let hub = include_str!("../../../configs/qwen3.5-27b/config.json");
+    let s = spec(hub).unwrap();
+    assert_eq!(
+        (s.model_type.as_str(), s.wrapper.as_deref(), s.family),
+        ("qwen3_5_text", Some("qwen3_5"), Family::Qwen3Next)
+    );
+    assert_eq!(
+        (s.head_dim, s.rope.rotary_dim, s.rope.theta),
+        (256, 64, 1e7)
+    );
+    assert_eq!(
+        s.mrope,
+        Some(Mrope {
+            section: [11, 11, 10],
+            interleaved: true,
+            pairs: 32,
+            image_token_id: 248_056,
+            spatial_merge_size: 2
+        })
+    );
+    let t = r#""model_type":"qwen3_5_text","vocab_size":32,"hidden_size":64,"intermediate_size":8,
+        "num_hidden_layers":1,"num_attention_heads":2,"head_dim":8,"layer_types":["full_attention"],
+        "linear_num_key_heads":1,"linear_num_value_heads":1"#;
+    let s = spec(&format!("{{{t}}}")).unwrap();
+    let m = s.mrope.clone().unwrap();
+    assert_eq!(
+        (m.section, m.pairs, m.image_token_id),
+        ([11, 11, 10], 1, 248_056)
+    );
+    assert_eq!(m.pair_axes(), [0]);
+    let s = spec(&format!(
+        r#"{{"model_type":"qwen3_5","image_token_id":7,"text_config":{{{t},
+        "rope_parameters":{{"rope_type":"default","rope_theta":1e4,"partial_rotary_factor":1.0,
+        "mrope_section":[1,1,1]}}}}}}"#
+    ))
+    .unwrap();
+    let m = s.mrope.unwrap();
+    assert_eq!((m.pairs, m.image_token_id), (4, 7));
+    assert_eq!(m.pair_axes(), [0, 1, 2, 0]);
 }

@@ -1,13 +1,14 @@
 //! Multimodal wrappers trained on their text model. The hub serves the newest models as
 //! image-text classes (`Qwen3_5ForConditionalGeneration`, `Gemma3ForConditionalGeneration`,
-//! `Mistral3ForConditionalGeneration`, `Llama4ForConditionalGeneration`): a config.json whose
+//! `Mistral3ForConditionalGeneration`, `Llama4ForConditionalGeneration`,
+//! `LlavaNextForConditionalGeneration`): a config.json whose
 //! `text_config` is the text model's config, and a checkpoint that keeps the text model under
 //! a prefix beside a vision tower, a projector and extra heads. The text model trains exactly
 //! as its text-only class would; the rest is carried (`checkpoint::carried`).
 //!
 //! Three name layouts exist for the text model's tensors: the current one
 //! (`model.language_model.layers.N.…`, `lm_head.weight`), the legacy one the original hub
-//! uploads of Gemma 3, Mistral 3 and Llama 4 use and transformers 5 still writes for them
+//! uploads of Gemma 3, Mistral 3, Llama 4 and LLaVA-NeXT use and transformers 5 still writes for them
 //! (`language_model.model.layers.N.…`, `language_model.lm_head.weight`), and the text-only
 //! class's own names beside a top-level `visual.*` (the hub's Qwen2.5-VL uploads, which
 //! transformers 5.17 reads into its current names and writes back as they were; other
@@ -42,10 +43,11 @@ pub enum TextNames {
 
 impl TextNames {
     /// The checkpoint name of a text-only class's tensor (`model.norm.weight`), or of a
-    /// trained vision tower's tensor under its hub name (`visual.merger.ln_q.weight`),
-    /// which transformers 5's current names keep under `model.`.
+    /// trained vision tower's tensor under its hub name (`visual.merger.ln_q.weight`,
+    /// LLaVA-NeXT's `multi_modal_projector.linear_1.weight` and `image_newline`), which
+    /// transformers 5's current names keep under `model.`.
     pub fn hf<'a>(self, canonical: &'a str) -> Cow<'a, str> {
-        if canonical.starts_with(TOWER) {
+        if canonical.starts_with(TOWER) || crate::config::vision::beside_tower(canonical) {
             return match self {
                 TextNames::Current => Cow::Owned(format!("model.{canonical}")),
                 TextNames::Plain | TextNames::Legacy => Cow::Borrowed(canonical),
@@ -155,6 +157,16 @@ const WRAPPERS: &[WrapperClass] = &[
         text_model_type: "llama4_text",
         names: TextNames::Legacy,
         tie: Tie::Text,
+        flat: false,
+    },
+    // LLaVA-NeXT (llava-hf/llava-v1.6-*): transformers 5.17 writes the legacy names, as the
+    // hub's uploads have them, beside `vision_tower.*`, `multi_modal_projector.*` and
+    // `image_newline`.
+    WrapperClass {
+        model_type: "llava_next",
+        text_model_type: "llama",
+        names: TextNames::Legacy,
+        tie: Tie::Top(false),
         flat: false,
     },
     WrapperClass {
@@ -291,5 +303,11 @@ mod tests {
             TextNames::Plain.canonical("visual.merger.mlp.0.weight"),
             None
         );
+        // A trained LLaVA-NeXT projector: the hub's names, or under `model.`.
+        for name in ["multi_modal_projector.linear_1.weight", "image_newline"] {
+            assert_eq!(TextNames::Legacy.hf(name), name);
+            assert_eq!(TextNames::Current.hf(name), format!("model.{name}"));
+            assert_eq!(TextNames::Legacy.canonical(name), None);
+        }
     }
 }

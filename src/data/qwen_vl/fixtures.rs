@@ -1,6 +1,7 @@
 //! The multimodal records of scripts/make_vlm_fixtures.py (under `$MT_DATA_FIXTURES/vlm`),
 //! read, their images expanded and rendered with the fixture tokenizer, against
-//! transformers' Qwen2VLProcessor token for token; and the records' errors.
+//! transformers' Qwen2VLProcessor and Qwen3VLProcessor (Qwen3-VL's and Qwen3.5's) token for
+//! token; and the records' errors.
 
 use std::path::{Path, PathBuf};
 
@@ -46,6 +47,32 @@ fn qwen3_vl_rows_equal_the_processors() {
         "stale vlm fixtures: rerun scripts/make_vlm_fixtures.py"
     );
     rows_equal_the_processors(&dir, "qwen3vl");
+}
+
+/// Qwen3.5's: AutoProcessor gives it Qwen3VLProcessor too (the fixture script checks
+/// transformers' mappings), its settings those of the pixel fixtures' Qwen3-VL case, whose
+/// `pixel_values` [`pixel_values_equal_the_processors`] holds ours to, but for the pixel
+/// bounds (which only choose the size an image is resized to: the grids, checked here).
+#[test]
+fn qwen3_5_rows_equal_the_processors() {
+    let Some(dir) = fixtures() else {
+        eprintln!("no vlm data fixtures (MT_DATA_FIXTURES): skipped");
+        return;
+    };
+    assert!(
+        dir.join("expected_qwen3_5.jsonl").is_file(),
+        "stale vlm fixtures: rerun scripts/make_vlm_fixtures.py"
+    );
+    rows_equal_the_processors(&dir, "qwen3_5");
+    let pixels = crate::data::image::pixel_fixtures_dir().expect("pixel fixtures beside");
+    let ours = QwenVlImages::load(&dir.join("model-qwen3_5")).unwrap();
+    let checked = QwenVlImages::load(&pixels.join("qwen3vl")).unwrap();
+    let bounds = QwenVlImages {
+        min_pixels: checked.min_pixels,
+        max_pixels: checked.max_pixels,
+        ..ours
+    };
+    assert_eq!(bounds, checked, "the pixel fixtures' settings");
 }
 
 /// The records through `model-{which}` equal `expected_{which}.jsonl`, the processor's.

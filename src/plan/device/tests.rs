@@ -387,7 +387,7 @@ fn a_trained_projector_is_counted() {
         )),
         ..OPTS
     };
-    let trained = Layout::with_tower(&spec, &vision, TowerTraining::Projector);
+    let trained = Layout::with_tower(&spec, &tower, TowerTraining::Projector);
     let (rows, t) = (2, 1024);
     let frozen = DevicePlan::new(&spec, &text, opts(TowerTraining::Frozen), rows, t);
     let p = DevicePlan::new(&spec, &trained, opts(TowerTraining::Projector), rows, t);

@@ -1,7 +1,10 @@
 //! A vision-language model's tower as the device plan counts it.
 
+use super::Parts;
+use crate::plan::acts::F32;
+
 /// A vision-language model's tower as the device plan counts it: its frozen part, and
-/// whether its projector trains.
+/// what of it trains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VisionDevice {
     /// Its frozen parameters, held on the device in the compute dtype for the whole run.
@@ -19,6 +22,14 @@ pub struct VisionDevice {
     /// kept from the tower's forward and it is recomputed with grad in the embedding's
     /// backward. Its weights are the embedding block's.
     pub projector_trained: bool,
+    /// The encoder (the patch embedding and the blocks) trains
+    /// (`vlm.freeze_vision_encoder: false`): each block's input and the encoder's output
+    /// are kept from the tower's forward, and the merger and the blocks, last to first,
+    /// are recomputed with grad in the embedding's backward. Its weights are the embedding
+    /// block's, on the device through the tower's forward too.
+    pub encoder_trained: bool,
+    /// Its blocks.
+    pub depth: u64,
     /// Feature sets it hands the language model per image token: the merged features and
     /// each deepstack feature (Qwen3-VL).
     pub feature_sets: u64,
@@ -28,6 +39,10 @@ pub struct VisionDevice {
     /// Each image's tokens attend to each other both ways (Gemma 3): a micro-batch with
     /// images builds its attention masks per row.
     pub image_blocks: bool,
+    /// Values per patch the projector holds at once where it is wider than the tower
+    /// (LLaVA-NeXT's: its first Linear's output, the GELU's and the second's, each of the
+    /// text model's width, over every tile's patches); 0 where the tower's forward bounds it.
+    pub projector_values: u64,
 }
 
 impl VisionDevice {
@@ -38,10 +53,12 @@ impl VisionDevice {
         training: crate::config::TowerTraining,
     ) -> VisionDevice {
         use crate::config::vision::TowerSpec;
-        let projector_trained = training != crate::config::TowerTraining::Frozen;
+        let (projector_trained, encoder_trained) = (training.projector(), training.encoder());
         match spec {
             TowerSpec::Qwen(spec) => VisionDevice {
                 projector_trained,
+                encoder_trained,
+                depth: spec.depth as u64,
                 params: params as u64,
                 hidden: spec.hidden_size as u64,
                 intermediate: spec.intermediate_size as u64,
@@ -55,10 +72,13 @@ impl VisionDevice {
                     _ => 2 * 4 * spec.hidden_size as u64 * 4,
                 },
                 image_blocks: false,
+                projector_values: 0,
             },
             // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
             TowerSpec::Siglip(spec) => VisionDevice {
                 projector_trained,
+                encoder_trained,
+                depth: spec.depth as u64,
                 params: params as u64,
                 hidden: spec.hidden_size as u64,
                 intermediate: spec.intermediate_size as u64,
@@ -68,7 +88,115 @@ impl VisionDevice {
                 feature_sets: 1,
                 position_taps: 0,
                 image_blocks: true,
+                projector_values: 0,
             },
+            // LLaVA-NeXT: every image has at least a tile's G² tokens (the base tile's) and
+            // at most `max_tiles` tiles of G² + 1 patches (the class token too), so the tower
+            // runs at most that many patches per token (rounded up).
+            TowerSpec::Clip(spec) => {
+                let n = spec.tile_features() as u64;
+                VisionDevice {
+                    projector_trained,
+                    encoder_trained,
+                    depth: spec.depth as u64,
+                    params: params as u64,
+                    hidden: spec.hidden_size as u64,
+                    intermediate: spec.intermediate_size as u64,
+                    patch_values: spec.patch_len() as u64,
+                    patches_per_token: (spec.max_tiles() as u64 * (n + 1)).div_ceil(n),
+                    out_hidden: spec.out_hidden_size as u64,
+                    feature_sets: 1,
+                    position_taps: 0,
+                    image_blocks: false,
+                    projector_values: 3 * spec.out_hidden_size as u64,
+                }
+            }
         }
+    }
+}
+
+impl VisionDevice {
+    /// What the tower holds through the whole micro-batch of `m` tokens (the bound: every
+    /// token an image's), `s` bytes per value: its frozen weights, the image features
+    /// placed at the image tokens (with Qwen3-VL's deepstack features kept for the first
+    /// layers), and what a trained part's backward reads.
+    pub(super) fn fixed(&self, m: u64, s: u64) -> Parts {
+        let mut parts: Parts = vec![
+            ("vision tower (frozen)", self.params * s),
+            (
+                "image features",
+                m * self.out_hidden * s * self.feature_sets,
+            ),
+        ];
+        let patches = m * self.patches_per_token;
+        if self.encoder_trained {
+            // Its pixels (for the patch embedding's recompute), each block's input and
+            // the encoder's output (the merger's input).
+            let per_patch = self.patch_values + (self.depth + 1) * self.hidden;
+            parts.push((
+                "the tower's pixels and block inputs, kept",
+                patches * per_patch * s,
+            ));
+        } else if self.projector_trained {
+            parts.push(("the projector's input, kept", patches * self.hidden * s));
+        }
+        parts
+    }
+
+    /// What a trained part adds to the embedding's backward. A trained projector
+    /// recomputed with grad over every image token: per token its normed input and the two
+    /// widths after the first Linear and the GELU (merge^2 x E each), its output, each
+    /// with its gradient; LLaVA-NeXT's holds its wider values (`projector_values`) per
+    /// patch instead, and its packed output. A trained encoder: the merger as above (with grad into its
+    /// input, trained or not), then each block, last to first, recomputed with grad over
+    /// every patch, one at a time: the larger of the two. A block's graph per patch: the
+    /// attention half's norm, q k v, their padded copies, the rotated q and k, the
+    /// attention's output and projection, the residual (16 widths E in the compute dtype,
+    /// with 6 of f32 for the rotation) and the MLP half's gate, up, activation and product
+    /// (4 of I), each with its gradient; beside them the block's dx and dy.
+    pub(super) fn embedding_backward(&self, m: u64, s: u64) -> Parts {
+        let merged = self.patches_per_token * self.hidden;
+        let per_token = match self.projector_values {
+            0 => 3 * merged + self.out_hidden,
+            wide => self.patches_per_token * (self.hidden + wide) + self.out_hidden,
+        };
+        let merger = 2 * m * per_token * s;
+        match (self.encoder_trained, self.projector_trained) {
+            (false, false) => Vec::new(),
+            (false, true) => vec![("the projector's recompute graph + gradients", merger)],
+            (true, _) => {
+                let (e, i) = (self.hidden, self.intermediate);
+                let patches = m * self.patches_per_token;
+                let graph = s * (16 * e + 4 * i) + F32 * 6 * e;
+                let block = patches * (2 * e * s + 2 * graph);
+                vec![(
+                    "the tower's recompute graph + gradients (the merger's or one block's)",
+                    merger.max(block),
+                )]
+            }
+        }
+    }
+
+    /// The tower's forward over the micro-batch's images (no grad, before the layers),
+    /// bounded by every token an image's: per patch its pixels (f32, then the compute
+    /// dtype) and the larger of a block's attention half (x, norm, q k v, rotated q k,
+    /// output: 8 widths), its MLP half (x, residual, norm: 3 widths; gate, up, act: 3 MLP
+    /// widths) and a projector wider than the tower (LLaVA-NeXT's). A trained encoder's weights are the embedding block's (`embed` bytes
+    /// on the device), there for it.
+    pub(super) fn forward(&self, m: u64, s: u64, embed: u64) -> Parts {
+        let patches = m * self.patches_per_token;
+        let per_patch = self.patch_values * (4 + s)
+            + (s * (8 * self.hidden)
+                .max(3 * self.hidden + 3 * self.intermediate)
+                .max(self.projector_values))
+            .max(self.position_taps);
+        let mut parts: Parts = vec![(
+            "the tower's forward (the bound: every token an image's)",
+            patches * per_patch,
+        )];
+        if self.encoder_trained {
+            parts.push(("embedding block (the trained tower in it)", embed));
+        }
+        parts
     }
 }

@@ -4,30 +4,39 @@
 //! ([`MicroImages::after_layer`]), and what the attention reads of them: the Qwen models' 3-D
 //! positions of every token (`mt::mrope`), from which the rotary tables are built
 //! ([`crate::model::Context::with_positions_3d`]), or Gemma 3's image blocks, each image's
-//! tokens attending to each other both ways ([`crate::model::Context::with_image_blocks`]).
+//! tokens attending to each other both ways ([`crate::model::Context::with_image_blocks`]);
+//! LLaVA-NeXT's features change nothing else (1-D positions, causal attention).
 //!
 //! The frozen part of the tower runs once per micro-batch, without grad, from the weights
 //! the worker copied from the read-only region. A trained projector
-//! (`vlm.freeze_projector: false`, Qwen2.5-VL's merger) runs where the embedding does, from
-//! the embedding block's weights: without grad in the forward, recomputed with grad on its
-//! leaves in the embedding's backward, where the gradient at the image tokens' rows flows
-//! into it. Its input (the encoder's output, N x E) is kept for that.
+//! (`vlm.freeze_projector: false`, Qwen2.5-VL's or Qwen3.5's merger, LLaVA-NeXT's projector
+//! and newline) runs where the embedding does, from the embedding block's weights: without
+//! grad in the forward, recomputed with grad on its leaves in the embedding's backward, where
+//! the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
+//! N x E) is kept for that. A trained encoder (`vlm.freeze_vision_encoder: false`,
+//! Qwen2.5-VL's) runs where the embedding does too, block by block ([`super::tower`]).
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
-//! tower's width, I images, S the side of Gemma 3's images.
+//! tower's width, I images, S the side of Gemma 3's images and of LLaVA-NeXT's tiles, Tt
+//! LLaVA-NeXT's tiles of all images.
 
 use anyhow::{Context as _, Result, bail};
 use mt::config::TowerTraining;
 use mt::config::hf::{ModelSpec, TOWER};
+use mt::config::vision::clip::ClipSpec;
 use mt::config::vision::{VisionFamily, VisionSpec};
-use mt::data::{BatchImage, Gemma3Images, ImageProcessor, MicroBatch, QwenVlImages, image};
+use mt::data::{
+    BatchImage, Gemma3Images, ImageProcessor, LlavaNextImages, MicroBatch, QwenVlImages, image,
+};
 use mt::mrope::{ImageTokens, rope_index};
 use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
+use super::tower::EncoderPass;
 use crate::model::{
-    BlockWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens, gemma3_vision,
-    qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder, vision_merger,
+    BlockWeights, ClipWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens,
+    gemma3_vision, llava_next_encoder, llava_next_projected, llava_next_vision, qwen2_5_vl_vision,
+    qwen3_vl_vision, vision_encoder, vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
@@ -66,25 +75,38 @@ impl Tower {
             (TowerWeights::Qwen(w), ImageProcessor::Qwen(px)) => {
                 let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
                 let pixels_np = qwen_pixels(px, &per_image, kind, device)?;
+                let deepstack = !w.spec.deepstack_taps().is_empty();
                 let (features, deepstack_mh) = match (w.spec.family, self.training) {
                     (VisionFamily::Qwen2_5Vl, TowerTraining::Frozen) => (
                         Features::Frozen(qwen2_5_vl_vision(w, &pixels_np, &grids)),
-                        Vec::new(),
-                    ),
-                    (VisionFamily::Qwen2_5Vl, TowerTraining::Projector) => (
-                        Features::Merger {
-                            enc: vision_encoder(w, &pixels_np, &grids),
-                            spec: w.spec.clone(),
-                        },
                         Vec::new(),
                     ),
                     (VisionFamily::Qwen3Vl, TowerTraining::Frozen) => {
                         let f = qwen3_vl_vision(w, &pixels_np, &grids);
                         (Features::Frozen(f.merged_mo), f.deepstack_mo)
                     }
-                    (VisionFamily::Qwen3Vl, TowerTraining::Projector) => bail!(
-                        "vlm.freeze_projector: false trains Qwen2.5-VL's projector only; \
-                         Qwen3-VL's tower is frozen (set vlm.freeze_projector: true)"
+                    (_, TowerTraining::Projector) if deepstack => bail!(
+                        "vlm.freeze_projector: false trains the projectors of Qwen2.5-VL, \
+                         Qwen3.5 and LLaVA-NeXT only; `{}`'s tower (with deepstack mergers) is \
+                         frozen (set vlm.freeze_projector: true)",
+                        w.spec.model_type
+                    ),
+                    (_, TowerTraining::Projector) => (
+                        Features::Merger {
+                            enc: vision_encoder(w, &pixels_np, &grids),
+                            spec: w.spec.clone(),
+                        },
+                        Vec::new(),
+                    ),
+                    (VisionFamily::Qwen2_5Vl, t) => {
+                        let pass = EncoderPass::new(w, t, pixels_np, &grids);
+                        (Features::Encoder(Box::new(pass)), Vec::new())
+                    }
+                    (VisionFamily::Qwen3Vl, t) => bail!(
+                        "{}: false trains Qwen2.5-VL's encoder only; `{}`'s is frozen (set {}: true)",
+                        t.key(),
+                        w.spec.model_type,
+                        t.key()
                     ),
                 };
                 MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
@@ -92,6 +114,30 @@ impl Tower {
             (TowerWeights::Siglip(w), ImageProcessor::Gemma3(px)) => {
                 let f_mh = gemma3_vision(w, &gemma3_pixels(px, &per_image, kind, device)?);
                 MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
+            }
+            (TowerWeights::Clip(w), ImageProcessor::LlavaNext(px)) => {
+                let sizes: Vec<[u32; 2]> = mb
+                    .images
+                    .iter()
+                    .map(|im| [im.grid[1], im.grid[2]])
+                    .collect();
+                let tiles = llava_next_tiles(px, &per_image, kind, device)?;
+                let features = match self.training {
+                    TowerTraining::Frozen => {
+                        Features::Frozen(llava_next_vision(w, &tiles, &sizes).f_to_device(device)?)
+                    }
+                    TowerTraining::Projector => Features::Projector {
+                        enc_tne: llava_next_encoder(w, &tiles, &sizes),
+                        sizes,
+                        spec: w.spec.clone(),
+                    },
+                    t => bail!(
+                        "{}: false trains Qwen2.5-VL's encoder only; `llava_next`'s is frozen (set {}: true)",
+                        t.key(),
+                        t.key()
+                    ),
+                };
+                Ok(MicroImages::placed(w.spec.image_token_id, features))
             }
             _ => bail!("the image processor's settings are not for this model's vision tower"),
         }
@@ -140,8 +186,29 @@ fn gemma3_pixels(
     Ok(Tensor::f_stack(&pixels, 0)?)
 }
 
+/// LLaVA-NeXT's tiles of all images (Tt, 3, S, S), each image's uploaded by itself.
+fn llava_next_tiles(
+    px: &LlavaNextImages,
+    per_image: &[Vec<f32>],
+    kind: Kind,
+    device: Device,
+) -> Result<Tensor> {
+    let s = px.spec.image_size as i64;
+    let tiles = per_image
+        .iter()
+        .map(|p| {
+            Tensor::f_from_slice(p)?
+                .f_view([-1, 3, s, s])?
+                .f_to_device(device)?
+                .f_to_kind(kind)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::f_cat(&tiles, 0)?)
+}
+
 /// Each image's pixels as the model's image processor makes them (Qwen's patch rows,
-/// patches x values; Gemma 3's (3, S, S) image), the file decoded and resized on the CPU,
+/// patches x values; Gemma 3's (3, S, S) image; LLaVA-NeXT's (tiles, 3, S, S)), the file
+/// decoded and resized on the CPU,
 /// the images in parallel; a file whose grid is not the one the batch was built for
 /// (changed since the data was read) is an error naming it.
 pub fn pixel_rows(px: &ImageProcessor, images: &[BatchImage]) -> Result<Vec<Vec<f32>>> {
@@ -150,8 +217,25 @@ pub fn pixel_rows(px: &ImageProcessor, images: &[BatchImage]) -> Result<Vec<Vec<
         .map(|im| match px {
             ImageProcessor::Qwen(px) => qwen_rows(px, im),
             ImageProcessor::Gemma3(px) => gemma3_image(px, im),
+            ImageProcessor::LlavaNext(px) => llava_next_image(px, im),
         })
         .collect()
+}
+
+fn llava_next_image(px: &LlavaNextImages, im: &BatchImage) -> Result<Vec<f32>> {
+    let rgb = image::decode(&im.path)?;
+    let grid = LlavaNextImages::grid(rgb.height, rgb.width);
+    if grid != im.grid {
+        bail!(
+            "{}: decoded to {} x {} pixels, the batch was built for {} x {} (the file changed since the data was read?)",
+            im.path.display(),
+            rgb.height,
+            rgb.width,
+            im.grid[1],
+            im.grid[2]
+        );
+    }
+    Ok(px.pixel_values(&rgb))
 }
 
 fn qwen_rows(px: &QwenVlImages, im: &BatchImage) -> Result<Vec<f32>> {
@@ -189,6 +273,16 @@ pub enum Features {
     Frozen(Tensor),
     /// The projector's input; its weights are the embedding block's.
     Merger { enc: Encoded, spec: VisionSpec },
+    /// LLaVA-NeXT's projector's input, the tower's patch features (Tt, N, E) of images of
+    /// `sizes` (height, width); the projector's weights and the newline are the embedding
+    /// block's.
+    Projector {
+        enc_tne: Tensor,
+        sizes: Vec<[u32; 2]>,
+        spec: ClipSpec,
+    },
+    /// Nothing yet: the encoder trains, and runs from the embedding block's weights.
+    Encoder(Box<EncoderPass>),
 }
 
 /// What a micro-batch's images bring to the language model.
@@ -199,7 +293,7 @@ pub struct MicroImages {
     /// The id of the image tokens, whose embeddings the features replace.
     pub image_token_id: i64,
     /// Every token's temporal, height and width position (3, B, T), on the device
-    /// (Qwen2.5-VL).
+    /// (Qwen2.5-VL, Qwen3-VL, Qwen3.5).
     pub pos_3bt: Option<Tensor>,
     /// Each token's image block (B, T): the run of image tokens it is in, counted from 0
     /// in its row, or -1 for text (Gemma 3: a block attends to itself both ways).
@@ -274,6 +368,19 @@ impl MicroImages {
         })
     }
 
+    /// Features (M, H) that replace the embeddings of the tokens of id `image_token_id`, in
+    /// order, and change nothing else the attention reads (LLaVA-NeXT's).
+    pub fn placed(image_token_id: i64, features: Features) -> MicroImages {
+        MicroImages {
+            features,
+            image_token_id,
+            pos_3bt: None,
+            block_bt: None,
+            deepstack_mh: Vec::new(),
+            rows_m: None,
+        }
+    }
+
     /// Gemma 3's images of `mb`: the features (M, H) of its tokens of id `image_token_id`,
     /// and each token's image block, as transformers' `get_block_sequence_ids_for_mask`
     /// numbers them from `token_type_ids` (1 exactly at the image tokens).
@@ -304,8 +411,9 @@ impl MicroImages {
 
     /// The features (M, H) placed at the image tokens, one row per token in the order the
     /// tokens appear (row by row, left to right): the frozen tower's, or a trained
-    /// projector's over its kept input with `embed_w`'s `visual.merger.*` (views or leaves:
-    /// with grad where they are leaves and grad mode is on).
+    /// projector's over its kept input with `embed_w`'s `visual.merger.*` (Qwen2.5-VL's or
+    /// Qwen3.5's; LLaVA-NeXT's `multi_modal_projector.*` and `image_newline`; views or
+    /// leaves: with grad where they are leaves and grad mode is on).
     pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
         match &self.features {
             Features::Frozen(f_mh) => f_mh.shallow_clone(),
@@ -321,6 +429,43 @@ impl MicroImages {
                     .collect();
                 vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
             }
+            Features::Projector {
+                enc_tne,
+                sizes,
+                spec,
+            } => {
+                let projector = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&name).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                llava_next_projected(&ClipWeights::new(spec.clone(), projector), enc_tne, sizes)
+            }
+            Features::Encoder(pass) => pass.features_mh(embed_w),
+        }
+    }
+
+    /// Runs a trained encoder over the images from `embed_w`'s views (the forward's: no
+    /// grad), each block's input kept where `keep` (a training step), before
+    /// [`Self::features_mh`] reads its output; nothing for a frozen one, which ran when
+    /// the images were read.
+    pub fn encode(&mut self, embed_w: &BlockWeights, keep: bool) {
+        if let Features::Encoder(pass) = &mut self.features {
+            pass.forward(embed_w, keep);
+        }
+    }
+
+    /// After the embedding's backward (which reached the features through
+    /// [`Self::features_mh`] with `embed_w`'s leaves): a trained encoder's blocks
+    /// recomputed and backpropagated into those leaves; nothing otherwise.
+    pub fn encoder_backward(&mut self, embed_w: &BlockWeights) -> Result<()> {
+        match &mut self.features {
+            Features::Encoder(pass) => pass.backward(embed_w),
+            _ => Ok(()),
         }
     }
 

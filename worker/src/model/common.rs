@@ -88,6 +88,7 @@ pub fn activation(x: &Tensor, act: Activation) -> Tensor {
         Activation::Silu => x.silu(),
         Activation::GeluTanh => x.gelu("tanh"),
         Activation::Gelu => x.gelu("none"),
+        Activation::QuickGelu => x * (x * 1.702).sigmoid(),
     }
 }
 

@@ -1,8 +1,10 @@
 //! Qwen2.5-VL's vision tower and patch merger: the math of transformers'
 //! `Qwen2_5_VisionTransformerPretrainedModel`, whose merged output (`pooler_output`) the
-//! model places at the image tokens. In two halves, the encoder ([`vision_encoder`]: up to
-//! the merger's input) and the merger ([`vision_merger`]), so that a frozen encoder runs
-//! without grad and a trained merger with it; the caller decides (no grad mode is set
+//! model places at the image tokens. In two halves, the encoder ([`qwen2_5_vl_encoder`]: up to
+//! the merger's input) and the merger ([`qwen2_5_vl_merger`]), so that a frozen encoder runs
+//! without grad and a trained merger with it; and the encoder in steps ([`patch_embed`],
+//! then each [`vision_block`] over one [`Geometry`]), so that a trained encoder's blocks
+//! can be recomputed with grad one at a time. The caller decides (no grad mode is set
 //! here).
 //!
 //! ```text
@@ -57,6 +59,16 @@ impl VisionWeights {
         VisionWeights { spec, tensors }
     }
 
+    /// These tensors (the same storage) and `extra`'s: a trained tower's, from the
+    /// embedding block, beside the frozen ones from the region.
+    pub fn with(&self, extra: Vec<(String, Tensor)>) -> VisionWeights {
+        let mut tensors: HashMap<String, Tensor> = (self.tensors.iter())
+            .map(|(name, t)| (name.clone(), t.shallow_clone()))
+            .collect();
+        tensors.extend(extra);
+        VisionWeights::new(self.spec.clone(), tensors)
+    }
+
     pub(super) fn get(&self, name: &str) -> &Tensor {
         self.tensors
             .get(name)
@@ -82,63 +94,108 @@ impl VisionWeights {
 /// (t, h, w) patch grids are `grids`, in that order -> (M, O), image after image, each
 /// image's tokens in raster order of its merge blocks.
 pub fn qwen2_5_vl_vision(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Tensor {
-    vision_merger(w, &vision_encoder(w, pixel_values, grids))
+    qwen2_5_vl_merger(w, &qwen2_5_vl_encoder(w, pixel_values, grids))
 }
 
-/// The encoder's output over a micro-batch's images: the merger's input.
+/// A Qwen tower's encoder output over a micro-batch's images: the merger's input.
 #[derive(Debug)]
 pub struct Encoded {
-    /// (N, E): each patch after the last block, in the window order.
+    /// (N, E): each patch after the last block, in the tower's order (Qwen2.5-VL's window
+    /// order, Qwen3-VL's and Qwen3.5's raster order of merge blocks).
     pub x_ne: Tensor,
-    /// (M,): for each merged token in raster order, its row of the merger's output.
-    pub merged_back: Tensor,
+    /// (M,): for each merged token in raster order, its row of the merger's output; None
+    /// where that is the raster order already.
+    pub merged_back: Option<Tensor>,
 }
 
 /// The patch embedding and every block over `pixel_values` (N, P) of images `grids`.
-pub fn vision_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Encoded {
-    let s = &w.spec;
-    let order = Order::new(s, grids);
-    let n = order.patches.len() as i64;
-    assert_eq!(
-        pixel_values.size(),
-        [n, s.patch_len() as i64],
-        "pixel_values of grids {grids:?}"
-    );
-    let (kind, device) = (w.kind(), w.device());
-    let e = s.hidden_size as i64;
-    let idx = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+pub fn qwen2_5_vl_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Encoded {
+    let geo = Geometry::new(&w.spec, grids, w.device());
+    let mut x_ne = patch_embed(w, pixel_values, &geo);
+    for b in 0..w.spec.depth {
+        x_ne = vision_block(w, b, &x_ne, &geo);
+    }
+    geo.encoded(x_ne)
+}
+
+/// What the tower's steps read of a micro-batch's images besides the weights, built once
+/// for its forward and a trained encoder's backward: the window order, each patch's
+/// rotary tables, the attention segments, the way back to raster order.
+pub struct Geometry {
+    /// (N,): the row of `pixel_values` at each position of the window order.
+    patches: Tensor,
+    /// (N, D) f32 each.
+    cos_nd: Tensor,
+    sin_nd: Tensor,
+    windows: Segments,
+    frames: Segments,
+    /// (M,): for each merged token in raster order, its row of the merger's output.
+    merged_back: Tensor,
+    /// Patches (N) and values per patch (P) that `pixel_values` must have.
+    shape: [i64; 2],
+}
+
+impl Geometry {
+    pub fn new(s: &VisionSpec, grids: &[[u32; 3]], device: Device) -> Geometry {
+        let order = Order::new(s, grids);
+        let idx = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+        let (cos_nd, sin_nd) = rotary(s, &order.positions, device);
+        Geometry {
+            patches: idx(&order.patches),
+            cos_nd,
+            sin_nd,
+            windows: Segments::new(&order.window_lens, device),
+            frames: Segments::new(&order.frame_lens, device),
+            merged_back: idx(&order.merged_back),
+            shape: [order.patches.len() as i64, s.patch_len() as i64],
+        }
+    }
+
+    /// The encoder's output `x_ne` (N, E), in the window order, as the merger reads it.
+    pub fn encoded(&self, x_ne: Tensor) -> Encoded {
+        Encoded {
+            x_ne,
+            merged_back: Some(self.merged_back.shallow_clone()),
+        }
+    }
+}
+
+/// The patch embedding of `pixel_values` (N, P) (a Conv3d whose stride is its kernel: one
+/// matmul), its rows in the window order: (N, E), block 0's input.
+pub fn patch_embed(w: &VisionWeights, pixel_values: &Tensor, geo: &Geometry) -> Tensor {
+    assert_eq!(pixel_values.size(), geo.shape, "pixel_values of the images");
+    let e = w.spec.hidden_size as i64;
     // (E, C, Tp, p, p) flattened as a patch row is: the Conv3d over one patch each.
     let w_pe = w.get("patch_embed.proj.weight").reshape([e, -1]);
-    let mut x_ne = pixel_values
-        .to_device(device)
-        .to_kind(kind)
+    pixel_values
+        .to_device(w.device())
+        .to_kind(w.kind())
         .matmul(&w_pe.tr()) // (N, E)
-        .index_select(0, &idx(&order.patches));
-    let (cos_nd, sin_nd) = rotary(s, &order.positions, device);
-    let windows = Segments::new(&order.window_lens, device);
-    let frames = Segments::new(&order.frame_lens, device);
-    for b in 0..s.depth {
-        let seg = match s.full_attention(b) {
-            true => &frames,
-            false => &windows,
-        };
-        x_ne = block(w, b, &x_ne, &cos_nd, &sin_nd, seg);
-    }
-    Encoded {
-        x_ne,
-        merged_back: idx(&order.merged_back),
-    }
+        .index_select(0, &geo.patches)
+}
+
+/// Vision block `b` over `x_ne` (N, E), in the window order: within windows, or within
+/// each frame at `fullatt_block_indexes`.
+pub fn vision_block(w: &VisionWeights, b: usize, x_ne: &Tensor, geo: &Geometry) -> Tensor {
+    let seg = match w.spec.full_attention(b) {
+        true => &geo.frames,
+        false => &geo.windows,
+    };
+    block(w, b, x_ne, &geo.cos_nd, &geo.sin_nd, seg)
 }
 
 /// The merger over the encoder's output: `ln_q`, merge^2 patches side by side, Linear,
 /// GELU, Linear, back to raster order -> (M, O).
-pub fn vision_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
+pub fn qwen2_5_vl_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
     let s = &w.spec;
     let merged = (s.merge_unit() * s.hidden_size) as i64;
     let m_mx = rms_norm(&enc.x_ne, w.get("merger.ln_q.weight"), NORM_EPS).reshape([-1, merged]);
     let h_mx = w.linear(&m_mx, "merger.mlp.0").gelu("none");
     let out_mo = w.linear(&h_mx, "merger.mlp.2");
-    out_mo.index_select(0, &enc.merged_back)
+    match &enc.merged_back {
+        Some(back) => out_mo.index_select(0, back),
+        None => out_mo,
+    }
 }
 
 /// Vision block `b`: `h = x + attn(norm1(x))`, `out = h + mlp(norm2(h))`: (N, E) -> (N, E).

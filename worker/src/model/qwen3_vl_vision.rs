@@ -1,7 +1,11 @@
-//! Qwen3-VL's vision tower, patch merger and deepstack mergers, forward only (frozen): the
-//! math of transformers' `Qwen3VLVisionModel`, whose merged output (`pooler_output`) the
-//! model places at the image tokens and whose deepstack features (`deepstack_features`) its
-//! first decoder layers add there (`Qwen3VLTextModel._deepstack_process`).
+//! Qwen3-VL's vision tower, patch merger and deepstack mergers: the math of transformers'
+//! `Qwen3VLVisionModel`, whose merged output (`pooler_output`) the model places at the image
+//! tokens and whose deepstack features (`deepstack_features`) its first decoder layers add
+//! there (`Qwen3VLTextModel._deepstack_process`). Qwen3.5's tower (`Qwen3_5VisionModel`) is
+//! this one with no deepstack merger (its spec lists none). Frozen, forward only
+//! ([`qwen3_vl_vision`]); or in two halves, the encoder ([`qwen3_vl_encoder`]: up to the
+//! merger's input, and the deepstack features) and the merger ([`qwen3_vl_merger`]), so that
+//! a trained merger (Qwen3.5's) runs with grad; the halves leave grad mode to the caller.
 //!
 //! ```text
 //! patches (N, P) -> patch embed (a Conv3d with bias whose stride is its kernel: one matmul)
@@ -26,7 +30,7 @@ use mt::config::vision::VisionSpec;
 use tch::{Kind, Tensor};
 
 use super::common::activation;
-use super::qwen2_vl_vision::{Segments, VisionWeights, iproduct4, rotary, rotate};
+use super::qwen2_vl_vision::{Encoded, Segments, VisionWeights, iproduct4, rotary, rotate};
 
 /// The tower's LayerNorms' epsilon (fixed in transformers' modules, not in the config).
 const NORM_EPS: f64 = 1e-6;
@@ -48,6 +52,21 @@ pub fn qwen3_vl_vision(
     grids: &[[u32; 3]],
 ) -> Qwen3VlFeatures {
     let _no_grad = tch::no_grad_guard();
+    let (enc, deepstack_mo) = qwen3_vl_encoder(w, pixel_values, grids);
+    Qwen3VlFeatures {
+        merged_mo: qwen3_vl_merger(w, &enc),
+        deepstack_mo,
+    }
+}
+
+/// The patch embedding, the learned positions and every block over `pixel_values` (N, P)
+/// of images `grids`: the merger's input (in the rows' order, which is the tokens'), and
+/// the deepstack features (M, O) each, in the order the language model adds them.
+pub fn qwen3_vl_encoder(
+    w: &VisionWeights,
+    pixel_values: &Tensor,
+    grids: &[[u32; 3]],
+) -> (Encoded, Vec<Tensor>) {
     let s = &w.spec;
     let (positions, frame_lens) = patch_positions(s, grids);
     let n = positions.len() as i64;
@@ -80,10 +99,17 @@ pub fn qwen3_vl_vision(
             ));
         }
     }
-    Qwen3VlFeatures {
-        merged_mo: merger(w, "merger", &x_ne, false),
-        deepstack_mo,
-    }
+    let enc = Encoded {
+        x_ne,
+        merged_back: None,
+    };
+    (enc, deepstack_mo)
+}
+
+/// The merger over the encoder's output: LayerNorm per patch, merge^2 patches side by side,
+/// Linear, GELU, Linear -> (M, O), one row per image token in order.
+pub fn qwen3_vl_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
+    merger(w, "merger", &enc.x_ne, false)
 }
 
 /// Each patch's (row, column) in its frame, in the rows' order, and the patches per frame.

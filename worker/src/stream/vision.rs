@@ -14,7 +14,7 @@ use tch::{Device, Tensor};
 use super::{kind_of, region_view};
 use mt::config::vision::TowerSpec;
 
-use crate::model::{SiglipWeights, TowerWeights, VisionWeights};
+use crate::model::{ClipWeights, SiglipWeights, TowerWeights, VisionWeights};
 
 /// Adopts the tower's region named in `init` (an fd this process inherited, taken over
 /// once), copies its tensors, in `dtype`, to `device`.
@@ -46,5 +46,6 @@ pub fn load(init: &VisionInit, dtype: DType, device: Device) -> Result<TowerWeig
     Ok(match &layout.spec {
         TowerSpec::Qwen(spec) => TowerWeights::Qwen(VisionWeights::new(spec.clone(), tensors)),
         TowerSpec::Siglip(spec) => TowerWeights::Siglip(SiglipWeights::new(spec.clone(), tensors)),
+        TowerSpec::Clip(spec) => TowerWeights::Clip(ClipWeights::new(spec.clone(), tensors)),
     })
 }

@@ -1,7 +1,9 @@
 //! The tower against transformers' on scripts/make_vlm_model_fixtures.py's tiny Qwen3-VL
 //! (`$MT_GOLDEN_DIR/vision/qwen3_vl`, `--family qwen3_vl`), in f32 on the CPU: the merged
 //! features and both deepstack features, from the checkpoint's tensors directly and through
-//! the launcher's shared region as a worker receives it.
+//! the launcher's shared region as a worker receives it; and on its tiny Qwen3.5
+//! (`vision/qwen3_5`, `--family qwen3_5`: `Qwen3_5VisionModel`, the same tower without
+//! deepstack mergers), whose spec lists none.
 //!
 //! The bound, 1e-4 of each output's largest magnitude, is Qwen2.5-VL's tower's (see its
 //! tests): the same f32 ops on both sides but for the summation order of the patch embedding
@@ -35,19 +37,21 @@ struct Fixture {
     grids: Vec<[u32; 3]>,
 }
 
-fn load() -> Fixture {
+/// The fixture of `family` (`qwen3_vl`, `qwen3_5`).
+fn load(family: &str) -> Fixture {
     let dir = std::env::var_os("MT_GOLDEN_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/golden"))
-        .join("vision/qwen3_vl");
+        .join("vision")
+        .join(family);
     assert!(
         dir.join("io.safetensors").is_file(),
-        "no vision fixtures in {}: run `.venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden --family qwen3_vl`",
+        "no vision fixtures in {}: run `.venv/bin/python scripts/make_vlm_model_fixtures.py --out target/golden --family {family}`",
         dir.display()
     );
     let spec = VisionSpec::from_model_dir(&dir.join("model"))
         .unwrap()
-        .expect("a qwen3_vl config");
+        .expect("a Qwen tower's config");
     let checkpoint = Tensor::read_safetensors(dir.join("model/model.safetensors")).unwrap();
     let io: HashMap<String, Tensor> = Tensor::read_safetensors(dir.join("io.safetensors"))
         .unwrap()
@@ -74,9 +78,11 @@ fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
     diff / want.abs().max().double_value(&[])
 }
 
-/// The worst relative error over the merged and every deepstack feature.
+/// The worst relative error over the merged and every deepstack feature (as many as the
+/// fixture holds).
 fn worst(f: &Fixture, got: &Qwen3VlFeatures) -> f64 {
-    assert_eq!(got.deepstack_mo.len(), 2, "two deepstack features");
+    let want = (0..).take_while(|k| f.io.contains_key(&format!("deepstack.{k}")));
+    assert_eq!(got.deepstack_mo.len(), want.count(), "deepstack features");
     let mut e = rel_err(&got.merged_mo, &f.io["merged"]);
     for (k, d) in got.deepstack_mo.iter().enumerate() {
         e = e.max(rel_err(d, &f.io[&format!("deepstack.{k}")]));
@@ -98,7 +104,7 @@ fn weights(f: &Fixture) -> VisionWeights {
 
 #[test]
 fn tower_equals_transformers() {
-    let f = load();
+    let f = load("qwen3_vl");
     assert_eq!(f.spec.deepstack_taps(), [(0, 1), (2, 0)]);
     let w = weights(&f);
     let got = qwen3_vl_vision(&w, &f.io["pixel_values"], &f.grids);
@@ -120,9 +126,21 @@ fn tower_equals_transformers() {
     );
 }
 
+/// Qwen3.5's tower is Qwen3-VL's with no deepstack merger: the merged features only.
+#[test]
+fn qwen3_5_tower_equals_transformers() {
+    let f = load("qwen3_5");
+    assert_eq!(f.spec.model_type, "qwen3_5");
+    assert!(f.spec.deepstack_taps().is_empty());
+    let got = qwen3_vl_vision(&weights(&f), &f.io["pixel_values"], &f.grids);
+    let err = worst(&f, &got);
+    eprintln!("qwen3.5 tower vs transformers: relative error {err:e}");
+    assert!(err <= BOUND, "relative error {err:e} > {BOUND:e}");
+}
+
 #[test]
 fn tower_through_the_shared_region_equals_transformers() {
-    let f = load();
+    let f = load("qwen3_vl");
     let tensors = (f.checkpoint.iter())
         .map(|(name, t)| {
             let values = Vec::<f32>::try_from(t.reshape([-1])).unwrap();
