@@ -243,14 +243,29 @@ if part vlm; then
     fi
     # The tiny Qwen3.5 (hybrid text model, tower without deepstack): losses, 1 GPU against
     # CPU, the projector frozen (the golden's config) and trained (its projector config).
+    # Its Gated DeltaNet layers in bf16 are further from f32 than 2e-2 by themselves (step 1's
+    # gradients 4.8e-2 in bf16 on the CPU, the reference delta rule; 4.6e-2 / 5.5e-2 on the
+    # GPU, reference / chunked), so they are held as scripts/check_gated_delta.sh holds a
+    # layer: step 1's bf16 gradients on the GPU within twice the CPU's own bf16 error (or 2e-2
+    # where that is smaller), all tensors together; the GPU's f32 step within 1e-4 of the
+    # CPU's (measured 4.4e-6: what the GPU computes differently is caught here); and the
+    # losses over the steps likewise, at lr 1e-3 (5.1e-3 measured: at the other cases' 3e-3
+    # the loss falls from 6.4 to 1.0 in 12 steps and a 5% gradient rounding at one step moves
+    # the rest by 1-2% on the CPU in bf16 alone).
     if [ -f "$VLM/golden-qwen3_5/run.yaml" ]; then
-      vlm=(--config "$VLM/golden-qwen3_5/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
-      vrun cpu_vlm35 "${cpu[@]}" --set "training.num_steps=$STEPS"
-      vrun gpu1_vlm35 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
-      vlm=(--config "$VLM/golden-qwen3_5/projector/run.yaml" --set training.save_model=false
-           --set training.learning_rate=3e-3 --set training.max_grad_norm=1000)
-      vrun cpu_vlm35_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
-      vrun gpu1_vlm35_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      for case in "" projector; do
+        vlm=(--config "$VLM/golden-qwen3_5/${case:+$case/}run.yaml" --set training.save_model=false
+             --set training.learning_rate=1e-3 --set training.max_grad_norm=1000)
+        n=vlm35${case:+_$case}
+        vrun "cpu_$n" "${cpu[@]}" --set "training.num_steps=$STEPS"
+        vrun "cpu_${n}_bf16" --gpus 0 --workers 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+        vrun "gpu1_$n" --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      done
+      one=(--set training.num_steps=1 --dump-grads)
+      vrun cpu_vlm35_step1 "${cpu[@]}" "${one[@]}" "$work/cpu_vlm35_step1.grads"
+      vrun cpu_vlm35_bf16_step1 --gpus 0 --workers 1 "${gpu[@]}" "${one[@]}" "$work/cpu_vlm35_bf16_step1.grads"
+      vrun gpu1_vlm35_step1 --gpus 1 "${gpu[@]}" "${one[@]}" "$work/gpu1_vlm35_step1.grads"
+      vrun gpu1_vlm35_f32_step1 --gpus 1 --set model.dtype=float32 "${one[@]}" "$work/gpu1_vlm35_f32_step1.grads"
     fi
     # The tiny LLaVA-NeXT: losses, 1 GPU against CPU; and its projector trained.
     if [ -f "$VLM/golden-llava_next/run.yaml" ]; then
@@ -439,7 +454,23 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
         check("gpu1_vlm3", "cpu_vlm3", 2e-2, keys=(("loss", "steps"),))
     for name in ("vlm35", "vlm35_projector"):
         if os.path.exists(f"{work}/cpu_{name}.jsonl"):
-            check(f"gpu1_{name}", f"cpu_{name}", 2e-2, keys=(("loss", "steps"),))
+            own, ref = load(f"cpu_{name}_bf16", "loss"), load(f"cpu_{name}", "loss")
+            own = max(abs(a - b) / abs(b) for a, b in zip(own, ref)) if len(own) == len(ref) else 1.0
+            print(f"cpu_{name}_bf16 vs cpu_{name}: the run's own bf16 error {own:.2e}")
+            check(f"gpu1_{name}", f"cpu_{name}", max(2 * own, 2e-2), keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm35_step1.grads"):
+        gb = tensors(f"{work}/cpu_vlm35_step1.grads")
+        def together(name):
+            ga = tensors(f"{work}/{name}_step1.grads")
+            if ga.keys() != gb.keys() or not gb:
+                return 1.0
+            return rel_l2([x for n in gb for x in ga[n][1]], [x for n in gb for x in gb[n][1]])
+        own = together("cpu_vlm35_bf16")
+        for name, bound35 in (("gpu1_vlm35", max(2 * own, 2e-2)), ("gpu1_vlm35_f32", 1e-4)):
+            whole = together(name)
+            ok &= whole <= bound35
+            print(f"vlm35 {name} vs cpu (f32) step-1 gradients: all {len(gb)} tensors together relative L2 "
+                  f"{whole:.2e} (bound {bound35:.1e}; the CPU's own bf16 error {own:.2e})")
     if os.path.exists(f"{work}/cpu_vlm_llava.jsonl"):
         check("gpu1_vlm_llava", "cpu_vlm_llava", 2e-2, keys=(("loss", "steps"),))
         check("gpu1_vlm_llava_projector", "cpu_vlm_llava_projector", 2e-2, keys=(("loss", "steps"),))
