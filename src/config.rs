@@ -33,6 +33,7 @@ mod stage;
 mod tile;
 pub mod vision;
 mod vlm;
+mod word_or_number;
 
 pub use checkpoint::{CheckpointContents, CheckpointSection};
 pub use dataset::{DatasetFormat, DatasetSection, Overlong, REGISTRY, ValSize};

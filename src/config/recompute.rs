@@ -57,36 +57,15 @@ pub mod human {
     use super::*;
 
     pub fn serialize<S: Serializer>(r: &Recompute, s: S) -> Result<S::Ok, S::Error> {
-        match r {
-            Recompute::Layers(n) => s.serialize_u64(*n as u64),
-            other => s.serialize_str(&other.to_string()),
-        }
+        let number = match r {
+            Recompute::Layers(n) => Some(*n),
+            _ => None,
+        };
+        super::super::word_or_number::serialize(r, number, s)
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Recompute, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Recompute;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str(EXPECTED)
-            }
-            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Recompute, E> {
-                n.to_string().parse().map_err(E::custom)
-            }
-            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Recompute, E> {
-                n.to_string().parse().map_err(E::custom)
-            }
-            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<Recompute, E> {
-                Err(E::custom(format!("expected {EXPECTED}, got {n}")))
-            }
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Recompute, E> {
-                s.parse().map_err(E::custom)
-            }
-            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<Recompute, E> {
-                Err(E::custom(format!("expected {EXPECTED}, got {b}")))
-            }
-        }
-        d.deserialize_any(V)
+        super::super::word_or_number::deserialize(d, EXPECTED)
     }
 }
 

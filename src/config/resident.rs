@@ -59,38 +59,17 @@ impl std::fmt::Display for ResidentBlocks {
 
 impl Serialize for ResidentBlocks {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            ResidentBlocks::Blocks(n) => s.serialize_u64(*n as u64),
-            other => s.serialize_str(&other.to_string()),
-        }
+        let number = match self {
+            ResidentBlocks::Blocks(n) => Some(*n),
+            _ => None,
+        };
+        super::word_or_number::serialize(self, number, s)
     }
 }
 
 impl<'de> Deserialize<'de> for ResidentBlocks {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ResidentBlocks, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = ResidentBlocks;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str(EXPECTED)
-            }
-            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<ResidentBlocks, E> {
-                n.to_string().parse().map_err(E::custom)
-            }
-            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<ResidentBlocks, E> {
-                n.to_string().parse().map_err(E::custom)
-            }
-            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<ResidentBlocks, E> {
-                Err(E::custom(format!("expected {EXPECTED}, got {n}")))
-            }
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ResidentBlocks, E> {
-                s.parse().map_err(E::custom)
-            }
-            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<ResidentBlocks, E> {
-                Err(E::custom(format!("expected {EXPECTED}, got {b}")))
-            }
-        }
-        d.deserialize_any(V)
+        super::word_or_number::deserialize(d, EXPECTED)
     }
 }
 

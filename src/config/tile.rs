@@ -53,36 +53,15 @@ pub mod human {
     use super::*;
 
     pub fn serialize<S: Serializer>(t: &TileTokens, s: S) -> Result<S::Ok, S::Error> {
-        match t {
-            TileTokens::Tokens(n) => s.serialize_u64(*n as u64),
-            other => s.serialize_str(&other.to_string()),
-        }
+        let number = match t {
+            TileTokens::Tokens(n) => Some(*n),
+            _ => None,
+        };
+        super::super::word_or_number::serialize(t, number, s)
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<TileTokens, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = TileTokens;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str(EXPECTED)
-            }
-            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<TileTokens, E> {
-                n.to_string().parse().map_err(E::custom)
-            }
-            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<TileTokens, E> {
-                n.to_string().parse().map_err(E::custom)
-            }
-            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<TileTokens, E> {
-                Err(E::custom(format!("expected {EXPECTED}, got {n}")))
-            }
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<TileTokens, E> {
-                s.parse().map_err(E::custom)
-            }
-            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<TileTokens, E> {
-                Err(E::custom(format!("expected {EXPECTED}, got {b}")))
-            }
-        }
-        d.deserialize_any(V)
+        super::super::word_or_number::deserialize(d, EXPECTED)
     }
 }
 

@@ -21,8 +21,8 @@
 //! take there ([`add_at_image_tokens`]), and Qwen3.5's (the same tower without deepstack
 //! mergers); `siglip_vision.rs` Gemma 3's SigLIP tower and projector (frozen, forward only);
 //! `clip_vision.rs` LLaVA-NeXT's CLIP tower, projector and image newline over any-resolution
-//! tiles. Qwen3-VL's text model (`qwen3_vl_text`) is `qwen3.rs`, Qwen3.5's (`qwen3_5_text`)
-//! `qwen3_next.rs`.
+//! tiles; the two share `vit.rs`'s encoder layer. Qwen3-VL's text model (`qwen3_vl_text`) is
+//! `qwen3.rs`, Qwen3.5's (`qwen3_5_text`) `qwen3_next.rs`.
 //!
 //! A multimodal wrapper (gemma3, qwen3_5, ...) computes as its text model's file.
 //!
@@ -59,6 +59,7 @@ mod rope;
 mod siglip_vision;
 #[cfg(test)]
 mod tests_qwen2_5_vl;
+mod vit;
 
 use std::collections::HashMap;
 

@@ -21,10 +21,12 @@
 
 use std::collections::HashMap;
 
+use mt::config::hf::Activation;
 use mt::config::vision::clip::{ClipSpec, IMAGE_NEWLINE};
 use tch::{Kind, Tensor};
 
 use super::common::activation;
+use super::vit::{VitWeights, encoder_layer};
 
 /// The tower's, projector's and newline's tensors, by their names in the layout
 /// (`encoder.layers.0.mlp.fc1.weight`, `multi_modal_projector.linear_1.weight`,
@@ -78,6 +80,21 @@ impl ClipWeights {
     /// The compute dtype.
     pub fn kind(&self) -> Kind {
         self.get("embeddings.patch_embedding.weight").kind()
+    }
+}
+
+impl VitWeights for ClipWeights {
+    fn linear(&self, x: &Tensor, name: &str) -> Tensor {
+        ClipWeights::linear(self, x, name)
+    }
+    fn layer_norm(&self, x: &Tensor, name: &str) -> Tensor {
+        ClipWeights::layer_norm(self, x, name)
+    }
+    fn heads(&self) -> (i64, i64) {
+        (self.spec.num_heads as i64, self.spec.head_dim() as i64)
+    }
+    fn hidden_act(&self) -> Activation {
+        self.spec.hidden_act
     }
 }
 
@@ -150,44 +167,6 @@ fn tower(w: &ClipWeights, tiles_tcss: &Tensor) -> Tensor {
         x_tne = encoder_layer(w, l, &x_tne);
     }
     x_tne.narrow(1, 1, g * g)
-}
-
-/// Encoder layer `l`: `h = x + attn(layer_norm1(x))`, `out = h + mlp(layer_norm2(h))`:
-/// (Tt, N + 1, E) -> (Tt, N + 1, E).
-fn encoder_layer(w: &ClipWeights, l: usize, x_tne: &Tensor) -> Tensor {
-    let p = format!("encoder.layers.{l}");
-    let h_tne = x_tne + attention(w, &p, &w.layer_norm(x_tne, &format!("{p}.layer_norm1")));
-    let m_tne = w.layer_norm(&h_tne, &format!("{p}.layer_norm2"));
-    let fc1_tni = w.linear(&m_tne, &format!("{p}.mlp.fc1"));
-    let mlp_tne = w.linear(
-        &activation(&fc1_tni, w.spec.hidden_act),
-        &format!("{p}.mlp.fc2"),
-    );
-    h_tne + mlp_tne
-}
-
-/// Bidirectional attention over each tile's tokens, scaled by D^-1/2:
-/// (Tt, N + 1, E) -> (Tt, N + 1, E).
-fn attention(w: &ClipWeights, p: &str, x_tne: &Tensor) -> Tensor {
-    let (t, n) = (x_tne.size()[0], x_tne.size()[1]);
-    let (nh, d) = (w.spec.num_heads as i64, w.spec.head_dim() as i64);
-    let heads = |name: &str| {
-        w.linear(x_tne, &format!("{p}.self_attn.{name}"))
-            .view([t, n, nh, d])
-            .transpose(1, 2) // (Tt, NH, N + 1, D)
-    };
-    let o_thnd = Tensor::scaled_dot_product_attention(
-        &heads("q_proj"),
-        &heads("k_proj"),
-        &heads("v_proj"),
-        None::<Tensor>,
-        0.0,
-        false,
-        None,
-        false,
-    );
-    let o_tne = o_thnd.transpose(1, 2).reshape([t, n, nh * d]);
-    w.linear(&o_tne, &format!("{p}.self_attn.out_proj"))
 }
 
 /// LlavaNextMultiModalProjector: (Tt, N, E) -> (Tt, N, H).

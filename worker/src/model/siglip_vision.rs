@@ -17,10 +17,12 @@
 
 use std::collections::HashMap;
 
+use mt::config::hf::Activation;
 use mt::config::vision::siglip::SiglipSpec;
 use tch::{Kind, Tensor};
 
-use super::common::{activation, rms_norm_plus_one};
+use super::common::rms_norm_plus_one;
+use super::vit::{VitWeights, encoder_layer};
 
 /// The tower's and projector's tensors, by their names in the layout
 /// (`encoder.layers.0.mlp.fc1.weight`, `multi_modal_projector.mm_input_projection_weight`),
@@ -71,6 +73,21 @@ impl SiglipWeights {
     }
 }
 
+impl VitWeights for SiglipWeights {
+    fn linear(&self, x: &Tensor, name: &str) -> Tensor {
+        SiglipWeights::linear(self, x, name)
+    }
+    fn layer_norm(&self, x: &Tensor, name: &str) -> Tensor {
+        SiglipWeights::layer_norm(self, x, name)
+    }
+    fn heads(&self) -> (i64, i64) {
+        (self.spec.num_heads as i64, self.spec.head_dim() as i64)
+    }
+    fn hidden_act(&self) -> Activation {
+        self.spec.hidden_act
+    }
+}
+
 /// The image tokens' features of `pixels_bcss` (B, C, S, S), image after image: (B T, O).
 /// Forward only, without gradient.
 pub fn gemma3_vision(w: &SiglipWeights, pixels_bcss: &Tensor) -> Tensor {
@@ -102,43 +119,6 @@ pub fn gemma3_vision(w: &SiglipWeights, pixels_bcss: &Tensor) -> Tensor {
     }
     let x_bne = w.layer_norm(&x_bne, "post_layernorm");
     projector(w, &x_bne).reshape([-1, s.out_hidden_size as i64])
-}
-
-/// Encoder layer `l`: `h = x + attn(layer_norm1(x))`, `out = h + mlp(layer_norm2(h))`:
-/// (B, N, E) -> (B, N, E).
-fn encoder_layer(w: &SiglipWeights, l: usize, x_bne: &Tensor) -> Tensor {
-    let p = format!("encoder.layers.{l}");
-    let h_bne = x_bne + attention(w, &p, &w.layer_norm(x_bne, &format!("{p}.layer_norm1")));
-    let m_bne = w.layer_norm(&h_bne, &format!("{p}.layer_norm2"));
-    let fc1_bni = w.linear(&m_bne, &format!("{p}.mlp.fc1"));
-    let mlp_bne = w.linear(
-        &activation(&fc1_bni, w.spec.hidden_act),
-        &format!("{p}.mlp.fc2"),
-    );
-    h_bne + mlp_bne
-}
-
-/// Bidirectional attention over each image's patches, scaled by D^-1/2: (B, N, E) -> (B, N, E).
-fn attention(w: &SiglipWeights, p: &str, x_bne: &Tensor) -> Tensor {
-    let (b, n) = (x_bne.size()[0], x_bne.size()[1]);
-    let (nh, d) = (w.spec.num_heads as i64, w.spec.head_dim() as i64);
-    let heads = |name: &str| {
-        w.linear(x_bne, &format!("{p}.self_attn.{name}"))
-            .view([b, n, nh, d])
-            .transpose(1, 2) // (B, NH, N, D)
-    };
-    let o_bhnd = Tensor::scaled_dot_product_attention(
-        &heads("q_proj"),
-        &heads("k_proj"),
-        &heads("v_proj"),
-        None::<Tensor>,
-        0.0,
-        false,
-        None,
-        false,
-    );
-    let o_bne = o_bhnd.transpose(1, 2).reshape([b, n, nh * d]);
-    w.linear(&o_bne, &format!("{p}.self_attn.out_proj"))
 }
 
 /// Gemma3MultiModalProjector: (B, N, E) -> (B, T, O).
