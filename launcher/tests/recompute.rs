@@ -2,8 +2,10 @@
 //! worker/src/layer/kept.rs) change a step by f32 rounding only: the step-1 loss and every
 //! gradient with the last layer, and with every layer, keeping them equal the full
 //! recompute's, untiled and in tiles of 7 tokens (which do not divide the micro-batch's 80),
-//! for the families that keep (Llama, Qwen2 with biases and a sliding window, Qwen3, and
-//! DeepSeek-V3, whose dense first layer keeps while its experts recompute). A family that
+//! for the families that keep (Llama, Qwen2 with biases and a sliding window, Qwen3,
+//! DeepSeek-V3, whose dense first layer keeps while its experts recompute, and Qwen3.5,
+//! whose full-attention layer keeps while its Gated DeltaNet layers recompute, in segments
+//! of the rule in the tiled runs). A family that
 //! cannot keep (Gemma 2: a norm after the MLP) runs the full recompute, bit for bit. Each
 //! run's metrics say how many layers kept (`kept_layers`); on CPU the kept path's hand
 //! GEMMs may well give autograd's bits.
@@ -59,6 +61,7 @@ fn kept_mlp_activations_equal_the_full_recompute() {
         "qwen2_bias_sliding",
         "qwen3_qk_norm",
         "deepseek_v3_mla_yarn",
+        "qwen3_5_text_long_chunks",
     ] {
         let dir = scratch(&format!("recompute-{case}"));
         let can = keepable(case);

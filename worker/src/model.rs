@@ -453,7 +453,8 @@ pub fn delta_layer(spec: &ModelSpec, layer: usize) -> bool {
 
 /// Whether layer `layer`'s MLP half is `h + mlp.down_proj(a)`, the projection's output read
 /// by nothing but the residual add (the dense MLPs of Llama, Mistral, Qwen2, Qwen3,
-/// DeepSeek-V3 and Phi-3; not where a norm follows the MLP, as in Gemma, OLMo 2 and GLM-4,
+/// DeepSeek-V3, Phi-3, Qwen3-Next and Qwen3.5; not where a norm follows the MLP, as in
+/// Gemma, OLMo 2 and GLM-4,
 /// nor a mixture of experts): its backward needs the projection's input `a`
 /// ([`mlp_down_input`]), never its output, so the recompute skips the projection
 /// (worker/src/layer.rs).
@@ -462,7 +463,7 @@ pub fn mlp_ends_in_down(spec: &ModelSpec, layer: usize) -> bool {
     dense
         && matches!(
             spec.family,
-            Family::Llama | Family::Qwen3 | Family::DeepseekV3 | Family::Phi3
+            Family::Llama | Family::Qwen3 | Family::DeepseekV3 | Family::Phi3 | Family::Qwen3Next
         )
 }
 
@@ -482,11 +483,12 @@ pub fn mlp_down_input(spec: &ModelSpec, layer: usize, w: &BlockWeights, h_bth: &
 
 /// The norm before the MLP of a layer that [`mt::plan::keeps_mlp`]: (B, T, H) -> (B, T, H).
 pub fn mlp_norm(spec: &ModelSpec, w: &BlockWeights, h_bth: &Tensor) -> Tensor {
-    common::rms_norm(
-        h_bth,
-        w.get("post_attention_layernorm.weight"),
-        spec.rms_norm_eps,
-    )
+    let norm_w = w.get("post_attention_layernorm.weight");
+    match spec.family {
+        // Qwen3-Next and Qwen3.5 scale by `1 + w`.
+        Family::Qwen3Next => common::rms_norm_plus_one(h_bth, norm_w, spec.rms_norm_eps),
+        _ => common::rms_norm(h_bth, norm_w, spec.rms_norm_eps),
+    }
 }
 
 /// The gate and up projections of a layer that [`mt::plan::keeps_mlp`], from the MLP

@@ -13,7 +13,7 @@
 
 use super::{DeviceOpts, DevicePlan, EMBED_BACKWARD, VISION_FORWARD};
 use crate::config::Recompute;
-use crate::config::hf::{Family, ModelSpec};
+use crate::config::hf::{AttentionKind, Family, ModelSpec};
 
 /// The share of the GPU's free memory (as the launcher read it before the workers
 /// started) that `auto` fills with the step and the kept layers: the plan is within 6% of
@@ -24,15 +24,18 @@ pub const KEEP_FIT: f64 = 0.85;
 /// Whether layer `layer` can keep its MLP activations: a dense MLP half
 /// `h + down(act(gate(n)) * up(n))` with `n = norm(h)` and nothing after the down
 /// projection but the residual (Llama, Mistral, Qwen2, Qwen3 and DeepSeek-V3's dense
-/// layers; not Phi-3's fused gate_up, nor the families with a norm after the MLP, nor a
-/// mixture of experts).
+/// layers, and Qwen3.5's full-attention layers, whose norm is `1 + w`; not Phi-3's fused
+/// gate_up, nor the families with a norm after the MLP, nor a mixture of experts). Qwen3.5's
+/// Gated DeltaNet layers recompute whole: in tiles their rule runs in segments
+/// (worker/src/segments.rs), which the kept path does not.
 pub fn keeps_mlp(spec: &ModelSpec, layer: usize) -> bool {
     let dense = !(spec.moe.is_some() && spec.is_sparse(layer));
     dense
-        && matches!(
-            spec.family,
-            Family::Llama | Family::Qwen3 | Family::DeepseekV3
-        )
+        && match spec.family {
+            Family::Llama | Family::Qwen3 | Family::DeepseekV3 => true,
+            Family::Qwen3Next => spec.layer_types[layer] != AttentionKind::Linear,
+            _ => false,
+        }
 }
 
 /// Which layers keep their MLP activations when `keep` of them do: the last `keep` of
