@@ -163,9 +163,11 @@ fn simple_segment(buf: &mut [u8], at: usize, across: usize, limit: i32) {
 /// interior limit, high edge variance threshold and whether it is a macroblock edge.
 fn normal_segment(buf: &mut [u8], at: usize, across: usize, t: (i32, i32, i32, bool)) {
     let (limit, interior, hev_threshold, mb_edge) = t;
-    let idx = |k: isize| (at as isize + k * across as isize) as usize;
-    let [p3, p2, p1, p0, q0, q1, q2, q3] =
-        [-4, -3, -2, -1, 0, 1, 2, 3].map(|k| i32::from(buf[idx(k)]));
+    // The 8 pixels across the edge, p3 first: p3..p0 before it, q0..q3 after.
+    let idx = |k: usize| at - 4 * across + k * across;
+    let px = |k: usize| i32::from(buf[idx(k)]);
+    let (p3, p2, p1, p0) = (px(0), px(1), px(2), px(3));
+    let (q0, q1, q2, q3) = (px(4), px(5), px(6), px(7));
     if !under_limit(p1, p0, q0, q1, limit)
         || [p3 - p2, p2 - p1, p1 - p0, q1 - q0, q2 - q1, q3 - q2]
             .iter()
@@ -181,18 +183,18 @@ fn normal_segment(buf: &mut [u8], at: usize, across: usize, t: (i32, i32, i32, b
         // Three pixels each side, by 27/128, 18/128 and 9/128 of the difference.
         let w = s8(s8(p1 - q1) + 3 * (q0 - p0));
         let a = s8((27 * w + 63) >> 7);
-        buf[idx(-1)] = clip(p0 + a);
-        buf[idx(0)] = clip(q0 - a);
+        buf[idx(3)] = clip(p0 + a);
+        buf[idx(4)] = clip(q0 - a);
         let a = s8((18 * w + 63) >> 7);
-        buf[idx(-2)] = clip(p1 + a);
-        buf[idx(1)] = clip(q1 - a);
+        buf[idx(2)] = clip(p1 + a);
+        buf[idx(5)] = clip(q1 - a);
         let a = s8((9 * w + 63) >> 7);
-        buf[idx(-3)] = clip(p2 + a);
-        buf[idx(2)] = clip(q2 - a);
+        buf[idx(1)] = clip(p2 + a);
+        buf[idx(6)] = clip(q2 - a);
     } else {
         let f1 = common_adjust(buf, at, across, false);
         let a = (f1 + 1) >> 1;
-        buf[idx(-2)] = clip(p1 + a);
-        buf[idx(1)] = clip(q1 - a);
+        buf[idx(2)] = clip(p1 + a);
+        buf[idx(5)] = clip(q1 - a);
     }
 }

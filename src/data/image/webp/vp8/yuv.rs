@@ -21,6 +21,7 @@ pub(super) fn rgb(p: &Planes, width: usize, height: usize) -> Vec<u8> {
     let (ys, cs) = (16 * p.mb_w, 8 * p.mb_w);
     let chroma_rows = height.div_ceil(2);
     let mut out = vec![0u8; width * height * 3];
+    let (mut u, mut v) = (vec![0u8; width], vec![0u8; width]);
     for (r, row) in out.chunks_exact_mut(width * 3).enumerate() {
         // The chroma row nearest this luma row, and the one on its other side (odd rows:
         // below, even rows: above), or the nearest again at the top and bottom.
@@ -30,50 +31,40 @@ pub(super) fn rgb(p: &Planes, width: usize, height: usize) -> Vec<u8> {
         } else {
             near.saturating_sub(1)
         };
+        upsample((&p.u[near * cs..], &p.u[far * cs..]), &mut u);
+        upsample((&p.v[near * cs..], &p.v[far * cs..]), &mut v);
         let y = &p.y[r * ys..][..width];
-        let u = (&p.u[near * cs..], &p.u[far * cs..]);
-        let v = (&p.v[near * cs..], &p.v[far * cs..]);
-        upsample_row(y, u, v, row);
+        for (px, ((&y, &u), &v)) in row.chunks_exact_mut(3).zip(y.iter().zip(&u).zip(&v)) {
+            px.copy_from_slice(&yuv_to_rgb(i32::from(y), i32::from(u), i32::from(v)));
+        }
     }
     out
 }
 
-/// One output row from its luma `y` and its (near, far) chroma rows `u` and `v`.
-fn upsample_row(y: &[u8], u: (&[u8], &[u8]), v: (&[u8], &[u8]), out: &mut [u8]) {
-    let w = y.len();
-    let mut put = |x: usize, u: u32, v: u32| {
-        let (yy, u, v) = (i32::from(y[x]), u as i32, v as i32);
-        out[3 * x..3 * x + 3].copy_from_slice(&yuv_to_rgb(yy, u, v));
-    };
-    let edge = |near: u8, far: u8| (3 * u32::from(near) + u32::from(far) + 2) >> 2;
-    put(0, edge(u.0[0], u.1[0]), edge(v.0[0], v.1[0]));
+/// A row's chroma (one plane), `out.len()` samples, from its (near, far) chroma rows `c`.
+fn upsample(c: (&[u8], &[u8]), out: &mut [u8]) {
+    let w = out.len();
+    let edge = |x: usize| ((3 * u32::from(c.0[x]) + u32::from(c.1[x]) + 2) >> 2) as u8;
+    out[0] = edge(0);
     // Between chroma columns x - 1 and x: luma columns 2x - 1 and 2x.
     for x in 1..=(w - 1) / 2 {
-        let (u1, u2) = pair(u, x);
-        let (v1, v2) = pair(v, x);
-        put(2 * x - 1, u1, v1);
-        put(2 * x, u2, v2);
+        (out[2 * x - 1], out[2 * x]) = pair(c, x);
     }
     if w.is_multiple_of(2) {
-        let last = w / 2 - 1;
-        put(
-            w - 1,
-            edge(u.0[last], u.1[last]),
-            edge(v.0[last], v.1[last]),
-        );
+        out[w - 1] = edge(w / 2 - 1);
     }
 }
 
 /// The chroma of luma columns 2x - 1 and 2x from chroma columns x - 1 and x of the near
 /// and far rows `c`.
-fn pair(c: (&[u8], &[u8]), x: usize) -> (u32, u32) {
+fn pair(c: (&[u8], &[u8]), x: usize) -> (u8, u8) {
     let [near_l, near_r, far_l, far_r] = [c.0[x - 1], c.0[x], c.1[x - 1], c.1[x]].map(u32::from);
     let sum = near_l + near_r + far_l + far_r + 8;
     // (the 9-weighted sample + 3 x the two beside it + the opposite one) / 8 rounded,
     // for the left and the right column's nearest sample.
     let left = (sum + 2 * (near_r + far_l)) >> 3;
     let right = (sum + 2 * (near_l + far_r)) >> 3;
-    ((left + near_l) >> 1, (right + near_r) >> 1)
+    (((left + near_l) >> 1) as u8, ((right + near_r) >> 1) as u8)
 }
 
 /// libwebp's `VP8YuvToRgb`.
