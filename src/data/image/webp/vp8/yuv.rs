@@ -4,11 +4,11 @@
 //!
 //! - chroma upsampling: each chroma sample is the centre of a 2x2 luma block; a pixel's
 //!   U and V weigh the four nearest chroma samples 9/16, 3/16, 3/16, 1/16 (nearest first),
-//!   computed as libwebp rounds it: two averages of the diagonals, each rounded down by 3
-//!   bits with a bias of 8/16, then averaged (rounded down) with the nearest sample. The
-//!   first row and column, the last row of an even height and the last column of an even
-//!   width have no second neighbour across the border: there (3 x near + far + 2) / 4
-//!   along the other direction, the missing row or column taken as the near one.
+//!   rounded as libwebp does: (the four + twice the two beside the nearest + 8) >> 3,
+//!   then averaged, rounding down, with the nearest. The first row and column, the last
+//!   row of an even height and the last column of an even width have no second neighbour
+//!   across the border: there (3 x near + far + 2) >> 2 along the other direction, the
+//!   missing row or column taken as the near one.
 //! - BT.601 "studio swing" YUV to RGB in 14-bit fixed point: R = 1.164 (Y - 16) + 1.596
 //!   (V - 128), G = 1.164 (Y - 16) - 0.391 (U - 128) - 0.813 (V - 128), B = 1.164 (Y - 16) +
 //!   2.018 (U - 128), each product taken as (sample x coefficient) >> 8, the sum rounded
