@@ -8,7 +8,10 @@ Written under OUT/vlm/pixels:
   RGB/RGBA/LA, 1/2/4-bit grey and palette, Adam7 interlacing, every scanline filter); JPEGs
   written by Pillow (libjpeg-turbo): 4:4:4, 4:2:2, 4:2:0, progressive, greyscale, restart
   markers, optimised Huffman tables, RGB (Adobe) coding, quality 100, odd and tiny sizes;
-  lossless WebPs written by Pillow (libwebp), and one lossy WebP (refused by our decoder).
+  lossless WebPs written by Pillow (libwebp); lossy WebPs written by Pillow (qualities, methods,
+  sizes, alpha) and by Pillow's libwebp through its advanced API for the encoder options `save`
+  does not pass on (the simple loop filter, sharpness, segments, token partitions); an animated
+  WebP (refused by our decoder).
 - decoded.safetensors: per file name, Pillow's `Image.open(path).convert("RGB")` as (H, W, 3)
   uint8.
 - processor.safetensors + preprocessor_config.json: for a few images, `pixel_values` and
@@ -28,12 +31,15 @@ Written under OUT/vlm/pixels:
   image resized keeping its aspect (bicubic) into the best pinpoint, padded, cut into tiles, the
   whole image resized to one tile before them; `pixel_values` (tiles, 3, 112, 112) per file,
   beside a config.json whose CLIP tower takes that size.
-- manifest.json: the file lists.
+- manifest.json: the file lists, and the libwebp options of the lossy WebPs written through its
+  advanced API.
 
 Usage: .venv/bin/python scripts/make_pixel_fixtures.py --out target/data-fixtures
 (make_vlm_fixtures.py calls it.)
 """
 import argparse
+import ctypes
+import glob
 import json
 import os
 import shutil
@@ -41,6 +47,7 @@ import struct
 import zlib
 
 import numpy as np
+import PIL
 from PIL import Image
 from safetensors.numpy import save_file
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -192,8 +199,104 @@ save("lossless_rgba.webp", lambda p: Image.fromarray(scene(31, 20, 4)).save(p, l
 for n in (2, 4, 16, 200):
     few = Image.fromarray(rgb).quantize(n).convert("RGB")
     save(f"lossless_{n}colours.webp", lambda p: few.save(p, lossless=True))
-lossy = "lossy.webp"
-photo.save(os.path.join(out, "images", lossy), quality=80)
+# Lossy WebPs written by Pillow (libwebp): photo-like (detail, a hard edge, noise) and flat,
+# sizes that are and are not multiples of 16 (odd, tiny), qualities 0 to 100, each method,
+# alpha (VP8X + ALPH: the alpha dropped, the RGB as decoded).
+for q in (0, 5, 50, 95, 100):
+    save(f"lossy_q{q}.webp", lambda p: photo.save(p, quality=q))
+big = Image.fromarray(scene(300, 113))
+for m in (0, 4, 6):
+    save(f"lossy_m{m}.webp", lambda p: big.save(p, quality=75, method=m))
+save("lossy_mb.webp", lambda p: Image.fromarray(scene(64, 48)).save(p, quality=80))
+save("lossy_wide.webp", lambda p: Image.fromarray(scene(419, 61)).save(p, quality=70))
+for w, h in ((1, 1), (2, 3), (5, 7), (17, 33)):
+    save(f"lossy_{w}x{h}.webp", lambda p: Image.fromarray(scene(w, h)).save(p, quality=80))
+save("lossy_flat.webp", lambda p: Image.new("RGB", (50, 37), (30, 120, 200)).save(p, quality=80))
+y, x = np.mgrid[0:40, 0:70]
+ramp = np.stack([x * 3, y * 5, 255 - x * 2], -1).clip(0, 255).astype(np.uint8)
+save("lossy_ramp.webp", lambda p: Image.fromarray(ramp).save(p, quality=90))
+rgba = Image.fromarray(scene(31, 20, 4))
+save("lossy_rgba.webp", lambda p: rgba.save(p, quality=80))
+save("lossy_rgba_exact.webp", lambda p: rgba.save(p, quality=60, alpha_quality=40, exact=True))
+
+
+def libwebp_encode(rgb, quality, **options):
+    """A lossy WebP from Pillow's own libwebp, through its advanced API (ctypes), for the
+    encoder options Pillow's `save` does not pass on: `filter_type` (0: the simple loop filter),
+    `filter_sharpness`, `filter_strength`, `segments`, `partitions` (log2 of the token
+    partitions' count), `sns_strength` (fields of libwebp 1.x's WebPConfig, in order)."""
+    names = ("lossless quality method image_hint target_size target_PSNR segments sns_strength "
+             "filter_strength filter_sharpness filter_type autofilter alpha_compression "
+             "alpha_filtering alpha_quality pass show_compressed preprocessing partitions "
+             "partition_limit emulate_jpeg_size thread_level low_memory near_lossless exact "
+             "use_delta_palette use_sharp_yuv qmin qmax").split()
+    ptr, i32, u32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32
+
+    class Config(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_float if n in ("quality", "target_PSNR") else i32) for n in names]
+
+    class Picture(ctypes.Structure):
+        _fields_ = [("use_argb", i32), ("colorspace", i32), ("width", i32), ("height", i32),
+                    ("y", ptr), ("u", ptr), ("v", ptr), ("y_stride", i32), ("uv_stride", i32),
+                    ("a", ptr), ("a_stride", i32), ("pad1", u32 * 2), ("argb", ptr),
+                    ("argb_stride", i32), ("pad2", u32 * 3), ("writer", ptr), ("custom_ptr", ptr),
+                    ("extra_info_type", i32), ("extra_info", ptr), ("stats", ptr), ("error_code", i32),
+                    ("progress_hook", ptr), ("user_data", ptr), ("pad3", u32 * 3), ("pad4", ptr),
+                    ("pad5", ptr), ("pad6", u32 * 8), ("memory_", ptr), ("memory_argb_", ptr),
+                    ("pad7", ptr * 2)]
+
+    class Writer(ctypes.Structure):
+        _fields_ = [("mem", ptr), ("size", ctypes.c_size_t), ("max_size", ctypes.c_size_t), ("pad", u32)]
+
+    lib = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(PIL.__file__), "..", "pillow.libs", "libwebp-*"))[0])
+    abi = 0x0210  # WEBP_ENCODER_ABI_VERSION of libwebp 1.x (its major byte must match)
+    config, pic, writer = Config(), Picture(), Writer()
+    assert lib.WebPConfigInitInternal(ctypes.byref(config), 0, ctypes.c_float(quality), abi)
+    for k, v in options.items():
+        setattr(config, k, v)
+    assert lib.WebPValidateConfig(ctypes.byref(config)), options
+    assert lib.WebPPictureInitInternal(ctypes.byref(pic), abi)
+    pic.height, pic.width, _ = rgb.shape
+    pic.use_argb = 1
+    data = np.ascontiguousarray(rgb, dtype=np.uint8)
+    assert lib.WebPPictureImportRGB(ctypes.byref(pic), data.ctypes.data_as(ptr), 3 * pic.width)
+    lib.WebPMemoryWriterInit(ctypes.byref(writer))
+    pic.writer = ctypes.cast(lib.WebPMemoryWrite, ptr)
+    pic.custom_ptr = ctypes.cast(ctypes.byref(writer), ptr)
+    ok = lib.WebPEncode(ctypes.byref(config), ctypes.byref(pic))
+    encoded = ctypes.string_at(writer.mem, writer.size)
+    lib.WebPPictureFree(ctypes.byref(pic))
+    lib.WebPMemoryWriterClear(ctypes.byref(writer))
+    assert ok, f"WebPEncode: error {pic.error_code}"
+    return encoded
+
+
+def save_bytes(name, b):
+    save(name, lambda p: open(p, "wb").write(b))
+
+
+# What Pillow's options do not reach (the manifest's `lossy_options` say which header each
+# must show): the simple loop filter, sharpness, no filter, one segment, 2/4/8 token
+# partitions, no spatial noise shaping.
+detail = scene(161, 130)
+LOSSY_OPTIONS = {
+    "lossy_simple.webp": dict(filter_type=0, filter_strength=60),
+    "lossy_simple_sharp.webp": dict(filter_type=0, filter_strength=100, filter_sharpness=5),
+    "lossy_sharp3.webp": dict(filter_type=1, filter_strength=80, filter_sharpness=3),
+    "lossy_sharp7.webp": dict(filter_type=1, filter_strength=100, filter_sharpness=7),
+    "lossy_nofilter.webp": dict(filter_strength=0),
+    "lossy_segments1.webp": dict(segments=1, sns_strength=0),
+    # (libwebp writes one partition where its method >= 3 keeps tokens, unless low_memory)
+    "lossy_parts2.webp": dict(partitions=1, method=1),
+    "lossy_parts4.webp": dict(partitions=2, segments=2, low_memory=1),
+    "lossy_parts8.webp": dict(partitions=3, method=2),
+}
+for name, options in LOSSY_OPTIONS.items():
+    save_bytes(name, libwebp_encode(detail, 40.0, **options))
+# Refused by our decoder, by name: an animation.
+animated = "animated.webp"
+frames = [Image.fromarray(scene(20, 10)), Image.fromarray(scene(20, 10))]
+frames[0].save(os.path.join(out, "images", animated), save_all=True, append_images=frames[1:], duration=50)
 
 decoded = {}
 for name in files:
@@ -288,6 +391,7 @@ for name in through:
     ln_processed[f"{name}.image_size"] = np.asarray(enc["image_sizes"][0], dtype=np.int64)
 save_file(ln_processed, os.path.join(ln, "processor.safetensors"))
 with open(os.path.join(out, "manifest.json"), "w") as f:
-    json.dump({"decoded": sorted(decoded), "processed": through, "refused": [lossy]}, f, indent=2)
+    json.dump({"decoded": sorted(decoded), "processed": through, "refused": [animated],
+               "lossy_options": LOSSY_OPTIONS}, f, indent=2)
 print(f"pixel fixtures: {len(decoded)} decoded images, {len(through)} through Qwen2VLImageProcessorPil"
       " (Qwen2-VL's and Qwen3-VL's settings), Gemma3ImageProcessorPil and LlavaNextImageProcessorPil")

@@ -1,4 +1,4 @@
-//! Image files: their pixels ([`decode`], PNG and JPEG, see the submodules) and their
+//! Image files: their pixels ([`decode`], PNG, JPEG and WebP, see the submodules) and their
 //! width and height read from the header alone ([`read_size`]), without decoding the pixels:
 //! PNG (the IHDR chunk), JPEG (the first start-of-frame marker, any SOFn: baseline,
 //! extended, progressive, lossless, arithmetic) and WebP (its `VP8 `, `VP8L` or `VP8X`
@@ -33,9 +33,9 @@ pub struct Rgb8 {
 }
 
 /// The pixels of the image file at `path`, as Pillow's `Image.open(path).convert("RGB")`
-/// gives them (what LlamaFactory and transformers' processors feed the model): PNG and
-/// JPEG and lossless WebP (see the `png`, `jpeg` and `webp` modules for what each covers);
-/// lossy WebP is refused by name.
+/// gives them (what LlamaFactory and transformers' processors feed the model): PNG, JPEG
+/// and WebP, lossless and lossy (see the `png`, `jpeg` and `webp` modules for what each
+/// covers).
 pub fn decode(path: &Path) -> MtResult<Rgb8> {
     let err = |msg: String| Error::Image {
         path: path.to_path_buf(),
@@ -181,18 +181,24 @@ fn jpeg<R: Read + Seek>(r: &mut R) -> Result<ImageSize, String> {
     }
 }
 
-/// WebP: `RIFF size WEBP`, then the first chunk: `VP8L` (lossless: 14-bit sizes minus one
-/// after the 0x2f signature) or `VP8X` (extended: the canvas's 24-bit sizes minus one);
-/// `VP8 ` (lossy) is refused, as [`decode`] cannot decode it yet.
+/// WebP: `RIFF size WEBP`, then the first chunk: `VP8 ` (lossy: the key frame's 14-bit
+/// sizes after its 3-byte tag and start code, the 2 scaling bits above them ignored, as
+/// libwebp ignores them), `VP8L` (lossless: 14-bit sizes minus one after the 0x2f
+/// signature) or `VP8X` (extended: the canvas's 24-bit sizes minus one).
 fn webp<R: Read + Seek>(r: &mut R) -> Result<ImageSize, String> {
     let b = exact::<_, 30>(r, 0, "WebP")?;
     let le24 = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], 0]);
+    let le14 = |i: usize| u32::from(u16::from_le_bytes([b[i], b[i + 1]]) & 0x3fff);
     match &b[12..16] {
-        // Refused here, before any long work, as the decoder would refuse it in a worker.
-        b"VP8 " => Err(
-            "lossy WebP (VP8) is not decoded yet: expected lossless WebP (VP8L), PNG or JPEG"
-                .into(),
-        ),
+        b"VP8 " => {
+            if b[23..26] != [0x9d, 0x01, 0x2a] {
+                return Err("lossy WebP (VP8) without its start code 9d 01 2a".into());
+            }
+            Ok(ImageSize {
+                width: le14(26),
+                height: le14(28),
+            })
+        }
         b"VP8L" => {
             if b[20] != 0x2f {
                 return Err("WebP (VP8L) without its signature byte".into());
@@ -307,15 +313,16 @@ mod tests {
             b.resize(b.len().max(40), 0);
             b
         };
-        // Lossy: frame tag, start code, 14-bit width and height (scale bits above): refused
-        // at the size check, as the decoder refuses it.
+        // Lossy: frame tag, start code, 14-bit width and height (scale bits above, ignored).
         let mut vp8 = vec![0x30, 0x01, 0x00, 0x9d, 0x01, 0x2a];
         vp8.extend((0x4000u16 | 321).to_le_bytes());
         vp8.extend(123u16.to_le_bytes());
+        assert_eq!(size(&riff(b"VP8 ", &vp8)), Ok((321, 123)));
+        vp8[4] = 0x02;
         assert!(
             size(&riff(b"VP8 ", &vp8))
                 .unwrap_err()
-                .contains("lossy WebP")
+                .contains("without its start code")
         );
         // Lossless: 0x2f, then width-1 and height-1 in 14 bits each.
         let bits: u32 = (321 - 1) | ((123 - 1) << 14);

@@ -1,8 +1,11 @@
 //! The files of scripts/make_pixel_fixtures.py (under `$MT_DATA_FIXTURES/vlm/pixels`)
 //! decoded by us against Pillow's `Image.open(path).convert("RGB")`: PNG and lossless WebP
-//! to the byte, and JPEG to the byte too, as the decoder follows libjpeg-turbo's integer
-//! IDCT, fancy upsampling and colour tables (the bound below is 0, with the measured
-//! figure printed); and the lossy WebP refused by name.
+//! to the byte; JPEG to the byte too, as the decoder follows libjpeg-turbo's integer IDCT,
+//! fancy upsampling and colour tables; lossy WebP to the byte, as the decoder follows
+//! libwebp's (the spec's integer transforms, its loop filter, fancy upsampling and
+//! fixed-point YUV to RGB); the bounds below are 0, with the measured figures printed. The
+//! lossy files written through libwebp's advanced API show the headers their options
+//! promise, and the animated WebP is refused by name.
 
 use std::path::PathBuf;
 
@@ -12,6 +15,11 @@ use safetensors::SafeTensors;
 /// islow IDCT, fancy upsampling and YCbCr tables are integer arithmetic we follow step for
 /// step (its SIMD paths are bit-exact with its C ones), so no rounding is left to bound.
 const JPEG_MAX_DIFF: u8 = 0;
+
+/// The same for lossy WebP: libwebp's decoding is integer arithmetic throughout (the
+/// transforms are the spec's, its SIMD upsampling and YUV to RGB are bit-exact with its C
+/// versions), which the decoder follows, so again no rounding is left to bound.
+const LOSSY_WEBP_MAX_DIFF: u8 = 0;
 
 pub(crate) fn pixel_fixtures_dir() -> Option<PathBuf> {
     let dir = PathBuf::from(std::env::var_os("MT_DATA_FIXTURES")?).join("vlm/pixels");
@@ -32,6 +40,7 @@ fn decodes_equal_pillows() {
     assert!(names.len() > 40, "the fixture's files");
     let mut failures = Vec::new();
     let mut jpeg_max = 0u8;
+    let mut lossy = Vec::new();
     for name in names {
         let name = name.as_str().unwrap();
         let t = want.tensor(name).unwrap();
@@ -49,35 +58,65 @@ fn decodes_equal_pillows() {
         }
         let diffs = got.data.iter().zip(t.data()).map(|(a, b)| a.abs_diff(*b));
         let (max, n) = diffs.fold((0, 0), |(m, n), d| (m.max(d), n + usize::from(d > 0)));
-        let jpeg = name.ends_with(".jpg");
-        let bound = if jpeg { JPEG_MAX_DIFF } else { 0 };
-        if jpeg {
+        let bound = if name.ends_with(".jpg") {
             jpeg_max = jpeg_max.max(max);
-        }
+            JPEG_MAX_DIFF
+        } else if name.starts_with("lossy") {
+            lossy.push(format!("{name} {max}"));
+            LOSSY_WEBP_MAX_DIFF
+        } else {
+            0
+        };
         if max > bound {
             failures.push(format!("{name}: max difference {max} over {n} samples"));
         }
     }
     eprintln!("JPEG: largest difference from Pillow {jpeg_max} (bound {JPEG_MAX_DIFF})");
-    let kinds = |ext: &str| {
-        names
-            .iter()
-            .filter(|n| n.as_str().unwrap().ends_with(ext))
-            .count()
-    };
     eprintln!(
-        "{} PNG, {} JPEG, {} WebP files compared",
-        kinds(".png"),
-        kinds(".jpg"),
-        kinds(".webp")
+        "lossy WebP: largest difference from Pillow per file (bound {LOSSY_WEBP_MAX_DIFF}): {}",
+        lossy.join(", ")
     );
+    let kinds = |f: &dyn Fn(&str) -> bool| names.iter().filter(|n| f(n.as_str().unwrap())).count();
+    eprintln!(
+        "{} PNG, {} JPEG, {} lossless and {} lossy WebP files compared",
+        kinds(&|n| n.ends_with(".png")),
+        kinds(&|n| n.ends_with(".jpg")),
+        kinds(&|n| n.ends_with(".webp") && !n.starts_with("lossy")),
+        lossy.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(lossy.len() >= 20, "the fixture's lossy WebP files");
+    // The files written for an encoder option show it in their frame header.
+    let options = manifest["lossy_options"].as_object().unwrap();
+    for (name, opts) in options {
+        let bytes = std::fs::read(dir.join("images").join(name)).unwrap();
+        let header = super::webp::describe_lossy(&bytes).unwrap();
+        let opt = |k: &str| opts.get(k).and_then(|v| v.as_i64());
+        let mut want = vec![match (opt("filter_strength"), opt("filter_type")) {
+            (Some(0), _) => "no filter".to_string(),
+            (_, Some(0)) => "simple filter".to_string(),
+            _ => "normal filter".to_string(),
+        }];
+        if let Some(s) = opt("filter_sharpness") {
+            want.push(format!("sharpness {s}"));
+        }
+        if let Some(p) = opt("partitions") {
+            want.push(format!("{} token partitions", 1 << p));
+        }
+        if opt("segments") == Some(1) {
+            want.push("no segment map".into());
+        }
+        eprintln!("{name}: {header}");
+        for w in want {
+            assert!(header.contains(&w), "{name}: {header} (expected {w})");
+        }
+    }
     for name in manifest["refused"].as_array().unwrap() {
         let path = dir.join("images").join(name.as_str().unwrap());
         let e = super::decode(&path).unwrap_err().to_string();
         assert!(
-            e.contains("lossy WebP (VP8) is not decoded yet") && e.contains("lossy.webp"),
+            e.contains("animated WebP is not decoded") && e.contains("animated.webp"),
             "{e}"
         );
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -1,7 +1,9 @@
 //! WebP to RGB: lossless (VP8L) images decoded, written from the WebP lossless bitstream
-//! specification (RFC 9649); lossy (VP8) and animated images are refused by name. Alpha is
-//! dropped, as Pillow's `convert("RGB")` drops it; lossless decoding is exact, so the
-//! pixels are libwebp's.
+//! specification (RFC 9649), and lossy (VP8) ones (the `vp8` module); animated images are
+//! refused by name. Alpha is dropped, as Pillow's `convert("RGB")` drops it: the RGB of an
+//! image with alpha does not depend on its alpha (a VP8L image's alpha is one channel of its
+//! pixels; a VP8 image's is an `ALPH` chunk beside it, not read). Both decoders give
+//! libwebp's pixels to the byte.
 //!
 //! A VP8L stream: the header (size, alpha hint, version), the transforms (predictor,
 //! colour, subtract-green, colour-indexing; each at most once, undone in reverse order),
@@ -10,6 +12,7 @@
 //! tile by an entropy image, LZ77 backward references and a colour cache.
 
 mod transform;
+mod vp8;
 
 use super::Rgb8;
 use transform::{add_argb, colour, predict, unindex};
@@ -35,23 +38,62 @@ const CODE_LENGTH_ORDER: [usize; 19] = [
     17, 18, 0, 1, 2, 3, 4, 5, 16, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
 ];
 
-/// The RGB pixels of the WebP file `b` (RIFF container).
+/// The RGB pixels of the WebP file `b` (RIFF container): its first `VP8L` or `VP8 ` chunk,
+/// whose size must be the canvas's where a `VP8X` chunk gives one (as libwebp checks).
 pub(super) fn decode(b: &[u8]) -> Result<Rgb8, String> {
-    let mut at = 12;
-    while let Some(head) = b.get(at..at + 8) {
-        let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
-        let data = b.get(at + 8..at + 8 + len).ok_or("WebP chunk cut short")?;
-        match &head[..4] {
-            b"VP8L" => return vp8l(data),
-            b"VP8 " => {
-                return Err("lossy WebP (VP8) is not decoded yet: expected lossless WebP (VP8L), PNG or JPEG".into());
-            }
+    let mut canvas = None;
+    for chunk in chunks(b) {
+        let (kind, data) = chunk?;
+        let image = match kind {
+            b"VP8L" => vp8l(data)?,
+            b"VP8 " => vp8::decode(data)?,
             b"ANMF" => return Err("animated WebP is not decoded: expected a still image".into()),
-            _ => {}
+            b"VP8X" => {
+                let le24 = |i: usize| {
+                    let s = data.get(i..i + 3)?;
+                    Some(u32::from_le_bytes([s[0], s[1], s[2], 0]) + 1)
+                };
+                canvas = le24(4).zip(le24(7));
+                continue;
+            }
+            _ => continue,
+        };
+        if let Some((w, h)) = canvas.filter(|&c| c != (image.width, image.height)) {
+            return Err(format!(
+                "WebP image of {}x{} pixels on a canvas of {w}x{h} (expected the same size)",
+                image.width, image.height
+            ));
         }
-        at += 8 + len + (len & 1);
+        return Ok(image);
     }
     Err("WebP without an image chunk (VP8L or VP8)".into())
+}
+
+/// The chunks after the RIFF header of the WebP file `b`: each one's kind and data (padded
+/// to an even length); an error, last, where one is cut short.
+fn chunks(b: &[u8]) -> impl Iterator<Item = Result<(&[u8], &[u8]), String>> {
+    let mut at = Some(12);
+    std::iter::from_fn(move || {
+        let head = b.get(at?..at? + 8)?;
+        let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        let Some(data) = b.get(at? + 8..at? + 8 + len) else {
+            at = None;
+            return Some(Err("WebP chunk cut short".into()));
+        };
+        at = at.map(|a| a + 8 + len + (len & 1));
+        Some(Ok((&head[..4], data)))
+    })
+}
+
+/// [`vp8::describe`] of the first `VP8 ` chunk of the WebP file `b`.
+#[cfg(test)]
+pub(super) fn describe_lossy(b: &[u8]) -> Result<String, String> {
+    for chunk in chunks(b) {
+        if let (b"VP8 ", data) = chunk? {
+            return vp8::describe(data);
+        }
+    }
+    Err("WebP without a VP8 chunk".into())
 }
 
 /// Bits read least significant first.
