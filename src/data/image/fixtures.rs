@@ -85,7 +85,8 @@ fn decodes_equal_pillows() {
         lossy.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    assert!(lossy.len() >= 20, "the fixture's lossy WebP files");
+    // 27 with the encoder-option files, 18 where Pillow has no libwebp of its own to call.
+    assert!(lossy.len() >= 15, "the fixture's lossy WebP files");
     // The files written for an encoder option show it in their frame header.
     let options = manifest["lossy_options"].as_object().unwrap();
     for (name, opts) in options {
