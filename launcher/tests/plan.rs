@@ -239,34 +239,39 @@ fn plan_for_gpus_elsewhere_qwen3_5() {
     }
 }
 
+/// `mt-launch plan` of configs/`yaml` for one 141 GB GPU, with `extra` arguments: its
+/// report.
+fn plan_one_h200(yaml: &str, extra: &[&str]) -> String {
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../configs")
+        .join(yaml);
+    let mut args = vec![
+        "plan",
+        "--config",
+        config.to_str().unwrap(),
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "141",
+    ];
+    args.extend(extra);
+    let out = mt_launch().args(&args).output().unwrap();
+    assert_ok(&out, &args);
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// Gemma 3 27B from its shipped architecture: the bench shape (random init: the text
 /// model alone, 27.0B) and the recipe on the hub's weights, whose plan counts the frozen
 /// SigLIP tower and projector (0.42B parameters: 0.85 GB in bf16) on the host and the GPU.
 #[test]
 fn plan_for_gemma3_27b_counts_its_tower() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
-    let plan = |yaml: &str| {
-        let config = root.join(yaml);
-        let args = [
-            "plan",
-            "--config",
-            config.to_str().unwrap(),
-            "--gpus",
-            "1",
-            "--gpu-memory",
-            "141",
-        ];
-        let out = mt_launch().args(args).output().unwrap();
-        assert_ok(&out, &args);
-        String::from_utf8(out.stdout).unwrap()
-    };
-    let bench = plan("bench/gemma3_27b.yaml");
+    let bench = plan_one_h200("bench/gemma3_27b.yaml", &[]);
     assert!(
         bench.contains("host memory for 2.701e10 parameters"),
         "{bench}"
     );
     assert!(!bench.contains("vision tower"), "{bench}");
-    let recipe = plan("gemma3_27b.yaml");
+    let recipe = plan_one_h200("gemma3_27b.yaml", &[]);
     assert!(
         recipe.contains("host memory for 2.701e10 parameters"),
         "{recipe}"
@@ -279,7 +284,8 @@ fn plan_for_gemma3_27b_counts_its_tower() {
         assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
     }
     // Gemma 3's projector and encoder do not train yet: asking is an error naming the key.
-    let config = root.join("gemma3_27b.yaml");
+    let config =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gemma3_27b.yaml");
     for key in ["vlm.freeze_projector", "vlm.freeze_vision_encoder"] {
         let out = mt_launch()
             .args(["plan", "--config", config.to_str().unwrap()])
@@ -302,16 +308,7 @@ fn plan_for_gemma3_27b_counts_its_tower() {
 /// embedding's backward.
 #[test]
 fn plan_for_qwen2_5_vl_7b_counts_a_trained_tower() {
-    let config =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/qwen2.5_vl_7b.yaml");
-    let plan = |extra: &[&str]| {
-        let mut args = vec!["plan", "--config", config.to_str().unwrap(), "--gpus", "1"];
-        args.extend(["--gpu-memory", "141"]);
-        args.extend(extra);
-        let out = mt_launch().args(&args).output().unwrap();
-        assert_ok(&out, &args);
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let plan = |extra: &[&str]| plan_one_h200("qwen2.5_vl_7b.yaml", extra);
     let trained = [
         "--set",
         "vlm.freeze_vision_encoder=false",
@@ -382,23 +379,7 @@ fn plan_for_qwen2_5_vl_7b_counts_a_trained_tower() {
 /// newline (21.0M) move into the trained layout and its kept input is counted.
 #[test]
 fn plan_for_llava_next_7b_counts_its_tower() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
-    let plan = |yaml: &str, extra: &[&str]| {
-        let config = root.join(yaml);
-        let mut args = vec![
-            "plan",
-            "--config",
-            config.to_str().unwrap(),
-            "--gpus",
-            "1",
-            "--gpu-memory",
-            "141",
-        ];
-        args.extend(extra);
-        let out = mt_launch().args(&args).output().unwrap();
-        assert_ok(&out, &args);
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let plan = plan_one_h200;
     let bench = plan("bench/llava_next_7b.yaml", &[]);
     assert!(
         bench.contains("host memory for 7.242e9 parameters"),
@@ -436,23 +417,7 @@ fn plan_for_llava_next_7b_counts_its_tower() {
 /// leave the frozen region (0.83 GB), and its kept input is counted.
 #[test]
 fn plan_for_qwen3_5_27b_counts_its_tower() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
-    let plan = |yaml: &str, set: &[&str]| {
-        let config = root.join(yaml);
-        let mut args = vec![
-            "plan",
-            "--config",
-            config.to_str().unwrap(),
-            "--gpus",
-            "1",
-            "--gpu-memory",
-            "141",
-        ];
-        args.extend_from_slice(set);
-        let out = mt_launch().args(&args).output().unwrap();
-        assert_ok(&out, &args);
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let plan = plan_one_h200;
     let bench = plan("bench/qwen3_5_27b.yaml", &[]);
     assert!(
         bench.contains("host memory for 2.690e10 parameters"),
