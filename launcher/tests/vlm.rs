@@ -27,7 +27,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 
@@ -372,6 +372,25 @@ fn qwen3_5_export_loads_in_transformers_and_answers_about_an_image() {
     );
 }
 
+/// `dir/run.yaml` trained two steps on one CPU worker with `sets` (`key=value`), its model
+/// written to `scratch/name` with the processor's settings beside it: that directory.
+fn two_steps_exported(dir: &Path, scratch: &Path, name: &str, sets: &[&str]) -> PathBuf {
+    let out = scratch.join(name);
+    let output_dir = format!("training.output_dir={}", out.display());
+    let mut args = vec!["--set", &output_dir, "--set", "training.num_steps=2"];
+    for set in sets {
+        args.extend(["--set", set]);
+    }
+    run_cpu_ok(
+        &dir.join("run.yaml"),
+        1,
+        &scratch.join("metrics.jsonl"),
+        &args,
+    );
+    assert!(out.join("preprocessor_config.json").is_file());
+    out
+}
+
 /// Trains `vlm/{case}` two steps, exports, and checks the export in transformers: the tower
 /// (names under `tower`) bit for bit but for what trains, every other tensor trained,
 /// `generate` through the processor class `processor`; once per mode in `modes` (`frozen`,
@@ -386,34 +405,21 @@ fn export_answers(case: &str, tower: &str, processor: &str, modes: &[&str]) {
     let s = scratch(&format!("vlm-export-{case}"));
     let mut outs = Vec::new();
     for mode in modes {
-        let out = s.join(format!("out-{mode}"));
-        let set = format!("training.output_dir={}", out.display());
         let (encoder, projector) = match *mode {
             "frozen" => (true, true),
             "projector" => (true, false),
             "encoder" => (false, true),
             other => panic!("no export mode `{other}`"),
         };
-        let freeze = [
-            format!("vlm.freeze_vision_encoder={encoder}"),
-            format!("vlm.freeze_projector={projector}"),
-        ];
-        run_cpu_ok(
-            &dir.join("run.yaml"),
-            1,
-            &s.join("metrics.jsonl"),
+        let out = two_steps_exported(
+            &dir,
+            &s,
+            &format!("out-{mode}"),
             &[
-                "--set",
-                &set,
-                "--set",
-                "training.num_steps=2",
-                "--set",
-                &freeze[0],
-                "--set",
-                &freeze[1],
+                &format!("vlm.freeze_vision_encoder={encoder}"),
+                &format!("vlm.freeze_projector={projector}"),
             ],
         );
-        assert!(out.join("preprocessor_config.json").is_file());
         outs.push(out.display().to_string());
         outs.push(mode.to_string());
     }
@@ -482,15 +488,7 @@ fn gemma3_export_loads_in_transformers_and_answers_about_an_image() {
     }
     let dir = data_fixtures("vlm/golden-gemma3/expected.json").join("vlm/golden-gemma3");
     let s = scratch("vlm-gemma3-export");
-    let out = s.join("out");
-    let set = format!("training.output_dir={}", out.display());
-    run_cpu_ok(
-        &dir.join("run.yaml"),
-        1,
-        &s.join("metrics.jsonl"),
-        &["--set", &set, "--set", "training.num_steps=2"],
-    );
-    assert!(out.join("preprocessor_config.json").is_file());
+    let out = two_steps_exported(&dir, &s, "out", &[]);
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
@@ -548,23 +546,12 @@ fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
     let s = scratch("vlm-llava_next-export");
     let mut outs = Vec::new();
     for projector in ["true", "false"] {
-        let out = s.join(format!("out-freeze-projector-{projector}"));
-        let set = format!("training.output_dir={}", out.display());
-        let freeze = format!("vlm.freeze_projector={projector}");
-        run_cpu_ok(
-            &dir.join("run.yaml"),
-            1,
-            &s.join("metrics.jsonl"),
-            &[
-                "--set",
-                &set,
-                "--set",
-                "training.num_steps=2",
-                "--set",
-                &freeze,
-            ],
+        let out = two_steps_exported(
+            &dir,
+            &s,
+            &format!("out-freeze-projector-{projector}"),
+            &[&format!("vlm.freeze_projector={projector}")],
         );
-        assert!(out.join("preprocessor_config.json").is_file());
         outs.push(out);
     }
     let check = r#"
