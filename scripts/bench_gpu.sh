@@ -37,9 +37,11 @@ if [ -n "${LAYERS:-}" ]; then
   mkdir -p "$work/model"
   "$PYTHON" - "$model_dir/config.json" "$work/model/config.json" "$LAYERS" <<'PY'
 import json, sys
-c = json.load(open(sys.argv[1])); n = c["num_hidden_layers"] = int(sys.argv[3])
-if c.get("layer_types"):  # per-layer lists (GPT-OSS, hybrids) keep their first n entries
-    c["layer_types"] = c["layer_types"][:n]
+c = json.load(open(sys.argv[1]))
+t = c.get("text_config", c)  # a multimodal wrapper (Qwen3.5, Gemma 3) nests its decoder
+n = t["num_hidden_layers"] = int(sys.argv[3])
+if t.get("layer_types"):  # per-layer lists (GPT-OSS, hybrids) keep their first n entries
+    t["layer_types"] = t["layer_types"][:n]
 json.dump(c, open(sys.argv[2], "w"), indent=1)
 PY
   model_dir=$work/model
@@ -50,7 +52,8 @@ max_rows=0
 for g in $GPUS; do for b in $BATCHES; do r=$(( (g > 0 ? g : 1) * b * ACCUM)); [ $r -gt $max_rows ] && max_rows=$r; done; done
 "$PYTHON" - "$model_dir/config.json" "$work/data.jsonl" "$max_rows" "$SEQ" <<'PY'
 import json, random, sys
-vocab = json.load(open(sys.argv[1]))["vocab_size"]
+c = json.load(open(sys.argv[1]))
+vocab = c.get("text_config", c)["vocab_size"]
 rng = random.Random(0)
 with open(sys.argv[2], "w") as f:
     for _ in range(int(sys.argv[3])):
