@@ -163,6 +163,11 @@ pub struct DevicePlan {
     /// Held for the whole micro-batch.
     pub fixed: Parts,
     pub phases: Vec<Phase>,
+    /// Each layer's part of the layer backward ("one layer's recompute graph + gradients"),
+    /// and of the MLP tiles phase for the layers that tile: what the kept activations
+    /// still held by a layer's backward sit beside ([`DevicePlan::keeping`]).
+    pub(crate) graphs: Vec<u64>,
+    pub(crate) tile_graphs: Vec<Option<u64>>,
 }
 
 /// What one layer holds in each phase, in bytes.
@@ -490,6 +495,8 @@ impl DevicePlan {
             segmented: (0..spec.num_layers).any(|l| segmented_layer(spec, l)),
             fixed,
             phases,
+            graphs: roles.iter().map(|r| r.graph).collect(),
+            tile_graphs: roles.iter().map(|r| r.tiles.map(|(a, g)| a + g)).collect(),
         }
     }
 

@@ -7,11 +7,13 @@
 //! token not recomputed.
 //!
 //! The kept layers are the last ones: their backward comes first, so what they keep is
-//! alive from their forward to the start of the backward, where every phase from the end
-//! of the forward to the first layer's backward holds all of it; the embedding's backward
+//! alive from their forward until their own backward. The forward's end and the head hold
+//! all of it; the backward of layer l holds what the kept layers at or below l keep (the
+//! ones above have freed theirs), so in a mixed stack (Qwen3.5: a full-attention layer every
+//! fourth) the heaviest layer backward may hold only part of it; the embedding's backward
 //! and the vision tower's forward hold none.
 
-use super::{DeviceOpts, DevicePlan, EMBED_BACKWARD, VISION_FORWARD};
+use super::{DeviceOpts, DevicePlan, EMBED_BACKWARD, LAYER_BACKWARD, MLP_TILES, VISION_FORWARD};
 use crate::config::Recompute;
 use crate::config::hf::{AttentionKind, Family, ModelSpec};
 
@@ -72,35 +74,57 @@ impl DevicePlan {
         let keep = match o.recompute {
             Recompute::Full => 0,
             Recompute::Layers(n) => n.min(can),
+            // The most layers whose plan fits (one more layer adds at most `per_layer`, and
+            // less where the heaviest phase is a layer backward below some kept layers).
             Recompute::Auto => match o.device_free.filter(|_| !o.cpu) {
                 None => 0,
                 Some(free) => {
                     let room = (KEEP_FIT * free as f64) as u64;
-                    let total = self.total();
-                    match per_layer {
-                        0 => 0,
-                        _ => (room.saturating_sub(total) / per_layer).min(can as u64) as usize,
-                    }
+                    (0..=can)
+                        .rev()
+                        .find(|&k| self.clone().keeping(spec, k, per_layer).total() <= room)
+                        .unwrap_or(0)
                 }
             },
         };
-        self.keeping(keep, per_layer)
+        self.keeping(spec, keep, per_layer)
     }
 
-    /// The plan with `keep` layers keeping `per_layer` bytes each, held by every phase but
-    /// the embedding's backward and the vision tower's forward (module doc).
-    fn keeping(mut self, keep: usize, per_layer: u64) -> DevicePlan {
+    /// The plan with `keep` layers keeping `per_layer` bytes each (module doc): every phase
+    /// but the embedding's backward and the vision tower's forward holds all of it, except
+    /// the layer backwards, which hold the part the kept layers at or below the layer keep,
+    /// beside that layer's own graph.
+    fn keeping(mut self, spec: &ModelSpec, keep: usize, per_layer: u64) -> DevicePlan {
         self.keep = keep;
         if keep == 0 {
             return self;
         }
-        for phase in &mut self.phases {
-            if phase.name != EMBED_BACKWARD && phase.name != VISION_FORWARD {
-                phase.parts.push((
-                    "MLP activations kept by the last layers",
-                    keep as u64 * per_layer,
-                ));
+        let kept = kept_layers(spec, keep);
+        // Over the layers a phase runs (`graphs[l]` Some), the most its kept part adds to
+        // the heaviest layer's graph, which the phase already counts.
+        let beside = |graphs: &mut dyn Iterator<Item = Option<u64>>| {
+            let (mut held, mut worst, mut with_kept) = (0, 0, 0);
+            for (l, graph) in graphs.enumerate() {
+                held += kept[l] as u64 * per_layer;
+                if let Some(g) = graph {
+                    worst = worst.max(g);
+                    with_kept = with_kept.max(g + held);
+                }
             }
+            with_kept - worst
+        };
+        let layer_backward = beside(&mut self.graphs.iter().map(|&g| Some(g)));
+        let tiles = beside(&mut self.tile_graphs.iter().copied());
+        for phase in &mut self.phases {
+            let bytes = match phase.name {
+                EMBED_BACKWARD | VISION_FORWARD => continue,
+                LAYER_BACKWARD => layer_backward,
+                MLP_TILES => tiles,
+                _ => keep as u64 * per_layer,
+            };
+            phase
+                .parts
+                .push(("MLP activations kept by the last layers", bytes));
         }
         self
     }
