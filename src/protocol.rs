@@ -160,6 +160,10 @@ pub struct VisionInit {
     /// where the model directory has none (no batch then carries images).
     #[serde(default)]
     pub pixels: Option<crate::data::ImageProcessor>,
+    /// The most image tokens a row of the run's data holds, which bounds the images of a
+    /// micro-batch in the device plan (`VisionDevice::row_tokens`); None: unknown.
+    #[serde(default)]
+    pub row_image_tokens: Option<u64>,
 }
 
 /// The leading blocks a worker keeps on its device, master weights, moments and compute

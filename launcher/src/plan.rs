@@ -40,7 +40,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
     }
     let given = p.gpu_memory.map(|gb| (gb * 1e9) as u64);
     // As the run plans, but with --gpu-memory for the GPUs' free memory where given.
-    let run_opts = crate::prepare::device_opts(&cfg, &placement);
+    let run_opts = crate::prepare::device_opts(&cfg, &placement, &prep.data);
     let opts = DeviceOpts {
         device_free: given.or(run_opts.device_free),
         ..run_opts

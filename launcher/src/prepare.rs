@@ -230,7 +230,7 @@ impl Prepared {
         DevicePlan::new(
             &self.spec,
             &self.layout,
-            device_opts(cfg, placement),
+            device_opts(cfg, placement, &self.data),
             rows,
             seq_len,
         )
@@ -275,7 +275,7 @@ impl Prepared {
             (None, None) => return Ok(()),
         };
         let shape = self.micro_batch(cfg, placement.world());
-        let opts = device_opts(cfg, placement);
+        let opts = device_opts(cfg, placement, &self.data);
         match mt::plan::check_device_fit(&self.spec, &self.layout, opts, shape, &memory, source) {
             Ok(()) => Ok(()),
             Err(short) if force => {
@@ -435,8 +435,9 @@ pub fn recompute(cfg: &RunConfig) -> mt::config::Recompute {
     }
 }
 
-/// The device plan's options for `cfg` on `placement`.
-pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
+/// The device plan's options for `cfg` on `placement`, its images bounded by the rows of
+/// `data`.
+pub fn device_opts(cfg: &RunConfig, placement: &Placement, data: &mt::data::Dataset) -> DeviceOpts {
     DeviceOpts {
         dtype: cfg.model.dtype,
         ce_chunk_tokens: cfg.memory.ce_chunk_tokens,
@@ -457,11 +458,23 @@ pub fn device_opts(cfg: &RunConfig, placement: &Placement) -> DeviceOpts {
                 let training = cfg.vlm.training();
                 let params =
                     mt::layout::vision::VisionLayout::new(&spec, "visual.", training).num_params();
-                mt::plan::VisionDevice::of(&spec, params, training)
+                mt::plan::VisionDevice {
+                    row_tokens: row_image_tokens(cfg, data),
+                    ..mt::plan::VisionDevice::of(&spec, params, training)
+                }
             }),
             Init::Random => None,
         },
     }
+}
+
+/// The most image tokens a row of `data` (training and eval) holds; None where no row was
+/// read (`mt-launch plan` without the tokenizer, a server) or the model reads no images.
+fn row_image_tokens(cfg: &RunConfig, data: &mt::data::Dataset) -> Option<u64> {
+    let images = mt::data::Images::of_model(&cfg.model.path)
+        .ok()?
+        .processor()?;
+    images.most_per_row(data.rows.iter().chain(&data.eval))
 }
 
 /// Leading blocks kept and updated on every GPU (`memory.resident_blocks`) and the device
@@ -482,7 +495,7 @@ pub fn resident_blocks(
         };
         let opts = DeviceOpts {
             device_free: Some(free),
-            ..device_opts(cfg, placement)
+            ..device_opts(cfg, placement, &prepared.data)
         };
         let shape = prepared.micro_batch(cfg, placement.world());
         let step = DevicePlan::new(&prepared.spec, layout, opts, shape.0, shape.1).total();

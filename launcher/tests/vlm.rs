@@ -696,3 +696,56 @@ fn prefetched_images_give_the_same_bits() {
         "prefetched (left) against decoded at the step"
     );
 }
+
+/// `mt-launch plan` bounds a micro-batch's images by its rows: B rows hold at most B times
+/// the image tokens of the row of the data with the most (its images' counts summed, as
+/// the processor expanded them: the fixture's AutoProcessor rows count them here), not
+/// every token of the micro-batch, the bound where the rows are not read.
+#[test]
+fn plan_bounds_the_images_by_the_rows() {
+    let dir = data_fixtures("vlm/golden/expected.json").join("vlm");
+    let image_token = json(&dir.join("golden/model/config.json"))["image_token_id"]
+        .as_i64()
+        .unwrap();
+    let most = std::fs::read_to_string(dir.join("expected_qwen2vl.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let row: serde_json::Value = serde_json::from_str(l).unwrap();
+            let ids = row["input_ids"].as_array().unwrap();
+            ids.iter()
+                .filter(|i| i.as_i64() == Some(image_token))
+                .count() as u64
+        })
+        .max()
+        .unwrap();
+    let config = dir.join("golden/run.yaml");
+    let args = [
+        "plan",
+        "--config",
+        path_str(&config),
+        "--gpus",
+        "1",
+        "--gpu-memory",
+        "141",
+        "--json",
+    ];
+    let out = mt_launch().args(args).output().unwrap();
+    assert_ok(&out, &args);
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = &plan["device"];
+    let (rows, seq) = (d["rows"].as_u64().unwrap(), d["seq_len"].as_u64().unwrap());
+    assert!(
+        rows * most < rows * seq,
+        "a row of images alone: nothing to bound"
+    );
+    // f32 features of the language model's width, one set (no deepstack).
+    let hidden = json(&dir.join("golden/model/config.json"))["text_config"]["hidden_size"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        d["fixed"]["image features"].as_u64(),
+        Some(rows * most * hidden * 4),
+        "{d}"
+    );
+}

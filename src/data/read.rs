@@ -91,6 +91,32 @@ impl Images {
     }
 }
 
+impl ImageProcessor {
+    /// The image tokens `image` takes in its row (the count its `<image>` was expanded to).
+    pub fn image_tokens(&self, image: &super::RowImage) -> u64 {
+        let [t, h, w] = image.grid.map(u64::from);
+        match self {
+            // The patch grid, merged merge x merge to a token.
+            ImageProcessor::Qwen(q) => t * h * w / u64::from(q.merge_size).pow(2),
+            ImageProcessor::Gemma3(g) => g.tokens_per_image as u64,
+            // (1, height, width) in pixels.
+            ImageProcessor::LlavaNext(l) => l.spec.image_tokens(h as u32, w as u32) as u64,
+        }
+    }
+
+    /// The most image tokens one row of `rows` holds; None where there are no rows (a
+    /// dataset `mt-launch plan` did not read, a server's), so that a bound on the images
+    /// of a micro-batch must come from its tokens.
+    pub fn most_per_row<'a>(
+        &self,
+        rows: impl IntoIterator<Item = &'a super::Example>,
+    ) -> Option<u64> {
+        rows.into_iter()
+            .map(|r| r.images.iter().map(|im| self.image_tokens(im)).sum())
+            .max()
+    }
+}
+
 impl Reader<'_> {
     /// `pt` documents are cut into blocks after reading, so each is kept whole.
     pub(super) fn pt_blocks(&self) -> bool {

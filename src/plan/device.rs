@@ -119,8 +119,9 @@ impl DeviceOpts {
             offload_activations: init.offload_activations,
             cpu: init.device == Device::Cpu,
             device_free: init.device_free,
-            vision: init.vision.as_ref().map(|v| {
-                VisionDevice::of(&v.layout.spec, v.layout.num_params(), v.layout.training)
+            vision: init.vision.as_ref().map(|v| VisionDevice {
+                row_tokens: v.row_image_tokens,
+                ..VisionDevice::of(&v.layout.spec, v.layout.num_params(), v.layout.training)
             }),
         }
     }
@@ -371,7 +372,7 @@ impl DevicePlan {
         let mut fixed: Parts = vec![("layer ring (2 x largest layer)", copy(2 * layer_max))];
         fixed.push(("masks, RoPE tables, batch", tables(spec, o, &dims)));
         if let Some(vis) = o.vision {
-            fixed.extend(vis.fixed(m, s));
+            fixed.extend(vis.fixed(vis.image_tokens(b, m), s));
         }
 
         let tied_fwd = if tied { copy(embed) } else { 0 };
@@ -439,7 +440,7 @@ impl DevicePlan {
             ),
         ];
         if let Some(vis) = o.vision {
-            embed_phase.extend(vis.embedding_backward(m, s));
+            embed_phase.extend(vis.embedding_backward(vis.image_tokens(b, m), s));
         }
 
         let mut phases = vec![
@@ -463,7 +464,7 @@ impl DevicePlan {
         if let Some(vis) = o.vision {
             phases.push(Phase {
                 name: VISION_FORWARD,
-                parts: vis.forward(m, s, copy(embed)),
+                parts: vis.forward(vis.image_tokens(b, m), s, copy(embed)),
             });
         }
         // MLP tiles: the tile's gradient lands in dy's rows (dy becomes the attention

@@ -174,7 +174,7 @@ pub(super) fn preflight(args: Args) -> Result<Preflight> {
         },
     };
     // Several nodes shard the optimizer state instead: `auto` keeps none there.
-    let free = crate::prepare::device_opts(&cfg, &placement)
+    let free = crate::prepare::device_opts(&cfg, &placement, &prepared.data)
         .device_free
         .filter(|_| mpi.is_none());
     let resident = crate::prepare::resident_blocks(&prepared, &cfg, &placement, free);
@@ -458,7 +458,7 @@ pub(super) fn workers(
     let (cfg, placement) = (&pre.cfg, &pre.placement);
     // CUDA workers warm up at the configured micro-batch shape.
     let warm_up = (placement.gpus > 0).then_some(pre.micro_batch);
-    let opts = crate::prepare::device_opts(cfg, placement);
+    let opts = crate::prepare::device_opts(cfg, placement, &pre.data);
     let state = &host.host;
     let split = cfg.memory.master_weights == MasterWeights::Split;
     let dump_logits = pre.outputs.dump_logits.as_ref();
@@ -501,6 +501,7 @@ pub(super) fn workers(
                     layout: v.layout.clone(),
                     region: v.handle(),
                     pixels: pixels.clone(),
+                    row_image_tokens: opts.vision.and_then(|v| v.row_tokens),
                 }),
             }
         })

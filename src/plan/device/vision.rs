@@ -43,6 +43,11 @@ pub struct VisionDevice {
     /// (LLaVA-NeXT's: its first Linear's output, the GELU's and the second's, each of the
     /// text model's width, over every tile's patches); 0 where the tower's forward bounds it.
     pub projector_values: u64,
+    /// The most image tokens a row of the run's data holds (its images' counts summed), so
+    /// a micro-batch of B rows holds at most B times that; None where the rows are not
+    /// known (`mt-launch plan` without the model's tokenizer, a server): every token of the
+    /// micro-batch an image's, the bound.
+    pub row_tokens: Option<u64>,
 }
 
 impl VisionDevice {
@@ -73,6 +78,7 @@ impl VisionDevice {
                 },
                 image_blocks: false,
                 projector_values: 0,
+                row_tokens: None,
             },
             // Gemma 3: every image is the fixed grid, pooled `pool`² patches to a token.
             TowerSpec::Siglip(spec) => VisionDevice {
@@ -89,6 +95,7 @@ impl VisionDevice {
                 position_taps: 0,
                 image_blocks: true,
                 projector_values: 0,
+                row_tokens: None,
             },
             // LLaVA-NeXT: every image has at least a tile's G² tokens (the base tile's) and
             // at most `max_tiles` tiles of G² + 1 patches (the class token too), so the tower
@@ -109,6 +116,7 @@ impl VisionDevice {
                     position_taps: 0,
                     image_blocks: false,
                     projector_values: 3 * spec.out_hidden_size as u64,
+                    row_tokens: None,
                 }
             }
         }
@@ -116,8 +124,13 @@ impl VisionDevice {
 }
 
 impl VisionDevice {
-    /// What the tower holds through the whole micro-batch of `m` tokens (the bound: every
-    /// token an image's), `s` bytes per value: its frozen weights, the image features
+    /// The image tokens of a micro-batch of `rows` rows and `m` tokens: at most `rows`
+    /// times the most a row of the data holds, never more than its tokens.
+    pub fn image_tokens(&self, rows: u64, m: u64) -> u64 {
+        self.row_tokens.map_or(m, |r| (rows * r).min(m))
+    }
+
+    /// What the tower holds through a micro-batch of `m` image tokens, `s` bytes per value: its frozen weights, the image features
     /// placed at the image tokens (with Qwen3-VL's deepstack features kept for the first
     /// layers), and what a trained part's backward reads.
     pub(super) fn fixed(&self, m: u64, s: u64) -> Parts {
@@ -143,8 +156,8 @@ impl VisionDevice {
         parts
     }
 
-    /// What a trained part adds to the embedding's backward. A trained projector
-    /// recomputed with grad over every image token: per token its normed input and the two
+    /// What a trained part adds to the embedding's backward over `m` image tokens. A
+    /// trained projector recomputed with grad over every image token: per token its normed input and the two
     /// widths after the first Linear and the GELU (merge^2 x E each), its output, each
     /// with its gradient; LLaVA-NeXT's holds its wider values (`projector_values`) per
     /// patch instead, and its packed output. A trained encoder: the merger as above (with grad into its
@@ -177,8 +190,8 @@ impl VisionDevice {
         }
     }
 
-    /// The tower's forward over the micro-batch's images (no grad, before the layers),
-    /// bounded by every token an image's: per patch its pixels (f32, then the compute
+    /// The tower's forward over a micro-batch's `m` image tokens (no grad, before the
+    /// layers): per patch its pixels (f32, then the compute
     /// dtype) and the larger of a block's attention half (x, norm, q k v, rotated q k,
     /// output: 8 widths), its MLP half (x, residual, norm: 3 widths; gate, up, act: 3 MLP
     /// widths) and a projector wider than the tower (LLaVA-NeXT's). A trained encoder's weights are the embedding block's (`embed` bytes
@@ -191,7 +204,7 @@ impl VisionDevice {
                 .max(self.projector_values))
             .max(self.position_taps);
         let mut parts: Parts = vec![(
-            "the tower's forward (the bound: every token an image's)",
+            "the tower's forward over the micro-batch's images",
             patches * per_patch,
         )];
         if self.encoder_trained {

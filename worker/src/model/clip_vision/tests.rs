@@ -155,6 +155,7 @@ fn llava_next_tower_through_the_shared_region_equals_transformers() {
         layout: region.layout.clone(),
         region: handle,
         pixels: None,
+        row_image_tokens: None,
     };
     let TowerWeights::Clip(w) =
         crate::stream::vision::load(&init, DType::Float32, tch::Device::Cpu).unwrap()

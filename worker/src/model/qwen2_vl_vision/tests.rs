@@ -143,6 +143,7 @@ fn tower_through_the_shared_region_equals_transformers() {
         layout: region.layout.clone(),
         region: handle,
         pixels: None,
+        row_image_tokens: None,
     };
     let crate::model::TowerWeights::Qwen(w) =
         crate::stream::vision::load(&init, DType::Float32, Device::Cpu).unwrap()

@@ -147,6 +147,7 @@ fn gemma3_tower_through_the_shared_region_equals_transformers() {
         layout: region.layout.clone(),
         region: handle,
         pixels: None,
+        row_image_tokens: None,
     };
     let TowerWeights::Siglip(w) =
         crate::stream::vision::load(&init, DType::Float32, tch::Device::Cpu).unwrap()
