@@ -258,6 +258,7 @@ fn limits(trainer: &Trainer) -> Limits {
         world: trainer.world(),
         rows_per_micro: trainer.rows_per_micro(),
         pad: trainer.pad_id(),
+        images: trainer.image_input(),
     }
 }
 

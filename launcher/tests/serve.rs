@@ -459,6 +459,10 @@ fn bad_requests_are_refused_and_the_server_goes_on() {
             json!({"cmd": "train_step", "rollouts": []}),
             "`rollouts` given to a server whose training.stage takes `rows`",
         ),
+        (
+            json!({"cmd": "train_step", "rows": [{"input_ids": [1, 2], "images": ["/a.png"]}]}),
+            "rows[0].images: this model reads no images",
+        ),
         (json!({"cmd": "optimizer_step"}), "no gradient to apply"),
         (json!({"cmd": "export", "dir": model}), "export: dir"),
         (
@@ -784,4 +788,63 @@ fn a_server_needs_no_dataset_but_the_row_length() {
         !out.status.success() && err.contains("dataset.path"),
         "{err}"
     );
+}
+
+/// Images through the server: the tiny Qwen2.5-VL's golden step (vlm/golden: the four
+/// LlamaFactory records of the data fixtures, with PNG, JPEG and WebP images, one and two
+/// to a row, and a text-only row) sent as rows with their ids and labels as the model's
+/// AutoProcessor made them (expected_qwen2vl.jsonl, which the run's own rows equal token
+/// for token: launcher/tests/data.rs) and their images' absolute paths, equals the run's
+/// step bit for bit (loss, norm, export), with 1 and 2 workers. Rows whose image tokens are
+/// not their images', a missing, relative or broken file are refused naming the row, and
+/// the server goes on.
+#[test]
+fn rows_with_images_equal_a_runs_bit_for_bit() {
+    let vlm = data_fixtures("vlm/golden/expected.json").join("vlm");
+    let case = vlm.join("golden");
+    let records = json(&vlm.join("mllm.json"));
+    let ids = lines(&vlm.join("expected_qwen2vl.jsonl"));
+    let images = |i: usize| -> Vec<PathBuf> {
+        let paths = records[i]["images"].as_array().unwrap();
+        paths
+            .iter()
+            .map(|p| vlm.join(p.as_str().unwrap()))
+            .collect()
+    };
+    let rows: Vec<Value> = (0..4)
+        .map(|i| json!({"input_ids": ids[i]["input_ids"], "labels": ids[i]["labels"], "images": images(i)}))
+        .collect();
+    assert!(images(1).len() == 2 && images(3).is_empty());
+    for workers in [1, 2] {
+        let dir = scratch(&format!("serve-vlm-{workers}"));
+        let (run_metrics, run_model) = run_on(&case, &dir, workers, &[]);
+        let mut server = Server::start(&case.join("run.yaml"), workers, &dir, &[]);
+        let broken = dir.join("broken.png");
+        let png = std::fs::read(&images(0)[0]).unwrap();
+        std::fs::write(&broken, &png[..png.len() / 2]).unwrap();
+        let with = |images: Value| {
+            let mut row = rows[0].clone();
+            row["images"] = images;
+            let mut batch = rows.clone();
+            batch[0] = row;
+            json!({"cmd": "train_step", "rows": batch})
+        };
+        for (req, says) in [
+            (with(json!(images(1))), "rows[0]: 6 image tokens at"),
+            (with(json!([])), "rows[0]: 6 image tokens at"),
+            (
+                with(json!(["images/a.png"])),
+                "rows[0].images[0]: \"images/a.png\" is a relative path",
+            ),
+            (with(json!([dir.join("none.png")])), "rows[0].images[0]"),
+            (with(json!([broken])), "rows[0].images[0]"),
+        ] {
+            server.refused(req, says);
+        }
+        let trained = server.ok(json!({"cmd": "train_step", "rows": rows}));
+        let applied = server.ok(json!({"cmd": "optimizer_step"}));
+        check_step(0, &trained, &applied, &run_metrics);
+        check_export(&mut server, &dir, &run_model);
+        assert!(server.shutdown().success());
+    }
 }

@@ -2,7 +2,7 @@
 
 In: lists, tuples, numpy arrays and torch tensors (any device), nested in the dicts of
 docs/serve.md's batches, become plain lists of ints and floats (`.tolist()`; numpy's and
-torch's scalars through `.item()`). A NaN or infinity is refused by the wire, naming its
+torch's scalars through `.item()`); a row's `images` (paths) become absolute paths. A NaN or infinity is refused by the wire, naming its
 place (`rollouts[3].reward`), before anything is sent.
 
 Out: per-row log-probabilities as 1-D float32 numpy arrays, or torch tensors, or the plain
@@ -12,13 +12,16 @@ values, so the float32 arrays hold them exactly.
 Neither numpy nor torch is imported unless the caller's data or an output asks for it.
 """
 
+import os
 import sys
 
 
 def plain(x):
-    """`x` with every array or tensor inside it turned into lists and Python numbers."""
+    """`x` with every array or tensor inside it turned into lists and Python numbers, and
+    each row's `images` (file paths, str or os.PathLike) made absolute: the server resolves
+    no path against its own working directory."""
     if isinstance(x, dict):
-        return {k: plain(v) for k, v in x.items()}
+        return {k: images(v) if k == "images" else plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [plain(v) for v in x]
     if isinstance(x, (str, bytes, int, float, bool)) or x is None:
@@ -30,6 +33,13 @@ def plain(x):
     if hasattr(x, "item"):
         return x.item()
     raise TypeError(f"cannot send a {type(x).__name__} to the engine (lists, numpy arrays or torch tensors)")
+
+
+def images(paths):
+    """A row's `images`: each an absolute path (a vision-language model reads the files)."""
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        raise TypeError("`images` is a list of image file paths, one per image of the row")
+    return [os.path.abspath(os.fspath(p)) for p in paths]
 
 
 def rows_of(rows):

@@ -201,3 +201,18 @@ class Views(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Batches(unittest.TestCase):
+    def test_a_rows_images_become_absolute_paths(self):
+        import pathlib
+
+        from megatrain import convert
+
+        here = os.getcwd()
+        rows = convert.rows_of([{"input_ids": [1, 2], "images": ["a.png", pathlib.Path("/x/b.jpg")]}])
+        self.assertEqual(rows, [{"input_ids": [1, 2], "images": [os.path.join(here, "a.png"), "/x/b.jpg"]}])
+        pairs = convert.plain([{"chosen_input_ids": (3,), "images": ("c.webp",)}])
+        self.assertEqual(pairs[0]["images"], [os.path.join(here, "c.webp")])
+        with self.assertRaises(TypeError):
+            convert.plain([{"input_ids": [1], "images": "a.png"}])

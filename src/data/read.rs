@@ -104,6 +104,83 @@ impl ImageProcessor {
         }
     }
 
+    /// The image in the file at `path` as a row carries it: its size read from its header,
+    /// its grid as this processor resizes it (an error where the processor refuses the
+    /// size, e.g. past Qwen's `max_pixels` bound of its aspect).
+    pub fn row_image(&self, path: &Path) -> Result<super::RowImage, String> {
+        let size = super::image::read_size(path)?;
+        let grid = match self {
+            ImageProcessor::Qwen(q) => {
+                let g = q.grid(size.height, size.width)?;
+                [g.t, g.h, g.w]
+            }
+            ImageProcessor::Gemma3(g) => g.grid(),
+            ImageProcessor::LlavaNext(_) => super::LlavaNextImages::grid(size.height, size.width),
+        };
+        Ok(super::RowImage {
+            path: path.to_path_buf(),
+            grid,
+        })
+    }
+
+    /// Whether the tokens of id `token_id` in `ids` are `images`' tokens, in order: each run
+    /// of them one image's count ([`ImageProcessor::image_tokens`]), or, where the model
+    /// takes images side by side (Gemma 3, LLaVA-NeXT: no Qwen 3-D positions to place per
+    /// image), several consecutive images'. The error says what was found.
+    pub fn check_row(
+        &self,
+        ids: &[i32],
+        token_id: i64,
+        images: &[super::RowImage],
+    ) -> Result<(), String> {
+        let counts: Vec<u64> = images.iter().map(|im| self.image_tokens(im)).collect();
+        let side_by_side = !matches!(self, ImageProcessor::Qwen(_));
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < ids.len() {
+            let run = ids[i..]
+                .iter()
+                .take_while(|&&t| i64::from(t) == token_id)
+                .count();
+            if run > 0 {
+                runs.push((i, run as u64));
+            }
+            i += run.max(1);
+        }
+        let mut next = 0;
+        for &(at, run) in &runs {
+            let mut covered = 0;
+            let first = next;
+            while covered < run && next < counts.len() && (covered == 0 || side_by_side) {
+                covered += counts[next];
+                next += 1;
+            }
+            if covered != run {
+                let these = &counts[first..next];
+                return Err(match these {
+                    [] => format!(
+                        "{run} image tokens at {at} but the row's {} images ({} tokens) are placed before them",
+                        counts.len(),
+                        counts.iter().sum::<u64>()
+                    ),
+                    _ => format!(
+                        "{run} image tokens at {at} where image {first} takes {} (the images' token counts: {counts:?}; expand each image to its count, as the model's processor does)",
+                        these.iter().sum::<u64>()
+                    ),
+                });
+            }
+        }
+        match next == counts.len() {
+            true => Ok(()),
+            false => Err(format!(
+                "{} images ({} tokens) but {} image tokens in the row: every image needs its tokens in the ids (token id {token_id})",
+                counts.len(),
+                counts.iter().sum::<u64>(),
+                runs.iter().map(|r| r.1).sum::<u64>()
+            )),
+        }
+    }
+
     /// The most image tokens one row of `rows` holds; None where there are no rows (a
     /// dataset `mt-launch plan` did not read, a server's), so that a bound on the images
     /// of a micro-batch must come from its tokens.
@@ -407,5 +484,72 @@ mod tests {
         let e = fit(with_image, &reader, 7, true).unwrap_err();
         assert_eq!(e.line, 7);
         assert!(e.reason.contains("not truncated"), "{}", e.reason);
+    }
+}
+
+#[cfg(test)]
+mod image_rows {
+    use super::*;
+    use crate::data::RowImage;
+
+    fn image(grid: [u32; 3]) -> RowImage {
+        RowImage {
+            path: "a.png".into(),
+            grid,
+        }
+    }
+
+    /// Qwen: one image per run of image tokens (its 3-D positions are placed per run);
+    /// Gemma 3: images side by side may share a run. Each wrong count is named.
+    #[test]
+    fn a_rows_image_tokens_must_be_its_images() {
+        let qwen = ImageProcessor::Qwen(QwenVlImages::default());
+        let (four, two) = (image([1, 4, 4]), image([1, 2, 4]));
+        assert_eq!((qwen.image_tokens(&four), qwen.image_tokens(&two)), (4, 2));
+        let row = |runs: &[usize]| {
+            let mut ids = vec![1];
+            for &n in runs {
+                ids.extend(std::iter::repeat_n(9, n));
+                ids.push(1);
+            }
+            ids
+        };
+        let pair = [four.clone(), two.clone()];
+        assert_eq!(qwen.check_row(&row(&[4, 2]), 9, &pair), Ok(()));
+        assert_eq!(qwen.check_row(&row(&[]), 9, &[]), Ok(()));
+        for (runs, images, says) in [
+            (
+                &[2, 4][..],
+                &pair[..],
+                "2 image tokens at 1 where image 0 takes 4",
+            ),
+            (&[6], &pair, "6 image tokens at 1 where image 0 takes 4"),
+            (&[4], &pair, "2 images (6 tokens) but 4 image tokens"),
+            (
+                &[4, 2, 2],
+                &pair,
+                "2 image tokens at 9 but the row's 2 images",
+            ),
+            (&[4], &[], "4 image tokens at 1 but the row's 0 images"),
+        ] {
+            let e = qwen.check_row(&row(runs), 9, images).unwrap_err();
+            assert!(e.contains(says), "{runs:?}: {e}");
+        }
+        let gemma = ImageProcessor::Gemma3(Gemma3Images {
+            height: 8,
+            width: 8,
+            patch_size: 2,
+            do_rescale: true,
+            rescale_factor: 1.0 / 255.0,
+            do_normalize: false,
+            image_mean: [0.5; 3],
+            image_std: [0.5; 3],
+            tokens_per_image: 3,
+            image_token_id: 9,
+        });
+        let three = [image([1, 4, 4]), image([1, 4, 4])];
+        assert_eq!(gemma.check_row(&row(&[6]), 9, &three), Ok(()));
+        assert_eq!(gemma.check_row(&row(&[3, 3]), 9, &three), Ok(()));
+        assert!(gemma.check_row(&row(&[5]), 9, &three).is_err());
     }
 }

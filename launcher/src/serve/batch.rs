@@ -21,10 +21,13 @@ pub struct Limits {
     /// Rows per micro-batch the workers were sized for.
     pub rows_per_micro: usize,
     pub pad: i32,
+    /// A vision-language model's processor and the id of its image tokens, which a row's
+    /// `images` are read and checked with; None: the model reads no images.
+    pub images: Option<(mt::data::ImageProcessor, i64)>,
 }
 
 /// The keys of a row (`rows`), a pair (`pairs`) and a rollout (`rollouts`).
-const ROW_KEYS: &[&str] = &["input_ids", "labels"];
+const ROW_KEYS: &[&str] = &["input_ids", "labels", "images"];
 const PAIR_KEYS: &[&str] = &[
     "chosen_input_ids",
     "chosen_labels",
@@ -32,6 +35,7 @@ const PAIR_KEYS: &[&str] = &[
     "rejected_labels",
     "ref_chosen_logps",
     "ref_rejected_logps",
+    "images",
 ];
 const ROLLOUT_KEYS: &[&str] = &[
     "prompt_ids",
@@ -41,6 +45,7 @@ const ROLLOUT_KEYS: &[&str] = &[
     "advantage",
     "old_logps",
     "ref_logps",
+    "images",
 ];
 
 /// Refuses a key of the object `v` (at `at`) that is not one of `keys`: a misspelt key
@@ -191,12 +196,61 @@ fn row(v: &Value, at: &str, ids_key: &str, labels_key: &str, limits: &Limits) ->
         Some(labels) => labels,
         None => input_ids.clone(),
     };
+    let images = row_images(v, at, &input_ids, limits)?;
     Ok(Example {
         input_ids,
         labels,
         position_ids: Vec::new(),
-        images: Vec::new(),
+        images,
     })
+}
+
+/// The images of the row at `at` (`images`: absolute paths of image files, in the order of
+/// their tokens in `ids`; absent: none), each file read whole and decoded here, so that a
+/// missing or broken file is refused naming it before the workers see the batch, and the
+/// row's image tokens checked against them (each image expanded to its count, as the
+/// model's processor does). A text model takes none.
+fn row_images(
+    v: &Value,
+    at: &str,
+    ids: &[i32],
+    limits: &Limits,
+) -> Result<Vec<mt::data::RowImage>> {
+    let given = match v.get("images") {
+        None => &[][..],
+        Some(Value::Array(paths)) => paths.as_slice(),
+        Some(x) => bail!("{at}.images must be a list of image file paths, not {x}"),
+    };
+    let Some((processor, token_id)) = &limits.images else {
+        if given.is_empty() {
+            return Ok(Vec::new());
+        }
+        bail!(
+            "{at}.images: this model reads no images (a text model, or a vision-language model whose directory has no preprocessor_config.json)"
+        );
+    };
+    let images = given
+        .iter()
+        .enumerate()
+        .map(|(j, p)| {
+            let path = match p.as_str().map(std::path::Path::new) {
+                Some(path) if path.is_absolute() => path,
+                Some(_) => bail!(
+                    "{at}.images[{j}]: {p} is a relative path: give it absolute (the server's working directory is not the client's; the Python client makes them absolute)"
+                ),
+                None => bail!("{at}.images[{j}]: {p} is not a file path"),
+            };
+            let image = processor
+                .row_image(path)
+                .map_err(|e| anyhow::anyhow!("{at}.images[{j}]: {}: {e}", path.display()))?;
+            mt::data::image::decode(path).map_err(|e| anyhow::anyhow!("{at}.images[{j}]: {e}"))?;
+            Ok(image)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    processor
+        .check_row(ids, *token_id, &images)
+        .map_err(|e| anyhow::anyhow!("{at}: {e}"))?;
+    Ok(images)
 }
 
 /// The token ids at `v[key]` (`labels`: -100 allowed), each checked against the vocabulary
@@ -299,11 +353,12 @@ fn rollouts(items: &[Value], params: GrpoParams, limits: &Limits) -> Result<Batc
         input_ids.extend_from_slice(&completion);
         let mut labels = vec![IGNORE_INDEX; prompt.len()];
         labels.extend_from_slice(&completion);
+        let images = row_images(v, &at, &input_ids, limits)?;
         rows.push(Example {
             input_ids,
             labels,
             position_ids: Vec::new(),
-            images: Vec::new(),
+            images,
         });
         match (v.get("advantage"), v.get("reward")) {
             (Some(_), Some(_)) => {
@@ -388,6 +443,7 @@ mod tests {
             world,
             rows_per_micro: 2,
             pad: 0,
+            images: None,
         }
     }
 

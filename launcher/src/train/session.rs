@@ -190,6 +190,22 @@ impl Trainer {
         self.spec.pad_token_id as i32
     }
 
+    /// How a client's images become the workers' (a vision-language model's processor and
+    /// the id of its image tokens); None for a text model or one whose directory has no
+    /// `preprocessor_config.json`, whose rows take no images.
+    pub(crate) fn image_input(&self) -> Option<(mt::data::ImageProcessor, i64)> {
+        use mt::config::vision::TowerSpec;
+        let token_id = match self.vision.as_ref()? {
+            TowerSpec::Qwen(_) => self.spec.mrope.as_ref()?.image_token_id,
+            TowerSpec::Siglip(s) => s.image_token_id,
+            TowerSpec::Clip(c) => c.image_token_id,
+        };
+        let processor = mt::data::Images::of_model(&self.cfg.model.path)
+            .ok()?
+            .processor()?;
+        Some((processor, token_id))
+    }
+
     pub(crate) fn vocab_size(&self) -> usize {
         self.spec.vocab_size
     }
