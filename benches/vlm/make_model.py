@@ -79,6 +79,8 @@ if args.small:
         text["query_pre_attn_scalar"] = 128
     vision = cfg["vision_config"]
     vision["depth" if "depth" in vision else "num_hidden_layers"] = 2
+    if "out_hidden_size" in vision:  # Qwen's merger writes the text width
+        vision["out_hidden_size"] = 512
     if vision.get("deepstack_visual_indexes"):
         vision["deepstack_visual_indexes"] = [1]
     if "fullatt_block_indexes" in vision:
