@@ -17,6 +17,7 @@ width kept.
 
 Usage: python3 benches/vlm/make_model.py --config configs/qwen2.5-vl-7b/config.json \
            --tokenizer target/bench-vlm/tokenizer --out /tmp/qwen2.5-vl-7b [--layers N] [--small]
+           [--config-only]
 Needs torch, transformers and safetensors (the GPU machine has them).
 """
 import argparse
@@ -35,6 +36,8 @@ ap.add_argument("--tokenizer", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the config's)")
 ap.add_argument("--small", action="store_true", help="a narrow text model and a 2-block tower (CPU tries)")
+ap.add_argument("--config-only", action="store_true",
+                help="write config.json and the tokenizer only (enough for `mt-launch plan`)")
 args = ap.parse_args()
 
 # model_type: transformers' class; then per family, config key: the tokenizer's token whose id it takes.
@@ -90,6 +93,8 @@ with open(os.path.join(args.out, "config.json"), "w") as f:
     json.dump(cfg, f, indent=2)
 for name in os.listdir(args.tokenizer):
     shutil.copy(os.path.join(args.tokenizer, name), args.out)
+if args.config_only:
+    raise SystemExit(0)
 
 with torch.device("meta"):
     model = getattr(transformers, FAMILIES[family])(AutoConfig.from_pretrained(args.out))

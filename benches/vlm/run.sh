@@ -18,37 +18,52 @@
 #
 # What is measured. Model TFLOPS = the language model's 6 x trained params x tokens +
 # attention (the trained parameters: the text model; a random init's tower is frozen) plus the
-# frozen tower's forward over the step's images (VisionSpec::forward_flops, via
-# TowerSpec::forward_flops in src/config/vision.rs; each equal to torch's FlopCounterMode over
-# transformers' tower on the test fixtures: src/config/vision/tests.rs, siglip.rs,
-# clip/tests.rs), which per family counts:
-#   qwen2_5_vl  the patch embedding, every block's qkv / proj / gated MLP (3 matmuls), the
-#               attention within each window (full at fullatt_block_indexes), the merger;
-#   qwen3_vl    the patch embedding, every block's qkv / proj / MLP (2 matmuls), full
-#               attention per image, the merger and the 3 deepstack mergers (not: the
+# frozen tower's forward over the step's images (TowerSpec::forward_flops in
+# src/config/vision.rs: VisionSpec's there for the Qwen towers, SiglipSpec's in vision/siglip.rs,
+# ClipSpec's in vision/clip.rs; each held equal to torch's FlopCounterMode over transformers'
+# tower on the test fixtures: src/config/vision/tests.rs, siglip.rs, clip/tests.rs), which per
+# family counts (per image at the bench's size):
+#   qwen2_5_vl  1.4 TFLOP: the patch embedding, every block's qkv / proj / gated MLP (3
+#               matmuls), attention within each window (over the image at
+#               fullatt_block_indexes), the merger;
+#   qwen3_vl    0.79 TFLOP: the patch embedding, every block's qkv / proj / MLP (2 matmuls),
+#               attention over the image, the merger and the 3 deepstack mergers (not: the
 #               learned positions' resampling, a weighted gather);
-#   qwen3_5     as qwen3_vl with no deepstack merger;
-#   gemma3      the SigLIP patch embedding, every encoder layer (full attention over the 4096
-#               patches), the projector's pooling matmul (RMSNorm and average pool not);
-#   llava_next  the CLIP tower over every tile (3 of 336x336 per image here: 577 tokens each,
-#               the layers up to vision_feature_layer -2, so 23 of 24; the last layer and
-#               post_layernorm do not run), the projector over the unpadded features;
+#   qwen3_5     0.74 TFLOP: as qwen3_vl with no deepstack merger;
+#   gemma3      5.5 TFLOP: the SigLIP patch embedding, every layer over the 4096 patches of
+#               896x896 (attention over all of them), the projector's projection (its
+#               average pool and RMSNorm not);
+#   llava_next  1.2 TFLOP: the CLIP tower over the 3 tiles (577 tokens each) through the 23
+#               layers vision_feature_layer -2 reads (the last layer and post_layernorm do
+#               not run), the projector over the tiles' 3 x 576 features (the unpadding and
+#               image_newline placement not);
 # norms, activations, softmax and the features' placement are not counted in any family, nor
 # is anything of the decode, resize and upload (`images_s`, shown beside). MegaTrain's formula
 # counts the trained parameters only (no tower). Writes a table with the command to
 # $RESULTS/vlm_<name><-NL>_b<B>_<machine>_<date>.md (name: qwen2.5-vl-7b, qwen3-vl-8b,
 # qwen3.5-27b, gemma3-27b, llava-next-7b; -NL where LAYERS is not the config's).
 #
-# On the GPU (no network there: make the data here, it travels in `carry`; 2.7 MB for each Qwen
-# family, 11 MB for Gemma 3 (896x896 PNGs), 1.6 MB for LLaVA-NeXT; ~15 s each, Gemma 3 ~30 s):
+# On the GPU (no network there: make the data here, ~35 s each, 65 s for LLaVA-NeXT's longer
+# rows; it travels in `carry`: 3.3 MB for each Qwen family, 11 MB for Gemma 3's 896x896 PNGs,
+# 3.0 MB for LLaVA-NeXT):
 #   for f in qwen3_vl qwen3_5 gemma3 llava_next; do
 #     .venv/bin/python benches/vlm/make_data.py --family $f --out target/bench-vlm-$f; done
-# then one call per line below (each within the 10-minute limit; model creation on the GPU
-# machine, times measured here on 2 cores: TODO), carry: target/bench-vlm-<family>:
-#   FAMILY=qwen3_vl BATCH=64 benches/vlm/run.sh
-#   FAMILY=llava_next BATCH=24 benches/vlm/run.sh
-#   FAMILY=qwen3_5 LAYERS=8 BATCH=64 benches/vlm/run.sh && FAMILY=gemma3 LAYERS=8 BATCH=64 benches/vlm/run.sh
-# (BIN defaults to target/release, the binaries built on the GPU machine.)
+# then three calls, the binaries built there (BIN [target/release]), RESULTS=$OUT so the tables
+# come back:
+#   1. carry [target/bench-vlm-qwen3_vl]:
+#      FAMILY=qwen3_vl BATCH=64 RESULTS=$OUT benches/vlm/run.sh
+#   2. carry [target/bench-vlm-llava_next] (21 x 3072 tokens: 64 x 1024's tokens within 2%):
+#      FAMILY=llava_next BATCH=21 RESULTS=$OUT benches/vlm/run.sh
+#   3. carry [target/bench-vlm-qwen3_5, target/bench-vlm-gemma3]:
+#      FAMILY=qwen3_5 LAYERS=8 BATCH=64 RESULTS=$OUT benches/vlm/run.sh;
+#      FAMILY=gemma3 LAYERS=8 BATCH=64 RESULTS=$OUT benches/vlm/run.sh
+# Model creation (make_model.py, in each call) took here on 2 cores: qwen3_vl 94 s (8.77 B
+# parameters, 17 GB), llava_next 88 s (7.57 B, 15 GB), qwen3_5 at 8 layers 73 s (6.05 B, 12 GB),
+# gemma3 at 8 layers 63 s (5.14 B, 9.6 GB): about 80 M parameters a second, one core filling
+# and the disk writing. `mt-launch plan` of each (host 134 GB, 14 B/param): qwen3_vl 117.4 GB
+# host (the Qwen2.5-VL-7B call's was 109.8, measured 109.9), llava_next 103.8, qwen3_5 82.2,
+# gemma3 70.1 (at LAYERS=8); device at most 118 GB. Call 3 is the tightest in time (two models
+# made, four launches); if it runs out, run the two families in calls of their own.
 #
 # Environment [defaults]: FAMILY [qwen2_5_vl]  BIN [target/release]  DATA [target/bench-vlm for
 #   qwen2_5_vl, else target/bench-vlm-<FAMILY>: make_data.py's output for that family, made here
