@@ -57,6 +57,9 @@ cfg = json.load(open(args.config))
 family = cfg.get("model_type")
 if family not in FAMILIES:
     raise SystemExit(f"make_model: {args.config}: model_type {family!r} is not one of {sorted(FAMILIES)}")
+if not hasattr(transformers, FAMILIES[family]):
+    raise SystemExit(f"make_model: transformers {transformers.__version__} has no {FAMILIES[family]} "
+                     f"(model_type {family}): a newer transformers is needed")
 tok = json.load(open(os.path.join(args.tokenizer, "tokenizer.json")))
 ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
 for key, token in TOKEN_IDS.get(family, QWEN_IDS).items():
