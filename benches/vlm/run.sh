@@ -13,8 +13,8 @@
 # LLaVA-NeXT's rows are 3072 tokens: no image of it takes under ~1,160 tokens (the base tile's
 # 576 and at least two tiles, unpadded), so two images do not fit 1024 (make_data.py).
 # Qwen3.5-27B and Gemma 3 27B at full depth need ~380 GB of host RAM at 14 B/param (bf16
-# gradients, split master weights, as below); at LAYERS=8 they are 5.7 B and 4.8 B trained
-# parameters (the embeddings are most of it), ~80 and ~67 GB.
+# gradients, split master weights, as below); at LAYERS=8 they are 5.6 B and 4.7 B trained
+# parameters (the embeddings are most of it), 82 and 70 GB (`mt-launch plan`, below).
 #
 # What is measured. Model TFLOPS = the language model's 6 x trained params x tokens +
 # attention (the trained parameters: the text model; a random init's tower is frozen) plus the
@@ -64,6 +64,9 @@
 # host (the Qwen2.5-VL-7B call's was 109.8, measured 109.9), llava_next 103.8, qwen3_5 82.2,
 # gemma3 70.1 (at LAYERS=8); device at most 118 GB. Call 3 is the tightest in time (two models
 # made, four launches); if it runs out, run the two families in calls of their own.
+#
+# Tried end to end on CPU workers (each family, 25-85 s here with its data made):
+#   FAMILY=<f> SMALL=1 GPUS=0 LAYERS=1 BATCH=1 STEPS=2 PYTHON=.venv/bin/python RESULTS=/tmp/r benches/vlm/run.sh
 #
 # Environment [defaults]: FAMILY [qwen2_5_vl]  BIN [target/release]  DATA [target/bench-vlm for
 #   qwen2_5_vl, else target/bench-vlm-<FAMILY>: make_data.py's output for that family, made here
