@@ -11,7 +11,8 @@ data tests hold ours equal to); writes DIR/vlm/golden (Qwen2.5-VL) and DIR/vlm/g
 (Qwen3-VL: Qwen3's layers with q/k norms under the interleaved mrope, the tower's learned
 positions, and two deepstack features added after the first two of its three layers) and
 DIR/vlm/golden-qwen3_5 (Qwen3.5: Gated DeltaNet and gated attention layers, the attention's
-partial RoPE under the interleaved mrope, the tower without deepstack mergers): model/
+partial RoPE under the interleaved mrope, the tower without deepstack mergers) and
+DIR/vlm/golden-qwen3_5_moe (Qwen3.5-MoE: the same with experts and a shared expert): model/
 (the tiny model beside that tokenizer and preprocessor_config.json), run.yaml, expected.json
 (the step's loss) and grads0.safetensors (every language-model gradient under its checkpoint
 name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, per grid).
@@ -34,14 +35,21 @@ import json
 import os
 import shutil
 
+import sys
+import tempfile
+
 import safetensors.torch
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3_5Config,
-                          Qwen3_5ForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+                          Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration,
+                          Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_golden  # noqa: E402  (checkpoint_named: fused experts under their saved names)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--dir", required=True)
@@ -105,6 +113,32 @@ def qwen3_5(vocab, ids_of):
     return cfg, model
 
 
+def qwen3_5_moe(vocab, ids_of):
+    """Qwen3.5-MoE: Qwen3.5's text model with a mixture of experts and a shared expert in
+    every layer (4 experts, 2 routed a token), behind the same tower; the processor and
+    tokenizer are Qwen3.5's."""
+    cfg = Qwen3_5MoeConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                         shared_expert_intermediate_size=48,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [3, 3, 2], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                           num_position_embeddings=16),
+        image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
+        vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
+    )
+    model = Qwen3_5MoeForConditionalGeneration(cfg).float()
+    assert not hasattr(model.model.visual, "deepstack_merger_list")
+    return cfg, model
+
+
 def golden(family, build, out_name, seed, projector):
     out = os.path.join(vlm, out_name)
     shutil.rmtree(out, ignore_errors=True)
@@ -144,6 +178,7 @@ def golden(family, build, out_name, seed, projector):
     assert [list(map(int, g)) for g in pix["image_grid_thw"]] == [g for e in expected for g in e["grids"]]
 
     saved = set(safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors")))
+    fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters())
 
     def checkpoint_name(n):
         """The checkpoint's name of parameter `n`: Qwen2.5-VL saves the hub's names
@@ -167,8 +202,14 @@ def golden(family, build, out_name, seed, projector):
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=-100, reduction="sum") / (targets != -100).sum()
         loss.backward()
-        grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
-                 for n, p in model.named_parameters() if p.grad is not None}
+        if fused_experts:  # saved per expert: the gradients go through save_pretrained
+            with tempfile.TemporaryDirectory() as tmp:
+                grads = make_golden.checkpoint_named(
+                    model, {n: None if p.grad is None else p.grad.detach().clone()
+                            for n, p in model.named_parameters()}, tmp)
+        else:
+            grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
+                     for n, p in model.named_parameters() if p.grad is not None}
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
         return loss, grads, norm
 
@@ -257,3 +298,4 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
 golden("qwen2vl", qwen2_5_vl, "golden", 4949, projector=True)
 golden("qwen3vl", qwen3_vl, "golden-qwen3vl", 4950, projector=False)
 golden("qwen3_5", qwen3_5, "golden-qwen3_5", 4951, projector=True)
+golden("qwen3_5", qwen3_5_moe, "golden-qwen3_5_moe", 4952, projector=False)

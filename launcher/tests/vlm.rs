@@ -64,6 +64,14 @@ fn qwen3_5_with_images_matches_transformers() {
     golden_matches("golden-qwen3_5");
 }
 
+/// Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`): the same tower, mrope and hybrid
+/// layers, each MLP a mixture of 4 experts (2 routed a token) and a gated shared expert; the
+/// experts' gradients under the per-expert names transformers saves.
+#[test]
+fn qwen3_5_moe_with_images_matches_transformers() {
+    golden_matches("golden-qwen3_5_moe");
+}
+
 /// One step of `vlm/{case}`'s run with 1 and 2 workers against transformers': loss, grad
 /// norm and every gradient.
 fn golden_matches(case: &str) {

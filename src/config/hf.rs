@@ -620,12 +620,12 @@ impl ModelSpec {
             _ => 0,
         };
         let linear_attn = moe::linear_attn_spec(hf, &model_type, &err)?;
-        // Qwen3.5's text model always computes the interleaved mrope (text alone gives
-        // three equal positions, the plain RoPE); Qwen3.5-MoE's images are not taken yet.
+        // Qwen3.5's text models (dense and MoE) always compute the interleaved mrope (text
+        // alone gives three equal positions, the plain RoPE).
         let mrope_kind = match model_type.as_str() {
             "qwen2_5_vl_text" => Some(MropeKind::Qwen2_5Vl),
             "qwen3_vl_text" => Some(MropeKind::Qwen3Vl),
-            "qwen3_5_text" => Some(MropeKind::Qwen3_5),
+            "qwen3_5_text" | "qwen3_5_moe_text" => Some(MropeKind::Qwen3_5),
             _ => None,
         };
         let mrope = match mrope_kind {

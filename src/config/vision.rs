@@ -27,7 +27,7 @@ use siglip::SiglipSpec;
 
 /// The model types whose vision tower the worker computes.
 pub const VISION_MODEL_TYPES: &[&str] =
-    &["qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava_next"];
+    &["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "llava_next"];
 
 /// A vision-language model's frozen tower, of the family its `model_type` names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -339,7 +339,7 @@ impl VisionSpec {
         let (family, deepstack) = match model_type {
             "qwen2_5_vl" => (VisionFamily::Qwen2_5Vl, false),
             "qwen3_vl" => (VisionFamily::Qwen3Vl, true),
-            "qwen3_5" => (VisionFamily::Qwen3Vl, false),
+            "qwen3_5" | "qwen3_5_moe" => (VisionFamily::Qwen3Vl, false),
             _ => return Ok(None),
         };
         let raw = config
