@@ -10,7 +10,8 @@
 //! whose partial RoPE turns under the interleaved mrope) behind Qwen3-VL's tower without
 //! deepstack mergers.
 //!
-//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, LLaVA-NeXT's
+//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, Qwen3-VL's merger and
+//! deepstack mergers, LLaVA-NeXT's
 //! projector and newline): its gradients too, and the step's weights against torch's AdamW.
 //! And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py): its SigLIP tower and projector,
 //! the image blocks' bidirectional attention; and a tiny LLaVA-NeXT
@@ -137,6 +138,15 @@ fn qwen3_5_with_the_projector_trained_matches_transformers() {
     trained_step_matches("golden-qwen3_5/projector", "vlm-qwen3_5-projector");
 }
 
+/// The same for Qwen3-VL: the merger and both deepstack mergers (`deepstack_merger_list.*`)
+/// trained over the frozen encoder's kept outputs, the deepstack mergers' gradient gathered
+/// from the first two decoder layers' output gradients at the image tokens, where their
+/// features are added.
+#[test]
+fn qwen3_vl_with_the_projector_trained_matches_transformers() {
+    trained_step_matches("golden-qwen3vl/projector", "vlm-qwen3vl-projector");
+}
+
 /// The same for LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py's projector case): its
 /// projector (`multi_modal_projector.*`) and `image_newline` trained, recomputed with grad in
 /// the embedding's backward over the frozen tower's kept features: their gradients, the
@@ -246,32 +256,23 @@ fn qwen2_5_vl_with_the_tower_trained_resumes_exactly() {
     }
 }
 
-/// A trained projector is Qwen2.5-VL's, Qwen3.5's and LLaVA-NeXT's only, a trained encoder
-/// Qwen2.5-VL's: on Qwen3-VL `vlm.freeze_projector: false` and `vlm.freeze_vision_encoder:
-/// false` are refused before training, naming the key and why (its deepstack features).
+/// A trained encoder is Qwen2.5-VL's only: on Qwen3-VL `vlm.freeze_vision_encoder: false`
+/// is refused before training, naming the key and why (its deepstack features).
 #[test]
-fn qwen3_vl_with_the_projector_or_encoder_trained_is_refused() {
+fn qwen3_vl_with_the_encoder_trained_is_refused() {
     let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
-    let s = scratch("vlm-qwen3vl-projector");
-    for (key, only) in [
-        (
-            "vlm.freeze_projector",
-            "the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only",
-        ),
-        (
-            "vlm.freeze_vision_encoder",
-            "Qwen2.5-VL's vision encoder only",
-        ),
-    ] {
-        let set = ["--set", &format!("{key}=false")];
-        let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "trained: {err}");
-        assert!(
-            err.contains(key) && err.contains(only) && err.contains("deepstack"),
-            "{err}"
-        );
-    }
+    let s = scratch("vlm-qwen3vl-encoder");
+    let key = "vlm.freeze_vision_encoder";
+    let set = ["--set", &format!("{key}=false")];
+    let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained: {err}");
+    assert!(
+        err.contains(key)
+            && err.contains("Qwen2.5-VL's vision encoder only")
+            && err.contains("deepstack"),
+        "{err}"
+    );
 }
 
 /// Runs `dir/run.yaml` for one step with 1 and 2 workers, its export in a scratch

@@ -39,8 +39,9 @@ pub enum TowerTraining {
     /// None: the tower and its projector are carried (the default).
     #[default]
     Frozen,
-    /// The projector (`merger.*`; beside the tower, `multi_modal_projector.*` and
-    /// LLaVA-NeXT's `image_newline`): the encoder's output is computed without grad.
+    /// The projector (`merger.*` and Qwen3-VL's `deepstack_merger_list.*`; beside the
+    /// tower, `multi_modal_projector.*` and LLaVA-NeXT's `image_newline`): the encoder's
+    /// output is computed without grad.
     Projector,
     /// The encoder (the patch embedding and the blocks), under a frozen projector.
     Encoder,
@@ -62,7 +63,9 @@ impl TowerTraining {
     /// Whether the tower's tensor `name` (as `TowerSpec::tensors` names it:
     /// `merger.ln_q.weight`, `multi_modal_projector.linear_1.weight`) trains.
     pub fn trains(self, name: &str) -> bool {
-        let merger = name.starts_with("merger.") || crate::config::vision::beside_tower(name);
+        let merger = name.starts_with("merger.")
+            || name.starts_with("deepstack_merger_list.")
+            || crate::config::vision::beside_tower(name);
         match self {
             TowerTraining::Frozen => false,
             TowerTraining::Projector => merger,
@@ -180,6 +183,8 @@ mod tests {
         assert!(!TowerTraining::Frozen.trains("merger.mlp.0.weight"));
         assert!(TowerTraining::Projector.trains("multi_modal_projector.linear_2.bias"));
         assert!(TowerTraining::Projector.trains("image_newline"));
+        assert!(TowerTraining::Projector.trains("deepstack_merger_list.0.linear_fc1.weight"));
+        assert!(!TowerTraining::Encoder.trains("deepstack_merger_list.1.norm.bias"));
         assert!(!TowerTraining::Projector.trains("encoder.layers.0.mlp.fc1.weight"));
         assert!(TowerTraining::Encoder.trains("blocks.0.attn.qkv.weight"));
         assert!(TowerTraining::Encoder.trains("patch_embed.proj.weight"));
