@@ -18,10 +18,11 @@ name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, pe
 The trained-tower cases, each the same step with parts of the tower trained too, then torch's
 AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
 DIR/vlm/golden{,-qwen3vl,-qwen3_5}/projector (`vlm.freeze_projector: false`, as LlamaFactory's
-`freeze_multi_modal_projector: false`: the merger, and Qwen3-VL's deepstack mergers), and Qwen2.5-VL's
-DIR/vlm/golden/tower (`vlm: {freeze_vision_encoder: false, freeze_projector: false}`: every
-tensor of the tower) and DIR/vlm/golden/encoder (LlamaFactory's `freeze_vision_tower: false`:
-the patch embedding and the blocks under a frozen merger): run.yaml, expected.json,
+`freeze_multi_modal_projector: false`: the merger, and Qwen3-VL's deepstack mergers), and
+DIR/vlm/golden{,-qwen3vl,-qwen3_5}/tower (`vlm: {freeze_vision_encoder: false, freeze_projector:
+false}`: every tensor of the tower) and DIR/vlm/golden{,-qwen3vl,-qwen3_5}/encoder (LlamaFactory's
+`freeze_vision_tower: false`: the patch embedding (and learned positions) and the blocks under
+a frozen merger and deepstack mergers): run.yaml, expected.json,
 grads0.safetensors (the tower's
 gradients beside the language model's) and step1.safetensors (every trained tensor after the
 step, checkpoint names).
@@ -234,13 +235,15 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
         # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false);
         # Qwen3-VL's deepstack mergers with it.
         adamw_case("projector", True, False, "freeze_multi_modal_projector: false\n")
-    if family == "qwen2vl":
-        # The whole tower trained (MegaTrain's keys): the encoder's blocks (a window one and
-        # a full one) and patch embedding too.
-        adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
-        # The encoder under a frozen merger (LlamaFactory's key): the gradient passes
-        # through the merger.
-        adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
+    # Every family's tower trains. Qwen2.5-VL: blocks under windows and a full one, RMSNorm,
+    # gated MLP; Qwen3-VL and Qwen3.5: LayerNorm with bias, plain GELU MLP, the learned
+    # positions' bilinear resampling and the patch embedding's bias, Qwen3-VL's tapped
+    # blocks' outputs read by the deepstack mergers too.
+    # The whole tower trained (MegaTrain's keys): the encoder's blocks and patch embedding too.
+    adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+    # The encoder under a frozen merger (LlamaFactory's key): the gradient passes through the
+    # merger (and Qwen3-VL's deepstack mergers).
+    adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
 
     # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
     # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
