@@ -12,14 +12,15 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields, default)]
 pub struct VlmSection {
     /// Keep the vision encoder (the patch embedding and the tower's blocks) frozen; false
-    /// trains it with the language model (Qwen2.5-VL): its tensors join the embedding
+    /// trains it with the language model (Qwen2.5-VL, Qwen3-VL, Qwen3.5): its tensors join the embedding
     /// block (fp32 master and Adam moments, weight decay on its matrices, clipped in the
     /// global norm, checkpointed and exported under their hub names), each block's input
     /// kept from the forward and the block recomputed with grad in the embedding's
     /// backward.
     pub freeze_vision_encoder: bool,
-    /// Keep the projector (the patch merger of Qwen2.5-VL or Qwen3.5, `visual.merger.*`;
-    /// LLaVA-NeXT's `multi_modal_projector.*` and `image_newline`) frozen; false trains it
+    /// Keep the projector (the patch merger of the Qwen towers, `visual.merger.*`, with
+    /// Qwen3-VL's `visual.deepstack_merger_list.*`; LLaVA-NeXT's `multi_modal_projector.*`
+    /// and `image_newline`) frozen; false trains it
     /// with the language model, as the encoder above.
     pub freeze_projector: bool,
 }

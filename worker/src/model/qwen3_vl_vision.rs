@@ -3,9 +3,12 @@
 //! tokens and whose deepstack features (`deepstack_features`) its first decoder layers add
 //! there (`Qwen3VLTextModel._deepstack_process`). Qwen3.5's tower (`Qwen3_5VisionModel`) is
 //! this one with no deepstack merger (its spec lists none). Frozen, forward only
-//! ([`qwen3_vl_vision`]); or in two halves, the encoder ([`qwen3_vl_encoder`]: up to the
-//! merger's input, and the deepstack features) and the merger ([`qwen3_vl_merger`]), so that
-//! a trained merger (Qwen3.5's) runs with grad; the halves leave grad mode to the caller.
+//! ([`qwen3_vl_vision`]); or in parts, the encoder ([`qwen3_vl_encoder`]: up to the merger's
+//! input, and the deepstack mergers' inputs), the merger ([`qwen3_vl_merger`]) and the
+//! deepstack mergers ([`qwen3_vl_deepstack`]), so that a trained projector runs with grad;
+//! and the encoder in steps ([`patch_embed`], then each [`vision_block`] over one
+//! [`Geometry`]), so that a trained encoder's blocks are recomputed with grad one at a time.
+//! The parts leave grad mode to the caller.
 //!
 //! ```text
 //! patches (N, P) -> patch embed (a Conv3d with bias whose stride is its kernel: one matmul)
