@@ -65,9 +65,12 @@
 #    (`vlm.freeze_vision_encoder: false` too: the blocks recomputed with grad in bf16, the
 #    masked SDPA's backward on the GPU): losses within 2e-2, and the tower's step-1
 #    gradients within 2e-2 together (relative L2). The tiny Qwen3-VL (golden-qwen3vl:
-#    deepstack features, interleaved mrope) likewise, losses on 1 GPU; the tiny Qwen3.5
+#    deepstack features, interleaved mrope) likewise, losses on 1 GPU, frozen, with its
+#    projector (the merger and the deepstack mergers) trained, and with its whole tower
+#    trained (the tower's step-1 gradients within 2e-2 together too); the tiny Qwen3.5
 #    (golden-qwen3_5: Gated DeltaNet and gated attention layers, the interleaved mrope over a
-#    partial RoPE, the tower without deepstack) likewise, and with its projector trained; and
+#    partial RoPE, the tower without deepstack) likewise, with its projector trained and with
+#    its whole tower trained; and
 #    the tiny LLaVA-NeXT (golden-llava_next: CLIP tower over any-resolution tiles, unpadded
 #    with its newline), losses on 1 GPU, frozen and with its projector trained.
 #
@@ -240,9 +243,22 @@ if part vlm; then
       vlm=(--config "$VLM/golden-qwen3vl/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
       vrun cpu_vlm3 "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm3 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      # Its projector (the deepstack mergers with the merger) and its whole tower trained
+      # (the golden's own configs); the tower's step-1 gradients too.
+      if [ -f "$VLM/golden-qwen3vl/tower/run.yaml" ]; then
+        for case in projector tower; do
+          vlm=(--config "$VLM/golden-qwen3vl/$case/run.yaml" --set training.save_model=false
+               --set training.learning_rate=3e-3 --set training.max_grad_norm=1000)
+          vrun "cpu_vlm3_$case" "${cpu[@]}" --set "training.num_steps=$STEPS"
+          vrun "gpu1_vlm3_$case" --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+        done
+        vrun cpu_vlm3_tower_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm3_tower_step1.grads"
+        vrun gpu1_vlm3_tower_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm3_tower_step1.grads"
+      fi
     fi
     # The tiny Qwen3.5 (hybrid text model, tower without deepstack): losses, 1 GPU against
-    # CPU, the projector frozen (the golden's config) and trained (its projector config).
+    # CPU, the projector frozen (the golden's config), trained (its projector config), and the
+    # whole tower trained (its tower config, where the fixtures have it).
     # Its Gated DeltaNet layers in bf16 are further from f32 than 2e-2 by themselves (step 1's
     # gradients 4.8e-2 in bf16 on the CPU, the reference delta rule; 4.6e-2 / 5.5e-2 on the
     # GPU, reference / chunked), so they are held as scripts/check_gated_delta.sh holds a
@@ -253,7 +269,8 @@ if part vlm; then
     # the loss falls from 6.4 to 1.0 in 12 steps and a 5% gradient rounding at one step moves
     # the rest by 1-2% on the CPU in bf16 alone).
     if [ -f "$VLM/golden-qwen3_5/run.yaml" ]; then
-      for case in "" projector; do
+      for case in "" projector tower; do
+        [ -f "$VLM/golden-qwen3_5/${case:+$case/}run.yaml" ] || continue
         vlm=(--config "$VLM/golden-qwen3_5/${case:+$case/}run.yaml" --set training.save_model=false
              --set training.learning_rate=1e-3 --set training.max_grad_norm=1000)
         n=vlm35${case:+_$case}
@@ -452,7 +469,10 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
         check("gpu1_vlm_projector", "cpu_vlm_projector", 2e-2, keys=(("loss", "steps"),))
     if os.path.exists(f"{work}/cpu_vlm3.jsonl"):
         check("gpu1_vlm3", "cpu_vlm3", 2e-2, keys=(("loss", "steps"),))
-    for name in ("vlm35", "vlm35_projector"):
+    for case in ("projector", "tower"):
+        if os.path.exists(f"{work}/cpu_vlm3_{case}.jsonl"):
+            check(f"gpu1_vlm3_{case}", f"cpu_vlm3_{case}", 2e-2, keys=(("loss", "steps"),))
+    for name in ("vlm35", "vlm35_projector", "vlm35_tower"):
         if os.path.exists(f"{work}/cpu_{name}.jsonl"):
             own, ref = load(f"cpu_{name}_bf16", "loss"), load(f"cpu_{name}", "loss")
             own = max(abs(a - b) / abs(b) for a, b in zip(own, ref)) if len(own) == len(ref) else 1.0
@@ -476,13 +496,17 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
         check("gpu1_vlm_llava_projector", "cpu_vlm_llava_projector", 2e-2, keys=(("loss", "steps"),))
     if os.path.exists(f"{work}/cpu_vlm_tower.jsonl"):
         check("gpu1_vlm_tower", "cpu_vlm_tower", 2e-2, keys=(("loss", "steps"),))
-        ga = tensors(f"{work}/gpu1_vlm_tower_step1.grads")
-        gb = tensors(f"{work}/cpu_vlm_tower_step1.grads")
-        tower = sorted(n for n in gb if n.startswith("visual."))
+    # The trained towers' step-1 gradients (Qwen2.5-VL's hub names, Qwen3-VL's class's).
+    for name, prefix in (("vlm_tower", "visual."), ("vlm3_tower", "model.visual.")):
+        if not os.path.exists(f"{work}/cpu_{name}_step1.grads"):
+            continue
+        ga = tensors(f"{work}/gpu1_{name}_step1.grads")
+        gb = tensors(f"{work}/cpu_{name}_step1.grads")
+        tower = sorted(n for n in gb if n.startswith(prefix))
         good = ga.keys() == gb.keys() and len(tower) > 0
         whole = rel_l2([x for n in tower for x in ga[n][1]], [x for n in tower for x in gb[n][1]]) if good else 1.0
         ok &= good and whole <= bound
-        print(f"vlm tower trained, gpu1 vs cpu step-1 gradients: the tower's {len(tower)} tensors together "
+        print(f"{name} trained, gpu1 vs cpu step-1 gradients: the tower's {len(tower)} tensors together "
               f"relative L2 {whole:.2e} (bound {bound:.0e})" + ("" if good else " (FAIL: tensor names differ)"))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose

@@ -18,11 +18,12 @@ DIR/vlm/golden-qwen3_5_moe (Qwen3.5-MoE: the same with experts and a shared expe
 name), plus tower_flops.json (the tower's forward FLOPs as torch counts them, per grid).
 The trained-tower cases, each the same step with parts of the tower trained too, then torch's
 AdamW step (weight decay on the tensors of >= 2 dims, clipped to max_grad_norm):
-DIR/vlm/golden{,-qwen3_5}/projector (Qwen2.5-VL and Qwen3.5: `vlm.freeze_projector: false`,
-as LlamaFactory's `freeze_multi_modal_projector: false`: the merger), and Qwen2.5-VL's
-DIR/vlm/golden/tower (`vlm: {freeze_vision_encoder: false, freeze_projector: false}`: every
-tensor of the tower) and DIR/vlm/golden/encoder (LlamaFactory's `freeze_vision_tower: false`:
-the patch embedding and the blocks under a frozen merger): run.yaml, expected.json,
+DIR/vlm/golden{,-qwen3vl,-qwen3_5}/projector (`vlm.freeze_projector: false`, as LlamaFactory's
+`freeze_multi_modal_projector: false`: the merger, and Qwen3-VL's deepstack mergers), and
+DIR/vlm/golden{,-qwen3vl,-qwen3_5}/tower (`vlm: {freeze_vision_encoder: false, freeze_projector:
+false}`: every tensor of the tower) and DIR/vlm/golden{,-qwen3vl,-qwen3_5}/encoder (LlamaFactory's
+`freeze_vision_tower: false`: the patch embedding (and learned positions) and the blocks under
+a frozen merger and deepstack mergers): run.yaml, expected.json,
 grads0.safetensors (the tower's
 gradients beside the language model's) and step1.safetensors (every trained tensor after the
 step, checkpoint names).
@@ -187,14 +188,18 @@ def golden(family, build, out_name, seed, projector):
         assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
         return name
 
+    def projector_tensor(n):
+        """Whether tower tensor `n` is the projector's: the merger, and Qwen3-VL's deepstack
+        mergers (whose features the first decoder layers add)."""
+        return n.startswith(("merger.", "deepstack_merger_list."))
+
     def step(train_merger, train_encoder=False):
         """One forward and backward on every record, the tower's merger trained where
         `train_merger`, its encoder (patch embedding and blocks) where `train_encoder`, else
         frozen: (loss, {checkpoint name: gradient}, grad norm)."""
         model.zero_grad(set_to_none=True)
         for n, p in model.model.visual.named_parameters():
-            merger = n.startswith("merger.")
-            p.requires_grad_(train_merger if merger else train_encoder)
+            p.requires_grad_(train_merger if projector_tensor(n) else train_encoder)
         out_ = model(input_ids=ids, attention_mask=mask, pixel_values=pix["pixel_values"],
                      image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=(ids == cfg.image_token_id).long())
         logits = out_.logits
@@ -245,9 +250,11 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
         checkpoint names). The model's weights are put back after."""
         before = {k: v.clone() for k, v in model.state_dict().items()}
         loss, grads, norm = step(train_merger, train_encoder)
-        visual = [n for n in grads if n.startswith(tower)]
-        assert train_merger == any(n.startswith(tower + "merger.") for n in visual)
-        assert train_encoder == any(not n.startswith(tower + "merger.") for n in visual)
+        visual = [n.removeprefix(tower) for n in grads if n.startswith(tower)]
+        assert train_merger == any(projector_tensor(n) for n in visual)
+        assert train_encoder == any(not projector_tensor(n) for n in visual)
+        deepstack = [n for n in visual if n.startswith("deepstack_merger_list.")]
+        assert not deepstack or len(deepstack) == 6 * len(cfg.vision_config.deepstack_visual_indexes)
         LR, WD, EPS, CLIP = 0.001, 0.1, 1e-3, norm / 2
         params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
         torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
@@ -266,15 +273,18 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
         model.load_state_dict(before)
 
     if projector:
-        # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false).
+        # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false);
+        # Qwen3-VL's deepstack mergers with it.
         adamw_case("projector", True, False, "freeze_multi_modal_projector: false\n")
-    if family == "qwen2vl":
-        # The whole tower trained (MegaTrain's keys): the encoder's blocks (a window one and
-        # a full one) and patch embedding too.
-        adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
-        # The encoder under a frozen merger (LlamaFactory's key): the gradient passes
-        # through the merger.
-        adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
+    # Every family's tower trains. Qwen2.5-VL: blocks under windows and a full one, RMSNorm,
+    # gated MLP; Qwen3-VL and Qwen3.5: LayerNorm with bias, plain GELU MLP, the learned
+    # positions' bilinear resampling and the patch embedding's bias, Qwen3-VL's tapped
+    # blocks' outputs read by the deepstack mergers too.
+    # The whole tower trained (MegaTrain's keys): the encoder's blocks and patch embedding too.
+    adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+    # The encoder under a frozen merger (LlamaFactory's key): the gradient passes through the
+    # merger (and Qwen3-VL's deepstack mergers).
+    adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
 
     # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
     # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
@@ -296,6 +306,6 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
 
 
 golden("qwen2vl", qwen2_5_vl, "golden", 4949, projector=True)
-golden("qwen3vl", qwen3_vl, "golden-qwen3vl", 4950, projector=False)
+golden("qwen3vl", qwen3_vl, "golden-qwen3vl", 4950, projector=True)
 golden("qwen3_5", qwen3_5, "golden-qwen3_5", 4951, projector=True)
 golden("qwen3_5", qwen3_5_moe, "golden-qwen3_5_moe", 4952, projector=False)

@@ -346,36 +346,27 @@ pub fn run_layout(
         .into());
     };
     if training.encoder() && !trains_encoder(&vision) {
-        // Qwen3-VL's deepstack features enter the first decoder layers' outputs: their
-        // gradient arrives in those layers' backward, before the embedding's, where nothing
-        // gathers it yet; the other towers' encoders run forward only.
+        // The SigLIP and CLIP towers run forward only.
         use mt::config::vision::TowerSpec;
         let why = match &vision {
-            TowerSpec::Qwen(v) if !v.deepstack_taps().is_empty() => {
-                "its deepstack features join the first decoder layers, whose backward does not hand their gradient to the tower"
-            }
-            TowerSpec::Qwen(_) => "its Qwen3-VL-style encoder has no backward here yet",
             TowerSpec::Siglip(_) => "its SigLIP tower has no backward here",
-            TowerSpec::Clip(_) => "its CLIP tower has no backward here",
+            _ => "its CLIP tower has no backward here",
         };
         return Err(mt::Error::invalid(
             key,
             format!(
-                "false trains Qwen2.5-VL's vision encoder only; `{}`'s encoder trains frozen for now ({why}; use {key}: true)",
+                "false trains the vision encoders of Qwen2.5-VL, Qwen3-VL and Qwen3.5 only; `{}`'s encoder trains frozen for now ({why}; use {key}: true)",
                 vision.model_type(),
             ),
         )
         .into());
     }
     if training.projector() && !trains_projector(&vision) {
-        let why = match &vision {
-            mt::config::vision::TowerSpec::Siglip(_) => "its SigLIP projector has no backward here",
-            _ => "its deepstack mergers read the tower's blocks beside its merger",
-        };
+        let why = "its SigLIP projector has no backward here";
         return Err(mt::Error::invalid(
             "vlm.freeze_projector",
             format!(
-                "false trains the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only; `{}`'s tower and projector train frozen for now ({why}; use vlm.freeze_projector: true)",
+                "false trains the projectors of Qwen2.5-VL, Qwen3-VL, Qwen3.5 and LLaVA-NeXT only; `{}`'s tower and projector train frozen for now ({why}; use vlm.freeze_projector: true)",
                 vision.model_type(),
             ),
         )
@@ -393,21 +384,19 @@ pub fn run_layout(
     Ok(Layout::with_tower(spec, &vision, training))
 }
 
-/// Whether `vision`'s encoder can train (`vlm.freeze_vision_encoder: false`): Qwen2.5-VL's.
+/// Whether `vision`'s encoder can train (`vlm.freeze_vision_encoder: false`): the Qwen
+/// towers' (Qwen2.5-VL's, Qwen3-VL's with its deepstack taps, Qwen3.5's).
 pub fn trains_encoder(vision: &mt::config::vision::TowerSpec) -> bool {
-    use mt::config::vision::{TowerSpec, VisionFamily};
-    matches!(vision, TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl)
+    matches!(vision, mt::config::vision::TowerSpec::Qwen(_))
 }
 
-/// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): Qwen2.5-VL's
-/// merger and Qwen3.5's (Qwen3-VL's tower without deepstack mergers), LLaVA-NeXT's projector
-/// and newline. Qwen3-VL's deepstack mergers read the blocks beside its merger, and Gemma 3's
-/// projector follows a SigLIP tower: those train frozen.
+/// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): the Qwen towers'
+/// merger (Qwen3-VL's deepstack mergers with it), LLaVA-NeXT's projector and newline.
+/// Gemma 3's projector follows a SigLIP tower: it trains frozen.
 pub fn trains_projector(vision: &mt::config::vision::TowerSpec) -> bool {
     use mt::config::vision::TowerSpec;
     match vision {
-        TowerSpec::Qwen(v) => v.deepstack_taps().is_empty(),
-        TowerSpec::Clip(_) => true,
+        TowerSpec::Qwen(_) | TowerSpec::Clip(_) => true,
         TowerSpec::Siglip(_) => false,
     }
 }

@@ -372,6 +372,38 @@ fn plan_for_qwen2_5_vl_7b_counts_a_trained_tower() {
     assert!(!plan(&[]).contains("of which the vision tower"));
 }
 
+/// Qwen3-VL-8B from its shipped architecture with its projector trained: the merger and its
+/// three deepstack mergers (width 1152, merge 2 x 2, output 4096: the merger's LayerNorm over
+/// 1152, each deepstack merger's over 4608, then Linear 4608 -> 4608 and 4608 -> 4096 with
+/// biases each) join the trained parameters, and the device keeps the four mergers' inputs
+/// and the three deepstack features' gradients; with its encoder trained, the block inputs
+/// (the taps among them) and the same gradients.
+#[test]
+fn plan_for_qwen3_vl_8b_counts_its_trained_projector_and_encoder() {
+    let plan = |extra: &[&str]| plan_one_h200("qwen3_vl_8b.yaml", extra);
+    let json = |extra: &[&str]| -> serde_json::Value {
+        serde_json::from_str(&plan(&[extra, &["--json"]].concat())).unwrap()
+    };
+    let linears = 4608 * 4608 + 4608 + 4608 * 4096 + 4096;
+    let projector = (2 * 1152 + linears) + 3 * (2 * 4608 + linears);
+    let trained = json(&["--set", "vlm.freeze_projector=false"]);
+    assert_eq!(trained["host"]["tower_params"].as_u64(), Some(projector));
+    let text = plan(&["--set", "vlm.freeze_projector=false"]);
+    for line in [
+        "the projector's input, kept",
+        "the deepstack features' gradients",
+    ] {
+        assert!(text.contains(line), "no `{line}` in:\n{text}");
+    }
+    let text = plan(&["--set", "vlm.freeze_vision_encoder=false"]);
+    for line in [
+        "the tower's pixels and block inputs, kept",
+        "the deepstack features' gradients",
+    ] {
+        assert!(text.contains(line), "no `{line}` in:\n{text}");
+    }
+}
+
 /// LLaVA-NeXT 7B from its shipped architecture: the bench shape (random init: the Mistral
 /// text model alone, 7.24B) and the recipe on the hub's weights, whose plan counts the frozen
 /// CLIP tower, projector and image_newline (0.32B parameters: 0.65 GB in bf16) on the host and

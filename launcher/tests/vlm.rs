@@ -10,7 +10,8 @@
 //! whose partial RoPE turns under the interleaved mrope) behind Qwen3-VL's tower without
 //! deepstack mergers.
 //!
-//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, LLaVA-NeXT's
+//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, Qwen3-VL's merger and
+//! deepstack mergers, LLaVA-NeXT's
 //! projector and newline): its gradients too, and the step's weights against torch's AdamW.
 //! And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py): its SigLIP tower and projector,
 //! the image blocks' bidirectional attention; and a tiny LLaVA-NeXT
@@ -145,6 +146,43 @@ fn qwen3_5_with_the_projector_trained_matches_transformers() {
     trained_step_matches("golden-qwen3_5/projector", "vlm-qwen3_5-projector");
 }
 
+/// The whole tower of Qwen3-VL trained: its patch embedding (with bias) and learned
+/// positions (their bilinear resampling a gather: the gradient lands in the taps' rows),
+/// its three blocks (LayerNorm with bias, GELU MLP, attention within each frame), the
+/// merger and the deepstack mergers; the tapped blocks' outputs take the deepstack
+/// mergers' input gradients beside the next block's.
+#[test]
+fn qwen3_vl_with_the_tower_trained_matches_transformers() {
+    trained_step_matches("golden-qwen3vl/tower", "vlm-qwen3vl-tower");
+}
+
+/// Qwen3-VL's encoder (`freeze_vision_tower: false`) under the frozen merger and deepstack
+/// mergers: the gradient passes through them into the blocks.
+#[test]
+fn qwen3_vl_with_the_encoder_trained_matches_transformers() {
+    trained_step_matches("golden-qwen3vl/encoder", "vlm-qwen3vl-encoder");
+}
+
+/// Qwen3.5's tower (Qwen3-VL's without deepstack) trained whole, and its encoder alone.
+#[test]
+fn qwen3_5_with_the_tower_trained_matches_transformers() {
+    trained_step_matches("golden-qwen3_5/tower", "vlm-qwen3_5-tower");
+}
+
+#[test]
+fn qwen3_5_with_the_encoder_trained_matches_transformers() {
+    trained_step_matches("golden-qwen3_5/encoder", "vlm-qwen3_5-encoder");
+}
+
+/// The same for Qwen3-VL: the merger and both deepstack mergers (`deepstack_merger_list.*`)
+/// trained over the frozen encoder's kept outputs, the deepstack mergers' gradient gathered
+/// from the first two decoder layers' output gradients at the image tokens, where their
+/// features are added.
+#[test]
+fn qwen3_vl_with_the_projector_trained_matches_transformers() {
+    trained_step_matches("golden-qwen3vl/projector", "vlm-qwen3vl-projector");
+}
+
 /// The same for LLaVA-NeXT (scripts/make_vlm_golden_llava_next.py's projector case): its
 /// projector (`multi_modal_projector.*`) and `image_newline` trained, recomputed with grad in
 /// the embedding's backward over the frozen tower's kept features: their gradients, the
@@ -201,8 +239,21 @@ fn trained_step_matches(case: &str, tag: &str) {
 /// resume with the encoder frozen is refused, naming the recorded setting.
 #[test]
 fn qwen2_5_vl_with_the_tower_trained_resumes_exactly() {
-    let dir = data_fixtures("vlm/golden/tower/expected.json").join("vlm/golden/tower");
-    let s = scratch("vlm-tower-resume");
+    tower_trained_resumes_exactly("golden", "vlm-tower-resume");
+}
+
+/// The same for Qwen3-VL: the deepstack mergers and the learned positions among the saved
+/// tower tensors.
+#[test]
+fn qwen3_vl_with_the_tower_trained_resumes_exactly() {
+    tower_trained_resumes_exactly("golden-qwen3vl", "vlm-qwen3vl-tower-resume");
+}
+
+/// [`qwen2_5_vl_with_the_tower_trained_resumes_exactly`]'s run of `vlm/{case}/tower`.
+fn tower_trained_resumes_exactly(case: &str, tag: &str) {
+    let dir =
+        data_fixtures(&format!("vlm/{case}/tower/expected.json")).join(format!("vlm/{case}/tower"));
+    let s = scratch(tag);
     let ck = format!("checkpoint.dir={}", s.join("ck").display());
     let run = |tag: &str, extra: &[&str]| {
         let m = s.join(format!("{tag}.jsonl"));
@@ -254,31 +305,25 @@ fn qwen2_5_vl_with_the_tower_trained_resumes_exactly() {
     }
 }
 
-/// A trained projector is Qwen2.5-VL's, Qwen3.5's and LLaVA-NeXT's only, a trained encoder
-/// Qwen2.5-VL's: on Qwen3-VL `vlm.freeze_projector: false` and `vlm.freeze_vision_encoder:
-/// false` are refused before training, naming the key and why (its deepstack features).
+/// A trained encoder is a Qwen tower's only: on LLaVA-NeXT (its CLIP tower runs forward
+/// only) `vlm.freeze_vision_encoder: false` is refused before training, naming the key, the
+/// model and why.
 #[test]
-fn qwen3_vl_with_the_projector_or_encoder_trained_is_refused() {
-    let dir = data_fixtures("vlm/golden-qwen3vl/expected.json").join("vlm/golden-qwen3vl");
-    let s = scratch("vlm-qwen3vl-projector");
-    for (key, only) in [
-        (
-            "vlm.freeze_projector",
-            "the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only",
-        ),
-        (
-            "vlm.freeze_vision_encoder",
-            "Qwen2.5-VL's vision encoder only",
-        ),
+fn llava_next_with_the_encoder_trained_is_refused() {
+    let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
+    let s = scratch("vlm-llava_next-encoder");
+    let key = "vlm.freeze_vision_encoder";
+    let set = ["--set", &format!("{key}=false")];
+    let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "trained: {err}");
+    for want in [
+        key,
+        "the vision encoders of Qwen2.5-VL, Qwen3-VL and Qwen3.5 only",
+        "llava_next",
+        "CLIP",
     ] {
-        let set = ["--set", &format!("{key}=false")];
-        let (out, _) = run_cpu(&dir.join("run.yaml"), 1, &s.join("metrics.jsonl"), &set);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "trained: {err}");
-        assert!(
-            err.contains(key) && err.contains(only) && err.contains("deepstack"),
-            "{err}"
-        );
+        assert!(err.contains(want), "no `{want}` in: {err}");
     }
 }
 
@@ -357,26 +402,28 @@ fn qwen2_5_vl_export_loads_in_transformers_and_answers_about_an_image() {
     );
 }
 
-/// The same for Qwen3-VL (its class's names: `model.language_model.*`, `model.visual.*`).
+/// The same for Qwen3-VL (its class's names: `model.language_model.*`, `model.visual.*`),
+/// with its tower frozen, its projector (the merger and the deepstack mergers) trained, and
+/// its encoder trained.
 #[test]
 fn qwen3_vl_export_loads_in_transformers_and_answers_about_an_image() {
     export_answers(
         "golden-qwen3vl",
         "model.visual.",
         "Qwen3VLProcessor",
-        &["frozen"],
+        &["frozen", "projector", "encoder"],
     );
 }
 
 /// The same for Qwen3.5 (`Qwen3_5ForConditionalGeneration`, AutoProcessor's Qwen3VLProcessor),
-/// with its projector frozen and trained.
+/// with its tower frozen, its projector trained, and its encoder trained.
 #[test]
 fn qwen3_5_export_loads_in_transformers_and_answers_about_an_image() {
     export_answers(
         "golden-qwen3_5",
         "model.visual.",
         "Qwen3VLProcessor",
-        &["frozen", "projector"],
+        &["frozen", "projector", "encoder"],
     );
 }
 
@@ -446,7 +493,7 @@ Processor.check_argument_for_proper_class = lambda self, name, arg: type(arg)
 for out, mode in runs:
     a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
     assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
-    merger = lambda k: k.startswith(prefix + "merger.")
+    merger = lambda k: k.startswith((prefix + "merger.", prefix + "deepstack_merger_list."))
     trains = {"frozen": lambda k: False, "projector": merger, "encoder": lambda k: not merger(k)}[mode]
     tower = [k for k in a if k.startswith(prefix) and not trains(k)]
     assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"

@@ -12,14 +12,15 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields, default)]
 pub struct VlmSection {
     /// Keep the vision encoder (the patch embedding and the tower's blocks) frozen; false
-    /// trains it with the language model (Qwen2.5-VL): its tensors join the embedding
+    /// trains it with the language model (Qwen2.5-VL, Qwen3-VL, Qwen3.5): its tensors join the embedding
     /// block (fp32 master and Adam moments, weight decay on its matrices, clipped in the
     /// global norm, checkpointed and exported under their hub names), each block's input
     /// kept from the forward and the block recomputed with grad in the embedding's
     /// backward.
     pub freeze_vision_encoder: bool,
-    /// Keep the projector (the patch merger of Qwen2.5-VL or Qwen3.5, `visual.merger.*`;
-    /// LLaVA-NeXT's `multi_modal_projector.*` and `image_newline`) frozen; false trains it
+    /// Keep the projector (the patch merger of the Qwen towers, `visual.merger.*`, with
+    /// Qwen3-VL's `visual.deepstack_merger_list.*`; LLaVA-NeXT's `multi_modal_projector.*`
+    /// and `image_newline`) frozen; false trains it
     /// with the language model, as the encoder above.
     pub freeze_projector: bool,
 }
@@ -39,8 +40,9 @@ pub enum TowerTraining {
     /// None: the tower and its projector are carried (the default).
     #[default]
     Frozen,
-    /// The projector (`merger.*`; beside the tower, `multi_modal_projector.*` and
-    /// LLaVA-NeXT's `image_newline`): the encoder's output is computed without grad.
+    /// The projector (`merger.*` and Qwen3-VL's `deepstack_merger_list.*`; beside the
+    /// tower, `multi_modal_projector.*` and LLaVA-NeXT's `image_newline`): the encoder's
+    /// output is computed without grad.
     Projector,
     /// The encoder (the patch embedding and the blocks), under a frozen projector.
     Encoder,
@@ -62,7 +64,9 @@ impl TowerTraining {
     /// Whether the tower's tensor `name` (as `TowerSpec::tensors` names it:
     /// `merger.ln_q.weight`, `multi_modal_projector.linear_1.weight`) trains.
     pub fn trains(self, name: &str) -> bool {
-        let merger = name.starts_with("merger.") || crate::config::vision::beside_tower(name);
+        let merger = name.starts_with("merger.")
+            || name.starts_with("deepstack_merger_list.")
+            || crate::config::vision::beside_tower(name);
         match self {
             TowerTraining::Frozen => false,
             TowerTraining::Projector => merger,
@@ -180,6 +184,8 @@ mod tests {
         assert!(!TowerTraining::Frozen.trains("merger.mlp.0.weight"));
         assert!(TowerTraining::Projector.trains("multi_modal_projector.linear_2.bias"));
         assert!(TowerTraining::Projector.trains("image_newline"));
+        assert!(TowerTraining::Projector.trains("deepstack_merger_list.0.linear_fc1.weight"));
+        assert!(!TowerTraining::Encoder.trains("deepstack_merger_list.1.norm.bias"));
         assert!(!TowerTraining::Projector.trains("encoder.layers.0.mlp.fc1.weight"));
         assert!(TowerTraining::Encoder.trains("blocks.0.attn.qkv.weight"));
         assert!(TowerTraining::Encoder.trains("patch_embed.proj.weight"));

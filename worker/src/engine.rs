@@ -615,6 +615,9 @@ impl Engine {
             let w = BlockWeights::leaves(&flat, &layout.blocks[layout.layer_block(l)])
                 .with(&self.buffers[l]);
             let x_bth = self.streamer.stashed_input(l)?;
+            if let Some(i) = input.images.as_deref_mut() {
+                i.gather_deepstack(l, &dy_bth);
+            }
             dy_bth = match self.kept[l].take() {
                 Some(kept) => {
                     layer::backward_kept(&self.spec, l, &w, x_bth, kept, dy_bth, ctx, batch.tile)
@@ -638,9 +641,14 @@ impl Engine {
         };
         // The image tokens' rows hold the tower's features: no gradient reaches the
         // embedding there; a trained projector's leaves (in this block) take it, and a
-        // trained encoder's, block by block, after.
+        // trained encoder's, block by block, after. Qwen3-VL's deepstack mergers, where the
+        // tower trains, are recomputed and backpropagated in the same pass.
         let e_bth = embed_tokens(&self.spec, &embed_w, &batch.ids_bt, input.images.as_deref())?;
-        crate::kernels::tape::backward_with_grads(vec![(e_bth, dy_bth)]);
+        let mut outputs = vec![(e_bth, dy_bth)];
+        if let Some(i) = input.images.as_deref_mut() {
+            outputs.extend(i.deepstack_outputs(&embed_w)?);
+        }
+        crate::kernels::tape::backward_with_grads(outputs);
         if let Some(i) = input.images.as_deref_mut() {
             i.encoder_backward(&embed_w)?;
         }

@@ -70,10 +70,8 @@ use tch::{Device, Kind, Tensor};
 
 pub use clip_vision::{ClipWeights, llava_next_encoder, llava_next_projected, llava_next_vision};
 pub use moe::RouterAux;
-pub use qwen2_vl_vision::{
-    Encoded, Geometry, VisionWeights, patch_embed, qwen2_5_vl_vision, vision_block,
-};
-pub use qwen3_vl_vision::qwen3_vl_vision;
+pub use qwen2_vl_vision::{Encoded, VisionWeights, qwen2_5_vl_vision};
+pub use qwen3_vl_vision::{qwen3_vl_deepstack, qwen3_vl_vision};
 use rope::Rope;
 pub use siglip_vision::{SiglipWeights, gemma3_vision};
 
@@ -85,19 +83,64 @@ pub enum TowerWeights {
 }
 
 /// A Qwen tower's encoder (all but its merger) over `pixel_values` (N, P) of images
-/// `grids`, for a merger that trains (`vlm.freeze_projector: false`): Qwen2.5-VL's or
-/// Qwen3.5's. Qwen3-VL's deepstack mergers read the blocks' outputs beside it, so its
-/// merger trains frozen (the launch refuses it).
-pub fn vision_encoder(w: &VisionWeights, pixel_values: &Tensor, grids: &[[u32; 3]]) -> Encoded {
+/// `grids`, for a projector that trains (`vlm.freeze_projector: false`): the merger's
+/// input, and Qwen3-VL's deepstack mergers' inputs (N, E) each ([`qwen3_vl_deepstack`];
+/// none for Qwen2.5-VL and Qwen3.5).
+pub fn vision_encoder(
+    w: &VisionWeights,
+    pixel_values: &Tensor,
+    grids: &[[u32; 3]],
+) -> (Encoded, Vec<Tensor>) {
     match w.spec.family {
-        VisionFamily::Qwen2_5Vl => qwen2_vl_vision::qwen2_5_vl_encoder(w, pixel_values, grids),
-        VisionFamily::Qwen3Vl => {
-            let (enc, deepstack) = qwen3_vl_vision::qwen3_vl_encoder(w, pixel_values, grids);
-            assert!(
-                deepstack.is_empty(),
-                "a trained merger beside deepstack mergers"
-            );
-            enc
+        VisionFamily::Qwen2_5Vl => (
+            qwen2_vl_vision::qwen2_5_vl_encoder(w, pixel_values, grids),
+            Vec::new(),
+        ),
+        VisionFamily::Qwen3Vl => qwen3_vl_vision::qwen3_vl_encoder(w, pixel_values, grids),
+    }
+}
+
+/// What a Qwen tower's steps read of a micro-batch's images besides the weights (its
+/// family's), built once for a trained encoder's forward and backward.
+pub enum Geometry {
+    Qwen2_5Vl(qwen2_vl_vision::Geometry),
+    Qwen3Vl(qwen3_vl_vision::Geometry),
+}
+
+impl Geometry {
+    pub fn new(s: &mt::config::vision::VisionSpec, grids: &[[u32; 3]], device: Device) -> Geometry {
+        match s.family {
+            VisionFamily::Qwen2_5Vl => {
+                Geometry::Qwen2_5Vl(qwen2_vl_vision::Geometry::new(s, grids, device))
+            }
+            VisionFamily::Qwen3Vl => {
+                Geometry::Qwen3Vl(qwen3_vl_vision::Geometry::new(s, grids, device))
+            }
+        }
+    }
+
+    /// The patch embedding of `pixel_values` (N, P) (Qwen3-VL's: with the learned
+    /// positions): block 0's input (N, E).
+    pub fn patch_embed(&self, w: &VisionWeights, pixel_values: &Tensor) -> Tensor {
+        match self {
+            Geometry::Qwen2_5Vl(g) => qwen2_vl_vision::patch_embed(w, pixel_values, g),
+            Geometry::Qwen3Vl(g) => qwen3_vl_vision::patch_embed(w, pixel_values, g),
+        }
+    }
+
+    /// Vision block `b` over `x_ne` (N, E).
+    pub fn block(&self, w: &VisionWeights, b: usize, x_ne: &Tensor) -> Tensor {
+        match self {
+            Geometry::Qwen2_5Vl(g) => qwen2_vl_vision::vision_block(w, b, x_ne, g),
+            Geometry::Qwen3Vl(g) => qwen3_vl_vision::vision_block(w, b, x_ne, g),
+        }
+    }
+
+    /// The encoder's output `x_ne` (N, E) as the merger reads it.
+    pub fn encoded(&self, x_ne: Tensor) -> Encoded {
+        match self {
+            Geometry::Qwen2_5Vl(g) => g.encoded(x_ne),
+            Geometry::Qwen3Vl(g) => g.encoded(x_ne),
         }
     }
 }
@@ -351,7 +394,8 @@ pub fn place_image_features(
 /// (B T, H) view, the image tokens' in order: Qwen3-VL's deepstack, as transformers'
 /// `_deepstack_process` adds a feature after each of the first decoder layers. The sum is
 /// elementwise, so equal to theirs bit for bit; its gradient with respect to `x_bth` is the
-/// identity (the feature is a constant: the tower is frozen).
+/// identity, and with respect to `f_mh` the rows `rows_m` of it (which the engine's
+/// backward gathers where the tower trains: [`crate::engine::MicroImages`]).
 pub fn add_at_image_tokens(x_bth: &Tensor, rows_m: &Tensor, f_mh: &Tensor) -> Tensor {
     let (b, t, h) = x_bth.size3().expect("(B, T, H) hidden states");
     x_bth

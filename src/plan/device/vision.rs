@@ -18,9 +18,10 @@ pub struct VisionDevice {
     pub patches_per_token: u64,
     /// The width of its output (the language model's hidden size).
     pub out_hidden: u64,
-    /// The projector (the merger) trains (`vlm.freeze_projector: false`): its input is
-    /// kept from the tower's forward and it is recomputed with grad in the embedding's
-    /// backward. Its weights are the embedding block's.
+    /// The projector (the merger, and Qwen3-VL's deepstack mergers) trains
+    /// (`vlm.freeze_projector: false`): its input (and each deepstack merger's, a tapped
+    /// block's output) is kept from the tower's forward and it is recomputed with grad in
+    /// the embedding's backward. Its weights are the embedding block's.
     pub projector_trained: bool,
     /// The encoder (the patch embedding and the blocks) trains
     /// (`vlm.freeze_vision_encoder: false`): each block's input and the encoder's output
@@ -142,16 +143,30 @@ impl VisionDevice {
             ),
         ];
         let patches = m * self.patches_per_token;
+        let deepstack = self.feature_sets - 1;
         if self.encoder_trained {
             // Its pixels (for the patch embedding's recompute), each block's input and
-            // the encoder's output (the merger's input).
+            // the encoder's output (the merger's input); the deepstack mergers' inputs are
+            // the tapped blocks' outputs, kept already.
             let per_patch = self.patch_values + (self.depth + 1) * self.hidden;
             parts.push((
                 "the tower's pixels and block inputs, kept",
                 patches * per_patch * s,
             ));
         } else if self.projector_trained {
-            parts.push(("the projector's input, kept", patches * self.hidden * s));
+            // The merger's input and each deepstack merger's.
+            parts.push((
+                "the projector's input, kept",
+                patches * self.hidden * s * (1 + deepstack),
+            ));
+        }
+        if (self.encoder_trained || self.projector_trained) && deepstack > 0 {
+            // Each deepstack feature's gradient at the image tokens, gathered in the
+            // decoder's backward for the embedding's.
+            parts.push((
+                "the deepstack features' gradients",
+                m * self.out_hidden * s * deepstack,
+            ));
         }
         parts
     }
@@ -159,7 +174,7 @@ impl VisionDevice {
     /// What a trained part adds to the embedding's backward over `m` image tokens. A
     /// trained projector recomputed with grad over every image token: per token its normed input and the two
     /// widths after the first Linear and the GELU (merge^2 x E each), its output, each
-    /// with its gradient; LLaVA-NeXT's holds its wider values (`projector_values`) per
+    /// with its gradient (Qwen3-VL: each deepstack merger's too, in the same pass); LLaVA-NeXT's holds its wider values (`projector_values`) per
     /// patch instead, and its packed output. A trained encoder: the merger as above (with grad into its
     /// input, trained or not), then each block, last to first, recomputed with grad over
     /// every patch, one at a time: the larger of the two. A block's graph per patch: the
@@ -173,7 +188,7 @@ impl VisionDevice {
             0 => 3 * merged + self.out_hidden,
             wide => self.patches_per_token * (self.hidden + wide) + self.out_hidden,
         };
-        let merger = 2 * m * per_token * s;
+        let merger = 2 * m * per_token * s * self.feature_sets;
         match (self.encoder_trained, self.projector_trained) {
             (false, false) => Vec::new(),
             (false, true) => vec![("the projector's recompute graph + gradients", merger)],

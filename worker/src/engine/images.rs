@@ -14,7 +14,15 @@
 //! grad in the forward, recomputed with grad on its leaves in the embedding's backward, where
 //! the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
 //! N x E) is kept for that. A trained encoder (`vlm.freeze_vision_encoder: false`,
-//! Qwen2.5-VL's) runs where the embedding does too, block by block ([`super::tower`]).
+//! Qwen2.5-VL's, Qwen3-VL's or Qwen3.5's) runs where the embedding does too, block by block
+//! ([`super::tower`]).
+//!
+//! Qwen3-VL's deepstack features, where the tower trains in any part, are computed in the
+//! forward from their mergers' kept inputs (the tapped blocks' outputs) with the embedding
+//! block's weights; the decoder's backward gathers the gradient at the image tokens of each
+//! layer's output that took one ([`MicroImages::gather_deepstack`]), and the embedding's
+//! backward recomputes the deepstack mergers with grad from it
+//! ([`MicroImages::deepstack_outputs`]).
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
 //! tower's width, I images, S the side of Gemma 3's images and of LLaVA-NeXT's tiles, Tt
@@ -36,7 +44,7 @@ use super::tower::EncoderPass;
 use crate::model::{
     BlockWeights, ClipWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens,
     gemma3_vision, llava_next_encoder, llava_next_projected, llava_next_vision, qwen2_5_vl_vision,
-    qwen3_vl_vision, vision_encoder, vision_merger,
+    qwen3_vl_deepstack, qwen3_vl_vision, vision_encoder, vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
@@ -75,7 +83,6 @@ impl Tower {
             (TowerWeights::Qwen(w), ImageProcessor::Qwen(px)) => {
                 let grids: Vec<[u32; 3]> = mb.images.iter().map(|im| im.grid).collect();
                 let pixels_np = qwen_pixels(px, &per_image, kind, device)?;
-                let deepstack = !w.spec.deepstack_taps().is_empty();
                 let (features, deepstack_mh) = match (w.spec.family, self.training) {
                     (VisionFamily::Qwen2_5Vl, TowerTraining::Frozen) => (
                         Features::Frozen(qwen2_5_vl_vision(w, &pixels_np, &grids)),
@@ -85,29 +92,15 @@ impl Tower {
                         let f = qwen3_vl_vision(w, &pixels_np, &grids);
                         (Features::Frozen(f.merged_mo), f.deepstack_mo)
                     }
-                    (_, TowerTraining::Projector) if deepstack => bail!(
-                        "vlm.freeze_projector: false trains the projectors of Qwen2.5-VL, \
-                         Qwen3.5 and LLaVA-NeXT only; `{}`'s tower (with deepstack mergers) is \
-                         frozen (set vlm.freeze_projector: true)",
-                        w.spec.model_type
-                    ),
-                    (_, TowerTraining::Projector) => (
-                        Features::Merger {
-                            enc: vision_encoder(w, &pixels_np, &grids),
-                            spec: w.spec.clone(),
-                        },
-                        Vec::new(),
-                    ),
-                    (VisionFamily::Qwen2_5Vl, t) => {
+                    (_, TowerTraining::Projector) => {
+                        let (enc, taps) = vision_encoder(w, &pixels_np, &grids);
+                        let spec = w.spec.clone();
+                        (Features::Merger { enc, spec, taps }, Vec::new())
+                    }
+                    (_, t) => {
                         let pass = EncoderPass::new(w, t, pixels_np, &grids);
                         (Features::Encoder(Box::new(pass)), Vec::new())
                     }
-                    (VisionFamily::Qwen3Vl, t) => bail!(
-                        "{}: false trains Qwen2.5-VL's encoder only; `{}`'s is frozen (set {}: true)",
-                        t.key(),
-                        w.spec.model_type,
-                        t.key()
-                    ),
                 };
                 MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
             }
@@ -271,8 +264,13 @@ fn gemma3_image(px: &Gemma3Images, im: &BatchImage) -> Result<Vec<f32>> {
 pub enum Features {
     /// The tower's output (M, H) (the projector frozen).
     Frozen(Tensor),
-    /// The projector's input; its weights are the embedding block's.
-    Merger { enc: Encoded, spec: VisionSpec },
+    /// The projector's input, and Qwen3-VL's deepstack mergers' inputs (N, E) each (the
+    /// frozen encoder's tapped blocks' outputs); its weights are the embedding block's.
+    Merger {
+        enc: Encoded,
+        spec: VisionSpec,
+        taps: Vec<Tensor>,
+    },
     /// LLaVA-NeXT's projector's input, the tower's patch features (Tt, N, E) of images of
     /// `sizes` (height, width); the projector's weights and the newline are the embedding
     /// block's.
@@ -283,6 +281,40 @@ pub enum Features {
     },
     /// Nothing yet: the encoder trains, and runs from the embedding block's weights.
     Encoder(Box<EncoderPass>),
+}
+
+impl Features {
+    /// The Qwen tower's weights where part of it trains: the trained ones from `embed_w`
+    /// (views, or leaves in the backward), the rest the frozen tower's; and Qwen3-VL's
+    /// deepstack mergers' inputs. None for a frozen tower and LLaVA-NeXT's projector.
+    fn trained_qwen(&self, embed_w: &BlockWeights) -> Option<(VisionWeights, &[Tensor])> {
+        match self {
+            Features::Merger { spec, taps, .. } => {
+                let trained = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&format!("{TOWER}{name}")).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                Some((VisionWeights::new(spec.clone(), trained), taps))
+            }
+            Features::Encoder(pass) => Some((pass.weights(embed_w), pass.taps())),
+            Features::Frozen(_) | Features::Projector { .. } => None,
+        }
+    }
+
+    /// Whether Qwen3-VL's deepstack features come from a tower that trains in some part:
+    /// their gradient is then gathered and carried into it.
+    fn trained_deepstack(&self) -> bool {
+        match self {
+            Features::Merger { spec, .. } => !spec.deepstack_taps().is_empty(),
+            Features::Encoder(pass) => pass.deepstack(),
+            Features::Frozen(_) | Features::Projector { .. } => false,
+        }
+    }
 }
 
 /// What a micro-batch's images bring to the language model.
@@ -304,6 +336,9 @@ pub struct MicroImages {
     /// (M,): the image tokens' rows in the flattened (B T) micro-batch, in order; set where
     /// there are deepstack features.
     pub rows_m: Option<Tensor>,
+    /// Where the deepstack features' tower trains: the gradient (M, H) of each at the image
+    /// tokens, gathered by the decoder's backward, in the features' order.
+    deepstack_dy: Vec<Option<Tensor>>,
 }
 
 impl MicroImages {
@@ -352,7 +387,7 @@ impl MicroImages {
                 );
             }
         }
-        let rows_m = match deepstack_mh.is_empty() {
+        let rows_m = match deepstack_mh.is_empty() && !features.trained_deepstack() {
             true => None,
             false => Some(Tensor::f_from_slice(&rows)?.f_to_device(device)?),
         };
@@ -365,6 +400,7 @@ impl MicroImages {
                 .map(|f| f.f_to_device(device))
                 .collect::<Result<_, _>>()?,
             rows_m,
+            deepstack_dy: Vec::new(),
         })
     }
 
@@ -378,6 +414,7 @@ impl MicroImages {
             block_bt: None,
             deepstack_mh: Vec::new(),
             rows_m: None,
+            deepstack_dy: Vec::new(),
         }
     }
 
@@ -406,6 +443,7 @@ impl MicroImages {
             block_bt: Some(block_bt),
             deepstack_mh: Vec::new(),
             rows_m: None,
+            deepstack_dy: Vec::new(),
         })
     }
 
@@ -417,17 +455,9 @@ impl MicroImages {
     pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
         match &self.features {
             Features::Frozen(f_mh) => f_mh.shallow_clone(),
-            Features::Merger { enc, spec } => {
-                let merger = spec
-                    .tensors()
-                    .into_iter()
-                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
-                    .map(|(name, _)| {
-                        let t = embed_w.get(&format!("{TOWER}{name}")).shallow_clone();
-                        (name, t)
-                    })
-                    .collect();
-                vision_merger(&VisionWeights::new(spec.clone(), merger), enc)
+            Features::Merger { enc, .. } => {
+                let (w, _) = (self.features.trained_qwen(embed_w)).expect("a trained merger");
+                vision_merger(&w, enc)
             }
             Features::Projector {
                 enc_tne,
@@ -452,11 +482,51 @@ impl MicroImages {
     /// Runs a trained encoder over the images from `embed_w`'s views (the forward's: no
     /// grad), each block's input kept where `keep` (a training step), before
     /// [`Self::features_mh`] reads its output; nothing for a frozen one, which ran when
-    /// the images were read.
+    /// the images were read. Where the deepstack features' tower trains, they are
+    /// computed here, from `embed_w`'s weights, for [`Self::after_layer`].
     pub fn encode(&mut self, embed_w: &BlockWeights, keep: bool) {
         if let Features::Encoder(pass) = &mut self.features {
             pass.forward(embed_w, keep);
         }
+        if self.features.trained_deepstack() {
+            let (w, taps) = (self.features.trained_qwen(embed_w)).expect("a trained tower");
+            self.deepstack_mh = qwen3_vl_deepstack(&w, taps);
+            self.deepstack_dy = self.deepstack_mh.iter().map(|_| None).collect();
+        }
+    }
+
+    /// In the decoder's backward, before layer `layer`'s: `dy_bth` (B, T, H) is the gradient
+    /// of that layer's output; where it took a deepstack feature of a tower that trains,
+    /// its rows at the image tokens are that feature's gradient, kept for
+    /// [`Self::deepstack_outputs`].
+    pub fn gather_deepstack(&mut self, layer: usize, dy_bth: &Tensor) {
+        let (Some(slot), Some(rows_m)) = (self.deepstack_dy.get_mut(layer), &self.rows_m) else {
+            return;
+        };
+        let h = *dy_bth.size().last().expect("(B, T, H)");
+        *slot = Some(dy_bth.reshape([-1, h]).index_select(0, rows_m));
+    }
+
+    /// In the embedding's backward, with `embed_w`'s leaves and grad mode on: each deepstack
+    /// feature of a tower that trains, recomputed with grad (into the deepstack mergers'
+    /// leaves, and a trained encoder's taps), paired with its gathered gradient, for one
+    /// backward with the embedding's; none otherwise.
+    pub fn deepstack_outputs(&mut self, embed_w: &BlockWeights) -> Result<Vec<(Tensor, Tensor)>> {
+        if self.deepstack_dy.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dy = std::mem::take(&mut self.deepstack_dy);
+        let (w, taps) = (self.features.trained_qwen(embed_w)).context("a trained tower")?;
+        let features = qwen3_vl_deepstack(&w, taps);
+        (features.into_iter().zip(dy).enumerate())
+            .map(|(i, (f_mh, dy_mh))| {
+                let dy_mh = dy_mh.with_context(|| {
+                    format!("deepstack feature {i}: its layer's backward gave no gradient")
+                })?;
+                let dy_mh = dy_mh.to_kind(f_mh.kind());
+                Ok((f_mh, dy_mh))
+            })
+            .collect()
     }
 
     /// After the embedding's backward (which reached the features through
@@ -472,7 +542,8 @@ impl MicroImages {
     /// Decoder layer `layer`'s output `y_bth` (B, T, H) as the next layer reads it: with
     /// the layer-th deepstack feature added at the image tokens where there is one
     /// (Qwen3-VL's first layers), else unchanged. The stash of layer `layer + 1` is this
-    /// sum; the backward passes the gradient through unchanged (an added constant).
+    /// sum; the backward passes the gradient through unchanged (and, where the tower
+    /// trains, gathers the feature's: [`Self::gather_deepstack`]).
     pub fn after_layer(&self, layer: usize, y_bth: Tensor) -> Tensor {
         match (self.deepstack_mh.get(layer), &self.rows_m) {
             (Some(f_mh), Some(rows_m)) => add_at_image_tokens(&y_bth, rows_m, f_mh),

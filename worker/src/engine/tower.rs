@@ -1,4 +1,5 @@
-//! A trained vision encoder (`vlm.freeze_vision_encoder: false`, Qwen2.5-VL) over one
+//! A trained vision encoder (`vlm.freeze_vision_encoder: false`: Qwen2.5-VL's, Qwen3-VL's and
+//! Qwen3.5's) over one
 //! micro-batch's images, designed as the decoder is: its weights are the embedding block's
 //! (streamed from the store with it, `mt::layout::Layout::with_tower`), the forward runs
 //! every block without grad and keeps only each block's input, and the embedding's
@@ -19,9 +20,7 @@ use mt::config::hf::TOWER;
 use tch::Tensor;
 
 use crate::kernels::tape::backward_with_grads;
-use crate::model::{
-    BlockWeights, Encoded, Geometry, VisionWeights, patch_embed, vision_block, vision_merger,
-};
+use crate::model::{BlockWeights, Encoded, Geometry, VisionWeights, vision_merger};
 
 /// One micro-batch's pass through a trained encoder.
 pub struct EncoderPass {
@@ -33,6 +32,10 @@ pub struct EncoderPass {
     geo: Geometry,
     /// Each block's input (N, E), block 0's first, kept by the forward for the backward.
     inputs: Vec<Tensor>,
+    /// The deepstack mergers' inputs (N, E) each (Qwen3-VL's tapped blocks' outputs, in
+    /// the order of [`crate::model::qwen3_vl_deepstack`]), leaves that require grad in a
+    /// training step; empty without deepstack.
+    taps: Vec<Tensor>,
     /// The encoder's output (the merger's input), after [`EncoderPass::forward`]: a leaf
     /// that requires grad, where the merger's recompute hands its gradient.
     encoded: Option<Encoded>,
@@ -65,13 +68,14 @@ impl EncoderPass {
             pixels_np,
             geo,
             inputs: Vec::new(),
+            taps: Vec::new(),
             encoded: None,
         }
     }
 
     /// The tower's weights: the trained ones from `embed_w` (the embedding block's views,
     /// or its leaves in the backward: `visual.blocks.0.attn.qkv.weight`), the rest frozen.
-    fn weights(&self, embed_w: &BlockWeights) -> VisionWeights {
+    pub fn weights(&self, embed_w: &BlockWeights) -> VisionWeights {
         let trained = (self.frozen.spec.tensors().into_iter())
             .filter(|(name, _)| self.training.trains(name))
             .map(|(name, _)| {
@@ -84,24 +88,40 @@ impl EncoderPass {
 
     /// The encoder's forward from `embed_w`'s views (no grad mode is set here: the
     /// engine's forward has none), each block's input kept where `keep` (a training step;
-    /// not an evaluation).
+    /// not an evaluation), and the deepstack mergers' inputs.
     pub fn forward(&mut self, embed_w: &BlockWeights, keep: bool) {
         let w = self.weights(embed_w);
         self.inputs.clear();
-        let mut x_ne = patch_embed(&w, &self.pixels_np, &self.geo);
+        self.taps.clear();
+        // A leaf where `keep`: what is recomputed with grad over it in the backward leaves
+        // its gradient there.
+        let leaf = |x: &Tensor| match keep {
+            true => x.detach().set_requires_grad(true),
+            false => x.shallow_clone(),
+        };
+        let tapped: Vec<usize> = w.spec.deepstack_taps().iter().map(|&(b, _)| b).collect();
+        let mut x_ne = self.geo.patch_embed(&w, &self.pixels_np);
         for b in 0..w.spec.depth {
-            let y_ne = vision_block(&w, b, &x_ne, &self.geo);
+            let y_ne = self.geo.block(&w, b, &x_ne);
+            if tapped.contains(&b) {
+                self.taps.push(leaf(&y_ne));
+            }
             let x = std::mem::replace(&mut x_ne, y_ne);
             if keep {
                 self.inputs.push(x);
             }
         }
-        // A leaf: the merger recomputed with grad in the backward leaves its gradient here.
-        let x_ne = match keep {
-            true => x_ne.detach().set_requires_grad(true),
-            false => x_ne,
-        };
-        self.encoded = Some(self.geo.encoded(x_ne));
+        self.encoded = Some(self.geo.encoded(leaf(&x_ne)));
+    }
+
+    /// Whether the tower has deepstack mergers (Qwen3-VL's).
+    pub fn deepstack(&self) -> bool {
+        !self.frozen.spec.deepstack_taps().is_empty()
+    }
+
+    /// The deepstack mergers' inputs the forward kept (leaves in a training step).
+    pub fn taps(&self) -> &[Tensor] {
+        &self.taps
     }
 
     /// The merger over the encoder's output (M, H), with `embed_w`'s weights where the
@@ -112,12 +132,13 @@ impl EncoderPass {
         vision_merger(&self.weights(embed_w), enc)
     }
 
-    /// After the embedding's backward has passed through the merger: the blocks, last to
-    /// first, recomputed with grad on `embed_w`'s leaves and on a leaf of each block's kept
-    /// input, backpropagated from the gradient of its output; then the patch embedding.
-    /// Each kept input is released once its block is done. Without a gradient at the
-    /// encoder's output (no image token reached the loss) nothing flows and the leaves
-    /// keep none (their gradient is written as zeros).
+    /// After the embedding's backward has passed through the merger (and the deepstack
+    /// mergers, into the taps): the blocks, last to first, recomputed with grad on
+    /// `embed_w`'s leaves and on a leaf of each block's kept input, backpropagated from the
+    /// gradient of its output (a tapped block's: plus its tap's); then the patch embedding.
+    /// Each kept input is released once its block is done. Where no gradient reached the
+    /// encoder's output or a tap (no image token reached the loss) nothing flows and the
+    /// leaves keep none (their gradient is written as zeros).
     pub fn backward(&mut self, embed_w: &BlockWeights) -> Result<()> {
         let enc = (self.encoded.take()).context("the encoder's backward before its forward")?;
         let depth = self.frozen.spec.depth;
@@ -127,20 +148,33 @@ impl EncoderPass {
                 self.inputs.len()
             );
         }
-        let mut dy_ne = enc.x_ne.grad();
-        if !dy_ne.defined() {
-            return Ok(());
-        }
+        let defined = |t: Tensor| t.defined().then_some(t);
+        let mut taps: Vec<(usize, Option<Tensor>)> = (self.frozen.spec.deepstack_taps().iter())
+            .zip(std::mem::take(&mut self.taps))
+            .map(|(&(b, _), t)| (b, defined(t.grad())))
+            .collect();
+        let mut dy_ne = defined(enc.x_ne.grad());
         let w = self.weights(embed_w);
         for b in (0..depth).rev() {
             let x_ne = self.inputs.pop().expect("checked above");
+            if let Some(at) = taps.iter().position(|&(t, _)| t == b) {
+                dy_ne = match (dy_ne, taps.remove(at).1) {
+                    (Some(d), Some(t)) => Some(d + t),
+                    (d, t) => d.or(t),
+                };
+            }
+            let Some(dy) = dy_ne else {
+                continue;
+            };
             let x_ne = x_ne.detach().set_requires_grad(true);
-            let y_ne = vision_block(&w, b, &x_ne, &self.geo);
-            backward_with_grads(vec![(y_ne, dy_ne)]);
-            dy_ne = x_ne.grad();
+            let y_ne = self.geo.block(&w, b, &x_ne);
+            backward_with_grads(vec![(y_ne, dy)]);
+            dy_ne = defined(x_ne.grad());
         }
-        let y_ne = patch_embed(&w, &self.pixels_np, &self.geo);
-        backward_with_grads(vec![(y_ne, dy_ne)]);
+        if let Some(dy) = dy_ne {
+            let y_ne = self.geo.patch_embed(&w, &self.pixels_np);
+            backward_with_grads(vec![(y_ne, dy)]);
+        }
         Ok(())
     }
 }

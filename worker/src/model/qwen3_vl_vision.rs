@@ -3,9 +3,12 @@
 //! tokens and whose deepstack features (`deepstack_features`) its first decoder layers add
 //! there (`Qwen3VLTextModel._deepstack_process`). Qwen3.5's tower (`Qwen3_5VisionModel`) is
 //! this one with no deepstack merger (its spec lists none). Frozen, forward only
-//! ([`qwen3_vl_vision`]); or in two halves, the encoder ([`qwen3_vl_encoder`]: up to the
-//! merger's input, and the deepstack features) and the merger ([`qwen3_vl_merger`]), so that
-//! a trained merger (Qwen3.5's) runs with grad; the halves leave grad mode to the caller.
+//! ([`qwen3_vl_vision`]); or in parts, the encoder ([`qwen3_vl_encoder`]: up to the merger's
+//! input, and the deepstack mergers' inputs), the merger ([`qwen3_vl_merger`]) and the
+//! deepstack mergers ([`qwen3_vl_deepstack`]), so that a trained projector runs with grad;
+//! and the encoder in steps ([`patch_embed`], then each [`vision_block`] over one
+//! [`Geometry`]), so that a trained encoder's blocks are recomputed with grad one at a time.
+//! The parts leave grad mode to the caller.
 //!
 //! ```text
 //! patches (N, P) -> patch embed (a Conv3d with bias whose stride is its kernel: one matmul)
@@ -27,7 +30,7 @@
 //! model's hidden size), G = side^2 learned positions.
 
 use mt::config::vision::VisionSpec;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::common::activation;
 use super::qwen2_vl_vision::{Encoded, Segments, VisionWeights, iproduct4, rotary, rotate};
@@ -52,64 +55,110 @@ pub fn qwen3_vl_vision(
     grids: &[[u32; 3]],
 ) -> Qwen3VlFeatures {
     let _no_grad = tch::no_grad_guard();
-    let (enc, deepstack_mo) = qwen3_vl_encoder(w, pixel_values, grids);
+    let (enc, taps) = qwen3_vl_encoder(w, pixel_values, grids);
     Qwen3VlFeatures {
         merged_mo: qwen3_vl_merger(w, &enc),
-        deepstack_mo,
+        deepstack_mo: qwen3_vl_deepstack(w, &taps),
     }
 }
 
 /// The patch embedding, the learned positions and every block over `pixel_values` (N, P)
 /// of images `grids`: the merger's input (in the rows' order, which is the tokens'), and
-/// the deepstack features (M, O) each, in the order the language model adds them.
+/// the deepstack mergers' inputs (N, E) each (the outputs of the blocks they read), in the
+/// order the language model adds their features ([`qwen3_vl_deepstack`]).
 pub fn qwen3_vl_encoder(
     w: &VisionWeights,
     pixel_values: &Tensor,
     grids: &[[u32; 3]],
 ) -> (Encoded, Vec<Tensor>) {
-    let s = &w.spec;
-    let (positions, frame_lens) = patch_positions(s, grids);
-    let n = positions.len() as i64;
-    assert_eq!(
-        pixel_values.size(),
-        [n, s.patch_len() as i64],
-        "pixel_values of grids {grids:?}"
-    );
-    let (kind, device) = (w.kind(), w.device());
-    let e = s.hidden_size as i64;
-    // (E, C, Tp, p, p) flattened as a patch row is: the Conv3d over one patch each.
-    let w_pe = w.get("patch_embed.proj.weight").reshape([e, -1]);
-    let x_ne = pixel_values
-        .to_device(device)
-        .to_kind(kind)
-        .linear(&w_pe, Some(w.get("patch_embed.proj.bias")));
-    let mut x_ne = x_ne + learned_positions(w, grids, &positions);
-    let (cos_nd, sin_nd) = rotary(s, &positions, device);
-    let frames = Segments::new(&frame_lens, device);
-    let mut deepstack_mo = Vec::new();
-    let mut taps = s.deepstack_taps().into_iter().peekable();
-    for b in 0..s.depth {
-        x_ne = block(w, b, &x_ne, &cos_nd, &sin_nd, &frames);
-        if let Some((_, k)) = taps.next_if(|&(at, _)| at == b) {
-            deepstack_mo.push(merger(
-                w,
-                &format!("deepstack_merger_list.{k}"),
-                &x_ne,
-                true,
-            ));
+    let geo = Geometry::new(&w.spec, grids, w.device());
+    let mut x_ne = patch_embed(w, pixel_values, &geo);
+    let mut taps_ne = Vec::new();
+    let tapped: Vec<usize> = w.spec.deepstack_taps().iter().map(|&(b, _)| b).collect();
+    for b in 0..w.spec.depth {
+        x_ne = vision_block(w, b, &x_ne, &geo);
+        if tapped.contains(&b) {
+            taps_ne.push(x_ne.shallow_clone());
         }
     }
-    let enc = Encoded {
-        x_ne,
-        merged_back: None,
-    };
-    (enc, deepstack_mo)
+    (geo.encoded(x_ne), taps_ne)
+}
+
+/// The deepstack features (M, O) each, from their mergers' inputs `taps_ne` (N, E) each (as
+/// [`qwen3_vl_encoder`] orders them): with grad where `w`'s tensors or the inputs are leaves
+/// and grad mode is on.
+pub fn qwen3_vl_deepstack(w: &VisionWeights, taps_ne: &[Tensor]) -> Vec<Tensor> {
+    let taps = w.spec.deepstack_taps();
+    assert_eq!(taps.len(), taps_ne.len(), "one input per deepstack merger");
+    (taps.iter().zip(taps_ne))
+        .map(|(&(_, k), x_ne)| merger(w, &format!("deepstack_merger_list.{k}"), x_ne, true))
+        .collect()
 }
 
 /// The merger over the encoder's output: LayerNorm per patch, merge^2 patches side by side,
 /// Linear, GELU, Linear -> (M, O), one row per image token in order.
 pub fn qwen3_vl_merger(w: &VisionWeights, enc: &Encoded) -> Tensor {
     merger(w, "merger", &enc.x_ne, false)
+}
+
+/// What the tower's steps read of a micro-batch's images besides the weights, built once
+/// for its forward and a trained encoder's backward: each patch's four taps into the
+/// learned position table and their weights, its rotary tables, the frames.
+pub struct Geometry {
+    /// (N 4,): the taps' rows of `pos_embed.weight`.
+    pos_taps: Tensor,
+    /// (N, 4, 1) f32: the taps' weights.
+    pos_wts: Tensor,
+    /// (N, D) f32 each.
+    cos_nd: Tensor,
+    sin_nd: Tensor,
+    frames: Segments,
+    /// Patches (N) and values per patch (P) that `pixel_values` must have.
+    shape: [i64; 2],
+}
+
+impl Geometry {
+    pub fn new(s: &VisionSpec, grids: &[[u32; 3]], device: Device) -> Geometry {
+        let (positions, frame_lens) = patch_positions(s, grids);
+        let (idx, wts) = position_taps(s, grids, &positions);
+        let n = positions.len() as i64;
+        let (cos_nd, sin_nd) = rotary(s, &positions, device);
+        Geometry {
+            pos_taps: Tensor::from_slice(&idx).to_device(device),
+            pos_wts: Tensor::from_slice(&wts).to_device(device).view([n, 4, 1]),
+            cos_nd,
+            sin_nd,
+            frames: Segments::new(&frame_lens, device),
+            shape: [n, s.patch_len() as i64],
+        }
+    }
+
+    /// The encoder's output `x_ne` (N, E), in the rows' order, as the merger reads it.
+    pub fn encoded(&self, x_ne: Tensor) -> Encoded {
+        Encoded {
+            x_ne,
+            merged_back: None,
+        }
+    }
+}
+
+/// The patch embedding of `pixel_values` (N, P) (a Conv3d with bias whose stride is its
+/// kernel: one matmul) plus the learned positions: (N, E), block 0's input.
+pub fn patch_embed(w: &VisionWeights, pixel_values: &Tensor, geo: &Geometry) -> Tensor {
+    assert_eq!(pixel_values.size(), geo.shape, "pixel_values of the images");
+    let e = w.spec.hidden_size as i64;
+    // (E, C, Tp, p, p) flattened as a patch row is: the Conv3d over one patch each.
+    let w_pe = w.get("patch_embed.proj.weight").reshape([e, -1]);
+    let x_ne = pixel_values
+        .to_device(w.device())
+        .to_kind(w.kind())
+        .linear(&w_pe, Some(w.get("patch_embed.proj.bias")));
+    x_ne + learned_positions(w, geo)
+}
+
+/// Vision block `b` over `x_ne` (N, E): full attention within each frame.
+pub fn vision_block(w: &VisionWeights, b: usize, x_ne: &Tensor, geo: &Geometry) -> Tensor {
+    block(w, b, x_ne, &geo.cos_nd, &geo.sin_nd, &geo.frames)
 }
 
 /// Each patch's (row, column) in its frame, in the rows' order, and the patches per frame.
@@ -133,12 +182,16 @@ fn patch_positions(s: &VisionSpec, grids: &[[u32; 3]]) -> (Vec<[i64; 2]>, Vec<i6
     (positions, frame_lens)
 }
 
-/// The learned position embeddings at each patch (N, E): the (side, side) table resampled
-/// to the patch's frame grid (h, w) as `F.interpolate(mode="bilinear", align_corners=True)`
-/// does, written as transformers' `get_vision_interpolation_indices_and_weights` computes
-/// it: four taps per patch, their weights in f32, the weighted sum in f32, then cast.
-fn learned_positions(w: &VisionWeights, grids: &[[u32; 3]], positions: &[[i64; 2]]) -> Tensor {
-    let side = w.spec.position_grid_side();
+/// Each patch's four taps into the (side, side) learned position table and their weights,
+/// (N 4) each: the table resampled to the patch's frame grid (h, w) as
+/// `F.interpolate(mode="bilinear", align_corners=True)` does, written as transformers'
+/// `get_vision_interpolation_indices_and_weights` computes it (the weights in f32).
+fn position_taps(
+    s: &VisionSpec,
+    grids: &[[u32; 3]],
+    positions: &[[i64; 2]],
+) -> (Vec<i64>, Vec<f32>) {
+    let side = s.position_grid_side();
     let (mut idx, mut wts) = (Vec::new(), Vec::new());
     let mut at = 0;
     for &[t, h, gw] in grids {
@@ -157,15 +210,21 @@ fn learned_positions(w: &VisionWeights, grids: &[[u32; 3]], positions: &[[i64; 2
             at += frame;
         }
     }
+    (idx, wts)
+}
+
+/// The learned position embeddings at each patch (N, E): the four taps' rows of
+/// `pos_embed.weight`, their weighted sum in f32, then cast (a gather: its gradient
+/// lands in the taps' rows).
+fn learned_positions(w: &VisionWeights, geo: &Geometry) -> Tensor {
     let table_ge = w.get("pos_embed.weight");
-    let (kind, device) = (table_ge.kind(), table_ge.device());
-    let n = positions.len() as i64;
+    let kind = table_ge.kind();
+    let n = geo.shape[0];
     let taps_n4e = table_ge
-        .index_select(0, &Tensor::from_slice(&idx).to_device(device))
+        .index_select(0, &geo.pos_taps)
         .view([n, 4, -1])
         .to_kind(Kind::Float);
-    let wts_n41 = Tensor::from_slice(&wts).to_device(device).view([n, 4, 1]);
-    (taps_n4e * wts_n41)
+    (taps_n4e * &geo.pos_wts)
         .sum_dim_intlist(1, false, Kind::Float)
         .to_kind(kind)
 }
