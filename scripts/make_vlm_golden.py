@@ -140,7 +140,7 @@ def qwen3_5_moe(vocab, ids_of):
     return cfg, model
 
 
-def golden(family, build, out_name, seed, projector):
+def golden(family, build, out_name, seed, projector, towers=True):
     out = os.path.join(vlm, out_name)
     shutil.rmtree(out, ignore_errors=True)
     model_dir = os.path.join(out, "model")
@@ -281,10 +281,11 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
     # positions' bilinear resampling and the patch embedding's bias, Qwen3-VL's tapped
     # blocks' outputs read by the deepstack mergers too.
     # The whole tower trained (MegaTrain's keys): the encoder's blocks and patch embedding too.
-    adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
-    # The encoder under a frozen merger (LlamaFactory's key): the gradient passes through the
-    # merger (and Qwen3-VL's deepstack mergers).
-    adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
+    if towers:
+        adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+        # The encoder under a frozen merger (LlamaFactory's key): the gradient passes through
+        # the merger (and Qwen3-VL's deepstack mergers).
+        adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
 
     # The tower's forward FLOPs as torch counts them (FlopCounterMode: convolutions, matmuls,
     # SDPA), per image grid: what the metrics' model TFLOPS add for the images of a step
@@ -308,4 +309,5 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
 golden("qwen2vl", qwen2_5_vl, "golden", 4949, projector=True)
 golden("qwen3vl", qwen3_vl, "golden-qwen3vl", 4950, projector=True)
 golden("qwen3_5", qwen3_5, "golden-qwen3_5", 4951, projector=True)
-golden("qwen3_5", qwen3_5_moe, "golden-qwen3_5_moe", 4952, projector=False)
+# Qwen3.5-MoE: its tower is Qwen3.5's (trained there); the frozen case holds its experts.
+golden("qwen3_5", qwen3_5_moe, "golden-qwen3_5_moe", 4952, projector=False, towers=False)
