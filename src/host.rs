@@ -199,7 +199,9 @@ pub struct HostState {
     transfer: Option<SharedVec<f32>>,
     /// The drives holding the master and moments (`memory.optimizer_offload: nvme`), whose
     /// buffers in `master` and `moments` are then empty.
-    drives: Option<nvme::Drives>,
+    drives: Option<Arc<nvme::Drives>>,
+    /// The update's transfers to and from the drives in flight between blocks.
+    stream: offload::Stream,
 }
 
 /// The second pass of an update whose weights pass ran on every block: blocks
@@ -243,7 +245,7 @@ impl HostState {
                 let d = &m.nvme_path;
                 let drives =
                     nvme::Drives::create(d, &layout, m.master_weights, m.moments_dtype, &tag)?;
-                Some(drives)
+                Some(Arc::new(drives))
             }
         };
         // The master and moments: this node's pieces, or every element; none in RAM with
@@ -307,6 +309,7 @@ impl HostState {
             resident,
             transfer,
             drives,
+            stream: offload::Stream::default(),
         })
     }
 
@@ -707,6 +710,10 @@ impl HostState {
 impl Drop for HostState {
     fn drop(&mut self) {
         self.release_checkpoint();
+        if let Some(d) = &self.drives {
+            // Nothing left on the drives' threads.
+            let _ = self.stream.settle(d);
+        }
     }
 }
 

@@ -11,11 +11,15 @@
 //! the drives in parallel.
 //!
 //! An update (the weights pass, which writes the moments too: a later moments pass would
-//! read and write them again) reads window i + 1 and writes window i - 1 while it computes
-//! window i, each on threads of its own, so the drives and the cores work at once; the
-//! pass as a whole runs while the workers compute the next step's forward, as in RAM. The
-//! arithmetic is the RAM path's kernels on the same elements ([`super::passes`]), so the
-//! bits are the same.
+//! read and write them again) reads windows i + 1 and i + 2 ([`READ_AHEAD`]) and writes
+//! window i - 1 while it computes window i, each on threads of its own, so the drives and
+//! the cores work at once. The windows ahead run on across blocks: while a block's last
+//! window is computed the next blocks' first ones are read, and its writes finish during
+//! the next block's, so the drives are not idle between blocks (`MT_NVME_READ_AHEAD=0`:
+//! one window ahead within a block, each block's writes waited for at its end, as before,
+//! to measure against). The pass as a whole runs while the workers compute the next
+//! step's forward, as in RAM. The arithmetic is the RAM path's kernels on the same elements
+//! ([`super::passes`]), so the bits are the same.
 //!
 //! Files: created in each directory (refused where it is a symbolic link) with
 //! `O_CREAT | O_EXCL | O_NOFOLLOW` and mode 0600, so never over a file the run did not
@@ -37,7 +41,7 @@ use half::bf16;
 use crate::checkpoint::MasterRef;
 use crate::config::{DType, MasterWeights};
 use crate::layout::Layout;
-pub use crate::layout::drives::{BUFFERS, Field as Slot, PAD, STRIPE, WINDOW};
+pub use crate::layout::drives::{BUFFERS, Field as Slot, PAD, READ_AHEAD, STRIPE, WINDOW};
 use crate::layout::drives::{block_starts, field_sizes, file_len, window_len};
 use crate::shm::aligned::Aligned;
 use crate::{Error, Result};
@@ -200,8 +204,6 @@ pub struct Drives {
     window: usize,
     /// Elements per stripe: [`STRIPE`] (a test sets shorter ones).
     stripe: usize,
-    /// Buffers of the windows not in flight.
-    pub(super) spare: Vec<Window>,
     /// Set once a direct transfer was refused: the rest go through the page cache.
     direct_off: AtomicBool,
     read_bytes: AtomicU64,
@@ -209,7 +211,8 @@ pub struct Drives {
     /// Nanoseconds of reads and of writes.
     read_ns: AtomicU64,
     write_ns: AtomicU64,
-    wait_s: f64,
+    /// Nanoseconds the passes waited for the drives.
+    wait_ns: AtomicU64,
 }
 
 /// Refuses a directory that is a symbolic link, is not a directory or does not exist.
@@ -276,22 +279,19 @@ impl Drives {
             tracing::info!("MT_DIRECT_IO=0: the optimizer state goes through the page cache");
         }
         let window = window_len(layout);
-        let mut drives = Drives {
+        Ok(Drives {
             dirs: dirs.to_vec(),
             fields: all,
             starts,
             window,
             stripe: STRIPE,
-            spare: Vec::new(),
             direct_off: AtomicBool::new(!want_direct || refused),
             read_bytes: AtomicU64::new(0),
             write_bytes: AtomicU64::new(0),
             read_ns: AtomicU64::new(0),
             write_ns: AtomicU64::new(0),
-            wait_s: 0.0,
-        };
-        drives.spare = (0..BUFFERS).map(|_| drives.new_window()).collect();
-        Ok(drives)
+            wait_ns: AtomicU64::new(0),
+        })
     }
 
     /// The same drives streamed in windows of `window` elements, striped in stripes of
@@ -303,7 +303,6 @@ impl Drives {
         }
         assert!(stripe <= STRIPE);
         (self.window, self.stripe) = (window, stripe);
-        self.spare = (0..BUFFERS).map(|_| self.new_window()).collect();
         self
     }
 
@@ -532,18 +531,18 @@ impl Drives {
     }
 
     /// Adds `s` seconds the passes waited for the drives.
-    pub(super) fn waited(&mut self, s: f64) {
-        self.wait_s += s;
+    pub(super) fn waited(&self, s: f64) {
+        self.wait_ns.fetch_add((s * 1e9) as u64, Ordering::Relaxed);
     }
 
     /// The bytes moved and the time waited since the last call.
-    pub fn take_io(&mut self) -> DriveIo {
+    pub fn take_io(&self) -> DriveIo {
         DriveIo {
             read_bytes: self.read_bytes.swap(0, Ordering::Relaxed),
             write_bytes: self.write_bytes.swap(0, Ordering::Relaxed),
             read_s: self.read_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9,
             write_s: self.write_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9,
-            wait_s: std::mem::take(&mut self.wait_s),
+            wait_s: self.wait_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 }
