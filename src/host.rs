@@ -14,6 +14,7 @@
 //! Library code: the launcher drives it step by step; the unit tests (`tests`) drive it
 //! without any process.
 
+mod kept;
 pub mod nvme;
 mod offload;
 mod passes;
@@ -23,6 +24,7 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
+pub use kept::{Kept, KeptField};
 pub use nvme::DriveIo;
 pub use peers::{Elems, ElemsRef, Peers, SOLO, Solo};
 pub use shard::WriteWindow;
@@ -243,8 +245,16 @@ impl HostState {
                 );
                 let m = &cfg.memory;
                 let d = &m.nvme_path;
-                let drives =
-                    nvme::Drives::create(d, &layout, m.master_weights, m.moments_dtype, &tag)?;
+                let how = match kept::manifest_path(cfg) {
+                    None => nvme::Files::Unlinked,
+                    Some(p) if crate::checkpoint::atomic::exists(&p) => nvme::Files::Reopened,
+                    Some(p) => {
+                        kept::refuse_stray(&p)?;
+                        nvme::Files::Kept
+                    }
+                };
+                let (master, moments) = (m.master_weights, m.moments_dtype);
+                let drives = nvme::Drives::create(d, &layout, master, moments, &tag, how)?;
                 Some(Arc::new(drives))
             }
         };

@@ -274,9 +274,20 @@ impl Trainer {
             writer,
             progress,
             trackers,
+            nan_run,
+            schedule,
             ..
         } = self;
         sup.shutdown();
+        // The state on the drives is that of the last step done: kept, with its manifest.
+        if cfg.memory.keep_nvme_state && lead {
+            let done = stopped.as_ref().map_or(cfg.training.num_steps, |s| s.step);
+            let path = host.keep_state(host.train_state(done, nan_run, schedule), &cfg)?;
+            println!(
+                "optimizer state kept on the drives at step {done} ({}): a run of the same config with --keep-nvme-state resumes from it",
+                path.display()
+            );
+        }
         if let Some(stopped) = stopped {
             if let Some(t) = trackers {
                 t.finish("killed", peak_rss_bytes());

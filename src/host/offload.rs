@@ -398,7 +398,7 @@ pub(super) struct Stream {
 impl Stream {
     /// A buffer for a transfer: a spare one, a new one while fewer than [`BUFFERS`] were
     /// made, else the oldest write's once done (its error, if it failed).
-    fn buffer(&mut self, drives: &Drives) -> Result<Window> {
+    pub(super) fn buffer(&mut self, drives: &Drives) -> Result<Window> {
         if let Some(w) = self.spare.pop() {
             return Ok(w);
         }
@@ -412,6 +412,11 @@ impl Stream {
                 Ok(drives.new_window())
             }
         }
+    }
+
+    /// Gives back a buffer [`Stream::buffer`] lent.
+    pub(super) fn spare_buffer(&mut self, win: Window) {
+        self.spare.push(win);
     }
 
     /// Waits for `h`, counting the wait as the drives'; its buffer, or its error (the
