@@ -260,8 +260,11 @@ pub struct Drives {
     wait_ns: AtomicU64,
     /// With the files kept: the CRC32C of each window written (by block and first element
     /// within it; master, m, v), from which the manifest's checksums are made.
-    crcs: Option<Mutex<HashMap<(usize, usize), [Option<u32>; 3]>>>,
+    crcs: Option<Mutex<WindowCrcs>>,
 }
+
+/// The CRC32C of each window written, by (block, first element within it): master, m, v.
+type WindowCrcs = HashMap<(usize, usize), [Option<u32>; 3]>;
 
 /// Refuses a directory that is a symbolic link, is not a directory or does not exist.
 pub fn check_dir(dir: &Path) -> Result<()> {
