@@ -279,16 +279,8 @@ impl Trainer {
             ..
         } = self;
         sup.shutdown();
-        // The state on the drives is that of the last step done: kept, with its manifest.
-        if cfg.memory.keep_nvme_state && lead {
-            let done = stopped.as_ref().map_or(cfg.training.num_steps, |s| s.step);
-            let path = host.keep_state(host.train_state(done, nan_run, schedule), &cfg)?;
-            println!(
-                "optimizer state kept on the drives at step {done} ({}): a run of the same config with --keep-nvme-state resumes from it",
-                path.display()
-            );
-        }
         if let Some(stopped) = stopped {
+            keep::keep_drives_state(&mut host, &cfg, stopped.step, nan_run, schedule)?;
             if let Some(t) = trackers {
                 t.finish("killed", peak_rss_bytes());
             }
@@ -303,6 +295,8 @@ impl Trainer {
         }
         // `writer` and then `locks`, left in `self`, are dropped as this returns.
         nodes::export(&cfg, &mut host, &export, lead)?;
+        let done = cfg.training.num_steps;
+        keep::keep_drives_state(&mut host, &cfg, done, nan_run, schedule)?;
         if lead {
             println!(
                 "{}",

@@ -478,3 +478,95 @@ fn a_kept_state_that_is_not_the_runs_is_refused() {
     let resumed = train(&dir, "resumed", 4, &[CONSTANT], &on);
     assert_eq!(resumed.rows.len(), 2, "steps 3 and 4");
 }
+
+/// A run keeping its state that a stop signal ends keeps it at the step it stopped at
+/// (cosine schedule, the config unchanged); the same command again continues from there
+/// with the uninterrupted run's losses and norms, bit for bit.
+#[test]
+fn a_stopped_run_keeps_its_state_and_the_same_command_continues_it() {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = scratch("nvme-keep-stop");
+    let drive = dir.join("nvme0");
+    std::fs::create_dir(&drive).unwrap();
+    // Enough steps that the signal lands mid-run: it goes once step 2 is reported.
+    let steps = 60;
+    let command = |tag: &str, keep: bool| {
+        let mut args: Vec<String> = [
+            "dataset.max_seq_len=32",
+            "training.batch_size=4",
+            "training.eval_steps=1000",
+            &format!("training.num_steps={steps}"),
+            &format!(
+                "training.output_dir={}",
+                dir.join(format!("out-{tag}")).display()
+            ),
+        ]
+        .iter()
+        .flat_map(|kv| ["--set".to_string(), kv.to_string()])
+        .collect();
+        args.extend(
+            [
+                "--config",
+                path_str(&tiny()),
+                "--gpus",
+                "0",
+                "--workers",
+                "2",
+            ]
+            .map(String::from),
+        );
+        let m = dir.join(format!("{tag}.jsonl"));
+        args.extend(["--metrics-out".to_string(), path_str(&m).to_string()]);
+        match keep {
+            true => args.extend(kept_on(&drive)),
+            false => args.extend(kept_on(&drive)[..4].iter().cloned()),
+        }
+        let mut cmd = mt_launch();
+        cmd.args(&args);
+        (cmd, m)
+    };
+    let (mut cmd, m) = command("whole", false);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let whole = metrics(&m);
+    assert_eq!(whole.len(), steps);
+
+    let (mut cmd, first) = command("first", true);
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::fs::read_to_string(&first).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(t.elapsed() < Duration::from_secs(120), "no step 2");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{said}");
+    let done = metrics(&first).len();
+    assert!(done >= 2 && done < steps, "stopped after {done} steps");
+    let kept = format!("optimizer state kept on the drives at step {done}");
+    assert!(said.contains(&kept), "want `{kept}` in:\n{said}");
+
+    let (mut cmd, second) = command("second", true);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for key in ["loss", "grad_norm"] {
+        assert_eq!(
+            bits(&metrics(&first), key),
+            bits(&whole, key)[..done],
+            "{key}"
+        );
+        assert_eq!(
+            bits(&metrics(&second), key),
+            bits(&whole, key)[done..],
+            "{key}"
+        );
+    }
+}
