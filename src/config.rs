@@ -420,6 +420,12 @@ pub struct MemorySection {
     /// `optimizer_offload: nvme`. Each must exist and be a directory, not a symbolic link.
     #[serde(deserialize_with = "one_or_many")]
     pub nvme_path: Vec<std::path::PathBuf>,
+    /// With `optimizer_offload: nvme`: keep the state's files after the run (the CLI's
+    /// `--keep-nvme-state`), with a manifest beside them (`megatrain-nvme-state.json` in the
+    /// first directory: the step, the model's layout, the modes, a checksum of each block),
+    /// and resume from them when they are there: a later run of the same config continues
+    /// the run without a checkpoint, and one whose state does not match is refused.
+    pub keep_nvme_state: bool,
 }
 
 /// Where the optimizer's state lives (`memory.optimizer_offload`).
@@ -483,6 +489,7 @@ impl Default for MemorySection {
             resident_blocks: ResidentBlocks::Off,
             optimizer_offload: OptimizerOffload::None,
             nvme_path: Vec::new(),
+            keep_nvme_state: false,
         }
     }
 }
@@ -874,7 +881,25 @@ impl RunConfig {
                 "memory.nvme_path",
                 "is read only with memory.optimizer_offload: nvme (the default is none)",
             )),
+            OptimizerOffload::None if m.keep_nvme_state => Err(Error::invalid(
+                "memory.keep_nvme_state",
+                "keeps the files of memory.optimizer_offload: nvme, which is not set (the \
+                 default is none)",
+            )),
             OptimizerOffload::None => Ok(()),
+            OptimizerOffload::Nvme
+                if m.keep_nvme_state && matches!(self.training.stage, Stage::Dpo | Stage::Grpo) =>
+            {
+                Err(Error::invalid(
+                    "memory.keep_nvme_state",
+                    format!(
+                        "not with training.stage: {} yet: its reference log-probabilities are \
+                         kept by checkpoints, not beside the drives' state (resume from a \
+                         checkpoint instead)",
+                        self.training.stage.as_str()
+                    ),
+                ))
+            }
             OptimizerOffload::Nvme if m.nvme_path.is_empty() => Err(Error::invalid(
                 "memory.nvme_path",
                 "memory.optimizer_offload: nvme needs one directory per drive (a path or a list)",

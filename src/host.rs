@@ -14,6 +14,7 @@
 //! Library code: the launcher drives it step by step; the unit tests (`tests`) drive it
 //! without any process.
 
+mod kept;
 pub mod nvme;
 mod offload;
 mod passes;
@@ -23,6 +24,7 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
+pub use kept::{Kept, KeptField};
 pub use nvme::DriveIo;
 pub use peers::{Elems, ElemsRef, Peers, SOLO, Solo};
 pub use shard::WriteWindow;
@@ -199,7 +201,9 @@ pub struct HostState {
     transfer: Option<SharedVec<f32>>,
     /// The drives holding the master and moments (`memory.optimizer_offload: nvme`), whose
     /// buffers in `master` and `moments` are then empty.
-    drives: Option<nvme::Drives>,
+    drives: Option<Arc<nvme::Drives>>,
+    /// The update's transfers to and from the drives in flight between blocks.
+    stream: offload::Stream,
 }
 
 /// The second pass of an update whose weights pass ran on every block: blocks
@@ -241,9 +245,17 @@ impl HostState {
                 );
                 let m = &cfg.memory;
                 let d = &m.nvme_path;
-                let drives =
-                    nvme::Drives::create(d, &layout, m.master_weights, m.moments_dtype, &tag)?;
-                Some(drives)
+                let how = match kept::manifest_path(cfg) {
+                    None => nvme::Files::Unlinked,
+                    Some(p) if crate::checkpoint::atomic::exists(&p) => nvme::Files::Reopened,
+                    Some(p) => {
+                        kept::refuse_stray(&p)?;
+                        nvme::Files::Kept
+                    }
+                };
+                let (master, moments) = (m.master_weights, m.moments_dtype);
+                let drives = nvme::Drives::create(d, &layout, master, moments, &tag, how)?;
+                Some(Arc::new(drives))
             }
         };
         // The master and moments: this node's pieces, or every element; none in RAM with
@@ -307,6 +319,7 @@ impl HostState {
             resident,
             transfer,
             drives,
+            stream: offload::Stream::default(),
         })
     }
 
@@ -707,6 +720,10 @@ impl HostState {
 impl Drop for HostState {
     fn drop(&mut self) {
         self.release_checkpoint();
+        if let Some(d) = &self.drives {
+            // Nothing left on the drives' threads.
+            let _ = self.stream.settle(d);
+        }
     }
 }
 

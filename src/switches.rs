@@ -33,6 +33,7 @@ pub const NAMES: &[&str] = &[
     "MT_DIRECT_IO",
     "MT_DEFER_MOMENTS",
     "MT_IMAGE_PREFETCH",
+    "MT_NVME_READ_AHEAD",
     "MT_GATHER_WINDOW",
     "MT_MPI_MAX_COUNT",
     "MT_TORCH_PROFILE",
@@ -130,6 +131,9 @@ pub struct Switches {
     /// `MT_IMAGE_PREFETCH` (default on): workers decode the next step's images while the
     /// step computes.
     pub image_prefetch: bool,
+    /// `MT_NVME_READ_AHEAD` (default on): with the optimizer state on the drives, the update
+    /// reads the next blocks' first windows while a block's last one is computed.
+    pub nvme_read_ahead: bool,
     /// `MT_GATHER_WINDOW`: elements node 0 gathers at a time; None: [`GATHER_WINDOW`].
     pub gather_window: Option<usize>,
     /// `MT_MPI_MAX_COUNT`: elements per MPI call; None: [`MPI_MAX_COUNT`].
@@ -304,6 +308,7 @@ impl Switches {
             direct_io: env.choice("MT_DIRECT_IO", &on_off)?.unwrap_or(true),
             defer_moments: env.choice("MT_DEFER_MOMENTS", &on_off)?.unwrap_or(true),
             image_prefetch: env.choice("MT_IMAGE_PREFETCH", &on_off)?.unwrap_or(true),
+            nvme_read_ahead: env.choice("MT_NVME_READ_AHEAD", &on_off)?.unwrap_or(true),
             gather_window: env
                 .count("MT_GATHER_WINDOW", 1..=GATHER_WINDOW as u64, "elements")?
                 .map(|n| n as usize),

@@ -209,6 +209,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR|latest")]
     pub resume: Option<String>,
 
+    /// With `memory.optimizer_offload: nvme`: keep the optimizer state's files on the
+    /// drives after the run, with a manifest beside them, and resume from them when they are
+    /// there, without a checkpoint (`--set memory.keep_nvme_state=true`; docs/nvme.md).
+    #[arg(long)]
+    pub keep_nvme_state: bool,
+
     /// With `--resume`: continue even where this launch's data or optimizer settings
     /// differ from the checkpoint's run (dataset files, max_seq_len, learning rate, …),
     /// one warning line per difference. Without it such a resume is refused, listing them.

@@ -187,7 +187,11 @@ struct Launch {
 fn launch(cli: &cli::RunArgs) -> Result<Option<Launch>> {
     let config = cli.config.as_ref().expect("clap requires --config");
     unix::install_stop_handlers()?;
-    let mut cfg = mt::config::RunConfig::load(config, &cli.set)?;
+    let mut set = cli.set.clone();
+    if cli.keep_nvme_state {
+        set.push("memory.keep_nvme_state=true".into());
+    }
+    let mut cfg = mt::config::RunConfig::load(config, &set)?;
     unix::check_stop("config loading")?;
     for note in &cfg.notes {
         println!("note: {note}");

@@ -274,10 +274,13 @@ impl Trainer {
             writer,
             progress,
             trackers,
+            nan_run,
+            schedule,
             ..
         } = self;
         sup.shutdown();
         if let Some(stopped) = stopped {
+            keep::keep_drives_state(&mut host, &cfg, stopped.step, nan_run, schedule)?;
             if let Some(t) = trackers {
                 t.finish("killed", peak_rss_bytes());
             }
@@ -292,6 +295,8 @@ impl Trainer {
         }
         // `writer` and then `locks`, left in `self`, are dropped as this returns.
         nodes::export(&cfg, &mut host, &export, lead)?;
+        let done = cfg.training.num_steps;
+        keep::keep_drives_state(&mut host, &cfg, done, nan_run, schedule)?;
         if lead {
             println!(
                 "{}",

@@ -4,6 +4,11 @@
 //! the background, the last at once) and the exported model; a run resumed from the
 //! background checkpoint continues exactly; nothing is left on the drive. In the fp32
 //! master and moments mode and in the 10 B/param one (split master, bf16 moments).
+//!
+//! With `--keep-nvme-state` the files stay, with their manifest, and a later run resumes
+//! from them without a checkpoint, bit for bit; a kept state that is not the run's (another
+//! mode or model, a torn file, files rewritten after the manifest, files without one) is
+//! refused, naming the file and what differs.
 
 mod common;
 
@@ -250,4 +255,318 @@ fn a_drive_failing_mid_run_stops_it_naming_the_drive_and_keeps_the_last_checkpoi
         resumed.checkpoints.last() == whole.checkpoints.last(),
         "the resumed run's last checkpoint differs"
     );
+}
+
+/// The kept state's runs take a constant rate: a run of 2 steps then one of 4 follow the
+/// schedule of one run of 4 (a decaying one would decay over each run's `num_steps`).
+const CONSTANT: &str = "training.lr_scheduler=constant";
+
+/// The flags of a run keeping its state on `drive`.
+fn kept_on(drive: &Path) -> Vec<String> {
+    vec![
+        "--set".into(),
+        "memory.optimizer_offload=nvme".into(),
+        "--set".into(),
+        format!("memory.nvme_path={}", drive.display()),
+        "--keep-nvme-state".into(),
+    ]
+}
+
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut n: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    n.sort();
+    n
+}
+
+/// A run of 2 steps keeping its state, then a run of 4 with the flag again, give the
+/// uninterrupted run's losses, norms, last checkpoint and export bit for bit; the files are
+/// owner-only, the manifest follows the run.
+fn kept_state_resumes(name: &str, mode: &[&str], store: bool) {
+    let dir = scratch(name);
+    let drive = dir.join("nvme0");
+    std::fs::create_dir(&drive).unwrap();
+    let mode: Vec<&str> = mode.iter().copied().chain([CONSTANT]).collect();
+    let whole = train(&dir, "whole", 4, &mode, &[]);
+    let on = kept_on(&drive);
+    let on: Vec<&str> = on.iter().map(String::as_str).collect();
+    let first = train(&dir, "first", 2, &mode, &on);
+    assert!(
+        first
+            .stdout
+            .contains("optimizer state kept on the drives at step 2"),
+        "{}",
+        first.stdout
+    );
+    let mut want = vec![
+        "megatrain-m.state",
+        "megatrain-master.state",
+        "megatrain-nvme-state.json",
+        "megatrain-v.state",
+    ];
+    if store {
+        want.push("megatrain-store.state");
+    }
+    want.sort();
+    assert_eq!(names(&drive), want, "the kept state's files");
+    for n in names(&drive) {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(drive.join(&n))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{n}");
+    }
+    let second = train(&dir, "second", 4, &mode, &on);
+    assert!(
+        second
+            .stdout
+            .contains("resumed from the optimizer state kept on the drives"),
+        "{}",
+        second.stdout
+    );
+    for key in ["loss", "grad_norm"] {
+        assert_eq!(bits(&first.rows, key), bits(&whole.rows, key)[..2], "{key}");
+        assert_eq!(
+            bits(&second.rows, key),
+            bits(&whole.rows, key)[2..],
+            "{key}"
+        );
+    }
+    assert!(
+        second.checkpoints.last() == whole.checkpoints.last(),
+        "the resumed run's last checkpoint differs"
+    );
+    assert!(
+        !whole.model.is_empty() && second.model == whole.model,
+        "the resumed run's export differs"
+    );
+    let manifest = std::fs::read_to_string(drive.join("megatrain-nvme-state.json")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&manifest).unwrap();
+    assert_eq!(manifest["state"]["step"], 4, "{manifest}");
+}
+
+#[test]
+fn a_kept_fp32_state_resumes_bit_for_bit() {
+    kept_state_resumes("nvme-keep-fp32", &[], false);
+}
+
+#[test]
+fn a_kept_split_master_bf16_moment_state_resumes_bit_for_bit() {
+    kept_state_resumes(
+        "nvme-keep-split",
+        &[
+            "model.dtype=bfloat16",
+            "memory.master_weights=split",
+            "memory.moments_dtype=bfloat16",
+        ],
+        true,
+    );
+}
+
+/// A kept state that is not the run's is refused before training, the error naming the
+/// file and what differs, and the state left as it was: another master mode, another
+/// model (the manifest's layout), a torn file, files rewritten after the manifest (the
+/// manifest of step 2 over the files of step 4: a run killed mid-update), files without a
+/// manifest, a file replaced by a symbolic link.
+#[test]
+fn a_kept_state_that_is_not_the_runs_is_refused() {
+    let dir = scratch("nvme-keep-refused");
+    let drive = dir.join("nvme0");
+    let saved = dir.join("saved");
+    std::fs::create_dir(&drive).unwrap();
+    std::fs::create_dir(&saved).unwrap();
+    let on = kept_on(&drive);
+    let on: Vec<&str> = on.iter().map(String::as_str).collect();
+    train(&dir, "first", 2, &[CONSTANT], &on);
+    let manifest = drive.join("megatrain-nvme-state.json");
+    let at_2 = std::fs::read(&manifest).unwrap();
+    let save = || {
+        for n in names(&drive) {
+            std::fs::copy(drive.join(&n), saved.join(&n)).unwrap();
+        }
+    };
+    let put_back = || {
+        for n in names(&drive) {
+            std::fs::remove_file(drive.join(&n)).unwrap();
+        }
+        for n in names(&saved) {
+            std::fs::copy(saved.join(&n), drive.join(&n)).unwrap();
+        }
+    };
+    save();
+    // A refused launch: its error names `what` and each of `words`; the files unchanged.
+    let refused = |tag: &str, mode: &[&str], what: &Path, words: &[&str]| {
+        let (o, _) = launch(&dir, tag, 4, mode, &on, &[]);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success(), "{tag}: the run went on: {err}");
+        assert!(err.contains(&what.display().to_string()), "{tag}: {err}");
+        for w in words {
+            assert!(err.contains(w), "{tag}: no `{w}` in: {err}");
+        }
+        let m = dir.join(format!("{tag}.jsonl"));
+        assert!(!m.exists() || metrics(&m).is_empty(), "{tag}: trained");
+    };
+    let split = [
+        CONSTANT,
+        "model.dtype=bfloat16",
+        "memory.master_weights=split",
+    ];
+    refused(
+        "split",
+        &split,
+        &manifest,
+        &["memory.master_weights", "model.dtype"],
+    );
+    assert_eq!(
+        std::fs::read(&manifest).unwrap(),
+        at_2,
+        "the manifest changed"
+    );
+
+    let text = String::from_utf8(at_2.clone()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let layout = v["state"]["layout"].as_str().unwrap().to_string();
+    std::fs::write(&manifest, text.replace(&layout, "0123456789abcdef")).unwrap();
+    refused("model", &[CONSTANT], &manifest, &["the model's layout"]);
+    put_back();
+
+    let v_file = drive.join("megatrain-v.state");
+    let len = std::fs::metadata(&v_file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&v_file)
+        .unwrap()
+        .set_len(len - 8192)
+        .unwrap();
+    refused("torn", &[CONSTANT], &v_file, &["torn or truncated"]);
+    put_back();
+
+    train(&dir, "on", 4, &[CONSTANT], &on);
+    std::fs::write(&manifest, &at_2).unwrap();
+    refused(
+        "rewritten",
+        &[CONSTANT],
+        &manifest,
+        &["CRC32C", "the manifest of step 2"],
+    );
+    put_back();
+
+    std::fs::remove_file(&manifest).unwrap();
+    refused(
+        "no-manifest",
+        &[CONSTANT],
+        &drive,
+        &["without its manifest"],
+    );
+    let mut left = names(&saved);
+    left.retain(|n| !n.ends_with(".json"));
+    assert_eq!(names(&drive), left, "files made or removed");
+    put_back();
+
+    let m_file = drive.join("megatrain-m.state");
+    std::fs::rename(&m_file, dir.join("elsewhere")).unwrap();
+    std::os::unix::fs::symlink(dir.join("elsewhere"), &m_file).unwrap();
+    refused("link", &[CONSTANT], &m_file, &["kept file"]);
+    std::fs::remove_file(&m_file).unwrap();
+    put_back();
+
+    // The state put back resumes.
+    let resumed = train(&dir, "resumed", 4, &[CONSTANT], &on);
+    assert_eq!(resumed.rows.len(), 2, "steps 3 and 4");
+}
+
+/// A run keeping its state that a stop signal ends keeps it at the step it stopped at
+/// (cosine schedule, the config unchanged); the same command again continues from there
+/// with the uninterrupted run's losses and norms, bit for bit.
+#[test]
+fn a_stopped_run_keeps_its_state_and_the_same_command_continues_it() {
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let dir = scratch("nvme-keep-stop");
+    let drive = dir.join("nvme0");
+    std::fs::create_dir(&drive).unwrap();
+    // Enough steps that the signal lands mid-run: it goes once step 2 is reported.
+    let steps = 60;
+    let command = |tag: &str, keep: bool| {
+        let mut args: Vec<String> = [
+            "dataset.max_seq_len=32",
+            "training.batch_size=4",
+            "training.eval_steps=1000",
+            &format!("training.num_steps={steps}"),
+            &format!(
+                "training.output_dir={}",
+                dir.join(format!("out-{tag}")).display()
+            ),
+        ]
+        .iter()
+        .flat_map(|kv| ["--set".to_string(), kv.to_string()])
+        .collect();
+        args.extend(
+            [
+                "--config",
+                path_str(&tiny()),
+                "--gpus",
+                "0",
+                "--workers",
+                "2",
+            ]
+            .map(String::from),
+        );
+        let m = dir.join(format!("{tag}.jsonl"));
+        args.extend(["--metrics-out".to_string(), path_str(&m).to_string()]);
+        match keep {
+            true => args.extend(kept_on(&drive)),
+            false => args.extend(kept_on(&drive)[..4].iter().cloned()),
+        }
+        let mut cmd = mt_launch();
+        cmd.args(&args);
+        (cmd, m)
+    };
+    let (mut cmd, m) = command("whole", false);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let whole = metrics(&m);
+    assert_eq!(whole.len(), steps);
+
+    let (mut cmd, first) = command("first", true);
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::fs::read_to_string(&first).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(t.elapsed() < Duration::from_secs(120), "no step 2");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{said}");
+    let done = metrics(&first).len();
+    assert!(done >= 2 && done < steps, "stopped after {done} steps");
+    let kept = format!("optimizer state kept on the drives at step {done}");
+    assert!(said.contains(&kept), "want `{kept}` in:\n{said}");
+
+    let (mut cmd, second) = command("second", true);
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for key in ["loss", "grad_norm"] {
+        assert_eq!(
+            bits(&metrics(&first), key),
+            bits(&whole, key)[..done],
+            "{key}"
+        );
+        assert_eq!(
+            bits(&metrics(&second), key),
+            bits(&whole, key)[done..],
+            "{key}"
+        );
+    }
 }

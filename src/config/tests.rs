@@ -579,7 +579,8 @@ fn resident_blocks_parse_and_are_refused_where_unsupported() {
 
 /// `memory.optimizer_offload`: `none` (the default) or `nvme` with `memory.nvme_path` (a
 /// path or a list); the path without `nvme`, `nvme` without a path, a directory listed
-/// twice and resident blocks beside it are refused by the key's name.
+/// twice, resident blocks beside it and `keep_nvme_state` without it (or under DPO) are
+/// refused by the key's name.
 #[test]
 fn optimizer_offload_takes_one_path_or_a_list() {
     assert_eq!(
@@ -609,8 +610,20 @@ fn optimizer_offload_takes_one_path_or_a_list() {
             "{optimizer_offload: nvme, nvme_path: /a, resident_blocks: all}",
             "memory.optimizer_offload",
         ),
+        ("{keep_nvme_state: true}", "memory.keep_nvme_state"),
     ] {
         let e = parse(&format!("{OK}memory: {memory}\n")).unwrap_err();
         assert!(e.to_string().contains(key), "{memory}: {e}");
     }
+    let kept = "memory: {optimizer_offload: nvme, nvme_path: /a, keep_nvme_state: true}\n";
+    assert!(
+        parse(&format!("{OK}{kept}"))
+            .unwrap()
+            .memory
+            .keep_nvme_state
+    );
+    let mut c = parse(&format!("{OK}{kept}")).unwrap();
+    c.training.stage = crate::config::Stage::Dpo;
+    let e = c.validate().unwrap_err();
+    assert!(e.to_string().contains("memory.keep_nvme_state"), "{e}");
 }

@@ -11,11 +11,15 @@
 //! the drives in parallel.
 //!
 //! An update (the weights pass, which writes the moments too: a later moments pass would
-//! read and write them again) reads window i + 1 and writes window i - 1 while it computes
-//! window i, each on threads of its own, so the drives and the cores work at once; the
-//! pass as a whole runs while the workers compute the next step's forward, as in RAM. The
-//! arithmetic is the RAM path's kernels on the same elements ([`super::passes`]), so the
-//! bits are the same.
+//! read and write them again) reads windows i + 1 and i + 2 ([`READ_AHEAD`]) and writes
+//! window i - 1 while it computes window i, each on threads of its own, so the drives and
+//! the cores work at once. The windows ahead run on across blocks: while a block's last
+//! window is computed the next blocks' first ones are read, and its writes finish during
+//! the next block's, so the drives are not idle between blocks (`MT_NVME_READ_AHEAD=0`:
+//! one window ahead within a block, each block's writes waited for at its end, as before,
+//! to measure against). The pass as a whole runs while the workers compute the next
+//! step's forward, as in RAM. The arithmetic is the RAM path's kernels on the same elements
+//! ([`super::passes`]), so the bits are the same.
 //!
 //! Files: created in each directory (refused where it is a symbolic link) with
 //! `O_CREAT | O_EXCL | O_NOFOLLOW` and mode 0600, so never over a file the run did not
@@ -25,10 +29,12 @@
 //! Where the filesystem refuses `O_DIRECT` (tmpfs, `MT_DIRECT_IO=0`) the files are read and
 //! written through the page cache, each pass ending with `fdatasync`, and the log says so.
 
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::ops::Range;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -37,7 +43,7 @@ use half::bf16;
 use crate::checkpoint::MasterRef;
 use crate::config::{DType, MasterWeights};
 use crate::layout::Layout;
-pub use crate::layout::drives::{BUFFERS, Field as Slot, PAD, STRIPE, WINDOW};
+pub use crate::layout::drives::{BUFFERS, Field as Slot, PAD, READ_AHEAD, STRIPE, WINDOW};
 use crate::layout::drives::{block_starts, field_sizes, file_len, window_len};
 use crate::shm::aligned::Aligned;
 use crate::{Error, Result};
@@ -66,6 +72,16 @@ impl WinBuf {
             WinBuf::U16(a) => a.bytes_mut(),
             WinBuf::Bf16(a) => a.bytes_mut(),
         }
+    }
+
+    /// The CRC32C of the first `n` elements' bytes, and their byte count.
+    pub(super) fn crc(&self, n: usize) -> (u32, usize) {
+        let (bytes, size) = match self {
+            WinBuf::F32(a) => (a.bytes(), 4),
+            WinBuf::U16(a) => (a.bytes(), 2),
+            WinBuf::Bf16(a) => (a.bytes(), 2),
+        };
+        (crc32c::crc32c(&bytes[..n * size]), n * size)
     }
 
     /// Elements `r` as a checkpoint reads a moment or an fp32 master.
@@ -103,6 +119,15 @@ pub(super) struct Window {
 }
 
 impl Window {
+    /// The buffer of `slot`, where it is on the drives.
+    pub(super) fn buf(&self, slot: Slot) -> Option<&WinBuf> {
+        match slot {
+            Slot::Master => self.master.as_ref(),
+            Slot::M => Some(&self.m),
+            Slot::V => Some(&self.v),
+        }
+    }
+
     /// The buffer of each field, by slot.
     fn bufs_mut(&mut self) -> [(Slot, Option<&mut WinBuf>); 3] {
         [
@@ -110,6 +135,30 @@ impl Window {
             (Slot::M, Some(&mut self.m)),
             (Slot::V, Some(&mut self.v)),
         ]
+    }
+}
+
+/// How [`Drives::create`] comes by the files (`memory.keep_nvme_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Files {
+    /// Created and unlinked at once: nothing is left whatever way the run ends.
+    Unlinked,
+    /// Created under the names of a kept state ([`KEPT`]) and left after the run.
+    Kept,
+    /// A kept state's files, opened: regular files, owner-only, of the length the state
+    /// needs.
+    Reopened,
+}
+
+/// The name of a kept state's files in each directory: `megatrain-master.state`, `-m`, `-v`.
+pub const KEPT: &str = "megatrain";
+
+/// A field's index in [`Drives`]' checksums.
+fn slot_index(slot: Slot) -> usize {
+    match slot {
+        Slot::Master => 0,
+        Slot::M => 1,
+        Slot::V => 2,
     }
 }
 
@@ -200,8 +249,6 @@ pub struct Drives {
     window: usize,
     /// Elements per stripe: [`STRIPE`] (a test sets shorter ones).
     stripe: usize,
-    /// Buffers of the windows not in flight.
-    pub(super) spare: Vec<Window>,
     /// Set once a direct transfer was refused: the rest go through the page cache.
     direct_off: AtomicBool,
     read_bytes: AtomicU64,
@@ -209,8 +256,15 @@ pub struct Drives {
     /// Nanoseconds of reads and of writes.
     read_ns: AtomicU64,
     write_ns: AtomicU64,
-    wait_s: f64,
+    /// Nanoseconds the passes waited for the drives.
+    wait_ns: AtomicU64,
+    /// With the files kept: the CRC32C of each window written (by block and first element
+    /// within it; master, m, v), from which the manifest's checksums are made.
+    crcs: Option<Mutex<WindowCrcs>>,
 }
+
+/// The CRC32C of each window written, by (block, first element within it): master, m, v.
+type WindowCrcs = HashMap<(usize, usize), [Option<u32>; 3]>;
 
 /// Refuses a directory that is a symbolic link, is not a directory or does not exist.
 pub fn check_dir(dir: &Path) -> Result<()> {
@@ -230,13 +284,15 @@ pub fn check_dir(dir: &Path) -> Result<()> {
 
 impl Drives {
     /// Creates the files of `layout`'s state held as `master` and `moments` under `dirs`
-    /// (one per drive), every position zero, named after the process `tag`.
+    /// (one per drive), every position zero, named after the process `tag` (or [`KEPT`]);
+    /// or, with [`Files::Reopened`], opens a kept state's.
     pub fn create(
         dirs: &[PathBuf],
         layout: &Layout,
         master: MasterWeights,
         moments: DType,
         tag: &str,
+        how: Files,
     ) -> Result<Drives> {
         assert!(
             !dirs.is_empty(),
@@ -250,6 +306,12 @@ impl Drives {
         let want_direct = crate::switches::get().direct_io;
         let mut refused = false;
         let mut all = Vec::new();
+        // A kept state's files this call created, removed if it fails.
+        let mut made = Vec::new();
+        let tag = match how {
+            Files::Unlinked => tag,
+            Files::Kept | Files::Reopened => KEPT,
+        };
         for (slot, size) in field_sizes(master, moments) {
             let elem = match (slot, size) {
                 (_, 4) => Elem::F32,
@@ -260,7 +322,22 @@ impl Drives {
             let mut files = Vec::new();
             for d in dirs {
                 let path = d.join(format!("{tag}-{}.state", slot.name()));
-                let f = open_new(&path, len, want_direct)?;
+                let opened = match how {
+                    Files::Reopened => open_kept(&path, len, want_direct),
+                    _ => open_new(&path, len, want_direct, how == Files::Unlinked),
+                };
+                let f = match opened {
+                    Ok(f) => f,
+                    Err(e) => {
+                        for p in &made {
+                            let _ = std::fs::remove_file(p);
+                        }
+                        return Err(e);
+                    }
+                };
+                if how == Files::Kept {
+                    made.push(path);
+                }
                 refused |= want_direct && f.direct.is_none();
                 files.push(f);
             }
@@ -276,22 +353,20 @@ impl Drives {
             tracing::info!("MT_DIRECT_IO=0: the optimizer state goes through the page cache");
         }
         let window = window_len(layout);
-        let mut drives = Drives {
+        Ok(Drives {
             dirs: dirs.to_vec(),
             fields: all,
             starts,
             window,
             stripe: STRIPE,
-            spare: Vec::new(),
             direct_off: AtomicBool::new(!want_direct || refused),
             read_bytes: AtomicU64::new(0),
             write_bytes: AtomicU64::new(0),
             read_ns: AtomicU64::new(0),
             write_ns: AtomicU64::new(0),
-            wait_s: 0.0,
-        };
-        drives.spare = (0..BUFFERS).map(|_| drives.new_window()).collect();
-        Ok(drives)
+            wait_ns: AtomicU64::new(0),
+            crcs: (how != Files::Unlinked).then(Default::default),
+        })
     }
 
     /// The same drives streamed in windows of `window` elements, striped in stripes of
@@ -303,7 +378,6 @@ impl Drives {
         }
         assert!(stripe <= STRIPE);
         (self.window, self.stripe) = (window, stripe);
-        self.spare = (0..BUFFERS).map(|_| self.new_window()).collect();
         self
     }
 
@@ -322,6 +396,25 @@ impl Drives {
     /// The directories, one per drive.
     pub fn dirs(&self) -> &[PathBuf] {
         &self.dirs
+    }
+
+    /// Elements per stripe.
+    pub fn stripe(&self) -> usize {
+        self.stripe
+    }
+
+    /// The files of `slot` (one per drive, in order) and each one's bytes.
+    pub fn files(&self, slot: Slot) -> Option<(Vec<PathBuf>, u64)> {
+        let f = self.fields.iter().find(|f| f.slot == slot)?;
+        let len = f.files[0].buffered.metadata().map_or(0, |m| m.len());
+        Some((f.files.iter().map(|f| f.path.clone()).collect(), len))
+    }
+
+    /// With the files kept: the CRC32C of `slot`'s elements of window `start..` of block
+    /// `block` as last written, where one was.
+    pub(super) fn written_crc(&self, block: usize, start: usize, slot: Slot) -> Option<u32> {
+        let crcs = self.crcs.as_ref()?.lock().expect("a transfer panicked");
+        crcs.get(&(block, start))?[slot_index(slot)]
     }
 
     /// Elements per window.
@@ -430,6 +523,18 @@ impl Drives {
                 None => Ok(moved),
             }
         })?;
+        if let Some(crcs) = self.crcs.as_ref().filter(|_| write) {
+            let mut at = [None; 3];
+            for &slot in slots {
+                let buf = win.buf(slot).expect("a field on the drives has a buffer");
+                at[slot_index(slot)] = Some(buf.crc(r.len()).0);
+            }
+            let mut crcs = crcs.lock().expect("a transfer panicked");
+            let had = crcs.entry((block, r.start)).or_default();
+            for (h, c) in had.iter_mut().zip(at) {
+                *h = c.or(*h);
+            }
+        }
         let (bytes, ns) = match write {
             true => (&self.write_bytes, &self.write_ns),
             false => (&self.read_bytes, &self.read_ns),
@@ -532,18 +637,18 @@ impl Drives {
     }
 
     /// Adds `s` seconds the passes waited for the drives.
-    pub(super) fn waited(&mut self, s: f64) {
-        self.wait_s += s;
+    pub(super) fn waited(&self, s: f64) {
+        self.wait_ns.fetch_add((s * 1e9) as u64, Ordering::Relaxed);
     }
 
     /// The bytes moved and the time waited since the last call.
-    pub fn take_io(&mut self) -> DriveIo {
+    pub fn take_io(&self) -> DriveIo {
         DriveIo {
             read_bytes: self.read_bytes.swap(0, Ordering::Relaxed),
             write_bytes: self.write_bytes.swap(0, Ordering::Relaxed),
             read_s: self.read_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9,
             write_s: self.write_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9,
-            wait_s: std::mem::take(&mut self.wait_s),
+            wait_s: self.wait_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 }
@@ -568,9 +673,9 @@ fn drive_error(path: &Path, what: &str, e: std::io::Error) -> Error {
 }
 
 /// Creates `path` (never an existing file nor through a link, owner-only), preallocates
-/// `len` bytes, opens it a second time direct (where `direct` and the filesystem allow) and
-/// unlinks it.
-fn open_new(path: &Path, len: u64, direct: bool) -> Result<DriveFile> {
+/// `len` bytes, opens it a second time direct (where `direct` and the filesystem allow) and,
+/// with `unlink`, unlinks it (a kept state's file is removed only where this fails).
+fn open_new(path: &Path, len: u64, direct: bool, unlink: bool) -> Result<DriveFile> {
     let buffered = OpenOptions::new()
         .read(true)
         .write(true)
@@ -578,7 +683,18 @@ fn open_new(path: &Path, len: u64, direct: bool) -> Result<DriveFile> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .map_err(|e| drive_error(path, "create", e))?;
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists if !unlink => Error::Config {
+                path: path.into(),
+                msg: "memory.keep_nvme_state: a file of a kept state without its manifest \
+                      (megatrain-nvme-state.json in the first directory of memory.nvme_path): \
+                      a run that kept its state and did not end at a step, or another's \
+                      file; refused, never written over: remove the state's files to start \
+                      afresh"
+                    .into(),
+            },
+            _ => drive_error(path, "create", e),
+        })?;
     let opened = preallocate(&buffered, len, path).map(|()| {
         direct
             .then(|| {
@@ -591,10 +707,58 @@ fn open_new(path: &Path, len: u64, direct: bool) -> Result<DriveFile> {
             })
             .flatten()
     });
-    // Unlinked whatever happened: the open handles keep the data while the run lives.
-    let removed = std::fs::remove_file(path).map_err(|e| drive_error(path, "unlink", e));
+    // Unlinked whatever happened: the open handles keep the data while the run lives. A
+    // kept state's file only where it could not be made whole.
+    let removed = match unlink || opened.is_err() {
+        true => std::fs::remove_file(path).map_err(|e| drive_error(path, "unlink", e)),
+        false => Ok(()),
+    };
     let direct = opened?;
     removed?;
+    Ok(DriveFile {
+        path: path.into(),
+        direct,
+        buffered,
+    })
+}
+
+/// Opens a kept state's file `path` (not through a link): a regular file, owner-only, of
+/// `len` bytes; a second time direct where `direct` and the filesystem allow.
+fn open_kept(path: &Path, len: u64, direct: bool) -> Result<DriveFile> {
+    use std::os::unix::fs::MetadataExt;
+    let open = |flags: i32| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(flags | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+    };
+    let buffered = open(0).map_err(|e| drive_error(path, "open of the kept file", e))?;
+    let meta = buffered
+        .metadata()
+        .map_err(|e| drive_error(path, "stat of the kept file", e))?;
+    let wrong = if !meta.is_file() {
+        Some("is not a regular file".to_string())
+    } else if meta.mode() & 0o077 != 0 {
+        Some(format!(
+            "is not owner-only (mode {:o}): a kept state's files are mode 0600",
+            meta.mode() & 0o777
+        ))
+    } else if meta.len() != len {
+        Some(format!(
+            "is {} bytes, the kept state's file is {len}: torn or truncated",
+            meta.len()
+        ))
+    } else {
+        None
+    };
+    if let Some(msg) = wrong {
+        return Err(Error::Config {
+            path: path.into(),
+            msg: format!("memory.keep_nvme_state: {msg}; refused"),
+        });
+    }
+    let direct = direct.then(|| open(libc::O_DIRECT).ok()).flatten();
     Ok(DriveFile {
         path: path.into(),
         direct,
@@ -650,7 +814,7 @@ mod tests {
 
     fn create(dirs: &[PathBuf], tag: &str) -> Result<Drives> {
         let (m, d) = (MasterWeights::Float32, DType::Float32);
-        Drives::create(dirs, &layout(), m, d, tag)
+        Drives::create(dirs, &layout(), m, d, tag, Files::Unlinked)
     }
 
     /// Every field's file is created owner-only, preallocated, and unlinked at once: the

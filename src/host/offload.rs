@@ -4,9 +4,11 @@
 //! state read back a window at a time for a checkpoint or the export (the path a sharded
 //! state takes, [`super::shard`], so the launcher writes both alike).
 
+use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use half::bf16;
@@ -18,7 +20,7 @@ use crate::layout::Layout;
 use crate::optim::{AdamWStep, Moments, StoreOut};
 use crate::{Error, Result};
 
-use super::nvme::{BUFFERS, Drives, Slot, WinBuf, Window};
+use super::nvme::{BUFFERS, Drives, READ_AHEAD, Slot, WinBuf, Window};
 use super::passes::{MasterSlice, MomentSlices, Run, update_slices};
 use super::shard::{Store as StripedStore, Striped, WriteWindow};
 use super::{AdamMoments, Grad, HostState, Master, store_bf16};
@@ -26,7 +28,7 @@ use super::{AdamMoments, Grad, HostState, Master, store_bf16};
 impl HostState {
     /// The drives holding the optimizer's state, if it is there.
     pub fn drives(&self) -> Option<&Drives> {
-        self.drives.as_ref()
+        self.drives.as_deref()
     }
 
     /// Whether checkpoints and the export read the master and moments a window at a time
@@ -38,7 +40,7 @@ impl HostState {
     /// The bytes moved to and from the drives and the time the update waited for them since
     /// the last call (None with the state in RAM).
     pub fn take_drive_io(&mut self) -> Option<super::nvme::DriveIo> {
-        self.drives.as_mut().map(Drives::take_io)
+        self.drives.as_deref().map(Drives::take_io)
     }
 
     /// [`HostState::init_master`] with the state on the drives: `fill` makes the master a
@@ -108,9 +110,12 @@ impl HostState {
     /// part of the master into the store) and written to the drives.
     pub(super) fn restore_drives(&mut self, dir: &std::path::Path) -> Result<TrainState> {
         let saved = Saved::open(dir, &self.layout)?;
-        let mut drives = self.drives.take().expect("on the drives");
-        let restored = self.restore_windows(&saved, &mut drives);
-        self.drives = Some(drives);
+        let drives = self.drives.clone().expect("on the drives");
+        let mut stream = std::mem::take(&mut self.stream);
+        let restored = stream
+            .settle(&drives)
+            .and_then(|()| self.restore_windows(&saved, &drives, &mut stream));
+        self.stream = stream;
         let rounded = restored?;
         if rounded != (0, 0) {
             tracing::warn!(
@@ -125,9 +130,14 @@ impl HostState {
     }
 
     /// [`HostState::restore_drives`]' windows; the values rounded (master, moments).
-    fn restore_windows(&mut self, saved: &Saved, drives: &mut Drives) -> Result<(u64, u64)> {
+    fn restore_windows(
+        &mut self,
+        saved: &Saved,
+        drives: &Drives,
+        stream: &mut Stream,
+    ) -> Result<(u64, u64)> {
         let (rounded, moments_rounded) = (AtomicU64::new(0), AtomicU64::new(0));
-        let mut win = drives.spare.pop().unwrap_or_else(|| drives.new_window());
+        let mut win = stream.buffer(drives)?;
         let slots = slots(drives, true);
         for b in 0..self.layout.blocks.len() {
             let offset = self.layout.blocks[b].offset;
@@ -172,93 +182,77 @@ impl HostState {
                 drives.write(b, w, &mut win, &slots)?;
             }
         }
-        drives.spare.push(win);
+        stream.spare.push(win);
         drives.sync()?;
         Ok((rounded.into_inner(), moments_rounded.into_inner()))
     }
 
     /// [`HostState::update_block`] with the state on the drives: the block's windows read,
-    /// updated and written back, the next one read and the last one written while one is
-    /// computed. The moments are written with the weights whatever `Moments` says.
+    /// updated and written back, windows ahead read (the next blocks' too) and the last
+    /// ones written while one is computed ([`Stream`]). The moments are written with the
+    /// weights whatever `Moments` says.
     pub(super) fn update_block_drives(&mut self, block: usize, hp: &AdamWStep) -> Result<()> {
-        let mut drives = self.drives.take().expect("on the drives");
-        let updated = self.update_windows(&mut drives, block, hp);
-        self.drives = Some(drives);
+        let drives = self.drives.clone().expect("on the drives");
+        let mut stream = std::mem::take(&mut self.stream);
+        let updated = self.update_windows(&drives, &mut stream, block, hp);
+        if updated.is_err() {
+            // Nothing left in flight behind a failed update.
+            let _ = stream.settle(&drives);
+        }
+        self.stream = stream;
         updated
     }
 
-    fn update_windows(&mut self, drives: &mut Drives, block: usize, hp: &AdamWStep) -> Result<()> {
-        let windows = drives.windows(&self.layout, block);
+    fn update_windows(
+        &mut self,
+        drives: &Arc<Drives>,
+        stream: &mut Stream,
+        block: usize,
+        hp: &AdamWStep,
+    ) -> Result<()> {
+        let across = crate::switches::get().nvme_read_ahead;
+        let ahead = if across { READ_AHEAD } else { 1 };
+        let layout = &self.layout;
+        let windows = drives.windows(layout, block);
+        // The windows this call computes, then those of the next blocks it reads ahead.
+        let mut seq: Vec<(usize, Range<usize>)> =
+            windows.iter().map(|r| (block, r.clone())).collect();
+        let mut next = block + 1;
+        while across && seq.len() < windows.len() + ahead && next < layout.blocks.len() {
+            seq.extend(drives.windows(layout, next).into_iter().map(|r| (next, r)));
+            next += 1;
+        }
+        let last = match across {
+            true => seq.len(),
+            false => windows.len(),
+        };
+        stream.expect(drives, &seq);
         let runs = self.runs(block);
         let offset = self.layout.blocks[block].offset;
         let slots = slots(drives, true);
-        while drives.spare.len() < BUFFERS {
-            // Lost with a failed transfer (the run stops): made again.
-            let w = drives.new_window();
-            drives.spare.push(w);
+        // A test's failing drive: the step's first write of each block.
+        let mut eio = crate::switches::testing::drive_eio_at(hp.step);
+        for (i, r) in windows.iter().enumerate() {
+            // Windows i ..= i + ahead read or being read.
+            while i + stream.ahead.len() < (i + ahead + 1).min(last) {
+                let (b, r) = seq[i + stream.ahead.len()].clone();
+                let win = stream.buffer(drives)?;
+                stream.read(drives, b, r, win, &slots);
+            }
+            let read = stream.ahead.pop_front().expect("read ahead");
+            let win = stream.join(drives, read.done)?;
+            let mut win = win;
+            self.update_window(&mut win, &runs, offset + r.start..offset + r.end, hp);
+            let fail = std::mem::take(&mut eio);
+            stream.write(drives, block, r.clone(), win, &slots, fail);
         }
-        let mut spare = std::mem::take(&mut drives.spare);
-        let mut waited = 0.0;
-        let d: &Drives = drives;
-        let result = std::thread::scope(|s| -> Result<()> {
-            type Done = (Window, Result<()>);
-            let slots = &slots;
-            let read = |mut win: Window, r: Range<usize>| {
-                s.spawn(move || {
-                    let res = d.read(block, r, &mut win, slots);
-                    (win, res)
-                })
-            };
-            // A test's failing drive: the step's first write of each block.
-            let mut eio = crate::switches::testing::drive_eio_at(hp.step);
-            let mut write = |mut win: Window, r: Range<usize>| {
-                let fail = std::mem::take(&mut eio);
-                s.spawn(move || {
-                    let res = match fail {
-                        true => Err(d.injected_eio()),
-                        false => d.write(block, r, &mut win, slots),
-                    };
-                    (win, res)
-                })
-            };
-            let mut join = |h: std::thread::ScopedJoinHandle<'_, Done>| {
-                let t = Instant::now();
-                let done = h.join().expect("a drive transfer panicked");
-                waited += t.elapsed().as_secs_f64();
-                done
-            };
-            let mut writing = std::collections::VecDeque::new();
-            let mut next = windows
-                .first()
-                .map(|r| read(spare.pop().expect("a spare window"), r.clone()));
-            for (i, r) in windows.iter().enumerate() {
-                let (mut win, res) = join(next.take().expect("read ahead"));
-                res?;
-                if let Some(r1) = windows.get(i + 1) {
-                    let buf = match spare.pop() {
-                        Some(b) => b,
-                        None => {
-                            let (b, res) = join(writing.pop_front().expect("a window in flight"));
-                            res?;
-                            b
-                        }
-                    };
-                    next = Some(read(buf, r1.clone()));
-                }
-                self.update_window(&mut win, &runs, offset + r.start..offset + r.end, hp);
-                writing.push_back(write(win, r.clone()));
-            }
-            for h in writing {
-                let (b, res) = join(h);
-                res?;
-                spare.push(b);
-            }
-            Ok(())
-        });
-        drives.spare = spare;
-        drives.waited(waited);
-        result?;
-        drives.sync()
+        // The last block's writes (each block's without the read-ahead) waited for here;
+        // the others' finish during the next block's.
+        if !across || block + 1 == self.layout.blocks.len() {
+            stream.settle(drives)?;
+            drives.sync()?;
+        }
+        Ok(())
     }
 
     /// AdamW on the runs' elements within layout range `g`, whose master and moments are
@@ -314,11 +308,15 @@ impl HostState {
         let Some(write) = write else {
             return Ok(Ok(()));
         };
-        let mut drives = self.drives.take().expect("on the drives");
-        let mut win = drives.spare.pop().unwrap_or_else(|| drives.new_window());
-        let read = self.read_windows(&drives, &mut win, moments, write);
-        drives.spare.push(win);
-        self.drives = Some(drives);
+        let drives = self.drives.clone().expect("on the drives");
+        let mut stream = std::mem::take(&mut self.stream);
+        let read = stream.settle(&drives).and_then(|()| {
+            let mut win = stream.buffer(&drives)?;
+            let read = self.read_windows(&drives, &mut win, moments, write);
+            stream.spare.push(win);
+            read
+        });
+        self.stream = stream;
         read
     }
 
@@ -373,4 +371,136 @@ fn slots(drives: &Drives, moments: bool) -> Vec<Slot> {
     let master = drives.holds(Slot::Master).then_some(Slot::Master);
     let mv = moments.then_some([Slot::M, Slot::V]).into_iter().flatten();
     master.into_iter().chain(mv).collect()
+}
+
+/// A window's transfer on a thread of its own: its buffer back, and the result.
+type Done = (Window, Result<()>);
+
+/// A read in flight: block `block`'s elements `r`.
+struct Ahead {
+    block: usize,
+    r: Range<usize>,
+    done: JoinHandle<Done>,
+}
+
+/// The update's windows in flight from one block's call to the next: reads ahead of the
+/// window computed (into the next blocks), writes behind it, and the buffers of those
+/// not in flight; [`BUFFERS`] buffers at most.
+#[derive(Default)]
+pub(super) struct Stream {
+    spare: Vec<Window>,
+    /// Buffers made.
+    made: usize,
+    ahead: VecDeque<Ahead>,
+    behind: VecDeque<JoinHandle<Done>>,
+}
+
+impl Stream {
+    /// A buffer for a transfer: a spare one, a new one while fewer than [`BUFFERS`] were
+    /// made, else the oldest write's once done (its error, if it failed).
+    pub(super) fn buffer(&mut self, drives: &Drives) -> Result<Window> {
+        if let Some(w) = self.spare.pop() {
+            return Ok(w);
+        }
+        match self.behind.pop_front() {
+            Some(h) if self.made >= BUFFERS => self.join(drives, h),
+            h => {
+                if let Some(h) = h {
+                    self.behind.push_front(h);
+                }
+                self.made += 1;
+                Ok(drives.new_window())
+            }
+        }
+    }
+
+    /// Gives back a buffer [`Stream::buffer`] lent.
+    pub(super) fn spare_buffer(&mut self, win: Window) {
+        self.spare.push(win);
+    }
+
+    /// Waits for `h`, counting the wait as the drives'; its buffer, or its error (the
+    /// buffer kept).
+    fn join(&mut self, drives: &Drives, h: JoinHandle<Done>) -> Result<Window> {
+        let t = Instant::now();
+        let (win, res) = h.join().expect("a drive transfer panicked");
+        drives.waited(t.elapsed().as_secs_f64());
+        match res {
+            Ok(()) => Ok(win),
+            Err(e) => {
+                self.spare.push(win);
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts reading block `block`'s elements `r` of the fields `slots` into `win`.
+    fn read(
+        &mut self,
+        drives: &Arc<Drives>,
+        block: usize,
+        r: Range<usize>,
+        mut win: Window,
+        slots: &[Slot],
+    ) {
+        let (d, slots, at) = (Arc::clone(drives), slots.to_vec(), r.clone());
+        let done = std::thread::spawn(move || {
+            let res = d.read(block, at, &mut win, &slots);
+            (win, res)
+        });
+        self.ahead.push_back(Ahead { block, r, done });
+    }
+
+    /// Starts writing `win` to block `block`'s elements `r` (`fail`: a test's EIO instead).
+    fn write(
+        &mut self,
+        drives: &Arc<Drives>,
+        block: usize,
+        r: Range<usize>,
+        mut win: Window,
+        slots: &[Slot],
+        fail: bool,
+    ) {
+        let (d, slots) = (Arc::clone(drives), slots.to_vec());
+        self.behind.push_back(std::thread::spawn(move || {
+            let res = match fail {
+                true => Err(d.injected_eio()),
+                false => d.write(block, r, &mut win, &slots),
+            };
+            (win, res)
+        }));
+    }
+
+    /// Keeps the reads in flight where they are the first of `seq` (the windows the update
+    /// goes on with), drops them otherwise (an update called out of order).
+    fn expect(&mut self, drives: &Drives, seq: &[(usize, Range<usize>)]) {
+        let ours = self.ahead.len() <= seq.len()
+            && (self.ahead.iter().zip(seq)).all(|(a, (b, r))| a.block == *b && a.r == *r);
+        if !ours {
+            self.drop_ahead(drives);
+        }
+    }
+
+    /// Waits for the reads in flight and drops what they read.
+    fn drop_ahead(&mut self, drives: &Drives) {
+        while let Some(a) = self.ahead.pop_front() {
+            let _ = self.join(drives, a.done).map(|w| self.spare.push(w));
+        }
+    }
+
+    /// Waits for every transfer in flight (what the reads read dropped): the first error
+    /// of the writes.
+    pub(super) fn settle(&mut self, drives: &Drives) -> Result<()> {
+        self.drop_ahead(drives);
+        let mut first = Ok(());
+        while let Some(h) = self.behind.pop_front() {
+            match self.join(drives, h) {
+                Ok(w) => self.spare.push(w),
+                Err(e) => {
+                    first = first.and(Err(e));
+                }
+            }
+        }
+        first
+    }
 }

@@ -508,7 +508,8 @@ fn the_state_on_the_drives_gives_the_bits_of_ram() {
             if let Some(d) = h.drives.take() {
                 assert!(d.window() > nvme::PAD, "the largest block spans windows");
                 // Blocks over several windows and stripes, a stripe on each drive in turn.
-                h.drives = Some(d.with_geometry(nvme::PAD, nvme::PAD));
+                let d = std::sync::Arc::into_inner(d).expect("one owner");
+                h.drives = Some(std::sync::Arc::new(d.with_geometry(nvme::PAD, nvme::PAD)));
             }
             h.init_master(|_, m| {
                 fill(m);

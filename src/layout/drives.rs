@@ -18,8 +18,11 @@ pub const STRIPE: usize = 1 << 20;
 /// Elements per window a pass streams (a multiple of [`PAD`]): 48 MiB of an fp32 master and
 /// moments.
 pub const WINDOW: usize = 1 << 22;
-/// Windows in flight: one read ahead, one computed, one written behind.
-pub const BUFFERS: usize = 3;
+/// Windows an update reads ahead of the one it computes, across the boundaries of blocks
+/// (the next blocks' first windows are read while a block's last one is computed).
+pub const READ_AHEAD: usize = 2;
+/// Windows in flight: [`READ_AHEAD`] read ahead, one computed, one written behind.
+pub const BUFFERS: usize = READ_AHEAD + 2;
 
 /// The fields on the drives and their element sizes: an fp32 master 4 bytes, a split
 /// master's low halves 2, a bf16 master none (the store is the master); m and v 4 or 2

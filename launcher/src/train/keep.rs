@@ -255,3 +255,24 @@ pub fn check_outputs(cfg: &RunConfig, metrics_out: Option<&std::path::Path>) -> 
     }
     Ok(())
 }
+
+/// With `memory.keep_nvme_state`, the optimizer state on the drives, that of step `done`
+/// (the run's last, or the one a stop ended at), kept with its manifest
+/// ([`mt::host::HostState::keep_state`]).
+pub(super) fn keep_drives_state(
+    host: &mut mt::host::HostState,
+    cfg: &RunConfig,
+    done: u64,
+    nan_run: u64,
+    schedule: mt::checkpoint::state::Schedule,
+) -> Result<()> {
+    if !cfg.memory.keep_nvme_state {
+        return Ok(());
+    }
+    let path = host.keep_state(host.train_state(done, nan_run, schedule), cfg)?;
+    println!(
+        "optimizer state kept on the drives at step {done} ({}): a run of the same config with --keep-nvme-state resumes from it",
+        path.display()
+    );
+    Ok(())
+}

@@ -71,6 +71,9 @@ pub(super) struct Preflight {
     pub locks: Vec<DirLock>,
     /// The checkpoint directory resumed, checked against the config.
     pub resume: Option<PathBuf>,
+    /// The optimizer state kept on the drives resumed (its manifest's path, and the
+    /// manifest), checked against the config (`memory.keep_nvme_state`).
+    pub kept: Option<(PathBuf, mt::host::Kept)>,
     pub spec: ModelSpec,
     pub layout: Layout,
     pub data: Dataset,
@@ -205,6 +208,7 @@ pub(super) fn preflight(args: Args) -> Result<Preflight> {
         weights::check_resume(dir, &cfg, &layout, &schedule, *accept)?;
     }
     let resume = resume.map(|(dir, _)| dir);
+    let kept = weights::check_kept(&cfg, &layout, &schedule, resume.as_deref(), mode, mpi)?;
     tracing::info!(
         params = layout.num_params(),
         layers = layout.num_layers(),
@@ -233,6 +237,7 @@ pub(super) fn preflight(args: Args) -> Result<Preflight> {
         trackers,
         locks,
         resume,
+        kept,
         spec,
         layout,
         data,
@@ -385,15 +390,18 @@ pub(super) fn host_state(pre: &Preflight, clock: &mut Clock) -> Result<Host> {
     clock.allocated = Instant::now();
     let reference = pre.grpo_reference();
     let weights = match (resume, cfg.model.init) {
+        _ if pre.kept.is_some() => "resumed from the state kept on the drives",
         (Some(_), _) if reference => "the initial model first, as the GRPO reference",
         (Some(_), _) => "resumed",
         (None, InitKind::Pretrained) => "loaded",
         (None, InitKind::Random) => "random init",
     };
-    if resume.is_none() || reference {
+    let (mut start_step, mut nan_run) = (0, 0);
+    if let Some((path, kept)) = &pre.kept {
+        (start_step, nan_run) = weights::resume_kept(&mut host, path, kept)?;
+    } else if resume.is_none() || reference {
         weights::load_initial(&mut host, cfg, &pre.spec)?;
     }
-    let (mut start_step, mut nan_run) = (0, 0);
     if let Some(dir) = resume.as_ref().filter(|_| !reference) {
         (start_step, nan_run) = weights::restore(&mut host, dir, cfg)?;
     }

@@ -128,6 +128,73 @@ pub(super) fn restore(host: &mut HostState, dir: &Path, cfg: &RunConfig) -> Resu
     Ok((state.step, state.nan_run))
 }
 
+/// The optimizer state kept on the drives (`memory.keep_nvme_state`) this launch resumes,
+/// where there is one: checked, before anything is loaded, to be this run's (the model, the
+/// modes, the drives; the settings as a checkpoint's are, [`check_resume`], differences
+/// refused) and alone (not with `--resume`, a server or several nodes).
+pub(super) fn check_kept(
+    cfg: &RunConfig,
+    layout: &mt::layout::Layout,
+    ours: &checkpoint::state::Schedule,
+    resume: Option<&Path>,
+    mode: super::Mode,
+    mpi: Option<&'static crate::mpi::Mpi>,
+) -> Result<Option<(std::path::PathBuf, mt::host::Kept)>> {
+    if !cfg.memory.keep_nvme_state {
+        return Ok(None);
+    }
+    if mode == super::Mode::Serve || mpi.is_some() {
+        bail!(
+            "memory.keep_nvme_state: a run of one node (mt-launch --config X) keeps its state; not mt-launch serve nor under mpirun yet"
+        );
+    }
+    let Some((path, kept)) = mt::host::Kept::read(cfg)? else {
+        return Ok(None);
+    };
+    if let Some(dir) = resume {
+        bail!(
+            "{}: a kept optimizer state (step {}) is there, and --resume names the checkpoint {}: resume from one of them (remove the kept state's files, which its manifest lists, to resume from the checkpoint)",
+            path.display(),
+            kept.state.step,
+            dir.display()
+        );
+    }
+    kept.check(&path, cfg, layout)?;
+    let differences = match &kept.state.schedule {
+        Some(saved) => ours.differences(saved),
+        None => vec!["the run's settings: none recorded".into()],
+    };
+    if !differences.is_empty() {
+        bail!(
+            "{}: this launch would not continue the kept state's run:\n  {}\nrestore those settings, or remove the kept state's files to start afresh",
+            path.display(),
+            differences.join("\n  ")
+        );
+    }
+    Ok(Some((path, kept)))
+}
+
+/// Resumes from the optimizer state kept on the drives (its manifest `kept` at `path`,
+/// checked by [`check_kept`]): every block read and compared with the manifest's checksum.
+/// (its step, its count of non-finite steps in a row).
+pub(super) fn resume_kept(
+    host: &mut HostState,
+    path: &Path,
+    kept: &mt::host::Kept,
+) -> Result<(u64, u64)> {
+    let t = std::time::Instant::now();
+    let state = host.resume_kept(path, kept)?;
+    let io = host.take_drive_io();
+    println!(
+        "resumed from the optimizer state kept on the drives ({}) at step {}: {:.2} GB read and checked in {:.1}s",
+        path.display(),
+        state.step,
+        io.map_or(0, |io| io.read_bytes) as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
+    Ok((state.step, state.nan_run))
+}
+
 /// The settings a checkpoint records to tell whether a resume continues the same run:
 /// the schedule's, and the data and optimizer settings (the data files fingerprinted).
 pub(crate) fn schedule(cfg: &RunConfig) -> Result<checkpoint::state::Schedule> {

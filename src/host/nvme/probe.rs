@@ -55,7 +55,7 @@ pub fn probe(dirs: &[PathBuf], bytes: u64, tag: &str) -> Result<Vec<Measured>> {
 /// [`probe`] of one directory: `chunks` [`CHUNK`]s.
 fn probe_one(dir: &Path, chunks: usize, tag: &str, want_direct: bool) -> Result<Measured> {
     let path = dir.join(format!("{tag}-probe.state"));
-    let file = open_new(&path, (chunks * CHUNK) as u64, want_direct)?;
+    let file = open_new(&path, (chunks * CHUNK) as u64, want_direct, true)?;
     let direct_off = AtomicBool::new(file.direct.is_none());
     let t = Instant::now();
     pass(&file, &direct_off, chunks, true)?;
