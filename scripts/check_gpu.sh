@@ -69,7 +69,8 @@
 #    (golden-qwen3_5: Gated DeltaNet and gated attention layers, the interleaved mrope over a
 #    partial RoPE, the tower without deepstack) likewise, and with its projector trained; and
 #    the tiny LLaVA-NeXT (golden-llava_next: CLIP tower over any-resolution tiles, unpadded
-#    with its newline), losses on 1 GPU, frozen and with its projector trained.
+#    with its newline) and the tiny Gemma 3 (golden-gemma3: SigLIP tower, pooled projector,
+#    image blocks), losses on 1 GPU, frozen and with the projector trained.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -277,6 +278,17 @@ if part vlm; then
       vrun cpu_vlm_llava_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm_llava_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
     fi
+    # The tiny Gemma 3 (SigLIP tower, pooled projector, image blocks): losses, 1 GPU against
+    # CPU; and its projector trained.
+    if [ -f "$VLM/golden-gemma3/projector/run.yaml" ]; then
+      vlm=(--config "$VLM/golden-gemma3/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+      vrun cpu_vlm_gemma3 "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_gemma3 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      vlm=(--config "$VLM/golden-gemma3/projector/run.yaml" --set training.save_model=false
+           --set training.learning_rate=3e-3 --set training.max_grad_norm=1000)
+      vrun cpu_vlm_gemma3_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_gemma3_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
   else
     echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
   fi
@@ -474,6 +486,9 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
     if os.path.exists(f"{work}/cpu_vlm_llava.jsonl"):
         check("gpu1_vlm_llava", "cpu_vlm_llava", 2e-2, keys=(("loss", "steps"),))
         check("gpu1_vlm_llava_projector", "cpu_vlm_llava_projector", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm_gemma3.jsonl"):
+        check("gpu1_vlm_gemma3", "cpu_vlm_gemma3", 2e-2, keys=(("loss", "steps"),))
+        check("gpu1_vlm_gemma3_projector", "cpu_vlm_gemma3_projector", 2e-2, keys=(("loss", "steps"),))
     if os.path.exists(f"{work}/cpu_vlm_tower.jsonl"):
         check("gpu1_vlm_tower", "cpu_vlm_tower", 2e-2, keys=(("loss", "steps"),))
         ga = tensors(f"{work}/gpu1_vlm_tower_step1.grads")

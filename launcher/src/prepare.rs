@@ -368,14 +368,11 @@ pub fn run_layout(
         .into());
     }
     if training.projector() && !trains_projector(&vision) {
-        let why = match &vision {
-            mt::config::vision::TowerSpec::Siglip(_) => "its SigLIP projector has no backward here",
-            _ => "its deepstack mergers read the tower's blocks beside its merger",
-        };
+        let why = "its deepstack mergers read the tower's blocks beside its merger";
         return Err(mt::Error::invalid(
             "vlm.freeze_projector",
             format!(
-                "false trains the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only; `{}`'s tower and projector train frozen for now ({why}; use vlm.freeze_projector: true)",
+                "false trains the projectors of Qwen2.5-VL, Qwen3.5, Gemma 3 and LLaVA-NeXT only; `{}`'s tower and projector train frozen for now ({why}; use vlm.freeze_projector: true)",
                 vision.model_type(),
             ),
         )
@@ -400,15 +397,15 @@ pub fn trains_encoder(vision: &mt::config::vision::TowerSpec) -> bool {
 }
 
 /// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): Qwen2.5-VL's
-/// merger and Qwen3.5's (Qwen3-VL's tower without deepstack mergers), LLaVA-NeXT's projector
-/// and newline. Qwen3-VL's deepstack mergers read the blocks beside its merger, and Gemma 3's
-/// projector follows a SigLIP tower: those train frozen.
+/// merger and Qwen3.5's (Qwen3-VL's tower without deepstack mergers), Gemma 3's projector,
+/// LLaVA-NeXT's projector and newline. Qwen3-VL's deepstack mergers read the blocks beside
+/// its merger: those train frozen.
 pub fn trains_projector(vision: &mt::config::vision::TowerSpec) -> bool {
     use mt::config::vision::TowerSpec;
     match vision {
         TowerSpec::Qwen(v) => v.deepstack_taps().is_empty(),
         TowerSpec::Clip(_) => true,
-        TowerSpec::Siglip(_) => false,
+        TowerSpec::Siglip(_) => true,
     }
 }
 

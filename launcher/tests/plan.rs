@@ -262,7 +262,8 @@ fn plan_one_h200(yaml: &str, extra: &[&str]) -> String {
 
 /// Gemma 3 27B from its shipped architecture: the bench shape (random init: the text
 /// model alone, 27.0B) and the recipe on the hub's weights, whose plan counts the frozen
-/// SigLIP tower and projector (0.42B parameters: 0.85 GB in bf16) on the host and the GPU.
+/// SigLIP tower and projector (0.42B parameters: 0.85 GB in bf16) on the host and the GPU;
+/// with the projector trained, the trained layout holds it and its kept input is counted.
 #[test]
 fn plan_for_gemma3_27b_counts_its_tower() {
     let bench = plan_one_h200("bench/gemma3_27b.yaml", &[]);
@@ -283,21 +284,32 @@ fn plan_for_gemma3_27b_counts_its_tower() {
     ] {
         assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
     }
-    // Gemma 3's projector and encoder do not train yet: asking is an error naming the key.
+    // The projector trained (`vlm.freeze_projector: false`): its 6.19M parameters (the
+    // norm's 1152 and the 1152 x 5376 projection) join the trained ones and leave the frozen
+    // region, and its input (the tower's output) is kept.
+    let trained = plan_one_h200("gemma3_27b.yaml", &["--set", "vlm.freeze_projector=false"]);
+    for line in [
+        "host memory for 2.702e10 parameters",
+        "of which the vision tower's 6.194e6",
+        "vision tower               0.83 GB",
+        "the projector's input, kept",
+    ] {
+        assert!(trained.contains(line), "no `{line}` in:\n{trained}");
+    }
+    // Gemma 3's encoder does not train yet: asking is an error naming the key.
     let config =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gemma3_27b.yaml");
-    for key in ["vlm.freeze_projector", "vlm.freeze_vision_encoder"] {
-        let out = mt_launch()
-            .args(["plan", "--config", config.to_str().unwrap()])
-            .args(["--gpus", "1", "--set", &format!("{key}=false")])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success() && err.contains(key) && err.contains("gemma3"),
-            "{err}"
-        );
-    }
+    let key = "vlm.freeze_vision_encoder";
+    let out = mt_launch()
+        .args(["plan", "--config", config.to_str().unwrap()])
+        .args(["--gpus", "1", "--set", &format!("{key}=false")])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(key) && err.contains("gemma3"),
+        "{err}"
+    );
 }
 
 /// Qwen2.5-VL-7B from its shipped architecture with its tower trained

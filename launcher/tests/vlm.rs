@@ -146,6 +146,15 @@ fn llava_next_with_the_projector_trained_matches_transformers() {
     trained_step_matches("golden-llava_next/projector", "vlm-llava_next-projector");
 }
 
+/// The same for Gemma 3 (scripts/make_vlm_golden_gemma3.py's projector case): its projector
+/// (`multi_modal_projector.*`: the 2 x 2 average pool, Gemma's RMSNorm with `1 + w`, the
+/// projection matrix) trained, recomputed with grad in the embedding's backward over the
+/// frozen SigLIP tower's kept output.
+#[test]
+fn gemma3_with_the_projector_trained_matches_transformers() {
+    trained_step_matches("golden-gemma3/projector", "vlm-gemma3-projector");
+}
+
 /// One step of `vlm/{case}` (a trained-tower case of the make_vlm_golden scripts: its
 /// step1.safetensors holds every trained tensor after torch's AdamW step) with 1 and 2
 /// workers: [`golden_step`]'s checks (loss, grad norm and every trained tensor's gradient
@@ -256,7 +265,7 @@ fn qwen3_vl_with_the_projector_or_encoder_trained_is_refused() {
     for (key, only) in [
         (
             "vlm.freeze_projector",
-            "the projectors of Qwen2.5-VL, Qwen3.5 and LLaVA-NeXT only",
+            "the projectors of Qwen2.5-VL, Qwen3.5, Gemma 3 and LLaVA-NeXT only",
         ),
         (
             "vlm.freeze_vision_encoder",
@@ -475,10 +484,10 @@ for out, mode in runs:
 }
 
 /// The export of a Gemma 3 run (two steps: the second's images prefetched): the language
-/// model in the wrapper's legacy names (`language_model.model.*`), the SigLIP tower and
-/// projector bit for bit, the processor's settings beside the tokenizer; transformers loads
-/// it with `AutoModelForImageTextToText` and `AutoProcessor`, and answers about an image
-/// with `generate`.
+/// model in the wrapper's legacy names (`language_model.model.*`), the SigLIP tower bit for
+/// bit, the projector too, or trained with `vlm.freeze_projector: false`; the processor's
+/// settings beside the tokenizer. transformers loads it with `AutoModelForImageTextToText`
+/// and `AutoProcessor`, and answers about an image with `generate`.
 #[test]
 fn gemma3_export_loads_in_transformers_and_answers_about_an_image() {
     let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
@@ -488,35 +497,47 @@ fn gemma3_export_loads_in_transformers_and_answers_about_an_image() {
     }
     let dir = data_fixtures("vlm/golden-gemma3/expected.json").join("vlm/golden-gemma3");
     let s = scratch("vlm-gemma3-export");
-    let out = two_steps_exported(&dir, &s, "out", &[]);
+    let mut outs = Vec::new();
+    for projector in ["true", "false"] {
+        let out = two_steps_exported(
+            &dir,
+            &s,
+            &format!("out-freeze-projector-{projector}"),
+            &[&format!("vlm.freeze_projector={projector}")],
+        );
+        outs.push(out);
+    }
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
-src, out, image = sys.argv[1:4]
-a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
-assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
-tower = [k for k in a if k.startswith(("vision_tower.", "multi_modal_projector."))]
-assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
-trained = [k for k in a if k not in tower]
-assert trained and all(k.startswith("language_model.model.") for k in trained), trained
-assert all(not torch.equal(a[k], b[k]) for k in trained), "a language-model tensor did not train"
-model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
-assert type(model).__name__ == "Gemma3ForConditionalGeneration", type(model)
-proc = AutoProcessor.from_pretrained(out)
-msgs = [{"role": "user", "content": proc.boi_token + "What is this?"}]
-text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
-assert int(enc["token_type_ids"].sum()) == model.config.mm_tokens_per_image
-gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
-assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
-print(f"export: {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+src, image = sys.argv[1:3]
+for out, trained_projector in zip(sys.argv[3:], [False, True]):
+    a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
+    assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
+    projector = [k for k in a if k.startswith("multi_modal_projector.")]
+    tower = [k for k in a if k.startswith("vision_tower.") or (k in projector and not trained_projector)]
+    assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
+    trained = [k for k in a if k not in tower]
+    assert all(k.startswith("language_model.model.") or trained_projector and k in projector for k in trained), trained
+    assert not trained_projector or len(projector) == 2 and set(projector) <= set(trained)
+    assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration", type(model)
+    proc = AutoProcessor.from_pretrained(out)
+    msgs = [{"role": "user", "content": proc.boi_token + "What is this?"}]
+    text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    assert int(enc["token_type_ids"].sum()) == model.config.mm_tokens_per_image
+    gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
+    print(f"export (projector trained: {trained_projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
 "#;
     let r = std::process::Command::new(&py)
         .args(["-c", check])
         .arg(dir.join("model"))
-        .arg(&out)
         .arg(dir.join("../images/a.png"))
+        .args(&outs)
         .output()
         .unwrap();
     assert!(

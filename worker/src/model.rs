@@ -19,7 +19,8 @@
 //! model places at the image tokens (block by block where the encoder trains);
 //! `qwen3_vl_vision.rs` Qwen3-VL's, whose deepstack features the first layers' outputs also
 //! take there ([`add_at_image_tokens`]), and Qwen3.5's (the same tower without deepstack
-//! mergers); `siglip_vision.rs` Gemma 3's SigLIP tower and projector (frozen, forward only);
+//! mergers); `siglip_vision.rs` Gemma 3's SigLIP tower and projector (the projector apart where it
+//! trains);
 //! `clip_vision.rs` LLaVA-NeXT's CLIP tower, projector and image newline over any-resolution
 //! tiles; the two share `vit.rs`'s encoder layer. Qwen3-VL's text model (`qwen3_vl_text`) is
 //! `qwen3.rs`, Qwen3.5's (`qwen3_5_text`) `qwen3_next.rs`.
@@ -75,7 +76,7 @@ pub use qwen2_vl_vision::{
 };
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;
-pub use siglip_vision::{SiglipWeights, gemma3_vision};
+pub use siglip_vision::{SiglipWeights, gemma3_encoder, gemma3_projected, gemma3_vision};
 
 /// A vision-language model's frozen tower, of its family.
 pub enum TowerWeights {

@@ -9,10 +9,10 @@
 //!
 //! The frozen part of the tower runs once per micro-batch, without grad, from the weights
 //! the worker copied from the read-only region. A trained projector
-//! (`vlm.freeze_projector: false`, Qwen2.5-VL's or Qwen3.5's merger, LLaVA-NeXT's projector
-//! and newline) runs where the embedding does, from the embedding block's weights: without
-//! grad in the forward, recomputed with grad on its leaves in the embedding's backward, where
-//! the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
+//! (`vlm.freeze_projector: false`, Qwen2.5-VL's or Qwen3.5's merger, Gemma 3's projector,
+//! LLaVA-NeXT's projector and newline) runs where the embedding does, from the embedding
+//! block's weights: without grad in the forward, recomputed with grad on its leaves in the
+//! embedding's backward, where the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
 //! N x E) is kept for that. A trained encoder (`vlm.freeze_vision_encoder: false`,
 //! Qwen2.5-VL's) runs where the embedding does too, block by block ([`super::tower`]).
 //!
@@ -24,6 +24,7 @@ use anyhow::{Context as _, Result, bail};
 use mt::config::TowerTraining;
 use mt::config::hf::{ModelSpec, TOWER};
 use mt::config::vision::clip::ClipSpec;
+use mt::config::vision::siglip::SiglipSpec;
 use mt::config::vision::{VisionFamily, VisionSpec};
 use mt::data::{
     BatchImage, Gemma3Images, ImageProcessor, LlavaNextImages, MicroBatch, QwenVlImages, image,
@@ -34,9 +35,10 @@ use tch::{Device, Kind, Tensor};
 
 use super::tower::EncoderPass;
 use crate::model::{
-    BlockWeights, ClipWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens,
-    gemma3_vision, llava_next_encoder, llava_next_projected, llava_next_vision, qwen2_5_vl_vision,
-    qwen3_vl_vision, vision_encoder, vision_merger,
+    BlockWeights, ClipWeights, Encoded, SiglipWeights, TowerWeights, VisionWeights,
+    add_at_image_tokens, gemma3_encoder, gemma3_projected, gemma3_vision, llava_next_encoder,
+    llava_next_projected, llava_next_vision, qwen2_5_vl_vision, qwen3_vl_vision, vision_encoder,
+    vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
@@ -87,7 +89,7 @@ impl Tower {
                     }
                     (_, TowerTraining::Projector) if deepstack => bail!(
                         "vlm.freeze_projector: false trains the projectors of Qwen2.5-VL, \
-                         Qwen3.5 and LLaVA-NeXT only; `{}`'s tower (with deepstack mergers) is \
+                         Qwen3.5, Gemma 3 and LLaVA-NeXT only; `{}`'s tower (with deepstack mergers) is \
                          frozen (set vlm.freeze_projector: true)",
                         w.spec.model_type
                     ),
@@ -112,8 +114,22 @@ impl Tower {
                 MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
             }
             (TowerWeights::Siglip(w), ImageProcessor::Gemma3(px)) => {
-                let f_mh = gemma3_vision(w, &gemma3_pixels(px, &per_image, kind, device)?);
-                MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
+                let pixels = gemma3_pixels(px, &per_image, kind, device)?;
+                let features = match self.training {
+                    TowerTraining::Frozen => {
+                        Features::Frozen(gemma3_vision(w, &pixels).f_to_device(device)?)
+                    }
+                    TowerTraining::Projector => Features::Pooled {
+                        enc_bne: gemma3_encoder(w, &pixels),
+                        spec: w.spec.clone(),
+                    },
+                    t => bail!(
+                        "{}: false trains Qwen2.5-VL's encoder only; `gemma3`'s is frozen (set {}: true)",
+                        t.key(),
+                        t.key()
+                    ),
+                };
+                MicroImages::image_blocks(mb, w.spec.image_token_id, features, device)
             }
             (TowerWeights::Clip(w), ImageProcessor::LlavaNext(px)) => {
                 let sizes: Vec<[u32; 2]> = mb
@@ -273,6 +289,9 @@ pub enum Features {
     Frozen(Tensor),
     /// The projector's input; its weights are the embedding block's.
     Merger { enc: Encoded, spec: VisionSpec },
+    /// Gemma 3's projector's input, the tower's output (I, N, E) after `post_layernorm`; the
+    /// projector's weights are the embedding block's.
+    Pooled { enc_bne: Tensor, spec: SiglipSpec },
     /// LLaVA-NeXT's projector's input, the tower's patch features (Tt, N, E) of images of
     /// `sizes` (height, width); the projector's weights and the newline are the embedding
     /// block's.
@@ -381,13 +400,14 @@ impl MicroImages {
         }
     }
 
-    /// Gemma 3's images of `mb`: the features (M, H) of its tokens of id `image_token_id`,
-    /// and each token's image block, as transformers' `get_block_sequence_ids_for_mask`
-    /// numbers them from `token_type_ids` (1 exactly at the image tokens).
+    /// Gemma 3's images of `mb`: the features of its tokens of id `image_token_id` (M, H, or
+    /// a trained projector's input), and each token's image block, as transformers'
+    /// `get_block_sequence_ids_for_mask` numbers them from `token_type_ids` (1 exactly at the
+    /// image tokens).
     pub fn image_blocks(
         mb: &MicroBatch,
         image_token_id: i64,
-        features_mh: Tensor,
+        features: Features,
         device: Device,
     ) -> Result<MicroImages> {
         if !mb.position_ids.is_empty() {
@@ -400,7 +420,7 @@ impl MicroImages {
             .f_view([mb.rows as i64, mb.seq_len as i64])?
             .f_to_device(device)?;
         Ok(MicroImages {
-            features: Features::Frozen(features_mh.f_to_device(device)?),
+            features,
             image_token_id,
             pos_3bt: None,
             block_bt: Some(block_bt),
@@ -412,7 +432,8 @@ impl MicroImages {
     /// The features (M, H) placed at the image tokens, one row per token in the order the
     /// tokens appear (row by row, left to right): the frozen tower's, or a trained
     /// projector's over its kept input with `embed_w`'s `visual.merger.*` (Qwen2.5-VL's or
-    /// Qwen3.5's; LLaVA-NeXT's `multi_modal_projector.*` and `image_newline`; views or
+    /// Qwen3.5's; Gemma 3's `multi_modal_projector.*`; LLaVA-NeXT's `multi_modal_projector.*`
+    /// and `image_newline`; views or
     /// leaves: with grad where they are leaves and grad mode is on).
     pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
         match &self.features {
@@ -444,6 +465,18 @@ impl MicroImages {
                     })
                     .collect();
                 llava_next_projected(&ClipWeights::new(spec.clone(), projector), enc_tne, sizes)
+            }
+            Features::Pooled { enc_bne, spec } => {
+                let projector = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&name).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                gemma3_projected(&SiglipWeights::new(spec.clone(), projector), enc_bne)
             }
             Features::Encoder(pass) => pass.features_mh(embed_w),
         }
@@ -606,7 +639,8 @@ mod tests {
         mb.position_ids = vec![0, 1, 2, 0];
         let e = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
-        let e = MicroImages::image_blocks(&mb, 9, f.copy(), Device::Cpu).unwrap_err();
+        let e =
+            MicroImages::image_blocks(&mb, 9, Features::Frozen(f.copy()), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
     }
 
