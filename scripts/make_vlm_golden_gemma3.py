@@ -15,7 +15,10 @@ mask lands) and grads0.safetensors (every language-model gradient under its chec
 The projector case (`vlm.freeze_projector: false`, given as LlamaFactory's
 `freeze_multi_modal_projector: false`): the same step with `multi_modal_projector` trained
 too, then torch's AdamW step (vlm_golden_common.adamw_case): DIR/vlm/golden-gemma3/projector/
-run.yaml, expected.json, grads0.safetensors and step1.safetensors.
+run.yaml, expected.json, grads0.safetensors and step1.safetensors; likewise the tower case
+(DIR/vlm/golden-gemma3/tower: `vlm: {freeze_vision_encoder: false, freeze_projector: false}`,
+every tensor of the tower and projector) and the encoder case (golden-gemma3/encoder:
+LlamaFactory's `freeze_vision_tower: false`, the SigLIP tower under a frozen projector).
 
 Usage: .venv/bin/python scripts/make_vlm_golden_gemma3.py --dir target/data-fixtures
 (make_vlm_fixtures.py calls it.)
@@ -146,9 +149,18 @@ print(f"vlm gemma3 golden: loss {loss.item():.6f} (causal only: {loss_causal:.6f
 
 # The projector trained (LlamaFactory's key, which reads as vlm.freeze_projector: false): the
 # average pool's RMSNorm (1 + w) and the projection; the gradient stops at the tower's output.
+projector_names = ["multi_modal_projector.mm_input_projection_weight", "multi_modal_projector.mm_soft_emb_norm.weight"]
 trained = adamw_case("projector", True, False, "freeze_multi_modal_projector: false\n")
-assert trained == ["multi_modal_projector.mm_input_projection_weight",
-                   "multi_modal_projector.mm_soft_emb_norm.weight"], trained
+assert trained == projector_names, trained
+
+# The whole tower trained (MegaTrain's keys): the SigLIP patch embedding, positions, both
+# encoder layers and post_layernorm too; and the tower under a frozen projector (LlamaFactory's
+# key), the gradient passing through the projector.
+tower = [n for n in saved if n.startswith("vision_tower.")]
+trained = adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+assert trained == sorted(tower + projector_names), trained
+trained = adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
+assert trained == sorted(tower), trained
 
 # The tower's and projector's forward FLOPs over one image as torch counts them
 # (FlopCounterMode: the convolution, matmuls; the eager attention's two matmuls, which CPU

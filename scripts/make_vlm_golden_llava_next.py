@@ -16,7 +16,11 @@ LlamaFactory's `freeze_multi_modal_projector: false`): the same step with `multi
 and `image_newline` trained too, then torch's AdamW step (weight decay on the tensors of >= 2
 dims, clipped to half the gradient norm): DIR/vlm/golden-llava_next/projector/run.yaml,
 expected.json, grads0.safetensors (the projector's and the newline's gradients beside the
-language model's) and step1.safetensors (every trained tensor after the step, checkpoint names).
+language model's) and step1.safetensors (every trained tensor after the step, checkpoint names);
+likewise the tower case (golden-llava_next/tower: `vlm: {freeze_vision_encoder: false,
+freeze_projector: false}`) and the encoder case (golden-llava_next/encoder: LlamaFactory's
+`freeze_vision_tower: false`), where the CLIP layers after the one `vision_feature_layer` reads
+and `post_layernorm` get no gradient (None in torch).
 
 Usage: .venv/bin/python scripts/make_vlm_golden_llava_next.py --dir target/data-fixtures
 (make_vlm_fixtures.py calls it.)
@@ -141,6 +145,19 @@ projector_names = ["image_newline"] + [f"multi_modal_projector.linear_{i}.{k}" f
                                        for k in ("weight", "bias")]
 trained = adamw_case("projector", True, False, "freeze_multi_modal_projector: false\n")
 assert trained == sorted(projector_names), trained
+
+# The whole tower trained (MegaTrain's keys) and the tower under a frozen projector and newline
+# (LlamaFactory's key): the CLIP embeddings, pre_layrnorm and the layers up to the one
+# `vision_feature_layer` reads get gradients; the layers after it and post_layernorm (the class
+# token's) none, so torch's AdamW leaves them as they are.
+keep = cfg.vision_config.num_hidden_layers + 1 + cfg.vision_feature_layer
+assert keep == 2, keep
+reached = [n for n in saved if n.startswith("vision_tower.") and "post_layernorm" not in n
+           and not any(f"layers.{i}." in n for i in range(keep, cfg.vision_config.num_hidden_layers))]
+trained = adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+assert trained == sorted(reached + projector_names), trained
+trained = adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
+assert trained == sorted(reached), trained
 
 # The tower's and projector's forward FLOPs per image as torch counts them (FlopCounterMode: the
 # patch convolution, matmuls, the eager attention's two matmuls, which CPU SDPA's fused kernel

@@ -354,14 +354,12 @@ pub fn run_layout(
             TowerSpec::Qwen(v) if !v.deepstack_taps().is_empty() => {
                 "its deepstack features join the first decoder layers, whose backward does not hand their gradient to the tower"
             }
-            TowerSpec::Qwen(_) => "its Qwen3-VL-style encoder has no backward here yet",
-            TowerSpec::Siglip(_) => "its SigLIP tower has no backward here",
-            TowerSpec::Clip(_) => "its CLIP tower has no backward here",
+            _ => "its Qwen3-VL-style encoder has no backward here yet",
         };
         return Err(mt::Error::invalid(
             key,
             format!(
-                "false trains Qwen2.5-VL's vision encoder only; `{}`'s encoder trains frozen for now ({why}; use {key}: true)",
+                "false trains the vision encoders of Qwen2.5-VL, Gemma 3 and LLaVA-NeXT only; `{}`'s encoder trains frozen for now ({why}; use {key}: true)",
                 vision.model_type(),
             ),
         )
@@ -390,10 +388,14 @@ pub fn run_layout(
     Ok(Layout::with_tower(spec, &vision, training))
 }
 
-/// Whether `vision`'s encoder can train (`vlm.freeze_vision_encoder: false`): Qwen2.5-VL's.
+/// Whether `vision`'s encoder can train (`vlm.freeze_vision_encoder: false`): Qwen2.5-VL's,
+/// Gemma 3's SigLIP and LLaVA-NeXT's CLIP tower.
 pub fn trains_encoder(vision: &mt::config::vision::TowerSpec) -> bool {
     use mt::config::vision::{TowerSpec, VisionFamily};
-    matches!(vision, TowerSpec::Qwen(v) if v.family == VisionFamily::Qwen2_5Vl)
+    match vision {
+        TowerSpec::Qwen(v) => v.family == VisionFamily::Qwen2_5Vl,
+        TowerSpec::Siglip(_) | TowerSpec::Clip(_) => true,
+    }
 }
 
 /// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): Qwen2.5-VL's

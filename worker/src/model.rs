@@ -69,14 +69,20 @@ use mt::config::vision::VisionFamily;
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
-pub use clip_vision::{ClipWeights, llava_next_encoder, llava_next_projected, llava_next_vision};
+pub use clip_vision::{
+    ClipWeights, llava_next_embed, llava_next_encoder, llava_next_head, llava_next_layer,
+    llava_next_projected, llava_next_vision,
+};
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{
     Encoded, Geometry, VisionWeights, patch_embed, qwen2_5_vl_vision, vision_block,
 };
 pub use qwen3_vl_vision::qwen3_vl_vision;
 use rope::Rope;
-pub use siglip_vision::{SiglipWeights, gemma3_encoder, gemma3_projected, gemma3_vision};
+pub use siglip_vision::{
+    SiglipWeights, gemma3_embed, gemma3_encoder, gemma3_head, gemma3_layer, gemma3_projected,
+    gemma3_vision,
+};
 
 /// A vision-language model's frozen tower, of its family.
 pub enum TowerWeights {

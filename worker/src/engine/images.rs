@@ -14,7 +14,8 @@
 //! block's weights: without grad in the forward, recomputed with grad on its leaves in the
 //! embedding's backward, where the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
 //! N x E) is kept for that. A trained encoder (`vlm.freeze_vision_encoder: false`,
-//! Qwen2.5-VL's) runs where the embedding does too, block by block ([`super::tower`]).
+//! Qwen2.5-VL's; Gemma 3's and LLaVA-NeXT's tower) runs where the embedding does too, block
+//! by block ([`super::tower`], [`super::vit_tower`]).
 //!
 //! Shapes: B rows, T padded length, M image tokens, H hidden size, N patches, E the
 //! tower's width, I images, S the side of Gemma 3's images and of LLaVA-NeXT's tiles, Tt
@@ -34,6 +35,7 @@ use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use super::tower::EncoderPass;
+use super::vit_tower::VitPass;
 use crate::model::{
     BlockWeights, ClipWeights, Encoded, SiglipWeights, TowerWeights, VisionWeights,
     add_at_image_tokens, gemma3_encoder, gemma3_projected, gemma3_vision, llava_next_encoder,
@@ -123,11 +125,7 @@ impl Tower {
                         enc_bne: gemma3_encoder(w, &pixels),
                         spec: w.spec.clone(),
                     },
-                    t => bail!(
-                        "{}: false trains Qwen2.5-VL's encoder only; `gemma3`'s is frozen (set {}: true)",
-                        t.key(),
-                        t.key()
-                    ),
+                    t => Features::Vit(Box::new(VitPass::siglip(w, t, pixels))),
                 };
                 MicroImages::image_blocks(mb, w.spec.image_token_id, features, device)
             }
@@ -147,11 +145,7 @@ impl Tower {
                         sizes,
                         spec: w.spec.clone(),
                     },
-                    t => bail!(
-                        "{}: false trains Qwen2.5-VL's encoder only; `llava_next`'s is frozen (set {}: true)",
-                        t.key(),
-                        t.key()
-                    ),
+                    t => Features::Vit(Box::new(VitPass::clip(w, t, tiles, sizes))),
                 };
                 Ok(MicroImages::placed(w.spec.image_token_id, features))
             }
@@ -302,6 +296,9 @@ pub enum Features {
     },
     /// Nothing yet: the encoder trains, and runs from the embedding block's weights.
     Encoder(Box<EncoderPass>),
+    /// Nothing yet: Gemma 3's SigLIP or LLaVA-NeXT's CLIP tower trains, and runs from the
+    /// embedding block's weights.
+    Vit(Box<VitPass>),
 }
 
 /// What a micro-batch's images bring to the language model.
@@ -479,6 +476,7 @@ impl MicroImages {
                 gemma3_projected(&SiglipWeights::new(spec.clone(), projector), enc_bne)
             }
             Features::Encoder(pass) => pass.features_mh(embed_w),
+            Features::Vit(pass) => pass.features_mh(embed_w),
         }
     }
 
@@ -487,8 +485,10 @@ impl MicroImages {
     /// [`Self::features_mh`] reads its output; nothing for a frozen one, which ran when
     /// the images were read.
     pub fn encode(&mut self, embed_w: &BlockWeights, keep: bool) {
-        if let Features::Encoder(pass) = &mut self.features {
-            pass.forward(embed_w, keep);
+        match &mut self.features {
+            Features::Encoder(pass) => pass.forward(embed_w, keep),
+            Features::Vit(pass) => pass.forward(embed_w, keep),
+            _ => {}
         }
     }
 
@@ -498,6 +498,7 @@ impl MicroImages {
     pub fn encoder_backward(&mut self, embed_w: &BlockWeights) -> Result<()> {
         match &mut self.features {
             Features::Encoder(pass) => pass.backward(embed_w),
+            Features::Vit(pass) => pass.backward(embed_w),
             _ => Ok(()),
         }
     }
