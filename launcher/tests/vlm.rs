@@ -10,8 +10,10 @@
 //! whose partial RoPE turns under the interleaved mrope) behind Qwen3-VL's tower without
 //! deepstack mergers.
 //!
-//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, LLaVA-NeXT's
-//! projector and newline): its gradients too, and the step's weights against torch's AdamW.
+//! The same with the projector trained (Qwen2.5-VL's and Qwen3.5's merger, Gemma 3's
+//! projector, LLaVA-NeXT's projector and newline) and with the tower trained (Qwen2.5-VL's,
+//! Gemma 3's SigLIP and LLaVA-NeXT's CLIP tower): their gradients too, and the step's weights
+//! against torch's AdamW.
 //! And a tiny Gemma 3 (scripts/make_vlm_golden_gemma3.py): its SigLIP tower and projector,
 //! the image blocks' bidirectional attention; and a tiny LLaVA-NeXT
 //! (scripts/make_vlm_golden_llava_next.py): its CLIP tower over any-resolution tiles, the
@@ -22,7 +24,8 @@
 //! language model's chunked loss), about sqrt(K) x 2^-24 for sums of K <= ~1e3 terms, two
 //! orders below the bound, while a misplaced image feature or a wrong 3-D position moves
 //! the loss and every gradient by O(1e-2) or more. Gated DeltaNet's decay path is held to
-//! 1e-3 ([`grad_tol`]).
+//! 1e-3 ([`grad_tol`]); a SigLIP or CLIP key projection's bias, whose gradient is 0 but for
+//! rounding, against its weight's ([`key_bias_weight`]).
 
 mod common;
 
@@ -441,6 +444,32 @@ fn qwen3_5_export_loads_in_transformers_and_answers_about_an_image() {
     );
 }
 
+/// `dir/run.yaml` trained two steps and exported once per mode in `modes` (`frozen`,
+/// `projector`: the projector trained as well, `encoder`: the tower's encoder), into
+/// `scratch`: each export directory followed by its mode, as the export checks read them.
+fn export_modes(dir: &Path, scratch: &Path, modes: &[&str]) -> Vec<String> {
+    let mut outs = Vec::new();
+    for mode in modes {
+        let (encoder, projector) = match *mode {
+            "frozen" => (true, true),
+            "projector" => (true, false),
+            "encoder" => (false, true),
+            other => panic!("no export mode `{other}`"),
+        };
+        let out = two_steps_exported(
+            dir,
+            scratch,
+            &format!("out-{mode}"),
+            &[
+                &format!("vlm.freeze_vision_encoder={encoder}"),
+                &format!("vlm.freeze_projector={projector}"),
+            ],
+        );
+        outs.extend([out.display().to_string(), mode.to_string()]);
+    }
+    outs
+}
+
 /// `dir/run.yaml` trained two steps on one CPU worker with `sets` (`key=value`), its model
 /// written to `scratch/name` with the processor's settings beside it: that directory.
 fn two_steps_exported(dir: &Path, scratch: &Path, name: &str, sets: &[&str]) -> PathBuf {
@@ -472,26 +501,7 @@ fn export_answers(case: &str, tower: &str, processor: &str, modes: &[&str]) {
     }
     let dir = data_fixtures(&format!("vlm/{case}/expected.json")).join(format!("vlm/{case}"));
     let s = scratch(&format!("vlm-export-{case}"));
-    let mut outs = Vec::new();
-    for mode in modes {
-        let (encoder, projector) = match *mode {
-            "frozen" => (true, true),
-            "projector" => (true, false),
-            "encoder" => (false, true),
-            other => panic!("no export mode `{other}`"),
-        };
-        let out = two_steps_exported(
-            &dir,
-            &s,
-            &format!("out-{mode}"),
-            &[
-                &format!("vlm.freeze_vision_encoder={encoder}"),
-                &format!("vlm.freeze_projector={projector}"),
-            ],
-        );
-        outs.push(out.display().to_string());
-        outs.push(mode.to_string());
-    }
+    let outs = export_modes(&dir, &s, modes);
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
@@ -557,31 +567,25 @@ fn gemma3_export_loads_in_transformers_and_answers_about_an_image() {
     }
     let dir = data_fixtures("vlm/golden-gemma3/expected.json").join("vlm/golden-gemma3");
     let s = scratch("vlm-gemma3-export");
-    let mut outs = Vec::new();
-    for projector in ["true", "false"] {
-        let out = two_steps_exported(
-            &dir,
-            &s,
-            &format!("out-freeze-projector-{projector}"),
-            &[&format!("vlm.freeze_projector={projector}")],
-        );
-        outs.push(out);
-    }
+    let outs = export_modes(&dir, &s, &["frozen", "projector", "encoder"]);
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 src, image = sys.argv[1:3]
-for out, trained_projector in zip(sys.argv[3:], [False, True]):
+for out, mode in zip(sys.argv[3::2], sys.argv[4::2]):
     a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
     assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
     projector = [k for k in a if k.startswith("multi_modal_projector.")]
-    tower = [k for k in a if k.startswith("vision_tower.") or (k in projector and not trained_projector)]
-    assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
-    trained = [k for k in a if k not in tower]
-    assert all(k.startswith("language_model.model.") or trained_projector and k in projector for k in trained), trained
-    assert not trained_projector or len(projector) == 2 and set(projector) <= set(trained)
+    encoder = [k for k in a if k.startswith("vision_tower.")]
+    trains = {"frozen": [], "projector": projector, "encoder": encoder}[mode]
+    frozen = [k for k in projector + encoder if k not in trains]
+    assert frozen and all(torch.equal(a[k], b[k]) for k in frozen), "the frozen tower changed"
+    trained = [k for k in a if k not in frozen]
+    assert all(k.startswith("language_model.model.") or k in trains for k in trained), trained
+    assert set(trains) <= set(trained)
     assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
+    tower = frozen
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "Gemma3ForConditionalGeneration", type(model)
     proc = AutoProcessor.from_pretrained(out)
@@ -589,9 +593,9 @@ for out, trained_projector in zip(sys.argv[3:], [False, True]):
     text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
     assert int(enc["token_type_ids"].sum()) == model.config.mm_tokens_per_image
-    gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    gen = model.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # no early EOS
     assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
-    print(f"export (projector trained: {trained_projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+    print(f"export ({mode}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
 "#;
     let r = std::process::Command::new(&py)
         .args(["-c", check])
@@ -625,31 +629,28 @@ fn llava_next_export_loads_in_transformers_and_answers_about_an_image() {
     }
     let dir = data_fixtures("vlm/golden-llava_next/expected.json").join("vlm/golden-llava_next");
     let s = scratch("vlm-llava_next-export");
-    let mut outs = Vec::new();
-    for projector in ["true", "false"] {
-        let out = two_steps_exported(
-            &dir,
-            &s,
-            &format!("out-freeze-projector-{projector}"),
-            &[&format!("vlm.freeze_projector={projector}")],
-        );
-        outs.push(out);
-    }
+    let outs = export_modes(&dir, &s, &["frozen", "projector", "encoder"]);
     let check = r#"
 import sys, torch, safetensors.torch as st
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 src, image = sys.argv[1:3]
-for out, trained_projector in zip(sys.argv[3:], [False, True]):
+for out, mode in zip(sys.argv[3::2], sys.argv[4::2]):
     a, b = st.load_file(src + "/model.safetensors"), st.load_file(out + "/model.safetensors")
     assert sorted(a) == sorted(b), "the export's tensor names differ from the input's"
     projector = [k for k in a if k.startswith(("multi_modal_projector.", "image_newline"))]
-    tower = [k for k in a if k.startswith("vision_tower.") or (k in projector and not trained_projector)]
-    assert tower and all(torch.equal(a[k], b[k]) for k in tower), "the frozen tower changed"
-    trained = [k for k in a if k not in tower]
-    assert all(k.startswith("language_model.") or trained_projector and k in projector for k in trained), trained
-    assert not trained_projector or len(projector) == 5 and set(projector) <= set(trained)
+    assert len(projector) == 5, projector
+    # The CLIP layer after the one vision_feature_layer (-2) reads, and post_layernorm, stay.
+    encoder = [k for k in a if k.startswith("vision_tower.") and "layers.2." not in k and "post_layernorm" not in k]
+    trains = {"frozen": [], "projector": projector, "encoder": encoder}[mode]
+    tower = [k for k in a if k.startswith("vision_tower.") or k in projector]
+    frozen = [k for k in tower if k not in trains]
+    assert frozen and all(torch.equal(a[k], b[k]) for k in frozen), "the frozen tower changed"
+    trained = [k for k in a if k not in frozen]
+    assert all(k.startswith("language_model.") or k in trains for k in trained), trained
+    assert set(trains) <= set(trained)
     assert all(not torch.equal(a[k], b[k]) for k in trained), "a trained tensor did not train"
+    tower = frozen
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     assert type(model).__name__ == "LlavaNextForConditionalGeneration", type(model)
     proc = AutoProcessor.from_pretrained(out)
@@ -658,9 +659,9 @@ for out, trained_projector in zip(sys.argv[3:], [False, True]):
     text = proc.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     enc = proc(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
     assert int((enc["input_ids"] == model.config.image_token_id).sum()) > 36
-    gen = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    gen = model.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # no early EOS
     assert gen.shape[1] == enc["input_ids"].shape[1] + 4, gen.shape
-    print(f"export (projector trained: {trained_projector}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
+    print(f"export ({mode}): {len(tower)} tower tensors bit-exact, {len(trained)} trained; generate gave", gen[0, -4:].tolist())
 "#;
     let r = std::process::Command::new(&py)
         .args(["-c", check])
