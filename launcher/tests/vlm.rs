@@ -679,6 +679,72 @@ for out, mode in zip(sys.argv[3::2], sys.argv[4::2]):
     eprintln!("{}", String::from_utf8_lossy(&r.stdout));
 }
 
+/// Gemma 3's tower trained from a checkpoint that keeps it under the hub's original
+/// `vision_tower.vision_model.` (transformers 5.17 writes `vision_tower.`): the trained
+/// tensors' layout names follow the checkpoint's, so the step equals the same step from the
+/// golden's names bit for bit (loss and gradient norm), and the export writes the input's
+/// names back. Shown failing before the names followed: the load stopped at the first
+/// trained tensor, `vision_tower.embeddings.patch_embedding.bias` missing.
+#[test]
+fn gemma3_tower_trains_under_the_hubs_nested_names() {
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !py.is_file() {
+        eprintln!("SKIPPED: no .venv/bin/python (run scripts/setup.sh)");
+        return;
+    }
+    let dir = data_fixtures("vlm/golden-gemma3/encoder/expected.json").join("vlm/golden-gemma3");
+    let s = scratch("vlm-gemma3-nested");
+    let nested = s.join("model");
+    std::fs::create_dir_all(&nested).unwrap();
+    for f in std::fs::read_dir(dir.join("model")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, nested.join(f.file_name().unwrap())).unwrap();
+    }
+    let rename = r#"
+import sys, safetensors.torch as st
+p = sys.argv[1] + "/model.safetensors"
+a = st.load_file(p)
+st.save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in a.items()}, p,
+             metadata={"format": "pt"})
+"#;
+    let r = std::process::Command::new(&py)
+        .args(["-c", rename])
+        .arg(&nested)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let mut losses = Vec::new();
+    for (tag, model) in [("plain", dir.join("model")), ("nested", nested.clone())] {
+        let m = s.join(format!("{tag}.jsonl"));
+        let out = s.join(format!("out-{tag}"));
+        let (path, output) = (
+            format!("model.path={}", model.display()),
+            format!("training.output_dir={}", out.display()),
+        );
+        let set = [
+            "--set",
+            &path,
+            "--set",
+            &output,
+            "--set",
+            "vlm.freeze_vision_encoder=false",
+        ];
+        run_cpu_ok(&dir.join("run.yaml"), 1, &m, &set);
+        let rows = metrics(&m);
+        losses.push((column(&rows, "loss"), column(&rows, "grad_norm")));
+        let mut names: Vec<String> = tensors(&out.join("model.safetensors"))
+            .into_keys()
+            .collect();
+        let mut input: Vec<String> = tensors(&model.join("model.safetensors"))
+            .into_keys()
+            .collect();
+        names.sort();
+        input.sort();
+        assert_eq!(names, input, "{tag}: the export's names are the input's");
+    }
+    assert_eq!(losses[0], losses[1], "plain names (left) against nested");
+}
+
 /// LLaVA-NeXT's records with bad images, each refused naming the file, the record's line and
 /// the key: more `<image>` tags than images, fewer, a missing file, a file that is not an
 /// image; with every record bad the load stops, listing them.

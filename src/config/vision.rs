@@ -127,21 +127,30 @@ impl TowerSpec {
     /// trains (the hub's, as [`crate::config::hf::TextNames::hf`] maps them): Qwen's under
     /// `visual.` (`visual.merger.mlp.0.weight`), SigLIP's and CLIP's under
     /// [`VIT_TOWER`] (`vision_tower.encoder.layers.0.mlp.fc1.weight`), those beside the
-    /// tower as they are (`multi_modal_projector.linear_1.weight`, `image_newline`).
-    pub fn layout_name(&self, name: &str) -> String {
+    /// tower as they are (`multi_modal_projector.linear_1.weight`, `image_newline`). Where
+    /// `nested` (the checkpoint's SigLIP or CLIP tower is under `vision_tower.vision_model.`,
+    /// [`crate::config::hf::ModelSpec::tower_nested`]), under that.
+    pub fn layout_name(&self, name: &str, nested: bool) -> String {
         match self {
             TowerSpec::Qwen(_) => format!("{}{name}", super::hf::TOWER),
             _ if beside_tower(name) => name.to_string(),
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) if nested => {
+                format!("{VIT_TOWER}vision_model.{name}")
+            }
             TowerSpec::Siglip(_) | TowerSpec::Clip(_) => format!("{VIT_TOWER}{name}"),
         }
     }
 
     /// The tensors `training` trains ([`Self::trains`]), under the names the layout gives
     /// them in the embedding block ([`Self::layout_name`]).
-    pub fn trained_tensors(&self, training: TowerTraining) -> Vec<(String, Vec<usize>)> {
+    pub fn trained_tensors(
+        &self,
+        training: TowerTraining,
+        nested: bool,
+    ) -> Vec<(String, Vec<usize>)> {
         (self.tensors().into_iter())
             .filter(|(name, _)| self.trains(training, name))
-            .map(|(name, shape)| (self.layout_name(&name), shape))
+            .map(|(name, shape)| (self.layout_name(&name, nested), shape))
             .collect()
     }
 

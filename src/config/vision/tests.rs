@@ -66,12 +66,16 @@ fn the_tower_follows_the_model_type() {
     }
     assert!(!t.trains(TowerTraining::Projector, "encoder.layers.0.mlp.fc1.weight"));
     assert_eq!(
-        t.layout_name("encoder.layers.0.mlp.fc1.weight"),
+        t.layout_name("encoder.layers.0.mlp.fc1.weight", false),
         "vision_tower.encoder.layers.0.mlp.fc1.weight"
     );
-    assert_eq!(t.layout_name("image_newline"), "image_newline");
+    assert_eq!(
+        t.layout_name("encoder.layers.0.mlp.fc1.weight", true),
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
+    );
+    assert_eq!(t.layout_name("image_newline", true), "image_newline");
     // All but the projector's 4 and the newline, layer 2's 16 and post_layernorm's 2.
-    let trained = t.trained_tensors(TowerTraining::Encoder);
+    let trained = t.trained_tensors(TowerTraining::Encoder, false);
     assert_eq!(trained.len(), t.tensors().len() - 5 - 16 - 2, "{trained:?}");
     let siglip = TowerSpec::from_json(&gemma, c).unwrap().unwrap();
     assert!(siglip.trains(whole, "post_layernorm.weight"));

@@ -125,7 +125,7 @@ impl Tower {
                         enc_bne: gemma3_encoder(w, &pixels),
                         spec: w.spec.clone(),
                     },
-                    t => Features::Vit(Box::new(VitPass::siglip(w, t, pixels))),
+                    t => Features::Vit(Box::new(VitPass::siglip(w, t, spec.tower_nested, pixels))),
                 };
                 MicroImages::image_blocks(mb, w.spec.image_token_id, features, device)
             }
@@ -145,7 +145,13 @@ impl Tower {
                         sizes,
                         spec: w.spec.clone(),
                     },
-                    t => Features::Vit(Box::new(VitPass::clip(w, t, tiles, sizes))),
+                    t => Features::Vit(Box::new(VitPass::clip(
+                        w,
+                        t,
+                        spec.tower_nested,
+                        tiles,
+                        sizes,
+                    ))),
                 };
                 Ok(MicroImages::placed(w.spec.image_token_id, features))
             }

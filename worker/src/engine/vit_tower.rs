@@ -43,6 +43,9 @@ enum Weights {
 pub struct VitPass {
     frozen: Frozen,
     training: TowerTraining,
+    /// The trained tensors' names in the embedding block are under
+    /// `vision_tower.vision_model.` ([`TowerSpec::layout_name`]).
+    nested: bool,
     /// (B, C, S, S): the images (Gemma 3) or tiles (LLaVA-NeXT), in the compute dtype, on
     /// the device.
     pixels_bcss: Tensor,
@@ -65,34 +68,36 @@ impl std::fmt::Debug for VitPass {
 
 impl VitPass {
     /// Gemma 3's pass over its images `pixels_bcss` (B, C, S, S), the frozen tensors
-    /// `frozen` (the region's), what trains `training` (the encoder at least).
-    pub fn siglip(frozen: &SiglipWeights, training: TowerTraining, pixels_bcss: Tensor) -> VitPass {
-        VitPass::new(
-            Frozen::Siglip(frozen.with(Vec::new())),
-            training,
-            pixels_bcss,
-        )
+    /// `frozen` (the region's), what trains `training` (the encoder at least), the trained
+    /// tensors' names `nested` or not ([`TowerSpec::layout_name`]).
+    pub fn siglip(
+        frozen: &SiglipWeights,
+        training: TowerTraining,
+        nested: bool,
+        pixels_bcss: Tensor,
+    ) -> VitPass {
+        let frozen = Frozen::Siglip(frozen.with(Vec::new()));
+        VitPass::new(frozen, training, nested, pixels_bcss)
     }
 
     /// LLaVA-NeXT's pass over the tiles `tiles_tcss` (Tt, C, S, S) of images of `sizes`.
     pub fn clip(
         frozen: &ClipWeights,
         training: TowerTraining,
+        nested: bool,
         tiles_tcss: Tensor,
         sizes: Vec<[u32; 2]>,
     ) -> VitPass {
-        VitPass::new(
-            Frozen::Clip(frozen.with(Vec::new()), sizes),
-            training,
-            tiles_tcss,
-        )
+        let frozen = Frozen::Clip(frozen.with(Vec::new()), sizes);
+        VitPass::new(frozen, training, nested, tiles_tcss)
     }
 
-    fn new(frozen: Frozen, training: TowerTraining, pixels_bcss: Tensor) -> VitPass {
+    fn new(frozen: Frozen, training: TowerTraining, nested: bool, pixels_bcss: Tensor) -> VitPass {
         assert!(training.encoder(), "a pass of a trained encoder");
         VitPass {
             frozen,
             training,
+            nested,
             pixels_bcss,
             inputs: Vec::new(),
             last_bne: None,
@@ -124,7 +129,9 @@ impl VitPass {
         let trained: Vec<(String, Tensor)> = (spec.tensors().into_iter())
             .filter(|(name, _)| spec.trains(self.training, name))
             .map(|(name, _)| {
-                let t = embed_w.get(&spec.layout_name(&name)).shallow_clone();
+                let t = embed_w
+                    .get(&spec.layout_name(&name, self.nested))
+                    .shallow_clone();
                 (name, t)
             })
             .collect();
