@@ -72,7 +72,10 @@
 #    partial RoPE, the tower without deepstack) likewise, with its projector trained and with
 #    its whole tower trained; and
 #    the tiny LLaVA-NeXT (golden-llava_next: CLIP tower over any-resolution tiles, unpadded
-#    with its newline), losses on 1 GPU, frozen and with its projector trained.
+#    with its newline) and the tiny Gemma 3 (golden-gemma3: SigLIP tower, pooled projector,
+#    image blocks), losses on 1 GPU, frozen and with the projector trained; and both with
+#    the whole tower trained (their layers recomputed with grad in bf16), losses and the
+#    tower's step-1 gradients together within 2e-2, as Qwen2.5-VL's tower.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -294,6 +297,30 @@ if part vlm; then
       vrun cpu_vlm_llava_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm_llava_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
     fi
+    # The tiny Gemma 3 (SigLIP tower, pooled projector, image blocks): losses, 1 GPU against
+    # CPU; and its projector trained.
+    if [ -f "$VLM/golden-gemma3/projector/run.yaml" ]; then
+      vlm=(--config "$VLM/golden-gemma3/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
+      vrun cpu_vlm_gemma3 "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_gemma3 --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+      vlm=(--config "$VLM/golden-gemma3/projector/run.yaml" --set training.save_model=false
+           --set training.learning_rate=3e-3 --set training.max_grad_norm=1000)
+      vrun cpu_vlm_gemma3_projector "${cpu[@]}" --set "training.num_steps=$STEPS"
+      vrun gpu1_vlm_gemma3_projector --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+    fi
+    # The whole SigLIP (Gemma 3) and CLIP (LLaVA-NeXT) towers trained (the goldens' own
+    # configs): losses, and the tower's step-1 gradients together, 1 GPU against CPU, as
+    # Qwen2.5-VL's tower above.
+    for fam in gemma3 llava_next; do
+      if [ -f "$VLM/golden-$fam/tower/run.yaml" ]; then
+        vlm=(--config "$VLM/golden-$fam/tower/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3
+             --set training.max_grad_norm=1000)
+        vrun "cpu_vlm_${fam}_tower" "${cpu[@]}" --set "training.num_steps=$STEPS"
+        vrun "gpu1_vlm_${fam}_tower" --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
+        vrun "cpu_vlm_${fam}_tower_step1" "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_${fam}_tower_step1.grads"
+        vrun "gpu1_vlm_${fam}_tower_step1" --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_${fam}_tower_step1.grads"
+      fi
+    done
   else
     echo "check_gpu: SKIPPED vlm (no $VLM/golden/run.yaml: scripts/make_data_fixtures.py --out target/data-fixtures makes it)" >&2
   fi
@@ -469,9 +496,8 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
         check("gpu1_vlm_projector", "cpu_vlm_projector", 2e-2, keys=(("loss", "steps"),))
     if os.path.exists(f"{work}/cpu_vlm3.jsonl"):
         check("gpu1_vlm3", "cpu_vlm3", 2e-2, keys=(("loss", "steps"),))
-    for case in ("projector", "tower"):
-        if os.path.exists(f"{work}/cpu_vlm3_{case}.jsonl"):
-            check(f"gpu1_vlm3_{case}", f"cpu_vlm3_{case}", 2e-2, keys=(("loss", "steps"),))
+    if os.path.exists(f"{work}/cpu_vlm3_projector.jsonl"):
+        check("gpu1_vlm3_projector", "cpu_vlm3_projector", 2e-2, keys=(("loss", "steps"),))
     for name in ("vlm35", "vlm35_projector", "vlm35_tower"):
         if os.path.exists(f"{work}/cpu_{name}.jsonl"):
             own, ref = load(f"cpu_{name}_bf16", "loss"), load(f"cpu_{name}", "loss")
@@ -494,19 +520,23 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
     if os.path.exists(f"{work}/cpu_vlm_llava.jsonl"):
         check("gpu1_vlm_llava", "cpu_vlm_llava", 2e-2, keys=(("loss", "steps"),))
         check("gpu1_vlm_llava_projector", "cpu_vlm_llava_projector", 2e-2, keys=(("loss", "steps"),))
-    if os.path.exists(f"{work}/cpu_vlm_tower.jsonl"):
-        check("gpu1_vlm_tower", "cpu_vlm_tower", 2e-2, keys=(("loss", "steps"),))
-    # The trained towers' step-1 gradients (Qwen2.5-VL's hub names, Qwen3-VL's class's).
-    for name, prefix in (("vlm_tower", "visual."), ("vlm3_tower", "model.visual.")):
-        if not os.path.exists(f"{work}/cpu_{name}_step1.grads"):
+    if os.path.exists(f"{work}/cpu_vlm_gemma3.jsonl"):
+        check("gpu1_vlm_gemma3", "cpu_vlm_gemma3", 2e-2, keys=(("loss", "steps"),))
+        check("gpu1_vlm_gemma3_projector", "cpu_vlm_gemma3_projector", 2e-2, keys=(("loss", "steps"),))
+    # The trained towers: losses and step-1 gradients (Qwen2.5-VL's hub names, Qwen3-VL's
+    # class's, Gemma 3's and LLaVA-NeXT's `vision_tower.*`).
+    for stem, prefix in (("vlm_tower", "visual."), ("vlm3_tower", "model.visual."),
+                         ("vlm_gemma3_tower", "vision_tower."), ("vlm_llava_next_tower", "vision_tower.")):
+        if not os.path.exists(f"{work}/cpu_{stem}.jsonl"):
             continue
-        ga = tensors(f"{work}/gpu1_{name}_step1.grads")
-        gb = tensors(f"{work}/cpu_{name}_step1.grads")
+        check(f"gpu1_{stem}", f"cpu_{stem}", 2e-2, keys=(("loss", "steps"),))
+        ga = tensors(f"{work}/gpu1_{stem}_step1.grads")
+        gb = tensors(f"{work}/cpu_{stem}_step1.grads")
         tower = sorted(n for n in gb if n.startswith(prefix))
         good = ga.keys() == gb.keys() and len(tower) > 0
         whole = rel_l2([x for n in tower for x in ga[n][1]], [x for n in tower for x in gb[n][1]]) if good else 1.0
         ok &= good and whole <= bound
-        print(f"{name} trained, gpu1 vs cpu step-1 gradients: the tower's {len(tower)} tensors together "
+        print(f"{stem} trained, gpu1 vs cpu step-1 gradients: the tower's {len(tower)} tensors together "
               f"relative L2 {whole:.2e} (bound {bound:.0e})" + ("" if good else " (FAIL: tensor names differ)"))
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose

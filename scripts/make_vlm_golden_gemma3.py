@@ -12,6 +12,13 @@ run.yaml, tower_flops.json (FlopCounterMode's count of the tower's forward over 
 expected.json (the step's loss and gradient norm, and the loss the same step gives
 without the image blocks' bidirectional attention, `token_type_ids` left out: how far a causal
 mask lands) and grads0.safetensors (every language-model gradient under its checkpoint name).
+The projector case (`vlm.freeze_projector: false`, given as LlamaFactory's
+`freeze_multi_modal_projector: false`): the same step with `multi_modal_projector` trained
+too, then torch's AdamW step (vlm_golden_common.adamw_case): DIR/vlm/golden-gemma3/projector/
+run.yaml, expected.json, grads0.safetensors and step1.safetensors; likewise the tower case
+(DIR/vlm/golden-gemma3/tower: `vlm: {freeze_vision_encoder: false, freeze_projector: false}`,
+every tensor of the tower and projector) and the encoder case (golden-gemma3/encoder:
+LlamaFactory's `freeze_vision_tower: false`, the SigLIP tower under a frozen projector).
 
 Usage: .venv/bin/python scripts/make_vlm_golden_gemma3.py --dir target/data-fixtures
 (make_vlm_fixtures.py calls it.)
@@ -27,6 +34,8 @@ import torch.nn.functional as F
 from PIL import Image
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+import vlm_golden_common as c
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--dir", required=True)
@@ -70,9 +79,18 @@ for i, e in enumerate(expected):
     mask[i, :n] = 1
 assert int(types.sum()) == cfg.mm_tokens_per_image * len(images)
 
-for p in list(model.model.vision_tower.parameters()) + list(model.model.multi_modal_projector.parameters()):
-    p.requires_grad_(False)  # frozen: the tower and its projector
+saved = set(safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors")))
+projector = list(model.model.multi_modal_projector.parameters())
 targets = labels[:, 1:]
+
+
+def checkpoint_name(n):
+    """The checkpoint's name of parameter `n` (transformers 5.17 writes the legacy names)."""
+    name = (n.replace("model.language_model.", "language_model.model.")
+            .replace("model.multi_modal_projector.", "multi_modal_projector.")
+            .replace("model.vision_tower.", "vision_tower."))
+    assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
+    return name
 
 
 def step_loss(token_type_ids):
@@ -82,19 +100,41 @@ def step_loss(token_type_ids):
                            ignore_index=-100, reduction="sum") / (targets != -100).sum()
 
 
+def step(train_projector, train_tower=False):
+    """One forward and backward on every record, the projector (the pooling's RMSNorm and the
+    projection) trained where `train_projector`, the SigLIP tower where `train_tower`, else
+    frozen: (loss, {checkpoint name: gradient}, grad norm)."""
+    model.zero_grad(set_to_none=True)
+    for p in model.model.vision_tower.parameters():
+        p.requires_grad_(train_tower)
+    for p in projector:
+        p.requires_grad_(train_projector)
+    loss = step_loss(types)
+    loss.backward()
+    grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
+             for n, p in model.named_parameters() if p.grad is not None}
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+    return loss, grads, norm
+
+
+def adamw_case(name, train_projector, train_tower, keys):
+    """One step with the parts asked for trained, then torch's AdamW step
+    (vlm_golden_common.adamw_case), written to OUT/<name> with `keys`, the config lines asking
+    for it; returns the trained vision tensors' names. The model's weights are put back."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss, grads, norm = step(train_projector, train_tower)
+    params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
+    c.adamw_case(os.path.join(out, name), out, "make_vlm_golden_gemma3.py", loss, grads, norm, params, B,
+                 len(images), keys)
+    model.load_state_dict(before)
+    print(f"vlm gemma3 golden, {name}: loss {loss.item():.6f}, grad norm {norm:.6f}")
+    return sorted(n for n in grads if not n.startswith("language_model."))
+
+
+# The tower and its projector frozen; the same step's loss under a causal mask beside it.
 with torch.no_grad():
     loss_causal = step_loss(None).item()
-loss = step_loss(types)
-loss.backward()
-saved = set(safetensors.torch.load_file(os.path.join(model_dir, "model.safetensors")))
-grads = {}
-for n, p in model.named_parameters():
-    if p.grad is None:
-        continue
-    name = n.replace("model.language_model.", "language_model.model.")
-    assert name in saved, f"{name}: not a checkpoint name ({sorted(saved)[:5]}...)"
-    grads[name] = p.grad.detach().contiguous()
-norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+loss, grads, norm = step(False)
 safetensors.torch.save_file(grads, os.path.join(out, "grads0.safetensors"))
 json.dump({"loss": loss.item(), "grad_norm": norm, "loss_causal": loss_causal, "rows": B,
            "images": len(images)}, open(os.path.join(out, "expected.json"), "w"), indent=2)
@@ -106,6 +146,21 @@ training: {{batch_size: {B}, num_steps: 1, learning_rate: 0.001, max_grad_norm: 
 """)
 print(f"vlm gemma3 golden: loss {loss.item():.6f} (causal only: {loss_causal:.6f}), grad norm {norm:.6f}, "
       f"{B} rows, {len(images)} images")
+
+# The projector trained (LlamaFactory's key, which reads as vlm.freeze_projector: false): the
+# average pool's RMSNorm (1 + w) and the projection; the gradient stops at the tower's output.
+projector_names = ["multi_modal_projector.mm_input_projection_weight", "multi_modal_projector.mm_soft_emb_norm.weight"]
+trained = adamw_case("projector", True, False, "freeze_multi_modal_projector: false\n")
+assert trained == projector_names, trained
+
+# The whole tower trained (MegaTrain's keys): the SigLIP patch embedding, positions, both
+# encoder layers and post_layernorm too; and the tower under a frozen projector (LlamaFactory's
+# key), the gradient passing through the projector.
+tower = [n for n in saved if n.startswith("vision_tower.")]
+trained = adamw_case("tower", True, True, "vlm: {freeze_vision_encoder: false, freeze_projector: false}\n")
+assert trained == sorted(tower + projector_names), trained
+trained = adamw_case("encoder", False, True, "freeze_vision_tower: false\n")
+assert trained == sorted(tower), trained
 
 # The tower's and projector's forward FLOPs over one image as torch counts them
 # (FlopCounterMode: the convolution, matmuls; the eager attention's two matmuls, which CPU

@@ -319,7 +319,7 @@ impl Layout {
     /// cost of a new kind of block in every index the layout serves (store, slabs,
     /// reduce, checkpoints, node shards, the workers' streaming).
     pub fn with_tower(spec: &ModelSpec, vision: &TowerSpec, training: TowerTraining) -> Layout {
-        let tower: Vec<NamedShape> = vision.trained_tensors(training);
+        let tower: Vec<NamedShape> = vision.trained_tensors(training, spec.tower_nested);
         let mut layout = Layout::build(spec, tower.clone());
         layout.carry.tower = tower.into_iter().map(|(name, _)| name).collect();
         layout

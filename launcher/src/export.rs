@@ -98,9 +98,6 @@ fn source_layout(source: &Path, spec: &ModelSpec) -> Result<Layout> {
     let Some(vision) = mt::config::vision::TowerSpec::from_model_dir(source)? else {
         return Ok(layout);
     };
-    if !crate::prepare::trains_projector(&vision) {
-        return Ok(layout);
-    }
     let Ok(saved) = state::read_state(source) else {
         return Ok(layout);
     };

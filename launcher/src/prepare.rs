@@ -345,60 +345,10 @@ pub fn run_layout(
         )
         .into());
     };
-    if training.encoder() && !trains_encoder(&vision) {
-        // The SigLIP and CLIP towers run forward only.
-        use mt::config::vision::TowerSpec;
-        let why = match &vision {
-            TowerSpec::Siglip(_) => "its SigLIP tower has no backward here",
-            _ => "its CLIP tower has no backward here",
-        };
-        return Err(mt::Error::invalid(
-            key,
-            format!(
-                "false trains the vision encoders of Qwen2.5-VL, Qwen3-VL and Qwen3.5 only; `{}`'s encoder trains frozen for now ({why}; use {key}: true)",
-                vision.model_type(),
-            ),
-        )
-        .into());
-    }
-    if training.projector() && !trains_projector(&vision) {
-        let why = "its SigLIP projector has no backward here";
-        return Err(mt::Error::invalid(
-            "vlm.freeze_projector",
-            format!(
-                "false trains the projectors of Qwen2.5-VL, Qwen3-VL, Qwen3.5 and LLaVA-NeXT only; `{}`'s tower and projector train frozen for now ({why}; use vlm.freeze_projector: true)",
-                vision.model_type(),
-            ),
-        )
-        .into());
-    }
-    if cfg.model.init == Init::Random {
-        return Err(mt::Error::invalid(
-            key,
-            format!(
-                "false trains the pretrained {what}, and model.init: random carries no vision tower (use model.init: pretrained)"
-            ),
-        )
-        .into());
-    }
+    // Every tower this tool computes trains: the Qwen towers (Qwen3-VL's deepstack mergers
+    // with its projector), Gemma 3's SigLIP and LLaVA-NeXT's CLIP (the layers after the one
+    // `vision_feature_layer` reads stay frozen, as transformers leaves them).
     Ok(Layout::with_tower(spec, &vision, training))
-}
-
-/// Whether `vision`'s encoder can train (`vlm.freeze_vision_encoder: false`): the Qwen
-/// towers' (Qwen2.5-VL's, Qwen3-VL's with its deepstack taps, Qwen3.5's).
-pub fn trains_encoder(vision: &mt::config::vision::TowerSpec) -> bool {
-    matches!(vision, mt::config::vision::TowerSpec::Qwen(_))
-}
-
-/// Whether `vision`'s projector can train (`vlm.freeze_projector: false`): the Qwen towers'
-/// merger (Qwen3-VL's deepstack mergers with it), LLaVA-NeXT's projector and newline.
-/// Gemma 3's projector follows a SigLIP tower: it trains frozen.
-pub fn trains_projector(vision: &mt::config::vision::TowerSpec) -> bool {
-    use mt::config::vision::TowerSpec;
-    match vision {
-        TowerSpec::Qwen(_) | TowerSpec::Clip(_) => true,
-        TowerSpec::Siglip(_) => false,
-    }
 }
 
 /// The bytes of the frozen vision tower's region (its tensors in the store's dtype); 0 for

@@ -262,7 +262,9 @@ fn plan_one_h200(yaml: &str, extra: &[&str]) -> String {
 
 /// Gemma 3 27B from its shipped architecture: the bench shape (random init: the text
 /// model alone, 27.0B) and the recipe on the hub's weights, whose plan counts the frozen
-/// SigLIP tower and projector (0.42B parameters: 0.85 GB in bf16) on the host and the GPU.
+/// SigLIP tower and projector (0.42B parameters: 0.85 GB in bf16) on the host and the GPU;
+/// with the projector trained, the trained layout holds it and its kept input is counted;
+/// with the whole tower trained, all of it, and the layers' kept inputs and recompute.
 #[test]
 fn plan_for_gemma3_27b_counts_its_tower() {
     let bench = plan_one_h200("bench/gemma3_27b.yaml", &[]);
@@ -283,20 +285,39 @@ fn plan_for_gemma3_27b_counts_its_tower() {
     ] {
         assert!(recipe.contains(line), "no `{line}` in:\n{recipe}");
     }
-    // Gemma 3's projector and encoder do not train yet: asking is an error naming the key.
-    let config =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gemma3_27b.yaml");
-    for key in ["vlm.freeze_projector", "vlm.freeze_vision_encoder"] {
-        let out = mt_launch()
-            .args(["plan", "--config", config.to_str().unwrap()])
-            .args(["--gpus", "1", "--set", &format!("{key}=false")])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success() && err.contains(key) && err.contains("gemma3"),
-            "{err}"
-        );
+    // The projector trained (`vlm.freeze_projector: false`): its 6.19M parameters (the
+    // norm's 1152 and the 1152 x 5376 projection) join the trained ones and leave the frozen
+    // region, and its input (the tower's output) is kept.
+    let trained = plan_one_h200("gemma3_27b.yaml", &["--set", "vlm.freeze_projector=false"]);
+    for line in [
+        "host memory for 2.702e10 parameters",
+        "of which the vision tower's 6.194e6",
+        "vision tower               0.83 GB",
+        "the projector's input, kept",
+    ] {
+        assert!(trained.contains(line), "no `{line}` in:\n{trained}");
+    }
+    // The whole tower trained (`vlm.freeze_vision_encoder: false` too): the SigLIP tower's
+    // 416.9M parameters join as well and nothing stays frozen; each layer's input and the
+    // pixels are kept, and the layers' recompute is the embedding's backward, the peak.
+    let tower = plan_one_h200(
+        "gemma3_27b.yaml",
+        &[
+            "--set",
+            "vlm.freeze_vision_encoder=false",
+            "--set",
+            "vlm.freeze_projector=false",
+        ],
+    );
+    for line in [
+        "host memory for 2.743e10 parameters",
+        "of which the vision tower's 4.231e8",
+        "vision tower (frozen)                            0.00 GB",
+        "the tower's pixels and block inputs, kept",
+        "peak phase: embedding backward",
+        "the tower's recompute graph + gradients",
+    ] {
+        assert!(tower.contains(line), "no `{line}` in:\n{tower}");
     }
 }
 
@@ -408,7 +429,8 @@ fn plan_for_qwen3_vl_8b_counts_its_trained_projector_and_encoder() {
 /// text model alone, 7.24B) and the recipe on the hub's weights, whose plan counts the frozen
 /// CLIP tower, projector and image_newline (0.32B parameters: 0.65 GB in bf16) on the host and
 /// the GPU, and the tower's forward; with `vlm.freeze_projector: false` the projector and the
-/// newline (21.0M) move into the trained layout and its kept input is counted.
+/// newline (21.0M) move into the trained layout and its kept input is counted; with
+/// `vlm.freeze_vision_encoder: false` the layers that run, their kept inputs and recompute.
 #[test]
 fn plan_for_llava_next_7b_counts_its_tower() {
     let plan = plan_one_h200;
@@ -439,6 +461,23 @@ fn plan_for_llava_next_7b_counts_its_tower() {
         "{trained}"
     );
     assert!(trained.contains("the projector's input, kept"), "{trained}");
+    // The CLIP tower trained under the frozen projector: its 290.9M parameters that reach
+    // the features (all but the last of its 24 layers, which `vision_feature_layer: -2`
+    // does not read, and post_layernorm) join the trained ones; that layer and the
+    // projector stay in the frozen region (0.07 GB); the inputs of the 23 layers that run
+    // are kept.
+    let tower = plan(
+        "llava_next_7b.yaml",
+        &["--set", "vlm.freeze_vision_encoder=false"],
+    );
+    for line in [
+        "host memory for 7.533e9 parameters",
+        "of which the vision tower's 2.909e8",
+        "vision tower (frozen)                            0.07 GB",
+        "the tower's pixels and block inputs, kept",
+    ] {
+        assert!(tower.contains(line), "no `{line}` in:\n{tower}");
+    }
 }
 
 /// Qwen3.5-27B from its shipped architecture (the hub's config.json, its vision_config

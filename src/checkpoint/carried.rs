@@ -169,6 +169,9 @@ pub fn resolve(dir: &Path, spec: &mut ModelSpec) -> Result<u64> {
     {
         spec.names = found;
     }
+    spec.tower_nested = names
+        .iter()
+        .any(|(n, _)| n.contains("vision_tower.vision_model."));
     let head = spec.names.hf("lm_head.weight").into_owned();
     if spec.tie_word_embeddings
         && let Some((_, head_file)) = names.iter().find(|(n, _)| *n == head)

@@ -45,7 +45,7 @@ impl VisionRegion {
         let first = spec
             .tensors()
             .into_iter()
-            .find(|(n, _)| !training.trains(n));
+            .find(|(n, _)| !spec.trains(training, n));
         let prefix = match first {
             None => "",
             Some((probe, _)) => carried

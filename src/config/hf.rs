@@ -307,6 +307,13 @@ pub struct ModelSpec {
     pub wrapper: Option<String>,
     /// Where the checkpoint keeps the text model's tensors.
     pub names: TextNames,
+    /// The checkpoint keeps Gemma 3's SigLIP or LLaVA-NeXT's CLIP tower under
+    /// `vision_tower.vision_model.` (the hub's original uploads) rather than `vision_tower.`
+    /// (transformers 5.17's): a trained tower's layout names follow
+    /// ([`crate::config::vision::TowerSpec::layout_name`]). Settled from the weight files
+    /// (`checkpoint::carried::resolve`); false without them.
+    #[serde(default)]
+    pub tower_nested: bool,
     /// Multi-token-prediction layers the checkpoint numbers after the decoder layers
     /// (`num_nextn_predict_layers` of GLM-4.5 and DeepSeek-V3): carried, not trained.
     pub mtp_layers: usize,
@@ -683,6 +690,7 @@ impl ModelSpec {
             llama4,
             wrapper: None,
             names: TextNames::Plain,
+            tower_nested: false,
             mtp_layers,
             mrope,
         })

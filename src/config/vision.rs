@@ -40,6 +40,11 @@ pub enum TowerSpec {
     Clip(ClipSpec),
 }
 
+/// The hub's prefix of Gemma 3's SigLIP and LLaVA-NeXT's CLIP tower as transformers 5.17
+/// writes it (`vision_tower.encoder.layers.0.mlp.fc1.weight`); transformers 5's current
+/// names keep it under `model.`.
+pub const VIT_TOWER: &str = "vision_tower.";
+
 /// Whether the tower's tensor `name` (as [`TowerSpec::tensors`] names it) sits beside the
 /// tower under the wrapper's own prefix (the projector, LLaVA-NeXT's `image_newline`)
 /// rather than inside the tower.
@@ -105,19 +110,48 @@ impl TowerSpec {
         }
     }
 
-    /// The tensors `training` trains, under the names the layout gives them in the
-    /// embedding block (the hub's, as [`crate::config::hf::TextNames::hf`] maps them):
-    /// Qwen's under `visual.` (`visual.merger.mlp.0.weight`), those beside the tower as they
-    /// are (`multi_modal_projector.linear_1.weight`, `image_newline`).
-    pub fn trained_tensors(&self, training: TowerTraining) -> Vec<(String, Vec<usize>)> {
-        let trained = self.tensors().into_iter();
-        let trained = trained.filter(|(name, _)| training.trains(name));
+    /// Whether `training` trains the tower's tensor `name` (as [`Self::tensors`] names it):
+    /// as [`TowerTraining::trains`] says, but for LLaVA-NeXT's tensors that do not reach the
+    /// features (the CLIP layers after the one `vision_feature_layer` reads, and
+    /// `post_layernorm`, the class token's), which get no gradient (transformers leaves them
+    /// None, and torch's AdamW skips them): those stay frozen.
+    pub fn trains(&self, training: TowerTraining, name: &str) -> bool {
+        training.trains(name)
+            && match self {
+                TowerSpec::Clip(s) => s.reaches_features(name),
+                TowerSpec::Qwen(_) | TowerSpec::Siglip(_) => true,
+            }
+    }
+
+    /// The name the layout gives the tower's tensor `name` in the embedding block where it
+    /// trains (the hub's, as [`crate::config::hf::TextNames::hf`] maps them): Qwen's under
+    /// `visual.` (`visual.merger.mlp.0.weight`), SigLIP's and CLIP's under
+    /// [`VIT_TOWER`] (`vision_tower.encoder.layers.0.mlp.fc1.weight`), those beside the
+    /// tower as they are (`multi_modal_projector.linear_1.weight`, `image_newline`). Where
+    /// `nested` (the checkpoint's SigLIP or CLIP tower is under `vision_tower.vision_model.`,
+    /// [`crate::config::hf::ModelSpec::tower_nested`]), under that.
+    pub fn layout_name(&self, name: &str, nested: bool) -> String {
         match self {
-            TowerSpec::Qwen(_) => trained
-                .map(|(name, shape)| (format!("{}{name}", super::hf::TOWER), shape))
-                .collect(),
-            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => trained.collect(),
+            TowerSpec::Qwen(_) => format!("{}{name}", super::hf::TOWER),
+            _ if beside_tower(name) => name.to_string(),
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) if nested => {
+                format!("{VIT_TOWER}vision_model.{name}")
+            }
+            TowerSpec::Siglip(_) | TowerSpec::Clip(_) => format!("{VIT_TOWER}{name}"),
         }
+    }
+
+    /// The tensors `training` trains ([`Self::trains`]), under the names the layout gives
+    /// them in the embedding block ([`Self::layout_name`]).
+    pub fn trained_tensors(
+        &self,
+        training: TowerTraining,
+        nested: bool,
+    ) -> Vec<(String, Vec<usize>)> {
+        (self.tensors().into_iter())
+            .filter(|(name, _)| self.trains(training, name))
+            .map(|(name, shape)| (self.layout_name(&name, nested), shape))
+            .collect()
     }
 
     /// FLOPs of the tower's forward over one image of `grid` (t, h, w) patches, as torch's

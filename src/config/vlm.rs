@@ -12,7 +12,9 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields, default)]
 pub struct VlmSection {
     /// Keep the vision encoder (the patch embedding and the tower's blocks) frozen; false
-    /// trains it with the language model (Qwen2.5-VL, Qwen3-VL, Qwen3.5): its tensors join the embedding
+    /// trains it with the language model (Qwen2.5-VL, Qwen3-VL, Qwen3.5; Gemma 3's SigLIP and
+    /// LLaVA-NeXT's CLIP tower, the CLIP layers `vision_feature_layer` does not read left
+    /// frozen): its tensors join the embedding
     /// block (fp32 master and Adam moments, weight decay on its matrices, clipped in the
     /// global norm, checkpointed and exported under their hub names), each block's input
     /// kept from the forward and the block recomputed with grad in the embedding's

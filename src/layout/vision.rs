@@ -43,7 +43,7 @@ impl VisionLayout {
         let tensors = spec
             .tensors()
             .into_iter()
-            .filter(|(name, _)| !training.trains(name))
+            .filter(|(name, _)| !spec.trains(training, name))
             .map(|(name, shape)| {
                 let t = TensorSpec {
                     name,

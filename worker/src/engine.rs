@@ -35,6 +35,7 @@ mod control;
 mod images;
 mod prefetch;
 mod tower;
+mod vit_tower;
 use control::Control;
 pub use images::{MicroImages, Tower};
 use prefetch::Prefetch;

@@ -19,7 +19,8 @@
 //! model places at the image tokens (block by block where the encoder trains);
 //! `qwen3_vl_vision.rs` Qwen3-VL's, whose deepstack features the first layers' outputs also
 //! take there ([`add_at_image_tokens`]), and Qwen3.5's (the same tower without deepstack
-//! mergers); `siglip_vision.rs` Gemma 3's SigLIP tower and projector (frozen, forward only);
+//! mergers); `siglip_vision.rs` Gemma 3's SigLIP tower and projector (the projector apart where it
+//! trains);
 //! `clip_vision.rs` LLaVA-NeXT's CLIP tower, projector and image newline over any-resolution
 //! tiles; the two share `vit.rs`'s encoder layer. Qwen3-VL's text model (`qwen3_vl_text`) is
 //! `qwen3.rs`, Qwen3.5's (`qwen3_5_text`) `qwen3_next.rs`.
@@ -68,12 +69,18 @@ use mt::config::vision::VisionFamily;
 use mt::layout::Block;
 use tch::{Device, Kind, Tensor};
 
-pub use clip_vision::{ClipWeights, llava_next_encoder, llava_next_projected, llava_next_vision};
+pub use clip_vision::{
+    ClipWeights, llava_next_embed, llava_next_encoder, llava_next_head, llava_next_layer,
+    llava_next_projected, llava_next_vision,
+};
 pub use moe::RouterAux;
 pub use qwen2_vl_vision::{Encoded, VisionWeights, qwen2_5_vl_vision};
 pub use qwen3_vl_vision::{qwen3_vl_deepstack, qwen3_vl_vision};
 use rope::Rope;
-pub use siglip_vision::{SiglipWeights, gemma3_vision};
+pub use siglip_vision::{
+    SiglipWeights, gemma3_embed, gemma3_encoder, gemma3_head, gemma3_layer, gemma3_projected,
+    gemma3_vision,
+};
 
 /// A vision-language model's frozen tower, of its family.
 pub enum TowerWeights {

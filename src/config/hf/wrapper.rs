@@ -44,10 +44,15 @@ pub enum TextNames {
 impl TextNames {
     /// The checkpoint name of a text-only class's tensor (`model.norm.weight`), or of a
     /// trained vision tower's tensor under its hub name (`visual.merger.ln_q.weight`,
-    /// LLaVA-NeXT's `multi_modal_projector.linear_1.weight` and `image_newline`), which
+    /// LLaVA-NeXT's `multi_modal_projector.linear_1.weight` and `image_newline`, Gemma 3's
+    /// and LLaVA-NeXT's `vision_tower.encoder.layers.0.mlp.fc1.weight`), which
     /// transformers 5's current names keep under `model.`.
     pub fn hf<'a>(self, canonical: &'a str) -> Cow<'a, str> {
-        if canonical.starts_with(TOWER) || crate::config::vision::beside_tower(canonical) {
+        use crate::config::vision::{VIT_TOWER, beside_tower};
+        if canonical.starts_with(TOWER)
+            || canonical.starts_with(VIT_TOWER)
+            || beside_tower(canonical)
+        {
             return match self {
                 TextNames::Current => Cow::Owned(format!("model.{canonical}")),
                 TextNames::Plain | TextNames::Legacy => Cow::Borrowed(canonical),
@@ -303,8 +308,13 @@ mod tests {
             TextNames::Plain.canonical("visual.merger.mlp.0.weight"),
             None
         );
-        // A trained LLaVA-NeXT projector: the hub's names, or under `model.`.
-        for name in ["multi_modal_projector.linear_1.weight", "image_newline"] {
+        // A trained LLaVA-NeXT projector and a trained SigLIP or CLIP tower: the hub's names,
+        // or under `model.`.
+        for name in [
+            "multi_modal_projector.linear_1.weight",
+            "image_newline",
+            "vision_tower.encoder.layers.0.mlp.fc1.weight",
+        ] {
             assert_eq!(TextNames::Legacy.hf(name), name);
             assert_eq!(TextNames::Current.hf(name), format!("model.{name}"));
             assert_eq!(TextNames::Legacy.canonical(name), None);

@@ -326,6 +326,19 @@ impl ClipSpec {
         }
     }
 
+    /// Whether the tower's tensor `name` reaches the features: all but the layers after
+    /// the one `vision_feature_layer` reads and `post_layernorm` (applied to the class
+    /// token alone).
+    pub fn reaches_features(&self, name: &str) -> bool {
+        if name.starts_with("post_layernorm.") {
+            return false;
+        }
+        let layer = (name.strip_prefix("encoder.layers."))
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok());
+        layer.is_none_or(|l| l < self.layers_run())
+    }
+
     /// The pinpoint an image of `height` x `width` pixels is tiled at, (height, width), as
     /// transformers' `select_best_resolution`: the most of the image's pixels kept once it is
     /// scaled to fit, then the least area wasted; the first such in the list.

@@ -51,6 +51,35 @@ fn the_tower_follows_the_model_type() {
     assert_eq!((t.model_type(), t.depth()), ("llava_next", 3));
     assert!(beside_tower("image_newline") && beside_tower("multi_modal_projector.linear_1.bias"));
     assert!(!beside_tower("embeddings.class_embedding"));
+    // A trained CLIP tower: the layers after the one `vision_feature_layer` reads (-2: layer
+    // 2 of 3) and post_layernorm reach no feature and stay frozen; SigLIP's all train. Their
+    // layout names are the hub's under `vision_tower.`, the projector's as they are.
+    let whole = TowerTraining::Whole;
+    for (name, trains) in [
+        ("embeddings.class_embedding", true),
+        ("encoder.layers.1.mlp.fc1.weight", true),
+        ("encoder.layers.2.mlp.fc1.weight", false),
+        ("post_layernorm.weight", false),
+        ("image_newline", true),
+    ] {
+        assert_eq!(t.trains(whole, name), trains, "{name}");
+    }
+    assert!(!t.trains(TowerTraining::Projector, "encoder.layers.0.mlp.fc1.weight"));
+    assert_eq!(
+        t.layout_name("encoder.layers.0.mlp.fc1.weight", false),
+        "vision_tower.encoder.layers.0.mlp.fc1.weight"
+    );
+    assert_eq!(
+        t.layout_name("encoder.layers.0.mlp.fc1.weight", true),
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
+    );
+    assert_eq!(t.layout_name("image_newline", true), "image_newline");
+    // All but the projector's 4 and the newline, layer 2's 16 and post_layernorm's 2.
+    let trained = t.trained_tensors(TowerTraining::Encoder, false);
+    assert_eq!(trained.len(), t.tensors().len() - 5 - 16 - 2, "{trained:?}");
+    let siglip = TowerSpec::from_json(&gemma, c).unwrap().unwrap();
+    assert!(siglip.trains(whole, "post_layernorm.weight"));
+    assert!(siglip.trains(whole, "encoder.layers.11.mlp.fc1.weight"));
     for t in VISION_MODEL_TYPES.iter().filter(|&&t| t != "llava_next") {
         let cfg = json!({"model_type": t});
         assert!(

@@ -23,13 +23,13 @@ pub struct VisionDevice {
     /// block's output) is kept from the tower's forward and it is recomputed with grad in
     /// the embedding's backward. Its weights are the embedding block's.
     pub projector_trained: bool,
-    /// The encoder (the patch embedding and the blocks) trains
-    /// (`vlm.freeze_vision_encoder: false`): each block's input and the encoder's output
-    /// are kept from the tower's forward, and the merger and the blocks, last to first,
-    /// are recomputed with grad in the embedding's backward. Its weights are the embedding
+    /// The encoder (the patch embedding and the blocks; Gemma 3's and LLaVA-NeXT's whole
+    /// tower) trains (`vlm.freeze_vision_encoder: false`): each block's input and the
+    /// encoder's output are kept from the tower's forward, and the merger (the head) and the
+    /// blocks, last to first, are recomputed with grad in the embedding's backward. Its weights are the embedding
     /// block's, on the device through the tower's forward too.
     pub encoder_trained: bool,
-    /// Its blocks.
+    /// Its blocks that run (LLaVA-NeXT's up to the one `vision_feature_layer` reads).
     pub depth: u64,
     /// Feature sets it hands the language model per image token: the merged features and
     /// each deepstack feature (Qwen3-VL).
@@ -100,13 +100,14 @@ impl VisionDevice {
             },
             // LLaVA-NeXT: every image has at least a tile's G² tokens (the base tile's) and
             // at most `max_tiles` tiles of G² + 1 patches (the class token too), so the tower
-            // runs at most that many patches per token (rounded up).
+            // runs at most that many patches per token (rounded up). A trained tower keeps
+            // the inputs of the layers that run (up to the one `vision_feature_layer` reads).
             TowerSpec::Clip(spec) => {
                 let n = spec.tile_features() as u64;
                 VisionDevice {
                     projector_trained,
                     encoder_trained,
-                    depth: spec.depth as u64,
+                    depth: spec.layers_run() as u64,
                     params: params as u64,
                     hidden: spec.hidden_size as u64,
                     intermediate: spec.intermediate_size as u64,
@@ -181,7 +182,10 @@ impl VisionDevice {
     /// attention half's norm, q k v, their padded copies, the rotated q and k, the
     /// attention's output and projection, the residual (16 widths E in the compute dtype,
     /// with 6 of f32 for the rotation) and the MLP half's gate, up, activation and product
-    /// (4 of I), each with its gradient; beside them the block's dx and dy.
+    /// (4 of I), each with its gradient; beside them the block's dx and dy. SigLIP's and
+    /// CLIP's layers (Gemma 3, LLaVA-NeXT: no rotation, an ungated MLP) hold less, within the
+    /// same bound; their head (Gemma 3's `post_layernorm` and projector, LLaVA-NeXT's
+    /// projector) is counted as the merger.
     pub(super) fn embedding_backward(&self, m: u64, s: u64) -> Parts {
         let merged = self.patches_per_token * self.hidden;
         let per_token = match self.projector_values {

@@ -9,13 +9,13 @@
 //!
 //! The frozen part of the tower runs once per micro-batch, without grad, from the weights
 //! the worker copied from the read-only region. A trained projector
-//! (`vlm.freeze_projector: false`, Qwen2.5-VL's or Qwen3.5's merger, LLaVA-NeXT's projector
-//! and newline) runs where the embedding does, from the embedding block's weights: without
-//! grad in the forward, recomputed with grad on its leaves in the embedding's backward, where
-//! the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
+//! (`vlm.freeze_projector: false`, Qwen2.5-VL's or Qwen3.5's merger, Gemma 3's projector,
+//! LLaVA-NeXT's projector and newline) runs where the embedding does, from the embedding
+//! block's weights: without grad in the forward, recomputed with grad on its leaves in the
+//! embedding's backward, where the gradient at the image tokens' rows flows into it. Its input (the encoder's output,
 //! N x E) is kept for that. A trained encoder (`vlm.freeze_vision_encoder: false`,
-//! Qwen2.5-VL's, Qwen3-VL's or Qwen3.5's) runs where the embedding does too, block by block
-//! ([`super::tower`]).
+//! Qwen2.5-VL's, Qwen3-VL's or Qwen3.5's; Gemma 3's and LLaVA-NeXT's tower) runs where the
+//! embedding does too, block by block ([`super::tower`], [`super::vit_tower`]).
 //!
 //! Qwen3-VL's deepstack features, where the tower trains in any part, are computed in the
 //! forward from their mergers' kept inputs (the tapped blocks' outputs) with the embedding
@@ -32,6 +32,7 @@ use anyhow::{Context as _, Result, bail};
 use mt::config::TowerTraining;
 use mt::config::hf::{ModelSpec, TOWER};
 use mt::config::vision::clip::ClipSpec;
+use mt::config::vision::siglip::SiglipSpec;
 use mt::config::vision::{VisionFamily, VisionSpec};
 use mt::data::{
     BatchImage, Gemma3Images, ImageProcessor, LlavaNextImages, MicroBatch, QwenVlImages, image,
@@ -41,10 +42,12 @@ use rayon::prelude::*;
 use tch::{Device, Kind, Tensor};
 
 use super::tower::EncoderPass;
+use super::vit_tower::VitPass;
 use crate::model::{
-    BlockWeights, ClipWeights, Encoded, TowerWeights, VisionWeights, add_at_image_tokens,
-    gemma3_vision, llava_next_encoder, llava_next_projected, llava_next_vision, qwen2_5_vl_vision,
-    qwen3_vl_deepstack, qwen3_vl_vision, vision_encoder, vision_merger,
+    BlockWeights, ClipWeights, Encoded, SiglipWeights, TowerWeights, VisionWeights,
+    add_at_image_tokens, gemma3_encoder, gemma3_projected, gemma3_vision, llava_next_encoder,
+    llava_next_projected, llava_next_vision, qwen2_5_vl_vision, qwen3_vl_deepstack,
+    qwen3_vl_vision, vision_encoder, vision_merger,
 };
 
 /// The worker's vision tower (its frozen tensors) and how it reads an image file.
@@ -105,8 +108,18 @@ impl Tower {
                 MicroImages::new(spec, mb, &grids, features, deepstack_mh, device)
             }
             (TowerWeights::Siglip(w), ImageProcessor::Gemma3(px)) => {
-                let f_mh = gemma3_vision(w, &gemma3_pixels(px, &per_image, kind, device)?);
-                MicroImages::image_blocks(mb, w.spec.image_token_id, f_mh, device)
+                let pixels = gemma3_pixels(px, &per_image, kind, device)?;
+                let features = match self.training {
+                    TowerTraining::Frozen => {
+                        Features::Frozen(gemma3_vision(w, &pixels).f_to_device(device)?)
+                    }
+                    TowerTraining::Projector => Features::Pooled {
+                        enc_bne: gemma3_encoder(w, &pixels),
+                        spec: w.spec.clone(),
+                    },
+                    t => Features::Vit(Box::new(VitPass::siglip(w, t, spec.tower_nested, pixels))),
+                };
+                MicroImages::image_blocks(mb, w.spec.image_token_id, features, device)
             }
             (TowerWeights::Clip(w), ImageProcessor::LlavaNext(px)) => {
                 let sizes: Vec<[u32; 2]> = mb
@@ -124,11 +137,13 @@ impl Tower {
                         sizes,
                         spec: w.spec.clone(),
                     },
-                    t => bail!(
-                        "{}: false trains Qwen2.5-VL's encoder only; `llava_next`'s is frozen (set {}: true)",
-                        t.key(),
-                        t.key()
-                    ),
+                    t => Features::Vit(Box::new(VitPass::clip(
+                        w,
+                        t,
+                        spec.tower_nested,
+                        tiles,
+                        sizes,
+                    ))),
                 };
                 Ok(MicroImages::placed(w.spec.image_token_id, features))
             }
@@ -271,6 +286,9 @@ pub enum Features {
         spec: VisionSpec,
         taps: Vec<Tensor>,
     },
+    /// Gemma 3's projector's input, the tower's output (I, N, E) after `post_layernorm`; the
+    /// projector's weights are the embedding block's.
+    Pooled { enc_bne: Tensor, spec: SiglipSpec },
     /// LLaVA-NeXT's projector's input, the tower's patch features (Tt, N, E) of images of
     /// `sizes` (height, width); the projector's weights and the newline are the embedding
     /// block's.
@@ -281,6 +299,9 @@ pub enum Features {
     },
     /// Nothing yet: the encoder trains, and runs from the embedding block's weights.
     Encoder(Box<EncoderPass>),
+    /// Nothing yet: Gemma 3's SigLIP or LLaVA-NeXT's CLIP tower trains, and runs from the
+    /// embedding block's weights.
+    Vit(Box<VitPass>),
 }
 
 impl Features {
@@ -418,13 +439,14 @@ impl MicroImages {
         }
     }
 
-    /// Gemma 3's images of `mb`: the features (M, H) of its tokens of id `image_token_id`,
-    /// and each token's image block, as transformers' `get_block_sequence_ids_for_mask`
-    /// numbers them from `token_type_ids` (1 exactly at the image tokens).
+    /// Gemma 3's images of `mb`: the features of its tokens of id `image_token_id` (M, H, or
+    /// a trained projector's input), and each token's image block, as transformers'
+    /// `get_block_sequence_ids_for_mask` numbers them from `token_type_ids` (1 exactly at the
+    /// image tokens).
     pub fn image_blocks(
         mb: &MicroBatch,
         image_token_id: i64,
-        features_mh: Tensor,
+        features: Features,
         device: Device,
     ) -> Result<MicroImages> {
         if !mb.position_ids.is_empty() {
@@ -437,7 +459,7 @@ impl MicroImages {
             .f_view([mb.rows as i64, mb.seq_len as i64])?
             .f_to_device(device)?;
         Ok(MicroImages {
-            features: Features::Frozen(features_mh.f_to_device(device)?),
+            features,
             image_token_id,
             pos_3bt: None,
             block_bt: Some(block_bt),
@@ -450,7 +472,8 @@ impl MicroImages {
     /// The features (M, H) placed at the image tokens, one row per token in the order the
     /// tokens appear (row by row, left to right): the frozen tower's, or a trained
     /// projector's over its kept input with `embed_w`'s `visual.merger.*` (Qwen2.5-VL's or
-    /// Qwen3.5's; LLaVA-NeXT's `multi_modal_projector.*` and `image_newline`; views or
+    /// Qwen3.5's; Gemma 3's `multi_modal_projector.*`; LLaVA-NeXT's `multi_modal_projector.*`
+    /// and `image_newline`; views or
     /// leaves: with grad where they are leaves and grad mode is on).
     pub fn features_mh(&self, embed_w: &BlockWeights) -> Tensor {
         match &self.features {
@@ -475,7 +498,20 @@ impl MicroImages {
                     .collect();
                 llava_next_projected(&ClipWeights::new(spec.clone(), projector), enc_tne, sizes)
             }
+            Features::Pooled { enc_bne, spec } => {
+                let projector = spec
+                    .tensors()
+                    .into_iter()
+                    .filter(|(name, _)| TowerTraining::Projector.trains(name))
+                    .map(|(name, _)| {
+                        let t = embed_w.get(&name).shallow_clone();
+                        (name, t)
+                    })
+                    .collect();
+                gemma3_projected(&SiglipWeights::new(spec.clone(), projector), enc_bne)
+            }
             Features::Encoder(pass) => pass.features_mh(embed_w),
+            Features::Vit(pass) => pass.features_mh(embed_w),
         }
     }
 
@@ -485,8 +521,10 @@ impl MicroImages {
     /// the images were read. Where the deepstack features' tower trains, they are
     /// computed here, from `embed_w`'s weights, for [`Self::after_layer`].
     pub fn encode(&mut self, embed_w: &BlockWeights, keep: bool) {
-        if let Features::Encoder(pass) = &mut self.features {
-            pass.forward(embed_w, keep);
+        match &mut self.features {
+            Features::Encoder(pass) => pass.forward(embed_w, keep),
+            Features::Vit(pass) => pass.forward(embed_w, keep),
+            _ => {}
         }
         if self.features.trained_deepstack() {
             let (w, taps) = (self.features.trained_qwen(embed_w)).expect("a trained tower");
@@ -535,6 +573,7 @@ impl MicroImages {
     pub fn encoder_backward(&mut self, embed_w: &BlockWeights) -> Result<()> {
         match &mut self.features {
             Features::Encoder(pass) => pass.backward(embed_w),
+            Features::Vit(pass) => pass.backward(embed_w),
             _ => Ok(()),
         }
     }
@@ -677,7 +716,8 @@ mod tests {
         mb.position_ids = vec![0, 1, 2, 0];
         let e = new(&vl, &mb, &[[1, 2, 2]], vec![]).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
-        let e = MicroImages::image_blocks(&mb, 9, f.copy(), Device::Cpu).unwrap_err();
+        let e =
+            MicroImages::image_blocks(&mb, 9, Features::Frozen(f.copy()), Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("packed rows"), "{e}");
     }
 

@@ -1,6 +1,9 @@
-//! LLaVA-NeXT's vision tower (CLIP's vision encoder), projector and image newline, forward
-//! only (frozen): the math of transformers' `LlavaNextModel.get_image_features`, whose output
-//! (`pooler_output`, image after image) the model places at the image tokens.
+//! LLaVA-NeXT's vision tower (CLIP's vision encoder), projector and image newline: the math
+//! of transformers' `LlavaNextModel.get_image_features`, whose output (`pooler_output`, image
+//! after image) the model places at the image tokens. Frozen, the whole runs forward only
+//! ([`llava_next_vision`]); a trained projector runs apart over the tower's kept features; a
+//! trained tower in pieces ([`llava_next_embed`], [`llava_next_layer`], [`llava_next_head`])
+//! which the worker recomputes with grad one at a time.
 //!
 //! ```text
 //! tiles (Tt, C, S, S) -> patch embed (a Conv2d without bias whose stride is its kernel: one
@@ -57,6 +60,16 @@ impl ClipWeights {
         self.tensors
             .get(name)
             .unwrap_or_else(|| panic!("vision weights hold no tensor `{name}`"))
+    }
+
+    /// These weights (shallow copies) with `trained`'s tensors added or replaced (a
+    /// trained part's, from the embedding block).
+    pub fn with(&self, trained: Vec<(String, Tensor)>) -> ClipWeights {
+        let mut tensors: HashMap<String, Tensor> = (self.tensors.iter())
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        tensors.extend(trained);
+        ClipWeights::new(self.spec.clone(), tensors)
     }
 
     /// `x W^T + b` with `{name}.weight` and, where the checkpoint has it, `{name}.bias`.
@@ -140,6 +153,17 @@ pub fn llava_next_projected(w: &ClipWeights, enc_tne: &Tensor, sizes: &[[u32; 2]
 /// The patch features (Tt, N, E) of tiles (Tt, C, S, S): the hidden state
 /// `vision_feature_layer` names, the class token dropped.
 fn tower(w: &ClipWeights, tiles_tcss: &Tensor) -> Tensor {
+    let mut x_tne = llava_next_embed(w, tiles_tcss);
+    for l in 0..w.spec.layers_run() {
+        x_tne = llava_next_layer(w, l, &x_tne);
+    }
+    drop_class(w, &x_tne)
+}
+
+/// The embeddings (Tt, 1 + N, E) of tiles (Tt, C, S, S): the class embedding, then each
+/// patch's, plus a learned position per token, through `pre_layrnorm`: encoder layer 0's
+/// input.
+pub fn llava_next_embed(w: &ClipWeights, tiles_tcss: &Tensor) -> Tensor {
     let s = &w.spec;
     let t = tiles_tcss.size()[0];
     let (c, p, g, e) = (
@@ -162,11 +186,26 @@ fn tower(w: &ClipWeights, tiles_tcss: &Tensor) -> Tensor {
         .expand([t, 1, e], false);
     let x_tne =
         Tensor::cat(&[class_t1e, patch_tne], 1) + w.get("embeddings.position_embedding.weight");
-    let mut x_tne = w.layer_norm(&x_tne, "pre_layrnorm");
-    for l in 0..s.layers_run() {
-        x_tne = encoder_layer(w, l, &x_tne);
-    }
-    x_tne.narrow(1, 1, g * g)
+    w.layer_norm(&x_tne, "pre_layrnorm")
+}
+
+/// Encoder layer `l`: (Tt, 1 + N, E) -> (Tt, 1 + N, E).
+pub fn llava_next_layer(w: &ClipWeights, l: usize, x_tne: &Tensor) -> Tensor {
+    encoder_layer(w, l, x_tne)
+}
+
+/// The image tokens' features (M, H) of images of `sizes` from the output `x_tne`
+/// (Tt, 1 + N, E) of the last layer that runs: the class token dropped, then
+/// [`llava_next_projected`] (a trained encoder's head, recomputed with grad in the
+/// embedding's backward).
+pub fn llava_next_head(w: &ClipWeights, x_tne: &Tensor, sizes: &[[u32; 2]]) -> Tensor {
+    llava_next_projected(w, &drop_class(w, x_tne), sizes)
+}
+
+/// (Tt, 1 + N, E) -> (Tt, N, E): the class token dropped (`default`).
+fn drop_class(w: &ClipWeights, x_tne: &Tensor) -> Tensor {
+    let n = w.spec.tile_features() as i64;
+    x_tne.narrow(1, 1, n)
 }
 
 /// LlavaNextMultiModalProjector: (Tt, N, E) -> (Tt, N, H).

@@ -1,6 +1,10 @@
-//! Gemma 3's vision tower (SigLIP's vision encoder) and multimodal projector, forward only
-//! (frozen): the math of transformers' `Gemma3Model.get_image_features`, whose output
-//! (`pooler_output`) the model places at the image tokens.
+//! Gemma 3's vision tower (SigLIP's vision encoder) and multimodal projector: the math of
+//! transformers' `Gemma3Model.get_image_features`, whose output (`pooler_output`) the model
+//! places at the image tokens. Frozen, the whole runs forward only ([`gemma3_vision`]); a
+//! trained projector runs apart over the tower's kept output ([`gemma3_encoder`],
+//! [`gemma3_projected`]), differentiable in its weights; a trained tower runs in pieces
+//! ([`gemma3_embed`], [`gemma3_layer`], [`gemma3_head`]) which the worker recomputes with
+//! grad one at a time.
 //!
 //! ```text
 //! pixels (B, C, S, S) -> patch embed (a Conv2d whose stride is its kernel: one matmul)
@@ -33,12 +37,15 @@ pub struct SiglipWeights {
 }
 
 impl SiglipWeights {
-    /// `tensors` must hold every tensor of `spec.tensors()`.
+    /// Each of `tensors` must be one of `spec.tensors()`, of its shape: all of them for
+    /// [`gemma3_vision`]; the tower's for [`gemma3_encoder`]; the projector's for
+    /// [`gemma3_projected`] (a trained projector's, from the embedding block).
     pub fn new(spec: SiglipSpec, tensors: HashMap<String, Tensor>) -> SiglipWeights {
-        for (name, shape) in spec.tensors() {
-            let t = tensors
-                .get(&name)
-                .unwrap_or_else(|| panic!("vision tower has no tensor `{name}`"));
+        let shapes: HashMap<String, Vec<usize>> = spec.tensors().into_iter().collect();
+        for (name, t) in &tensors {
+            let shape = shapes
+                .get(name)
+                .unwrap_or_else(|| panic!("`{name}` is not a Gemma 3 vision tensor"));
             let want: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
             assert_eq!(t.size(), want, "shape of vision tensor `{name}`");
         }
@@ -46,7 +53,19 @@ impl SiglipWeights {
     }
 
     fn get(&self, name: &str) -> &Tensor {
-        &self.tensors[name]
+        self.tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("vision weights hold no tensor `{name}`"))
+    }
+
+    /// These weights (shallow copies) with `trained`'s tensors added or replaced (a
+    /// trained part's, from the embedding block).
+    pub fn with(&self, trained: Vec<(String, Tensor)>) -> SiglipWeights {
+        let mut tensors: HashMap<String, Tensor> = (self.tensors.iter())
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        tensors.extend(trained);
+        SiglipWeights::new(self.spec.clone(), tensors)
     }
 
     /// `x W^T + b` with `{name}.weight` and `{name}.bias`.
@@ -92,6 +111,24 @@ impl VitWeights for SiglipWeights {
 /// Forward only, without gradient.
 pub fn gemma3_vision(w: &SiglipWeights, pixels_bcss: &Tensor) -> Tensor {
     let _no_grad = tch::no_grad_guard();
+    gemma3_projected(w, &gemma3_encoder(w, pixels_bcss))
+}
+
+/// The projector's input (B, N, E) of `pixels_bcss` (B, C, S, S): the tower's output after
+/// `post_layernorm`, computed without gradient (a trained projector keeps it for its
+/// recompute in the embedding's backward).
+pub fn gemma3_encoder(w: &SiglipWeights, pixels_bcss: &Tensor) -> Tensor {
+    let _no_grad = tch::no_grad_guard();
+    let mut x_bne = gemma3_embed(w, pixels_bcss);
+    for l in 0..w.spec.depth {
+        x_bne = gemma3_layer(w, l, &x_bne);
+    }
+    w.layer_norm(&x_bne, "post_layernorm")
+}
+
+/// The patch embedding (B, N, E) of `pixels_bcss` (B, C, S, S) with the learned positions:
+/// encoder layer 0's input.
+pub fn gemma3_embed(w: &SiglipWeights, pixels_bcss: &Tensor) -> Tensor {
     let s = &w.spec;
     let (c, side, p) = (
         s.in_channels as i64,
@@ -112,13 +149,27 @@ pub fn gemma3_vision(w: &SiglipWeights, pixels_bcss: &Tensor) -> Tensor {
         .permute([0, 2, 4, 1, 3, 5])
         .reshape([b, g * g, c * p * p]);
     let w_pe = w.get("embeddings.patch_embedding.weight").reshape([e, -1]);
-    let mut x_bne = patches_bnp.linear(&w_pe, Some(w.get("embeddings.patch_embedding.bias")))
-        + w.get("embeddings.position_embedding.weight");
-    for l in 0..s.depth {
-        x_bne = encoder_layer(w, l, &x_bne);
-    }
-    let x_bne = w.layer_norm(&x_bne, "post_layernorm");
-    projector(w, &x_bne).reshape([-1, s.out_hidden_size as i64])
+    patches_bnp.linear(&w_pe, Some(w.get("embeddings.patch_embedding.bias")))
+        + w.get("embeddings.position_embedding.weight")
+}
+
+/// Encoder layer `l`: (B, N, E) -> (B, N, E).
+pub fn gemma3_layer(w: &SiglipWeights, l: usize, x_bne: &Tensor) -> Tensor {
+    encoder_layer(w, l, x_bne)
+}
+
+/// The image tokens' features (B T, O) from the last encoder layer's output `x_bne`
+/// (B, N, E): `post_layernorm`, then the projector (a trained encoder's head, recomputed
+/// with grad in the embedding's backward).
+pub fn gemma3_head(w: &SiglipWeights, x_bne: &Tensor) -> Tensor {
+    gemma3_projected(w, &w.layer_norm(x_bne, "post_layernorm"))
+}
+
+/// The image tokens' features (B T, O) from the projector's input `enc_bne` (B, N, E). With
+/// `w`'s projector tensors as leaves and grad mode on, differentiable in them and in
+/// `enc_bne` (a trained projector).
+pub fn gemma3_projected(w: &SiglipWeights, enc_bne: &Tensor) -> Tensor {
+    projector(w, enc_bne).reshape([-1, w.spec.out_hidden_size as i64])
 }
 
 /// Gemma3MultiModalProjector: (B, N, E) -> (B, T, O).
