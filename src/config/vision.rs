@@ -26,8 +26,14 @@ use clip::ClipSpec;
 use siglip::SiglipSpec;
 
 /// The model types whose vision tower the worker computes.
-pub const VISION_MODEL_TYPES: &[&str] =
-    &["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "llava_next"];
+pub const VISION_MODEL_TYPES: &[&str] = &[
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "gemma3",
+    "llava_next",
+];
 
 /// A vision-language model's frozen tower, of the family its `model_type` names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

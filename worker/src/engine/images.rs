@@ -307,7 +307,7 @@ pub enum Features {
 impl Features {
     /// The Qwen tower's weights where part of it trains: the trained ones from `embed_w`
     /// (views, or leaves in the backward), the rest the frozen tower's; and Qwen3-VL's
-    /// deepstack mergers' inputs. None for a frozen tower and LLaVA-NeXT's projector.
+    /// deepstack mergers' inputs. None for a frozen tower and the SigLIP and CLIP towers' parts.
     fn trained_qwen(&self, embed_w: &BlockWeights) -> Option<(VisionWeights, &[Tensor])> {
         match self {
             Features::Merger { spec, taps, .. } => {
@@ -323,7 +323,10 @@ impl Features {
                 Some((VisionWeights::new(spec.clone(), trained), taps))
             }
             Features::Encoder(pass) => Some((pass.weights(embed_w), pass.taps())),
-            Features::Frozen(_) | Features::Projector { .. } => None,
+            Features::Frozen(_)
+            | Features::Projector { .. }
+            | Features::Pooled { .. }
+            | Features::Vit(_) => None,
         }
     }
 
@@ -333,7 +336,10 @@ impl Features {
         match self {
             Features::Merger { spec, .. } => !spec.deepstack_taps().is_empty(),
             Features::Encoder(pass) => pass.deepstack(),
-            Features::Frozen(_) | Features::Projector { .. } => false,
+            Features::Frozen(_)
+            | Features::Projector { .. }
+            | Features::Pooled { .. }
+            | Features::Vit(_) => false,
         }
     }
 }
