@@ -76,6 +76,10 @@
 #    image blocks), losses on 1 GPU, frozen and with the projector trained; and both with
 #    the whole tower trained (their layers recomputed with grad in bf16), losses and the
 #    tower's step-1 gradients together within 2e-2, as Qwen2.5-VL's tower.
+#    Every trained tower's step-1 gradients are held to 2e-2, or to twice the CPU's own bf16
+#    error where that is larger (Qwen3-VL's: its deepstack gradients come back through the
+#    first decoder layers, 2.1e-2 measured on the GPU), with the GPU's f32 step within 1e-4
+#    of the CPU's, which a fault in what the GPU computes differently would not meet.
 #
 # PARTS ["train families experts delta errors resident sinks kernels serve vlm"] picks the parts to run (each fits in a few
 # minutes). Runs needing
@@ -220,6 +224,15 @@ if part vlm; then
   if [ -f "$VLM/golden/run.yaml" ]; then
     vlm=(--config "$VLM/golden/run.yaml" --set training.save_model=false --set training.learning_rate=3e-3)
     vrun() { local name=$1; shift; "$BIN/mt-launch" "${vlm[@]}" "$@" --metrics-out "$work/$name.jsonl"; }
+    # A trained tower's step-1 gradients (the config in `vlm`): f32 on CPU, bf16 on the GPU,
+    # and, to tell bf16's rounding from a fault, bf16 on the CPU and f32 on the GPU.
+    tower_step1() {
+      local one=(--set training.num_steps=1 --dump-grads)
+      vrun "cpu_$1_step1" "${cpu[@]}" "${one[@]}" "$work/cpu_$1_step1.grads"
+      vrun "gpu1_$1_step1" --gpus 1 "${gpu[@]}" "${one[@]}" "$work/gpu1_$1_step1.grads"
+      vrun "cpu_$1_bf16_step1" --gpus 0 --workers 1 "${gpu[@]}" "${one[@]}" "$work/cpu_$1_bf16_step1.grads"
+      vrun "gpu1_$1_f32_step1" --gpus 1 --set model.dtype=float32 "${one[@]}" "$work/gpu1_$1_f32_step1.grads"
+    }
     vrun cpu_vlm "${cpu[@]}" --set "training.num_steps=$STEPS"
     vrun gpu1_vlm --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
     if [ "$gpus" -ge 2 ]; then vrun gpu2_vlm --gpus 2 "${gpu[@]}" --set "training.num_steps=$STEPS"; fi
@@ -238,8 +251,7 @@ if part vlm; then
            --set training.max_grad_norm=1000)
       vrun cpu_vlm_tower "${cpu[@]}" --set "training.num_steps=$STEPS"
       vrun gpu1_vlm_tower --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
-      vrun cpu_vlm_tower_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_tower_step1.grads"
-      vrun gpu1_vlm_tower_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_tower_step1.grads"
+      tower_step1 vlm_tower
     fi
     # The tiny Qwen3-VL (deepstack features, interleaved mrope): losses, 1 GPU against CPU.
     if [ -f "$VLM/golden-qwen3vl/run.yaml" ]; then
@@ -255,8 +267,7 @@ if part vlm; then
           vrun "cpu_vlm3_$case" "${cpu[@]}" --set "training.num_steps=$STEPS"
           vrun "gpu1_vlm3_$case" --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
         done
-        vrun cpu_vlm3_tower_step1 "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm3_tower_step1.grads"
-        vrun gpu1_vlm3_tower_step1 --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm3_tower_step1.grads"
+        tower_step1 vlm3_tower
       fi
     fi
     # The tiny Qwen3.5 (hybrid text model, tower without deepstack): losses, 1 GPU against
@@ -317,8 +328,7 @@ if part vlm; then
              --set training.max_grad_norm=1000)
         vrun "cpu_vlm_${fam}_tower" "${cpu[@]}" --set "training.num_steps=$STEPS"
         vrun "gpu1_vlm_${fam}_tower" --gpus 1 "${gpu[@]}" --set "training.num_steps=$STEPS"
-        vrun "cpu_vlm_${fam}_tower_step1" "${cpu[@]}" --set training.num_steps=1 --dump-grads "$work/cpu_vlm_${fam}_tower_step1.grads"
-        vrun "gpu1_vlm_${fam}_tower_step1" --gpus 1 "${gpu[@]}" --set training.num_steps=1 --dump-grads "$work/gpu1_vlm_${fam}_tower_step1.grads"
+        tower_step1 "vlm_${fam}_tower"
       fi
     done
   else
@@ -530,14 +540,24 @@ if "vlm" in parts and os.path.exists(f"{work}/cpu_vlm.jsonl"):
         if not os.path.exists(f"{work}/cpu_{stem}.jsonl"):
             continue
         check(f"gpu1_{stem}", f"cpu_{stem}", 2e-2, keys=(("loss", "steps"),))
-        ga = tensors(f"{work}/gpu1_{stem}_step1.grads")
         gb = tensors(f"{work}/cpu_{stem}_step1.grads")
         tower = sorted(n for n in gb if n.startswith(prefix))
-        good = ga.keys() == gb.keys() and len(tower) > 0
-        whole = rel_l2([x for n in tower for x in ga[n][1]], [x for n in tower for x in gb[n][1]]) if good else 1.0
-        ok &= good and whole <= bound
-        print(f"{stem} trained, gpu1 vs cpu step-1 gradients: the tower's {len(tower)} tensors together "
-              f"relative L2 {whole:.2e} (bound {bound:.0e})" + ("" if good else " (FAIL: tensor names differ)"))
+
+        def tower_l2(run):
+            ga = tensors(f"{work}/{run}.grads")
+            if ga.keys() != gb.keys() or not tower:
+                return 1.0
+            return rel_l2([x for n in tower for x in ga[n][1]], [x for n in tower for x in gb[n][1]])
+        # The bound: 2e-2, or twice the CPU's own bf16 error where that is larger (a deep
+        # path of bf16 roundings: Qwen3-VL's deepstack gradients come back through the first
+        # decoder layers into the tapped blocks); and the GPU's f32 step within 1e-4, which
+        # a fault in what the GPU computes differently would not meet.
+        own = tower_l2(f"cpu_{stem}_bf16_step1")
+        for run, b in ((f"gpu1_{stem}_step1", max(bound, 2 * own)), (f"gpu1_{stem}_f32_step1", 1e-4)):
+            whole = tower_l2(run)
+            ok &= whole <= b
+            print(f"{stem} trained, {run} vs cpu (f32) step-1 gradients: the tower's {len(tower)} tensors "
+                  f"together relative L2 {whole:.2e} (bound {b:.1e}; the CPU's own bf16 error {own:.2e})")
     # Step 1's gradients: every matrix within the bound, and all of them together. A vector's
     # gradient (a bias, a norm's scale) is a sum over every token of signed terms, whose
     # cancellation magnifies the bf16 rounding of each term: shown, not bounded, per tensor.
