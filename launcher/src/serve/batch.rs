@@ -496,7 +496,15 @@ mod tests {
             (json!({"rows": []}), "`rows` is empty"),
             (
                 json!({"rows": [{"input_ids": [1, 2], "label": [1, 2]}, {"input_ids": [1]}]}),
-                "rows[0]: unknown key `label` (it takes input_ids, labels)",
+                "rows[0]: unknown key `label` (it takes input_ids, labels, images)",
+            ),
+            (
+                json!({"rows": [{"input_ids": [1, 2], "images": ["/a.png"]}, {"input_ids": [1]}]}),
+                "rows[0].images: this model reads no images",
+            ),
+            (
+                json!({"rows": [{"input_ids": [1, 2], "images": "/a.png"}, {"input_ids": [1]}]}),
+                "rows[0].images must be a list of image file paths",
             ),
             (
                 json!({"rows": [[1, 2], {"input_ids": [1]}]}),
