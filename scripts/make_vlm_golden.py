@@ -90,25 +90,31 @@ def qwen3_vl(vocab, ids_of):
     return cfg, Qwen3VLForConditionalGeneration(cfg).float()
 
 
-def qwen3_5(vocab, ids_of):
-    """Qwen3.5: Gated DeltaNet layers (no positions) and gated attention layers whose partial
-    RoPE (16 of 32 dims: 8 pairs) turns under the interleaved sections [3, 3, 2] (pairs 0, 3, 6
-    temporal, 1, 4, 7 height, 2, 5 width); the tower without deepstack mergers."""
-    cfg = Qwen3_5Config(
-        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+def qwen3_5_config(config_class, vocab, ids_of, **text):
+    """A tiny Qwen3.5 (or Qwen3.5-MoE, `text` adding its experts): Gated DeltaNet layers (no
+    positions) and gated attention layers whose partial RoPE (16 of 32 dims: 8 pairs) turns
+    under the interleaved sections [3, 3, 2] (pairs 0, 3, 6 temporal, 1, 4, 7 height, 2, 5
+    width); the tower without deepstack mergers."""
+    return config_class(
+        text_config=dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                          linear_value_head_dim=16, linear_conv_kernel_dim=4,
                          layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
                          max_position_embeddings=4096, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                          "mrope_section": [3, 3, 2], "mrope_interleaved": True}),
+                                          "mrope_section": [3, 3, 2], "mrope_interleaved": True}, **text),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
                            num_position_embeddings=16),
         image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
         vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
     )
+
+
+def qwen3_5(vocab, ids_of):
+    """Qwen3.5 ([`qwen3_5_config`]), a dense MLP in every layer."""
+    cfg = qwen3_5_config(Qwen3_5Config, vocab, ids_of, intermediate_size=96)
     model = Qwen3_5ForConditionalGeneration(cfg).float()
     assert model.model.language_model.rotary_emb.inv_freq.numel() == 8, "8 rotary pairs"
     assert not hasattr(model.model.visual, "deepstack_merger_list")
@@ -119,23 +125,8 @@ def qwen3_5_moe(vocab, ids_of):
     """Qwen3.5-MoE: Qwen3.5's text model with a mixture of experts and a shared expert in
     every layer (4 experts, 2 routed a token), behind the same tower; the processor and
     tokenizer are Qwen3.5's."""
-    cfg = Qwen3_5MoeConfig(
-        text_config=dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-                         shared_expert_intermediate_size=48,
-                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                         linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-                         max_position_embeddings=4096, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                          "mrope_section": [3, 3, 2], "mrope_interleaved": True}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
-                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
-                           num_position_embeddings=16),
-        image_token_id=ids_of["<|image_pad|>"], vision_start_token_id=ids_of["<|vision_start|>"],
-        vision_end_token_id=ids_of["<|vision_end|>"], tie_word_embeddings=False,
-    )
+    cfg = qwen3_5_config(Qwen3_5MoeConfig, vocab, ids_of, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=40, shared_expert_intermediate_size=48)
     model = Qwen3_5MoeForConditionalGeneration(cfg).float()
     assert not hasattr(model.model.visual, "deepstack_merger_list")
     return cfg, model
