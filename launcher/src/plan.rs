@@ -109,6 +109,7 @@ pub fn plan(p: cli::PlanArgs) -> Result<()> {
                 "dirs": d.dirs,
                 "per_drive_bytes": d.per_drive,
                 "total_bytes": d.total(),
+                "kept_store_bytes": d.kept_store,
                 "host_window_bytes": d.windows,
                 "stated_drive_bytes": d.stated,
                 "update_read_bytes": d.update,

@@ -8,7 +8,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
-use crate::config::{OptimizerOffload, RunConfig};
+use crate::config::{MasterWeights, OptimizerOffload, RunConfig};
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::layout::drives::{Field, drive_bytes, field_sizes, update_bytes, window_bytes};
@@ -31,6 +31,10 @@ pub struct DrivePlan {
     pub fields: Vec<(Field, usize)>,
     /// Each drive's bandwidth, where known.
     pub speed: Option<DriveSpeed>,
+    /// Bytes of the store kept beside the manifest in the first directory at the end of a
+    /// run (`memory.keep_nvme_state` with a split or bf16 master, whose high halves or whole
+    /// value the store holds: `megatrain-store.state`, 2 bytes a parameter); 0 otherwise.
+    pub kept_store: u64,
 }
 
 /// The drives' bandwidth: measured in the directories here, or stated by the user.
@@ -67,6 +71,12 @@ impl DrivePlan {
             update: update_bytes(layout, m.master_weights, m.moments_dtype),
             fields: field_sizes(m.master_weights, m.moments_dtype),
             speed: None,
+            kept_store: match (m.keep_nvme_state, m.master_weights) {
+                (true, MasterWeights::Split | MasterWeights::Bfloat16) => {
+                    2 * layout.blocks.iter().map(|b| b.len as u64).sum::<u64>()
+                }
+                _ => 0,
+            },
         })
     }
 
@@ -98,9 +108,14 @@ impl DrivePlan {
         }
     }
 
-    /// Bytes on all the drives.
+    /// Bytes on all the drives, the kept store's included.
     pub fn total(&self) -> u64 {
-        self.per_drive * self.dirs.len() as u64
+        self.per_drive * self.dirs.len() as u64 + self.kept_store
+    }
+
+    /// Bytes the `i`-th directory's drive takes: its share, and the kept store on the first.
+    fn on_drive(&self, i: usize) -> u64 {
+        self.per_drive + if i == 0 { self.kept_store } else { 0 }
     }
 
     /// Refuses a directory that does not exist, and a filesystem without room for its
@@ -109,14 +124,21 @@ impl DrivePlan {
     /// preallocated at start, which fails naming the file where they do not fit.
     pub fn check(&self) -> Result<()> {
         let gb = |b: u64| b as f64 / 1e9;
+        let kept = match self.kept_store {
+            0 => String::new(),
+            b => format!(
+                " (and {:.2} GB of the kept store on the first, memory.keep_nvme_state)",
+                gb(b)
+            ),
+        };
         if let Some(room) = self.stated {
-            return match self.per_drive <= room {
+            return match self.on_drive(0) <= room {
                 true => Ok(()),
                 false => Err(Error::Config {
                     path: self.dirs[0].clone(),
                     msg: format!(
                         "memory.nvme_path: the optimizer state needs {:.2} GB on each of the {} \
-                         drive(s), {:.2} GB stated (--drive-size)",
+                         drive(s){kept}, {:.2} GB stated (--drive-size)",
                         gb(self.per_drive),
                         self.dirs.len(),
                         gb(room)
@@ -124,17 +146,19 @@ impl DrivePlan {
                 }),
             };
         }
-        // (device, first directory on it, directories on it)
-        let mut filesystems: Vec<(u64, &PathBuf, u64)> = Vec::new();
-        for d in &self.dirs {
+        // (device, first directory on it, directories on it, bytes on it)
+        let mut filesystems: Vec<(u64, &PathBuf, u64, u64)> = Vec::new();
+        for (i, d) in self.dirs.iter().enumerate() {
             let meta = std::fs::metadata(d).map_err(|e| Error::io(d, e))?;
             match filesystems.iter_mut().find(|f| f.0 == meta.dev()) {
-                Some(f) => f.2 += 1,
-                None => filesystems.push((meta.dev(), d, 1)),
+                Some(f) => {
+                    f.2 += 1;
+                    f.3 += self.on_drive(i);
+                }
+                None => filesystems.push((meta.dev(), d, 1, self.on_drive(i))),
             }
         }
-        for (_, dir, count) in filesystems {
-            let need = self.per_drive * count;
+        for (_, dir, count, need) in filesystems {
             let Some(free) = crate::sysmem::free_disk_bytes(dir) else {
                 continue;
             };
@@ -143,7 +167,7 @@ impl DrivePlan {
                     path: dir.clone(),
                     msg: format!(
                         "memory.nvme_path: the optimizer state needs {:.2} GB on this filesystem \
-                         ({count} of the {} drive director{} at {:.2} GB each), {:.2} GB free",
+                         ({count} of the {} drive director{} at {:.2} GB each{kept}), {:.2} GB free",
                         gb(need),
                         self.dirs.len(),
                         if self.dirs.len() == 1 { "y" } else { "ies" },
@@ -163,7 +187,7 @@ impl std::fmt::Display for DrivePlan {
         writeln!(
             f,
             "drives (memory.optimizer_offload: nvme): {:.2} GB of master and Adam m, v, {:.2} GB on each of:",
-            gb(self.total()),
+            gb(self.per_drive * self.dirs.len() as u64),
             gb(self.per_drive)
         )?;
         for (i, d) in self.dirs.iter().enumerate() {
@@ -179,6 +203,13 @@ impl std::fmt::Display for DrivePlan {
                 format!("; {:.2} GB/s read, {:.2} GB/s write", r / 1e9, w / 1e9)
             });
             writeln!(f, "  {} ({room}{speed})", d.display())?;
+        }
+        if self.kept_store > 0 {
+            writeln!(
+                f,
+                "  and {:.2} GB of the store kept in the first at the run's end (memory.keep_nvme_state)",
+                gb(self.kept_store)
+            )?;
         }
         let parts: Vec<String> = (self.fields.iter())
             .map(|&(field, e)| match field {
@@ -244,6 +275,7 @@ mod tests {
             update: 0,
             fields: Vec::new(),
             speed: None,
+            kept_store: 0,
         };
         plan(free / 4, vec![dir.clone()]).check().unwrap();
         let err = plan(free + (1 << 40), vec![dir.clone()])
@@ -271,6 +303,46 @@ mod tests {
         let _ = std::fs::remove_dir(&sub);
     }
 
+    /// `memory.keep_nvme_state` with a split master keeps the bf16 store (2 bytes a
+    /// parameter) beside the manifest in the first directory: the plan counts it there, and
+    /// a first drive with room for its share but not for the store is refused, naming it.
+    #[test]
+    fn the_kept_store_takes_room_on_the_first_drive() {
+        let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tiny/config.json");
+        let hf: crate::config::hf::HfConfig =
+            serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+        let layout = Layout::new(&crate::config::hf::ModelSpec::from_hf(&hf, &config).unwrap());
+        let params: u64 = layout.blocks.iter().map(|b| b.len as u64).sum();
+        let yaml = "model: {path: m}\ndataset: {format: tokenized, path: d.jsonl}\n";
+        let p = std::env::temp_dir().join(format!("mt-drives-{}.yaml", std::process::id()));
+        std::fs::write(&p, yaml).unwrap();
+        let base = RunConfig::load(&p, &[]).unwrap();
+        let _ = std::fs::remove_file(&p);
+        let plan = |keep: bool, master: MasterWeights| {
+            let mut cfg = base.clone();
+            cfg.memory.optimizer_offload = OptimizerOffload::Nvme;
+            cfg.memory.nvme_path = vec!["/nonexistent/a".into(), "/nonexistent/b".into()];
+            cfg.memory.keep_nvme_state = keep;
+            cfg.memory.master_weights = master;
+            DrivePlan::new(&cfg, &layout).unwrap()
+        };
+        assert_eq!(plan(false, MasterWeights::Split).kept_store, 0);
+        let fp32 = plan(true, MasterWeights::Float32);
+        assert_eq!(fp32.kept_store, 0, "an fp32 master keeps no store");
+        let kept = plan(true, MasterWeights::Split);
+        assert_eq!(kept.kept_store, 2 * params);
+        assert_eq!(kept.total(), 2 * kept.per_drive + 2 * params);
+        assert!(
+            kept.to_string().contains("of the store kept in the first"),
+            "{kept}"
+        );
+        let share = kept.per_drive;
+        let room = |bytes| kept.clone().with_drive_size(bytes).check();
+        room(share + 2 * params).unwrap();
+        let msg = room(share + params).unwrap_err().to_string();
+        assert!(msg.contains("of the kept store on the first"), "{msg}");
+    }
+
     /// A stated drive size stands for the drive: directories that do not exist here plan,
     /// a share larger than the stated room is refused naming the first directory, the
     /// share and the room.
@@ -285,6 +357,7 @@ mod tests {
             update: 0,
             fields: Vec::new(),
             speed: None,
+            kept_store: 0,
         };
         assert!(plan.clone().check().is_err(), "no such directory here");
         plan.clone().with_drive_size(3_000_000_000).check().unwrap();
@@ -319,6 +392,7 @@ mod tests {
             update: 12_000_000_000,
             fields: vec![(Field::Master, 2), (Field::M, 2), (Field::V, 2)],
             speed: None,
+            kept_store: 0,
         };
         assert_eq!(plan.update_s(), None);
         let plan = plan.with_speed(DriveSpeed {
