@@ -33,6 +33,7 @@ use crate::stream::{Delivered, Gate, Resident, Streamer, kind_of};
 
 mod control;
 mod images;
+mod pixels;
 mod prefetch;
 mod tower;
 mod vit_tower;

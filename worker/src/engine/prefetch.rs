@@ -12,7 +12,7 @@ use std::thread::JoinHandle;
 use anyhow::{Result, anyhow};
 use mt::data::{BatchImage, ImageProcessor, MicroBatch};
 
-use super::images::pixel_rows;
+use super::pixels::pixel_rows;
 
 /// One step's images being decoded in the background.
 pub struct Prefetch {
