@@ -1010,3 +1010,20 @@ fn plan_measures_the_drives_or_takes_their_stated_speed() {
     );
     assert_eq!(std::fs::read_dir(&drive).unwrap().count(), 0);
 }
+
+/// The Qwen2.5-VL-7B and Qwen3-VL-8B bench shapes (random init, the text model alone): their
+/// parameters are the language model's as transformers counts them on the hub
+/// architecture (the classes built on the meta device, `visual.*` left out: 7,615,616,512
+/// and 8,190,735,360), with no tower planned.
+#[test]
+fn plan_for_the_qwen_vl_bench_shapes_is_their_text_model() {
+    for (yaml, params) in [
+        ("bench/qwen2_5_vl_7b.yaml", 7_615_616_512u64),
+        ("bench/qwen3_vl_8b.yaml", 8_190_735_360),
+    ] {
+        let plan: serde_json::Value =
+            serde_json::from_str(&plan_one_h200(yaml, &["--json"])).unwrap();
+        assert_eq!(plan["host"]["params"].as_u64(), Some(params), "{yaml}");
+        assert_eq!(plan["host"]["tower_params"].as_u64(), Some(0), "{yaml}");
+    }
+}
