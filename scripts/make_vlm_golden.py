@@ -204,10 +204,9 @@ def golden(family, build, out_name, seed, projector, towers=True):
                 grads = make_golden.checkpoint_named(
                     model, {n: None if p.grad is None else p.grad.detach().clone()
                             for n, p in model.named_parameters()}, tmp)
+            norm = c.norm_of(grads)
         else:
-            grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
-                     for n, p in model.named_parameters() if p.grad is not None}
-        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+            grads, norm = c.gradients(model, checkpoint_name)
         return loss, grads, norm
 
     def write_case(case_dir, loss, grads, norm, extra_yaml=""):
@@ -226,19 +225,16 @@ def golden(family, build, out_name, seed, projector, towers=True):
         """One step with the tower's parts trained as asked, then torch's AdamW step
         (vlm_golden_common.adamw_case), written to OUT/<name> with `keys`, the config lines
         asking for it. The model's weights are put back after."""
-        before = {k: v.clone() for k, v in model.state_dict().items()}
         loss, grads, norm = step(train_merger, train_encoder)
         visual = [n.removeprefix(tower) for n in grads if n.startswith(tower)]
         assert train_merger == any(projector_tensor(n) for n in visual)
         assert train_encoder == any(not projector_tensor(n) for n in visual)
         deepstack = [n for n in visual if n.startswith("deepstack_merger_list.")]
         assert not deepstack or len(deepstack) == 6 * len(cfg.vision_config.deepstack_visual_indexes)
-        params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
-        c.adamw_case(os.path.join(out, name), out, "make_vlm_golden.py", loss, grads, norm, params, B,
-                     len(images), keys)
+        c.adamw_case(model, checkpoint_name, os.path.join(out, name), out, "make_vlm_golden.py", loss, grads,
+                     norm, B, len(images), keys)
         print(f"vlm golden ({family}), {name}: loss {loss.item():.6f}, grad norm {norm:.6f}, "
               f"{len(visual)} tower tensors trained")
-        model.load_state_dict(before)
 
     if projector:
         # The merger trained (LlamaFactory's key, which reads as vlm.freeze_projector: false);

@@ -109,9 +109,7 @@ def step(train_projector, train_tower=False):
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=-100, reduction="sum") / (targets != -100).sum()
     loss.backward()
-    grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
-             for n, p in model.named_parameters() if p.grad is not None}
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+    grads, norm = c.gradients(model, checkpoint_name)
     return loss, grads, norm
 
 
@@ -122,13 +120,10 @@ def write_case(case_dir, loss, grads, norm, extra_yaml):
 def adamw_case(name, train_projector, train_tower, keys):
     """One step with the parts asked for trained, then torch's AdamW step
     (vlm_golden_common.adamw_case), written to OUT/<name> with `keys`, the config lines asking
-    for it; returns the trained vision tensors' names. The model's weights are put back."""
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for it (the model's weights put back after); returns the trained vision tensors' names."""
     loss, grads, norm = step(train_projector, train_tower)
-    params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
-    c.adamw_case(os.path.join(out, name), out, "make_vlm_golden_llava_next.py", loss, grads, norm, params, B,
+    c.adamw_case(model, checkpoint_name, os.path.join(out, name), out, "make_vlm_golden_llava_next.py", loss, grads, norm, B,
                  len(images), keys)
-    model.load_state_dict(before)
     print(f"vlm llava_next golden, {name}: loss {loss.item():.6f}, grad norm {norm:.6f}")
     return sorted(n for n in grads if not n.startswith("language_model."))
 

@@ -34,13 +34,27 @@ dataset: {{name: mllm_demo, dataset_dir: {join("..")}, shuffle: false, max_seq_l
 {extra_yaml}""")
 
 
-def adamw_case(case_dir, out, script, loss, grads, norm, params, rows, images, keys):
-    """A trained-tower case: after one forward and backward (`loss`, `grads` and their
-    `norm`; `params`, {checkpoint name: parameter} of every tensor that got a gradient),
-    torch's AdamW step, the gradients clipped to half their norm; written as
-    [`write_case`] does, with `keys` (the config lines asking for what trains), the step's
-    settings, and step1.safetensors (every trained tensor after the step, checkpoint
-    names). The parameters are stepped in place: the caller puts them back."""
+def gradients(model, checkpoint_name):
+    """Every gradient `model`'s parameters hold, under their checkpoint names
+    (`checkpoint_name` of the parameter's name), and their norm (summed in f64)."""
+    grads = {checkpoint_name(n): p.grad.detach().clone().contiguous()
+             for n, p in model.named_parameters() if p.grad is not None}
+    return grads, norm_of(grads)
+
+
+def norm_of(grads):
+    """The global norm of the gradients `grads`, summed in f64."""
+    return torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+
+
+def adamw_case(model, checkpoint_name, case_dir, out, script, loss, grads, norm, rows, images, keys):
+    """A trained-tower case: after one forward and backward of `model` (`loss`, `grads` and
+    their `norm`), torch's AdamW step on every parameter that got a gradient, the gradients
+    clipped to half their norm; written as [`write_case`] does, with `keys` (the config lines
+    asking for what trains), the step's settings, and step1.safetensors (every trained
+    tensor after the step, checkpoint names). The model's weights are put back after."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.grad is not None}
     clip = norm / 2
     torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
     opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": WD},
@@ -53,3 +67,4 @@ def adamw_case(case_dir, out, script, loss, grads, norm, params, rows, images, k
                f"max_grad_norm: {clip!r}}}\n")
     safetensors.torch.save_file({n: p.detach().contiguous() for n, p in params.items()},
                                 os.path.join(case_dir, "step1.safetensors"))
+    model.load_state_dict(before)
