@@ -118,15 +118,26 @@ mod tests {
 
     /// The spec's boolean encoder (section 7.3), to round-trip through the decoder.
     fn encode(bools: &[(bool, u8)]) -> Vec<u8> {
-        let (mut out, mut range, mut bottom, mut bit_count) = (Vec::new(), 255u32, 0u32, 24);
-        let add_one = |out: &mut Vec<u8>| {
-            for b in out.iter_mut().rev() {
-                if *b == 255 {
-                    *b = 0;
-                } else {
-                    *b += 1;
-                    break;
+        let (mut out, mut range, mut bottom, mut bit_count) = (Vec::new(), 255u32, 0u32, 24i32);
+        // One bit of `bottom` shifted out: a carry into the bytes written, a byte written
+        // once 8 bits are out.
+        let shift = |out: &mut Vec<u8>, bottom: &mut u32, bit_count: &mut i32| {
+            if *bottom & (1 << 31) != 0 {
+                for b in out.iter_mut().rev() {
+                    if *b == 255 {
+                        *b = 0;
+                    } else {
+                        *b += 1;
+                        break;
+                    }
                 }
+            }
+            *bottom <<= 1;
+            *bit_count -= 1;
+            if *bit_count == 0 {
+                out.push((*bottom >> 24) as u8);
+                *bottom &= (1 << 24) - 1;
+                *bit_count = 8;
             }
         };
         for &(value, prob) in bools {
@@ -139,29 +150,11 @@ mod tests {
             }
             while range < 128 {
                 range <<= 1;
-                if bottom & (1 << 31) != 0 {
-                    add_one(&mut out);
-                }
-                bottom <<= 1;
-                bit_count -= 1;
-                if bit_count == 0 {
-                    out.push((bottom >> 24) as u8);
-                    bottom &= (1 << 24) - 1;
-                    bit_count = 8;
-                }
+                shift(&mut out, &mut bottom, &mut bit_count);
             }
         }
         for _ in 0..32 {
-            if bottom & (1 << 31) != 0 {
-                add_one(&mut out);
-            }
-            bottom <<= 1;
-            bit_count -= 1;
-            if bit_count == 0 {
-                out.push((bottom >> 24) as u8);
-                bottom &= (1 << 24) - 1;
-                bit_count = 8;
-            }
+            shift(&mut out, &mut bottom, &mut bit_count);
         }
         out
     }
